@@ -1,0 +1,38 @@
+# Two entry points for a new machine: `make demo` (main job) and `make test` (lint + full suite).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.r3lightning-installed
+# torch is installed first from its pinned CPU wheel so no dependency can pull a CUDA build.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test lint format bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[hf,megatron,dev]" "$(TORCH_PIN)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(PY) -m r3lightning.job.main $(ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+
+test: lint
+	$(PY) -m pytest -q $(ARGS)
+
+bench: setup
+	for b in benchmarks/bench_*.py; do $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,0 +1,102 @@
+"""r3lightning: Rollout Routing Replay (R3) for Mixture-of-Experts RL in PyTorch Lightning.
+
+The package follows the data flow of a route, from the rollout engine to the router:
+
+    rollout/  HTTP client, wire codec and an embedded rollout server
+    trace     routes accumulated across the turns of one trajectory
+    data/     trajectories, replay buffer, threaded packed collation, the Lightning DataModule
+    align/    token layouts (padded, packed, context/tensor parallel) and route alignment
+    replay/   router replay backends (Hugging Face, megatron-core) and the Lightning callback
+
+Public names are imported lazily so that ``import r3lightning`` stays cheap and optional
+dependencies (transformers, megatron-core) are only imported by the code that needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> defining module (relative to this package)
+_EXPORTS: dict[str, str] = {
+    "PackedTensor": ".packed",
+    "TokenMetadataTrace": ".trace",
+    "RoutedExpertTrace": ".trace",
+    "TokenMetadataLayout": ".align.layout",
+    "split_for_sequence_parallel": ".align.layout",
+    "align_packed_token_metadata": ".align.align",
+    "build_replay_mask": ".align.align",
+    "scatter_to_padded_batch": ".align.align",
+    "dummy_routes": ".align.dummy",
+    "encode_routes": ".rollout.wire",
+    "decode_routes": ".rollout.wire",
+    "RemoteGenerateClient": ".rollout.client",
+    "RemoteGenerateResult": ".rollout.client",
+    "RemoteGenerateError": ".rollout.errors",
+    "RetryableGenerateError": ".rollout.errors",
+    "GenerateRequestError": ".rollout.errors",
+    "MalformedResponseError": ".rollout.errors",
+    "RetriesExhaustedError": ".rollout.errors",
+    "RolloutServer": ".rollout.server",
+    "Trajectory": ".data.trajectory",
+    "ReplayBuffer": ".data.buffer",
+    "RolloutBatch": ".data.batch",
+    "RolloutCollator": ".data.collate",
+    "usable_cpu_count": ".data.cpus",
+    "collate_pool_size": ".data.cpus",
+    "R3DataModule": ".data.datamodule",
+    "HFRouterReplay": ".replay.hf",
+    "register_router": ".replay.hf",
+    "MegatronRouterReplay": ".replay.megatron",
+    "record_routes": ".replay.context",
+    "replay_routes": ".replay.context",
+    "RouterReplayCallback": ".replay.callback",
+    "tiny_moe_config": ".models.tiny",
+    "build_tiny_moe": ".models.tiny",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'r3lightning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
+    from .align.align import align_packed_token_metadata, build_replay_mask, scatter_to_padded_batch
+    from .align.dummy import dummy_routes
+    from .align.layout import TokenMetadataLayout, split_for_sequence_parallel
+    from .data.batch import RolloutBatch
+    from .data.buffer import ReplayBuffer
+    from .data.collate import RolloutCollator
+    from .data.cpus import collate_pool_size, usable_cpu_count
+    from .data.datamodule import R3DataModule
+    from .data.trajectory import Trajectory
+    from .models.tiny import build_tiny_moe, tiny_moe_config
+    from .packed import PackedTensor
+    from .replay.callback import RouterReplayCallback
+    from .replay.context import record_routes, replay_routes
+    from .replay.hf import HFRouterReplay, register_router
+    from .replay.megatron import MegatronRouterReplay
+    from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
+    from .rollout.errors import (
+        GenerateRequestError,
+        MalformedResponseError,
+        RemoteGenerateError,
+        RetriesExhaustedError,
+        RetryableGenerateError,
+    )
+    from .rollout.server import RolloutServer
+    from .rollout.wire import decode_routes, encode_routes
+    from .trace import RoutedExpertTrace, TokenMetadataTrace
