@@ -1,0 +1,165 @@
+"""Wire decode: a generate response carrying one trajectory's routes, decoded four ways.
+
+The body is a ``skyrl`` response whose ``routed_experts`` envelope holds ``[rows, 48, 8]`` int16
+routes (32k rows: 24 MiB raw, 32 MiB of base64) next to 1024 response token ids with logprobs.
+Arms, timed side by side in one run:
+
+- floor: ``pybase64.b64decode`` of the payload bytes alone (already cut out of the body);
+- the client's codec (``r3lightning.rollout.wire``): ``parse_body`` + ``decode_array`` (routes
+  bytes only), + ``decode_routes`` (id-range and distinct-expert validation), and the whole
+  response parse the client runs (``client_protocol.parse_response``: token ids, logprobs, raw
+  response), with and without the distinct-expert check;
+- ``orjson.loads`` + ``pybase64`` on the materialised string, and ``json.loads`` + stdlib base64;
+- a nested JSON list payload (what naive servers send) decoded by ``json.loads`` + ``np.asarray``.
+
+Before timing, the codec decodes a reformatted body (reversed key order, indented) and must give
+the same routes. Usage: ``python benchmarks/bench_wire.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+
+import _common
+import numpy as np
+import orjson
+import pybase64
+
+from r3lightning.align.dummy import dummy_routes
+from r3lightning.rollout.client_protocol import RouteSchema, parse_response
+from r3lightning.rollout.wire import decode_array, decode_routes, encode_routes, parse_body
+
+NUM_LAYERS, TOP_K, NUM_EXPERTS = 48, 8, 128
+RESPONSE_TOKENS = 1024
+TARGET_VS_FLOOR = 2.0  # the codec must reach >= 0.5x of the floor's speed
+
+
+def make_routes(rows: int, seed: int = 0) -> np.ndarray:
+    """``[rows, L, K]`` int16 routes with distinct experts per row (a rotated dummy pattern
+    shifted by a random per-(row, layer) offset, which keeps the experts distinct)."""
+    rng = np.random.default_rng(seed)
+    base = dummy_routes(rows, NUM_LAYERS, TOP_K, NUM_EXPERTS).numpy().astype(np.int16)
+    shift = rng.integers(0, NUM_EXPERTS, size=(rows, NUM_LAYERS, 1), dtype=np.int16)
+    return (base + shift) % NUM_EXPERTS
+
+
+def make_choice(routes_field: object) -> dict:
+    rng = np.random.default_rng(1)
+    return {
+        "token_ids": rng.integers(0, 150_000, RESPONSE_TOKENS).tolist(),
+        "finish_reason": "stop",
+        "logprobs": {"content": [{"logprob": float(x)} for x in -rng.random(RESPONSE_TOKENS)]},
+        "routed_experts": routes_field,
+    }
+
+
+def codec_routes(body: bytes) -> np.ndarray:
+    parsed = parse_body(body)
+    envelope = parsed.value["choices"][0]["routed_experts"]
+    data = parsed.payload(envelope["data"], "routed_experts.data")
+    return decode_array({**envelope, "data": data}, field="routed_experts")
+
+
+def codec_routes_validated(body: bytes) -> np.ndarray:
+    parsed = parse_body(body)
+    envelope = parsed.value["choices"][0]["routed_experts"]
+    data = parsed.payload(envelope["data"], "routed_experts.data")
+    return decode_routes(
+        {**envelope, "data": data}, num_experts=NUM_EXPERTS, num_layers=NUM_LAYERS, top_k=TOP_K
+    )
+
+
+def stdlib_routes(body: bytes) -> np.ndarray:
+    envelope = json.loads(body)["choices"][0]["routed_experts"]
+    return np.frombuffer(base64.b64decode(envelope["data"]), dtype="<i2").reshape(envelope["shape"])
+
+
+def orjson_routes(body: bytes) -> np.ndarray:
+    envelope = orjson.loads(body)["choices"][0]["routed_experts"]
+    return np.frombuffer(pybase64.b64decode(envelope["data"]), dtype="<i2").reshape(envelope["shape"])
+
+
+def nested_routes(body: bytes) -> np.ndarray:
+    return np.asarray(json.loads(body)["choices"][0]["routed_experts"], dtype=np.int16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="CI-sized shapes (2k rows, few repeats)")
+    args = parser.parse_args()
+    rows = 2048 if args.quick else 32768
+    repeats, slow_repeats = (3, 1) if args.quick else (15, 3)
+
+    routes = make_routes(rows)
+    envelope = encode_routes(routes, dtype="int16")
+    body = orjson.dumps({"choices": [make_choice(envelope)]})
+    payload = envelope["data"].encode()
+
+    # Robustness: reversed key order and indentation must decode to the same routes.
+    reordered = {"choices": [dict(reversed(make_choice(dict(reversed(envelope.items()))).items()))]}
+    pretty = json.dumps(reordered, indent=2).encode()
+    schema = RouteSchema(NUM_LAYERS, TOP_K, NUM_EXPERTS)
+    unchecked = RouteSchema(NUM_LAYERS, TOP_K, NUM_EXPERTS, check_unique=False)
+    for candidate in (body, pretty):
+        assert np.array_equal(codec_routes_validated(candidate), routes)
+        assert np.array_equal(
+            parse_response(candidate, "skyrl", schema, want_routes=True).routed_experts, routes
+        )
+    nested_body = orjson.dumps({"choices": [make_choice(routes.tolist())]})
+    assert np.array_equal(nested_routes(nested_body), routes)
+    assert np.array_equal(stdlib_routes(body), routes) and np.array_equal(orjson_routes(body), routes)
+
+    floor = "pybase64.b64decode of the payload (floor)"
+    fast = _common.time_arms(
+        {
+            floor: lambda: pybase64.b64decode(payload, validate=True),
+            "codec: parse_body + decode_array": lambda: codec_routes(body),
+            "codec + route validation (decode_routes)": lambda: codec_routes_validated(body),
+            "client parse_response, ids distinct check off": lambda: parse_response(
+                body, "skyrl", unchecked, want_routes=True
+            ),
+            "client parse_response (RemoteGenerateClient default)": lambda: parse_response(
+                body, "skyrl", schema, want_routes=True
+            ),
+            "orjson.loads + pybase64 (str materialised)": lambda: orjson_routes(body),
+            "json.loads + stdlib base64": lambda: stdlib_routes(body),
+        },
+        repeats=repeats,
+    )
+    slow = _common.time_arms(
+        {"nested JSON list + np.asarray": lambda: nested_routes(nested_body)}, slow_repeats
+    )
+    results = {**fast, **slow}
+
+    raw_mib = routes.nbytes / _common.MiB
+    print(
+        f"# wire decode: {rows} x {NUM_LAYERS} x {TOP_K} int16 routes, {raw_mib:.1f} MiB raw, body "
+        f"{len(body) / _common.MiB:.1f} MiB (nested-list body {len(nested_body) / _common.MiB:.1f} MiB)"
+    )
+    print(f"# {_common.machine_line()}; median of {repeats} ({slow_repeats} for the nested list)")
+    base = results[floor]
+    _common.print_table(
+        "Wire decode of one response",
+        ["arm", "median ms", "time vs floor", "speed vs floor"],
+        [
+            [name, _common.ms(t), _common.ratio(t, base), _common.ratio(base, t)]
+            for name, t in results.items()
+        ],
+    )
+    print(f"\ntarget: whole-body decode within {TARGET_VS_FLOOR:.1f}x of the floor ({_common.ms(base)} ms):")
+    for name in (
+        "codec: parse_body + decode_array",
+        "client parse_response, ids distinct check off",
+        "client parse_response (RemoteGenerateClient default)",
+    ):
+        took = results[name]
+        verdict = (
+            "met" if took <= TARGET_VS_FLOOR * base else f"missed by {took / (TARGET_VS_FLOOR * base):.2f}x"
+        )
+        print(f"- {name}: {_common.ms(took)} ms -> {verdict}")
+
+
+if __name__ == "__main__":
+    main()

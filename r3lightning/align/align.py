@@ -1,0 +1,155 @@
+"""Align packed per-token metadata (routes) with the tokens the model sees, and back.
+
+Routes travel packed, ``[sum(rows), L, K]`` plus offsets, from the rollout to the trainer. Only
+here, right before the forward, are they expanded into the model-facing shape of a
+:class:`TokenMetadataLayout`: ``[B, S', L, K]`` or this context-parallel rank's ``[1, T_local, L, K]``.
+The inverse, :func:`scatter_to_padded_batch`, brings model outputs (per-token logprobs from every
+CP rank) back to the canonical left-padded ``[B, S]`` batch.
+
+Cost model: the index maps are computed on the host from host offsets (O(positions), vectorised),
+copied to the data's device, and used by one ``index_select`` (plus one indexed write for the
+padding); there is no device->host sync anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from r3lightning.align.layout import Pad, TokenMetadataLayout, _host_lengths, take_rows
+from r3lightning.packed import PackedTensor
+
+__all__ = ["align_packed_token_metadata", "build_replay_mask", "scatter_to_padded_batch"]
+
+
+def _segment_starts(
+    segment_starts: Sequence[int] | torch.Tensor | None, counts: torch.Tensor, layout: TokenMetadataLayout
+) -> torch.Tensor:
+    """Validated host int64 ``[B]`` starts; each segment must fit inside its trajectory."""
+    batch = layout.batch_size
+    if counts.numel() != batch:
+        raise ValueError(
+            f"packed metadata has {counts.numel()} segments but the layout has {batch} trajectories"
+        )
+    if segment_starts is None:
+        starts = torch.zeros(batch, dtype=torch.int64)
+    else:
+        starts = _host_lengths("segment_starts", segment_starts)
+        if starts.numel() != batch:
+            raise ValueError(
+                f"segment_starts must have one entry per trajectory ({batch}), got {starts.numel()}"
+            )
+    overrun = (starts + counts > layout.sequence_lengths).nonzero()
+    if overrun.numel():
+        i = int(overrun[0, 0])
+        raise ValueError(
+            f"segment {i} has {int(counts[i])} rows starting at real-token offset {int(starts[i])}, but "
+            f"trajectory {i} has only {int(layout.sequence_lengths[i]) - int(starts[i])} real tokens "
+            f"from there ({int(layout.sequence_lengths[i])} in all)"
+        )
+    return starts
+
+
+def align_packed_token_metadata(
+    packed: PackedTensor,
+    layout: TokenMetadataLayout,
+    *,
+    pad: Pad,
+    segment_starts: Sequence[int] | torch.Tensor | None = None,
+    next_token: bool = False,
+) -> torch.Tensor:
+    """Dense ``[*layout.token_shape, *packed.row_shape]`` metadata on ``packed``'s device.
+
+    Segment ``i`` of ``packed`` lands on trajectory ``i``'s real tokens ``segment_starts[i]``
+    (default 0) onwards, one row per token; it may be shorter than the trajectory (an uncaptured
+    suffix) but never longer (``ValueError`` naming the trajectory). Every position without a row,
+    including the layout's padding, gets ``pad``: a scalar, a row broadcast to ``row_shape``, or a
+    callable ``pad(n) -> [n, *row_shape]`` filling the ``n`` uncovered positions in order (e.g.
+    ``lambda n: dummy_routes(n, L, K, E)``). A tensor pad of a wider dtype widens the result.
+    With ``next_token=True`` the position of token ``j`` gets token ``j + 1``'s row (labels-style
+    shift within each sequence; the last token gets ``pad``). CP ranks get only their shard.
+
+    Host work O(positions + B); one host->device index copy; no device->host sync.
+    """
+    if not isinstance(packed, PackedTensor):
+        raise TypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
+    counts = packed.lengths
+    starts = _segment_starts(segment_starts, counts, layout)
+    row_offsets = packed.cu_seqlens_host[:-1].to(torch.int64)
+    index = layout.source_index(row_offsets, starts=starts, counts=counts, next_token=next_token)
+    return take_rows(packed.values, index, pad, layout.token_shape)
+
+
+def build_replay_mask(
+    packed_or_lengths: PackedTensor | Sequence[int] | torch.Tensor,
+    layout: TokenMetadataLayout,
+    segment_starts: Sequence[int] | torch.Tensor | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """bool ``[*layout.token_shape]``: True where a captured row lands (False -> native routing).
+
+    Takes the packed routes or just their segment lengths; the same placement as
+    :func:`align_packed_token_metadata`. On ``device`` (default: the packed values' device, else
+    the CPU); one host->device copy, no sync.
+    """
+    if isinstance(packed_or_lengths, PackedTensor):
+        counts = packed_or_lengths.lengths
+        if device is None:
+            device = packed_or_lengths.device
+    else:
+        counts = _host_lengths("lengths", packed_or_lengths)
+    starts = _segment_starts(segment_starts, counts, layout)
+    offsets = torch.cumsum(counts, 0) - counts
+    index = layout.source_index(offsets, starts=starts, counts=counts)
+    mask = (index >= 0).reshape(layout.token_shape)
+    return mask if device is None else mask.to(device, non_blocking=True)
+
+
+def scatter_to_padded_batch(
+    tensor: torch.Tensor,
+    layout: TokenMetadataLayout,
+    *,
+    width: int | None = None,
+    pad: int | float | bool = 0,
+    next_token: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Scatter model-facing ``[*token_shape, *row]`` values back to a left-padded ``[B, width, *row]``.
+
+    The inverse of :meth:`TokenMetadataLayout.from_batch` on real tokens: the value at the
+    position of trajectory ``i``'s token ``j`` goes to ``[i, width - len_i + j]`` (with
+    ``next_token=True``, to token ``j + 1``'s column, e.g. logprobs computed at row ``j`` for
+    target ``j + 1``). ``width`` defaults to ``layout.batch_width``. A new batch is filled with
+    ``pad``; pass ``out`` to write into an existing batch instead, which lets every
+    context-parallel rank's shard land in one batch (only this layout's real tokens are written).
+
+    One host->device index copy and one indexed write on ``tensor``'s device; no sync.
+    """
+    expected = layout.token_shape
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected)]) != expected:
+        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"tensor must have the layout's token shape {expected} leading, got {got}")
+    row_shape = tuple(tensor.shape[len(expected) :])
+    width = layout.batch_width if width is None else width
+    index = layout.source_index(layout.batch_row_offsets(width), next_token=next_token)
+    shape = (layout.batch_size, width, *row_shape)
+    if out is None:
+        out = torch.full(shape, pad, dtype=tensor.dtype, device=tensor.device)
+    elif (
+        tuple(out.shape) != shape
+        or out.dtype != tensor.dtype
+        or out.device != tensor.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {tensor.dtype} tensor of shape {shape} on {tensor.device}, got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    positions = (index >= 0).nonzero().reshape(-1)  # host
+    if positions.numel():
+        device = tensor.device
+        flat_values = tensor.reshape(-1, *row_shape).index_select(0, positions.to(device, non_blocking=True))
+        out.view(-1, *row_shape)[index[positions].to(device, non_blocking=True)] = flat_values
+    return out

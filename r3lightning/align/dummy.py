@@ -1,0 +1,74 @@
+"""Placeholder routes for token positions that carry no captured route.
+
+Padding tokens and uncaptured suffix tokens still pass through every MoE layer. Under replay they
+need *some* valid route, and the choice matters: Megatron's dropless token dispatcher assumes the
+``top_k`` experts of a token are distinct (it derives split sizes from them), and a constant
+placeholder (say expert 0 for every padding token) would pile all padding onto one expert and one
+expert-parallel rank. :func:`dummy_routes` therefore gives each row ``top_k`` distinct experts and
+rotates consecutive rows through all experts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from r3lightning.rollout.wire import compact_dtype
+
+__all__ = ["compact_route_dtype", "dummy_routes"]
+
+
+def compact_route_dtype(max_expert_id: int) -> torch.dtype:
+    """The route wire dtype (:func:`r3lightning.rollout.wire.compact_dtype`) as a torch dtype.
+
+    uint8 up to 255, int16 up to 32767, int32 above: the host/wire dtypes of routes.
+    """
+    if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
+        raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
+    return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id))).dtype
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def dummy_routes(
+    num_rows: int,
+    num_layers: int,
+    top_k: int,
+    num_experts: int,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Placeholder routes ``[num_rows, num_layers, top_k]`` with distinct experts per row.
+
+    Row ``r`` uses experts ``(r * top_k + k) % num_experts`` for ``k < top_k`` in every layer: the
+    ``top_k`` ids of a row are distinct (``top_k <= num_experts``), and consecutive rows continue
+    where the previous one stopped, so any ``ceil(num_experts / top_k)`` consecutive rows cover all
+    experts and a long run of padding spreads evenly over experts and expert-parallel ranks.
+
+    ``dtype`` defaults to the compact route dtype for ``num_experts - 1`` (see
+    :func:`compact_route_dtype`), so aligning these rows next to captured routes never widens them
+    unnecessarily. Built directly on ``device``; no host<->device transfer.
+    """
+    _check_count("num_rows", num_rows, 0)
+    _check_count("num_layers", num_layers, 1)
+    _check_count("top_k", top_k, 1)
+    _check_count("num_experts", num_experts, 1)
+    if top_k > num_experts:
+        raise ValueError(
+            f"top_k ({top_k}) must be <= num_experts ({num_experts}): a row needs top_k distinct experts"
+        )
+    if dtype is None:
+        dtype = compact_route_dtype(num_experts - 1)
+    elif dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"dtype must be an integer dtype, got {dtype}")
+    elif num_experts - 1 > torch.iinfo(dtype).max:
+        raise ValueError(f"dtype {dtype} cannot hold expert id {num_experts - 1}")
+    rows = torch.arange(num_rows, device=device, dtype=torch.int64)
+    slots = torch.arange(top_k, device=device, dtype=torch.int64)
+    experts = (rows[:, None] * top_k + slots[None, :]) % num_experts  # [rows, top_k]
+    return experts[:, None, :].expand(num_rows, num_layers, top_k).to(dtype).contiguous()

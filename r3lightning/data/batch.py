@@ -1,0 +1,437 @@
+"""``RolloutBatch``: one training batch of trajectories, token fields left-padded, routes packed.
+
+Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right end of each row):
+
+    input_ids         [B, S] int64    prompt then response tokens; padding holds the pad token id
+    attention_mask    [B, S] bool     True on real tokens
+    loss_mask         [B, S] float32  the trajectory's loss mask on its response tokens, 0 elsewhere
+    rollout_logprobs  [B, S] float32  engine logprob of each response token, 0 elsewhere
+    advantages        [B]    float32
+    rewards           [B]    float32
+    prompt_lengths    [B]    int64    real prompt tokens (the response is the rest)
+    sequence_lengths  [B]    int64    real tokens (prompt + response)
+    routed_experts    PackedTensor [sum(captured), num_layers, top_k] | None
+                      segment i = trajectory i's captured route rows, starting at its first real
+                      token; may be shorter than the trajectory (uncaptured rows route natively)
+
+The batch behaves like one tensor: ``to``, ``pin_memory``, ``len``, indexing, ``split`` /
+``chunk``, ``cat``, ``repeat`` / ``repeat_interleave``, pickling, ``pad_to_multiple``. A CPU copy
+of the two length vectors is carried along (``lengths_host``), so layouts can be planned for a
+batch already on the GPU without a device->host sync. Step-1 slices and ``split`` / ``chunk``
+return views; every other reordering returns new storage.
+
+Pooled memory: a batch collated into a :class:`~r3lightning.data.collate.RolloutCollator`'s
+pinned buffer pool holds a lease on those buffers. :meth:`release` hands them back (views taken
+from the batch must not be used after that); moved copies (``to``) hold no lease.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from r3lightning.packed import PackedTensor
+
+__all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "RolloutBatch"]
+
+TOKEN_FIELDS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")  # [B, S]
+ROW_FIELDS = ("advantages", "rewards", "prompt_lengths", "sequence_lengths")  # [B]
+_TOKEN_PAD = {"attention_mask": False, "loss_mask": 0.0, "rollout_logprobs": 0.0}  # input_ids: pad id
+
+
+@dataclass(eq=False)
+class RolloutBatch:
+    input_ids: Tensor  # [B, S] int64
+    attention_mask: Tensor  # [B, S] bool
+    loss_mask: Tensor  # [B, S] float32
+    rollout_logprobs: Tensor  # [B, S] float32
+    advantages: Tensor  # [B] float32
+    rewards: Tensor  # [B] float32
+    prompt_lengths: Tensor  # [B] int64
+    sequence_lengths: Tensor  # [B] int64
+    routed_experts: PackedTensor | None = None  # [sum(captured), L, K], one segment per row
+    # CPU (sequence_lengths, prompt_lengths); filled lazily (one sync) when not given
+    _host_lengths: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
+    _lease: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.input_ids.shape)
+        if len(shape) != 2:
+            raise ValueError(f"RolloutBatch.input_ids must be [B, S], got shape {shape}")
+        for name in TOKEN_FIELDS:
+            value = getattr(self, name)
+            if tuple(value.shape) != shape:
+                raise ValueError(
+                    f"RolloutBatch.{name} must have shape {shape} like input_ids, got {tuple(value.shape)}"
+                )
+        for name in ROW_FIELDS:
+            value = getattr(self, name)
+            if tuple(value.shape) != shape[:1]:
+                raise ValueError(
+                    f"RolloutBatch.{name} must have shape ({shape[0]},), got {tuple(value.shape)}"
+                )
+        if self.attention_mask.dtype != torch.bool:
+            raise ValueError(f"RolloutBatch.attention_mask must be bool, got {self.attention_mask.dtype}")
+        routes = self.routed_experts
+        if routes is not None:
+            if not isinstance(routes, PackedTensor):
+                raise TypeError(
+                    f"RolloutBatch.routed_experts must be a PackedTensor, got {type(routes).__name__}"
+                )
+            if len(routes) != shape[0]:
+                raise ValueError(
+                    f"RolloutBatch.routed_experts must have one segment per row ({shape[0]}), got {len(routes)}"
+                )
+
+    # ------------------------------------------------------------------------ properties
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        """Padded sequence width ``S``."""
+        return self.input_ids.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def response_lengths(self) -> Tensor:
+        """``[B]`` int64 response tokens per row, on the batch's device."""
+        return self.sequence_lengths - self.prompt_lengths
+
+    def lengths_host(self) -> tuple[Tensor, Tensor]:
+        """CPU int64 ``(sequence_lengths, prompt_lengths)``; no sync for collated batches."""
+        if self._host_lengths is None:
+            self._host_lengths = (self.sequence_lengths.cpu(), self.prompt_lengths.cpu())  # one sync
+        return self._host_lengths
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens in the batch (host only)."""
+        return int(self.lengths_host()[0].sum())
+
+    # ------------------------------------------------------------------------ generic plumbing
+
+    def _replace(self, token: Any, row: Any, routes: Any, host: Any, *, check: bool = False) -> RolloutBatch:
+        """New batch with ``token(name, t)`` / ``row(name, t)`` applied to the fields."""
+        values = {name: token(name, getattr(self, name)) for name in TOKEN_FIELDS}
+        values.update({name: row(name, getattr(self, name)) for name in ROW_FIELDS})
+        values["routed_experts"] = None if self.routed_experts is None else routes(self.routed_experts)
+        hosts = self._host_lengths if host is None else host
+        if check:
+            return RolloutBatch(**values, _host_lengths=hosts)
+        out = object.__new__(RolloutBatch)
+        out.__dict__.update(values, _host_lengths=hosts, _lease=None)
+        return out
+
+    def _gather(self, index: Tensor) -> RolloutBatch:
+        """Rows ``index`` (host int64 ``[n]`` in ``[0, B)``) into new storage."""
+        device_index = index.to(self.device, non_blocking=True)
+        seq, prompt = self.lengths_host()
+        return self._replace(
+            lambda _, t: t.index_select(0, device_index),
+            lambda _, t: t.index_select(0, device_index),
+            lambda r: r[index],
+            (seq[index], prompt[index]),
+        )
+
+    # ------------------------------------------------------------------------ indexing
+
+    def __getitem__(
+        self, index: int | slice | Sequence[int] | Sequence[bool] | Tensor | np.ndarray
+    ) -> RolloutBatch:
+        """``int`` -> batch of that one row; step-1 slice -> view; strided slice, list, index
+        tensor or bool mask -> gathered copy. Device-resident index tensors are read back once."""
+        count = len(self)
+        if (
+            isinstance(index, (Tensor, np.ndarray))
+            and index.ndim == 0
+            and index.dtype not in (torch.bool, np.bool_)
+        ):
+            index = int(index)
+        if isinstance(index, (bool, np.bool_)):
+            raise TypeError("a RolloutBatch cannot be indexed by a bool scalar; use a mask of length B")
+        if isinstance(index, (int, np.integer)):
+            position = operator.index(index)
+            if not -count <= position < count:
+                raise IndexError(f"row {position} is out of range for a RolloutBatch of {count} rows")
+            position %= count
+            return self[position : position + 1]
+        if isinstance(index, slice):
+            start, stop, step = index.indices(count)
+            if step != 1:
+                return self._gather(torch.arange(start, stop, step, dtype=torch.int64))
+            stop = max(start, stop)
+            seq, prompt = self.lengths_host()
+            return self._replace(
+                lambda _, t: t[start:stop],
+                lambda _, t: t[start:stop],
+                lambda r: r[start:stop],
+                (seq[start:stop], prompt[start:stop]),
+            )
+        return self._gather(_rows(index, count))
+
+    def split(self, split_size_or_sections: int | Sequence[int]) -> list[RolloutBatch]:
+        """Micro-batches as views, like ``torch.split`` along the batch axis."""
+        count = len(self)
+        if isinstance(split_size_or_sections, int):
+            size = split_size_or_sections
+            if size < 1:
+                raise ValueError(f"split size must be >= 1, got {size}")
+            sections = [min(size, count - s) for s in range(0, count, size)]
+        else:
+            sections = [operator.index(s) for s in split_size_or_sections]
+            if any(s < 0 for s in sections) or sum(sections) != count:
+                raise ValueError(f"split sections {sections} must be >= 0 and sum to the batch size {count}")
+        out, start = [], 0
+        for size in sections:
+            out.append(self[start : start + size])
+            start += size
+        return out
+
+    def chunk(self, chunks: int) -> list[RolloutBatch]:
+        """At most ``chunks`` views of ``ceil(B / chunks)`` rows, like ``torch.chunk``."""
+        if chunks < 1:
+            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        return self.split(max(1, math.ceil(len(self) / chunks)))
+
+    def trim(self) -> RolloutBatch:
+        """View without the leading columns that are padding in every row (host lengths, no sync)."""
+        seq, _ = self.lengths_host()
+        keep = int(seq.max()) if len(self) else 0
+        if keep == self.width:
+            return self
+        start = self.width - keep
+        return self._replace(lambda _, t: t[:, start:], lambda _, t: t, lambda r: r, None)
+
+    # ------------------------------------------------------------------------ combining
+
+    @staticmethod
+    def cat(batches: Sequence[RolloutBatch], *, pad_token_id: int = 0) -> RolloutBatch:
+        """Rows of all ``batches`` (same device; routes all present or all absent, same schema),
+        left-padded to the widest; new storage. Route dtypes widen to the widest part."""
+        batches = list(batches)
+        if not batches:
+            raise ValueError("RolloutBatch.cat needs at least one batch")
+        has_routes = {b.routed_experts is not None for b in batches}
+        if len(has_routes) != 1:
+            raise ValueError("RolloutBatch.cat: either every batch has routed_experts or none does")
+        width = max(b.width for b in batches)
+        values: dict[str, Any] = {}
+        for name in TOKEN_FIELDS:
+            pad = _TOKEN_PAD.get(name, pad_token_id)
+            values[name] = torch.cat([_left_pad(getattr(b, name), width, pad) for b in batches])
+        for name in ROW_FIELDS:
+            values[name] = torch.cat([getattr(b, name) for b in batches])
+        if has_routes == {True}:
+            dtype = batches[0].routed_experts.dtype  # type: ignore[union-attr]
+            for b in batches[1:]:
+                dtype = torch.promote_types(dtype, b.routed_experts.dtype)  # type: ignore[union-attr]
+            values["routed_experts"] = PackedTensor.cat([b.routed_experts.to(dtype=dtype) for b in batches])  # type: ignore[union-attr]
+        hosts = [b.lengths_host() for b in batches]
+        host = (torch.cat([h[0] for h in hosts]), torch.cat([h[1] for h in hosts]))
+        return RolloutBatch(**values, _host_lengths=host)
+
+    def repeat(self, repeats: int) -> RolloutBatch:
+        """The whole batch ``repeats`` times (``[a, b, a, b]``), new storage."""
+        return self._gather(torch.arange(len(self)).repeat(operator.index(repeats)))
+
+    def repeat_interleave(self, repeats: int | Sequence[int] | Tensor) -> RolloutBatch:
+        """Each row ``repeats`` times in place (``[a, a, b, b]``, e.g. GRPO samples per prompt);
+        ``repeats`` is an int or one count per row. New storage."""
+        count = len(self)
+        per_row = torch.as_tensor(repeats, dtype=torch.int64).cpu()
+        if per_row.dim() == 0:
+            per_row = per_row.expand(count)
+        if per_row.shape != (count,) or (count and int(per_row.min()) < 0):
+            raise ValueError(
+                f"repeats must be an int >= 0 or one count >= 0 per row ({count}), got {repeats!r}"
+            )
+        return self._gather(torch.repeat_interleave(torch.arange(count), per_row))
+
+    def pad_to_multiple(
+        self,
+        multiple: int,
+        *,
+        num_layers: int | None = None,
+        top_k: int | None = None,
+        num_experts: int | None = None,
+        pad_token_id: int = 0,
+    ) -> RolloutBatch:
+        """Append placeholder rows until ``len`` is a multiple of ``multiple`` (e.g. the
+        data-parallel size, so every rank gets equal work).
+
+        A placeholder is one real ``pad_token_id`` token with zero loss mask, reward and advantage
+        (see :func:`~r3lightning.data.trajectory.padding_trajectories`). When the batch has
+        routes, each placeholder gets one :func:`~r3lightning.align.dummy.dummy_routes` row
+        (``num_experts`` required; ``num_layers`` / ``top_k`` default to the routes' schema and
+        must match it). Returns ``self`` when nothing is missing, else new storage.
+        """
+        if multiple < 1:
+            raise ValueError(f"multiple must be >= 1, got {multiple}")
+        missing = -len(self) % multiple
+        if missing == 0:
+            return self
+        schema = None
+        if self.routed_experts is not None:
+            schema = self.routed_experts.row_shape
+            wanted = (
+                num_layers if num_layers is not None else schema[0],
+                top_k if top_k is not None else schema[1],
+            )
+            if wanted != schema:
+                raise ValueError(
+                    f"pad_to_multiple: (num_layers, top_k) = {wanted} does not match the routes' schema {schema}"
+                )
+            if num_experts is None:
+                raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
+        from r3lightning.data.collate import collate_trajectories
+        from r3lightning.data.trajectory import padding_trajectories
+
+        padding = collate_trajectories(
+            padding_trajectories(
+                missing, pad_token_id=pad_token_id, route_schema=schema, num_experts=num_experts
+            ),
+            pad_token_id=pad_token_id,
+        )
+        return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
+
+    # ------------------------------------------------------------------------ device, memory
+
+    def to(self, device: torch.device | str | int, non_blocking: bool = False) -> RolloutBatch:
+        """Every field (routes included) on ``device``; ``self`` when already there.
+        ``non_blocking`` is asynchronous only from pinned memory to an accelerator."""
+        moved = self.input_ids.to(device, non_blocking=non_blocking)
+        if moved is self.input_ids:
+            return self
+
+        def move(name: str, t: Tensor) -> Tensor:
+            return moved if name == "input_ids" else t.to(device, non_blocking=non_blocking)
+
+        return self._replace(move, move, lambda r: r.to(device, non_blocking=non_blocking), None)
+
+    def cpu(self) -> RolloutBatch:
+        return self.to("cpu")
+
+    def pin_memory(self) -> RolloutBatch:
+        """Page-locked copy (``self`` when already pinned); CPU only."""
+        if self.is_pinned():
+            return self
+        return self._replace(
+            lambda _, t: t.pin_memory(), lambda _, t: t.pin_memory(), lambda r: r.pin_memory(), None
+        )
+
+    def is_pinned(self) -> bool:
+        tensors = [getattr(self, n) for n in (*TOKEN_FIELDS, *ROW_FIELDS)]
+        pinned = all(t.is_pinned() for t in tensors)
+        return pinned and (self.routed_experts is None or self.routed_experts.is_pinned())
+
+    def release(self, after: Any = None) -> None:
+        """Hand pooled buffers back to the collator's pool (no-op for unpooled batches). The batch
+        and any view of it must not be used afterwards.
+
+        ``after``: an event (``torch.cuda.Event``) recorded after the last asynchronous copy out
+        of this batch; the pool waits on it before the buffers are written again.
+        """
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release(after)
+
+    # ------------------------------------------------------------------------ equality, pickling
+
+    def equal(self, other: object) -> bool:
+        """Same fields: shapes, dtypes, devices and values (a sync for device batches)."""
+        if not isinstance(other, RolloutBatch):
+            return False
+        for name in (*TOKEN_FIELDS, *ROW_FIELDS):
+            a, b = getattr(self, name), getattr(other, name)
+            if a.dtype != b.dtype or a.device != b.device or a.shape != b.shape or not torch.equal(a, b):
+                return False
+        a, b = self.routed_experts, other.routed_experts
+        if a is None or b is None:
+            return a is b
+        return a.equal(b)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Raw bytes through numpy: fast, and every dtype (bfloat16 included) survives the trip.
+        tensors = {name: _to_bytes(getattr(self, name)) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
+        return _rebuild, (tensors, self.routed_experts, self.lengths_host(), str(self.device))
+
+    def __repr__(self) -> str:
+        routes = "None" if self.routed_experts is None else repr(self.routed_experts)
+        return f"RolloutBatch(B={len(self)}, S={self.width}, device={self.device}, routed_experts={routes})"
+
+
+def _rows(index: Any, count: int) -> Tensor:
+    """List / array / tensor index or bool mask -> host int64 rows in ``[0, count)``."""
+    if isinstance(index, Tensor):
+        tensor = index.detach().cpu()
+    elif isinstance(index, np.ndarray):
+        tensor = torch.from_numpy(np.ascontiguousarray(index))
+    elif isinstance(index, (list, tuple)):
+        if index and all(isinstance(i, (bool, np.bool_)) for i in index):
+            tensor = torch.tensor(index, dtype=torch.bool)
+        else:
+            tensor = torch.as_tensor(index, dtype=torch.int64) if index else torch.empty(0, dtype=torch.int64)
+    else:
+        raise TypeError(f"unsupported RolloutBatch index of type {type(index).__name__}")
+    if tensor.dim() != 1:
+        raise IndexError(f"RolloutBatch index must be 1-D, got shape {tuple(tensor.shape)}")
+    if tensor.dtype == torch.bool:
+        if tensor.numel() != count:
+            raise IndexError(f"bool mask must have one entry per row ({count}), got {tensor.numel()}")
+        return torch.nonzero(tensor).flatten()
+    if tensor.is_floating_point() or tensor.is_complex():
+        raise IndexError(f"RolloutBatch index must hold integers or bools, got {tensor.dtype}")
+    tensor = tensor.to(torch.int64)
+    if tensor.numel() and (int(tensor.min()) < -count or int(tensor.max()) >= count):
+        bad = int(tensor[(tensor < -count) | (tensor >= count)][0])
+        raise IndexError(f"row {bad} is out of range for a RolloutBatch of {count} rows")
+    return torch.where(tensor < 0, tensor + count, tensor)
+
+
+def _left_pad(tensor: Tensor, width: int, pad: float | bool | int) -> Tensor:
+    """``[B, s]`` -> ``[B, width]`` with ``pad`` in the new leading columns."""
+    if tensor.shape[1] == width:
+        return tensor
+    out = tensor.new_full((tensor.shape[0], width), pad)
+    out[:, width - tensor.shape[1] :] = tensor
+    return out
+
+
+def _to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
+    host = tensor.detach().cpu().contiguous()
+    return (
+        host.reshape(-1).view(torch.uint8).numpy(),
+        str(host.dtype).removeprefix("torch."),
+        tuple(host.shape),
+    )
+
+
+def _from_bytes(raw: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> Tensor:
+    if not raw.flags.writeable:  # out-of-band pickle buffers may be read-only
+        raw = raw.copy()
+    return torch.from_numpy(raw).view(getattr(torch, dtype_name)).reshape(shape)
+
+
+def _rebuild(
+    tensors: dict[str, tuple[np.ndarray, str, tuple[int, ...]]],
+    routes: PackedTensor | None,
+    host: tuple[Tensor, Tensor],
+    device: str,
+) -> RolloutBatch:
+    values = {name: _from_bytes(*spec) for name, spec in tensors.items()}
+    batch = RolloutBatch(
+        **values, routed_experts=None if routes is None else routes.to("cpu"), _host_lengths=host
+    )
+    return batch.to(device)

@@ -1,0 +1,381 @@
+"""Threaded collation of trajectories into a :class:`RolloutBatch`, optionally into pinned buffers.
+
+Collation plans the batch on the host (lengths, width, route offsets and dtype: a few small
+tensors), allocates every output once, and then fills rows from a thread pool. Each task owns a
+contiguous range of rows and writes every position of them (padding included), so tasks never
+touch the same memory and the output is identical to a serial fill. The copies are torch ops,
+which release the GIL, so long sequences and large route blocks fill in parallel.
+
+Routes stay packed: segment ``i`` holds trajectory ``i``'s captured rows (none for ``None``
+routes), in the widest route dtype of the batch; no padded route rectangle is ever built.
+
+Pinned buffer pool (``pin_memory=True``, for batches headed to a GPU)
+--------------------------------------------------------------------------
+Pinning fresh memory every step is slow (page-locking, first-touch faults), so outputs are carved
+out of a small pool of reusable buffer sets ("slots"). The lifetime rules:
+
+1. Collating a batch leases one free slot to it; the batch holds the lease (``batch._lease``).
+2. The slot is free again only when the lease is returned: ``batch.release(after=event)``
+   (``R3DataModule.transfer_batch_to_device`` does this right after issuing the copy to the
+   GPU, with an event recorded behind the copy), or, only if ``recycle_after=N`` is set, once
+   ``N`` further batches were collated (the caller promises not to hold a batch that long).
+3. Before a slot is written again the pool waits on the event given at release, so an
+   asynchronous host->device copy still reading the buffers always completes first.
+4. When no slot is free the batch gets freshly allocated buffers outside the pool (slower,
+   never unsafe) and ``PinnedBufferPool.misses`` counts it.
+
+So a pinned buffer is never rewritten while a batch (or an in-flight copy) still uses it, as long
+as nobody keeps using a batch or a view of it after releasing it. The allocation function is
+injectable, so the pool logic also runs (unpinned) on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from r3lightning.data.batch import RolloutBatch
+from r3lightning.data.cpus import collate_pool_size
+from r3lightning.data.trajectory import Trajectory, padding_trajectories
+from r3lightning.packed import PackedTensor
+
+__all__ = ["PinnedBufferPool", "RolloutCollator", "collate_trajectories", "pinned_empty"]
+
+Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Page-locked uninitialised CPU tensor (needs an accelerator runtime)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+class _Buffers:
+    """Named output buffers: fresh per batch, or views of one pool slot's reusable storage."""
+
+    def __init__(self, allocator: Allocator, storage: dict[str, Tensor] | None = None) -> None:
+        self._allocator = allocator
+        self._storage = storage  # name -> flat [capacity] tensor, grown on demand; None = unpooled
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        numel = math.prod(shape)
+        if self._storage is None:
+            return self._allocator(shape, dtype)
+        flat = self._storage.get(name)
+        if flat is None or flat.dtype != dtype or flat.numel() < numel:
+            # 25% headroom so slowly growing batches do not re-pin every step
+            flat = self._allocator((max(numel + numel // 4, 1),), dtype)
+            self._storage[name] = flat
+        return flat[:numel].view(shape)
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.storage: dict[str, Tensor] = {}
+        self.generation = 0  # bumped on every lease; stale leases cannot return the slot
+        self.leased_at: int | None = None  # pool step of the current lease, None = free
+        self.fence: Any = None  # event to wait on before the next write
+
+
+class _Lease:
+    def __init__(self, pool: PinnedBufferPool, slot: _Slot, generation: int) -> None:
+        self._pool, self._slot, self._generation = pool, slot, generation
+
+    def release(self, after: Any = None) -> None:
+        self._pool._give_back(self._slot, self._generation, after)
+
+
+class PinnedBufferPool:
+    """A few reusable output buffer sets; see the module docstring for the lifetime rules.
+
+    Args:
+        slots: buffer sets kept (2 covers the batch in training plus the one being prefetched).
+        allocator: ``(shape, dtype) -> Tensor``; defaults to :func:`pinned_empty`.
+        recycle_after: also free a slot once this many further batches were collated, even if
+            its batch was never released; ``None`` (default) = only explicit release.
+    """
+
+    def __init__(
+        self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if recycle_after is not None and recycle_after < 1:
+            raise ValueError(f"recycle_after must be >= 1 or None, got {recycle_after}")
+        self.allocator = allocator or pinned_empty
+        self.recycle_after = recycle_after
+        self._slots = [_Slot() for _ in range(slots)]
+        self._lock = threading.Lock()
+        self._step = 0
+        self.hits = 0  # batches served from a slot
+        self.misses = 0  # batches that found no free slot (fresh allocation)
+
+    def acquire(self) -> tuple[_Buffers, _Lease | None]:
+        """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""
+        with self._lock:
+            self._step += 1
+            for slot in self._slots:
+                stale = (
+                    slot.leased_at is not None
+                    and self.recycle_after is not None
+                    and self._step - slot.leased_at > self.recycle_after
+                )
+                if slot.leased_at is None or stale:
+                    fence, slot.fence = slot.fence, None
+                    slot.generation += 1
+                    slot.leased_at = self._step
+                    self.hits += 1
+                    break
+            else:
+                self.misses += 1
+                return _Buffers(self.allocator), None
+        if fence is not None:
+            fence.synchronize()  # an async copy out of this slot may still be reading it
+        return _Buffers(self.allocator, slot.storage), _Lease(self, slot, slot.generation)
+
+    def _give_back(self, slot: _Slot, generation: int, fence: Any) -> None:
+        with self._lock:
+            if slot.generation == generation and slot.leased_at is not None:
+                slot.leased_at = None
+                slot.fence = fence
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return sum(slot.leased_at is None for slot in self._slots)
+
+
+def _fill_rows(
+    rows: range,
+    trajectories: Sequence[Trajectory],
+    out: dict[str, Tensor],
+    offsets: list[int],
+    pad_token_id: int,
+) -> None:
+    """Write every position of ``rows`` (padding included); tasks own disjoint rows."""
+    width = out["input_ids"].shape[1]
+    routes = out.get("routes")
+    for i in rows:
+        t = trajectories[i]
+        prompt = t.prompt_length
+        pad = width - t.num_tokens
+        response_start = pad + prompt
+        ids = out["input_ids"][i]
+        ids[:pad].fill_(pad_token_id)
+        ids[pad:response_start].copy_(t.prompt_ids)
+        ids[response_start:].copy_(t.response_ids)
+        mask = out["attention_mask"][i]
+        mask[:pad].fill_(False)
+        mask[pad:].fill_(True)
+        for name, source in (("loss_mask", t.loss_mask), ("rollout_logprobs", t.rollout_logprobs)):
+            row = out[name][i]
+            row[:response_start].zero_()
+            row[response_start:].copy_(source)
+        if routes is not None and t.routed_experts is not None:
+            routes[offsets[i] : offsets[i + 1]].copy_(t.routed_experts)
+
+
+def _collate(
+    trajectories: Sequence[Trajectory],
+    buffers: _Buffers,
+    *,
+    pad_token_id: int,
+    width_multiple: int,
+    executor: ThreadPoolExecutor | None,
+    tasks: int,
+) -> RolloutBatch:
+    count = len(trajectories)
+    prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
+    sequence_lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)
+    width = int(sequence_lengths.max()) if count else 0
+    width = -(-width // width_multiple) * width_multiple
+
+    schemas = {t.route_schema for t in trajectories if t.routed_experts is not None}
+    if len(schemas) > 1:
+        raise ValueError(
+            f"trajectories in one batch have different route schemas (num_layers, top_k): {sorted(schemas)}"
+        )
+    out: dict[str, Tensor] = {
+        "input_ids": buffers.take("input_ids", (count, width), torch.int64),
+        "attention_mask": buffers.take("attention_mask", (count, width), torch.bool),
+        "loss_mask": buffers.take("loss_mask", (count, width), torch.float32),
+        "rollout_logprobs": buffers.take("rollout_logprobs", (count, width), torch.float32),
+    }
+    offsets: list[int] = []
+    cu_host: Tensor | None = None
+    if schemas:
+        (schema,) = schemas
+        dtype = None
+        for t in trajectories:
+            if t.routed_experts is not None:
+                dtype = (
+                    t.routed_experts.dtype
+                    if dtype is None
+                    else torch.promote_types(dtype, t.routed_experts.dtype)
+                )
+        rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
+        cu_host = buffers.take("cu_seqlens", (count + 1,), torch.int32)
+        cu_host[0] = 0
+        cu_host[1:].copy_(torch.cumsum(rows, dim=0))
+        offsets = cu_host.tolist()
+        out["routes"] = buffers.take("routes", (offsets[-1], *schema), dtype)  # type: ignore[arg-type]
+
+    scalars = {
+        "advantages": torch.tensor([t.advantage for t in trajectories], dtype=torch.float32),
+        "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        "prompt_lengths": prompt_lengths,
+        "sequence_lengths": sequence_lengths,
+    }
+    fields = {name: buffers.take(name, (count,), v.dtype).copy_(v) for name, v in scalars.items()}
+
+    tasks = max(1, min(tasks, count))
+    bounds = [count * k // tasks for k in range(tasks + 1)]
+    chunks = [range(bounds[k], bounds[k + 1]) for k in range(tasks)]
+    if executor is None or tasks == 1:
+        for rows_range in chunks:
+            _fill_rows(rows_range, trajectories, out, offsets, pad_token_id)
+    else:
+        futures = [executor.submit(_fill_rows, r, trajectories, out, offsets, pad_token_id) for r in chunks]
+        for future in futures:
+            future.result()  # re-raises a worker's exception here
+
+    routed = None
+    if cu_host is not None:
+        routed = PackedTensor(out.pop("routes"), cu_host, cu_seqlens_host=cu_host)
+    return RolloutBatch(
+        **out,
+        **fields,
+        routed_experts=routed,
+        _host_lengths=(sequence_lengths, prompt_lengths),
+    )
+
+
+def collate_trajectories(
+    trajectories: Sequence[Trajectory], *, pad_token_id: int = 0, width_multiple: int = 1
+) -> RolloutBatch:
+    """Serial collation into fresh (unpinned) memory; see :class:`RolloutCollator`."""
+    return _collate(
+        trajectories,
+        _Buffers(_plain_empty),
+        pad_token_id=pad_token_id,
+        width_multiple=width_multiple,
+        executor=None,
+        tasks=1,
+    )
+
+
+class RolloutCollator:
+    """``collate_fn``: a list of trajectories -> one left-padded :class:`RolloutBatch`.
+
+    Args:
+        num_threads: fill threads; ``None`` = :func:`~r3lightning.data.cpus.collate_pool_size`.
+            1 fills serially in the calling thread.
+        pad_token_id: id written at padding positions of ``input_ids``.
+        width_multiple: round the padded width ``S`` up to a multiple of this.
+        num_experts: expert count for placeholder routes of ``None`` entries (see below).
+        pin_memory: carve outputs out of a :class:`PinnedBufferPool` (for GPU training).
+        pool_slots, recycle_after, allocator: the pool's settings (``allocator`` replaces the
+            pinned allocation, e.g. to exercise the pool on a CPU-only machine).
+
+    ``None`` entries in the input (a sampler evening out shards across ranks) become placeholder
+    trajectories (:func:`~r3lightning.data.trajectory.padding_trajectories`): one pad token, zero
+    loss; with routes in the batch and ``num_experts`` known they get one dummy route row.
+
+    Cost: one host pass over the trajectories to plan, then ``O(B * S + route bytes)`` copies
+    spread over the threads. No device work.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_threads: int | None = None,
+        pad_token_id: int = 0,
+        width_multiple: int = 1,
+        num_experts: int | None = None,
+        pin_memory: bool = False,
+        pool_slots: int = 2,
+        recycle_after: int | None = None,
+        allocator: Allocator | None = None,
+    ) -> None:
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
+        if width_multiple < 1:
+            raise ValueError(f"width_multiple must be >= 1, got {width_multiple}")
+        self.num_threads = collate_pool_size() if num_threads is None else num_threads
+        self.pad_token_id = pad_token_id
+        self.width_multiple = width_multiple
+        self.num_experts = num_experts
+        self.pin_memory = pin_memory
+        self.pool = (
+            PinnedBufferPool(pool_slots, allocator=allocator, recycle_after=recycle_after)
+            if pin_memory
+            else None
+        )
+        self._executor: ThreadPoolExecutor | None = None
+
+    def _get_executor(self) -> ThreadPoolExecutor | None:
+        if self.num_threads <= 1:
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="r3-collate")
+        return self._executor
+
+    def __call__(self, trajectories: Sequence[Trajectory | None]) -> RolloutBatch:
+        items = list(trajectories)
+        missing = [i for i, t in enumerate(items) if t is None]
+        if missing:
+            schemas = {t.route_schema for t in items if t is not None and t.routed_experts is not None}
+            schema = next(iter(schemas)) if len(schemas) == 1 else None
+            fillers = iter(
+                padding_trajectories(
+                    len(missing),
+                    pad_token_id=self.pad_token_id,
+                    route_schema=schema,
+                    num_experts=self.num_experts,
+                )
+            )
+            items = [next(fillers) if t is None else t for t in items]
+        if self.pool is None:
+            buffers, lease = _Buffers(_plain_empty), None
+        else:
+            buffers, lease = self.pool.acquire()
+        try:
+            batch = _collate(
+                items,
+                buffers,
+                pad_token_id=self.pad_token_id,
+                width_multiple=self.width_multiple,
+                executor=self._get_executor(),
+                tasks=self.num_threads,
+            )
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        batch._lease = lease
+        return batch
+
+    def close(self) -> None:
+        """Stop the fill threads (collation still works afterwards, restarting them)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # threads and pinned pages do not travel between processes
+        state = self.__dict__.copy()
+        state["_executor"] = None
+        if self.pool is not None:
+            state["pool"] = PinnedBufferPool(
+                len(self.pool._slots), allocator=self.pool.allocator, recycle_after=self.pool.recycle_after
+            )
+        return state

@@ -1,0 +1,364 @@
+"""``R3DataModule``: replay buffer -> sharded, threaded, pinned ``RolloutBatch`` es for Lightning.
+
+Epochs and the RL loop
+----------------------
+The buffer changes between RL steps, so an epoch is defined over a *snapshot*: each call of
+:meth:`R3DataModule.train_dataloader` (every ``trainer.fit``, or every epoch with
+``Trainer(reload_dataloaders_every_n_epochs=1)``) takes the buffer's current contents, and one
+epoch is one pass over them. Both shapes of the main loop work:
+
+* ``collect rollouts -> buffer.extend -> trainer.fit(...)`` repeated (a new or re-armed
+  Trainer per RL step): each fit sees the latest contents;
+* one long ``trainer.fit`` with ``reload_dataloaders_every_n_epochs=1`` and rollouts collected
+  in ``on_train_epoch_end`` (Lightning reloads before ``on_train_epoch_start``).
+
+The data module keeps its own epoch counter (the shuffle seed is ``seed + epoch``), so repeated
+fits never replay the same order; Lightning's ``set_epoch`` is ignored. An epoch cut short
+(``max_steps``, ``limit_train_batches``, a crash after a checkpoint) is *continued*, not
+restarted, by the next iteration or ``train_dataloader`` call, provided its trajectories are
+still in the buffer; once they are gone (e.g. ``buffer.clear()``) a fresh epoch over the current
+contents starts instead.
+
+Sharding: the sampler is a ``DistributedSampler`` that knows the data-parallel rank (from the
+Trainer's strategy or ``torch.distributed``), so Lightning keeps it instead of injecting its own.
+Rank ``r`` takes every ``world``-th index of the epoch's permutation, draws only those
+trajectories and collates only its own batches, once per batch, in the DataLoader's
+``collate_fn``. Shards are disjoint; with ``drop_last=False`` they are evened out with placeholder
+trajectories (zero loss), never with repeated samples, so every rank runs the same number of
+equally sized steps.
+
+Resuming: a batch counts as consumed when it is moved to the device for a training step
+(``transfer_batch_to_device``), not when it is prefetched. ``state_dict`` stores the buffer, the
+epoch, the consumed count and the snapshot's sequence-number range (plus the snapshot's
+trajectories themselves if some were already evicted), so a run restored from a mid-epoch
+checkpoint yields exactly the batches an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from r3lightning.data.batch import RolloutBatch
+from r3lightning.data.buffer import ReplayBuffer, pack_trajectories, unpack_trajectories
+from r3lightning.data.collate import RolloutCollator
+from r3lightning.data.trajectory import Trajectory
+
+__all__ = ["R3DataModule"]
+
+_STATE_VERSION = 1
+
+
+class _Snapshot(Dataset):
+    """One epoch's trajectories; index -1 is a placeholder that evens out the shards."""
+
+    def __init__(self, trajectories: tuple[Trajectory, ...]) -> None:
+        self.trajectories = trajectories
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __getitem__(self, index: int) -> Trajectory | None:
+        return None if index < 0 else self.trajectories[index]
+
+
+@dataclass
+class _Cursor:
+    """Where this rank is in the data: shared by the data module and its sampler."""
+
+    epoch: int = -1  # -1 = no epoch started yet
+    consumed: int = 0  # batches trained in the epoch
+    batches: int = 0  # this rank's batches in the epoch
+    exhausted: bool = False  # an iterator has yielded the whole epoch
+    start: int = 0  # snapshot = buffer sequence numbers [start, stop)
+    stop: int = 0
+
+    @property
+    def in_progress(self) -> bool:
+        return self.epoch >= 0 and not self.exhausted and 0 < self.consumed < self.batches
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Settings that decide the epoch's batches; a mid-epoch resume needs them unchanged."""
+
+    batch_size: int
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    num_replicas: int
+
+
+class _EpochShardSampler(DistributedSampler):
+    """This rank's indices for the cursor's epoch, starting after the consumed batches."""
+
+    def __init__(self, dataset: _Snapshot, cursor: _Cursor, plan: _Plan, rank: int) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=plan.num_replicas,
+            rank=rank,
+            shuffle=plan.shuffle,
+            seed=plan.seed,
+            drop_last=plan.drop_last,
+        )
+        self.cursor, self.plan = cursor, plan
+        count, world = len(dataset), plan.num_replicas
+        self.per_rank = count // world if plan.drop_last else math.ceil(count / world)
+        b = plan.batch_size
+        self.num_batches = self.per_rank // b if plan.drop_last else math.ceil(self.per_rank / b)
+
+    def shard(self, epoch: int) -> list[int]:
+        """This rank's full index list for ``epoch`` (-1 = placeholder)."""
+        count, world = len(self.dataset), self.plan.num_replicas  # type: ignore[arg-type]
+        if self.plan.shuffle:
+            generator = torch.Generator().manual_seed(self.plan.seed + epoch)
+            order = torch.randperm(count, generator=generator).tolist()
+        else:
+            order = list(range(count))
+        total = self.per_rank * world
+        order = order[:total] + [-1] * (total - count)
+        mine = order[self.rank :: world]
+        return mine[: self.num_batches * self.plan.batch_size]
+
+    def __iter__(self):  # type: ignore[override]
+        cursor = self.cursor
+        if cursor.exhausted or (cursor.batches > 0 and cursor.consumed >= cursor.batches):
+            cursor.epoch, cursor.consumed, cursor.exhausted = cursor.epoch + 1, 0, False
+        yield from self.shard(cursor.epoch)[cursor.consumed * self.plan.batch_size :]
+        cursor.exhausted = True
+
+    def __len__(self) -> int:
+        # the full epoch, also when resuming: Lightning counts batches from the epoch start
+        return min(self.per_rank, self.num_batches * self.plan.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the data module's own epoch counter drives the order (see module docs)."""
+
+
+class _PositionedLoader(DataLoader):
+    """DataLoader that reports its data position into Lightning's loop state.
+
+    The position itself is restored by the data module's state (before the loader exists), so
+    ``load_state_dict`` has nothing left to do; being stateful tells Lightning that a mid-epoch
+    checkpoint resumes exactly.
+    """
+
+    def __init__(self, *args: Any, cursor: _Cursor, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cursor = cursor
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.cursor.epoch, "consumed": self.cursor.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Nothing to do: ``R3DataModule.load_state_dict`` already restored the position."""
+
+
+class R3DataModule(pl.LightningDataModule):
+    """LightningDataModule over a :class:`ReplayBuffer` yielding :class:`RolloutBatch` es.
+
+    Args:
+        buffer: the replay buffer to draw from (read at every ``train_dataloader`` call).
+        batch_size: trajectories per batch on each data-parallel rank.
+        shuffle: permute each epoch (seed ``seed + epoch``); else buffer order.
+        seed: base shuffle seed.
+        collate_threads: fill threads per collation; ``None`` =
+            :func:`~r3lightning.data.cpus.collate_pool_size` (affinity and cgroup quota aware).
+        pin_memory: collate into a pinned buffer pool; ``None`` = only when training on a CUDA
+            device.
+        drop_last: drop each rank's last incomplete batch (and the tail that does not divide
+            evenly among ranks) instead of evening shards out with placeholders.
+        pad_token_id: id at ``input_ids`` padding positions and in placeholders.
+        width_multiple: round each batch's padded width up to a multiple of this.
+    """
+
+    def __init__(
+        self,
+        buffer: ReplayBuffer,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        collate_threads: int | None = None,
+        pin_memory: bool | None = None,
+        drop_last: bool = False,
+        pad_token_id: int = 0,
+        width_multiple: int = 1,
+    ) -> None:
+        super().__init__()
+        if not isinstance(buffer, ReplayBuffer):
+            raise TypeError(f"buffer must be a ReplayBuffer, got {type(buffer).__name__}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.buffer = buffer
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.collate_threads = collate_threads
+        self.pin_memory = pin_memory
+        self.drop_last = drop_last
+        self.pad_token_id = pad_token_id
+        self.width_multiple = width_multiple
+        self._cursor = _Cursor()
+        self._plan: _Plan | None = None  # the plan of the epoch in progress
+        self._snapshot: tuple[Trajectory, ...] | None = None
+        self._snapshot_restored = False  # snapshot came with a checkpoint, not from the buffer
+        self._collator: RolloutCollator | None = None
+
+    # ------------------------------------------------------------------------ introspection
+
+    @property
+    def epoch(self) -> int:
+        """Data epoch counter (-1 before the first ``train_dataloader``)."""
+        return self._cursor.epoch
+
+    @property
+    def batches_consumed(self) -> int:
+        """Batches of the current epoch already moved to the device for training."""
+        return self._cursor.consumed
+
+    # ------------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, stage: str) -> None:
+        """Nothing to prepare: the buffer is filled by the caller, and read per dataloader."""
+
+    def _data_parallel(self) -> tuple[int, int]:
+        """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``."""
+        trainer = self.trainer
+        if trainer is not None:
+            kwargs = trainer.distributed_sampler_kwargs
+            if kwargs:
+                return int(kwargs["num_replicas"]), int(kwargs["rank"])
+            return 1, 0
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return 1, 0
+
+    def _should_pin(self) -> bool:
+        if self.pin_memory is not None:
+            return self.pin_memory
+        if not torch.cuda.is_available():
+            return False
+        trainer = self.trainer
+        return trainer is None or trainer.strategy.root_device.type == "cuda"
+
+    def _get_collator(self) -> RolloutCollator:
+        pin = self._should_pin()
+        if self._collator is None or self._collator.pin_memory != pin:
+            if self._collator is not None:
+                self._collator.close()
+            self._collator = RolloutCollator(
+                num_threads=self.collate_threads,
+                pad_token_id=self.pad_token_id,
+                width_multiple=self.width_multiple,
+                num_experts=self.buffer.num_experts,
+                pin_memory=pin,
+            )
+        return self._collator
+
+    def train_dataloader(self) -> DataLoader:
+        """This rank's loader over the current epoch's snapshot (see module docs for when a
+        snapshot is continued and when a new one is taken). O(len(buffer)) to snapshot."""
+        world, rank = self._data_parallel()
+        plan = _Plan(self.batch_size, self.shuffle, self.seed, self.drop_last, world)
+        cursor = self._cursor
+        snapshot = None
+        available = self._snapshot_restored or self.buffer.covers(cursor.start, cursor.stop)
+        if cursor.in_progress and available:
+            snapshot = self._snapshot or self.buffer.window(cursor.start, cursor.stop)
+            if self._plan is not None and self._plan != plan:
+                changed = {
+                    k: (v, getattr(plan, k)) for k, v in asdict(self._plan).items() if getattr(plan, k) != v
+                }
+                raise ValueError(
+                    f"cannot continue epoch {cursor.epoch} mid-way with changed settings "
+                    f"(saved, now): {changed}; restore the original settings"
+                )
+        if snapshot is None:
+            cursor.start, cursor.stop = self.buffer.start, self.buffer.stop
+            snapshot = self.buffer.window(cursor.start, cursor.stop)
+            if cursor.epoch < 0 or cursor.consumed > 0 or cursor.exhausted:
+                cursor.epoch += 1  # an epoch nothing was drawn from keeps its number
+            cursor.consumed, cursor.exhausted = 0, False
+            self._snapshot_restored = False
+        self._snapshot, self._plan = snapshot, plan
+        sampler = _EpochShardSampler(_Snapshot(snapshot), cursor, plan, rank)
+        cursor.batches = sampler.num_batches
+        return _PositionedLoader(
+            sampler.dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=self._get_collator(),
+            num_workers=0,  # collation is already threaded; pinned pools live in this process
+            cursor=cursor,
+        )
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move a ``RolloutBatch`` (every field and the packed routes) to ``device``.
+
+        From pinned memory to a CUDA device the copies are ``non_blocking`` and the pooled host
+        buffers are handed back behind an event recorded after them; otherwise a plain ``.to``.
+        Anything else (e.g. the model summary's example input) takes Lightning's default path.
+        During training, each batch moved here counts as consumed for resuming.
+        """
+        if not isinstance(batch, RolloutBatch):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        device = torch.device(device)
+        non_blocking = device.type == "cuda" and batch.is_pinned()
+        moved = batch.to(device, non_blocking=non_blocking)
+        if moved is not batch:
+            fence = None
+            if non_blocking:
+                fence = torch.cuda.Event()
+                fence.record(torch.cuda.current_stream(device))
+            batch.release(after=fence)
+        trainer = self.trainer
+        if trainer is not None and trainer.training:
+            self._cursor.consumed += 1
+        return moved
+
+    def teardown(self, stage: str) -> None:
+        if self._collator is not None:
+            self._collator.close()
+
+    # ------------------------------------------------------------------------ checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        """Buffer contents, data epoch, consumed batches and the epoch's snapshot range (plus its
+        trajectories when some left the buffer). Tensors and ints only (``weights_only`` safe);
+        packs every stored trajectory once."""
+        cursor = self._cursor
+        snapshot = None
+        if (
+            cursor.in_progress
+            and self._snapshot is not None
+            and (self._snapshot_restored or not self.buffer.covers(cursor.start, cursor.stop))
+        ):
+            snapshot = pack_trajectories(self._snapshot)
+        return {
+            "version": _STATE_VERSION,
+            "buffer": self.buffer.state_dict(),
+            "cursor": asdict(cursor),
+            "plan": None if self._plan is None else asdict(self._plan),
+            "snapshot": snapshot,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the buffer (in place) and the position; the next ``train_dataloader``
+        continues the saved epoch after its consumed batches."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"R3DataModule state version {state.get('version')!r} is not {_STATE_VERSION}")
+        self.buffer.load_state_dict(state["buffer"])
+        self._cursor = _Cursor(**state["cursor"])
+        self._plan = None if state["plan"] is None else _Plan(**state["plan"])
+        if state["snapshot"] is not None:
+            self._snapshot = tuple(unpack_trajectories(state["snapshot"]))
+            self._snapshot_restored = True
+        else:
+            self._snapshot, self._snapshot_restored = None, False

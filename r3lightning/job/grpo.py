@@ -1,0 +1,116 @@
+"""GRPO-style advantages, the clipped policy loss, and training/inference mismatch metrics.
+
+All token tensors are left-padded ``[B, S]`` and aligned to token ``t`` (the logprob of token
+``t`` comes from the forward at position ``t - 1``); ``loss_mask`` is 1 on the tokens that
+are loss targets. Everything here is pure tensor math: no host<->device syncs unless stated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class GRPOConfig:
+    group_size: int = 8  # responses sampled per prompt
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.28
+    normalize_std: bool = True  # divide by the group's reward std (GRPO); False = Dr. GRPO
+    std_eps: float = 1e-6
+    # Probability ratios outside [1 / ratio_band, ratio_band] count as "far off" in the metrics.
+    ratio_band: float = 2.0
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Per-trajectory advantage: reward minus its group's mean (over ``std + eps`` if normalising).
+
+    ``rewards`` ``[num_groups * group_size]``, consecutive entries form a group. The std is the
+    unbiased sample std; a group whose rewards are all equal gets advantage 0 (no signal).
+    """
+    if rewards.ndim != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    grouped = rewards.float().view(-1, group_size)  # [groups, group_size]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std and group_size > 1:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """Logprob of each token under the logits of the previous position.
+
+    ``logits`` ``[B, S, V]``, ``input_ids`` ``[B, S]`` -> ``[B, S]`` float32 where entry ``t``
+    is ``log softmax(logits[:, t - 1])[input_ids[:, t]]`` and entry 0 is 0 (no predecessor).
+    Computed in float32 whatever the logits' dtype. Memory: one ``[B, S - 1, V]`` float32 buffer.
+    """
+    shifted = logits[:, :-1].float().log_softmax(dim=-1)  # [B, S-1, V]
+    picked = shifted.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, S-1]
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` where ``mask`` is nonzero; 0 when the mask is empty (no sync)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate loss, averaged over all loss tokens of the batch (token-mean).
+
+    ``logprobs`` (trainer, with grad), ``old_logprobs`` (the behaviour policy: the rollout
+    engine's logprobs) and ``loss_mask`` are ``[B, S]``; ``advantages`` ``[B]`` is broadcast over
+    each trajectory's tokens. Returns the scalar loss and detached metrics (``clip_fraction``).
+    """
+    log_ratio = logprobs - old_logprobs  # [B, S]
+    ratio = torch.exp(log_ratio)
+    adv = advantages[:, None].to(ratio.dtype)  # [B, 1]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)  # [B, S]
+    loss = masked_mean(per_token, loss_mask)
+    with torch.no_grad():
+        clip_fraction = masked_mean((clipped < unclipped).float(), loss_mask)
+    return loss, {"clip_fraction": clip_fraction}
+
+
+def mismatch_metrics(
+    trainer_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, ratio_band: float = 2.0
+) -> dict[str, Tensor]:
+    """How far the trainer's token probabilities are from the rollout engine's.
+
+    With ``r = p_trainer / p_rollout`` on tokens sampled by the rollout engine:
+
+    * ``k3_kl``: mean of ``r - 1 - log r``, the unbiased, non-negative k3 estimator of
+      KL(rollout || trainer);
+    * ``ratio_out_of_band``: fraction of loss tokens with ``r`` outside
+      ``[1 / ratio_band, ratio_band]`` (``[0.5, 2]`` by default);
+    * ``abs_logprob_diff``: mean ``|log r|``.
+
+    Detached scalars; no host sync.
+    """
+    with torch.no_grad():
+        log_r = (trainer_logprobs - rollout_logprobs).float()  # [B, S]
+        ratio = torch.exp(log_r)
+        k3 = ratio - 1.0 - log_r
+        out_of_band = ((ratio < 1.0 / ratio_band) | (ratio > ratio_band)).float()
+        return {
+            "k3_kl": masked_mean(k3, loss_mask),
+            "ratio_out_of_band": masked_mean(out_of_band, loss_mask),
+            "abs_logprob_diff": masked_mean(log_r.abs(), loss_mask),
+        }

@@ -1,0 +1,155 @@
+"""The LightningModule that trains a Hugging Face causal (MoE) LM with the GRPO loss.
+
+It computes logprobs, the loss and the training/inference mismatch; routes reach the MoE
+routers through the ``RouterReplayCallback`` (which installs them before each training forward)
+and rollouts come from the data module. Batches are left-padded ``RolloutBatch`` es.
+
+Routing agreement is measured, not assumed: when the batch carries the rollout engine's routes,
+the experts each MoE layer *actually used* in the training forward are recorded and compared
+with the engine's, per layer, over the tokens that have a captured route (100% under R3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from ..replay.callback import RouterReplayCallback
+from ..replay.context import record_routes
+from .grpo import GRPOConfig, mismatch_metrics, policy_loss, token_logprobs
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float | None = 1.0  # applied by the Trainer (gradient_clip_val)
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only: ``[B, S]`` int64, 0 on the left padding.
+
+    A left-padded row ``[pad, pad, a, b]`` gets ``[0, 0, 0, 1]``, so every sequence sees the
+    same rotary positions as when it was generated unpadded.
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+class GRPOModule(pl.LightningModule):
+    """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``).
+
+    ``training_step`` does one forward over the left-padded batch, the clipped surrogate loss
+    against the rollout engine's logprobs (the behaviour policy), and logs the
+    training/inference mismatch (``train/k3_kl``, ``train/ratio_out_of_band``, ...), averaged over
+    the epoch. One epoch is one RL step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        grpo: GRPOConfig | None = None,
+        optim: OptimConfig | None = None,
+        *,
+        recompute_old_logprobs: bool = False,
+        measure_agreement: bool = True,
+    ):
+        super().__init__()
+        self.model = model.train()  # builders hand out eval-mode models
+        self.grpo = grpo or GRPOConfig()
+        self.optim = optim or OptimConfig()
+        # True: the behaviour policy is the trainer's own no-grad forward (required by r2 mode,
+        # whose routes are recorded there); False: the rollout engine's logprobs.
+        self.recompute_old_logprobs = recompute_old_logprobs
+        self.measure_agreement = measure_agreement
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Logits ``[B, S, V]`` of a left-padded batch."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask.long(),
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        return out.logits
+
+    def batch_logprobs(self, batch) -> Tensor:
+        """Trainer logprob of every token of ``batch`` ``[B, S]`` (0 where undefined)."""
+        return token_logprobs(self(batch.input_ids, batch.attention_mask), batch.input_ids)
+
+    def _replay_callback(self) -> RouterReplayCallback | None:
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        try:
+            return RouterReplayCallback.find(trainer)
+        except LookupError:
+            return None
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        callback = self._replay_callback()
+        old_logprobs = batch.rollout_logprobs
+        if self.recompute_old_logprobs:
+            # r2: the callback records the routes of this forward and replays them afterwards
+            guard = callback.old_policy_forward(batch) if callback is not None else contextlib.nullcontext()
+            with guard, torch.no_grad():
+                old_logprobs = self.batch_logprobs(batch)
+        rollout_routes = batch.routed_experts if callback is not None and callback.mode != "r2" else None
+        if self.measure_agreement and rollout_routes is not None and callback.backend is not None:
+            with record_routes(callback.backend) as recording:
+                logprobs = self.batch_logprobs(batch)  # [B, S]
+            self._log_agreement(callback, batch, recording.routes)
+        else:
+            logprobs = self.batch_logprobs(batch)
+        loss_mask = batch.loss_mask.to(logprobs.dtype)
+        loss, stats = policy_loss(
+            logprobs,
+            old_logprobs,
+            batch.advantages,
+            loss_mask,
+            clip_low=self.grpo.clip_low,
+            clip_high=self.grpo.clip_high,
+        )
+        stats.update(
+            mismatch_metrics(
+                logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
+            )
+        )
+        stats["loss"] = loss.detach()
+        self.log_dict(
+            {f"train/{k}": v for k, v in stats.items()},
+            on_step=False,
+            on_epoch=True,
+            batch_size=batch.input_ids.shape[0],
+        )
+        return loss
+
+    def _log_agreement(self, callback: RouterReplayCallback, batch, used: Tensor) -> None:
+        """Log ``agreement/layer_XX``: fraction of the rollout's expert slots that the training
+        forward used, per MoE layer, over the tokens with a captured route (epoch-weighted by
+        that token count). One device->host sync (the row count)."""
+        backend = callback.backend
+        layout = callback.build_layout(batch.attention_mask)
+        rollout, mask = callback.align_routes(batch.routed_experts, layout)  # [B, S', L, K], [B, S']
+        layers = list(backend.moe_layers)
+        mask = mask.to(used.device)
+        want = rollout.to(used.device)[..., layers, :][mask].long()  # [rows, moe_layers, K]
+        got = used[..., layers, :][mask].long()
+        rows = want.shape[0]
+        if rows == 0:
+            return
+        hits = (want.unsqueeze(-1) == got.unsqueeze(-2)).any(-1).float().mean(dim=(0, 2))  # [moe_layers]
+        for layer, value in zip(layers, hits, strict=True):
+            self.log(f"agreement/layer_{layer:02d}", value, on_step=False, on_epoch=True, batch_size=rows)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.parameters(),
+            lr=self.optim.lr,
+            weight_decay=self.optim.weight_decay,
+            betas=tuple(self.optim.betas),
+        )

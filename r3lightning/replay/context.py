@@ -1,0 +1,79 @@
+"""Context managers to record and replay routes in custom loops (no Lightning needed).
+
+    with record_routes(model) as rec:
+        model(input_ids, attention_mask=attention_mask)
+    rec.routes  # [B, S, num_layers, top_k]: experts each MoE layer used (after any replay)
+
+    with replay_routes(model, routes, replay_mask):
+        loss = model(input_ids, attention_mask=attention_mask).logits.sum()
+        loss.backward()  # activation-checkpoint recompute inside backward replays the same routes
+
+Both accept a Hugging Face MoE model (its ``HFRouterReplay`` is created once and reused) or any
+``RouterReplayBackend``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from .backend import RouterReplayBackend
+
+
+def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
+    """The backend itself, or the Hugging Face backend attached to a model (created on first use)."""
+    if isinstance(model_or_backend, RouterReplayBackend):
+        return model_or_backend
+    if isinstance(model_or_backend, nn.Module):
+        from .hf import HFRouterReplay
+
+        return HFRouterReplay.for_model(model_or_backend)
+    raise TypeError(
+        f"expected an nn.Module MoE model or a RouterReplayBackend, got {type(model_or_backend).__name__}"
+    )
+
+
+@dataclass
+class RouteRecording:
+    """Filled when the ``record_routes`` block exits normally."""
+
+    routes: Tensor | None = None  # [*token_shape, num_layers, top_k]
+
+
+@contextmanager
+def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator[RouteRecording]:
+    """Record the experts every MoE layer uses in the forwards of the block.
+
+    ``rec.routes`` is set on exit. Several forwards (e.g. ``generate`` with a KV cache) are joined
+    along the last token axis. Installed routes (an enclosing ``replay_routes``) stay installed;
+    on an exception the recording is dropped and everything is cleared.
+    """
+    backend = as_backend(model_or_backend)
+    recording = RouteRecording()
+    backend.start_recording()
+    try:
+        yield recording
+    except BaseException:
+        backend.clear()
+        raise
+    recording.routes = backend.stop_recording()
+
+
+@contextmanager
+def replay_routes(
+    model_or_backend: nn.Module | RouterReplayBackend, routes: Tensor, replay_mask: Tensor | None = None
+) -> Iterator[RouterReplayBackend]:
+    """Replay ``routes`` ``[*token_shape, num_layers, top_k]`` in the forwards of the block.
+
+    ``replay_mask`` bool ``[*token_shape]``: False rows keep native routing. Routes are cleared on
+    exit, also on an exception. Yields the backend (for ``routing_stats()``).
+    """
+    backend = as_backend(model_or_backend)
+    backend.install(routes, replay_mask)
+    try:
+        yield backend
+    finally:
+        backend.clear()

@@ -1,0 +1,456 @@
+"""Router replay for Hugging Face transformers 5.x MoE models.
+
+In transformers 5.x every supported family routes through a small router module whose forward
+returns ``(router_logits [N, E], routing_weights [N, K], expert_indices [N, K])`` for the ``N``
+flattened tokens of the batch. ``HFRouterReplay`` puts a forward hook on each router that
+
+* replaces ``expert_indices`` with the installed routes of that router's decoder layer (rows
+  whose replay mask is False keep their native experts), and
+* recomputes ``routing_weights`` from the *live* ``router_logits`` for those indices with the
+  family's own normalisation, so the router weight still gets gradients and the result equals
+  the native computation bit for bit when the replayed experts are the native ones.
+
+Routes are keyed per router module (no queue of pending routes), so an activation-checkpoint
+recomputation replays exactly what the first forward replayed, and FSDP2 ``fully_shard``, which
+keeps module identity, needs nothing special. Recompute passes are neither recorded nor counted
+in the routing stats.
+
+Other router types are supported through :func:`register_router`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# (router module, live logits [N, E], expert ids [N, K] int64) -> gate weights [N, K]
+GateWeightsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class RouterAdapter:
+    """How to replay one router module type.
+
+    The router's forward must return a tuple holding the logits, the gate weights and the expert
+    indices at ``output_positions`` (in that order); ``gate_weights`` recomputes the weights for
+    given indices exactly as the router itself does after its top-k selection.
+    """
+
+    gate_weights: GateWeightsFn
+    top_k_attr: str = "top_k"
+    num_experts_attr: str = "num_experts"
+    output_positions: tuple[int, int, int] = (0, 1, 2)
+
+
+def softmax_then_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """Qwen3-MoE, Qwen2-MoE, OLMoE: softmax over all experts, optional top-k renormalisation."""
+    weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+def mixtral_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """Mixtral: fp32 softmax over all experts, always renormalised over the top-k, kept in fp32."""
+    weights = F.softmax(logits.float(), dim=-1).gather(-1, indices)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def sigmoid_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """DeepSeek-V3: sigmoid scores; the selection-only ``e_score_correction_bias`` and group
+    limit play no part in the weights; optional renormalisation, then ``routed_scaling_factor``."""
+    weights = logits.sigmoid().gather(1, indices)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
+
+
+def softmax_over_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """gpt-oss: softmax over the selected logits only."""
+    top = logits.gather(-1, indices)
+    return F.softmax(top, dim=1, dtype=top.dtype)
+
+
+_ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
+
+# (transformers module, router class, adapter) of the built-in families; imported lazily so
+# that a transformers build without one of them still serves the others.
+_BUILTIN: tuple[tuple[str, str, RouterAdapter], ...] = (
+    ("qwen3_moe", "Qwen3MoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
+    ("qwen2_moe", "Qwen2MoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
+    ("olmoe", "OlmoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
+    ("mixtral", "MixtralTopKRouter", RouterAdapter(mixtral_weights)),
+    ("deepseek_v3", "DeepseekV3TopkRouter", RouterAdapter(sigmoid_scaled_weights)),
+    ("gpt_oss", "GptOssTopKRouter", RouterAdapter(softmax_over_topk_weights)),
+)
+_builtins_loaded = False
+
+
+def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> None:
+    """Make ``HFRouterReplay`` find and replay routers of ``module_type`` (exact type or subclass)."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
+    if not isinstance(adapter, RouterAdapter):
+        raise TypeError(f"adapter must be a RouterAdapter, got {type(adapter).__name__}")
+    _ADAPTERS[module_type] = adapter
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    for family, class_name, adapter in _BUILTIN:
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+        router_cls = getattr(module, class_name, None)
+        if router_cls is not None:
+            _ADAPTERS.setdefault(router_cls, adapter)
+    _builtins_loaded = True
+
+
+def _adapter_for(module: nn.Module) -> RouterAdapter | None:
+    for cls in type(module).__mro__:  # FSDP2 swaps in a subclass of the router's own class
+        if cls in _ADAPTERS:
+            return _ADAPTERS[cls]
+    return None
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass, i.e. during activation-checkpoint recompute
+    (reentrant or not: both recompute inside the backward's graph task)."""
+    return _graph_task_id() != -1
+
+
+# private but stable since torch 2.0; without it recompute passes would be counted/recorded twice
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
+
+
+def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdapter]]:
+    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer.
+
+    The layer is the ``<i>`` of the innermost ``layers.<i>.`` in the router's qualified name (the
+    Hugging Face decoder-layer list); routers outside such a list, several routers on one layer,
+    or none at all raise ``ValueError`` naming the model class.
+    """
+    _load_builtins()
+    found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
+    for name, module in model.named_modules():
+        adapter = _adapter_for(module)
+        if adapter is None:
+            continue
+        match = _LAYER_RE.search(f".{name}.")
+        if match is None:
+            raise ValueError(
+                f"router {name!r} ({type(module).__name__}) is not inside a 'layers.<i>' module list; "
+                "cannot tell its decoder-layer index"
+            )
+        found.append((int(match.group(1)), name, module, adapter))
+    if not found:
+        known = sorted(cls.__name__ for cls in _ADAPTERS)
+        raise ValueError(
+            f"no MoE router found in {type(model).__name__}; supported router types: {known}. "
+            "Register other router types with r3lightning.replay.hf.register_router()."
+        )
+    found.sort(key=lambda item: item[0])
+    layers = [layer for layer, *_ in found]
+    if len(set(layers)) != len(layers):
+        raise ValueError(
+            f"several routers of {type(model).__name__} map to the same decoder layer "
+            f"({[name for _, name, *_ in found]}); pass the single MoE model whose routes are replayed"
+        )
+    return found
+
+
+@dataclass
+class _RouterSlot:
+    layer: int  # absolute decoder-layer index
+    position: int  # index into moe_layers
+    adapter: RouterAdapter
+
+
+# router module -> owning backend; one backend per router so hooks never stack
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyDictionary()
+
+
+class HFRouterReplay:
+    """Replay / record backend for the MoE routers of a Hugging Face model (``RouterReplayBackend``).
+
+    ``model`` is any module containing the routers (a ``*ForCausalLM``, its backbone, or a
+    LightningModule holding it). Routers are mapped to their absolute decoder-layer index from
+    their qualified name (``...layers.<i>....``); ``num_layers`` is ``config.num_hidden_layers``
+    when the model has a config. Use :meth:`for_model` to share one backend per model.
+
+    ``validate=True`` checks installed expert ids (range, distinct within a row) on
+    install: one pass over the routes, and a device->host sync when they are already on device.
+
+    Per router call while routes are installed: a ``where`` on the indices, the family's weight
+    formula on the live logits, and an ``[N, K, K]`` comparison for the agreement counts, all on
+    device with no host sync. Recording keeps an int32 ``[N, K]`` per MoE layer and forward.
+    """
+
+    def __init__(self, model: nn.Module, *, validate: bool = True) -> None:
+        self.validate = validate
+        found = find_routers(model)
+        layers = [layer for layer, *_ in found]
+        top_ks = {getattr(m, a.top_k_attr) for _, _, m, a in found}
+        num_experts = {getattr(m, a.num_experts_attr) for _, _, m, a in found}
+        if len(top_ks) != 1 or len(num_experts) != 1:
+            raise ValueError(f"routers disagree on top_k {top_ks} or num_experts {num_experts}")
+        config = getattr(model, "config", None)
+        self.num_layers: int = int(getattr(config, "num_hidden_layers", layers[-1] + 1))
+        if layers[-1] >= self.num_layers:
+            raise ValueError(f"router at layer {layers[-1]} but num_hidden_layers={self.num_layers}")
+        self.top_k: int = int(top_ks.pop())
+        self.num_experts: int = int(num_experts.pop())
+        self.moe_layers: tuple[int, ...] = tuple(layers)
+        self.model_name = type(model).__name__
+
+        self._routes: Tensor | None = None  # [N, num_layers, top_k] int64, on the routers' device
+        self._mask: Tensor | None = None  # [N] bool or None
+        self._replayed_rows: Tensor | None = None  # scalar int64: rows replayed per forward
+        self._token_shape: tuple[int, ...] | None = None
+        self._stats: tuple[Tensor, Tensor] | None = None  # per MoE layer: (replayed rows, agreeing slots)
+        # one list per active recording (nested recordings each get every forward), per forward:
+        # (token shape, {layer: experts used [N, K] int32})
+        self._sessions: list[list[tuple[tuple[int, ...], dict[int, Tensor]]]] = []
+
+        for _, name, module, _ in found:
+            if module in _OWNERS:
+                raise RuntimeError(
+                    f"router {name!r} already has a replay backend; use HFRouterReplay.for_model(model) "
+                    "to share it, or call .remove() on the old one"
+                )
+        self._handles = []
+        for position, (layer, _, module, adapter) in enumerate(found):
+            _OWNERS[module] = self
+            slot = _RouterSlot(layer, position, adapter)
+            self._handles.append(module.register_forward_hook(self._make_router_hook(slot)))
+        # The first MoE block's input gives the token shape of each recorded forward.
+        first_parent = model.get_submodule(found[0][1].rpartition(".")[0]) if "." in found[0][1] else model
+        self._handles.append(
+            first_parent.register_forward_pre_hook(self._on_first_moe_block, with_kwargs=True)
+        )
+        self.routers: tuple[nn.Module, ...] = tuple(module for _, _, module, _ in found)
+
+    # ----------------------------------------------------------------------------- lifecycle
+    @classmethod
+    def for_model(cls, model: nn.Module, **kwargs) -> HFRouterReplay:
+        """The backend already attached to ``model``'s routers, or a new one."""
+        _load_builtins()
+        for module in model.modules():
+            if _adapter_for(module) is not None and module in _OWNERS:
+                return _OWNERS[module]
+        return cls(model, **kwargs)
+
+    def remove(self) -> None:
+        """Unregister all hooks; the model routes natively and can get a new backend."""
+        self.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module in self.routers:
+            if _OWNERS.get(module) is self:
+                del _OWNERS[module]
+
+    # ------------------------------------------------------------------------------- replay
+    def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
+        """Replay ``routes`` ``[*token_shape, num_layers, top_k]`` until :meth:`clear`.
+
+        Widened to int64 (what ``torch.topk`` gives the experts) and moved to the routers' device
+        here, once (``non_blocking``: pin host routes to overlap the copy). ``replay_mask``
+        ``[*token_shape]`` bool, False -> native routing for that token. Resets routing stats.
+        """
+        if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
+            raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
+        if routes.dim() < 3 or tuple(routes.shape[-2:]) != (self.num_layers, self.top_k):
+            raise ValueError(
+                f"routes must have shape [*token_shape, num_layers={self.num_layers}, top_k={self.top_k}], "
+                f"got {tuple(routes.shape)}"
+            )
+        token_shape = tuple(routes.shape[:-2])
+        if replay_mask is not None and (
+            replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != token_shape
+        ):
+            raise ValueError(
+                f"replay_mask must be a bool tensor of shape {token_shape}, "
+                f"got {replay_mask.dtype} {tuple(replay_mask.shape)}"
+            )
+        if self.validate:
+            self._validate(routes, replay_mask)
+        n = routes[..., 0, 0].numel()
+        device = self._device()
+        self._routes = routes.reshape(n, self.num_layers, self.top_k).to(
+            device, torch.int64, non_blocking=True
+        )
+        if replay_mask is None:
+            self._mask = None
+            self._replayed_rows = torch.tensor(n, dtype=torch.int64, device=device)
+        else:
+            self._mask = replay_mask.reshape(n).to(device, non_blocking=True)
+            self._replayed_rows = self._mask.sum()
+        self._token_shape = token_shape
+        self._stats = None
+
+    def _device(self) -> torch.device:
+        # Looked up per install: the model may have moved since construction.
+        weight = next(self.routers[0].parameters(), None)
+        return torch.device("cpu") if weight is None else weight.device
+
+    def _validate(self, routes: Tensor, replay_mask: Tensor | None) -> None:
+        used = routes[..., list(self.moe_layers), :]  # [*token_shape, moe_layers, top_k]
+        if replay_mask is not None:
+            used = used[replay_mask]
+        if used.numel() == 0:
+            return
+        low, high = int(used.min()), int(used.max())
+        if low < 0 or high >= self.num_experts:
+            raise ValueError(
+                f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; "
+                f"expected ids in [0, {self.num_experts - 1}]"
+            )
+        ordered = used.sort(dim=-1).values
+        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+            raise ValueError("routes repeat an expert within a token's top_k on a replayed MoE layer")
+
+    def clear(self) -> None:
+        """Drop installed routes, recording and stats (no device work)."""
+        self._routes = None
+        self._mask = None
+        self._replayed_rows = None
+        self._token_shape = None
+        self._stats = None
+        self._sessions = []
+
+    @property
+    def installed(self) -> bool:
+        return self._routes is not None
+
+    # ---------------------------------------------------------------------------- recording
+    @property
+    def recording(self) -> bool:
+        return bool(self._sessions)
+
+    def start_recording(self) -> None:
+        """Capture the experts used (after replay) by every forward until :meth:`stop_recording`.
+
+        Recordings nest: each ``start_recording`` opens a session that sees every later forward;
+        ``stop_recording`` closes the innermost one.
+        """
+        self._sessions.append([])
+
+    def stop_recording(self) -> Tensor:
+        """Routes of the recorded forwards, int32 ``[*token_shape, num_layers, top_k]`` on device.
+
+        Several forwards (KV-cache generation: prefill then one step per token) are concatenated
+        along the last token axis, so ``generate`` yields one row per forwarded token. Dense
+        layers hold 0. No host sync.
+        """
+        if not self._sessions:
+            raise RuntimeError("stop_recording() without a matching start_recording()")
+        captures = self._sessions.pop()
+        if not captures:
+            raise RuntimeError(f"no forward pass of {self.model_name} ran while recording routes")
+        lead = captures[0][0][:-1]
+        pieces = []
+        for token_shape, by_layer in captures:
+            if token_shape[:-1] != lead:
+                raise ValueError(
+                    f"recorded forwards have token shapes {[c[0] for c in captures]}; they can only be "
+                    "joined along the last token axis"
+                )
+            missing = set(self.moe_layers) - set(by_layer)
+            if missing:
+                raise RuntimeError(f"recording saw no routing for MoE layers {sorted(missing)}")
+            any_rows = next(iter(by_layer.values()))
+            out = torch.zeros(
+                (*token_shape, self.num_layers, self.top_k), dtype=torch.int32, device=any_rows.device
+            )
+            flat = out.view(-1, self.num_layers, self.top_k)
+            for layer, rows in by_layer.items():
+                flat[:, layer] = rows
+            pieces.append(out)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
+
+    # -------------------------------------------------------------------------------- stats
+    def routing_stats(self) -> dict:
+        """Per MoE layer, over the replayed rows of the forwards since install (host copy: one sync).
+
+        ``agreeing_slots[i] / (replayed_rows[i] * top_k)`` is the fraction of replayed experts
+        the router would also have chosen natively (as a set) at layer ``layers[i]``.
+        """
+        n = len(self.moe_layers)
+        if self._stats is None:
+            rows = slots = torch.zeros(n, dtype=torch.int64)
+        else:
+            rows, slots = (t.cpu() for t in self._stats)
+        return {
+            "layers": self.moe_layers,
+            "top_k": self.top_k,
+            "replayed_rows": rows,
+            "agreeing_slots": slots,
+        }
+
+    # -------------------------------------------------------------------------------- hooks
+    def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self._sessions or _in_backward():
+            return
+        hidden = args[0] if args else kwargs["hidden_states"]
+        for session in self._sessions:
+            session.append((tuple(hidden.shape[:-1]), {}))
+
+    def _make_router_hook(self, slot: _RouterSlot):
+        def hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
+            return self._route(slot, module, output)
+
+        return hook
+
+    def _route(self, slot: _RouterSlot, module: nn.Module, output: tuple) -> tuple | None:
+        p_logits, p_weights, p_indices = slot.adapter.output_positions
+        native = output[p_indices]  # [N, K]
+        recompute = _in_backward()
+        indices = native
+        replaced = None
+        if self._routes is not None:
+            if native.shape[0] != self._routes.shape[0]:
+                raise ValueError(
+                    f"{self.model_name} routed {native.shape[0]} tokens at layer {slot.layer} but routes "
+                    f"were installed for token shape {self._token_shape} ({self._routes.shape[0]} tokens)"
+                )
+            installed = self._routes[:, slot.layer]  # [N, K]
+            indices = installed if self._mask is None else torch.where(self._mask[:, None], installed, native)
+            weights = slot.adapter.gate_weights(module, output[p_logits], indices)
+            replaced = list(output)
+            replaced[p_weights], replaced[p_indices] = weights, indices
+            if not recompute:
+                self._count(slot, installed, native)
+        if self._sessions and not recompute:
+            used = indices.detach().to(torch.int32)
+            for session in self._sessions:
+                if not session:
+                    raise RuntimeError("recording started in the middle of a forward pass")
+                session[-1][1][slot.layer] = used
+        return None if replaced is None else type(output)(replaced)
+
+    def _count(self, slot: _RouterSlot, installed: Tensor, native: Tensor) -> None:
+        with torch.no_grad():
+            hits = (installed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)  # [N, K]
+            if self._mask is not None:
+                hits = hits & self._mask[:, None]
+            if self._stats is None:
+                zeros = torch.zeros(len(self.moe_layers), dtype=torch.int64, device=native.device)
+                self._stats = (zeros, zeros.clone())
+            rows, slots = self._stats
+            rows[slot.position] += self._replayed_rows
+            slots[slot.position] += hits.sum()

@@ -1,0 +1,299 @@
+"""Router replay for megatron-core MoE models, through megatron's own ``RouterReplay``.
+
+With ``TransformerConfig(moe_enable_routing_replay=True)`` every ``TopKRouter`` carries a
+``RouterReplay`` its routing function consults for the top-k, while the gate weights are still
+gathered from the router's *live* scores (so the router keeps getting gradients).
+:class:`MegatronRouterReplay` drives those instances for one pipeline stage:
+
+* layers come from each router's global ``layer_number`` (megatron applies the pipeline-stage
+  offset and dense-first layouts), so ``moe_layers`` are absolute decoder-layer indices and
+  routes keep the full ``num_layers`` axis;
+* routes ``[B, S, num_layers, top_k]`` (``[1, T_local]``: this context-parallel rank's packed
+  shard, see :func:`megatron_token_layout`; or an unpacked ``[B, S]`` batch) are split for
+  sequence parallelism (each TP rank keeps its contiguous ``1/TP`` of the sequence), put in
+  megatron's ``[s, b]`` token order and widened to int64, the router's index dtype, at install;
+* each layer's rows go to that router's :class:`MaskedRouterReplay` (megatron's ``RouterReplay``
+  plus a replay mask), which replays them with ``REPLAY_FORWARD`` in the forward and
+  ``REPLAY_BACKWARD`` in activation recomputation.
+
+Virtual pipeline parallelism, fused routers, sinkhorn routing and token dropping are refused:
+with each of them installed routes would be ignored or not be the experts used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+from torch import Tensor, nn
+
+from r3lightning.align.layout import TokenMetadataLayout, split_for_sequence_parallel
+from r3lightning.replay.megatron_layout import MegatronParallelism, megatron_token_layout
+from r3lightning.replay.megatron_router import MaskedRouterReplay
+
+__all__ = ["MegatronParallelism", "MegatronRouterReplay", "megatron_token_layout"]
+
+
+def _refuse_unsupported(config: Any, modules: list[nn.Module]) -> None:
+    vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
+    if (vpp is None or vpp <= 1) and parallel_state.model_parallel_is_initialized():
+        vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    stages = {
+        m.vp_stage for root in modules for m in root.modules() if getattr(m, "vp_stage", None) is not None
+    }
+    if (vpp is not None and vpp > 1) or len(stages) > 1:
+        raise ValueError(
+            f"router replay does not support virtual pipeline parallelism "
+            f"(virtual_pipeline_model_parallel_size={vpp}, model chunks {sorted(stages)}): the "
+            "interleaved schedule runs forwards and recomputations of different microbatches across "
+            "this rank's model chunks in an order of its own, while installed routes describe one "
+            "microbatch for all local layers, so chunks would replay another microbatch's experts. "
+            "Use virtual_pipeline_model_parallel_size=None."
+        )
+    if getattr(config, "moe_router_fusion", False):
+        raise ValueError(
+            "router replay does not support moe_router_fusion=True: the fused Transformer Engine "
+            "top-k kernel selects experts without consulting RouterReplay, so installed routes would "
+            "be silently ignored. Set moe_router_fusion=False."
+        )
+    if getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
+        raise ValueError(
+            "router replay does not support moe_router_load_balancing_type='sinkhorn': sinkhorn "
+            "routing selects experts without consulting RouterReplay"
+        )
+    if getattr(config, "moe_expert_capacity_factor", None) is not None:
+        raise ValueError(
+            f"router replay needs dropless MoE, got moe_expert_capacity_factor="
+            f"{config.moe_expert_capacity_factor}: token dropping after routing would drop replayed "
+            "experts, so the experts used would differ from the rollout's"
+        )
+
+
+class MegatronRouterReplay:
+    """Replay / record backend for the MoE routers of one megatron-core pipeline stage.
+
+    ``model_or_modules``: the stage's model (``GPTModel``, ``TransformerBlock``, a DDP/Float16
+    wrapper) or a list of modules holding its ``TopKRouter``s, built with
+    ``moe_enable_routing_replay=True``. ``config`` defaults to the routers' ``TransformerConfig``.
+    TP/CP sizes and ranks come from ``parallel_state`` unless given; ``tp_group`` (default: megatron's
+    TP group) is only used by :meth:`stop_recording` under sequence parallelism. ``validate``
+    checks expert ids on install (range, distinct per row): a device->host sync for device routes.
+
+    Installed routes are queued per forward (see the module docstring) and stay until
+    :meth:`clear`; call it after every step. Several backends over the same routers share their state.
+    """
+
+    def __init__(
+        self,
+        model_or_modules: nn.Module | Iterable[nn.Module],
+        config: Any = None,
+        *,
+        tp_size: int | None = None,
+        tp_rank: int | None = None,
+        cp_size: int | None = None,
+        cp_rank: int | None = None,
+        sequence_parallel: bool | None = None,
+        tp_group: Any = None,
+        validate: bool = True,
+    ) -> None:
+        modules = [model_or_modules] if isinstance(model_or_modules, nn.Module) else list(model_or_modules)
+        if not modules or not all(isinstance(m, nn.Module) for m in modules):
+            raise TypeError("model_or_modules must be an nn.Module or a non-empty list of nn.Modules")
+        routers: dict[int, TopKRouter] = {}
+        for root in modules:
+            for module in root.modules():
+                if isinstance(module, TopKRouter):
+                    routers.setdefault(id(module), module)
+        if not routers:
+            raise ValueError(
+                f"no megatron TopKRouter found in {[type(m).__name__ for m in modules]}; "
+                "is it an MoE model (TransformerConfig.num_moe_experts set)?"
+            )
+        found = list(routers.values())
+        self.config = config if config is not None else found[0].config
+        _refuse_unsupported(self.config, modules)
+        layered: list[tuple[int, TopKRouter]] = []
+        for router in found:
+            if router.router_replay is None:
+                raise ValueError(
+                    "the MoE routers were built with moe_enable_routing_replay=False: TopKRouter "
+                    "creates its RouterReplay only at construction, so build the model with "
+                    "TransformerConfig(moe_enable_routing_replay=True)"
+                )
+            if router.layer_number is None:
+                raise ValueError(
+                    "a TopKRouter has no layer_number (an MoELayer built outside a TransformerLayer): "
+                    "call moe_layer.set_layer_number(n) with its 1-based global decoder-layer number"
+                )
+            layered.append((router.layer_number - 1, router))
+        layered.sort(key=lambda item: item[0])
+        layers = [layer for layer, _ in layered]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
+        self.num_layers: int = int(self.config.num_layers)
+        if layers[-1] >= self.num_layers:
+            raise ValueError(f"router at decoder layer {layers[-1]} but config.num_layers={self.num_layers}")
+        self.top_k: int = int(self.config.moe_router_topk)
+        self.num_experts: int = int(self.config.num_moe_experts)
+        self.moe_layers: tuple[int, ...] = tuple(layers)
+        if sequence_parallel is None:
+            sequence_parallel = bool(getattr(self.config, "sequence_parallel", False))
+        self.parallelism = MegatronParallelism.resolve(
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            cp_size=cp_size,
+            cp_rank=cp_rank,
+            sequence_parallel=sequence_parallel,
+        )
+        self.validate = validate
+        self._tp_group = tp_group
+        self._routers = [router for _, router in layered]
+        self._replays = [MaskedRouterReplay.attach(router) for router in self._routers]
+
+    @property
+    def routers(self) -> list[TopKRouter]:
+        """This stage's ``TopKRouter`` modules, in ``moe_layers`` order."""
+        return list(self._routers)
+
+    # ----------------------------------------------------------------------------- layout
+    def build_layout(self, batch: Any, *, packed: bool = True) -> TokenMetadataLayout:
+        """:func:`megatron_token_layout` for this backend's TP/CP position (packed by default)."""
+        return megatron_token_layout(batch, packed=packed, parallelism=self.parallelism)
+
+    def _split_sequence(self, tensor: Tensor) -> Tensor:
+        """``[B, S, *row] -> [S_local * B, *row]``: this TP rank's tokens in megatron's ``[s, b]`` order."""
+        par = self.parallelism
+        if par.sequence_parallel and par.tp_size > 1:
+            tensor = split_for_sequence_parallel(tensor, par.tp_size, par.tp_rank, dim=1)
+        return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
+
+    # ----------------------------------------------------------------------------- replay
+    def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
+        """Replay ``routes`` ``[B, S, num_layers, top_k]`` in the next forward (and its recompute).
+
+        ``[B, S]`` is the token shape this rank's model sees before the sequence-parallel split:
+        ``[1, T_local]`` packed (this CP rank's shard) or the unpacked batch. ``replay_mask`` bool
+        ``[B, S]``: False -> native routing. Costs: one gather of the local MoE layers' rows and
+        one widening copy to int64 on the routes' device; no host sync unless ``validate``.
+        """
+        if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
+            raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
+        if routes.dim() != 4 or tuple(routes.shape[-2:]) != (self.num_layers, self.top_k):
+            raise ValueError(
+                f"routes must have shape [B, S, num_layers={self.num_layers}, top_k={self.top_k}], "
+                f"got {tuple(routes.shape)}"
+            )
+        token_shape = tuple(routes.shape[:2])
+        if replay_mask is not None and (
+            replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != token_shape
+        ):
+            raise ValueError(
+                f"replay_mask must be a bool tensor of shape {token_shape}, "
+                f"got {replay_mask.dtype} {tuple(replay_mask.shape)}"
+            )
+        if self.validate:
+            self._validate(routes, replay_mask)
+        local = self._split_sequence(routes)  # [N, L, K] compact dtype
+        layer_index = torch.tensor(self.moe_layers, device=local.device)
+        per_layer = local.permute(1, 0, 2).index_select(0, layer_index).to(torch.int64)  # [L_moe, N, K]
+        mask = None if replay_mask is None else self._split_sequence(replay_mask)  # [N]
+        for replay, layer_routes in zip(self._replays, per_layer, strict=True):
+            replay.set_target_indices(layer_routes, mask)
+            replay.fresh = True
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _validate(self, routes: Tensor, replay_mask: Tensor | None) -> None:
+        used = routes[:, :, list(self.moe_layers)]  # [B, S, L_moe, K]
+        if replay_mask is not None:
+            used = used[replay_mask]
+        if used.numel() == 0:
+            return
+        low, high = int(used.min()), int(used.max())
+        if low < 0 or high >= self.num_experts:
+            raise ValueError(
+                f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; "
+                f"expected ids in [0, {self.num_experts - 1}]"
+            )
+        ordered = used.sort(dim=-1).values
+        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+            raise ValueError("routes repeat an expert within a token's top_k on a replayed MoE layer")
+
+    def clear(self) -> None:
+        """Drop installed routes, queued recompute entries, recording and stats; route natively."""
+        for replay in self._replays:
+            replay.reset()
+
+    def remove(self) -> None:
+        """:meth:`clear` and unhook the routers (they keep the mask-aware ``RouterReplay``)."""
+        self.clear()
+        for replay in self._replays:
+            if replay.hook is not None:
+                replay.hook.remove()
+                replay.hook = None
+
+    # ----------------------------------------------------------------------------- recording
+    def start_recording(self) -> None:
+        """Capture the experts used (after any replay) in the following forwards (megatron's RECORD)."""
+        for replay in self._replays:
+            replay.recording = True
+            replay.recorded_topk_idx = None
+            if replay.target_topk_idx is None:
+                replay.set_router_replay_action(RouterReplayAction.RECORD)
+
+    def stop_recording(self) -> Tensor:
+        """Experts used in the last forward, int32 ``[B, S, num_layers, top_k]`` on the routers' device.
+
+        ``[B, S]`` is the token shape before the sequence-parallel split: under sequence
+        parallelism the TP ranks' rows are all-gathered over the TP group (a collective every TP
+        rank must join). Layers not routed here (dense, other pipeline stages) hold 0.
+        """
+        recorded = [replay.recorded_topk_idx for replay in self._replays]
+        batch = self._replays[0].token_batch
+        for replay in self._replays:
+            replay.recording = False
+            if replay.router_replay_action is RouterReplayAction.RECORD:
+                replay.clear_router_replay_action()
+        if any(rows is None for rows in recorded) or batch is None:
+            raise RuntimeError("no forward pass of the MoE layers ran while recording routes")
+        local = torch.stack(recorded, dim=1)  # [S_local * B, L_moe, K]
+        par = self.parallelism
+        if par.sequence_parallel and par.tp_size > 1:
+            group = self._tp_group
+            if group is None:
+                if not parallel_state.model_parallel_is_initialized():
+                    raise RuntimeError(
+                        f"stop_recording with tp_size={par.tp_size} gathers over the TP group: pass "
+                        "tp_group= or initialise megatron.core.parallel_state"
+                    )
+                group = parallel_state.get_tensor_model_parallel_group()
+            pieces = [torch.empty_like(local) for _ in range(par.tp_size)]
+            dist.all_gather(pieces, local.contiguous(), group=group)
+            local = torch.cat(pieces)  # [S * B, L_moe, K], TP ranks in sequence order
+        tokens = local.reshape(-1, batch, *local.shape[1:]).transpose(0, 1)  # [B, S, L_moe, K]
+        out = torch.zeros(
+            (*tokens.shape[:2], self.num_layers, self.top_k), dtype=torch.int32, device=tokens.device
+        )
+        out[:, :, list(self.moe_layers)] = tokens.to(torch.int32)
+        return out
+
+    # ----------------------------------------------------------------------------- stats
+    def routing_stats(self) -> dict:
+        """Per local MoE layer, over this rank's replayed rows since :meth:`clear` (one host sync).
+
+        ``agreeing_slots[i] / (replayed_rows[i] * top_k)``: fraction of replayed experts the
+        router would also have chosen natively at layer ``layers[i]``. Recomputation is not counted.
+        """
+        zero = torch.zeros((), dtype=torch.int64)
+        rows = [zero if r.replayed_rows is None else r.replayed_rows.cpu() for r in self._replays]
+        slots = [zero if r.agreeing_slots is None else r.agreeing_slots.cpu() for r in self._replays]
+        return {
+            "layers": self.moe_layers,
+            "top_k": self.top_k,
+            "replayed_rows": torch.stack(rows).to(torch.int64),
+            "agreeing_slots": torch.stack(slots).to(torch.int64),
+        }

@@ -1,0 +1,164 @@
+"""megatron-core's ``RouterReplay`` with a per-token replay mask, agreement counts and recording.
+
+megatron's ``RouterReplay`` replays whole batches: ``REPLAY_FORWARD`` returns the target indices,
+``REPLAY_BACKWARD`` pops a FIFO (one entry per forward) during activation recomputation, ``RECORD``
+keeps the native choice; both replay actions gather the gate weights from the router's live
+scores. :class:`MaskedRouterReplay` is a drop-in subclass that takes the place of a router's own
+instance (also in megatron's global instance list) and adds what replaying rollout routes needs:
+
+* a replay mask travelling with each target through the FIFO (False rows keep native routing),
+* per-forward counts of replayed rows and of replayed experts the router would have chosen itself,
+* recording of the experts used under replay,
+* a forward pre-hook choosing ``REPLAY_FORWARD`` for forwards and ``REPLAY_BACKWARD`` for
+  recomputation (detected as running inside autograd's backward), and queuing one FIFO entry
+  per forward, so checkpointed layers and pipelined microbatches replay what their forward did.
+
+Without a mask it returns exactly what megatron's ``REPLAY_*`` actions return.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from torch import Tensor, nn
+
+from r3lightning.replay.hf import _in_backward
+
+__all__ = ["MaskedRouterReplay"]
+
+_FORWARD = RouterReplayAction.REPLAY_FORWARD
+_BACKWARD = RouterReplayAction.REPLAY_BACKWARD
+
+
+class MaskedRouterReplay(RouterReplay):
+    """megatron's ``RouterReplay`` plus a per-token replay mask, agreement counts and recording.
+
+    State of one router. A pending ``target_mask`` travels with each ``target_topk_idx`` through
+    megatron's backward FIFO (``replay_backward_masks`` mirrors ``replay_backward_list``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.target_mask: Tensor | None = None  # [N] bool on the routes' device, or None
+        self.replay_backward_masks: list[Tensor | None] = []
+        self.fresh = False  # installed routes not yet consumed by a forward (already queued)
+        self.recording = False
+        self.token_batch: int | None = None  # b of the last forward's [s, b, h] input
+        self.replayed_rows: Tensor | None = None  # int64 scalar on device
+        self.agreeing_slots: Tensor | None = None
+        self.hook: Any = None
+
+    @classmethod
+    def attach(cls, router: TopKRouter) -> MaskedRouterReplay:
+        """Swap ``router.router_replay`` for this class (same slot in megatron's global list)."""
+        current = router.router_replay
+        if isinstance(current, cls):
+            replay = current
+        else:
+            replay = cls()
+            instances = RouterReplay.global_router_replay_instances
+            instances.pop()  # the entry __init__ just appended; take over the old one's slot
+            slot = next((i for i, item in enumerate(instances) if item is current), None)
+            if slot is None:
+                instances.append(replay)
+            else:
+                instances[slot] = replay
+            router.router_replay = replay
+        if replay.hook is None:
+            replay.hook = router.register_forward_pre_hook(replay._before_forward)
+        return replay
+
+    def set_target_indices(self, topk_indices: Tensor, replay_mask: Tensor | None = None) -> None:
+        super().set_target_indices(topk_indices)
+        self.target_mask = replay_mask
+        self.replay_backward_masks.append(replay_mask)
+
+    def clear_indices(self) -> None:
+        super().clear_indices()
+        self.target_mask = None
+        self.replay_backward_masks = []
+        self.fresh = False
+
+    def reset(self) -> None:
+        self.clear_indices()
+        self.clear_router_replay_action()
+        self.recording = False
+        self.recorded_topk_idx = None
+        self.token_batch = None
+        self.replayed_rows = self.agreeing_slots = None
+
+    def _before_forward(self, router: nn.Module, args: tuple) -> None:
+        hidden = args[0] if args else None  # [s, b, h]
+        if _in_backward():  # activation recomputation: replay what the forward replayed
+            if self.target_topk_idx is not None:
+                self.set_router_replay_action(_BACKWARD)
+            return
+        if hidden is not None:
+            self.token_batch = hidden.shape[1]
+        if self.target_topk_idx is None:
+            if self.recording:
+                self.set_router_replay_action(RouterReplayAction.RECORD)
+            return
+        if hidden is not None and hidden.shape[0] * hidden.shape[1] != self.target_topk_idx.shape[0]:
+            raise ValueError(
+                f"router at layer {router.layer_number - 1} routes {hidden.shape[0] * hidden.shape[1]} "
+                f"tokens ([s, b] = {list(hidden.shape[:2])}) but the installed routes hold "
+                f"{self.target_topk_idx.shape[0]} rows for this rank"
+            )
+        if not self.fresh:  # a further forward with the same routes gets its own FIFO entry
+            self.replay_backward_list.append(self.target_topk_idx)
+            self.replay_backward_masks.append(self.target_mask)
+        self.fresh = False
+        self.set_router_replay_action(_FORWARD)
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        action = self.router_replay_action
+        if action not in (_FORWARD, _BACKWARD):
+            return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        if action is _BACKWARD:
+            if not self.replay_backward_list:
+                raise RuntimeError(
+                    "activation recomputation found no queued routes: routes were cleared between a "
+                    "forward and its backward"
+                )
+            mask = self.replay_backward_masks.pop(0)
+        else:
+            mask = self.target_mask
+        probs, replayed = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        if mask is None and action is _BACKWARD:
+            return probs, replayed
+        indices = replayed
+        if mask is None:
+            with torch.no_grad():  # only for the agreement counts
+                _, native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        else:
+            native_probs, native = default_compute_topk(
+                scores, topk, num_groups=num_groups, group_topk=group_topk
+            )
+            keep = mask.to(scores.device, non_blocking=True).unsqueeze(-1)  # [N, 1]
+            indices = torch.where(keep, replayed, native)
+            probs = torch.where(keep, probs, native_probs)
+        if action is _FORWARD:
+            self._count(replayed, native, mask)
+            if self.recording:
+                self.record_indices(indices.detach())
+        return probs, indices
+
+    def _count(self, replayed: Tensor, native: Tensor, mask: Tensor | None) -> None:
+        with torch.no_grad():
+            hits = (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)  # [N, K]
+            if mask is None:
+                rows = torch.tensor(replayed.shape[0], dtype=torch.int64, device=replayed.device)
+            else:
+                keep = mask.to(replayed.device)
+                rows = keep.sum()
+                hits &= keep.unsqueeze(-1)
+            slots = hits.sum()
+            if self.replayed_rows is None:
+                self.replayed_rows, self.agreeing_slots = rows, slots
+            else:
+                self.replayed_rows = self.replayed_rows + rows
+                self.agreeing_slots = self.agreeing_slots + slots

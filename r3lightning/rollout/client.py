@@ -1,0 +1,378 @@
+"""Async HTTP client for one generation request, with routed experts, against a rollout engine.
+
+:class:`RemoteGenerateClient` sends a ``skyrl`` or ``sglang`` generate request (formats in
+:mod:`r3lightning.rollout.client_protocol`) and returns a :class:`RemoteGenerateResult` whose
+routes were decoded straight from the body bytes into a numpy array (bodies over
+``decode_in_thread_bytes`` are decoded off the event loop). Attempts that fail transiently
+(connection refused/reset, timeouts, a cut-off body, 408/429/5xx) are retried with capped
+exponential backoff and jitter, honouring ``Retry-After``; other 4xx answers and malformed
+payloads raise at once. See :mod:`r3lightning.rollout.errors` for what is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import operator
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import aiohttp
+import orjson
+
+from .client_protocol import PROTOCOL_PATHS, RemoteGenerateResult, RouteSchema, build_request, parse_response
+from .errors import (
+    GenerateRequestError,
+    MalformedResponseError,
+    RetriesExhaustedError,
+    RetryableGenerateError,
+)
+from .wire import DEFAULT_MAX_BYTES
+
+__all__ = ["Backoff", "ClientStats", "RemoteGenerateClient", "RemoteGenerateResult"]
+
+T = TypeVar("T")
+_RETRY_STATUSES = frozenset({408, 429})  # plus every 5xx
+_MAX_ERROR_TEXT = 2048
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Delay before retry ``r`` (1-based): ``min(cap_s, base_s * 2**(r-1))``, of which a random
+    fraction up to ``jitter`` is taken off (``jitter=1``: full jitter, ``0``: none).
+
+    A ``Retry-After`` header replaces the computed delay, clipped to ``max_retry_after_s``.
+    """
+
+    base_s: float = 0.5
+    cap_s: float = 8.0
+    jitter: float = 1.0
+    max_retry_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.base_s < 0 or self.cap_s < 0 or self.max_retry_after_s < 0:
+            raise ValueError(f"backoff delays must be >= 0, got {self}")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"backoff jitter must be in [0, 1], got {self.jitter}")
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        delay = min(self.cap_s, self.base_s * 2.0 ** (retry - 1))
+        return delay * (1.0 - self.jitter * rng.random())
+
+
+@dataclass
+class ClientStats:
+    """Counters since the client was built (carried over by pickling)."""
+
+    requests: int = 0  # generate() calls
+    attempts: int = 0  # HTTP attempts, first tries included
+    retries: int = 0  # attempts after a retryable failure
+    failures: int = 0  # generate() calls that raised
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date); None if absent/bad."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _server_message(text: str) -> str:
+    """The human part of an error body: ``error.message``, ``detail``, ``message``, or the text."""
+    try:
+        body = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text.strip()[:_MAX_ERROR_TEXT]
+    if isinstance(body, dict):
+        error = body.get("error")
+        for candidate in (
+            error.get("message") if isinstance(error, dict) else error,
+            body.get("detail"),
+            body.get("message"),
+        ):
+            if isinstance(candidate, str):
+                return candidate[:_MAX_ERROR_TEXT]
+    return text.strip()[:_MAX_ERROR_TEXT]
+
+
+def _as_int_list(values: Sequence[int] | Any, name: str) -> list[int]:
+    """Token ids from a list, ndarray or tensor as a list of Python ints (what JSON needs)."""
+    values = values.tolist() if hasattr(values, "tolist") else list(values)
+    try:
+        ids = [operator.index(v) for v in values if not isinstance(v, bool)]
+    except TypeError:
+        ids = []
+    if len(ids) != len(values) or not ids or min(ids) < 0:
+        raise ValueError(f"{name}: expected a non-empty sequence of non-negative integer token ids")
+    return ids
+
+
+class RemoteGenerateClient:
+    """Client for one rollout engine; safe to share between concurrent tasks of one event loop.
+
+    ``timeout_s`` bounds one attempt (waiting for a free connection is not counted);
+    ``max_attempts`` bounds attempts per call; ``max_connections`` bounds requests in flight (more
+    wait); ``max_response_bytes`` caps a body and ``max_route_bytes`` one decoded route array.
+    ``num_layers``/``top_k`` give the route schema (required to reshape ``sglang`` routes, checked
+    for ``skyrl``); with ``num_experts`` ids are range-checked; ``check_unique_experts`` rejects
+    rows that repeat an expert (see :func:`~r3lightning.rollout.wire.validate_routes`); the
+    schema lives in :attr:`routes`. The aiohttp session is created on
+    first use, recreated when the running event loop changes, and closed by :meth:`close` /
+    ``async with``. Pickling drops it, so a client can be sent to another process.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        protocol: Literal["skyrl", "sglang"] = "skyrl",
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_attempts: int = 5,
+        backoff: Backoff | None = None,
+        max_connections: int = 256,
+        max_response_bytes: int = 2 << 30,
+        max_route_bytes: int = DEFAULT_MAX_BYTES,
+        num_layers: int | None = None,
+        top_k: int | None = None,
+        num_experts: int | None = None,
+        check_unique_experts: bool = True,
+        decode_in_thread_bytes: int = 1 << 20,
+    ):
+        if protocol not in PROTOCOL_PATHS:
+            raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        for name, value in (("max_attempts", max_attempts), ("max_connections", max_connections)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.base_url = base_url.rstrip("/")
+        self.protocol = protocol
+        self.model = model
+        self.api_key = api_key
+        self.timeout_s = float(timeout_s)
+        self.max_attempts = max_attempts
+        self.backoff = backoff if backoff is not None else Backoff()
+        self.max_connections = max_connections
+        self.max_response_bytes = max_response_bytes
+        self.routes = RouteSchema(num_layers, top_k, num_experts, check_unique_experts, max_route_bytes)
+        self.decode_in_thread_bytes = decode_in_thread_bytes
+        self.stats = ClientStats()
+        self._rng = random.Random()
+        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _session_for_running_loop(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._abandon_session()
+            connector = aiohttp.TCPConnector(limit=self.max_connections)
+            self._session = aiohttp.ClientSession(connector=connector)
+            self._slots = asyncio.Semaphore(self.max_connections)
+            self._loop = loop
+        assert self._slots is not None
+        return self._session, self._slots
+
+    def _abandon_session(self) -> None:
+        """Let go of a session bound to another event loop.
+
+        A loop running in another thread closes it there; the sockets of a loop that stopped
+        cannot be closed from here (asyncio would warn when they are collected): close the client
+        with ``await client.close()`` / ``async with`` before its loop ends.
+        """
+        session, loop = self._session, self._loop
+        self._session = self._slots = self._loop = None
+        if session is None or session.closed or loop is None:
+            return
+        if loop.is_running():
+            asyncio.run_coroutine_threadsafe(session.close(), loop)
+        else:
+            session.detach()
+
+    async def close(self) -> None:
+        """Close the HTTP session (a later call opens a new one)."""
+        if self._session is not None and self._loop is asyncio.get_running_loop():
+            session, self._session, self._slots, self._loop = self._session, None, None, None
+            await session.close()
+        else:
+            self._abandon_session()
+
+    async def __aenter__(self) -> RemoteGenerateClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_session"] = state["_slots"] = state["_loop"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"RemoteGenerateClient({self.base_url!r}, protocol={self.protocol!r}, stats={self.stats})"
+
+    # ----------------------------------------------------------------- requests
+
+    def _headers(self, session_id: str | None) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        if session_id is not None:
+            headers["X-Session-ID"] = str(session_id)
+        return headers
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        return_routed_experts: bool = False,
+        routed_experts_prompt_start: int | None = None,
+        session_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RemoteGenerateResult:
+        """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is).
+
+        With ``return_routed_experts`` the engine returns route rows from token
+        ``routed_experts_prompt_start`` on (the rows an earlier turn did not capture). Raises
+        :class:`GenerateRequestError`, :class:`MalformedResponseError` or
+        :class:`RetriesExhaustedError`; never retries a non-retryable failure.
+        """
+        if (
+            return_routed_experts
+            and self.protocol == "sglang"
+            and (self.routes.num_layers is None or self.routes.top_k is None)
+        ):
+            raise ValueError("protocol='sglang' needs num_layers and top_k to reshape its flat routes")
+        if routed_experts_prompt_start is not None and (
+            type(routed_experts_prompt_start) is not int or routed_experts_prompt_start < 0
+        ):
+            raise ValueError(
+                f"routed_experts_prompt_start must be an int >= 0, got {routed_experts_prompt_start!r}"
+            )
+        prompt_ids = _as_int_list(prompt_token_ids, "prompt_token_ids")
+        body = build_request(
+            self.protocol,
+            prompt_ids,
+            dict(sampling_params or {}),
+            model=self.model,
+            return_routed_experts=return_routed_experts,
+            routed_experts_prompt_start=routed_experts_prompt_start,
+            cache_salt=cache_salt,
+        )
+        data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+        def parse(raw: bytes) -> RemoteGenerateResult:
+            return parse_response(raw, self.protocol, self.routes, want_routes=return_routed_experts)
+
+        result, attempts = await self._call(
+            "POST", PROTOCOL_PATHS[self.protocol], data, self._headers(session_id), parse
+        )
+        result.attempts = attempts
+        return result
+
+    async def health(self) -> bool:
+        """Whether ``GET /health`` answers 200 within ``timeout_s`` (one attempt, never raises)."""
+        session, _ = self._session_for_running_loop()
+        try:
+            async with session.get(
+                f"{self.base_url}/health",
+                headers=self._headers(None),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            ) as response:
+                await response.read()
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _call(
+        self, method: str, path: str, data: bytes, headers: dict[str, str], parse: Callable[[bytes], T]
+    ) -> tuple[T, int]:
+        """Send with retries; returns the parsed body and the number of attempts it took."""
+        url = f"{self.base_url}{path}"
+        self.stats.requests += 1
+        try:
+            for attempt in range(1, self.max_attempts + 1):
+                self.stats.attempts += 1
+                try:
+                    raw = await self._attempt(method, url, data, headers)
+                except RetryableGenerateError as error:
+                    if attempt == self.max_attempts:
+                        raise RetriesExhaustedError(attempt, error, url=url) from error
+                    self.stats.retries += 1
+                    if error.retry_after is not None:
+                        delay = min(error.retry_after, self.backoff.max_retry_after_s)
+                    else:
+                        delay = self.backoff.delay(attempt, self._rng)
+                    await asyncio.sleep(delay)
+                    continue
+                if len(raw) > self.decode_in_thread_bytes:
+                    return await asyncio.to_thread(parse, raw), attempt
+                return parse(raw), attempt
+            raise AssertionError("unreachable")
+        except Exception:
+            self.stats.failures += 1
+            raise
+
+    async def _attempt(self, method: str, url: str, data: bytes, headers: dict[str, str]) -> bytes:
+        """One HTTP attempt -> the body of a 2xx answer; transient failures -> RetryableGenerateError."""
+        session, slots = self._session_for_running_loop()
+        async with slots:  # waiting for a free connection does not eat into timeout_s
+            try:
+                async with session.request(
+                    method,
+                    url,
+                    data=data,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                ) as response:
+                    if response.status >= 400:
+                        text = (await response.content.read(_MAX_ERROR_TEXT)).decode("utf-8", "replace")
+                        message = _server_message(text)
+                        if response.status in _RETRY_STATUSES or response.status >= 500:
+                            raise RetryableGenerateError(
+                                f"HTTP {response.status} from {url}: {message}",
+                                status=response.status,
+                                retry_after=_retry_after(response.headers.get("Retry-After")),
+                            )
+                        raise GenerateRequestError(response.status, message, url=url)
+                    return await self._read_body(response)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+                kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
+                raise RetryableGenerateError(f"{method} {url} {kind}: {type(exc).__name__}: {exc}") from exc
+
+    async def _read_body(self, response: aiohttp.ClientResponse) -> bytes:
+        """The whole body, refusing more than ``max_response_bytes`` before reading past it."""
+        cap = self.max_response_bytes
+        if response.content_length is not None and response.content_length > cap:
+            raise MalformedResponseError(
+                f"response body of {response.content_length} bytes exceeds max_response_bytes={cap}"
+            )
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.content.iter_any():
+            size += len(chunk)
+            if size > cap:
+                raise MalformedResponseError(f"response body exceeds max_response_bytes={cap}")
+            chunks.append(chunk)
+        return b"".join(chunks)

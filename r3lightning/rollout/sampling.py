@@ -1,0 +1,86 @@
+"""Per-request sampling: parameters and the choice of one token from a row of logits.
+
+The engine samples each row of a batch with that request's own parameters and its own seeded
+``torch.Generator``, so a seeded request samples the same tokens whatever it is batched with
+(up to the numerics of the padded forward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_SEED = 2**63 - 1
+
+
+def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples.
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    Generation stops after ``max_new_tokens`` tokens (finish reason ``"length"``) or at the first
+    sampled token in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``;
+    the stop token is part of the output). ``seed`` makes sampling reproducible per request
+    (independent of batching); ``None`` draws one from the engine's seeded generator.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("max_new_tokens", self.max_new_tokens, low=1)
+        check_int("top_k", self.top_k)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for token in self.stop_token_ids:
+            check_int("stop_token_ids", token, low=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.seed is not None:
+            check_int("seed", self.seed, low=0, high=MAX_SEED)
+
+
+def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """Sample one token from float32 ``logits`` ``[V]``; returns ``(token, logprob)``.
+
+    One host sync (``.item()``); the filters cost a ``[V]`` sort only when ``top_p < 1``.
+    """
+    if params.temperature == 0.0:
+        token = int(logits.argmax())
+        return token, float(logits.log_softmax(-1)[token])
+    scaled = logits / params.temperature  # [V]
+    logprobs = scaled.log_softmax(-1)
+    filtered = scaled
+    if 0 < params.top_k < scaled.numel():
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        filtered = filtered.masked_fill(filtered < kth, -math.inf)
+    if params.top_p < 1.0:
+        sorted_logits, order = filtered.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the mass strictly before it already reaches top_p (the first always stays)
+        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        filtered = filtered.masked_fill(drop_sorted.scatter(0, order, drop_sorted), -math.inf)
+    token = int(torch.multinomial(filtered.softmax(-1), 1, generator=generator))
+    return token, float(logprobs[token])

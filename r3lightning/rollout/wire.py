@@ -1,0 +1,439 @@
+"""Route wire codec: ndarray envelopes, SGLang's flat int32 routes, and fast body parsing.
+
+Two encodings of a route array ``[rows, num_layers, top_k]`` travel over HTTP:
+
+- the ndarray envelope ``{"data": base64 of C-order little-endian bytes, "shape": [...],
+  "dtype": "uint8" | "int16" | "int32"}`` (``encode_routes`` / ``decode_routes``); the encoder
+  picks the smallest dtype that holds the largest expert id;
+- SGLang's bare base64 string of flat int32 ids, reshaped with the model's ``(num_layers, top_k)``
+  (``encode_flat_routes`` / ``decode_flat_routes``).
+
+A generate response is mostly that one base64 string (50 MB of int32 routes for 32k tokens of
+a 48-layer top-8 model). ``parse_body`` parses such a body once without turning the string into a
+Python ``str``: it finds the value spans of the payload keys in the raw bytes, hands the rest of
+the (small) JSON to orjson, and ``ParsedBody.payload`` later gives a zero-copy ``memoryview`` of a
+span that pybase64 decodes straight into the numpy array's buffer. Decoding is one SIMD base64
+pass plus the validation passes below; nothing is ever unpickled.
+
+Every decoder validates before it allocates (dtype, shape, byte count, size cap) and raises
+:class:`MalformedResponseError` (a ``ValueError``) naming the field.
+"""
+
+from __future__ import annotations
+
+import binascii
+import functools
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+import pybase64
+
+from .errors import MalformedResponseError
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "PAYLOAD_KEYS",
+    "WIRE_DTYPES",
+    "ParsedBody",
+    "compact_dtype",
+    "decode_array",
+    "decode_flat_routes",
+    "decode_routes",
+    "encode_flat_routes",
+    "encode_routes",
+    "parse_body",
+    "validate_routes",
+]
+
+# wire name -> little-endian numpy dtype
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "uint8": np.dtype("<u1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+}
+# Default cap on the decoded size of one array; checked before anything is allocated.
+DEFAULT_MAX_BYTES = 1 << 30
+# JSON keys whose string values are route payloads: the envelope's "data", SGLang's meta_info key.
+PAYLOAD_KEYS = ("data", "routed_experts")
+
+
+def compact_dtype(max_id: int) -> np.dtype:
+    """Smallest wire dtype (uint8, int16, int32) that holds ids ``0..max_id``."""
+    for dtype in WIRE_DTYPES.values():
+        if max_id <= np.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"expert id {max_id} does not fit in int32")
+
+
+def _wire_name(dtype: np.dtype) -> str:
+    return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
+
+
+def _as_id_array(array: Any, field: str) -> tuple[np.ndarray, int]:
+    """The array as a non-negative integer ndarray and its largest id (0 when empty)."""
+    a = np.asarray(array)  # a CPU torch tensor converts without a copy
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{field}: expected an integer array, got dtype {a.dtype}")
+    if a.size == 0:
+        return a, 0
+    if a.dtype.kind == "i" and int(a.min()) < 0:
+        raise ValueError(f"{field}: expert ids must be non-negative, got {int(a.min())}")
+    return a, int(a.max())
+
+
+def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
+    """Encode a non-negative integer array (routes ``[rows, L, K]``) as an ndarray envelope.
+
+    ``dtype`` forces a wire dtype (``"uint8"``, ``"int16"``, ``"int32"``); by default the smallest
+    one that holds the largest id is used. Cost: one min/max pass, one cast when the dtype
+    changes, and one SIMD base64 encode. The envelope serialises with ``orjson.dumps``.
+    """
+    a, max_id = _as_id_array(array, "routes")
+    if dtype is None:
+        target = compact_dtype(max_id)
+    elif dtype in WIRE_DTYPES:
+        target = WIRE_DTYPES[dtype]
+        if max_id > np.iinfo(target).max:
+            raise ValueError(f"routes: id {max_id} does not fit in dtype {dtype!r}")
+    else:
+        raise ValueError(f"routes: unknown dtype {dtype!r}, expected one of {sorted(WIRE_DTYPES)}")
+    data = np.ascontiguousarray(a, dtype=target)
+    return {
+        "data": pybase64.b64encode_as_string(data.reshape(-1).view(np.uint8)),
+        "shape": list(a.shape),
+        "dtype": _wire_name(target),
+    }
+
+
+def encode_flat_routes(array: Any) -> str:
+    """Encode routes as SGLang does: base64 of the flat little-endian int32 ids."""
+    a, _ = _as_id_array(array, "routes")
+    data = np.ascontiguousarray(a, dtype=WIRE_DTYPES["int32"])
+    return pybase64.b64encode_as_string(data.reshape(-1).view(np.uint8))
+
+
+def _decoded_size(data: str | bytes | bytearray | memoryview, field: str) -> int:
+    """Byte count the base64 ``data`` decodes to, from its length and padding alone."""
+    n = len(data)
+    if n % 4:
+        raise MalformedResponseError(
+            f"{field}: base64 length {n} is not a multiple of 4 (truncated or invalid base64)"
+        )
+    if n == 0:
+        return 0
+    tail = data[-2:]
+    tail = tail.encode("utf-8", "replace") if isinstance(tail, str) else bytes(tail)
+    return n // 4 * 3 - tail.count(b"=")
+
+
+def _b64_to_buffer(data: Any, expected_bytes: int, field: str) -> bytearray:
+    if not isinstance(data, str | bytes | bytearray | memoryview):
+        raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
+    size = _decoded_size(data, field)
+    if size != expected_bytes:
+        raise MalformedResponseError(
+            f"{field}: base64 payload holds {size} bytes but the shape and dtype need {expected_bytes}"
+        )
+    try:
+        return pybase64.b64decode_as_bytearray(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
+
+
+def _check_size(nbytes: int, max_bytes: int, field: str) -> None:
+    if nbytes > max_bytes:
+        raise MalformedResponseError(
+            f"{field}: payload of {nbytes} bytes exceeds the cap of {max_bytes} bytes (max_bytes)"
+        )
+
+
+def decode_array(
+    envelope: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES, field: str = "array"
+) -> np.ndarray:
+    """Decode an ndarray envelope into a writable, C-contiguous array.
+
+    ``envelope["data"]`` may be a ``str``, ``bytes`` or a ``memoryview`` (from
+    :meth:`ParsedBody.payload`). The declared size is checked against ``max_bytes`` and the
+    payload length against the shape before any allocation. Cost: one SIMD base64 decode into
+    the array's own buffer, no other copy.
+    """
+    if not isinstance(envelope, Mapping):
+        raise MalformedResponseError(
+            f"{field}: expected an ndarray envelope object, got {type(envelope).__name__}"
+        )
+    missing = [key for key in ("data", "shape", "dtype") if key not in envelope]
+    if missing:
+        raise MalformedResponseError(f"{field}: envelope is missing {missing}")
+    name = envelope["dtype"]
+    if not isinstance(name, str) or name not in WIRE_DTYPES:
+        raise MalformedResponseError(
+            f"{field}.dtype: unknown dtype {name!r}, expected one of {sorted(WIRE_DTYPES)}"
+        )
+    dtype = WIRE_DTYPES[name]
+    shape = envelope["shape"]
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise MalformedResponseError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    _check_size(nbytes, max_bytes, field)
+    buffer = _b64_to_buffer(envelope["data"], nbytes, f"{field}.data")
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def validate_routes(
+    routes: np.ndarray,
+    *,
+    num_experts: int | None = None,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    check_unique: bool = True,
+    field: str = "routed_experts",
+) -> None:
+    """Check a route array ``[rows, num_layers, top_k]``; raise ``MalformedResponseError`` if bad.
+
+    Ids must be non-negative and, when ``num_experts`` is given, below it. With ``check_unique``
+    the ``top_k`` ids of a row must be distinct (dispatch assumes it); an all-zero row is the
+    filler of a dense layer and is allowed. Cost: a min/max pass and ``top_k*(top_k-1)/2``
+    comparisons of contiguous columns (about 10 ms for 32k x 48 x 8 uint8 ids).
+    """
+    if routes.ndim != 3:
+        raise MalformedResponseError(
+            f"{field}: expected shape [rows, num_layers, top_k], got {list(routes.shape)}"
+        )
+    for axis, expected, name in ((1, num_layers, "num_layers"), (2, top_k, "top_k")):
+        if expected is not None and routes.shape[axis] != expected:
+            raise MalformedResponseError(
+                f"{field}: shape {list(routes.shape)} has {routes.shape[axis]} on axis {axis}, "
+                f"expected {name}={expected}"
+            )
+    if routes.size == 0:
+        return
+    if routes.dtype.kind == "i" and (low := int(routes.min())) < 0:
+        raise MalformedResponseError(f"{field}: expert id {low} is negative")
+    if num_experts is not None and (high := int(routes.max())) >= num_experts:
+        raise MalformedResponseError(
+            f"{field}: expert id {high} is out of range for num_experts={num_experts}"
+        )
+    k = routes.shape[2]
+    if not check_unique or k < 2:
+        return
+    columns = np.ascontiguousarray(routes.reshape(-1, k).T)  # [top_k, rows*layers]: contiguous compares
+    repeated = np.zeros(columns.shape[1], dtype=bool)
+    equal = np.empty_like(repeated)
+    for i in range(k):
+        for j in range(i + 1, k):
+            np.equal(columns[i], columns[j], out=equal)
+            repeated |= equal
+    if repeated.any():
+        repeated &= columns.any(axis=0)
+        if repeated.any():
+            row, layer = divmod(int(np.flatnonzero(repeated)[0]), routes.shape[1])
+            raise MalformedResponseError(
+                f"{field}: row {row} layer {layer} repeats an expert: {routes[row, layer].tolist()}"
+            )
+
+
+def decode_routes(
+    envelope: Mapping[str, Any],
+    *,
+    num_experts: int | None = None,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    check_unique: bool = True,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    field: str = "routed_experts",
+) -> np.ndarray:
+    """Decode and validate a routes envelope into ``[rows, num_layers, top_k]`` in its wire dtype.
+
+    See :func:`decode_array` for the decoding and :func:`validate_routes` for the checks.
+    """
+    routes = decode_array(envelope, max_bytes=max_bytes, field=field)
+    validate_routes(
+        routes,
+        num_experts=num_experts,
+        num_layers=num_layers,
+        top_k=top_k,
+        check_unique=check_unique,
+        field=field,
+    )
+    return routes
+
+
+def decode_flat_routes(
+    data: str | bytes | bytearray | memoryview,
+    *,
+    num_layers: int,
+    top_k: int,
+    num_experts: int | None = None,
+    check_unique: bool = True,
+    compact: bool = True,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    field: str = "meta_info.routed_experts",
+) -> np.ndarray:
+    """Decode SGLang's base64 flat int32 routes into ``[rows, num_layers, top_k]``.
+
+    With ``compact`` the result is cast to the smallest dtype that holds its largest id (one
+    extra pass, 4x less host memory downstream). Validated like :func:`decode_routes`.
+    """
+    if not isinstance(data, str | bytes | bytearray | memoryview):
+        raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
+    nbytes = _decoded_size(data, field)
+    _check_size(nbytes, max_bytes, field)
+    row_bytes = num_layers * top_k * 4
+    if nbytes % row_bytes:
+        raise MalformedResponseError(
+            f"{field}: {nbytes} bytes is not a whole number of int32 rows of "
+            f"num_layers={num_layers} x top_k={top_k}"
+        )
+    buffer = _b64_to_buffer(data, nbytes, field)
+    routes = np.frombuffer(buffer, dtype=WIRE_DTYPES["int32"]).reshape(-1, num_layers, top_k)
+    validate_routes(routes, num_experts=num_experts, check_unique=False, field=field)
+    if compact:
+        routes = routes.astype(compact_dtype(int(routes.max(initial=0))), copy=False)
+    if check_unique:  # on the compact copy: up to 4x less memory traffic
+        validate_routes(routes, check_unique=True, field=field)
+    return routes
+
+
+# --------------------------------------------------------------------------- body parsing
+
+_PLACEHOLDER = "\x00payload:"  # what orjson yields for the spliced-in b'"\\u0000payload:<i>"'
+
+
+@functools.lru_cache(maxsize=8)
+def _key_pattern(keys: tuple[str, ...]) -> re.Pattern[bytes]:
+    names = b"|".join(re.escape(k.encode()) for k in keys)
+    return re.compile(rb'"(?:' + names + rb')"[ \t\n\r]*:[ \t\n\r]*"')
+
+
+def _escaped(buf: bytes, index: int) -> bool:
+    """Whether the byte at ``index`` is escaped by an odd run of backslashes before it."""
+    start = index
+    while index > 0 and buf[index - 1] == 0x5C:
+        index -= 1
+    return (start - index) % 2 == 1
+
+
+def _string_end(buf: bytes, start: int) -> int:
+    """Index of the closing quote of the JSON string whose content starts at ``start``."""
+    while True:
+        quote = buf.find(b'"', start)  # memchr: the payload is skipped at memory speed
+        if quote < 0 or not _escaped(buf, quote):
+            return quote
+        start = quote + 1
+
+
+class ParsedBody:
+    """A JSON body parsed with its payload strings left in the raw bytes.
+
+    ``value`` is the parsed JSON in which each payload string (the string value of a key in
+    ``PAYLOAD_KEYS``) is a placeholder; :meth:`payload` resolves one to a zero-copy
+    ``memoryview`` of the base64 text. Keep the object alive while views are in use.
+    """
+
+    __slots__ = ("_buf", "_keys", "_spans", "_taken", "value")
+
+    def __init__(self, value: Any, buf: bytes, spans: list[tuple[int, int]], keys: tuple[str, ...]):
+        self.value = value
+        self._buf = buf
+        self._spans = spans
+        self._keys = frozenset(keys)
+        self._taken: set[int] = set()
+
+    def _text(self, index: int, field: str) -> str:
+        """The span as a ``str``, JSON escapes resolved (the slow path, for rare or small slots)."""
+        start, end = self._spans[index]
+        try:
+            return orjson.loads(self._buf[start - 1 : end + 1])
+        except orjson.JSONDecodeError as exc:
+            raise MalformedResponseError(f"{field}: invalid JSON string ({exc})") from None
+
+    def _index(self, value: Any) -> int | None:
+        if isinstance(value, str) and value.startswith(_PLACEHOLDER):
+            digits = value[len(_PLACEHOLDER) :]
+            if digits.isdecimal() and int(digits) < len(self._spans):
+                return int(digits)
+        return None
+
+    def payload(self, value: Any, field: str) -> str | memoryview:
+        """The base64 text of a payload slot: a memoryview of the body, or a plain ``str``.
+
+        A slot that held an escaped string (rare: ``\\/`` from some JSON writers) or that the
+        scanner did not splice is returned as ``str``. Anything but a string raises.
+        """
+        index = self._index(value)
+        if index is None:
+            if isinstance(value, str):
+                return value
+            raise MalformedResponseError(f"{field}: expected a base64 string, got {type(value).__name__}")
+        self._taken.add(index)
+        start, end = self._spans[index]
+        if self._buf.find(b"\\", start, end) >= 0:
+            return self._text(index, field)
+        return memoryview(self._buf)[start:end]
+
+    def discard(self, value: Any) -> None:
+        """Mark a payload slot as handled without reading it (so :meth:`restore` skips it)."""
+        index = self._index(value)
+        if index is not None:
+            self._taken.add(index)
+
+    def restore(self) -> Any:
+        """Put the text of payload slots never taken back into ``value`` (which is returned).
+
+        Only walks the tree when such slots exist (a ``data`` key outside the route fields).
+        """
+        if len(self._taken) < len(self._spans):
+            self.value = self._restore(self.value)
+        return self.value
+
+    def _restore(self, node: Any, key: str | None = None) -> Any:
+        if isinstance(node, dict):
+            return {k: self._restore(item, k) for k, item in node.items()}
+        if isinstance(node, list):
+            return [self._restore(item) for item in node]
+        index = self._index(node) if key in self._keys else None
+        if index is None or index in self._taken:
+            return node
+        return self._text(index, key or "")
+
+
+def parse_body(body: bytes | bytearray | memoryview, *, keys: tuple[str, ...] = PAYLOAD_KEYS) -> ParsedBody:
+    """Parse a JSON body once, leaving the string values of ``keys`` unparsed in the raw bytes.
+
+    A regex finds each ``"key": "`` outside a string (the opening quote must not be escaped;
+    inside a valid JSON string every quote is), ``memchr`` jumps to the closing quote, and the
+    span is replaced by a short placeholder before orjson parses what is left. Cost: one copy of
+    the non-payload bytes and an orjson parse of them; the payload bytes are only scanned for
+    the closing quote. Raises :class:`MalformedResponseError` for invalid JSON.
+    """
+    buf = bytes(body) if not isinstance(body, bytes) else body
+    pattern = _key_pattern(tuple(keys))
+    pieces: list[bytes] = []
+    spans: list[tuple[int, int]] = []
+    copied = searched = 0
+    while (match := pattern.search(buf, searched)) is not None:
+        if _escaped(buf, match.start()):
+            searched = match.start() + 1
+            continue
+        start = match.end()
+        end = _string_end(buf, start)
+        if end < 0:
+            raise MalformedResponseError(f"response body: unterminated string at byte {start - 1}")
+        pieces.append(buf[copied : start - 1])
+        pieces.append(b'"\\u0000payload:%d"' % len(spans))
+        spans.append((start, end))
+        copied = searched = end + 1
+    if spans:
+        pieces.append(buf[copied:])
+        text = b"".join(pieces)
+    else:
+        text = buf
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise MalformedResponseError(f"response body is not valid JSON: {exc}") from None
+    return ParsedBody(value, buf, spans, tuple(keys))

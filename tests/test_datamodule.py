@@ -1,0 +1,326 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from r3lightning.data.batch import RolloutBatch
+from r3lightning.data.buffer import ReplayBuffer
+from r3lightning.data.datamodule import R3DataModule, _Cursor, _EpochShardSampler, _Plan, _Snapshot
+from r3lightning.data.trajectory import Trajectory
+from r3lightning.packed import PackedTensor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tagged(tag, rows=None):
+    """Trajectory identified by its first prompt token; routes cover every forwarded token."""
+    prompt, response = [tag, 1 + tag % 3], [2, 3][: tag % 3]
+    n = len(prompt) + len(response)
+    routes = torch.arange((n - 1) * 4).reshape(n - 1, 2, 2) % 8 if rows is None else rows
+    return Trajectory(prompt, response, reward=float(tag % 5), routed_experts=routes)
+
+
+def filled(count, first=100, **kwargs):
+    buffer = ReplayBuffer(num_experts=8, **kwargs)
+    buffer.extend([tagged(first + i) for i in range(count)])
+    return buffer
+
+
+def row_tags(batch):
+    """First real token of every row (the trajectory's tag); placeholders (pad id 0) -> None."""
+    seq, _ = batch.lengths_host()
+    tags = [int(batch.input_ids[i, batch.width - int(seq[i])]) for i in range(len(batch))]
+    return [t or None for t in tags]
+
+
+class Recorder(pl.LightningModule):
+    """Checks what the model sees and keeps every training batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen = []
+        self.example_input_array = torch.zeros(2, 1)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        assert isinstance(batch, RolloutBatch)
+        assert isinstance(batch.routed_experts, PackedTensor)
+        assert batch.routed_experts.device == self.device and batch.input_ids.device == self.device
+        self.seen.append(batch)
+        return self.layer(batch.loss_mask.sum(1, keepdim=True)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def trainer(**kwargs):
+    defaults = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def flat(lists):
+    return [x for inner in lists for x in inner]
+
+
+def tags_of(batches):
+    return [row_tags(b) for b in batches]
+
+
+# ---------------------------------------------------------------------------- sharding
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("count", [0, 1, 7, 12])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_rank_shards_are_disjoint_and_cover_the_epoch(world, count, drop_last):
+    batch_size = 2
+    dataset = _Snapshot(tuple(range(count)))  # type: ignore[arg-type]
+    plan = _Plan(batch_size, shuffle=True, seed=3, drop_last=drop_last, num_replicas=world)
+    shards = [_EpochShardSampler(dataset, _Cursor(), plan, rank).shard(0) for rank in range(world)]
+    real = [i for shard in shards for i in shard if i >= 0]
+    assert len(real) == len(set(real))  # disjoint
+    assert len({len(s) for s in shards}) == 1  # every rank runs the same number of samples
+    if drop_last:
+        assert all(len(s) == (count // world) // batch_size * batch_size for s in shards)
+        assert -1 not in flat(shards)
+    else:
+        assert sorted(real) == list(range(count))  # covering, placeholders only to even out
+        assert sum(s.count(-1) for s in shards) == -count % world
+
+
+def test_each_epoch_has_a_new_order():
+    dataset = _Snapshot(tuple(range(20)))  # type: ignore[arg-type]
+    sampler = _EpochShardSampler(dataset, _Cursor(), _Plan(4, True, 0, False, 1), 0)
+    assert sorted(sampler.shard(0)) == sorted(sampler.shard(1)) and sampler.shard(0) != sampler.shard(1)
+    unshuffled = _EpochShardSampler(dataset, _Cursor(), _Plan(4, False, 0, False, 1), 0)
+    assert unshuffled.shard(5) == list(range(20))
+
+
+# ---------------------------------------------------------------------------- Lightning fit
+
+
+def test_fit_sees_packed_routes_on_the_device_and_every_trajectory_once_per_epoch():
+    buffer = filled(10)
+    datamodule = R3DataModule(buffer, 3, collate_threads=2)
+    module = Recorder()
+    trainer(max_epochs=2, enable_model_summary=True).fit(module, datamodule=datamodule)
+    assert [len(b) for b in module.seen] == [3, 3, 3, 1] * 2
+    epochs = [sorted(flat(tags_of(module.seen[i : i + 4]))) for i in (0, 4)]
+    assert epochs[0] == epochs[1] == list(range(100, 110))
+    assert tags_of(module.seen[:4]) != tags_of(module.seen[4:])  # reshuffled per data epoch
+    by_tag = {t.prompt_ids[0].item(): t for t in buffer}
+    from collate_reference import assert_batch_matches
+
+    for batch in module.seen:
+        assert_batch_matches(batch, [by_tag[tag] for tag in row_tags(batch)])
+    assert (datamodule.epoch, datamodule.batches_consumed) == (1, 4)
+
+
+def test_transfer_passes_other_inputs_through():
+    datamodule = R3DataModule(filled(2), 2, collate_threads=1)
+    cpu = torch.device("cpu")
+    other = {"x": torch.ones(2), "name": "summary"}
+    out = datamodule.transfer_batch_to_device(other, cpu, 0)
+    assert out["name"] == "summary" and torch.equal(out["x"], other["x"])
+    batch = next(iter(datamodule.train_dataloader()))
+    assert datamodule.transfer_batch_to_device(batch, cpu, 0) is batch
+    assert datamodule.batches_consumed == 0  # not training under a Trainer: not consumed
+
+
+def test_interrupted_epoch_continues_in_the_next_fit_and_new_data_starts_a_new_epoch():
+    buffer = filled(10)
+    datamodule = R3DataModule(buffer, 3, collate_threads=1)
+    first, second = Recorder(), Recorder()
+    trainer(max_steps=2).fit(first, datamodule=datamodule)
+    assert datamodule.batches_consumed == 2
+    trainer(max_epochs=1).fit(second, datamodule=datamodule)
+    assert len(second.seen) == 2
+    assert sorted(flat(tags_of(first.seen + second.seen))) == list(range(100, 110))
+
+    buffer.clear()
+    buffer.extend([tagged(200 + i) for i in range(4)])
+    third = Recorder()
+    trainer(max_steps=1).fit(third, datamodule=datamodule)
+    buffer.clear()  # the interrupted epoch's data is gone: the next fit starts over on new data
+    buffer.extend([tagged(300 + i) for i in range(4)])
+    fourth = Recorder()
+    trainer(max_epochs=1).fit(fourth, datamodule=datamodule)
+    assert sorted(flat(tags_of(fourth.seen))) == list(range(300, 304))
+    assert datamodule.epoch == 2
+
+
+class Refill(Callback):
+    """The RL loop: new rollouts replace the buffer's contents after every epoch."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.buffer.clear()
+        self.buffer.extend([tagged(100 * (trainer.current_epoch + 2) + i) for i in range(5)])
+
+
+def test_reloading_every_epoch_trains_on_each_steps_rollouts():
+    buffer = filled(5)
+    datamodule = R3DataModule(buffer, 2, collate_threads=1)
+    module = Recorder()
+    trainer(max_epochs=3, reload_dataloaders_every_n_epochs=1, callbacks=[Refill(buffer)]).fit(
+        module, datamodule=datamodule
+    )
+    per_epoch = [sorted(flat(tags_of(module.seen[i : i + 3]))) for i in (0, 3, 6)]
+    assert per_epoch == [list(range(100 * k, 100 * k + 5)) for k in (1, 2, 3)]
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+class EvictEarly(Callback):
+    """New rollouts arrive mid-epoch and push the oldest trajectories out of the buffer."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1:
+            self.buffer.extend([tagged(200 + i) for i in range(3)])
+
+
+def test_mid_epoch_checkpoint_resumes_with_exactly_the_remaining_batches(tmp_path):
+    buffer = filled(10, capacity=10)
+    datamodule = R3DataModule(buffer, 3, collate_threads=2)
+    uninterrupted = Recorder()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    trainer(max_epochs=2, enable_checkpointing=True, callbacks=[checkpoints, EvictEarly(buffer)]).fit(
+        uninterrupted, datamodule=datamodule
+    )
+    assert len(uninterrupted.seen) == 8
+    for step in (2, 6):  # mid-epoch in the first and in the second epoch
+        ckpt = tmp_path / f"step={step}.ckpt"
+        state = torch.load(ckpt, weights_only=True)["R3DataModule"]
+        assert state["cursor"]["consumed"] == step % 4 and state["snapshot"] is not None  # 100..102 evicted
+        resumed = Recorder()
+        fresh = R3DataModule(ReplayBuffer(capacity=10, num_experts=8), 3, collate_threads=1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*dataloader is not resumable.*")
+            trainer(max_epochs=2).fit(resumed, datamodule=fresh, ckpt_path=str(ckpt))
+        assert len(resumed.seen) == 8 - step
+        assert all(a.equal(b) for a, b in zip(resumed.seen, uninterrupted.seen[step:], strict=True))
+        assert sorted(t.prompt_ids[0].item() for t in fresh.buffer) == sorted(
+            t.prompt_ids[0].item() for t in buffer
+        )
+
+
+def test_end_of_epoch_checkpoint_in_the_rl_loop_resumes_on_the_next_steps_rollouts(tmp_path):
+    buffer = filled(5)
+    datamodule = R3DataModule(buffer, 2, collate_threads=1)
+    uninterrupted = Recorder()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    loop = {"max_epochs": 3, "reload_dataloaders_every_n_epochs": 1}
+    trainer(**loop, enable_checkpointing=True, callbacks=[checkpoints, Refill(buffer)]).fit(
+        uninterrupted, datamodule=datamodule
+    )
+    fresh_buffer = ReplayBuffer(num_experts=8)
+    resumed = Recorder()
+    fresh = R3DataModule(fresh_buffer, 2, collate_threads=1)
+    trainer(**loop, callbacks=[Refill(fresh_buffer)]).fit(
+        resumed, datamodule=fresh, ckpt_path=str(tmp_path / "epoch=0.ckpt")
+    )
+    assert len(resumed.seen) == 6
+    assert all(a.equal(b) for a, b in zip(resumed.seen, uninterrupted.seen[3:], strict=True))
+
+
+def test_resuming_mid_epoch_with_other_settings_is_refused():
+    datamodule = R3DataModule(filled(10), 3, collate_threads=1)
+    trainer(max_steps=1).fit(Recorder(), datamodule=datamodule)
+    state = datamodule.state_dict()
+    other = R3DataModule(ReplayBuffer(num_experts=8), 4, collate_threads=1)
+    other.load_state_dict(state)
+    with pytest.raises(
+        ValueError, match=r"cannot continue epoch 0 mid-way with changed settings.*batch_size': \(3, 4\)"
+    ):
+        other.train_dataloader()
+    with pytest.raises(ValueError, match=r"state version"):
+        other.load_state_dict({**state, "version": 0})
+
+
+def test_hydra_config_instantiates_the_data_module():
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(REPO / "conf" / "data" / "default.yaml")
+    datamodule = instantiate(cfg, buffer=filled(3))
+    assert isinstance(datamodule, R3DataModule) and datamodule.batch_size == cfg.batch_size
+    assert (datamodule.shuffle, datamodule.pin_memory, datamodule.drop_last) == (True, None, False)
+
+
+# ---------------------------------------------------------------------------- ddp (2 processes, gloo)
+
+
+def _ddp_worker(out_dir):
+    buffer = filled(11)
+    datamodule = R3DataModule(buffer, 2, collate_threads=2)
+    module = Recorder()
+    fit = trainer(devices=2, strategy="ddp", max_epochs=1)
+    fit.fit(module, datamodule=datamodule)
+    Path(out_dir, f"rank{fit.global_rank}.json").write_text(json.dumps(tags_of(module.seen)))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_ranks_collate_disjoint_shards_covering_the_epoch(tmp_path):
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "NODE_RANK": "0",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(tmp_path)],
+            env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=240)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [[len(b) for b in batches] for batches in ranks] == [[2, 2, 2], [2, 2, 2]]
+    rows = [[tag for batch in batches for tag in batch] for batches in ranks]
+    real = [[t for t in r if t is not None] for r in rows]
+    assert not set(real[0]) & set(real[1])
+    assert sorted(real[0] + real[1]) == list(range(100, 111))
+    assert sum(r.count(None) for r in rows) == 1  # one placeholder evens out 11 over 2 ranks
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _ddp_worker(sys.argv[1])

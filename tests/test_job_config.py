@@ -1,0 +1,107 @@
+"""Hydra composition of the main job's config: every option of every group, overrides, errors."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from r3lightning.job.main import compose_config
+from r3lightning.job.setup import CONF_DIR, JobError, _trainer_kwargs, check_config, replay_settings
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_every_group_is_in_the_defaults_list():
+    defaults = OmegaConf.load(CONF_DIR / "config.yaml").defaults
+    named = {next(iter(d)) for d in defaults if isinstance(d, dict) or OmegaConf.is_dict(d)}
+    assert set(GROUPS) <= named, f"groups missing from config.yaml defaults: {set(GROUPS) - named}"
+    assert {"model", "rollout", "data", "algorithm", "callbacks", "trainer", "replay", "experiment"} <= set(
+        GROUPS
+    )
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)], ids=lambda v: str(v))
+def test_each_option_composes_and_resolves(group, option):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("model", "hf_checkpoint"):
+        overrides.append("model.path=/models/some-moe")
+    if group == "rollout" and option in ("sglang", "skyrl"):
+        overrides.append("rollout.url=http://127.0.0.1:30000")
+    cfg = compose_config(overrides)
+    container = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    assert isinstance(container, dict)
+    if group in ("experiment",):
+        return
+    chosen = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
+    for key, value in chosen.items():
+        if key == "defaults" or OmegaConf.is_interpolation(chosen, key) or OmegaConf.is_missing(chosen, key):
+            continue
+        if key in ("url", "path"):
+            continue
+        assert OmegaConf.select(cfg, f"{group}.{key}") == value, f"{group}.{key}"
+
+
+def test_default_config_values():
+    cfg = compose_config()
+    assert cfg.replay.mode == "r3" and cfg.replay.request_routes is True
+    assert cfg.rollout.url is None and cfg.rollout.protocol == "skyrl"
+    assert cfg.rollout.server.dtype == "bfloat16"
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.precision == "32-true"
+    assert cfg.model.family == "qwen3_moe" and cfg.model.seed == cfg.seed
+    assert cfg.rollout.sampling.max_new_tokens == cfg.task.response_length
+    assert list(cfg.compare) == []
+    check_config(cfg)
+
+
+def test_replay_off_and_compare_and_external_engine_overrides():
+    off = compose_config(["replay=off"])
+    assert off.replay.mode == "off" and off.replay.request_routes is True  # not YAML's boolean off
+    r2 = compose_config(["replay=r2"])
+    assert r2.replay.mode == "r2" and r2.replay.request_routes is False
+    compare = compose_config(["experiment=compare"])
+    assert list(compare.compare) == ["r3", "off"]
+    swapped = replay_settings(compare, "off")
+    assert swapped.replay.mode == "off" and compare.replay.mode == "r3"
+    ext = compose_config(["rollout.url=http://10.0.0.1:30000", "rollout.protocol=sglang"])
+    assert ext.rollout.url == "http://10.0.0.1:30000" and ext.rollout.protocol == "sglang"
+    check_config(ext)
+    smoke = compose_config(["experiment=smoke"])
+    assert smoke.steps < compose_config().steps
+
+
+def test_fsdp_trainer_instantiates_its_strategy():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    kwargs = _trainer_kwargs(compose_config(["trainer=gpu_fsdp"]).trainer)
+    assert isinstance(kwargs["strategy"], ModelParallelStrategy)
+    assert kwargs["accelerator"] == "gpu" and kwargs["devices"] == -1
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["steps=0"], "steps must be an integer >= 1, got 0"),
+        (["prompts_per_step=two"], "prompts_per_step must be an integer >= 1, got 'two'"),
+        (["algorithm.group_size=1"], "algorithm.group_size must be an integer >= 2, got 1"),
+        (["replay.mode=r4"], "replay.mode must be one of \\['r3', 'r2', 'off'\\], got 'r4'"),
+        (["rollout.protocol=grpc"], "rollout.protocol must be one of \\['skyrl', 'sglang'\\]"),
+        (["rollout.url=localhost:30000"], "rollout.url must be null .* got 'localhost:30000'"),
+        (["algorithm.optim.lr=-1"], "algorithm.optim.lr must be a number > 0, got -1"),
+        (["compare=[r3,r5]"], "compare entries must be replay modes"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_key(overrides, message):
+    with pytest.raises(JobError, match=message):
+        check_config(compose_config(overrides))
+
+
+def test_unknown_group_option_and_key_fail_at_composition():
+    with pytest.raises(ConfigCompositionException, match="replay"):
+        compose_config(["replay=sometimes"])
+    with pytest.raises(ConfigCompositionException, match="no_such_key"):
+        compose_config(["no_such_key=1"])
