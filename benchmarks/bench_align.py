@@ -48,6 +48,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized shapes (B=8, max 512)")
     args = parser.parse_args()
+    # One intra-op thread: on a shared 2-core host OpenMP teams stall on descheduled partners
+    # (small host index ops then take ~20x longer), and production collation runs beside training.
+    torch.set_num_threads(1)
     batch, max_len, repeats = (8, 512, 3) if args.quick else (64, 4096, 11)
 
     lengths = typical_lengths(batch, max_len)  # [B] real tokens per trajectory

@@ -26,6 +26,7 @@ import _common
 import numpy as np
 import orjson
 import pybase64
+import torch
 
 from r3lightning.align.dummy import dummy_routes
 from r3lightning.rollout.client_protocol import RouteSchema, parse_response
@@ -89,6 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI-sized shapes (2k rows, few repeats)")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # the arms are single-threaded numpy / orjson / pybase64 code
     rows = 2048 if args.quick else 32768
     repeats, slow_repeats = (3, 1) if args.quick else (15, 3)
 

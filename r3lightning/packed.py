@@ -54,6 +54,10 @@ class PackedTensor:
             accelerator and this is not given, validation copies it to the host once (a sync);
             passing it avoids that sync, and it is then trusted to equal ``cu_seqlens``.
 
+    Pickling sends only the referenced rows and the host offsets as raw bytes (any dtype,
+    bfloat16 included) and restores the original device; pickling device values copies them to
+    the host first (a sync).
+
     Raises:
         ValueError: naming the offending field and what was expected.
     """
@@ -359,6 +363,8 @@ class PackedTensor:
         """Each segment ``repeats`` times in place (``[a, a, b, b]``); ``repeats`` is an int or one
         count per segment. New storage. Device-resident ``repeats`` are read back once (a sync)."""
         count = len(self)
+        if isinstance(repeats, (Tensor, np.ndarray)) and repeats.ndim == 0:
+            repeats = int(repeats)
         if isinstance(repeats, (int, np.integer)):
             per_segment = torch.full((count,), operator.index(repeats), dtype=torch.int64)
         else:
@@ -405,6 +411,8 @@ class PackedTensor:
         ``non_blocking`` applies to the values (asynchronous from pinned memory, as for tensors).
         Offsets come from the host copy, so moving to the CPU reads nothing back from the device.
         Returns ``self`` when nothing changes. A dtype as first argument is taken as ``dtype``.
+        Lightning's ``move_data_to_device`` calls ``.to(device)`` on non-tensor objects without
+        ``non_blocking``; batch classes that want asynchronous copies pass it themselves.
         """
         if isinstance(device, torch.dtype):
             device, dtype = None, device

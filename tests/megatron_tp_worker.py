@@ -2,9 +2,9 @@
 
 Each rank builds the same megatron ``MoELayer`` with TP = 2 and sequence parallelism, takes its
 share of the hidden states with megatron's own ``scatter_to_sequence_parallel_region`` (what the
-embedding does), installs the *full* ``[1, S, L, K]`` routes and runs forward + backward. Prints one
-JSON line per rank: the rows the router used, the routes recorded (all-gathered over TP), and
-whether the router weight got a gradient. Shims as in test_megatron_replay (CPU-only megatron).
+embedding does), installs the *full* ``[1, S, L, K]`` routes and runs forward + backward. Writes
+``<out_dir>/rank<r>.json`` per rank: the experts the router used per token, whether the routes
+recorded (all-gathered over TP) equal the installed ones, and the router weight's gradient norm. Shims as in test_megatron_replay (CPU-only megatron).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SEQ, HIDDEN, LAYERS, EXPERTS, TOP_K, MOE_LAYER = 8, 16, 4, 8, 2, 2
 
 
-def worker(rank: int, port: int) -> None:
+def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.cuda.current_device = lambda: "cpu"
@@ -73,7 +73,7 @@ def worker(rank: int, port: int) -> None:
     recorded = backend.stop_recording()
     backend.clear()
     rows = [torch.nonzero(row).reshape(-1).tolist() for row in used["map"]]
-    print(
+    Path(out_dir, f"rank{rank}.json").write_text(
         json.dumps(
             {
                 "rank": rank,
@@ -86,8 +86,7 @@ def worker(rank: int, port: int) -> None:
                 "other_layers_zero": not bool(recorded[:, :, [0, 1, 3]].any()),
                 "router_grad": float(layer.router.weight.grad.abs().sum()),
             }
-        ),
-        flush=True,
+        )
     )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -97,4 +96,4 @@ if __name__ == "__main__":
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         free_port = sock.getsockname()[1]
-    mp.spawn(worker, args=(free_port,), nprocs=2)
+    mp.spawn(worker, args=(free_port, sys.argv[1]), nprocs=2)

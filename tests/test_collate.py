@@ -170,9 +170,23 @@ def test_pool_reuses_released_buffers_and_never_rewrites_leased_ones():
     fourth = collator(trajectories)
     assert fence.waited  # waited for the (pretend) copy out of the slot before rewriting it
     assert storage_ptr(fourth) == storage_ptr(first)
-    assert allocator.calls == allocations  # same shapes: the slot's buffers are reused as they are
+    assert allocator.calls == allocations + 1  # the slot's buffers reused; only the offsets are fresh
     assert second.equal(second_copy)  # a leased slot was never written
     assert_batch_matches(fourth, trajectories)
+    collator.close()
+
+
+def test_moved_copies_share_nothing_with_the_pool():
+    collator, _ = pooled_collator(pool_slots=1)
+    batch = collator(batch_of(19, 3))
+    offsets = batch.routed_experts.cu_seqlens_host.clone()
+    lengths = [t.clone() for t in batch.lengths_host()]
+    moved = batch.to("meta")  # stands in for an accelerator: a copy of every field
+    batch.release()
+    again = collator(batch_of(20, 3, max_prompt=1, max_response=1))  # rewrites the slot
+    assert again._lease is not None and storage_ptr(again) == storage_ptr(batch)
+    assert torch.equal(moved.routed_experts.cu_seqlens_host, offsets)
+    assert all(torch.equal(a, b) for a, b in zip(moved.lengths_host(), lengths, strict=True))
     collator.close()
 
 
@@ -214,8 +228,8 @@ def test_pool_buffers_grow_with_headroom_and_shrink_as_views():
     assert_batch_matches(b, big)
     b.release()
     calls = allocator.calls
-    c = collator(small)  # smaller: views of the grown buffers
-    assert allocator.calls == calls
+    c = collator(small)  # smaller: views of the grown buffers (only the offsets are fresh)
+    assert allocator.calls == calls + 1
     assert_batch_matches(c, small)
     collator.close()
 

@@ -135,6 +135,16 @@ def test_fit_sees_packed_routes_on_the_device_and_every_trajectory_once_per_epoc
     assert (datamodule.epoch, datamodule.batches_consumed) == (1, 4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fit_uses_the_pinned_pool_without_misses():
+    datamodule = R3DataModule(filled(12), 2, collate_threads=2)
+    module = Recorder()
+    trainer(accelerator="gpu", max_epochs=2).fit(module, datamodule=datamodule)
+    assert module.seen[0].routed_experts.device.type == "cuda" and len(module.seen) == 12
+    pool = datamodule._collator.pool
+    assert pool is not None and pool.misses == 0 and pool.hits == 12
+
+
 def test_transfer_passes_other_inputs_through():
     datamodule = R3DataModule(filled(2), 2, collate_threads=1)
     cpu = torch.device("cpu")
@@ -144,6 +154,20 @@ def test_transfer_passes_other_inputs_through():
     batch = next(iter(datamodule.train_dataloader()))
     assert datamodule.transfer_batch_to_device(batch, cpu, 0) is batch
     assert datamodule.batches_consumed == 0  # not training under a Trainer: not consumed
+
+
+def test_transfer_to_another_device_returns_pooled_buffers():
+    from r3lightning.data.collate import RolloutCollator
+
+    collator = RolloutCollator(
+        num_threads=1, pin_memory=True, allocator=lambda shape, dtype: torch.empty(shape, dtype=dtype)
+    )
+    batch = collator([tagged(100), tagged(101)])
+    assert collator.pool.free_slots == 1
+    datamodule = R3DataModule(filled(1), 2, collate_threads=1)
+    moved = datamodule.transfer_batch_to_device(batch, torch.device("meta"), 0)
+    assert moved.input_ids.device.type == "meta" and moved.routed_experts.device.type == "meta"
+    assert collator.pool.free_slots == 2 and batch._lease is None
 
 
 def test_interrupted_epoch_continues_in_the_next_fit_and_new_data_starts_a_new_epoch():

@@ -30,20 +30,32 @@ def test_each_option_composes_and_resolves(group, option):
     overrides = [f"{group}={option}"]
     if (group, option) == ("model", "hf_checkpoint"):
         overrides.append("model.path=/models/some-moe")
-    if group == "rollout" and option in ("sglang", "skyrl"):
+    if group == "rollout" and option == "skyrl":
         overrides.append("rollout.url=http://127.0.0.1:30000")
     cfg = compose_config(overrides)
     container = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     assert isinstance(container, dict)
-    if group in ("experiment",):
+    if group == "experiment":
+        return
+    if group in ("data", "callbacks"):  # targets the job builds from these groups
+        _check_targets(cfg)
         return
     chosen = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
-    for key, value in chosen.items():
-        if key == "defaults" or OmegaConf.is_interpolation(chosen, key) or OmegaConf.is_missing(chosen, key):
+    for key in chosen:
+        if key in ("defaults", "url", "path") or OmegaConf.is_interpolation(chosen, key):
             continue
-        if key in ("url", "path"):
-            continue
-        assert OmegaConf.select(cfg, f"{group}.{key}") == value, f"{group}.{key}"
+        assert OmegaConf.select(cfg, f"{group}.{key}") == chosen[key], f"{group}.{key}"
+
+
+def _check_targets(cfg):
+    from hydra.utils import get_class
+
+    from r3lightning.data.datamodule import R3DataModule
+    from r3lightning.replay.callback import RouterReplayCallback
+
+    assert get_class(cfg.data._target_) is R3DataModule
+    callbacks = cfg.callbacks if "_target_" in cfg.callbacks else cfg.callbacks.router_replay
+    assert get_class(callbacks._target_) is RouterReplayCallback
 
 
 def test_default_config_values():
@@ -70,6 +82,10 @@ def test_replay_off_and_compare_and_external_engine_overrides():
     ext = compose_config(["rollout.url=http://10.0.0.1:30000", "rollout.protocol=sglang"])
     assert ext.rollout.url == "http://10.0.0.1:30000" and ext.rollout.protocol == "sglang"
     check_config(ext)
+    with pytest.raises(JobError, match="rollout.url must be set"):
+        check_config(compose_config(["rollout=skyrl"]))
+    with pytest.raises(JobError, match="rollout.url must be set"):
+        check_config(compose_config(["experiment=fsdp_moe", "model.path=/m"]))
     smoke = compose_config(["experiment=smoke"])
     assert smoke.steps < compose_config().steps
 
@@ -79,7 +95,8 @@ def test_fsdp_trainer_instantiates_its_strategy():
 
     kwargs = _trainer_kwargs(compose_config(["trainer=gpu_fsdp"]).trainer)
     assert isinstance(kwargs["strategy"], ModelParallelStrategy)
-    assert kwargs["accelerator"] == "gpu" and kwargs["devices"] == -1
+    assert kwargs["accelerator"] == "gpu" and kwargs["devices"] == 8
+    assert kwargs["strategy"]._data_parallel_size == 8 and kwargs["strategy"]._tensor_parallel_size == 1
 
 
 @pytest.mark.parametrize(

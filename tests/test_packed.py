@@ -13,6 +13,13 @@ import torch
 from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin_memory
 
 from r3lightning import PackedTensor
+from r3lightning.ragged import (
+    host_int64,
+    offsets_from_lengths,
+    padded_flat_index,
+    segment_ids_and_positions,
+    to_device_async,
+)
 
 ROW_SHAPE = (2, 3)
 
@@ -146,6 +153,26 @@ def test_empty_and_zero_segments():
     assert PackedTensor.from_padded(torch.zeros(0, 5, 4, 2, dtype=torch.uint8), []).equal(empty)
 
 
+def test_ragged_index_helpers():
+    lengths = torch.tensor([2, 0, 3])
+    assert offsets_from_lengths(lengths).tolist() == [0, 2, 2, 5]
+    assert offsets_from_lengths(lengths).dtype == torch.int32
+    segment, position = segment_ids_and_positions(lengths)
+    assert segment.tolist() == [0, 0, 2, 2, 2] and position.tolist() == [0, 1, 0, 1, 2]
+    # [3, 4] grid: left padding puts each segment at the right end of its row
+    assert padded_flat_index(lengths, 4, "left").tolist() == [2, 3, 9, 10, 11]
+    assert padded_flat_index(lengths, 4, "right").tolist() == [0, 1, 8, 9, 10]
+    assert host_int64(np.array([1, 2], dtype=np.uint8), "n").dtype == torch.int64
+    assert host_int64([], "n").shape == (0,)
+    host = torch.arange(3)
+    assert to_device_async(host, torch.device("cpu")) is host
+    assert to_device_async(host, torch.device("meta")).device.type == "meta"
+    with pytest.raises(ValueError, match=r"counts must be >= 0, got counts\[0\] = -2"):
+        offsets_from_lengths(torch.tensor([-2]), "counts")
+    with pytest.raises(ValueError, match=r"n must hold integers, got dtype torch\.bool"):
+        host_int64(torch.tensor([True]), "n")
+
+
 # ----------------------------------------------------------------------------- indexing
 
 
@@ -233,6 +260,7 @@ def test_cat_repeat_repeat_interleave(packed):
     assert_segments(pt.repeat(2), refs + refs)
     assert_segments(pt.repeat(0), [])
     assert_segments(pt.repeat_interleave(2), [r for r in refs for _ in range(2)])
+    assert pt.repeat_interleave(torch.tensor(2)).equal(pt.repeat_interleave(2))
     counts = [1, 0, 3, 2, 1, 0]
     assert_segments(
         pt.repeat_interleave(counts), [r for r, c in zip(refs, counts, strict=True) for _ in range(c)]

@@ -77,6 +77,10 @@ class _Buffers:
             self._storage[name] = flat
         return flat[:numel].view(shape)
 
+    def fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A buffer outside the pool, for data that outlives the batch's lease."""
+        return self._allocator(shape, dtype)
+
 
 class _Slot:
     def __init__(self) -> None:
@@ -223,7 +227,8 @@ def _collate(
                     else torch.promote_types(dtype, t.routed_experts.dtype)
                 )
         rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
-        cu_host = buffers.take("cu_seqlens", (count + 1,), torch.int32)
+        # not pooled: a moved copy of the routes keeps these host offsets as cu_seqlens_host
+        cu_host = buffers.fresh((count + 1,), torch.int32)
         cu_host[0] = 0
         cu_host[1:].copy_(torch.cumsum(rows, dim=0))
         offsets = cu_host.tolist()

@@ -13,7 +13,9 @@ epoch is one pass over them. Both shapes of the main loop work:
   in ``on_train_epoch_end`` (Lightning reloads before ``on_train_epoch_start``).
 
 The data module keeps its own epoch counter (the shuffle seed is ``seed + epoch``), so repeated
-fits never replay the same order; Lightning's ``set_epoch`` is ignored. An epoch cut short
+fits never replay the same order; Lightning's ``set_epoch`` is ignored. The counter advances when
+a new snapshot is taken after an epoch was drawn from, or when a loader is iterated again after
+finishing its epoch (several epochs over one snapshot without reloading). An epoch cut short
 (``max_steps``, ``limit_train_batches``, a crash after a checkpoint) is *continued*, not
 restarted, by the next iteration or ``train_dataloader`` call, provided its trajectories are
 still in the buffer; once they are gone (e.g. ``buffer.clear()``) a fresh epoch over the current
@@ -28,7 +30,9 @@ trajectories (zero loss), never with repeated samples, so every rank runs the sa
 equally sized steps.
 
 Resuming: a batch counts as consumed when it is moved to the device for a training step
-(``transfer_batch_to_device``), not when it is prefetched. ``state_dict`` stores the buffer, the
+(``transfer_batch_to_device``), not when it is prefetched. (Iterating ``train_dataloader()`` by
+hand, outside a Trainer, consumes nothing: such a loop restarts its epoch unless it runs to the
+end.) ``state_dict`` stores the buffer, the
 epoch, the consumed count and the snapshot's sequence-number range (plus the snapshot's
 trajectories themselves if some were already evicted), so a run restored from a mid-epoch
 checkpoint yields exactly the batches an uninterrupted run would have.
@@ -171,7 +175,8 @@ class R3DataModule(pl.LightningDataModule):
         collate_threads: fill threads per collation; ``None`` =
             :func:`~r3lightning.data.cpus.collate_pool_size` (affinity and cgroup quota aware).
         pin_memory: collate into a pinned buffer pool; ``None`` = only when training on a CUDA
-            device.
+            device. The pool's buffers are handed back when a batch is moved to the GPU; with a
+            CPU target nothing is moved, so forcing ``True`` there only costs pool misses.
         drop_last: drop each rank's last incomplete batch (and the tail that does not divide
             evenly among ranks) instead of evening shards out with placeholders.
         pad_token_id: id at ``input_ids`` padding positions and in placeholders.

@@ -19,13 +19,14 @@ and ``<name>/checkpoints/last.ckpt`` (a rerun with the same ``hydra.run.dir`` re
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from .setup import CONF_DIR, JobError, is_global_zero
 
@@ -72,6 +73,10 @@ def _task(cfg: DictConfig) -> None:
     except JobError as exc:
         print(f"r3lightning-train: error: {_one_line(exc)}", file=sys.stderr)
         sys.exit(2)
+    except MissingMandatoryValue as exc:
+        key = exc.full_key or "a required value"
+        print(f"r3lightning-train: error: {key} must be set (add {key}=... to the command line)", file=sys.stderr)
+        sys.exit(2)
     except RemoteGenerateError as exc:
         print(f"r3lightning-train: rollout engine error: {_one_line(exc)}", file=sys.stderr)
         sys.exit(3)
@@ -86,8 +91,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    with contextlib.suppress(Exception):
-        logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    # Lightning's banner lines and a deprecation inside its own pytree helper are noise here.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
 
 

@@ -81,6 +81,11 @@ class GRPOModule(pl.LightningModule):
         """Trainer logprob of every token of ``batch`` ``[B, S]`` (0 where undefined)."""
         return token_logprobs(self(batch.input_ids, batch.attention_mask), batch.input_ids)
 
+    @property
+    def _distributed(self) -> bool:
+        # epoch metrics are averaged across ranks (one all-reduce per metric per epoch)
+        return self._trainer is not None and self.trainer.world_size > 1
+
     def _replay_callback(self) -> RouterReplayCallback | None:
         trainer = self._trainer
         if trainer is None:
@@ -120,11 +125,22 @@ class GRPOModule(pl.LightningModule):
             )
         )
         stats["loss"] = loss.detach()
+        rewards = getattr(batch, "rewards", None)
+        if rewards is not None:  # shown on the progress bar only; the CSV takes the rollout's
+            self.log(
+                "reward",
+                rewards.float().mean(),
+                prog_bar=True,
+                on_step=True,
+                on_epoch=False,
+                batch_size=len(rewards),
+            )
         self.log_dict(
             {f"train/{k}": v for k, v in stats.items()},
             on_step=False,
             on_epoch=True,
             batch_size=batch.input_ids.shape[0],
+            sync_dist=self._distributed,
         )
         return loss
 
@@ -144,7 +160,36 @@ class GRPOModule(pl.LightningModule):
             return
         hits = (want.unsqueeze(-1) == got.unsqueeze(-2)).any(-1).float().mean(dim=(0, 2))  # [moe_layers]
         for layer, value in zip(layers, hits, strict=True):
-            self.log(f"agreement/layer_{layer:02d}", value, on_step=False, on_epoch=True, batch_size=rows)
+            self.log(
+                f"agreement/layer_{layer:02d}",
+                value,
+                on_step=False,
+                on_epoch=True,
+                batch_size=rows,
+                sync_dist=self._distributed,
+            )
+
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root.
+
+        A no-op for other strategies. The replay backend's router hooks survive sharding
+        (``fully_shard`` keeps the module objects and swaps in a subclass).
+        """
+        mesh = self.device_mesh
+        if mesh is None or getattr(self.model, "_r3_sharded", False):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+        layers = getattr(getattr(self.model, "model", self.model), "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(
+                f"FSDP2 sharding looks for the decoder layers at model.model.layers; {type(self.model).__name__} has none"
+            )
+        for layer in layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(self.model, mesh=dp_mesh)
+        self.model._r3_sharded = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(

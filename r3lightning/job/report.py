@@ -73,6 +73,10 @@ def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
     """Fixed-width summary, one row per run (e.g. ``{"replay=r3": ..., "replay=off": ...}``)."""
     header = ["run", "steps", "reward start->end", "k3 KL", "ratio!in[0.5,2]", "agreement mean", "min"]
     rows = [header]
+
+    def pct(value: float, digits: int) -> str:
+        return "n/a" if math.isnan(value) else f"{100 * value:.{digits}f}%"
+
     for name, records in runs.items():
         s = summarize(records)
         rows.append(
@@ -81,9 +85,9 @@ def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
                 f"{int(s['steps'])}",
                 f"{s['reward_start']:.3f} -> {s['reward_end']:.3f}",
                 f"{s['k3_kl']:.2e}",
-                f"{100 * s['ratio_out_of_band']:.3f}%",
-                f"{100 * s['agreement_mean']:.2f}%",
-                f"{100 * s['agreement_min']:.2f}%",
+                pct(s["ratio_out_of_band"], 3),
+                pct(s["agreement_mean"], 2),
+                pct(s["agreement_min"], 2),
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -247,11 +247,16 @@ class OnPolicyLoop(pl.Callback):
     # ------------------------------------------------------------------ lightning hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # After a resume the buffer (data module state) already holds the next step's rollouts,
-        # but the engine still has its initial weights.
-        self._push_weights(pl_module)
-        if len(self.buffer) == 0 and trainer.current_epoch < (trainer.max_epochs or 0):
+        if trainer.ckpt_path is None:  # fresh run: roll out step 0 with the initial weights
+            self._push_weights(pl_module)
             self._collect(trainer, trainer.current_epoch)
+        # else the checkpoint holds the next step's rollouts (restored with the data module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.ckpt_path is not None:
+            # after the restore (which some strategies run after on_fit_start): the engine
+            # still serves its initial weights
+            self._push_weights(pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
@@ -264,9 +269,10 @@ class OnPolicyLoop(pl.Callback):
         self.history.append(record)
         if self.metrics_path is not None and trainer.is_global_zero:
             write_csv(self.metrics_path, self.history)
-        if step + 1 < (trainer.max_epochs or 0) and not trainer.should_stop:
-            self._push_weights(pl_module)
-            self._collect(trainer, step + 1)
+        # Also after the last step: the checkpoint saved next then holds the next step's
+        # rollouts, so a run extended with more steps resumes exactly where it stopped.
+        self._push_weights(pl_module)
+        self._collect(trainer, step + 1)
 
     # ------------------------------------------------------------------ checkpoint state
 

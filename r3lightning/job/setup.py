@@ -34,6 +34,7 @@ def is_global_zero() -> bool:
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     return rank == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
 
+
 _MODES = ("r3", "r2", "off")
 
 # ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
@@ -65,6 +66,8 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.rollout.protocol not in _PROTOCOLS:
         raise JobError(f"rollout.protocol must be one of {list(_PROTOCOLS)}, got {cfg.rollout.protocol!r}")
     url = cfg.rollout.url
+    if url is None and cfg.rollout.get("require_url", False):
+        raise JobError("rollout.url must be set to the engine's http://host:port (rollout.require_url=true)")
     if url is not None and not str(url).startswith(("http://", "https://")):
         raise JobError(f"rollout.url must be null (embedded engine) or http(s)://host:port, got {url!r}")
     lr = cfg.algorithm.optim.lr
@@ -139,11 +142,45 @@ def _http_push(url: str, api_key: str | None, timeout_s: float):
                     "and sync weights through the deployment"
                 )
             if response.status != 200:
-                raise JobError(f"weight update at {url} failed: HTTP {response.status}: {(await response.text())[:200]}")
+                raise JobError(
+                    f"weight update at {url} failed: HTTP {response.status}: {(await response.text())[:200]}"
+                )
 
     def push(state_dict: Mapping[str, Tensor]) -> None:
         tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state_dict.items()}
         asyncio.run(post(save(tensors)))
+
+    return push
+
+
+def _sglang_disk_push(url: str, api_key: str | None, timeout_s: float, directory: Path, model_path: str | None):
+    """Weight sync for SGLang: save a safetensors checkpoint into ``directory`` (shared with the
+    engine) and ask the engine to load it with ``POST /update_weights_from_disk``."""
+    import shutil
+
+    import aiohttp
+    from safetensors.torch import save_file
+
+    async def post() -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(
+                f"{url}/update_weights_from_disk", json={"model_path": str(directory)}, headers=headers
+            ) as response,
+        ):
+            body = await response.json(content_type=None)
+            if response.status != 200 or not (isinstance(body, dict) and body.get("success", False)):
+                raise JobError(f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(body)[:200]}")
+
+    def push(state_dict: Mapping[str, Tensor]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state_dict.items()}
+        save_file(tensors, str(directory / "model.safetensors"))
+        if model_path is not None and (Path(model_path) / "config.json").exists():
+            shutil.copy(Path(model_path) / "config.json", directory / "config.json")
+        asyncio.run(post())
 
     return push
 
@@ -153,17 +190,22 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
     """The embedded ``RolloutServer`` (rank 0 only) unless ``rollout.url`` names an external engine."""
     rollout = cfg.rollout
     if rollout.url is not None:
+        url = str(rollout.url).rstrip("/")
         push = None
-        if rollout.sync_weights:
-            if rollout.protocol == "sglang":
+        if rollout.sync_weights and is_global_zero():
+            timeout = float(rollout.request_timeout_s)
+            if rollout.protocol == "skyrl":
+                push = _http_push(url, rollout.api_key, timeout)
+            elif rollout.get("weight_sync_dir"):
+                directory = Path(str(rollout.weight_sync_dir))
+                push = _sglang_disk_push(url, rollout.api_key, timeout, directory, cfg.model.path)
+            else:
                 warnings.warn(
-                    "rollout.sync_weights is ignored for protocol=sglang: sync the engine's weights through "
-                    "the deployment (e.g. /update_weights_from_disk)",
+                    "rollout.weight_sync_dir is not set: the SGLang engine keeps its weights, so rollouts "
+                    "drift off-policy; set it to a directory the engine can read",
                     stacklevel=2,
                 )
-            else:
-                push = _http_push(str(rollout.url).rstrip("/"), rollout.api_key, float(rollout.request_timeout_s))
-        yield Engine(str(rollout.url).rstrip("/"), push)
+        yield Engine(url, push)
         return
     if not is_global_zero():
         yield Engine(None, None)
@@ -173,7 +215,9 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
     server_cfg = rollout.server
     dtype = getattr(torch, str(server_cfg.dtype), None)
     if not isinstance(dtype, torch.dtype):
-        raise JobError(f"rollout.server.dtype must be a torch dtype name (bfloat16, float32), got {server_cfg.dtype!r}")
+        raise JobError(
+            f"rollout.server.dtype must be a torch dtype name (bfloat16, float32), got {server_cfg.dtype!r}"
+        )
     model = build_model(cfg.model)
     server = RolloutServer(
         model,
@@ -190,7 +234,9 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         with server:
             yield Engine(server.url, server.update_weights)
     except OSError as exc:
-        raise JobError(f"cannot start the embedded rollout server on {server_cfg.host}:{server_cfg.port}: {exc}") from None
+        raise JobError(
+            f"cannot start the embedded rollout server on {server_cfg.host}:{server_cfg.port}: {exc}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------- one run
@@ -273,7 +319,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     if engine.url is not None and not collector.check_engine():
         raise JobError(
             f"cannot reach the rollout engine at {engine.url} (GET /health failed within "
-            f"{rollout.request_timeout_s}s); check rollout.url or start the engine"
+            f"{float(rollout.request_timeout_s):g}s); check rollout.url or start the engine"
         )
 
     buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)

@@ -84,7 +84,7 @@ class MegatronRouterReplay:
     TP group) is only used by :meth:`stop_recording` under sequence parallelism. ``validate``
     checks expert ids on install (range, distinct per row): a device->host sync for device routes.
 
-    Installed routes are queued per forward (see the module docstring) and stay until
+    Installed routes are queued per forward (see :class:`MaskedRouterReplay`) and stay until
     :meth:`clear`; call it after every step. Several backends over the same routers share their state.
     """
 
@@ -178,8 +178,9 @@ class MegatronRouterReplay:
 
         ``[B, S]`` is the token shape this rank's model sees before the sequence-parallel split:
         ``[1, T_local]`` packed (this CP rank's shard) or the unpacked batch. ``replay_mask`` bool
-        ``[B, S]``: False -> native routing. Costs: one gather of the local MoE layers' rows and
-        one widening copy to int64 on the routes' device; no host sync unless ``validate``.
+        ``[B, S]``: False -> native routing. Cost: one copy of this rank's rows of the local MoE
+        layers, widened to int64 on the routers' device (``non_blocking``: pin host routes to
+        overlap it); no device->host sync unless ``validate``.
         """
         if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
             raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
@@ -198,10 +199,17 @@ class MegatronRouterReplay:
             )
         if self.validate:
             self._validate(routes, replay_mask)
+        device = self._routers[0].weight.device
         local = self._split_sequence(routes)  # [N, L, K] compact dtype
-        layer_index = torch.tensor(self.moe_layers, device=local.device)
-        per_layer = local.permute(1, 0, 2).index_select(0, layer_index).to(torch.int64)  # [L_moe, N, K]
-        mask = None if replay_mask is None else self._split_sequence(replay_mask)  # [N]
+        # one widening copy per local MoE layer (no device index tensor to build)
+        per_layer = torch.empty(
+            (len(self.moe_layers), local.shape[0], self.top_k), dtype=torch.int64, device=device
+        )  # [L_moe, N, K]
+        for row, layer in enumerate(self.moe_layers):
+            per_layer[row].copy_(local[:, layer], non_blocking=True)
+        mask = None
+        if replay_mask is not None:
+            mask = self._split_sequence(replay_mask).to(device, non_blocking=True)  # [N]
         for replay, layer_routes in zip(self._replays, per_layer, strict=True):
             replay.set_target_indices(layer_routes, mask)
             replay.fresh = True
@@ -278,7 +286,8 @@ class MegatronRouterReplay:
         out = torch.zeros(
             (*tokens.shape[:2], self.num_layers, self.top_k), dtype=torch.int32, device=tokens.device
         )
-        out[:, :, list(self.moe_layers)] = tokens.to(torch.int32)
+        for column, layer in enumerate(self.moe_layers):
+            out[:, :, layer] = tokens[:, :, column]
         return out
 
     # ----------------------------------------------------------------------------- stats

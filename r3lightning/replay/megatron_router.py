@@ -151,7 +151,7 @@ class MaskedRouterReplay(RouterReplay):
         with torch.no_grad():
             hits = (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)  # [N, K]
             if mask is None:
-                rows = torch.tensor(replayed.shape[0], dtype=torch.int64, device=replayed.device)
+                rows = torch.full((), replayed.shape[0], dtype=torch.int64, device=replayed.device)
             else:
                 keep = mask.to(replayed.device)
                 rows = keep.sum()
