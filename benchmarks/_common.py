@@ -27,22 +27,29 @@ GiB = float(1 << 30)
 MiB = float(1 << 20)
 
 
-def time_arms(arms: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall time (seconds) of each arm; arms are interleaved within every repeat.
+def time_arms(
+    arms: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1, *, interleave: bool = True
+) -> dict[str, float]:
+    """Median wall time (seconds) of each arm.
 
-    Each call's result is dropped (and garbage collected) before the clock starts for the next
-    arm, so an arm that allocates fresh buffers pays their first-touch page faults every time.
+    ``interleave=True`` runs every arm once per round, so slow drift hits all arms alike; with
+    ``False`` each arm runs its warm-up and repeats back to back, reaching its own steady state
+    (the allocator then reuses the arm's previous buffers instead of inheriting another arm's
+    heap). Each call's result is dropped (and garbage collected) before the clock starts again.
     """
     samples: dict[str, list[float]] = {name: [] for name in arms}
-    for round_index in range(warmup + repeats):
-        for name, arm in arms.items():
-            gc.collect()
-            start = time.perf_counter()
-            result = arm()
-            elapsed = time.perf_counter() - start
-            del result
-            if round_index >= warmup:
-                samples[name].append(elapsed)
+    if interleave:
+        schedule = [(name, r) for r in range(warmup + repeats) for name in arms]
+    else:
+        schedule = [(name, r) for name in arms for r in range(warmup + repeats)]
+    for name, round_index in schedule:
+        gc.collect()
+        start = time.perf_counter()
+        result = arms[name]()
+        elapsed = time.perf_counter() - start
+        del result
+        if round_index >= warmup:
+            samples[name].append(elapsed)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

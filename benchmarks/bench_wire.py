@@ -2,7 +2,7 @@
 
 The body is a ``skyrl`` response whose ``routed_experts`` envelope holds ``[rows, 48, 8]`` int16
 routes (32k rows: 24 MiB raw, 32 MiB of base64) next to 1024 response token ids with logprobs.
-Arms, timed side by side in one run:
+Arms, timed side by side in one run (each arm's repeats back to back, see ``time_arms``):
 
 - floor: ``pybase64.b64decode`` of the payload bytes alone (already cut out of the body);
 - the client's codec (``r3lightning.rollout.wire``): ``parse_body`` + ``decode_array`` (routes
@@ -129,6 +129,10 @@ def main() -> None:
             "json.loads + stdlib base64": lambda: stdlib_routes(body),
         },
         repeats=repeats,
+        warmup=2,
+        # Back to back: a 24 MiB result's page faults depend on what the previous call left in
+        # the heap, so interleaving would charge the arms for each other's allocations.
+        interleave=False,
     )
     slow = _common.time_arms(
         {"nested JSON list + np.asarray": lambda: nested_routes(nested_body)}, slow_repeats

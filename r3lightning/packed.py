@@ -29,11 +29,14 @@ from torch import Tensor
 from .ragged import (
     INT32_MAX,
     LengthsLike,
+    batch_index,
     check_side,
     host_int64,
     offsets_from_lengths,
     padded_flat_index,
     segment_ids_and_positions,
+    tensor_from_bytes,
+    tensor_to_bytes,
     to_device_async,
 )
 
@@ -275,63 +278,21 @@ class PackedTensor:
 
         Device-resident index tensors and masks are read back once (a sync).
         """
-        count = len(self)
-        if (
-            isinstance(index, (Tensor, np.ndarray))
-            and index.ndim == 0
-            and index.dtype not in (torch.bool, np.bool_)
-        ):
-            index = int(index)
-        if isinstance(index, (bool, np.bool_)):
-            raise TypeError("a PackedTensor cannot be indexed by a bool scalar; use a mask of length B")
-        if isinstance(index, (int, np.integer)):
-            position = operator.index(index)
-            if not -count <= position < count:
-                raise IndexError(f"segment {position} is out of range for a PackedTensor of {count} segments")
-            position %= count
-            host = self.cu_seqlens_host
-            return self.values[int(host[position]) : int(host[position + 1])]
-        if isinstance(index, slice):
-            start, stop, step = index.indices(count)
-            if step != 1:
-                picked = len(range(start, stop, step))
-                return self._gather(start + step * torch.arange(picked, dtype=torch.int64))
-            stop = max(stop, start)
-            host = self.cu_seqlens_host
+        if isinstance(index, tuple):
+            raise TypeError(
+                "a PackedTensor is indexed along segments only; index the segment's tensor for rows"
+            )
+        picked = batch_index(index, len(self), owner="PackedTensor", unit="segment")
+        host = self.cu_seqlens_host
+        if isinstance(picked, int):
+            return self.values[int(host[picked]) : int(host[picked + 1])]
+        if isinstance(picked, slice):
+            start, stop = picked.start, picked.stop
             first, last = int(host[start]), int(host[stop])
             cu_host = host[start : stop + 1] - first
             cu = cu_host if self.device.type == "cpu" else self.cu_seqlens[start : stop + 1] - first
             return PackedTensor._trusted(self.values[first:last], cu_host, cu)
-        return self._gather(self._index_to_segments(index))
-
-    def _index_to_segments(self, index: Any) -> Tensor:
-        """List / array / tensor index or bool mask -> host int64 segment indices in ``[0, B)``."""
-        count = len(self)
-        if isinstance(index, Tensor):
-            tensor = index.detach().cpu()
-        elif isinstance(index, np.ndarray):
-            tensor = torch.from_numpy(np.ascontiguousarray(index))
-        elif isinstance(index, list):
-            tensor = torch.as_tensor(index) if index else torch.empty(0, dtype=torch.int64)
-        elif isinstance(index, tuple):
-            raise TypeError(
-                "a PackedTensor is indexed along segments only; index the segment's tensor for rows"
-            )
-        else:
-            raise TypeError(f"unsupported PackedTensor index of type {type(index).__name__}")
-        if tensor.dim() != 1:
-            raise IndexError(f"PackedTensor index must be 1-D, got shape {tuple(tensor.shape)}")
-        if tensor.dtype == torch.bool:
-            if tensor.numel() != count:
-                raise IndexError(f"bool mask must have one entry per segment ({count}), got {tensor.numel()}")
-            return torch.nonzero(tensor).flatten()
-        if tensor.is_floating_point() or tensor.is_complex():
-            raise IndexError(f"PackedTensor index must hold integers or bools, got {tensor.dtype}")
-        tensor = tensor.to(torch.int64)
-        if tensor.numel() and (int(tensor.min()) < -count or int(tensor.max()) >= count):
-            bad = tensor[(tensor < -count) | (tensor >= count)][0]
-            raise IndexError(f"segment {int(bad)} is out of range for a PackedTensor of {count} segments")
-        return torch.where(tensor < 0, tensor + count, tensor)
+        return self._gather(picked)
 
     def _gather(self, segments: Tensor) -> PackedTensor:
         """New ``PackedTensor`` of the given host segment indices, one ``index_select``."""
@@ -421,7 +382,9 @@ class PackedTensor:
             return self
         if values.device == self.device:
             return PackedTensor._trusted(values, self.cu_seqlens_host, self.cu_seqlens)
-        return PackedTensor._trusted(values, self.cu_seqlens_host)
+        # The host offsets may live in a reusable (pinned) collation buffer that is rewritten once
+        # the source batch is released; the moved batch gets its own copy (B + 1 ints).
+        return PackedTensor._trusted(values, self.cu_seqlens_host.clone())
 
     def cpu(self) -> PackedTensor:
         return self.to("cpu")
@@ -471,14 +434,8 @@ class PackedTensor:
         return self.equal(other)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # Only the referenced rows travel, as raw bytes: a view does not drag its source storage
-        # along, and every dtype (bfloat16, bool, float8) round-trips without numpy support for it.
-        values = self.values.detach().cpu().contiguous()
-        # (an empty tensor may carry a zero stride, which a dtype view rejects)
-        raw = values.reshape(-1).view(torch.uint8).numpy() if values.numel() else np.empty(0, np.uint8)
-        dtype_name = str(values.dtype).removeprefix("torch.")
-        offsets = self.cu_seqlens_host.numpy()
-        return _rebuild, (raw, dtype_name, tuple(values.shape), offsets, str(self.device))
+        raw, dtype_name, shape = tensor_to_bytes(self.values)
+        return _rebuild, (raw, dtype_name, shape, self.cu_seqlens_host.numpy(), str(self.device))
 
     def __copy__(self) -> PackedTensor:
         return PackedTensor._trusted(self.values, self.cu_seqlens_host, self.cu_seqlens)
@@ -505,11 +462,8 @@ class PackedTensor:
 def _rebuild(
     raw: np.ndarray, dtype_name: str, shape: tuple[int, ...], offsets: np.ndarray, device: str
 ) -> PackedTensor:
-    if not raw.flags.writeable:  # out-of-band pickle buffers may be read-only
-        raw = raw.copy()
-    values = torch.from_numpy(raw).view(getattr(torch, dtype_name)).reshape(shape)
     host = torch.from_numpy(np.array(offsets, dtype=np.int32))
-    return PackedTensor._trusted(values, host).to(device)
+    return PackedTensor._trusted(tensor_from_bytes(raw, dtype_name, shape), host).to(device)
 
 
 def _check_values(values: Any) -> None:

@@ -2,12 +2,15 @@
 
 Everything here runs on small CPU tensors (per segment or per row int64 indices) so that the
 device-side work it plans (an ``index_select``, an ``index_copy_``) needs no device->host sync.
-Shared by ``PackedTensor`` and by anything else that maps packed rows onto padded grids.
+Shared by ``PackedTensor``, ``RolloutBatch`` and anything else that maps packed rows onto padded
+grids: batch-axis index normalisation and the raw-byte tensor form both pickle through are here too.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,11 +19,15 @@ from torch import Tensor
 __all__ = [
     "INT32_MAX",
     "LengthsLike",
+    "batch_index",
     "check_side",
     "host_int64",
+    "host_lengths",
     "offsets_from_lengths",
     "padded_flat_index",
     "segment_ids_and_positions",
+    "tensor_from_bytes",
+    "tensor_to_bytes",
     "to_device_async",
 ]
 
@@ -47,6 +54,23 @@ def host_int64(data: LengthsLike, name: str) -> Tensor:
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
         raise ValueError(f"{name} must hold integers, got dtype {tensor.dtype}")
     return tensor.to(device="cpu", dtype=torch.int64)
+
+
+def host_lengths(data: LengthsLike, name: str) -> Tensor:
+    """Non-negative lengths (or starts, counts) as a 1-D int64 CPU tensor, for :func:`host_int64`'s
+    inputs except that a Python sequence must hold Python ints (no bools, floats or numpy scalars).
+
+    Cost: a device tensor is copied to the host (one sync). Raises ``ValueError`` naming ``name``.
+    """
+    if not isinstance(data, (Tensor, np.ndarray)):
+        items = list(data)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+            raise ValueError(f"{name} must hold ints, got {items!r}")
+        data = items
+    lengths = host_int64(data, name)
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
+    return lengths
 
 
 def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
@@ -104,3 +128,80 @@ def to_device_async(host: Tensor, device: torch.device) -> Tensor:
     # Asynchronous host->device copies are stream-ordered before any kernel reading them, and
     # pageable sources are staged before the call returns, so the host tensor may die right away.
     return host.to(device, non_blocking=True)
+
+
+def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice | Tensor:
+    """Normalise an index along the batch axis of a ``count``-long ``owner`` (e.g. a
+    ``PackedTensor`` of segments, a ``RolloutBatch`` of rows).
+
+    Returns an ``int`` in ``[0, count)`` for an integer (0-d tensors included), a step-1
+    ``slice(start, stop)`` with ``0 <= start <= stop <= count`` for a step-1 slice, and host int64
+    positions ``[n]`` in ``[0, count)`` for a strided slice, a list / tuple, an index tensor or
+    array, or a bool mask of length ``count``. Device-resident indices are read back once (a sync).
+
+    Raises ``TypeError`` for a bool scalar or an unsupported type, ``IndexError`` for positions
+    out of range, a mask of the wrong length, non-integer entries or a non-1-D index; messages
+    name ``owner`` and ``unit``.
+    """
+    if (
+        isinstance(index, (Tensor, np.ndarray))
+        and index.ndim == 0
+        and index.dtype not in (torch.bool, np.bool_)
+    ):
+        index = int(index)
+    if isinstance(index, (bool, np.bool_)):
+        raise TypeError(f"a {owner} cannot be indexed by a bool scalar; use a mask of length B")
+    if isinstance(index, (int, np.integer)):
+        position = operator.index(index)
+        if not -count <= position < count:
+            raise IndexError(f"{unit} {position} is out of range for a {owner} of {count} {unit}s")
+        return position % count
+    if isinstance(index, slice):
+        start, stop, step = index.indices(count)
+        if step != 1:  # (torch.arange rejects empty ranges such as 1:0:2)
+            return start + step * torch.arange(len(range(start, stop, step)), dtype=torch.int64)
+        return slice(start, max(start, stop))
+    if isinstance(index, Tensor):
+        tensor = index.detach().cpu()
+    elif isinstance(index, np.ndarray):
+        tensor = torch.from_numpy(np.ascontiguousarray(index))
+    elif isinstance(index, (list, tuple)):
+        tensor = torch.as_tensor(index) if index else torch.empty(0, dtype=torch.int64)
+    else:
+        raise TypeError(f"unsupported {owner} index of type {type(index).__name__}")
+    if tensor.dim() != 1:
+        raise IndexError(f"{owner} index must be 1-D, got shape {tuple(tensor.shape)}")
+    if tensor.dtype == torch.bool:
+        if tensor.numel() != count:
+            raise IndexError(f"bool mask must have one entry per {unit} ({count}), got {tensor.numel()}")
+        return torch.nonzero(tensor).flatten()
+    if tensor.is_floating_point() or tensor.is_complex():
+        raise IndexError(f"{owner} index must hold integers or bools, got {tensor.dtype}")
+    tensor = tensor.to(torch.int64)
+    if tensor.numel() and (int(tensor.min()) < -count or int(tensor.max()) >= count):
+        bad = int(tensor[(tensor < -count) | (tensor >= count)][0])
+        raise IndexError(f"{unit} {bad} is out of range for a {owner} of {count} {unit}s")
+    return torch.where(tensor < 0, tensor + count, tensor)
+
+
+def tensor_to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
+    """``(raw uint8 bytes, dtype name, shape)`` of ``tensor``'s elements, for pickling.
+
+    Raw bytes let every dtype (bfloat16, bool, float8) round-trip without numpy supporting it, and
+    only the referenced elements travel (a view does not drag its storage along). Device tensors
+    are copied to the host first (a sync).
+    """
+    host = tensor.detach().cpu().contiguous()
+    # (an empty tensor may carry a zero stride, which a dtype view rejects)
+    raw = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)
+    return raw, str(host.dtype).removeprefix("torch."), tuple(host.shape)
+
+
+def tensor_from_bytes(raw: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> Tensor:
+    """Inverse of :func:`tensor_to_bytes`: a CPU tensor (sharing ``raw`` unless it is read-only)."""
+    dtype = getattr(torch, dtype_name)
+    if raw.size == 0:  # an empty array may carry a zero stride, which a dtype view rejects
+        return torch.empty(shape, dtype=dtype)
+    if not raw.flags.writeable:  # out-of-band pickle buffers may be read-only
+        raw = raw.copy()
+    return torch.from_numpy(raw).view(dtype).reshape(shape)

@@ -1,7 +1,7 @@
 """End-to-end checks of the data, Hugging Face and megatron-core replay paths on one CUDA GPU.
 
-Run it on a machine with a GPU (about a minute on one H200; it stops itself after
-``--time-limit`` seconds, 170 by default)::
+Run it on a machine with a GPU (sized to take about a minute; it stops itself, printing every
+thread's stack, after ``--time-limit`` seconds, 170 by default)::
 
     .venv/bin/python scripts/gpu_check.py                  # every check on cuda:0
     .venv/bin/python scripts/gpu_check.py --only transfer,megatron --json results.json
@@ -44,9 +44,10 @@ when any check fails):
   engine's experts on every captured token and MoE layer (100%), routes are installed during each
   step and cleared after it, batches arrive pinned and on the device, the routers get updated.
 * ``megatron``: a megatron-core ``MoELayer`` (``TopKRouter`` + ``SequentialMLP``) with
-  ``MegatronRouterReplay`` on packed, pinned routes: its output and router gradient equal an
-  independent reference computed from the installed experts (native experts where the replay mask
-  is False); megatron's MoE activation recompute (``REPLAY_BACKWARD``) gives the same gradients.
+  ``MegatronRouterReplay`` on packed, pinned routes aligned without a device->host sync: its
+  output and router gradient equal an independent reference computed from the installed experts
+  (native experts where the replay mask is False); megatron's MoE activation recompute
+  (``REPLAY_BACKWARD``) gives the same gradients.
 """
 
 from __future__ import annotations
@@ -621,10 +622,11 @@ def _megatron_replay(device: torch.device) -> dict[str, Any]:
     )
     layout = backend.build_layout(attention_mask)  # packed [1, T]
     expect(layout.token_shape == (1, sum(lengths)), f"packed token shape {layout.token_shape}")
-    aligned = align_packed_token_metadata(
-        packed, layout, pad=lambda n: dummy_routes(n, LAYERS, TOP_K, EXPERTS, device=device)
-    )
-    replay_mask = build_replay_mask(packed, layout)
+    with no_device_syncs(device):
+        aligned = align_packed_token_metadata(
+            packed, layout, pad=lambda n: dummy_routes(n, LAYERS, TOP_K, EXPERTS, device=device)
+        )  # [1, T, L, K]
+        replay_mask = build_replay_mask(packed, layout)  # [1, T]
     tokens = sum(lengths)
     hidden = torch.randn(tokens, 1, layer.config.hidden_size, generator=generator).to(device)  # [s, b, h]
     target = torch.randn(tokens, 1, layer.config.hidden_size, generator=generator).to(device)
@@ -716,7 +718,8 @@ def _run(name: str, device: torch.device | None) -> Result:
         return Result(name, "SKIP", str(skip), time.perf_counter() - start)
     except Exception as error:  # every failure is reported; the remaining checks still run
         tail = traceback.format_exc(limit=-3).strip().splitlines()
-        detail = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        message = str(error).strip().splitlines()
+        detail = type(error).__name__ + (f": {message[0]}" if message else "")
         print("\n".join(f"    {line}" for line in tail), flush=True)
         return Result(name, "FAIL", detail, time.perf_counter() - start)
     return Result(name, "PASS", "", time.perf_counter() - start, figures)

@@ -11,11 +11,15 @@ import torch
 # a model-facing position holds (trajectory, real-token offset) or None for padding
 
 
+def _round_up(n: int, multiple: int) -> int:
+    while n % multiple:
+        n += 1
+    return n
+
+
 def padded_positions(lengths: list[int], width: int, multiple: int, side: str) -> list[list[object]]:
     """``[B][S']`` grid of (i, j) / None for a padded layout of a left-padded ``[B, width]`` batch."""
-    model_width = width
-    while model_width % multiple:
-        model_width += 1
+    model_width = _round_up(width, multiple)
     grid = []
     for i, n in enumerate(lengths):
         row: list[object] = []
@@ -28,13 +32,18 @@ def padded_positions(lengths: list[int], width: int, multiple: int, side: str) -
 
 def packed_spans(lengths: list[int], multiple: int) -> list[list[object]]:
     """Per sequence, its padded span: (i, j) for real tokens then None for padding."""
-    spans = []
-    for i, n in enumerate(lengths):
-        padded = n
-        while padded % multiple:
-            padded += 1
-        spans.append([(i, j) if j < n else None for j in range(padded)])
-    return spans
+    return [[(i, j) if j < n else None for j in range(_round_up(n, multiple))] for i, n in enumerate(lengths)]
+
+
+def _cp_shard(span: list, cp_size: int, cp_rank: int) -> list:
+    """Chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``2 * cp_size`` (all of it for one rank)."""
+    if cp_size == 1:
+        return list(span)
+    chunk = len(span) // (2 * cp_size)
+    kept: list = []
+    for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+        kept.extend(span[c * chunk : (c + 1) * chunk])
+    return kept
 
 
 def packed_positions(
@@ -43,25 +52,15 @@ def packed_positions(
     """``[1][T_local]`` grid for a packed layout, this CP rank's shard."""
     row: list[object] = []
     for span in packed_spans(lengths, multiple):
-        if cp_size == 1:
-            row.extend(span)
-            continue
-        chunk = len(span) // (2 * cp_size)
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            row.extend(span[c * chunk : (c + 1) * chunk])
+        row.extend(_cp_shard(span, cp_size, cp_rank))
     return [row]
 
 
 def packed_position_ids(lengths: list[int], multiple: int, cp_size: int = 1, cp_rank: int = 0) -> list[int]:
+    """Position ids of this CP rank's shard: the offset of every position within its padded span."""
     ids: list[int] = []
     for span in packed_spans(lengths, multiple):
-        offsets = list(range(len(span)))
-        if cp_size == 1:
-            ids.extend(offsets)
-            continue
-        chunk = len(span) // (2 * cp_size)
-        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
-            ids.extend(offsets[c * chunk : (c + 1) * chunk])
+        ids.extend(_cp_shard(list(range(len(span))), cp_size, cp_rank))
     return ids
 
 
@@ -107,27 +106,28 @@ def covered_mask(grid: list[list[object]], counts: list[int], starts: list[int] 
     return out
 
 
-def from_batch(grid: list[list[object]], batch: torch.Tensor, lengths: list[int], pad, next_token=False):
-    width = batch.shape[1]
-    out = torch.full((len(grid), len(grid[0]) if grid else 0, *batch.shape[2:]), pad, dtype=batch.dtype)
+def _batch_cells(grid: list[list[object]], lengths: list[int], width: int, next_token: bool):
+    """``(r, c, i, column)``: grid cell ``(r, c)`` holds (with ``next_token``: is followed by) the
+    token at ``[i, column]`` of the left-padded ``[B, width]`` batch."""
     for r, row in enumerate(grid):
         for c, cell in enumerate(row):
             if cell is not None:
                 i, j = cell
                 j = j + 1 if next_token else j
                 if j < lengths[i]:
-                    out[r, c] = batch[i, width - lengths[i] + j]
+                    yield r, c, i, width - lengths[i] + j
+
+
+def from_batch(grid: list[list[object]], batch: torch.Tensor, lengths: list[int], pad, next_token=False):
+    out = torch.full((len(grid), len(grid[0]) if grid else 0, *batch.shape[2:]), pad, dtype=batch.dtype)
+    for r, c, i, column in _batch_cells(grid, lengths, batch.shape[1], next_token):
+        out[r, c] = batch[i, column]
     return out
 
 
 def scatter(grid, values: torch.Tensor, lengths: list[int], width: int, pad, out=None, next_token=False):
     if out is None:
         out = torch.full((len(lengths), width, *values.shape[2:]), pad, dtype=values.dtype)
-    for r, row in enumerate(grid):
-        for c, cell in enumerate(row):
-            if cell is not None:
-                i, j = cell
-                j = j + 1 if next_token else j
-                if j < lengths[i]:
-                    out[i, width - lengths[i] + j] = values[r, c]
+    for r, c, i, column in _batch_cells(grid, lengths, width, next_token):
+        out[i, column] = values[r, c]
     return out

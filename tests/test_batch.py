@@ -30,7 +30,15 @@ def check_rows(part, trajectories, rows):
 
 @pytest.mark.parametrize(
     "index",
-    [slice(1, 4), slice(None, None, 2), slice(5, 1, -2), [4, 0, 4], torch.tensor([3, 1]), [True, False] * 3],
+    [
+        slice(1, 4),
+        slice(None, None, 2),
+        slice(5, 1, -2),
+        [4, 0, 4],
+        (4, 0),
+        torch.tensor([3, 1]),
+        [True, False] * 3,
+    ],
 )
 def test_indexing_matches_the_selected_trajectories(batch, trajectories, index):
     rows = list(range(6))
@@ -57,6 +65,12 @@ def test_int_index_gives_a_one_row_batch(batch, trajectories):
         batch[[True, False]]
     with pytest.raises(TypeError, match=r"cannot be indexed by a bool scalar"):
         batch[True]
+    with pytest.raises(
+        IndexError, match=r"RolloutBatch index must hold integers or bools, got torch\.float32"
+    ):
+        batch[[1.0, 2.0]]
+    empty = batch[4:1:2]  # an empty strided slice, like list indexing
+    assert len(empty) == 0 and empty.width == batch.width and len(empty.routed_experts) == 0
 
 
 def test_slices_are_views_and_trim_drops_shared_padding(batch, trajectories):

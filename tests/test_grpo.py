@@ -183,3 +183,24 @@ def test_report_csv_roundtrip_summary_table_and_plot(tmp_path):
     assert "93.00%" in lines[3]
     plot_runs(tmp_path / "p.png", {"replay=r3": on, "replay=off": off})
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_left_padded_batch_logprobs_equal_unpadded_forwards():
+    """position_ids from the mask: a left-padded row scores its tokens exactly as alone."""
+    from types import SimpleNamespace
+
+    from r3lightning.job.module import GRPOModule
+    from r3lightning.models.tiny import build_tiny_moe
+
+    module = GRPOModule(build_tiny_moe(seed=3))
+    short, long = [7, 9, 11, 13], [5, 6, 7, 8, 9, 10, 11]
+    input_ids = torch.tensor([[0, 0, 0, *short], long])
+    mask = input_ids != 0
+    mask[1] = True
+    with torch.no_grad():
+        padded = module.batch_logprobs(SimpleNamespace(input_ids=input_ids, attention_mask=mask))
+        for row, seq in enumerate((short, long)):
+            ids = torch.tensor([seq])
+            alone = token_logprobs(module.model(input_ids=ids).logits, ids)[0]
+            # the first real token has no predecessor (its entry reads the padding; never a target)
+            torch.testing.assert_close(padded[row, 1 - len(seq) :], alone[1:], rtol=1e-5, atol=1e-5)

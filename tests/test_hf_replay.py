@@ -1,5 +1,6 @@
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -7,7 +8,12 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from r3lightning.models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
-from r3lightning.replay.backend import RouterReplayBackend
+from r3lightning.replay.backend import (
+    RouterReplayBackend,
+    agreement_hits,
+    routes_on_all_layers,
+    validate_routes_for_install,
+)
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf import HFRouterReplay, RouterAdapter, register_router
 
@@ -218,6 +224,37 @@ def test_backend_satisfies_the_protocol_and_is_shared_per_model():
         HFRouterReplay(model)
     backend.remove()
     assert HFRouterReplay.for_model(model) is not backend
+
+
+def test_shared_backend_helpers():
+    """The install checks, recorded-route layout and agreement counts every backend shares."""
+    routes = torch.tensor([[[[0, 0], [1, 2]], [[0, 0], [3, 1]]]])  # [1, 2, L=2, K=2], layer 0 dense
+    backend = SimpleNamespace(num_layers=2, top_k=2, num_experts=4, moe_layers=(1,))
+    assert validate_routes_for_install(backend, routes, None) == (1, 2)
+    assert validate_routes_for_install(backend, routes[0], None) == (2,)
+    with pytest.raises(
+        ValueError, match=r"routes must have shape \[B, S, num_layers=2, top_k=2\], got \(2, 2, 2\)"
+    ):
+        validate_routes_for_install(backend, routes[0], None, token_dims=2)
+    shifted = routes + 2  # layer 1 ids [3, 5]; the dense layer's [2, 2] is never checked
+    with pytest.raises(ValueError, match=r"expert ids in \[3, 5\] on replayed MoE layers"):
+        validate_routes_for_install(backend, shifted, None)
+    validate_routes_for_install(backend, shifted, None, check_ids=False)  # shape checks only
+    repeated = torch.tensor([[[[0, 0], [1, 2]], [[0, 0], [3, 3]]]])  # token 1 repeats expert 3
+    with pytest.raises(ValueError, match="repeat an expert"):
+        validate_routes_for_install(backend, repeated, None)
+    validate_routes_for_install(backend, repeated, torch.tensor([[True, False]]))  # not replayed
+
+    rows = [(1, torch.tensor([[[5, 6], [7, 8]]])), (3, torch.tensor([[[1, 2], [3, 4]]]))]
+    full = routes_on_all_layers(rows, (1, 2), 4, 2)
+    assert full.dtype == torch.int32 and full.shape == (1, 2, 4, 2)
+    assert full[0, :, 1].tolist() == [[5, 6], [7, 8]] and full[0, :, 3].tolist() == [[1, 2], [3, 4]]
+    assert not full[:, :, [0, 2]].any()
+    with pytest.raises(ValueError, match="at least one routed layer"):
+        routes_on_all_layers([], (1, 2), 4, 2)
+
+    hits = agreement_hits(torch.tensor([[0, 1], [2, 3]]), torch.tensor([[1, 5], [3, 2]]))
+    assert hits.tolist() == [[False, True], [True, True]]
 
 
 def test_bad_inputs_are_rejected_with_clear_errors():

@@ -82,9 +82,9 @@ def test_replay_off_and_compare_and_external_engine_overrides():
     ext = compose_config(["rollout.url=http://10.0.0.1:30000", "rollout.protocol=sglang"])
     assert ext.rollout.url == "http://10.0.0.1:30000" and ext.rollout.protocol == "sglang"
     check_config(ext)
-    with pytest.raises(JobError, match="rollout.url must be set"):
+    with pytest.raises(JobError, match=r"rollout\.url must be set"):
         check_config(compose_config(["rollout=skyrl"]))
-    with pytest.raises(JobError, match="rollout.url must be set"):
+    with pytest.raises(JobError, match=r"rollout\.url must be set"):
         check_config(compose_config(["experiment=fsdp_moe", "model.path=/m"]))
     smoke = compose_config(["experiment=smoke"])
     assert smoke.steps < compose_config().steps
@@ -122,3 +122,51 @@ def test_unknown_group_option_and_key_fail_at_composition():
         compose_config(["replay=sometimes"])
     with pytest.raises(ConfigCompositionException, match="no_such_key"):
         compose_config(["no_such_key=1"])
+
+
+async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
+    """rollout.weight_sync_dir: the weights land in the directory as bf16 safetensors (plus the
+    checkpoint's config.json) and the engine is told to load them; a refusal is a JobError."""
+    import asyncio
+    import json
+
+    import torch
+    from aiohttp import web
+    from safetensors.torch import load_file
+
+    from r3lightning.job.setup import _sglang_disk_push
+
+    answers = [{"success": True, "message": "ok"}, {"success": False, "message": "shape mismatch"}]
+    seen: list[dict] = []
+
+    async def update(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append({"body": body, "weights": load_file(f"{body['model_path']}/model.safetensors")})
+        return web.json_response(answers[len(seen) - 1])
+
+    app = web.Application()
+    app.router.add_post("/update_weights_from_disk", update)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    target = tmp_path / "shared"
+    push = _sglang_disk_push(url, None, 10.0, target, str(source))
+    state = {"lm_head.weight": torch.randn(3, 2), "model.norm.weight": torch.arange(4.0)}
+    try:
+        await asyncio.to_thread(push, state)
+        assert seen[0]["body"] == {"model_path": str(target)}
+        assert set(seen[0]["weights"]) == set(state)
+        for name, value in state.items():
+            assert seen[0]["weights"][name].dtype == torch.bfloat16
+            assert torch.equal(seen[0]["weights"][name], value.to(torch.bfloat16))
+        assert json.loads((target / "config.json").read_text()) == {"model_type": "qwen3_moe"}
+        with pytest.raises(
+            JobError, match=r"update_weights_from_disk at .* failed: HTTP 200: .*shape mismatch"
+        ):
+            await asyncio.to_thread(push, state)
+    finally:
+        await runner.cleanup()

@@ -1,17 +1,9 @@
 """MegatronRouterReplay against real megatron-core routers, on CPU.
 
-megatron-core 0.16.1 assumes CUDA in two places these tests shim, only inside this module:
-
-* ``Router.gating`` moves CPU router weights to ``torch.cuda.current_device()`` (and
-  ``TopKRouter`` builds expert-bias buffers there): ``torch.cuda.current_device`` returns ``"cpu"``;
-* ``moe_utils`` leaves ``te_general_gemm`` undefined when Transformer Engine is missing (a
-  ``NameError`` in ``router_gating_linear``): it is set to ``None``, megatron's own non-TE path;
-* megatron's activation checkpoint saves and restores the CUDA RNG state: those two calls are
-  no-ops (the CPU RNG state is still saved and restored by megatron).
-
-A world-size-1 gloo process group and ``parallel_state`` (TP = CP = PP = 1) back the routers'
-process groups; other TP / CP positions are exercised by giving the backend explicit ranks, which
-only changes which token rows a rank installs.
+megatron-core 0.16.1 assumes CUDA in places that ``megatron_cpu.cpu_shims`` patches, only while
+this module's tests run. A world-size-1 gloo process group and ``parallel_state`` (TP = CP = PP = 1)
+back the routers' process groups; other TP / CP positions are exercised by giving the backend
+explicit ranks, which only changes which token rows a rank installs.
 """
 
 from __future__ import annotations
@@ -36,17 +28,13 @@ pytest.importorskip("megatron.core")
 
 from megatron.core import parallel_state
 from megatron.core.fusions import fused_softmax
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
-)
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron_cpu import EXPERTS, HIDDEN, LAYERS, TOP_K, cpu_shims, make_config, make_moe_layer
 
 from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
 from r3lightning.align.dummy import dummy_routes
@@ -60,8 +48,17 @@ from r3lightning.replay.megatron import (
     megatron_token_layout,
 )
 
-LAYERS, EXPERTS, TOP_K, HIDDEN = 4, 8, 2, 16
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh single-threaded interpreter importing this checkout; it must succeed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=180, cwd=cwd, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,11 +70,7 @@ def megatron_cpu():
             port = sock.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "current_device", lambda: "cpu")
-        patch.setattr(moe_utils, "te_general_gemm", None, raising=False)
-        patch.setattr(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0))
-        patch.setattr(tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+    with cpu_shims():
         yield
     parallel_state.destroy_model_parallel()
     RouterReplay.clear_global_router_replay_instances()
@@ -85,37 +78,11 @@ def megatron_cpu():
         dist.destroy_process_group()
 
 
-def make_config(**overrides) -> TransformerConfig:
-    fields = dict(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=2,
-        ffn_hidden_size=16,
-        num_moe_experts=EXPERTS,
-        moe_router_topk=TOP_K,
-        moe_layer_freq=[0, 1, 1, 1],  # first layer dense
-        moe_enable_routing_replay=True,
-        moe_token_dispatcher_type="allgather",
-        moe_router_load_balancing_type="none",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
 @pytest.fixture(scope="module")
 def block() -> TransformerBlock:
     torch.manual_seed(0)
     config = make_config()
     return TransformerBlock(config, get_gpt_decoder_block_spec(config, use_transformer_engine=False))
-
-
-def make_moe_layer(config: TransformerConfig, layer_number: int):
-    layer = build_module(get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp, config=config)
-    layer.set_layer_number(layer_number)
-    return layer
 
 
 def random_routes(rows: int, generator: torch.Generator) -> torch.Tensor:
@@ -189,9 +156,7 @@ def test_routers_without_replay_or_layer_number_are_refused():
     plain = make_moe_layer(make_config(moe_enable_routing_replay=False), 2)
     with pytest.raises(ValueError, match="moe_enable_routing_replay=True"):
         MegatronRouterReplay(plain)
-    unnumbered = build_module(
-        get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp, config=make_config()
-    )
+    unnumbered = make_moe_layer(make_config(), None)
     with pytest.raises(ValueError, match="set_layer_number"):
         MegatronRouterReplay(unnumbered)
     with pytest.raises(ValueError, match="no megatron TopKRouter"):
@@ -611,17 +576,9 @@ def test_gpt_model_with_full_recompute_replays_engine_routes(monkeypatch):
 def test_example_trains_with_full_agreement(tmp_path):
     """The example's R3 loop: every replayed token/layer uses the rollout's experts, although the
     trainer's native routing disagrees with the (bf16, lagging) engine on some of them."""
-    script = ROOT / "examples" / "megatron_moe" / "train_r3.py"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(script), "--steps", "3", "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env=env,
+    result = run_script(
+        ROOT / "examples" / "megatron_moe" / "train_r3.py", "--steps", "3", "--device", "cpu", cwd=tmp_path
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3
     assert all(line.endswith("replayed agreement with rollout routes: 100.00%") for line in steps)
@@ -633,16 +590,7 @@ def test_example_trains_with_full_agreement(tmp_path):
 def test_two_tensor_parallel_ranks_route_their_sequence_halves(tmp_path):
     """Real TP = 2 with sequence parallelism: megatron's own scatter gives rank r the contiguous
     r-th half of the sequence, and its router uses exactly the installed routes of those tokens."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "megatron_tp_worker.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_script(ROOT / "tests" / "megatron_tp_worker.py", str(tmp_path), cwd=tmp_path)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert [r["parallelism"] for r in reports] == [[2, 0], [2, 1]]
     for report in reports:

@@ -14,10 +14,14 @@ from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin_memo
 
 from r3lightning import PackedTensor
 from r3lightning.ragged import (
+    batch_index,
     host_int64,
+    host_lengths,
     offsets_from_lengths,
     padded_flat_index,
     segment_ids_and_positions,
+    tensor_from_bytes,
+    tensor_to_bytes,
     to_device_async,
 )
 
@@ -151,6 +155,31 @@ def test_empty_and_zero_segments():
     assert all_empty[1].shape == (0, 4, 2)
     assert PackedTensor.cat([empty, all_empty, empty]).equal(all_empty)
     assert PackedTensor.from_padded(torch.zeros(0, 5, 4, 2, dtype=torch.uint8), []).equal(empty)
+
+
+def test_ragged_batch_index_lengths_and_bytes_helpers():
+    assert batch_index(-2, 6, owner="X", unit="row") == 4
+    assert batch_index(slice(5, 1), 6, owner="X", unit="row") == slice(5, 5)
+    assert batch_index(slice(4, 1, 2), 6, owner="X", unit="row").tolist() == []
+    assert batch_index(slice(5, None, -2), 6, owner="X", unit="row").tolist() == [5, 3, 1]
+    assert batch_index((1, -1), 6, owner="X", unit="row").tolist() == [1, 5]
+    assert batch_index(np.array([True, False, True]), 3, owner="X", unit="row").tolist() == [0, 2]
+    with pytest.raises(IndexError, match=r"row 3 is out of range for a X of 3 rows"):
+        batch_index(torch.tensor([0, 3]), 3, owner="X", unit="row")
+    with pytest.raises(TypeError, match="unsupported X index of type str"):
+        batch_index("0", 3, owner="X", unit="row")
+
+    assert host_lengths(np.array([2, 0], dtype=np.uint8), "n").tolist() == [2, 0]
+    with pytest.raises(ValueError, match=r"n must hold ints, got \[1, True\]"):
+        host_lengths([1, True], "n")
+    with pytest.raises(ValueError, match=r"n must be >= 0, got \[1, -1\]"):
+        host_lengths(torch.tensor([1, -1]), "n")
+
+    for tensor in (torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16), torch.empty(0, 3, dtype=torch.int64)):
+        raw, dtype_name, shape = tensor_to_bytes(tensor)
+        raw.flags.writeable = False  # as an out-of-band pickle buffer may be
+        back = tensor_from_bytes(raw, dtype_name, shape)
+        assert back.dtype == tensor.dtype and torch.equal(back, tensor)
 
 
 def test_ragged_index_helpers():
@@ -303,6 +332,38 @@ def test_ops_never_read_device_offsets():
     assert PackedTensor.from_padded(torch.empty(4, 5, *ROW_SHAPE, device="meta"), [1, 2, 3, 4]).num_rows == 10
     assert meta.to(dtype=torch.int64).dtype == torch.int64 and "device=meta" in repr(meta)
     assert PackedTensor(meta.values, meta.cu_seqlens, cu_seqlens_host=meta.cu_seqlens_host).num_rows == 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_ops_never_synchronise():
+    segments, refs = make_segments([3, 0, 2, 4])
+    pinned = PackedTensor.from_segments(segments).pin_memory()
+    torch.cuda.set_sync_debug_mode("error")  # any device->host sync raises
+    try:
+        gpu = pinned.to("cuda", non_blocking=True)
+        view, gathered = gpu[1:3], gpu[[3, 0]]
+        padded = gpu.to_padded(max_len=6, pad=-1)
+        outs = [gpu[::2], gpu.repeat(2), gpu.repeat_interleave(2), PackedTensor.cat([gpu, view])]
+        back = PackedTensor.from_padded(padded, gpu.lengths)
+        wide = gpu.to(dtype=torch.int64)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert gpu.cu_seqlens.device.type == "cuda"
+    assert_segments(view.cpu(), refs[1:3])
+    assert_segments(gathered.cpu(), [refs[3], refs[0]])
+    np.testing.assert_array_equal(as_np(padded.cpu()), ref_padded(refs, 6, ROW_SHAPE, -1, "left"))
+    expected = [refs[::2], refs + refs, [r for r in refs for _ in range(2)], refs + refs[1:3]]
+    for out, want in zip(outs, expected, strict=True):
+        assert_segments(out.cpu(), want)
+    assert_segments(back.cpu(), refs)
+    assert_segments(wide.cpu(), refs)
+
+
+def test_moved_batch_owns_its_host_offsets():
+    source = PackedTensor.from_lengths(torch.arange(6), [2, 4])
+    moved = source.to("meta")
+    source.cu_seqlens_host[1] = 3  # a pooled collation buffer rewritten for the next batch
+    assert moved.lengths.tolist() == [2, 4]
 
 
 def test_contiguous_and_clone(packed):

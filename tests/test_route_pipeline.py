@@ -4,8 +4,14 @@ The whole data path runs on real components: multi-turn rollouts from the embedd
 server (both wire protocols, through ``RemoteGenerateClient`` and ``RoutedExpertTrace`` with
 prompt starts) -> ``Trajectory`` -> ``ReplayBuffer`` -> ``R3DataModule`` / ``RolloutCollator`` ->
 ``RolloutBatch`` transforms (micro-batches, repeat_interleave, data-parallel padding and shards)
--> ``TokenMetadataLayout`` (padded left / right, packed, context-parallel shards) + alignment +
-replay mask -> replay into an fp32 copy of the served weights, recording the experts used.
+-> ``TokenMetadataLayout`` (padded left / right, packed, context-parallel shards, megatron TP x CP
+ranks with the sequence-parallel split) + alignment + replay mask -> replay into an fp32 copy of
+the served weights, recording the experts used; and once through a real Lightning fit with the
+``RouterReplayCallback`` and the main job's GRPO module.
+
+The fp32 model's own (native) routing is the check that nothing is shifted where the model reads:
+it picks the server's experts for the token at the same position almost always (bf16 vs fp32
+flips a few), including where turns and prefill/decode meet, and a neighbour's only by chance.
 
 The expectation is built without any of that code. A loopback proxy in front of the server keeps
 every raw HTTP exchange; the reference decodes them with the standard library: token ``t`` of a

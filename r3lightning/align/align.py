@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from r3lightning.align.layout import Pad, TokenMetadataLayout, _host_lengths, take_rows
+from r3lightning.align.layout import Pad, TokenMetadataLayout, take_rows
 from r3lightning.packed import PackedTensor
+from r3lightning.ragged import host_lengths
 
 __all__ = ["align_packed_token_metadata", "build_replay_mask", "scatter_to_padded_batch"]
 
@@ -35,7 +36,7 @@ def _segment_starts(
     if segment_starts is None:
         starts = torch.zeros(batch, dtype=torch.int64)
     else:
-        starts = _host_lengths("segment_starts", segment_starts)
+        starts = host_lengths(segment_starts, "segment_starts")
         if starts.numel() != batch:
             raise ValueError(
                 f"segment_starts must have one entry per trajectory ({batch}), got {starts.numel()}"
@@ -99,7 +100,7 @@ def build_replay_mask(
         if device is None:
             device = packed_or_lengths.device
     else:
-        counts = _host_lengths("lengths", packed_or_lengths)
+        counts = host_lengths(packed_or_lengths, "lengths")
     starts = _segment_starts(segment_starts, counts, layout)
     offsets = torch.cumsum(counts, 0) - counts
     index = layout.source_index(offsets, starts=starts, counts=counts)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from r3lightning.align.layout import check_int
 from r3lightning.rollout.wire import compact_dtype
 
 __all__ = ["compact_route_dtype", "dummy_routes"]
@@ -26,12 +27,6 @@ def compact_route_dtype(max_expert_id: int) -> torch.dtype:
     if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
         raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
     return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id))).dtype
-
-
-def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def dummy_routes(
@@ -54,10 +49,10 @@ def dummy_routes(
     :func:`compact_route_dtype`), so aligning these rows next to captured routes never widens them
     unnecessarily. Built directly on ``device``; no host<->device transfer.
     """
-    _check_count("num_rows", num_rows, 0)
-    _check_count("num_layers", num_layers, 1)
-    _check_count("top_k", top_k, 1)
-    _check_count("num_experts", num_experts, 1)
+    check_int("num_rows", num_rows, 0)
+    check_int("num_layers", num_layers, 1)
+    check_int("top_k", top_k, 1)
+    check_int("num_experts", num_experts, 1)
     if top_k > num_experts:
         raise ValueError(
             f"top_k ({top_k}) must be <= num_experts ({num_experts}): a row needs top_k distinct experts"

@@ -23,6 +23,8 @@ from typing import Literal
 
 import torch
 
+from r3lightning.ragged import check_side, host_lengths, offsets_from_lengths, segment_ids_and_positions
+
 __all__ = ["Pad", "TokenMetadataLayout", "split_for_sequence_parallel"]
 
 # a scalar, one row broadcast to every uncovered position, or ``pad(n) -> [n, *row_shape]``
@@ -35,32 +37,18 @@ def _round_up(value: torch.Tensor | int, multiple: int) -> torch.Tensor | int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` when it is an ``int`` (not a bool) ``>= minimum``; else ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
-def _host_lengths(name: str, values: object) -> torch.Tensor:
-    """int64 host ``[B]`` from a sequence or tensor of non-negative ints (sync if on a GPU)."""
-    if isinstance(values, torch.Tensor):
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise ValueError(f"{name} must hold integers, got dtype {values.dtype}")
-        lengths = values.detach().to(_CPU, torch.int64)
-    else:
-        items = list(values)  # type: ignore[call-overload]
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
-            raise ValueError(f"{name} must hold ints, got {items!r}")
-        lengths = torch.tensor(items, dtype=torch.int64).reshape(-1)
-    if lengths.dim() != 1:
-        raise ValueError(f"{name} must be 1-D [batch], got shape {tuple(lengths.shape)}")
-    if lengths.numel() and int(lengths.min()) < 0:
-        raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
-    return lengths
-
-
-def _exclusive_cumsum(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(lengths, 0) - lengths
+def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
+    """``rank`` when it is an ``int`` in ``[0, size)``; else ``ValueError`` naming both fields."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+        raise ValueError(f"{name} must be an int in [0, {size}) for {size_name}={size}, got {rank!r}")
+    return rank
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,9 +103,8 @@ class TokenMetadataLayout:
         front (Megatron's unpacked path). Cost: O(B * S') host ops; one device->host copy if the
         mask lives on a GPU (pass the host mask at collate time to avoid it).
         """
-        if side not in ("left", "right"):
-            raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-        multiple = _positive_int("pad_to_multiple", pad_to_multiple)
+        check_side(side)
+        multiple = check_int("pad_to_multiple", pad_to_multiple)
         mask = torch.as_tensor(attention_mask)
         if mask.dim() != 2:
             raise ValueError(f"attention_mask must be 2-D [batch, seq], got shape {tuple(mask.shape)}")
@@ -177,16 +164,15 @@ class TokenMetadataLayout:
         ``T_local = T / cp_size``. ``batch_width`` is the width of the canonical left-padded batch
         (default: the longest sequence). Cost: O(T_local) host ops, no Python loop.
         """
-        multiple = _positive_int("pad_to_multiple", pad_to_multiple)
-        cp = _positive_int("cp_size", cp_size)
-        if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp:
-            raise ValueError(f"cp_rank must be an int in [0, {cp}) for cp_size={cp}, got {cp_rank!r}")
+        multiple = check_int("pad_to_multiple", pad_to_multiple)
+        cp = check_int("cp_size", cp_size)
+        check_rank("cp_rank", cp_rank, "cp_size", cp)
         if cp > 1 and multiple % (2 * cp):
             raise ValueError(
                 f"pad_to_multiple ({multiple}) must be a multiple of 2 * cp_size = {2 * cp}: each "
                 f"padded sequence is cut into {2 * cp} equal context-parallel chunks"
             )
-        lengths = _host_lengths("sequence_lengths", sequence_lengths)
+        lengths = host_lengths(sequence_lengths, "sequence_lengths")
         longest = int(lengths.max()) if lengths.numel() else 0
         if batch_width is None:
             batch_width = longest
@@ -194,17 +180,13 @@ class TokenMetadataLayout:
             raise ValueError(
                 f"batch_width must be an int >= the longest sequence ({longest}), got {batch_width!r}"
             )
-        batch = lengths.numel()
         padded = _round_up(lengths, multiple)  # [B]
-        cu_padded = torch.zeros(batch + 1, dtype=torch.int64)
-        torch.cumsum(padded, 0, out=cu_padded[1:])
-        cu_real = torch.zeros(batch + 1, dtype=torch.int64)
-        torch.cumsum(lengths, 0, out=cu_real[1:])
+        cu_padded = offsets_from_lengths(padded, "padded sequence_lengths")  # [B + 1] int32
+        cu_real = offsets_from_lengths(lengths, "sequence_lengths")  # [B + 1] int32
 
         chunk = padded // (2 * cp)  # [B] chunk length (cp == 1: half a sequence, two halves kept)
         local_lengths = padded // cp  # [B]
-        sequence = torch.repeat_interleave(torch.arange(batch), local_lengths)  # [T_local]
-        local = torch.arange(sequence.numel()) - _exclusive_cumsum(local_lengths)[sequence]
+        sequence, local = segment_ids_and_positions(local_lengths)  # [T_local] each
         chunk_of = chunk[sequence]
         # offset inside the sequence's padded span: first kept chunk is cp_rank, second 2cp-1-cp_rank
         span_offset = torch.where(
@@ -222,8 +204,8 @@ class TokenMetadataLayout:
             position_offset=torch.where(real, span_offset, -1),
             position_ids=span_offset.reshape(1, -1),
             pad_to_multiple=multiple,
-            cu_seqlens=cu_real.to(torch.int32),
-            cu_seqlens_padded=cu_padded.to(torch.int32),
+            cu_seqlens=cu_real,
+            cu_seqlens_padded=cu_padded,
             cp_size=cp,
             cp_rank=cp_rank,
         )
@@ -380,9 +362,8 @@ def split_for_sequence_parallel(
     routes ``[1, T_local, L, K] -> [1, T_local / TP, L, K]`` (``dim=1`` is the sequence dimension
     of ``[*token_shape, ...]`` tensors). No copy, no sync.
     """
-    tp = _positive_int("tp_size", tp_size)
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp:
-        raise ValueError(f"tp_rank must be an int in [0, {tp}) for tp_size={tp}, got {tp_rank!r}")
+    tp = check_int("tp_size", tp_size)
+    check_rank("tp_rank", tp_rank, "tp_size", tp)
     if not -tensor.dim() <= dim < tensor.dim():
         raise ValueError(f"dim {dim} out of range for a tensor of shape {tuple(tensor.shape)}")
     size = tensor.shape[dim]

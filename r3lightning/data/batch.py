@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.packed import PackedTensor
+from r3lightning.ragged import batch_index, tensor_from_bytes, tensor_to_bytes, to_device_async
 
 __all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "RolloutBatch"]
 
@@ -136,7 +137,7 @@ class RolloutBatch:
 
     def _gather(self, index: Tensor) -> RolloutBatch:
         """Rows ``index`` (host int64 ``[n]`` in ``[0, B)``) into new storage."""
-        device_index = index.to(self.device, non_blocking=True)
+        device_index = to_device_async(index, self.device)
         seq, prompt = self.lengths_host()
         return self._replace(
             lambda _, t: t.index_select(0, device_index),
@@ -152,26 +153,11 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """``int`` -> batch of that one row; step-1 slice -> view; strided slice, list, index
         tensor or bool mask -> gathered copy. Device-resident index tensors are read back once."""
-        count = len(self)
-        if (
-            isinstance(index, (Tensor, np.ndarray))
-            and index.ndim == 0
-            and index.dtype not in (torch.bool, np.bool_)
-        ):
-            index = int(index)
-        if isinstance(index, (bool, np.bool_)):
-            raise TypeError("a RolloutBatch cannot be indexed by a bool scalar; use a mask of length B")
-        if isinstance(index, (int, np.integer)):
-            position = operator.index(index)
-            if not -count <= position < count:
-                raise IndexError(f"row {position} is out of range for a RolloutBatch of {count} rows")
-            position %= count
-            return self[position : position + 1]
-        if isinstance(index, slice):
-            start, stop, step = index.indices(count)
-            if step != 1:
-                return self._gather(torch.arange(start, stop, step, dtype=torch.int64))
-            stop = max(start, stop)
+        picked = batch_index(index, len(self), owner="RolloutBatch", unit="row")
+        if isinstance(picked, int):
+            return self[picked : picked + 1]
+        if isinstance(picked, slice):
+            start, stop = picked.start, picked.stop
             seq, prompt = self.lengths_host()
             return self._replace(
                 lambda _, t: t[start:stop],
@@ -179,7 +165,7 @@ class RolloutBatch:
                 lambda r: r[start:stop],
                 (seq[start:stop], prompt[start:stop]),
             )
-        return self._gather(_rows(index, count))
+        return self._gather(picked)
 
     def split(self, split_size_or_sections: int | Sequence[int]) -> list[RolloutBatch]:
         """Micro-batches as views, like ``torch.split`` along the batch axis."""
@@ -364,40 +350,12 @@ class RolloutBatch:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Raw bytes through numpy: fast, and every dtype (bfloat16 included) survives the trip.
-        tensors = {name: _to_bytes(getattr(self, name)) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
+        tensors = {name: tensor_to_bytes(getattr(self, name)) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
         return _rebuild, (tensors, self.routed_experts, self.lengths_host(), str(self.device))
 
     def __repr__(self) -> str:
         routes = "None" if self.routed_experts is None else repr(self.routed_experts)
         return f"RolloutBatch(B={len(self)}, S={self.width}, device={self.device}, routed_experts={routes})"
-
-
-def _rows(index: Any, count: int) -> Tensor:
-    """List / array / tensor index or bool mask -> host int64 rows in ``[0, count)``."""
-    if isinstance(index, Tensor):
-        tensor = index.detach().cpu()
-    elif isinstance(index, np.ndarray):
-        tensor = torch.from_numpy(np.ascontiguousarray(index))
-    elif isinstance(index, (list, tuple)):
-        if index and all(isinstance(i, (bool, np.bool_)) for i in index):
-            tensor = torch.tensor(index, dtype=torch.bool)
-        else:
-            tensor = torch.as_tensor(index, dtype=torch.int64) if index else torch.empty(0, dtype=torch.int64)
-    else:
-        raise TypeError(f"unsupported RolloutBatch index of type {type(index).__name__}")
-    if tensor.dim() != 1:
-        raise IndexError(f"RolloutBatch index must be 1-D, got shape {tuple(tensor.shape)}")
-    if tensor.dtype == torch.bool:
-        if tensor.numel() != count:
-            raise IndexError(f"bool mask must have one entry per row ({count}), got {tensor.numel()}")
-        return torch.nonzero(tensor).flatten()
-    if tensor.is_floating_point() or tensor.is_complex():
-        raise IndexError(f"RolloutBatch index must hold integers or bools, got {tensor.dtype}")
-    tensor = tensor.to(torch.int64)
-    if tensor.numel() and (int(tensor.min()) < -count or int(tensor.max()) >= count):
-        bad = int(tensor[(tensor < -count) | (tensor >= count)][0])
-        raise IndexError(f"row {bad} is out of range for a RolloutBatch of {count} rows")
-    return torch.where(tensor < 0, tensor + count, tensor)
 
 
 def _left_pad(tensor: Tensor, width: int, pad: float | bool | int) -> Tensor:
@@ -409,28 +367,13 @@ def _left_pad(tensor: Tensor, width: int, pad: float | bool | int) -> Tensor:
     return out
 
 
-def _to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    host = tensor.detach().cpu().contiguous()
-    return (
-        host.reshape(-1).view(torch.uint8).numpy(),
-        str(host.dtype).removeprefix("torch."),
-        tuple(host.shape),
-    )
-
-
-def _from_bytes(raw: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> Tensor:
-    if not raw.flags.writeable:  # out-of-band pickle buffers may be read-only
-        raw = raw.copy()
-    return torch.from_numpy(raw).view(getattr(torch, dtype_name)).reshape(shape)
-
-
 def _rebuild(
     tensors: dict[str, tuple[np.ndarray, str, tuple[int, ...]]],
     routes: PackedTensor | None,
     host: tuple[Tensor, Tensor],
     device: str,
 ) -> RolloutBatch:
-    values = {name: _from_bytes(*spec) for name, spec in tensors.items()}
+    values = {name: tensor_from_bytes(*spec) for name, spec in tensors.items()}
     batch = RolloutBatch(
         **values, routed_experts=None if routes is None else routes.to("cpu"), _host_lengths=host
     )

@@ -1,1 +1,10 @@
+"""The main job: GRPO training of a causal MoE with Rollout Routing Replay (Hydra-configured).
 
+task         the verifiable toy task and its reward
+grpo         group advantages, clipped policy loss, training/inference mismatch metrics
+module       the LightningModule (logprobs of left-padded batches, FSDP2 sharding)
+rollout_loop rollouts from the engine into the replay buffer, one RL step per epoch
+report       metrics CSV, summary table, plot
+setup        builds a run from its config
+main         the Hydra entry point (``python -m r3lightning.job.main``, ``r3lightning-train``)
+"""

@@ -75,7 +75,10 @@ def _task(cfg: DictConfig) -> None:
         sys.exit(2)
     except MissingMandatoryValue as exc:
         key = exc.full_key or "a required value"
-        print(f"r3lightning-train: error: {key} must be set (add {key}=... to the command line)", file=sys.stderr)
+        print(
+            f"r3lightning-train: error: {key} must be set (add {key}=... to the command line)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     except RemoteGenerateError as exc:
         print(f"r3lightning-train: rollout engine error: {_one_line(exc)}", file=sys.stderr)
@@ -85,12 +88,39 @@ def _task(cfg: DictConfig) -> None:
         sys.exit(130)
 
 
+def _hydra_message(exc: BaseException) -> str:
+    """Hydra's multi-line composition error as one line (the search-path dump dropped)."""
+    text = str(exc).split("Config search path")[0].split("full_key:")[0]
+    text = text.replace(":\n\t", ": ").replace("\n\t", ", ")
+    return _one_line(text)
+
+
+def _check_overrides(args: list[str]) -> str | None:
+    """Compose the config with the command-line overrides once, before Hydra does, to report a
+    bad override as one line. Hydra's own flags and ``hydra.*`` overrides are left to Hydra."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(a.startswith("-") for a in args):
+        return None
+    overrides = [a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
+    try:
+        compose_config(overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        return _hydra_message(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (``r3lightning-train``): Hydra parses the command-line overrides."""
     import hydra
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    problem = _check_overrides(sys.argv[1:])
+    if problem is not None:
+        print(f"r3lightning-train: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     # Lightning's banner lines and a deprecation inside its own pytree helper are noise here.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")

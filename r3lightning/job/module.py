@@ -25,7 +25,7 @@ from .grpo import GRPOConfig, mismatch_metrics, policy_loss, token_logprobs
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
+    lr: float = 1e-2
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float | None = 1.0  # applied by the Trainer (gradient_clip_val)
@@ -180,7 +180,9 @@ class GRPOModule(pl.LightningModule):
             return
         from torch.distributed.fsdp import fully_shard
 
-        dp_mesh = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+        dp_mesh = (
+            mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
+        )
         layers = getattr(getattr(self.model, "model", self.model), "layers", None)
         if not isinstance(layers, nn.ModuleList):
             raise ValueError(

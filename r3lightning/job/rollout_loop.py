@@ -7,8 +7,9 @@ and returns ``Trajectory`` objects (routes go through a ``RoutedExpertTrace`` pe
 ``OnPolicyLoop`` is the Lightning callback that keeps the engine on-policy: at fit start and
 after every epoch it pushes the trainer's weights to the engine, collects the next step's
 rollouts into the ``ReplayBuffer`` the data module reads (the trainer reloads its dataloader
-every epoch), and records one row of metrics per step. Its history is part of the checkpoint,
-so a resumed run continues the same CSV.
+every epoch, ``reload_dataloaders_every_n_epochs=1``), and records one row of metrics per step.
+Its history is part of the checkpoint, and the checkpoint taken after step ``e`` already holds
+step ``e + 1``'s rollouts (in the data module's state), so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -323,8 +324,8 @@ def _plain_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
 def _epoch_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Flatten the epoch-aggregated logged metrics into CSV columns.
 
-    ``train/<name>`` -> ``<name>``; the replay callback's per-layer agreement becomes
-    ``agreement/layer_<i>``.
+    ``train/<name>`` -> ``<name>``; the module's per-layer routing agreement keeps its
+    ``agreement/layer_XX`` name.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():

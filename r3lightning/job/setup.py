@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import os
 import warnings
@@ -153,7 +152,9 @@ def _http_push(url: str, api_key: str | None, timeout_s: float):
     return push
 
 
-def _sglang_disk_push(url: str, api_key: str | None, timeout_s: float, directory: Path, model_path: str | None):
+def _sglang_disk_push(
+    url: str, api_key: str | None, timeout_s: float, directory: Path, model_path: str | None
+):
     """Weight sync for SGLang: save a safetensors checkpoint into ``directory`` (shared with the
     engine) and ask the engine to load it with ``POST /update_weights_from_disk``."""
     import shutil
@@ -172,7 +173,9 @@ def _sglang_disk_push(url: str, api_key: str | None, timeout_s: float, directory
         ):
             body = await response.json(content_type=None)
             if response.status != 200 or not (isinstance(body, dict) and body.get("success", False)):
-                raise JobError(f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(body)[:200]}")
+                raise JobError(
+                    f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(body)[:200]}"
+                )
 
     def push(state_dict: Mapping[str, Tensor]) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -225,18 +228,21 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         port=int(server_cfg.port),
         api_key=rollout.api_key,
         dtype=dtype,
-        device=server_cfg.get("device"),
-        max_batch_size=int(server_cfg.get("max_batch_size", 64)),
+        device=server_cfg.device,
+        max_batch_size=int(server_cfg.max_batch_size),
         seed=int(cfg.seed),
         copy_model=False,
     )
     try:
-        with server:
-            yield Engine(server.url, server.update_weights)
+        server.__enter__()  # serves from a daemon thread until __exit__
     except OSError as exc:
         raise JobError(
             f"cannot start the embedded rollout server on {server_cfg.host}:{server_cfg.port}: {exc}"
         ) from None
+    try:
+        yield Engine(server.url, server.update_weights)
+    finally:
+        server.__exit__(None, None, None)
 
 
 # ---------------------------------------------------------------------------- one run
@@ -269,8 +275,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     from .task import TokenClassTask, TokenClassTaskConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    with contextlib.redirect_stdout(io.StringIO()):
-        pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model)
     mode = str(cfg.replay.mode)
     backend = HFRouterReplay.for_model(model)
@@ -324,7 +329,10 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
 
     buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
     data_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "_target_"}  # type: ignore[union-attr]
-    datamodule = R3DataModule(buffer, **data_kwargs)
+    try:
+        datamodule = R3DataModule(buffer, **data_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise JobError(f"data: {exc}") from None
 
     # conf/callbacks: either {router_replay: {...}} or the callback's own keys at the top level
     callbacks_cfg = cfg.callbacks if "_target_" in cfg.callbacks else cfg.callbacks.get("router_replay", {})
@@ -334,7 +342,10 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     if mode == "off":
         # the module measures the agreement itself by recording the training forward
         callback_kwargs["log_agreement"] = False
-    replay_callback = RouterReplayCallback(backend=backend, mode=mode, **callback_kwargs)  # type: ignore[arg-type]
+    try:
+        replay_callback = RouterReplayCallback(backend=backend, mode=mode, **callback_kwargs)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise JobError(f"callbacks.router_replay: {exc}") from None
     loop = OnPolicyLoop(
         collector,
         buffer,

@@ -15,9 +15,19 @@ rank's ``[1, T_local]``, before the sequence-parallel split, which the backend a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
+
+__all__ = [
+    "RouterReplayBackend",
+    "agreement_hits",
+    "in_recompute",
+    "routes_on_all_layers",
+    "validate_routes_for_install",
+]
 
 
 @runtime_checkable
@@ -64,3 +74,95 @@ class RouterReplayBackend(Protocol):
         Activation-checkpoint recomputation is not counted twice. Host tensors (one sync).
         """
         ...
+
+
+def validate_routes_for_install(
+    backend: RouterReplayBackend,
+    routes: Tensor,
+    replay_mask: Tensor | None,
+    *,
+    token_dims: int | None = None,
+    check_ids: bool = True,
+) -> tuple[int, ...]:
+    """Check the arguments of ``backend.install(routes, replay_mask)``; returns the token shape.
+
+    ``routes`` must be an integer ``[*token_shape, num_layers, top_k]`` tensor (``token_dims=2``:
+    exactly ``[B, S, num_layers, top_k]``) and ``replay_mask`` None or bool ``[*token_shape]``.
+    With ``check_ids`` the expert ids of the replayed rows on ``backend.moe_layers`` must lie in
+    ``[0, num_experts)`` and be distinct within a row: one pass over those rows and a
+    device->host sync for device routes. Raises ``TypeError`` / ``ValueError``; nothing is kept.
+    """
+    num_layers, top_k, num_experts = backend.num_layers, backend.top_k, backend.num_experts
+    if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
+        raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
+    label = (
+        "*token_shape" if token_dims is None else "B, S" if token_dims == 2 else f"{token_dims} token dims"
+    )
+    shape_ok = routes.dim() >= 3 if token_dims is None else routes.dim() == token_dims + 2
+    if not shape_ok or tuple(routes.shape[-2:]) != (num_layers, top_k):
+        raise ValueError(
+            f"routes must have shape [{label}, num_layers={num_layers}, top_k={top_k}], got {tuple(routes.shape)}"
+        )
+    token_shape = tuple(routes.shape[:-2])
+    if replay_mask is not None and (
+        replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != token_shape
+    ):
+        raise ValueError(
+            f"replay_mask must be a bool tensor of shape {token_shape}, "
+            f"got {replay_mask.dtype} {tuple(replay_mask.shape)}"
+        )
+    if check_ids:
+        used = routes[..., list(backend.moe_layers), :]  # [*token_shape, moe_layers, top_k]
+        if replay_mask is not None:
+            used = used[replay_mask]
+        if used.numel():
+            low, high = int(used.min()), int(used.max())
+            if low < 0 or high >= num_experts:
+                raise ValueError(
+                    f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; "
+                    f"expected ids in [0, {num_experts - 1}]"
+                )
+            ordered = used.sort(dim=-1).values
+            if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+                raise ValueError("routes repeat an expert within a token's top_k on a replayed MoE layer")
+    return token_shape
+
+
+def agreement_hits(replayed: Tensor, native: Tensor) -> Tensor:
+    """bool ``[N, K]``: replayed expert slot whose id is in the router's native top-k set.
+
+    ``replayed`` / ``native`` are ``[N, K]`` expert ids on one device; an ``[N, K, K]``
+    comparison, no host sync. Summed per layer, these are the ``agreeing_slots`` of
+    :meth:`RouterReplayBackend.routing_stats`.
+    """
+    return (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)
+
+
+def routes_on_all_layers(
+    layer_rows: Iterable[tuple[int, Tensor]], token_shape: Sequence[int], num_layers: int, top_k: int
+) -> Tensor:
+    """Recorded routes as :meth:`RouterReplayBackend.stop_recording` returns them.
+
+    ``layer_rows``: ``(absolute layer, experts [*token_shape, top_k])`` of each routed layer (at
+    least one; all on one device). Returns int32 ``[*token_shape, num_layers, top_k]`` there, 0 on
+    every other layer (dense layers, other pipeline stages). One zero fill and one copy per layer.
+    """
+    out: Tensor | None = None
+    for layer, rows in layer_rows:
+        if out is None:
+            out = torch.zeros((*token_shape, num_layers, top_k), dtype=torch.int32, device=rows.device)
+        out[..., layer, :] = rows
+    if out is None:
+        raise ValueError("routes_on_all_layers needs the rows of at least one routed layer")
+    return out
+
+
+# private but stable since torch 2.0; without it recompute passes would be counted/recorded twice
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def in_recompute() -> bool:
+    """True while autograd runs a backward pass, i.e. during activation-checkpoint recomputation
+    (reentrant or not: both recompute inside the backward's graph task). Backends replay there
+    what the forward replayed, and neither record nor count it again."""
+    return _graph_task_id() != -1

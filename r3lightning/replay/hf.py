@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .backend import agreement_hits, in_recompute, routes_on_all_layers, validate_routes_for_install
+
 # (router module, live logits [N, E], expert ids [N, K] int64) -> gate weights [N, K]
 GateWeightsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
@@ -122,16 +124,6 @@ def _adapter_for(module: nn.Module) -> RouterAdapter | None:
         if cls in _ADAPTERS:
             return _ADAPTERS[cls]
     return None
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass, i.e. during activation-checkpoint recompute
-    (reentrant or not: both recompute inside the backward's graph task)."""
-    return _graph_task_id() != -1
-
-
-# private but stable since torch 2.0; without it recompute passes would be counted/recorded twice
-_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
@@ -272,23 +264,7 @@ class HFRouterReplay:
         here, once (``non_blocking``: pin host routes to overlap the copy). ``replay_mask``
         ``[*token_shape]`` bool, False -> native routing for that token. Resets routing stats.
         """
-        if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
-            raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
-        if routes.dim() < 3 or tuple(routes.shape[-2:]) != (self.num_layers, self.top_k):
-            raise ValueError(
-                f"routes must have shape [*token_shape, num_layers={self.num_layers}, top_k={self.top_k}], "
-                f"got {tuple(routes.shape)}"
-            )
-        token_shape = tuple(routes.shape[:-2])
-        if replay_mask is not None and (
-            replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != token_shape
-        ):
-            raise ValueError(
-                f"replay_mask must be a bool tensor of shape {token_shape}, "
-                f"got {replay_mask.dtype} {tuple(replay_mask.shape)}"
-            )
-        if self.validate:
-            self._validate(routes, replay_mask)
+        token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
         n = routes[..., 0, 0].numel()
         device = self._device()
         self._routes = routes.reshape(n, self.num_layers, self.top_k).to(
@@ -307,22 +283,6 @@ class HFRouterReplay:
         # Looked up per install: the model may have moved since construction.
         weight = next(self.routers[0].parameters(), None)
         return torch.device("cpu") if weight is None else weight.device
-
-    def _validate(self, routes: Tensor, replay_mask: Tensor | None) -> None:
-        used = routes[..., list(self.moe_layers), :]  # [*token_shape, moe_layers, top_k]
-        if replay_mask is not None:
-            used = used[replay_mask]
-        if used.numel() == 0:
-            return
-        low, high = int(used.min()), int(used.max())
-        if low < 0 or high >= self.num_experts:
-            raise ValueError(
-                f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; "
-                f"expected ids in [0, {self.num_experts - 1}]"
-            )
-        ordered = used.sort(dim=-1).values
-        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-            raise ValueError("routes repeat an expert within a token's top_k on a replayed MoE layer")
 
     def clear(self) -> None:
         """Drop installed routes, recording and stats (no device work)."""
@@ -373,14 +333,8 @@ class HFRouterReplay:
             missing = set(self.moe_layers) - set(by_layer)
             if missing:
                 raise RuntimeError(f"recording saw no routing for MoE layers {sorted(missing)}")
-            any_rows = next(iter(by_layer.values()))
-            out = torch.zeros(
-                (*token_shape, self.num_layers, self.top_k), dtype=torch.int32, device=any_rows.device
-            )
-            flat = out.view(-1, self.num_layers, self.top_k)
-            for layer, rows in by_layer.items():
-                flat[:, layer] = rows
-            pieces.append(out)
+            rows = ((layer, r.reshape(*token_shape, self.top_k)) for layer, r in by_layer.items())
+            pieces.append(routes_on_all_layers(rows, token_shape, self.num_layers, self.top_k))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
 
     # -------------------------------------------------------------------------------- stats
@@ -404,7 +358,7 @@ class HFRouterReplay:
 
     # -------------------------------------------------------------------------------- hooks
     def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._sessions or _in_backward():
+        if not self._sessions or in_recompute():
             return
         hidden = args[0] if args else kwargs["hidden_states"]
         for session in self._sessions:
@@ -419,7 +373,7 @@ class HFRouterReplay:
     def _route(self, slot: _RouterSlot, module: nn.Module, output: tuple) -> tuple | None:
         p_logits, p_weights, p_indices = slot.adapter.output_positions
         native = output[p_indices]  # [N, K]
-        recompute = _in_backward()
+        recompute = in_recompute()
         indices = native
         replaced = None
         if self._routes is not None:
@@ -445,7 +399,7 @@ class HFRouterReplay:
 
     def _count(self, slot: _RouterSlot, installed: Tensor, native: Tensor) -> None:
         with torch.no_grad():
-            hits = (installed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)  # [N, K]
+            hits = agreement_hits(installed, native)  # [N, K]
             if self._mask is not None:
                 hits = hits & self._mask[:, None]
             if self._stats is None:

@@ -33,6 +33,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor, nn
 
 from r3lightning.align.layout import TokenMetadataLayout, split_for_sequence_parallel
+from r3lightning.replay.backend import routes_on_all_layers, validate_routes_for_install
 from r3lightning.replay.megatron_layout import MegatronParallelism, megatron_token_layout
 from r3lightning.replay.megatron_router import MaskedRouterReplay
 
@@ -182,23 +183,7 @@ class MegatronRouterReplay:
         layers, widened to int64 on the routers' device (``non_blocking``: pin host routes to
         overlap it); no device->host sync unless ``validate``.
         """
-        if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
-            raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
-        if routes.dim() != 4 or tuple(routes.shape[-2:]) != (self.num_layers, self.top_k):
-            raise ValueError(
-                f"routes must have shape [B, S, num_layers={self.num_layers}, top_k={self.top_k}], "
-                f"got {tuple(routes.shape)}"
-            )
-        token_shape = tuple(routes.shape[:2])
-        if replay_mask is not None and (
-            replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != token_shape
-        ):
-            raise ValueError(
-                f"replay_mask must be a bool tensor of shape {token_shape}, "
-                f"got {replay_mask.dtype} {tuple(replay_mask.shape)}"
-            )
-        if self.validate:
-            self._validate(routes, replay_mask)
+        validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
         device = self._routers[0].weight.device
         local = self._split_sequence(routes)  # [N, L, K] compact dtype
         # one widening copy per local MoE layer (no device index tensor to build)
@@ -214,22 +199,6 @@ class MegatronRouterReplay:
             replay.set_target_indices(layer_routes, mask)
             replay.fresh = True
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-
-    def _validate(self, routes: Tensor, replay_mask: Tensor | None) -> None:
-        used = routes[:, :, list(self.moe_layers)]  # [B, S, L_moe, K]
-        if replay_mask is not None:
-            used = used[replay_mask]
-        if used.numel() == 0:
-            return
-        low, high = int(used.min()), int(used.max())
-        if low < 0 or high >= self.num_experts:
-            raise ValueError(
-                f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; "
-                f"expected ids in [0, {self.num_experts - 1}]"
-            )
-        ordered = used.sort(dim=-1).values
-        if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
-            raise ValueError("routes repeat an expert within a token's top_k on a replayed MoE layer")
 
     def clear(self) -> None:
         """Drop installed routes, queued recompute entries, recording and stats; route natively."""
@@ -283,12 +252,8 @@ class MegatronRouterReplay:
             dist.all_gather(pieces, local.contiguous(), group=group)
             local = torch.cat(pieces)  # [S * B, L_moe, K], TP ranks in sequence order
         tokens = local.reshape(-1, batch, *local.shape[1:]).transpose(0, 1)  # [B, S, L_moe, K]
-        out = torch.zeros(
-            (*tokens.shape[:2], self.num_layers, self.top_k), dtype=torch.int32, device=tokens.device
-        )
-        for column, layer in enumerate(self.moe_layers):
-            out[:, :, layer] = tokens[:, :, column]
-        return out
+        rows = ((layer, tokens[:, :, column]) for column, layer in enumerate(self.moe_layers))
+        return routes_on_all_layers(rows, tokens.shape[:2], self.num_layers, self.top_k)
 
     # ----------------------------------------------------------------------------- stats
     def routing_stats(self) -> dict:

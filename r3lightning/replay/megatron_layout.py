@@ -14,21 +14,9 @@ from typing import Any, Literal
 from megatron.core import parallel_state
 from torch import Tensor
 
-from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.align.layout import TokenMetadataLayout, check_int, check_rank
 
 __all__ = ["MegatronParallelism", "megatron_token_layout"]
-
-
-def _rank_in(name: str, rank: int, size: int) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-        raise ValueError(f"{name} must be an int in [0, {size}), got {rank!r}")
-    return rank
-
-
-def _size(name: str, size: int) -> int:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {size!r}")
-    return size
 
 
 @dataclass(frozen=True)
@@ -46,8 +34,8 @@ class MegatronParallelism:
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        _rank_in("tp_rank", self.tp_rank, _size("tp_size", self.tp_size))
-        _rank_in("cp_rank", self.cp_rank, _size("cp_size", self.cp_size))
+        check_rank("tp_rank", self.tp_rank, "tp_size", check_int("tp_size", self.tp_size))
+        check_rank("cp_rank", self.cp_rank, "cp_size", check_int("cp_size", self.cp_size))
 
     @classmethod
     def resolve(

@@ -25,7 +25,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor, nn
 
-from r3lightning.replay.hf import _in_backward
+from r3lightning.replay.backend import agreement_hits, in_recompute
 
 __all__ = ["MaskedRouterReplay"]
 
@@ -92,7 +92,7 @@ class MaskedRouterReplay(RouterReplay):
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
         hidden = args[0] if args else None  # [s, b, h]
-        if _in_backward():  # activation recomputation: replay what the forward replayed
+        if in_recompute():  # activation recomputation: replay what the forward replayed
             if self.target_topk_idx is not None:
                 self.set_router_replay_action(_BACKWARD)
             return
@@ -149,7 +149,7 @@ class MaskedRouterReplay(RouterReplay):
 
     def _count(self, replayed: Tensor, native: Tensor, mask: Tensor | None) -> None:
         with torch.no_grad():
-            hits = (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)  # [N, K]
+            hits = agreement_hits(replayed, native)  # [N, K]
             if mask is None:
                 rows = torch.full((), replayed.shape[0], dtype=torch.int64, device=replayed.device)
             else:

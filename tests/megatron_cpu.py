@@ -1,0 +1,70 @@
+"""Tiny megatron-core MoE configs and the CPU shims megatron-core 0.16.1 needs, for the megatron tests.
+
+megatron-core assumes CUDA in places :func:`cpu_shims` patches for as long as it is active:
+
+* ``Router.gating`` moves CPU router weights to ``torch.cuda.current_device()`` (and
+  ``TopKRouter`` builds expert-bias buffers there): ``torch.cuda.current_device`` returns ``"cpu"``;
+* ``moe_utils`` leaves ``te_general_gemm`` undefined when Transformer Engine is missing (a
+  ``NameError`` in ``router_gating_linear``): it is set to ``None``, megatron's own non-TE path;
+* megatron's activation checkpoint saves and restores the CUDA RNG state: those two calls are
+  no-ops (the CPU RNG state is still saved and restored by megatron).
+
+Used in-process by test_megatron_replay and by the spawned ranks of megatron_tp_worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+LAYERS, EXPERTS, TOP_K, HIDDEN = 4, 8, 2, 16
+
+
+@contextmanager
+def cpu_shims() -> Iterator[None]:
+    """Let megatron-core MoE layers run forward, backward and recompute on the CPU."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "current_device", lambda: "cpu")
+        patch.setattr(moe_utils, "te_general_gemm", None, raising=False)
+        patch.setattr(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0))
+        patch.setattr(tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+        yield
+
+
+def make_config(**overrides) -> TransformerConfig:
+    """``LAYERS`` decoder layers, the first dense, ``EXPERTS`` experts, top-``TOP_K``, dropless,
+    routing replay enabled, fp32 on the CPU; ``overrides`` replace any field."""
+    fields = dict(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=2,
+        ffn_hidden_size=16,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=TOP_K,
+        moe_layer_freq=[0, 1, 1, 1],  # first layer dense
+        moe_enable_routing_replay=True,
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def make_moe_layer(config: TransformerConfig, layer_number: int | None):
+    """A standalone megatron ``MoELayer`` as decoder layer ``layer_number`` (1-based; None leaves
+    it unnumbered, as an MoE layer built outside a ``TransformerLayer`` is)."""
+    layer = build_module(get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp, config=config)
+    if layer_number is not None:
+        layer.set_layer_number(layer_number)
+    return layer
