@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
@@ -121,9 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     if problem is not None:
         print(f"r3lightning-train: error: {problem}", file=sys.stderr)
         sys.exit(2)
-    # Lightning's banner lines and a deprecation inside its own pytree helper are noise here.
+    # Lightning's banner lines (accelerator summary, logger tips) are noise here.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
 
 
@@ -133,10 +130,6 @@ def compose_config(overrides: list[str] | None = None) -> DictConfig:
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides or []))
-
-
-def to_container(cfg: DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
 if __name__ == "__main__":

@@ -57,13 +57,12 @@ def summarize(records: Sequence[Mapping[str, float]], window: int = 3) -> dict[s
     mean mismatch metrics, and the lowest per-layer routing agreement seen in any step."""
     agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
     n = len(records)
-    mean = lambda key: _window_mean(records, key, True, n)  # noqa: E731
     return {
         "steps": float(n),
         "reward_start": _window_mean(records, "reward", True, window),
         "reward_end": _window_mean(records, "reward", False, window),
-        "k3_kl": mean("k3_kl"),
-        "ratio_out_of_band": mean("ratio_out_of_band"),
+        "k3_kl": _window_mean(records, "k3_kl", True, n),
+        "ratio_out_of_band": _window_mean(records, "ratio_out_of_band", True, n),
         "agreement_mean": sum(agreements) / len(agreements) if agreements else math.nan,
         "agreement_min": min(agreements) if agreements else math.nan,
     }
@@ -71,7 +70,15 @@ def summarize(records: Sequence[Mapping[str, float]], window: int = 3) -> dict[s
 
 def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
     """Fixed-width summary, one row per run (e.g. ``{"replay=r3": ..., "replay=off": ...}``)."""
-    header = ["run", "steps", "reward start->end", "k3 KL", "ratio!in[0.5,2]", "agreement mean", "min"]
+    header = [
+        "run",
+        "steps",
+        "reward start->end",
+        "k3 KL",
+        "ratio outside [0.5,2]",
+        "routing agreement",
+        "min",
+    ]
     rows = [header]
 
     def pct(value: float, digits: int) -> str:
@@ -93,6 +100,12 @@ def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [
+        "",
+        "reward: mean of the first / last 3 steps",
+        "k3 KL (rollout || trainer), ratio outside [0.5, 2]: token means, averaged over steps",
+        "routing agreement: share of the engine's experts the training forward used (mean, min over steps x MoE layers)",
+    ]
     return "\n".join(lines)
 
 

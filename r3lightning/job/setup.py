@@ -378,5 +378,10 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     ckpt_path = str(last) if cfg.resume and last.exists() else None
     if ckpt_path is not None and is_global_zero():
         print(f"resuming {out_dir.name} from {last}")
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    with warnings.catch_warnings():
+        # Lightning's own deprecated pytree call, and the expected note when resuming into
+        # the same checkpoint directory
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return loop.history
