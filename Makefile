@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m r3lightning.job.main $(ARGS)
+	$(PY) -m r3lightning.job.main experiment=compare $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -73,6 +73,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
+# ruff: noqa: F401  (the names below are re-exported through __all__, built from _EXPORTS)
 if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .align.align import align_packed_token_metadata, build_replay_mask, scatter_to_padded_batch
     from .align.dummy import dummy_routes

@@ -11,13 +11,12 @@ Configs and CPU shims come from megatron_cpu, as in test_megatron_replay.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -76,7 +75,4 @@ def run_rank(rank: int) -> dict:
 
 
 if __name__ == "__main__":
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        free_port = sock.getsockname()[1]
-    mp.spawn(worker, args=(free_port, sys.argv[1]), nprocs=2)
+    run_ranks(worker, free_port(), sys.argv[1])

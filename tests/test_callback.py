@@ -1,10 +1,10 @@
 import copy
-import socket
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from gloo_ranks import free_port, run_ranks
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import Logger
@@ -423,10 +423,4 @@ def _fsdp_fit(rank, port, batches):
 
 @pytest.mark.slow
 def test_fsdp2_model_parallel_strategy_replays_per_rank(batches):
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # fork: the children inherit the imported modules instead of importing them again
-    mp.start_processes(_fsdp_fit, args=(port, batches), nprocs=2, join=True, start_method="fork")
+    run_ranks(_fsdp_fit, free_port(), batches)

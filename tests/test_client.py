@@ -8,13 +8,13 @@ import email.utils
 import json
 import pickle
 import random
-import socket
 import time
 
 import aiohttp
 import numpy as np
 import pytest
 from fault_server import CLOSE, DROP_MID_BODY, OK, FaultServer, Raw, Slow, Status, expected_generation
+from gloo_ranks import free_port
 
 from r3lightning import (
     GenerateRequestError,
@@ -491,9 +491,3 @@ async def test_sglang_routes_need_the_schema():
     client = RemoteGenerateClient("http://127.0.0.1:1", protocol="sglang")
     with pytest.raises(ValueError, match="num_layers and top_k"):
         await client.generate(PROMPT, {}, return_routed_experts=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -1,6 +1,5 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -9,6 +8,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from gloo_ranks import free_port
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from r3lightning.data.batch import RolloutBatch
@@ -308,18 +308,12 @@ def _ddp_worker(out_dir):
     Path(out_dir, f"rank{fit.global_rank}.json").write_text(json.dumps(tags_of(module.seen)))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_process_ddp_ranks_collate_disjoint_shards_covering_the_epoch(tmp_path):
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
         "NODE_RANK": "0",
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),

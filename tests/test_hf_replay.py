@@ -1,10 +1,9 @@
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_ranks import free_port, run_ranks
 from torch import nn
 
 from r3lightning.models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
@@ -392,14 +391,4 @@ def test_fsdp2_fully_shard_replays_per_rank_routes():
     reference = build_tiny_moe(seed=0).train()
     with replay_routes(reference, routes, attention_mask):
         expected_logits = reference(input_ids, attention_mask=attention_mask).logits.detach()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # fork: the children inherit the imported modules instead of importing them again
-    mp.start_processes(
-        _fsdp_worker,
-        args=(2, port, routes, input_ids, attention_mask, expected_logits),
-        nprocs=2,
-        join=True,
-        start_method="fork",
-    )
+    run_ranks(_fsdp_worker, 2, free_port(), routes, input_ids, attention_mask, expected_logits)

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
+from gloo_ranks import free_port
 from megatron.core import parallel_state
 from megatron.core.fusions import fused_softmax
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -65,10 +65,7 @@ def run_script(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProce
 def megatron_cpu():
     started = not dist.is_initialized()
     if started:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     with cpu_shims():
         yield

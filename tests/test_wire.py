@@ -320,3 +320,108 @@ def test_invalid_bodies(text, message):
     with pytest.raises(MalformedResponseError, match=message):
         parsed = parse_body(text)
         parsed.payload(parsed.value["data"], "data")
+
+
+# ------------------------------------------------------------------ validation vs a naive reference
+
+
+def naive_validation_error(routes: np.ndarray, num_experts: int | None) -> str | None:
+    """The message validate_routes must raise, from plain Python loops (None: valid)."""
+    ids = routes.astype(np.int64)
+    if ids.size and routes.dtype.kind == "i" and ids.min() < 0:
+        return f"routed_experts: expert id {ids.min()} is negative"
+    if ids.size and num_experts is not None and ids.max() >= num_experts:
+        return f"routed_experts: expert id {ids.max()} is out of range for num_experts={num_experts}"
+    for row in range(routes.shape[0]):
+        for layer in range(routes.shape[1]):
+            experts = ids[row, layer].tolist()
+            if len(set(experts)) < len(experts) and any(experts):
+                return f"routed_experts: row {row} layer {layer} repeats an expert: {experts}"
+    return None
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    rows=st.integers(0, 9),
+    layers=st.integers(1, 3),
+    top_k=st.integers(1, 5),
+    dtype=st.sampled_from(["<u1", "<i2", "<i4", "<i8", ">i4", "<u2"]),
+    num_experts=st.sampled_from([None, 6, 300, 40_000]),
+    block=st.sampled_from([1, 2, 5, 1 << 15]),
+    seed=st.integers(0, 2**16),
+    edits=st.lists(st.sampled_from(["repeat", "zero", "negative", "large", "big_negative"]), max_size=3),
+)
+def test_validation_matches_a_naive_reference(rows, layers, top_k, dtype, num_experts, block, seed, edits):
+    rng = np.random.default_rng(seed)
+    routes = distinct_routes(rows, layers, top_k, 6, seed).astype(dtype)
+    info = np.iinfo(routes.dtype)
+    for edit in edits if routes.size else []:
+        row, layer = rng.integers(rows), rng.integers(layers)
+        lane = rng.integers(top_k)
+        if edit == "repeat" and top_k > 1:
+            routes[row, layer, (lane + 1) % top_k] = routes[row, layer, lane]
+        elif edit == "zero":
+            routes[row, layer] = 0  # dense-layer filler: allowed
+        elif edit == "negative" and info.min < 0:
+            routes[row, layer, lane] = -1
+        elif edit == "big_negative" and info.min < 0:  # unsigned image below 40_000 for int16
+            routes[row, layer, lane] = max(info.min, -30_000)
+        elif edit == "large":
+            routes[row, layer, lane] = min(info.max, 35_000)
+    before = routes.copy()
+    expected = naive_validation_error(routes, num_experts)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("r3lightning.rollout.wire._UNIQUE_BLOCK", block)
+        for view in (routes, routes[:, ::-1]):  # contiguous and strided inputs
+            want = expected if view is routes else naive_validation_error(view, num_experts)
+            if want is None:
+                validate_routes(view, num_experts=num_experts)
+            else:
+                with pytest.raises(MalformedResponseError) as caught:
+                    validate_routes(view, num_experts=num_experts)
+                assert str(caught.value) == want
+    np.testing.assert_array_equal(routes, before)  # never modified
+
+
+def test_negative_ids_are_found_whatever_num_experts_is():
+    routes = np.array([[[1, 2]], [[3, -30_000]]], dtype=np.int16)  # unsigned image: 35536
+    with pytest.raises(MalformedResponseError, match="expert id -30000 is negative"):
+        validate_routes(routes, num_experts=40_000)
+    with pytest.raises(MalformedResponseError, match="expert id -30000 is negative"):
+        validate_routes(routes)
+    readonly = np.array([[[5, 5]]], dtype=np.int32)
+    readonly.flags.writeable = False
+    with pytest.raises(MalformedResponseError, match=r"row 0 layer 0 repeats an expert: \[5, 5\]"):
+        validate_routes(readonly, num_experts=6)
+
+
+def test_first_repeat_is_reported_across_blocks(monkeypatch):
+    monkeypatch.setattr("r3lightning.rollout.wire._UNIQUE_BLOCK", 4)
+    routes = distinct_routes(7, 2, 3, 10, seed=5)  # 14 [top_k] rows: blocks of 4
+    routes[1, 0] = 0  # filler, first block
+    routes[4, 1] = 0  # filler, third block (flat rows 8-11)
+    routes[5, 0] = [7, 1, 7]  # flat row 10: the first repeat
+    routes[5, 1] = [2, 2, 3]  # flat row 11, same block
+    routes[6, 0] = [4, 4, 3]  # flat row 12, next block
+    with pytest.raises(MalformedResponseError, match=r"row 5 layer 0 repeats an expert: \[7, 1, 7\]"):
+        validate_routes(routes)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 1 << 19])
+def test_body_scan_is_exact_at_every_step_size(chunk, monkeypatch):
+    monkeypatch.setattr("r3lightning.rollout.wire._SCAN_CHUNK", chunk)
+    routes = distinct_routes(9, 2, 2, 256, seed=1)
+    envelope = encode_routes(routes)
+    assert "/" in envelope["data"]
+    plain = json.dumps({"a": 'x \\" y', "routed_experts": envelope, "z": "\\"})
+    escaped = plain.replace("/", "\\/")
+    for text in (plain, escaped):
+        parsed = parse_body(text.encode())
+        data = parsed.payload(parsed.value["routed_experts"]["data"], "data")
+        assert isinstance(data, str if text is escaped else memoryview)
+        np.testing.assert_array_equal(decode_routes({**envelope, "data": data}), routes)
+        parsed.value["routed_experts"]["data"] = envelope["data"]
+        assert parsed.restore() == json.loads(text)
+    for text, message in [(b'{"data": "QUJD', "unterminated"), (b'{"data": "QU\\"', "unterminated")]:
+        with pytest.raises(MalformedResponseError, match=message):
+            parse_body(text)

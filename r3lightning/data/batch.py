@@ -230,7 +230,10 @@ class RolloutBatch:
 
     def repeat(self, repeats: int) -> RolloutBatch:
         """The whole batch ``repeats`` times (``[a, b, a, b]``), new storage."""
-        return self._gather(torch.arange(len(self)).repeat(operator.index(repeats)))
+        repeats = operator.index(repeats)
+        if repeats < 0:
+            raise ValueError(f"repeats must be >= 0, got {repeats}")
+        return self._gather(torch.arange(len(self)).repeat(repeats))
 
     def repeat_interleave(self, repeats: int | Sequence[int] | Tensor) -> RolloutBatch:
         """Each row ``repeats`` times in place (``[a, a, b, b]``, e.g. GRPO samples per prompt);
