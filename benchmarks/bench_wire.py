@@ -1,4 +1,4 @@
-"""Wire decode: a generate response carrying one trajectory's routes, decoded four ways.
+"""Wire decode: a generate response carrying one trajectory's routes, decoded several ways.
 
 The body is a ``skyrl`` response whose ``routed_experts`` envelope holds ``[rows, 48, 8]`` int16
 routes (32k rows: 24 MiB raw, 32 MiB of base64) next to 1024 response token ids with logprobs.

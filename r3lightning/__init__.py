@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "RoutedExpertTrace": ".trace",
     "TokenMetadataLayout": ".align.layout",
     "split_for_sequence_parallel": ".align.layout",
+    "position_ids_from_mask": ".align.layout",
     "align_packed_token_metadata": ".align.align",
     "build_replay_mask": ".align.align",
     "scatter_to_padded_batch": ".align.align",
@@ -77,7 +78,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .align.align import align_packed_token_metadata, build_replay_mask, scatter_to_padded_batch
     from .align.dummy import dummy_routes
-    from .align.layout import TokenMetadataLayout, split_for_sequence_parallel
+    from .align.layout import TokenMetadataLayout, position_ids_from_mask, split_for_sequence_parallel
     from .data.batch import RolloutBatch
     from .data.buffer import ReplayBuffer
     from .data.collate import RolloutCollator

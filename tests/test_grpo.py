@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.job.grpo import group_advantages, mismatch_metrics, policy_loss, token_logprobs
-from r3lightning.job.module import position_ids_from_mask
 from r3lightning.job.report import format_table, plot_runs, read_csv, summarize, write_csv
 from r3lightning.job.task import TokenClassTask, TokenClassTaskConfig
 

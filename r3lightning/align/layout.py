@@ -25,7 +25,7 @@ import torch
 
 from r3lightning.ragged import check_side, host_lengths, offsets_from_lengths, segment_ids_and_positions
 
-__all__ = ["Pad", "TokenMetadataLayout", "split_for_sequence_parallel"]
+__all__ = ["Pad", "TokenMetadataLayout", "position_ids_from_mask", "split_for_sequence_parallel"]
 
 # a scalar, one row broadcast to every uncovered position, or ``pad(n) -> [n, *row_shape]``
 Pad = int | float | bool | torch.Tensor | Callable[[int], torch.Tensor]
@@ -351,6 +351,16 @@ def take_rows(
         else:  # a Scalar argument, not a CPU tensor that indexing would copy to the device
             out.index_fill_(0, positions, pad_value)
     return out.reshape(*token_shape, *source.shape[1:])
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Rotary positions of a left-padded batch: ``[B, S]`` int64, 0 on the padding.
+
+    A row ``[pad, pad, a, b]`` gets ``[0, 0, 0, 1]``, so every sequence sees the positions it
+    had when it was generated unpadded (engine and trainer must agree on them). Runs on the
+    mask's device; no host sync.
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def split_for_sequence_parallel(

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import batch_index, tensor_from_bytes, tensor_to_bytes, to_device_async
 
@@ -109,6 +110,11 @@ class RolloutBatch:
     def response_lengths(self) -> Tensor:
         """``[B]`` int64 response tokens per row, on the batch's device."""
         return self.sequence_lengths - self.prompt_lengths
+
+    @property
+    def position_ids(self) -> Tensor:
+        """``[B, S]`` int64 rotary positions of the left-padded tokens, 0 on the padding."""
+        return position_ids_from_mask(self.attention_mask)
 
     def lengths_host(self) -> tuple[Tensor, Tensor]:
         """CPU int64 ``(sequence_lengths, prompt_lengths)``; no sync for collated batches."""

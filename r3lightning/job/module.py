@@ -18,6 +18,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from ..align.layout import position_ids_from_mask
+from ..replay.backend import agreement_hits
 from ..replay.callback import RouterReplayCallback
 from ..replay.context import record_routes
 from .grpo import GRPOConfig, mismatch_metrics, policy_loss, token_logprobs
@@ -29,15 +31,6 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float | None = 1.0  # applied by the Trainer (gradient_clip_val)
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions counted over real tokens only: ``[B, S]`` int64, 0 on the left padding.
-
-    A left-padded row ``[pad, pad, a, b]`` gets ``[0, 0, 0, 1]``, so every sequence sees the
-    same rotary positions as when it was generated unpadded.
-    """
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 class GRPOModule(pl.LightningModule):
@@ -158,7 +151,7 @@ class GRPOModule(pl.LightningModule):
         rows = want.shape[0]
         if rows == 0:
             return
-        hits = (want.unsqueeze(-1) == got.unsqueeze(-2)).any(-1).float().mean(dim=(0, 2))  # [moe_layers]
+        hits = agreement_hits(want, got).float().mean(dim=(0, 2))  # [moe_layers]
         for layer, value in zip(layers, hits, strict=True):
             self.log(
                 f"agreement/layer_{layer:02d}",

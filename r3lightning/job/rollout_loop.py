@@ -27,19 +27,11 @@ from torch import Tensor
 
 from ..data.trajectory import Trajectory
 from ..rollout.client import RemoteGenerateClient
+from ..rollout.client_protocol import RouteSchema
 from ..trace import RoutedExpertTrace
 from .grpo import group_advantages
 from .report import AGREEMENT_PREFIX, write_csv
 from .task import TokenClassTask
-
-
-@dataclass
-class RouteSchema:
-    """Shape of the routes the engine returns: ``[rows, num_layers, top_k]``, ids < num_experts."""
-
-    num_layers: int
-    top_k: int
-    num_experts: int
 
 
 @dataclass

@@ -52,7 +52,7 @@ from ..align.align import align_packed_token_metadata, build_replay_mask
 from ..align.dummy import dummy_routes
 from ..align.layout import TokenMetadataLayout
 from ..packed import PackedTensor
-from .backend import RouterReplayBackend
+from .backend import RouterReplayBackend, agreement_hits
 
 Mode = Literal["r3", "r2", "off"]
 LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> layout
@@ -376,7 +376,7 @@ class RouterReplayCallback(Callback):
             layers = list(backend.moe_layers)
             replayed = self._aligned[..., layers, :][self._mask].long()  # [rows, moe_layers, K]
             ours = native[..., layers, :][self._mask].long()
-            hits = (replayed.unsqueeze(-1) == ours.unsqueeze(-2)).any(-1).sum(dim=(0, 2))
+            hits = agreement_hits(replayed, ours).sum(dim=(0, 2))
             rows = torch.full_like(hits, replayed.shape[0])
             stats = {"layers": tuple(layers), "replayed_rows": rows.cpu(), "agreeing_slots": hits.cpu()}
         else:

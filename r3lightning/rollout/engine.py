@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..align.layout import position_ids_from_mask
 from ..replay.context import as_backend, record_routes
 from .sampling import MAX_SEED, SamplingParams, check_int, sample_token
 
@@ -215,9 +216,7 @@ class GenerationEngine:
         for row, request in enumerate(requests):
             ids[row, width - lengths[row] :] = torch.tensor(list(request.prompt_ids), dtype=torch.long)
             mask[row, width - lengths[row] :] = True
-        # Left padding: positions count real tokens only, so a padded row sees the same rotary
-        # positions as it would alone.
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = position_ids_from_mask(mask)
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
 
         budgets = [
