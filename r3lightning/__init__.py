@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "build_replay_mask": ".align.align",
     "scatter_to_padded_batch": ".align.align",
     "dummy_routes": ".align.dummy",
+    "compact_route_dtype": ".align.dummy",
     "encode_routes": ".rollout.wire",
     "decode_routes": ".rollout.wire",
     "RemoteGenerateClient": ".rollout.client",
@@ -51,6 +52,8 @@ _EXPORTS: dict[str, str] = {
     "HFRouterReplay": ".replay.hf",
     "register_router": ".replay.hf",
     "MegatronRouterReplay": ".replay.megatron",
+    "MegatronParallelism": ".replay.megatron",
+    "megatron_token_layout": ".replay.megatron",
     "record_routes": ".replay.context",
     "replay_routes": ".replay.context",
     "RouterReplayCallback": ".replay.callback",
@@ -77,7 +80,7 @@ def __dir__() -> list[str]:
 # ruff: noqa: F401  (the names below are re-exported through __all__, built from _EXPORTS)
 if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .align.align import align_packed_token_metadata, build_replay_mask, scatter_to_padded_batch
-    from .align.dummy import dummy_routes
+    from .align.dummy import compact_route_dtype, dummy_routes
     from .align.layout import TokenMetadataLayout, position_ids_from_mask, split_for_sequence_parallel
     from .data.batch import RolloutBatch
     from .data.buffer import ReplayBuffer
@@ -90,7 +93,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .replay.callback import RouterReplayCallback
     from .replay.context import record_routes, replay_routes
     from .replay.hf import HFRouterReplay, register_router
-    from .replay.megatron import MegatronRouterReplay
+    from .replay.megatron import MegatronParallelism, MegatronRouterReplay, megatron_token_layout
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
     from .rollout.errors import (
         GenerateRequestError,
