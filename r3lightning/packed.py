@@ -30,10 +30,13 @@ from .ragged import (
     INT32_MAX,
     LengthsLike,
     batch_index,
+    check_fill_value,
+    check_pad_row,
     check_side,
     host_int64,
     offsets_from_lengths,
     padded_flat_index,
+    repeat_counts,
     segment_ids_and_positions,
     tensor_from_bytes,
     tensor_to_bytes,
@@ -204,6 +207,9 @@ class PackedTensor:
         device: torch.device | str | None = None,
     ) -> PackedTensor:
         """A batch of zero segments with the given row schema."""
+        row_shape = tuple(row_shape)
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in row_shape):
+            raise ValueError(f"row_shape must hold ints >= 0, got {row_shape}")
         values = torch.empty((0, *row_shape), dtype=dtype, device=device)
         return cls._trusted(values, torch.zeros(1, dtype=torch.int32))
 
@@ -323,27 +329,15 @@ class PackedTensor:
     def repeat_interleave(self, repeats: int | LengthsLike) -> PackedTensor:
         """Each segment ``repeats`` times in place (``[a, a, b, b]``); ``repeats`` is an int or one
         count per segment. New storage. Device-resident ``repeats`` are read back once (a sync)."""
-        count = len(self)
-        if isinstance(repeats, (Tensor, np.ndarray)) and repeats.ndim == 0:
-            repeats = int(repeats)
-        if isinstance(repeats, (int, np.integer)):
-            per_segment = torch.full((count,), operator.index(repeats), dtype=torch.int64)
-        else:
-            per_segment = host_int64(repeats, "repeats")
-            if per_segment.numel() != count:
-                raise ValueError(
-                    f"repeats must have one entry per segment ({count}), got {per_segment.numel()}"
-                )
-        if per_segment.numel() and int(per_segment.min()) < 0:
-            raise ValueError(f"repeats must be >= 0, got {per_segment.tolist()}")
-        return self._gather(torch.repeat_interleave(torch.arange(count), per_segment))
+        per_segment = repeat_counts(repeats, len(self), unit="segment")
+        return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_segment))
 
     def to_padded(
         self, max_len: int | None = None, pad: float | bool | Tensor = 0, side: str = "left"
     ) -> Tensor:
         """Dense ``[B, max_len, *row_shape]`` copy, real rows at the right (``"left"`` padding) or
-        left end (``"right"``), every other position ``pad`` (a scalar or a row). One fill and
-        one ``index_copy_``; no sync."""
+        left end (``"right"``), every other position ``pad`` (a scalar the dtype holds exactly, or
+        a row broadcastable to ``row_shape``). One fill and one ``index_copy_``; no sync."""
         check_side(side)
         lengths = self.lengths
         longest = self.max_length
@@ -352,9 +346,10 @@ class PackedTensor:
             raise ValueError(f"max_len = {width} is shorter than the longest segment ({longest})")
         shape = (len(self), width, *self.row_shape)
         if isinstance(pad, Tensor):
+            check_pad_row(pad, self.row_shape)
             out = pad.to(device=self.device, dtype=self.dtype).expand(shape).clone()
         else:
-            out = torch.full(shape, pad, dtype=self.dtype, device=self.device)
+            out = torch.full(shape, check_fill_value(pad, self.dtype), dtype=self.dtype, device=self.device)
         flat = padded_flat_index(lengths, width, side)
         out.view(-1, *self.row_shape).index_copy_(0, to_device_async(flat, self.device), self.values)
         return out

@@ -8,6 +8,7 @@ grids: batch-axis index normalisation and the raw-byte tensor form both pickle t
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -20,11 +21,14 @@ __all__ = [
     "INT32_MAX",
     "LengthsLike",
     "batch_index",
+    "check_fill_value",
+    "check_pad_row",
     "check_side",
     "host_int64",
     "host_lengths",
     "offsets_from_lengths",
     "padded_flat_index",
+    "repeat_counts",
     "segment_ids_and_positions",
     "tensor_from_bytes",
     "tensor_to_bytes",
@@ -39,7 +43,8 @@ LengthsLike = Sequence[int] | Tensor | np.ndarray
 def host_int64(data: LengthsLike, name: str) -> Tensor:
     """``data`` as a 1-D int64 CPU tensor; ``name`` goes into the error messages.
 
-    Cost: a device tensor is copied to the host (one sync); host data is converted in place.
+    Cost: a device tensor is copied to the host (one sync); a host int64 tensor is returned as is
+    (no copy), other host data is converted once.
     Raises ``ValueError`` for non-1-D or non-integer input (bools and floats included).
     """
     if isinstance(data, Tensor):
@@ -90,6 +95,34 @@ def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
     return offsets.to(torch.int32)
 
 
+def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
+    """Host int64 ``[count]`` repeat counts from an int (every ``unit`` alike) or one int per unit.
+
+    Floats and bools are rejected rather than truncated. Device-resident ``repeats`` are read back
+    once (a sync). Raises ``ValueError`` naming ``repeats`` and the expected value.
+    """
+    if isinstance(repeats, (Tensor, np.ndarray)) and repeats.ndim == 0:
+        repeats = repeats.item()
+    if isinstance(repeats, (int, np.integer)) and not isinstance(repeats, (bool, np.bool_)):
+        per_unit = torch.full((count,), int(repeats), dtype=torch.int64)
+    elif isinstance(repeats, (Tensor, np.ndarray, list, tuple)):
+        per_unit = host_int64(repeats, "repeats")
+        if isinstance(repeats, (list, tuple)) and any(isinstance(r, bool) for r in repeats):
+            raise ValueError(f"repeats must hold ints, got {list(repeats)!r}")
+        if per_unit.numel() != count:
+            raise ValueError(
+                f"repeats must have one entry per {unit} ({count}), got {per_unit.numel()}; pass an int "
+                f">= 0 or one count >= 0 per {unit} ({count})"
+            )
+    else:
+        raise ValueError(
+            f"repeats must be an int >= 0 or one count >= 0 per {unit} ({count}), got {repeats!r}"
+        )
+    if per_unit.numel() and int(per_unit.min()) < 0:
+        raise ValueError(f"repeats must be >= 0, got {per_unit.tolist()}")
+    return per_unit
+
+
 def segment_ids_and_positions(lengths: Tensor) -> tuple[Tensor, Tensor]:
     """For host int64 ``lengths [B]``: the segment of every packed row and its position within
     that segment, both host int64 ``[sum(lengths)]``. O(rows) on the host."""
@@ -116,6 +149,44 @@ def padded_flat_index(lengths: Tensor, width: int, side: str) -> Tensor:
 def check_side(side: str) -> None:
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+
+
+def check_fill_value(
+    value: Any, dtype: torch.dtype, name: str = "pad", what: str = "dtype"
+) -> int | float | bool:
+    """``value`` as a Python scalar that ``dtype`` stores faithfully, else ``ValueError`` naming ``name``.
+
+    Integer and bool dtypes must hold the value exactly (``torch.full`` would silently wrap -1 to 255
+    in uint8, or truncate 0.5 to 0); floating dtypes only need to keep a finite value finite
+    (rounding 0.1 to the nearest float32 is not an error).
+    """
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        value = value.item()
+    if not isinstance(value, (bool, int, float)):
+        raise ValueError(f"{name} must be a real scalar, got {type(value).__name__}")
+    try:
+        stored = torch.tensor(value, dtype=dtype).item()
+    except (RuntimeError, OverflowError):
+        stored = None
+    if dtype.is_floating_point or dtype.is_complex:
+        faithful = stored is not None and (math.isfinite(abs(stored)) or not math.isfinite(value))
+    else:
+        faithful = stored is not None and stored == value
+    if not faithful:
+        raise ValueError(f"{name} {value!r} is not representable in the {what} {dtype}")
+    return value
+
+
+def check_pad_row(pad: Tensor, row_shape: tuple[int, ...], name: str = "pad") -> None:
+    """``ValueError`` naming ``name`` unless the tensor ``pad`` broadcasts to exactly ``row_shape``."""
+    try:
+        fits = torch.broadcast_shapes(pad.shape, row_shape) == torch.Size(row_shape)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{name} row of shape {tuple(pad.shape)} does not broadcast to row shape {row_shape}"
+        )
 
 
 def to_device_async(host: Tensor, device: torch.device) -> Tensor:

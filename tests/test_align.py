@@ -325,3 +325,27 @@ def test_cuda_alignment_never_synchronises():
     assert torch.equal(got.cpu(), expected) and torch.equal(got_scalar.cpu(), expected_scalar)
     assert torch.equal(mask.cpu(), build_replay_mask(packed, layout))
     assert torch.equal(back.cpu(), expected_back)
+
+
+def test_scalar_pads_must_fit_the_dtype_but_floats_may_round():
+    layout = TokenMetadataLayout.packed([2, 1], pad_to_multiple=4)
+    routes = PackedTensor.from_segments(
+        [torch.zeros(2, 1, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.uint8)]
+    )
+    for bad in (300, float("nan"), 0.5, -1):
+        with pytest.raises(ValueError, match=r"is not representable in the metadata dtype torch\.uint8"):
+            align_packed_token_metadata(routes, layout, pad=bad)
+    logprobs = PackedTensor.from_segments([torch.tensor([-1.0, -2.0]), torch.tensor([-3.0])])
+    got = align_packed_token_metadata(logprobs, layout, pad=0.1)
+    pad = torch.tensor(0.1, dtype=torch.float32).item()
+    assert got.tolist() == [[-1.0, -2.0, pad, pad, -3.0, pad, pad, pad]]
+
+
+def test_scatter_pad_must_fit_the_dtype():
+    layout = TokenMetadataLayout.packed([2, 1])
+    tokens = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"pad 0\.5 is not representable in the dtype torch\.int64"):
+        scatter_to_padded_batch(tokens, layout, pad=0.5)
+    with pytest.raises(ValueError, match=r"pad -1 is not representable in the dtype torch\.bool"):
+        scatter_to_padded_batch(tokens > 5, layout, pad=-1)
+    assert scatter_to_padded_batch(tokens, layout, pad=-100).tolist() == [[5, 6], [-100, 7]]

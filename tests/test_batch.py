@@ -195,3 +195,15 @@ def test_construction_validates_shapes(batch):
     assert plain.response_lengths.tolist() == [t - p for t, p in zip(*batch.lengths_host(), strict=True)]
     assert plain.num_tokens == int(batch.attention_mask.sum())
     plain.release()  # unpooled: nothing to hand back
+
+
+def test_counts_and_sizes_must_be_ints(batch):
+    for bad in (1.5, True, [1.0] * 6, [True, 1, 1, 1, 1, 1]):
+        with pytest.raises(ValueError, match="repeats must"):
+            batch.repeat_interleave(bad)
+    with pytest.raises(ValueError, match="split size must be an int >= 1, got True"):
+        batch.split(True)
+    with pytest.raises(ValueError, match=r"chunks must be an int >= 1, got 2\.5"):
+        batch.chunk(2.5)
+    with pytest.raises(ValueError, match=r"multiple must be an int >= 1, got 4\.0"):
+        batch.pad_to_multiple(4.0, num_experts=8)

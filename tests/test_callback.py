@@ -206,6 +206,16 @@ def test_r3_training_forwards_use_the_rollout_experts(batches):
     assert len(logger.series("router_replay/agreement/layer_03")) == 2
 
 
+def test_a_callback_reused_for_another_module_replays_into_that_module(batches):
+    callback = RouterReplayCallback(mode="r3")
+    for module in (TinyPolicy(), TinyPolicy()):
+        fit(module, copy.deepcopy(batches[:1]), callback)
+        index = tuple(torch.tensor(real_rows(batches[0])).T)
+        used = module.train_routes[0][index][:, LAYERS].long()
+        assert torch.equal(used, engine_dense(batches[0])[index][:, LAYERS])
+        assert callback.backend is HFRouterReplay.for_model(module.model)
+
+
 def test_off_mode_routes_natively_and_measures_the_mismatch(batches):
     module = TinyPolicy()
     reference = copy.deepcopy(module.model)
@@ -225,6 +235,21 @@ def test_off_mode_routes_natively_and_measures_the_mismatch(batches):
     assert logger.series("router_replay/agreement") == pytest.approx([expected])
     assert logger.series("router_replay/captured_fraction") == pytest.approx([18 / 21])
     assert logger.series("router_replay/replayed_fraction") == []
+
+
+def test_off_mode_survives_forwards_it_cannot_compare(batches):
+    """Off mode only measures: forwards of other batch shapes (micro-batches, a probe) in a step
+    skip the agreement metric instead of failing the step."""
+
+    class Probing(TinyPolicy):
+        def training_step(self, batch, batch_idx):
+            with torch.no_grad():
+                self.model(input_ids=batch.input_ids[:1])  # [1, S]: cannot join the [B, S] forward
+            return super().training_step(batch, batch_idx)
+
+    _, logger = fit(Probing(), copy.deepcopy(batches[:1]), RouterReplayCallback(mode="off"))
+    assert logger.series("router_replay/captured_fraction") == pytest.approx([18 / 21])
+    assert logger.series("router_replay/agreement") == []
 
 
 def test_uncaptured_and_padding_positions_get_valid_distinct_routes(batches):
@@ -323,6 +348,24 @@ def test_exception_in_a_step_clears_the_routes(batches):
     assert rec.routes.shape == (*ids.shape, 4, 2)
 
 
+def test_a_step_skipped_by_the_module_leaves_no_routes_after_the_epoch(batches):
+    """A LightningModule returning -1 from on_train_batch_start ends the epoch after the callback
+    installed the routes and without on_train_batch_end; epoch-end forwards must route natively."""
+    seen = []
+
+    class SkipSecond(TinyPolicy):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 1 else None
+
+        def on_train_epoch_end(self):
+            seen.append(callback.backend.installed)
+
+    callback = RouterReplayCallback(mode="r3")
+    module = SkipSecond()
+    fit(module, copy.deepcopy(batches), callback)
+    assert len(module.train_routes) == 1 and seen == [False]
+
+
 def test_strict_mode_refuses_to_route_natively(batches):
     no_routes = copy.deepcopy(batches[0])
     no_routes.routed_experts = None
@@ -351,11 +394,50 @@ def test_dict_batches_and_activation_checkpointing(batches):
         torch.testing.assert_close(results[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_install_skips_the_id_check_unless_validate_routes(batches):
+    """Ids are checked upstream (range at buffer insert, repeats at wire decode), so by default the
+    callback's backend does not re-check them on install, which would sync device->host per step."""
+    bad = copy.deepcopy(batches[0])
+    bad.routed_experts.values[0, 1, 0] = 8  # replayed row, MoE layer 1: out of range for 8 experts
+    module = TinyPolicy()
+    attached = HFRouterReplay.for_model(module.model)  # e.g. from an earlier record_routes(model)
+    assert attached.validate
+    callback = RouterReplayCallback()
+    callback.on_fit_start(None, module)
+    assert callback.backend is attached and not attached.validate
+    callback.on_train_batch_start(None, module, bad, 0)  # trusted: installed as given
+    assert attached.installed
+    callback.on_exception(None, module, RuntimeError())
+    assert not attached.installed
+    with pytest.raises(ValueError, match=r"expert ids in \[0, 8\].*expected ids in \[0, 7\]"):
+        fit(TinyPolicy(), [copy.deepcopy(bad)], RouterReplayCallback(validate_routes=True))
+    # a backend object keeps its own flag unless validate_routes is given
+    assert RouterReplayCallback(backend=attached).backend.validate is False
+    attached.validate = True
+    assert RouterReplayCallback(backend=attached).backend.validate is True
+    assert RouterReplayCallback(backend=attached, validate_routes=False).backend.validate is False
+
+
 def test_bad_arguments_and_route_schema():
     with pytest.raises(ValueError, match="mode must be one of"):
         RouterReplayCallback(mode="r4")
     with pytest.raises(ValueError, match="backend must be None, 'hf', 'megatron'"):
         RouterReplayCallback(backend="vllm")
+
+    class NoFlag:  # a backend without a validate flag
+        num_layers, top_k, num_experts, moe_layers = 4, 2, 8, (1, 2, 3)
+
+        def install(self, routes, replay_mask=None): ...
+        def clear(self): ...
+        def start_recording(self): ...
+        def stop_recording(self): ...
+        def routing_stats(self): ...
+
+    with pytest.raises(
+        ValueError, match="validate_routes=True needs a backend with a 'validate' flag, got NoFlag"
+    ):
+        RouterReplayCallback(backend=NoFlag(), validate_routes=True)
+    assert RouterReplayCallback(backend=NoFlag()).validate_routes is None
     bad = make_batch(4, [4, 5])
     bad.routed_experts = PackedTensor.from_lengths(bad.routed_experts.values[:, :3], [3, 4])
     with pytest.raises(ValueError, match=r"rows must be \[num_layers=4, top_k=2\]"):
@@ -378,6 +460,7 @@ def test_hydra_callback_configs_compose_and_instantiate(choice, mode, strict, ba
     callback = instantiate(config.callbacks.router_replay)
     assert isinstance(callback, RouterReplayCallback)
     assert (callback.mode, callback.strict, callback._backend_spec) == (mode, strict, backend)
+    assert callback.validate_routes is False  # ids are checked upstream: no host sync per step
 
 
 # ---------------------------------------------------------------------------- FSDP2 (gloo)

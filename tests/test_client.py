@@ -319,6 +319,27 @@ async def test_client_errors_are_not_retried(status):
         assert server.hits == 1 and client.stats.failures == 1
 
 
+async def test_an_answer_that_is_not_http_is_a_typed_error_not_retried():
+    hits = []
+
+    async def answer(reader, writer):
+        hits.append(await reader.read(1 << 16))
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with RemoteGenerateClient(f"http://127.0.0.1:{port}", backoff=FAST, max_attempts=3) as client:
+            with pytest.raises(MalformedResponseError, match=r"not a valid HTTP response.*Bad status line"):
+                await client.generate(PROMPT, {"max_tokens": 1})
+            assert len(hits) == 1 and client.stats.retries == 0 and client.stats.failures == 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 def _skyrl_body(envelope) -> bytes:
     choice = {"token_ids": [1, 2], "finish_reason": "stop", "logprobs": None, "routed_experts": envelope}
     return json.dumps({"choices": [choice]}).encode()
@@ -375,6 +396,14 @@ MALFORMED = {
     "not-json": (b'{"choices": [', r"not valid JSON"),
     "no-choices": (b'{"id": "x"}', r"choices: expected a non-empty list"),
     "token-ids": (b'{"choices": [{"token_ids": [1, "2"]}]}', r"choices\[0\]\.token_ids"),
+    "token-ids-negative": (
+        b'{"choices": [{"token_ids": [1, -2]}]}',
+        r"choices\[0\]\.token_ids: expected a list of non-negative integer token ids",
+    ),
+    "envelope-no-data": (
+        _skyrl_body({"shape": [1, 3, 2], "dtype": "uint8"}),
+        r"choices\[0\]\.routed_experts: envelope is missing \['data'\]",
+    ),
     "logprobs-len": (
         b'{"choices": [{"token_ids": [1, 2], "logprobs": {"content": [{"logprob": -1.0}]}}]}',
         r"1 logprobs for 2 tokens",
@@ -410,6 +439,16 @@ async def test_malformed_sglang_routes(case):
         with pytest.raises(MalformedResponseError, match=r"meta_info\.routed_experts.*" + message):
             await generate(client)
         assert server.hits == 1
+
+
+async def test_negative_sglang_output_ids_are_refused():
+    routes = _b64(np.array([[0, 1], [2, 3], [4, 5]], dtype="<i4"))
+    body = {"output_ids": [1, -1], "meta_info": {"finish_reason": "stop", "routed_experts": routes}}
+    async with FaultServer() as server, make_client(server, "sglang") as client:
+        server.script.append(Raw(json.dumps(body).encode()))
+        with pytest.raises(MalformedResponseError, match=r"^output_ids: expected a list of non-negative"):
+            await generate(client)
+        assert server.hits == 1 and client.stats.retries == 0
 
 
 async def test_oversized_body_is_refused():
@@ -457,6 +496,10 @@ async def test_prompt_validation_and_numpy_ids():
         for bad in ([], [1, -2], [1.0, 2], [True, 2]):
             with pytest.raises(ValueError, match="prompt_token_ids: expected a non-empty sequence"):
                 await client.generate(bad, {"max_tokens": 1})
+        with pytest.raises(
+            ValueError, match=r"routed_experts_prompt_start must be <= the prompt length 4, got 5"
+        ):
+            await generate(client, start=5)
         assert server.hits == 1
 
 

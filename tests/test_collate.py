@@ -267,3 +267,18 @@ def test_real_pinned_pool_and_async_transfer():
     assert again.is_pinned()
     assert_batch_matches(on_gpu.cpu(), trajectories)
     collator.close()
+
+
+def test_bad_collator_settings_are_rejected_naming_the_field():
+    with pytest.raises(ValueError, match=r"num_threads must be >= 1 or None, got 2\.5"):
+        RolloutCollator(num_threads=2.5)
+    trajectories = [make_trajectory(random.Random(1), tag=1)]
+    for kwargs, match in (
+        ({"width_multiple": 0}, "width_multiple must be an int >= 1, got 0"),
+        ({"width_multiple": 1.5}, r"width_multiple must be an int >= 1, got 1\.5"),
+        ({"pad_token_id": -1}, "pad_token_id must be an int >= 0, got -1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            RolloutCollator(num_threads=1, **kwargs)
+        with pytest.raises(ValueError, match=match):
+            collate_trajectories(trajectories, **kwargs)

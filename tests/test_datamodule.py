@@ -286,6 +286,25 @@ def test_resuming_mid_epoch_with_other_settings_is_refused():
         other.load_state_dict({**state, "version": 0})
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
+        ({"collate_threads": 0}, "collate_threads must be an int >= 1, got 0"),
+        ({"width_multiple": 0}, "width_multiple must be an int >= 1, got 0"),
+        ({"pad_token_id": -1}, "pad_token_id must be an int >= 0, got -1"),
+        ({"seed": 1.5}, r"seed must be an int, got 1\.5"),
+        ({"shuffle": "yes"}, "shuffle must be a bool, got 'yes'"),
+        ({"drop_last": 1}, "drop_last must be a bool, got 1"),
+        ({"pin_memory": "auto"}, "pin_memory must be a bool or None, got 'auto'"),
+    ],
+)
+def test_bad_settings_fail_at_construction_naming_the_field(kwargs, match):
+    settings = {"batch_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        R3DataModule(ReplayBuffer(), settings.pop("batch_size"), **settings)
+
+
 def test_hydra_config_instantiates_the_data_module():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf

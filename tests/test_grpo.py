@@ -181,6 +181,8 @@ def test_report_csv_roundtrip_summary_table_and_plot(tmp_path):
     lines = table.splitlines()
     assert lines[0].split()[0] == "run" and lines[2].startswith("replay=r3") and "100.00%" in lines[2]
     assert "93.00%" in lines[3]
+    assert "ratio outside [0.5, 2]" in lines[0]
+    assert "ratio outside [0.25, 4]" in format_table({"replay=r3": on}, ratio_band=4.0).splitlines()[0]
     plot_runs(tmp_path / "p.png", {"replay=r3": on, "replay=off": off})
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

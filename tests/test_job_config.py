@@ -110,6 +110,10 @@ def test_fsdp_trainer_instantiates_its_strategy():
         (["rollout.url=localhost:30000"], "rollout.url must be null .* got 'localhost:30000'"),
         (["algorithm.optim.lr=-1"], "algorithm.optim.lr must be a number > 0, got -1"),
         (["compare=[r3,r5]"], "compare entries must be replay modes"),
+        (
+            ["callbacks.router_replay.pad_to_multiple=0"],
+            "callbacks.router_replay.pad_to_multiple must be an integer >= 1, got 0",
+        ),
     ],
 )
 def test_bad_values_are_rejected_with_the_key(overrides, message):
@@ -134,7 +138,7 @@ async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
     from aiohttp import web
     from safetensors.torch import load_file
 
-    from r3lightning.job.setup import _sglang_disk_push
+    from r3lightning.job.engine import _sglang_disk_push
 
     answers = [{"success": True, "message": "ok"}, {"success": False, "message": "shape mismatch"}]
     seen: list[dict] = []
@@ -170,3 +174,27 @@ async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
             await asyncio.to_thread(push, state)
     finally:
         await runner.cleanup()
+
+
+def test_external_engine_weight_sync_follows_the_protocol(tmp_path, monkeypatch):
+    """Every rank joins the full-weight gather exactly when rank 0 has somewhere to push it."""
+    from r3lightning.job.engine import embedded_server
+
+    url = ["rollout.url=http://10.0.0.1:30000/"]
+    sglang = [*url, "rollout.protocol=sglang"]
+    with embedded_server(compose_config([*url, "rollout=skyrl"])) as engine:
+        assert engine.url == "http://10.0.0.1:30000" and engine.push is not None and engine.gather
+    with embedded_server(compose_config([*sglang, f"rollout.weight_sync_dir={tmp_path}"])) as engine:
+        assert engine.push is not None and engine.gather
+    with (
+        pytest.warns(UserWarning, match="weight_sync_dir is not set"),
+        embedded_server(compose_config(sglang)) as engine,
+    ):
+        assert engine.push is None and not engine.gather  # nothing to push: no collective either
+    with embedded_server(compose_config([*url, "rollout.sync_weights=false"])) as engine:
+        assert engine.push is None and not engine.gather
+    monkeypatch.setenv("RANK", "1")  # other ranks join the gather but never push
+    with embedded_server(compose_config([*url, "rollout=skyrl"])) as engine:
+        assert engine.push is None and engine.gather
+    with embedded_server(compose_config([])) as engine:  # the embedded server runs on rank 0 only
+        assert engine.url is None and engine.push is None and engine.gather

@@ -163,6 +163,26 @@ def test_bad_override_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("r3lightning-train: error: ") and expected in err
 
 
+def test_trainer_the_machine_cannot_run_is_one_line(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available() or torch.backends.mps.is_available():
+        pytest.skip("needs a machine without a GPU")
+    for overrides, expected in (
+        (
+            ["trainer=gpu_fsdp"],
+            "trainer.accelerator=gpu but no GPU is visible here; use trainer=cpu, or trainer=cpu_fsdp "
+            "for FSDP2 on CPU processes (got trainer.devices=8)",
+        ),
+        (["trainer.devices=many"], "trainer: `devices` selected with `CPUAccelerator` should be an int > 0."),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main([*overrides, "steps=1", "prompts_per_step=1", f"hydra.run.dir={tmp_path}", *QUIET])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert err == f"r3lightning-train: error: {expected}\n"
+
+
 def test_unreachable_engine_is_one_line_without_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "HYDRA_FULL_ERROR": "0"}
     proc = subprocess.run(

@@ -625,3 +625,37 @@ def test_dataloader_pinning_dispatches_to_packed_pin_memory():
         dataloader_pin_memory({"routes": batch["routes"]})
     frames = [(entry.path.name, entry.name) for entry in excinfo.traceback]
     assert ("packed.py", "pin_memory") in frames
+
+
+def test_to_padded_rejects_pads_the_values_cannot_hold(packed):
+    pt, refs = packed
+    np.testing.assert_array_equal(as_np(pt.to_padded(pad=-1)), ref_padded(refs, 5, ROW_SHAPE, -1, "left"))
+    for bad in (70000, 0.5, float("nan")):  # int16 values: wrapped or truncated, never silently
+        with pytest.raises(ValueError, match=r"is not representable in the dtype torch\.int16"):
+            pt.to_padded(pad=bad)
+    small = pt.to(torch.uint8)
+    with pytest.raises(ValueError, match=r"pad -1 is not representable in the dtype torch\.uint8"):
+        small.to_padded(pad=-1)
+    with pytest.raises(ValueError, match=r"pad row of shape \(4,\) does not broadcast to row shape \(2, 3\)"):
+        pt.to_padded(pad=torch.zeros(4))
+    row = torch.tensor([7, 8, 9])  # broadcasts over the row's first axis
+    got = pt.to_padded(pad=row, side="right")
+    for i, n in enumerate(LENGTHS):
+        np.testing.assert_array_equal(as_np(got[i, :n]), refs[i])
+        assert (got[i, n:] == row.to(torch.int16)).all()
+
+
+def test_repeat_interleave_rejects_non_integer_counts(packed):
+    pt, _ = packed
+    for bad in (1.5, True, [1.0] * 6, [True, 1, 1, 1, 1, 1], torch.tensor(2.0)):
+        with pytest.raises(ValueError, match="repeats must"):
+            pt.repeat_interleave(bad)
+    assert pt.repeat_interleave(torch.tensor(2)).lengths.tolist() == [n for n in LENGTHS for _ in range(2)]
+
+
+def test_empty_rejects_a_bad_row_shape():
+    with pytest.raises(ValueError, match=r"row_shape must hold ints >= 0, got \(4, -1\)"):
+        PackedTensor.empty((4, -1))
+    with pytest.raises(ValueError, match=r"row_shape must hold ints >= 0, got \(2\.0,\)"):
+        PackedTensor.empty((2.0,))
+    assert PackedTensor.empty(torch.Size([3])).row_shape == (3,)

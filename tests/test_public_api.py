@@ -1,11 +1,16 @@
-"""The public names of ``r3lightning`` resolve lazily to their defining modules."""
+"""The public names of ``r3lightning`` resolve lazily to their defining modules, and the README's
+code that uses them runs as written."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import r3lightning
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.parametrize("name", r3lightning.__all__)
@@ -37,3 +42,37 @@ def test_core_names_do_not_import_optional_dependencies():
     assert _imported_after(core) == "[]"
     # the data module needs Lightning (which itself imports transformers when installed), never megatron
     assert "megatron" not in _imported_after("r3lightning.R3DataModule")
+
+
+def _readme_python_blocks(section: str) -> list[str]:
+    text = README.read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", body, flags=re.S)
+
+
+@pytest.mark.slow
+def test_readme_trainer_snippets_run_as_written(tmp_path, monkeypatch):
+    import torch
+
+    from r3lightning.models.tiny import build_tiny_moe
+
+    trainer_code, context_code = _readme_python_blocks("Using it in your own Trainer")
+    monkeypatch.chdir(tmp_path)  # Lightning's default logger writes lightning_logs/ here
+    scope: dict = {}
+    exec(compile(trainer_code, str(README), "exec"), scope)
+    buffer, trainer = scope["buffer"], scope["trainer"]
+    assert len(buffer) == 4 and trainer.global_step == 2
+    for trajectory in (buffer[i] for i in range(4)):
+        rows = trajectory.prompt_length + trajectory.response_length - 1  # the last token is never forwarded
+        assert trajectory.routed_experts.shape == (rows, 4, 2)
+    metrics = trainer.callback_metrics
+    layers = sorted(k for k in metrics if k.startswith("agreement/"))
+    assert layers == ["agreement/layer_01", "agreement/layer_02", "agreement/layer_03"]
+    assert all(float(metrics[k]) == 1.0 for k in layers)  # the engine's experts, every MoE layer
+
+    ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = ids != 0  # left-padded
+    scope = {"model": build_tiny_moe(seed=0), "ids": ids, "mask": mask}
+    exec(compile(context_code, str(README), "exec"), scope)
+    assert scope["rec"].routes.shape == (2, 5, 4, 2)
+    assert scope["loss"].requires_grad and torch.isfinite(scope["loss"])

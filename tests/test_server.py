@@ -11,6 +11,8 @@ import asyncio
 import base64
 import json
 import re
+import sys
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import replace
@@ -273,6 +275,42 @@ def test_sampling_params_and_request_validation(bf16_engine):
         bf16_engine.check_request(GenerationRequest([]))
     with pytest.raises(ValueError, match="routed_experts_prompt_start must be <= the prompt length 2"):
         bf16_engine.check_request(GenerationRequest([1, 2], routed_experts_prompt_start=3))
+
+
+def test_close_leaves_no_submitted_request_pending_and_no_worker_alive():
+    """Submits racing close() either run to completion or are refused at submit."""
+    engine = GenerationEngine(build_tiny_moe(seed=0), dtype=torch.float32)
+    request = GenerationRequest([3, 4, 5], SamplingParams(max_new_tokens=1, temperature=0.0))
+    futures, refused = [], []
+    go = threading.Event()
+
+    def submitter():
+        go.wait()
+        while True:
+            try:
+                futures.append(engine.submit(request))
+            except RuntimeError as exc:
+                refused.append(str(exc))
+                return
+
+    threads = [threading.Thread(target=submitter) for _ in range(3)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # many thread switches, so submits interleave with close()
+    try:
+        for thread in threads:
+            thread.start()
+        go.set()
+        while not futures:
+            pass
+        engine.close()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert refused == ["the generation engine is closed"] * 3
+    assert all(f.done() for f in futures)
+    assert all(f.result().token_ids and f.exception() is None for f in futures)
+    assert not engine._worker.is_alive()
 
 
 # --------------------------------------------------------------------------- weights

@@ -55,3 +55,9 @@ def test_every_family_builds_and_exposes_its_routers(family):
 def test_unknown_family_is_rejected():
     with pytest.raises(ValueError, match="family must be one of"):
         tiny_family_config("llama")
+
+
+def test_gpt_oss_layer_types_follow_the_layer_count():
+    assert tiny_family_config("gpt_oss").layer_types == ["sliding_attention", "full_attention"] * 2
+    config = tiny_family_config("gpt_oss", num_hidden_layers=3)
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]

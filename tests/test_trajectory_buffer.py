@@ -225,6 +225,19 @@ def test_load_state_dict_refuses_to_lose_samples_or_break_bounds():
         ReplayBuffer(num_experts=16).load_state_dict(full.state_dict())
     with pytest.raises(ValueError, match=r"state version"):
         ReplayBuffer().load_state_dict({**state, "version": 99})
+    with pytest.raises(ValueError, match=r"ReplayBuffer state start must be an int >= 0, got -1"):
+        ReplayBuffer().load_state_dict({**state, "start": -1})
+
+
+def test_loaded_routes_fix_the_schema_even_when_the_state_names_none():
+    full = ReplayBuffer()
+    full.extend(mixed_trajectories())
+    restored = ReplayBuffer()
+    restored.load_state_dict({**full.state_dict(), "route_schema": None})
+    assert restored.route_schema == (2, 2)
+    with pytest.raises(ValueError, match=r"\(num_layers, top_k\) = \(3, 2\), expected \(2, 2\)"):
+        restored.add(Trajectory([1, 2], [3], routed_experts=routes(2, layers=3)))
+    assert len(restored) == 4
 
 
 @settings(max_examples=25, deadline=None)
@@ -246,3 +259,21 @@ def test_buffer_holds_the_newest_capacity_trajectories(capacity, sizes, seed):
     )
     again = unpack_trajectories(pack_trajectories(kept))
     assert again == kept
+
+
+def test_trajectory_owns_its_tensors_so_reused_inputs_cannot_rewrite_the_buffer():
+    prompt = torch.tensor([1, 2, 3])
+    response = torch.tensor([4, 5])
+    loss_mask = torch.ones(2, dtype=torch.float32)
+    logprobs = torch.full((2,), -0.5)
+    captured = routes(4, dtype=torch.uint8)
+    buffer = ReplayBuffer()
+    buffer.add(
+        Trajectory(prompt, response, loss_mask=loss_mask, rollout_logprobs=logprobs, routed_experts=captured)
+    )
+    for tensor in (prompt, response, loss_mask, logprobs, captured):  # the caller reuses its buffers
+        tensor.fill_(0)
+    (stored,) = buffer
+    assert stored.prompt_ids.tolist() == [1, 2, 3] and stored.response_ids.tolist() == [4, 5]
+    assert stored.loss_mask.tolist() == [1.0, 1.0] and stored.rollout_logprobs.tolist() == [-0.5, -0.5]
+    assert torch.equal(stored.routed_experts, routes(4, dtype=torch.uint8))

@@ -207,6 +207,10 @@ def test_flat_route_errors():
         decode_flat_routes(data, num_layers=3, top_k=2, num_experts=11)
     with pytest.raises(MalformedResponseError, match="expected a base64 string, got NoneType"):
         decode_flat_routes(None, num_layers=3, top_k=2)
+    with pytest.raises(ValueError, match="num_layers must be a positive integer, got 0"):
+        decode_flat_routes(data, num_layers=0, top_k=2)
+    with pytest.raises(ValueError, match="top_k must be a positive integer, got True"):
+        decode_flat_routes(data, num_layers=3, top_k=True)
 
 
 # ------------------------------------------------------------------ whole-body parsing

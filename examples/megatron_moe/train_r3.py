@@ -109,14 +109,11 @@ def rollout(engine, engine_replay, prompts, response_len, generator):
     return trajectories, PackedTensor.from_segments(routes)
 
 
-def left_padded(trajectories, device):
-    width = max(len(t) for t in trajectories)
-    input_ids = torch.zeros(len(trajectories), width, dtype=torch.int64, device=device)
-    mask = torch.zeros(len(trajectories), width, dtype=torch.bool, device=device)
-    for row, tokens in enumerate(trajectories):
-        input_ids[row, width - len(tokens) :] = tokens
-        mask[row, width - len(tokens) :] = True
-    return input_ids, mask
+def left_padded(trajectories: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids [B, S]`` and bool ``attention_mask [B, S]``, real tokens at the right end."""
+    tokens = PackedTensor.from_segments(trajectories)  # [sum(n)], on the trajectories' device
+    real = PackedTensor(torch.ones_like(tokens.values, dtype=torch.bool), tokens.cu_seqlens)
+    return tokens.to_padded(side="left"), real.to_padded(pad=False, side="left")
 
 
 def train_step(policy, backend, optimizer, input_ids, attention_mask, routes, rewards):
@@ -200,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         # toy reward: fraction of even tokens in the response, centred over the batch
         rewards = torch.tensor([(t[-4:] % 2 == 0).float().mean().item() for t in trajectories], device=device)
         rewards = rewards - rewards.mean()
-        input_ids, attention_mask = left_padded(trajectories, device)
+        input_ids, attention_mask = left_padded(trajectories)
         loss, aligned, replay_mask, used, stats = train_step(
             policy, backend, optimizer, input_ids, attention_mask, routes.to(device), rewards
         )

@@ -19,7 +19,7 @@ import torch
 
 from r3lightning.align.layout import Pad, TokenMetadataLayout, take_rows
 from r3lightning.packed import PackedTensor
-from r3lightning.ragged import host_lengths
+from r3lightning.ragged import check_fill_value, host_lengths
 
 __all__ = ["align_packed_token_metadata", "build_replay_mask", "scatter_to_padded_batch"]
 
@@ -123,8 +123,9 @@ def scatter_to_padded_batch(
     position of trajectory ``i``'s token ``j`` goes to ``[i, width - len_i + j]`` (with
     ``next_token=True``, to token ``j + 1``'s column, e.g. logprobs computed at row ``j`` for
     target ``j + 1``). ``width`` defaults to ``layout.batch_width``. A new batch is filled with
-    ``pad``; pass ``out`` to write into an existing batch instead, which lets every
-    context-parallel rank's shard land in one batch (only this layout's real tokens are written).
+    ``pad`` (a scalar ``tensor``'s dtype can hold, else ``ValueError``); pass ``out`` to write
+    into an existing batch instead, which lets every context-parallel rank's shard land in one
+    batch (only this layout's real tokens are written).
 
     One host->device index copy and one indexed write on ``tensor``'s device; no sync.
     """
@@ -137,7 +138,7 @@ def scatter_to_padded_batch(
     index = layout.source_index(layout.batch_row_offsets(width), next_token=next_token)
     shape = (layout.batch_size, width, *row_shape)
     if out is None:
-        out = torch.full(shape, pad, dtype=tensor.dtype, device=tensor.device)
+        out = torch.full(shape, check_fill_value(pad, tensor.dtype), dtype=tensor.dtype, device=tensor.device)
     elif (
         tuple(out.shape) != shape
         or out.dtype != tensor.dtype

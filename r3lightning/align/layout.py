@@ -16,14 +16,20 @@ int64 index per call and never a device->host sync.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from r3lightning.ragged import check_side, host_lengths, offsets_from_lengths, segment_ids_and_positions
+from r3lightning.ragged import (
+    check_fill_value,
+    check_pad_row,
+    check_side,
+    host_lengths,
+    offsets_from_lengths,
+    segment_ids_and_positions,
+)
 
 __all__ = ["Pad", "TokenMetadataLayout", "position_ids_from_mask", "split_for_sequence_parallel"]
 
@@ -162,7 +168,8 @@ class TokenMetadataLayout:
         ``cp_size > 1`` each padded sequence is cut into ``2 * cp_size`` equal chunks and this rank
         keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` (load-balanced causal CP), so
         ``T_local = T / cp_size``. ``batch_width`` is the width of the canonical left-padded batch
-        (default: the longest sequence). Cost: O(T_local) host ops, no Python loop.
+        (default: the longest sequence). Cost: O(T_local) host ops, no Python loop; device-resident
+        ``sequence_lengths`` are read back once (a sync: pass host lengths to avoid it).
         """
         multiple = check_int("pad_to_multiple", pad_to_multiple)
         cp = check_int("cp_size", cp_size)
@@ -297,26 +304,14 @@ def _pad_rows(
     """Normalise ``pad`` for ``count`` uncovered positions of rows shaped like ``like[0]``."""
     row_shape = tuple(like.shape[1:])
     if isinstance(pad, (bool, int, float)):
-        converted = torch.tensor(pad, dtype=like.dtype).item()
-        if converted != pad and not (math.isnan(pad) and math.isnan(converted)):
-            raise ValueError(f"pad {pad!r} is not representable in the metadata dtype {like.dtype}")
-        return pad, like.dtype
+        return check_fill_value(pad, like.dtype, what="metadata dtype"), like.dtype
     if callable(pad) and not isinstance(pad, torch.Tensor):
         rows = pad(count)
         if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (count, *row_shape):
             got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
             raise ValueError(f"pad({count}) must return a tensor of shape {(count, *row_shape)}, got {got}")
     elif isinstance(pad, torch.Tensor):
-        try:
-            torch.broadcast_shapes(pad.shape, row_shape)
-        except RuntimeError:
-            raise ValueError(
-                f"pad row of shape {tuple(pad.shape)} does not broadcast to row shape {row_shape}"
-            ) from None
-        if torch.broadcast_shapes(pad.shape, row_shape) != torch.Size(row_shape):
-            raise ValueError(
-                f"pad row of shape {tuple(pad.shape)} does not broadcast to row shape {row_shape}"
-            )
+        check_pad_row(pad, row_shape)
         rows = pad
     else:
         raise ValueError(f"pad must be a scalar, a row tensor or a callable, got {type(pad).__name__}")

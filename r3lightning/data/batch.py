@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from r3lightning.align.layout import position_ids_from_mask
+from r3lightning.align.layout import check_int, position_ids_from_mask
 from r3lightning.packed import PackedTensor
-from r3lightning.ragged import batch_index, tensor_from_bytes, tensor_to_bytes, to_device_async
+from r3lightning.ragged import batch_index, repeat_counts, tensor_from_bytes, tensor_to_bytes, to_device_async
 
 __all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "RolloutBatch"]
 
@@ -129,14 +129,16 @@ class RolloutBatch:
 
     # ------------------------------------------------------------------------ generic plumbing
 
-    def _replace(self, token: Any, row: Any, routes: Any, host: Any, *, check: bool = False) -> RolloutBatch:
-        """New batch with ``token(name, t)`` / ``row(name, t)`` applied to the fields."""
+    def _replace(self, token: Any, row: Any, routes: Any, host: Any) -> RolloutBatch:
+        """New batch with ``token(name, t)`` / ``row(name, t)`` applied to the fields.
+
+        Skips ``__post_init__``: the transforms keep shapes consistent by construction. ``host``
+        is the new ``(sequence_lengths, prompt_lengths)`` host pair, ``None`` to keep this one's.
+        """
         values = {name: token(name, getattr(self, name)) for name in TOKEN_FIELDS}
         values.update({name: row(name, getattr(self, name)) for name in ROW_FIELDS})
         values["routed_experts"] = None if self.routed_experts is None else routes(self.routed_experts)
         hosts = self._host_lengths if host is None else host
-        if check:
-            return RolloutBatch(**values, _host_lengths=hosts)
         out = object.__new__(RolloutBatch)
         out.__dict__.update(values, _host_lengths=hosts, _lease=None)
         return out
@@ -177,9 +179,7 @@ class RolloutBatch:
         """Micro-batches as views, like ``torch.split`` along the batch axis."""
         count = len(self)
         if isinstance(split_size_or_sections, int):
-            size = split_size_or_sections
-            if size < 1:
-                raise ValueError(f"split size must be >= 1, got {size}")
+            size = check_int("split size", split_size_or_sections)
             sections = [min(size, count - s) for s in range(0, count, size)]
         else:
             sections = [operator.index(s) for s in split_size_or_sections]
@@ -193,8 +193,7 @@ class RolloutBatch:
 
     def chunk(self, chunks: int) -> list[RolloutBatch]:
         """At most ``chunks`` views of ``ceil(B / chunks)`` rows, like ``torch.chunk``."""
-        if chunks < 1:
-            raise ValueError(f"chunks must be >= 1, got {chunks}")
+        check_int("chunks", chunks)
         return self.split(max(1, math.ceil(len(self) / chunks)))
 
     def trim(self) -> RolloutBatch:
@@ -243,16 +242,10 @@ class RolloutBatch:
 
     def repeat_interleave(self, repeats: int | Sequence[int] | Tensor) -> RolloutBatch:
         """Each row ``repeats`` times in place (``[a, a, b, b]``, e.g. GRPO samples per prompt);
-        ``repeats`` is an int or one count per row. New storage."""
-        count = len(self)
-        per_row = torch.as_tensor(repeats, dtype=torch.int64).cpu()
-        if per_row.dim() == 0:
-            per_row = per_row.expand(count)
-        if per_row.shape != (count,) or (count and int(per_row.min()) < 0):
-            raise ValueError(
-                f"repeats must be an int >= 0 or one count >= 0 per row ({count}), got {repeats!r}"
-            )
-        return self._gather(torch.repeat_interleave(torch.arange(count), per_row))
+        ``repeats`` is an int or one count per row (floats and bools are rejected). New storage;
+        device-resident ``repeats`` are read back once (a sync)."""
+        per_row = repeat_counts(repeats, len(self), unit="row")
+        return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_row))
 
     def pad_to_multiple(
         self,
@@ -272,8 +265,7 @@ class RolloutBatch:
         (``num_experts`` required; ``num_layers`` / ``top_k`` default to the routes' schema and
         must match it). Returns ``self`` when nothing is missing, else new storage.
         """
-        if multiple < 1:
-            raise ValueError(f"multiple must be >= 1, got {multiple}")
+        check_int("multiple", multiple)
         missing = -len(self) % multiple
         if missing == 0:
             return self

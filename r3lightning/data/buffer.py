@@ -13,6 +13,7 @@ batch, all-or-nothing) leaves the buffer unchanged.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from r3lightning.align.dummy import compact_route_dtype
 from r3lightning.data.trajectory import Trajectory
 
 __all__ = ["ReplayBuffer", "pack_trajectories", "unpack_trajectories"]
@@ -71,8 +73,6 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
 
 def unpack_trajectories(packed: dict[str, Any]) -> list[Trajectory]:
     """Inverse of :func:`pack_trajectories`; each route tensor regains its own compact dtype."""
-    from r3lightning.align.dummy import compact_route_dtype
-
     count = int(packed["count"])
     prompt_lengths = packed["prompt_lengths"].tolist()
     response_lengths = packed["response_lengths"].tolist()
@@ -189,7 +189,20 @@ class ReplayBuffer:
         Costs one pass over every new trajectory's ids and routes (range checks).
         """
         batch = list(trajectories)
-        schema = self._route_schema
+        where = "trajectory {i} of the batch" if len(batch) > 1 else "trajectory"
+        self._route_schema = self._validated(batch, self._route_schema, where)
+        self._items.extend(batch)
+        if self.capacity is not None:
+            overflow = len(self._items) - self.capacity
+            for _ in range(max(overflow, 0)):
+                self._items.popleft()
+            self._start += max(overflow, 0)
+
+    def _validated(
+        self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, where: str
+    ) -> tuple[int, int] | None:
+        """Check ``batch`` against the bounds and one route schema (``schema``, else the first
+        routes' own); returns that schema. Changes nothing. ``where`` names a rejected item."""
         for i, trajectory in enumerate(batch):
             if not isinstance(trajectory, Trajectory):
                 raise TypeError(
@@ -200,17 +213,10 @@ class ReplayBuffer:
                     vocab_size=self.vocab_size, num_experts=self.num_experts, route_schema=schema
                 )
             except ValueError as err:
-                where = f"trajectory {i} of the batch" if len(batch) > 1 else "trajectory"
-                raise ValueError(f"{where} rejected: {err}") from None
+                raise ValueError(f"{where.format(i=i)} rejected: {err}") from None
             if schema is None:
                 schema = trajectory.route_schema
-        self._route_schema = schema
-        self._items.extend(batch)
-        if self.capacity is not None:
-            overflow = len(self._items) - self.capacity
-            for _ in range(max(overflow, 0)):
-                self._items.popleft()
-            self._start += max(overflow, 0)
+        return schema
 
     def clear(self) -> None:
         """Drop every trajectory (their sequence numbers are not reused) and the route schema."""
@@ -240,17 +246,17 @@ class ReplayBuffer:
                 f"ReplayBuffer state holds {len(items)} trajectories, more than this buffer's capacity "
                 f"{self.capacity}; loading it would lose samples"
             )
-        schema = None if state["route_schema"] is None else tuple(state["route_schema"])
-        for i, trajectory in enumerate(items):
-            try:
-                trajectory.validate(
-                    vocab_size=self.vocab_size, num_experts=self.num_experts, route_schema=schema
-                )
-            except ValueError as err:
-                raise ValueError(f"ReplayBuffer state: trajectory {i} rejected: {err}") from None
+        try:
+            start = None if isinstance(state["start"], bool) else operator.index(state["start"])
+        except TypeError:
+            start = None
+        if start is None or start < 0:
+            raise ValueError(f"ReplayBuffer state start must be an int >= 0, got {state['start']!r}")
+        saved = None if state["route_schema"] is None else tuple(state["route_schema"])
+        schema = self._validated(items, saved, "ReplayBuffer state: trajectory {i}")
         self._items = deque(items)
-        self._start = int(state["start"])
-        self._route_schema = schema  # type: ignore[assignment]
+        self._start = start
+        self._route_schema = schema
 
     def __repr__(self) -> str:
         return (

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from r3lightning.align.layout import check_int
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.cpus import collate_pool_size
 from r3lightning.data.trajectory import Trajectory, padding_trajectories
@@ -227,7 +228,8 @@ def _collate(
                     else torch.promote_types(dtype, t.routed_experts.dtype)
                 )
         rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
-        # not pooled: a moved copy of the routes keeps these host offsets as cu_seqlens_host
+        # not pooled: B + 1 ints are cheap to allocate, and routes derived without a device move
+        # (dtype casts, pinning) keep these host offsets, which must outlive the batch's lease
         cu_host = buffers.fresh((count + 1,), torch.int32)
         cu_host[0] = 0
         cu_host[1:].copy_(torch.cumsum(rows, dim=0))
@@ -268,6 +270,8 @@ def collate_trajectories(
     trajectories: Sequence[Trajectory], *, pad_token_id: int = 0, width_multiple: int = 1
 ) -> RolloutBatch:
     """Serial collation into fresh (unpinned) memory; see :class:`RolloutCollator`."""
+    check_int("width_multiple", width_multiple)
+    check_int("pad_token_id", pad_token_id, 0)
     return _collate(
         trajectories,
         _Buffers(_plain_empty),
@@ -311,10 +315,12 @@ class RolloutCollator:
         recycle_after: int | None = None,
         allocator: Allocator | None = None,
     ) -> None:
-        if num_threads is not None and num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
-        if width_multiple < 1:
-            raise ValueError(f"width_multiple must be >= 1, got {width_multiple}")
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
+            raise ValueError(f"num_threads must be >= 1 or None, got {num_threads!r}")
+        check_int("width_multiple", width_multiple)
+        check_int("pad_token_id", pad_token_id, 0)
         self.num_threads = collate_pool_size() if num_threads is None else num_threads
         self.pad_token_id = pad_token_id
         self.width_multiple = width_multiple

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from r3lightning.align.layout import check_int
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, pack_trajectories, unpack_trajectories
 from r3lightning.data.collate import RolloutCollator
@@ -201,6 +202,17 @@ class R3DataModule(pl.LightningDataModule):
             raise TypeError(f"buffer must be a ReplayBuffer, got {type(buffer).__name__}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        # checked here, not at the first train_dataloader, so a bad config fails at construction
+        if collate_threads is not None:
+            check_int("collate_threads", collate_threads)
+        check_int("width_multiple", width_multiple)
+        check_int("pad_token_id", pad_token_id, 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory)):
+            if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
+                expected = "a bool or None" if name == "pin_memory" else "a bool"
+                raise ValueError(f"{name} must be {expected}, got {flag!r}")
         self.buffer = buffer
         self.batch_size = batch_size
         self.shuffle = shuffle

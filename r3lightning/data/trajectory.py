@@ -7,10 +7,11 @@ with ``captured <= n``: row ``t`` is the experts used when token ``t`` was an in
 token is never forwarded, so engines usually return ``n - 1`` rows). Rows past ``captured`` are
 routed natively by the trainer.
 
-Everything is normalised once, at construction, to CPU tensors: ids int64, masks and logprobs
-float32, routes in the compact dtype of their largest expert id (uint8 / int16 / int32). The
-checks here only need the trajectory itself; checks against a model (vocabulary size, expert
-count, route schema) run in :meth:`Trajectory.validate`, which the replay buffer calls on insert.
+Everything is normalised once, at construction, to CPU tensors the trajectory owns (inputs are
+copied, never aliased): ids int64, masks and logprobs float32, routes in the compact dtype of
+their largest expert id (uint8 / int16 / int32). The checks here only need the trajectory
+itself; checks against a model (vocabulary size, expert count, route schema) run in
+:meth:`Trajectory.validate`, which the replay buffer calls on insert.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ ArrayLike = Tensor | np.ndarray | Sequence[int] | Sequence[float]
 
 
 def _as_host_tensor(name: str, data: Any) -> Tensor:
-    """``data`` as a detached CPU tensor, or ``TypeError`` naming the field."""
+    """``data`` as a detached CPU tensor of its own, or ``TypeError`` naming the field."""
     if isinstance(data, Tensor):
-        return data.detach().cpu()
+        # never a view: callers reuse their tensors for the next rollout, which must not rewrite
+        # a trajectory already in the buffer
+        return data.detach().to("cpu", copy=True)
     if isinstance(data, np.ndarray):
         return torch.from_numpy(np.array(data, copy=True))
     if isinstance(data, (list, tuple)):

@@ -31,8 +31,9 @@ from .setup import CONF_DIR, JobError, is_global_zero
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     """Run the job described by ``cfg`` into ``run_dir``; returns ``{run name: history}``."""
+    from .engine import embedded_server
     from .report import format_table, plot_runs
-    from .setup import check_config, embedded_server, replay_settings, train_one
+    from .setup import check_config, replay_settings, train_one
 
     check_config(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -46,11 +47,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
             name = f"replay={mode}"
             runs[name] = train_one(run_cfg, run_dir / name.replace("=", "_"), engine)
     if is_global_zero():
-        table = format_table(runs)
+        band = float(cfg.algorithm.ratio_band)
+        table = format_table(runs, band)
         (run_dir / "summary.txt").write_text(table + "\n")
         print("\n" + table)
         if cfg.plot:
-            plot_runs(run_dir / "metrics.png", runs)
+            plot_runs(run_dir / "metrics.png", runs, band)
             print(f"\nplot: {run_dir / 'metrics.png'}\nrun directory: {run_dir}")
     return runs
 

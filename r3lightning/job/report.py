@@ -68,14 +68,19 @@ def summarize(records: Sequence[Mapping[str, float]], window: int = 3) -> dict[s
     }
 
 
-def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
-    """Fixed-width summary, one row per run (e.g. ``{"replay=r3": ..., "replay=off": ...}``)."""
+def _band(ratio_band: float) -> str:
+    return f"[{1 / ratio_band:g}, {ratio_band:g}]"
+
+
+def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: float = 2.0) -> str:
+    """Fixed-width summary, one row per run (e.g. ``{"replay=r3": ..., "replay=off": ...}``);
+    ``ratio_band`` is the one the ``ratio_out_of_band`` metric was measured with."""
     header = [
         "run",
         "steps",
         "reward start->end",
         "k3 KL",
-        "ratio outside [0.5,2]",
+        f"ratio outside {_band(ratio_band)}",
         "routing agreement",
         "min",
     ]
@@ -103,16 +108,18 @@ def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
     lines += [
         "",
         "reward: mean of the first / last 3 steps",
-        "k3 KL (rollout || trainer), ratio outside [0.5, 2]: token means, averaged over steps",
+        f"k3 KL (rollout || trainer), ratio outside {_band(ratio_band)}: token means, averaged over steps",
         "routing agreement: share of the engine's experts the training forward used (mean, min over steps x MoE layers)",
     ]
     return "\n".join(lines)
 
 
-def plot_runs(path: str | Path, runs: Mapping[str, Sequence[Mapping[str, float]]]) -> None:
+def plot_runs(
+    path: str | Path, runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: float = 2.0
+) -> None:
     """Four panels over RL steps, one colour per run: mean reward, k3 KL(rollout || trainer),
-    fraction of tokens with probability ratio outside [0.5, 2], routing agreement per layer
-    (thin lines) and its mean (thick)."""
+    fraction of tokens with probability ratio outside ``[1 / ratio_band, ratio_band]``, routing
+    agreement per layer (thin lines) and its mean (thick)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,7 +129,7 @@ def plot_runs(path: str | Path, runs: Mapping[str, Sequence[Mapping[str, float]]
     panels = [
         (axes[0, 0], "reward", "mean reward"),
         (axes[0, 1], "k3_kl", "k3 KL(rollout || trainer)"),
-        (axes[1, 0], "ratio_out_of_band", "tokens with ratio outside [0.5, 2]"),
+        (axes[1, 0], "ratio_out_of_band", f"tokens with ratio outside {_band(ratio_band)}"),
     ]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (name, records), color in zip(runs.items(), colors, strict=False):

@@ -299,17 +299,25 @@ class OnPolicyLoop(pl.Callback):
 
 
 def _plain_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
-    """The policy's full weights keyed as in the HF model (what the engine serves).
+    """The policy's full weights keyed as in the HF model (what the engine serves), on rank 0;
+    the other ranks get an empty dict (only rank 0 pushes).
 
-    FSDP2-sharded parameters (DTensors) are all-gathered: a collective every rank must join.
+    FSDP2-sharded parameters (DTensors) are all-gathered one at a time, a collective every rank
+    must join; rank 0 moves each gathered tensor to the host at once, so no device ever holds
+    more than one unsharded tensor (a whole unsharded policy would not fit beside its shards).
+    Unsharded values are returned as they are, without a copy.
     """
     from torch.distributed.tensor import DTensor
 
+    keep = pl_module.trainer.is_global_zero
     out = {}
     for name, value in pl_module.model.state_dict().items():
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        out[name] = value.detach()
+            if keep:
+                value = value.cpu()
+        if keep:
+            out[name] = value.detach()
     return out
 
 

@@ -6,22 +6,18 @@ Kept apart from ``main.py`` so that tests and notebooks can build a run from a c
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import Tensor
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-log = logging.getLogger("r3lightning.job")
 
 
 class JobError(Exception):
@@ -35,10 +31,10 @@ def is_global_zero() -> bool:
 
 
 _MODES = ("r3", "r2", "off")
+_PROTOCOLS = ("skyrl", "sglang")
 
 # ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
 OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace=True)
-_PROTOCOLS = ("skyrl", "sglang")
 
 
 # ---------------------------------------------------------------------------- validation
@@ -74,6 +70,27 @@ def check_config(cfg: DictConfig) -> None:
         raise JobError(f"algorithm.optim.lr must be a number > 0, got {lr!r}")
     if cfg.model.path is None and cfg.model.family is None:
         raise JobError("model.path (a Hugging Face checkpoint) or model.family (a tiny model) must be set")
+    # before a checkpoint is loaded: Lightning would only find out when building the Trainer
+    if cfg.trainer.get("accelerator") == "gpu" and not _gpu_available():
+        raise JobError(
+            f"trainer.accelerator=gpu but no GPU is visible here; use trainer=cpu, or trainer=cpu_fsdp "
+            f"for FSDP2 on CPU processes (got trainer.devices={cfg.trainer.get('devices')!r})"
+        )
+    # the callback reads it only at the first training batch, far from the command line
+    pad = _callback_settings(cfg).get("pad_to_multiple", 1)
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 1:
+        raise JobError(f"callbacks.router_replay.pad_to_multiple must be an integer >= 1, got {pad!r}")
+
+
+def _gpu_available() -> bool:
+    return torch.cuda.is_available() or torch.backends.mps.is_available()
+
+
+def _callback_settings(cfg: DictConfig) -> DictConfig:
+    """The router replay callback's settings: conf/callbacks holds either ``{router_replay: {...}}``
+    or the callback's own keys at the top level."""
+    callbacks = cfg.callbacks
+    return callbacks if "_target_" in callbacks else callbacks.get("router_replay", OmegaConf.create({}))
 
 
 def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
@@ -110,141 +127,6 @@ def build_model(model_cfg: DictConfig) -> torch.nn.Module:
     return build_tiny_moe(config, seed=int(model_cfg.seed))
 
 
-# ---------------------------------------------------------------------------- engine
-
-
-@dataclass
-class Engine:
-    """Where rollouts come from: ``url`` (None on ranks that never collect) and how to push weights."""
-
-    url: str | None
-    push: Any = None  # callable(state_dict) or None
-
-
-def _http_push(url: str, api_key: str | None, timeout_s: float):
-    """Weight sync for an external ``r3lightning-serve`` engine: ``POST /update_weights`` (safetensors)."""
-    import aiohttp
-    from safetensors.torch import save
-
-    async def post(body: bytes) -> None:
-        headers = {"Content-Type": "application/octet-stream"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.post(f"{url}/update_weights", data=body, headers=headers) as response,
-        ):
-            if response.status == 404:
-                raise JobError(
-                    f"the engine at {url} has no /update_weights endpoint; set rollout.sync_weights=false "
-                    "and sync weights through the deployment"
-                )
-            if response.status != 200:
-                raise JobError(
-                    f"weight update at {url} failed: HTTP {response.status}: {(await response.text())[:200]}"
-                )
-
-    def push(state_dict: Mapping[str, Tensor]) -> None:
-        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state_dict.items()}
-        asyncio.run(post(save(tensors)))
-
-    return push
-
-
-def _sglang_disk_push(
-    url: str, api_key: str | None, timeout_s: float, directory: Path, model_path: str | None
-):
-    """Weight sync for SGLang: save a safetensors checkpoint into ``directory`` (shared with the
-    engine) and ask the engine to load it with ``POST /update_weights_from_disk``."""
-    import shutil
-
-    import aiohttp
-    from safetensors.torch import save_file
-
-    async def post() -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.post(
-                f"{url}/update_weights_from_disk", json={"model_path": str(directory)}, headers=headers
-            ) as response,
-        ):
-            body = await response.json(content_type=None)
-            if response.status != 200 or not (isinstance(body, dict) and body.get("success", False)):
-                raise JobError(
-                    f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(body)[:200]}"
-                )
-
-    def push(state_dict: Mapping[str, Tensor]) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state_dict.items()}
-        save_file(tensors, str(directory / "model.safetensors"))
-        if model_path is not None and (Path(model_path) / "config.json").exists():
-            shutil.copy(Path(model_path) / "config.json", directory / "config.json")
-        asyncio.run(post())
-
-    return push
-
-
-@contextlib.contextmanager
-def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
-    """The embedded ``RolloutServer`` (rank 0 only) unless ``rollout.url`` names an external engine."""
-    rollout = cfg.rollout
-    if rollout.url is not None:
-        url = str(rollout.url).rstrip("/")
-        push = None
-        if rollout.sync_weights and is_global_zero():
-            timeout = float(rollout.request_timeout_s)
-            if rollout.protocol == "skyrl":
-                push = _http_push(url, rollout.api_key, timeout)
-            elif rollout.get("weight_sync_dir"):
-                directory = Path(str(rollout.weight_sync_dir))
-                push = _sglang_disk_push(url, rollout.api_key, timeout, directory, cfg.model.path)
-            else:
-                warnings.warn(
-                    "rollout.weight_sync_dir is not set: the SGLang engine keeps its weights, so rollouts "
-                    "drift off-policy; set it to a directory the engine can read",
-                    stacklevel=2,
-                )
-        yield Engine(url, push)
-        return
-    if not is_global_zero():
-        yield Engine(None, None)
-        return
-    from ..rollout.server import RolloutServer
-
-    server_cfg = rollout.server
-    dtype = getattr(torch, str(server_cfg.dtype), None)
-    if not isinstance(dtype, torch.dtype):
-        raise JobError(
-            f"rollout.server.dtype must be a torch dtype name (bfloat16, float32), got {server_cfg.dtype!r}"
-        )
-    model = build_model(cfg.model)
-    server = RolloutServer(
-        model,
-        host=str(server_cfg.host),
-        port=int(server_cfg.port),
-        api_key=rollout.api_key,
-        dtype=dtype,
-        device=server_cfg.device,
-        max_batch_size=int(server_cfg.max_batch_size),
-        seed=int(cfg.seed),
-        copy_model=False,
-    )
-    try:
-        server.__enter__()  # serves from a daemon thread until __exit__
-    except OSError as exc:
-        raise JobError(
-            f"cannot start the embedded rollout server on {server_cfg.host}:{server_cfg.port}: {exc}"
-        ) from None
-    try:
-        yield Engine(server.url, server.update_weights)
-    finally:
-        server.__exit__(None, None, None)
-
-
 # ---------------------------------------------------------------------------- one run
 
 
@@ -262,6 +144,8 @@ def _trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
 def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, float]]:
     """Train one run (one replay mode) into ``out_dir``; returns its per-step history."""
     import lightning.pytorch as pl
+    from hydra.errors import InstantiationException
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
 
@@ -334,9 +218,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     except (TypeError, ValueError) as exc:
         raise JobError(f"data: {exc}") from None
 
-    # conf/callbacks: either {router_replay: {...}} or the callback's own keys at the top level
-    callbacks_cfg = cfg.callbacks if "_target_" in cfg.callbacks else cfg.callbacks.get("router_replay", {})
-    callback_kwargs = dict(OmegaConf.to_container(callbacks_cfg, resolve=True) or {})  # type: ignore[arg-type]
+    callback_kwargs = dict(OmegaConf.to_container(_callback_settings(cfg), resolve=True) or {})  # type: ignore[arg-type]
     for key in ("_target_", "backend", "mode"):  # the backend is built here, the mode is replay.mode
         callback_kwargs.pop(key, None)
     if mode == "off":
@@ -350,8 +232,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         collector,
         buffer,
         prompts_per_step=int(cfg.prompts_per_step),
-        sync_weights=engine.push if rollout.sync_weights else None,
-        gather_weights=bool(rollout.sync_weights),
+        sync_weights=engine.push,
+        gather_weights=engine.gather,
         metrics_path=out_dir / "metrics.csv",
         progress=bool(cfg.trainer.get("enable_progress_bar", True)),
     )
@@ -363,17 +245,20 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         every_n_epochs=1,
         enable_version_counter=False,
     )
-    trainer = pl.Trainer(
-        **_trainer_kwargs(cfg.trainer),
-        max_epochs=int(cfg.steps),
-        reload_dataloaders_every_n_epochs=1,
-        gradient_clip_val=optim.grad_clip,
-        callbacks=[replay_callback, loop, checkpoint],
-        logger=CSVLogger(str(out_dir), name="lightning_logs"),
-        default_root_dir=str(out_dir),
-        num_sanity_val_steps=0,
-        enable_model_summary=False,
-    )
+    try:
+        trainer = pl.Trainer(
+            **_trainer_kwargs(cfg.trainer),
+            max_epochs=int(cfg.steps),
+            reload_dataloaders_every_n_epochs=1,
+            gradient_clip_val=optim.grad_clip,
+            callbacks=[replay_callback, loop, checkpoint],
+            logger=CSVLogger(str(out_dir), name="lightning_logs"),
+            default_root_dir=str(out_dir),
+            num_sanity_val_steps=0,
+            enable_model_summary=False,
+        )
+    except (MisconfigurationException, InstantiationException, TypeError, ValueError) as exc:
+        raise JobError(f"trainer: {exc}") from None
     last = out_dir / "checkpoints" / "last.ckpt"
     ckpt_path = str(last) if cfg.resume and last.exists() else None
     if ckpt_path is not None and is_global_zero():

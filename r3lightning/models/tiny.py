@@ -92,7 +92,6 @@ _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
             "sliding_window": 8,
             # plain RoPE: the YaRN defaults assume a 4k original context
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-            "layer_types": ["sliding_attention", "full_attention"] * 2,
         },
     ),
 }
@@ -107,6 +106,7 @@ def tiny_family_config(family: str, **overrides: Any) -> PretrainedConfig:
     config_cls, family_kwargs = _FAMILIES[family]
     kwargs = {**_COMMON, **family_kwargs, **overrides}
     if family == "gpt_oss" and "layer_types" not in overrides:
+        # one entry per layer, so it follows a num_hidden_layers override
         n = kwargs["num_hidden_layers"]
         kwargs["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(n)]
     return config_cls(**kwargs)

@@ -89,8 +89,9 @@ def validate_routes_for_install(
     ``routes`` must be an integer ``[*token_shape, num_layers, top_k]`` tensor (``token_dims=2``:
     exactly ``[B, S, num_layers, top_k]``) and ``replay_mask`` None or bool ``[*token_shape]``.
     With ``check_ids`` the expert ids of the replayed rows on ``backend.moe_layers`` must lie in
-    ``[0, num_experts)`` and be distinct within a row: one pass over those rows and a
-    device->host sync for device routes. Raises ``TypeError`` / ``ValueError``; nothing is kept.
+    ``[0, num_experts)`` and be distinct within a row: one pass over those rows and, for device
+    routes, device->host syncs (the masked selection, the min/max and the repeat test). Raises
+    ``TypeError`` / ``ValueError``; nothing is kept.
     """
     num_layers, top_k, num_experts = backend.num_layers, backend.top_k, backend.num_experts
     if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:

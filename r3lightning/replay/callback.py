@@ -8,7 +8,8 @@ Per training batch (``on_train_batch_start``, after the batch reached its device
    distinct experts) and a replay mask that is False wherever no route was captured,
 3. install them into the router replay backend.
 
-Routes are cleared after the step (``on_train_batch_end``), on any exception, and before
+Routes are cleared after the step (``on_train_batch_end``), at the end of each training epoch
+(a step the module skips gets no ``on_train_batch_end``), on any exception, and before
 validation / test / predict / sanity checking, so no other forward ever sees stale routes.
 
 Modes:
@@ -34,6 +35,16 @@ replayed; ``captured_fraction`` in off mode), ``native_loss_tokens`` (loss-targe
 natively: no captured route), ``agreement`` and ``agreement/layer_XX`` (replayed experts the
 router would have chosen itself; in off mode, rollout experts the router chose natively).
 Agreement costs one device->host sync per step; ``log_agreement=False`` skips it.
+``native_loss_tokens`` is counted on the batch's device and logged as a tensor, so it is read
+back only when Lightning's logger writes (every ``log_every_n_steps``).
+
+Installing the routes of a ``RolloutBatch`` is otherwise free of device->host syncs (a plain
+mapping batch costs one: its attention mask is copied back to build the layout), because the
+expert ids are not checked again on install unless ``validate_routes=True``. They were checked
+upstream: repeated experts are rejected when the wire response is decoded, ids
+``>= num_experts`` when the trajectory enters a ``ReplayBuffer(num_experts=...)``; padding rows
+are valid by construction and r2 routes are the router's own. Shapes, dtypes and the replay
+mask are still checked on install (tensor metadata only).
 """
 
 from __future__ import annotations
@@ -96,13 +107,19 @@ class RouterReplayCallback(Callback):
     Args:
         backend: ``"hf"`` / ``None`` (Hugging Face routers found in the LightningModule, or in
             its ``model_attr`` submodule), ``"megatron"``, or a ``RouterReplayBackend`` object.
-            String backends are built at ``on_fit_start`` (after ``configure_model`` and sharding).
+            String backends are built at each ``on_fit_start`` (after ``configure_model`` and
+            sharding) for that fit's module.
         mode: ``"r3"``, ``"r2"`` or ``"off"`` (see the module docstring).
         strict: raise instead of routing natively when a training batch has no routes (r3), when
             no old-policy forward recorded any (r2), or when a forward of the routed model runs
             during a training step with nothing installed.
         log_agreement: log native-vs-replayed agreement (one host sync per step).
         log_per_layer: also log the agreement of each MoE layer.
+        validate_routes: check the replayed expert ids on every install (range and distinct
+            within a row): a pass over the routes and device->host syncs per step. ``None``: off
+            for a backend the callback builds or finds (``"hf"`` / ``"megatron"`` / ``None``),
+            while a backend object passed in keeps its own ``validate`` flag; ``True`` /
+            ``False`` set the flag on either.
         layout_fn: ``attention_mask -> TokenMetadataLayout`` for the tokens the model sees.
             Default: the backend's ``build_layout`` if it has one, else
             ``TokenMetadataLayout.padded(attention_mask, pad_to_multiple=pad_to_multiple)``.
@@ -119,6 +136,7 @@ class RouterReplayCallback(Callback):
         log_agreement: bool = True,
         *,
         log_per_layer: bool = True,
+        validate_routes: bool | None = None,
         layout_fn: LayoutFn | None = None,
         pad_to_multiple: int = 1,
         model_attr: str | None = None,
@@ -134,6 +152,7 @@ class RouterReplayCallback(Callback):
         self.strict = strict
         self.log_agreement = log_agreement
         self.log_per_layer = log_per_layer
+        self.validate_routes = validate_routes
         self.layout_fn = layout_fn
         self.pad_to_multiple = pad_to_multiple
         self.model_attr = model_attr
@@ -142,6 +161,13 @@ class RouterReplayCallback(Callback):
         self.backend: RouterReplayBackend | None = (
             backend if isinstance(backend, RouterReplayBackend) else None
         )
+        if self.backend is not None and validate_routes is not None:
+            if not hasattr(self.backend, "validate"):
+                raise ValueError(
+                    f"validate_routes={validate_routes} needs a backend with a 'validate' flag, "
+                    f"got {type(self.backend).__name__}"
+                )
+            self.backend.validate = validate_routes
         self._in_step = False
         self._layout: TokenMetadataLayout | None = None
         self._aligned: Tensor | None = None  # off mode: rollout routes to compare with
@@ -169,11 +195,13 @@ class RouterReplayCallback(Callback):
             if self._backend_spec == "megatron":
                 from .megatron import MegatronRouterReplay
 
-                self.backend = MegatronRouterReplay(module)
+                self.backend = MegatronRouterReplay(module, validate=bool(self.validate_routes))
             else:
                 from .hf import HFRouterReplay
 
+                # for_model may return a backend attached earlier (by record_routes, say)
                 self.backend = HFRouterReplay.for_model(module)
+                self.backend.validate = bool(self.validate_routes)
         if self.strict and not self._strict_hooks:
             # On the routers themselves when the backend exposes them: the LightningModule may call
             # its model directly rather than through its own forward.
@@ -182,6 +210,10 @@ class RouterReplayCallback(Callback):
         return self.backend
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not isinstance(self._backend_spec, RouterReplayBackend):
+            # A backend from an earlier fit belongs to that fit's module: look it up again
+            # (the same one for the same module) so another module is not routed natively.
+            self.backend = None
         self._ensure_backend(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -282,6 +314,11 @@ class RouterReplayCallback(Callback):
     ) -> None:
         self._clear()
 
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A module returning -1 from on_train_batch_start ends the epoch after the install and
+        # without on_train_batch_end; callbacks run before the module's own epoch-end hook.
+        self._clear()
+
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clear()
 
@@ -368,8 +405,10 @@ class RouterReplayCallback(Callback):
                 return
             try:
                 native = backend.stop_recording()
-            except RuntimeError:
-                return  # no forward of the routed model in this step
+            except (RuntimeError, ValueError):
+                # no forward of the routed model in this step, or forwards of token shapes that
+                # cannot be joined (micro-batches): the metric is skipped, the step must not fail
+                return
             token_shape = self._aligned.shape[:-2]
             if native.shape[:-2] != token_shape:  # several forwards: compare the first
                 native = native.narrow(len(token_shape) - 1, 0, token_shape[-1])

@@ -185,7 +185,9 @@ class HFRouterReplay:
     when the model has a config. Use :meth:`for_model` to share one backend per model.
 
     ``validate=True`` checks installed expert ids (range, distinct within a row) on
-    install: one pass over the routes, and a device->host sync when they are already on device.
+    install: one pass over the routes and, for routes already on device, device->host syncs
+    (:class:`~r3lightning.replay.callback.RouterReplayCallback` turns it off: its ids are checked
+    upstream).
 
     Per router call while routes are installed: a ``where`` on the indices, the family's weight
     formula on the live logits, and an ``[N, K, K]`` comparison for the agreement counts, all on
@@ -239,7 +241,8 @@ class HFRouterReplay:
     # ----------------------------------------------------------------------------- lifecycle
     @classmethod
     def for_model(cls, model: nn.Module, **kwargs) -> HFRouterReplay:
-        """The backend already attached to ``model``'s routers, or a new one."""
+        """The backend already attached to ``model``'s routers (as it is: ``kwargs`` only apply to
+        a new one), or a new one built with ``kwargs``."""
         _load_builtins()
         for module in model.modules():
             if _adapter_for(module) is not None and module in _OWNERS:

@@ -262,12 +262,19 @@ class MegatronRouterReplay:
         ``agreeing_slots[i] / (replayed_rows[i] * top_k)``: fraction of replayed experts the
         router would also have chosen natively at layer ``layers[i]``. Recomputation is not counted.
         """
-        zero = torch.zeros((), dtype=torch.int64)
-        rows = [zero if r.replayed_rows is None else r.replayed_rows.cpu() for r in self._replays]
-        slots = [zero if r.agreeing_slots is None else r.agreeing_slots.cpu() for r in self._replays]
+        counts = [c for r in self._replays for c in (r.replayed_rows, r.agreeing_slots) if c is not None]
+        device = counts[0].device if counts else torch.device("cpu")
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        table = torch.stack(  # [2, L_moe] on device: one copy to the host below
+            [
+                torch.stack([zero if r.replayed_rows is None else r.replayed_rows for r in self._replays]),
+                torch.stack([zero if r.agreeing_slots is None else r.agreeing_slots for r in self._replays]),
+            ]
+        )
+        rows, slots = table.to(torch.int64).cpu()
         return {
             "layers": self.moe_layers,
             "top_k": self.top_k,
-            "replayed_rows": torch.stack(rows).to(torch.int64),
-            "agreeing_slots": torch.stack(slots).to(torch.int64),
+            "replayed_rows": rows,
+            "agreeing_slots": slots,
         }

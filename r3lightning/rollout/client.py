@@ -271,6 +271,11 @@ class RemoteGenerateClient:
                 f"routed_experts_prompt_start must be an int >= 0, got {routed_experts_prompt_start!r}"
             )
         prompt_ids = _as_int_list(prompt_token_ids, "prompt_token_ids")
+        if routed_experts_prompt_start is not None and routed_experts_prompt_start > len(prompt_ids):
+            raise ValueError(  # an engine answers 400 (or fewer rows than asked); fail before sending
+                f"routed_experts_prompt_start must be <= the prompt length {len(prompt_ids)}, "
+                f"got {routed_experts_prompt_start}"
+            )
         body = build_request(
             self.protocol,
             prompt_ids,
@@ -360,6 +365,11 @@ class RemoteGenerateClient:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
                 kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
                 raise RetryableGenerateError(f"{method} {url} {kind}: {type(exc).__name__}: {exc}") from exc
+            except aiohttp.ClientResponseError as exc:
+                # aiohttp could not parse the status line or headers: garbage, like a malformed body
+                raise MalformedResponseError(
+                    f"{method} {url}: the answer is not a valid HTTP response ({exc.message})"
+                ) from exc
 
     async def _read_body(self, response: aiohttp.ClientResponse) -> bytes:
         """The whole body, refusing more than ``max_response_bytes`` before reading past it."""

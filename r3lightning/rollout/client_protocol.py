@@ -122,8 +122,9 @@ def parse_response(
 
 
 def _int_list(value: Any, field: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(v) is int for v in value):
-        raise MalformedResponseError(f"{field}: expected a list of integer token ids")
+    # a negative id would index embeddings from the end downstream instead of failing
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise MalformedResponseError(f"{field}: expected a list of non-negative integer token ids")
     return value
 
 
@@ -171,11 +172,11 @@ def _parse_skyrl(parsed: ParsedBody, schema: RouteSchema, want_routes: bool) -> 
     routes = None
     where = "choices[0].routed_experts"
     envelope = choice.get("routed_experts")
-    if isinstance(envelope, dict) and "data" in envelope:
-        data = _take(parsed, envelope, "data", f"{where}.data", want_routes)
-        if data is not None:
+    if isinstance(envelope, dict):
+        data = _take(parsed, envelope, "data", f"{where}.data", want_routes) if "data" in envelope else None
+        if want_routes:  # an envelope without "data" fails in decode_routes, naming the key
             routes = decode_routes(
-                {**envelope, "data": data},
+                envelope if data is None else {**envelope, "data": data},
                 num_experts=schema.num_experts,
                 num_layers=schema.num_layers,
                 top_k=schema.top_k,

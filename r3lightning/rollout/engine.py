@@ -104,7 +104,8 @@ class GenerationEngine:
     understands. Unless ``copy_model=False`` it is rebuilt as a private copy (:func:`serving_copy`)
     before being cast to ``dtype`` on ``device`` (default: where the model is), so the caller's
     (e.g. fp32 training) model, its hooks and its replay backend are never touched.
-    Sampling costs two host syncs per row and decode step (token id and logprob).
+    Sampling costs two host syncs per row and decode step (token id and logprob); when a request
+    asks for routes, each forward also copies its recorded routes to the host.
     ``max_batch_size``: most requests the worker runs in one batch; ``batch_wait_s``: how long the
     worker lingers for more requests after the first one arrives.
     """
@@ -143,7 +144,7 @@ class GenerationEngine:
         self.weight_version = 0
         self._seed_generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()  # held while the model runs or its weights change
-        self._worker_lock = threading.Lock()
+        self._worker_lock = threading.Lock()  # orders submit() against close()
         self._queue: queue.SimpleQueue[tuple[GenerationRequest, Future] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
@@ -306,16 +307,17 @@ class GenerationEngine:
         Validates first (``ValueError`` raised here, not through the future; see
         :meth:`check_request`).
         """
-        if self._closed:
-            raise RuntimeError("the generation engine is closed")
         self.check_request(request, prompt_field=prompt_field)
-        if self._worker is None:
-            with self._worker_lock:
-                if self._worker is None:
-                    self._worker = threading.Thread(target=self._serve, name="r3-generation", daemon=True)
-                    self._worker.start()
         future: Future = Future()
-        self._queue.put((request, future))
+        # Under the lock that close() takes, so nothing is queued behind the worker's stop
+        # sentinel (its future would never resolve) and no worker starts after close().
+        with self._worker_lock:
+            if self._closed:
+                raise RuntimeError("the generation engine is closed")
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="r3-generation", daemon=True)
+                self._worker.start()
+            self._queue.put((request, future))
         return future
 
     def _serve(self) -> None:
@@ -350,12 +352,15 @@ class GenerationEngine:
 
     def close(self) -> None:
         """Stop the worker after the requests already queued; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        with self._worker_lock:
+            if self._closed:
+                return
+            self._closed = True
+            worker = self._worker
+            if worker is not None:
+                self._queue.put(None)
+        if worker is not None:
+            worker.join()
 
     # ------------------------------------------------------------------ weights
 

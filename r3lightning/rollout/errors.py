@@ -53,7 +53,8 @@ class GenerateRequestError(RemoteGenerateError):
 
 
 class MalformedResponseError(RemoteGenerateError, ValueError):
-    """A payload does not follow the wire format; the message names the offending field.
+    """A response does not follow the wire format (the message names the offending field) or
+    is not valid HTTP at all.
 
     Also a ``ValueError`` so codec users can catch it without knowing the rollout client.
     Never retried: a server that answers garbage answers it again.

@@ -65,7 +65,8 @@ class SamplingParams:
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
     """Sample one token from float32 ``logits`` ``[V]``; returns ``(token, logprob)``.
 
-    One host sync (``.item()``); the filters cost a ``[V]`` sort only when ``top_p < 1``.
+    Two device->host syncs (the token id and its logprob); the filters cost a ``[V]`` sort only
+    when ``top_p < 1``.
     """
     if params.temperature == 0.0:
         token = int(logits.argmax())

@@ -324,6 +324,10 @@ def decode_flat_routes(
     With ``compact`` the result is cast to the smallest dtype that holds its largest id (one
     extra pass, 4x less host memory downstream). Validated like :func:`decode_routes`.
     """
+    for name, value in (("num_layers", num_layers), ("top_k", top_k)):
+        # the caller's schema, not the response: a plain ValueError
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(data, str | bytes | bytearray | memoryview):
         raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
     nbytes = _decoded_size(data, field)

@@ -1,0 +1,176 @@
+"""Where the main job's rollouts come from, and how the engine gets the trainer's new weights.
+
+Either the embedded ``RolloutServer`` (rank 0 serves a bf16 copy of the policy on loopback and
+takes weights in process) or an external engine at ``rollout.url``: an ``r3lightning-serve``
+/ SkyRL-compatible server (weights ``POST``ed as safetensors) or SGLang (weights saved to a
+directory both sides see, then ``POST /update_weights_from_disk``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor
+
+from .setup import JobError, build_model, is_global_zero
+
+if TYPE_CHECKING:
+    from .rollout_loop import WeightSync
+
+
+@dataclass
+class Engine:
+    """Where rollouts come from and how the trainer's weights reach it.
+
+    ``url``: None on ranks that never collect. ``push``: rank 0's weight sync (None elsewhere, or
+    when the deployment syncs weights itself). ``gather``: whether every rank joins the per-step
+    full-weight gather (a collective under FSDP2, so it is the same on every rank).
+    """
+
+    url: str | None
+    push: WeightSync | None = None
+    gather: bool = False
+
+
+def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """What an engine serves: contiguous bf16 CPU copies (half the bytes of fp32 on the wire)."""
+    return {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state_dict.items()}
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _http_push(url: str, api_key: str | None, timeout_s: float) -> WeightSync:
+    """Weight sync for an external ``r3lightning-serve`` engine: ``POST /update_weights`` (safetensors)."""
+    import aiohttp
+    from safetensors.torch import save
+
+    async def post(body: bytes) -> None:
+        headers = {"Content-Type": "application/octet-stream", **_auth(api_key)}
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(f"{url}/update_weights", data=body, headers=headers) as response,
+        ):
+            if response.status == 404:
+                raise JobError(
+                    f"the engine at {url} has no /update_weights endpoint; set rollout.sync_weights=false "
+                    "and sync weights through the deployment"
+                )
+            if response.status != 200:
+                raise JobError(
+                    f"weight update at {url} failed: HTTP {response.status}: {(await response.text())[:200]}"
+                )
+
+    def push(state_dict: Mapping[str, Tensor]) -> None:
+        asyncio.run(post(save(_bf16_host(state_dict))))
+
+    return push
+
+
+def _sglang_disk_push(
+    url: str, api_key: str | None, timeout_s: float, directory: Path, model_path: str | None
+) -> WeightSync:
+    """Weight sync for SGLang: save a safetensors checkpoint into ``directory`` (shared with the
+    engine) and ask the engine to load it with ``POST /update_weights_from_disk``."""
+    import aiohttp
+    from safetensors.torch import save_file
+
+    async def post() -> None:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(
+                f"{url}/update_weights_from_disk", json={"model_path": str(directory)}, headers=_auth(api_key)
+            ) as response,
+        ):
+            body = await response.json(content_type=None)
+            if response.status != 200 or not (isinstance(body, dict) and body.get("success", False)):
+                raise JobError(
+                    f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(body)[:200]}"
+                )
+
+    def push(state_dict: Mapping[str, Tensor]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(_bf16_host(state_dict), str(directory / "model.safetensors"))
+        # SGLang loads a checkpoint directory: it needs the architecture next to the weights
+        if model_path is not None and (Path(model_path) / "config.json").exists():
+            shutil.copy(Path(model_path) / "config.json", directory / "config.json")
+        asyncio.run(post())
+
+    return push
+
+
+def _external_engine(cfg: DictConfig, url: str) -> Engine:
+    rollout = cfg.rollout
+    if not rollout.sync_weights:
+        return Engine(url)
+    if rollout.protocol == "sglang" and not rollout.get("weight_sync_dir"):
+        if is_global_zero():
+            warnings.warn(
+                "rollout.weight_sync_dir is not set: the SGLang engine keeps its weights, so rollouts "
+                "drift off-policy; set it to a directory the engine can read",
+                stacklevel=4,  # the caller of embedded_server, not contextlib
+            )
+        return Engine(url)
+    if not is_global_zero():
+        return Engine(url, gather=True)
+    timeout = float(rollout.request_timeout_s)
+    if rollout.protocol == "skyrl":
+        return Engine(url, _http_push(url, rollout.api_key, timeout), gather=True)
+    directory = Path(str(rollout.weight_sync_dir))
+    push = _sglang_disk_push(url, rollout.api_key, timeout, directory, cfg.model.path)
+    return Engine(url, push, gather=True)
+
+
+@contextlib.contextmanager
+def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
+    """The embedded ``RolloutServer`` (rank 0 only) unless ``rollout.url`` names an external engine."""
+    rollout = cfg.rollout
+    if rollout.url is not None:
+        yield _external_engine(cfg, str(rollout.url).rstrip("/"))
+        return
+    if not is_global_zero():
+        yield Engine(None, gather=bool(rollout.sync_weights))
+        return
+    from ..rollout.server import RolloutServer
+
+    server_cfg = rollout.server
+    dtype = getattr(torch, str(server_cfg.dtype), None)
+    if not isinstance(dtype, torch.dtype):
+        raise JobError(
+            f"rollout.server.dtype must be a torch dtype name (bfloat16, float32), got {server_cfg.dtype!r}"
+        )
+    model = build_model(cfg.model)
+    server = RolloutServer(
+        model,
+        host=str(server_cfg.host),
+        port=int(server_cfg.port),
+        api_key=rollout.api_key,
+        dtype=dtype,
+        device=server_cfg.device,
+        max_batch_size=int(server_cfg.max_batch_size),
+        seed=int(cfg.seed),
+        copy_model=False,
+    )
+    try:
+        server.__enter__()  # serves from a daemon thread until __exit__
+    except OSError as exc:
+        raise JobError(
+            f"cannot start the embedded rollout server on {server_cfg.host}:{server_cfg.port}: {exc}"
+        ) from None
+    try:
+        sync = bool(rollout.sync_weights)
+        yield Engine(server.url, server.update_weights if sync else None, gather=sync)
+    finally:
+        server.__exit__(None, None, None)
