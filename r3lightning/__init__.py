@@ -3,6 +3,8 @@
 The package follows the data flow of a route, from the rollout engine to the router:
 
     rollout/  HTTP client, wire codec and an embedded rollout server
+    packed    PackedTensor: the ragged container every token-aligned field travels in
+    routes    compact integer dtypes of expert ids, shared by every stage
     trace     routes accumulated across the turns of one trajectory
     data/     trajectories, replay buffer, threaded packed collation, the Lightning DataModule
     align/    token layouts (padded, packed, context/tensor parallel) and route alignment
@@ -31,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "build_replay_mask": ".align.align",
     "scatter_to_padded_batch": ".align.align",
     "dummy_routes": ".align.dummy",
-    "compact_route_dtype": ".align.dummy",
+    "compact_route_dtype": ".routes",
     "encode_routes": ".rollout.wire",
     "decode_routes": ".rollout.wire",
     "RemoteGenerateClient": ".rollout.client",
@@ -80,7 +82,7 @@ def __dir__() -> list[str]:
 # ruff: noqa: F401  (the names below are re-exported through __all__, built from _EXPORTS)
 if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .align.align import align_packed_token_metadata, build_replay_mask, scatter_to_padded_batch
-    from .align.dummy import compact_route_dtype, dummy_routes
+    from .align.dummy import dummy_routes
     from .align.layout import TokenMetadataLayout, position_ids_from_mask, split_for_sequence_parallel
     from .data.batch import RolloutBatch
     from .data.buffer import ReplayBuffer
@@ -104,4 +106,5 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     )
     from .rollout.server import RolloutServer
     from .rollout.wire import decode_routes, encode_routes
+    from .routes import compact_route_dtype
     from .trace import RoutedExpertTrace, TokenMetadataTrace

@@ -10,23 +10,12 @@ rotates consecutive rows through all experts.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from r3lightning.align.layout import check_int
-from r3lightning.rollout.wire import compact_dtype
+from r3lightning.routes import compact_route_dtype
 
-__all__ = ["compact_route_dtype", "dummy_routes"]
-
-
-def compact_route_dtype(max_expert_id: int) -> torch.dtype:
-    """The route wire dtype (:func:`r3lightning.rollout.wire.compact_dtype`) as a torch dtype.
-
-    uint8 up to 255, int16 up to 32767, int32 above: the host/wire dtypes of routes.
-    """
-    if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
-        raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
-    return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id))).dtype
+__all__ = ["dummy_routes"]
 
 
 def dummy_routes(

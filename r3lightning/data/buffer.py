@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from r3lightning.align.dummy import compact_route_dtype
 from r3lightning.data.trajectory import Trajectory
+from r3lightning.routes import compact_route_dtype
 
 __all__ = ["ReplayBuffer", "pack_trajectories", "unpack_trajectories"]
 

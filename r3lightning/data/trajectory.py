@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from r3lightning.align.dummy import compact_route_dtype, dummy_routes
+from r3lightning.align.dummy import dummy_routes
+from r3lightning.routes import compact_route_dtype
 
 __all__ = ["Trajectory", "padding_trajectories"]
 

@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 import pybase64
 
+from ..routes import WIRE_DTYPES, compact_dtype
 from .errors import MalformedResponseError
 
 __all__ = [
@@ -49,24 +50,10 @@ __all__ = [
     "validate_routes",
 ]
 
-# wire name -> little-endian numpy dtype
-WIRE_DTYPES: dict[str, np.dtype] = {
-    "uint8": np.dtype("<u1"),
-    "int16": np.dtype("<i2"),
-    "int32": np.dtype("<i4"),
-}
 # Default cap on the decoded size of one array; checked before anything is allocated.
 DEFAULT_MAX_BYTES = 1 << 30
 # JSON keys whose string values are route payloads: the envelope's "data", SGLang's meta_info key.
 PAYLOAD_KEYS = ("data", "routed_experts")
-
-
-def compact_dtype(max_id: int) -> np.dtype:
-    """Smallest wire dtype (uint8, int16, int32) that holds ids ``0..max_id``."""
-    for dtype in WIRE_DTYPES.values():
-        if max_id <= np.iinfo(dtype).max:
-            return dtype
-    raise ValueError(f"expert id {max_id} does not fit in int32")
 
 
 def _wire_name(dtype: np.dtype) -> str:

@@ -1,0 +1,35 @@
+"""Route dtypes shared by every stage: the compact integer types of expert ids.
+
+Routes are small non-negative ints, kept on the host and on the wire in the smallest of
+uint8 / int16 / int32 that holds the largest expert id (a 128-expert model's routes are a quarter
+of their int32 size), and widened to what a router needs only when they are installed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["WIRE_DTYPES", "compact_dtype", "compact_route_dtype"]
+
+# wire name -> little-endian numpy dtype, narrowest first
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "uint8": np.dtype("<u1"),
+    "int16": np.dtype("<i2"),
+    "int32": np.dtype("<i4"),
+}
+
+
+def compact_dtype(max_id: int) -> np.dtype:
+    """Smallest wire dtype (uint8, int16, int32) that holds ids ``0..max_id``."""
+    for dtype in WIRE_DTYPES.values():
+        if max_id <= np.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"expert id {max_id} does not fit in int32")
+
+
+def compact_route_dtype(max_expert_id: int) -> torch.dtype:
+    """:func:`compact_dtype` as a torch dtype: uint8 up to 255, int16 up to 32767, int32 above."""
+    if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
+        raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
+    return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id))).dtype
