@@ -7,10 +7,13 @@ of their int32 size), and widened to what a router needs only when they are inst
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
-__all__ = ["WIRE_DTYPES", "compact_dtype", "compact_route_dtype"]
+__all__ = ["WIRE_DTYPES", "compact_dtype", "compact_route_dtype", "compact_routes", "widest_route_dtype"]
 
 # wire name -> little-endian numpy dtype, narrowest first
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -33,3 +36,17 @@ def compact_route_dtype(max_expert_id: int) -> torch.dtype:
     if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
         raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
     return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id))).dtype
+
+
+def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """``routes`` (ids >= 0) cast to :func:`compact_route_dtype` of their largest id (uint8 when
+    empty). One pass over the ids (a ``max``) plus the cast; ``copy=True`` always returns new
+    storage, otherwise ``routes`` itself when already compact."""
+    high = int(routes.max()) if routes.numel() else 0
+    return routes.to(compact_route_dtype(high), copy=copy)
+
+
+def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype that holds routes of every one of ``dtypes`` (at least one), e.g. uint8 and
+    int16 -> int16."""
+    return functools.reduce(torch.promote_types, dtypes)

@@ -40,6 +40,7 @@ from torch import Tensor
 from r3lightning.align.layout import check_int, position_ids_from_mask
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import batch_index, repeat_counts, tensor_from_bytes, tensor_to_bytes, to_device_async
+from r3lightning.routes import widest_route_dtype
 
 __all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "RolloutBatch"]
 
@@ -225,10 +226,9 @@ class RolloutBatch:
         for name in ROW_FIELDS:
             values[name] = torch.cat([getattr(b, name) for b in batches])
         if has_routes == {True}:
-            dtype = batches[0].routed_experts.dtype  # type: ignore[union-attr]
-            for b in batches[1:]:
-                dtype = torch.promote_types(dtype, b.routed_experts.dtype)  # type: ignore[union-attr]
-            values["routed_experts"] = PackedTensor.cat([b.routed_experts.to(dtype=dtype) for b in batches])  # type: ignore[union-attr]
+            routes = [b.routed_experts for b in batches]
+            dtype = widest_route_dtype(r.dtype for r in routes)  # type: ignore[union-attr]
+            values["routed_experts"] = PackedTensor.cat([r.to(dtype=dtype) for r in routes])  # type: ignore[union-attr]
         hosts = [b.lengths_host() for b in batches]
         host = (torch.cat([h[0] for h in hosts]), torch.cat([h[1] for h in hosts]))
         return RolloutBatch(**values, _host_lengths=host)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.data.trajectory import Trajectory
-from r3lightning.routes import compact_route_dtype
+from r3lightning.routes import compact_routes, widest_route_dtype
 
 __all__ = ["ReplayBuffer", "pack_trajectories", "unpack_trajectories"]
 
@@ -45,9 +45,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     with_routes = [t.routed_experts for t in trajectories if t.routed_experts is not None]
     routes: Tensor | None = None
     if with_routes:
-        dtype = with_routes[0].dtype
-        for r in with_routes[1:]:
-            dtype = torch.promote_types(dtype, r.dtype)
+        dtype = widest_route_dtype(r.dtype for r in with_routes)
         routes = torch.cat([r.to(dtype) for r in with_routes])  # [sum rows, L, K]
 
     def cat(name: str, dtype: torch.dtype) -> Tensor:
@@ -89,13 +87,8 @@ def unpack_trajectories(packed: dict[str, Any]) -> list[Trajectory]:
     routes_split = iter(routes_all.split([r for r in route_rows if r >= 0]) if routes_all is not None else ())
     out = []
     for i in range(count):
-        routes = None
-        if route_rows[i] >= 0:
-            routes = next(routes_split).clone()
-            if routes.numel():
-                routes = routes.to(compact_route_dtype(int(routes.max())))
-            else:
-                routes = routes.to(torch.uint8)
+        # a copy of its own (not a view of the whole block), in its own compact dtype
+        routes = compact_routes(next(routes_split), copy=True) if route_rows[i] >= 0 else None
         out.append(
             Trajectory._trusted(
                 prompts[i].clone(),
@@ -167,7 +160,7 @@ class ReplayBuffer:
 
     def window(self, start: int, stop: int) -> tuple[Trajectory, ...]:
         """Trajectories with sequence numbers ``[start, stop)``; ``KeyError`` if any is gone."""
-        if not (self._start <= start <= stop <= self.stop):
+        if not self.covers(start, stop):
             raise KeyError(
                 f"trajectories [{start}, {stop}) are not all in the buffer, which holds [{self._start}, {self.stop})"
             )

@@ -45,6 +45,8 @@ from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.cpus import collate_pool_size
 from r3lightning.data.trajectory import Trajectory, padding_trajectories
 from r3lightning.packed import PackedTensor
+from r3lightning.ragged import offsets_from_lengths
+from r3lightning.routes import widest_route_dtype
 
 __all__ = ["PinnedBufferPool", "RolloutCollator", "collate_trajectories", "pinned_empty"]
 
@@ -219,22 +221,15 @@ def _collate(
     cu_host: Tensor | None = None
     if schemas:
         (schema,) = schemas
-        dtype = None
-        for t in trajectories:
-            if t.routed_experts is not None:
-                dtype = (
-                    t.routed_experts.dtype
-                    if dtype is None
-                    else torch.promote_types(dtype, t.routed_experts.dtype)
-                )
+        dtype = widest_route_dtype(
+            t.routed_experts.dtype for t in trajectories if t.routed_experts is not None
+        )
         rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
         # not pooled: B + 1 ints are cheap to allocate, and routes derived without a device move
         # (dtype casts, pinning) keep these host offsets, which must outlive the batch's lease
-        cu_host = buffers.fresh((count + 1,), torch.int32)
-        cu_host[0] = 0
-        cu_host[1:].copy_(torch.cumsum(rows, dim=0))
+        cu_host = buffers.fresh((count + 1,), torch.int32).copy_(offsets_from_lengths(rows, "route rows"))
         offsets = cu_host.tolist()
-        out["routes"] = buffers.take("routes", (offsets[-1], *schema), dtype)  # type: ignore[arg-type]
+        out["routes"] = buffers.take("routes", (offsets[-1], *schema), dtype)
 
     scalars = {
         "advantages": torch.tensor([t.advantage for t in trajectories], dtype=torch.float32),

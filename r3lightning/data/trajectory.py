@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.routes import compact_route_dtype
+from r3lightning.routes import compact_routes
 
 __all__ = ["Trajectory", "padding_trajectories"]
 
@@ -106,12 +106,9 @@ def _routes(data: Any, num_tokens: int) -> Tensor:
             f"Trajectory.routed_experts has {routes.shape[0]} rows but the trajectory has only "
             f"{num_tokens} tokens (expected rows <= len(prompt_ids) + len(response_ids))"
         )
-    if routes.numel() == 0:
-        return routes.to(torch.uint8)
-    low, high = int(routes.min()), int(routes.max())
-    if low < 0:
+    if routes.numel() and (low := int(routes.min())) < 0:
         raise ValueError(f"Trajectory.routed_experts must hold expert ids >= 0, got {low}")
-    return routes.to(compact_route_dtype(high)).contiguous()
+    return compact_routes(routes).contiguous()
 
 
 class Trajectory:
@@ -318,16 +315,15 @@ def padding_trajectories(
     """
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
-    rows: Tensor | None = None
-    if route_schema is not None and num_experts is not None:
+    routes: list[Tensor | None]
+    if route_schema is None:
+        routes = [None] * count
+    elif num_experts is None:
+        routes = [torch.empty((0, *route_schema), dtype=torch.uint8)] * count
+    else:
         rows = dummy_routes(count, route_schema[0], route_schema[1], num_experts)  # [count, L, K]
-    elif route_schema is not None:
-        empty = torch.empty((0, *route_schema), dtype=torch.uint8)
+        routes = [rows[i : i + 1] for i in range(count)]
     prompt = torch.tensor([pad_token_id], dtype=torch.int64)
     nothing_i = torch.empty(0, dtype=torch.int64)
     nothing_f = torch.empty(0, dtype=torch.float32)
-    out = []
-    for i in range(count):
-        routes = None if route_schema is None else (rows[i : i + 1] if rows is not None else empty)
-        out.append(Trajectory._trusted(prompt, nothing_i, nothing_f, nothing_f, 0.0, 0.0, routes))
-    return out
+    return [Trajectory._trusted(prompt, nothing_i, nothing_f, nothing_f, 0.0, 0.0, r) for r in routes]

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor, nn
 
 from ..align.layout import position_ids_from_mask
-from ..replay.backend import agreement_hits
 from ..replay.callback import RouterReplayCallback
 from ..replay.context import record_routes
 from .grpo import GRPOConfig, mismatch_metrics, policy_loss, token_logprobs
@@ -100,7 +99,7 @@ class GRPOModule(pl.LightningModule):
         if self.measure_agreement and rollout_routes is not None and callback.backend is not None:
             with record_routes(callback.backend) as recording:
                 logprobs = self.batch_logprobs(batch)  # [B, S]
-            self._log_agreement(callback, batch, recording.routes)
+            self._log_agreement(callback, recording.routes)
         else:
             logprobs = self.batch_logprobs(batch)
         loss_mask = batch.loss_mask.to(logprobs.dtype)
@@ -137,22 +136,16 @@ class GRPOModule(pl.LightningModule):
         )
         return loss
 
-    def _log_agreement(self, callback: RouterReplayCallback, batch, used: Tensor) -> None:
+    def _log_agreement(self, callback: RouterReplayCallback, used: Tensor) -> None:
         """Log ``agreement/layer_XX``: fraction of the rollout's expert slots that the training
         forward used, per MoE layer, over the tokens with a captured route (epoch-weighted by
         that token count). One device->host sync (the row count)."""
         backend = callback.backend
-        layout = callback.build_layout(batch.attention_mask)
-        rollout, mask = callback.align_routes(batch.routed_experts, layout)  # [B, S', L, K], [B, S']
-        layers = list(backend.moe_layers)
-        mask = mask.to(used.device)
-        want = rollout.to(used.device)[..., layers, :][mask].long()  # [rows, moe_layers, K]
-        got = used[..., layers, :][mask].long()
-        rows = want.shape[0]
+        hits, rows = callback.agreement_with_routes(used)  # [moe_layers]
         if rows == 0:
             return
-        hits = agreement_hits(want, got).float().mean(dim=(0, 2))  # [moe_layers]
-        for layer, value in zip(layers, hits, strict=True):
+        fractions = hits / (rows * backend.top_k)
+        for layer, value in zip(backend.moe_layers, fractions, strict=True):
             self.log(
                 f"agreement/layer_{layer:02d}",
                 value,

@@ -170,7 +170,7 @@ class RouterReplayCallback(Callback):
             self.backend.validate = validate_routes
         self._in_step = False
         self._layout: TokenMetadataLayout | None = None
-        self._aligned: Tensor | None = None  # off mode: rollout routes to compare with
+        self._aligned: Tensor | None = None  # the step's routes [*token_shape, L, K], to compare with
         self._mask: Tensor | None = None
         self._metrics: dict[str, Tensor | float] = {}
         self._strict_hooks: list = []
@@ -290,11 +290,10 @@ class RouterReplayCallback(Callback):
         assert backend is not None
         dense, host_mask = self.align_routes(routes, layout)
         mask = host_mask.to(dense.device, non_blocking=True)
-        self._layout, self._mask = layout, mask
+        self._layout, self._aligned, self._mask = layout, dense, mask
         self._record_coverage(layout, host_mask, mask, batch)
         if self.mode == "off":
             if self.log_agreement:  # compare what the router chooses natively with the rollout
-                self._aligned = dense
                 backend.start_recording()
         else:
             backend.install(dense, mask)
@@ -412,12 +411,9 @@ class RouterReplayCallback(Callback):
             token_shape = self._aligned.shape[:-2]
             if native.shape[:-2] != token_shape:  # several forwards: compare the first
                 native = native.narrow(len(token_shape) - 1, 0, token_shape[-1])
-            layers = list(backend.moe_layers)
-            replayed = self._aligned[..., layers, :][self._mask].long()  # [rows, moe_layers, K]
-            ours = native[..., layers, :][self._mask].long()
-            hits = agreement_hits(replayed, ours).sum(dim=(0, 2))
-            rows = torch.full_like(hits, replayed.shape[0])
-            stats = {"layers": tuple(layers), "replayed_rows": rows.cpu(), "agreeing_slots": hits.cpu()}
+            hits, num_rows = self.agreement_with_routes(native)
+            rows = torch.full_like(hits, num_rows)
+            stats = {"layers": backend.moe_layers, "replayed_rows": rows.cpu(), "agreeing_slots": hits.cpu()}
         else:
             stats = backend.routing_stats()
         if "agreeing_slots" not in stats:
@@ -431,6 +427,20 @@ class RouterReplayCallback(Callback):
             for layer, hit, total in zip(stats["layers"], agreeing.tolist(), slots.tolist(), strict=True):
                 if total:
                     self._metrics[f"agreement/layer_{layer:02d}"] = hit / total
+
+    def agreement_with_routes(self, used: Tensor) -> tuple[Tensor, int]:
+        """How far ``used`` ``[*token_shape, L, K]`` (experts a forward of this step used) agrees
+        with the routes the step installed (or, in off mode, compares with), on their rows with a
+        captured route: int64 ``[len(moe_layers)]`` slots whose expert ``used`` also holds, on
+        ``used``'s device, and the number of rows. One device->host sync (the masked selection).
+        """
+        if self._aligned is None or self._mask is None or self.backend is None:
+            raise RuntimeError("no routes were installed in this training step")
+        layers = list(self.backend.moe_layers)
+        mask = self._mask.to(used.device)
+        routes = self._aligned.to(used.device)[..., layers, :][mask].long()  # [rows, moe_layers, K]
+        ours = used[..., layers, :][mask].long()
+        return agreement_hits(routes, ours).sum(dim=(0, 2)), routes.shape[0]
 
     def _log(self, pl_module: pl.LightningModule, batch: Any) -> None:
         if self.mode == "r2" and self._layout is None and not self._warned_r2:

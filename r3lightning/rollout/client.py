@@ -30,7 +30,7 @@ from .errors import (
     RetriesExhaustedError,
     RetryableGenerateError,
 )
-from .wire import DEFAULT_MAX_BYTES
+from .wire import DEFAULT_MAX_BYTES, read_capped
 
 __all__ = ["Backoff", "ClientStats", "RemoteGenerateClient", "RemoteGenerateResult"]
 
@@ -374,15 +374,9 @@ class RemoteGenerateClient:
     async def _read_body(self, response: aiohttp.ClientResponse) -> bytes:
         """The whole body, refusing more than ``max_response_bytes`` before reading past it."""
         cap = self.max_response_bytes
-        if response.content_length is not None and response.content_length > cap:
-            raise MalformedResponseError(
-                f"response body of {response.content_length} bytes exceeds max_response_bytes={cap}"
-            )
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in response.content.iter_any():
-            size += len(chunk)
-            if size > cap:
-                raise MalformedResponseError(f"response body exceeds max_response_bytes={cap}")
-            chunks.append(chunk)
-        return b"".join(chunks)
+
+        def too_large(declared: int | None) -> MalformedResponseError:
+            of = "" if declared is None else f" of {declared} bytes"
+            return MalformedResponseError(f"response body{of} exceeds max_response_bytes={cap}")
+
+        return await read_capped(response.content.iter_any(), response.content_length, cap, too_large)

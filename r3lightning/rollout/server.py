@@ -44,6 +44,7 @@ from aiohttp import web
 from .client_protocol import PROTOCOL_PATHS
 from .engine import GenerationEngine
 from .server_protocol import RequestFieldError, build_response, parse_generate_request, wants_logprobs
+from .wire import read_capped
 
 logger = logging.getLogger(__name__)
 
@@ -173,17 +174,14 @@ class RolloutServer:
 
     async def _read_body(self, request: web.Request, cap: int) -> bytes:
         """The request body, refusing (413) more than ``cap`` bytes before reading past it."""
-        if request.content_length is not None and request.content_length > cap:
-            raise _HTTPError(
-                413, f"request body of {request.content_length} bytes exceeds the cap of {cap} bytes"
-            )
-        chunks, size = [], 0
-        async for chunk in request.content.iter_chunked(_READ_CHUNK):
-            size += len(chunk)
-            if size > cap:
-                raise _HTTPError(413, f"request body exceeds the cap of {cap} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+
+        def too_large(declared: int | None) -> _HTTPError:
+            of = "" if declared is None else f" of {declared} bytes"
+            return _HTTPError(413, f"request body{of} exceeds the cap of {cap} bytes")
+
+        return await read_capped(
+            request.content.iter_chunked(_READ_CHUNK), request.content_length, cap, too_large
+        )
 
     async def _generate(self, request: web.Request, protocol: str) -> web.Response:
         raw = await self._read_body(request, self.max_request_bytes)
@@ -367,15 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = getattr(torch, args.dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = None
+    model = None  # RolloutServer builds the tiny MoE
     if args.model is not None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    if model is None:
-        from ..models.tiny import build_tiny_moe
-
-        model = build_tiny_moe(seed=args.seed)
     server = RolloutServer(
         model,
         host=args.host,

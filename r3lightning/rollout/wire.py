@@ -25,7 +25,7 @@ import binascii
 import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,7 @@ __all__ = [
     "encode_flat_routes",
     "encode_routes",
     "parse_body",
+    "read_capped",
     "validate_routes",
 ]
 
@@ -493,3 +494,28 @@ def parse_body(body: bytes | bytearray | memoryview, *, keys: tuple[str, ...] = 
     except orjson.JSONDecodeError as exc:
         raise MalformedResponseError(f"response body is not valid JSON: {exc}") from None
     return ParsedBody(value, buf, spans, tuple(keys))
+
+
+async def read_capped(
+    chunks: AsyncIterable[bytes],
+    content_length: int | None,
+    cap: int,
+    too_large: Callable[[int | None], Exception],
+) -> bytes:
+    """An HTTP body (request or response) of at most ``cap`` bytes, refused before reading past it.
+
+    ``chunks``: the body stream (e.g. ``StreamReader.iter_any()``); ``content_length``: the
+    declared size, if any. ``too_large(declared)`` builds the error raised, with the declared
+    size when that alone exceeds ``cap``, else ``None`` (found while streaming). Cost: one join
+    of the chunks.
+    """
+    if content_length is not None and content_length > cap:
+        raise too_large(content_length)
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > cap:
+            raise too_large(None)
+        parts.append(chunk)
+    return b"".join(parts)
