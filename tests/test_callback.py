@@ -17,7 +17,7 @@ from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes
 from r3lightning.replay.hf import HFRouterReplay
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "callbacks"
+CONF = Path(__file__).resolve().parents[1] / "r3lightning" / "conf" / "callbacks"
 LAYERS = [1, 2, 3]  # MoE layers of the tiny model (layer 0 is dense)
 
 

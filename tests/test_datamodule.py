@@ -309,7 +309,7 @@ def test_hydra_config_instantiates_the_data_module():
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(REPO / "conf" / "data" / "default.yaml")
+    cfg = OmegaConf.load(REPO / "r3lightning" / "conf" / "data" / "default.yaml")
     datamodule = instantiate(cfg, buffer=filled(3))
     assert isinstance(datamodule, R3DataModule) and datamodule.batch_size == cfg.batch_size
     assert (datamodule.shuffle, datamodule.pin_memory, datamodule.drop_last) == (True, None, False)

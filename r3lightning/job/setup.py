@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 if TYPE_CHECKING:
     from .engine import Engine
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # shipped inside the package
 
 
 class JobError(Exception):
