@@ -518,41 +518,25 @@ def megatron_runtime(device: torch.device) -> Iterator[None]:
     to ``torch.cuda.current_device()`` and activation recompute would save the CUDA RNG state."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    missing = object()
-    saved: list[tuple[Any, str, Any]] = []
+    from r3lightning.replay.megatron_cpu import megatron_device_shims
 
-    def patch(owner: Any, name: str, value: Any) -> None:
-        saved.append((owner, name, getattr(owner, name, missing)))
-        setattr(owner, name, value)
-
-    if not getattr(moe_utils, "HAVE_TE", False):
-        patch(moe_utils, "te_general_gemm", None)
-    if device.type == "cpu":
-        patch(torch.cuda, "current_device", lambda: "cpu")
-        patch(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0))
-        patch(tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
-    else:
-        torch.cuda.set_device(device)
-    ensure_process_group(device)
-    started = not parallel_state.model_parallel_is_initialized()
-    if started:
-        parallel_state.initialize_model_parallel()
-    try:
+    with megatron_device_shims(device):
         if device.type == "cuda":
-            tp_random.model_parallel_cuda_manual_seed(0)
-        yield
-    finally:
+            torch.cuda.set_device(device)
+        ensure_process_group(device)
+        started = not parallel_state.model_parallel_is_initialized()
         if started:
-            parallel_state.destroy_model_parallel()
-        RouterReplay.clear_global_router_replay_instances()
-        for owner, name, value in reversed(saved):
-            if value is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
+            parallel_state.initialize_model_parallel()
+        try:
+            if device.type == "cuda":
+                tp_random.model_parallel_cuda_manual_seed(0)
+            yield
+        finally:
+            if started:
+                parallel_state.destroy_model_parallel()
+            RouterReplay.clear_global_router_replay_instances()
 
 
 def _moe_layer(device: torch.device, **overrides: Any):

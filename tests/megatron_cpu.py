@@ -1,42 +1,25 @@
 """Tiny megatron-core MoE configs and the CPU shims megatron-core 0.16.1 needs, for the megatron tests.
 
-megatron-core assumes CUDA in places :func:`cpu_shims` patches for as long as it is active:
-
-* ``Router.gating`` moves CPU router weights to ``torch.cuda.current_device()`` (and
-  ``TopKRouter`` builds expert-bias buffers there): ``torch.cuda.current_device`` returns ``"cpu"``;
-* ``moe_utils`` leaves ``te_general_gemm`` undefined when Transformer Engine is missing (a
-  ``NameError`` in ``router_gating_linear``): it is set to ``None``, megatron's own non-TE path;
-* megatron's activation checkpoint saves and restores the CUDA RNG state: those two calls are
-  no-ops (the CPU RNG state is still saved and restored by megatron).
+The shims themselves are the package's :func:`r3lightning.replay.megatron_cpu.megatron_device_shims`.
 
 Used in-process by test_megatron_replay and by the spawned ranks of megatron_tp_worker.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-import pytest
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import random as tp_random
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from r3lightning.replay.megatron_cpu import megatron_device_shims
 
 LAYERS, EXPERTS, TOP_K, HIDDEN = 4, 8, 2, 16
 
 
-@contextmanager
-def cpu_shims() -> Iterator[None]:
+def cpu_shims():
     """Let megatron-core MoE layers run forward, backward and recompute on the CPU."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "current_device", lambda: "cpu")
-        patch.setattr(moe_utils, "te_general_gemm", None, raising=False)
-        patch.setattr(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0))
-        patch.setattr(tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
-        yield
+    return megatron_device_shims("cpu")
 
 
 def make_config(**overrides) -> TransformerConfig:

@@ -26,7 +26,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-from train_r3 import megatron_compat  # this directory is sys.path[0] when run as a script
 
 from r3lightning import (
     MegatronRouterReplay,
@@ -35,6 +34,7 @@ from r3lightning import (
     build_replay_mask,
     dummy_routes,
 )
+from r3lightning.replay.megatron_cpu import megatron_device_shims
 
 VOCAB, SEQ = 128, 48
 
@@ -133,7 +133,11 @@ def main() -> int:
         print("no CUDA device")
         return 1
     device = torch.device("cuda")
-    megatron_compat(device)
+    with megatron_device_shims(device):
+        return run(device)
+
+
+def run(device: torch.device) -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

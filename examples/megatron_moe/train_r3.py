@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
@@ -48,20 +47,7 @@ from r3lightning import (
     build_replay_mask,
     dummy_routes,
 )
-
-
-def megatron_compat(device: torch.device) -> None:
-    """Work around two assumptions of megatron-core 0.16.1 that this example cannot meet.
-
-    * Without Transformer Engine, ``moe_utils`` never defines ``te_general_gemm`` and the router
-      gating raises ``NameError``; ``None`` selects megatron's own ``torch.mm`` path.
-    * ``Router.gating`` moves CPU router weights to ``torch.cuda.current_device()``; on a CPU-only
-      run that device is the CPU.
-    """
-    if not getattr(moe_utils, "HAVE_TE", False):
-        moe_utils.te_general_gemm = None
-    if device.type == "cpu":
-        torch.cuda.current_device = lambda: "cpu"
+from r3lightning.replay.megatron_cpu import megatron_device_shims
 
 
 class TokenwiseMoELM(nn.Module):
@@ -152,7 +138,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-every", type=int, default=2, help="weight sync period (engine lag)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    megatron_compat(device)
+    with megatron_device_shims(device):  # undone when the run ends
+        train(args, device)
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
     if not dist.is_initialized():
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
