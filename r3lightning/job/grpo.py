@@ -7,6 +7,7 @@ are loss targets. Everything here is pure tensor math: no host<->device syncs un
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ class GRPOConfig:
     std_eps: float = 1e-6
     # Probability ratios outside [1 / ratio_band, ratio_band] count as "far off" in the metrics.
     ratio_band: float = 2.0
+    # Paired native-vs-replayed mismatch (mismatch/*) every n RL steps; 0 = never.
+    mismatch_every_n_steps: int = 1
 
 
 def group_advantages(
@@ -89,6 +92,27 @@ def policy_loss(
     return loss, {"clip_fraction": clip_fraction}
 
 
+def k3_terms(log_ratio: Tensor) -> Tensor:
+    """Per-token k3 estimator ``r - 1 - log r`` of ``log_ratio = log r``, in float64.
+
+    Computed as ``expm1(x) - x``: non-negative and accurate down to tiny ratios (float32
+    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4`` and can go negative).
+    """
+    x = log_ratio.double()
+    return torch.expm1(x) - x
+
+
+def _mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, ratio_band: float):
+    """(k3 mean, out-of-band fraction, mean |log r|) over ``mask``, float64, no host sync."""
+    log_r = trainer_logprobs.double() - rollout_logprobs.double()  # [B, S]
+    out_of_band = log_r.abs() > math.log(ratio_band)
+    return (
+        masked_mean(k3_terms(log_r), mask),
+        masked_mean(out_of_band.double(), mask),
+        masked_mean(log_r.abs(), mask),
+    )
+
+
 def mismatch_metrics(
     trainer_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, ratio_band: float = 2.0
 ) -> dict[str, Tensor]:
@@ -96,21 +120,50 @@ def mismatch_metrics(
 
     With ``r = p_trainer / p_rollout`` on tokens sampled by the rollout engine:
 
-    * ``k3_kl``: mean of ``r - 1 - log r``, the unbiased, non-negative k3 estimator of
-      KL(rollout || trainer);
+    * ``k3_kl``: mean of ``r - 1 - log r`` (:func:`k3_terms`, float64), the unbiased,
+      non-negative k3 estimator of KL(rollout || trainer);
     * ``ratio_out_of_band``: fraction of loss tokens with ``r`` outside
       ``[1 / ratio_band, ratio_band]`` (``[0.5, 2]`` by default);
     * ``abs_logprob_diff``: mean ``|log r|``.
 
-    Detached scalars; no host sync.
+    Detached float64 scalars; no host sync.
     """
     with torch.no_grad():
-        log_r = (trainer_logprobs - rollout_logprobs).float()  # [B, S]
-        ratio = torch.exp(log_r)
-        k3 = ratio - 1.0 - log_r
-        out_of_band = ((ratio < 1.0 / ratio_band) | (ratio > ratio_band)).float()
-        return {
-            "k3_kl": masked_mean(k3, loss_mask),
-            "ratio_out_of_band": masked_mean(out_of_band, loss_mask),
-            "abs_logprob_diff": masked_mean(log_r.abs(), loss_mask),
-        }
+        k3, out_of_band, abs_diff = _mismatch(trainer_logprobs, rollout_logprobs, loss_mask, ratio_band)
+        return {"k3_kl": k3, "ratio_out_of_band": out_of_band, "abs_logprob_diff": abs_diff}
+
+
+def paired_mismatch_metrics(
+    native_logprobs: Tensor,
+    replayed_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    ratio_band: float = 2.0,
+) -> dict[str, Tensor]:
+    """The mismatch R3 removes, measured on one batch and one set of weights.
+
+    ``native_logprobs`` / ``replayed_logprobs`` ``[B, S]``: the trainer's logprobs of the batch
+    with its own routing and with the engine's routes replayed. Each is compared with the
+    engine's ``rollout_logprobs`` over ``loss_mask``: ``k3_native`` / ``k3_replayed`` (mean k3,
+    float64) and ``outside_band_native`` / ``outside_band_replayed`` (fraction of tokens with
+    ratio outside ``[1 / ratio_band, ratio_band]``). Detached float64 scalars; no host sync.
+    """
+    with torch.no_grad():
+        k3_native, band_native, _ = _mismatch(native_logprobs, rollout_logprobs, loss_mask, ratio_band)
+        k3_replayed, band_replayed, _ = _mismatch(replayed_logprobs, rollout_logprobs, loss_mask, ratio_band)
+    return {
+        "k3_native": k3_native,
+        "k3_replayed": k3_replayed,
+        "outside_band_native": band_native,
+        "outside_band_replayed": band_replayed,
+    }
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy (nats) of the distribution each token was predicted from, aligned like
+    :func:`token_logprobs`: ``logits [B, S, V]`` -> ``[B, S]`` float32, entry 0 is 0.
+    Memory: one ``[B, S - 1, V]`` float32 buffer."""
+    logp = logits[:, :-1].float().log_softmax(dim=-1)  # [B, S-1, V]
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.nn.functional.pad(entropy, (1, 0))

@@ -18,10 +18,19 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from ..align.layout import position_ids_from_mask
-from ..replay.callback import RouterReplayCallback
-from ..replay.context import record_routes
-from .grpo import GRPOConfig, mismatch_metrics, policy_loss, token_logprobs
+from ..align.layout import TokenMetadataLayout, position_ids_from_mask
+from ..replay.backend import agreement_hits
+from ..replay.callback import RouterReplayCallback, host_attention_mask
+from ..replay.context import record_routes, replay_routes
+from .grpo import (
+    GRPOConfig,
+    masked_mean,
+    mismatch_metrics,
+    paired_mismatch_metrics,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
 
 
 @dataclass
@@ -39,6 +48,15 @@ class GRPOModule(pl.LightningModule):
     against the rollout engine's logprobs (the behaviour policy), and logs the
     training/inference mismatch (``train/k3_kl``, ``train/ratio_out_of_band``, ...), averaged over
     the epoch. One epoch is one RL step.
+
+    Paired mismatch, every ``grpo.mismatch_every_n_steps`` RL steps (on the step's first batch,
+    whose weights are the ones the engine sampled with): two extra no-grad forwards of the batch,
+    routed natively and with the engine's routes replayed, each compared with the engine's
+    logprobs (``mismatch/k3_native``, ``mismatch/k3_replayed``, ``mismatch/outside_band_native``,
+    ``mismatch/outside_band_replayed``), plus ``mismatch/native_agreement`` (share of the engine's
+    expert slots the trainer's router picks natively) and ``mismatch/policy_entropy`` (mean
+    entropy of the natively routed policy on loss tokens). The same in every replay mode, so arms
+    compare like with like. They run before the replay callback installs the step's routes.
     """
 
     def __init__(
@@ -58,6 +76,8 @@ class GRPOModule(pl.LightningModule):
         # whose routes are recorded there); False: the rollout engine's logprobs.
         self.recompute_old_logprobs = recompute_old_logprobs
         self.measure_agreement = measure_agreement
+        self._paired: dict[str, Tensor] = {}  # measured at batch transfer, logged by training_step
+        self._paired_epoch = -1
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of a left-padded batch."""
@@ -87,7 +107,66 @@ class GRPOModule(pl.LightningModule):
         except LookupError:
             return None
 
+    # ------------------------------------------------------------------ paired mismatch
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        # Runs before the callbacks' on_train_batch_start, i.e. before the replay callback
+        # installs (r3) or records (off) anything, and after the previous optimizer step.
+        trainer = self._trainer
+        every = self.grpo.mismatch_every_n_steps
+        if trainer is not None and trainer.training and every > 0:
+            epoch = trainer.current_epoch
+            if epoch % every == 0 and epoch != self._paired_epoch:
+                self._paired_epoch = epoch
+                self._paired = self.measure_mismatch(batch)
+        return batch
+
+    def measure_mismatch(self, batch) -> dict[str, Tensor]:
+        """Paired mismatch metrics of ``batch`` (names without the ``mismatch/`` prefix).
+
+        Empty when the batch has no engine routes or logprobs, or no replay callback (whose
+        backend routes the model) is attached. Must run with no routes installed. Cost: two
+        no-grad forwards and one device->host sync (the masked agreement selection).
+        """
+        callback = self._replay_callback()
+        routes = getattr(batch, "routed_experts", None)
+        rollout_logprobs = getattr(batch, "rollout_logprobs", None)
+        if callback is None or callback.backend is None or routes is None or rollout_logprobs is None:
+            return {}
+        backend = callback.backend
+        layout = TokenMetadataLayout.padded(host_attention_mask(batch))  # what self.forward feeds
+        aligned, host_mask = callback.align_routes(routes, layout)  # [B, S, L, K], [B, S]
+        mask = host_mask.to(aligned.device)
+        loss_mask = batch.loss_mask.to(rollout_logprobs.dtype)
+        with torch.no_grad():
+            with record_routes(backend) as native_routes:
+                native_logits = self(batch.input_ids, batch.attention_mask)
+            native = token_logprobs(native_logits, batch.input_ids)
+            entropy = masked_mean(token_entropy(native_logits), loss_mask)
+            del native_logits
+            with replay_routes(backend, aligned, mask):
+                replayed = self.batch_logprobs(batch)
+            layers = list(backend.moe_layers)
+            engine = aligned[..., layers, :][mask].reshape(-1, backend.top_k)  # [rows * moe_layers, K]
+            used = native_routes.routes.to(aligned.device)[..., layers, :][mask].reshape(-1, backend.top_k)
+            hits = agreement_hits(engine.long(), used.long())
+            out = paired_mismatch_metrics(
+                native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
+            )
+            out["native_agreement"] = hits.double().sum() / max(hits.numel(), 1)
+            out["policy_entropy"] = entropy.double()
+        return out
+
     def training_step(self, batch, batch_idx: int) -> Tensor:
+        paired, self._paired = self._paired, {}
+        if paired:
+            self.log_dict(
+                {f"mismatch/{k}": v for k, v in paired.items()},
+                on_step=False,
+                on_epoch=True,
+                batch_size=1,
+                sync_dist=self._distributed,
+            )
         callback = self._replay_callback()
         old_logprobs = batch.rollout_logprobs
         if self.recompute_old_logprobs:

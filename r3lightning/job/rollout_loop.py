@@ -30,7 +30,7 @@ from ..rollout.client import RemoteGenerateClient
 from ..rollout.client_protocol import RouteSchema
 from ..trace import RoutedExpertTrace
 from .grpo import group_advantages
-from .report import AGREEMENT_PREFIX, write_csv
+from .report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
 from .task import TokenClassTask
 
 
@@ -325,13 +325,13 @@ def _epoch_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Flatten the epoch-aggregated logged metrics into CSV columns.
 
     ``train/<name>`` -> ``<name>``; the module's per-layer routing agreement keeps its
-    ``agreement/layer_XX`` name.
+    ``agreement/layer_XX`` name, and its paired mismatch metrics their ``mismatch/<name>``.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():
         v = float(value.item() if isinstance(value, Tensor) else value)
         if key.startswith("train/"):
             out[key[len("train/") :]] = v
-        elif key.startswith(AGREEMENT_PREFIX):
+        elif key.startswith((AGREEMENT_PREFIX, MISMATCH_PREFIX)):
             out[key] = v
     return out

@@ -12,10 +12,18 @@ before ``prompt_start`` were returned by an earlier turn).
 Requests from several threads are funnelled through :meth:`GenerationEngine.submit` into one
 worker thread that batches whatever is pending; the model is only touched under one lock, which
 :meth:`GenerationEngine.update_weights` also takes, so weights never change mid-generation.
+
+Batch invariance (``batch_invariant=True``, the default): every forward runs under
+:func:`r3lightning.rollout.invariance.batch_invariant`, so a request with its seed gets the same
+tokens, logprobs and routes whatever else is in flight (prompt lengths, batch size, arrival
+time). Each request succeeds or fails on its own: a sampling error fails only its request, and a
+batch whose forward fails is rerun one request at a time (same results, by batch invariance), so
+only the request that causes the failure gets it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
@@ -31,6 +39,8 @@ from torch import Tensor
 
 from ..align.layout import position_ids_from_mask
 from ..replay.context import as_backend, record_routes
+from .invariance import batch_invariance_problem, batch_invariant, make_batch_invariant
+from .perturb import RouterLogitPerturbation
 from .sampling import MAX_SEED, SamplingParams, check_int, sample_token
 
 logger = logging.getLogger(__name__)
@@ -108,6 +118,16 @@ class GenerationEngine:
     asks for routes, each forward also copies its recorded routes to the host.
     ``max_batch_size``: most requests the worker runs in one batch; ``batch_wait_s``: how long the
     worker lingers for more requests after the first one arrives.
+    ``batch_invariant``: compute each request exactly as it would be computed alone (see the module
+    docstring; ``invariant_tile_rows`` is the row tile of its GEMMs). ``None`` (default): whenever
+    the model allows it (not with sliding-window attention or attention sinks, e.g. gpt-oss);
+    ``True``: required (``ValueError`` otherwise). ``False`` batches the padded forward directly:
+    faster, but results then depend on the batch (within bf16 rounding).
+    ``simulated_disagreement`` (a SIMULATION knob, ``None`` = off): perturb the serving model's
+    router logits so that this fraction of (token, layer) expert slots differs from its own
+    unperturbed routing, as production engines differ from their trainers (~0.1 for
+    Qwen3-30B-A3B); see :mod:`r3lightning.rollout.perturb`. Recalibrated after every weight update
+    (about 12 forwards of a 128-token probe batch).
     """
 
     def __init__(
@@ -120,8 +140,15 @@ class GenerationEngine:
         batch_wait_s: float = 0.002,
         seed: int = 0,
         copy_model: bool = True,
+        batch_invariant: bool | None = None,
+        invariant_tile_rows: int = 32,
+        simulated_disagreement: float | None = None,
+        simulation_seed: int = 0,
     ) -> None:
         check_int("max_batch_size", max_batch_size, low=1)
+        check_int("invariant_tile_rows", invariant_tile_rows, low=1)
+        if batch_invariant is not None and not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be None or a bool, got {batch_invariant!r}")
         if device is None:
             device = next(model.parameters()).device
         if copy_model:
@@ -130,11 +157,18 @@ class GenerationEngine:
         forward_args = inspect.signature(self.model.forward).parameters
         # transformers >= 5.20 renamed past_key_values to cache (the old name warns)
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        if batch_invariant is None:
+            batch_invariant = batch_invariance_problem(self.model) is None
+        self.batch_invariant = batch_invariant
+        self.invariant_tile_rows = invariant_tile_rows
+        if batch_invariant:
+            make_batch_invariant(self.model)
         self.device = torch.device(device)
         self.dtype = dtype
         config = model.config
         routers = as_backend(self.model)  # the route schema record_routes produces
         self.num_layers, self.top_k, self.num_experts = routers.num_layers, routers.top_k, routers.num_experts
+        self._moe_layers = list(routers.moe_layers)
         self.vocab_size = _config_int(config, "vocab_size")
         self.max_context = _config_int(config, "max_position_embeddings")
         self.pad_token_id = getattr(config, "pad_token_id", None) or 0
@@ -148,6 +182,12 @@ class GenerationEngine:
         self._queue: queue.SimpleQueue[tuple[GenerationRequest, Future] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self.perturbation: RouterLogitPerturbation | None = None
+        if simulated_disagreement is not None:
+            self.perturbation = RouterLogitPerturbation(
+                self.model, simulated_disagreement, seed=simulation_seed
+            )
+            self._calibrate_perturbation()
 
     @staticmethod
     def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
@@ -200,15 +240,26 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
-        """Run ``requests`` as one batch on the calling thread (blocks while the model is busy)."""
+    def generate(
+        self, requests: Sequence[GenerationRequest], *, return_exceptions: bool = False
+    ) -> list[GenerationOutput]:
+        """Run ``requests`` as one batch on the calling thread (blocks while the model is busy).
+
+        A request whose sampling fails does not stop the others: with ``return_exceptions`` its
+        entry is the exception, otherwise the first such exception is raised after the batch.
+        """
         for request in requests:
             self.check_request(request)
         with self._lock:
-            return self._generate_batch(list(requests))
+            results = self._generate_batch(list(requests))
+        if not return_exceptions:
+            for result in results:
+                if isinstance(result, Exception):
+                    raise result
+        return results  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
+    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationOutput | Exception]:
         batch = len(requests)
         lengths = [len(r.prompt_ids) for r in requests]
         width = max(lengths)
@@ -219,6 +270,7 @@ class GenerationEngine:
             mask[row, width - lengths[row] :] = True
         positions = position_ids_from_mask(mask)
         ids, mask, positions = (t.to(self.device) for t in (ids, mask, positions))
+        starts = [width - n for n in lengths]  # first real key of each cache row (host ints)
 
         budgets = [
             min(r.params.max_new_tokens, self.max_context - n) for r, n in zip(requests, lengths, strict=True)
@@ -231,13 +283,13 @@ class GenerationEngine:
         record = any(r.return_routed_experts for r in requests)
         route_rows: list[list[Tensor]] = [[] for _ in requests]
         # finish reason fixed up when a stop token is sampled
-        outputs = [
+        outputs: list[GenerationOutput | Exception] = [
             GenerationOutput([], [], "length", None, prompt_tokens=n, weight_version=self.weight_version)
             for n in lengths
         ]
 
         cache = self._new_cache()
-        logits, routes = self._forward(ids, mask, positions, cache, record)  # [B, V], [B, S, L, K]
+        logits, routes = self._forward(ids, mask, positions, cache, record, starts)  # [B, V], [B, S, L, K]
         if routes is not None:
             for row, n in enumerate(lengths):
                 route_rows[row].append(routes[row, width - n :])
@@ -246,8 +298,16 @@ class GenerationEngine:
             next_ids: list[int] = []
             keep: list[int] = []  # cache rows whose sampled token gets forwarded
             for cache_row, index in enumerate(active):
-                token, logprob = sample_token(logits[cache_row], requests[index].params, generators[index])
                 out = outputs[index]
+                assert isinstance(out, GenerationOutput)
+                try:
+                    token, logprob = sample_token(
+                        logits[cache_row], requests[index].params, generators[index]
+                    )
+                except Exception as exc:  # this request fails; its batch-mates go on
+                    logger.warning("sampling failed for one request of a batch of %d: %s", batch, exc)
+                    outputs[index] = exc
+                    continue
                 out.token_ids.append(token)
                 out.logprobs.append(logprob)
                 if token in stops[index]:
@@ -263,31 +323,69 @@ class GenerationEngine:
                 cache.batch_select_indices(select)
                 mask, positions = mask[select], positions[select]
                 active = [active[r] for r in keep]
+                starts = [starts[r] for r in keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             positions = positions[:, -1:] + 1
             step_ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)[:, None]
-            logits, routes = self._forward(step_ids, mask, positions, cache, record)
+            logits, routes = self._forward(step_ids, mask, positions, cache, record, starts)
             if routes is not None:
                 for cache_row, index in enumerate(active):
                     route_rows[index].append(routes[cache_row])
 
         for index, request in enumerate(requests):
-            if request.return_routed_experts:
+            out = outputs[index]
+            if request.return_routed_experts and isinstance(out, GenerationOutput):
                 rows = torch.cat(route_rows[index])[request.routed_experts_prompt_start :]
-                outputs[index].routed_experts = rows.numpy()  # [rows, L, K]
+                out.routed_experts = rows.numpy()  # [rows, L, K]
         return outputs
 
     def _forward(
-        self, ids: Tensor, mask: Tensor, positions: Tensor, cache, record: bool
+        self, ids: Tensor, mask: Tensor, positions: Tensor, cache, record: bool, starts: list[int]
     ) -> tuple[Tensor, Tensor | None]:
-        """One forward; returns last-position float32 logits ``[B, V]`` and host routes ``[B, S, L, K]``."""
+        """One forward; returns last-position float32 logits ``[B, V]`` and host routes ``[B, S, L, K]``.
+
+        ``starts``: first real key position of each row (its left padding), for batch invariance.
+        """
         kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
         kwargs.update({self._cache_arg: cache, "use_cache": True, "logits_to_keep": 1})
-        if not record:
-            return self.model(**kwargs).logits[:, -1].float(), None
-        with record_routes(self.model) as recorder:
-            logits = self.model(**kwargs).logits[:, -1].float()
+        invariant = (
+            batch_invariant(starts, self.invariant_tile_rows)
+            if self.batch_invariant
+            else contextlib.nullcontext()
+        )
+        with invariant:
+            if not record:
+                return self.model(**kwargs).logits[:, -1].float(), None
+            with record_routes(self.model) as recorder:
+                logits = self.model(**kwargs).logits[:, -1].float()
         return logits, recorder.routes.cpu()
+
+    @torch.inference_mode()
+    def _calibrate_perturbation(self) -> None:
+        """Fit the simulated disagreement's scale to the current weights (caller holds the lock)."""
+        assert self.perturbation is not None
+        probe = self.perturbation.probe.to(self.device)  # [n, length]
+        mask = torch.ones_like(probe, dtype=torch.bool)
+        positions = position_ids_from_mask(mask)
+        starts = [0] * probe.shape[0]
+
+        def routes() -> Tensor:
+            invariant = (
+                batch_invariant(starts, self.invariant_tile_rows)
+                if self.batch_invariant
+                else contextlib.nullcontext()
+            )
+            with invariant, record_routes(self.model) as recorder:
+                self.model(input_ids=probe, attention_mask=mask, position_ids=positions, use_cache=False)
+            return recorder.routes[..., self._moe_layers, :]  # [n, length, moe_layers, K]
+
+        scale = self.perturbation.calibrate(routes)
+        logger.info(
+            "simulated router disagreement: target %.4f, measured %.4f on the probe (scale %.4g)",
+            self.perturbation.target,
+            self.perturbation.measured,
+            scale,
+        )
 
     def _new_cache(self):
         from transformers import DynamicCache
@@ -338,17 +436,31 @@ class GenerationEngine:
                 pending.append(item)
             pending = [(r, f) for r, f in pending if f.set_running_or_notify_cancel()]
             if pending:
-                try:
-                    results = self.generate([r for r, _ in pending])
-                except Exception as exc:  # the batch fails, the worker lives on
-                    logger.exception("generation batch of %d failed", len(pending))
-                    for _, future in pending:
-                        future.set_exception(exc)
-                else:
-                    for (_, future), result in zip(pending, results, strict=True):
+                results = self._run_isolated([r for r, _ in pending])
+                for (_, future), result in zip(pending, results, strict=True):
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
                         future.set_result(result)
             if stop:
                 return
+
+    def _run_isolated(self, requests: list[GenerationRequest]) -> list[GenerationOutput | Exception]:
+        """Each request's output or its own exception; the worker lives on whatever fails.
+
+        A failing batch forward is retried one request at a time, so only the request that
+        causes it fails (the others get what the batch would have given them: batch invariance).
+        """
+        try:
+            return self.generate(requests, return_exceptions=True)  # type: ignore[return-value]
+        except Exception as exc:
+            if len(requests) == 1:
+                logger.warning("generation request failed: %s", exc)
+                return [exc]
+            logger.warning(
+                "generation batch of %d failed (%s); running its requests one by one", len(requests), exc
+            )
+            return [self._run_isolated([request])[0] for request in requests]
 
     def close(self) -> None:
         """Stop the worker after the requests already queued; idempotent."""
@@ -392,4 +504,6 @@ class GenerationEngine:
             for name, value in state_dict.items():
                 params[name].copy_(value)
             self.weight_version += 1
+            if self.perturbation is not None:
+                self._calibrate_perturbation()
         return len(state_dict)
