@@ -181,6 +181,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         normalize_std=bool(algo.normalize_std),
         std_eps=float(algo.std_eps),
         ratio_band=float(algo.ratio_band),
+        mismatch_every_n_steps=int(algo.get("mismatch_every_n_steps", 1)),
     )
     optim = OptimConfig(
         lr=float(algo.optim.lr),
@@ -268,5 +269,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         # the same checkpoint directory
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        # the GRPO module measures its paired mismatch in on_after_batch_transfer (intended)
+        warnings.filterwarnings("ignore", message=r".*overridden `on_after_batch_transfer`.*")
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return loop.history

@@ -55,7 +55,7 @@ class RouterLogitPerturbation:
         probe_length: int = 16,
     ) -> None:
         if isinstance(target, bool) or not isinstance(target, int | float) or not 0.0 <= target <= 0.5:
-            raise ValueError(f"simulated router disagreement must be a number in [0, 0.5], got {target!r}")
+            raise ValueError(f"simulated_disagreement must be a number in [0, 0.5], got {target!r}")
         self.target = float(target)
         self.scale = 0.0
         self.measured = 0.0  # disagreement on the probe batch at the calibrated scale

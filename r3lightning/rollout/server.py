@@ -81,7 +81,8 @@ class RolloutServer:
     ``max_request_bytes`` caps generate bodies, ``max_weights_bytes`` weight-update bodies.
     ``max_batch_size`` bounds how many concurrent requests share one forward. ``seed`` seeds the
     default model and the sampling seeds of requests that send none. ``copy_model=False`` serves
-    ``model`` itself (cast in place) instead of a private copy.
+    ``model`` itself (cast in place) instead of a private copy. ``batch_invariant`` and
+    ``simulated_disagreement`` (a simulation knob): see :class:`GenerationEngine`.
 
     Use as ``async with`` inside a running loop, or as a plain ``with`` (the server then runs its
     own event loop in a daemon thread, for synchronous callers such as a Lightning training loop).
@@ -103,6 +104,8 @@ class RolloutServer:
         seed: int = 0,
         model_name: str | None = None,
         copy_model: bool = True,
+        batch_invariant: bool | None = None,
+        simulated_disagreement: float | None = None,
     ) -> None:
         for name, value in (
             ("max_request_bytes", max_request_bytes),
@@ -118,7 +121,14 @@ class RolloutServer:
 
             model = build_tiny_moe(seed=seed)
         self.engine = GenerationEngine(
-            model, dtype=dtype, device=device, max_batch_size=max_batch_size, seed=seed, copy_model=copy_model
+            model,
+            dtype=dtype,
+            device=device,
+            max_batch_size=max_batch_size,
+            seed=seed,
+            copy_model=copy_model,
+            batch_invariant=batch_invariant,
+            simulated_disagreement=simulated_disagreement,
         )
         self.model_name = model_name or getattr(model.config, "name_or_path", None) or type(model).__name__
         self.host = host
