@@ -318,3 +318,13 @@ def test_same_seed_gives_identical_metrics_rows_under_load(tmp_path):
     # step 0: the same weights and rollouts in both arms, so the same paired figures
     keys = [k for k in first["replay=r3"][0] if k.startswith("mismatch/")]
     assert {k: first["replay=r3"][0][k] for k in keys} == {k: first["replay=off"][0][k] for k in keys}
+
+
+@pytest.mark.slow
+def test_paired_mismatch_every_n_steps(tmp_path):
+    from r3lightning.job.main import compose_config, run
+
+    overrides = ["steps=3", "prompts_per_step=2", "plot=false", "trainer.enable_progress_bar=false"]
+    history = run(compose_config([*overrides, "algorithm.mismatch_every_n_steps=2"]), tmp_path)["replay=r3"]
+    assert ["mismatch/k3_native" in r for r in history] == [True, False, True]
+    assert all(0.9 < r["mismatch/native_agreement"] < 1.0 for r in history[::2])  # bf16 vs fp32 flips

@@ -164,6 +164,19 @@ def _records(agreement: float, n: int = 5):
             "ratio_out_of_band": 0.01 * i,
             "agreement/layer_1": agreement,
             "agreement/layer_2": agreement - 0.02 * (agreement < 1),
+            # the paired mismatch, measured on even steps only
+            **(
+                {
+                    "mismatch/native_agreement": 0.9 + 0.01 * i,
+                    "mismatch/k3_native": 4e-3 * (i + 1),
+                    "mismatch/k3_replayed": 1e-4 * (i + 1),
+                    "mismatch/outside_band_native": 0.02,
+                    "mismatch/outside_band_replayed": 0.001,
+                    "mismatch/policy_entropy": 2.0 - 0.25 * i,
+                }
+                if i % 2 == 0
+                else {}
+            ),
         }
         for i in range(n)
     ]
@@ -172,18 +185,30 @@ def _records(agreement: float, n: int = 5):
 def test_report_csv_roundtrip_summary_table_and_plot(tmp_path):
     on, off = _records(1.0), _records(0.95)
     write_csv(tmp_path / "m.csv", on)
-    assert read_csv(tmp_path / "m.csv") == on
+    assert read_csv(tmp_path / "m.csv") == on  # the odd steps' empty mismatch cells are dropped
     s = summarize(on, window=2)
     assert s["reward_start"] == pytest.approx(0.55) and s["reward_end"] == pytest.approx(0.85)
     assert s["agreement_min"] == 1.0
     assert summarize(off)["agreement_min"] == pytest.approx(0.93)
+    # paired mismatch: means over the measured steps 0, 2, 4; step 0; the last measured steps
+    assert s["k3_native"] == pytest.approx(4e-3 * (1 + 3 + 5) / 3)
+    assert s["k3_replayed"] == pytest.approx(1e-4 * 3)
+    assert s["k3_ratio"] == pytest.approx(40.0) and s["k3_ratio_step0"] == pytest.approx(40.0)
+    assert s["native_agreement"] == pytest.approx(0.92) and s["native_agreement_step0"] == 0.9
+    assert s["policy_entropy_step0"] == 2.0 and s["policy_entropy_end"] == pytest.approx((1.5 + 1.0) / 2)
     table = format_table({"replay=r3": on, "replay=off": off})
     lines = table.splitlines()
-    assert lines[0].split()[0] == "run" and lines[2].startswith("replay=r3") and "100.00%" in lines[2]
-    assert "93.00%" in lines[3]
-    assert "ratio outside [0.5, 2]" in lines[0]
-    assert "ratio outside [0.25, 4]" in format_table({"replay=r3": on}, ratio_band=4.0).splitlines()[0]
-    plot_runs(tmp_path / "p.png", {"replay=r3": on, "replay=off": off})
+    assert lines[0].split()[0] == "run" and lines[2].startswith("replay=r3")
+    assert "outside [0.5, 2] native" in lines[0]
+    cells = lines[2].split()
+    assert "92.00%" in cells and "1.20e-02" in cells and "3.00e-04" in cells and "40.0x" in cells
+    assert "2.000%" in cells and "0.100%" in cells and "2.000 -> 1.500" in lines[2]
+    step0 = lines[lines.index("step 0 (same weights and rollouts in every arm):") + 3].split()
+    assert step0 == ["replay=r3", "4.00e-03", "1.00e-04", "40.0x", "2.000%", "0.100%"]
+    assert "outside [0.25, 4] native" in format_table({"replay=r3": on}, ratio_band=4.0).splitlines()[0]
+    bare = [{"step": 0.0, "reward": 0.5}]  # a run without the paired metrics (an external engine)
+    assert "n/a" in format_table({"replay=off": bare}).splitlines()[2]
+    plot_runs(tmp_path / "p.png", {"replay=r3": on, "replay=off": off, "bare": bare})
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -109,6 +109,13 @@ class GRPOModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ paired mismatch
 
+    def on_train_epoch_start(self) -> None:
+        # trainer.callback_metrics keeps the last value of every metric; a step that does not
+        # measure the paired mismatch must not show the previous measurement as its own
+        metrics = self.trainer.callback_metrics
+        for key in [k for k in metrics if k.startswith("mismatch/")]:
+            del metrics[key]
+
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         # Runs before the callbacks' on_train_batch_start, i.e. before the replay callback
         # installs (r3) or records (off) anything, and after the previous optimizer step.

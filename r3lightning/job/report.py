@@ -169,7 +169,8 @@ def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: 
     lines += ["", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
     lines += [
         "",
-        "reward: mean of the first / last 3 steps; entropy (nats): policy entropy on response tokens",
+        "reward: mean of the first / last 3 steps; entropy (nats) of the policy on response tokens: "
+        "step 0 -> mean of the last 3 measured steps",
         "native agreement: share of the engine's expert slots the trainer's router picks natively",
         "k3 = KL(engine || trainer) estimate, outside: tokens with p_trainer / p_engine outside "
         f"{band}; native / replayed: the trainer's own routing / the engine's routes replayed, "
