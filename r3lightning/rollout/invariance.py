@@ -1,25 +1,27 @@
 """Batch-invariant serving forwards: a request's tokens, logprobs and routes do not depend on what
 else the engine batches it with.
 
-A padded batch forward differs from the same request's forward alone in two ways that change
-floating-point results: attention reduces over the batch's padded key width (the real keys shift
-to other vector lanes), and matrix multiplies pick kernels and blockings by their row count
-(``x[i] @ W`` computed among ``M`` rows is not bitwise ``x[i] @ W`` alone). Two changes remove both,
-by construction rather than by tolerance:
+A padded batch forward differs from the same request's forward alone in ways that change
+floating-point results: attention reduces over the batch's padded key width, matrix multiplies
+pick kernels and blockings by their row count (``x[i] @ W`` among ``M`` rows is not bitwise
+``x[i] @ W`` alone), and grouped expert GEMMs depend on how many tokens each expert gets. Three
+changes remove all of it, by construction rather than by tolerance:
 
-* attention runs per row over that row's real keys only (``row_invariant_attention``, registered
-  with transformers' attention interface as ``"r3_row_invariant"``): a row's call has the same
-  shapes whether it is alone or among others, so the same kernel computes the same numbers;
-* MoE experts run as transformers' ``"eager"`` loop over experts, and every ``F.linear`` of the
-  forward runs on fixed ``tile_rows`` row tiles (``RowTiledLinear``, a
-  torch function mode): every GEMM call has the same shape, and a row's output does not depend on
-  the other rows of its tile (no cross-row reduction in a GEMM).
+* attention runs over each row's real keys only (``row_invariant_attention``, registered with
+  transformers' attention interface as ``"r3_row_invariant"``): rows with the same padding share
+  one SDPA call in which each row is computed by its own (batch, head) program over the same key
+  span as when it is alone;
+* MoE experts run as transformers' ``"eager"`` loop over experts (accumulated in expert order);
+* every ``F.linear`` of the modules that own weights (linears, routers, experts) runs on fixed
+  ``tile_rows``-row tiles (``RowTiledLinear``, a torch function mode entered around those modules
+  only, by forward hooks): every GEMM call has one shape, and a row's output does not depend on
+  the other rows of its tile (a GEMM has no cross-row reduction).
 
-The other operations of a decoder (embedding gathers, RMSNorm, rotary embeddings, softmax, top-k,
-the expert ``index_add_`` in expert order) are per row already. Cost: one Python-level attention
-call per row and layer, and ``ceil(M / tile_rows)`` GEMM calls per linear plus the padding of the
-last tile (see benchmarks/bench_engine.py for the measured throughput cost). No host syncs: the
-per-row key offsets are host integers the engine tracks.
+The other operations of a decoder (embedding gathers, RMSNorm, rotary embeddings, softmax, top-k)
+are per row already. Cost: one attention call per distinct padding width and layer, the eager
+expert loop, and ``ceil(M / tile_rows)`` GEMM calls per linear plus the padding of the last tile
+(benchmarks/bench_engine.py measures the throughput cost). No host syncs: the per-row key
+offsets are host integers the engine tracks.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ATTENTION_NAME = "r3_row_invariant"
 
 # First real key position of each batch row in the current forward (host ints), set by the engine.
 _ROW_STARTS: ContextVar[Sequence[int] | None] = ContextVar("r3_row_starts", default=None)
+_TILE_ROWS: ContextVar[int | None] = ContextVar("r3_tile_rows", default=None)
 
 
 def row_invariant_attention(
@@ -69,19 +72,23 @@ def row_invariant_attention(
         raise RuntimeError(f"{ATTENTION_NAME} supports prefill from an empty cache or one-token decode steps")
     gqa = query.shape[1] != key.shape[1]
     out = query.new_zeros(query.shape[0], q_len, query.shape[1], query.shape[3])
+    groups: dict[int, list[int]] = {}  # rows with the same padding share one call
     for row, start in enumerate(starts):
+        groups.setdefault(start, []).append(row)
+    for start, rows in groups.items():
         q_start = start if q_len > 1 else 0
-        # Contiguous copies: the kernel's vector loop then sees the same memory layout and
-        # alignment as for the request alone (a strided view into the padded batch does not).
+        index = torch.tensor(rows, device=query.device)
+        # Gathered copies: each row's attention is computed by its own (batch, head) program of
+        # the kernel, the same as when the row is alone.
         attended = F.scaled_dot_product_attention(
-            query[row : row + 1, :, q_start:].contiguous(),
-            key[row : row + 1, :, start:].contiguous(),
-            value[row : row + 1, :, start:].contiguous(),
+            query.index_select(0, index)[:, :, q_start:],
+            key.index_select(0, index)[:, :, start:],
+            value.index_select(0, index)[:, :, start:],
             is_causal=q_len > 1,
             scale=scaling,
             enable_gqa=gqa,
-        )  # [1, H, Q - q_start, D]
-        out[row, q_start:] = attended[0].transpose(0, 1)
+        )  # [rows, H, Q - q_start, D]
+        out[index, q_start:] = attended.transpose(1, 2)
     return out, None
 
 
@@ -117,6 +124,35 @@ def make_batch_invariant(model: nn.Module) -> None:
     model.set_attn_implementation(ATTENTION_NAME)
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")
+    for module in model.modules():
+        # the modules that multiply by their own weights: linears, routers, experts
+        if isinstance(module, nn.Embedding):
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)) and not getattr(
+            module, "_r3_row_tiled", False
+        ):
+            module.register_forward_pre_hook(_start_tiling)
+            module.register_forward_hook(_stop_tiling, always_call=True)
+            module._r3_row_tiled = True
+
+
+def _start_tiling(module: nn.Module, args: tuple) -> None:
+    tile = _TILE_ROWS.get()
+    stack = module.__dict__.setdefault("_r3_tiling", [])
+    if tile is None:
+        stack.append(None)
+        return
+    mode = RowTiledLinear(tile)
+    mode.__enter__()
+    stack.append(mode)
+
+
+def _stop_tiling(module: nn.Module, args: tuple, output) -> None:
+    stack = module.__dict__.get("_r3_tiling")
+    if stack:
+        mode = stack.pop()
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
 
 class RowTiledLinear(TorchFunctionMode):
@@ -152,11 +188,15 @@ class RowTiledLinear(TorchFunctionMode):
 def batch_invariant(row_starts: Sequence[int], tile_rows: int) -> Iterator[None]:
     """Forwards in this block compute each row as it would be computed alone.
 
-    ``row_starts``: per batch row, the position of its first real key (left padding width).
+    Needs :func:`make_batch_invariant` on the model (its hooks tile the GEMMs of the modules that
+    own weights, only inside this block). ``row_starts``: per batch row, the position of its first real key (left padding width).
     """
-    token = _ROW_STARTS.set(list(row_starts))
+    if isinstance(tile_rows, bool) or not isinstance(tile_rows, int) or tile_rows < 1:
+        raise ValueError(f"tile_rows must be an integer >= 1, got {tile_rows!r}")
+    starts = _ROW_STARTS.set(list(row_starts))
+    tile = _TILE_ROWS.set(tile_rows)
     try:
-        with RowTiledLinear(tile_rows):
-            yield
+        yield
     finally:
-        _ROW_STARTS.reset(token)
+        _TILE_ROWS.reset(tile)
+        _ROW_STARTS.reset(starts)
