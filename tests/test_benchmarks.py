@@ -16,6 +16,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = {
+    "bench_engine.py": [
+        "### Engine throughput: demo step",
+        "| batch-invariant, tile 32 (default)",
+        "target: batch-invariant serving",
+    ],
     "bench_wire.py": [
         "### Wire decode of one response",
         "| pybase64.b64decode of the payload (floor)",
