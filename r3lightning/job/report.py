@@ -238,8 +238,9 @@ def plot_runs(
     for (i, j), title in titles.items():
         axes[i, j].set_title(title)
     axes[0, 2].set_yscale("log")
-    axes[1, 0].set_yscale("log")
-    axes[1, 1].set_yscale("symlog", linthresh=0.1)
+    axes[1, 0].axhline(1.0, color="grey", lw=0.8)
+    axes[1, 0].set_ylim(bottom=0)
+    axes[1, 1].set_ylim(bottom=0)
     for ax in axes.flat:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
