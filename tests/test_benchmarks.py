@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = {
     "bench_engine.py": [
         "### Engine throughput: demo step",
-        "| batch-invariant, tile 32 (default)",
+        "| batch-invariant, tile 64 (default)",
         "target: batch-invariant serving",
     ],
     "bench_wire.py": [

@@ -122,7 +122,9 @@ class GenerationEngine:
     docstring; ``invariant_tile_rows`` is the row tile of its GEMMs). ``None`` (default): whenever
     the model allows it (not with sliding-window attention or attention sinks, e.g. gpt-oss);
     ``True``: required (``ValueError`` otherwise). ``False`` batches the padded forward directly:
-    faster, but results then depend on the batch (within bf16 rounding).
+    faster, but results then depend on the batch (within bf16 rounding). Batch invariance switches
+    the served model's attention and experts implementations and adds forward hooks (to the
+    caller's model itself with ``copy_model=False``).
     ``simulated_disagreement`` (a SIMULATION knob, ``None`` = off): perturb the serving model's
     router logits so that this fraction of (token, layer) expert slots differs from its own
     unperturbed routing, as production engines differ from their trainers (~0.1 for
@@ -141,7 +143,7 @@ class GenerationEngine:
         seed: int = 0,
         copy_model: bool = True,
         batch_invariant: bool | None = None,
-        invariant_tile_rows: int = 32,
+        invariant_tile_rows: int = 64,
         simulated_disagreement: float | None = None,
         simulation_seed: int = 0,
     ) -> None:
