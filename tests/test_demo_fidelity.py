@@ -23,6 +23,7 @@ from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf import HFRouterReplay
 from r3lightning.rollout.engine import GenerationEngine, GenerationRequest
+from r3lightning.rollout.invariance import RowTiledLinear
 from r3lightning.rollout.sampling import SamplingParams
 
 MOE_LAYERS = [1, 2, 3]  # the tiny Qwen3-MoE: layer 0 is dense
@@ -132,6 +133,25 @@ def test_a_batch_whose_forward_fails_is_rerun_request_by_request():
     got = [f.result(timeout=120) for i, f in enumerate(futures) if i != 2]
     assert all(_same(a, b) for a, b in zip(expected, got, strict=True))
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_tiled_linear_rows_do_not_depend_on_their_batch(dtype):
+    """F.linear may pick kernels by row count (MKL's fp32 GEMM does: row i among 300 rows is not
+    bitwise row i alone); on fixed tiles each row is what it is alone, with F.linear's values."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64, 64, dtype=dtype), torch.randn(64, dtype=dtype)
+    x = torch.randn(3, 100, 64, dtype=dtype)  # 300 rows, a 3-D input as the model's layers get
+    with RowTiledLinear(16):
+        tiled = torch.nn.functional.linear(x, weight, bias)
+        alone = torch.stack(
+            [torch.nn.functional.linear(x[i, j], weight, bias) for i in range(3) for j in range(100)]
+        )
+    assert tiled.shape == (3, 100, 64) and torch.equal(tiled.reshape(300, 64), alone)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(tiled, torch.nn.functional.linear(x, weight, bias), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="tile_rows must be an integer >= 1"):
+        RowTiledLinear(0)
 
 
 # ---------------------------------------------------------------------------- knob
