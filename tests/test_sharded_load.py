@@ -15,7 +15,6 @@ from gloo_ranks import free_port, run_ranks
 from r3lightning.models.sharded import convert_checkpoint, meta_model, parameters_on_meta
 from r3lightning.models.tiny import build_tiny_moe, tiny_family_config
 
-pytestmark = pytest.mark.slow
 # big enough that one fp32 copy (~100 MB) stands well above the noise of the peak RSS
 CONFIG = {"hidden_size": 128, "num_experts": 64, "moe_intermediate_size": 128, "num_hidden_layers": 8}
 
@@ -69,6 +68,7 @@ def _rank(rank: int, port: int, hf_dir: str, dcp_dir: str, out_dir: str) -> None
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_meta_init_shard_and_load_uses_a_fraction_of_a_copy_per_rank_and_matches_eager(tmp_path):
     hf_dir, dcp_dir = tmp_path / "hf", tmp_path / "dcp"
     build_tiny_moe(tiny_family_config("qwen3_moe", **CONFIG), seed=3).save_pretrained(hf_dir)
@@ -103,3 +103,15 @@ def test_parameters_on_meta_keeps_buffers_real():
         assert buffer.device.type == "cpu"
         torch.testing.assert_close(buffer, reference.get_buffer(name))
     assert torch.nn.Linear(2, 2).weight.device.type == "cpu"  # restored on exit
+
+
+def test_sharded_weights_without_fsdp2_and_models_without_decoder_layers_are_refused(tmp_path):
+    from r3lightning.job.module import GRPOModule
+    from r3lightning.models.sharded import shard_model
+
+    build_tiny_moe(seed=0).save_pretrained(tmp_path)
+    module = GRPOModule(meta_model(tmp_path), sharded_weights=str(tmp_path / "dcp"))
+    with pytest.raises(ValueError, match="sharded_weights needs FSDP2 \\(ModelParallelStrategy"):
+        module.configure_model()
+    with pytest.raises(ValueError, match=r"decoder layers at model\.model\.layers; Linear has none"):
+        shard_model(torch.nn.Linear(2, 2), mesh=None)

@@ -114,6 +114,11 @@ def build_model(model_cfg: DictConfig) -> torch.nn.Module:
         path = Path(str(model_cfg.path)).expanduser()
         if not path.exists():
             raise JobError(f"model.path does not exist: {path}")
+        if model_cfg.get("sharded_weights") is not None:
+            from ..models.sharded import meta_model
+
+            # parameters on the meta device: each FSDP2 rank reads only its shards after sharding
+            return meta_model(path)
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     from ..models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 
@@ -237,7 +242,14 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         metrics_path=out_dir / "metrics.csv",
         progress=bool(cfg.trainer.get("enable_progress_bar", True)),
     )
-    module = GRPOModule(model, grpo, optim, recompute_old_logprobs=mode == "r2")
+    sharded_weights = cfg.model.get("sharded_weights")
+    module = GRPOModule(
+        model,
+        grpo,
+        optim,
+        recompute_old_logprobs=mode == "r2",
+        sharded_weights=None if sharded_weights is None else str(sharded_weights),
+    )
     checkpoint = ModelCheckpoint(
         dirpath=out_dir / "checkpoints",
         filename="last",

@@ -7,6 +7,7 @@ before ``fully_shard`` keeps only a slice (Qwen3-30B-A3B in fp32: ~120 GB per ra
 1. once, anywhere with room for one copy: :func:`convert_checkpoint` turns the HF checkpoint
    directory into a ``torch.distributed.checkpoint`` (DCP) directory under the model's own
    parameter names (after transformers' load-time conversions such as fused experts);
+   ``python -m r3lightning.models.sharded HF_DIR OUT_DIR [--dtype bfloat16]`` does the same;
 2. on every rank: :func:`meta_model` builds the model with its parameters on the meta device (no
    memory; buffers such as rotary frequencies are real), the training code shards it
    (``fully_shard`` per decoder layer, then the root), and :func:`load_sharded_weights`
@@ -25,11 +26,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["convert_checkpoint", "load_sharded_weights", "meta_model", "parameters_on_meta"]
+__all__ = ["convert_checkpoint", "load_sharded_weights", "meta_model", "parameters_on_meta", "shard_model"]
 
 
 @contextmanager
@@ -60,6 +62,23 @@ def meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Mo
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def shard_model(model: nn.Module, mesh: Any) -> None:
+    """FSDP2 ``fully_shard`` of every decoder layer (``model.model.layers``), then of the root, on
+    ``mesh`` (a 1-D data-parallel ``DeviceMesh``). Works on meta and materialised models alike;
+    router hooks survive (``fully_shard`` keeps the module objects and swaps in a subclass).
+    Raises ``ValueError`` when the model has no decoder layers there."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"FSDP2 sharding looks for the decoder layers at model.model.layers; {type(model).__name__} has none"
+        )
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def convert_checkpoint(path: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> Path:
@@ -105,3 +124,21 @@ def load_sharded_weights(model: nn.Module, checkpoint_dir: str | Path, device: t
             value = state[name]
             if value is not param and value.data_ptr() != param.data_ptr():  # loaded into a copy
                 param.copy_(value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Convert a Hugging Face checkpoint for per-rank shard loading."
+    )
+    parser.add_argument("hf_dir", type=Path, help="Hugging Face checkpoint directory")
+    parser.add_argument("out_dir", type=Path, help="DCP directory to write")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    args = parser.parse_args(argv)
+    convert_checkpoint(args.hf_dir, args.out_dir, dtype=getattr(torch, args.dtype))
+    print(f"wrote {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
