@@ -19,7 +19,14 @@ finishing its epoch (several epochs over one snapshot without reloading). An epo
 (``max_steps``, ``limit_train_batches``, a crash after a checkpoint) is *continued*, not
 restarted, by the next iteration or ``train_dataloader`` call, provided its trajectories are
 still in the buffer; once they are gone (e.g. ``buffer.clear()``) a fresh epoch over the current
-contents starts instead.
+contents starts instead. An epoch nothing was drawn from yet takes the buffer's contents when its
+loader starts iterating, so rows appended after Lightning built the loader (``on_train_start``,
+``on_train_epoch_start``) are in it. (Lightning counts the epoch's batches when it builds the
+loader; batches beyond that count are continued by the next fit, never lost.)
+
+Evaluation: with ``eval_buffer=`` the data module also has ``val_dataloader``,
+``test_dataloader`` and ``predict_dataloader``: the whole eval buffer in order, sharded per rank
+like training. Evaluation never moves the training position.
 
 Sharding: the sampler is a ``DistributedSampler`` that knows the data-parallel rank (from the
 Trainer's strategy or ``torch.distributed``), so Lightning keeps it instead of injecting its own.
@@ -30,7 +37,8 @@ trajectories (zero loss), never with repeated samples, so every rank runs the sa
 equally sized steps.
 
 Resuming: a batch counts as consumed when it is moved to the device for a training step
-(``transfer_batch_to_device``), not when it is prefetched. (Iterating ``train_dataloader()`` by
+(``transfer_batch_to_device`` while the trainer is training: never for validation, test,
+predict or the sanity check), not when it is prefetched. (Iterating ``train_dataloader()`` by
 hand, outside a Trainer, consumes nothing: such a loop restarts its epoch unless it runs to the
 end.) ``state_dict`` stores the buffer, the
 epoch, the consumed count and the snapshot's sequence-number range (plus the snapshot's
