@@ -22,7 +22,7 @@ still in the buffer; once they are gone (e.g. ``buffer.clear()``) a fresh epoch 
 contents starts instead. An epoch nothing was drawn from yet takes the buffer's contents when its
 loader starts iterating, so rows appended after Lightning built the loader (``on_train_start``,
 ``on_train_epoch_start``) are in it. (Lightning counts the epoch's batches when it builds the
-loader; batches beyond that count are continued by the next fit, never lost.)
+loader; batches beyond that count are continued by the next iteration or fit, never lost.)
 
 Evaluation: with ``eval_buffer=`` the data module also has ``val_dataloader``,
 ``test_dataloader`` and ``predict_dataloader``: the whole eval buffer in order, sharded per rank
