@@ -369,7 +369,8 @@ class RolloutBatch:
 # dataclasses: under ``precision="bf16-true"`` / ``"16-true"`` the precision plugin would cast the
 # float32 logprobs, masks and advantages to half precision (logprob error ~0.06 at -20) into new,
 # pageable tensors (so the pinned non_blocking copy turns blocking) after a deep copy that drops
-# the pool lease. The batch keeps its dtypes; modules cast on device where they choose.
+# the pool lease. The batch keeps its dtypes; modules cast on device where they choose. (Lightning
+# then cannot infer a batch size from it either: ``self.log(..., batch_size=len(batch))``.)
 del RolloutBatch.__dataclass_fields__
 
 
