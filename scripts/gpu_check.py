@@ -512,6 +512,8 @@ def check_hf(device: torch.device, variant: str) -> dict[str, Any]:
             module.pinned[:steps] == [True] * steps,
             f"batches were not pinned before transfer: {module.pinned}",
         )
+        misses = data._collator.pool.misses
+        expect(misses == 0, f"the pinned pool missed {misses} times")
     agree = total = 0
     for index, step in enumerate(module.steps):
         a, t = replayed_slots(step["used"], trajectories[index * batch_size : (index + 1) * batch_size])
