@@ -176,6 +176,26 @@ def test_pool_reuses_released_buffers_and_never_rewrites_leased_ones():
     collator.close()
 
 
+def test_pool_leases_the_least_recently_released_slot():
+    """Released one at a time right after their batch (Lightning's pattern without prefetch), the
+    slots alternate: a new batch takes the slot whose copy was issued a step earlier, never the
+    one just released (whose fence is the copy still running)."""
+    collator, _ = pooled_collator(pool_slots=3)
+    trajectories = batch_of(6, 4)  # one size: a slot keeps its buffers
+    pointers, fences = [], []
+    for _ in range(7):
+        batch = collator(trajectories)
+        pointers.append(storage_ptr(batch))
+        fences.append(RecordedFence())
+        batch.release(after=fences[-1])
+    a, b, c = pointers[:3]
+    assert len({a, b, c}) == 3 and pointers == [a, b, c, a, b, c, a]
+    # each batch waited on the fence of the batch three steps back, not on the one just issued
+    assert [f.waited for f in fences] == [True, True, True, True, False, False, False]
+    assert collator.pool.misses == 0 and collator.pool.hits == 7
+    collator.close()
+
+
 def test_moved_copies_share_nothing_with_the_pool():
     collator, _ = pooled_collator(pool_slots=1)
     batch = collator(batch_of(19, 3))
