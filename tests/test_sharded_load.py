@@ -115,3 +115,26 @@ def test_sharded_weights_without_fsdp2_and_models_without_decoder_layers_are_ref
         module.configure_model()
     with pytest.raises(ValueError, match=r"decoder layers at model\.model\.layers; Linear has none"):
         shard_model(torch.nn.Linear(2, 2), mesh=None)
+
+
+def test_loading_into_an_unsharded_meta_model_and_a_mismatched_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from r3lightning.models.sharded import load_sharded_weights
+
+    hf_dir, dcp_dir = tmp_path / "hf", tmp_path / "dcp"
+    build_tiny_moe(seed=5).save_pretrained(hf_dir)
+    convert_checkpoint(hf_dir, dcp_dir)
+    model = meta_model(hf_dir)
+    load_sharded_weights(model, dcp_dir, "cpu")  # a single process: the whole model is its shard
+    eager = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    tokens = torch.tensor([[5, 9, 17, 33, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=tokens).logits, eager(input_ids=tokens).logits)
+    other = tmp_path / "other"
+    build_tiny_moe(tiny_family_config("qwen3_moe", num_hidden_layers=5), seed=0).save_pretrained(other)
+    with pytest.raises(
+        ValueError,
+        match=r"does not match the model: missing \['model\.layers\.4\.input_layernorm\.weight', .*\], unexpected \[\]",
+    ):
+        load_sharded_weights(meta_model(other), dcp_dir, "cpu")

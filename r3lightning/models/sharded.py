@@ -102,7 +102,7 @@ def load_sharded_weights(model: nn.Module, checkpoint_dir: str | Path, device: t
     checkpoint does not match the model.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     device = torch.device(device)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
@@ -118,27 +118,5 @@ def load_sharded_weights(model: nn.Module, checkpoint_dir: str | Path, device: t
             f"checkpoint {checkpoint_dir} does not match the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
-    dcp.load(state, checkpoint_id=str(checkpoint_dir))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            value = state[name]
-            if value is not param and value.data_ptr() != param.data_ptr():  # loaded into a copy
-                param.copy_(value)
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        description="Convert a Hugging Face checkpoint for per-rank shard loading."
-    )
-    parser.add_argument("hf_dir", type=Path, help="Hugging Face checkpoint directory")
-    parser.add_argument("out_dir", type=Path, help="DCP directory to write")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    args = parser.parse_args(argv)
-    convert_checkpoint(args.hf_dir, args.out_dir, dtype=getattr(torch, args.dtype))
-    print(f"wrote {args.out_dir}")
-
-
-if __name__ == "__main__":
-    main()
+    dcp.load(state, checkpoint_id=str(checkpoint_dir))  # reads this rank's slices only
+    set_model_state_dict(model, state)  # a no-op copy where DCP already wrote into the parameters
