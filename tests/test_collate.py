@@ -302,3 +302,20 @@ def test_bad_collator_settings_are_rejected_naming_the_field():
             RolloutCollator(num_threads=1, **kwargs)
         with pytest.raises(ValueError, match=match):
             collate_trajectories(trajectories, **kwargs)
+
+
+def test_batch_and_collate_do_not_import_each_other():
+    import ast
+    import inspect
+
+    from r3lightning.data import batch as batch_module
+    from r3lightning.data import collate as collate_module
+    from r3lightning.data import fill as fill_module
+
+    def imports(module):
+        tree = ast.parse(inspect.getsource(module))
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+
+    assert "r3lightning.data.collate" not in imports(batch_module)  # also no function-level import
+    assert "r3lightning.data.batch" in imports(collate_module)
+    assert not {"r3lightning.data.batch", "r3lightning.data.collate"} & imports(fill_module)
