@@ -348,3 +348,19 @@ def test_paired_mismatch_every_n_steps(tmp_path):
     history = run(compose_config([*overrides, "algorithm.mismatch_every_n_steps=2"]), tmp_path)["replay=r3"]
     assert ["mismatch/k3_native" in r for r in history] == [True, False, True]
     assert all(0.9 < r["mismatch/native_agreement"] < 1.0 for r in history[::2])  # bf16 vs fp32 flips
+
+
+def test_job_passes_the_engine_settings_and_names_a_bad_one(tmp_path):
+    from r3lightning.job.main import compose_config, run
+    from r3lightning.job.setup import JobError
+
+    cfg = compose_config(["experiment=compare_realistic"])
+    assert cfg.rollout.server.simulated_disagreement == 0.1 and list(cfg.compare) == ["r3", "off"]
+    with pytest.raises(
+        JobError, match=r"rollout.server: simulated_disagreement must be a number in \[0, 0.5\]"
+    ):
+        run(compose_config(["rollout.server.simulated_disagreement=0.7"]), tmp_path)
+    with pytest.raises(JobError, match=r"rollout\.server: batch-invariant serving is not supported"):
+        run(compose_config(["model.family=gpt_oss", "rollout.server.batch_invariant=true"]), tmp_path)
+    with pytest.raises(JobError, match=r"algorithm\.mismatch_every_n_steps must be an integer >= 0"):
+        run(compose_config(["algorithm.mismatch_every_n_steps=-1"]), tmp_path)

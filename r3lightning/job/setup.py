@@ -53,6 +53,8 @@ def check_config(cfg: DictConfig) -> None:
     _positive_int(cfg, "algorithm.group_size", minimum=2)
     _positive_int(cfg, "task.response_length")
     _positive_int(cfg, "task.prompt_length")
+    if OmegaConf.select(cfg, "algorithm.mismatch_every_n_steps") is not None:
+        _positive_int(cfg, "algorithm.mismatch_every_n_steps", minimum=0)
     if str(cfg.replay.mode) not in _MODES:
         raise JobError(f"replay.mode must be one of {list(_MODES)}, got {cfg.replay.mode!r}")
     for mode in cfg.compare:
