@@ -50,6 +50,7 @@ import signal
 import sys
 import threading
 from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
@@ -64,7 +65,10 @@ from .wire import read_capped
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# a full-context prompt in JSON: up to 24 bytes per token id (digits, separator, indentation)
+# plus room for the sampling parameters
+_REQUEST_BYTES_PER_TOKEN = 24
+_REQUEST_BYTES_SLACK = 64 << 10
 DEFAULT_MAX_WEIGHTS_BYTES = 8 << 30
 DEFAULT_MAX_NEW_TOKENS_CAP = 4096
 DEFAULT_MAX_QUEUE = 256
@@ -128,7 +132,9 @@ class RolloutServer:
     ``port=0`` picks a free port (read :attr:`port` / :attr:`url` once started). ``api_key``:
     when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``; a host that
     is not loopback needs one unless ``allow_unauthenticated`` (``ValueError`` otherwise).
-    ``max_request_bytes`` caps generate bodies, ``max_weights_bytes`` weight-update bodies.
+    ``max_request_bytes`` caps generate bodies (None: what a full-context prompt needs, 24 bytes
+    per token of the model context plus 64 KiB, so oversized bodies are refused before they are
+    read), ``max_weights_bytes`` weight-update bodies.
     ``max_batch_size`` bounds how many concurrent requests share one forward; ``max_queue``
     how many more generate requests may wait (then 429 with ``Retry-After: retry_after_s``).
     ``max_new_tokens_cap`` caps a request's ``max_tokens`` (None: the model context).
@@ -151,7 +157,7 @@ class RolloutServer:
         port: int = 0,
         api_key: str | None = None,
         allow_unauthenticated: bool = False,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_request_bytes: int | None = None,
         max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
         max_batch_size: int = 8,
         max_queue: int = DEFAULT_MAX_QUEUE,
@@ -166,7 +172,7 @@ class RolloutServer:
         copy_model: bool = True,
     ) -> None:
         for name, value in (
-            ("max_request_bytes", max_request_bytes),
+            ("max_request_bytes", 1 if max_request_bytes is None else max_request_bytes),
             ("max_weights_bytes", max_weights_bytes),
             ("max_new_tokens_cap", 1 if max_new_tokens_cap is None else max_new_tokens_cap),
             ("retry_after_s", retry_after_s),
@@ -194,6 +200,8 @@ class RolloutServer:
         self.port = port
         self.api_key = api_key
         self._api_key_bytes = None if api_key is None else api_key.encode()
+        if max_request_bytes is None:
+            max_request_bytes = _REQUEST_BYTES_SLACK + _REQUEST_BYTES_PER_TOKEN * self.engine.max_context
         self.max_request_bytes = max_request_bytes
         self.max_weights_bytes = max_weights_bytes
         self.max_queue = max_queue
@@ -203,6 +211,9 @@ class RolloutServer:
         self.retry_after_s = retry_after_s
         self._generating = 0  # generate requests admitted and not yet answered
         self._uploading = False  # one weight upload at a time
+        # One thread decodes generate bodies: decoding holds the GIL, and a single decoder leaves
+        # the event loop as the only other contender, so /health waits for at most one decode.
+        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3-request-decoder")
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self._started = False
@@ -305,7 +316,8 @@ class RolloutServer:
         self._generating += 1
         try:
             raw = await self._read_body(request, self.max_request_bytes)
-            future, logprobs = await asyncio.to_thread(self._admit, raw, protocol)
+            loop = asyncio.get_running_loop()
+            future, logprobs = await loop.run_in_executor(self._decoder, self._admit, raw, protocol)
             del raw
             output = await asyncio.wrap_future(future)
         finally:
@@ -408,6 +420,7 @@ class RolloutServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        await asyncio.to_thread(self._decoder.shutdown)
         await asyncio.to_thread(self.engine.close)
 
     async def __aenter__(self) -> RolloutServer:
@@ -509,7 +522,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_MAX_NEW_TOKENS_CAP,
         help="largest max_tokens / max_new_tokens a request may ask for",
     )
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest generate body (default: what a full-context prompt needs)",
+    )
     parser.add_argument(
         "--max-weights-bytes",
         type=int,
