@@ -223,3 +223,48 @@ def test_expert_ids_beyond_int32_are_reported_as_themselves(value, dtype):
     raw = np.array([[[1, value]]], dtype=dtype)
     with pytest.raises(ValueError, match=rf"routed_experts holds expert id {value}, expected ids < 2\*\*31"):
         Trajectory([1, 2], [3], routed_experts=raw)
+
+
+# ---------------------------------------------------------------------------- collator close
+
+
+def test_collator_close_is_safe_while_other_threads_collate():
+    import sys
+    import threading
+
+    from r3lightning.data.collate import RolloutCollator
+
+    items = [
+        Trajectory([1, 2, 3][: 1 + i % 3], [4, 5][: i % 2 + 1], routed_experts=_routes(2)) for i in range(8)
+    ]
+    expected = RolloutCollator(num_threads=1)(items)
+    collator = RolloutCollator(num_threads=2)
+    errors: list[BaseException] = []
+    batches = []
+    stop = threading.Event()
+
+    def collate():
+        try:
+            while not stop.is_set():
+                batches.append(collator(items))
+        except BaseException as exc:  # any failure is the bug
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # many switches, so close() lands between taking the pool and using it
+    threads = [threading.Thread(target=collate) for _ in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        while len(batches) < 60 and not errors:  # close again and again while they collate
+            collator.close()
+        stop.set()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert batches and all(torch.equal(b.input_ids, expected.input_ids) for b in batches)
+    assert all(torch.equal(b.routed_experts.values, expected.routed_experts.values) for b in batches)
+    collator.close()
+    assert collator._executor is None and collator._executor_users == {}
