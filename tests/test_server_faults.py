@@ -473,7 +473,7 @@ def _free_port() -> tuple[socket.socket, int]:
 
 
 def _cli_error(capsys, argv: list[str]) -> str:
-    from r3lightning.rollout.server import main
+    from r3lightning.rollout.cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err
