@@ -135,9 +135,8 @@ class RolloutServer:
     ``max_new_tokens_cap`` caps a request's ``max_tokens`` (None: the model context).
     ``header_timeout_s``: a connection's request head must arrive within it (it also closes idle
     keep-alive connections); ``body_timeout_s``: most seconds between two reads of a body (408).
-    ``seed`` seeds the
-    default model and the sampling seeds of requests that send none. ``copy_model=False`` serves
-    ``model`` itself (cast in place) instead of a private copy.
+    ``seed`` seeds the default model and the sampling seeds of requests that send none.
+    ``copy_model=False`` serves ``model`` itself (cast in place) instead of a private copy.
 
     Use as ``async with`` inside a running loop, or as a plain ``with`` (the server then runs its
     own event loop in a daemon thread, for synchronous callers such as a Lightning training loop).
