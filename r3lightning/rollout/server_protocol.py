@@ -13,12 +13,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .client_protocol import PROTOCOL_PATHS
 from .engine import GenerationOutput, GenerationRequest
 from .sampling import MAX_SEED, SamplingParams
 from .wire import encode_flat_routes, encode_routes
 
-PROTOCOLS = tuple(PROTOCOL_PATHS)
+PROTOCOLS = ("skyrl", "sglang")  # what the embedded server speaks (clients speak more)
 
 
 class RequestFieldError(ValueError):
