@@ -16,6 +16,8 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import aiohttp
 import numpy as np
@@ -613,3 +615,34 @@ async def test_reader_refuses_malformed_headers_and_bodies(header, data, message
 
     with pytest.raises(UploadError, match=message):
         await _read(_upload(header, data), {"a": torch.zeros(1), "b": torch.zeros(1)})
+
+
+@pytest.mark.slow
+def test_cli_serves_until_sigint_and_exits_0():
+    import os
+    import signal
+
+    command = [sys.executable, "-m", "r3lightning.rollout.server", "--port", "0", "--device", "cpu"]
+    command += ["--max-new-tokens-cap", "8"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("r3lightning rollout server listening on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+            assert json.load(r)["status"] == "ok"
+        request = urllib.request.Request(
+            f"{url}/skyrl/v1/generate",
+            data=json.dumps({"token_ids": [5, 6], "sampling_params": {"max_tokens": 9}}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == 400 and b"must be <= 8 (this server's cap)" in info.value.read()
+        os.kill(child.pid, signal.SIGINT)
+        assert child.wait(timeout=60) == 0
+        assert "Traceback" not in child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
