@@ -646,3 +646,25 @@ def test_cli_serves_until_sigint_and_exits_0():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+async def test_weights_load_off_the_loop_and_never_mid_generation():
+    """An upload that waits for a running generation waits in a worker thread: /health answers
+    meanwhile; the generation finishes on the old weights, the next one sees the new ones."""
+    async with RolloutServer(build_tiny_moe(seed=0), dtype=torch.float32, max_new_tokens_cap=250) as srv:
+        new = build_tiny_moe(seed=6).state_dict()
+        long = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 250, "ignore_eos": True}}
+        generation = asyncio.create_task(_post(f"{srv.url}/skyrl/v1/generate", json_body=long))
+        await asyncio.sleep(0.2)  # the batch is running
+        upload = asyncio.create_task(_post(f"{srv.url}/update_weights", _safetensors(new)))
+        await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as session, session.get(f"{srv.url}/health") as r:
+            health = await r.json()
+        # answered while the upload waited for the running batch
+        assert health["status"] == "ok" and not generation.done() and not upload.done()
+        status, payload, _ = await generation
+        assert status == 200 and payload["weight_version"] == 0
+        status, payload, _ = await upload
+        assert status == 200 and payload["weight_version"] == 1
+        assert all(torch.equal(srv.engine.model.state_dict()[k], v) for k, v in new.items())
+        await _still_serving(srv)
