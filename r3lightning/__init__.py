@@ -52,7 +52,15 @@ _EXPORTS: dict[str, str] = {
     "collate_pool_size": ".data.cpus",
     "R3DataModule": ".data.datamodule",
     "HFRouterReplay": ".replay.hf",
-    "register_router": ".replay.hf",
+    "register_router": ".replay.hf_routers",
+    "RouterAdapter": ".replay.hf_routers",
+    "softmax_then_topk_weights": ".replay.hf_routers",
+    "softmax_renormalised_weights": ".replay.hf_routers",
+    "mixtral_weights": ".replay.hf_routers",
+    "sigmoid_scaled_weights": ".replay.hf_routers",
+    "softmax_scaled_weights": ".replay.hf_routers",
+    "ernie_weights": ".replay.hf_routers",
+    "softmax_over_topk_weights": ".replay.hf_routers",
     "MegatronRouterReplay": ".replay.megatron",
     "MegatronParallelism": ".replay.megatron",
     "megatron_token_layout": ".replay.megatron",
@@ -94,7 +102,18 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .packed import PackedTensor
     from .replay.callback import RouterReplayCallback
     from .replay.context import record_routes, replay_routes
-    from .replay.hf import HFRouterReplay, register_router
+    from .replay.hf import HFRouterReplay
+    from .replay.hf_routers import (
+        RouterAdapter,
+        ernie_weights,
+        mixtral_weights,
+        register_router,
+        sigmoid_scaled_weights,
+        softmax_over_topk_weights,
+        softmax_renormalised_weights,
+        softmax_scaled_weights,
+        softmax_then_topk_weights,
+    )
     from .replay.megatron import MegatronParallelism, MegatronRouterReplay, megatron_token_layout
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
     from .rollout.errors import (

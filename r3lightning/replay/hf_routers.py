@@ -38,26 +38,55 @@ class RouterAdapter:
 
 
 def softmax_then_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Qwen3-MoE, Qwen2-MoE, OLMoE: softmax over all experts, optional top-k renormalisation."""
+    """Qwen3-MoE, Qwen2-MoE, OLMoE, Qwen3-Next, FlexOlmo: fp32 softmax over all experts, top-k
+    renormalisation when ``router.norm_topk_prob``, cast back to the logits' dtype."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     if router.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype)
 
 
+def softmax_renormalised_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """Qwen3.5-MoE, Qwen3-VL-MoE, Hunyuan-MoE: as :func:`softmax_then_topk_weights`, always
+    renormalised over the top-k (these routers have no ``norm_topk_prob`` switch)."""
+    weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
+    return (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+
+
 def mixtral_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Mixtral: fp32 softmax over all experts, always renormalised over the top-k, kept in fp32."""
+    """Mixtral, MiniMax: fp32 softmax over all experts, always renormalised over the top-k, kept
+    in fp32."""
     weights = F.softmax(logits.float(), dim=-1).gather(-1, indices)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def sigmoid_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """DeepSeek-V3: sigmoid scores; the selection-only ``e_score_correction_bias`` and group
-    limit play no part in the weights; optional renormalisation, then ``routed_scaling_factor``."""
+    """DeepSeek-V3 and its router copies (GLM-4 MoE, dots1, EXAONE-MoE, ...): sigmoid scores; the
+    selection-only ``e_score_correction_bias`` and group limit play no part in the weights;
+    optional renormalisation, then ``routed_scaling_factor``."""
     weights = logits.sigmoid().gather(1, indices)
     if router.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * router.routed_scaling_factor
+
+
+def softmax_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """DeepSeek-V2: fp32 softmax over all experts (the group limit only selects), times
+    ``routed_scaling_factor``, no renormalisation."""
+    weights = logits.softmax(dim=-1, dtype=torch.float32).gather(-1, indices)
+    return weights * router.routed_scaling_factor
+
+
+def ernie_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """ERNIE-4.5-MoE: fp32 softmax over all experts (the ``moe_statics`` bias only selects),
+    renormalised with the sum clamped at ``router.norm_min``.
+
+    Returned in fp32, the router's logits dtype: the router itself casts to its *input* dtype,
+    which its output does not show; in a bf16 model the expert outputs are then scaled by the
+    unrounded weight (a last-bit difference from native routing, none in an fp32 model).
+    """
+    weights = F.softmax(logits.float(), dim=1, dtype=torch.float).gather(-1, indices)
+    return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=router.norm_min)
 
 
 def softmax_over_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
@@ -68,16 +97,41 @@ def softmax_over_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor
 
 _ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
 
-# (transformers module, router class, adapter) of the built-in families; imported lazily so
-# that a transformers build without one of them still serves the others.
+_SOFTMAX = RouterAdapter(softmax_then_topk_weights)
+_RENORMALISED = RouterAdapter(softmax_renormalised_weights)
+_SIGMOID = RouterAdapter(sigmoid_scaled_weights)
+
+# (transformers model package, router class, adapter) of the built-in families, each checked
+# against the router's own forward; imported lazily so that a transformers build without one of
+# them still serves the others.
 _BUILTIN: tuple[tuple[str, str, RouterAdapter], ...] = (
-    ("qwen3_moe", "Qwen3MoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
-    ("qwen2_moe", "Qwen2MoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
-    ("olmoe", "OlmoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
+    ("qwen3_moe", "Qwen3MoeTopKRouter", _SOFTMAX),
+    ("qwen2_moe", "Qwen2MoeTopKRouter", _SOFTMAX),
+    ("olmoe", "OlmoeTopKRouter", _SOFTMAX),
+    ("qwen3_next", "Qwen3NextTopKRouter", _SOFTMAX),
+    ("flex_olmo", "FlexOlmoTopKRouter", _SOFTMAX),
+    ("qwen3_5_moe", "Qwen3_5MoeTopKRouter", _RENORMALISED),
+    ("qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter", _RENORMALISED),
+    ("hunyuan_v1_moe", "HunYuanMoEV1Gate", _RENORMALISED),
     ("mixtral", "MixtralTopKRouter", RouterAdapter(mixtral_weights)),
-    ("deepseek_v3", "DeepseekV3TopkRouter", RouterAdapter(sigmoid_scaled_weights)),
+    ("minimax", "MiniMaxTopKRouter", RouterAdapter(mixtral_weights)),
+    ("deepseek_v3", "DeepseekV3TopkRouter", _SIGMOID),
+    ("glm4_moe", "Glm4MoeTopkRouter", _SIGMOID),
+    ("glm4_moe_lite", "Glm4MoeLiteTopkRouter", _SIGMOID),
+    ("dots1", "Dots1TopkRouter", _SIGMOID),
+    ("exaone_moe", "ExaoneMoeTopkRouter", _SIGMOID),
+    ("solar_open", "SolarOpenTopkRouter", _SIGMOID),
+    ("deepseek_v2", "DeepseekV2TopkRouter", RouterAdapter(softmax_scaled_weights)),
+    ("ernie4_5_moe", "Ernie4_5_MoeTopKRouter", RouterAdapter(ernie_weights)),
     ("gpt_oss", "GptOssTopKRouter", RouterAdapter(softmax_over_topk_weights)),
 )
+
+# Router types whose forward does not return (logits, weights, indices): no adapter can replay
+# them through the output hook; the error says why instead of suggesting register_router.
+_INCOMPATIBLE: dict[str, str] = {
+    "Llama4Router": "its forward returns (dense scores [N, E], logits) without expert indices",
+    "DbrxRouter": "its forward returns only the logits; the top-k is taken in the experts module",
+}
 _builtins_loaded = False
 
 
@@ -136,11 +190,7 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
             )
         found.append((int(match.group(1)), name, module, adapter))
     if not found:
-        known = sorted(cls.__name__ for cls in _ADAPTERS)
-        raise ValueError(
-            f"no MoE router found in {type(model).__name__}; supported router types: {known}. "
-            "Register other router types with r3lightning.replay.hf.register_router()."
-        )
+        raise ValueError(_no_router_message(model))
     found.sort(key=lambda item: item[0])
     layers = [layer for layer, *_ in found]
     if len(set(layers)) != len(layers):
@@ -149,3 +199,43 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
             f"({[name for _, name, *_ in found]}); pass the single MoE model whose routes are replayed"
         )
     return found
+
+
+_ROUTER_NAME_RE = re.compile(r"(Router|Gate|Gating)$|Top[Kk](Router|Gating)")
+
+
+def _no_router_message(model: nn.Module) -> str:
+    """Why ``model`` has nothing to replay, naming the router-like module found and the fix."""
+    model_name = type(model).__name__
+    candidate = next(
+        ((name, type(m)) for name, m in model.named_modules() if _ROUTER_NAME_RE.search(type(m).__name__)),
+        None,
+    )
+    if candidate is None:
+        known = sorted(cls.__name__ for cls in _ADAPTERS)
+        return (
+            f"no MoE router found in {model_name}; supported router types: {known}. A router type of "
+            "your own is replayed once registered:\n" + _register_fix("MyRouter")
+        )
+    name, cls = candidate
+    reason = _INCOMPATIBLE.get(cls.__name__)
+    if reason is not None:
+        return (
+            f"{model_name}'s router {name!r} ({cls.__module__}.{cls.__name__}) cannot be replayed: "
+            f"{reason}, while replay rewrites a router output (router_logits [N, E], gate_weights "
+            "[N, K], expert_indices [N, K])"
+        )
+    return (
+        f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}, a "
+        "router type r3lightning does not know. If its forward returns (router_logits [N, E], "
+        "gate_weights [N, K], expert_indices [N, K]), register it with the function that turns logits "
+        "into its gate weights for given experts (or one of your own):\n" + _register_fix(cls.__name__)
+    )
+
+
+def _register_fix(class_name: str) -> str:
+    return (
+        "    from r3lightning.replay.hf_routers import RouterAdapter, register_router, "
+        "softmax_then_topk_weights\n"
+        f"    register_router({class_name}, RouterAdapter(gate_weights=softmax_then_topk_weights))"
+    )
