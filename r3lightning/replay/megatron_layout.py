@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from r3lightning.align.layout import TokenMetadataLayout, check_int, check_rank
+from r3lightning.replay.batch_fields import host_attention_mask
 
 __all__ = ["MegatronParallelism", "megatron_token_layout"]
 
@@ -90,8 +91,6 @@ def megatron_token_layout(
             raise ValueError(f"attention_mask must be [B, S], got shape {tuple(batch.shape)}")
         mask = batch.detach().cpu()
     else:
-        from r3lightning.replay.callback import host_attention_mask
-
         mask = host_attention_mask(batch)
     par = parallelism if parallelism is not None else MegatronParallelism.resolve()
     if packed:
