@@ -64,6 +64,7 @@ _EXPORTS: dict[str, str] = {
     "MegatronRouterReplay": ".replay.megatron",
     "MegatronParallelism": ".replay.megatron",
     "megatron_token_layout": ".replay.megatron",
+    "megatron_padding_mask": ".replay.megatron",
     "record_routes": ".replay.context",
     "replay_routes": ".replay.context",
     "RouterReplayCallback": ".replay.callback",
@@ -114,7 +115,12 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
         softmax_scaled_weights,
         softmax_then_topk_weights,
     )
-    from .replay.megatron import MegatronParallelism, MegatronRouterReplay, megatron_token_layout
+    from .replay.megatron import (
+        MegatronParallelism,
+        MegatronRouterReplay,
+        megatron_padding_mask,
+        megatron_token_layout,
+    )
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
     from .rollout.errors import (
         GenerateRequestError,
