@@ -6,6 +6,9 @@ the experts used while the gate weights follow the live logits with the family's
 (checked against an independent float64 reference) and the router still gets gradients.
 """
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -306,3 +309,10 @@ def test_llama4_router_is_refused_with_the_reason():
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(ValueError, match=r"Llama4Router\) cannot be replayed: its forward returns \(dense"):
         HFRouterReplay(model)
+
+
+def test_readme_recipe_for_your_own_moe_runs_as_written():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Bringing your own MoE\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_recipe"})
