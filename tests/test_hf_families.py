@@ -8,6 +8,7 @@ the experts used while the gate weights follow the live logits with the family's
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -248,6 +249,91 @@ def test_forced_routes_get_weights_from_live_logits_and_router_gradients(family)
         torch.testing.assert_close(weights.double(), expected, rtol=1e-5, atol=1e-6)
         grad = router_weight(router).grad
         assert grad is not None and grad.abs().sum() > 0
+
+
+# Router types whose families are too large to build as whole models here (hybrid, multimodal or
+# sparse-attention stacks): each real router module is checked on its own, inside a two-layer
+# model, with the same three guarantees.
+ROUTER_ONLY = {
+    "Qwen3OmniMoeTextTopKRouter": ("qwen3_omni_moe", "softmax_renormalised"),
+    "Qwen3OmniMoeThinkerTextTopKRouter": ("qwen3_omni_moe", "softmax"),
+    "Qwen3OmniMoeTalkerTextTopKRouter": ("qwen3_omni_moe", "softmax"),
+    "Qwen4ExpTextTopKRouter": ("qwen4_exp", "softmax"),
+    "MellumTopKRouter": ("mellum", "softmax"),
+    "DeepseekV32TopkRouter": ("deepseek_v32", "sigmoid"),
+    "Glm4vMoeTextTopkRouter": ("glm4v_moe", "sigmoid"),
+    "Glm5NextTextTopkRouter": ("glm5_next", "sigmoid"),
+    "GlmMoeDsaTopkRouter": ("glm_moe_dsa", "sigmoid"),
+    "KimiLinearTopkRouter": ("kimi_linear", "sigmoid"),
+    "MiMoV2FlashTopkRouter": ("mimo_v2_flash", "sigmoid"),
+    "NemotronHTopkRouter": ("nemotron_h", "sigmoid"),
+    "BailingHybridTopkRouter": ("bailing_hybrid", "sigmoid"),
+    "Dots3NoteTextTopkRouter": ("dots3_note", "sigmoid"),
+    "HYV4TopkRouter": ("hy_v4", "sigmoid"),
+    "HYV4VLTopkRouter": ("hy_v4_vl", "sigmoid"),
+    "AXK1TopkRouter": ("axk1", "sigmoid"),
+    "AXK2TopkRouter": ("axk2", "sigmoid"),
+}
+
+
+class RouterStack(nn.Module):
+    """Two real routers of one type in a ``layers.<i>`` list, fed the same hidden states."""
+
+    def __init__(self, router_cls, config):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"gate": router_cls(config)}) for _ in range(2))
+        for layer in self.layers:
+            nn.init.normal_(layer["gate"].weight, std=0.5)
+            bias = getattr(layer["gate"], "e_score_correction_bias", None)
+            if bias is not None:  # a selection-only bias: must not leak into the weights
+                bias.copy_(torch.rand(bias.shape))
+
+    def forward(self, hidden):  # [N, H]
+        return [layer["gate"](hidden) for layer in self.layers]
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("class_name", sorted(ROUTER_ONLY))
+def test_router_type_replays_own_and_forced_routes_with_live_weights(class_name, norm_topk_prob):
+    import importlib
+
+    family, kind = ROUTER_ONLY[class_name]
+    router_cls = getattr(
+        importlib.import_module(f"transformers.models.{family}.modeling_{family}"), class_name
+    )
+    config = SimpleNamespace(
+        num_experts_per_tok=2,
+        num_local_experts=8,
+        n_routed_experts=8,
+        num_experts=8,
+        hidden_size=16,
+        routed_scaling_factor=2.5,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=norm_topk_prob,
+    )
+    torch.manual_seed(0)
+    model = RouterStack(router_cls, config)
+    backend = HFRouterReplay(model)
+    assert backend.moe_layers == (0, 1) and (backend.top_k, backend.num_experts) == (2, 8)
+    hidden = torch.randn(6, 16)
+    native = model(hidden)
+    own = torch.stack([indices for _, _, indices in native], dim=1)[None]  # [1, 6, 2, K]
+    with replay_routes(model, own):
+        again = model(hidden)
+    for (_, weights, indices), (_, replayed, replayed_indices) in zip(native, again, strict=True):
+        assert torch.equal(replayed_indices, indices) and torch.equal(replayed, weights)
+    forced = torch.rand(1, 6, 2, 8, generator=torch.Generator().manual_seed(1)).argsort(-1)[..., :2]
+    with replay_routes(model, forced):
+        outputs = model(hidden)
+        sum(w.sum() for _, w, _ in outputs).backward()
+    for layer, (logits, weights, indices) in enumerate(outputs):
+        router = model.layers[layer]["gate"]
+        assert torch.equal(indices, forced[0, :, layer])
+        expected = reference_weights(kind, router, logits.detach(), indices)
+        torch.testing.assert_close(weights.double(), expected, rtol=1e-5, atol=1e-6)
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    backend.remove()
 
 
 class PlainRouter(nn.Module):
