@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from r3lightning import RouterAdapter, register_router, softmax_then_topk_weights
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf import HFRouterReplay
+from r3lightning.replay.hf_routers import registered_router_types
 
 B, S, VOCAB = 2, 9, 96
 
@@ -196,7 +197,9 @@ def family(request):
 
 
 def test_every_family_is_built_in(family):
-    backend = HFRouterReplay(build(family))
+    model = build(family)
+    assert {type(m) for m in model.modules()} & set(registered_router_types())
+    backend = HFRouterReplay(model)
     assert backend.num_experts == 8 and backend.top_k == 2 and len(backend.moe_layers) >= 2
     backend.remove()
 
@@ -274,6 +277,11 @@ ROUTER_ONLY = {
     "AXK1TopkRouter": ("axk1", "sigmoid"),
     "AXK2TopkRouter": ("axk2", "sigmoid"),
 }
+
+
+def test_registered_router_types_cover_every_tested_type():
+    names = {cls.__name__ for cls in registered_router_types()}
+    assert set(ROUTER_ONLY) <= names and len(names) >= 37
 
 
 class RouterStack(nn.Module):

@@ -177,6 +177,13 @@ def _load_builtins() -> None:
     _builtins_loaded = True
 
 
+def registered_router_types() -> list[type[nn.Module]]:
+    """Every router type replay knows: the built-in families found in the installed
+    transformers, then those added with :func:`register_router`."""
+    _load_builtins()
+    return list(_ADAPTERS)
+
+
 def _adapter_for(module: nn.Module) -> RouterAdapter | None:
     for cls in type(module).__mro__:  # FSDP2 swaps in a subclass of the router's own class
         if cls in _ADAPTERS:
