@@ -172,6 +172,8 @@ def random_routes(num_layers, top_k, num_experts, seed):
 def reference_weights(kind, router, logits, indices):
     """The family's gate weights for given experts, in float64, written from the model sources."""
     logits = logits.double()
+    if kind == "softmax_of_selected":
+        return logits.gather(1, indices).softmax(-1)
     if kind == "sigmoid":
         w = logits.sigmoid().gather(1, indices)
         if router.norm_topk_prob:
@@ -276,12 +278,15 @@ ROUTER_ONLY = {
     "HYV4VLTopkRouter": ("hy_v4_vl", "sigmoid"),
     "AXK1TopkRouter": ("axk1", "sigmoid"),
     "AXK2TopkRouter": ("axk2", "sigmoid"),
+    "DeepseekOcr2TextTopkRouter": ("deepseek_ocr2", "softmax_scaled"),
+    "UnlimitedOcrTextTopkRouter": ("unlimited_ocr", "softmax_scaled"),
+    "AriaTextTopKRouter": ("aria", "softmax_of_selected"),
 }
 
 
 def test_registered_router_types_cover_every_tested_type():
     names = {cls.__name__ for cls in registered_router_types()}
-    assert set(ROUTER_ONLY) <= names and len(names) >= 37
+    assert set(ROUTER_ONLY) <= names and len(names) >= 40
 
 
 class RouterStack(nn.Module):
@@ -319,6 +324,9 @@ def test_router_type_replays_own_and_forced_routes_with_live_weights(class_name,
         n_group=2,
         topk_group=1,
         norm_topk_prob=norm_topk_prob,
+        topk_method="group_limited_greedy",
+        moe_num_experts=8,
+        moe_topk=2,
     )
     torch.manual_seed(0)
     model = RouterStack(router_cls, config)

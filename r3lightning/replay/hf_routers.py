@@ -71,7 +71,7 @@ def sigmoid_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -
 
 
 def softmax_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """DeepSeek-V2: fp32 softmax over all experts (the group limit only selects), times
+    """DeepSeek-V2 (and the DeepSeek-OCR-2 / Unlimited-OCR text routers): fp32 softmax over all experts (the group limit only selects), times
     ``routed_scaling_factor``, no renormalisation."""
     weights = logits.softmax(dim=-1, dtype=torch.float32).gather(-1, indices)
     return weights * router.routed_scaling_factor
@@ -90,7 +90,7 @@ def ernie_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
 
 
 def softmax_over_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """gpt-oss: softmax over the selected logits only."""
+    """gpt-oss, Aria: softmax over the selected logits only."""
     top = logits.gather(-1, indices)
     return F.softmax(top, dim=1, dtype=top.dtype)
 
@@ -140,8 +140,11 @@ _BUILTIN: tuple[tuple[str, str, RouterAdapter], ...] = (
     ("axk1", "AXK1TopkRouter", _SIGMOID),
     ("axk2", "AXK2TopkRouter", _SIGMOID),
     ("deepseek_v2", "DeepseekV2TopkRouter", RouterAdapter(softmax_scaled_weights)),
+    ("deepseek_ocr2", "DeepseekOcr2TextTopkRouter", RouterAdapter(softmax_scaled_weights)),
+    ("unlimited_ocr", "UnlimitedOcrTextTopkRouter", RouterAdapter(softmax_scaled_weights)),
     ("ernie4_5_moe", "Ernie4_5_MoeTopKRouter", RouterAdapter(ernie_weights)),
     ("gpt_oss", "GptOssTopKRouter", RouterAdapter(softmax_over_topk_weights)),
+    ("aria", "AriaTextTopKRouter", RouterAdapter(softmax_over_topk_weights)),
 )
 
 # Router types whose forward does not return (logits, weights, indices): no adapter can replay
