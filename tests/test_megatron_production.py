@@ -329,12 +329,15 @@ def test_padding_mask_keeps_padding_out_of_expert_bias_and_aux_loss():
         expected[row] += 1
     assert counts[0].tolist() == expected.tolist() == counts[1].tolist()
     assert aux_losses[0] == pytest.approx(aux_losses[1], rel=1e-6) and aux_losses[0] > 0
-    # without the mask the padding row would count: the check above is not vacuous
+    # without the mask the padding row counts in both: the checks above are not vacuous
     layer.router.local_tokens_per_expert.zero_()
+    moe_utils.clear_aux_losses_tracker()
     backend.install(routes)
     layer(hidden)
     backend.clear()
     assert layer.router.local_tokens_per_expert.sum().item() == tokens * TOP_K
+    unmasked = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"][1].item()
+    assert unmasked != pytest.approx(aux_losses[1], rel=1e-6)
 
 
 # --------------------------------------------------------------------------- fp8 layout
