@@ -228,6 +228,10 @@ def test_virtual_pipeline_chunks_replay_each_micro_batch_in_megatrons_interleave
     backend = MegatronRouterReplay(model)
     # pipeline rank 0 of 2 holds decoder layers 0-1 (chunk 0) and 4-5 (chunk 1); layer 0 is dense
     assert backend.moe_layers == (1, 4, 5) and backend.vp_stages == (0, 1, 1)
+    wrapped = torch.nn.ModuleDict({"module": model[1]})  # a DDP / Float16Module-like wrapper
+    assert [backend.vp_stage_of(model[0]), backend.vp_stage_of(wrapped)] == [0, 1]
+    with pytest.raises(ValueError, match=r"routers of virtual stages \[0, 1\]"):
+        backend.vp_stage_of(torch.nn.ModuleList(model))
     routes = [random_routes(tokens, num_layers, seed=40 + m) for m in range(micro_batches)]
     hidden = [torch.randn(tokens, 1, HIDDEN, requires_grad=True) for _ in range(micro_batches)]
     causal = torch.ones(1, 1, tokens, tokens, dtype=torch.bool).triu(1)
@@ -237,7 +241,7 @@ def test_virtual_pipeline_chunks_replay_each_micro_batch_in_megatrons_interleave
     assert schedule[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     outputs = {}
     for micro_batch, chunk in schedule:  # forward_step_func per (micro-batch, chunk)
-        backend.install(routes[micro_batch], vp_stage=model[chunk].vp_stage)
+        backend.install(routes[micro_batch], vp_stage=backend.vp_stage_of(model[chunk]))
         outputs[micro_batch, chunk] = model[chunk](hidden[micro_batch], attention_mask=causal)
     forwards = list(used.calls)
     used.calls.clear()

@@ -23,9 +23,9 @@ forwards, so each recomputation replays its own micro-batch, under any pipeline 
 
 Virtual pipeline parallelism: a rank holds one model chunk per virtual stage and the interleaved
 schedule runs ``(micro-batch, chunk)`` forwards in an order of its own. Build the backend over the
-list of chunks and install with ``vp_stage=model.vp_stage`` in the ``forward_step_func``: only that
-chunk's routers take the micro-batch, so every chunk replays its micro-batches in the order
-megatron runs them.
+list of chunks and install with ``vp_stage=backend.vp_stage_of(model)`` in the
+``forward_step_func``: only that chunk's routers take the micro-batch, so every chunk replays its
+micro-batches in the order megatron runs them.
 
 Fused routers (``moe_router_fusion=True``): Transformer Engine's fused top-k never consults
 ``RouterReplay`` (megatron-core 0.16 up to at least 0.20). While routes are installed or recorded,
@@ -250,6 +250,19 @@ class MegatronRouterReplay:
             replay.set_target_indices(layer_routes, mask)
             replay.fresh = True
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def vp_stage_of(self, chunk: nn.Module) -> int | None:
+        """The virtual stage of the routers inside ``chunk`` (a model chunk or any wrapper of it,
+        as megatron hands it to the ``forward_step_func``): the ``vp_stage`` to install with.
+        None without virtual pipeline parallelism."""
+        inside = {id(module) for module in chunk.modules()}
+        stages = {s for r, s in zip(self._routers, self.vp_stages, strict=True) if id(r) in inside}
+        if len(stages) != 1:
+            raise ValueError(
+                f"{type(chunk).__name__} holds routers of virtual stages {sorted(stages, key=str)}; "
+                "expected the routers of exactly one model chunk of this backend"
+            )
+        return stages.pop()
 
     def _stage_positions(self, vp_stage: int | None) -> list[int]:
         """Indices (into ``moe_layers``) of the routers an install with ``vp_stage`` feeds."""
