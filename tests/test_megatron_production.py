@@ -83,6 +83,20 @@ def test_replay_modules_import_without_the_callback():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
 
 
+def test_device_shims_cover_the_schedules_and_are_undone():
+    from megatron.core.pipeline_parallel import schedules
+
+    from r3lightning.replay.megatron_cpu import megatron_device_shims
+
+    outer = schedules.torch  # already shimmed by this module's fixture
+    with megatron_device_shims("cpu"):
+        assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+        assert schedules.torch.ones is torch.ones  # everything else is torch itself
+    assert schedules.torch is outer
+    with megatron_device_shims("cuda"):  # on a GPU only the Transformer Engine patch applies
+        assert schedules.torch is outer
+
+
 # --------------------------------------------------------------------------- passes and micro-batches
 def test_several_forward_backward_passes_on_one_install_with_moe_recompute():
     """PPO epochs over one micro-batch: one install, three forward/backward passes, megatron's MoE
