@@ -222,6 +222,21 @@ def test_replaying_the_models_own_routes_is_bit_identical(family):
         torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, msg=name)
 
 
+def test_own_routes_are_bit_identical_in_bfloat16(family, request):
+    if family == "ernie4_5_moe":
+        # the router casts its weights to its *input* dtype, which its output does not show: the
+        # replayed fp32 weights scale the bf16 expert outputs unrounded (see ernie_weights)
+        request.applymarker(pytest.mark.xfail(strict=True, reason="last-bit difference in bf16"))
+    input_ids, attention_mask = batch(3)
+    model = build(family).to(torch.bfloat16)
+    with torch.no_grad():
+        with record_routes(model) as rec:
+            native = output(model, input_ids, attention_mask)
+        with replay_routes(model, rec.routes, attention_mask.bool()):
+            replayed = output(model, input_ids, attention_mask)
+    assert torch.equal(native, replayed)
+
+
 def test_forced_routes_get_weights_from_live_logits_and_router_gradients(family):
     input_ids, attention_mask = batch(2)
     model = build(family)
