@@ -596,3 +596,11 @@ def test_two_tensor_parallel_ranks_route_their_sequence_halves(tmp_path):
         assert report["used"] == mine
         assert report["recorded_equal"] and report["other_layers_zero"]
         assert report["router_grad"] > 0
+        # the rank's half of megatron's padding mask left its padding out of the expert-bias counts
+        expected = [0.0] * EXPERTS
+        start = report["rank"] * half
+        for position, experts in enumerate(mine, start=start):
+            if position not in (3, 6, 7):
+                for expert in experts:
+                    expected[expert] += 1
+        assert report["expert_counts"] == expected
