@@ -49,6 +49,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor, nn
 
 from r3lightning.align.layout import TokenMetadataLayout, split_for_sequence_parallel
+from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import routes_on_all_layers, validate_routes_for_install
 from r3lightning.replay.megatron_layout import (
     MegatronParallelism,
@@ -244,7 +245,7 @@ class MegatronRouterReplay:
             per_layer[row].copy_(local[:, self.moe_layers[position]], non_blocking=True)
         mask = None
         if replay_mask is not None:
-            mask = self._split_sequence(replay_mask).to(device, non_blocking=True)  # [N]
+            mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)  # [N]
         for position, layer_routes in zip(targets, per_layer, strict=True):
             replay = self._replays[position]
             replay.set_target_indices(layer_routes, mask)

@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from torch import Tensor
 
 from r3lightning.align.layout import TokenMetadataLayout, check_int, check_rank
+from r3lightning.ragged import to_device_async
 from r3lightning.replay.batch_fields import host_attention_mask
 
 __all__ = ["MegatronParallelism", "megatron_padding_mask", "megatron_token_layout"]
@@ -143,7 +144,7 @@ def megatron_padding_mask(
     megatron scatters it itself) or ``MoELayer(..., padding_mask=...)``. megatron-core 0.16 leaves
     True positions out of the load-balancing aux losses, the z-loss and the expert-bias token
     counts (its docstrings say the opposite; its code reads True as padding). One host->device
-    copy, no sync.
+    copy through page-locked staging, no sync.
     """
     mask = ~layout.token_mask
-    return mask if device is None else mask.to(device, non_blocking=True)
+    return mask if device is None else to_device_async(mask, torch.device(device))
