@@ -480,13 +480,13 @@ async def test_only_the_first_choice_is_decoded():
         first = (await generate(client)).raw_response["choices"][0]
         body = {"choices": [first, second]}
         first["routed_experts"] = {
-            "data": base64.b64encode(bytes(range(30))).decode(),
-            "shape": [5, 3, 2],
+            "data": base64.b64encode(bytes(range(42))).decode(),
+            "shape": [7, 3, 2],  # P + G - 1 rows
             "dtype": "uint8",
         }
         server.script.append(Raw(json.dumps(body).encode()))
         result = await generate(client)
-        np.testing.assert_array_equal(result.routed_experts, np.arange(30).reshape(5, 3, 2))
+        np.testing.assert_array_equal(result.routed_experts, np.arange(42).reshape(7, 3, 2))
         assert result.raw_response["choices"][1]["routed_experts"]["data"] is None
 
 
@@ -523,7 +523,12 @@ async def test_plain_text_error_bodies_are_reported():
 
 def test_constructor_validation():
     with pytest.raises(ValueError, match="protocol"):
-        RemoteGenerateClient("http://x", protocol="vllm")
+        RemoteGenerateClient("http://x", protocol="tgi")
+    with pytest.raises(ValueError, match="engine must be None or one of"):
+        RemoteGenerateClient("http://x", protocol="vllm", engine="sglang")
+    for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
+        with pytest.raises(ValueError, match=f"^{name} must be > 0"):
+            RemoteGenerateClient("http://x", **{name: 0})
     with pytest.raises(ValueError, match="max_attempts"):
         RemoteGenerateClient("http://x", max_attempts=0)
     with pytest.raises(ValueError, match="base_url"):
