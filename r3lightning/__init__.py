@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "decode_routes": ".rollout.wire",
     "RemoteGenerateClient": ".rollout.client",
     "RemoteGenerateResult": ".rollout.client",
+    "engine_sampling_params": ".rollout.client_protocol",
     "RemoteGenerateError": ".rollout.errors",
     "RetryableGenerateError": ".rollout.errors",
     "GenerateRequestError": ".rollout.errors",
@@ -97,6 +98,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .replay.hf import HFRouterReplay, register_router
     from .replay.megatron import MegatronParallelism, MegatronRouterReplay, megatron_token_layout
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
+    from .rollout.client_protocol import engine_sampling_params
     from .rollout.errors import (
         GenerateRequestError,
         MalformedResponseError,

@@ -341,6 +341,7 @@ class RemoteGenerateClient:
         )
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         start = routed_experts_prompt_start or 0
+        self._session_for_running_loop()  # another loop's client: raise before touching stats
 
         def parse(raw: bytes) -> RemoteGenerateResult:
             return parse_response(
