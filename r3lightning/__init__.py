@@ -60,6 +60,8 @@ _EXPORTS: dict[str, str] = {
     "record_routes": ".replay.context",
     "replay_routes": ".replay.context",
     "RouterReplayCallback": ".replay.callback",
+    "ExpertLoadMonitor": ".expert_load",
+    "expert_load_stats": ".expert_load",
     "tiny_moe_config": ".models.tiny",
     "build_tiny_moe": ".models.tiny",
 }
@@ -91,6 +93,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .data.cpus import collate_pool_size, usable_cpu_count
     from .data.datamodule import R3DataModule
     from .data.trajectory import Trajectory
+    from .expert_load import ExpertLoadMonitor, expert_load_stats
     from .models.tiny import build_tiny_moe, tiny_moe_config
     from .packed import PackedTensor
     from .replay.callback import RouterReplayCallback
