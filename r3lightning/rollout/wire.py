@@ -184,8 +184,9 @@ def decode_array(
 _UNIQUE_BLOCK = 1 << 15
 
 
-def _check_range(routes: np.ndarray, num_experts: int | None, field: str) -> None:
-    """Ids must be non-negative and below ``num_experts``; one pass over ``routes`` when they are.
+def _check_range(routes: np.ndarray, num_experts: int | None, field: str) -> int | None:
+    """Ids must be non-negative and below ``num_experts``; one pass over a non-empty ``routes``
+    when they are. Returns the largest id when that pass computed it (else None).
 
     Signed ids are viewed as unsigned of the same width, where a negative id is at least
     ``2**(bits-1)``: a single max then bounds both ends. The exact min/max (for the message) are
@@ -196,16 +197,18 @@ def _check_range(routes: np.ndarray, num_experts: int | None, field: str) -> Non
         bound = 1 << (8 * routes.dtype.itemsize - 1)  # unsigned images of negatives are >= this
         limit = bound if num_experts is None else min(num_experts, bound)
         as_unsigned = routes.view(routes.dtype.str.replace("i", "u"))
-        if int(as_unsigned.max()) < limit:
-            return
+        if (high := int(as_unsigned.max())) < limit:
+            return high
     elif num_experts is None:
-        return
+        return None
     if signed and (low := int(routes.min())) < 0:
         raise MalformedResponseError(f"{field}: expert id {low} is negative")
-    if num_experts is not None and (high := int(routes.max())) >= num_experts:
+    high = int(routes.max())
+    if num_experts is not None and high >= num_experts:
         raise MalformedResponseError(
             f"{field}: expert id {high} is out of range for num_experts={num_experts}"
         )
+    return high
 
 
 def _first_repeat(routes: np.ndarray) -> int | None:
@@ -268,7 +271,13 @@ def validate_routes(
     if routes.size == 0:
         return
     _check_range(routes, num_experts, field)
-    if not check_unique or routes.shape[2] < 2:
+    if check_unique:
+        _check_unique(routes, field)
+
+
+def _check_unique(routes: np.ndarray, field: str) -> None:
+    """Raise for the first ``[top_k]`` row of ``routes`` ``[rows, L, K]`` that repeats an expert."""
+    if routes.size == 0 or routes.shape[2] < 2:
         return
     index = _first_repeat(routes)
     if index is not None:
@@ -345,11 +354,12 @@ def decode_flat_routes(
         )
     buffer = _b64_to_buffer(data, nbytes, field)
     routes = np.frombuffer(buffer, dtype=WIRE_DTYPES["int32"]).reshape(-1, num_layers, top_k)
-    validate_routes(routes, num_experts=num_experts, check_unique=False, field=field)
+    # int32 is signed: the range pass always yields the largest id, reused for the compact dtype
+    high = _check_range(routes, num_experts, field) if routes.size else 0
     if compact:
-        routes = routes.astype(compact_dtype(int(routes.max(initial=0))), copy=False)
+        routes = routes.astype(compact_dtype(high or 0), copy=False)
     if check_unique:  # on the compact copy: up to 4x less memory traffic
-        validate_routes(routes, check_unique=True, field=field)
+        _check_unique(routes, field)
     return routes
 
 
