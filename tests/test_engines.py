@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,3 +332,18 @@ def test_dense_zero_rows_pass_the_wire_check_but_not_on_an_moe_layer_at_install(
     routes[0, 0, moe] = 0
     with pytest.raises(ValueError, match="repeat an expert within a token's top_k on a replayed MoE layer"):
         backend.install(routes)
+
+
+async def test_readme_engine_snippet_runs_against_a_vllm_layout():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("\n## Rollout engines: vLLM and SGLang\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    async with EngineServer("vllm", num_layers=48, top_k=8, num_experts=128) as server:
+        scope: dict = {}
+        exec(code.replace("http://vllm-host:8000", server.url), scope)
+        ids, logprobs, routes = await scope["rollout"]([5, 6, 7], [54])
+    expected = expected_generation([5, 6, 7], 1024, 0, num_layers=48, top_k=8, num_experts=128)[0]
+    assert ids == expected[: expected.index(54) + 1]  # stopped by the tokenizer's stop id
+    assert routes.shape == (3 + len(ids) - 1, 48, 8) and len(logprobs) == len(ids)
+    params = server.requests[0][1]["sampling_params"]
+    assert params["stop_token_ids"] == [54] and params["max_tokens"] == 1024
