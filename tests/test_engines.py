@@ -347,3 +347,18 @@ async def test_readme_engine_snippet_runs_against_a_vllm_layout():
     assert routes.shape == (3 + len(ids) - 1, 48, 8) and len(logprobs) == len(ids)
     params = server.requests[0][1]["sampling_params"]
     assert params["stop_token_ids"] == [54] and params["max_tokens"] == 1024
+
+
+@pytest.mark.parametrize("engine, protocol, path", CASES, ids=IDS)
+async def test_the_jobs_sampling_config_sends_its_stop_ids_in_each_protocol(engine, protocol, path):
+    from r3lightning.job.rollout_loop import SamplingConfig
+
+    ids = expected_generation(PROMPT, 6, 0, num_layers=3, top_k=2, num_experts=300)[0]
+    sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True, stop_token_ids=[ids[3]])
+    async with EngineServer(engine) as server, client_for(server, protocol) as client:
+        result = await client.generate(PROMPT, sampling.wire_params(protocol, seed=11))
+    assert result.response_ids == ids[:4] and result.stop_reason == "stop"
+    body = server.requests[0][1]
+    params = body if protocol == "openai" else body["sampling_params"]
+    seed_key = "sampling_seed" if protocol == "sglang" else "seed"
+    assert params["stop_token_ids"] == [ids[3]] and params[seed_key] == 11
