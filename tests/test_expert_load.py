@@ -162,3 +162,65 @@ def test_the_callbacks_config_entry_instantiates():
     assert (
         isinstance(monitor, ExpertLoadMonitor) and monitor.every_n_steps == 10 and monitor.num_experts is None
     )
+
+
+class _Linear(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(2))
+
+    def training_step(self, batch, batch_idx):
+        return (self.weight * batch["x"]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _rank_routes(rank):
+    return distinct_routes(30, 3, 2, 8, seed=10 + rank)
+
+
+def _ddp_fit(rank, port, out):
+    import json
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    logger = StepLogger()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[ExpertLoadMonitor(8, every_n_steps=1, sync_dist=True)],
+    )
+    batch = {"x": torch.ones(2), "routed_experts": PackedTensor.from_lengths(_rank_routes(rank), [30])}
+    trainer.fit(_Linear(), loader([batch]))
+    if rank == 0:
+        rows = [row for _, row in logger.rows if "expert_load/entropy" in row]
+        Path(out).write_text(json.dumps(rows))
+
+
+@pytest.mark.slow
+def test_sync_dist_averages_the_ranks_values(tmp_path):
+    import json
+
+    from gloo_ranks import free_port, run_ranks
+
+    out = tmp_path / "rows.json"
+    run_ranks(_ddp_fit, free_port(), str(out))
+    (row,) = json.loads(out.read_text())
+    per_rank = [expert_load_stats(_rank_routes(rank), 8) for rank in range(2)]
+    mean = sum(stats["entropy"].mean() for stats in per_rank) / 2
+    worst = sum(stats["max_over_mean"].amax() for stats in per_rank) / 2
+    assert row["expert_load/entropy"] == pytest.approx(float(mean), rel=1e-6)
+    assert row["expert_load/max_over_mean_worst"] == pytest.approx(float(worst), rel=1e-6)
+    mine = expert_load_stats(_rank_routes(0), 8)["entropy"].mean()
+    assert row["expert_load/entropy"] != pytest.approx(float(mine), rel=1e-6)  # not rank 0's alone
