@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import email.utils
 import json
 import pickle
 import random
+import socket
 import threading
 import time
 
@@ -249,6 +251,35 @@ async def test_health_of_a_hung_engine_fails_fast_despite_a_long_generate_timeou
     finally:
         await client.close()
         hung.close()
+
+
+async def test_a_connection_that_never_completes_fails_after_the_connect_timeout():
+    """A full accept queue on 127.0.0.1: the handshake never completes, so only the short
+    connect timeout (not the long generate timeout) ends the attempt."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # accepts nothing: one queued connection fills it
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    client = RemoteGenerateClient(
+        f"http://127.0.0.1:{port}", timeout_s=600.0, connect_timeout_s=0.3, max_attempts=1
+    )
+    try:
+        began = time.perf_counter()
+        with pytest.raises(RetriesExhaustedError) as info:
+            await asyncio.wait_for(client.generate(PROMPT, {"max_tokens": 1}), timeout=10.0)
+        assert time.perf_counter() - began < 5.0
+        assert isinstance(info.value.last_error.__cause__, aiohttp.ConnectionTimeoutError)
+    finally:
+        await client.close()
+        for sock in (*fillers, listener):
+            sock.close()
 
 
 async def test_async_with_closes_the_session():
