@@ -54,24 +54,24 @@ def expert_load_stats(
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     _, num_layers, top_k = values.shape
     device = values.device
-    if moe_layers is not None:
-        layers = torch.as_tensor(list(moe_layers), dtype=torch.int64)
-        if layers.numel() and (int(layers.min()) < 0 or int(layers.max()) >= num_layers):
-            raise ValueError(f"moe_layers {list(moe_layers)} out of range for {num_layers} layers")
-        values = values[:, layers.to(device)]
-    else:
-        layers = torch.arange(num_layers)
-    ids = values.long()  # [rows, L, K]
+    chosen = list(range(num_layers)) if moe_layers is None else [int(layer) for layer in moe_layers]
+    if any(not 0 <= layer < num_layers for layer in chosen):
+        raise ValueError(f"moe_layers {chosen} out of range for {num_layers} layers")
+    ids = values.long()  # [rows, L_all, K]
     # a slot counts unless its row is all zeros (a dense layer's filler)
-    counted = values.ne(0).any(-1, keepdim=True).expand_as(ids)  # [rows, L, K]
-    n = ids.shape[1]
+    counted = values.ne(0).any(-1, keepdim=True).expand_as(ids)  # [rows, L_all, K]
+    n = num_layers
     flat = (ids + torch.arange(n, device=device).view(1, n, 1) * num_experts).reshape(-1)
     weights = counted.reshape(-1).to(torch.float32)
     # ids out of range would land in another layer's bins: clamp them into a dropped bin
     flat = torch.where((ids >= 0).reshape(-1) & (ids < num_experts).reshape(-1), flat, n * num_experts)
     counts = torch.zeros(n * num_experts + 1, dtype=torch.float32, device=device)
     counts.index_add_(0, flat, weights)
-    counts = counts[:-1].view(n, num_experts)  # [L, E]
+    counts = counts[:-1].view(n, num_experts)  # [L_all, E]
+    if moe_layers is not None:
+        # views stacked, not an index tensor: a host index would be copied to the device (a sync)
+        counts = torch.stack([counts[layer] for layer in chosen]) if chosen else counts[:0]
+    layers = torch.tensor(chosen, dtype=torch.int64)  # host
     slots = counts.sum(-1)  # [L]
     tokens = slots / top_k
     mean = slots / num_experts
