@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from ..align.layout import TokenMetadataLayout, position_ids_from_mask
 from ..replay.backend import agreement_hits
-from ..replay.callback import RouterReplayCallback, host_attention_mask
+from ..replay.batch_fields import host_attention_mask
+from ..replay.callback import RouterReplayCallback
 from ..replay.context import record_routes, replay_routes
 from .grpo import (
     GRPOConfig,

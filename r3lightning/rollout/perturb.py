@@ -25,15 +25,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..replay.backend import agreement_hits
-from ..replay.hf import (
+from ..replay.hf_routers import (
     find_routers,
     mixtral_weights,
     softmax_over_topk_weights,
+    softmax_renormalised_weights,
     softmax_then_topk_weights,
 )
 
 # Families whose experts are the top-k of the raw logits (softmax and top-k commute).
-_TOPK_OF_LOGITS = (softmax_then_topk_weights, mixtral_weights, softmax_over_topk_weights)
+_TOPK_OF_LOGITS = (
+    softmax_then_topk_weights,
+    softmax_renormalised_weights,
+    mixtral_weights,
+    softmax_over_topk_weights,
+)
 
 
 class RouterLogitPerturbation:
@@ -67,7 +73,8 @@ class RouterLogitPerturbation:
             if adapter.gate_weights not in _TOPK_OF_LOGITS:
                 raise ValueError(
                     f"router {name!r} ({type(router).__name__}) does not select the top-k of its logits; "
-                    "the simulated disagreement supports Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral and gpt-oss"
+                    "the simulated disagreement supports routers that pick the top-k of their logits (Qwen3-MoE, "
+                    "Qwen2-MoE, OLMoE, Mixtral, gpt-oss, ...)"
                 )
             weight = next(p for p in router.parameters() if p.dim() == 2)  # [experts, hidden]
             experts, hidden = weight.shape
