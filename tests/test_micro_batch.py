@@ -1,0 +1,427 @@
+"""Micro-batches, several passes per rollout batch, exact metrics and missing routes, through a
+real Lightning Trainer and the Hugging Face tiny MoE model."""
+
+import copy
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from gloo_ranks import free_port, run_ranks
+from test_callback import LAYERS, MemoryLogger, engine_dense, fit, loader, make_batch, position_ids, real_rows
+
+from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.models.tiny import build_tiny_moe
+from r3lightning.packed import PackedTensor
+from r3lightning.replay.callback import RouterReplayCallback
+from r3lightning.replay.context import record_routes, replay_routes
+
+
+def with_routeless_row(batch, row):
+    """The batch with trajectory ``row``'s routes dropped (an engine that returned none for it)."""
+    segments = [seg if i != row else seg[:0] for i, seg in enumerate(batch.routed_experts)]
+    batch.routed_experts = PackedTensor.from_segments(segments)
+    return batch
+
+
+@pytest.fixture(scope="module")
+def seven():
+    """7 trajectories, 2 uncaptured rows each, one without any route (row 4)."""
+    return with_routeless_row(make_batch(11, [5, 9, 4, 7, 6, 8, 3], dropped_rows=2), 4)
+
+
+def captured_mask(batch):
+    """bool [B, S]: positions with a captured route row, built from the batch's own segments."""
+    mask = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
+    for i, segment in enumerate(batch.routed_experts):
+        n = int(batch.attention_mask[i].sum())
+        start = batch.width - n
+        mask[i, start : start + segment.shape[0]] = True
+    return mask
+
+
+def dense_engine_routes(batch):
+    """[B, S, L, K]: the engine's rows where captured, any valid distinct experts elsewhere."""
+    out = torch.tensor([0, 1]).expand(*batch.input_ids.shape, 4, 2).clone()
+    mask = captured_mask(batch)
+    out[mask] = batch.routed_experts.values.long()
+    return out
+
+
+class MicroPolicy(pl.LightningModule):
+    """Manual optimisation: per step, ``passes`` PPO epochs over unequal micro-batches."""
+
+    def __init__(self, plans, old_policy=False):
+        super().__init__()
+        self.model = build_tiny_moe(seed=0).train()
+        self.automatic_optimization = False
+        self.plans, self.old_policy = plans, old_policy
+        self.forwards = []  # (sub-batch, experts used [b, s, L, K], weights before the forward)
+        self.whole = []
+
+    def forward(self, batch):
+        return self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask.long(),
+            position_ids=position_ids(batch.attention_mask),
+        ).logits
+
+    def loss(self, batch, logits):
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+        return -(logp * batch.loss_mask[:, 1:]).sum() / batch.loss_mask[:, 1:].sum().clamp(min=1)
+
+    def training_step(self, batch, batch_idx):
+        callback = RouterReplayCallback.find(self.trainer)
+        opt = self.optimizers()
+        if self.old_policy:
+            for mb in batch.split([3, 2, 2]):
+                with callback.old_policy_forward(mb), torch.no_grad():
+                    self(mb)
+        for plan in self.plans:
+            for mb in plan(batch):
+                snapshot = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                with callback.micro_batch(mb) as layout:
+                    assert layout is not None and layout.token_shape == tuple(mb.input_ids.shape)
+                    with record_routes(self.model) as rec:
+                        logits = self(mb)
+                    opt.zero_grad()
+                    self.manual_backward(self.loss(mb, logits))
+                self.forwards.append((mb, rec.routes, snapshot))
+                opt.step()
+        # after the blocks the step's routes are back: a whole-batch forward replays them
+        assert callback.layout.token_shape == tuple(batch.input_ids.shape)
+        with torch.no_grad(), record_routes(self.model) as rec:
+            self(batch)
+        self.whole.append((batch, rec.routes))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+def shuffled_trimmed(batch):
+    return [mb.trim() for mb in batch.select([6, 0, 3, 1, 5, 2, 4]).split([3, 2, 2])]
+
+
+PLANS = [lambda b: b.split([3, 2, 2]), shuffled_trimmed]
+
+
+def native_reference(mb, snapshot):
+    """Experts a fresh model with the same weights uses for ``mb`` when the engine's rows are
+    replayed on captured positions and every other position routes natively (mask False)."""
+    model = build_tiny_moe(seed=0)
+    model.load_state_dict(snapshot)
+    with (
+        torch.no_grad(),
+        replay_routes(model, dense_engine_routes(mb), captured_mask(mb)),
+        record_routes(model) as rec,
+    ):
+        model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask.long(),
+            position_ids=position_ids(mb.attention_mask),
+        )
+    return rec.routes
+
+
+def test_unequal_micro_batches_over_two_passes_replay_exactly(seven):
+    module = MicroPolicy(PLANS)
+    callback = RouterReplayCallback(mode="r3")
+    _, logger = fit(module, [copy.deepcopy(seven)], callback)
+    assert len(module.forwards) == 6
+    assert [tuple(mb.input_ids.shape) for mb, _, _ in module.forwards][3:] == [(3, 7), (2, 9), (2, 6)]
+    for mb, used, snapshot in module.forwards:
+        # every captured token used the engine's experts on every MoE layer ...
+        index = tuple(torch.tensor(real_rows(mb)).T)
+        assert torch.equal(used[index][:, LAYERS].long(), engine_dense(mb)[index][:, LAYERS])
+        # ... and every other position (uncaptured suffix, routeless row, padding) routed natively
+        # inside the same forward: bit-equal to replay_routes with a False mask there
+        assert torch.equal(used, native_reference(mb, snapshot))
+    batch, used = module.whole[0]
+    index = tuple(torch.tensor(real_rows(batch)).T)
+    assert torch.equal(used[index][:, LAYERS].long(), engine_dense(batch)[index][:, LAYERS])
+    assert logger.series("router_replay/replayed_fraction") == [1.0]
+    assert logger.series("router_replay/used_agreement") == [1.0]
+
+
+def test_r2_records_per_micro_batch_and_replays_in_later_passes():
+    batch = make_batch(12, [5, 9, 4, 7, 6, 8, 3], with_routes=False)
+    module = MicroPolicy(PLANS, old_policy=True)
+    fit(module, [batch], RouterReplayCallback(mode="r2", strict=True))
+    # the old-policy forward recorded every row: stored on the step's batch, in trajectory order
+    recorded = batch.routed_experts
+    assert recorded is not None and recorded.lengths.tolist() == [5, 9, 4, 7, 6, 8, 3]
+    for mb, used, _ in module.forwards:  # re-cut, shuffled and trimmed sub-batches included
+        rows = mb.rows_in(batch)
+        for i, row in enumerate(rows.tolist()):
+            n = int(mb.attention_mask[i].sum())
+            assert torch.equal(used[i, mb.width - n :, LAYERS], recorded[row][:, LAYERS].int())
+    # SGD with lr=1 moves the routers: natively, the last pass would route differently
+    _, last_used, snapshot = module.forwards[-1]
+    mb = module.forwards[-1][0]
+    model = build_tiny_moe(seed=0)
+    model.load_state_dict(snapshot)
+    with torch.no_grad(), record_routes(model) as native:
+        model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask.long(),
+            position_ids=position_ids(mb.attention_mask),
+        )
+    real = mb.attention_mask
+    assert not torch.equal(native.routes[real][:, LAYERS], last_used[real][:, LAYERS])
+
+
+def test_micro_batch_blocks_cannot_nest_or_overlap_or_run_outside_a_step(seven):
+    errors = []
+
+    class Nesting(MicroPolicy):
+        def training_step(self, batch, batch_idx):
+            callback = RouterReplayCallback.find(self.trainer)
+            first, second = batch.chunk(2)
+            with callback.micro_batch(first):
+                with (
+                    pytest.raises(RuntimeError, match="cannot nest or overlap") as info,
+                    callback.micro_batch(second),
+                ):
+                    pass
+                errors.append(str(info.value))
+                self(first)  # the outer block is still installed
+            self(batch)  # and the step's routes are back
+
+    callback = RouterReplayCallback(mode="r3", strict=True)
+    fit(Nesting([]), [copy.deepcopy(seven)], callback)
+    assert len(errors) == 1
+    with pytest.raises(RuntimeError, match="only valid inside a training step"), callback.micro_batch(seven):
+        pass
+
+
+def test_missing_routes_warn_once_are_counted_and_raise_when_strict(seven):
+    routeless = copy.deepcopy(seven)
+    routeless.routed_experts = None
+    batches = [routeless, copy.deepcopy(seven), copy.deepcopy(routeless)]
+
+    class Whole(MicroPolicy):
+        def training_step(self, batch, batch_idx):
+            with record_routes(self.model) as rec:
+                self(batch)
+            self.whole.append((batch, rec.routes))
+
+    with pytest.warns(UserWarning, match="--enable-return-routed-experts") as caught:
+        _, logger = fit(Whole([]), batches, RouterReplayCallback(mode="r3"))
+    assert sum("--enable-return-routed-experts" in str(w.message) for w in caught) == 1  # once per run
+    assert logger.series("router_replay/batches_without_routes") == [1.0, 1.0, 2.0]
+    assert logger.series("router_replay/replayed_fraction") == [0.0, 1.0, 0.0]
+    assert [math.isnan(v) for v in logger.series("router_replay/native_agreement")] == [True, False, True]
+    with pytest.raises(ValueError, match=r"strict=True.*no routed_experts.*--enable-return-routed-experts"):
+        fit(Whole([]), [copy.deepcopy(routeless)], RouterReplayCallback(mode="r3", strict=True))
+
+
+def test_routes_are_cleared_before_the_next_callback_and_before_validation(seven):
+    callback = RouterReplayCallback(mode="r3")
+    seen = []
+
+    class After(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(callback.backend.installed)
+
+    module = MicroPolicy([lambda b: b.split([3, 2, 2])])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback, After()],
+    )
+    trainer.fit(module, loader([copy.deepcopy(seven)]))
+    assert seen == [False]
+    # stale routes of another shape, as after a step that never ended: validation clears them
+    callback.backend.install(dense_engine_routes(seven), captured_mask(seven))
+
+    class Validating(MicroPolicy):
+        def validation_step(self, batch, batch_idx):
+            with record_routes(self.model) as rec:
+                self(batch[:2])  # would fail on the stale [7, S] routes
+            self.whole.append(rec.routes)
+
+    validating = Validating([])
+    validating.model = module.model
+    trainer.validate(validating, loader([copy.deepcopy(seven)]), verbose=False)
+    assert len(validating.whole) == 1 and not callback.backend.installed
+
+
+# ------------------------------------------------------------------------------ options
+class Whole(MicroPolicy):
+    """Automatic optimisation, one forward of the tokens in the callback's layout."""
+
+    def __init__(self):
+        super().__init__([])
+        self.automatic_optimization = True
+
+    def training_step(self, batch, batch_idx):
+        layout = RouterReplayCallback.find(self.trainer).layout
+        ids = layout.from_batch(batch.input_ids)
+        mask = layout.from_batch(batch.attention_mask, pad=False)
+        with record_routes(self.model) as rec:
+            logits = self.model(
+                input_ids=ids, attention_mask=mask.long(), position_ids=position_ids(mask)
+            ).logits
+        self.whole.append((layout, rec.routes))
+        return logits.float().square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def replayed_in_layout(layout, used, batch):
+    """The engine's rows land where the layout puts each trajectory's tokens."""
+    engine = engine_dense(batch)[..., LAYERS, :]
+    routed = used[..., LAYERS, :].long()
+    checked = 0
+    for i, j in real_rows(batch):
+        offset = j - (batch.width - int(batch.attention_mask[i].sum()))
+        (pos,) = ((layout.position_sequence == i) & (layout.position_offset == offset)).nonzero()[0]
+        row, col = divmod(int(pos), layout.token_shape[-1])
+        if not torch.equal(routed[row, col], engine[i, j]):
+            return False
+        checked += 1
+    return checked == len(real_rows(batch))
+
+
+def test_layout_fn_and_pad_to_multiple_change_the_layout_routes_follow(seven):
+    right = RouterReplayCallback(layout_fn=lambda mask: TokenMetadataLayout.padded(mask, side="right"))
+    module = Whole()
+    fit(module, [copy.deepcopy(seven)], right)
+    layout, used = module.whole[0]
+    assert layout.side == "right" and replayed_in_layout(layout, used, seven)
+
+    padded = RouterReplayCallback(pad_to_multiple=4)
+    module = Whole()
+    fit(module, [copy.deepcopy(seven)], padded)
+    layout, used = module.whole[0]
+    assert layout.token_shape == (7, 12) and replayed_in_layout(layout, used, seven)
+
+
+def test_log_options_and_model_attr(seven):
+    quiet = RouterReplayCallback(log_agreement=False)
+    _, logger = fit(Whole(), [copy.deepcopy(seven)], quiet)
+    assert not [k for row in logger.rows for k in row if k.startswith("router_replay/")]
+
+    flat = RouterReplayCallback(log_per_layer=False)
+    _, logger = fit(Whole(), [copy.deepcopy(seven)], flat)
+    keys = {k for row in logger.rows for k in row if k.startswith("router_replay/")}
+    assert "router_replay/native_agreement" in keys and not [k for k in keys if "/layer_" in k]
+
+    class WithReference(Whole):
+        def __init__(self):
+            super().__init__()
+            self.reference = build_tiny_moe(seed=0).eval()  # a second MoE model, routed natively
+
+    with pytest.raises(ValueError, match="several routers of WithReference map to the same decoder layer"):
+        fit(WithReference(), [copy.deepcopy(seven)], RouterReplayCallback())
+    module = WithReference()
+    fit(module, [copy.deepcopy(seven)], RouterReplayCallback(model_attr="model"))
+    layout, used = module.whole[0]
+    assert replayed_in_layout(layout, used, seven)
+
+
+# ------------------------------------------------------------------- 3 ranks, unequal shards
+SHARDS = [[5, 9, 4], [7], [6, 8]]
+
+
+def expected_counts(batch):
+    """(route rows, native hits) per MoE layer, from router outputs seen before the replay hook."""
+    model = build_tiny_moe(seed=0)
+    from r3lightning.replay.hf import HFRouterReplay
+
+    backend = HFRouterReplay.for_model(model)
+    native, handles = {}, []
+    for layer, router in zip(backend.moe_layers, backend.routers, strict=True):
+        handles.append(
+            router.register_forward_hook(
+                lambda m, a, out, layer=layer: native.update({layer: out[2]}), prepend=True
+            )
+        )
+    mask = captured_mask(batch)
+    routes = dense_engine_routes(batch)
+    with torch.no_grad(), replay_routes(model, routes, mask):
+        model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask.long(),
+            position_ids=position_ids(batch.attention_mask),
+        )
+    for h in handles:
+        h.remove()
+    hits = []
+    for layer in backend.moe_layers:
+        own = native[layer].reshape(*mask.shape, 2)[mask]
+        ours = routes[mask][:, layer]
+        hits.append(int((ours.unsqueeze(-1) == own.unsqueeze(-2)).any(-1).sum()))
+    return int(mask.sum()), hits
+
+
+def _ddp_fit(rank, port, shards, expected):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3", RANK=str(rank))
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    reduces = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        reduces.append(args[0].shape)
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    callback_vector_shape = torch.Size([4 * 4 + 2])  # [4 counts, num_layers] + 2 scalars
+    for sync_dist, log_agreement in ((True, True), (False, True), (True, False)):
+        logger = MemoryLogger()
+        callback = RouterReplayCallback(sync_dist=sync_dist, log_agreement=log_agreement)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=3,
+            strategy="ddp",
+            max_epochs=1,
+            logger=logger,
+            log_every_n_steps=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[callback],
+            use_distributed_sampler=False,
+        )
+        before = len(reduces)
+        trainer.fit(Whole(), loader([shards[rank]]))
+        if not log_agreement:
+            assert not [k for row in logger.rows for k in row if k.startswith("router_replay/")]
+            assert all(shape != callback_vector_shape for shape in reduces[before:])
+            continue
+        row = logger.rows[0]
+        values = {k: v for k, v in row.items() if "agreement" in k or "fraction" in k}
+        assert values and all(v <= 1.0 for v in values.values()), values
+        assert (callback_vector_shape in reduces[before:]) == sync_dist
+        rows, hits = expected[rank] if not sync_dist else expected["global"]
+        assert row["router_replay/native_agreement"] == pytest.approx(sum(hits) / (rows * 2 * 3), abs=1e-7)
+        for i, layer in enumerate(LAYERS):
+            assert row[f"router_replay/native_agreement/layer_{layer:02d}"] == pytest.approx(
+                hits[i] / (rows * 2), abs=1e-7
+            )
+    dist.all_reduce = real_all_reduce
+
+
+@pytest.mark.slow
+def test_three_ranks_with_unequal_shards_log_the_exact_global_ratio():
+    """sync_dist=True: the global ratio (sums of hits and slots), not a mean of the ranks' ratios;
+    sync_dist=False: each rank's own; log_agreement=False: no metric and no reduction."""
+    shards = [make_batch(20 + r, lengths, dropped_rows=1 + r) for r, lengths in enumerate(SHARDS)]
+    expected = {r: expected_counts(b) for r, b in enumerate(shards)}
+    rows = sum(expected[r][0] for r in range(3))
+    hits = [sum(expected[r][1][i] for r in range(3)) for i in range(3)]
+    expected["global"] = (rows, hits)
+    global_ratio = sum(hits) / (rows * 6)
+    mean_of_ratios = sum(sum(expected[r][1]) / (expected[r][0] * 6) for r in range(3)) / 3
+    assert abs(global_ratio - mean_of_ratios) > 1e-4  # the shards are unequal enough to tell apart
+    run_ranks(_ddp_fit, free_port(), shards, expected, nprocs=3)
