@@ -425,3 +425,23 @@ def test_three_ranks_with_unequal_shards_log_the_exact_global_ratio():
     mean_of_ratios = sum(sum(expected[r][1]) / (expected[r][0] * 6) for r in range(3)) / 3
     assert abs(global_ratio - mean_of_ratios) > 1e-4  # the shards are unequal enough to tell apart
     run_ranks(_ddp_fit, free_port(), shards, expected, nprocs=3)
+
+
+# ------------------------------------------------------------------ sub-batches of a RolloutBatch
+def test_sub_batches_keep_their_routes_and_know_their_rows(seven):
+    shuffled = seven.select([6, 0, 3, 1, 5, 2, 4])
+    assert shuffled.rows_in(seven).tolist() == [6, 0, 3, 1, 5, 2, 4]
+    assert seven.select(torch.tensor([True, False] * 3 + [True])).rows_in(seven).tolist() == [0, 2, 4, 6]
+    parts = [mb.trim() for mb in shuffled.split([3, 2, 2])]
+    assert [mb.rows_in(seven).tolist() for mb in parts] == [[6, 0, 3], [1, 5], [2, 4]]
+    assert parts[1].rows_in(shuffled).tolist() == [3, 4]  # cut from a cut
+    for mb in (*parts, *seven.chunk(3), seven[2:5].trim()):
+        for i, row in enumerate(mb.rows_in(seven).tolist()):
+            assert torch.equal(mb.routed_experts[i], seven.routed_experts[row])
+            n = int(seven.sequence_lengths[row])
+            assert torch.equal(mb.input_ids[i, mb.width - n :], seven.input_ids[row, seven.width - n :])
+    assert seven.rows_in(seven).tolist() == list(range(7))
+    assert seven.repeat(2).rows_in(seven) is None  # new rows, not a cut
+    assert make_batch(11, [5, 9]).rows_in(seven) is None
+    with pytest.raises(TypeError, match="select takes row positions or a bool mask"):
+        seven.select(2)
