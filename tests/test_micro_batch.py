@@ -445,3 +445,31 @@ def test_sub_batches_keep_their_routes_and_know_their_rows(seven):
     assert make_batch(11, [5, 9]).rows_in(seven) is None
     with pytest.raises(TypeError, match="select takes row positions or a bool mask"):
         seven.select(2)
+
+
+def test_readme_micro_batch_example_replays_every_micro_batch(seven, tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = readme.split("\n## Micro-batches and several passes per rollout batch\n", 1)[1].split("\n## ", 1)[
+        0
+    ]
+    (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    module = scope["PPOPolicy"](build_tiny_moe(seed=0))
+    forwards = []
+    backend = RouterReplayCallback()
+
+    def spy(*args):  # every micro-batch forward, with the routes installed for it
+        forwards.append((tuple(args[1][0].shape[:2]), backend.layout.token_shape))
+
+    monkeypatch.chdir(tmp_path)
+    hook = module.model.model.layers[1].register_forward_pre_hook(spy)
+    _, logger = fit(module, [copy.deepcopy(seven)], backend)
+    hook.remove()
+    assert len(forwards) == 8  # 2 epochs x 4 micro-batches of 2, 2, 2, 1
+    assert all(shape == installed for shape, installed in forwards)
+    assert logger.series("router_replay/used_agreement") == [1.0]
+    assert logger.series("router_replay/replayed_fraction") == [1.0]
