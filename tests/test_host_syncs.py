@@ -9,6 +9,7 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
+from megatron_cpu import make_config, make_moe_layer
 from sync_detector import ArmDetector, DisarmDetector, SyncDetector
 from test_callback import MemoryLogger, loader, make_batch
 from test_megatron_replay import TokenMoE, megatron_cpu, random_routes  # noqa: F401 (fixture)
@@ -90,13 +91,14 @@ class MegatronPolicy(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_a_step_on_the_megatron_path_makes_no_host_sync():
-    generator = torch.Generator().manual_seed(3)
-    lengths = [3, 6, 5]
+def megatron_batch(seed, lengths=(3, 6, 5)):
+    """A left-padded RolloutBatch with random engine routes for every token but the last."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = list(lengths)
     width = max(lengths)
     mask = torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]
     zeros = torch.zeros(len(lengths), width)
-    batch = RolloutBatch(
+    return RolloutBatch(
         input_ids=torch.randint(0, 32, (len(lengths), width), generator=generator) * mask,
         attention_mask=mask,
         loss_mask=zeros + mask,
@@ -108,6 +110,10 @@ def test_a_step_on_the_megatron_path_makes_no_host_sync():
         _host_lengths=(torch.tensor(lengths), torch.ones(len(lengths), dtype=torch.long)),
         routed_experts=PackedTensor.from_segments([random_routes(n - 1, generator) for n in lengths]),
     )
+
+
+def test_a_step_on_the_megatron_path_makes_no_host_sync():
+    batch = megatron_batch(3)
     module = MegatronPolicy()
     callback = RouterReplayCallback(
         backend=MegatronRouterReplay(module.model, validate=False), mode="r3", strict=True
@@ -134,3 +140,58 @@ def test_idle_router_hooks_add_no_graph_break():
     # the package's hooks really are traced (a break inside them would show): with routes
     # recording, the hook runs its tensor code under the compiler and still replays exactly
     backend.clear()
+
+
+class RecomputingMoE(TokenMoE):
+    """TokenMoE whose MoE layers recompute in backward (megatron's selective "moe" recompute)."""
+
+    def __init__(self):
+        super().__init__()
+        config = make_config(recompute_granularity="selective", recompute_modules=["moe"])
+        self.moe = torch.nn.ModuleList([make_moe_layer(config, 2), make_moe_layer(config, 4)])
+
+
+class MegatronMicroPolicy(MegatronPolicy):
+    """Two passes over micro-batches of 2 and 1 rows, each replayed through the packed layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = RecomputingMoE()
+        self.automatic_optimization = False
+        self.used = []  # (micro-batch, layout, experts used, recompute entries left)
+
+    def training_step(self, batch, batch_idx):
+        callback = RouterReplayCallback.find(self.trainer)
+        backend, opt = callback.backend, self.optimizers()
+        for _ in range(2):
+            for mb in batch.split([2, 1]):
+                with callback.micro_batch(mb.trim()) as layout:
+                    tokens = layout.from_batch(mb.trim().input_ids)
+                    backend.start_recording()
+                    logits = self.model(tokens)
+                    used = backend.stop_recording()
+                    opt.zero_grad()
+                    self.manual_backward(logits.float().square().mean())
+                    left = [len(r.router_replay.replay_backward_list) for r in backend.routers]
+                self.used.append((mb, layout, used, left))
+                opt.step()
+
+
+def test_megatron_micro_batches_replay_through_the_packed_layout_with_recompute():
+    batch = megatron_batch(4)
+    module = MegatronMicroPolicy()
+    backend = MegatronRouterReplay(module.model, validate=False)
+    fit_one_step(module, batch, RouterReplayCallback(backend=backend, mode="r3", strict=True))
+    assert len(module.used) == 4
+    for mb, layout, used, left in module.used:
+        assert left == [0, 0]  # each recompute popped its own micro-batch's entry
+        assert layout.token_shape[0] == 1  # packed [1, T]
+        checked = 0
+        for position in range(layout.num_positions):
+            i, j = int(layout.position_sequence[position]), int(layout.position_offset[position])
+            if i < 0 or j >= len(mb.routed_experts[i]):
+                continue
+            for layer in backend.moe_layers:
+                assert used[0, position, layer].tolist() == mb.routed_experts[i][j, layer].tolist()
+                checked += 1
+        assert checked == mb.routed_experts.num_rows * len(backend.moe_layers)
