@@ -473,3 +473,33 @@ def test_readme_micro_batch_example_replays_every_micro_batch(seven, tmp_path, m
     assert all(shape == installed for shape, installed in forwards)
     assert logger.series("router_replay/used_agreement") == [1.0]
     assert logger.series("router_replay/replayed_fraction") == [1.0]
+
+
+@pytest.mark.slow
+def test_the_job_runs_strict_against_an_external_engine(tmp_path):
+    """An external engine that returns no routes fails the main job (naming the engine flag)
+    unless replay.strict=false, which trains natively, warns and counts the batches."""
+    import csv
+
+    from r3lightning.job.main import compose_config, run
+    from r3lightning.rollout.server import RolloutServer
+
+    with RolloutServer(build_tiny_moe(seed=0), max_batch_size=64, copy_model=False) as server:
+        base = [
+            f"rollout.url={server.url}",
+            "rollout.protocol=sglang",
+            "replay.request_routes=false",  # as an engine started without routes would answer
+            "steps=1",
+            "prompts_per_step=2",
+            "plot=false",
+            "trainer.enable_progress_bar=false",
+        ]
+        with pytest.raises(
+            ValueError, match=r"strict=True\): the batch has no routed_experts.*--enable-return"
+        ):
+            run(compose_config(base), tmp_path / "strict")
+        with pytest.warns(UserWarning, match="--enable-return-routed-experts"):
+            run(compose_config([*base, "replay.strict=false"]), tmp_path / "relaxed")
+    with open(tmp_path / "relaxed" / "replay_r3" / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        logged = [row for row in csv.DictReader(f) if row.get("router_replay/batches_without_routes")]
+    assert [float(r["router_replay/batches_without_routes"]) for r in logged] == [1.0]
