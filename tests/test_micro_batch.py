@@ -143,6 +143,36 @@ def test_unequal_micro_batches_over_two_passes_replay_exactly(seven):
     assert logger.series("router_replay/used_agreement") == [1.0]
 
 
+def test_off_mode_micro_batches_route_natively_and_measure_every_forward(seven):
+    module = MicroPolicy(PLANS)
+    _, logger = fit(module, [copy.deepcopy(seven)], RouterReplayCallback(mode="off"))
+    hits = slots = 0
+    for mb, used, snapshot in module.forwards:
+        model = build_tiny_moe(seed=0)
+        model.load_state_dict(snapshot)
+        with torch.no_grad(), record_routes(model) as native:
+            model(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask.long(),
+                position_ids=position_ids(mb.attention_mask),
+            )
+        assert torch.equal(used, native.routes)  # nothing replayed
+        mask = captured_mask(mb)
+        ours, engine = used[mask][:, LAYERS].long(), dense_engine_routes(mb)[mask][:, LAYERS]
+        hits += int((engine.unsqueeze(-1) == ours.unsqueeze(-2)).any(-1).sum())
+        slots += engine.numel()
+    # the whole-batch forward after the blocks is compared too
+    batch, used = module.whole[0]
+    mask = captured_mask(batch)
+    ours, engine = used[mask][:, LAYERS].long(), dense_engine_routes(batch)[mask][:, LAYERS]
+    hits += int((engine.unsqueeze(-1) == ours.unsqueeze(-2)).any(-1).sum())
+    slots += engine.numel()
+    assert hits < slots
+    assert logger.series("router_replay/native_agreement") == [pytest.approx(hits / slots, abs=1e-7)]
+    assert logger.series("router_replay/used_agreement") == [pytest.approx(hits / slots, abs=1e-7)]
+    assert logger.series("router_replay/replayed_fraction") == [0.0]
+
+
 def test_r2_records_per_micro_batch_and_replays_in_later_passes():
     batch = make_batch(12, [5, 9, 4, 7, 6, 8, 3], with_routes=False)
     module = MicroPolicy(PLANS, old_policy=True)

@@ -445,8 +445,8 @@ class RouterReplayCallback(Callback):
         routes = self._routes_of(sub_batch)
         if routes is not None and routes.num_rows > 0:
             install = self._prepare(routes, sub_batch)
-        elif self.mode == "r3":
-            self._missing_routes("a micro-batch has no routed_experts")
+        elif self.mode == "r3" and self._step is not None:  # (a routeless step counted already)
+            self._missing_routes("a micro-batch of a batch with routes has no routed_experts")
         self._in_micro = True
         self._micro = install
         self._use(install)
@@ -609,8 +609,8 @@ class RouterReplayCallback(Callback):
     def routing_counts(self) -> dict[str, Tensor] | None:
         """This step's counts so far, int64 ``[len(backend.moe_layers)]`` each on device (no sync):
         ``route_rows`` (rows with a route row, per forward), ``replayed_rows``, ``native_hits`` /
-        ``used_hits`` (route experts the router picked natively / the forward used). None outside
-        a step or when ``log_agreement`` is False. In off mode the forwards recorded so far are
+        ``used_hits`` (route experts the router picked natively / the forward used); zeros before
+        anything was counted. None outside a step or when ``log_agreement`` is False. In off mode the forwards recorded so far are
         compared now and the recording goes on for the later ones."""
         if not self._in_step or self.backend is None or not self.log_agreement:
             return None
@@ -626,8 +626,10 @@ class RouterReplayCallback(Callback):
             counts, self._counts = self._counts, saved
             if saved is not None:
                 counts = counts + saved.to(counts.device)  # type: ignore[operator]
-        if counts is None:
-            return None
+        if counts is None:  # nothing counted yet: zeros, so every rank logs the same keys
+            counts = torch.zeros(
+                (4, len(self.backend.moe_layers)), dtype=torch.int64, device=self._metric_device()
+            )
         return dict(zip(_COUNT_KEYS, counts.unbind(0), strict=True))
 
     def _global_layers(self) -> tuple[int, ...]:
