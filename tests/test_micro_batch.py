@@ -215,11 +215,28 @@ def test_micro_batch_blocks_cannot_nest_or_overlap_or_run_outside_a_step(seven):
                     pass
                 errors.append(str(info.value))
                 self(first)  # the outer block is still installed
+            with callback.micro_batch(batch[4:5]) as layout:  # the routeless trajectory alone
+                assert layout is not None and callback.routing_counts() is not None
+                with record_routes(self.model) as rec:
+                    self(batch[4:5])
+            self.whole.append((batch[4:5], rec.routes))
             self(batch)  # and the step's routes are back
 
     callback = RouterReplayCallback(mode="r3", strict=True)
-    fit(Nesting([]), [copy.deepcopy(seven)], callback)
+    module = Nesting([])
+    _, logger = fit(module, [copy.deepcopy(seven)], callback)
     assert len(errors) == 1
+    # a micro-batch whose rows have no captured route routes natively, strict or not
+    alone, used = module.whole[0]
+    model = build_tiny_moe(seed=0)
+    with torch.no_grad(), record_routes(model) as native:
+        model(
+            input_ids=alone.input_ids,
+            attention_mask=alone.attention_mask.long(),
+            position_ids=position_ids(alone.attention_mask),
+        )
+    assert torch.equal(used, native.routes)
+    assert logger.series("router_replay/batches_without_routes") == [0.0]
     with pytest.raises(RuntimeError, match="only valid inside a training step"), callback.micro_batch(seven):
         pass
 
@@ -493,14 +510,17 @@ def test_readme_micro_batch_example_replays_every_micro_batch(seven, tmp_path, m
     backend = RouterReplayCallback()
 
     def spy(*args):  # every micro-batch forward, with the routes installed for it
-        forwards.append((tuple(args[1][0].shape[:2]), backend.layout.token_shape))
+        layout = backend.layout  # None: a micro-batch of only the routeless trajectory (native)
+        forwards.append((tuple(args[1][0].shape[:2]), None if layout is None else layout.token_shape))
 
     monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)  # the example shuffles with torch.randperm
     hook = module.model.model.layers[1].register_forward_pre_hook(spy)
     _, logger = fit(module, [copy.deepcopy(seven)], backend)
     hook.remove()
     assert len(forwards) == 8  # 2 epochs x 4 micro-batches of 2, 2, 2, 1
-    assert all(shape == installed for shape, installed in forwards)
+    assert all(shape == installed for shape, installed in forwards if installed is not None)
+    assert sum(installed is None for _, installed in forwards) <= 2  # row 4 alone, once per epoch
     assert logger.series("router_replay/used_agreement") == [1.0]
     assert logger.series("router_replay/replayed_fraction") == [1.0]
 

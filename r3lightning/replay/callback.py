@@ -427,8 +427,9 @@ class RouterReplayCallback(Callback):
         ``sub_batch`` is a ``RolloutBatch`` cut from the step's batch (``split`` / ``chunk`` /
         ``select`` / indexing, trimmed or not; its routes travel with its rows) or any batch with
         its own ``routed_experts``. Its routes are aligned to its own layout (the backend's: packed,
-        CP / SP for megatron) and installed; rows without a captured route, and a sub-batch without
-        routes, route natively (r3: counted as a batch without routes). In r2 the rows recorded
+        CP / SP for megatron) and installed; rows without a captured route route natively, and so
+        does a sub-batch without ``routed_experts`` (r3: counted as a batch without routes
+        unless its step's batch was). In r2 the rows recorded
         by ``old_policy_forward`` are replayed. Yields the layout (None without routes). Run the
         backward of the block's forwards inside the block. On exit the step's routes are back.
         Blocks cannot nest or overlap; outside a training step it is an error.
@@ -443,7 +444,7 @@ class RouterReplayCallback(Callback):
             )
         install = None
         routes = self._routes_of(sub_batch)
-        if routes is not None and routes.num_rows > 0:
+        if routes is not None:  # rows without a captured route (all, maybe) route natively
             install = self._prepare(routes, sub_batch)
         elif self.mode == "r3" and self._step is not None:  # (a routeless step counted already)
             self._missing_routes("a micro-batch of a batch with routes has no routed_experts")
