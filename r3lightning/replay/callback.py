@@ -80,6 +80,7 @@ from ..align.align import align_packed_token_metadata, build_replay_mask
 from ..align.dummy import dummy_routes
 from ..align.layout import TokenMetadataLayout
 from ..packed import PackedTensor
+from ..ragged import to_device_async
 from .backend import RouterReplayBackend, agreement_hits
 
 Mode = Literal["r3", "r2", "off"]
@@ -315,7 +316,7 @@ class RouterReplayCallback(Callback):
 
         dense = align_packed_token_metadata(routes, layout, pad=pad)
         mask = build_replay_mask(routes.lengths, layout)  # host
-        return dense, mask.to(dense.device, non_blocking=True)
+        return dense, to_device_async(mask, dense.device)  # staged through page-locked memory
 
     def _prepare(self, routes: PackedTensor, batch: Any) -> _Install:
         layout = self.build_layout(host_attention_mask(batch))
