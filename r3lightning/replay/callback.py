@@ -540,7 +540,9 @@ class RouterReplayCallback(Callback):
         if layout.cp_size != 1:
             raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
         real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
-        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, real.to(recorded.device))
+        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(
+            0, to_device_async(real, recorded.device)
+        )
         return PackedTensor.from_lengths(rows, layout.sequence_lengths)
 
     # ----------------------------------------------------------------------------- metrics
@@ -563,7 +565,7 @@ class RouterReplayCallback(Callback):
     def _layers_on(self, device: torch.device) -> Tensor:
         assert self.backend is not None
         if self._layer_index is None or self._layer_index.device != device:
-            self._layer_index = torch.tensor(self.backend.moe_layers, device=device)
+            self._layer_index = to_device_async(torch.tensor(self.backend.moe_layers), device)
         return self._layer_index
 
     def _add_counts(self, table: Tensor) -> None:
@@ -605,7 +607,8 @@ class RouterReplayCallback(Callback):
         if used is None:  # a backend that replays exactly what it installed
             used = replayed * self.backend.top_k
         device = self._metric_device()
-        table = torch.stack([t.to(device, torch.int64) for t in (replayed, replayed, native, used)])
+        # host zeros when nothing was counted: staged, never a blocking copy
+        table = torch.stack([to_device_async(t, device).long() for t in (replayed, replayed, native, used)])
         self._add_counts(table)
 
     def routing_counts(self) -> dict[str, Tensor] | None:
