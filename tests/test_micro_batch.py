@@ -51,9 +51,11 @@ def dense_engine_routes(batch):
 class MicroPolicy(pl.LightningModule):
     """Manual optimisation: per step, ``passes`` PPO epochs over unequal micro-batches."""
 
-    def __init__(self, plans, old_policy=False):
+    def __init__(self, plans, old_policy=False, checkpointing=False):
         super().__init__()
         self.model = build_tiny_moe(seed=0).train()
+        if checkpointing:  # backward recomputes each decoder layer: it must replay the same routes
+            self.model.activation_checkpointing_enable()
         self.automatic_optimization = False
         self.plans, self.old_policy = plans, old_policy
         self.forwards = []  # (sub-batch, experts used [b, s, L, K], weights before the forward)
@@ -123,10 +125,23 @@ def native_reference(mb, snapshot):
     return rec.routes
 
 
-def test_unequal_micro_batches_over_two_passes_replay_exactly(seven):
+@pytest.fixture(scope="module")
+def trained_without_checkpointing(seven):
     module = MicroPolicy(PLANS)
+    fit(module, [copy.deepcopy(seven)], RouterReplayCallback(mode="r3"))
+    return module.model.state_dict()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_unequal_micro_batches_over_two_passes_replay_exactly(
+    seven, checkpointing, trained_without_checkpointing
+):
+    module = MicroPolicy(PLANS, checkpointing=checkpointing)
     callback = RouterReplayCallback(mode="r3")
     _, logger = fit(module, [copy.deepcopy(seven)], callback)
+    # recompute inside backward replayed each micro-batch's routes: the same updates
+    for name, value in trained_without_checkpointing.items():
+        torch.testing.assert_close(module.model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
     assert len(module.forwards) == 6
     assert [tuple(mb.input_ids.shape) for mb, _, _ in module.forwards][3:] == [(3, 7), (2, 9), (2, 6)]
     for mb, used, snapshot in module.forwards:
