@@ -215,6 +215,40 @@ def test_r2_records_per_micro_batch_and_replays_in_later_passes():
     assert not torch.equal(native.routes[real][:, LAYERS], last_used[real][:, LAYERS])
 
 
+def test_r2_old_policy_forward_inside_a_micro_batch_block_replays_for_the_rest_of_it():
+    class Inside(MicroPolicy):
+        def training_step(self, batch, batch_idx):
+            callback = RouterReplayCallback.find(self.trainer)
+            for mb in batch.split([3, 2, 2]):
+                with callback.micro_batch(mb) as layout:
+                    assert layout is None  # nothing recorded for these rows yet
+                    with callback.old_policy_forward(mb), torch.no_grad(), record_routes(self.model) as old:
+                        self(mb)
+                    self.model.model.layers[1].mlp.gate.weight.data.normal_()  # the policy moves
+                    with record_routes(self.model) as rec:
+                        self(mb)
+                self.forwards.append((mb, old.routes, rec.routes))
+            with callback.micro_batch(batch.select([6, 5, 4, 3, 2, 1, 0])) as layout:
+                assert layout is not None  # every row recorded: a re-cut replays them
+                with record_routes(self.model) as rec:
+                    self(batch.select([6, 5, 4, 3, 2, 1, 0]))
+            self.whole.append((batch, rec.routes))
+
+    batch = make_batch(13, [5, 9, 4, 7, 6, 8, 3], with_routes=False)
+    module = Inside([])
+    fit(module, [batch], RouterReplayCallback(mode="r2", strict=True))
+    for mb, old, used in module.forwards:
+        real = mb.attention_mask
+        assert torch.equal(used[real][:, LAYERS], old[real][:, LAYERS])
+    _, used = module.whole[0]
+    reversed_batch = batch.select([6, 5, 4, 3, 2, 1, 0])
+    for i, row in enumerate([6, 5, 4, 3, 2, 1, 0]):
+        n = int(batch.sequence_lengths[row])
+        assert torch.equal(
+            used[i, reversed_batch.width - n :, LAYERS], batch.routed_experts[row][:, LAYERS].int()
+        )
+
+
 def test_micro_batch_blocks_cannot_nest_or_overlap_or_run_outside_a_step(seven):
     errors = []
 
