@@ -81,15 +81,13 @@ from ..align.dummy import dummy_routes
 from ..align.layout import TokenMetadataLayout
 from ..packed import PackedTensor
 from ..ragged import to_device_async
-from .backend import RouterReplayBackend, agreement_hits
+from .backend import RouterReplayBackend
+from .replay_metrics import COUNT_KEYS, comparison_counts, stats_counts, step_metrics, sum_over_ranks
 
 Mode = Literal["r3", "r2", "off"]
 LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> layout
 _MODES = ("r3", "r2", "off")
 ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
-# rows of the per-layer count table [4, moe_layers]
-_COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
-_ROUTE_ROWS, _REPLAYED_ROWS, _NATIVE_HITS, _USED_HITS = range(4)
 
 
 def batch_field(batch: Any, name: str) -> Any:
@@ -368,7 +366,7 @@ class RouterReplayCallback(Callback):
                 self._missing_routes("no old_policy_forward(batch) in this training step recorded routes")
             if self.log_agreement and self.backend is not None:
                 self._close_comparison()
-                self._log(trainer, pl_module)
+                self._log(pl_module)
         finally:
             self._clear()
 
@@ -581,35 +579,15 @@ class RouterReplayCallback(Callback):
         except (RuntimeError, ValueError):
             # no forward, or forwards of token shapes that cannot be joined: nothing to compare
             return
-        token_shape = tuple(install.routes.shape[:-2])
-        lead, width = token_shape[:-1], token_shape[-1]
-        shape = tuple(used.shape[:-2])
-        if shape[:-1] != lead or width == 0 or shape[-1] % width:
-            return  # forwards of other shapes (a probe): not comparable
-        forwards = shape[-1] // width  # several forwards are joined along the last token axis
-        used = used.reshape(*lead, forwards, width, *used.shape[-2:]).movedim(len(lead), 0)
-        layers = self._layers_on(used.device)
-        routes = install.routes.to(used.device).index_select(-2, layers)  # [*token_shape, L_moe, K]
-        mask = install.mask.to(used.device)[..., None, None]
-        hits = (agreement_hits(routes, used.index_select(-2, layers)) & mask).sum(
-            dim=(*range(used.dim() - 2), -1)
-        )  # [L_moe] over all forwards
-        rows = mask.sum().expand(len(layers)) * forwards
-        table = torch.stack([rows, torch.zeros_like(rows), hits, hits])
-        self._add_counts(table)
+        table = comparison_counts(install.routes, install.mask, used, self._layers_on(used.device))
+        if table is not None:
+            self._add_counts(table)
 
     def _fold_backend_stats(self) -> None:
         assert self.backend is not None
-        stats = self.backend.routing_stats()
-        replayed = stats["replayed_rows"]
-        native = stats["agreeing_slots"]
-        used = stats.get("used_slots")
-        if used is None:  # a backend that replays exactly what it installed
-            used = replayed * self.backend.top_k
-        device = self._metric_device()
-        # host zeros when nothing was counted: staged, never a blocking copy
-        table = torch.stack([to_device_async(t, device).long() for t in (replayed, replayed, native, used)])
-        self._add_counts(table)
+        self._add_counts(
+            stats_counts(self.backend.routing_stats(), self.backend.top_k, self._metric_device())
+        )
 
     def routing_counts(self) -> dict[str, Tensor] | None:
         """This step's counts so far, int64 ``[len(backend.moe_layers)]`` each on device (no sync):
@@ -635,7 +613,7 @@ class RouterReplayCallback(Callback):
             counts = torch.zeros(
                 (4, len(self.backend.moe_layers)), dtype=torch.int64, device=self._metric_device()
             )
-        return dict(zip(_COUNT_KEYS, counts.unbind(0), strict=True))
+        return dict(zip(COUNT_KEYS, counts.unbind(0), strict=True))
 
     def _global_layers(self) -> tuple[int, ...]:
         """MoE layers any rank routes (pipeline stages differ), gathered once per fit."""
@@ -649,40 +627,27 @@ class RouterReplayCallback(Callback):
             self._logged_layers = tuple(sorted(layers))
         return self._logged_layers
 
-    def _log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _log(self, pl_module: pl.LightningModule) -> None:
         backend = self.backend
         assert backend is not None
         counts = self.routing_counts()
         device = self._metric_device()
-        layers_here = self._layers_on(device)
         # [4, num_layers] by absolute layer (pipeline stages hold different layers), then scalars
         table = torch.zeros((4, backend.num_layers), dtype=torch.int64, device=device)
         if counts is not None:
-            local = torch.stack([counts[k] for k in _COUNT_KEYS])
-            table.index_copy_(1, layers_here, local.to(device))
+            local = torch.stack([counts[k] for k in COUNT_KEYS])
+            table.index_copy_(1, self._layers_on(device), local.to(device))
         extra = torch.zeros(2, dtype=torch.int64, device=device)
         if self._native_loss_tokens is not None:
             extra[0] += self._native_loss_tokens.to(device)
         extra[1] += self.batches_without_routes
         vector = torch.cat([table.reshape(-1), extra])
         layers = self._global_layers()
-        if self.sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(vector)  # sums: exact ratios over all ranks; no host sync
-        table = vector[: table.numel()].reshape(table.shape).double()
+        if self.sync_dist:
+            vector = sum_over_ranks(vector)  # exact ratios over all ranks; no host sync
+        totals = vector[: table.numel()].reshape(table.shape).double()
         native_loss_tokens, missing = vector[table.numel() :].unbind(0)
-        top_k = backend.top_k
-        route_rows = table[_ROUTE_ROWS].sum()
-        metrics: dict[str, Tensor] = {
-            "replayed_fraction": torch.where(
-                route_rows > 0, table[_REPLAYED_ROWS].sum() / route_rows.clamp(min=1), 0.0
-            ),
-            "native_agreement": table[_NATIVE_HITS].sum() / (route_rows * top_k),
-            "used_agreement": table[_USED_HITS].sum() / (route_rows * top_k),
-        }
-        if self.log_per_layer:
-            per_layer = table[_NATIVE_HITS] / (table[_ROUTE_ROWS] * top_k)  # [num_layers]
-            for layer in layers:
-                metrics[f"native_agreement/layer_{layer:02d}"] = per_layer[layer]
+        metrics = step_metrics(totals, top_k=backend.top_k, layers=layers if self.log_per_layer else None)
         if self.mode != "off":
             metrics["native_loss_tokens"] = native_loss_tokens
             metrics["batches_without_routes"] = missing
