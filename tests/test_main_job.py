@@ -35,7 +35,9 @@ def test_main_job_learns_with_full_agreement_under_replay(tmp_path):
     assert summary["reward_start"] < 0.65
     assert summary["reward_end"] > summary["reward_start"] + 0.2, [r["reward"] for r in history]
     # every MoE layer (1..3; layer 0 is dense) of every step used exactly the engine's experts
-    assert {k for r in history for k in agreement_keys(r)} == {f"agreement/layer_{i:02d}" for i in (1, 2, 3)}
+    assert {k for r in history for k in agreement_keys(r)} == {
+        f"used_agreement/layer_{i:02d}" for i in (1, 2, 3)
+    }
     assert len(_agreements(history)) == 3 * cfg.steps and all(a == 1.0 for a in _agreements(history))
     # bf16 engine vs fp32 trainer on the same weights: small but nonzero mismatch
     assert all(0.0 < r["k3_kl"] < 1e-2 for r in history)
@@ -72,7 +74,7 @@ def test_replay_r2_records_in_the_old_policy_forward_and_replays_it(tmp_path):
     # every real token of both steps replayed the routes of the trainer's own old-policy forward
     assert len(logged) == 2
     assert all(float(r["router_replay/replayed_fraction"]) == 1.0 for r in logged)
-    assert all(float(r["router_replay/agreement"]) == 1.0 for r in logged)
+    assert all(float(r["router_replay/native_agreement"]) == 1.0 for r in logged)
 
 
 def test_external_engine_sglang_protocol(tmp_path):

@@ -325,7 +325,7 @@ def _epoch_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Flatten the epoch-aggregated logged metrics into CSV columns.
 
     ``train/<name>`` -> ``<name>``; the module's per-layer routing agreement keeps its
-    ``agreement/layer_XX`` name.
+    ``used_agreement/layer_XX`` name.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():

@@ -235,9 +235,12 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     callback_kwargs = dict(OmegaConf.to_container(_callback_settings(cfg), resolve=True) or {})  # type: ignore[arg-type]
     for key in ("_target_", "backend", "mode"):  # the backend is built here, the mode is replay.mode
         callback_kwargs.pop(key, None)
-    if mode == "off":
-        # the module measures the agreement itself by recording the training forward
-        callback_kwargs["log_agreement"] = False
+    replay_strict = cfg.replay.get("strict")
+    if replay_strict is not None:
+        callback_kwargs["strict"] = bool(replay_strict)
+    elif engine.url is not None and mode == "r3":
+        # an external engine that returns no routes is misconfigured: fail instead of training natively
+        callback_kwargs["strict"] = True
     try:
         replay_callback = RouterReplayCallback(backend=backend, mode=mode, **callback_kwargs)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
