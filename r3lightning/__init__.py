@@ -2,7 +2,8 @@
 
 The package follows the data flow of a route, from the rollout engine to the router:
 
-    rollout/  HTTP client, wire codec and an embedded rollout server
+    rollout/  HTTP client, wire codec, rollout collection over many engines and ranks, and an
+              embedded rollout server
     packed    PackedTensor: the ragged container every token-aligned field travels in
     routes    compact integer dtypes of expert ids, shared by every stage
     trace     routes accumulated across the turns of one trajectory
@@ -44,6 +45,14 @@ _EXPORTS: dict[str, str] = {
     "MalformedResponseError": ".rollout.errors",
     "RetriesExhaustedError": ".rollout.errors",
     "RolloutServer": ".rollout.server",
+    "RolloutCollector": ".rollout.collector",
+    "RolloutPrompt": ".rollout.collector",
+    "RolloutStats": ".rollout.collector",
+    "CollectedRollouts": ".rollout.collector",
+    "SamplingConfig": ".rollout.collector",
+    "EnginesUnavailableError": ".rollout.collector",
+    "sampling_seed": ".rollout.collector",
+    "text_reward": ".rollout.collector",
     "Trajectory": ".data.trajectory",
     "ReplayBuffer": ".data.buffer",
     "RolloutBatch": ".data.batch",
@@ -97,6 +106,16 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .replay.hf import HFRouterReplay, register_router
     from .replay.megatron import MegatronParallelism, MegatronRouterReplay, megatron_token_layout
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
+    from .rollout.collector import (
+        CollectedRollouts,
+        EnginesUnavailableError,
+        RolloutCollector,
+        RolloutPrompt,
+        RolloutStats,
+        SamplingConfig,
+        sampling_seed,
+        text_reward,
+    )
     from .rollout.errors import (
         GenerateRequestError,
         MalformedResponseError,

@@ -27,7 +27,9 @@ Rank ``r`` takes every ``world``-th index of the epoch's permutation, draws only
 trajectories and collates only its own batches, once per batch, in the DataLoader's
 ``collate_fn``. Shards are disjoint; with ``drop_last=False`` they are evened out with placeholder
 trajectories (zero loss), never with repeated samples, so every rank runs the same number of
-equally sized steps.
+equally sized steps. With ``shard=False`` each rank draws its whole buffer instead: for buffers
+that already hold only that rank's trajectories (filled per rank by ``RolloutCollector``, which
+gives every rank the same number of them).
 
 Resuming: a batch counts as consumed when it is moved to the device for a training step
 (``transfer_batch_to_device``), not when it is prefetched. (Iterating ``train_dataloader()`` by
@@ -180,6 +182,8 @@ class R3DataModule(pl.LightningDataModule):
             CPU target nothing is moved, so forcing ``True`` there only costs pool misses.
         drop_last: drop each rank's last incomplete batch (and the tail that does not divide
             evenly among ranks) instead of evening shards out with placeholders.
+        shard: split the buffer among the data-parallel ranks; ``False`` when every rank's
+            buffer already holds only its own trajectories (per-rank rollout collection).
         pad_token_id: id at ``input_ids`` padding positions and in placeholders.
         width_multiple: round each batch's padded width up to a multiple of this.
     """
@@ -196,6 +200,7 @@ class R3DataModule(pl.LightningDataModule):
         drop_last: bool = False,
         pad_token_id: int = 0,
         width_multiple: int = 1,
+        shard: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(buffer, ReplayBuffer):
@@ -209,7 +214,12 @@ class R3DataModule(pl.LightningDataModule):
         check_int("pad_token_id", pad_token_id, 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory)):
+        for name, flag in (
+            ("shuffle", shuffle),
+            ("drop_last", drop_last),
+            ("pin_memory", pin_memory),
+            ("shard", shard),
+        ):
             if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
                 expected = "a bool or None" if name == "pin_memory" else "a bool"
                 raise ValueError(f"{name} must be {expected}, got {flag!r}")
@@ -222,6 +232,7 @@ class R3DataModule(pl.LightningDataModule):
         self.drop_last = drop_last
         self.pad_token_id = pad_token_id
         self.width_multiple = width_multiple
+        self.shard = shard
         self._cursor = _Cursor()
         self._plan: _Plan | None = None  # the plan of the epoch in progress
         self._snapshot: tuple[Trajectory, ...] | None = None
@@ -246,7 +257,10 @@ class R3DataModule(pl.LightningDataModule):
         """Nothing to prepare: the buffer is filled by the caller, and read per dataloader."""
 
     def _data_parallel(self) -> tuple[int, int]:
-        """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``."""
+        """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``;
+        (1, 0) when the buffer is this rank's own (``shard=False``)."""
+        if not self.shard:
+            return 1, 0
         trainer = self.trainer
         if trainer is not None:
             kwargs = trainer.distributed_sampler_kwargs
