@@ -112,7 +112,9 @@ async def test_all_engines_down_is_one_clear_error():
             server.script.extend([Status(503, "down")] * 1000)
         with (
             pytest.warns(RuntimeWarning, match="is out for step 7"),
-            pytest.raises(EnginesUnavailableError, match=r"all 2 rollout engine\(s\) failed at step 7") as info,
+            pytest.raises(
+                EnginesUnavailableError, match=r"all 2 rollout engine\(s\) failed at step 7"
+            ) as info,
         ):
             await collect([a.url, b.url], PROMPTS, 7)
     assert set(info.value.errors) == {a.url, b.url}
@@ -169,7 +171,7 @@ def test_text_reward_calls_a_verl_style_compute_score():
 def test_group_assignment_partitions_the_step_evenly():
     blocks = [RolloutCollector.assigned_groups(12, r, 4) for r in range(4)]
     assert [list(b) for b in blocks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
-    with pytest.raises(ValueError, match="6 prompts .* must divide evenly among 4 ranks"):
+    with pytest.raises(ValueError, match=r"6 prompts .* must divide evenly among 4 ranks"):
         RolloutCollector.assigned_groups(6, 0, 4)
 
 
@@ -296,7 +298,9 @@ def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
         rewards.append(t.reward)
     grouped = np.array(rewards).reshape(2, 4)
     advantages = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + 1e-6)
-    assert [t.advantage for t in first.trajectories] == pytest.approx(advantages.reshape(-1).tolist(), abs=1e-5)
+    assert [t.advantage for t in first.trajectories] == pytest.approx(
+        advantages.reshape(-1).tolist(), abs=1e-5
+    )
     assert len({tuple(t.response_ids.tolist()) for t in first.trajectories}) > 2  # distinct seeds
     assert first.stats.reward_mean == pytest.approx(np.mean(rewards))
     assert [t.response_ids.tolist() for t in again.trajectories] == [
