@@ -132,12 +132,13 @@ def run_steps(rank: int, url: str, arm: str, args: dict, root_only) -> dict:
             payload = [None]
             if rank == 0:
                 payload = [collector.collect(prompts, step=step).trajectories]
+            dist.barrier()  # the broadcast phase starts when rank 0 has everything
             collected = time.perf_counter()
             dist.broadcast_object_list(payload, src=0)  # pickled, sent, unpickled on every rank
             buffer.extend(payload[0])
             del payload
             send = torch.tensor([time.perf_counter() - collected], dtype=torch.float64)
-            dist.all_reduce(send, dist.ReduceOp.MAX)  # rank 0's send ends before the last receive
+            dist.all_reduce(send, dist.ReduceOp.MAX)  # until the last rank's buffer is full
         else:
             collector.collect(prompts, step=step, buffer=buffer)
         elapsed = time.perf_counter() - start
@@ -278,11 +279,20 @@ def main() -> None:
                     f"{max(held) / global_bytes * w:.3f}",
                     f"{max(r['rss_growth'] for r in ranks) / _common.MiB:.0f}",
                     _common.ms(max(r["step_s"] for r in ranks)),
+                    _common.ms(ranks[0]["send_s"]) if arm == "broadcast" else "",
                 ]
             )
     _common.print_table(
         "Per rank, measured",
-        ["arm", "ranks", "route MiB held (max rank)", "x global/ranks", "peak RSS growth MiB", "step ms"],
+        [
+            "arm",
+            "ranks",
+            "route MiB held (max rank)",
+            "x global/ranks",
+            "peak RSS growth MiB (max rank)",
+            "step ms",
+            "of which broadcast ms",
+        ],
         table,
     )
 
