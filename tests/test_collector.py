@@ -310,3 +310,23 @@ def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
         assert torch.equal(a.routed_experts, b.routed_experts)
         assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
     assert all(t.routed_experts is None for t in no_routes.trajectories)
+
+
+@pytest.mark.slow
+def test_readme_loop_snippet_runs_as_written(capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = readme.split("\n## Collecting rollouts in your own loop\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    buffer, rollouts = scope["buffer"], scope["rollouts"]
+    assert len(buffer) == 32 and rollouts.groups == list(range(8))
+    for t in buffer:
+        assert t.routed_experts.shape == (t.prompt_length + t.response_length - 1, 4, 2)
+        hits = sum(x % 2 == (t.prompt_ids[-1].item() - 8) % 2 for x in t.response_ids.tolist())
+        assert t.reward == hits / t.response_length
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed] == ["0", "1"]
