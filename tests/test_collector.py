@@ -211,9 +211,17 @@ def _rank_worker(rank: int, port: int, url: str, world: int, out: dict) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
+        from r3lightning import R3DataModule
+
         prompts = [[i + 1] * (i % 3 + 1) for i in range(4)]
-        rollouts = make(url, seed=5).collect(prompts, step=2)
+        buffer = ReplayBuffer()
+        rollouts = make(url, seed=5).collect(prompts, step=2, buffer=buffer)
         mine = [(t.prompt_ids.tolist(), t.response_ids.tolist()) for t in rollouts.trajectories]
+        # the data module draws this rank's whole buffer with shard=False, half of it by default
+        drawn = {}
+        for shard in (False, True):
+            datamodule = R3DataModule(buffer, batch_size=8, shuffle=False, collate_threads=1, shard=shard)
+            drawn[shard] = [int((b.loss_mask.sum(1) > 0).sum()) for b in datamodule.train_dataloader()]
 
         def failing(prompt: RolloutPrompt, response: list[int]) -> float:
             if rank == 1:
@@ -225,7 +233,7 @@ def _rank_worker(rank: int, port: int, url: str, world: int, out: dict) -> None:
             failure = None
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        out[rank] = (rollouts.groups, mine, rollouts.stats.as_dict(), failure)
+        out[rank] = (rollouts.groups, mine, rollouts.stats.as_dict(), failure, drawn)
     finally:
         dist.destroy_process_group()
 
@@ -246,7 +254,8 @@ def test_two_ranks_collect_disjoint_groups_and_share_only_statistics():
         thread.join(10)
     prompts = [[i + 1] * (i % 3 + 1) for i in range(4)]
     for rank, groups in ((0, [0, 1]), (1, [2, 3])):
-        got_groups, mine, stats, _ = result[rank]
+        got_groups, mine, stats, _, drawn = result[rank]
+        assert drawn == {False: [4], True: [2]}
         assert got_groups == groups
         assert mine == [(prompts[g], expected(prompts[g])[0]) for g in groups for _ in range(2)]
         rewards = [sum(prompts[g]) % 3 for g in range(4) for _ in range(2)]

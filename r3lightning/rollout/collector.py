@@ -256,11 +256,9 @@ class RolloutCollector:
     ) -> None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
             raise ValueError(f"group_size must be an integer >= 2 (GRPO groups), got {group_size!r}")
-        for name, value in (("max_in_flight", max_in_flight), ("reward_threads", reward_threads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "max_in_flight"):
-                raise ValueError(
-                    f"{name} must be an integer >= {int(name == 'max_in_flight')}, got {value!r}"
-                )
+        for name, value, low in (("max_in_flight", max_in_flight, 1), ("reward_threads", reward_threads, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
         if request_routes and (num_layers is None or top_k is None):
@@ -367,6 +365,8 @@ class RolloutCollector:
         :class:`RolloutPrompt`); group ``g`` is ``group_size`` samples of ``prompts[g]``. A
         failure on any rank raises on every rank (after the statistics' all-reduce).
         """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
         rank, world = self._ranks()
         mine = self.assigned_groups(len(items), rank, world)
