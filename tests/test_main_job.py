@@ -36,8 +36,12 @@ def test_main_job_learns_with_full_agreement_under_replay(tmp_path):
     # every MoE layer (1..3; layer 0 is dense) of every step used exactly the engine's experts
     assert {k for r in history for k in agreement_keys(r)} == {f"agreement/layer_{i:02d}" for i in (1, 2, 3)}
     assert len(_agreements(history)) == 3 * cfg.steps and all(a == 1.0 for a in _agreements(history))
-    # bf16 engine vs fp32 trainer on the same weights: small but nonzero mismatch
-    assert all(0.0 < r["k3_kl"] < 1e-2 for r in history)
+    # bf16 engine vs fp32 trainer on the same weights: small but nonzero mismatch (heavy-tailed
+    # over steps: a sharpened policy's rare sampled tokens weigh in, so the median is bounded
+    # tightly and the worst step loosely)
+    k3 = sorted(r["k3_kl"] for r in history)
+    assert k3[0] > 0.0 and k3[len(k3) // 2] < 1e-3 and k3[-1] < 5e-2
+    assert history[0]["k3_kl"] < 1e-3
     assert all(r["ratio_out_of_band"] < 0.01 for r in history)
     # outputs in the run directory
     assert read_csv(tmp_path / "replay_r3" / "metrics.csv") == history  # repr round-trips floats
