@@ -339,3 +339,49 @@ def test_readme_loop_snippet_runs_as_written(capsys):
         assert t.reward == hits / t.response_length
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in printed] == ["0", "1"]
+
+
+# ---------------------------------------------------------------------------- the job's engines
+
+
+async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
+    from aiohttp import web
+    from safetensors.torch import load
+
+    from r3lightning.job.common import JobError
+    from r3lightning.job.engine import embedded_server
+    from r3lightning.job.main import compose_config
+    from r3lightning.job.setup import check_config
+
+    received: dict[int, dict] = {}
+
+    def app(index: int) -> web.Application:
+        async def update(request: web.Request) -> web.Response:
+            received[index] = load(await request.read())
+            return web.json_response({"ok": True})
+
+        application = web.Application(client_max_size=1 << 24)
+        application.router.add_post("/update_weights", update)
+        return application
+
+    runners = [web.AppRunner(app(i)) for i in range(2)]
+    urls = []
+    for runner in runners:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        cfg = compose_config([f"rollout.url=[{urls[0]}/,{urls[1]}]", "rollout=skyrl"])
+        check_config(cfg)
+        with embedded_server(cfg) as engine:
+            assert engine.urls == urls and engine.gather
+            state = {"w": torch.arange(6.0).reshape(2, 3)}
+            await asyncio.to_thread(engine.push, state)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    for index in range(2):
+        assert received[index]["w"].dtype == torch.bfloat16
+        assert torch.equal(received[index]["w"], state["w"].to(torch.bfloat16))
+    with pytest.raises(JobError, match=r"rollout.url must be null .* or a list of them, got .*ftp://b"):
+        check_config(compose_config(["rollout.url=[http://a:1,ftp://b]"]))
