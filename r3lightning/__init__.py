@@ -46,13 +46,13 @@ _EXPORTS: dict[str, str] = {
     "RetriesExhaustedError": ".rollout.errors",
     "RolloutServer": ".rollout.server",
     "RolloutCollector": ".rollout.collector",
-    "RolloutPrompt": ".rollout.collector",
-    "RolloutStats": ".rollout.collector",
     "CollectedRollouts": ".rollout.collector",
-    "SamplingConfig": ".rollout.collector",
     "EnginesUnavailableError": ".rollout.collector",
-    "sampling_seed": ".rollout.collector",
-    "text_reward": ".rollout.collector",
+    "RolloutPrompt": ".rollout.prompts",
+    "SamplingConfig": ".rollout.prompts",
+    "sampling_seed": ".rollout.prompts",
+    "text_reward": ".rollout.prompts",
+    "RolloutStats": ".rollout.stats",
     "Trajectory": ".data.trajectory",
     "ReplayBuffer": ".data.buffer",
     "RolloutBatch": ".data.batch",
@@ -106,16 +106,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .replay.hf import HFRouterReplay, register_router
     from .replay.megatron import MegatronParallelism, MegatronRouterReplay, megatron_token_layout
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
-    from .rollout.collector import (
-        CollectedRollouts,
-        EnginesUnavailableError,
-        RolloutCollector,
-        RolloutPrompt,
-        RolloutStats,
-        SamplingConfig,
-        sampling_seed,
-        text_reward,
-    )
+    from .rollout.collector import CollectedRollouts, EnginesUnavailableError, RolloutCollector
     from .rollout.errors import (
         GenerateRequestError,
         MalformedResponseError,
@@ -123,7 +114,9 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
         RetriesExhaustedError,
         RetryableGenerateError,
     )
+    from .rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed, text_reward
     from .rollout.server import RolloutServer
+    from .rollout.stats import RolloutStats
     from .rollout.wire import decode_routes, encode_routes
     from .routes import compact_route_dtype
     from .trace import RoutedExpertTrace, TokenMetadataTrace

@@ -264,7 +264,7 @@ def test_two_ranks_collect_disjoint_groups_and_share_only_statistics():
     assert result[0][2] == result[1][2]  # all-reduced: the same statistics on every rank
     # a failure on one rank raises on every rank, not a hang in the all-reduce
     assert result[1][3] == "KeyError: 'verifier crashed'"
-    assert result[0][3].startswith("_CollectionFailedElsewhere: rollout collection failed on 1 other rank")
+    assert result[0][3].startswith("OtherRankFailedError: rollout collection failed on 1 other rank")
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from ..rollout.client_protocol import RouteSchema
-from ..rollout.collector import RolloutCollector, RolloutPrompt, SamplingConfig, sampling_seed
+from ..rollout.collector import RolloutCollector
+from ..rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
 from .common import JobError
 from .report import AGREEMENT_PREFIX, write_csv
 from .task import TokenClassTask

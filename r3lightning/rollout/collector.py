@@ -11,7 +11,7 @@ Many ranks: every rank passes the step's *global* prompt list and collects only 
 groups it will train on (:meth:`RolloutCollector.assigned_groups`: a contiguous block of
 ``num_groups / world_size`` groups), so routes never cross ranks; only a few scalar statistics
 are all-reduced. Which group goes to which rank and every sampling seed
-(:func:`sampling_seed`) are pure functions of ``(seed, step, group index, sample index)``: a run
+(:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step, group index, sample index)``: a run
 samples the same trajectories on 1, 2 or 4 ranks and whatever the request timing.
 
 Several engines: group ``g`` goes to the ``g % n``-th of the ``n`` engines still up (all samples
@@ -24,23 +24,20 @@ are bugs, not outages, and fail the step at once. An SGLang router is one URL li
 Scoring: ``reward_fn(prompt, response_ids)`` -> a float, or a mapping with a ``"score"`` entry
 (what verl's ``compute_score`` may return); a coroutine function is awaited. With
 ``reward_threads > 0`` a plain function runs in a thread pool of that size, so slow rewards
-(a verifier, a sandbox) overlap with generation; :func:`text_reward` adapts a verl-style
+(a verifier, a sandbox) overlap with generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``. The per-prompt
-metadata those need travels in :class:`RolloutPrompt`.
+metadata those need travels in :class:`~r3lightning.rollout.prompts.RolloutPrompt`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
-import math
-import struct
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,105 +46,13 @@ from ..data.trajectory import Trajectory
 from ..trace import RoutedExpertTrace
 from .client import RemoteGenerateClient, RemoteGenerateResult
 from .errors import RemoteGenerateError, RetriesExhaustedError
+from .prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
+from .stats import RolloutStats, StepCounters, reduce_step_stats
 
 if TYPE_CHECKING:
     from ..data.buffer import ReplayBuffer
 
-__all__ = [
-    "CollectedRollouts",
-    "EnginesUnavailableError",
-    "RolloutCollector",
-    "RolloutPrompt",
-    "RolloutStats",
-    "SamplingConfig",
-    "sampling_seed",
-    "text_reward",
-]
-
-_MAX_SEED = 2**31 - 1  # what every engine accepts as a sampling seed
-
-
-def sampling_seed(seed: int, step: int, group: int, sample: int = 0) -> int:
-    """The sampling seed of sample ``sample`` of group ``group`` at RL step ``step``, in
-    ``[0, 2**31 - 1)``: a hash, so seeds of different steps or groups never collide in a pattern."""
-    digest = hashlib.blake2b(struct.pack("<4q", seed, step, group, sample), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % _MAX_SEED
-
-
-@dataclass
-class RolloutPrompt:
-    """One prompt and the metadata its reward needs (verl's dataset fields).
-
-    ``token_ids``: the prompt as token ids; ``data_source``, ``ground_truth``, ``extra_info``:
-    passed through to the reward untouched.
-    """
-
-    token_ids: list[int]
-    data_source: str | None = None
-    ground_truth: Any = None
-    extra_info: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        ids = self.token_ids.tolist() if hasattr(self.token_ids, "tolist") else list(self.token_ids)
-        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError(
-                f"RolloutPrompt.token_ids must be a non-empty sequence of token ids >= 0, got {ids!r:.80}"
-            )
-        self.token_ids = ids
-
-
-@dataclass
-class SamplingConfig:
-    """Sampling settings of every request; ``extra`` is merged into the wire parameters as is."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 256
-    ignore_eos: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
-        """The request's ``sampling_params`` in ``protocol``'s field names."""
-        params: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "ignore_eos": self.ignore_eos,
-        }
-        if protocol == "sglang":
-            params.update(max_new_tokens=self.max_new_tokens, sampling_seed=seed)
-        else:
-            params.update(max_tokens=self.max_new_tokens, seed=seed)
-        params.update(self.extra)
-        return params
-
-
-@dataclass
-class RolloutStats:
-    """One step's statistics over *all* ranks (sums all-reduced; ``engines_out`` and
-    ``rollout_s`` are the largest of any rank).
-
-    ``attempts``: HTTP attempts, first tries and retries; ``engine_errors``: requests that
-    exhausted an engine's retries and went to another engine; ``engines_out``: engines taken out
-    of the step.
-    """
-
-    step: int
-    groups: int
-    trajectories: int
-    reward_mean: float
-    reward_std: float  # unbiased, over every trajectory of the step
-    response_length_mean: float
-    response_length_max: int
-    requests: int
-    attempts: int
-    engine_errors: int
-    engines_out: int
-    rollout_s: float
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+__all__ = ["CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
 
 
 @dataclass
@@ -170,43 +75,6 @@ class EnginesUnavailableError(RemoteGenerateError):
         detail = "; ".join(f"{url}: {err}" for url, err in errors.items())
         super().__init__(f"all {len(errors)} rollout engine(s) failed at step {step}: {detail}")
         self.errors = dict(errors)
-
-
-class _CollectionFailedElsewhere(RuntimeError):
-    pass
-
-
-RewardFn = Callable[[RolloutPrompt, list[int]], "float | Mapping[str, Any] | Awaitable[Any]"]
-
-
-def text_reward(
-    compute_score: Callable[..., Any], decode: Callable[[list[int]], str]
-) -> Callable[[RolloutPrompt, list[int]], Any]:
-    """A ``reward_fn`` from a verl-style ``compute_score(data_source, solution_str, ground_truth,
-    extra_info=None)``: the response is decoded with ``decode`` (e.g. a tokenizer's ``decode``)."""
-
-    def reward(prompt: RolloutPrompt, response_ids: list[int]) -> Any:
-        return compute_score(
-            prompt.data_source, decode(response_ids), prompt.ground_truth, extra_info=prompt.extra_info
-        )
-
-    return reward
-
-
-def _score_value(value: Any, where: str) -> float:
-    if isinstance(value, Mapping):
-        if "score" not in value:
-            raise ValueError(
-                f"reward_fn returned a mapping without a 'score' entry for {where}: {value!r:.120}"
-            )
-        value = value["score"]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(
-            f"reward_fn must return a finite number (or {{'score': number}}) for {where}, got {value!r}"
-        )
-    return float(value)
 
 
 class RolloutCollector:
@@ -371,7 +239,7 @@ class RolloutCollector:
         rank, world = self._ranks()
         mine = self.assigned_groups(len(items), rank, world)
         start = time.perf_counter()
-        counters = _Counters()
+        counters = StepCounters()
         error: BaseException | None = None
         trajectories: list[Trajectory] = []
         try:
@@ -380,7 +248,16 @@ class RolloutCollector:
             if world == 1:
                 raise
             error = exc
-        stats = self._reduce(step, len(items), trajectories, counters, time.perf_counter() - start, error)
+        stats = reduce_step_stats(
+            step,
+            len(items),
+            trajectories,
+            counters,
+            time.perf_counter() - start,
+            error is not None,
+            world_size=world,
+            group=self.process_group,
+        )
         if error is not None:
             raise error
         if buffer is not None:
@@ -388,7 +265,7 @@ class RolloutCollector:
         return CollectedRollouts(trajectories, list(mine), stats)
 
     async def _collect_groups(
-        self, prompts: list[RolloutPrompt], groups: range, step: int, counters: _Counters, show: bool
+        self, prompts: list[RolloutPrompt], groups: range, step: int, counters: StepCounters, show: bool
     ) -> list[Trajectory]:
         slots = asyncio.Semaphore(self.max_in_flight)
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
@@ -427,7 +304,7 @@ class RolloutCollector:
                 counters.attempts += result.attempts
                 bar.update(1)
                 where = f"group {group} sample {index} of step {step}"
-                return result, _score_value(await self._score(prompt, result.response_ids), where)
+                return result, score_value(await self._score(prompt, result.response_ids), where)
 
         jobs = [asyncio.ensure_future(sample(g, j)) for g in groups for j in range(self.group_size)]
         try:
@@ -487,63 +364,6 @@ class RolloutCollector:
 
     # ------------------------------------------------------------------ statistics
 
-    def _reduce(
-        self,
-        step: int,
-        num_groups: int,
-        trajectories: list[Trajectory],
-        counters: _Counters,
-        seconds: float,
-        error: BaseException | None,
-    ) -> RolloutStats:
-        """All-reduce the step's scalar sums (one SUM and one MAX of a few float64s)."""
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
-        lengths = [t.response_length for t in trajectories]
-        sums = torch.tensor(
-            [
-                len(trajectories),
-                float(rewards.sum()),
-                float((rewards * rewards).sum()),
-                sum(lengths),
-                counters.requests,
-                counters.attempts,
-                counters.engine_errors,
-                error is not None,
-            ],
-            dtype=torch.float64,
-        )
-        maxima = torch.tensor([counters.engines_out, seconds, max(lengths, default=0)], dtype=torch.float64)
-        _, world = self._ranks()
-        if world > 1:
-            import torch.distributed as dist
-
-            device = _collective_device(self.process_group)
-            sums, maxima = sums.to(device), maxima.to(device)
-            dist.all_reduce(sums, dist.ReduceOp.SUM, group=self.process_group)
-            dist.all_reduce(maxima, dist.ReduceOp.MAX, group=self.process_group)
-            sums, maxima = sums.cpu(), maxima.cpu()
-        count, reward_sum, reward_sq, length_sum, requests, attempts, engine_errors, failed = sums.tolist()
-        if failed and error is None:
-            raise _CollectionFailedElsewhere(
-                f"rollout collection failed on {int(failed)} other rank(s) at step {step}; see their errors"
-            )
-        mean = reward_sum / count if count else 0.0
-        var = (reward_sq - count * mean * mean) / (count - 1) if count > 1 else 0.0
-        return RolloutStats(
-            step=step,
-            groups=num_groups,
-            trajectories=int(count),
-            reward_mean=mean,
-            reward_std=math.sqrt(max(var, 0.0)),
-            response_length_mean=length_sum / count if count else 0.0,
-            response_length_max=int(maxima[2]),
-            requests=int(requests),
-            attempts=int(attempts),
-            engine_errors=int(engine_errors),
-            engines_out=int(maxima[0]),
-            rollout_s=float(maxima[1]),
-        )
-
     # ------------------------------------------------------------------ engines and lifecycle
 
     async def check_engines_async(self) -> dict[str, bool]:
@@ -585,23 +405,6 @@ class RolloutCollector:
     def __repr__(self) -> str:
         urls = [c.base_url for c in self.clients]
         return f"RolloutCollector({urls}, group_size={self.group_size}, seed={self.seed})"
-
-
-@dataclass
-class _Counters:
-    requests: int = 0
-    attempts: int = 0
-    engine_errors: int = 0
-    engines_out: int = 0
-
-
-def _collective_device(group: Any) -> torch.device:
-    """Where a collective's tensor must live: the current GPU for NCCL, else the host."""
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):
