@@ -100,14 +100,22 @@ def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
 # ---------------------------------------------------------------------------- model
 
 
-def build_model(model_cfg: DictConfig) -> torch.nn.Module:
-    """The policy in fp32: the tiny MoE (``family`` + ``overrides``) or a checkpoint (``path``)."""
+def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Module:
+    """The policy in fp32: the tiny MoE (``family`` + ``overrides``) or a checkpoint (``path``).
+
+    ``trainer=True`` with ``sharded_weights`` set: the checkpoint's model with parameters on the
+    meta device, for FSDP2 ranks that read only their shards (an embedded engine needs weights)."""
     if model_cfg.path is not None:
         from transformers import AutoModelForCausalLM
 
         path = Path(str(model_cfg.path)).expanduser()
         if not path.exists():
             raise JobError(f"model.path does not exist: {path}")
+        if trainer and model_cfg.get("sharded_weights") is not None:
+            from ..models.sharded import meta_model
+
+            # parameters on the meta device: each FSDP2 rank reads only its shards after sharding
+            return meta_model(path)
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     from ..models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 
@@ -155,7 +163,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, trainer=True)
     mode = str(cfg.replay.mode)
     backend = HFRouterReplay.for_model(model)
     schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts)
@@ -209,7 +217,14 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         normalize_std=grpo.normalize_std,
         metrics_path=out_dir / "metrics.csv",
     )
-    module = GRPOModule(model, grpo, optim, recompute_old_logprobs=mode == "r2")
+    sharded_weights = cfg.model.get("sharded_weights")
+    module = GRPOModule(
+        model,
+        grpo,
+        optim,
+        recompute_old_logprobs=mode == "r2",
+        sharded_weights=None if sharded_weights is None else str(sharded_weights),
+    )
     checkpoint = ModelCheckpoint(
         dirpath=out_dir / "checkpoints",
         filename="last",
