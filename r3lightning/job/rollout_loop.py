@@ -77,10 +77,10 @@ class OnPolicyLoop(pl.Callback):
     ``make_collector(urls)``: builds the collector once the engine URLs are known on every rank
     (at fit start; the embedded engine's URL comes from rank 0). ``prompts(step)``: the step's
     global prompt list. ``buffer``: this rank's ``ReplayBuffer`` (refilled each step).
-    ``gather_weights``: gather the full state dict each step (a collective under FSDP2, so the
-    same on every rank); ``sync_weights`` then pushes it to the engine (rank 0; ``None``
-    elsewhere or when the deployment syncs weights itself). ``metrics_path``: CSV rewritten
-    after every step (rank 0).
+    ``engine``: its URLs and weight sync: every rank joins the full-state-dict gather when
+    ``engine.gather`` (a collective under FSDP2), rank 0 pushes it with ``engine.push``, and
+    every rank waits at a barrier for that push before collecting. ``metrics_path``: CSV
+    rewritten after every step (rank 0).
     """
 
     def __init__(
