@@ -106,6 +106,22 @@ async def test_an_engine_answering_500_is_out_for_the_step_and_its_groups_go_to_
     assert later.stats.engine_errors == 0
 
 
+async def test_only_the_groups_of_an_engine_that_is_out_move():
+    prompts = [[20 + g] for g in range(6)]
+    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as bad, FaultServer(**SCHEMA) as c:
+        bad.script.extend([Status(502, "gone")] * 1000)
+        with pytest.warns(RuntimeWarning, match="is out for step 0"):
+            rollouts = await collect([a.url, bad.url, c.url], prompts, 0, max_in_flight=1)
+    served = {
+        name: sorted(body["token_ids"][0] - 20 for _, body, _ in server.requests)
+        for name, server in (("a", a), ("c", c))
+    }
+    # groups 0, 3 stay on a and 2, 5 on c; of the failed engine's groups 1 and 4, the (g % 2)-th
+    # engine still up takes each: 1 -> c, 4 -> a
+    assert served == {"a": [0, 0, 3, 3, 4, 4], "c": [1, 1, 2, 2, 5, 5]}
+    assert len(rollouts.trajectories) == 12 and rollouts.stats.engines_out == 1
+
+
 async def test_all_engines_down_is_one_clear_error():
     async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as b:
         for server in (a, b):

@@ -14,8 +14,9 @@ are all-reduced. Which group goes to which rank and every sampling seed
 (:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step, group index, sample index)``: a run
 samples the same trajectories on 1, 2 or 4 ranks and whatever the request timing.
 
-Several engines: group ``g`` goes to the ``g % n``-th of the ``n`` engines still up (all samples
-of a group on one engine, which shares their prompt's KV cache). An engine whose request
+Several engines: group ``g`` goes to engine ``g % n`` of the ``n`` engines (all samples of a
+group on one engine, which shares their prompt's KV cache) or, while that one is out, to the
+``g % m``-th of the ``m`` still up; groups of healthy engines never move. An engine whose request
 exhausts its retries (:class:`~r3lightning.rollout.errors.RetriesExhaustedError`) is out for the
 rest of the step and that request, like every later one, goes to the others; with every engine
 out the step fails with :class:`EnginesUnavailableError`. Other errors (a 4xx, a malformed body)
@@ -276,10 +277,14 @@ class RolloutCollector:
             seed = sampling_seed(self.seed, step, group, index)
             while True:
                 async with slots:
-                    up = [e for e in range(len(self.clients)) if e not in out]
-                    if not up:
-                        raise EnginesUnavailableError(step, {self.clients[e].base_url: out[e] for e in out})
-                    engine = up[group % len(up)]
+                    engine = group % len(self.clients)
+                    if engine in out:  # only the groups of an engine that is out move
+                        up = [e for e in range(len(self.clients)) if e not in out]
+                        if not up:
+                            raise EnginesUnavailableError(
+                                step, {self.clients[e].base_url: out[e] for e in out}
+                            )
+                        engine = up[group % len(up)]
                     client = self.clients[engine]
                     counters.requests += 1
                     try:
