@@ -184,8 +184,8 @@ class OnPolicyLoop(pl.Callback):
         urls = self.engine.urls
         if trainer.world_size > 1:
             urls = trainer.strategy.broadcast(urls, src=0)  # a few short strings, once per fit
-            if trainer.num_nodes > 1 and self.engine.urls is None and any("://127." in u for u in urls):
-                raise ValueError(
+            if trainer.num_nodes > 1 and self.engine.urls is None and _is_loopback(urls[0]):
+                raise JobError(
                     f"the embedded engine listens on loopback ({urls[0]}), which other nodes cannot "
                     "reach: set rollout.server.host to this node's address, or rollout.url"
                 )
@@ -258,6 +258,17 @@ def on_policy_loop(
                 f"{float(rollout.request_timeout_s):g}s); check rollout.url or start the engine"
             )
     return OnPolicyLoop(make_collector, prompts, buffer, engine=engine, metrics_path=metrics_path)
+
+
+def _is_loopback(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _plain_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
