@@ -33,6 +33,12 @@ CASES = {
         "target: per-rank route bytes = global / 2 within 5%: met",
         "### Projection: 8 trajectories of 32k tokens per rank",
     ],
+    "bench_server.py": [
+        "### /health while 4 generate bodies of 4.0 MiB arrive",
+        "| decode on the event loop",
+        "| RolloutServer, decoder thread",
+        "| RolloutServer, default cap",
+    ],
     "bench_collate.py": [
         "### U[max/16, max] typical RL",
         "| packed pool",

@@ -22,7 +22,8 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # shipped inside the pa
 
 
 _MODES = ("r3", "r2", "off")
-_PROTOCOLS = ("skyrl", "sglang")
+_PROTOCOLS = ("skyrl", "vllm", "sglang", "openai")
+_EMBEDDED_PROTOCOLS = ("skyrl", "sglang")  # what the embedded engine speaks
 
 # ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
 OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace=True)
@@ -52,6 +53,11 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.rollout.protocol not in _PROTOCOLS:
         raise JobError(f"rollout.protocol must be one of {list(_PROTOCOLS)}, got {cfg.rollout.protocol!r}")
     url = cfg.rollout.url
+    if url is None and cfg.rollout.protocol not in _EMBEDDED_PROTOCOLS:
+        raise JobError(
+            f"rollout.protocol={cfg.rollout.protocol} needs rollout.url (the engine's http://host:port); "
+            f"the embedded engine speaks {list(_EMBEDDED_PROTOCOLS)}"
+        )
     if url is None and cfg.rollout.get("require_url", False):
         raise JobError("rollout.url must be set to the engine's http://host:port (rollout.require_url=true)")
     urls = list(url) if isinstance(url, ListConfig) else [url]

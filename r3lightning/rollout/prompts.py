@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .client_protocol import engine_sampling_params
+
 __all__ = ["RewardFn", "RolloutPrompt", "SamplingConfig", "sampling_seed", "score_value", "text_reward"]
 
 _MAX_SEED = 2**31 - 1  # what every engine accepts as a sampling seed
@@ -55,27 +57,30 @@ class RolloutPrompt:
 
 @dataclass
 class SamplingConfig:
-    """Sampling settings of every request; ``extra`` is merged into the wire parameters as is."""
+    """Sampling settings of every request, spelled per protocol by
+    :func:`~r3lightning.rollout.client_protocol.engine_sampling_params`; ``extra`` is merged into
+    the wire parameters as is."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 256
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None  # e.g. the tokenizer's end-of-turn ids
     extra: dict[str, Any] = field(default_factory=dict)
 
     def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
         """The request's ``sampling_params`` in ``protocol``'s field names."""
-        params: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "ignore_eos": self.ignore_eos,
-        }
-        if protocol == "sglang":
-            params.update(max_new_tokens=self.max_new_tokens, sampling_seed=seed)
-        else:
-            params.update(max_tokens=self.max_new_tokens, seed=seed)
+        params = engine_sampling_params(
+            protocol,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
         params.update(self.extra)
         return params
 
