@@ -210,7 +210,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     replay_strict = cfg.replay.get("strict")
     if replay_strict is not None:
         callback_kwargs["strict"] = bool(replay_strict)
-    elif engine.url is not None and mode == "r3":
+    elif cfg.rollout.url is not None and mode == "r3":
         # an external engine that returns no routes is misconfigured: fail instead of training natively
         callback_kwargs["strict"] = True
     try:
