@@ -166,7 +166,7 @@ async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
     source.mkdir()
     (source / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     target = tmp_path / "shared"
-    push = _sglang_disk_push(url, None, 10.0, target, str(source))
+    push = _sglang_disk_push([url], None, 10.0, target, str(source))
     state = {"lm_head.weight": torch.randn(3, 2), "model.norm.weight": torch.arange(4.0)}
     try:
         await asyncio.to_thread(push, state)
@@ -191,7 +191,7 @@ def test_external_engine_weight_sync_follows_the_protocol(tmp_path, monkeypatch)
     url = ["rollout.url=http://10.0.0.1:30000/"]
     sglang = [*url, "rollout.protocol=sglang"]
     with embedded_server(compose_config([*url, "rollout=skyrl"])) as engine:
-        assert engine.url == "http://10.0.0.1:30000" and engine.push is not None and engine.gather
+        assert engine.urls == ["http://10.0.0.1:30000"] and engine.push is not None and engine.gather
     with embedded_server(compose_config([*sglang, f"rollout.weight_sync_dir={tmp_path}"])) as engine:
         assert engine.push is not None and engine.gather
     with (
@@ -205,4 +205,4 @@ def test_external_engine_weight_sync_follows_the_protocol(tmp_path, monkeypatch)
     with embedded_server(compose_config([*url, "rollout=skyrl"])) as engine:
         assert engine.push is None and engine.gather
     with embedded_server(compose_config([])) as engine:  # the embedded server runs on rank 0 only
-        assert engine.url is None and engine.push is None and engine.gather
+        assert engine.urls is None and engine.push is None and engine.gather

@@ -1,7 +1,7 @@
 """Run outputs: per-step metrics CSV, the final summary table, and the PNG plot.
 
 A run's history is a list of flat ``{metric: float}`` records, one per RL step. Per-layer
-routing agreement is stored as ``agreement/layer_<i>`` columns, the GRPO module's paired
+routing agreement is stored as ``used_agreement/layer_<i>`` columns, the GRPO module's paired
 mismatch as ``mismatch/<name>`` columns (present on the steps it was measured). Plotting uses
 matplotlib's Agg backend (no display needed).
 """
@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-AGREEMENT_PREFIX = "agreement/layer_"
+AGREEMENT_PREFIX = "used_agreement/layer_"
 MISMATCH_PREFIX = "mismatch/"
 
 

@@ -6,28 +6,19 @@ Kept apart from ``main.py`` so that tests and notebooks can build a run from a c
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from .common import JobError, is_global_zero
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .rollout_loop import Engine
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # shipped inside the package
-
-
-class JobError(Exception):
-    """A problem the user can fix (configuration, engine address); reported as one line."""
-
-
-def is_global_zero() -> bool:
-    """Rank 0 of a (possibly not yet launched) multi-process run, from the launcher's env vars."""
-    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
-    return rank == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
 
 
 _MODES = ("r3", "r2", "off")
@@ -71,8 +62,11 @@ def check_config(cfg: DictConfig) -> None:
         )
     if url is None and cfg.rollout.get("require_url", False):
         raise JobError("rollout.url must be set to the engine's http://host:port (rollout.require_url=true)")
-    if url is not None and not str(url).startswith(("http://", "https://")):
-        raise JobError(f"rollout.url must be null (embedded engine) or http(s)://host:port, got {url!r}")
+    urls = list(url) if isinstance(url, ListConfig) else [url]
+    if url is not None and not (urls and all(str(u).startswith(("http://", "https://")) for u in urls)):
+        raise JobError(
+            f"rollout.url must be null (embedded engine), http(s)://host:port or a list of them, got {url!r}"
+        )
     lr = cfg.algorithm.optim.lr
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not lr > 0:
         raise JobError(f"algorithm.optim.lr must be a number > 0, got {lr!r}")
@@ -169,9 +163,10 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     from ..data.datamodule import R3DataModule
     from ..replay.callback import RouterReplayCallback
     from ..replay.hf import HFRouterReplay
+    from ..rollout.client_protocol import RouteSchema
     from .grpo import GRPOConfig
     from .module import GRPOModule, OptimConfig
-    from .rollout_loop import ClientConfig, OnPolicyLoop, RolloutCollector, RouteSchema, SamplingConfig
+    from .rollout_loop import on_policy_loop
     from .task import TokenClassTask, TokenClassTaskConfig
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -205,29 +200,6 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         betas=tuple(algo.optim.betas),  # type: ignore[arg-type]
         grad_clip=algo.optim.grad_clip,
     )
-    rollout = cfg.rollout
-    collector = RolloutCollector(
-        ClientConfig(
-            url=engine.url or "http://unused.invalid",
-            protocol=str(rollout.protocol),
-            api_key=rollout.api_key,
-            request_timeout_s=float(rollout.request_timeout_s),
-            max_in_flight=int(rollout.max_in_flight),
-        ),
-        task,
-        group_size=grpo.group_size,
-        sampling=SamplingConfig(**OmegaConf.to_container(rollout.sampling, resolve=True)),  # type: ignore[arg-type]
-        schema=schema,
-        request_routes=bool(cfg.replay.request_routes),
-        normalize_std=grpo.normalize_std,
-        seed=int(cfg.seed),
-    )
-    if engine.url is not None and not collector.check_engine():
-        raise JobError(
-            f"cannot reach the rollout engine at {engine.url} (GET /health failed within "
-            f"{float(rollout.request_timeout_s):g}s); check rollout.url or start the engine"
-        )
-
     buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
     data_kwargs = {k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "_target_"}  # type: ignore[union-attr]
     try:
@@ -238,21 +210,24 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     callback_kwargs = dict(OmegaConf.to_container(_callback_settings(cfg), resolve=True) or {})  # type: ignore[arg-type]
     for key in ("_target_", "backend", "mode"):  # the backend is built here, the mode is replay.mode
         callback_kwargs.pop(key, None)
-    if mode == "off":
-        # the module measures the agreement itself by recording the training forward
-        callback_kwargs["log_agreement"] = False
+    replay_strict = cfg.replay.get("strict")
+    if replay_strict is not None:
+        callback_kwargs["strict"] = bool(replay_strict)
+    elif cfg.rollout.url is not None and mode == "r3":
+        # an external engine that returns no routes is misconfigured: fail instead of training natively
+        callback_kwargs["strict"] = True
     try:
         replay_callback = RouterReplayCallback(backend=backend, mode=mode, **callback_kwargs)  # type: ignore[arg-type]
     except (TypeError, ValueError) as exc:
         raise JobError(f"callbacks.router_replay: {exc}") from None
-    loop = OnPolicyLoop(
-        collector,
+    loop = on_policy_loop(
+        cfg,
+        engine,
+        task,
+        schema,
         buffer,
-        prompts_per_step=int(cfg.prompts_per_step),
-        sync_weights=engine.push,
-        gather_weights=engine.gather,
+        normalize_std=grpo.normalize_std,
         metrics_path=out_dir / "metrics.csv",
-        progress=bool(cfg.trainer.get("enable_progress_bar", True)),
     )
     sharded_weights = cfg.model.get("sharded_weights")
     module = GRPOModule(
