@@ -192,6 +192,9 @@ def test_simulated_disagreement_hits_its_target_on_unseen_prompts(target):
     measured = _slot_disagreement(_prefill_routes(knob, prompts), _prefill_routes(plain, prompts))
     assert knob.perturbation.measured == pytest.approx(target, abs=0.01)
     assert measured == pytest.approx(target, abs=0.35 * target)
+    # the scale depends on the weights only, not on what the engine was calibrated for before
+    fresh = GenerationEngine(build_tiny_moe(seed=5), simulated_disagreement=target)
+    assert fresh.perturbation.scale == knob.perturbation.scale
 
 
 def test_simulated_disagreement_zero_is_exact_and_bad_values_are_refused():

@@ -106,8 +106,8 @@ class RouterLogitPerturbation:
         """Set :attr:`scale` so that the probe's slot disagreement is closest to the target.
 
         ``routes()`` runs the probe batch through the model and returns the experts it used on the
-        MoE layers, ``[..., K]``. Bracketing (from the previous scale, if any) then bisection in
-        log-scale: about ``iterations + 3`` probe forwards, all deterministic. Returns the scale.
+        MoE layers, ``[..., K]``. Bracketing from a fixed start, then bisection in log-scale: about
+        ``iterations + 3`` probe forwards, all deterministic. Returns the scale.
         """
         if self.target == 0.0:
             self.scale, self.measured = 0.0, 0.0
@@ -124,9 +124,9 @@ class RouterLogitPerturbation:
                 hits = agreement_hits(perturbed.reshape(-1, perturbed.shape[-1]), native)
                 return 1.0 - float(hits.float().mean())
 
-            low, high = (previous / 2, previous * 2) if previous > 0 else (0.0, 1.0)
-            if low > 0 and measure(low) >= self.target:
-                low = 0.0
+            # Always from the same bracket: the scale is a function of the weights alone, never
+            # of the calibrations before (a run must not depend on what the engine served earlier).
+            low, high = 0.0, 1.0
             measured_high = measure(high)
             for _ in range(40):  # the disagreement grows with the scale: bracket the target
                 if measured_high >= self.target:
