@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..align.layout import TokenMetadataLayout, position_ids_from_mask
+from ..ragged import to_device_async
 from ..replay.backend import agreement_hits
 from ..replay.batch_fields import host_attention_mask
 from ..replay.callback import RouterReplayCallback
@@ -139,7 +140,7 @@ class GRPOModule(pl.LightningModule):
 
         Empty when the batch has no engine routes or logprobs, or no replay callback (whose
         backend routes the model) is attached. Must run with no routes installed. Cost: two
-        no-grad forwards and one device->host sync (the masked agreement selection).
+        no-grad forwards; no device->host sync of its own.
         """
         callback = self._replay_callback()
         routes = getattr(batch, "routed_experts", None)
@@ -148,8 +149,7 @@ class GRPOModule(pl.LightningModule):
             return {}
         backend = callback.backend
         layout = TokenMetadataLayout.padded(host_attention_mask(batch))  # what self.forward feeds
-        aligned, host_mask = callback.align_routes(routes, layout)  # [B, S, L, K], [B, S]
-        mask = host_mask.to(aligned.device)
+        aligned, mask = callback.align_routes(routes, layout)  # [B, S, L, K], [B, S] on device
         loss_mask = batch.loss_mask.to(rollout_logprobs.dtype)
         with torch.no_grad():
             with record_routes(backend) as native_routes:
@@ -159,14 +159,17 @@ class GRPOModule(pl.LightningModule):
             del native_logits
             with replay_routes(backend, aligned, mask):
                 replayed = self.batch_logprobs(batch)
-            layers = list(backend.moe_layers)
-            engine = aligned[..., layers, :][mask].reshape(-1, backend.top_k)  # [rows * moe_layers, K]
-            used = native_routes.routes.to(aligned.device)[..., layers, :][mask].reshape(-1, backend.top_k)
-            hits = agreement_hits(engine.long(), used.long())
+            layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
+            engine = aligned.index_select(-2, layers)  # [B, S, moe_layers, K]
+            used = native_routes.routes.to(aligned.device).index_select(-2, layers)
+            top_k = engine.shape[-1]
+            hits = agreement_hits(engine.reshape(-1, top_k).long(), used.reshape(-1, top_k).long())
+            hits = hits.view(engine.shape) & mask[..., None, None]  # only rows the engine routed
+            slots = mask.sum() * (engine.shape[-2] * top_k)
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )
-            out["native_agreement"] = hits.double().sum() / max(hits.numel(), 1)
+            out["native_agreement"] = hits.sum().double() / slots.clamp(min=1)
             out["policy_entropy"] = entropy.double()
         return out
 
