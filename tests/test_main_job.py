@@ -105,11 +105,11 @@ def test_collector_scores_trajectories_and_replays_deterministically():
 
     from r3lightning.job.grpo import group_advantages
     from r3lightning.job.rollout_loop import ClientConfig, RolloutCollector, RouteSchema, SamplingConfig
-    from r3lightning.job.task import TokenClassTask, TokenClassTaskConfig
+    from r3lightning.job.task import TokenClassTask
     from r3lightning.models.tiny import build_tiny_moe
     from r3lightning.rollout.server import RolloutServer
 
-    task = TokenClassTask(TokenClassTaskConfig(vocab_size=96, prompt_length=6, response_length=4))
+    task = TokenClassTask(vocab_size=96, prompt_length=6, response_length=4)
     with RolloutServer(build_tiny_moe(seed=0), max_batch_size=64, copy_model=False) as server:
 
         def collector(request_routes: bool) -> RolloutCollector:

@@ -129,7 +129,7 @@ def _external_engine(cfg: DictConfig, url: str) -> Engine:
     if rollout.protocol == "skyrl":
         return Engine(url, _http_push(url, rollout.api_key, timeout), gather=True)
     directory = Path(str(rollout.weight_sync_dir))
-    push = _sglang_disk_push(url, rollout.api_key, timeout, directory, cfg.model.path)
+    push = _sglang_disk_push(url, rollout.api_key, timeout, directory, cfg.model.get("path"))
     return Engine(url, push, gather=True)
 
 

@@ -28,10 +28,11 @@ from torch import Tensor
 from ..data.trajectory import Trajectory
 from ..rollout.client import RemoteGenerateClient
 from ..rollout.client_protocol import RouteSchema
+from ..rollout.errors import MalformedResponseError
 from ..trace import RoutedExpertTrace
 from .grpo import group_advantages
 from .report import AGREEMENT_PREFIX, write_csv
-from .task import TokenClassTask
+from .task import ScoredTask
 
 
 @dataclass
@@ -84,7 +85,7 @@ class RolloutCollector:
     def __init__(
         self,
         client: ClientConfig,
-        task: TokenClassTask,
+        task: ScoredTask,
         *,
         group_size: int,
         sampling: SamplingConfig,
@@ -180,6 +181,12 @@ class RolloutCollector:
         response = list(result.response_ids)
         routes = None
         if self.request_routes:
+            if result.routed_experts is None:
+                raise MalformedResponseError(
+                    f"the rollout engine at {self.client_config.url} returned no routed experts; start it "
+                    "with --enable-return-routed-experts (SGLang, vLLM), or train with replay=r2 "
+                    "(routes recorded by the trainer)"
+                )
             trace = RoutedExpertTrace(self.schema.num_layers, self.schema.top_k, self.schema.num_experts)
             trace.record_generation(len(prompt), len(response), result.routed_experts)
             routes = trace.finalize(len(prompt) + len(response))
