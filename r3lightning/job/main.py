@@ -83,26 +83,28 @@ def _error(message: str, label: str = "") -> None:
     print(f"{PROG}: {label}error: {_one_line(message)}", file=sys.stderr)
 
 
-def _remove_if_unused(run_dir: Path) -> None:
-    """Remove ``run_dir`` when it holds only what a run that never trained writes (Hydra's
-    ``.hydra/`` and log, ``config.yaml``, empty folders), then its parents that became empty."""
+def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
+    """Remove ``run_dir`` when this run made it (it is in ``new_dirs``, the folders that did not
+    exist before the run, deepest first) and it holds only what a run that never trained writes
+    (Hydra's ``.hydra/`` and log, ``config.yaml``, empty folders); then the other new folders
+    that are left empty. A folder that existed before is never touched."""
+    run_dir = run_dir.absolute()
 
     def disposable(path: Path) -> bool:
         if path.is_dir():
             return path.name == ".hydra" or all(disposable(p) for p in path.iterdir())
         return path.suffix == ".log" or (path.parent == run_dir and path.name == "config.yaml")
 
-    if not run_dir.is_dir() or not all(disposable(p) for p in run_dir.iterdir()):
+    if run_dir not in new_dirs or not run_dir.is_dir() or not all(disposable(p) for p in run_dir.iterdir()):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
-    stop = Path.cwd().resolve()
-    parent = run_dir.resolve().parent
-    while parent != stop and stop in parent.parents and not any(parent.iterdir()):
+    for parent in new_dirs[new_dirs.index(run_dir) + 1 :]:
+        if not parent.is_dir() or any(parent.iterdir()):
+            break
         parent.rmdir()
-        parent = parent.parent
 
 
-def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str) -> int:
+def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dirs: list[Path]) -> int:
     """Run ``cfg`` into ``run_dir``; every failure the user can act on is one line and a status."""
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -136,7 +138,7 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str) -> int:
         return 130
     finally:
         if is_global_zero():
-            _remove_if_unused(run_dir)
+            _remove_if_unused(run_dir, new_dirs)
 
 
 def _hydra_message(exc: BaseException) -> str:
@@ -221,21 +223,44 @@ def _precheck(flags: list[str], overrides: list[str]) -> str | None:
     return None
 
 
+def _planned_run_dir(flags: list[str], overrides: list[str]) -> Path | None:
+    """The absolute run folder Hydra will use (``hydra.run.dir``, resolved now); None if unknown."""
+    keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
+    try:
+        cfg = compose_config(
+            keep,
+            config_dir=_flag_value(flags, "--config-dir", "-cd"),
+            config_name=_flag_value(flags, "--config-name", "-cn") or "config",
+            hydra_config=True,
+        )
+        return Path(str(cfg.hydra.run.dir)).absolute()
+    except Exception:
+        return None
+
+
 def _single(args: list[str], label: str = "") -> int:
     """One run through Hydra; returns the exit status."""
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
     flags, overrides, understood = _split_flags(args)
+    new_dirs: list[Path] = []
     if understood:
         problem = _precheck(flags, overrides)
         if problem is not None:
             _error(problem, label)
             return 2
+        run_dir = _planned_run_dir(flags, overrides)
+        if run_dir is not None:
+            # the folders this run will make (so a run that fails before training removes them),
+            # with the run folder pinned, so Hydra's ${now:...} cannot name another one
+            new_dirs = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+            if not any(a.startswith("hydra.run.dir=") for a in overrides):
+                args = [*args, f"hydra.run.dir={run_dir}"]
     status = {"code": 0}
 
     def task(cfg: DictConfig) -> None:
-        status["code"] = _run_in(cfg, Path(HydraConfig.get().runtime.output_dir), args, label)
+        status["code"] = _run_in(cfg, Path(HydraConfig.get().runtime.output_dir), args, label, new_dirs)
 
     saved = sys.argv
     sys.argv = [saved[0], *args]

@@ -414,6 +414,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         # the same checkpoint directory
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        if trainer.world_size == 1:  # a process group of one (megatron's runtime) has nothing to sync
+            warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True")
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
         except SystemExit:
