@@ -353,3 +353,23 @@ def test_resume_refuses_unreadable_foreign_or_overtaken_checkpoints(tmp_path):
         assert message.startswith(f"checkpoint {last} cannot be read (") and message.endswith(fix)
         assert "\n" not in message
         assert last.read_bytes() == content  # nothing was touched
+
+
+def test_replay_backend_follows_the_callbacks_config():
+    from r3lightning.job.setup import build_model, replay_backend
+    from r3lightning.replay.hf import HFRouterReplay
+
+    cfg = compose_config()
+    model = build_model(cfg.model)
+    backend = replay_backend(cfg, model)
+    assert isinstance(backend, HFRouterReplay) and backend.moe_layers == (1, 2, 3)
+    with pytest.raises(
+        JobError,
+        match=r"^callbacks\.router_replay\.backend=megatron: no megatron TopKRouter found in "
+        r"\['Qwen3MoeForCausalLM'\].* \(a Hugging Face model: use callbacks=router_replay\)$",
+    ):
+        replay_backend(compose_config(["callbacks=router_replay_megatron"]), model)
+    with pytest.raises(
+        JobError, match=r"^callbacks\.router_replay\.backend must be hf or megatron, got 'tpu'$"
+    ):
+        replay_backend(compose_config(["callbacks.router_replay.backend=tpu"]), model)

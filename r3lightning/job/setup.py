@@ -206,7 +206,14 @@ def replay_backend(cfg: DictConfig, model: torch.nn.Module):
         if kind in ("hf", None):
             return HFRouterReplay.for_model(model)
     except (TypeError, ValueError, LookupError) as exc:
-        raise JobError(f"callbacks.router_replay.backend={kind}: {' '.join(str(exc).split())}") from None
+        hint = ""
+        if kind != "megatron" and callable(getattr(model, "router_replay_backend", None)):
+            hint = " (this model routes with megatron-core: use callbacks=router_replay_megatron)"
+        elif kind == "megatron":
+            hint = " (a Hugging Face model: use callbacks=router_replay)"
+        raise JobError(
+            f"callbacks.router_replay.backend={kind}: {' '.join(str(exc).split())}{hint}"
+        ) from None
     raise JobError(f"callbacks.router_replay.backend must be hf or megatron, got {kind!r}")
 
 
