@@ -223,6 +223,11 @@ def test_external_engine_weight_sync_follows_the_protocol(tmp_path, monkeypatch)
             ["algorithm.optim.grad_clip=abc"],
             r"^algorithm\.optim\.grad_clip must be a number or null, got 'abc'$",
         ),
+        (["loggers=[csv]"], r"^loggers\[0\] must be a mapping with a _target_, got 'csv'$"),
+        (
+            ["loggers=[{_target_: nowhere.Logger}]"],
+            r"^loggers\[0\]\._target_: cannot import 'nowhere\.Logger'",
+        ),
         (["rollout.request_timeout_s=0"], r"^rollout\.request_timeout_s must be a number > 0, got 0$"),
         (
             ["+trainer.max_epochs=3"],

@@ -140,8 +140,14 @@ def check_config(cfg: DictConfig) -> None:
         if "_target_" not in cfg[key]:
             raise JobError(f"{key}._target_ must name the class or function that builds the {key}")
         locate(key, cfg[key]._target_)
+    if cfg.loggers is not None and not OmegaConf.is_list(cfg.loggers):
+        raise JobError(
+            f"loggers must be a list of {{_target_: ...}} entries (or null), got {plain(cfg.loggers)!r}"
+        )
     for index, node in enumerate(cfg.loggers or []):
-        locate(f"loggers[{index}]", OmegaConf.select(node, "_target_"))
+        if not OmegaConf.is_dict(node) or "_target_" not in node:
+            raise JobError(f"loggers[{index}] must be a mapping with a _target_, got {plain(node)!r}")
+        locate(f"loggers[{index}]", node._target_)
     replay = replay_callback_settings(cfg)
     if replay is not None:
         # the callback reads it only at the first training batch, far from the command line
