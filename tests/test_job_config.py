@@ -378,3 +378,74 @@ def test_replay_backend_follows_the_callbacks_config():
         JobError, match=r"^callbacks\.router_replay\.backend must be hf or megatron, got 'tpu'$"
     ):
         replay_backend(compose_config(["callbacks.router_replay.backend=tpu"]), model)
+
+
+def test_callbacks_dict_entries_are_built_in_order_and_null_drops_one():
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from r3lightning.job.setup import _callbacks, build_model, replay_backend
+    from r3lightning.replay.callback import RouterReplayCallback
+
+    extra = [
+        "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
+        "+callbacks.lr.logging_interval=step",
+    ]
+    cfg = compose_config([*extra, "replay=off"])
+    backend = replay_backend(cfg, build_model(cfg.model))
+    replay, monitor = _callbacks(cfg, backend, "off")
+    assert isinstance(replay, RouterReplayCallback) and replay.backend is backend and replay.mode == "off"
+    assert replay.log_agreement is False  # off: the module measures agreement by recording
+    assert isinstance(monitor, LearningRateMonitor) and monitor.logging_interval == "step"
+    (only,) = _callbacks(compose_config([*extra, "callbacks.router_replay=null"]), backend, "r3")
+    assert isinstance(only, LearningRateMonitor)
+
+
+def test_model_factories_take_dtype_and_attention_keywords(tmp_path):
+    import torch
+
+    from r3lightning.job.models import from_pretrained, tiny_moe
+    from r3lightning.job.setup import build_model
+
+    model = build_model(
+        compose_config(["model.dtype=bfloat16", "+model.overrides.num_hidden_layers=2"]).model
+    )
+    assert next(model.parameters()).dtype == torch.bfloat16 and model.config.num_hidden_layers == 2
+    tiny_moe(seed=3).save_pretrained(tmp_path / "ckpt")
+    loaded = from_pretrained(str(tmp_path / "ckpt"), dtype="bfloat16", attn_implementation="eager")
+    assert next(loaded.parameters()).dtype == torch.bfloat16 and loaded.config._attn_implementation == "eager"
+    reference = tiny_moe(seed=3)
+    assert torch.equal(loaded.lm_head.weight, reference.lm_head.weight.to(torch.bfloat16))
+    with pytest.raises(
+        ValueError, match="path must be a local checkpoint directory, /no/such/model is not one"
+    ):
+        from_pretrained("/no/such/model")
+    with pytest.raises(JobError, match=r"^model: dtype must be a torch dtype name .* got 'float33'$"):
+        build_model(compose_config(["model.dtype=float33"]).model)
+
+
+def test_task_and_reward_are_built_from_their_targets():
+    import torch
+
+    from r3lightning.job.setup import build_task
+    from r3lightning.job.task import ScoredTask, TokenClassTask
+
+    task = build_task(compose_config(["task.num_classes=3"]), vocab_size=96)
+    assert isinstance(task.prompts, TokenClassTask) and task.prompts.vocab_size == 96  # the model's vocab
+    assert task.score.num_classes == 3  # the reward follows the task's keys
+    prompts = task.sample_prompts(4, torch.Generator().manual_seed(0))
+    assert all(4 <= p[-1] < 7 for p in prompts)
+    assert task.reward([9, 9, 5], [1, 4, 7, 2]) == 0.75  # class 1: 1, 4, 7 of 4 tokens
+    with pytest.raises(ValueError, match=r"returned nan; expected a finite number"):
+        ScoredTask(task.prompts, lambda p, r: float("nan")).reward([5], [1])
+    with pytest.raises(JobError, match=r"reward must be callable .* add _partial_: true"):
+        build_task(
+            compose_config(
+                [
+                    "reward._target_=builtins.dict",
+                    "~reward.num_classes",
+                    "~reward.first_token",
+                    "~reward.response_length",
+                ]
+            ),
+            vocab_size=96,
+        )
