@@ -327,8 +327,8 @@ def _ckpt(path, state_dict, epoch):
 
 
 def test_resume_refuses_unreadable_foreign_or_overtaken_checkpoints(tmp_path):
+    from r3lightning.job.checkpoint import resume_checkpoint
     from r3lightning.job.module import GRPOModule
-    from r3lightning.job.setup import resume_checkpoint
     from r3lightning.models.tiny import build_tiny_moe, tiny_moe_config
 
     module = GRPOModule(build_tiny_moe(seed=0))

@@ -10,6 +10,7 @@ report       metrics CSV, summary table, plot
 engine       the embedded rollout server or an external engine, and weight pushes to it
 build        ``_target_`` instantiation and typed settings, with one-line errors
 setup        checks the config and builds a run's pieces
+checkpoint   resuming from last.ckpt, with its checks
 help         ``--help`` from the YAML comments
 main         the Hydra entry point (``python -m r3lightning.job.main``, ``r3lightning-train``)
 """

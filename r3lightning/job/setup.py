@@ -310,44 +310,6 @@ def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: fl
         raise JobError(f"trainer: {' '.join(str(exc).split())}") from None
 
 
-# ---------------------------------------------------------------------------- resume
-
-
-def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
-    """``<run>/checkpoints/last.ckpt`` when ``resume`` and it exists, after checking that it can be
-    read, was saved for this model and has no more steps done than ``steps`` asks for.
-
-    Cost: the checkpoint is opened memory-mapped (tensors are not read) before Lightning loads it.
-    """
-    last = out_dir / "checkpoints" / "last.ckpt"
-    if not cfg.resume or not last.exists():
-        return None
-    fix = "delete it to start this run over, or set resume=false or another hydra.run.dir"
-    try:
-        state = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
-        if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
-            raise ValueError("not a Lightning checkpoint")
-        done = int(state["epoch"]) + 1
-    except Exception as exc:
-        reason = " ".join(str(exc).split())[:160] or type(exc).__name__
-        raise JobError(f"checkpoint {last} cannot be read ({reason}); {fix}") from None
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
-    saved = {k: tuple(v.shape) for k, v in state["state_dict"].items() if isinstance(v, torch.Tensor)}
-    if expected != saved:
-        diff = sorted(set(expected) ^ set(saved)) or [k for k in expected if expected[k] != saved[k]]
-        key = diff[0]
-        raise JobError(
-            f"checkpoint {last} was saved for another model ({key}: {saved.get(key, 'absent')} in the "
-            f"checkpoint, {expected.get(key, 'absent')} in this model); {fix}"
-        )
-    if int(cfg.steps) < done:
-        raise JobError(
-            f"steps={int(cfg.steps)} is below the {done} steps this run has done ({last}); "
-            f"set steps={done} or more to continue, or {fix}"
-        )
-    return str(last)
-
-
 # ---------------------------------------------------------------------------- one run
 
 
@@ -357,6 +319,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ..data.buffer import ReplayBuffer
+    from .checkpoint import resume_checkpoint
     from .grpo import GRPOConfig
     from .module import OptimConfig
     from .rollout_loop import ClientConfig, OnPolicyLoop, RolloutCollector, RouteSchema, SamplingConfig
