@@ -131,10 +131,11 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         again = " ".join(
             [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
         )
-        print(
-            f"{PROG}: {label}interrupted; the checkpoint keeps the last finished step, resume with: {again}",
-            file=sys.stderr,
-        )
+        if any(run_dir.glob("*/checkpoints/last.ckpt")):
+            state = f"the checkpoint keeps the last finished step, resume with: {again}"
+        else:
+            state = f"no step had finished, start again with: {again}"
+        print(f"{PROG}: {label}interrupted; {state}", file=sys.stderr)
         return 130
     finally:
         if is_global_zero():
