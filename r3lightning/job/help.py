@@ -97,6 +97,8 @@ def format_help(conf_dir: Path) -> str:
         "  --cfg job          print the composed config and exit; --hydra-help for Hydra's own flags",
         "",
         f"Every piece with a _target_ is built from it (your own class or function works). Configs: {conf_dir}",
+        "Any trainer.* key goes to lightning's Trainer as it is (+trainer.max_steps=100, +trainer.logger=false);",
+        "the job sets max_epochs (= steps), reload_dataloaders_every_n_epochs and callbacks itself.",
         "",
         "Config groups (* = default):",
     ]
