@@ -449,3 +449,13 @@ def test_task_and_reward_are_built_from_their_targets():
             ),
             vocab_size=96,
         )
+
+
+def test_help_flag_prints_the_help_and_exits_0(capsys):
+    from r3lightning.job.help import format_help
+    from r3lightning.job.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == format_help(CONF_DIR) + "\n"
