@@ -9,6 +9,7 @@ The package follows the data flow of a route, from the rollout engine to the rou
     data/     trajectories, replay buffer, threaded packed collation, the Lightning DataModule
     align/    token layouts (padded, packed, context/tensor parallel) and route alignment
     replay/   router replay backends (Hugging Face, megatron-core) and the Lightning callback
+    models/   a tiny MoE for tests and demos; meta-device init and per-rank shard loading
 
 Public names are imported lazily so that ``import r3lightning`` stays cheap and optional
 dependencies (transformers, megatron-core) are only imported by the code that needs them.
@@ -61,6 +62,9 @@ _EXPORTS: dict[str, str] = {
     "RouterReplayCallback": ".replay.callback",
     "tiny_moe_config": ".models.tiny",
     "build_tiny_moe": ".models.tiny",
+    "meta_model": ".models.sharded",
+    "load_sharded_weights": ".models.sharded",
+    "convert_checkpoint": ".models.sharded",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -90,6 +94,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .data.cpus import collate_pool_size, usable_cpu_count
     from .data.datamodule import R3DataModule
     from .data.trajectory import Trajectory
+    from .models.sharded import convert_checkpoint, load_sharded_weights, meta_model
     from .models.tiny import build_tiny_moe, tiny_moe_config
     from .packed import PackedTensor
     from .replay.callback import RouterReplayCallback

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from r3lightning.job.report import agreement_keys, read_csv
+from r3lightning.models.sharded import convert_checkpoint
 from r3lightning.models.tiny import build_tiny_moe
 from r3lightning.rollout.server import RolloutServer
 
@@ -21,6 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_fsdp2_two_processes_with_external_engine(tmp_path):
     checkpoint = tmp_path / "tiny-moe"
     build_tiny_moe(seed=0).save_pretrained(checkpoint)
+    # meta-device init: each rank reads only its shards of the converted checkpoint
+    sharded = convert_checkpoint(checkpoint, tmp_path / "tiny-moe-dcp")
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with RolloutServer(build_tiny_moe(seed=0), max_batch_size=64, copy_model=False) as server:
@@ -32,6 +35,7 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
                 "experiment=fsdp_moe",
                 "trainer=cpu_fsdp",
                 f"model.path={checkpoint}",
+                f"model.sharded_weights={sharded}",
                 "rollout=skyrl",
                 f"rollout.url={server.url}",
                 "steps=2",

@@ -421,6 +421,15 @@ def test_model_factories_take_dtype_and_attention_keywords(tmp_path):
         from_pretrained("/no/such/model")
     with pytest.raises(JobError, match=r"^model: dtype must be a torch dtype name .* got 'float33'$"):
         build_model(compose_config(["model.dtype=float33"]).model)
+    # the trainer's copy of a sharded checkpoint has no storage until FSDP2 loads its shards
+    sharded = compose_config(
+        ["model=hf_checkpoint", f"model.path={tmp_path / 'ckpt'}", "model.sharded_weights=/dcp"]
+    )
+    meta = build_model(sharded.model, trainer=True)
+    assert all(p.is_meta for p in meta.parameters())
+    assert not any(p.is_meta for p in build_model(sharded.model).parameters())  # the engine's copy
+    with pytest.raises(JobError, match=r"^model\.sharded_weights needs model\.path"):
+        build_model(compose_config(["+model.sharded_weights=/dcp"]).model, trainer=True)
 
 
 def test_task_and_reward_are_built_from_their_targets():

@@ -11,7 +11,7 @@ chunks of which rank ``r`` keeps ``r`` and ``2 * cp - 1 - r``.
 with that one map: routes (``align_packed_token_metadata``), batch tensors (:meth:`from_batch`),
 and model outputs going back to the batch (``scatter_to_padded_batch``). The map is built on the
 host, vectorised, when the layout is built; moving data with it costs one host->device copy of an
-int64 index per call and never a device->host sync.
+int64 index per call (staged through page-locked memory) and never a device->host sync.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from r3lightning.ragged import (
     host_lengths,
     offsets_from_lengths,
     segment_ids_and_positions,
+    to_device_async,
 )
 
 __all__ = ["Pad", "TokenMetadataLayout", "position_ids_from_mask", "split_for_sequence_parallel"]
@@ -316,7 +317,7 @@ def _pad_rows(
     else:
         raise ValueError(f"pad must be a scalar, a row tensor or a callable, got {type(pad).__name__}")
     dtype = torch.promote_types(like.dtype, rows.dtype)
-    return rows.to(device=like.device, dtype=dtype, non_blocking=True), dtype
+    return to_device_async(rows, like.device).to(dtype), dtype
 
 
 def take_rows(
@@ -334,13 +335,13 @@ def take_rows(
     device = source.device
     if source.shape[0]:
         # padding positions gather row 0 and are overwritten below: one kernel, no masked gather
-        out = source.index_select(0, index.clamp(min=0).to(device, non_blocking=True))
+        out = source.index_select(0, to_device_async(index.clamp(min=0), device))
     else:  # nothing to gather: every position is padding
         out = source.new_empty((index.numel(), *source.shape[1:]))
     if out.dtype != dtype:
         out = out.to(dtype)
     if uncovered.numel():
-        positions = uncovered.to(device, non_blocking=True)
+        positions = to_device_async(uncovered, device)
         if isinstance(pad_value, torch.Tensor):
             out[positions] = pad_value
         else:  # a Scalar argument, not a CPU tensor that indexing would copy to the device

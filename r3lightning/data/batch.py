@@ -38,6 +38,8 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.layout import check_int, position_ids_from_mask
+from r3lightning.data.fill import Buffers, collate_fields, plain_empty
+from r3lightning.data.trajectory import padding_trajectories
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import batch_index, repeat_counts, tensor_from_bytes, tensor_to_bytes, to_device_async
 from r3lightning.routes import widest_route_dtype
@@ -282,14 +284,18 @@ class RolloutBatch:
                 )
             if num_experts is None:
                 raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
-        from r3lightning.data.collate import collate_trajectories
-        from r3lightning.data.trajectory import padding_trajectories
-
-        padding = collate_trajectories(
-            padding_trajectories(
-                missing, pad_token_id=pad_token_id, route_schema=schema, num_experts=num_experts
-            ),
-            pad_token_id=pad_token_id,
+        placeholders = padding_trajectories(
+            missing, pad_token_id=pad_token_id, route_schema=schema, num_experts=num_experts
+        )
+        padding = RolloutBatch(
+            **collate_fields(
+                placeholders,
+                Buffers(plain_empty),
+                pad_token_id=pad_token_id,
+                width_multiple=1,
+                executor=None,
+                tasks=1,
+            )
         )
         return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
 
@@ -357,6 +363,15 @@ class RolloutBatch:
     def __repr__(self) -> str:
         routes = "None" if self.routed_experts is None else repr(self.routed_experts)
         return f"RolloutBatch(B={len(self)}, S={self.width}, device={self.device}, routed_experts={routes})"
+
+
+# Opaque to collection walkers such as Lightning's ``apply_to_collection``, which recurse into
+# dataclasses: under ``precision="bf16-true"`` / ``"16-true"`` the precision plugin would cast the
+# float32 logprobs, masks and advantages to half precision (logprob error ~0.06 at -20) into new,
+# pageable tensors (so the pinned non_blocking copy turns blocking) after a deep copy that drops
+# the pool lease. The batch keeps its dtypes; modules cast on device where they choose. (Lightning
+# then cannot infer a batch size from it either: ``self.log(..., batch_size=len(batch))``.)
+del RolloutBatch.__dataclass_fields__
 
 
 def _left_pad(tensor: Tensor, width: int, pad: float | bool | int) -> Tensor:

@@ -19,7 +19,14 @@ finishing its epoch (several epochs over one snapshot without reloading). An epo
 (``max_steps``, ``limit_train_batches``, a crash after a checkpoint) is *continued*, not
 restarted, by the next iteration or ``train_dataloader`` call, provided its trajectories are
 still in the buffer; once they are gone (e.g. ``buffer.clear()``) a fresh epoch over the current
-contents starts instead.
+contents starts instead. An epoch nothing was drawn from yet takes the buffer's contents when its
+loader starts iterating, so rows appended after Lightning built the loader (``on_train_start``,
+``on_train_epoch_start``) are in it. (Lightning counts the epoch's batches when it builds the
+loader; batches beyond that count are continued by the next iteration or fit, never lost.)
+
+Evaluation: with ``eval_buffer=`` the data module also has ``val_dataloader``,
+``test_dataloader`` and ``predict_dataloader``: the whole eval buffer in order, sharded per rank
+like training. Evaluation never moves the training position.
 
 Sharding: the sampler is a ``DistributedSampler`` that knows the data-parallel rank (from the
 Trainer's strategy or ``torch.distributed``), so Lightning keeps it instead of injecting its own.
@@ -30,7 +37,8 @@ trajectories (zero loss), never with repeated samples, so every rank runs the sa
 equally sized steps.
 
 Resuming: a batch counts as consumed when it is moved to the device for a training step
-(``transfer_batch_to_device``), not when it is prefetched. (Iterating ``train_dataloader()`` by
+(``transfer_batch_to_device`` while the trainer is training: never for validation, test,
+predict or the sanity check), not when it is prefetched. (Iterating ``train_dataloader()`` by
 hand, outside a Trainer, consumes nothing: such a loop restarts its epoch unless it runs to the
 end.) ``state_dict`` stores the buffer, the
 epoch, the consumed count and the snapshot's sequence-number range (plus the snapshot's
@@ -40,13 +48,16 @@ checkpoint yields exactly the batches an uninterrupted run would have.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from r3lightning.align.layout import check_int
@@ -103,7 +114,14 @@ class _Plan:
 class _EpochShardSampler(DistributedSampler):
     """This rank's indices for the cursor's epoch, starting after the consumed batches."""
 
-    def __init__(self, dataset: _Snapshot, cursor: _Cursor, plan: _Plan, rank: int) -> None:
+    def __init__(
+        self,
+        dataset: _Snapshot,
+        cursor: _Cursor,
+        plan: _Plan,
+        rank: int,
+        refresh: Callable[[], tuple[Trajectory, ...] | None] | None = None,
+    ) -> None:
         super().__init__(
             dataset,
             num_replicas=plan.num_replicas,
@@ -112,11 +130,16 @@ class _EpochShardSampler(DistributedSampler):
             seed=plan.seed,
             drop_last=plan.drop_last,
         )
-        self.cursor, self.plan = cursor, plan
-        count, world = len(dataset), plan.num_replicas
+        self.cursor, self.plan, self.refresh = cursor, plan, refresh
+        self._size()
+
+    def _size(self) -> None:
+        count, world = len(self.dataset), self.plan.num_replicas  # type: ignore[arg-type]
+        plan = self.plan
         self.per_rank = count // world if plan.drop_last else math.ceil(count / world)
         b = plan.batch_size
         self.num_batches = self.per_rank // b if plan.drop_last else math.ceil(self.per_rank / b)
+        self.cursor.batches = self.num_batches
 
     def shard(self, epoch: int) -> list[int]:
         """This rank's full index list for ``epoch`` (-1 = placeholder)."""
@@ -134,7 +157,15 @@ class _EpochShardSampler(DistributedSampler):
     def __iter__(self):  # type: ignore[override]
         cursor = self.cursor
         if cursor.exhausted or (cursor.batches > 0 and cursor.consumed >= cursor.batches):
+            # another epoch over the same snapshot (no reload in between)
             cursor.epoch, cursor.consumed, cursor.exhausted = cursor.epoch + 1, 0, False
+        elif cursor.consumed == 0 and self.refresh is not None:
+            # the epoch this loader was built for, nothing drawn yet: it covers what the buffer
+            # holds now, rows appended after the loader was built included
+            fresh = self.refresh()
+            if fresh is not None:
+                self.dataset.trajectories = fresh  # type: ignore[attr-defined]
+                self._size()
         yield from self.shard(cursor.epoch)[cursor.consumed * self.plan.batch_size :]
         cursor.exhausted = True
 
@@ -182,6 +213,11 @@ class R3DataModule(pl.LightningDataModule):
             evenly among ranks) instead of evening shards out with placeholders.
         pad_token_id: id at ``input_ids`` padding positions and in placeholders.
         width_multiple: round each batch's padded width up to a multiple of this.
+        eval_buffer: trajectories for ``val_dataloader`` / ``test_dataloader`` /
+            ``predict_dataloader`` (read whole, in order, sharded like training with placeholders
+            evening out the ranks); ``None`` = no evaluation data (those loaders are not defined).
+
+    The settings other than the buffers are saved as ``hparams`` (and in checkpoints).
     """
 
     def __init__(
@@ -196,10 +232,13 @@ class R3DataModule(pl.LightningDataModule):
         drop_last: bool = False,
         pad_token_id: int = 0,
         width_multiple: int = 1,
+        eval_buffer: ReplayBuffer | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(buffer, ReplayBuffer):
             raise TypeError(f"buffer must be a ReplayBuffer, got {type(buffer).__name__}")
+        if eval_buffer is not None and not isinstance(eval_buffer, ReplayBuffer):
+            raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(eval_buffer).__name__}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         # checked here, not at the first train_dataloader, so a bad config fails at construction
@@ -213,7 +252,9 @@ class R3DataModule(pl.LightningDataModule):
             if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
                 expected = "a bool or None" if name == "pin_memory" else "a bool"
                 raise ValueError(f"{name} must be {expected}, got {flag!r}")
+        self.save_hyperparameters(ignore=["buffer", "eval_buffer"])
         self.buffer = buffer
+        self.eval_buffer = eval_buffer
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -227,6 +268,10 @@ class R3DataModule(pl.LightningDataModule):
         self._snapshot: tuple[Trajectory, ...] | None = None
         self._snapshot_restored = False  # snapshot came with a checkpoint, not from the buffer
         self._collator: RolloutCollator | None = None
+        if eval_buffer is not None:
+            # defined only with evaluation data, so Lightning sees no validation loop (and warns
+            # about none) for modules trained without it
+            self.val_dataloader = self.test_dataloader = self.predict_dataloader = self._eval_dataloader  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------------ introspection
 
@@ -305,8 +350,7 @@ class R3DataModule(pl.LightningDataModule):
             cursor.consumed, cursor.exhausted = 0, False
             self._snapshot_restored = False
         self._snapshot, self._plan = snapshot, plan
-        sampler = _EpochShardSampler(_Snapshot(snapshot), cursor, plan, rank)
-        cursor.batches = sampler.num_batches
+        sampler = _EpochShardSampler(_Snapshot(snapshot), cursor, plan, rank, refresh=self._fresh_snapshot)
         return _PositionedLoader(
             sampler.dataset,
             batch_size=self.batch_size,
@@ -316,11 +360,40 @@ class R3DataModule(pl.LightningDataModule):
             cursor=cursor,
         )
 
+    def _fresh_snapshot(self) -> tuple[Trajectory, ...] | None:
+        """The buffer's current contents as the snapshot of an epoch nothing was drawn from yet,
+        or ``None`` when the buffer still holds exactly the current snapshot."""
+        cursor = self._cursor
+        start, stop = self.buffer.start, self.buffer.stop
+        if not self._snapshot_restored and (start, stop) == (cursor.start, cursor.stop):
+            return None
+        cursor.start, cursor.stop = start, stop
+        self._snapshot, self._snapshot_restored = self.buffer.window(start, stop), False
+        return self._snapshot
+
+    def _eval_dataloader(self) -> DataLoader:
+        """This rank's loader over the whole ``eval_buffer`` in order (``val_dataloader``,
+        ``test_dataloader`` and ``predict_dataloader`` when an ``eval_buffer`` is given)."""
+        assert self.eval_buffer is not None
+        world, rank = self._data_parallel()
+        plan = _Plan(self.batch_size, False, self.seed, False, world)
+        snapshot = _Snapshot(self.eval_buffer.window(self.eval_buffer.start, self.eval_buffer.stop))
+        sampler = _EpochShardSampler(snapshot, _Cursor(), plan, rank)  # its own cursor: no resume state
+        return DataLoader(
+            snapshot,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=self._get_collator(),
+            num_workers=0,
+        )
+
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a ``RolloutBatch`` (every field and the packed routes) to ``device``.
 
         From pinned memory to a CUDA device the copies are ``non_blocking`` and the pooled host
-        buffers are handed back behind an event recorded after them; otherwise a plain ``.to``.
+        buffers are handed back behind an event recorded after them; otherwise a plain ``.to``
+        (a pooled batch already on ``device``, i.e. a forced pool on the CPU, is copied out of the
+        pool so its buffers go back).
         Anything else (e.g. the model summary's example input) takes Lightning's default path.
         During training, each batch moved here counts as consumed for resuming.
         """
@@ -329,6 +402,9 @@ class R3DataModule(pl.LightningDataModule):
         device = torch.device(device)
         non_blocking = device.type == "cuda" and batch.is_pinned()
         moved = batch.to(device, non_blocking=non_blocking)
+        if moved is batch and batch._lease is not None:
+            # pooled buffers trained on in place would never be handed back: copy out, as to a GPU
+            moved = copy.deepcopy(batch)
         if moved is not batch:
             fence = None
             if non_blocking:
@@ -336,7 +412,9 @@ class R3DataModule(pl.LightningDataModule):
                 fence.record(torch.cuda.current_stream(device))
             batch.release(after=fence)
         trainer = self.trainer
-        if trainer is not None and trainer.training:
+        # only training batches advance the resume position (not validation inside fit, nor
+        # validate / test / predict, nor the sanity check)
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             self._cursor.consumed += 1
         return moved
 

@@ -49,6 +49,7 @@ class GRPOModule(pl.LightningModule):
         *,
         recompute_old_logprobs: bool = False,
         measure_agreement: bool = True,
+        sharded_weights: str | None = None,
     ):
         super().__init__()
         self.model = model.train()  # builders hand out eval-mode models
@@ -58,6 +59,9 @@ class GRPOModule(pl.LightningModule):
         # whose routes are recorded there); False: the rollout engine's logprobs.
         self.recompute_old_logprobs = recompute_old_logprobs
         self.measure_agreement = measure_agreement
+        # DCP directory (r3lightning.models.sharded) each rank reads its shards from after
+        # sharding a meta-device model; None = the model arrives with its weights
+        self.sharded_weights = sharded_weights
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of a left-padded batch."""
@@ -156,27 +160,26 @@ class GRPOModule(pl.LightningModule):
             )
 
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root.
-
-        A no-op for other strategies. The replay backend's router hooks survive sharding
-        (``fully_shard`` keeps the module objects and swaps in a subclass).
+        """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root
+        (:func:`~r3lightning.models.sharded.shard_model`); a model built on the meta device then
+        reads this rank's shards from ``sharded_weights``. A no-op for other strategies.
         """
         mesh = self.device_mesh
+        if mesh is None and self.sharded_weights is not None:
+            raise ValueError(
+                "sharded_weights needs FSDP2 (ModelParallelStrategy, e.g. trainer=gpu_fsdp or cpu_fsdp): the "
+                "model was built on the meta device and only sharding gives its parameters storage"
+            )
         if mesh is None or getattr(self.model, "_r3_sharded", False):
             return
-        from torch.distributed.fsdp import fully_shard
+        from ..models.sharded import load_sharded_weights, shard_model
 
         dp_mesh = (
             mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
         )
-        layers = getattr(getattr(self.model, "model", self.model), "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise ValueError(
-                f"FSDP2 sharding looks for the decoder layers at model.model.layers; {type(self.model).__name__} has none"
-            )
-        for layer in layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(self.model, mesh=dp_mesh)
+        shard_model(self.model, dp_mesh)
+        if self.sharded_weights is not None:
+            load_sharded_weights(self.model, self.sharded_weights, self.device)
         self.model._r3_sharded = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

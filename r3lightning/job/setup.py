@@ -7,7 +7,9 @@ What the job builds itself, and why (everything else comes from the config as it
 * the router replay backend named by the replay callback's ``backend`` key (``hf`` / ``megatron``),
   passed to that callback as ``backend``, with ``mode`` = ``replay.mode``;
 * the model (``model._target_``) passed to the LightningModule as ``model``, with ``grpo`` and
-  ``optim`` from ``algorithm`` and ``recompute_old_logprobs`` (``replay.mode=r2``);
+  ``optim`` from ``algorithm``, ``recompute_old_logprobs`` (``replay.mode=r2``) and, when
+  ``model.sharded_weights`` is set, ``sharded_weights`` (the model is then built on the meta
+  device from ``model.path``'s config and the module loads each FSDP2 rank's shards);
 * the ``Trainer`` keywords ``max_epochs`` (= ``steps``: one epoch is one RL step),
   ``reload_dataloaders_every_n_epochs=1`` and ``callbacks`` (the ``callbacks`` dict, then the
   rollout loop and the checkpoint). Those three are refused under ``trainer.*``; any other
@@ -185,10 +187,27 @@ def model_runtime(model_cfg: DictConfig) -> Iterator[None]:
         yield
 
 
-def build_model(model_cfg: DictConfig) -> torch.nn.Module:
-    """The policy from ``model._target_`` (its keys but ``runtime`` are the factory's keywords)."""
+def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Module:
+    """The policy from ``model._target_`` (its keys but ``runtime`` and ``sharded_weights`` are the
+    factory's keywords).
+
+    ``trainer=True`` with ``sharded_weights`` set: the checkpoint's (``model.path``) model with
+    parameters on the meta device, for FSDP2 ranks that read only their shards (an embedded
+    engine needs weights, so it builds from the factory)."""
     values = plain(model_cfg)
     values.pop("runtime", None)
+    sharded = values.pop("sharded_weights", None)
+    if trainer and sharded is not None:
+        if values.get("path") is None:
+            raise JobError("model.sharded_weights needs model.path (the checkpoint's config.json)")
+        path = Path(str(values["path"])).expanduser()
+        if not (path / "config.json").is_file():
+            raise JobError(f"model.path must be a local checkpoint directory with a config.json, got {path}")
+        from ..models.sharded import meta_model
+        from .models import torch_dtype
+
+        # parameters on the meta device: each FSDP2 rank reads only its shards after sharding
+        return meta_model(path, dtype=torch_dtype(values.get("dtype", "float32"), "model.dtype"))
     model = instantiate_node(values, "model")
     if not isinstance(model, torch.nn.Module):
         raise JobError(
@@ -325,7 +344,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     from .rollout_loop import ClientConfig, OnPolicyLoop, RolloutCollector, RouteSchema, SamplingConfig
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, trainer=True)
     mode = str(cfg.replay.mode)
     backend = replay_backend(cfg, model)
     schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts)
@@ -358,8 +377,17 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
 
     buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
     datamodule = instantiate_node(cfg.data, "data", buffer=buffer)
+    extra = {}
+    if cfg.model.get("sharded_weights") is not None:  # a meta-device model: the module loads its shards
+        extra["sharded_weights"] = str(cfg.model.sharded_weights)
     module = instantiate_node(
-        cfg.module, "module", model=model, grpo=grpo, optim=optim, recompute_old_logprobs=mode == "r2"
+        cfg.module,
+        "module",
+        model=model,
+        grpo=grpo,
+        optim=optim,
+        recompute_old_logprobs=mode == "r2",
+        **extra,
     )
     if not isinstance(module, pl.LightningModule):
         raise JobError(f"module._target_ must build a LightningModule, got {type(module).__name__}")

@@ -63,6 +63,7 @@ from ..align.align import align_packed_token_metadata, build_replay_mask
 from ..align.dummy import dummy_routes
 from ..align.layout import TokenMetadataLayout
 from ..packed import PackedTensor
+from ..ragged import to_device_async
 from .backend import RouterReplayBackend, agreement_hits
 
 Mode = Literal["r3", "r2", "off"]
@@ -289,7 +290,7 @@ class RouterReplayCallback(Callback):
         backend = self.backend
         assert backend is not None
         dense, host_mask = self.align_routes(routes, layout)
-        mask = host_mask.to(dense.device, non_blocking=True)
+        mask = to_device_async(host_mask, dense.device)  # staged through page-locked memory
         self._layout, self._aligned, self._mask = layout, dense, mask
         self._record_coverage(layout, host_mask, mask, batch)
         if self.mode == "off":
