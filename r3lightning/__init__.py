@@ -53,10 +53,20 @@ _EXPORTS: dict[str, str] = {
     "collate_pool_size": ".data.cpus",
     "R3DataModule": ".data.datamodule",
     "HFRouterReplay": ".replay.hf",
-    "register_router": ".replay.hf",
+    "register_router": ".replay.hf_routers",
+    "RouterAdapter": ".replay.hf_routers",
+    "registered_router_types": ".replay.hf_routers",
+    "softmax_then_topk_weights": ".replay.hf_routers",
+    "softmax_renormalised_weights": ".replay.hf_routers",
+    "mixtral_weights": ".replay.hf_routers",
+    "sigmoid_scaled_weights": ".replay.hf_routers",
+    "softmax_scaled_weights": ".replay.hf_routers",
+    "ernie_weights": ".replay.hf_routers",
+    "softmax_over_topk_weights": ".replay.hf_routers",
     "MegatronRouterReplay": ".replay.megatron",
     "MegatronParallelism": ".replay.megatron",
     "megatron_token_layout": ".replay.megatron",
+    "megatron_padding_mask": ".replay.megatron",
     "record_routes": ".replay.context",
     "replay_routes": ".replay.context",
     "RouterReplayCallback": ".replay.callback",
@@ -99,8 +109,25 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .packed import PackedTensor
     from .replay.callback import RouterReplayCallback
     from .replay.context import record_routes, replay_routes
-    from .replay.hf import HFRouterReplay, register_router
-    from .replay.megatron import MegatronParallelism, MegatronRouterReplay, megatron_token_layout
+    from .replay.hf import HFRouterReplay
+    from .replay.hf_routers import (
+        RouterAdapter,
+        ernie_weights,
+        mixtral_weights,
+        register_router,
+        registered_router_types,
+        sigmoid_scaled_weights,
+        softmax_over_topk_weights,
+        softmax_renormalised_weights,
+        softmax_scaled_weights,
+        softmax_then_topk_weights,
+    )
+    from .replay.megatron import (
+        MegatronParallelism,
+        MegatronRouterReplay,
+        megatron_padding_mask,
+        megatron_token_layout,
+    )
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
     from .rollout.errors import (
         GenerateRequestError,

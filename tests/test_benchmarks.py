@@ -26,6 +26,12 @@ CASES = {
         "| padded [B, S]",
         "| CP shard 0/2 [1, T/2]",
     ],
+    "bench_server.py": [
+        "### /health while 4 generate bodies of 4.0 MiB arrive",
+        "| decode on the event loop",
+        "| RolloutServer, decoder thread",
+        "| RolloutServer, default cap",
+    ],
     "bench_collate.py": [
         "### U[max/16, max] typical RL",
         "| packed pool",

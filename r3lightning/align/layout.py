@@ -161,6 +161,7 @@ class TokenMetadataLayout:
         cp_size: int = 1,
         cp_rank: int = 0,
         batch_width: int | None = None,
+        pad_total_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
         """Layout of a model that sees the batch packed into one ``[1, T_local]`` row.
 
@@ -168,17 +169,25 @@ class TokenMetadataLayout:
         ``pad_to_multiple`` (Megatron: TP, or ``2 * TP * CP`` with context parallelism). With
         ``cp_size > 1`` each padded sequence is cut into ``2 * cp_size`` equal chunks and this rank
         keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` (load-balanced causal CP), so
-        ``T_local = T / cp_size``. ``batch_width`` is the width of the canonical left-padded batch
-        (default: the longest sequence). Cost: O(T_local) host ops, no Python loop; device-resident
-        ``sequence_lengths`` are read back once (a sync: pass host lengths to avoid it).
+        ``T_local = T / cp_size``. ``pad_total_to_multiple`` pads the whole unsharded row ``T`` to a
+        multiple by extending the last sequence's padding (fp8 GEMMs need aligned token counts; see
+        ``megatron_token_layout(fp8=True)``). ``batch_width`` is the width of the canonical
+        left-padded batch (default: the longest sequence). Cost: O(T_local) host ops, no Python
+        loop; device-resident ``sequence_lengths`` are read back once (a sync: pass host lengths).
         """
         multiple = check_int("pad_to_multiple", pad_to_multiple)
+        total_multiple = check_int("pad_total_to_multiple", pad_total_to_multiple)
         cp = check_int("cp_size", cp_size)
         check_rank("cp_rank", cp_rank, "cp_size", cp)
         if cp > 1 and multiple % (2 * cp):
             raise ValueError(
                 f"pad_to_multiple ({multiple}) must be a multiple of 2 * cp_size = {2 * cp}: each "
                 f"padded sequence is cut into {2 * cp} equal context-parallel chunks"
+            )
+        if total_multiple > 1 and total_multiple % multiple:
+            raise ValueError(
+                f"pad_total_to_multiple ({total_multiple}) must be a multiple of pad_to_multiple "
+                f"({multiple}): the extra padding goes to the last sequence, which stays aligned"
             )
         lengths = host_lengths(sequence_lengths, "sequence_lengths")
         longest = int(lengths.max()) if lengths.numel() else 0
@@ -189,6 +198,8 @@ class TokenMetadataLayout:
                 f"batch_width must be an int >= the longest sequence ({longest}), got {batch_width!r}"
             )
         padded = _round_up(lengths, multiple)  # [B]
+        if total_multiple > 1 and padded.numel():
+            padded[-1] += (-int(padded.sum())) % total_multiple
         cu_padded = offsets_from_lengths(padded, "padded sequence_lengths")  # [B + 1] int32
         cu_real = offsets_from_lengths(lengths, "sequence_lengths")  # [B + 1] int32
 

@@ -193,13 +193,31 @@ class RolloutCollator:
             else None
         )
         self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._executor_users: dict[ThreadPoolExecutor, int] = {}  # collations running on each pool
 
-    def _get_executor(self) -> ThreadPoolExecutor | None:
+    def _enter_executor(self) -> ThreadPoolExecutor | None:
+        """The fill pool for one collation; :meth:`close` never shuts it down under a user."""
         if self.num_threads <= 1:
             return None
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="r3-collate")
-        return self._executor
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="r3-collate")
+            executor = self._executor
+            self._executor_users[executor] = self._executor_users.get(executor, 0) + 1
+        return executor
+
+    def _exit_executor(self, executor: ThreadPoolExecutor | None) -> None:
+        if executor is None:
+            return
+        with self._executor_lock:
+            self._executor_users[executor] -= 1
+            idle = self._executor_users[executor] == 0
+            if idle:
+                del self._executor_users[executor]
+            retired = idle and executor is not self._executor  # closed while this one ran
+        if retired:
+            executor.shutdown(wait=False)  # its tasks are done: the collation waited for them
 
     def __call__(self, trajectories: Sequence[Trajectory | None]) -> RolloutBatch:
         items = list(trajectories)
@@ -220,13 +238,14 @@ class RolloutCollator:
             buffers, lease = Buffers(plain_empty), None
         else:
             buffers, lease = self.pool.acquire()
+        executor = self._enter_executor()
         try:
             fields = collate_fields(
                 items,
                 buffers,
                 pad_token_id=self.pad_token_id,
                 width_multiple=self.width_multiple,
-                executor=self._get_executor(),
+                executor=executor,
                 tasks=self.num_threads,
             )
             batch = RolloutBatch(**fields)
@@ -234,21 +253,34 @@ class RolloutCollator:
             if lease is not None:
                 lease.release()
             raise
+        finally:
+            self._exit_executor(executor)
         batch._lease = lease
         return batch
 
     def close(self) -> None:
-        """Stop the fill threads (collation still works afterwards, restarting them)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Stop the fill threads (collation still works afterwards, restarting them).
+
+        Safe while other threads collate: a pool still in use is shut down by its last user.
+        """
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+            busy = executor is not None and executor in self._executor_users
+        if executor is not None and not busy:
+            executor.shutdown(wait=True)
 
     def __getstate__(self) -> dict[str, Any]:
         # threads and pinned pages do not travel between processes
         state = self.__dict__.copy()
         state["_executor"] = None
+        del state["_executor_lock"], state["_executor_users"]
         if self.pool is not None:
             state["pool"] = PinnedBufferPool(
                 len(self.pool._slots), allocator=self.pool.allocator, recycle_after=self.pool.recycle_after
             )
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._executor_lock = threading.Lock()
+        self._executor_users = {}

@@ -449,11 +449,18 @@ class R3DataModule(pl.LightningDataModule):
         continues the saved epoch after its consumed batches."""
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"R3DataModule state version {state.get('version')!r} is not {_STATE_VERSION}")
-        self.buffer.load_state_dict(state["buffer"])
-        self._cursor = _Cursor(**state["cursor"])
-        self._plan = None if state["plan"] is None else _Plan(**state["plan"])
+        missing = [key for key in ("buffer", "cursor", "plan", "snapshot") if key not in state]
+        if missing:
+            raise ValueError(f"R3DataModule state lacks {missing}")
+        # everything is checked before anything changes: a bad state leaves buffer and position
+        try:
+            cursor = _Cursor(**state["cursor"])
+            plan = None if state["plan"] is None else _Plan(**state["plan"])
+        except TypeError as err:
+            raise ValueError(f"R3DataModule state cursor / plan do not match this version: {err}") from None
+        snapshot = None
         if state["snapshot"] is not None:
-            self._snapshot = tuple(unpack_trajectories(state["snapshot"]))
-            self._snapshot_restored = True
-        else:
-            self._snapshot, self._snapshot_restored = None, False
+            snapshot = tuple(unpack_trajectories(state["snapshot"], where="R3DataModule state snapshot"))
+        self.buffer.load_state_dict(state["buffer"])  # validates before it changes anything
+        self._cursor, self._plan = cursor, plan
+        self._snapshot, self._snapshot_restored = snapshot, snapshot is not None

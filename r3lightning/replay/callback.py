@@ -65,34 +65,11 @@ from ..align.layout import TokenMetadataLayout
 from ..packed import PackedTensor
 from ..ragged import to_device_async
 from .backend import RouterReplayBackend, agreement_hits
+from .batch_fields import batch_field, host_attention_mask
 
 Mode = Literal["r3", "r2", "off"]
 LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> layout
 _MODES = ("r3", "r2", "off")
-
-
-def batch_field(batch: Any, name: str) -> Any:
-    """``batch.name`` for a ``RolloutBatch`` (or any object), ``batch[name]`` for a mapping."""
-    if isinstance(batch, dict):
-        return batch.get(name)
-    return getattr(batch, name, None)
-
-
-def host_attention_mask(batch: Any) -> Tensor:
-    """The batch's ``[B, S]`` left-padded attention mask on the host.
-
-    Rebuilt from ``batch.lengths_host()`` when the batch carries host lengths (``RolloutBatch``),
-    so no device->host sync is needed for a batch already on the GPU; otherwise copied back.
-    """
-    attention_mask = batch_field(batch, "attention_mask")
-    if attention_mask is None:
-        raise ValueError("RouterReplayCallback needs batch.attention_mask ([B, S] bool, left-padded)")
-    lengths_host = getattr(batch, "lengths_host", None)
-    if callable(lengths_host):
-        lengths = lengths_host()[0]
-        width = attention_mask.shape[1]
-        return torch.arange(width)[None, :] >= (width - lengths)[:, None]
-    return attention_mask.detach().cpu()
 
 
 def _set_batch_field(batch: Any, name: str, value: Any) -> None:

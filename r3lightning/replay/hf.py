@@ -15,154 +15,44 @@ recomputation replays exactly what the first forward replayed, and FSDP2 ``fully
 keeps module identity, needs nothing special. Recompute passes are neither recorded nor counted
 in the routing stats.
 
-Other router types are supported through :func:`register_router`.
+Other router types are supported through :func:`~r3lightning.replay.hf_routers.register_router`.
 """
 
 from __future__ import annotations
 
-import importlib
-import re
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .backend import agreement_hits, in_recompute, routes_on_all_layers, validate_routes_for_install
 
-# (router module, live logits [N, E], expert ids [N, K] int64) -> gate weights [N, K]
-GateWeightsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class RouterAdapter:
-    """How to replay one router module type.
-
-    The router's forward must return a tuple holding the logits, the gate weights and the expert
-    indices at ``output_positions`` (in that order); ``gate_weights`` recomputes the weights for
-    given indices exactly as the router itself does after its top-k selection.
-    """
-
-    gate_weights: GateWeightsFn
-    top_k_attr: str = "top_k"
-    num_experts_attr: str = "num_experts"
-    output_positions: tuple[int, int, int] = (0, 1, 2)
-
-
-def softmax_then_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Qwen3-MoE, Qwen2-MoE, OLMoE: softmax over all experts, optional top-k renormalisation."""
-    weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
-    if router.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype)
-
-
-def mixtral_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Mixtral: fp32 softmax over all experts, always renormalised over the top-k, kept in fp32."""
-    weights = F.softmax(logits.float(), dim=-1).gather(-1, indices)
-    return weights / weights.sum(dim=-1, keepdim=True)
-
-
-def sigmoid_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """DeepSeek-V3: sigmoid scores; the selection-only ``e_score_correction_bias`` and group
-    limit play no part in the weights; optional renormalisation, then ``routed_scaling_factor``."""
-    weights = logits.sigmoid().gather(1, indices)
-    if router.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * router.routed_scaling_factor
-
-
-def softmax_over_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """gpt-oss: softmax over the selected logits only."""
-    top = logits.gather(-1, indices)
-    return F.softmax(top, dim=1, dtype=top.dtype)
-
-
-_ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
-
-# (transformers module, router class, adapter) of the built-in families; imported lazily so
-# that a transformers build without one of them still serves the others.
-_BUILTIN: tuple[tuple[str, str, RouterAdapter], ...] = (
-    ("qwen3_moe", "Qwen3MoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
-    ("qwen2_moe", "Qwen2MoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
-    ("olmoe", "OlmoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
-    ("mixtral", "MixtralTopKRouter", RouterAdapter(mixtral_weights)),
-    ("deepseek_v3", "DeepseekV3TopkRouter", RouterAdapter(sigmoid_scaled_weights)),
-    ("gpt_oss", "GptOssTopKRouter", RouterAdapter(softmax_over_topk_weights)),
+# The router adapter registry lives in hf_routers; these names stay importable from here.
+from .hf_routers import (
+    GateWeightsFn,
+    RouterAdapter,
+    _adapter_for,
+    _load_builtins,
+    find_routers,
+    mixtral_weights,
+    register_router,
+    sigmoid_scaled_weights,
+    softmax_over_topk_weights,
+    softmax_then_topk_weights,
 )
-_builtins_loaded = False
 
-
-def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> None:
-    """Make ``HFRouterReplay`` find and replay routers of ``module_type`` (exact type or subclass)."""
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
-    if not isinstance(adapter, RouterAdapter):
-        raise TypeError(f"adapter must be a RouterAdapter, got {type(adapter).__name__}")
-    _ADAPTERS[module_type] = adapter
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    for family, class_name, adapter in _BUILTIN:
-        try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:
-            continue
-        router_cls = getattr(module, class_name, None)
-        if router_cls is not None:
-            _ADAPTERS.setdefault(router_cls, adapter)
-    _builtins_loaded = True
-
-
-def _adapter_for(module: nn.Module) -> RouterAdapter | None:
-    for cls in type(module).__mro__:  # FSDP2 swaps in a subclass of the router's own class
-        if cls in _ADAPTERS:
-            return _ADAPTERS[cls]
-    return None
-
-
-_LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
-
-
-def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdapter]]:
-    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer.
-
-    The layer is the ``<i>`` of the innermost ``layers.<i>.`` in the router's qualified name (the
-    Hugging Face decoder-layer list); routers outside such a list, several routers on one layer,
-    or none at all raise ``ValueError`` naming the model class.
-    """
-    _load_builtins()
-    found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
-    for name, module in model.named_modules():
-        adapter = _adapter_for(module)
-        if adapter is None:
-            continue
-        match = _LAYER_RE.search(f".{name}.")
-        if match is None:
-            raise ValueError(
-                f"router {name!r} ({type(module).__name__}) is not inside a 'layers.<i>' module list; "
-                "cannot tell its decoder-layer index"
-            )
-        found.append((int(match.group(1)), name, module, adapter))
-    if not found:
-        known = sorted(cls.__name__ for cls in _ADAPTERS)
-        raise ValueError(
-            f"no MoE router found in {type(model).__name__}; supported router types: {known}. "
-            "Register other router types with r3lightning.replay.hf.register_router()."
-        )
-    found.sort(key=lambda item: item[0])
-    layers = [layer for layer, *_ in found]
-    if len(set(layers)) != len(layers):
-        raise ValueError(
-            f"several routers of {type(model).__name__} map to the same decoder layer "
-            f"({[name for _, name, *_ in found]}); pass the single MoE model whose routes are replayed"
-        )
-    return found
+__all__ = [
+    "GateWeightsFn",
+    "HFRouterReplay",
+    "RouterAdapter",
+    "find_routers",
+    "mixtral_weights",
+    "register_router",
+    "sigmoid_scaled_weights",
+    "softmax_over_topk_weights",
+    "softmax_then_topk_weights",
+]
 
 
 @dataclass
