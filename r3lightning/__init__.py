@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "decode_routes": ".rollout.wire",
     "RemoteGenerateClient": ".rollout.client",
     "RemoteGenerateResult": ".rollout.client",
+    "engine_sampling_params": ".rollout.client_protocol",
     "RemoteGenerateError": ".rollout.errors",
     "RetryableGenerateError": ".rollout.errors",
     "GenerateRequestError": ".rollout.errors",
@@ -70,6 +71,8 @@ _EXPORTS: dict[str, str] = {
     "record_routes": ".replay.context",
     "replay_routes": ".replay.context",
     "RouterReplayCallback": ".replay.callback",
+    "ExpertLoadMonitor": ".expert_load",
+    "expert_load_stats": ".expert_load",
     "tiny_moe_config": ".models.tiny",
     "build_tiny_moe": ".models.tiny",
     "meta_model": ".models.sharded",
@@ -104,6 +107,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     from .data.cpus import collate_pool_size, usable_cpu_count
     from .data.datamodule import R3DataModule
     from .data.trajectory import Trajectory
+    from .expert_load import ExpertLoadMonitor, expert_load_stats
     from .models.sharded import convert_checkpoint, load_sharded_weights, meta_model
     from .models.tiny import build_tiny_moe, tiny_moe_config
     from .packed import PackedTensor
@@ -129,6 +133,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
         megatron_token_layout,
     )
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
+    from .rollout.client_protocol import engine_sampling_params
     from .rollout.errors import (
         GenerateRequestError,
         MalformedResponseError,

@@ -106,7 +106,15 @@ def test_fsdp_trainer_instantiates_its_strategy():
         (["prompts_per_step=two"], "prompts_per_step must be an integer >= 1, got 'two'"),
         (["algorithm.group_size=1"], "algorithm.group_size must be an integer >= 2, got 1"),
         (["replay.mode=r4"], "replay.mode must be one of \\['r3', 'r2', 'off'\\], got 'r4'"),
-        (["rollout.protocol=grpc"], "rollout.protocol must be one of \\['skyrl', 'sglang'\\]"),
+        (
+            ["rollout.protocol=grpc"],
+            "rollout.protocol must be one of \\['skyrl', 'vllm', 'sglang', 'openai'\\]",
+        ),
+        (
+            ["rollout.protocol=vllm"],
+            "rollout.protocol=vllm needs rollout.url .* speaks \\['skyrl', 'sglang'\\]",
+        ),
+        (["rollout=openai"], "rollout.protocol=openai needs rollout.url"),
         (["rollout.url=localhost:30000"], "rollout.url must be null .* got 'localhost:30000'"),
         (["algorithm.optim.lr=-1"], "algorithm.optim.lr must be a number > 0, got -1"),
         (["compare=[r3,r5]"], "compare entries must be replay modes"),

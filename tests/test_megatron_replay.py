@@ -604,3 +604,16 @@ def test_two_tensor_parallel_ranks_route_their_sequence_halves(tmp_path):
                 for expert in experts:
                     expected[expert] += 1
         assert report["expert_counts"] == expected
+
+
+def test_dense_layer_zero_rows_install_but_not_on_an_moe_layer(block):
+    """An engine's all-zero dense-layer rows are never looked at; on an MoE layer they repeat expert 0."""
+    backend = MegatronRouterReplay(block)  # validate=True
+    routes = dummy_routes(5, LAYERS, TOP_K, EXPERTS).reshape(1, 5, LAYERS, TOP_K)
+    routes[..., 0, :] = 0  # layer 0 is dense
+    backend.install(routes)
+    backend.clear()
+    routes[0, 2, 1] = 0
+    with pytest.raises(ValueError, match="repeat an expert within a token's top_k on a replayed MoE layer"):
+        backend.install(routes)
+    backend.clear()

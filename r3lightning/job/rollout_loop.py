@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..data.trajectory import Trajectory
 from ..rollout.client import RemoteGenerateClient
-from ..rollout.client_protocol import RouteSchema
+from ..rollout.client_protocol import RouteSchema, engine_sampling_params
 from ..rollout.errors import MalformedResponseError
 from ..trace import RoutedExpertTrace
 from .grpo import group_advantages
@@ -42,20 +42,20 @@ class SamplingConfig:
     top_k: int = -1
     max_new_tokens: int = 4
     ignore_eos: bool = True
+    stop_token_ids: list[int] | None = None  # e.g. the tokenizer's end-of-turn ids
 
     def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
         """The request's ``sampling_params`` in ``protocol``'s field names."""
-        params: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "ignore_eos": self.ignore_eos,
-        }
-        if protocol == "sglang":
-            params.update(max_new_tokens=self.max_new_tokens, sampling_seed=seed)
-        else:
-            params.update(max_tokens=self.max_new_tokens, seed=seed)
-        return params
+        return engine_sampling_params(
+            protocol,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 @dataclass

@@ -50,7 +50,8 @@ def is_global_zero() -> bool:
 
 
 _MODES = ("r3", "r2", "off")
-_PROTOCOLS = ("skyrl", "sglang")
+_PROTOCOLS = ("skyrl", "vllm", "sglang", "openai")
+_EMBEDDED_PROTOCOLS = ("skyrl", "sglang")  # what the embedded engine speaks
 # Trainer keywords the job must set itself: the key, and what to use instead
 _JOB_TRAINER_KEYS = {
     "max_epochs": "steps (one epoch is one RL step)",
@@ -110,6 +111,11 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.rollout.protocol not in _PROTOCOLS:
         raise JobError(f"rollout.protocol must be one of {list(_PROTOCOLS)}, got {cfg.rollout.protocol!r}")
     url = cfg.rollout.url
+    if url is None and cfg.rollout.protocol not in _EMBEDDED_PROTOCOLS:
+        raise JobError(
+            f"rollout.protocol={cfg.rollout.protocol} needs rollout.url (the engine's http://host:port); "
+            f"the embedded engine speaks {list(_EMBEDDED_PROTOCOLS)}"
+        )
     if url is None and cfg.rollout.get("require_url", False):
         raise JobError("rollout.url must be set to the engine's http://host:port (rollout.require_url=true)")
     if url is not None and not str(url).startswith(("http://", "https://")):
