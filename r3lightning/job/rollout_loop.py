@@ -28,7 +28,6 @@ from torch import Tensor
 from ..data.trajectory import Trajectory
 from ..rollout.client import RemoteGenerateClient
 from ..rollout.client_protocol import RouteSchema, engine_sampling_params
-from ..rollout.errors import MalformedResponseError
 from ..trace import RoutedExpertTrace
 from .grpo import group_advantages
 from .report import AGREEMENT_PREFIX, write_csv
@@ -181,12 +180,6 @@ class RolloutCollector:
         response = list(result.response_ids)
         routes = None
         if self.request_routes:
-            if result.routed_experts is None:
-                raise MalformedResponseError(
-                    f"the rollout engine at {self.client_config.url} returned no routed experts; start it "
-                    "with --enable-return-routed-experts (SGLang, vLLM), or train with replay=r2 "
-                    "(routes recorded by the trainer)"
-                )
             trace = RoutedExpertTrace(self.schema.num_layers, self.schema.top_k, self.schema.num_experts)
             trace.record_generation(len(prompt), len(response), result.routed_experts)
             routes = trace.finalize(len(prompt) + len(response))
