@@ -2,7 +2,8 @@
 
 The package follows the data flow of a route, from the rollout engine to the router:
 
-    rollout/  HTTP client, wire codec and an embedded rollout server
+    rollout/  HTTP client, wire codec, rollout collection over many engines and ranks, and an
+              embedded rollout server
     packed    PackedTensor: the ragged container every token-aligned field travels in
     routes    compact integer dtypes of expert ids, shared by every stage
     trace     routes accumulated across the turns of one trajectory
@@ -46,6 +47,14 @@ _EXPORTS: dict[str, str] = {
     "MalformedResponseError": ".rollout.errors",
     "RetriesExhaustedError": ".rollout.errors",
     "RolloutServer": ".rollout.server",
+    "RolloutCollector": ".rollout.collector",
+    "CollectedRollouts": ".rollout.collector",
+    "EnginesUnavailableError": ".rollout.collector",
+    "RolloutPrompt": ".rollout.prompts",
+    "SamplingConfig": ".rollout.prompts",
+    "sampling_seed": ".rollout.prompts",
+    "text_reward": ".rollout.prompts",
+    "RolloutStats": ".rollout.stats",
     "Trajectory": ".data.trajectory",
     "ReplayBuffer": ".data.buffer",
     "RolloutBatch": ".data.batch",
@@ -134,6 +143,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
     )
     from .rollout.client import RemoteGenerateClient, RemoteGenerateResult
     from .rollout.client_protocol import engine_sampling_params
+    from .rollout.collector import CollectedRollouts, EnginesUnavailableError, RolloutCollector
     from .rollout.errors import (
         GenerateRequestError,
         MalformedResponseError,
@@ -141,7 +151,9 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
         RetriesExhaustedError,
         RetryableGenerateError,
     )
+    from .rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed, text_reward
     from .rollout.server import RolloutServer
+    from .rollout.stats import RolloutStats
     from .rollout.wire import decode_routes, encode_routes
     from .routes import compact_route_dtype
     from .trace import RoutedExpertTrace, TokenMetadataTrace

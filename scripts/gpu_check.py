@@ -474,8 +474,8 @@ def check_hf(device: torch.device, variant: str) -> dict[str, Any]:
         name, version = "memory", 0
 
         def log_metrics(self, metrics, step=None):
-            if "router_replay/agreement" in metrics:
-                agreement.append(float(metrics["router_replay/agreement"]))
+            if "router_replay/native_agreement" in metrics:
+                agreement.append(float(metrics["router_replay/native_agreement"]))
 
         def log_hyperparams(self, *args, **kwargs):
             pass

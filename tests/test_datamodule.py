@@ -429,6 +429,7 @@ def test_settings_are_saved_as_hparams_and_in_checkpoints(tmp_path):
         "drop_last": False,
         "pad_token_id": 0,
         "width_multiple": 1,
+        "shard": True,
     }
     assert dict(datamodule.hparams) == expected
     fit = trainer(max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)

@@ -160,8 +160,8 @@ def _records(agreement: float, n: int = 5):
             "reward": 0.5 + 0.1 * i,
             "k3_kl": 1e-4 * (i + 1),
             "ratio_out_of_band": 0.01 * i,
-            "agreement/layer_1": agreement,
-            "agreement/layer_2": agreement - 0.02 * (agreement < 1),
+            "used_agreement/layer_1": agreement,
+            "used_agreement/layer_2": agreement - 0.02 * (agreement < 1),
         }
         for i in range(n)
     ]

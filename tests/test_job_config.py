@@ -166,7 +166,7 @@ async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
     source.mkdir()
     (source / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     target = tmp_path / "shared"
-    push = _sglang_disk_push(url, None, 10.0, target, str(source))
+    push = _sglang_disk_push([url], None, 10.0, target, str(source))
     state = {"lm_head.weight": torch.randn(3, 2), "model.norm.weight": torch.arange(4.0)}
     try:
         await asyncio.to_thread(push, state)
@@ -191,7 +191,7 @@ def test_external_engine_weight_sync_follows_the_protocol(tmp_path, monkeypatch)
     url = ["rollout.url=http://10.0.0.1:30000/"]
     sglang = [*url, "rollout.protocol=sglang"]
     with embedded_server(compose_config([*url, "rollout=skyrl"])) as engine:
-        assert engine.url == "http://10.0.0.1:30000" and engine.push is not None and engine.gather
+        assert engine.urls == ["http://10.0.0.1:30000"] and engine.push is not None and engine.gather
     with embedded_server(compose_config([*sglang, f"rollout.weight_sync_dir={tmp_path}"])) as engine:
         assert engine.push is not None and engine.gather
     with (
@@ -205,7 +205,7 @@ def test_external_engine_weight_sync_follows_the_protocol(tmp_path, monkeypatch)
     with embedded_server(compose_config([*url, "rollout=skyrl"])) as engine:
         assert engine.push is None and engine.gather
     with embedded_server(compose_config([])) as engine:  # the embedded server runs on rank 0 only
-        assert engine.url is None and engine.push is None and engine.gather
+        assert engine.urls is None and engine.push is None and engine.gather
 
 
 # ---------------------------------------------------------------------------- _target_ and values
@@ -316,7 +316,8 @@ def test_help_lists_groups_options_and_yaml_comments():
         "RL steps; each = one rollout of the current policy + one pass of updates"
     )
     assert line_of("callbacks.router_replay.strict=false").endswith(
-        "true: raise instead of routing natively when routes are missing"
+        "true: raise instead of routing natively when routes are missing (the job: replay.strict wins "
+        "when set; r3 with an external engine is strict)"  # a comment continued on the next line
     )
     assert line_of("rollout.weight_sync_dir=null").endswith(
         "sglang: a directory the engine can read; weights are saved there and loaded with POST "
@@ -402,10 +403,13 @@ def test_callbacks_dict_entries_are_built_in_order_and_null_drops_one():
     backend = replay_backend(cfg, build_model(cfg.model))
     replay, monitor = _callbacks(cfg, backend, "off")
     assert isinstance(replay, RouterReplayCallback) and replay.backend is backend and replay.mode == "off"
-    assert replay.log_agreement is False  # off: the module measures agreement by recording
+    assert replay.strict is False  # the callback's own setting with the embedded engine
     assert isinstance(monitor, LearningRateMonitor) and monitor.logging_interval == "step"
     (only,) = _callbacks(compose_config([*extra, "callbacks.router_replay=null"]), backend, "r3")
     assert isinstance(only, LearningRateMonitor)
+    external = ["rollout.url=http://10.0.0.1:30000"]
+    assert _callbacks(compose_config(external), backend, "r3")[0].strict is True  # must return routes
+    assert _callbacks(compose_config([*external, "replay.strict=false"]), backend, "r3")[0].strict is False
 
 
 def test_model_factories_take_dtype_and_attention_keywords(tmp_path):

@@ -14,7 +14,6 @@ import pytest
 
 from r3lightning.job.main import compose_config, main, run
 from r3lightning.job.report import agreement_keys, read_csv, summarize
-from r3lightning.job.rollout_loop import _step_seed
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -35,10 +34,16 @@ def test_main_job_learns_with_full_agreement_under_replay(tmp_path):
     assert summary["reward_start"] < 0.65
     assert summary["reward_end"] > summary["reward_start"] + 0.2, [r["reward"] for r in history]
     # every MoE layer (1..3; layer 0 is dense) of every step used exactly the engine's experts
-    assert {k for r in history for k in agreement_keys(r)} == {f"agreement/layer_{i:02d}" for i in (1, 2, 3)}
+    assert {k for r in history for k in agreement_keys(r)} == {
+        f"used_agreement/layer_{i:02d}" for i in (1, 2, 3)
+    }
     assert len(_agreements(history)) == 3 * cfg.steps and all(a == 1.0 for a in _agreements(history))
-    # bf16 engine vs fp32 trainer on the same weights: small but nonzero mismatch
-    assert all(0.0 < r["k3_kl"] < 1e-2 for r in history)
+    # bf16 engine vs fp32 trainer on the same weights: small but nonzero mismatch (heavy-tailed
+    # over steps: a sharpened policy's rare sampled tokens weigh in, so the median is bounded
+    # tightly and the worst step loosely)
+    k3 = sorted(r["k3_kl"] for r in history)
+    assert k3[0] > 0.0 and k3[len(k3) // 2] < 1e-3 and k3[-1] < 5e-2
+    assert history[0]["k3_kl"] < 1e-3
     assert all(r["ratio_out_of_band"] < 0.01 for r in history)
     # outputs in the run directory
     assert read_csv(tmp_path / "replay_r3" / "metrics.csv") == history  # repr round-trips floats
@@ -72,7 +77,7 @@ def test_replay_r2_records_in_the_old_policy_forward_and_replays_it(tmp_path):
     # every real token of both steps replayed the routes of the trainer's own old-policy forward
     assert len(logged) == 2
     assert all(float(r["router_replay/replayed_fraction"]) == 1.0 for r in logged)
-    assert all(float(r["router_replay/agreement"]) == 1.0 for r in logged)
+    assert all(float(r["router_replay/native_agreement"]) == 1.0 for r in logged)
 
 
 def test_external_engine_sglang_protocol(tmp_path):
@@ -98,52 +103,6 @@ def test_external_engine_sglang_protocol(tmp_path):
     # its mismatch is much larger than step 0's
     assert server.engine.weight_version == 0
     assert history[1]["k3_kl"] > 100 * history[0]["k3_kl"]
-
-
-def test_collector_scores_trajectories_and_replays_deterministically():
-    import torch
-
-    from r3lightning.job.grpo import group_advantages
-    from r3lightning.job.rollout_loop import ClientConfig, RolloutCollector, RouteSchema, SamplingConfig
-    from r3lightning.job.task import TokenClassTask
-    from r3lightning.models.tiny import build_tiny_moe
-    from r3lightning.rollout.server import RolloutServer
-
-    task = TokenClassTask(vocab_size=96, prompt_length=6, response_length=4)
-    with RolloutServer(build_tiny_moe(seed=0), max_batch_size=64, copy_model=False) as server:
-
-        def collector(request_routes: bool) -> RolloutCollector:
-            return RolloutCollector(
-                ClientConfig(server.url),
-                task,
-                group_size=4,
-                sampling=SamplingConfig(max_new_tokens=4),
-                schema=RouteSchema(num_layers=4, top_k=2, num_experts=8),
-                request_routes=request_routes,
-                seed=7,
-            )
-
-        first, stats = collector(True).collect(3, 2, progress=False)
-        again, _ = collector(True).collect(3, 2, progress=False)
-        no_routes, _ = collector(False).collect(3, 2, progress=False)
-    assert len(first) == 8
-    prompts = task.sample_prompts(2, torch.Generator().manual_seed(_step_seed(7, 3)))
-    rewards = []
-    for i, t in enumerate(first):
-        assert t.prompt_ids.tolist() == prompts[i // 4] and t.response_length == 4
-        # one route row per forwarded token: prompt (6) + response (4) - the last sampled token
-        assert t.routed_experts.shape == (9, 4, 2) and t.routed_experts.dtype == torch.uint8
-        assert not t.routed_experts[:, 0].any()  # layer 0 is dense: no routes
-        assert t.reward == task.reward(t.prompt_ids.tolist(), t.response_ids.tolist())
-        rewards.append(t.reward)
-        assert t.rollout_logprobs.shape == (4,) and bool((t.rollout_logprobs < 0).all())
-    expected = group_advantages(torch.tensor(rewards), 4).tolist()
-    assert [t.advantage for t in first] == pytest.approx(expected, abs=1e-6)
-    assert stats["reward"] == pytest.approx(sum(rewards) / 8)
-    # per-(seed, step, sample) sampling seeds: the same step samples the same rollouts again
-    assert [t.response_ids.tolist() for t in again] == [t.response_ids.tolist() for t in first]
-    assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(first, again, strict=True))
-    assert all(t.routed_experts is None for t in no_routes)
 
 
 def test_bad_override_is_one_line(tmp_path, capsys):
@@ -235,7 +194,9 @@ def test_megatron_backend_through_the_job(tmp_path, monkeypatch):
     history = run(cfg, tmp_path)["replay=r3"]
     assert [r["step"] for r in history] == [0, 1]
     # layers 1..3 are megatron MoELayers (layer 0 dense): each used exactly the engine's experts
-    assert {k for r in history for k in agreement_keys(r)} == {f"agreement/layer_{i:02d}" for i in (1, 2, 3)}
+    assert {k for r in history for k in agreement_keys(r)} == {
+        f"used_agreement/layer_{i:02d}" for i in (1, 2, 3)
+    }
     assert all(a == 1.0 for a in _agreements(history))
     assert all(0.0 < r["k3_kl"] < 1e-2 for r in history)  # bf16 engine vs fp32 trainer
     # one install per MoE layer and training step: the [S * B, top_k] rows of the padded batch

@@ -726,4 +726,4 @@ def test_lightning_training_forwards_replay_every_captured_route(rollouts: Rollo
                     replayed += 1
         assert replayed == sum(len(r.rows) for r in references)
     for layer in MOE_LAYERS:
-        assert float(trainer.callback_metrics[f"agreement/layer_{layer:02d}"]) == 1.0
+        assert float(trainer.callback_metrics[f"used_agreement/layer_{layer:02d}"]) == 1.0

@@ -34,7 +34,9 @@ Rank ``r`` takes every ``world``-th index of the epoch's permutation, draws only
 trajectories and collates only its own batches, once per batch, in the DataLoader's
 ``collate_fn``. Shards are disjoint; with ``drop_last=False`` they are evened out with placeholder
 trajectories (zero loss), never with repeated samples, so every rank runs the same number of
-equally sized steps.
+equally sized steps. With ``shard=False`` each rank draws its whole buffer instead: for buffers
+that already hold only that rank's trajectories (filled per rank by ``RolloutCollector``, which
+gives every rank the same number of them).
 
 Resuming: a batch counts as consumed when it is moved to the device for a training step
 (``transfer_batch_to_device`` while the trainer is training: never for validation, test,
@@ -211,6 +213,9 @@ class R3DataModule(pl.LightningDataModule):
             CPU target nothing is moved, so forcing ``True`` there only costs pool misses.
         drop_last: drop each rank's last incomplete batch (and the tail that does not divide
             evenly among ranks) instead of evening shards out with placeholders.
+        shard: split the buffers among the data-parallel ranks; ``False`` when every rank's
+            buffers already hold only its own trajectories (per-rank rollout collection): each
+            rank then reads its training and eval buffers whole.
         pad_token_id: id at ``input_ids`` padding positions and in placeholders.
         width_multiple: round each batch's padded width up to a multiple of this.
         eval_buffer: trajectories for ``val_dataloader`` / ``test_dataloader`` /
@@ -233,6 +238,7 @@ class R3DataModule(pl.LightningDataModule):
         pad_token_id: int = 0,
         width_multiple: int = 1,
         eval_buffer: ReplayBuffer | None = None,
+        shard: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(buffer, ReplayBuffer):
@@ -248,7 +254,12 @@ class R3DataModule(pl.LightningDataModule):
         check_int("pad_token_id", pad_token_id, 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory)):
+        for name, flag in (
+            ("shuffle", shuffle),
+            ("drop_last", drop_last),
+            ("pin_memory", pin_memory),
+            ("shard", shard),
+        ):
             if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
                 expected = "a bool or None" if name == "pin_memory" else "a bool"
                 raise ValueError(f"{name} must be {expected}, got {flag!r}")
@@ -263,6 +274,7 @@ class R3DataModule(pl.LightningDataModule):
         self.drop_last = drop_last
         self.pad_token_id = pad_token_id
         self.width_multiple = width_multiple
+        self.shard = shard
         self._cursor = _Cursor()
         self._plan: _Plan | None = None  # the plan of the epoch in progress
         self._snapshot: tuple[Trajectory, ...] | None = None
@@ -291,7 +303,10 @@ class R3DataModule(pl.LightningDataModule):
         """Nothing to prepare: the buffer is filled by the caller, and read per dataloader."""
 
     def _data_parallel(self) -> tuple[int, int]:
-        """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``."""
+        """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``;
+        (1, 0) when the buffer is this rank's own (``shard=False``)."""
+        if not self.shard:
+            return 1, 0
         trainer = self.trainer
         if trainer is not None:
             kwargs = trainer.distributed_sampler_kwargs

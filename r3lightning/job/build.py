@@ -18,9 +18,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from .common import JobError
 
-class JobError(Exception):
-    """A problem the user can fix (configuration, engine address, checkpoint); reported as one line."""
+__all__ = ["JobError", "dataclass_from", "instantiate_node", "locate", "plain", "tensorboard_if_installed"]
 
 
 def _one_line(text: str) -> str:

@@ -37,8 +37,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .build import JobError
-from .setup import CONF_DIR, is_global_zero
+from .common import JobError, is_global_zero
+from .setup import CONF_DIR
 
 PROG = "r3lightning-train"
 # Hydra flags that take a value, and those the pre-check understands

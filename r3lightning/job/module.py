@@ -5,8 +5,9 @@ routers through the ``RouterReplayCallback`` (which installs them before each tr
 and rollouts come from the data module. Batches are left-padded ``RolloutBatch`` es.
 
 Routing agreement is measured, not assumed: when the batch carries the rollout engine's routes,
-the experts each MoE layer *actually used* in the training forward are recorded and compared
-with the engine's, per layer, over the tokens that have a captured route (100% under R3).
+``used_agreement/layer_XX`` is the share of the engine's experts that each MoE layer *actually
+used* in the training forward, over the tokens that have a captured route (100% under R3),
+counted on device by the replay backend's router hooks (no second recording, no host sync).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from torch import Tensor, nn
 
 from ..align.layout import position_ids_from_mask
 from ..replay.callback import RouterReplayCallback
-from ..replay.context import record_routes
 from .grpo import GRPOConfig, mismatch_metrics, policy_loss, token_logprobs
 
 
@@ -99,13 +99,9 @@ class GRPOModule(pl.LightningModule):
             guard = callback.old_policy_forward(batch) if callback is not None else contextlib.nullcontext()
             with guard, torch.no_grad():
                 old_logprobs = self.batch_logprobs(batch)
-        rollout_routes = batch.routed_experts if callback is not None and callback.mode != "r2" else None
-        if self.measure_agreement and rollout_routes is not None and callback.backend is not None:
-            with record_routes(callback.backend) as recording:
-                logprobs = self.batch_logprobs(batch)  # [B, S]
-            self._log_agreement(callback, recording.routes)
-        else:
-            logprobs = self.batch_logprobs(batch)
+        logprobs = self.batch_logprobs(batch)  # [B, S]
+        if self.measure_agreement and callback is not None and callback.mode != "r2":
+            self._log_agreement(callback, len(batch))
         loss_mask = batch.loss_mask.to(logprobs.dtype)
         loss, stats = policy_loss(
             logprobs,
@@ -140,22 +136,23 @@ class GRPOModule(pl.LightningModule):
         )
         return loss
 
-    def _log_agreement(self, callback: RouterReplayCallback, used: Tensor) -> None:
-        """Log ``agreement/layer_XX``: fraction of the rollout's expert slots that the training
-        forward used, per MoE layer, over the tokens with a captured route (epoch-weighted by
-        that token count). One device->host sync (the row count)."""
+    def _log_agreement(self, callback: RouterReplayCallback, batch_size: int) -> None:
+        """Log ``used_agreement/layer_XX``: share of the rollout's expert slots that the training
+        forward used, per MoE layer, over the tokens with a captured route (0 without one), from
+        the callback's on-device counts. Every rank logs every layer; no host sync."""
+        counts = callback.routing_counts()
         backend = callback.backend
-        hits, rows = callback.agreement_with_routes(used)  # [moe_layers]
-        if rows == 0:
+        if counts is None or backend is None:
             return
-        fractions = hits / (rows * backend.top_k)
-        for layer, value in zip(backend.moe_layers, fractions, strict=True):
+        slots = (counts["route_rows"] * backend.top_k).clamp(min=1)
+        fractions = counts["used_hits"].double() / slots  # [moe_layers]
+        for layer, value in zip(backend.moe_layers, fractions.unbind(0), strict=True):
             self.log(
-                f"agreement/layer_{layer:02d}",
-                value,
+                f"used_agreement/layer_{layer:02d}",
+                value.float(),
                 on_step=False,
                 on_epoch=True,
-                batch_size=rows,
+                batch_size=batch_size,
                 sync_dist=self._distributed,
             )
 

@@ -24,29 +24,23 @@ Kept apart from ``main.py`` so that tests and notebooks can build a run from a c
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .build import JobError, dataclass_from, instantiate_node, locate, plain
+from .build import dataclass_from, instantiate_node, locate, plain
+from .common import JobError, is_global_zero
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .rollout_loop import Engine
 
 __all__ = ["CONF_DIR", "JobError", "build_model", "check_config", "is_global_zero", "train_one"]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # shipped inside the package
-
-
-def is_global_zero() -> bool:
-    """Rank 0 of a (possibly not yet launched) multi-process run, from the launcher's env vars."""
-    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
-    return rank == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
 
 
 _MODES = ("r3", "r2", "off")
@@ -94,6 +88,7 @@ def replay_callback_settings(cfg: DictConfig) -> DictConfig | None:
 
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before anything is built; messages name the key and what it expects."""
+    from ..rollout.prompts import SamplingConfig
     from .grpo import GRPOConfig
     from .module import OptimConfig
 
@@ -118,8 +113,11 @@ def check_config(cfg: DictConfig) -> None:
         )
     if url is None and cfg.rollout.get("require_url", False):
         raise JobError("rollout.url must be set to the engine's http://host:port (rollout.require_url=true)")
-    if url is not None and not str(url).startswith(("http://", "https://")):
-        raise JobError(f"rollout.url must be null (embedded engine) or http(s)://host:port, got {url!r}")
+    urls = list(url) if isinstance(url, ListConfig) else [url]
+    if url is not None and not (urls and all(str(u).startswith(("http://", "https://")) for u in urls)):
+        raise JobError(
+            f"rollout.url must be null (embedded engine), http(s)://host:port or a list of them, got {url!r}"
+        )
     _positive_number(cfg, "rollout.request_timeout_s")
     _int(cfg, "rollout.max_in_flight")
     grpo = dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim",))
@@ -129,6 +127,7 @@ def check_config(cfg: DictConfig) -> None:
         if not getattr(grpo, key) > 0:
             raise JobError(f"algorithm.{key} must be a number > 0, got {getattr(grpo, key)!r}")
     dataclass_from(OptimConfig, cfg.algorithm.optim, "algorithm.optim")
+    dataclass_from(SamplingConfig, cfg.rollout.sampling, "rollout.sampling")
     _positive_number(cfg, "algorithm.optim.lr")
     for key in _JOB_TRAINER_KEYS:
         if key in cfg.trainer:
@@ -296,7 +295,9 @@ def _loggers(cfg: DictConfig, out_dir: Path) -> list:
 
 
 def _callbacks(cfg: DictConfig, backend, mode: str) -> list:
-    """The ``callbacks`` dict, in order; the replay callback gets the job's backend and mode."""
+    """The ``callbacks`` dict, in order; the replay callback gets the job's backend and mode, and
+    ``strict`` from ``replay.strict`` when set (null: strict for r3 with an external engine, which
+    must return routes, else the callback's own ``strict``)."""
     from ..replay.callback import RouterReplayCallback
 
     out = []
@@ -308,8 +309,12 @@ def _callbacks(cfg: DictConfig, backend, mode: str) -> list:
         extra: dict[str, Any] = {}
         if isinstance(target, type) and issubclass(target, RouterReplayCallback):
             extra = {"backend": backend, "mode": mode}
-            if mode == "off":  # the module measures the agreement itself by recording
-                extra["log_agreement"] = False
+            replay_strict = cfg.replay.get("strict")
+            if replay_strict is not None:
+                extra["strict"] = bool(replay_strict)
+            elif cfg.rollout.url is not None and mode == "r3":
+                # an external engine that returns no routes is misconfigured: fail, do not train natively
+                extra["strict"] = True
         values = plain(node)
         values.pop("backend", None)  # built by the job from this key
         out.append(instantiate_node(values, key, **extra))
@@ -344,10 +349,11 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from ..data.buffer import ReplayBuffer
+    from ..rollout.client_protocol import RouteSchema
     from .checkpoint import resume_checkpoint
     from .grpo import GRPOConfig
     from .module import OptimConfig
-    from .rollout_loop import ClientConfig, OnPolicyLoop, RolloutCollector, RouteSchema, SamplingConfig
+    from .rollout_loop import on_policy_loop
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model, trainer=True)
@@ -358,29 +364,6 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     task = build_task(cfg, vocab_size)
     grpo = dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim",))
     optim = dataclass_from(OptimConfig, cfg.algorithm.optim, "algorithm.optim")
-    rollout = cfg.rollout
-    collector = RolloutCollector(
-        ClientConfig(
-            url=engine.url or "http://unused.invalid",
-            protocol=str(rollout.protocol),
-            api_key=rollout.api_key,
-            request_timeout_s=float(rollout.request_timeout_s),
-            max_in_flight=int(rollout.max_in_flight),
-        ),
-        task,
-        group_size=grpo.group_size,
-        sampling=dataclass_from(SamplingConfig, rollout.sampling, "rollout.sampling"),
-        schema=schema,
-        request_routes=bool(cfg.replay.request_routes),
-        normalize_std=grpo.normalize_std,
-        seed=int(cfg.seed),
-    )
-    if engine.url is not None and not collector.check_engine():
-        raise JobError(
-            f"cannot reach the rollout engine at {engine.url} (GET /health failed within "
-            f"{float(rollout.request_timeout_s):g}s); check rollout.url or start the engine"
-        )
-
     buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
     datamodule = instantiate_node(cfg.data, "data", buffer=buffer)
     extra = {}
@@ -398,14 +381,14 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     if not isinstance(module, pl.LightningModule):
         raise JobError(f"module._target_ must build a LightningModule, got {type(module).__name__}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    loop = OnPolicyLoop(
-        collector,
+    loop = on_policy_loop(
+        cfg,
+        engine,
+        task,
+        schema,
         buffer,
-        prompts_per_step=int(cfg.prompts_per_step),
-        sync_weights=engine.push,
-        gather_weights=engine.gather,
+        normalize_std=grpo.normalize_std,
         metrics_path=out_dir / "metrics.csv",
-        progress=bool(cfg.trainer.get("enable_progress_bar", True)),
     )
     checkpoint = ModelCheckpoint(
         dirpath=out_dir / "checkpoints",

@@ -248,6 +248,9 @@ class MegatronRouterReplay:
             mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)  # [N]
         for position, layer_routes in zip(targets, per_layer, strict=True):
             replay = self._replays[position]
+            if replay.fresh:  # replaced before any forward used it: no recompute will pop its entry
+                replay.replay_backward_list.pop()
+                replay.replay_backward_masks.pop()
             replay.set_target_indices(layer_routes, mask)
             replay.fresh = True
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -342,7 +345,7 @@ class MegatronRouterReplay:
 
     # ----------------------------------------------------------------------------- stats
     def routing_stats(self) -> dict:
-        """Per local MoE layer, over this rank's replayed rows since :meth:`clear` (one host sync).
+        """Per local MoE layer, over this rank's replayed rows since :meth:`clear` (on device, no sync).
 
         ``agreeing_slots[i] / (replayed_rows[i] * top_k)``: fraction of replayed experts the
         router would also have chosen natively at layer ``layers[i]``. Recomputation is not counted.
@@ -350,13 +353,13 @@ class MegatronRouterReplay:
         counts = [c for r in self._replays for c in (r.replayed_rows, r.agreeing_slots) if c is not None]
         device = counts[0].device if counts else torch.device("cpu")
         zero = torch.zeros((), dtype=torch.int64, device=device)
-        table = torch.stack(  # [2, L_moe] on device: one copy to the host below
+        table = torch.stack(  # [2, L_moe] on device
             [
                 torch.stack([zero if r.replayed_rows is None else r.replayed_rows for r in self._replays]),
                 torch.stack([zero if r.agreeing_slots is None else r.agreeing_slots for r in self._replays]),
             ]
         )
-        rows, slots = table.to(torch.int64).cpu()
+        rows, slots = table.to(torch.int64)
         return {
             "layers": self.moe_layers,
             "top_k": self.top_k,
