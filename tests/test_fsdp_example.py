@@ -64,3 +64,18 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
     assert weight_version == 3
     assert history[1]["k3_kl"] < 1e-3
     assert (run_dir / "replay_r3" / "checkpoints" / "last.ckpt").exists()
+    # the distributed checkpoint (a folder) is checked before a resume like a single file is
+    from r3lightning.job.build import JobError
+    from r3lightning.job.checkpoint import resume_checkpoint
+    from r3lightning.job.main import compose_config
+    from r3lightning.job.module import GRPOModule
+
+    module = GRPOModule(build_tiny_moe(seed=0))
+    last = run_dir / "replay_r3" / "checkpoints" / "last.ckpt"
+    assert last.is_dir()
+    assert resume_checkpoint(compose_config(["steps=3"]), run_dir / "replay_r3", module) == str(last)
+    with pytest.raises(JobError, match=r"^steps=1 is below the 2 steps this run has done"):
+        resume_checkpoint(compose_config(["steps=1"]), run_dir / "replay_r3", module)
+    (last / ".metadata").unlink()
+    with pytest.raises(JobError, match=rf"^checkpoint {last} cannot be read \("):
+        resume_checkpoint(compose_config(["steps=3"]), run_dir / "replay_r3", module)

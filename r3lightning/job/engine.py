@@ -125,7 +125,7 @@ def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
     if rollout.protocol == "skyrl":
         return Engine(urls, _http_push(urls, rollout.api_key, timeout), gather=True)
     directory = Path(str(rollout.weight_sync_dir))
-    push = _sglang_disk_push(urls, rollout.api_key, timeout, directory, cfg.model.path)
+    push = _sglang_disk_push(urls, rollout.api_key, timeout, directory, cfg.model.get("path"))
     return Engine(urls, push, gather=True)
 
 

@@ -34,7 +34,7 @@ from ..rollout.collector import RolloutCollector
 from ..rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
 from .common import JobError
 from .report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
-from .task import TokenClassTask
+from .task import ScoredTask
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
 
@@ -60,7 +60,7 @@ class TaskPrompts:
     """The step's global prompt list, drawn from the task with a generator seeded by
     ``(seed, step)``: the same on every rank, for any number of ranks."""
 
-    def __init__(self, task: TokenClassTask, num_prompts: int, seed: int) -> None:
+    def __init__(self, task: ScoredTask, num_prompts: int, seed: int) -> None:
         self.task, self.num_prompts, self.seed = task, num_prompts, seed
 
     def __call__(self, step: int) -> list[RolloutPrompt]:
@@ -218,7 +218,7 @@ class OnPolicyLoop(pl.Callback):
 def on_policy_loop(
     cfg: DictConfig,
     engine: Engine,
-    task: TokenClassTask,
+    task: ScoredTask,
     schema: RouteSchema,
     buffer,
     *,
