@@ -201,7 +201,8 @@ def test_megatron_backend_through_the_job(tmp_path, monkeypatch):
     assert all(0.0 < r["k3_kl"] < 1e-2 for r in history)  # bf16 engine vs fp32 trainer
     # one install per MoE layer and training step: the [S * B, top_k] rows of the padded batch
     steps = 2  # one update per RL step (data.batch_size = prompts_per_step x group_size)
-    assert len(installs) == 3 * steps and all(s[1] == 2 and s[0] % 32 == 0 for s in installs)
+    # (twice: the training forward, and the GRPO module's paired-mismatch replayed forward)
+    assert len(installs) == 3 * steps * 2 and all(s[1] == 2 and s[0] % 32 == 0 for s in installs)
     assert "backend: megatron" in (tmp_path / "config.yaml").read_text()
     assert "replay=r3" in (tmp_path / "summary.txt").read_text()
     assert not torch.distributed.is_initialized()  # the runtime undid its process group

@@ -95,8 +95,11 @@ def row_invariant_attention(
 def batch_invariance_problem(model: nn.Module) -> str | None:
     """Why :func:`row_invariant_attention` cannot stand in for ``model``'s attention, or None.
 
-    Sliding-window layers and attention sinks (gpt-oss) are not implemented by it.
+    It needs a transformers model; sliding-window layers and attention sinks (gpt-oss) are not
+    implemented by it.
     """
+    if not hasattr(model, "set_attn_implementation"):
+        return f"{type(model).__name__} is not a transformers model"
     config = getattr(model, "config", None)
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return f"{type(model).__name__} has sliding-window attention layers"
