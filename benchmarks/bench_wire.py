@@ -15,14 +15,23 @@ Arms, timed side by side in one run (each arm's repeats back to back, see ``time
 - ``orjson.loads`` + ``pybase64`` on the materialised string, and ``json.loads`` + stdlib base64;
 - a nested JSON list payload (what naive servers send) decoded by ``json.loads`` + ``np.asarray``.
 
-Before timing, the codec decodes a reformatted body (reversed key order, indented) and must give
-the same routes. Usage: ``python benchmarks/bench_wire.py [--quick]``.
+A second table times the client's whole response parse for every protocol on each engine's own
+body layout and route encoding (``[rows, 48, 8]`` routes of a 128-expert model, ``P + G - 1``
+rows): SkyRL's envelope (uint8, the encoder's compact dtype), vLLM's base64 ``.npy`` (uint8) on
+``/inference/v1/generate`` and per choice on ``/v1/completions``, SGLang's flat int32 in
+``meta_info`` and in ``sglext``. Each protocol's floor is ``pybase64.b64decode`` of its own
+payload; "validated" is the client's default (row count, id range and distinct experts per row,
+dense all-zero rows exempt), "range-checked" the same without the distinct-experts check.
+
+Before timing, the codec decodes a reformatted body (reversed key order, indented) and every
+protocol's body must give the same routes. Usage: ``python benchmarks/bench_wire.py [--quick]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 
 import _common
@@ -87,6 +96,166 @@ def orjson_routes(body: bytes) -> np.ndarray:
 
 def nested_routes(body: bytes) -> np.ndarray:
     return np.asarray(json.loads(body)["choices"][0]["routed_experts"], dtype=np.int16)
+
+
+def npy_base64(routes: np.ndarray) -> str:
+    """vLLM's encoding: base64 of ``np.save`` (uint8 for <= 256 experts)."""
+    buffer = io.BytesIO()
+    np.save(buffer, routes.astype(np.uint8), allow_pickle=False)
+    return pybase64.b64encode_as_string(buffer.getvalue())
+
+
+def protocol_bodies(routes: np.ndarray) -> dict[str, tuple[str, bytes, bytes]]:
+    """protocol label -> (client protocol, response body, route payload bytes), each engine's layout."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 150_000, RESPONSE_TOKENS).tolist()
+    logprobs = [float(x) for x in -rng.random(RESPONSE_TOKENS)]
+    npy = npy_base64(routes)
+    flat = pybase64.b64encode_as_string(np.ascontiguousarray(routes, dtype="<i4").tobytes())
+    envelope = encode_routes(routes)  # uint8: the encoder's compact dtype for 128 experts
+    content = {"content": [{"token_id": t, "logprob": lp} for t, lp in zip(ids, logprobs, strict=True)]}
+    openai_logprobs = {"token_logprobs": logprobs, "tokens": [f"t{t}" for t in ids], "text_offset": []}
+    bodies = {
+        "skyrl envelope (uint8)": (
+            "skyrl",
+            {
+                "choices": [
+                    {
+                        "token_ids": ids,
+                        "finish_reason": "length",
+                        "logprobs": content,
+                        "routed_experts": envelope,
+                    }
+                ]
+            },
+            envelope["data"],
+        ),
+        "vllm /inference/v1/generate .npy (uint8)": (
+            "vllm",
+            {
+                "request_id": "r",
+                "output_mode": "tokens",
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "length",
+                        "token_ids": ids,
+                        "logprobs": content,
+                        "routed_experts": npy,
+                    }
+                ],
+            },
+            npy,
+        ),
+        "sglang /generate flat (int32)": (
+            "sglang",
+            {
+                "text": "",
+                "output_ids": ids,
+                "meta_info": {
+                    "finish_reason": {"type": "length"},
+                    "output_token_logprobs": [[lp, t, None] for t, lp in zip(ids, logprobs, strict=True)],
+                    "routed_experts": flat,
+                },
+            },
+            flat,
+        ),
+        "openai vllm choices[0] .npy (uint8)": (
+            "openai",
+            {
+                "object": "text_completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "logprobs": openai_logprobs,
+                        "finish_reason": "length",
+                        "token_ids": ids,
+                        "routed_experts": npy,
+                    }
+                ],
+            },
+            npy,
+        ),
+        "openai sglang sglext flat (int32)": (
+            "openai",
+            {
+                "object": "text_completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "logprobs": openai_logprobs,
+                        "finish_reason": "length",
+                        "token_ids": ids,
+                    }
+                ],
+                "sglext": {"routed_experts": flat},
+            },
+            flat,
+        ),
+    }
+    return {
+        name: (protocol, orjson.dumps(body), payload.encode())
+        for name, (protocol, body, payload) in bodies.items()
+    }
+
+
+def protocol_table(routes: np.ndarray, repeats: int) -> None:
+    """Per protocol: the floor, the validated parse and the range-checked parse, side by side."""
+    prompt_len = routes.shape[0] + 1 - RESPONSE_TOKENS  # rows = P + G - 1
+    checked = RouteSchema(NUM_LAYERS, TOP_K, NUM_EXPERTS)
+    range_only = RouteSchema(NUM_LAYERS, TOP_K, NUM_EXPERTS, check_unique=False)
+    bodies = protocol_bodies(routes)
+    arms: dict[str, object] = {}
+    for name, (protocol, body, payload) in bodies.items():
+
+        def parse(body=body, protocol=protocol, schema=checked):
+            return parse_response(body, protocol, schema, want_routes=True, prompt_len=prompt_len)
+
+        result = parse()
+        assert np.array_equal(result.routed_experts, routes) and len(result.response_ids) == RESPONSE_TOKENS
+        arms[f"{name} | floor"] = lambda payload=payload: pybase64.b64decode(payload, validate=True)
+        arms[f"{name} | validated"] = parse
+        arms[f"{name} | range-checked"] = lambda parse=parse: parse(schema=range_only)
+    results = _common.time_arms(arms, repeats=repeats, warmup=2, interleave=False)
+    rows, verdicts = [], []
+    for name, (_, body, _) in bodies.items():
+        floor = results[f"{name} | floor"]
+        validated, ranged = results[f"{name} | validated"], results[f"{name} | range-checked"]
+        rows.append(
+            [
+                name,
+                f"{len(body) / _common.MiB:.1f}",
+                _common.ms(floor),
+                _common.ms(validated),
+                _common.ratio(validated, floor),
+                _common.ms(ranged),
+                _common.ratio(ranged, floor),
+            ]
+        )
+        for label, took in (("validated", validated), ("range-checked", ranged)):
+            met = (
+                "met"
+                if took <= TARGET_VS_FLOOR * floor
+                else f"missed by {took / (TARGET_VS_FLOOR * floor):.2f}x"
+            )
+            verdicts.append(f"- {name}, {label}: {_common.ratio(took, floor)} of the floor -> {met}")
+    _common.print_table(
+        "Client response parse per protocol (each engine's layout and dtype)",
+        [
+            "protocol",
+            "body MiB",
+            "floor ms",
+            "validated ms",
+            "validated / floor",
+            "range-checked ms",
+            "range / floor",
+        ],
+        rows,
+    )
+    print(f"\ntarget per protocol: parse within {TARGET_VS_FLOOR:.0f}x of its floor:")
+    print("\n".join(verdicts))
 
 
 def main() -> None:
@@ -181,6 +350,8 @@ def main() -> None:
         print(
             f"- {name}: {_common.ms(took)} ms, {_common.ratio(base, took)} of the floor's speed -> {verdict}"
         )
+    print()
+    protocol_table(routes, repeats)
 
 
 if __name__ == "__main__":

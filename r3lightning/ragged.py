@@ -192,12 +192,16 @@ def check_pad_row(pad: Tensor, row_shape: tuple[int, ...], name: str = "pad") ->
 def to_device_async(host: Tensor, device: torch.device) -> Tensor:
     """Host tensor -> ``device`` without blocking the host and never a device->host sync.
 
-    Returns ``host`` itself for a CPU ``device``.
+    Returns ``host`` itself for a CPU ``device``. A pageable ``host`` is first staged into page-locked
+    memory from torch's caching host allocator (one host memcpy; small index maps and masks only):
+    a ``non_blocking`` copy straight from pageable memory may make the driver synchronise. The
+    staging block is fenced by the copy (the allocator records an event on the copy's stream and
+    reuses the block only after it), so both ``host`` and the staging block may die right away.
     """
     if device.type == "cpu":
         return host
-    # Asynchronous host->device copies are stream-ordered before any kernel reading them, and
-    # pageable sources are staged before the call returns, so the host tensor may die right away.
+    if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
+        host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
 

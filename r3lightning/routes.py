@@ -2,7 +2,9 @@
 
 Routes are small non-negative ints, kept on the host and on the wire in the smallest of
 uint8 / int16 / int32 that holds the largest expert id (a 128-expert model's routes are a quarter
-of their int32 size), and widened to what a router needs only when they are installed.
+of their int32 size), and widened to what a router needs only when they are installed. The wire
+also carries uint16 (vLLM's dtype for models with more than 256 experts); decoders turn it into
+int16 (a free view while every id is below 32768) because torch's uint16 lacks most operations.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ __all__ = ["WIRE_DTYPES", "compact_dtype", "compact_route_dtype", "compact_route
 WIRE_DTYPES: dict[str, np.dtype] = {
     "uint8": np.dtype("<u1"),
     "int16": np.dtype("<i2"),
+    "uint16": np.dtype("<u2"),
     "int32": np.dtype("<i4"),
 }
+# what routes are compacted to on the host (uint16 is decoded, never produced)
+_COMPACT_DTYPES = (WIRE_DTYPES["uint8"], WIRE_DTYPES["int16"], WIRE_DTYPES["int32"])
 
 
 def compact_dtype(max_id: int) -> np.dtype:
     """Smallest wire dtype (uint8, int16, int32) that holds ids ``0..max_id``."""
-    for dtype in WIRE_DTYPES.values():
+    for dtype in _COMPACT_DTYPES:
         if max_id <= np.iinfo(dtype).max:
             return dtype
     raise ValueError(f"expert id {max_id} does not fit in int32")

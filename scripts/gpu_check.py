@@ -35,7 +35,8 @@ when any check fails):
 * ``transfer``: trajectories -> ``ReplayBuffer`` -> ``R3DataModule`` (pinned buffer pool) ->
   ``transfer_batch_to_device`` with ``non_blocking`` copies. Host batches are pinned; device
   values equal a plain-loop reference, also after the pool rewrote the pinned buffers for later
-  batches; the pool reuses its buffers; the callback's layout + align + install runs with
+  batches (each copy queued behind ``torch.cuda._sleep`` so a missing fence corrupts them); the
+  pool reuses its buffers without a miss; the callback's layout + align + install runs with
   ``torch.cuda.set_sync_debug_mode("error")`` (no device->host sync) and the installed routes are
   the ones a forward uses. Figures: host->device copy GB/s, pinned vs pageable.
 * ``hf``, ``hf-fsdp``, ``hf-fsdp2``: a tiny Qwen3-MoE trained by a real Lightning ``Trainer``
@@ -43,6 +44,12 @@ when any check fails):
   with ``R3DataModule`` and ``RouterReplayCallback``: every training forward uses exactly the
   engine's experts on every captured token and MoE layer (100%), routes are installed during each
   step and cleared after it, batches arrive pinned and on the device, the routers get updated.
+* ``grpo``, ``grpo-bf16``, ``grpo-fsdp2``: the package's ``GRPOModule`` with HF activation
+  checkpointing, trained by a Lightning ``Trainer`` (32-true; ``precision="bf16-true"``; the
+  module's own FSDP2 sharding under ``ModelParallelStrategy``): every step after the first runs
+  under ``torch.cuda.set_sync_debug_mode("error")`` (any device->host sync fails the check), batch
+  float fields reach the step as float32, batches arrive pinned, the pool never misses, and the
+  forwards use the engine's experts on every captured slot.
 * ``megatron``: a megatron-core ``MoELayer`` (``TopKRouter`` + ``SequentialMLP``) with
   ``MegatronRouterReplay`` on packed, pinned routes aligned without a device->host sync: its
   output and router gradient equal an independent reference computed from the installed experts
@@ -71,7 +78,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing the pack
 
 import torch  # noqa: E402
 
-CHECKS = ("transfer", "hf", "hf-fsdp", "hf-fsdp2", "megatron")
+CHECKS = ("transfer", "hf", "hf-fsdp", "hf-fsdp2", "grpo", "grpo-bf16", "grpo-fsdp2", "megatron")
 # the tiny Qwen3-MoE of r3lightning.models.tiny: 4 decoder layers (0 dense), 8 experts, top-2
 LAYERS, TOP_K, EXPERTS, VOCAB = 4, 2, 8, 96
 MOE_LAYERS = (1, 2, 3)
@@ -150,6 +157,13 @@ def no_device_syncs(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+def gpu_sleep(device: torch.device, cycles: int = 20_000_000) -> None:
+    """Queue ~10 ms of busy GPU work on the current stream (no-op on the CPU), so asynchronous
+    copies issued next run late: host buffers rewritten without waiting on a fence corrupt them."""
+    if device.type == "cuda":
+        torch.cuda._sleep(cycles)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
@@ -274,6 +288,7 @@ def check_transfer(device: torch.device) -> dict[str, Any]:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         hosts.append(batch)  # kept alive: a reused pointer can only come from the pool
+        gpu_sleep(device)  # the copy queues behind GPU work: a missing fence lets later writes win
         on_device = data.transfer_batch_to_device(batch, device, 0)
         if cuda:
             events[1].record()
@@ -292,6 +307,8 @@ def check_transfer(device: torch.device) -> dict[str, Any]:
         torch.cuda.synchronize(device)
         figures["batch_copy_ms"] = sum(a.elapsed_time(b) for a, b in copy_events) / len(copy_events)
         figures["pool_buffers"] = len(pointers)
+        misses = data._collator.pool.misses
+        expect(misses == 0, f"the pinned pool missed {misses} times (a batch found no free slot)")
     # after later batches rewrote the pooled host buffers, every device batch must be intact
     for index, on_device in enumerate(moved):
         group = trajectories[index * batch_size : (index + 1) * batch_size]
@@ -309,6 +326,7 @@ def check_transfer(device: torch.device) -> dict[str, Any]:
     # layout + align + install of the callback: no device->host sync, and a forward uses them
     agree = total = 0
     for index, on_device in enumerate(moved):
+        gpu_sleep(device)  # staged index maps must stay intact until their copies ran
         with no_device_syncs(device):
             callback.on_train_batch_start(None, None, on_device, index)  # type: ignore[arg-type]
         mask = on_device.attention_mask
@@ -456,8 +474,8 @@ def check_hf(device: torch.device, variant: str) -> dict[str, Any]:
         name, version = "memory", 0
 
         def log_metrics(self, metrics, step=None):
-            if "router_replay/agreement" in metrics:
-                agreement.append(float(metrics["router_replay/agreement"]))
+            if "router_replay/native_agreement" in metrics:
+                agreement.append(float(metrics["router_replay/native_agreement"]))
 
         def log_hyperparams(self, *args, **kwargs):
             pass
@@ -494,6 +512,8 @@ def check_hf(device: torch.device, variant: str) -> dict[str, Any]:
             module.pinned[:steps] == [True] * steps,
             f"batches were not pinned before transfer: {module.pinned}",
         )
+        misses = data._collator.pool.misses
+        expect(misses == 0, f"the pinned pool missed {misses} times")
     agree = total = 0
     for index, step in enumerate(module.steps):
         a, t = replayed_slots(step["used"], trajectories[index * batch_size : (index + 1) * batch_size])
@@ -507,6 +527,104 @@ def check_hf(device: torch.device, variant: str) -> dict[str, Any]:
         "native_agreement": sum(agreement) / max(len(agreement), 1),
         "slots": total,
     }
+
+
+# ------------------------------------------------------------------------------- check: GRPO fit steps
+def check_grpo(device: torch.device, variant: str) -> dict[str, Any]:
+    """The package's ``GRPOModule`` (HF activation checkpointing on) trained by a Lightning
+    ``Trainer`` with ``R3DataModule`` and ``RouterReplayCallback``; every step after the first
+    (collation, transfer, layout, install, forward, recompute, backward, optimizer, metrics) runs
+    under ``torch.cuda.set_sync_debug_mode("error")``. ``bf16``: ``precision="bf16-true"`` (the
+    batch keeps float32 logprobs, masks and advantages, and stays pinned); ``fsdp2``: the module's
+    own ``configure_model`` sharding under ``ModelParallelStrategy``."""
+    import lightning.pytorch as pl
+
+    from r3lightning.data.buffer import ReplayBuffer
+    from r3lightning.data.datamodule import R3DataModule
+    from r3lightning.job.module import GRPOModule
+    from r3lightning.models.tiny import build_tiny_moe
+    from r3lightning.replay.callback import RouterReplayCallback
+    from r3lightning.replay.context import record_routes
+
+    cuda = device.type == "cuda"
+    batch_size, count = 4, 12
+    trajectories = engine_trajectories(device, count)
+    buffer = ReplayBuffer(num_experts=EXPERTS, vocab_size=VOCAB)
+    buffer.extend(trajectories)
+    data = R3DataModule(buffer, batch_size, shuffle=False, collate_threads=2)  # pins on a CUDA trainer
+    seen: dict[str, list[Any]] = {"used": [], "pinned": [], "dtypes": []}
+
+    class Policy(GRPOModule):
+        def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+            seen["pinned"].append(batch.is_pinned())
+            return batch
+
+        def batch_logprobs(self, batch: Any) -> torch.Tensor:
+            seen["dtypes"].append(
+                {batch.rollout_logprobs.dtype, batch.loss_mask.dtype, batch.advantages.dtype}
+            )
+            with record_routes(self.model) as rec:
+                out = super().batch_logprobs(batch)
+            seen["used"].append(rec.routes)  # stays on the device: copied after the fit
+            return out
+
+    class SyncGuard(pl.Callback):
+        """Sync debug mode "error" from the end of the first step (warm-up) to the end of the fit."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if cuda and batch_idx == 0:
+                torch.cuda.synchronize(device)
+                torch.cuda.set_sync_debug_mode("error")
+
+        def on_train_end(self, trainer, pl_module):
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+
+    model = build_tiny_moe(seed=0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module = Policy(model)
+    strategy: Any = "auto"
+    if variant == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        ensure_process_group(device)
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    trainer = pl.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=[device.index] if cuda else 1,
+        strategy=strategy,
+        precision="bf16-true" if variant == "bf16" else "32-true",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RouterReplayCallback(mode="r3"), SyncGuard()],
+    )
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    steps = count // batch_size
+    expect(len(seen["used"]) == steps, f"expected {steps} training forwards, ran {len(seen['used'])}")
+    expect(
+        seen["dtypes"] == [{torch.float32}] * steps,
+        f"batch float fields reached the step as {seen['dtypes']}",
+    )
+    if variant == "fsdp2":
+        sharded = all(hasattr(p, "full_tensor") for p in module.model.parameters())
+        expect(sharded, "GRPOModule.configure_model left parameters that are not DTensors")
+    if cuda:
+        expect(seen["pinned"] == [True] * steps, f"batches were not pinned before transfer: {seen['pinned']}")
+        misses = data._collator.pool.misses
+        expect(misses == 0, f"the pinned pool missed {misses} times")
+    agree = total = 0
+    for index, used in enumerate(seen["used"]):
+        a, t = replayed_slots(used.cpu(), trajectories[index * batch_size : (index + 1) * batch_size])
+        agree, total = agree + a, total + t
+    expect(agree == total, f"training forwards used the rollout's experts on {agree}/{total} slots")
+    return {"replay_agreement": agree / total, "slots": total, "steps": steps}
 
 
 # ------------------------------------------------------------------------------- check 3: megatron
@@ -696,6 +814,8 @@ def _run(name: str, device: torch.device | None) -> Result:
             figures = check_transfer(device)
         elif name == "megatron":
             figures = check_megatron(device)
+        elif name.startswith("grpo"):
+            figures = check_grpo(device, name.removeprefix("grpo").removeprefix("-") or "single")
         else:
             figures = check_hf(device, {"hf": "single", "hf-fsdp": "fsdp", "hf-fsdp2": "fsdp2"}[name])
     except Skip as skip:

@@ -7,7 +7,13 @@ Used in-process by test_megatron_replay and by the spawned ranks of megatron_tp_
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+import torch.distributed as dist
+from gloo_ranks import free_port
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -20,6 +26,25 @@ LAYERS, EXPERTS, TOP_K, HIDDEN = 4, 8, 2, 16
 def cpu_shims():
     """Let megatron-core MoE layers run forward, backward and recompute on the CPU."""
     return megatron_device_shims("cpu")
+
+
+@contextmanager
+def megatron_world() -> Iterator[None]:
+    """A world-size-1 gloo group, ``parallel_state`` with TP = CP = PP = 1 and the CPU shims."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    try:
+        with cpu_shims():
+            yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        RouterReplay.clear_global_router_replay_instances()
+        if started:
+            dist.destroy_process_group()
 
 
 def make_config(**overrides) -> TransformerConfig:

@@ -4,7 +4,9 @@ Each rank builds the same megatron ``MoELayer`` with TP = 2 and sequence paralle
 share of the hidden states with megatron's own ``scatter_to_sequence_parallel_region`` (what the
 embedding does), installs the *full* ``[1, S, L, K]`` routes and runs forward + backward. Writes
 ``<out_dir>/rank<r>.json`` per rank: the experts the router used per token, whether the routes
-recorded (all-gathered over TP) equal the installed ones, and the router weight's gradient norm.
+recorded (all-gathered over TP) equal the installed ones, and the router weight's gradient norm;
+then, for a router with expert bias, its token counts per expert after a forward given the
+layout's padding mask scattered as ``GPTModel`` does it.
 Configs and CPU shims come from megatron_cpu, as in test_megatron_replay.
 """
 
@@ -21,6 +23,7 @@ from gloo_ranks import free_port, run_ranks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SEQ, MOE_LAYER = 8, 2
+PADDING = [3, 6, 7]  # padding positions of the [1, SEQ] sequence: some on each TP rank
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:
@@ -63,6 +66,29 @@ def run_rank(rank: int) -> dict:
     out.square().sum().backward()
     recorded = backend.stop_recording()
     backend.clear()
+    backend.remove()
+
+    # the router padding mask, [b, s] for the whole sequence, split over TP as GPTModel does
+    biased = make_moe_layer(
+        make_config(
+            moe_layer_freq=1,
+            tensor_model_parallel_size=2,
+            sequence_parallel=True,
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+        ),
+        MOE_LAYER + 1,
+    )
+    padding = torch.zeros(1, SEQ, dtype=torch.bool)
+    padding[0, PADDING] = True
+    local_padding = tensor_parallel.scatter_to_sequence_parallel_region(padding.transpose(0, 1).contiguous())
+    biased_backend = MegatronRouterReplay(biased)
+    biased_backend.install(routes)
+    biased(
+        tensor_parallel.scatter_to_sequence_parallel_region(hidden),
+        padding_mask=local_padding.transpose(0, 1),
+    )
+    biased_backend.clear()
     return {
         "rank": rank,
         "parallelism": [backend.parallelism.tp_size, backend.parallelism.tp_rank],
@@ -71,6 +97,7 @@ def run_rank(rank: int) -> dict:
         "recorded_equal": bool(torch.equal(recorded[:, :, MOE_LAYER].long(), routes[:, :, MOE_LAYER])),
         "other_layers_zero": not bool(recorded[:, :, [0, 1, 3]].any()),
         "router_grad": float(layer.router.weight.grad.abs().sum()),
+        "expert_counts": biased.router.local_tokens_per_expert.tolist(),
     }
 
 

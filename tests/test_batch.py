@@ -6,7 +6,7 @@ import torch
 from collate_reference import assert_batch_matches, make_trajectory
 
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.data.batch import RolloutBatch
+from r3lightning.data.batch import ROW_FIELDS, TOKEN_FIELDS, RolloutBatch
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.packed import PackedTensor
 
@@ -179,9 +179,7 @@ def test_pin_memory_and_gpu_round_trip(batch):
 
 
 def test_construction_validates_shapes(batch):
-    fields = {
-        name: getattr(batch, name) for name in RolloutBatch.__dataclass_fields__ if not name.startswith("_")
-    }
+    fields = {name: getattr(batch, name) for name in (*TOKEN_FIELDS, *ROW_FIELDS, "routed_experts")}
     with pytest.raises(ValueError, match=r"RolloutBatch.loss_mask must have shape \(6, \d+\) like input_ids"):
         RolloutBatch(**{**fields, "loss_mask": batch.loss_mask[:, 1:]})
     with pytest.raises(ValueError, match=r"RolloutBatch.rewards must have shape \(6,\)"):

@@ -26,6 +26,19 @@ CASES = {
         "| padded [B, S]",
         "| CP shard 0/2 [1, T/2]",
     ],
+    "bench_scale.py": [
+        "### Per rank, measured",
+        "| per-rank  | 2     | 3.0",
+        "| broadcast | 2     | 6.0",
+        "target: per-rank route bytes = global / 2 within 5%: met",
+        "### Projection: 8 trajectories of 32k tokens per rank",
+    ],
+    "bench_server.py": [
+        "### /health while 4 generate bodies of 4.0 MiB arrive",
+        "| decode on the event loop",
+        "| RolloutServer, decoder thread",
+        "| RolloutServer, default cap",
+    ],
     "bench_collate.py": [
         "### U[max/16, max] typical RL",
         "| packed pool",

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import email.utils
 import json
 import pickle
 import random
+import socket
+import threading
 import time
 
 import aiohttp
@@ -200,6 +203,85 @@ def test_session_of_a_finished_loop_is_replaced():
         server_loop.close()
 
 
+def test_a_second_event_loop_is_told_the_client_is_in_use():
+    """One client shared by two threads: the second loop gets a clear error, not a broken session."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="rollout-thread", daemon=True)
+    thread.start()
+
+    def on_loop(coro, timeout=10.0):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
+
+    server = on_loop(FaultServer().__aenter__())
+    client = make_client(server)
+    try:
+        check_result(on_loop(generate(client)))  # the session now belongs to rollout-thread's loop
+        with pytest.raises(RuntimeError, match="in use by another event loop \\(thread 'rollout-thread'\\)"):
+            asyncio.run(generate(client))
+        check_result(on_loop(generate(client)))  # the first loop's session is untouched
+        assert client.stats.failures == 0
+        clone = pickle.loads(pickle.dumps(client))  # what the message recommends
+
+        async def use_clone():
+            async with clone:
+                check_result(await generate(clone))
+
+        asyncio.run(use_clone())
+        on_loop(client.close())
+        asyncio.run(use_clone())  # closed on its loop: another loop may take it over
+    finally:
+        on_loop(server.__aexit__(None, None, None))
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+async def test_health_of_a_hung_engine_fails_fast_despite_a_long_generate_timeout():
+    async def never_answer(reader, writer):
+        await asyncio.sleep(60)
+
+    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = hung.sockets[0].getsockname()[1]
+    client = RemoteGenerateClient(f"http://127.0.0.1:{port}", timeout_s=600.0, health_timeout_s=0.2)
+    assert (client.timeout_s, client.connect_timeout_s) == (600.0, 10.0)
+    try:
+        began = time.perf_counter()
+        assert not await asyncio.wait_for(client.health(), timeout=5.0)
+        assert time.perf_counter() - began < 2.0
+    finally:
+        await client.close()
+        hung.close()
+
+
+async def test_a_connection_that_never_completes_fails_after_the_connect_timeout():
+    """A full accept queue on 127.0.0.1: the handshake never completes, so only the short
+    connect timeout (not the long generate timeout) ends the attempt."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # accepts nothing: one queued connection fills it
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", port))
+        fillers.append(filler)
+    client = RemoteGenerateClient(
+        f"http://127.0.0.1:{port}", timeout_s=600.0, connect_timeout_s=0.3, max_attempts=1
+    )
+    try:
+        began = time.perf_counter()
+        with pytest.raises(RetriesExhaustedError) as info:
+            await asyncio.wait_for(client.generate(PROMPT, {"max_tokens": 1}), timeout=10.0)
+        assert time.perf_counter() - began < 5.0
+        assert isinstance(info.value.last_error.__cause__, aiohttp.ConnectionTimeoutError)
+    finally:
+        await client.close()
+        for sock in (*fillers, listener):
+            sock.close()
+
+
 async def test_async_with_closes_the_session():
     async with FaultServer() as server:
         async with make_client(server) as client:
@@ -276,7 +358,8 @@ async def test_retry_after_is_clipped():
     async with FaultServer() as server, make_client(server, backoff=backoff) as client:
         server.script.append(Status(503, headers={"Retry-After": "3600"}))
         began = time.perf_counter()
-        check_result(await generate(client))
+        # bounded here: were the clip lost, this fails in 5 s instead of sleeping for an hour
+        check_result(await asyncio.wait_for(generate(client), timeout=5.0))
         assert time.perf_counter() - began < 1.0
 
 
@@ -480,13 +563,13 @@ async def test_only_the_first_choice_is_decoded():
         first = (await generate(client)).raw_response["choices"][0]
         body = {"choices": [first, second]}
         first["routed_experts"] = {
-            "data": base64.b64encode(bytes(range(30))).decode(),
-            "shape": [5, 3, 2],
+            "data": base64.b64encode(bytes(range(42))).decode(),
+            "shape": [7, 3, 2],  # P + G - 1 rows
             "dtype": "uint8",
         }
         server.script.append(Raw(json.dumps(body).encode()))
         result = await generate(client)
-        np.testing.assert_array_equal(result.routed_experts, np.arange(30).reshape(5, 3, 2))
+        np.testing.assert_array_equal(result.routed_experts, np.arange(42).reshape(7, 3, 2))
         assert result.raw_response["choices"][1]["routed_experts"]["data"] is None
 
 
@@ -523,7 +606,12 @@ async def test_plain_text_error_bodies_are_reported():
 
 def test_constructor_validation():
     with pytest.raises(ValueError, match="protocol"):
-        RemoteGenerateClient("http://x", protocol="vllm")
+        RemoteGenerateClient("http://x", protocol="tgi")
+    with pytest.raises(ValueError, match="engine must be None or one of"):
+        RemoteGenerateClient("http://x", protocol="vllm", engine="sglang")
+    for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
+        with pytest.raises(ValueError, match=f"^{name} must be > 0"):
+            RemoteGenerateClient("http://x", **{name: 0})
     with pytest.raises(ValueError, match="max_attempts"):
         RemoteGenerateClient("http://x", max_attempts=0)
     with pytest.raises(ValueError, match="base_url"):

@@ -176,6 +176,26 @@ def test_pool_reuses_released_buffers_and_never_rewrites_leased_ones():
     collator.close()
 
 
+def test_pool_leases_the_least_recently_released_slot():
+    """Released one at a time right after their batch (Lightning's pattern without prefetch), the
+    slots alternate: a new batch takes the slot whose copy was issued a step earlier, never the
+    one just released (whose fence is the copy still running)."""
+    collator, _ = pooled_collator(pool_slots=3)
+    trajectories = batch_of(6, 4)  # one size: a slot keeps its buffers
+    pointers, fences = [], []
+    for _ in range(7):
+        batch = collator(trajectories)
+        pointers.append(storage_ptr(batch))
+        fences.append(RecordedFence())
+        batch.release(after=fences[-1])
+    a, b, c = pointers[:3]
+    assert len({a, b, c}) == 3 and pointers == [a, b, c, a, b, c, a]
+    # each batch waited on the fence of the batch three steps back, not on the one just issued
+    assert [f.waited for f in fences] == [True, True, True, True, False, False, False]
+    assert collator.pool.misses == 0 and collator.pool.hits == 7
+    collator.close()
+
+
 def test_moved_copies_share_nothing_with_the_pool():
     collator, _ = pooled_collator(pool_slots=1)
     batch = collator(batch_of(19, 3))
@@ -282,3 +302,20 @@ def test_bad_collator_settings_are_rejected_naming_the_field():
             RolloutCollator(num_threads=1, **kwargs)
         with pytest.raises(ValueError, match=match):
             collate_trajectories(trajectories, **kwargs)
+
+
+def test_batch_and_collate_do_not_import_each_other():
+    import ast
+    import inspect
+
+    from r3lightning.data import batch as batch_module
+    from r3lightning.data import collate as collate_module
+    from r3lightning.data import fill as fill_module
+
+    def imports(module):
+        tree = ast.parse(inspect.getsource(module))
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+
+    assert "r3lightning.data.collate" not in imports(batch_module)  # also no function-level import
+    assert "r3lightning.data.batch" in imports(collate_module)
+    assert not {"r3lightning.data.batch", "r3lightning.data.collate"} & imports(fill_module)

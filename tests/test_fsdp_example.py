@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from r3lightning.job.report import agreement_keys, read_csv
+from r3lightning.models.sharded import convert_checkpoint
 from r3lightning.models.tiny import build_tiny_moe
 from r3lightning.rollout.server import RolloutServer
 
@@ -21,6 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_fsdp2_two_processes_with_external_engine(tmp_path):
     checkpoint = tmp_path / "tiny-moe"
     build_tiny_moe(seed=0).save_pretrained(checkpoint)
+    # meta-device init: each rank reads only its shards of the converted checkpoint
+    sharded = convert_checkpoint(checkpoint, tmp_path / "tiny-moe-dcp")
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with RolloutServer(build_tiny_moe(seed=0), max_batch_size=64, copy_model=False) as server:
@@ -32,6 +35,7 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
                 "experiment=fsdp_moe",
                 "trainer=cpu_fsdp",
                 f"model.path={checkpoint}",
+                f"model.sharded_weights={sharded}",
                 "rollout=skyrl",
                 f"rollout.url={server.url}",
                 "steps=2",
@@ -60,3 +64,18 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
     assert weight_version == 3
     assert history[1]["k3_kl"] < 1e-3
     assert (run_dir / "replay_r3" / "checkpoints" / "last.ckpt").exists()
+    # the distributed checkpoint (a folder) is checked before a resume like a single file is
+    from r3lightning.job.build import JobError
+    from r3lightning.job.checkpoint import resume_checkpoint
+    from r3lightning.job.main import compose_config
+    from r3lightning.job.module import GRPOModule
+
+    module = GRPOModule(build_tiny_moe(seed=0))
+    last = run_dir / "replay_r3" / "checkpoints" / "last.ckpt"
+    assert last.is_dir()
+    assert resume_checkpoint(compose_config(["steps=3"]), run_dir / "replay_r3", module) == str(last)
+    with pytest.raises(JobError, match=r"^steps=1 is below the 2 steps this run has done"):
+        resume_checkpoint(compose_config(["steps=1"]), run_dir / "replay_r3", module)
+    (last / ".metadata").unlink()
+    with pytest.raises(JobError, match=rf"^checkpoint {last} cannot be read \("):
+        resume_checkpoint(compose_config(["steps=3"]), run_dir / "replay_r3", module)

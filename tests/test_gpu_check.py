@@ -21,7 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-CHECKS = ("transfer", "hf", "hf-fsdp", "hf-fsdp2", "megatron")
+CHECKS = ("transfer", "hf", "hf-fsdp", "hf-fsdp2", "grpo", "grpo-bf16", "grpo-fsdp2", "megatron")
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def run_script(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess,
         [sys.executable, str(SCRIPT), *args, "--json", str(results)],
         capture_output=True,
         text=True,
-        timeout=150,
+        timeout=300,
         cwd=tmp_path,
         env=env,
     )
@@ -60,7 +60,7 @@ def test_without_cuda_every_check_skips_and_the_script_exits_0(tmp_path):
     lines = proc.stdout.splitlines()
     for name in CHECKS:
         assert f"[{name}] SKIP: no CUDA (0.0 s)" in lines
-    assert re.fullmatch(r"SUMMARY: 0 PASS, 0 FAIL, 5 SKIP in [\d.]+ s", lines[-1])
+    assert re.fullmatch(r"SUMMARY: 0 PASS, 0 FAIL, 8 SKIP in [\d.]+ s", lines[-1])
     assert payload["device"] is None
     assert [(r["name"], r["status"], r["detail"]) for r in payload["results"]] == [
         (name, "SKIP", "no CUDA") for name in CHECKS
@@ -91,11 +91,16 @@ def test_on_the_cpu_every_check_that_keeps_its_meaning_passes(tmp_path):
         "hf": "PASS",
         "hf-fsdp": "SKIP",
         "hf-fsdp2": "PASS",
+        "grpo": "PASS",
+        "grpo-bf16": "PASS",
+        "grpo-fsdp2": "PASS",
         "megatron": "PASS",
     }
     assert results["hf-fsdp"]["detail"] == "Lightning's fsdp strategy needs CUDA"
-    for name in ("transfer", "hf", "hf-fsdp2"):
+    for name in ("transfer", "hf", "hf-fsdp2", "grpo", "grpo-bf16", "grpo-fsdp2"):
         assert results[name]["figures"]["replay_agreement"] == 1.0
+    # activation checkpointing, bf16-true and the module's own FSDP2 sharding: the same steps
+    assert {results[n]["figures"]["steps"] for n in ("grpo", "grpo-bf16", "grpo-fsdp2")} == {3}
     assert results["transfer"]["figures"]["batches"] == 4
     # the engine (bf16, perturbed routers) disagrees with the trainer's own routing: replay matters
     assert 0.3 < results["hf"]["figures"]["native_agreement"] < 0.95
@@ -106,7 +111,7 @@ def test_on_the_cpu_every_check_that_keeps_its_meaning_passes(tmp_path):
     assert megatron["native_agreement"] < 1.0
     lines = proc.stdout.splitlines()
     assert re.fullmatch(r"\[megatron\] PASS \([\d.]+ s\) \| tokens=24, replayed_rows=13, .*", lines[-2])
-    assert re.fullmatch(r"SUMMARY: 4 PASS, 0 FAIL, 1 SKIP in [\d.]+ s \| transfer\.batches=4 .*", lines[-1])
+    assert re.fullmatch(r"SUMMARY: 7 PASS, 0 FAIL, 1 SKIP in [\d.]+ s \| transfer\.batches=4 .*", lines[-1])
 
 
 def test_a_broken_replay_is_a_fail_line_and_exit_status_1(gpu_check, monkeypatch, capsys, tmp_path):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.job.grpo import group_advantages, mismatch_metrics, policy_loss, token_logprobs
 from r3lightning.job.report import format_table, plot_runs, read_csv, summarize, write_csv
-from r3lightning.job.task import TokenClassTask, TokenClassTaskConfig
+from r3lightning.job.task import TokenClassTask
 
 
 def _ref_advantages(rewards: list[float], group_size: int, normalize: bool) -> list[float]:
@@ -137,9 +137,7 @@ def test_position_ids_from_left_padded_mask():
 
 
 def test_task_prompts_and_reward():
-    task = TokenClassTask(
-        TokenClassTaskConfig(vocab_size=96, num_classes=2, prompt_length=5, response_length=4)
-    )
+    task = TokenClassTask(vocab_size=96, num_classes=2, prompt_length=5, response_length=4)
     prompts = task.sample_prompts(50, torch.Generator().manual_seed(0))
     assert len(prompts) == 50 and all(len(p) == 5 for p in prompts)
     assert all(p[-1] in (4, 5) and all(6 <= t < 96 for t in p[:-1]) for p in prompts)
@@ -152,7 +150,7 @@ def test_task_prompts_and_reward():
     with pytest.raises(ValueError, match="instruction token in \\[4, 6\\)"):
         task.target_class([10, 11])
     with pytest.raises(ValueError, match="num_classes must be >= 2"):
-        TokenClassTask(TokenClassTaskConfig(num_classes=1))
+        TokenClassTask(num_classes=1)
 
 
 def _records(agreement: float, n: int = 5):
@@ -162,8 +160,8 @@ def _records(agreement: float, n: int = 5):
             "reward": 0.5 + 0.1 * i,
             "k3_kl": 1e-4 * (i + 1),
             "ratio_out_of_band": 0.01 * i,
-            "agreement/layer_1": agreement,
-            "agreement/layer_2": agreement - 0.02 * (agreement < 1),
+            "used_agreement/layer_1": agreement,
+            "used_agreement/layer_2": agreement - 0.02 * (agreement < 1),
         }
         for i in range(n)
     ]

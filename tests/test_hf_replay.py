@@ -392,3 +392,31 @@ def test_fsdp2_fully_shard_replays_per_rank_routes():
     with replay_routes(reference, routes, attention_mask):
         expected_logits = reference(input_ids, attention_mask=attention_mask).logits.detach()
     run_ranks(_fsdp_worker, 2, free_port(), routes, input_ids, attention_mask, expected_logits)
+
+
+def test_routes_stay_compact_and_replay_the_same_under_torch_compile():
+    """Installed routes keep their wire dtype (each router widens only its own layer), and a
+    compiled model replays, records and counts exactly what the eager one does."""
+    model = build_tiny_moe(seed=0)
+    input_ids, attention_mask = batch(6)
+    routes = random_routes(4, 2, 8, seed=6).to(torch.uint8)
+    mask = attention_mask.clone()
+    mask[2, -2:] = False
+    with replay_routes(model, routes, mask) as backend, record_routes(model) as eager:
+        expected = model(input_ids, attention_mask=attention_mask).logits
+        assert backend._routes.dtype == torch.uint8  # no int64 [N, L, K] copy
+        eager_stats = {
+            k: v.clone() for k, v in backend.routing_stats().items() if k.endswith(("rows", "slots"))
+        }
+    with replay_routes(model, routes.long(), mask) as backend:
+        assert torch.equal(model(input_ids, attention_mask=attention_mask).logits, expected)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    with replay_routes(model, routes, mask) as backend, record_routes(model) as rec:
+        got = compiled(input_ids, attention_mask=attention_mask).logits
+        stats = backend.routing_stats()
+        for key, value in eager_stats.items():
+            assert torch.equal(stats[key], value), key
+    assert torch.equal(rec.routes, eager.routes)
+    torch.testing.assert_close(got, expected)
+    torch._dynamo.reset()

@@ -21,11 +21,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
-from gloo_ranks import free_port
 from megatron.core import parallel_state
 from megatron.core.fusions import fused_softmax
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -34,7 +32,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron_cpu import EXPERTS, HIDDEN, LAYERS, TOP_K, cpu_shims, make_config, make_moe_layer
+from megatron_cpu import EXPERTS, HIDDEN, LAYERS, TOP_K, make_config, make_moe_layer, megatron_world
 
 from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
 from r3lightning.align.dummy import dummy_routes
@@ -63,16 +61,8 @@ def run_script(script: Path, *args: str, cwd: Path) -> subprocess.CompletedProce
 
 @pytest.fixture(scope="module", autouse=True)
 def megatron_cpu():
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    with cpu_shims():
+    with megatron_world():
         yield
-    parallel_state.destroy_model_parallel()
-    RouterReplay.clear_global_router_replay_instances()
-    if started:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +112,9 @@ def test_moe_layers_of_full_model_and_pipeline_stages(block):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (dict(moe_router_fusion=True), "moe_router_fusion=True.*without consulting RouterReplay"),
         (
             dict(virtual_pipeline_model_parallel_size=2),
-            "virtual pipeline parallelism.*another microbatch's experts",
+            "virtual pipeline parallelism.*cannot tell the virtual stage of the router at decoder layer 1",
         ),
         (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
         (dict(moe_expert_capacity_factor=1.0), "dropless MoE"),
@@ -139,14 +128,25 @@ def test_unsupported_configs_are_refused(block, overrides, match):
         MegatronRouterReplay(block, bad)
 
 
-def test_model_chunks_of_several_virtual_stages_are_refused(block):
+def test_model_chunks_of_virtual_stages_need_vp_stage_on_install(block):
     class Chunk(torch.nn.Module):
         def __init__(self, layer, stage):
             super().__init__()
             self.layer, self.vp_stage = layer, stage
 
-    with pytest.raises(ValueError, match=r"virtual pipeline parallelism.*model chunks \[0, 1\]"):
-        MegatronRouterReplay([Chunk(block.layers[1], 0), Chunk(block.layers[2], 1)])
+    backend = MegatronRouterReplay([Chunk(block.layers[1], 0), Chunk(block.layers[2], 1)])
+    assert backend.vp_stages == (0, 1)
+    routes = dummy_routes(4, LAYERS, TOP_K, EXPERTS).reshape(1, 4, LAYERS, TOP_K)
+    with pytest.raises(ValueError, match=r"install\(\.\.\., vp_stage=\) is required"):
+        backend.install(routes)
+    with pytest.raises(ValueError, match=r"vp_stage must be one of \[0, 1\]"):
+        backend.install(routes, vp_stage=2)
+    backend.install(routes, vp_stage=1)  # only the stage-1 chunk's router takes them
+    assert block.layers[1].mlp.router.router_replay.target_topk_idx is None
+    assert block.layers[2].mlp.router.router_replay.target_topk_idx.shape == (4, TOP_K)
+    backend.clear()
+    with pytest.raises(ValueError, match="no virtual pipeline stages"):
+        MegatronRouterReplay(block).install(routes, vp_stage=1)
 
 
 def test_routers_without_replay_or_layer_number_are_refused():
@@ -543,8 +543,9 @@ def test_lightning_callback_replays_rollout_routes(mode, tmp_path):
                 checked += 1
         assert checked == sum(len(e) for e in expected) * len(backend.moe_layers)
     replayed = trainer.callback_metrics["router_replay/replayed_fraction"]
-    assert float(replayed) == pytest.approx(1.0 if mode == "r2" else (sum(lengths) - 3) / sum(lengths))
-    assert "router_replay/agreement" in trainer.callback_metrics
+    assert float(replayed) == 1.0  # every slot with a route row was replayed
+    assert float(trainer.callback_metrics["router_replay/used_agreement"]) == 1.0
+    assert "router_replay/native_agreement/layer_03" in trainer.callback_metrics
     assert backend.routers[0].router_replay.target_topk_idx is None  # cleared after the step
 
 
@@ -596,3 +597,24 @@ def test_two_tensor_parallel_ranks_route_their_sequence_halves(tmp_path):
         assert report["used"] == mine
         assert report["recorded_equal"] and report["other_layers_zero"]
         assert report["router_grad"] > 0
+        # the rank's half of megatron's padding mask left its padding out of the expert-bias counts
+        expected = [0.0] * EXPERTS
+        start = report["rank"] * half
+        for position, experts in enumerate(mine, start=start):
+            if position not in (3, 6, 7):
+                for expert in experts:
+                    expected[expert] += 1
+        assert report["expert_counts"] == expected
+
+
+def test_dense_layer_zero_rows_install_but_not_on_an_moe_layer(block):
+    """An engine's all-zero dense-layer rows are never looked at; on an MoE layer they repeat expert 0."""
+    backend = MegatronRouterReplay(block)  # validate=True
+    routes = dummy_routes(5, LAYERS, TOP_K, EXPERTS).reshape(1, 5, LAYERS, TOP_K)
+    routes[..., 0, :] = 0  # layer 0 is dense
+    backend.install(routes)
+    backend.clear()
+    routes[0, 2, 1] = 0
+    with pytest.raises(ValueError, match="repeat an expert within a token's top_k on a replayed MoE layer"):
+        backend.install(routes)
+    backend.clear()

@@ -659,3 +659,56 @@ def test_empty_rejects_a_bad_row_shape():
     with pytest.raises(ValueError, match=r"row_shape must hold ints >= 0, got \(2\.0,\)"):
         PackedTensor.empty((2.0,))
     assert PackedTensor.empty(torch.Size([3])).row_shape == (3,)
+
+
+def test_device_side_offsets_of_views_and_gathers_follow_the_gpu_code_path_on_the_cpu():
+    """The device ``cu_seqlens`` (not only the host copy) of every derived PackedTensor equals
+    offsets computed by hand; on the CPU the same ops run as on a GPU (a separate device tensor)."""
+    lengths = [3, 0, 2, 4, 1]
+    values = torch.arange(sum(lengths) * 2).reshape(-1, 2)
+    host = torch.tensor([0, 3, 3, 5, 9, 10], dtype=torch.int32)
+    packed = PackedTensor(values, host.clone(), cu_seqlens_host=host)  # device offsets: own storage
+
+    def offsets(picked):
+        out = [0]
+        for i in picked:
+            out.append(out[-1] + lengths[i])
+        return out
+
+    cases = {
+        "view 1:4": (packed[1:4], [1, 2, 3]),
+        "view 3:": (packed[3:], [3, 4]),
+        "view of a view": (packed[1:5][1:3], [2, 3]),
+        "strided": (packed[::2], [0, 2, 4]),
+        "list": (packed[[4, 0, 3]], [4, 0, 3]),
+        "mask": (packed[torch.tensor([True, False, False, True, True])], [0, 3, 4]),
+        "repeat_interleave": (packed[2:4].repeat_interleave(2), [2, 2, 3, 3]),
+        "repeat": (packed[3:5].repeat(2), [3, 4, 3, 4]),
+        "cat": (PackedTensor.cat([packed[3:], packed[:1]]), [3, 4, 0]),
+        "dtype": (packed[1:4].to(dtype=torch.int16), [1, 2, 3]),
+    }
+    for name, (out, picked) in cases.items():
+        expected = torch.tensor(offsets(picked), dtype=torch.int32)
+        assert out.cu_seqlens.dtype == torch.int32, name
+        assert torch.equal(out.cu_seqlens, expected), (name, out.cu_seqlens.tolist(), expected.tolist())
+        assert torch.equal(out.cu_seqlens_host, expected), name
+        rows = torch.cat([values[int(host[i]) : int(host[i + 1])] for i in picked])
+        assert torch.equal(out.values.long(), rows), name
+    # a view's device offsets come from the device offsets, as on a GPU
+    view = packed[1:4]
+    assert view.cu_seqlens.data_ptr() != view.cu_seqlens_host.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pageable_host_maps_are_staged_and_fenced_on_the_way_to_the_gpu():
+    from r3lightning.ragged import to_device_async
+
+    device = torch.device("cuda")
+    host = torch.arange(1 << 16)
+    torch.cuda._sleep(50_000_000)  # the copy queues behind ~tens of ms of GPU work
+    moved = to_device_async(host, device)
+    expected = host.clone()
+    host.fill_(-1)  # the caller may reuse its pageable map right away
+    for _ in range(8):  # staging blocks handed out meanwhile must not be the one in flight
+        to_device_async(torch.full((1 << 16,), 7), device)
+    assert torch.equal(moved.cpu(), expected)

@@ -66,8 +66,8 @@ def test_readme_trainer_snippets_run_as_written(tmp_path, monkeypatch):
         rows = trajectory.prompt_length + trajectory.response_length - 1  # the last token is never forwarded
         assert trajectory.routed_experts.shape == (rows, 4, 2)
     metrics = trainer.callback_metrics
-    layers = sorted(k for k in metrics if k.startswith("agreement/"))
-    assert layers == ["agreement/layer_01", "agreement/layer_02", "agreement/layer_03"]
+    layers = sorted(k for k in metrics if k.startswith("used_agreement/"))
+    assert layers == ["used_agreement/layer_01", "used_agreement/layer_02", "used_agreement/layer_03"]
     assert all(float(metrics[k]) == 1.0 for k in layers)  # the engine's experts, every MoE layer
 
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])

@@ -224,7 +224,8 @@ def _reference(index: int, spec: Spec, exchanges: dict[str, tuple[bytes, bytes]]
         assert prompt[: len(tokens)] == tokens, "each turn's prompt extends the conversation"
         tokens = prompt + output
         if not spec.routes:
-            assert routes is None
+            # a skyrl server returns routes whenever it records them (unasked); the client drops them
+            assert routes is None or spec.protocol == "skyrl"
             continue
         # the engine forwards tokens start .. P + G - 2; the last sampled token is never an input
         assert routes.shape == (len(prompt) - start + len(output) - 1, L, K)
@@ -725,4 +726,4 @@ def test_lightning_training_forwards_replay_every_captured_route(rollouts: Rollo
                     replayed += 1
         assert replayed == sum(len(r.rows) for r in references)
     for layer in MOE_LAYERS:
-        assert float(trainer.callback_metrics[f"agreement/layer_{layer:02d}"]) == 1.0
+        assert float(trainer.callback_metrics[f"used_agreement/layer_{layer:02d}"]) == 1.0

@@ -333,20 +333,55 @@ def test_update_weights_in_process_matches_a_server_of_the_new_model():
     assert next(new_model.parameters()).dtype == torch.float32  # the caller's model is untouched
 
 
-def test_update_weights_rejects_bad_state_dicts_without_changing_anything(bf16_engine):
+EMBED = "model.embed_tokens.weight"
+BAD_STATE_DICTS = [
+    (
+        "unknown name",
+        lambda g: {**g, "bogus.weight": torch.zeros(1)},
+        r"not parameters or persistent buffers",
+    ),
+    (
+        "non-persistent buffer",
+        lambda g: {**g, "model.rotary_emb.inv_freq": torch.zeros(4)},
+        r"not parameters or persistent buffers of the model, e.g. \['model.rotary_emb.inv_freq'\]",
+    ),
+    (
+        "shape",
+        lambda g: {**g, EMBED: torch.zeros(3, 64)},
+        rf"state_dict\['{EMBED}'\] has shape \(3, 64\), the model expects \(96, 64\)",
+    ),
+    ("int64", lambda g: {**g, EMBED: g[EMBED].long()}, r"has dtype torch.int64; the model's floating tensor"),
+    ("bool", lambda g: {**g, EMBED: g[EMBED] > 0}, r"has dtype torch.bool"),
+    ("uint8", lambda g: {**g, EMBED: g[EMBED].to(torch.uint8)}, r"has dtype torch.uint8"),
+    ("fp8", lambda g: {**g, EMBED: g[EMBED].to(torch.float8_e4m3fn)}, r"has dtype torch.float8_e4m3fn"),
+    (
+        "nan",
+        lambda g: {**g, EMBED: g[EMBED].clone().index_fill_(0, torch.tensor([3]), float("nan"))},
+        rf"state_dict\['{EMBED}'\] holds 64 non-finite values",
+    ),
+    (
+        "inf",
+        lambda g: {**g, "lm_head.weight": g["lm_head.weight"] / 0.0},
+        r"'lm_head.weight'\] holds .* non-finite",
+    ),
+    (
+        "strict missing",
+        lambda g: {k: v for k, v in g.items() if k != EMBED},
+        "state_dict lacks 1 model names",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "message"), BAD_STATE_DICTS, ids=[c for c, _, _ in BAD_STATE_DICTS])
+def test_update_weights_rejects_bad_state_dicts_without_changing_anything(bf16_engine, case, make, message):
     snapshot = {k: v.clone() for k, v in bf16_engine.model.state_dict().items()}
+    inv_freq = bf16_engine.model.model.rotary_emb.inv_freq.clone()
     good = build_tiny_moe(seed=5).state_dict()
-    name = "model.embed_tokens.weight"
-    with pytest.raises(ValueError, match=r"names the model lacks, e.g. \['bogus.weight'\]"):
-        bf16_engine.update_weights({**good, "bogus.weight": torch.zeros(1)})
-    with pytest.raises(
-        ValueError, match=rf"state_dict\['{name}'\] has shape \(3, 64\), the model expects \(96, 64\)"
-    ):
-        bf16_engine.update_weights({**good, name: torch.zeros(3, 64)})
-    with pytest.raises(ValueError, match="state_dict lacks 1 model names"):
-        bf16_engine.update_weights({k: v for k, v in good.items() if k != name}, strict=True)
+    with pytest.raises(ValueError, match=message):
+        bf16_engine.update_weights(make(good), strict=case == "strict missing")
     after = bf16_engine.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in snapshot.items())
+    assert torch.equal(bf16_engine.model.model.rotary_emb.inv_freq, inv_freq)
     assert bf16_engine.weight_version == 0
 
 
@@ -364,7 +399,7 @@ async def test_update_weights_over_http():
             assert r.status == 400 and "not a safetensors file" in (await r.json())["error"]["message"]
         partial = save({"lm_head.weight": new_model.lm_head.weight.detach().contiguous()})
         async with session.post(f"{srv.url}/update_weights?strict=true", data=partial, headers=headers) as r:
-            assert r.status == 400 and "state_dict lacks" in (await r.json())["error"]["message"]
+            assert r.status == 400 and "upload lacks 46 model names" in (await r.json())["error"]["message"]
         async with session.post(f"{srv.url}/update_weights", data=body) as r:
             assert r.status == 401
         async with session.get(f"{srv.url}/health") as r:

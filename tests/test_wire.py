@@ -429,3 +429,16 @@ def test_body_scan_is_exact_at_every_step_size(chunk, monkeypatch):
     for text, message in [(b'{"data": "QUJD', "unterminated"), (b'{"data": "QU\\"', "unterminated")]:
         with pytest.raises(MalformedResponseError, match=message):
             parse_body(text)
+
+
+def test_uint16_envelopes_decode_to_int16_or_int32():
+    routes = distinct_routes(6, 2, 2, 300, seed=3)
+    envelope = encode_routes(routes, dtype="uint16")
+    assert envelope["dtype"] == "uint16"
+    decoded = decode_routes(envelope, num_experts=300)
+    assert decoded.dtype == np.int16  # a view: torch has few uint16 operations
+    np.testing.assert_array_equal(decoded, routes)
+    wide = np.array([[[40000, 7]]], dtype=np.int64)
+    decoded = decode_routes(encode_routes(wide, dtype="uint16"))
+    assert decoded.dtype == np.int32 and decoded.tolist() == [[[40000, 7]]]
+    assert compact_dtype(40000) == np.int32  # never compacted to uint16 on the host

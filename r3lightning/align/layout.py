@@ -11,7 +11,7 @@ chunks of which rank ``r`` keeps ``r`` and ``2 * cp - 1 - r``.
 with that one map: routes (``align_packed_token_metadata``), batch tensors (:meth:`from_batch`),
 and model outputs going back to the batch (``scatter_to_padded_batch``). The map is built on the
 host, vectorised, when the layout is built; moving data with it costs one host->device copy of an
-int64 index per call and never a device->host sync.
+int64 index per call (staged through page-locked memory) and never a device->host sync.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from r3lightning.ragged import (
     host_lengths,
     offsets_from_lengths,
     segment_ids_and_positions,
+    to_device_async,
 )
 
 __all__ = ["Pad", "TokenMetadataLayout", "position_ids_from_mask", "split_for_sequence_parallel"]
@@ -160,6 +161,7 @@ class TokenMetadataLayout:
         cp_size: int = 1,
         cp_rank: int = 0,
         batch_width: int | None = None,
+        pad_total_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
         """Layout of a model that sees the batch packed into one ``[1, T_local]`` row.
 
@@ -167,17 +169,25 @@ class TokenMetadataLayout:
         ``pad_to_multiple`` (Megatron: TP, or ``2 * TP * CP`` with context parallelism). With
         ``cp_size > 1`` each padded sequence is cut into ``2 * cp_size`` equal chunks and this rank
         keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` (load-balanced causal CP), so
-        ``T_local = T / cp_size``. ``batch_width`` is the width of the canonical left-padded batch
-        (default: the longest sequence). Cost: O(T_local) host ops, no Python loop; device-resident
-        ``sequence_lengths`` are read back once (a sync: pass host lengths to avoid it).
+        ``T_local = T / cp_size``. ``pad_total_to_multiple`` pads the whole unsharded row ``T`` to a
+        multiple by extending the last sequence's padding (fp8 GEMMs need aligned token counts; see
+        ``megatron_token_layout(fp8=True)``). ``batch_width`` is the width of the canonical
+        left-padded batch (default: the longest sequence). Cost: O(T_local) host ops, no Python
+        loop; device-resident ``sequence_lengths`` are read back once (a sync: pass host lengths).
         """
         multiple = check_int("pad_to_multiple", pad_to_multiple)
+        total_multiple = check_int("pad_total_to_multiple", pad_total_to_multiple)
         cp = check_int("cp_size", cp_size)
         check_rank("cp_rank", cp_rank, "cp_size", cp)
         if cp > 1 and multiple % (2 * cp):
             raise ValueError(
                 f"pad_to_multiple ({multiple}) must be a multiple of 2 * cp_size = {2 * cp}: each "
                 f"padded sequence is cut into {2 * cp} equal context-parallel chunks"
+            )
+        if total_multiple > 1 and total_multiple % multiple:
+            raise ValueError(
+                f"pad_total_to_multiple ({total_multiple}) must be a multiple of pad_to_multiple "
+                f"({multiple}): the extra padding goes to the last sequence, which stays aligned"
             )
         lengths = host_lengths(sequence_lengths, "sequence_lengths")
         longest = int(lengths.max()) if lengths.numel() else 0
@@ -188,6 +198,8 @@ class TokenMetadataLayout:
                 f"batch_width must be an int >= the longest sequence ({longest}), got {batch_width!r}"
             )
         padded = _round_up(lengths, multiple)  # [B]
+        if total_multiple > 1 and padded.numel():
+            padded[-1] += (-int(padded.sum())) % total_multiple
         cu_padded = offsets_from_lengths(padded, "padded sequence_lengths")  # [B + 1] int32
         cu_real = offsets_from_lengths(lengths, "sequence_lengths")  # [B + 1] int32
 
@@ -316,7 +328,7 @@ def _pad_rows(
     else:
         raise ValueError(f"pad must be a scalar, a row tensor or a callable, got {type(pad).__name__}")
     dtype = torch.promote_types(like.dtype, rows.dtype)
-    return rows.to(device=like.device, dtype=dtype, non_blocking=True), dtype
+    return to_device_async(rows, like.device).to(dtype), dtype
 
 
 def take_rows(
@@ -334,13 +346,13 @@ def take_rows(
     device = source.device
     if source.shape[0]:
         # padding positions gather row 0 and are overwritten below: one kernel, no masked gather
-        out = source.index_select(0, index.clamp(min=0).to(device, non_blocking=True))
+        out = source.index_select(0, to_device_async(index.clamp(min=0), device))
     else:  # nothing to gather: every position is padding
         out = source.new_empty((index.numel(), *source.shape[1:]))
     if out.dtype != dtype:
         out = out.to(dtype)
     if uncovered.numel():
-        positions = uncovered.to(device, non_blocking=True)
+        positions = to_device_async(uncovered, device)
         if isinstance(pad_value, torch.Tensor):
             out[positions] = pad_value
         else:  # a Scalar argument, not a CPU tensor that indexing would copy to the device

@@ -15,10 +15,12 @@ Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right e
                       token; may be shorter than the trajectory (uncaptured rows route natively)
 
 The batch behaves like one tensor: ``to``, ``pin_memory``, ``len``, indexing, ``split`` /
-``chunk``, ``cat``, ``repeat`` / ``repeat_interleave``, pickling, ``pad_to_multiple``. A CPU copy
+``chunk`` / ``select``, ``cat``, ``repeat`` / ``repeat_interleave``, pickling, ``pad_to_multiple``. A CPU copy
 of the two length vectors is carried along (``lengths_host``), so layouts can be planned for a
 batch already on the GPU without a device->host sync. Step-1 slices and ``split`` / ``chunk``
-return views; every other reordering returns new storage.
+return views; every other reordering returns new storage. A batch cut from another one
+(``split`` / ``chunk`` / ``select`` / indexing / ``trim``) remembers which of its rows it holds
+(:meth:`rows_in`), so a replay callback can map a micro-batch onto the step's batch.
 
 Pooled memory: a batch collated into a :class:`~r3lightning.data.collate.RolloutCollator`'s
 pinned buffer pool holds a lease on those buffers. :meth:`release` hands them back (views taken
@@ -38,6 +40,8 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.layout import check_int, position_ids_from_mask
+from r3lightning.data.fill import Buffers, collate_fields, plain_empty
+from r3lightning.data.trajectory import padding_trajectories
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import batch_index, repeat_counts, tensor_from_bytes, tensor_to_bytes, to_device_async
 from r3lightning.routes import widest_route_dtype
@@ -63,6 +67,11 @@ class RolloutBatch:
     # CPU (sequence_lengths, prompt_lengths); filled lazily (one sync) when not given
     _host_lengths: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
     _lease: Any = field(default=None, init=False, repr=False)
+    # Lineage of a sub-batch (``split`` / ``chunk`` / ``select`` / indexing / ``trim``): the batch
+    # it was cut from (the first ancestor that was not cut itself) and the host int64 ``[B]``
+    # positions of its rows there. Lets a replay callback find a sub-batch's rows in the step's batch.
+    _root: RolloutBatch | None = field(default=None, init=False, repr=False)
+    _rows: Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         shape = tuple(self.input_ids.shape)
@@ -141,19 +150,47 @@ class RolloutBatch:
         values["routed_experts"] = None if self.routed_experts is None else routes(self.routed_experts)
         hosts = self._host_lengths if host is None else host
         out = object.__new__(RolloutBatch)
-        out.__dict__.update(values, _host_lengths=hosts, _lease=None)
+        out.__dict__.update(values, _host_lengths=hosts, _lease=None, _root=self._root, _rows=self._rows)
         return out
+
+    def _cut(self, out: RolloutBatch, rows: Tensor) -> RolloutBatch:
+        """Record that ``out`` holds this batch's rows ``rows`` (host int64 ``[n]``)."""
+        if self._root is None:
+            out._root, out._rows = self, rows
+        else:
+            assert self._rows is not None
+            out._root, out._rows = self._root, self._rows[rows]
+        return out
+
+    def rows_in(self, batch: RolloutBatch) -> Tensor | None:
+        """Host int64 ``[B]``: where this batch's rows sit in ``batch`` (``arange(B)`` for ``batch``
+        itself), when this batch was cut from it by ``split`` / ``chunk`` / ``select`` / indexing /
+        ``trim`` (directly or through other cuts); ``None`` otherwise."""
+        if self is batch:
+            return torch.arange(len(self))
+        if self._root is batch:
+            return self._rows
+        if batch._root is not None and self._root is batch._root:
+            # both cut from one root: a cut of ``batch`` if all rows are among batch's rows
+            assert self._rows is not None and batch._rows is not None
+            where = torch.full((len(batch._root),), -1, dtype=torch.int64)
+            where[batch._rows] = torch.arange(len(batch))
+            found = where[self._rows]
+            return found if bool((found >= 0).all()) else None  # host tensors
+        return None
 
     def _gather(self, index: Tensor) -> RolloutBatch:
         """Rows ``index`` (host int64 ``[n]`` in ``[0, B)``) into new storage."""
         device_index = to_device_async(index, self.device)
         seq, prompt = self.lengths_host()
-        return self._replace(
+        out = self._replace(
             lambda _, t: t.index_select(0, device_index),
             lambda _, t: t.index_select(0, device_index),
             lambda r: r[index],
             (seq[index], prompt[index]),
         )
+        out._root = out._rows = None  # new rows (repeats); indexing records its cut itself
+        return out
 
     # ------------------------------------------------------------------------ indexing
 
@@ -168,13 +205,24 @@ class RolloutBatch:
         if isinstance(picked, slice):
             start, stop = picked.start, picked.stop
             seq, prompt = self.lengths_host()
-            return self._replace(
+            view = self._replace(
                 lambda _, t: t[start:stop],
                 lambda _, t: t[start:stop],
                 lambda r: r[start:stop],
                 (seq[start:stop], prompt[start:stop]),
             )
-        return self._gather(picked)
+            return self._cut(view, torch.arange(start, stop))
+        return self._cut(self._gather(picked), picked)
+
+    def select(self, rows: Sequence[int] | Sequence[bool] | Tensor | np.ndarray) -> RolloutBatch:
+        """Rows ``rows`` (positions in any order, or a bool mask of length ``B``) as a new batch,
+        e.g. a shuffled PPO mini-batch: new storage, routes kept with their trajectories.
+        Device-resident ``rows`` are read back once (a sync)."""
+        if isinstance(rows, (int, slice)):
+            raise TypeError(
+                "RolloutBatch.select takes row positions or a bool mask; use batch[i] / batch[a:b]"
+            )
+        return self[rows]
 
     def split(self, split_size_or_sections: int | Sequence[int]) -> list[RolloutBatch]:
         """Micro-batches as views, like ``torch.split`` along the batch axis."""
@@ -204,7 +252,8 @@ class RolloutBatch:
         if keep == self.width:
             return self
         start = self.width - keep
-        return self._replace(lambda _, t: t[:, start:], lambda _, t: t, lambda r: r, None)
+        trimmed = self._replace(lambda _, t: t[:, start:], lambda _, t: t, lambda r: r, None)
+        return self._cut(trimmed, torch.arange(len(self)))
 
     # ------------------------------------------------------------------------ combining
 
@@ -282,14 +331,18 @@ class RolloutBatch:
                 )
             if num_experts is None:
                 raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
-        from r3lightning.data.collate import collate_trajectories
-        from r3lightning.data.trajectory import padding_trajectories
-
-        padding = collate_trajectories(
-            padding_trajectories(
-                missing, pad_token_id=pad_token_id, route_schema=schema, num_experts=num_experts
-            ),
-            pad_token_id=pad_token_id,
+        placeholders = padding_trajectories(
+            missing, pad_token_id=pad_token_id, route_schema=schema, num_experts=num_experts
+        )
+        padding = RolloutBatch(
+            **collate_fields(
+                placeholders,
+                Buffers(plain_empty),
+                pad_token_id=pad_token_id,
+                width_multiple=1,
+                executor=None,
+                tasks=1,
+            )
         )
         return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
 
@@ -357,6 +410,15 @@ class RolloutBatch:
     def __repr__(self) -> str:
         routes = "None" if self.routed_experts is None else repr(self.routed_experts)
         return f"RolloutBatch(B={len(self)}, S={self.width}, device={self.device}, routed_experts={routes})"
+
+
+# Opaque to collection walkers such as Lightning's ``apply_to_collection``, which recurse into
+# dataclasses: under ``precision="bf16-true"`` / ``"16-true"`` the precision plugin would cast the
+# float32 logprobs, masks and advantages to half precision (logprob error ~0.06 at -20) into new,
+# pageable tensors (so the pinned non_blocking copy turns blocking) after a deep copy that drops
+# the pool lease. The batch keeps its dtypes; modules cast on device where they choose. (Lightning
+# then cannot infer a batch size from it either: ``self.log(..., batch_size=len(batch))``.)
+del RolloutBatch.__dataclass_fields__
 
 
 def _left_pad(tensor: Tensor, width: int, pad: float | bool | int) -> Tensor:

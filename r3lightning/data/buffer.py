@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.data.trajectory import Trajectory
-from r3lightning.routes import compact_routes, widest_route_dtype
+from r3lightning.routes import widest_route_dtype
 
 __all__ = ["ReplayBuffer", "pack_trajectories", "unpack_trajectories"]
 
@@ -69,37 +69,115 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     }
 
 
-def unpack_trajectories(packed: dict[str, Any]) -> list[Trajectory]:
-    """Inverse of :func:`pack_trajectories`; each route tensor regains its own compact dtype."""
-    count = int(packed["count"])
-    prompt_lengths = packed["prompt_lengths"].tolist()
-    response_lengths = packed["response_lengths"].tolist()
-    route_rows = packed["route_rows"].tolist()
-    if not (len(prompt_lengths) == len(response_lengths) == len(route_rows) == count):
-        raise ValueError(f"packed trajectories: per-trajectory fields disagree with count = {count}")
-    prompts = packed["prompt_ids"].split(prompt_lengths)
-    responses = packed["response_ids"].split(response_lengths)
-    masks = packed["loss_mask"].split(response_lengths)
-    logprobs = packed["rollout_logprobs"].split(response_lengths)
-    rewards = packed["rewards"].tolist()
-    advantages = packed["advantages"].tolist()
+_PACKED_KEYS = (
+    "count",
+    "prompt_lengths",
+    "response_lengths",
+    "prompt_ids",
+    "response_ids",
+    "loss_mask",
+    "rollout_logprobs",
+    "rewards",
+    "advantages",
+    "route_rows",
+    "routes",
+)
+
+
+def _missing(state: Any, keys: Sequence[str], where: str) -> None:
+    if not isinstance(state, dict):
+        raise ValueError(f"{where} must be a dict, got {type(state).__name__}")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+
+
+def _vector(packed: dict[str, Any], name: str, size: int | None, where: str) -> Tensor:
+    value = packed[name]
+    if not isinstance(value, Tensor) or value.dim() != 1 or (size is not None and value.numel() != size):
+        got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+        expected = "a 1-D tensor" + ("" if size is None else f" of {size} entries")
+        raise ValueError(f"{where}: {name} must be {expected}, got {got}")
+    return value
+
+
+def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str) -> list[int]:
+    value = _vector(packed, name, count, where)
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise ValueError(f"{where}: {name} must hold integers, got dtype {value.dtype}")
+    lengths = value.tolist()
+    bad = next((i for i, n in enumerate(lengths) if n < low), None)
+    if bad is not None:
+        raise ValueError(f"{where}: {name}[{bad}] must be >= {low}, got {lengths[bad]}")
+    return lengths
+
+
+def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajectories") -> list[Trajectory]:
+    """Inverse of :func:`pack_trajectories`; each route tensor regains its own compact dtype.
+
+    Validates like building every :class:`Trajectory` anew (it does: one set of checks for
+    fresh and restored trajectories), plus the packing itself (keys present, lengths
+    non-negative and summing to each field's size). Raises ``ValueError`` naming ``where``, the
+    field and the trajectory. Cost: one copy and one validation pass of every field.
+    """
+    _missing(packed, _PACKED_KEYS, where)
+    count = packed["count"]
+    if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
+        count = count.item()
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{where}: count must be an int >= 0, got {count!r}")
+    prompt_lengths = _lengths(packed, "prompt_lengths", count, 1, where)
+    response_lengths = _lengths(packed, "response_lengths", count, 0, where)
+    route_rows = _lengths(packed, "route_rows", count, -1, where)
+    fields = {}
+    for name, lengths in (
+        ("prompt_ids", prompt_lengths),
+        ("response_ids", response_lengths),
+        ("loss_mask", response_lengths),
+        ("rollout_logprobs", response_lengths),
+    ):
+        fields[name] = _vector(packed, name, sum(lengths), where).split(lengths)
+    rewards = _vector(packed, "rewards", count, where).tolist()
+    advantages = _vector(packed, "advantages", count, where).tolist()
+    kept_rows = [r for r in route_rows if r >= 0]
     routes_all = packed["routes"]
-    routes_split = iter(routes_all.split([r for r in route_rows if r >= 0]) if routes_all is not None else ())
+    if routes_all is None:
+        if kept_rows:
+            raise ValueError(f"{where}: routes is None but route_rows counts {sum(kept_rows)} rows")
+        routes_split: list[Tensor] = []
+    else:
+        if (
+            not isinstance(routes_all, Tensor)
+            or routes_all.dim() != 3
+            or routes_all.shape[0] != sum(kept_rows)
+        ):
+            got = (
+                f"shape {tuple(routes_all.shape)}"
+                if isinstance(routes_all, Tensor)
+                else type(routes_all).__name__
+            )
+            raise ValueError(
+                f"{where}: routes must be a [rows, num_layers, top_k] tensor with the {sum(kept_rows)} rows "
+                f"route_rows counts, got {got}"
+            )
+        routes_split = list(routes_all.split(kept_rows))
+    routes_iter = iter(routes_split)
     out = []
     for i in range(count):
-        # a copy of its own (not a view of the whole block), in its own compact dtype
-        routes = compact_routes(next(routes_split), copy=True) if route_rows[i] >= 0 else None
-        out.append(
-            Trajectory._trusted(
-                prompts[i].clone(),
-                responses[i].clone(),
-                masks[i].clone(),
-                logprobs[i].clone(),
-                float(rewards[i]),
-                float(advantages[i]),
-                routes,
+        try:
+            out.append(
+                Trajectory(
+                    fields["prompt_ids"][i],
+                    fields["response_ids"][i],
+                    loss_mask=fields["loss_mask"][i],
+                    rollout_logprobs=fields["rollout_logprobs"][i],
+                    reward=rewards[i],
+                    advantage=advantages[i],
+                    routed_experts=next(routes_iter) if route_rows[i] >= 0 else None,
+                )
             )
-        )
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: trajectory {i} rejected: {err}") from None
     return out
 
 
@@ -230,23 +308,37 @@ class ReplayBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace contents and position with ``state`` (validated against this buffer's bounds)."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"ReplayBuffer state version {state.get('version')!r} is not {_STATE_VERSION}")
-        items = unpack_trajectories(state["trajectories"])
-        if self.capacity is not None and len(items) > self.capacity:
-            raise ValueError(
-                f"ReplayBuffer state holds {len(items)} trajectories, more than this buffer's capacity "
-                f"{self.capacity}; loading it would lose samples"
-            )
+        """Replace contents and position with ``state``, validated as fresh trajectories are (and
+        against this buffer's bounds); on any ``ValueError`` (naming the field) the buffer is
+        unchanged."""
+        where = "ReplayBuffer state"
+        _missing(state, ("version", "start", "route_schema", "trajectories"), where)
+        if state["version"] != _STATE_VERSION:
+            raise ValueError(f"{where} version {state['version']!r} is not {_STATE_VERSION}")
         try:
             start = None if isinstance(state["start"], bool) else operator.index(state["start"])
         except TypeError:
             start = None
         if start is None or start < 0:
-            raise ValueError(f"ReplayBuffer state start must be an int >= 0, got {state['start']!r}")
-        saved = None if state["route_schema"] is None else tuple(state["route_schema"])
-        schema = self._validated(items, saved, "ReplayBuffer state: trajectory {i}")
+            raise ValueError(f"{where} start must be an int >= 0, got {state['start']!r}")
+        saved = state["route_schema"]
+        if saved is not None:
+            if (
+                not isinstance(saved, list | tuple)
+                or len(saved) != 2
+                or not all(type(n) is int and n >= 1 for n in saved)
+            ):
+                raise ValueError(
+                    f"{where} route_schema must be None or [num_layers, top_k] >= 1, got {saved!r}"
+                )
+            saved = tuple(saved)
+        items = unpack_trajectories(state["trajectories"], where=f"{where} trajectories")
+        if self.capacity is not None and len(items) > self.capacity:
+            raise ValueError(
+                f"{where} holds {len(items)} trajectories, more than this buffer's capacity "
+                f"{self.capacity}; loading it would lose samples"
+            )
+        schema = self._validated(items, saved, where + ": trajectory {i}")
         self._items = deque(items)
         self._start = start
         self._route_schema = schema

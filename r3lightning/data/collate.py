@@ -1,10 +1,7 @@
 """Threaded collation of trajectories into a :class:`RolloutBatch`, optionally into pinned buffers.
 
-Collation plans the batch on the host (lengths, width, route offsets and dtype: a few small
-tensors), allocates every output once, and then fills rows from a thread pool. Each task owns a
-contiguous range of rows and writes every position of them (padding included), so tasks never
-touch the same memory and the output is identical to a serial fill. The copies are torch ops,
-which release the GIL, so long sequences and large route blocks fill in parallel.
+Collation plans the batch on the host and fills its rows from a thread pool
+(:func:`~r3lightning.data.fill.collate_fields`: disjoint rows per task, identical to a serial fill).
 
 Routes stay packed: segment ``i`` holds trajectory ``i``'s captured rows (none for ``None``
 routes), in the widest route dtype of the batch; no padded route rectangle is ever built.
@@ -23,6 +20,10 @@ out of a small pool of reusable buffer sets ("slots"). The lifetime rules:
    asynchronous host->device copy still reading the buffers always completes first.
 4. When no slot is free the batch gets freshly allocated buffers outside the pool (slower,
    never unsafe) and ``PinnedBufferPool.misses`` counts it.
+5. Of the free slots, the one released longest ago is leased. Lightning does not prefetch sized
+   loaders, so a batch is collated right after the previous one was released: always taking the
+   first free slot would reuse that one and wait on the copy just issued from it, while the
+   least recently released slot's copy finished a whole step ago.
 
 So a pinned buffer is never rewritten while a batch (or an in-flight copy) still uses it, as long
 as nobody keeps using a batch or a view of it after releasing it. The allocation function is
@@ -31,58 +32,20 @@ injectable, so the pool logic also runs (unpinned) on machines without a GPU.
 
 from __future__ import annotations
 
-import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from r3lightning.align.layout import check_int
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.cpus import collate_pool_size
+from r3lightning.data.fill import Allocator, Buffers, collate_fields, pinned_empty, plain_empty
 from r3lightning.data.trajectory import Trajectory, padding_trajectories
-from r3lightning.packed import PackedTensor
-from r3lightning.ragged import offsets_from_lengths
-from r3lightning.routes import widest_route_dtype
 
 __all__ = ["PinnedBufferPool", "RolloutCollator", "collate_trajectories", "pinned_empty"]
-
-Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
-
-
-def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """Page-locked uninitialised CPU tensor (needs an accelerator runtime)."""
-    return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-
-def _plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype)
-
-
-class _Buffers:
-    """Named output buffers: fresh per batch, or views of one pool slot's reusable storage."""
-
-    def __init__(self, allocator: Allocator, storage: dict[str, Tensor] | None = None) -> None:
-        self._allocator = allocator
-        self._storage = storage  # name -> flat [capacity] tensor, grown on demand; None = unpooled
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        numel = math.prod(shape)
-        if self._storage is None:
-            return self._allocator(shape, dtype)
-        flat = self._storage.get(name)
-        if flat is None or flat.dtype != dtype or flat.numel() < numel:
-            # 25% headroom so slowly growing batches do not re-pin every step
-            flat = self._allocator((max(numel + numel // 4, 1),), dtype)
-            self._storage[name] = flat
-        return flat[:numel].view(shape)
-
-    def fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """A buffer outside the pool, for data that outlives the batch's lease."""
-        return self._allocator(shape, dtype)
 
 
 class _Slot:
@@ -90,6 +53,7 @@ class _Slot:
         self.storage: dict[str, Tensor] = {}
         self.generation = 0  # bumped on every lease; stale leases cannot return the slot
         self.leased_at: int | None = None  # pool step of the current lease, None = free
+        self.released_at = 0  # release counter value at the last release (0 = never leased)
         self.fence: Any = None  # event to wait on before the next write
 
 
@@ -123,142 +87,43 @@ class PinnedBufferPool:
         self._slots = [_Slot() for _ in range(slots)]
         self._lock = threading.Lock()
         self._step = 0
+        self._releases = 0
         self.hits = 0  # batches served from a slot
         self.misses = 0  # batches that found no free slot (fresh allocation)
 
-    def acquire(self) -> tuple[_Buffers, _Lease | None]:
+    def acquire(self) -> tuple[Buffers, _Lease | None]:
         """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""
         with self._lock:
             self._step += 1
-            for slot in self._slots:
-                stale = (
-                    slot.leased_at is not None
-                    and self.recycle_after is not None
-                    and self._step - slot.leased_at > self.recycle_after
-                )
-                if slot.leased_at is None or stale:
-                    fence, slot.fence = slot.fence, None
-                    slot.generation += 1
-                    slot.leased_at = self._step
-                    self.hits += 1
-                    break
-            else:
+            free = [
+                slot
+                for slot in self._slots
+                if slot.leased_at is None
+                or (self.recycle_after is not None and self._step - slot.leased_at > self.recycle_after)
+            ]
+            if not free:
                 self.misses += 1
-                return _Buffers(self.allocator), None
+                return Buffers(self.allocator), None
+            # least recently released: its fence is the oldest copy, most likely finished already
+            slot = min(free, key=lambda s: s.released_at)
+            fence, slot.fence = slot.fence, None
+            slot.generation += 1
+            slot.leased_at = self._step
+            self.hits += 1
         if fence is not None:
             fence.synchronize()  # an async copy out of this slot may still be reading it
-        return _Buffers(self.allocator, slot.storage), _Lease(self, slot, slot.generation)
+        return Buffers(self.allocator, slot.storage), _Lease(self, slot, slot.generation)
 
     def _give_back(self, slot: _Slot, generation: int, fence: Any) -> None:
         with self._lock:
             if slot.generation == generation and slot.leased_at is not None:
-                slot.leased_at = None
-                slot.fence = fence
+                self._releases += 1
+                slot.leased_at, slot.fence, slot.released_at = None, fence, self._releases
 
     @property
     def free_slots(self) -> int:
         with self._lock:
             return sum(slot.leased_at is None for slot in self._slots)
-
-
-def _fill_rows(
-    rows: range,
-    trajectories: Sequence[Trajectory],
-    out: dict[str, Tensor],
-    offsets: list[int],
-    pad_token_id: int,
-) -> None:
-    """Write every position of ``rows`` (padding included); tasks own disjoint rows."""
-    width = out["input_ids"].shape[1]
-    routes = out.get("routes")
-    for i in rows:
-        t = trajectories[i]
-        prompt = t.prompt_length
-        pad = width - t.num_tokens
-        response_start = pad + prompt
-        ids = out["input_ids"][i]
-        ids[:pad].fill_(pad_token_id)
-        ids[pad:response_start].copy_(t.prompt_ids)
-        ids[response_start:].copy_(t.response_ids)
-        mask = out["attention_mask"][i]
-        mask[:pad].fill_(False)
-        mask[pad:].fill_(True)
-        for name, source in (("loss_mask", t.loss_mask), ("rollout_logprobs", t.rollout_logprobs)):
-            row = out[name][i]
-            row[:response_start].zero_()
-            row[response_start:].copy_(source)
-        if routes is not None and t.routed_experts is not None:
-            routes[offsets[i] : offsets[i + 1]].copy_(t.routed_experts)
-
-
-def _collate(
-    trajectories: Sequence[Trajectory],
-    buffers: _Buffers,
-    *,
-    pad_token_id: int,
-    width_multiple: int,
-    executor: ThreadPoolExecutor | None,
-    tasks: int,
-) -> RolloutBatch:
-    count = len(trajectories)
-    prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
-    sequence_lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)
-    width = int(sequence_lengths.max()) if count else 0
-    width = -(-width // width_multiple) * width_multiple
-
-    schemas = {t.route_schema for t in trajectories if t.routed_experts is not None}
-    if len(schemas) > 1:
-        raise ValueError(
-            f"trajectories in one batch have different route schemas (num_layers, top_k): {sorted(schemas)}"
-        )
-    out: dict[str, Tensor] = {
-        "input_ids": buffers.take("input_ids", (count, width), torch.int64),
-        "attention_mask": buffers.take("attention_mask", (count, width), torch.bool),
-        "loss_mask": buffers.take("loss_mask", (count, width), torch.float32),
-        "rollout_logprobs": buffers.take("rollout_logprobs", (count, width), torch.float32),
-    }
-    offsets: list[int] = []
-    cu_host: Tensor | None = None
-    if schemas:
-        (schema,) = schemas
-        dtype = widest_route_dtype(
-            t.routed_experts.dtype for t in trajectories if t.routed_experts is not None
-        )
-        rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
-        # not pooled: B + 1 ints are cheap to allocate, and routes derived without a device move
-        # (dtype casts, pinning) keep these host offsets, which must outlive the batch's lease
-        cu_host = buffers.fresh((count + 1,), torch.int32).copy_(offsets_from_lengths(rows, "route rows"))
-        offsets = cu_host.tolist()
-        out["routes"] = buffers.take("routes", (offsets[-1], *schema), dtype)
-
-    scalars = {
-        "advantages": torch.tensor([t.advantage for t in trajectories], dtype=torch.float32),
-        "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-        "prompt_lengths": prompt_lengths,
-        "sequence_lengths": sequence_lengths,
-    }
-    fields = {name: buffers.take(name, (count,), v.dtype).copy_(v) for name, v in scalars.items()}
-
-    tasks = max(1, min(tasks, count))
-    bounds = [count * k // tasks for k in range(tasks + 1)]
-    chunks = [range(bounds[k], bounds[k + 1]) for k in range(tasks)]
-    if executor is None or tasks == 1:
-        for rows_range in chunks:
-            _fill_rows(rows_range, trajectories, out, offsets, pad_token_id)
-    else:
-        futures = [executor.submit(_fill_rows, r, trajectories, out, offsets, pad_token_id) for r in chunks]
-        for future in futures:
-            future.result()  # re-raises a worker's exception here
-
-    routed = None
-    if cu_host is not None:
-        routed = PackedTensor(out.pop("routes"), cu_host, cu_seqlens_host=cu_host)
-    return RolloutBatch(
-        **out,
-        **fields,
-        routed_experts=routed,
-        _host_lengths=(sequence_lengths, prompt_lengths),
-    )
 
 
 def collate_trajectories(
@@ -267,14 +132,15 @@ def collate_trajectories(
     """Serial collation into fresh (unpinned) memory; see :class:`RolloutCollator`."""
     check_int("width_multiple", width_multiple)
     check_int("pad_token_id", pad_token_id, 0)
-    return _collate(
+    fields = collate_fields(
         trajectories,
-        _Buffers(_plain_empty),
+        Buffers(plain_empty),
         pad_token_id=pad_token_id,
         width_multiple=width_multiple,
         executor=None,
         tasks=1,
     )
+    return RolloutBatch(**fields)
 
 
 class RolloutCollator:
@@ -327,13 +193,31 @@ class RolloutCollator:
             else None
         )
         self._executor: ThreadPoolExecutor | None = None
+        self._executor_lock = threading.Lock()
+        self._executor_users: dict[ThreadPoolExecutor, int] = {}  # collations running on each pool
 
-    def _get_executor(self) -> ThreadPoolExecutor | None:
+    def _enter_executor(self) -> ThreadPoolExecutor | None:
+        """The fill pool for one collation; :meth:`close` never shuts it down under a user."""
         if self.num_threads <= 1:
             return None
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="r3-collate")
-        return self._executor
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="r3-collate")
+            executor = self._executor
+            self._executor_users[executor] = self._executor_users.get(executor, 0) + 1
+        return executor
+
+    def _exit_executor(self, executor: ThreadPoolExecutor | None) -> None:
+        if executor is None:
+            return
+        with self._executor_lock:
+            self._executor_users[executor] -= 1
+            idle = self._executor_users[executor] == 0
+            if idle:
+                del self._executor_users[executor]
+            retired = idle and executor is not self._executor  # closed while this one ran
+        if retired:
+            executor.shutdown(wait=False)  # its tasks are done: the collation waited for them
 
     def __call__(self, trajectories: Sequence[Trajectory | None]) -> RolloutBatch:
         items = list(trajectories)
@@ -351,37 +235,52 @@ class RolloutCollator:
             )
             items = [next(fillers) if t is None else t for t in items]
         if self.pool is None:
-            buffers, lease = _Buffers(_plain_empty), None
+            buffers, lease = Buffers(plain_empty), None
         else:
             buffers, lease = self.pool.acquire()
+        executor = self._enter_executor()
         try:
-            batch = _collate(
+            fields = collate_fields(
                 items,
                 buffers,
                 pad_token_id=self.pad_token_id,
                 width_multiple=self.width_multiple,
-                executor=self._get_executor(),
+                executor=executor,
                 tasks=self.num_threads,
             )
+            batch = RolloutBatch(**fields)
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
+        finally:
+            self._exit_executor(executor)
         batch._lease = lease
         return batch
 
     def close(self) -> None:
-        """Stop the fill threads (collation still works afterwards, restarting them)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Stop the fill threads (collation still works afterwards, restarting them).
+
+        Safe while other threads collate: a pool still in use is shut down by its last user.
+        """
+        with self._executor_lock:
+            executor, self._executor = self._executor, None
+            busy = executor is not None and executor in self._executor_users
+        if executor is not None and not busy:
+            executor.shutdown(wait=True)
 
     def __getstate__(self) -> dict[str, Any]:
         # threads and pinned pages do not travel between processes
         state = self.__dict__.copy()
         state["_executor"] = None
+        del state["_executor_lock"], state["_executor_users"]
         if self.pool is not None:
             state["pool"] = PinnedBufferPool(
                 len(self.pool._slots), allocator=self.pool.allocator, recycle_after=self.pool.recycle_after
             )
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._executor_lock = threading.Lock()
+        self._executor_users = {}

@@ -19,7 +19,14 @@ finishing its epoch (several epochs over one snapshot without reloading). An epo
 (``max_steps``, ``limit_train_batches``, a crash after a checkpoint) is *continued*, not
 restarted, by the next iteration or ``train_dataloader`` call, provided its trajectories are
 still in the buffer; once they are gone (e.g. ``buffer.clear()``) a fresh epoch over the current
-contents starts instead.
+contents starts instead. An epoch nothing was drawn from yet takes the buffer's contents when its
+loader starts iterating, so rows appended after Lightning built the loader (``on_train_start``,
+``on_train_epoch_start``) are in it. (Lightning counts the epoch's batches when it builds the
+loader; batches beyond that count are continued by the next iteration or fit, never lost.)
+
+Evaluation: with ``eval_buffer=`` the data module also has ``val_dataloader``,
+``test_dataloader`` and ``predict_dataloader``: the whole eval buffer in order, sharded per rank
+like training. Evaluation never moves the training position.
 
 Sharding: the sampler is a ``DistributedSampler`` that knows the data-parallel rank (from the
 Trainer's strategy or ``torch.distributed``), so Lightning keeps it instead of injecting its own.
@@ -27,10 +34,13 @@ Rank ``r`` takes every ``world``-th index of the epoch's permutation, draws only
 trajectories and collates only its own batches, once per batch, in the DataLoader's
 ``collate_fn``. Shards are disjoint; with ``drop_last=False`` they are evened out with placeholder
 trajectories (zero loss), never with repeated samples, so every rank runs the same number of
-equally sized steps.
+equally sized steps. With ``shard=False`` each rank draws its whole buffer instead: for buffers
+that already hold only that rank's trajectories (filled per rank by ``RolloutCollector``, which
+gives every rank the same number of them).
 
 Resuming: a batch counts as consumed when it is moved to the device for a training step
-(``transfer_batch_to_device``), not when it is prefetched. (Iterating ``train_dataloader()`` by
+(``transfer_batch_to_device`` while the trainer is training: never for validation, test,
+predict or the sanity check), not when it is prefetched. (Iterating ``train_dataloader()`` by
 hand, outside a Trainer, consumes nothing: such a loop restarts its epoch unless it runs to the
 end.) ``state_dict`` stores the buffer, the
 epoch, the consumed count and the snapshot's sequence-number range (plus the snapshot's
@@ -40,13 +50,16 @@ checkpoint yields exactly the batches an uninterrupted run would have.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from r3lightning.align.layout import check_int
@@ -103,7 +116,14 @@ class _Plan:
 class _EpochShardSampler(DistributedSampler):
     """This rank's indices for the cursor's epoch, starting after the consumed batches."""
 
-    def __init__(self, dataset: _Snapshot, cursor: _Cursor, plan: _Plan, rank: int) -> None:
+    def __init__(
+        self,
+        dataset: _Snapshot,
+        cursor: _Cursor,
+        plan: _Plan,
+        rank: int,
+        refresh: Callable[[], tuple[Trajectory, ...] | None] | None = None,
+    ) -> None:
         super().__init__(
             dataset,
             num_replicas=plan.num_replicas,
@@ -112,11 +132,16 @@ class _EpochShardSampler(DistributedSampler):
             seed=plan.seed,
             drop_last=plan.drop_last,
         )
-        self.cursor, self.plan = cursor, plan
-        count, world = len(dataset), plan.num_replicas
+        self.cursor, self.plan, self.refresh = cursor, plan, refresh
+        self._size()
+
+    def _size(self) -> None:
+        count, world = len(self.dataset), self.plan.num_replicas  # type: ignore[arg-type]
+        plan = self.plan
         self.per_rank = count // world if plan.drop_last else math.ceil(count / world)
         b = plan.batch_size
         self.num_batches = self.per_rank // b if plan.drop_last else math.ceil(self.per_rank / b)
+        self.cursor.batches = self.num_batches
 
     def shard(self, epoch: int) -> list[int]:
         """This rank's full index list for ``epoch`` (-1 = placeholder)."""
@@ -134,7 +159,15 @@ class _EpochShardSampler(DistributedSampler):
     def __iter__(self):  # type: ignore[override]
         cursor = self.cursor
         if cursor.exhausted or (cursor.batches > 0 and cursor.consumed >= cursor.batches):
+            # another epoch over the same snapshot (no reload in between)
             cursor.epoch, cursor.consumed, cursor.exhausted = cursor.epoch + 1, 0, False
+        elif cursor.consumed == 0 and self.refresh is not None:
+            # the epoch this loader was built for, nothing drawn yet: it covers what the buffer
+            # holds now, rows appended after the loader was built included
+            fresh = self.refresh()
+            if fresh is not None:
+                self.dataset.trajectories = fresh  # type: ignore[attr-defined]
+                self._size()
         yield from self.shard(cursor.epoch)[cursor.consumed * self.plan.batch_size :]
         cursor.exhausted = True
 
@@ -180,8 +213,16 @@ class R3DataModule(pl.LightningDataModule):
             CPU target nothing is moved, so forcing ``True`` there only costs pool misses.
         drop_last: drop each rank's last incomplete batch (and the tail that does not divide
             evenly among ranks) instead of evening shards out with placeholders.
+        shard: split the buffers among the data-parallel ranks; ``False`` when every rank's
+            buffers already hold only its own trajectories (per-rank rollout collection): each
+            rank then reads its training and eval buffers whole.
         pad_token_id: id at ``input_ids`` padding positions and in placeholders.
         width_multiple: round each batch's padded width up to a multiple of this.
+        eval_buffer: trajectories for ``val_dataloader`` / ``test_dataloader`` /
+            ``predict_dataloader`` (read whole, in order, sharded like training with placeholders
+            evening out the ranks); ``None`` = no evaluation data (those loaders are not defined).
+
+    The settings other than the buffers are saved as ``hparams`` (and in checkpoints).
     """
 
     def __init__(
@@ -196,10 +237,14 @@ class R3DataModule(pl.LightningDataModule):
         drop_last: bool = False,
         pad_token_id: int = 0,
         width_multiple: int = 1,
+        eval_buffer: ReplayBuffer | None = None,
+        shard: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(buffer, ReplayBuffer):
             raise TypeError(f"buffer must be a ReplayBuffer, got {type(buffer).__name__}")
+        if eval_buffer is not None and not isinstance(eval_buffer, ReplayBuffer):
+            raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(eval_buffer).__name__}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         # checked here, not at the first train_dataloader, so a bad config fails at construction
@@ -209,11 +254,18 @@ class R3DataModule(pl.LightningDataModule):
         check_int("pad_token_id", pad_token_id, 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("pin_memory", pin_memory)):
+        for name, flag in (
+            ("shuffle", shuffle),
+            ("drop_last", drop_last),
+            ("pin_memory", pin_memory),
+            ("shard", shard),
+        ):
             if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
                 expected = "a bool or None" if name == "pin_memory" else "a bool"
                 raise ValueError(f"{name} must be {expected}, got {flag!r}")
+        self.save_hyperparameters(ignore=["buffer", "eval_buffer"])
         self.buffer = buffer
+        self.eval_buffer = eval_buffer
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -222,11 +274,16 @@ class R3DataModule(pl.LightningDataModule):
         self.drop_last = drop_last
         self.pad_token_id = pad_token_id
         self.width_multiple = width_multiple
+        self.shard = shard
         self._cursor = _Cursor()
         self._plan: _Plan | None = None  # the plan of the epoch in progress
         self._snapshot: tuple[Trajectory, ...] | None = None
         self._snapshot_restored = False  # snapshot came with a checkpoint, not from the buffer
         self._collator: RolloutCollator | None = None
+        if eval_buffer is not None:
+            # defined only with evaluation data, so Lightning sees no validation loop (and warns
+            # about none) for modules trained without it
+            self.val_dataloader = self.test_dataloader = self.predict_dataloader = self._eval_dataloader  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------------ introspection
 
@@ -246,7 +303,10 @@ class R3DataModule(pl.LightningDataModule):
         """Nothing to prepare: the buffer is filled by the caller, and read per dataloader."""
 
     def _data_parallel(self) -> tuple[int, int]:
-        """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``."""
+        """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``;
+        (1, 0) when the buffer is this rank's own (``shard=False``)."""
+        if not self.shard:
+            return 1, 0
         trainer = self.trainer
         if trainer is not None:
             kwargs = trainer.distributed_sampler_kwargs
@@ -305,8 +365,7 @@ class R3DataModule(pl.LightningDataModule):
             cursor.consumed, cursor.exhausted = 0, False
             self._snapshot_restored = False
         self._snapshot, self._plan = snapshot, plan
-        sampler = _EpochShardSampler(_Snapshot(snapshot), cursor, plan, rank)
-        cursor.batches = sampler.num_batches
+        sampler = _EpochShardSampler(_Snapshot(snapshot), cursor, plan, rank, refresh=self._fresh_snapshot)
         return _PositionedLoader(
             sampler.dataset,
             batch_size=self.batch_size,
@@ -316,11 +375,40 @@ class R3DataModule(pl.LightningDataModule):
             cursor=cursor,
         )
 
+    def _fresh_snapshot(self) -> tuple[Trajectory, ...] | None:
+        """The buffer's current contents as the snapshot of an epoch nothing was drawn from yet,
+        or ``None`` when the buffer still holds exactly the current snapshot."""
+        cursor = self._cursor
+        start, stop = self.buffer.start, self.buffer.stop
+        if not self._snapshot_restored and (start, stop) == (cursor.start, cursor.stop):
+            return None
+        cursor.start, cursor.stop = start, stop
+        self._snapshot, self._snapshot_restored = self.buffer.window(start, stop), False
+        return self._snapshot
+
+    def _eval_dataloader(self) -> DataLoader:
+        """This rank's loader over the whole ``eval_buffer`` in order (``val_dataloader``,
+        ``test_dataloader`` and ``predict_dataloader`` when an ``eval_buffer`` is given)."""
+        assert self.eval_buffer is not None
+        world, rank = self._data_parallel()
+        plan = _Plan(self.batch_size, False, self.seed, False, world)
+        snapshot = _Snapshot(self.eval_buffer.window(self.eval_buffer.start, self.eval_buffer.stop))
+        sampler = _EpochShardSampler(snapshot, _Cursor(), plan, rank)  # its own cursor: no resume state
+        return DataLoader(
+            snapshot,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=self._get_collator(),
+            num_workers=0,
+        )
+
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a ``RolloutBatch`` (every field and the packed routes) to ``device``.
 
         From pinned memory to a CUDA device the copies are ``non_blocking`` and the pooled host
-        buffers are handed back behind an event recorded after them; otherwise a plain ``.to``.
+        buffers are handed back behind an event recorded after them; otherwise a plain ``.to``
+        (a pooled batch already on ``device``, i.e. a forced pool on the CPU, is copied out of the
+        pool so its buffers go back).
         Anything else (e.g. the model summary's example input) takes Lightning's default path.
         During training, each batch moved here counts as consumed for resuming.
         """
@@ -329,6 +417,9 @@ class R3DataModule(pl.LightningDataModule):
         device = torch.device(device)
         non_blocking = device.type == "cuda" and batch.is_pinned()
         moved = batch.to(device, non_blocking=non_blocking)
+        if moved is batch and batch._lease is not None:
+            # pooled buffers trained on in place would never be handed back: copy out, as to a GPU
+            moved = copy.deepcopy(batch)
         if moved is not batch:
             fence = None
             if non_blocking:
@@ -336,7 +427,9 @@ class R3DataModule(pl.LightningDataModule):
                 fence.record(torch.cuda.current_stream(device))
             batch.release(after=fence)
         trainer = self.trainer
-        if trainer is not None and trainer.training:
+        # only training batches advance the resume position (not validation inside fit, nor
+        # validate / test / predict, nor the sanity check)
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
             self._cursor.consumed += 1
         return moved
 
@@ -371,11 +464,18 @@ class R3DataModule(pl.LightningDataModule):
         continues the saved epoch after its consumed batches."""
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"R3DataModule state version {state.get('version')!r} is not {_STATE_VERSION}")
-        self.buffer.load_state_dict(state["buffer"])
-        self._cursor = _Cursor(**state["cursor"])
-        self._plan = None if state["plan"] is None else _Plan(**state["plan"])
+        missing = [key for key in ("buffer", "cursor", "plan", "snapshot") if key not in state]
+        if missing:
+            raise ValueError(f"R3DataModule state lacks {missing}")
+        # everything is checked before anything changes: a bad state leaves buffer and position
+        try:
+            cursor = _Cursor(**state["cursor"])
+            plan = None if state["plan"] is None else _Plan(**state["plan"])
+        except TypeError as err:
+            raise ValueError(f"R3DataModule state cursor / plan do not match this version: {err}") from None
+        snapshot = None
         if state["snapshot"] is not None:
-            self._snapshot = tuple(unpack_trajectories(state["snapshot"]))
-            self._snapshot_restored = True
-        else:
-            self._snapshot, self._snapshot_restored = None, False
+            snapshot = tuple(unpack_trajectories(state["snapshot"], where="R3DataModule state snapshot"))
+        self.buffer.load_state_dict(state["buffer"])  # validates before it changes anything
+        self._cursor, self._plan = cursor, plan
+        self._snapshot, self._snapshot_restored = snapshot, snapshot is not None

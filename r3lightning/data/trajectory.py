@@ -31,6 +31,9 @@ __all__ = ["Trajectory", "padding_trajectories"]
 
 ArrayLike = Tensor | np.ndarray | Sequence[int] | Sequence[float]
 
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+_MAX_EXPERT_ID = 2**31 - 1  # routes are int32 at the widest
+
 
 def _as_host_tensor(name: str, data: Any) -> Tensor:
     """``data`` as a detached CPU tensor of its own, or ``TypeError`` naming the field."""
@@ -61,7 +64,8 @@ def _token_ids(name: str, data: Any) -> Tensor:
     return ids
 
 
-def _per_response_token(name: str, data: Any, count: int) -> Tensor:
+def _per_response_token(name: str, data: Any, count: int, *, unit: bool = False) -> Tensor:
+    """``[count]`` finite float32 values (``unit``: each in [0, 1])."""
     values = _as_host_tensor(name, data)
     if values.dim() != 1 or values.numel() != count:
         raise ValueError(
@@ -75,6 +79,11 @@ def _per_response_token(name: str, data: Any, count: int) -> Tensor:
     if not bool(finite.all()):
         bad = int(torch.nonzero(~finite)[0, 0])
         raise ValueError(f"Trajectory.{name} must be finite, got {name}[{bad}] = {float(values[bad])}")
+    if unit and values.numel() and not bool(((values >= 0) & (values <= 1)).all()):
+        bad = int(torch.nonzero((values < 0) | (values > 1))[0, 0])
+        raise ValueError(
+            f"Trajectory.{name} must hold values in [0, 1], got {name}[{bad}] = {float(values[bad])}"
+        )
     return values
 
 
@@ -101,6 +110,14 @@ def _routes(data: Any, num_tokens: int) -> Tensor:
         )
     if routes.dtype == torch.bool or routes.is_floating_point() or routes.is_complex():
         raise TypeError(f"Trajectory.routed_experts must hold integer expert ids, got dtype {routes.dtype}")
+    if routes.dtype in _WIDE_UNSIGNED:
+        # torch has no min/max for these; numpy reads the ids unsigned, so 2**64 - 1 stays itself
+        high = int(routes.numpy().max()) if routes.numel() else 0
+        if high > _MAX_EXPERT_ID:
+            raise ValueError(
+                f"Trajectory.routed_experts holds expert id {high}, expected ids < 2**31 (int32)"
+            )
+        routes = routes.to(torch.int64)
     if routes.shape[0] > num_tokens:
         raise ValueError(
             f"Trajectory.routed_experts has {routes.shape[0]} rows but the trajectory has only "
@@ -118,7 +135,7 @@ class Trajectory:
         prompt_ids: ``[P]`` token ids, ``P >= 1`` (the first response token is predicted from
             the prompt's last position).
         response_ids: ``[R]`` sampled token ids, ``R >= 0``.
-        loss_mask: ``[R]`` per response token, 1 = loss target; defaults to all ones.
+        loss_mask: ``[R]`` per response token in [0, 1], 1 = loss target; defaults to all ones.
         rollout_logprobs: ``[R]`` logprob of each response token under the rollout engine;
             defaults to zeros (no engine logprobs).
         reward: scalar reward of the whole trajectory.
@@ -168,7 +185,7 @@ class Trajectory:
         self.loss_mask = (
             torch.ones(count, dtype=torch.float32)
             if loss_mask is None
-            else _per_response_token("loss_mask", loss_mask, count)
+            else _per_response_token("loss_mask", loss_mask, count, unit=True)
         )
         self.rollout_logprobs = (
             torch.zeros(count, dtype=torch.float32)

@@ -1,9 +1,11 @@
-"""Where the main job's rollouts come from, and how the engine gets the trainer's new weights.
+"""Where the main job's rollouts come from, and how the engines get the trainer's new weights.
 
-Either the embedded ``RolloutServer`` (rank 0 serves a bf16 copy of the policy on loopback and
-takes weights in process) or an external engine at ``rollout.url``: an ``r3lightning-serve``
-/ SkyRL-compatible server (weights ``POST``ed as safetensors) or SGLang (weights saved to a
-directory both sides see, then ``POST /update_weights_from_disk``).
+Either the embedded ``RolloutServer`` (rank 0 serves a bf16 copy of the policy, loopback by
+default, takes weights in process, and every rank sends its own requests to it) or external
+engines at ``rollout.url`` (one URL or a list; the collector fails over between them): an
+``r3lightning-serve`` / SkyRL-compatible server (weights ``POST``ed as safetensors to each) or
+SGLang (weights saved to a directory all sides see, then ``POST /update_weights_from_disk`` to
+each).
 """
 
 from __future__ import annotations
@@ -13,32 +15,15 @@ import contextlib
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 from torch import Tensor
 
-from .setup import JobError, build_model, is_global_zero
-
-if TYPE_CHECKING:
-    from .rollout_loop import WeightSync
-
-
-@dataclass
-class Engine:
-    """Where rollouts come from and how the trainer's weights reach it.
-
-    ``url``: None on ranks that never collect. ``push``: rank 0's weight sync (None elsewhere, or
-    when the deployment syncs weights itself). ``gather``: whether every rank joins the per-step
-    full-weight gather (a collective under FSDP2, so it is the same on every rank).
-    """
-
-    url: str | None
-    push: WeightSync | None = None
-    gather: bool = False
+from .common import JobError, is_global_zero
+from .rollout_loop import Engine, WeightSync
+from .setup import build_model
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -50,18 +35,15 @@ def _auth(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _http_push(url: str, api_key: str | None, timeout_s: float) -> WeightSync:
-    """Weight sync for an external ``r3lightning-serve`` engine: ``POST /update_weights`` (safetensors)."""
+def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
+    """Weight sync for external ``r3lightning-serve`` engines: ``POST /update_weights``
+    (safetensors, serialised once) to every engine concurrently."""
     import aiohttp
     from safetensors.torch import save
 
-    async def post(body: bytes) -> None:
+    async def post(session: aiohttp.ClientSession, url: str, body: bytes) -> None:
         headers = {"Content-Type": "application/octet-stream", **_auth(api_key)}
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.post(f"{url}/update_weights", data=body, headers=headers) as response,
-        ):
+        async with session.post(f"{url}/update_weights", data=body, headers=headers) as response:
             if response.status == 404:
                 raise JobError(
                     f"the engine at {url} has no /update_weights endpoint; set rollout.sync_weights=false "
@@ -72,33 +54,37 @@ def _http_push(url: str, api_key: str | None, timeout_s: float) -> WeightSync:
                     f"weight update at {url} failed: HTTP {response.status}: {(await response.text())[:200]}"
                 )
 
+    async def post_all(body: bytes) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            await asyncio.gather(*(post(session, url, body) for url in urls))
+
     def push(state_dict: Mapping[str, Tensor]) -> None:
-        asyncio.run(post(save(_bf16_host(state_dict))))
+        asyncio.run(post_all(save(_bf16_host(state_dict))))
 
     return push
 
 
 def _sglang_disk_push(
-    url: str, api_key: str | None, timeout_s: float, directory: Path, model_path: str | None
+    urls: list[str], api_key: str | None, timeout_s: float, directory: Path, model_path: str | None
 ) -> WeightSync:
     """Weight sync for SGLang: save a safetensors checkpoint into ``directory`` (shared with the
-    engine) and ask the engine to load it with ``POST /update_weights_from_disk``."""
+    engines) once and ask every engine to load it with ``POST /update_weights_from_disk``."""
     import aiohttp
     from safetensors.torch import save_file
 
-    async def post() -> None:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.post(
-                f"{url}/update_weights_from_disk", json={"model_path": str(directory)}, headers=_auth(api_key)
-            ) as response,
-        ):
+    async def post(session: aiohttp.ClientSession, url: str) -> None:
+        async with session.post(
+            f"{url}/update_weights_from_disk", json={"model_path": str(directory)}, headers=_auth(api_key)
+        ) as response:
             body = await response.json(content_type=None)
             if response.status != 200 or not (isinstance(body, dict) and body.get("success", False)):
                 raise JobError(
                     f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(body)[:200]}"
                 )
+
+    async def post_all() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            await asyncio.gather(*(post(session, url) for url in urls))
 
     def push(state_dict: Mapping[str, Tensor]) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -106,15 +92,25 @@ def _sglang_disk_push(
         # SGLang loads a checkpoint directory: it needs the architecture next to the weights
         if model_path is not None and (Path(model_path) / "config.json").exists():
             shutil.copy(Path(model_path) / "config.json", directory / "config.json")
-        asyncio.run(post())
+        asyncio.run(post_all())
 
     return push
 
 
-def _external_engine(cfg: DictConfig, url: str) -> Engine:
+def engine_urls(rollout: DictConfig) -> list[str] | None:
+    """``rollout.url`` (one URL or a list, checked by ``check_config``) as a list of base URLs;
+    None: the embedded engine."""
+    url = rollout.url
+    if url is None:
+        return None
+    urls = list(url) if isinstance(url, ListConfig) else [url]
+    return [str(u).rstrip("/") for u in urls]
+
+
+def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
     rollout = cfg.rollout
     if not rollout.sync_weights:
-        return Engine(url)
+        return Engine(urls)
     if rollout.protocol == "sglang" and not rollout.get("weight_sync_dir"):
         if is_global_zero():
             warnings.warn(
@@ -122,23 +118,25 @@ def _external_engine(cfg: DictConfig, url: str) -> Engine:
                 "drift off-policy; set it to a directory the engine can read",
                 stacklevel=4,  # the caller of embedded_server, not contextlib
             )
-        return Engine(url)
+        return Engine(urls)
     if not is_global_zero():
-        return Engine(url, gather=True)
+        return Engine(urls, gather=True)
     timeout = float(rollout.request_timeout_s)
     if rollout.protocol == "skyrl":
-        return Engine(url, _http_push(url, rollout.api_key, timeout), gather=True)
+        return Engine(urls, _http_push(urls, rollout.api_key, timeout), gather=True)
     directory = Path(str(rollout.weight_sync_dir))
-    push = _sglang_disk_push(url, rollout.api_key, timeout, directory, cfg.model.path)
-    return Engine(url, push, gather=True)
+    push = _sglang_disk_push(urls, rollout.api_key, timeout, directory, cfg.model.get("path"))
+    return Engine(urls, push, gather=True)
 
 
 @contextlib.contextmanager
 def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
-    """The embedded ``RolloutServer`` (rank 0 only) unless ``rollout.url`` names an external engine."""
+    """The embedded ``RolloutServer`` (rank 0 only; the other ranks learn its URL at fit start)
+    unless ``rollout.url`` names external engines."""
     rollout = cfg.rollout
-    if rollout.url is not None:
-        yield _external_engine(cfg, str(rollout.url).rstrip("/"))
+    urls = engine_urls(rollout)
+    if urls is not None:
+        yield _external_engine(cfg, urls)
         return
     if not is_global_zero():
         yield Engine(None, gather=bool(rollout.sync_weights))
@@ -171,6 +169,6 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         ) from None
     try:
         sync = bool(rollout.sync_weights)
-        yield Engine(server.url, server.update_weights if sync else None, gather=sync)
+        yield Engine([server.url], server.update_weights if sync else None, gather=sync)
     finally:
         server.__exit__(None, None, None)

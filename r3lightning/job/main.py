@@ -1,39 +1,56 @@
 """The main job: GRPO training of a causal MoE with Rollout Routing Replay, configured by Hydra.
 
-    python -m r3lightning.job.main                          # tiny Qwen3-MoE, embedded engine, R3
-    python -m r3lightning.job.main experiment=compare       # replay on and off, side by side
-    python -m r3lightning.job.main replay=off steps=10
-    python -m r3lightning.job.main rollout.url=http://host:30000 rollout.protocol=sglang
-    r3lightning-train ...                                   # the same, as a console script
+    r3lightning-train                                       # tiny Qwen3-MoE, embedded engine, R3
+    r3lightning-train experiment=compare                    # replay on and off, side by side
+    r3lightning-train replay=off steps=10
+    r3lightning-train rollout.url=http://host:30000 rollout.protocol=sglang
+    r3lightning-train --config-dir my_conf reward=mine      # your own YAML files next to the package's
+    r3lightning-train -m replay=r3,off seed=0,1             # a sweep: one job after the other
+    r3lightning-train --help                                # config groups, options and keys
+    python -m r3lightning.job.main ...                      # the same
+
+The configs ship inside the package (``r3lightning/conf``), so the job runs from a wheel in any
+directory. Every swappable piece is built from its ``_target_`` (see ``setup.py`` for what the
+job passes itself).
 
 Per RL step (one Lightning epoch): the rollout engine (bf16, the embedded ``RolloutServer`` by
 default) samples a group of responses per prompt and returns the experts it routed every token
-to; trajectories go through ``RoutedExpertTrace`` into the ``ReplayBuffer``; ``R3DataModule``
+to; trajectories go through ``RoutedExpertTrace`` into the ``ReplayBuffer``; the data module
 collates them with packed routes; ``RouterReplayCallback`` installs the routes so the fp32
 training forward uses the engine's experts; the updated weights go back to the engine.
 
 Outputs land in Hydra's run directory: ``config.yaml`` (resolved), per run ``<name>/metrics.csv``
 and ``<name>/checkpoints/last.ckpt`` (a rerun with the same ``hydra.run.dir`` resumes from it),
-``summary.txt`` (the final table) and ``metrics.png``.
+``summary.txt`` (the final table) and ``metrics.png``. A run that fails before training leaves
+no folder behind.
+
+Exit status: 0 done; 2 a configuration, checkpoint or engine-address problem (one line naming the
+key or file; in a sweep: any job failed); 3 the rollout engine failed; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
 
-from .setup import CONF_DIR, JobError, is_global_zero
+from .common import JobError, is_global_zero
+from .setup import CONF_DIR
+
+PROG = "r3lightning-train"
+# Hydra flags that take a value, and those the pre-check understands
+_VALUE_FLAGS = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp")
+_MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     """Run the job described by ``cfg`` into ``run_dir``; returns ``{run name: history}``."""
     from .engine import embedded_server
     from .report import format_table, plot_runs
-    from .setup import check_config, replay_settings, train_one
+    from .setup import check_config, model_runtime, replay_settings, train_one
 
     check_config(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -41,7 +58,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     if is_global_zero():
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     runs: dict[str, list[dict[str, float]]] = {}
-    with embedded_server(cfg) as engine:
+    with model_runtime(cfg.model), embedded_server(cfg) as engine:
         for mode in modes:
             run_cfg = cfg if not cfg.compare else replay_settings(cfg, mode)
             name = f"replay={mode}"
@@ -57,35 +74,72 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     return runs
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def _task(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
+def _error(message: str, label: str = "") -> None:
+    print(f"{PROG}: {label}error: {_one_line(message)}", file=sys.stderr)
+
+
+def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
+    """Remove ``run_dir`` when this run made it (it is in ``new_dirs``, the folders that did not
+    exist before the run, deepest first) and it holds only what a run that never trained writes
+    (Hydra's ``.hydra/`` and log, ``config.yaml``, empty folders); then the other new folders
+    that are left empty. A folder that existed before is never touched."""
+    run_dir = run_dir.absolute()
+
+    def disposable(path: Path) -> bool:
+        if path.is_dir():
+            return path.name == ".hydra" or all(disposable(p) for p in path.iterdir())
+        return path.suffix == ".log" or (path.parent == run_dir and path.name == "config.yaml")
+
+    if run_dir not in new_dirs or not run_dir.is_dir() or not all(disposable(p) for p in run_dir.iterdir()):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in new_dirs[new_dirs.index(run_dir) + 1 :]:
+        if not parent.is_dir() or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
+def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dirs: list[Path]) -> int:
+    """Run ``cfg`` into ``run_dir``; every failure the user can act on is one line and a status."""
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     from ..rollout.errors import RemoteGenerateError
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         run(cfg, run_dir)
+        return 0
     except JobError as exc:
-        print(f"r3lightning-train: error: {_one_line(exc)}", file=sys.stderr)
-        sys.exit(2)
+        _error(str(exc), label)
+        return 2
     except MissingMandatoryValue as exc:
         key = exc.full_key or "a required value"
-        print(
-            f"r3lightning-train: error: {key} must be set (add {key}=... to the command line)",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+        _error(f"{key} must be set (add {key}=... to the command line)", label)
+        return 2
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        _error(f"{key}: {str(exc).splitlines()[0]}" if key else str(exc).splitlines()[0], label)
+        return 2
     except RemoteGenerateError as exc:
-        print(f"r3lightning-train: rollout engine error: {_one_line(exc)}", file=sys.stderr)
-        sys.exit(3)
+        print(f"{PROG}: {label}rollout engine error: {_one_line(exc)}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
-        print("r3lightning-train: interrupted; rerun with the same hydra.run.dir to resume", file=sys.stderr)
-        sys.exit(130)
+        again = " ".join(
+            [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
+        )
+        if any(run_dir.glob("*/checkpoints/last.ckpt")):
+            state = f"the checkpoint keeps the last finished step, resume with: {again}"
+        else:
+            state = f"no step had finished, start again with: {again}"
+        print(f"{PROG}: {label}interrupted; {state}", file=sys.stderr)
+        return 130
+    finally:
+        if is_global_zero():
+            _remove_if_unused(run_dir, new_dirs)
 
 
 def _hydra_message(exc: BaseException) -> str:
@@ -95,43 +149,183 @@ def _hydra_message(exc: BaseException) -> str:
     return _one_line(text)
 
 
-def _check_overrides(args: list[str]) -> str | None:
-    """Compose the config with the command-line overrides once, before Hydra does, to report a
-    bad override as one line. Hydra's own flags and ``hydra.*`` overrides are left to Hydra."""
+def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool]:
+    """``(flags, overrides, understood)``: Hydra flags with their values, the overrides, and whether
+    every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra as they are)."""
+    flags: list[str] = []
+    overrides: list[str] = []
+    understood = True
+    items = iter(args)
+    for arg in items:
+        if arg in _VALUE_FLAGS:
+            flags += [arg, next(items, "")]
+        elif arg.split("=", 1)[0] in _VALUE_FLAGS:
+            flags.append(arg)
+        elif arg.startswith("-"):
+            flags.append(arg)
+            understood = False
+        else:
+            overrides.append(arg)
+    return flags, overrides, understood
+
+
+def _flag_value(flags: list[str], long: str, short: str) -> str | None:
+    for i, flag in enumerate(flags):
+        if flag in (long, short) and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith((f"{long}=", f"{short}=")):
+            return flag.split("=", 1)[1]
+    return None
+
+
+def compose_config(
+    overrides: list[str] | None = None,
+    *,
+    config_dir: str | Path | None = None,
+    config_name: str = "config",
+    hydra_config: bool = False,
+) -> DictConfig:
+    """The job's config with ``overrides`` applied, without running it (tests, notebooks).
+
+    ``config_dir``: a folder of your own YAML files searched before the package's (as
+    ``--config-dir``); ``config_name``: the primary config (as ``--config-name``).
+    """
+    from hydra import compose, initialize_config_dir
+
+    extra = []
+    if config_dir is not None:
+        extra.append(f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(
+            config_name=config_name, overrides=[*extra, *(overrides or [])], return_hydra_config=hydra_config
+        )
+
+
+def _precheck(flags: list[str], overrides: list[str]) -> str | None:
+    """Compose the config once before Hydra does and check its values, so a bad override or value
+    is one line and no run folder is made. ``hydra.*`` overrides are left to Hydra."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if any(a.startswith("-") for a in args):
-        return None
-    overrides = [a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
+    from .setup import check_config
+
+    plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
     try:
-        compose_config(overrides)
+        cfg = compose_config(
+            plain,
+            config_dir=_flag_value(flags, "--config-dir", "-cd"),
+            config_name=_flag_value(flags, "--config-name", "-cn") or "config",
+        )
+        check_config(cfg)
+    except JobError as exc:
+        return str(exc)
     except (HydraException, OmegaConfBaseException) as exc:
         return _hydra_message(exc)
     return None
 
 
+def _planned_run_dir(flags: list[str], overrides: list[str]) -> Path | None:
+    """The absolute run folder Hydra will use (``hydra.run.dir``, resolved now); None if unknown."""
+    keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
+    try:
+        cfg = compose_config(
+            keep,
+            config_dir=_flag_value(flags, "--config-dir", "-cd"),
+            config_name=_flag_value(flags, "--config-name", "-cn") or "config",
+            hydra_config=True,
+        )
+        return Path(str(cfg.hydra.run.dir)).absolute()
+    except Exception:
+        return None
+
+
+def _single(args: list[str], label: str = "") -> int:
+    """One run through Hydra; returns the exit status."""
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    flags, overrides, understood = _split_flags(args)
+    new_dirs: list[Path] = []
+    if understood:
+        problem = _precheck(flags, overrides)
+        if problem is not None:
+            _error(problem, label)
+            return 2
+        run_dir = _planned_run_dir(flags, overrides)
+        if run_dir is not None:
+            # the folders this run will make (so a run that fails before training removes them),
+            # with the run folder pinned, so Hydra's ${now:...} cannot name another one
+            new_dirs = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+            if not any(a.startswith("hydra.run.dir=") for a in overrides):
+                args = [*args, f"hydra.run.dir={run_dir}"]
+    status = {"code": 0}
+
+    def task(cfg: DictConfig) -> None:
+        status["code"] = _run_in(cfg, Path(HydraConfig.get().runtime.output_dir), args, label, new_dirs)
+
+    saved = sys.argv
+    sys.argv = [saved[0], *args]
+    try:
+        hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(task)()
+    finally:
+        sys.argv = saved
+    return status["code"]
+
+
+def _sweep(args: list[str]) -> int:
+    """``-m``: expand the sweep (Hydra's syntax) and run its jobs one after the other in this
+    process; a failed job is reported in one line and the sweep goes on. Status 2 if any failed."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    flags, overrides, _ = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        _error(_hydra_message(exc))
+        return 2
+    jobs = [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    sweep_dir = None
+    failed: list[str] = []
+    for number, job in enumerate(jobs):
+        label = f"job #{number} ({' '.join(job)}): "
+        if sweep_dir is None:
+            try:
+                cfg = compose_config(
+                    [a for a in job if not a.startswith("hydra.run.dir=")],
+                    config_dir=_flag_value(flags, "--config-dir", "-cd"),
+                    config_name=_flag_value(flags, "--config-name", "-cn") or "config",
+                    hydra_config=True,
+                )
+                sweep_dir = str(cfg.hydra.sweep.dir)
+            except Exception:
+                pass  # reported by the job's own run below
+        print(f"[{PROG}] {label.rstrip(': ')}", file=sys.stderr)
+        run_dir = [f"hydra.run.dir={sweep_dir}/{number}"] if sweep_dir is not None else []
+        code = _single([*flags, *job, *run_dir], label)
+        if code == 130:
+            return 130
+        if code != 0:
+            failed.append(f"#{number} ({' '.join(job)})")
+    if failed:
+        print(f"{PROG}: {len(failed)} of {len(jobs)} jobs failed: {', '.join(failed)}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (``r3lightning-train``): Hydra parses the command-line overrides."""
-    import hydra
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in args or "-h" in args:
+        from .help import format_help
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    problem = _check_overrides(sys.argv[1:])
-    if problem is not None:
-        print(f"r3lightning-train: error: {problem}", file=sys.stderr)
-        sys.exit(2)
+        print(format_help(CONF_DIR))
+        sys.exit(0)
     # Lightning's banner lines (accelerator summary, logger tips) are noise here.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(_task)()
-
-
-def compose_config(overrides: list[str] | None = None) -> DictConfig:
-    """The job's config with ``overrides`` applied, without running it (tests, notebooks)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides or []))
+    code = _sweep(args) if any(a in _MULTIRUN_FLAGS for a in args) else _single(args)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ routers through the ``RouterReplayCallback`` (which installs them before each tr
 and rollouts come from the data module. Batches are left-padded ``RolloutBatch`` es.
 
 Routing agreement is measured, not assumed: when the batch carries the rollout engine's routes,
-the experts each MoE layer *actually used* in the training forward are recorded and compared
-with the engine's, per layer, over the tokens that have a captured route (100% under R3).
+``used_agreement/layer_XX`` is the share of the engine's experts that each MoE layer *actually
+used* in the training forward, over the tokens that have a captured route (100% under R3),
+counted on device by the replay backend's router hooks (no second recording, no host sync).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from torch import Tensor, nn
 
 from ..align.layout import position_ids_from_mask
 from ..replay.callback import RouterReplayCallback
-from ..replay.context import record_routes
 from .grpo import GRPOConfig, mismatch_metrics, policy_loss, token_logprobs
 
 
@@ -49,6 +49,7 @@ class GRPOModule(pl.LightningModule):
         *,
         recompute_old_logprobs: bool = False,
         measure_agreement: bool = True,
+        sharded_weights: str | None = None,
     ):
         super().__init__()
         self.model = model.train()  # builders hand out eval-mode models
@@ -58,6 +59,9 @@ class GRPOModule(pl.LightningModule):
         # whose routes are recorded there); False: the rollout engine's logprobs.
         self.recompute_old_logprobs = recompute_old_logprobs
         self.measure_agreement = measure_agreement
+        # DCP directory (r3lightning.models.sharded) each rank reads its shards from after
+        # sharding a meta-device model; None = the model arrives with its weights
+        self.sharded_weights = sharded_weights
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of a left-padded batch."""
@@ -95,13 +99,9 @@ class GRPOModule(pl.LightningModule):
             guard = callback.old_policy_forward(batch) if callback is not None else contextlib.nullcontext()
             with guard, torch.no_grad():
                 old_logprobs = self.batch_logprobs(batch)
-        rollout_routes = batch.routed_experts if callback is not None and callback.mode != "r2" else None
-        if self.measure_agreement and rollout_routes is not None and callback.backend is not None:
-            with record_routes(callback.backend) as recording:
-                logprobs = self.batch_logprobs(batch)  # [B, S]
-            self._log_agreement(callback, recording.routes)
-        else:
-            logprobs = self.batch_logprobs(batch)
+        logprobs = self.batch_logprobs(batch)  # [B, S]
+        if self.measure_agreement and callback is not None and callback.mode != "r2":
+            self._log_agreement(callback, len(batch))
         loss_mask = batch.loss_mask.to(logprobs.dtype)
         loss, stats = policy_loss(
             logprobs,
@@ -136,47 +136,47 @@ class GRPOModule(pl.LightningModule):
         )
         return loss
 
-    def _log_agreement(self, callback: RouterReplayCallback, used: Tensor) -> None:
-        """Log ``agreement/layer_XX``: fraction of the rollout's expert slots that the training
-        forward used, per MoE layer, over the tokens with a captured route (epoch-weighted by
-        that token count). One device->host sync (the row count)."""
+    def _log_agreement(self, callback: RouterReplayCallback, batch_size: int) -> None:
+        """Log ``used_agreement/layer_XX``: share of the rollout's expert slots that the training
+        forward used, per MoE layer, over the tokens with a captured route (0 without one), from
+        the callback's on-device counts. Every rank logs every layer; no host sync."""
+        counts = callback.routing_counts()
         backend = callback.backend
-        hits, rows = callback.agreement_with_routes(used)  # [moe_layers]
-        if rows == 0:
+        if counts is None or backend is None:
             return
-        fractions = hits / (rows * backend.top_k)
-        for layer, value in zip(backend.moe_layers, fractions, strict=True):
+        slots = (counts["route_rows"] * backend.top_k).clamp(min=1)
+        fractions = counts["used_hits"].double() / slots  # [moe_layers]
+        for layer, value in zip(backend.moe_layers, fractions.unbind(0), strict=True):
             self.log(
-                f"agreement/layer_{layer:02d}",
-                value,
+                f"used_agreement/layer_{layer:02d}",
+                value.float(),
                 on_step=False,
                 on_epoch=True,
-                batch_size=rows,
+                batch_size=batch_size,
                 sync_dist=self._distributed,
             )
 
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root.
-
-        A no-op for other strategies. The replay backend's router hooks survive sharding
-        (``fully_shard`` keeps the module objects and swaps in a subclass).
+        """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root
+        (:func:`~r3lightning.models.sharded.shard_model`); a model built on the meta device then
+        reads this rank's shards from ``sharded_weights``. A no-op for other strategies.
         """
         mesh = self.device_mesh
+        if mesh is None and self.sharded_weights is not None:
+            raise ValueError(
+                "sharded_weights needs FSDP2 (ModelParallelStrategy, e.g. trainer=gpu_fsdp or cpu_fsdp): the "
+                "model was built on the meta device and only sharding gives its parameters storage"
+            )
         if mesh is None or getattr(self.model, "_r3_sharded", False):
             return
-        from torch.distributed.fsdp import fully_shard
+        from ..models.sharded import load_sharded_weights, shard_model
 
         dp_mesh = (
             mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
         )
-        layers = getattr(getattr(self.model, "model", self.model), "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise ValueError(
-                f"FSDP2 sharding looks for the decoder layers at model.model.layers; {type(self.model).__name__} has none"
-            )
-        for layer in layers:
-            fully_shard(layer, mesh=dp_mesh)
-        fully_shard(self.model, mesh=dp_mesh)
+        shard_model(self.model, dp_mesh)
+        if self.sharded_weights is not None:
+            load_sharded_weights(self.model, self.sharded_weights, self.device)
         self.model._r3_sharded = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -1,7 +1,7 @@
 """Run outputs: per-step metrics CSV, the final summary table, and the PNG plot.
 
 A run's history is a list of flat ``{metric: float}`` records, one per RL step. Per-layer
-routing agreement is stored as ``agreement/layer_<i>`` columns. Plotting uses matplotlib's
+routing agreement is stored as ``used_agreement/layer_<i>`` columns. Plotting uses matplotlib's
 Agg backend (no display needed).
 """
 
@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-AGREEMENT_PREFIX = "agreement/layer_"
+AGREEMENT_PREFIX = "used_agreement/layer_"
 
 
 def write_csv(path: str | Path, records: Sequence[Mapping[str, float]]) -> None:

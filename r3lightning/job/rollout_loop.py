@@ -1,255 +1,134 @@
 """The on-policy RL loop around a Lightning fit: one epoch = one RL step.
 
-``RolloutCollector`` samples a group of responses per prompt from a rollout engine over HTTP
-(``RemoteGenerateClient``), routes and all, scores them with the task, computes GRPO advantages
-and returns ``Trajectory`` objects (routes go through a ``RoutedExpertTrace`` per trajectory).
-
 ``OnPolicyLoop`` is the Lightning callback that keeps the engine on-policy: at fit start and
-after every epoch it pushes the trainer's weights to the engine, collects the next step's
-rollouts into the ``ReplayBuffer`` the data module reads (the trainer reloads its dataloader
-every epoch, ``reload_dataloaders_every_n_epochs=1``), and records one row of metrics per step.
+after every epoch rank 0 pushes the trainer's weights to the engine (one push per step), every
+rank waits for that push, then every rank collects *its own* GRPO groups of the next step with a
+:class:`~r3lightning.rollout.collector.RolloutCollector` into its own ``ReplayBuffer`` (the data
+module reads it unsharded: ``R3DataModule(shard=False)``; the trainer reloads its dataloader
+every epoch, ``reload_dataloaders_every_n_epochs=1``). No trajectory, and no route, crosses
+ranks; only the collector's scalar statistics are all-reduced. One row of metrics per step.
+
 Its history is part of the checkpoint, and the checkpoint taken after step ``e`` already holds
-step ``e + 1``'s rollouts (in the data module's state), so a resumed run continues exactly.
+step ``e + 1``'s rollouts (in the data module's state), so a one-process resumed run continues
+exactly. A checkpoint holds rank 0's buffer only, so a multi-rank resume collects the step's
+groups again on every rank (same seeds, same restored weights) instead of using it.
+
+The job's prompts come from the task (:class:`TaskPrompts`); its reward is the task's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from ..data.trajectory import Trajectory
-from ..rollout.client import RemoteGenerateClient
 from ..rollout.client_protocol import RouteSchema
-from ..trace import RoutedExpertTrace
-from .grpo import group_advantages
+from ..rollout.collector import RolloutCollector
+from ..rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
+from .common import JobError
 from .report import AGREEMENT_PREFIX, write_csv
-from .task import TokenClassTask
-
-
-@dataclass
-class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 4
-    ignore_eos: bool = True
-
-    def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
-        """The request's ``sampling_params`` in ``protocol``'s field names."""
-        params: dict[str, Any] = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "ignore_eos": self.ignore_eos,
-        }
-        if protocol == "sglang":
-            params.update(max_new_tokens=self.max_new_tokens, sampling_seed=seed)
-        else:
-            params.update(max_tokens=self.max_new_tokens, seed=seed)
-        return params
-
-
-@dataclass
-class ClientConfig:
-    url: str
-    protocol: str = "skyrl"
-    api_key: str | None = None
-    request_timeout_s: float = 120.0
-    max_in_flight: int = 64  # the client's connection limit
-    extra: dict[str, Any] = field(default_factory=dict)  # more RemoteGenerateClient keywords
-
-
-def _step_seed(seed: int, step: int, index: int = 0) -> int:
-    """Deterministic per-(run, step, sample) seed, so a resumed run samples the same rollouts."""
-    return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
-
-
-class RolloutCollector:
-    """Collects and scores one RL step's trajectories from a rollout engine.
-
-    Each step draws ``num_prompts`` prompts from a generator seeded by ``(seed, step)`` and sends
-    ``group_size`` requests per prompt (one per sample, each with its own sampling seed), at most
-    ``max_in_flight`` at a time. Cost: host-side only; the routes stay compact numpy/torch
-    arrays in the engine's dtype.
-    """
-
-    def __init__(
-        self,
-        client: ClientConfig,
-        task: TokenClassTask,
-        *,
-        group_size: int,
-        sampling: SamplingConfig,
-        schema: RouteSchema,
-        request_routes: bool = True,
-        normalize_std: bool = True,
-        seed: int = 0,
-    ) -> None:
-        if group_size < 2:
-            raise ValueError(f"algorithm.group_size must be >= 2 for group advantages, got {group_size}")
-        self.client_config = client
-        self.task = task
-        self.group_size = group_size
-        self.sampling = sampling
-        self.schema = schema
-        self.request_routes = request_routes
-        self.normalize_std = normalize_std
-        self.seed = seed
-
-    def make_client(self) -> RemoteGenerateClient:
-        cfg = self.client_config
-        return RemoteGenerateClient(
-            cfg.url,
-            protocol=cfg.protocol,  # type: ignore[arg-type]
-            api_key=cfg.api_key,
-            timeout_s=cfg.request_timeout_s,
-            max_connections=max(1, cfg.max_in_flight),
-            num_layers=self.schema.num_layers,
-            top_k=self.schema.top_k,
-            num_experts=self.schema.num_experts,
-            **cfg.extra,
-        )
-
-    def check_engine(self) -> bool:
-        """Whether the engine answers ``GET /health`` (one attempt, ``request_timeout_s``)."""
-
-        async def probe() -> bool:
-            async with self.make_client() as client:
-                return await client.health()
-
-        return asyncio.run(probe())
-
-    def collect(self, step: int, num_prompts: int, *, progress: bool = True) -> tuple[list[Trajectory], dict]:
-        """Trajectories of step ``step`` (``num_prompts * group_size`` of them) and their stats."""
-        return asyncio.run(self._collect(step, num_prompts, progress))
-
-    async def _collect(self, step: int, num_prompts: int, progress: bool) -> tuple[list[Trajectory], dict]:
-        start = time.perf_counter()
-        generator = torch.Generator().manual_seed(_step_seed(self.seed, step))
-        prompts = self.task.sample_prompts(num_prompts, generator)
-        jobs = [
-            (p, _step_seed(self.seed, step, i * self.group_size + j))
-            for i, p in enumerate(prompts)
-            for j in range(self.group_size)
-        ]
-        bar = _progress_bar(len(jobs), f"rollout step {step}", progress)
-        async with self.make_client() as client:
-
-            async def one(prompt: list[int], seed: int):
-                result = await self._generate(client, prompt, seed)
-                bar.update(1)
-                return result
-
-            try:
-                samples = await asyncio.gather(*(one(p, s) for p, s in jobs))
-            finally:
-                bar.close()
-        rewards = torch.tensor(
-            [self.task.reward(p, r.response_ids) for (p, _), r in zip(jobs, samples, strict=True)]
-        )
-        advantages = group_advantages(rewards, self.group_size, normalize_std=self.normalize_std)
-        trajectories = [
-            self._trajectory(prompt, result, float(reward), float(adv))
-            for (prompt, _), result, reward, adv in zip(jobs, samples, rewards, advantages, strict=True)
-        ]
-        stats = {
-            "reward": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "response_length": sum(t.response_length for t in trajectories) / len(trajectories),
-            "rollout_s": time.perf_counter() - start,
-        }
-        return trajectories, stats
-
-    async def _generate(self, client: RemoteGenerateClient, prompt: list[int], seed: int):
-        return await client.generate(
-            prompt,
-            self.sampling.wire_params(self.client_config.protocol, seed),
-            return_routed_experts=self.request_routes,
-            routed_experts_prompt_start=0 if self.request_routes else None,
-        )
-
-    def _trajectory(self, prompt: list[int], result, reward: float, advantage: float) -> Trajectory:
-        response = list(result.response_ids)
-        routes = None
-        if self.request_routes:
-            trace = RoutedExpertTrace(self.schema.num_layers, self.schema.top_k, self.schema.num_experts)
-            trace.record_generation(len(prompt), len(response), result.routed_experts)
-            routes = trace.finalize(len(prompt) + len(response))
-        return Trajectory(
-            prompt,
-            response,
-            rollout_logprobs=result.response_logprobs,
-            reward=reward,
-            advantage=advantage,
-            routed_experts=routes,
-        )
-
-
-def _progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, leave=False, disable=not enabled, dynamic_ncols=True)
-
+from .task import ScoredTask
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
 
+_PROMPTS = -1  # the "group index" of a step's prompt draw in sampling_seed (groups are >= 0)
+
+
+@dataclass
+class Engine:
+    """Where rollouts come from and how the trainer's weights reach them.
+
+    ``urls``: the engines' base URLs (None on ranks that learn them from rank 0: the embedded
+    engine). ``push``: rank 0's weight sync (None elsewhere, or when the deployment syncs weights
+    itself). ``gather``: whether every rank joins the per-step full-weight gather (a collective
+    under FSDP2, so it is the same on every rank).
+    """
+
+    urls: list[str] | None
+    push: WeightSync | None = None
+    gather: bool = False
+
+
+class TaskPrompts:
+    """The step's global prompt list, drawn from the task with a generator seeded by
+    ``(seed, step)``: the same on every rank, for any number of ranks."""
+
+    def __init__(self, task: ScoredTask, num_prompts: int, seed: int) -> None:
+        self.task, self.num_prompts, self.seed = task, num_prompts, seed
+
+    def __call__(self, step: int) -> list[RolloutPrompt]:
+        generator = torch.Generator().manual_seed(sampling_seed(self.seed, step, _PROMPTS))
+        return [RolloutPrompt(p) for p in self.task.sample_prompts(self.num_prompts, generator)]
+
+    def reward(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
+        return self.task.reward(prompt.token_ids, response_ids)
+
 
 class OnPolicyLoop(pl.Callback):
-    """Rollout -> buffer -> train, once per epoch, with weight pushes in between.
+    """Rollout -> per-rank buffer -> train, once per epoch, with weight pushes in between.
 
-    ``buffer``: the ``ReplayBuffer`` the data module draws from (refilled each step).
-    ``gather_weights``: gather the full state dict each step (a collective under FSDP2, so it
-    must be the same on every rank); ``sync_weights`` then pushes it to the engine (rank 0;
-    ``None`` elsewhere or when the deployment syncs weights itself). ``metrics_path``: CSV
-    rewritten after every step. In multi-process runs rank 0 collects and broadcasts the
-    trajectories, so every rank's buffer is identical and the data module shards it.
+    ``make_collector(urls)``: builds the collector once the engine URLs are known on every rank
+    (at fit start; the embedded engine's URL comes from rank 0). ``prompts(step)``: the step's
+    global prompt list. ``buffer``: this rank's ``ReplayBuffer`` (refilled each step).
+    ``engine``: its URLs and weight sync: every rank joins the full-state-dict gather when
+    ``engine.gather`` (a collective under FSDP2), rank 0 pushes it with ``engine.push``, and
+    every rank waits at a barrier for that push before collecting. ``metrics_path``: CSV
+    rewritten after every step (rank 0).
     """
 
     def __init__(
         self,
-        collector: RolloutCollector,
+        make_collector: Callable[[list[str]], RolloutCollector],
+        prompts: Callable[[int], Sequence[RolloutPrompt]],
         buffer,
         *,
-        prompts_per_step: int,
-        sync_weights: WeightSync | None,
-        gather_weights: bool = True,
+        engine: Engine,
         metrics_path: str | Path | None = None,
-        progress: bool = True,
         full_state_dict: Callable[[pl.LightningModule], dict[str, Tensor]] | None = None,
     ) -> None:
-        self.collector = collector
+        self.make_collector = make_collector
+        self.prompts = prompts
         self.buffer = buffer
-        self.prompts_per_step = prompts_per_step
-        self.sync_weights = sync_weights
-        self.gather_weights = gather_weights
+        self.engine = engine
         self.metrics_path = None if metrics_path is None else Path(metrics_path)
-        self.progress = progress
         self.full_state_dict = full_state_dict or _plain_state_dict
+        self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
         self._pending: dict[str, float] = {}  # rollout stats of the step being trained
         self._epoch_start = 0.0
+        self._pushed_on_restore = False
 
     # ------------------------------------------------------------------ lightning hooks
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_ranks(trainer)
+        self._ensure_collector(trainer)
         if trainer.ckpt_path is None:  # fresh run: roll out step 0 with the initial weights
-            self._push_weights(pl_module)
+            self._push_weights(trainer, pl_module)
             self._collect(trainer, trainer.current_epoch)
         # else the checkpoint holds the next step's rollouts (restored with the data module)
 
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
+        if trainer.world_size > 1:
+            # the restored buffer is rank 0's: collect this rank's groups of the step again, on
+            # the restored weights (the engine still serves its initial ones)
+            self._ensure_collector(trainer)
+            self._push_weights(trainer, pl_module)
+            self._collect(trainer, int(checkpoint["epoch"]) + 1)
+            self._pushed_on_restore = True
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.ckpt_path is not None:
+        if trainer.ckpt_path is not None and not self._pushed_on_restore:
             # after the restore (which some strategies run after on_fit_start): the engine
             # still serves its initial weights
-            self._push_weights(pl_module)
+            self._push_weights(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_start = time.perf_counter()
@@ -264,8 +143,12 @@ class OnPolicyLoop(pl.Callback):
             write_csv(self.metrics_path, self.history)
         # Also after the last step: the checkpoint saved next then holds the next step's
         # rollouts, so a run extended with more steps resumes exactly where it stopped.
-        self._push_weights(pl_module)
+        self._push_weights(trainer, pl_module)
         self._collect(trainer, step + 1)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.collector is not None:
+            self.collector.close()
 
     # ------------------------------------------------------------------ checkpoint state
 
@@ -274,28 +157,118 @@ class OnPolicyLoop(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
-        self._pending = dict(state_dict.get("pending", {}))
+        if not self._pushed_on_restore:  # else the stats of the collection just repeated
+            self._pending = dict(state_dict.get("pending", {}))
 
     # ------------------------------------------------------------------ helpers
 
-    def _push_weights(self, pl_module: pl.LightningModule) -> None:
-        if not self.gather_weights:
+    def _check_ranks(self, trainer: pl.Trainer) -> None:
+        world = trainer.world_size
+        if world == 1:
             return
-        state_dict = self.full_state_dict(pl_module)
-        if self.sync_weights is not None:
-            self.sync_weights(state_dict)
+        if getattr(trainer.datamodule, "shard", False):
+            raise JobError(
+                "every rank collects only its own groups, so the data module must not shard its "
+                "buffer again: set data.shard=false"
+            )
+        num_prompts = len(self.prompts(0))
+        if num_prompts % world:
+            raise JobError(
+                f"prompts_per_step ({num_prompts}) must be a multiple of the number of ranks ({world}): "
+                "every rank trains on the same number of whole groups"
+            )
+
+    def _ensure_collector(self, trainer: pl.Trainer) -> None:
+        if self.collector is not None:
+            return
+        urls = self.engine.urls
+        if trainer.world_size > 1:
+            urls = trainer.strategy.broadcast(urls, src=0)  # a few short strings, once per fit
+            if trainer.num_nodes > 1 and self.engine.urls is None and _is_loopback(urls[0]):
+                raise JobError(
+                    f"the embedded engine listens on loopback ({urls[0]}), which other nodes cannot "
+                    "reach: set rollout.server.host to this node's address, or rollout.url"
+                )
+        assert urls, "the engine URLs are known on rank 0"
+        self.collector = self.make_collector(list(urls))
+
+    def _push_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.engine.gather:
+            state_dict = self.full_state_dict(pl_module)
+            if self.engine.push is not None:
+                self.engine.push(state_dict)
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("r3lightning-weights-pushed")  # no rank samples stale weights
 
     def _collect(self, trainer: pl.Trainer, step: int) -> None:
-        if trainer.world_size > 1:
-            payload = None
-            if trainer.is_global_zero:
-                payload = self.collector.collect(step, self.prompts_per_step, progress=self.progress)
-            trajectories, stats = trainer.strategy.broadcast(payload, src=0)
-        else:
-            trajectories, stats = self.collector.collect(step, self.prompts_per_step, progress=self.progress)
+        assert self.collector is not None
         self.buffer.clear()
-        self.buffer.extend(trajectories)
-        self._pending = stats
+        rollouts = self.collector.collect(self.prompts(step), step=step, buffer=self.buffer)
+        stats = rollouts.stats
+        self._pending = {
+            "reward": stats.reward_mean,
+            "reward_std": stats.reward_std,
+            "response_length": stats.response_length_mean,
+            "rollout_s": stats.rollout_s,
+            "rollout_attempts": float(stats.attempts),
+            "engine_errors": float(stats.engine_errors),
+        }
+
+
+def on_policy_loop(
+    cfg: DictConfig,
+    engine: Engine,
+    task: ScoredTask,
+    schema: RouteSchema,
+    buffer,
+    *,
+    normalize_std: bool,
+    metrics_path: Path,
+) -> OnPolicyLoop:
+    """The job's loop: the task's prompts and reward, a collector over ``engine``'s URLs built
+    from ``cfg.rollout``. Engines known here (not the embedded one on ranks > 0) must answer
+    ``GET /health`` (else a ``JobError``)."""
+    rollout = cfg.rollout
+    prompts = TaskPrompts(task, int(cfg.prompts_per_step), int(cfg.seed))
+    sampling = SamplingConfig(**OmegaConf.to_container(rollout.sampling, resolve=True))  # type: ignore[arg-type]
+
+    def make_collector(urls: list[str]) -> RolloutCollector:
+        return RolloutCollector(
+            urls,
+            prompts.reward,
+            group_size=int(cfg.algorithm.group_size),
+            sampling=sampling,
+            protocol=str(rollout.protocol),
+            num_layers=schema.num_layers,
+            top_k=schema.top_k,
+            num_experts=schema.num_experts,
+            request_routes=bool(cfg.replay.request_routes),
+            normalize_std=normalize_std,
+            seed=int(cfg.seed),
+            max_in_flight=int(rollout.max_in_flight),
+            client_options={"api_key": rollout.api_key, "timeout_s": float(rollout.request_timeout_s)},
+            progress=bool(cfg.trainer.get("enable_progress_bar", True)),
+        )
+
+    if engine.urls is not None:
+        down = [url for url, ok in make_collector(engine.urls).check_engines().items() if not ok]
+        if down:
+            raise JobError(
+                f"cannot reach the rollout engine at {', '.join(down)} (GET /health failed within "
+                f"{float(rollout.request_timeout_s):g}s); check rollout.url or start the engine"
+            )
+    return OnPolicyLoop(make_collector, prompts, buffer, engine=engine, metrics_path=metrics_path)
+
+
+def _is_loopback(url: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _plain_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
@@ -325,7 +298,7 @@ def _epoch_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Flatten the epoch-aggregated logged metrics into CSV columns.
 
     ``train/<name>`` -> ``<name>``; the module's per-layer routing agreement keeps its
-    ``agreement/layer_XX`` name.
+    ``used_agreement/layer_XX`` name.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():

@@ -6,74 +6,131 @@ A prompt is a few random filler tokens followed by an *instruction* token naming
 and cheap (no reward model). A uniform random policy scores ``1 / num_classes``, the optimum is
 1.0, and the answer depends on the prompt. The instruction sits right before the first response
 token, so a randomly initialised tiny model learns the rule in a few tens of GRPO steps.
+
+Your own task and reward replace these through the config (``task._target_``, ``reward._target_``):
+a task is anything with ``sample_prompts(num_prompts, generator) -> list[list[int]]``, a reward
+any callable ``reward(prompt_ids, response_ids) -> float``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 
-@dataclass
-class TokenClassTaskConfig:
-    vocab_size: int = 256
-    num_classes: int = 2
-    prompt_length: int = 6
-    response_length: int = 4
-    # instruction ids are [first_token, first_token + num_classes); fillers come after them,
-    # so special ids (pad, bos, eos below first_token) never appear in prompts
-    first_token: int = 4
+class PromptSource(Protocol):
+    """What the job asks of a task (``task._target_``): prompts for one RL step."""
+
+    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]: ...
 
 
-class TokenClassTask:
-    """Prompts and rewards of the token-class task; deterministic given the generator."""
+Reward = Callable[[Sequence[int], Sequence[int]], float]  # (prompt_ids, response_ids) -> reward
 
-    def __init__(self, config: TokenClassTaskConfig):
-        if config.num_classes < 2:
-            raise ValueError(f"task.num_classes must be >= 2, got {config.num_classes}")
-        if config.prompt_length < 1 or config.response_length < 1:
-            raise ValueError(
-                "task.prompt_length and task.response_length must be >= 1, got "
-                f"{config.prompt_length} and {config.response_length}"
+
+class ScoredTask:
+    """A task's prompts with the reward that scores them (``task`` and ``reward`` config keys).
+
+    ``reward(prompt_ids, response_ids)`` must return a finite number; anything else is a
+    ``ValueError`` naming the reward and the value.
+    """
+
+    def __init__(self, prompts: PromptSource, reward: Reward) -> None:
+        if not callable(getattr(prompts, "sample_prompts", None)):
+            raise TypeError(
+                f"task must have sample_prompts(num_prompts, generator), got {type(prompts).__name__}"
             )
-        if not 0 <= config.first_token < config.vocab_size - 2 * config.num_classes:
-            raise ValueError(
-                f"task.first_token must be in [0, vocab_size - 2 * num_classes) = "
-                f"[0, {config.vocab_size - 2 * config.num_classes}), got {config.first_token}"
+        if not callable(reward):
+            raise TypeError(
+                f"reward must be callable as reward(prompt_ids, response_ids) -> float, got "
+                f"{type(reward).__name__} (for a function that takes more keywords add _partial_: true)"
             )
-        self.config = config
+        self.prompts = prompts
+        self.score = reward
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
-        """``num_prompts`` random prompts of ``prompt_length`` token ids (host tensors only)."""
-        c = self.config
-        filler_start = c.first_token + c.num_classes
-        fillers = torch.randint(
-            filler_start, c.vocab_size, (num_prompts, c.prompt_length - 1), generator=generator
-        )  # [num_prompts, prompt_length - 1]
-        classes = torch.randint(0, c.num_classes, (num_prompts, 1), generator=generator)
-        return torch.cat([fillers, classes + c.first_token], dim=1).tolist()
+        return self.prompts.sample_prompts(num_prompts, generator)
+
+    def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
+        value = self.score(prompt_ids, response_ids)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"reward {self.score!r} returned {value!r}; expected a finite number")
+        return float(value)
+
+
+class TokenClassReward:
+    """Fraction of the expected ``response_length`` tokens in the prompt's target class.
+
+    Dividing by the expected length (not the actual one) means a response cut short cannot score
+    higher than a complete one.
+    """
+
+    def __init__(self, num_classes: int = 2, first_token: int = 4, response_length: int = 4) -> None:
+        self.num_classes = num_classes
+        self.first_token = first_token
+        self.response_length = response_length
 
     def target_class(self, prompt_ids: Sequence[int]) -> int:
         """The class the prompt's final instruction token asks for."""
-        c = self.config
-        target = int(prompt_ids[-1]) - c.first_token
-        if not 0 <= target < c.num_classes:
+        target = int(prompt_ids[-1]) - self.first_token
+        if not 0 <= target < self.num_classes:
             raise ValueError(
-                f"prompt must end with an instruction token in [{c.first_token}, "
-                f"{c.first_token + c.num_classes}), got {int(prompt_ids[-1])}"
+                f"prompt must end with an instruction token in [{self.first_token}, "
+                f"{self.first_token + self.num_classes}), got {int(prompt_ids[-1])}"
             )
         return target
 
-    def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
-        """Fraction of the expected ``response_length`` tokens in the prompt's target class.
-
-        Dividing by the expected length (not the actual one) means a response cut short
-        cannot score higher than a complete one.
-        """
+    def __call__(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         target = self.target_class(prompt_ids)
-        hits = sum(
-            1 for t in response_ids[: self.config.response_length] if t % self.config.num_classes == target
-        )
-        return hits / self.config.response_length
+        hits = sum(1 for t in response_ids[: self.response_length] if t % self.num_classes == target)
+        return hits / self.response_length
+
+
+class TokenClassTask:
+    """Prompts of the token-class task (deterministic given the generator); its reward is
+    :class:`TokenClassReward` (also as ``task.reward``)."""
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        num_classes: int = 2,
+        prompt_length: int = 6,
+        response_length: int = 4,
+        first_token: int = 4,
+    ) -> None:
+        # instruction ids are [first_token, first_token + num_classes); fillers come after them,
+        # so special ids (pad, bos, eos below first_token) never appear in prompts
+        if num_classes < 2:
+            raise ValueError(f"task.num_classes must be >= 2, got {num_classes}")
+        if prompt_length < 1 or response_length < 1:
+            raise ValueError(
+                "task.prompt_length and task.response_length must be >= 1, got "
+                f"{prompt_length} and {response_length}"
+            )
+        if not 0 <= first_token < vocab_size - 2 * num_classes:
+            raise ValueError(
+                f"task.first_token must be in [0, vocab_size - 2 * num_classes) = "
+                f"[0, {vocab_size - 2 * num_classes}), got {first_token}"
+            )
+        self.vocab_size = vocab_size
+        self.num_classes = num_classes
+        self.prompt_length = prompt_length
+        self.response_length = response_length
+        self.first_token = first_token
+        self.reward = TokenClassReward(num_classes, first_token, response_length)
+
+    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
+        """``num_prompts`` random prompts of ``prompt_length`` token ids (host tensors only)."""
+        filler_start = self.first_token + self.num_classes
+        fillers = torch.randint(
+            filler_start, self.vocab_size, (num_prompts, self.prompt_length - 1), generator=generator
+        )  # [num_prompts, prompt_length - 1]
+        classes = torch.randint(0, self.num_classes, (num_prompts, 1), generator=generator)
+        return torch.cat([fillers, classes + self.first_token], dim=1).tolist()
+
+    def target_class(self, prompt_ids: Sequence[int]) -> int:
+        return self.reward.target_class(prompt_ids)

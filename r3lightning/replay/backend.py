@@ -44,7 +44,8 @@ class RouterReplayBackend(Protocol):
 
         ``replay_mask`` bool ``[*token_shape]``: False rows keep native routing (padding,
         uncaptured suffix tokens). ``None`` replays every row. Routes stay installed (and are
-        reused by activation-checkpoint recomputation) until :meth:`clear`.
+        reused by activation-checkpoint recomputation) until :meth:`clear` or the next install,
+        which replaces them (one install per micro-batch); routing stats keep accumulating.
         """
         ...
 
@@ -65,13 +66,17 @@ class RouterReplayBackend(Protocol):
         ...
 
     def routing_stats(self) -> dict:
-        """Native-vs-replayed agreement since the last :meth:`clear`.
+        """Native-vs-replayed agreement of the forwards since the last :meth:`clear` (every
+        install in between).
 
         Keys: ``"layers"`` (tuple of absolute layer indices), ``"replayed_rows"`` (int64
         ``[len(layers)]``: token rows replayed per layer), ``"agreeing_slots"`` (int64
         ``[len(layers)]``: expert slots whose replayed id is in the native top-k set), and
-        ``"top_k"``. Agreement of layer ``i`` = ``agreeing_slots[i] / (replayed_rows[i] * top_k)``.
-        Activation-checkpoint recomputation is not counted twice. Host tensors (one sync).
+        ``"top_k"``; optionally ``"used_slots"`` (replayed expert slots the forward actually
+        used; a backend without it replays exactly what it installed). Agreement of layer ``i`` =
+        ``agreeing_slots[i] / (replayed_rows[i] * top_k)``. Activation-checkpoint recomputation is
+        not counted twice. Tensors on the routers' device, no host sync (before any forward they
+        may be host zeros).
         """
         ...
 

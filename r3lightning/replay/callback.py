@@ -8,35 +8,50 @@ Per training batch (``on_train_batch_start``, after the batch reached its device
    distinct experts) and a replay mask that is False wherever no route was captured,
 3. install them into the router replay backend.
 
+Micro-batches: inside ``with callback.micro_batch(sub_batch):`` (``sub_batch`` cut from the step's
+``RolloutBatch`` by ``split`` / ``chunk`` / ``select``, trimmed or not) every forward of the
+routed model replays that sub-batch's routes in its own layout; on exit the step's install is
+back. Several passes over the same sub-batches replay the same routes::
+
+    def training_step(self, batch, batch_idx):
+        replay = RouterReplayCallback.find(self.trainer)
+        for _ in range(ppo_epochs):
+            for mb in batch.chunk(4):
+                with replay.micro_batch(mb):
+                    loss = self.loss(mb)
+                    self.manual_backward(loss)  # recompute inside backward replays mb's routes too
+
 Routes are cleared after the step (``on_train_batch_end``), at the end of each training epoch
 (a step the module skips gets no ``on_train_batch_end``), on any exception, and before
 validation / test / predict / sanity checking, so no other forward ever sees stale routes.
 
 Modes:
 
-* ``"r3"``: replay the rollout engine's routes (``batch.routed_experts``).
+* ``"r3"``: replay the rollout engine's routes (``batch.routed_experts``). A batch without
+  routes warns once per run, is counted (``batches_without_routes``) and routes natively;
+  ``strict=True`` raises instead.
 * ``"r2"``: for engines that return no routes. The LightningModule wraps its no-grad
-  old-policy logprob forward in ``callback.old_policy_forward(batch)``; the routes the trainer
-  used there are installed for the rest of the step and stored on the batch
-  (``batch.routed_experts``), so every later update pass over the same batch object replays them
-  (routes a batch already carries at batch start are installed as in r3)::
+  old-policy logprob forward in ``callback.old_policy_forward(batch_or_sub_batch)``; the routes
+  the trainer used there are stored on that batch (``routed_experts``) and kept for its rows, so
+  every later pass over those rows (the batch, or micro-batches cut from it) replays them.
+* ``"off"``: native routing; where the batch has routes, the router's choices are compared with
+  them, so the mismatch is still logged.
 
-      def training_step(self, batch, batch_idx):
-          with RouterReplayCallback.find(self.trainer).old_policy_forward(batch), torch.no_grad():
-              old_logprobs = self.batch_logprobs(batch)
-          for _ in range(self.update_passes):  # manual optimisation
-              ...  # forwards here replay the old-policy routes
+Logged per step (names in ``router_replay/``), from counts kept on device, summed over the
+step's forwards, micro-batches and (``sync_dist=True``) ranks before dividing, so each value
+is an exact ratio <= 1:
 
-* ``"off"``: native routing; where the batch has routes, the experts the trainer chose are
-  recorded and compared with them, so the mismatch is still logged.
+* ``replayed_fraction``: replayed token-layer slots / token-layer slots with a route row,
+* ``native_agreement`` and ``native_agreement/layer_XX``: share of the route's experts the
+  router picks natively in that forward (the mismatch R3 removes),
+* ``used_agreement``: share of the route's experts the forward actually used,
+* ``native_loss_tokens``: loss targets whose logprob row had no captured route (r3 / r2),
+* ``batches_without_routes``: batches of this run with routes expected but none (r3 / r2).
 
-Logged per step (``router_replay/...``): ``replayed_fraction`` (real tokens whose routes are
-replayed; ``captured_fraction`` in off mode), ``native_loss_tokens`` (loss-target rows routed
-natively: no captured route), ``agreement`` and ``agreement/layer_XX`` (replayed experts the
-router would have chosen itself; in off mode, rollout experts the router chose natively).
-Agreement costs one device->host sync per step; ``log_agreement=False`` skips it.
-``native_loss_tokens`` is counted on the batch's device and logged as a tensor, so it is read
-back only when Lightning's logger writes (every ``log_every_n_steps``).
+Agreement values are NaN for a step without a route row. The counting costs no host sync: the
+metrics are logged as device tensors, read back when Lightning's logger writes
+(``log_every_n_steps``). With ``sync_dist=True`` one ``all_reduce`` of a small int64 vector
+per step. ``log_agreement=False`` logs nothing and reduces nothing.
 
 Installing the routes of a ``RolloutBatch`` is otherwise free of device->host syncs (a plain
 mapping batch costs one: its attention mask is copied back to build the layout), because the
@@ -49,49 +64,31 @@ mask are still checked on install (tensor metadata only).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from ..align.align import align_packed_token_metadata, build_replay_mask
 from ..align.dummy import dummy_routes
 from ..align.layout import TokenMetadataLayout
 from ..packed import PackedTensor
-from .backend import RouterReplayBackend, agreement_hits
+from ..ragged import to_device_async
+from .backend import RouterReplayBackend
+from .batch_fields import batch_field, host_attention_mask
+from .replay_metrics import COUNT_KEYS, comparison_counts, stats_counts, step_metrics, sum_over_ranks
 
 Mode = Literal["r3", "r2", "off"]
 LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> layout
 _MODES = ("r3", "r2", "off")
-
-
-def batch_field(batch: Any, name: str) -> Any:
-    """``batch.name`` for a ``RolloutBatch`` (or any object), ``batch[name]`` for a mapping."""
-    if isinstance(batch, dict):
-        return batch.get(name)
-    return getattr(batch, name, None)
-
-
-def host_attention_mask(batch: Any) -> Tensor:
-    """The batch's ``[B, S]`` left-padded attention mask on the host.
-
-    Rebuilt from ``batch.lengths_host()`` when the batch carries host lengths (``RolloutBatch``),
-    so no device->host sync is needed for a batch already on the GPU; otherwise copied back.
-    """
-    attention_mask = batch_field(batch, "attention_mask")
-    if attention_mask is None:
-        raise ValueError("RouterReplayCallback needs batch.attention_mask ([B, S] bool, left-padded)")
-    lengths_host = getattr(batch, "lengths_host", None)
-    if callable(lengths_host):
-        lengths = lengths_host()[0]
-        width = attention_mask.shape[1]
-        return torch.arange(width)[None, :] >= (width - lengths)[:, None]
-    return attention_mask.detach().cpu()
+ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
 
 
 def _set_batch_field(batch: Any, name: str, value: Any) -> None:
@@ -99,6 +96,15 @@ def _set_batch_field(batch: Any, name: str, value: Any) -> None:
         batch[name] = value
     else:
         setattr(batch, name, value)
+
+
+@dataclass
+class _Install:
+    """Routes that the forwards of one (micro-)batch replay or are compared with."""
+
+    layout: TokenMetadataLayout
+    routes: Tensor  # [*token_shape, L, K], dummy rows where uncaptured
+    mask: Tensor  # [*token_shape] bool on the routes' device: True where a route row was captured
 
 
 class RouterReplayCallback(Callback):
@@ -113,8 +119,9 @@ class RouterReplayCallback(Callback):
         strict: raise instead of routing natively when a training batch has no routes (r3), when
             no old-policy forward recorded any (r2), or when a forward of the routed model runs
             during a training step with nothing installed.
-        log_agreement: log native-vs-replayed agreement (one host sync per step).
-        log_per_layer: also log the agreement of each MoE layer.
+        log_agreement: log the ``router_replay/`` metrics (counted on device; nothing is logged,
+            counted or reduced when False).
+        log_per_layer: also log ``native_agreement/layer_XX`` for each MoE layer.
         validate_routes: check the replayed expert ids on every install (range and distinct
             within a row): a pass over the routes and device->host syncs per step. ``None``: off
             for a backend the callback builds or finds (``"hf"`` / ``"megatron"`` / ``None``),
@@ -125,7 +132,8 @@ class RouterReplayCallback(Callback):
             ``TokenMetadataLayout.padded(attention_mask, pad_to_multiple=pad_to_multiple)``.
         model_attr: submodule of the LightningModule holding the MoE model (e.g. ``"model"``);
             needed when the module holds several MoE models (a frozen reference, say).
-        sync_dist: reduce logged metrics across ranks.
+        sync_dist: sum the counts over all ranks before the ratios are taken (one ``all_reduce``
+            per step on the default process group; every rank logs the same keys).
     """
 
     def __init__(
@@ -168,19 +176,31 @@ class RouterReplayCallback(Callback):
                     f"got {type(self.backend).__name__}"
                 )
             self.backend.validate = validate_routes
-        self._in_step = False
-        self._layout: TokenMetadataLayout | None = None
-        self._aligned: Tensor | None = None  # the step's routes [*token_shape, L, K], to compare with
-        self._mask: Tensor | None = None
-        self._metrics: dict[str, Tensor | float] = {}
         self._strict_hooks: list = []
         self._recording_r2 = False
         self._warned_r2 = False
+        self._warned_missing = False
+        self.batches_without_routes = 0  # this run, this rank
+        self._logged_layers: tuple[int, ...] | None = None
+        self._layer_index: Tensor | None = None  # moe_layers on the metrics' device, built once
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._in_step = False
+        self._batch: Any = None
+        self._step: _Install | None = None  # the whole batch's routes
+        self._micro: _Install | None = None  # the active micro-batch's routes (None: native)
+        self._in_micro = False
+        self._compare: _Install | None = None  # off mode: what the open recording is compared with
+        self._r2_rows: dict[int, Tensor] = {}  # r2: step-batch row -> recorded rows [n, L, K]
+        self._installed_any = False
+        self._counts: Tensor | None = None  # [4, moe_layers] int64: comparisons by recording
+        self._native_loss_tokens: Tensor | None = None  # int64 scalar on device
 
     # --------------------------------------------------------------------------------- setup
     @staticmethod
     def find(trainer: pl.Trainer) -> RouterReplayCallback:
-        """The trainer's ``RouterReplayCallback`` (for ``old_policy_forward`` in a LightningModule)."""
+        """The trainer's ``RouterReplayCallback`` (for ``micro_batch`` / ``old_policy_forward``)."""
         for callback in trainer.callbacks:
             if isinstance(callback, RouterReplayCallback):
                 return callback
@@ -202,6 +222,7 @@ class RouterReplayCallback(Callback):
                 # for_model may return a backend attached earlier (by record_routes, say)
                 self.backend = HFRouterReplay.for_model(module)
                 self.backend.validate = bool(self.validate_routes)
+            self._layer_index = None
         if self.strict and not self._strict_hooks:
             # On the routers themselves when the backend exposes them: the LightningModule may call
             # its model directly rather than through its own forward.
@@ -214,6 +235,7 @@ class RouterReplayCallback(Callback):
             # A backend from an earlier fit belongs to that fit's module: look it up again
             # (the same one for the same module) so another module is not routed natively.
             self.backend = None
+        self._logged_layers = None
         self._ensure_backend(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -223,7 +245,9 @@ class RouterReplayCallback(Callback):
         self._strict_hooks = []
 
     def _check_installed(self, module: nn.Module, args: Any) -> None:
-        if not self._in_step or self.mode == "off" or self._recording_r2 or self._layout is not None:
+        if not self._in_step or self.mode == "off" or self._recording_r2:
+            return
+        if (self._micro if self._in_micro else self._step) is not None:
             return
         raise RuntimeError(
             f"RouterReplayCallback(strict=True, mode={self.mode!r}): a training forward ran with no routes "
@@ -234,9 +258,11 @@ class RouterReplayCallback(Callback):
     # ----------------------------------------------------------------------------- layouts
     @property
     def layout(self) -> TokenMetadataLayout | None:
-        """Layout of the current training step's installed routes (None outside a step or
-        without routes): a packed / sharded model must be fed its tokens in this layout."""
-        return self._layout
+        """Layout of the routes installed now: the active micro-batch's inside ``micro_batch``,
+        else the step's (None outside a step or without routes). A packed / sharded model must be
+        fed its tokens in this layout."""
+        active = self._micro if self._in_micro else self._step
+        return None if active is None else active.layout
 
     def build_layout(self, attention_mask: Tensor) -> TokenMetadataLayout:
         """Layout of the tokens the routed model sees for a host left-padded ``[B, S]`` mask."""
@@ -264,7 +290,13 @@ class RouterReplayCallback(Callback):
             )
 
         dense = align_packed_token_metadata(routes, layout, pad=pad)
-        return dense, build_replay_mask(routes.lengths, layout)  # mask on the host
+        mask = build_replay_mask(routes.lengths, layout)  # host
+        return dense, to_device_async(mask, dense.device)  # staged through page-locked memory
+
+    def _prepare(self, routes: PackedTensor, batch: Any) -> _Install:
+        layout = self.build_layout(host_attention_mask(batch))
+        dense, mask = self.align_routes(routes, layout)
+        return _Install(layout, dense, mask)
 
     # ------------------------------------------------------------------------- training loop
     def on_train_batch_start(
@@ -273,38 +305,45 @@ class RouterReplayCallback(Callback):
         self._ensure_backend(pl_module)
         self._clear()
         self._in_step = True
-        attention_mask = host_attention_mask(batch)
+        self._batch = batch
         routes = batch_field(batch, "routed_experts")
-        if routes is None:
-            if self.strict and self.mode == "r3":
-                raise ValueError(
-                    "batch.routed_experts is None: the rollout engine returned no routes (mode='r3', strict)"
-                )
+        if routes is None or routes.num_rows == 0:
             if self.mode == "r3":
-                self._metrics["replayed_fraction"] = 0.0
+                self._missing_routes("the batch has no routed_experts")
             return
-        self._install(routes, self.build_layout(attention_mask), batch)
+        self._step = self._prepare(routes, batch)
+        self._use(self._step)
+        self._count_native_loss_tokens(self._step, batch)
 
-    def _install(self, routes: PackedTensor, layout: TokenMetadataLayout, batch: Any) -> None:
+    def _use(self, install: _Install | None) -> None:
+        """Make the forwards from now on replay (or, off mode, be compared with) ``install``;
+        ``None``: native routing."""
         backend = self.backend
         assert backend is not None
-        dense, host_mask = self.align_routes(routes, layout)
-        mask = host_mask.to(dense.device, non_blocking=True)
-        self._layout, self._aligned, self._mask = layout, dense, mask
-        self._record_coverage(layout, host_mask, mask, batch)
         if self.mode == "off":
-            if self.log_agreement:  # compare what the router chooses natively with the rollout
-                backend.start_recording()
-        else:
-            backend.install(dense, mask)
+            if self.log_agreement:
+                self._close_comparison()
+                if install is not None:
+                    backend.start_recording()
+                    self._compare = install
+            return
+        if install is None:  # keep what the backend counted so far, then route natively
+            if self.log_agreement:
+                self._fold_backend_stats()
+            backend.clear()
+            return
+        backend.install(install.routes, install.mask)
+        self._installed_any = True
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         try:
-            if self.backend is not None and self.log_agreement:
-                self._collect_agreement()
-            self._log(pl_module, batch)
+            if self.mode == "r2" and not self._installed_any:
+                self._missing_routes("no old_policy_forward(batch) in this training step recorded routes")
+            if self.log_agreement and self.backend is not None:
+                self._close_comparison()
+                self._log(pl_module)
         finally:
             self._clear()
 
@@ -333,22 +372,108 @@ class RouterReplayCallback(Callback):
     def _clear(self) -> None:
         if self.backend is not None:
             self.backend.clear()
-        self._in_step = False
-        self._layout = self._aligned = self._mask = None
-        self._metrics = {}
+        self._reset_step()
+
+    def _missing_routes(self, reason: str) -> None:
+        """A batch that should carry routes replays none: raise (strict) or warn once and count."""
+        if self.strict:
+            raise ValueError(
+                f"RouterReplayCallback(mode={self.mode!r}, strict=True): {reason}"
+                + (f"; start the rollout engine with {ENGINE_ROUTES_FLAG}" if self.mode == "r3" else "")
+            )
+        self.batches_without_routes += 1
+        if self.mode == "r2":
+            if not self._warned_r2:
+                self._warned_r2 = True
+                rank_zero_warn(f"RouterReplayCallback(mode='r2'): {reason}; nothing was replayed")
+            return
+        if not self._warned_missing:
+            self._warned_missing = True
+            rank_zero_warn(
+                f"RouterReplayCallback(mode='r3'): {reason}, so it routes natively. Is the rollout engine "
+                f"started with {ENGINE_ROUTES_FLAG} and asked for routes? Such batches are counted in "
+                "router_replay/batches_without_routes (warned once per run; strict=True raises)."
+            )
+
+    # ---------------------------------------------------------------------------- micro-batches
+    @contextmanager
+    def micro_batch(self, sub_batch: Any) -> Iterator[TokenMetadataLayout | None]:
+        """Replay ``sub_batch``'s routes in every forward of the block (and its recompute).
+
+        ``sub_batch`` is a ``RolloutBatch`` cut from the step's batch (``split`` / ``chunk`` /
+        ``select`` / indexing, trimmed or not; its routes travel with its rows) or any batch with
+        its own ``routed_experts``. Its routes are aligned to its own layout (the backend's: packed,
+        CP / SP for megatron) and installed; rows without a captured route route natively, and so
+        does a sub-batch without ``routed_experts`` (r3: counted as a batch without routes
+        unless its step's batch was). In r2 the rows recorded
+        by ``old_policy_forward`` are replayed. Yields the layout (None without routes). Run the
+        backward of the block's forwards inside the block. On exit the step's routes are back.
+        Blocks cannot nest or overlap; outside a training step it is an error.
+        """
+        if not self._in_step or self.backend is None:
+            raise RuntimeError(
+                "micro_batch() is only valid inside a training step with a RouterReplayCallback"
+            )
+        if self._in_micro:
+            raise RuntimeError(
+                "micro_batch() blocks cannot nest or overlap: leave the current micro-batch block first"
+            )
+        install = None
+        routes = self._routes_of(sub_batch)
+        if routes is not None:  # rows without a captured route (all, maybe) route natively
+            install = self._prepare(routes, sub_batch)
+        elif self.mode == "r3" and self._step is not None:  # (a routeless step counted already)
+            self._missing_routes("a micro-batch of a batch with routes has no routed_experts")
+        self._in_micro = True
+        self._micro = install
+        self._use(install)
+        try:
+            yield None if install is None else install.layout
+        finally:
+            self._in_micro = False
+            self._micro = None
+            if self._in_step:  # an exception may already have cleared the step
+                self._use(self._step)
+
+    def _routes_of(self, batch: Any) -> PackedTensor | None:
+        """``batch.routed_experts``, else (r2) the rows recorded for it earlier in this step."""
+        routes = batch_field(batch, "routed_experts")
+        if routes is not None or not self._r2_rows:
+            return routes
+        rows = self._rows_in_step(batch)
+        if rows is None or not all(int(r) in self._r2_rows for r in rows):
+            return None
+        packed = PackedTensor.from_segments([self._r2_rows[int(r)] for r in rows])
+        _set_batch_field(batch, "routed_experts", packed)
+        return packed
+
+    def _rows_in_step(self, batch: Any) -> Tensor | None:
+        rows_in = getattr(batch, "rows_in", None)
+        if batch is self._batch:
+            return torch.arange(len(batch_field(batch, "attention_mask")))
+        return rows_in(self._batch) if callable(rows_in) and self._batch is not None else None
 
     # -------------------------------------------------------------------------------- r2
     @contextmanager
     def old_policy_forward(self, batch: Any) -> Iterator[None]:
-        """Wrap the old-policy (no-grad) forward over ``batch`` of a training step.
+        """Wrap the old-policy (no-grad) forward over ``batch`` (the step's batch or a micro-batch
+        cut from it) of a training step.
 
-        r2: records the experts used, installs them for the rest of the step and stores them
-        packed per trajectory on ``batch.routed_experts`` for later passes over the batch object.
-        r3 / off: does nothing (the installed rollout routes already apply). The block must run
-        exactly one forward over the whole batch.
+        r2: records the experts used and stores them packed per trajectory on
+        ``batch.routed_experts`` and for those rows of the step's batch, so every later pass over
+        them replays them: ``micro_batch`` blocks over (re-cut) sub-batches, and, once every row
+        of the step's batch is recorded, the rest of the step (installed like r3 routes, and set
+        on the step's ``batch.routed_experts``). Inside ``micro_batch(batch)`` the recorded routes
+        replay for the rest of that block. Rows recorded already are not recorded again.
+        r3 / off: does nothing. The block must run exactly one forward over ``batch``.
         """
-        if self.mode != "r2" or self.backend is None or not self._in_step or self._layout is not None:
-            yield  # r3 / off, or routes already installed (recorded in an earlier pass)
+        if (
+            self.mode != "r2"
+            or self.backend is None
+            or not self._in_step
+            or self._routes_of(batch) is not None
+        ):
+            yield  # r3 / off, or routes already recorded for these rows (an earlier pass)
             return
         backend = self.backend
         backend.start_recording()
@@ -369,7 +494,20 @@ class RouterReplayCallback(Callback):
             )
         packed = self.pack_recorded(recorded, layout)
         _set_batch_field(batch, "routed_experts", packed)
-        self._install(packed, layout, batch)
+        rows = self._rows_in_step(batch)
+        if rows is not None:
+            for i, row in enumerate(rows.tolist()):  # host positions
+                self._r2_rows[row] = packed[i]
+        install = _Install(layout, *self.align_routes(packed, layout))
+        if self._in_micro:
+            self._micro = install
+            self._use(install)
+        step_routes = None if self._step is not None else self._routes_of(self._batch)
+        if step_routes is not None:  # every row of the step's batch is recorded now
+            self._step = install if batch is self._batch else self._prepare(step_routes, self._batch)
+            self._count_native_loss_tokens(self._step, self._batch)
+            if not self._in_micro:
+                self._use(self._step)
 
     @staticmethod
     def pack_recorded(recorded: Tensor, layout: TokenMetadataLayout) -> PackedTensor:
@@ -377,89 +515,125 @@ class RouterReplayCallback(Callback):
         if layout.cp_size != 1:
             raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
         real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
-        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, real.to(recorded.device))
+        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(
+            0, to_device_async(real, recorded.device)
+        )
         return PackedTensor.from_lengths(rows, layout.sequence_lengths)
 
     # ----------------------------------------------------------------------------- metrics
-    def _record_coverage(
-        self, layout: TokenMetadataLayout, host_mask: Tensor, mask: Tensor, batch: Any
-    ) -> None:
-        real_tokens = int(layout.token_mask.sum())  # host tensors: no sync
-        covered = int(host_mask.sum()) / max(real_tokens, 1)
-        if self.mode == "off":  # nothing is replayed; every loss target routes natively
-            self._metrics["captured_fraction"] = covered
+    def _count_native_loss_tokens(self, install: _Install, batch: Any) -> None:
+        """Loss targets of the step's batch whose logprob row (``t - 1``) has no captured route
+        (they route natively): counted once per step, on device."""
+        if not self.log_agreement or self.mode == "off":
             return
-        self._metrics["replayed_fraction"] = covered
         loss_mask = batch_field(batch, "loss_mask")
-        if loss_mask is not None:
-            # row t feeds the logprob of token t + 1: it matters where token t + 1 is a loss target
-            target_next = layout.from_batch(loss_mask, next_token=True) > 0
-            self._metrics["native_loss_tokens"] = (target_next & ~mask.to(target_next.device)).sum()
+        if loss_mask is None:
+            return
+        target_next = install.layout.from_batch(loss_mask, next_token=True) > 0
+        self._native_loss_tokens = (target_next & ~install.mask.to(target_next.device)).sum()
 
-    def _collect_agreement(self) -> None:
+    def _metric_device(self) -> torch.device:
+        batch = self._batch
+        ids = batch_field(batch, "input_ids") if batch is not None else None
+        return ids.device if isinstance(ids, Tensor) else torch.device("cpu")
+
+    def _layers_on(self, device: torch.device) -> Tensor:
+        assert self.backend is not None
+        if self._layer_index is None or self._layer_index.device != device:
+            self._layer_index = to_device_async(torch.tensor(self.backend.moe_layers), device)
+        return self._layer_index
+
+    def _add_counts(self, table: Tensor) -> None:
+        self._counts = table if self._counts is None else self._counts + table.to(self._counts.device)
+
+    def _close_comparison(self) -> None:
+        """Off mode: stop the open recording and count how far its forwards agree with the routes."""
+        install, self._compare = self._compare, None
+        if install is None or self.backend is None:
+            return
+        try:
+            used = self.backend.stop_recording()  # [*token_shape', L, K]
+        except (RuntimeError, ValueError):
+            # no forward, or forwards of token shapes that cannot be joined: nothing to compare
+            return
+        table = comparison_counts(install.routes, install.mask, used, self._layers_on(used.device))
+        if table is not None:
+            self._add_counts(table)
+
+    def _fold_backend_stats(self) -> None:
+        assert self.backend is not None
+        self._add_counts(
+            stats_counts(self.backend.routing_stats(), self.backend.top_k, self._metric_device())
+        )
+
+    def routing_counts(self) -> dict[str, Tensor] | None:
+        """This step's counts so far, int64 ``[len(backend.moe_layers)]`` each on device (no sync):
+        ``route_rows`` (rows with a route row, per forward), ``replayed_rows``, ``native_hits`` /
+        ``used_hits`` (route experts the router picked natively / the forward used); zeros before
+        anything was counted. None outside a step or when ``log_agreement`` is False. In off mode the forwards recorded so far are
+        compared now and the recording goes on for the later ones."""
+        if not self._in_step or self.backend is None or not self.log_agreement:
+            return None
+        if self.mode == "off" and self._compare is not None:
+            install = self._compare
+            self._close_comparison()
+            self.backend.start_recording()
+            self._compare = install
+        counts = self._counts
+        if self.mode != "off":
+            saved, self._counts = self._counts, None
+            self._fold_backend_stats()
+            counts, self._counts = self._counts, saved
+            if saved is not None:
+                counts = counts + saved.to(counts.device)  # type: ignore[operator]
+        if counts is None:  # nothing counted yet: zeros, so every rank logs the same keys
+            counts = torch.zeros(
+                (4, len(self.backend.moe_layers)), dtype=torch.int64, device=self._metric_device()
+            )
+        return dict(zip(COUNT_KEYS, counts.unbind(0), strict=True))
+
+    def _global_layers(self) -> tuple[int, ...]:
+        """MoE layers any rank routes (pipeline stages differ), gathered once per fit."""
+        assert self.backend is not None
+        if self._logged_layers is None:
+            layers = set(self.backend.moe_layers)
+            if self.sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, tuple(self.backend.moe_layers))
+                layers = {layer for rank_layers in gathered for layer in rank_layers}
+            self._logged_layers = tuple(sorted(layers))
+        return self._logged_layers
+
+    def _log(self, pl_module: pl.LightningModule) -> None:
         backend = self.backend
         assert backend is not None
-        if self.mode == "off":
-            if self._aligned is None:
-                return
-            try:
-                native = backend.stop_recording()
-            except (RuntimeError, ValueError):
-                # no forward of the routed model in this step, or forwards of token shapes that
-                # cannot be joined (micro-batches): the metric is skipped, the step must not fail
-                return
-            token_shape = self._aligned.shape[:-2]
-            if native.shape[:-2] != token_shape:  # several forwards: compare the first
-                native = native.narrow(len(token_shape) - 1, 0, token_shape[-1])
-            hits, num_rows = self.agreement_with_routes(native)
-            rows = torch.full_like(hits, num_rows)
-            stats = {"layers": backend.moe_layers, "replayed_rows": rows.cpu(), "agreeing_slots": hits.cpu()}
-        else:
-            stats = backend.routing_stats()
-        if "agreeing_slots" not in stats:
-            return
-        slots = stats["replayed_rows"].double() * backend.top_k
-        if float(slots.sum()) == 0:
-            return
-        agreeing = stats["agreeing_slots"].double()
-        self._metrics["agreement"] = float(agreeing.sum() / slots.sum())
-        if self.log_per_layer:
-            for layer, hit, total in zip(stats["layers"], agreeing.tolist(), slots.tolist(), strict=True):
-                if total:
-                    self._metrics[f"agreement/layer_{layer:02d}"] = hit / total
-
-    def agreement_with_routes(self, used: Tensor) -> tuple[Tensor, int]:
-        """How far ``used`` ``[*token_shape, L, K]`` (experts a forward of this step used) agrees
-        with the routes the step installed (or, in off mode, compares with), on their rows with a
-        captured route: int64 ``[len(moe_layers)]`` slots whose expert ``used`` also holds, on
-        ``used``'s device, and the number of rows. One device->host sync (the masked selection).
-        """
-        if self._aligned is None or self._mask is None or self.backend is None:
-            raise RuntimeError("no routes were installed in this training step")
-        layers = list(self.backend.moe_layers)
-        mask = self._mask.to(used.device)
-        routes = self._aligned.to(used.device)[..., layers, :][mask].long()  # [rows, moe_layers, K]
-        ours = used[..., layers, :][mask].long()
-        return agreement_hits(routes, ours).sum(dim=(0, 2)), routes.shape[0]
-
-    def _log(self, pl_module: pl.LightningModule, batch: Any) -> None:
-        if self.mode == "r2" and self._layout is None and not self._warned_r2:
-            self._warned_r2 = True
-            warnings.warn(
-                "RouterReplayCallback(mode='r2'): no old_policy_forward(batch) in this training step, "
-                "nothing was replayed",
-                stacklevel=2,
-            )
-        if not self._metrics:
-            return
-        input_ids = batch_field(batch, "input_ids")
-        batch_size = int(input_ids.shape[0]) if input_ids is not None else 1
-        for name, value in self._metrics.items():
+        counts = self.routing_counts()
+        device = self._metric_device()
+        # [4, num_layers] by absolute layer (pipeline stages hold different layers), then scalars
+        table = torch.zeros((4, backend.num_layers), dtype=torch.int64, device=device)
+        if counts is not None:
+            local = torch.stack([counts[k] for k in COUNT_KEYS])
+            table.index_copy_(1, self._layers_on(device), local.to(device))
+        extra = torch.zeros(2, dtype=torch.int64, device=device)
+        if self._native_loss_tokens is not None:
+            extra[0] += self._native_loss_tokens.to(device)
+        extra[1] += self.batches_without_routes
+        vector = torch.cat([table.reshape(-1), extra])
+        layers = self._global_layers()
+        if self.sync_dist:
+            vector = sum_over_ranks(vector)  # exact ratios over all ranks; no host sync
+        totals = vector[: table.numel()].reshape(table.shape).double()
+        native_loss_tokens, missing = vector[table.numel() :].unbind(0)
+        metrics = step_metrics(totals, top_k=backend.top_k, layers=layers if self.log_per_layer else None)
+        if self.mode != "off":
+            metrics["native_loss_tokens"] = native_loss_tokens
+            metrics["batches_without_routes"] = missing
+        for name, value in metrics.items():
             pl_module.log(
                 f"router_replay/{name}",
-                value.float() if isinstance(value, Tensor) else float(value),
+                value.float(),
                 on_step=True,
                 on_epoch=False,
-                batch_size=batch_size,
-                sync_dist=self.sync_dist,
+                batch_size=1,
+                sync_dist=False,  # already summed over ranks above (sync_dist=True)
             )

@@ -8,7 +8,8 @@
         loss = model(input_ids, attention_mask=attention_mask).logits.sum()
         loss.backward()  # activation-checkpoint recompute inside backward replays the same routes
 
-Both accept a Hugging Face MoE model (its ``HFRouterReplay`` is created once and reused) or any
+Both accept a Hugging Face MoE model (its ``HFRouterReplay`` is created once and reused), a model
+that names its own backend (``model.router_replay_backend()``, e.g. a megatron-core MoE), or any
 ``RouterReplayBackend``.
 """
 
@@ -24,9 +25,13 @@ from .backend import RouterReplayBackend
 
 
 def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
-    """The backend itself, or the Hugging Face backend attached to a model (created on first use)."""
+    """The backend itself, the model's own (``model.router_replay_backend()``), or the Hugging Face
+    backend attached to a model (created on first use)."""
     if isinstance(model_or_backend, RouterReplayBackend):
         return model_or_backend
+    own = getattr(model_or_backend, "router_replay_backend", None)
+    if isinstance(model_or_backend, nn.Module) and callable(own):
+        return own()
     if isinstance(model_or_backend, nn.Module):
         from .hf import HFRouterReplay
 

@@ -15,154 +15,44 @@ recomputation replays exactly what the first forward replayed, and FSDP2 ``fully
 keeps module identity, needs nothing special. Recompute passes are neither recorded nor counted
 in the routing stats.
 
-Other router types are supported through :func:`register_router`.
+Other router types are supported through :func:`~r3lightning.replay.hf_routers.register_router`.
 """
 
 from __future__ import annotations
 
-import importlib
-import re
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .backend import agreement_hits, in_recompute, routes_on_all_layers, validate_routes_for_install
 
-# (router module, live logits [N, E], expert ids [N, K] int64) -> gate weights [N, K]
-GateWeightsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class RouterAdapter:
-    """How to replay one router module type.
-
-    The router's forward must return a tuple holding the logits, the gate weights and the expert
-    indices at ``output_positions`` (in that order); ``gate_weights`` recomputes the weights for
-    given indices exactly as the router itself does after its top-k selection.
-    """
-
-    gate_weights: GateWeightsFn
-    top_k_attr: str = "top_k"
-    num_experts_attr: str = "num_experts"
-    output_positions: tuple[int, int, int] = (0, 1, 2)
-
-
-def softmax_then_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Qwen3-MoE, Qwen2-MoE, OLMoE: softmax over all experts, optional top-k renormalisation."""
-    weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
-    if router.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype)
-
-
-def mixtral_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Mixtral: fp32 softmax over all experts, always renormalised over the top-k, kept in fp32."""
-    weights = F.softmax(logits.float(), dim=-1).gather(-1, indices)
-    return weights / weights.sum(dim=-1, keepdim=True)
-
-
-def sigmoid_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """DeepSeek-V3: sigmoid scores; the selection-only ``e_score_correction_bias`` and group
-    limit play no part in the weights; optional renormalisation, then ``routed_scaling_factor``."""
-    weights = logits.sigmoid().gather(1, indices)
-    if router.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * router.routed_scaling_factor
-
-
-def softmax_over_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """gpt-oss: softmax over the selected logits only."""
-    top = logits.gather(-1, indices)
-    return F.softmax(top, dim=1, dtype=top.dtype)
-
-
-_ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
-
-# (transformers module, router class, adapter) of the built-in families; imported lazily so
-# that a transformers build without one of them still serves the others.
-_BUILTIN: tuple[tuple[str, str, RouterAdapter], ...] = (
-    ("qwen3_moe", "Qwen3MoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
-    ("qwen2_moe", "Qwen2MoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
-    ("olmoe", "OlmoeTopKRouter", RouterAdapter(softmax_then_topk_weights)),
-    ("mixtral", "MixtralTopKRouter", RouterAdapter(mixtral_weights)),
-    ("deepseek_v3", "DeepseekV3TopkRouter", RouterAdapter(sigmoid_scaled_weights)),
-    ("gpt_oss", "GptOssTopKRouter", RouterAdapter(softmax_over_topk_weights)),
+# The router adapter registry lives in hf_routers; these names stay importable from here.
+from .hf_routers import (
+    GateWeightsFn,
+    RouterAdapter,
+    _adapter_for,
+    _load_builtins,
+    find_routers,
+    mixtral_weights,
+    register_router,
+    sigmoid_scaled_weights,
+    softmax_over_topk_weights,
+    softmax_then_topk_weights,
 )
-_builtins_loaded = False
 
-
-def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> None:
-    """Make ``HFRouterReplay`` find and replay routers of ``module_type`` (exact type or subclass)."""
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
-    if not isinstance(adapter, RouterAdapter):
-        raise TypeError(f"adapter must be a RouterAdapter, got {type(adapter).__name__}")
-    _ADAPTERS[module_type] = adapter
-
-
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    for family, class_name, adapter in _BUILTIN:
-        try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:
-            continue
-        router_cls = getattr(module, class_name, None)
-        if router_cls is not None:
-            _ADAPTERS.setdefault(router_cls, adapter)
-    _builtins_loaded = True
-
-
-def _adapter_for(module: nn.Module) -> RouterAdapter | None:
-    for cls in type(module).__mro__:  # FSDP2 swaps in a subclass of the router's own class
-        if cls in _ADAPTERS:
-            return _ADAPTERS[cls]
-    return None
-
-
-_LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
-
-
-def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdapter]]:
-    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer.
-
-    The layer is the ``<i>`` of the innermost ``layers.<i>.`` in the router's qualified name (the
-    Hugging Face decoder-layer list); routers outside such a list, several routers on one layer,
-    or none at all raise ``ValueError`` naming the model class.
-    """
-    _load_builtins()
-    found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
-    for name, module in model.named_modules():
-        adapter = _adapter_for(module)
-        if adapter is None:
-            continue
-        match = _LAYER_RE.search(f".{name}.")
-        if match is None:
-            raise ValueError(
-                f"router {name!r} ({type(module).__name__}) is not inside a 'layers.<i>' module list; "
-                "cannot tell its decoder-layer index"
-            )
-        found.append((int(match.group(1)), name, module, adapter))
-    if not found:
-        known = sorted(cls.__name__ for cls in _ADAPTERS)
-        raise ValueError(
-            f"no MoE router found in {type(model).__name__}; supported router types: {known}. "
-            "Register other router types with r3lightning.replay.hf.register_router()."
-        )
-    found.sort(key=lambda item: item[0])
-    layers = [layer for layer, *_ in found]
-    if len(set(layers)) != len(layers):
-        raise ValueError(
-            f"several routers of {type(model).__name__} map to the same decoder layer "
-            f"({[name for _, name, *_ in found]}); pass the single MoE model whose routes are replayed"
-        )
-    return found
+__all__ = [
+    "GateWeightsFn",
+    "HFRouterReplay",
+    "RouterAdapter",
+    "find_routers",
+    "mixtral_weights",
+    "register_router",
+    "sigmoid_scaled_weights",
+    "softmax_over_topk_weights",
+    "softmax_then_topk_weights",
+]
 
 
 @dataclass
@@ -189,9 +79,14 @@ class HFRouterReplay:
     (:class:`~r3lightning.replay.callback.RouterReplayCallback` turns it off: its ids are checked
     upstream).
 
-    Per router call while routes are installed: a ``where`` on the indices, the family's weight
-    formula on the live logits, and an ``[N, K, K]`` comparison for the agreement counts, all on
-    device with no host sync. Recording keeps an int32 ``[N, K]`` per MoE layer and forward.
+    Per router call while routes are installed: the installed routes of that layer widened to
+    int64 (routes stay in their compact dtype on device until then), a ``where`` on the indices,
+    the family's weight formula on the live logits, and two ``[N, K, K]`` comparisons for the
+    agreement counts, all on device with no host sync. The routes move to the router logits'
+    device in the first router call after :meth:`install` (once; with CPU-offloaded parameters
+    that is still the compute device). With nothing installed and nothing recording the hooks
+    return at once (no tensor work, nothing for ``torch.compile`` to trace). Recording keeps an
+    int32 ``[N, K]`` per MoE layer and forward.
     """
 
     def __init__(self, model: nn.Module, *, validate: bool = True) -> None:
@@ -211,11 +106,11 @@ class HFRouterReplay:
         self.moe_layers: tuple[int, ...] = tuple(layers)
         self.model_name = type(model).__name__
 
-        self._routes: Tensor | None = None  # [N, num_layers, top_k] int64, on the routers' device
+        self._routes: Tensor | None = None  # [N, num_layers, top_k], compact dtype as installed
         self._mask: Tensor | None = None  # [N] bool or None
-        self._replayed_rows: Tensor | None = None  # scalar int64: rows replayed per forward
         self._token_shape: tuple[int, ...] | None = None
-        self._stats: tuple[Tensor, Tensor] | None = None  # per MoE layer: (replayed rows, agreeing slots)
+        # [3, len(moe_layers)] int64 on the logits' device: replayed rows, agreeing slots, used slots
+        self._stats: Tensor | None = None
         # one list per active recording (nested recordings each get every forward), per forward:
         # (token shape, {layer: experts used [N, K] int32})
         self._sessions: list[list[tuple[tuple[int, ...], dict[int, Tensor]]]] = []
@@ -263,35 +158,32 @@ class HFRouterReplay:
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
         """Replay ``routes`` ``[*token_shape, num_layers, top_k]`` until :meth:`clear`.
 
-        Widened to int64 (what ``torch.topk`` gives the experts) and moved to the routers' device
-        here, once (``non_blocking``: pin host routes to overlap the copy). ``replay_mask``
-        ``[*token_shape]`` bool, False -> native routing for that token. Resets routing stats.
+        Kept as given (compact dtype, any device: no copy here); the first router call moves
+        them to its logits' device (``non_blocking``: pin host routes to overlap the copy) and
+        each router widens only its own layer to int64. ``replay_mask`` ``[*token_shape]`` bool,
+        False -> native routing for that token. Replaces any installed routes; the routing stats
+        keep accumulating until :meth:`clear` (several installs in one step: micro-batches).
         """
         token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
         n = routes[..., 0, 0].numel()
-        device = self._device()
-        self._routes = routes.reshape(n, self.num_layers, self.top_k).to(
-            device, torch.int64, non_blocking=True
-        )
-        if replay_mask is None:
-            self._mask = None
-            self._replayed_rows = torch.tensor(n, dtype=torch.int64, device=device)
-        else:
-            self._mask = replay_mask.reshape(n).to(device, non_blocking=True)
-            self._replayed_rows = self._mask.sum()
+        self._routes = routes.reshape(n, self.num_layers, self.top_k)
+        self._mask = None if replay_mask is None else replay_mask.reshape(n)
         self._token_shape = token_shape
-        self._stats = None
 
-    def _device(self) -> torch.device:
-        # Looked up per install: the model may have moved since construction.
-        weight = next(self.routers[0].parameters(), None)
-        return torch.device("cpu") if weight is None else weight.device
+    def _routes_on(self, device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """Installed routes ``[N, L, K]`` and mask ``[N]`` on ``device``, moved there once."""
+        routes, mask = self._routes, self._mask
+        assert routes is not None
+        if routes.device != device:
+            self._routes = routes = routes.to(device, non_blocking=True)
+            if mask is not None:
+                self._mask = mask = mask.to(device, non_blocking=True)
+        return routes, mask
 
     def clear(self) -> None:
         """Drop installed routes, recording and stats (no device work)."""
         self._routes = None
         self._mask = None
-        self._replayed_rows = None
         self._token_shape = None
         self._stats = None
         self._sessions = []
@@ -342,21 +234,23 @@ class HFRouterReplay:
 
     # -------------------------------------------------------------------------------- stats
     def routing_stats(self) -> dict:
-        """Per MoE layer, over the replayed rows of the forwards since install (host copy: one sync).
+        """Per MoE layer, over the replayed rows of the forwards since :meth:`clear` (every
+        install in between): int64 ``[len(moe_layers)]`` tensors on the logits' device (no sync).
 
         ``agreeing_slots[i] / (replayed_rows[i] * top_k)`` is the fraction of replayed experts
-        the router would also have chosen natively (as a set) at layer ``layers[i]``.
+        the router would also have chosen natively (as a set) at layer ``layers[i]``;
+        ``used_slots`` counts the replayed experts the forward actually used.
         """
-        n = len(self.moe_layers)
         if self._stats is None:
-            rows = slots = torch.zeros(n, dtype=torch.int64)
+            rows = slots = used = torch.zeros(len(self.moe_layers), dtype=torch.int64)
         else:
-            rows, slots = (t.cpu() for t in self._stats)
+            rows, slots, used = self._stats.unbind(0)
         return {
             "layers": self.moe_layers,
             "top_k": self.top_k,
             "replayed_rows": rows,
             "agreeing_slots": slots,
+            "used_slots": used,
         }
 
     # -------------------------------------------------------------------------------- hooks
@@ -374,6 +268,8 @@ class HFRouterReplay:
         return hook
 
     def _route(self, slot: _RouterSlot, module: nn.Module, output: tuple) -> tuple | None:
+        if self._routes is None and not self._sessions:
+            return None  # idle: no tensor work and no call torch.compile cannot trace
         p_logits, p_weights, p_indices = slot.adapter.output_positions
         native = output[p_indices]  # [N, K]
         recompute = in_recompute()
@@ -385,13 +281,14 @@ class HFRouterReplay:
                     f"{self.model_name} routed {native.shape[0]} tokens at layer {slot.layer} but routes "
                     f"were installed for token shape {self._token_shape} ({self._routes.shape[0]} tokens)"
                 )
-            installed = self._routes[:, slot.layer]  # [N, K]
-            indices = installed if self._mask is None else torch.where(self._mask[:, None], installed, native)
+            routes, mask = self._routes_on(output[p_logits].device)
+            installed = routes[:, slot.layer].long()  # [N, K]: only this layer is widened
+            indices = installed if mask is None else torch.where(mask[:, None], installed, native)
             weights = slot.adapter.gate_weights(module, output[p_logits], indices)
             replaced = list(output)
             replaced[p_weights], replaced[p_indices] = weights, indices
             if not recompute:
-                self._count(slot, installed, native)
+                self._count(slot, installed, native, indices, mask)
         if self._sessions and not recompute:
             used = indices.detach().to(torch.int32)
             for session in self._sessions:
@@ -400,14 +297,21 @@ class HFRouterReplay:
                 session[-1][1][slot.layer] = used
         return None if replaced is None else type(output)(replaced)
 
-    def _count(self, slot: _RouterSlot, installed: Tensor, native: Tensor) -> None:
+    def _count(
+        self, slot: _RouterSlot, installed: Tensor, native: Tensor, used: Tensor, mask: Tensor | None
+    ) -> None:
+        """Add this forward's replayed rows, native hits and used hits of one layer (on device)."""
         with torch.no_grad():
             hits = agreement_hits(installed, native)  # [N, K]
-            if self._mask is not None:
-                hits = hits & self._mask[:, None]
+            used_hits = agreement_hits(installed, used)
+            if mask is None:
+                rows: Tensor | int = installed.shape[0]
+            else:
+                keep = mask[:, None]
+                hits, used_hits, rows = hits & keep, used_hits & keep, mask.sum()
             if self._stats is None:
-                zeros = torch.zeros(len(self.moe_layers), dtype=torch.int64, device=native.device)
-                self._stats = (zeros, zeros.clone())
-            rows, slots = self._stats
-            rows[slot.position] += self._replayed_rows
-            slots[slot.position] += hits.sum()
+                self._stats = torch.zeros((3, len(self.moe_layers)), dtype=torch.int64, device=native.device)
+            column = self._stats[:, slot.position]
+            column[0] += rows
+            column[1] += hits.sum()
+            column[2] += used_hits.sum()

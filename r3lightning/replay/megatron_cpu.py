@@ -8,7 +8,9 @@ always as a context manager so every patch is undone on exit:
 * on the CPU, ``Router.gating`` moves router weights to ``torch.cuda.current_device()`` (and
   ``TopKRouter`` builds expert-bias buffers there): that device becomes ``"cpu"``;
 * on the CPU, megatron's activation checkpoint saves and restores the CUDA RNG state: both calls
-  become no-ops (megatron still saves and restores the CPU RNG state).
+  become no-ops (megatron still saves and restores the CPU RNG state);
+* on the CPU, the pipeline schedules (``forward_backward_func``) count tokens in a tensor made on
+  ``"cuda"``: the schedules module sees a ``torch`` whose ``zeros`` puts it on the CPU.
 
 On a CUDA device only the Transformer Engine patch applies: the others would be wrong there.
 """
@@ -33,6 +35,7 @@ def megatron_device_shims(device: torch.device | str = "cpu") -> Iterator[None]:
     Not thread-safe (it patches module attributes): enter it once per process, around the whole
     run that builds and uses megatron modules.
     """
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils
 
@@ -49,6 +52,7 @@ def megatron_device_shims(device: torch.device | str = "cpu") -> Iterator[None]:
         patch(torch.cuda, "current_device", lambda: "cpu")
         patch(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.empty(0))
         patch(tp_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+        patch(schedules, "torch", _HostTorch())
     try:
         yield
     finally:
@@ -57,3 +61,14 @@ def megatron_device_shims(device: torch.device | str = "cpu") -> Iterator[None]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, value)
+
+
+class _HostTorch:
+    """``torch`` for megatron's schedules module, with ``zeros(device="cuda")`` made on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)

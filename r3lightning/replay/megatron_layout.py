@@ -4,19 +4,31 @@ Megatron packs a batch (THD) into one ``[1, T]`` row whose sequences are each pa
 of the TP size, or of ``2 * TP * CP`` with context parallelism; each CP rank keeps two of the
 ``2 * CP`` chunks of every sequence (:meth:`TokenMetadataLayout.packed`), and under sequence
 parallelism each TP rank's MoE layers see only its contiguous ``1/TP`` of that row.
+
+fp8 training needs more padding: fp8 GEMMs take token counts that are multiples of 16, and
+Transformer Engine's block-scaled fp8 recipes quantise the packed row in blocks of 128 per
+alignment unit. With ``fp8=True`` every sequence is padded to ``lcm(16, align)`` and the whole
+row to ``128 * align`` (the last sequence takes the extra padding), as verl packs fp8 batches.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from megatron.core import parallel_state
 from torch import Tensor
 
 from r3lightning.align.layout import TokenMetadataLayout, check_int, check_rank
+from r3lightning.ragged import to_device_async
+from r3lightning.replay.batch_fields import host_attention_mask
 
-__all__ = ["MegatronParallelism", "megatron_token_layout"]
+__all__ = ["MegatronParallelism", "megatron_padding_mask", "megatron_token_layout"]
+
+FP8_SEQUENCE_MULTIPLE = 16  # fp8 GEMMs need token counts that are multiples of 16
+FP8_BLOCK = 128  # block-scaled fp8 quantises the packed row in blocks of 128 per alignment unit
 
 
 @dataclass(frozen=True)
@@ -67,6 +79,16 @@ class MegatronParallelism:
         """Packed sequences are padded to ``2 * TP * CP`` with context parallelism, else to TP."""
         return 2 * self.tp_size * self.cp_size if self.cp_size > 1 else self.tp_size
 
+    def packed_multiples(self, *, fp8: bool = False) -> tuple[int, int]:
+        """``(per sequence, whole row)`` pad multiples of the packed layout.
+
+        ``(pad_to_multiple, 1)``, or with ``fp8`` ``(lcm(16, pad_to_multiple), 128 * pad_to_multiple)``.
+        """
+        align = self.pad_to_multiple
+        if not fp8:
+            return align, 1
+        return math.lcm(FP8_SEQUENCE_MULTIPLE, align), FP8_BLOCK * align
+
 
 def megatron_token_layout(
     batch: Any,
@@ -74,6 +96,7 @@ def megatron_token_layout(
     packed: bool = True,
     parallelism: MegatronParallelism | None = None,
     side: Literal["left", "right"] = "right",
+    fp8: bool = False,
 ) -> TokenMetadataLayout:
     """Layout of the tokens this rank's megatron model sees for a ``RolloutBatch``-like batch.
 
@@ -83,27 +106,45 @@ def megatron_token_layout(
     for this CP rank: ``[1, T_local]``. ``packed=False``: megatron's unpacked ``[B, S']`` path
     (real tokens moved to the front with ``side="right"``, ``S'`` a multiple of TP); context
     parallelism needs packing. ``parallelism`` defaults to :meth:`MegatronParallelism.resolve`.
-    Built on the host; a device-resident bare mask is copied back once.
+    ``fp8=True`` (packed only) adds the padding fp8 GEMMs need (:meth:`MegatronParallelism.
+    packed_multiples`). Built on the host; a device-resident bare mask is copied back once.
     """
     if isinstance(batch, Tensor):
         if batch.dim() != 2:
             raise ValueError(f"attention_mask must be [B, S], got shape {tuple(batch.shape)}")
         mask = batch.detach().cpu()
     else:
-        from r3lightning.replay.callback import host_attention_mask
-
         mask = host_attention_mask(batch)
     par = parallelism if parallelism is not None else MegatronParallelism.resolve()
     if packed:
+        per_sequence, whole_row = par.packed_multiples(fp8=fp8)
         return TokenMetadataLayout.packed(
             mask.sum(-1),
-            pad_to_multiple=par.pad_to_multiple,
+            pad_to_multiple=per_sequence,
             cp_size=par.cp_size,
             cp_rank=par.cp_rank,
             batch_width=mask.shape[1],
+            pad_total_to_multiple=whole_row,
         )
+    if fp8:
+        raise ValueError("fp8 padding applies to the packed layout: pass packed=True")
     if par.cp_size > 1:
         raise ValueError(
             f"context parallelism (cp_size={par.cp_size}) needs the packed layout: pass packed=True"
         )
     return TokenMetadataLayout.padded(mask, side=side, pad_to_multiple=par.tp_size)
+
+
+def megatron_padding_mask(
+    layout: TokenMetadataLayout, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """bool ``[*token_shape]``, True on padding: the ``padding_mask`` megatron-core's MoE routers take.
+
+    Pass it as ``GPTModel(..., padding_mask=...)`` (the full, pre-sequence-parallel token shape:
+    megatron scatters it itself) or ``MoELayer(..., padding_mask=...)``. megatron-core 0.16 leaves
+    True positions out of the load-balancing aux losses, the z-loss and the expert-bias token
+    counts (its docstrings say the opposite; its code reads True as padding). One host->device
+    copy through page-locked staging, no sync.
+    """
+    mask = ~layout.token_mask
+    return mask if device is None else to_device_async(mask, torch.device(device))

@@ -11,16 +11,26 @@ instance (also in megatron's global instance list) and adds what replaying rollo
 * recording of the experts used under replay,
 * a forward pre-hook choosing ``REPLAY_FORWARD`` for forwards and ``REPLAY_BACKWARD`` for
   recomputation (detected as running inside autograd's backward), and queuing one FIFO entry
-  per forward, so checkpointed layers and pipelined microbatches replay what their forward did.
+  per forward, so checkpointed layers and pipelined microbatches replay what their forward did;
+* megatron-core 0.16-0.19 mask the expert-bias token counts with the router padding mask
+  broadcast against the expert axis (``[N, E] & [N]``: an error, or wrong counts when
+  ``N == E``); a router whose megatron has that bug gets the per-token broadcast instead, so the
+  padding mask leaves padding out of those counts as it does of the aux losses;
+* for a fused router (``moe_router_fusion=True``, whose Transformer Engine top-k never consults
+  ``RouterReplay``) the same pre-hook points ``router.config`` at an unfused copy of its config
+  while it replays or records, and back at the shared config otherwise.
 
 Without a mask it returns exactly what megatron's ``REPLAY_*`` actions return.
 """
 
 from __future__ import annotations
 
+import copy
+import types
 from typing import Any
 
 import torch
+from megatron.core import package_info
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor, nn
@@ -28,6 +38,9 @@ from torch import Tensor, nn
 from r3lightning.replay.backend import agreement_hits, in_recompute
 
 __all__ = ["MaskedRouterReplay"]
+
+# megatron-core versions whose TopKRouter._apply_expert_bias broadcasts the padding mask wrongly
+_EXPERT_BIAS_MASK_BUG = (package_info.MAJOR, package_info.MINOR) < (0, 20)
 
 _FORWARD = RouterReplayAction.REPLAY_FORWARD
 _BACKWARD = RouterReplayAction.REPLAY_BACKWARD
@@ -50,6 +63,8 @@ class MaskedRouterReplay(RouterReplay):
         self.replayed_rows: Tensor | None = None  # int64 scalar on device
         self.agreeing_slots: Tensor | None = None
         self.hook: Any = None
+        self.fused_config: Any = None  # the router's own config when it uses the fused top-k
+        self.unfused_config: Any = None  # its copy with moe_router_fusion=False, used to replay
 
     @classmethod
     def attach(cls, router: TopKRouter) -> MaskedRouterReplay:
@@ -69,7 +84,19 @@ class MaskedRouterReplay(RouterReplay):
             router.router_replay = replay
         if replay.hook is None:
             replay.hook = router.register_forward_pre_hook(replay._before_forward)
+        if _EXPERT_BIAS_MASK_BUG and getattr(router, "enable_expert_bias", False):
+            router._apply_expert_bias = types.MethodType(_count_expert_tokens, router)
+        if replay.fused_config is None and getattr(router.config, "moe_router_fusion", False):
+            replay.fused_config = router.config
+            replay.unfused_config = copy.copy(router.config)
+            replay.unfused_config.moe_router_fusion = False
         return replay
+
+    def _select_top_k(self, router: nn.Module) -> None:
+        """Fused routers: megatron's unfused top-k while replaying or recording, the fused one otherwise."""
+        if self.fused_config is not None:
+            active = self.target_topk_idx is not None or self.recording
+            router.config = self.unfused_config if active else self.fused_config
 
     def set_target_indices(self, topk_indices: Tensor, replay_mask: Tensor | None = None) -> None:
         super().set_target_indices(topk_indices)
@@ -91,6 +118,7 @@ class MaskedRouterReplay(RouterReplay):
         self.replayed_rows = self.agreeing_slots = None
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
+        self._select_top_k(router)
         hidden = args[0] if args else None  # [s, b, h]
         if in_recompute():  # activation recomputation: replay what the forward replayed
             if self.target_topk_idx is not None:
@@ -162,3 +190,16 @@ class MaskedRouterReplay(RouterReplay):
             else:
                 self.replayed_rows = self.replayed_rows + rows
                 self.agreeing_slots = self.agreeing_slots + slots
+
+
+def _count_expert_tokens(router: TopKRouter, routing_map: Tensor, padding_mask: Tensor | None = None) -> None:
+    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token.
+
+    Counts the tokens routed to each expert for the expert-bias update, padding excluded; neither
+    in evaluation nor in activation recomputation (no grad there), as megatron does.
+    """
+    if router.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.unsqueeze(-1)  # [N, E] & [N, 1]
+            router.local_tokens_per_expert += routing_map.sum(dim=0)

@@ -1,7 +1,8 @@
 """Async HTTP client for one generation request, with routed experts, against a rollout engine.
 
-:class:`RemoteGenerateClient` sends a ``skyrl`` or ``sglang`` generate request (formats in
-:mod:`r3lightning.rollout.client_protocol`) and returns a :class:`RemoteGenerateResult` whose
+:class:`RemoteGenerateClient` sends a ``skyrl``, ``vllm``, ``sglang`` or ``openai`` generate
+request (formats, and where each field comes from, in :mod:`r3lightning.rollout.client_protocol`)
+and returns a :class:`RemoteGenerateResult` whose
 routes were decoded straight from the body bytes into a numpy array (bodies over
 ``decode_in_thread_bytes`` are decoded off the event loop). Attempts that fail transiently
 (connection refused/reset, timeouts, a cut-off body, 408/429/5xx) are retried with capped
@@ -15,6 +16,7 @@ import asyncio
 import email.utils
 import operator
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,7 +25,14 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import orjson
 
-from .client_protocol import PROTOCOL_PATHS, RemoteGenerateResult, RouteSchema, build_request, parse_response
+from .client_protocol import (
+    ENGINES,
+    PROTOCOL_PATHS,
+    RemoteGenerateResult,
+    RouteSchema,
+    build_request,
+    parse_response,
+)
 from .errors import (
     GenerateRequestError,
     MalformedResponseError,
@@ -121,11 +130,18 @@ def _as_int_list(values: Sequence[int] | Any, name: str) -> list[int]:
 class RemoteGenerateClient:
     """Client for one rollout engine; safe to share between concurrent tasks of one event loop.
 
-    ``timeout_s`` bounds one attempt (waiting for a free connection is not counted);
+    A client serves one event loop at a time: used from a second loop (another thread) while
+    the first still runs, it raises ``RuntimeError`` saying so (give each thread its own client,
+    e.g. a pickled copy); a loop that has finished is simply replaced.
+    ``timeout_s`` bounds one generate attempt (long: a generation may take minutes; waiting for a
+    free connection is not counted); ``connect_timeout_s`` bounds opening a connection and
+    ``health_timeout_s`` the ``/health`` probe, both short so a dead or hung engine is noticed
+    quickly; ``engine`` (``"vllm"`` / ``"sglang"``) narrows the ``openai`` request's route fields
+    to that engine's (default: both, which either engine accepts);
     ``max_attempts`` bounds attempts per call; ``max_connections`` bounds requests in flight (more
     wait); ``max_response_bytes`` caps a body and ``max_route_bytes`` one decoded route array.
-    ``num_layers``/``top_k`` give the route schema (required to reshape ``sglang`` routes, checked
-    for ``skyrl``); with ``num_experts`` ids are range-checked; ``check_unique_experts`` rejects
+    ``num_layers``/``top_k`` give the route schema (required to reshape SGLang's flat routes,
+    checked for the others); with ``num_experts`` ids are range-checked; ``check_unique_experts`` rejects
     rows that repeat an expert (see :func:`~r3lightning.rollout.wire.validate_routes`); the
     schema lives in :attr:`routes`. The aiohttp session is created on
     first use, recreated when the running event loop changes, and closed by :meth:`close` /
@@ -136,10 +152,13 @@ class RemoteGenerateClient:
         self,
         base_url: str,
         *,
-        protocol: Literal["skyrl", "sglang"] = "skyrl",
+        protocol: Literal["skyrl", "vllm", "sglang", "openai"] = "skyrl",
         model: str | None = None,
         api_key: str | None = None,
         timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        health_timeout_s: float = 5.0,
+        engine: Literal["vllm", "sglang"] | None = None,
         max_attempts: int = 5,
         backoff: Backoff | None = None,
         max_connections: int = 256,
@@ -158,13 +177,26 @@ class RemoteGenerateClient:
         for name, value in (("max_attempts", max_attempts), ("max_connections", max_connections)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+            ("health_timeout_s", health_timeout_s),
+        ):
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if engine is not None and (protocol != "openai" or engine not in ENGINES):
+            raise ValueError(
+                f"engine must be None or one of {list(ENGINES)} with protocol='openai', "
+                f"got engine={engine!r} with protocol={protocol!r}"
+            )
         self.base_url = base_url.rstrip("/")
         self.protocol = protocol
         self.model = model
         self.api_key = api_key
         self.timeout_s = float(timeout_s)
+        self.connect_timeout_s = float(connect_timeout_s)
+        self.health_timeout_s = float(health_timeout_s)
+        self.engine = engine
         self.max_attempts = max_attempts
         self.backoff = backoff if backoff is not None else Backoff()
         self.max_connections = max_connections
@@ -176,17 +208,34 @@ class RemoteGenerateClient:
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: str | None = None  # name of the thread whose loop owns the session
 
     # ----------------------------------------------------------------- lifecycle
 
     def _session_for_running_loop(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
+            other = self._loop
+            if (
+                other is not None
+                and other is not loop
+                and self._session is not None
+                and not self._session.closed
+                and other.is_running()
+            ):
+                raise RuntimeError(
+                    f"this RemoteGenerateClient is in use by another event loop (thread "
+                    f"{self._thread!r}) and was now called from thread "
+                    f"{threading.current_thread().name!r}: a client serves one event loop at a "
+                    "time; give each thread its own client (pickle.loads(pickle.dumps(client)) "
+                    "copies one), or await client.close() on the first loop before switching"
+                )
             self._abandon_session()
             connector = aiohttp.TCPConnector(limit=self.max_connections)
             self._session = aiohttp.ClientSession(connector=connector)
             self._slots = asyncio.Semaphore(self.max_connections)
             self._loop = loop
+            self._thread = threading.current_thread().name
         assert self._slots is not None
         return self._session, self._slots
 
@@ -222,7 +271,7 @@ class RemoteGenerateClient:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_session"] = state["_slots"] = state["_loop"] = None
+        state["_session"] = state["_slots"] = state["_loop"] = state["_thread"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -254,16 +303,20 @@ class RemoteGenerateClient:
         """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is).
 
         With ``return_routed_experts`` the engine returns route rows from token
-        ``routed_experts_prompt_start`` on (the rows an earlier turn did not capture). Raises
+        ``routed_experts_prompt_start`` on (the rows an earlier turn did not capture): exactly
+        ``P - start + G - 1`` of them, else :class:`MalformedResponseError` (also when they are
+        absent: the message names the engine flag ``--enable-return-routed-experts``).
+        :func:`~r3lightning.rollout.client_protocol.engine_sampling_params` spells sampling and
+        stop parameters (``stop_token_ids``, ``ignore_eos``) in this protocol's names. Raises
         :class:`GenerateRequestError`, :class:`MalformedResponseError` or
         :class:`RetriesExhaustedError`; never retries a non-retryable failure.
         """
         if (
             return_routed_experts
-            and self.protocol == "sglang"
+            and (self.protocol == "sglang" or self.engine == "sglang")
             and (self.routes.num_layers is None or self.routes.top_k is None)
         ):
-            raise ValueError("protocol='sglang' needs num_layers and top_k to reshape its flat routes")
+            raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
         if routed_experts_prompt_start is not None and (
             type(routed_experts_prompt_start) is not int or routed_experts_prompt_start < 0
         ):
@@ -284,11 +337,21 @@ class RemoteGenerateClient:
             return_routed_experts=return_routed_experts,
             routed_experts_prompt_start=routed_experts_prompt_start,
             cache_salt=cache_salt,
+            engine=self.engine,
         )
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        start = routed_experts_prompt_start or 0
+        self._session_for_running_loop()  # another loop's client: raise before touching stats
 
         def parse(raw: bytes) -> RemoteGenerateResult:
-            return parse_response(raw, self.protocol, self.routes, want_routes=return_routed_experts)
+            return parse_response(
+                raw,
+                self.protocol,
+                self.routes,
+                want_routes=return_routed_experts,
+                prompt_len=len(prompt_ids),
+                start=start,
+            )
 
         result, attempts = await self._call(
             "POST", PROTOCOL_PATHS[self.protocol], data, self._headers(session_id), parse
@@ -297,13 +360,14 @@ class RemoteGenerateClient:
         return result
 
     async def health(self) -> bool:
-        """Whether ``GET /health`` answers 200 within ``timeout_s`` (one attempt, never raises)."""
+        """Whether ``GET /health`` answers 200 within ``health_timeout_s`` (one attempt; raises only
+        ``RuntimeError`` for use from a second event loop)."""
         session, _ = self._session_for_running_loop()
         try:
             async with session.get(
                 f"{self.base_url}/health",
                 headers=self._headers(None),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                timeout=aiohttp.ClientTimeout(total=self.health_timeout_s),
             ) as response:
                 await response.read()
                 return response.status == 200
@@ -349,7 +413,7 @@ class RemoteGenerateClient:
                     url,
                     data=data,
                     headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                    timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s),
                 ) as response:
                     if response.status >= 400:
                         text = (await response.content.read(_MAX_ERROR_TEXT)).decode("utf-8", "replace")

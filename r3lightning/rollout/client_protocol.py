@@ -1,13 +1,43 @@
-"""Client side of the two generate protocols: request bodies out, parsed results in.
+"""Client side of the generate protocols: request bodies out, parsed results in.
+
+Where every field comes from (read from the engines' own sources: vLLM 0.33.0, SGLang 0.5.23):
 
 - ``skyrl``: ``POST /skyrl/v1/generate`` with ``{"token_ids", "sampling_params", "model"?,
   "cache_salt"?}``. Routes are asked for by ``sampling_params.routed_experts_prompt_start``
   (0 = from the first token) and come back in ``choices[0].routed_experts`` as an ndarray
   envelope; logprobs in ``choices[0].logprobs.content[i].logprob``.
+- ``vllm``: vLLM's token-in ``POST /inference/v1/generate`` (``GenerateRequest`` /
+  ``GenerateTokensResponse`` in ``vllm/entrypoints/scale_out/token_in_token_out/protocol.py``;
+  the server needs ``--tokens-only`` or ``--enable-scale-out``). Request laid out like
+  ``skyrl``; the start goes in ``sampling_params.routed_experts_prompt_start`` (a
+  ``SamplingParams`` field). Logprobs are only sent when ``sampling_params.logprobs`` is set
+  (0 = the sampled token only, which the client sends unless given), as
+  ``choices[0].logprobs.content[i].logprob`` (``GenerateLogProbsContent``; ``-9999.0`` when the
+  engine had none). Routes in ``choices[0].routed_experts``: ONE base64 string of a ``.npy``
+  file (``vllm/utils/serial_utils.py: numpy2base64``), uint8 for <= 256 experts else uint16
+  (``RoutedExpertsCapturer.output_dtype``), shape ``[rows, num_hidden_layers, top_k]``;
+  ``null`` when the server was started without ``--enable-return-routed-experts`` (routes are
+  server-wide: there is no per-request switch).
 - ``sglang``: ``POST /generate`` with ``{"input_ids", "sampling_params", "return_logprob",
-  "return_routed_experts", "routed_experts_start_len"?}``. Routes come back in
-  ``meta_info.routed_experts`` as base64 flat int32, reshaped with ``(num_layers, top_k)``;
-  logprobs in ``meta_info.output_token_logprobs[i][0]``.
+  "return_routed_experts", "routed_experts_start_len"?}`` (``GenerateReqInput``). Routes come
+  back in ``meta_info.routed_experts`` as base64 flat C-order int32 without a shape
+  (``detokenizer_manager._b64_encode_per_request``), reshaped with ``(num_layers, top_k)``;
+  logprobs in ``meta_info.output_token_logprobs[i][0]`` (``(logprob, token_id, text)``).
+- ``openai``: ``POST /v1/completions`` with a token-id ``prompt`` and the sampling parameters at
+  the top level, ``logprobs`` (0 unless given) and ``return_token_ids: true`` (both engines; the
+  ids come back in ``choices[0].token_ids``, logprobs in ``choices[0].logprobs.token_logprobs``).
+  vLLM reads a top-level ``routed_experts_prompt_start`` and answers with per-choice
+  ``choices[0].routed_experts`` (the ``.npy`` string above); SGLang reads
+  ``return_routed_experts`` and ``routed_experts_start_len`` and answers with the response-level
+  ``sglext.routed_experts`` (flat int32, first result only; ``SglExt`` in
+  ``sglang/srt/entrypoints/openai/protocol.py``). The request carries both engines' fields
+  unless ``engine`` names one (vLLM logs the other's as ignored; SGLang drops them silently);
+  the parser recognises both answers.
+
+In every protocol the rows cover token positions ``[start, P + G - 1)``: ``P - start + G - 1``
+rows for a prompt of ``P`` tokens, ``G`` generated tokens and start ``start`` (the last sampled
+token is never forwarded). Dense layers come back as all-zero rows. Routes asked for but absent,
+or of another row count, raise :class:`MalformedResponseError`.
 
 Bodies are parsed once with :func:`~r3lightning.rollout.wire.parse_body`, so the base64 route
 string is never materialised as a ``str`` and decodes straight into the route array. Every
@@ -22,11 +52,34 @@ from typing import Any
 import numpy as np
 
 from .errors import MalformedResponseError
-from .wire import DEFAULT_MAX_BYTES, ParsedBody, decode_flat_routes, decode_routes, parse_body
+from .wire import (
+    DEFAULT_MAX_BYTES,
+    ParsedBody,
+    decode_flat_routes,
+    decode_npy_routes,
+    decode_routes,
+    parse_body,
+)
 
-__all__ = ["PROTOCOL_PATHS", "RemoteGenerateResult", "RouteSchema", "build_request", "parse_response"]
+__all__ = [
+    "ENGINE_ROUTES_FLAG",
+    "PROTOCOL_PATHS",
+    "RemoteGenerateResult",
+    "RouteSchema",
+    "build_request",
+    "engine_sampling_params",
+    "parse_response",
+]
 
-PROTOCOL_PATHS = {"skyrl": "/skyrl/v1/generate", "sglang": "/generate"}
+PROTOCOL_PATHS = {
+    "skyrl": "/skyrl/v1/generate",
+    "vllm": "/inference/v1/generate",
+    "sglang": "/generate",
+    "openai": "/v1/completions",
+}
+ENGINES = ("vllm", "sglang")
+# the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on
+ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
 
 
 @dataclass
@@ -67,6 +120,47 @@ class RouteSchema:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
+def engine_sampling_params(
+    protocol: str,
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    seed: int | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+) -> dict[str, Any]:
+    """Sampling parameters in ``protocol``'s own field names (for ``generate``'s ``sampling_params``).
+
+    Stop conditions from the tokenizer go to the engine here: ``stop_token_ids`` (e.g. the EOS
+    ids of a chat template's end-of-turn tokens) and ``ignore_eos``. Every engine spells those
+    two the same; the length and the seed differ: SGLang's ``/generate`` takes
+    ``max_new_tokens`` / ``sampling_seed`` (``SamplingParams``), vLLM's ``/inference/v1/generate``,
+    SkyRL and both engines' ``/v1/completions`` take ``max_tokens`` / ``seed``.
+    """
+    if protocol not in PROTOCOL_PATHS:
+        raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
+    if type(max_new_tokens) is not int or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    params: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    if protocol == "sglang":
+        params["max_new_tokens"] = max_new_tokens
+        if seed is not None:
+            params["sampling_seed"] = seed
+    else:
+        params["max_tokens"] = max_new_tokens
+        if seed is not None:
+            params["seed"] = seed
+    if stop_token_ids:
+        ids = [int(t) for t in stop_token_ids]
+        if any(t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be non-negative token ids, got {ids}")
+        params["stop_token_ids"] = ids
+    params["ignore_eos"] = bool(ignore_eos)
+    return params
+
+
 def build_request(
     protocol: str,
     prompt_ids: list[int],
@@ -76,49 +170,110 @@ def build_request(
     return_routed_experts: bool = False,
     routed_experts_prompt_start: int | None = None,
     cache_salt: str | None = None,
+    engine: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON request body of ``protocol`` (``sampling_params`` is passed through as given)."""
+    """The JSON request body of ``protocol`` (``sampling_params`` is passed through as given,
+    nested or, for ``openai``, at the top level). ``engine`` (``"vllm"`` / ``"sglang"``) narrows
+    the ``openai`` route fields to that engine's."""
     params = dict(sampling_params)
-    start = routed_experts_prompt_start
-    if protocol == "skyrl":
+    start = routed_experts_prompt_start or 0
+    body: dict[str, Any]
+    if protocol in ("skyrl", "vllm"):
         if return_routed_experts:
-            params["routed_experts_prompt_start"] = start or 0
-        body: dict[str, Any] = {"token_ids": prompt_ids, "sampling_params": params}
-        if model is not None:
-            body["model"] = model
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
+            params["routed_experts_prompt_start"] = start
+        if protocol == "vllm":
+            params.setdefault("logprobs", 0)
+        body = {"token_ids": prompt_ids, "sampling_params": params}
+    elif protocol == "sglang":
+        body = {
+            "input_ids": prompt_ids,
+            "sampling_params": params,
+            "return_logprob": True,
+            "return_routed_experts": return_routed_experts,
+        }
+        if return_routed_experts and routed_experts_prompt_start is not None:
+            body["routed_experts_start_len"] = start
         return body
-    body = {
-        "input_ids": prompt_ids,
-        "sampling_params": params,
-        "return_logprob": True,
-        "return_routed_experts": return_routed_experts,
-    }
-    if return_routed_experts and start is not None:
-        body["routed_experts_start_len"] = start
+    else:
+        reserved = {"prompt", "return_token_ids", "stream", "n", "echo", "model", "cache_salt"}
+        clash = sorted(reserved & set(params))
+        if clash:
+            raise ValueError(
+                f"sampling_params must not set {clash} for protocol='openai' (the client sets them)"
+            )
+        body = {"prompt": prompt_ids, **params, "return_token_ids": True, "stream": False}
+        body.setdefault("logprobs", 0)
+        if return_routed_experts:
+            if engine in (None, "vllm"):
+                body["routed_experts_prompt_start"] = start
+            if engine in (None, "sglang"):
+                body["return_routed_experts"] = True
+                body["routed_experts_start_len"] = start
+    if model is not None:
+        body["model"] = model
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return body
 
 
 def parse_response(
-    raw: bytes, protocol: str, schema: RouteSchema, *, want_routes: bool
+    raw: bytes,
+    protocol: str,
+    schema: RouteSchema,
+    *,
+    want_routes: bool,
+    prompt_len: int | None = None,
+    start: int = 0,
 ) -> RemoteGenerateResult:
     """Parse a 2xx generate body; routes are decoded and validated only when ``want_routes``.
 
-    Cost: one scan of the body, an orjson parse of its non-route part, and (when wanted) one
-    base64 decode into the route array plus :func:`~r3lightning.rollout.wire.validate_routes`.
+    With ``prompt_len`` the route row count must be ``prompt_len - start + G - 1`` (``G`` = the
+    response length). Cost: one scan of the body, an orjson parse of its non-route part, and
+    (when wanted) one base64 decode into the route array plus
+    :func:`~r3lightning.rollout.wire.validate_routes`.
     """
     parsed = parse_body(raw)
     if not isinstance(parsed.value, dict):
         raise MalformedResponseError(
             f"response body: expected a JSON object, got {type(parsed.value).__name__}"
         )
-    if protocol == "skyrl":
-        result = _parse_skyrl(parsed, schema, want_routes)
+    if protocol == "sglang":
+        result, where = _parse_sglang(parsed, schema, want_routes)
+    elif protocol == "openai":
+        result, where = _parse_openai(parsed, schema, want_routes)
     else:
-        result = _parse_sglang(parsed, schema, want_routes)
+        result, where = _parse_choices(parsed, schema, want_routes)
+    if want_routes:
+        _check_rows(result, where, prompt_len, start)
     result.raw_response = parsed.restore()
     return result
+
+
+def _absent(where: str, value: Any) -> MalformedResponseError:
+    state = "missing" if value is _MISSING else "null"
+    return MalformedResponseError(
+        f"{where}: routes were requested but the field is {state}; start the engine with "
+        f"{ENGINE_ROUTES_FLAG} (vLLM, SGLang, SkyRL's vLLM server), and for SGLang also send "
+        "return_routed_experts=true"
+    )
+
+
+def _check_rows(result: RemoteGenerateResult, where: str, prompt_len: int | None, start: int) -> None:
+    if result.routed_experts is None:
+        raise _absent(where, None)
+    if prompt_len is None:
+        return
+    generated = len(result.response_ids)
+    expected = max(0, prompt_len - start + generated - 1)
+    rows = result.routed_experts.shape[0]
+    if rows != expected:
+        raise MalformedResponseError(
+            f"{where}: {rows} route rows, expected P - start + G - 1 = {prompt_len} - {start} + "
+            f"{generated} - 1 = {expected} (rows cover positions [start, P + G - 1))"
+        )
+
+
+_MISSING = object()
 
 
 def _int_list(value: Any, field: str) -> list[int]:
@@ -136,6 +291,13 @@ def _float_list(values: list[Any], length: int, field: str) -> list[float]:
     return [float(v) for v in values]
 
 
+def _stop_reason(value: Any, field: str) -> str | None:
+    stop = value.get("type") if isinstance(value, dict) else value
+    if stop is not None and not isinstance(stop, str):
+        raise MalformedResponseError(f"{field}: expected a string or {{'type': ...}}, got {value!r}")
+    return stop
+
+
 def _take(
     parsed: ParsedBody, container: dict[str, Any], key: str, field: str, want: bool
 ) -> str | memoryview | None:
@@ -147,19 +309,72 @@ def _take(
     return parsed.payload(value, field)
 
 
-def _parse_skyrl(parsed: ParsedBody, schema: RouteSchema, want_routes: bool) -> RemoteGenerateResult:
+def _first_choice(parsed: ParsedBody) -> dict[str, Any]:
     choices = parsed.value.get("choices")
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise MalformedResponseError("choices: expected a non-empty list of choice objects")
-    choice = choices[0]
     for other in choices[1:]:  # one result per call: never materialise the others' routes
-        envelope = other.get("routed_experts") if isinstance(other, dict) else None
-        if isinstance(envelope, dict) and "data" in envelope:
-            _take(parsed, envelope, "data", "", want=False)
+        if not isinstance(other, dict):
+            continue
+        routes = other.get("routed_experts")
+        if isinstance(routes, dict) and "data" in routes:
+            _take(parsed, routes, "data", "", want=False)
+        elif isinstance(routes, str):
+            _take(parsed, other, "routed_experts", "", want=False)
+    return choices[0]
+
+
+def _choice_routes(
+    parsed: ParsedBody, choice: dict[str, Any], schema: RouteSchema, want: bool, where: str
+) -> np.ndarray | None:
+    """``choice["routed_experts"]``: a SkyRL ndarray envelope or vLLM's base64 ``.npy`` string."""
+    routes = choice.get("routed_experts", _MISSING)
+    if isinstance(routes, dict):
+        data = _take(parsed, routes, "data", f"{where}.data", want) if "data" in routes else None
+        if not want:
+            return None
+        # an envelope without "data" fails in decode_routes, naming the key
+        return decode_routes(
+            routes if data is None else {**routes, "data": data},
+            num_experts=schema.num_experts,
+            num_layers=schema.num_layers,
+            top_k=schema.top_k,
+            check_unique=schema.check_unique,
+            max_bytes=schema.max_bytes,
+            field=where,
+        )
+    if routes is None or routes is _MISSING:
+        if want:
+            raise _absent(where, routes)
+        return None
+    if not isinstance(routes, str):
+        if not want:
+            return None
+        raise MalformedResponseError(
+            f"{where}: expected an ndarray envelope (SkyRL) or a base64 .npy string (vLLM), "
+            f"got {type(routes).__name__}"
+        )
+    data = _take(parsed, choice, "routed_experts", where, want)
+    if data is None:
+        return None
+    return decode_npy_routes(
+        data,
+        num_experts=schema.num_experts,
+        num_layers=schema.num_layers,
+        top_k=schema.top_k,
+        check_unique=schema.check_unique,
+        max_bytes=schema.max_bytes,
+        field=where,
+    )
+
+
+def _parse_choices(
+    parsed: ParsedBody, schema: RouteSchema, want_routes: bool
+) -> tuple[RemoteGenerateResult, str]:
+    """``skyrl`` and ``vllm``: ``choices[0]`` with ``token_ids``, ``logprobs.content`` and routes."""
+    choice = _first_choice(parsed)
     ids = _int_list(choice.get("token_ids"), "choices[0].token_ids")
-    stop = choice.get("finish_reason")
-    if stop is not None and not isinstance(stop, str):
-        raise MalformedResponseError(f"choices[0].finish_reason: expected a string, got {stop!r}")
+    stop = _stop_reason(choice.get("finish_reason"), "choices[0].finish_reason")
     logprobs = None
     content = choice.get("logprobs")
     if content is not None:
@@ -169,38 +384,34 @@ def _parse_skyrl(parsed: ParsedBody, schema: RouteSchema, want_routes: bool) -> 
                 "choices[0].logprobs.content: expected a list of {'logprob': x} objects"
             )
         logprobs = _float_list([e.get("logprob") for e in entries], len(ids), "choices[0].logprobs.content")
-    routes = None
     where = "choices[0].routed_experts"
-    envelope = choice.get("routed_experts")
-    if isinstance(envelope, dict):
-        data = _take(parsed, envelope, "data", f"{where}.data", want_routes) if "data" in envelope else None
-        if want_routes:  # an envelope without "data" fails in decode_routes, naming the key
-            routes = decode_routes(
-                envelope if data is None else {**envelope, "data": data},
-                num_experts=schema.num_experts,
-                num_layers=schema.num_layers,
-                top_k=schema.top_k,
-                check_unique=schema.check_unique,
-                max_bytes=schema.max_bytes,
-                field=where,
-            )
-    elif envelope is not None and want_routes:
-        raise MalformedResponseError(f"{where}: expected an ndarray envelope, got {type(envelope).__name__}")
-    return RemoteGenerateResult(ids, logprobs, stop, routes, {})
+    routes = _choice_routes(parsed, choice, schema, want_routes, where)
+    return RemoteGenerateResult(ids, logprobs, stop, routes, {}), where
 
 
-def _parse_sglang(parsed: ParsedBody, schema: RouteSchema, want_routes: bool) -> RemoteGenerateResult:
+def _flat_routes(data: str | memoryview, schema: RouteSchema, field: str) -> np.ndarray:
+    if schema.num_layers is None or schema.top_k is None:
+        raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
+    return decode_flat_routes(
+        data,
+        num_layers=schema.num_layers,
+        top_k=schema.top_k,
+        num_experts=schema.num_experts,
+        check_unique=schema.check_unique,
+        max_bytes=schema.max_bytes,
+        field=field,
+    )
+
+
+def _parse_sglang(
+    parsed: ParsedBody, schema: RouteSchema, want_routes: bool
+) -> tuple[RemoteGenerateResult, str]:
     body = parsed.value
     ids = _int_list(body.get("output_ids"), "output_ids")
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
         raise MalformedResponseError(f"meta_info: expected an object, got {type(meta).__name__}")
-    finish = meta.get("finish_reason")
-    stop = finish.get("type") if isinstance(finish, dict) else finish
-    if stop is not None and not isinstance(stop, str):
-        raise MalformedResponseError(
-            f"meta_info.finish_reason: expected a string or {{'type': ...}}, got {finish!r}"
-        )
+    stop = _stop_reason(meta.get("finish_reason"), "meta_info.finish_reason")
     logprobs = None
     entries = meta.get("output_token_logprobs")
     if entries is not None:
@@ -209,18 +420,53 @@ def _parse_sglang(parsed: ParsedBody, schema: RouteSchema, want_routes: bool) ->
                 "meta_info.output_token_logprobs: expected a list of [logprob, token_id, ...]"
             )
         logprobs = _float_list([e[0] for e in entries], len(ids), "meta_info.output_token_logprobs")
+    where = "meta_info.routed_experts"
     routes = None
-    if meta.get("routed_experts") is not None:
-        data = _take(parsed, meta, "routed_experts", "meta_info.routed_experts", want_routes)
+    value = meta.get("routed_experts", _MISSING)
+    if value is None or value is _MISSING:
+        if want_routes:
+            raise _absent(where, value)
+    else:
+        data = _take(parsed, meta, "routed_experts", where, want_routes)
         if data is not None:
-            if schema.num_layers is None or schema.top_k is None:
-                raise ValueError("sglang routes need num_layers and top_k to be reshaped")
-            routes = decode_flat_routes(
-                data,
-                num_layers=schema.num_layers,
-                top_k=schema.top_k,
-                num_experts=schema.num_experts,
-                check_unique=schema.check_unique,
-                max_bytes=schema.max_bytes,
-            )
-    return RemoteGenerateResult(ids, logprobs, stop, routes, {})
+            routes = _flat_routes(data, schema, where)
+    return RemoteGenerateResult(ids, logprobs, stop, routes, {}), where
+
+
+def _parse_openai(
+    parsed: ParsedBody, schema: RouteSchema, want_routes: bool
+) -> tuple[RemoteGenerateResult, str]:
+    """``/v1/completions`` of vLLM (per-choice ``.npy`` routes) or SGLang (``sglext`` int32)."""
+    choice = _first_choice(parsed)
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        raise MalformedResponseError(
+            "choices[0].token_ids: missing; the engine ignored return_token_ids=true "
+            "(needs vLLM or SGLang's /v1/completions with token-id support)"
+        )
+    ids = _int_list(token_ids, "choices[0].token_ids")
+    stop = _stop_reason(choice.get("finish_reason"), "choices[0].finish_reason")
+    logprobs = None
+    content = choice.get("logprobs")
+    if content is not None:
+        values = content.get("token_logprobs") if isinstance(content, dict) else None
+        if not isinstance(values, list):
+            raise MalformedResponseError("choices[0].logprobs.token_logprobs: expected a list of floats")
+        logprobs = _float_list(values, len(ids), "choices[0].logprobs.token_logprobs")
+    sglext = parsed.value.get("sglext")
+    sglang_routes = sglext.get("routed_experts") if isinstance(sglext, dict) else None
+    vllm_routes = choice.get("routed_experts")
+    if sglang_routes is not None and vllm_routes is None:  # SGLang's answer
+        where = "sglext.routed_experts"
+        data = _take(parsed, sglext, "routed_experts", where, want_routes)
+        routes = None if data is None else _flat_routes(data, schema, where)
+        return RemoteGenerateResult(ids, logprobs, stop, routes, {}), where
+    if sglang_routes is not None:  # both forms: keep vLLM's, which carries its own shape
+        _take(parsed, sglext, "routed_experts", "", want=False)
+    where = "choices[0].routed_experts"
+    if want_routes and vllm_routes is None:
+        raise _absent(
+            f"{where} (vLLM) / sglext.routed_experts (SGLang)", choice.get("routed_experts", _MISSING)
+        )
+    routes = _choice_routes(parsed, choice, schema, want_routes, where)
+    return RemoteGenerateResult(ids, logprobs, stop, routes, {}), where

@@ -32,6 +32,7 @@ from torch import Tensor
 from ..align.layout import position_ids_from_mask
 from ..replay.context import as_backend, record_routes
 from .sampling import MAX_SEED, SamplingParams, check_int, sample_token
+from .weights import check_finite, check_weights, loadable_targets
 
 logger = logging.getLogger(__name__)
 
@@ -365,31 +366,22 @@ class GenerationEngine:
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, state_dict: Mapping[str, Tensor], *, strict: bool = False) -> int:
-        """Copy ``state_dict`` (any float dtype, any device) into the serving model; returns the count.
+        """Copy ``state_dict`` (floating tensors of any width from fp16, any device) into the serving
+        model; returns the count.
 
-        Waits for the running batch to finish; nothing is copied unless every name and shape
-        matches (unknown names always fail; ``strict`` also fails on missing names). Cost: one
-        copy (and cast) per tensor, host->device when the tensors are on the host.
+        All or nothing: every tensor is checked first (names, shapes, dtypes and finite values,
+        see :mod:`r3lightning.rollout.weights`; ``strict`` also fails on missing names), then the
+        copy waits for the running batch, so weights never change mid-generation. Cost: one
+        finiteness pass and one copy (and cast) per tensor, host->device when on the host.
         """
-        params = dict(self.model.named_parameters())
-        params.update(self.model.named_buffers())
-        unknown = sorted(set(state_dict) - set(params))
-        if unknown:
-            raise ValueError(f"state_dict has {len(unknown)} names the model lacks, e.g. {unknown[:3]}")
-        if strict:
-            missing = sorted(set(self.model.state_dict()) - set(state_dict))
-            if missing:
-                raise ValueError(f"state_dict lacks {len(missing)} model names, e.g. {missing[:3]}")
+        targets = loadable_targets(self.model)
         for name, value in state_dict.items():
             if not isinstance(value, Tensor):
                 raise ValueError(f"state_dict[{name!r}] must be a tensor, got {type(value).__name__}")
-            if tuple(value.shape) != tuple(params[name].shape):
-                raise ValueError(
-                    f"state_dict[{name!r}] has shape {tuple(value.shape)}, "
-                    f"the model expects {tuple(params[name].shape)}"
-                )
+        check_weights(targets, {k: (v.dtype, tuple(v.shape)) for k, v in state_dict.items()}, strict=strict)
+        check_finite(state_dict)
         with self._lock, torch.no_grad():
             for name, value in state_dict.items():
-                params[name].copy_(value)
+                targets[name].copy_(value)
             self.weight_version += 1
         return len(state_dict)

@@ -14,6 +14,11 @@ import torch
 from torch import Tensor
 
 MAX_SEED = 2**63 - 1
+# A temperature > 0 divides float32 logits: below 1e-3 a large logit overflows to inf (and
+# 1e-300 becomes 0 in float32), so softmax turns NaN. 0 means greedy.
+TEMPERATURE_RANGE = (1e-3, 1e3)
+# top_k beyond any vocabulary size only disables the filter; the bound keeps it a C int.
+MAX_TOP_K = 2**31 - 1
 
 
 def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
@@ -28,7 +33,8 @@ def check_int(name: str, value: object, *, low: int | None = None, high: int | N
 class SamplingParams:
     """How one request samples.
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` is greedy; otherwise it lies in :data:`TEMPERATURE_RANGE`, where dividing
+    float32 logits by it cannot overflow. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
     Generation stops after ``max_new_tokens`` tokens (finish reason ``"length"``) or at the first
     sampled token in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``;
     the stop token is part of the output). ``seed`` makes sampling reproducible per request
@@ -45,11 +51,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_int("max_new_tokens", self.max_new_tokens, low=1)
-        check_int("top_k", self.top_k)
+        check_int("top_k", self.top_k, low=-1, high=MAX_TOP_K)
+        low, high = TEMPERATURE_RANGE
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise ValueError(
+                f"temperature must be a number, 0 or in [{low:g}, {high:g}], got {self.temperature!r}"
+            )
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature != 0 and not low <= self.temperature <= high:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{low:g}, {high:g}] (smaller values overflow "
+                f"float32 logits), got {self.temperature!r}"
+            )
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not 0.0 < self.top_p <= 1.0:

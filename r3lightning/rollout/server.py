@@ -15,27 +15,38 @@ Routes (JSON bodies unless noted):
   parses, validates and serialises.
 - ``GET /health``: liveness plus the route schema (``num_layers``, ``top_k``, ``num_experts``)
   and the ``weight_version``; never needs the API key.
-- ``POST /update_weights``: a safetensors body (any float dtype, cast into the serving dtype);
-  ``?strict=true`` also requires every model tensor. Answers ``{"updated", "weight_version"}``.
+- ``POST /update_weights``: a safetensors body (floating tensors of 16 bits or more, cast into
+  the serving dtype); ``?strict=true`` also requires every model tensor. Checked from the
+  safetensors header before any data is read, streamed into one host buffer, checked for finite
+  values and loaded off the event loop, all or nothing (:mod:`r3lightning.rollout.weights`); one
+  upload at a time. Answers ``{"updated", "weight_version"}``.
+
+Limits (see :class:`RolloutServer`): a connection must deliver its request head within
+``header_timeout_s`` and keep its body flowing (``body_timeout_s`` between reads); past
+``max_queue`` generate requests beyond one engine batch the answer is 429 with ``Retry-After``;
+``max_tokens`` / ``max_new_tokens`` above ``max_new_tokens_cap`` and unknown sampling keys are
+400. Generate bodies are decoded and validated in a worker thread (a prompt longer than the
+model context is refused from its length alone), so large bodies do not stall ``/health``.
 
 Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for bad JSON or fields (the
-message names the field), 401 for a wrong bearer token, 404/405 for unknown routes, 413 for a
-body over the cap, 500 if generation itself fails. The server keeps serving after any of them.
+message names the field), 401 for a wrong bearer token, 404/405 for unknown routes, 408 for a
+stalled body, 409 for a second concurrent weight upload, 413 for a body over the cap, 429 when
+the queue is full, 500 if generation itself fails. The server keeps serving after any of them.
 
-Command line: ``python -m r3lightning.rollout.server --port 30000`` (or ``r3lightning-serve``)
-serves the tiny model (or ``--model PATH``, a Hugging Face checkpoint directory).
+Command line: ``r3lightning-serve --port 30000`` (or ``python -m r3lightning.rollout.server``),
+see :mod:`r3lightning.rollout.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
+import ipaddress
 import itertools
 import logging
-import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 import torch
@@ -44,31 +55,68 @@ from aiohttp import web
 from .client_protocol import PROTOCOL_PATHS
 from .engine import GenerationEngine
 from .server_protocol import RequestFieldError, build_response, parse_generate_request, wants_logprobs
+from .weights import UploadError, loadable_targets, read_safetensors_upload
 from .wire import read_capped
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# a full-context prompt in JSON: up to 24 bytes per token id (digits, separator, indentation)
+# plus room for the sampling parameters
+_REQUEST_BYTES_PER_TOKEN = 24
+_REQUEST_BYTES_SLACK = 64 << 10
 DEFAULT_MAX_WEIGHTS_BYTES = 8 << 30
-_READ_CHUNK = 1 << 20
+DEFAULT_MAX_NEW_TOKENS_CAP = 4096
+DEFAULT_MAX_QUEUE = 256
 
 
 class _HTTPError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after
 
 
 def _json_response(payload: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
 
 
-def _error_response(status: int, message: str) -> web.Response:
-    kind = {400: "BadRequest", 401: "Unauthorized", 413: "PayloadTooLarge", 500: "InternalError"}
-    return _json_response(
+def _error_response(status: int, message: str, retry_after: int | None = None) -> web.Response:
+    kind = {
+        400: "BadRequest",
+        401: "Unauthorized",
+        408: "RequestTimeout",
+        409: "Conflict",
+        413: "PayloadTooLarge",
+        429: "TooManyRequests",
+        500: "InternalError",
+    }
+    response = _json_response(
         {"error": {"message": message, "type": kind.get(status, "HTTPError"), "code": status}}, status
     )
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    return response
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine (``localhost`` or a loopback IP)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """``ValueError`` for a non-loopback ``host`` without an ``api_key``, unless explicitly allowed."""
+    if api_key is None and not allow_unauthenticated and not is_loopback(host):
+        raise ValueError(
+            f"host {host!r} is reachable from other machines but no api_key is set: anyone could "
+            "generate and replace the weights; set an api_key (--api-key), or allow_unauthenticated "
+            "(--allow-unauthenticated) to serve without one"
+        )
 
 
 class RolloutServer:
@@ -77,11 +125,18 @@ class RolloutServer:
     The model is copied and cast to ``dtype`` (bf16 by default) by a
     :class:`~r3lightning.rollout.engine.GenerationEngine`; the caller's model is never touched.
     ``port=0`` picks a free port (read :attr:`port` / :attr:`url` once started). ``api_key``:
-    when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
-    ``max_request_bytes`` caps generate bodies, ``max_weights_bytes`` weight-update bodies.
-    ``max_batch_size`` bounds how many concurrent requests share one forward. ``seed`` seeds the
-    default model and the sampling seeds of requests that send none. ``copy_model=False`` serves
-    ``model`` itself (cast in place) instead of a private copy.
+    when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``; a host that
+    is not loopback needs one unless ``allow_unauthenticated`` (``ValueError`` otherwise).
+    ``max_request_bytes`` caps generate bodies (None: what a full-context prompt needs, 24 bytes
+    per token of the model context plus 64 KiB, so oversized bodies are refused before they are
+    read), ``max_weights_bytes`` weight-update bodies.
+    ``max_batch_size`` bounds how many concurrent requests share one forward; ``max_queue``
+    how many more generate requests may wait (then 429 with ``Retry-After: retry_after_s``).
+    ``max_new_tokens_cap`` caps a request's ``max_tokens`` (None: the model context).
+    ``header_timeout_s``: a connection's request head must arrive within it (it also closes idle
+    keep-alive connections); ``body_timeout_s``: most seconds between two reads of a body (408).
+    ``seed`` seeds the default model and the sampling seeds of requests that send none.
+    ``copy_model=False`` serves ``model`` itself (cast in place) instead of a private copy.
 
     Use as ``async with`` inside a running loop, or as a plain ``with`` (the server then runs its
     own event loop in a daemon thread, for synchronous callers such as a Lightning training loop).
@@ -95,9 +150,15 @@ class RolloutServer:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        allow_unauthenticated: bool = False,
+        max_request_bytes: int | None = None,
         max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
         max_batch_size: int = 8,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_new_tokens_cap: int | None = DEFAULT_MAX_NEW_TOKENS_CAP,
+        header_timeout_s: float = 30.0,
+        body_timeout_s: float = 30.0,
+        retry_after_s: int = 1,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
         seed: int = 0,
@@ -105,13 +166,21 @@ class RolloutServer:
         copy_model: bool = True,
     ) -> None:
         for name, value in (
-            ("max_request_bytes", max_request_bytes),
+            ("max_request_bytes", 1 if max_request_bytes is None else max_request_bytes),
             ("max_weights_bytes", max_weights_bytes),
+            ("max_new_tokens_cap", 1 if max_new_tokens_cap is None else max_new_tokens_cap),
+            ("retry_after_s", retry_after_s),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(port, int) or not 0 <= port < 65536:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {port!r}")
+        check_exposure(host, api_key, allow_unauthenticated)
         if model is None:
             copy_model = False
             from ..models.tiny import build_tiny_moe
@@ -124,8 +193,21 @@ class RolloutServer:
         self.host = host
         self.port = port
         self.api_key = api_key
+        self._api_key_bytes = None if api_key is None else api_key.encode()
+        if max_request_bytes is None:
+            max_request_bytes = _REQUEST_BYTES_SLACK + _REQUEST_BYTES_PER_TOKEN * self.engine.max_context
         self.max_request_bytes = max_request_bytes
         self.max_weights_bytes = max_weights_bytes
+        self.max_queue = max_queue
+        self.max_new_tokens_cap = max_new_tokens_cap
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.retry_after_s = retry_after_s
+        self._generating = 0  # generate requests admitted and not yet answered
+        self._uploading = False  # one weight upload at a time
+        # One thread decodes generate bodies: decoding holds the GIL, and a single decoder leaves
+        # the event loop as the only other contender, so /health waits for at most one decode.
+        self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="r3-request-decoder")
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self._started = False
@@ -157,20 +239,36 @@ class RolloutServer:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api_key is not None and request.path != "/health":
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        if self._api_key_bytes is not None and request.path != "/health":
+            # aiohttp decodes header bytes as UTF-8 with surrogateescape: encoding back the same
+            # way gives the bytes sent, so a non-UTF-8 header is just a wrong token
+            header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self._api_key_bytes):
                 return _error_response(401, "missing or wrong bearer token in the Authorization header")
         try:
             return await handler(request)
         except _HTTPError as exc:
-            return _error_response(exc.status, exc.message)
+            return _error_response(exc.status, exc.message, exc.retry_after)
         except web.HTTPException as exc:
             return _error_response(exc.status, exc.reason)
         except Exception as exc:
             logger.exception("request %s %s failed", request.method, request.path)
             return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    async def _body_chunks(self, request: web.Request) -> AsyncIterator[bytes]:
+        """The body as it arrives; 408 when no byte comes for ``body_timeout_s``."""
+        while True:
+            try:
+                async with asyncio.timeout(self.body_timeout_s):
+                    chunk = await request.content.readany()
+            except TimeoutError:
+                raise _HTTPError(
+                    408, f"request body stalled: no data for {self.body_timeout_s:g} s (body_timeout_s)"
+                ) from None
+            if not chunk:
+                return
+            yield chunk
 
     async def _read_body(self, request: web.Request, cap: int) -> bytes:
         """The request body, refusing (413) more than ``cap`` bytes before reading past it."""
@@ -179,30 +277,48 @@ class RolloutServer:
             of = "" if declared is None else f" of {declared} bytes"
             return _HTTPError(413, f"request body{of} exceeds the cap of {cap} bytes")
 
-        return await read_capped(
-            request.content.iter_chunked(_READ_CHUNK), request.content_length, cap, too_large
-        )
+        return await read_capped(self._body_chunks(request), request.content_length, cap, too_large)
 
-    async def _generate(self, request: web.Request, protocol: str) -> web.Response:
-        raw = await self._read_body(request, self.max_request_bytes)
+    def _admit(self, raw: bytes, protocol: str):
+        """Decode, validate and queue one generate body (runs in a worker thread: the prompt check
+        is a Python pass over its ids). Returns the engine's future and whether logprobs are wanted."""
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise _HTTPError(400, f"request body is not valid JSON: {exc}") from None
+        prompt_field = "token_ids" if protocol == "skyrl" else "input_ids"
         try:
-            gen_request = parse_generate_request(body, protocol)
-            prompt_field = "token_ids" if protocol == "skyrl" else "input_ids"
+            gen_request = parse_generate_request(
+                body,
+                protocol,
+                max_prompt_tokens=self.engine.max_context - 1,
+                max_new_tokens_cap=self.max_new_tokens_cap,
+            )
             future = self.engine.submit(gen_request, prompt_field=prompt_field)  # validates first
         except (RequestFieldError, ValueError) as exc:
             raise _HTTPError(400, str(exc)) from None
-        output = await asyncio.wrap_future(future)
+        return future, wants_logprobs(body, protocol)
+
+    async def _generate(self, request: web.Request, protocol: str) -> web.Response:
+        if self._generating >= self.engine.max_batch_size + self.max_queue:
+            raise _HTTPError(
+                429,
+                f"the server is busy: {self._generating} generate requests in flight "
+                f"(max_batch_size {self.engine.max_batch_size} + max_queue {self.max_queue})",
+                retry_after=self.retry_after_s,
+            )
+        self._generating += 1
+        try:
+            raw = await self._read_body(request, self.max_request_bytes)
+            loop = asyncio.get_running_loop()
+            future, logprobs = await loop.run_in_executor(self._decoder, self._admit, raw, protocol)
+            del raw
+            output = await asyncio.wrap_future(future)
+        finally:
+            self._generating -= 1
         request_id = request.headers.get("X-Session-ID") or f"gen-{next(self._ids)}"
         payload = build_response(
-            output,
-            protocol,
-            request_id=request_id,
-            model_name=self.model_name,
-            logprobs=wants_logprobs(body, protocol),
+            output, protocol, request_id=request_id, model_name=self.model_name, logprobs=logprobs
         )
         return _json_response(payload)
 
@@ -228,23 +344,37 @@ class RolloutServer:
         )
 
     async def _update_weights(self, request: web.Request) -> web.Response:
-        from safetensors import SafetensorError
-        from safetensors.torch import load as load_safetensors
-
         strict_arg = request.query.get("strict", "false").lower()
         if strict_arg not in ("true", "false", "1", "0"):
             raise _HTTPError(400, f"query parameter strict must be true or false, got {strict_arg!r}")
-        raw = await self._read_body(request, self.max_weights_bytes)
+        if self._uploading:
+            raise _HTTPError(409, "another weight upload is in progress; send one at a time")
+        self._uploading = True
         try:
-            state_dict = load_safetensors(raw)
-        except (SafetensorError, ValueError) as exc:
-            raise _HTTPError(400, f"request body is not a safetensors file: {exc}") from None
-        try:
-            updated = await asyncio.to_thread(
-                self.engine.update_weights, state_dict, strict=strict_arg in ("true", "1")
-            )
-        except ValueError as exc:
-            raise _HTTPError(400, str(exc)) from None
+            cap = self.max_weights_bytes
+            if request.content_length is not None and request.content_length > cap:
+                raise _HTTPError(
+                    413, f"request body of {request.content_length} bytes exceeds the cap of {cap} bytes"
+                )
+            strict = strict_arg in ("true", "1")
+            try:
+                state_dict = await read_safetensors_upload(
+                    self._body_chunks(request),
+                    content_length=request.content_length,
+                    max_bytes=cap,
+                    targets=loadable_targets(self.engine.model),
+                    strict=strict,
+                    too_large=lambda size: UploadError(
+                        f"safetensors body of {size} bytes exceeds the cap of {cap} bytes", status=413
+                    ),
+                )
+                updated = await asyncio.to_thread(self.engine.update_weights, state_dict, strict=strict)
+            except UploadError as exc:
+                raise _HTTPError(exc.status, str(exc)) from None
+            except ValueError as exc:
+                raise _HTTPError(400, str(exc)) from None
+        finally:
+            self._uploading = False
         return _json_response({"updated": updated, "weight_version": self.engine.weight_version})
 
     # ------------------------------------------------------------------ weights (in process)
@@ -264,7 +394,9 @@ class RolloutServer:
         if self._started:
             raise RuntimeError("a RolloutServer runs once; create a new one")
         self._started = True
-        runner = web.AppRunner(self.make_app(), access_log=None)
+        # aiohttp closes a connection whose request head is incomplete (or that idles between
+        # requests) after keepalive_timeout: that is the header read timeout
+        runner = web.AppRunner(self.make_app(), access_log=None, keepalive_timeout=self.header_timeout_s)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         try:
@@ -282,6 +414,7 @@ class RolloutServer:
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
+        await asyncio.to_thread(self._decoder.shutdown)
         await asyncio.to_thread(self.engine.close)
 
     async def __aenter__(self) -> RolloutServer:
@@ -329,63 +462,7 @@ class RolloutServer:
         self._thread = self._loop = None
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="r3lightning-serve",
-        description="Serve a causal MoE model that returns its routed experts (skyrl and sglang protocols).",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed at start)")
-    parser.add_argument(
-        "--model", default=None, help="Hugging Face checkpoint directory (default: the tiny MoE)"
-    )
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: cuda if available)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+if __name__ == "__main__":  # python -m r3lightning.rollout.server: the r3lightning-serve command
+    from r3lightning.rollout.cli import main
 
-
-async def _serve_until_signalled(server: RolloutServer) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with server:
-        print(f"r3lightning rollout server listening on {server.url}", flush=True)
-        await stop.wait()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``r3lightning-serve``); serves until SIGINT / SIGTERM."""
-    args = _parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    dtype = getattr(torch, args.dtype)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = None  # RolloutServer builds the tiny MoE
-    if args.model is not None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    server = RolloutServer(
-        model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
-        max_batch_size=args.max_batch_size,
-        dtype=dtype,
-        device=device,
-        seed=args.seed,
-        model_name=args.model or "r3lightning-tiny-moe",
-        copy_model=False,
-    )
-    asyncio.run(_serve_until_signalled(server))
-    return 0
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,12 +1,18 @@
 """Route wire codec: ndarray envelopes, SGLang's flat int32 routes, and fast body parsing.
 
-Two encodings of a route array ``[rows, num_layers, top_k]`` travel over HTTP:
+Three encodings of a route array ``[rows, num_layers, top_k]`` travel over HTTP:
 
 - the ndarray envelope ``{"data": base64 of C-order little-endian bytes, "shape": [...],
-  "dtype": "uint8" | "int16" | "int32"}`` (``encode_routes`` / ``decode_routes``); the encoder
-  picks the smallest dtype that holds the largest expert id;
+  "dtype": "uint8" | "int16" | "uint16" | "int32"}`` (``encode_routes`` / ``decode_routes``); the
+  encoder picks the smallest dtype that holds the largest expert id;
 - SGLang's bare base64 string of flat int32 ids, reshaped with the model's ``(num_layers, top_k)``
-  (``encode_flat_routes`` / ``decode_flat_routes``).
+  (``encode_flat_routes`` / ``decode_flat_routes``);
+- vLLM's base64 string of a whole ``.npy`` file (``np.save(..., allow_pickle=False)`` of a uint8 or
+  uint16 ``[rows, num_hidden_layers, top_k]`` array; ``decode_npy_routes``). Its header is parsed
+  here as a literal (never unpickled) and checked before the payload is decoded.
+
+Decoded uint16 routes come back as int16 (a view while every id is below 32768, else int32):
+torch has few operations for uint16.
 
 A generate response is mostly that one base64 string (50 MB of int32 routes for 32k tokens of
 a 48-layer top-8 model). ``parse_body`` parses such a body once without turning the string into a
@@ -21,6 +27,7 @@ Every decoder validates before it allocates (dtype, shape, byte count, size cap)
 
 from __future__ import annotations
 
+import ast
 import binascii
 import functools
 import math
@@ -43,6 +50,7 @@ __all__ = [
     "compact_dtype",
     "decode_array",
     "decode_flat_routes",
+    "decode_npy_routes",
     "decode_routes",
     "encode_flat_routes",
     "encode_routes",
@@ -176,8 +184,9 @@ def decode_array(
 _UNIQUE_BLOCK = 1 << 15
 
 
-def _check_range(routes: np.ndarray, num_experts: int | None, field: str) -> None:
-    """Ids must be non-negative and below ``num_experts``; one pass over ``routes`` when they are.
+def _check_range(routes: np.ndarray, num_experts: int | None, field: str) -> int | None:
+    """Ids must be non-negative and below ``num_experts``; one pass over a non-empty ``routes``
+    when they are. Returns the largest id when that pass computed it (else None).
 
     Signed ids are viewed as unsigned of the same width, where a negative id is at least
     ``2**(bits-1)``: a single max then bounds both ends. The exact min/max (for the message) are
@@ -188,16 +197,18 @@ def _check_range(routes: np.ndarray, num_experts: int | None, field: str) -> Non
         bound = 1 << (8 * routes.dtype.itemsize - 1)  # unsigned images of negatives are >= this
         limit = bound if num_experts is None else min(num_experts, bound)
         as_unsigned = routes.view(routes.dtype.str.replace("i", "u"))
-        if int(as_unsigned.max()) < limit:
-            return
+        if (high := int(as_unsigned.max())) < limit:
+            return high
     elif num_experts is None:
-        return
+        return None
     if signed and (low := int(routes.min())) < 0:
         raise MalformedResponseError(f"{field}: expert id {low} is negative")
-    if num_experts is not None and (high := int(routes.max())) >= num_experts:
+    high = int(routes.max())
+    if num_experts is not None and high >= num_experts:
         raise MalformedResponseError(
             f"{field}: expert id {high} is out of range for num_experts={num_experts}"
         )
+    return high
 
 
 def _first_repeat(routes: np.ndarray) -> int | None:
@@ -260,7 +271,13 @@ def validate_routes(
     if routes.size == 0:
         return
     _check_range(routes, num_experts, field)
-    if not check_unique or routes.shape[2] < 2:
+    if check_unique:
+        _check_unique(routes, field)
+
+
+def _check_unique(routes: np.ndarray, field: str) -> None:
+    """Raise for the first ``[top_k]`` row of ``routes`` ``[rows, L, K]`` that repeats an expert."""
+    if routes.size == 0 or routes.shape[2] < 2:
         return
     index = _first_repeat(routes)
     if index is not None:
@@ -293,7 +310,16 @@ def decode_routes(
         check_unique=check_unique,
         field=field,
     )
-    return routes
+    return _signed(routes)
+
+
+def _signed(routes: np.ndarray) -> np.ndarray:
+    """uint16 routes as int16 (a free view when every id is below 32768, else an int32 copy)."""
+    if routes.dtype != WIRE_DTYPES["uint16"]:
+        return routes
+    if routes.size == 0 or int(routes.max()) < 32768:
+        return routes.view(WIRE_DTYPES["int16"])
+    return routes.astype(WIRE_DTYPES["int32"])
 
 
 def decode_flat_routes(
@@ -328,12 +354,113 @@ def decode_flat_routes(
         )
     buffer = _b64_to_buffer(data, nbytes, field)
     routes = np.frombuffer(buffer, dtype=WIRE_DTYPES["int32"]).reshape(-1, num_layers, top_k)
-    validate_routes(routes, num_experts=num_experts, check_unique=False, field=field)
+    # int32 is signed: the range pass always yields the largest id, reused for the compact dtype
+    high = _check_range(routes, num_experts, field) if routes.size else 0
     if compact:
-        routes = routes.astype(compact_dtype(int(routes.max(initial=0))), copy=False)
+        routes = routes.astype(compact_dtype(high or 0), copy=False)
     if check_unique:  # on the compact copy: up to 4x less memory traffic
-        validate_routes(routes, check_unique=True, field=field)
+        _check_unique(routes, field)
     return routes
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+# numpy's own default cap on a header (np.load's max_header_size)
+_NPY_MAX_HEADER = 10_000
+
+
+def _b64_prefix(data: str | bytes | bytearray | memoryview, nbytes: int, field: str) -> bytes:
+    """The first ``nbytes`` decoded bytes of base64 ``data`` (decodes only what it needs)."""
+    chars = -(-nbytes // 3) * 4
+    if chars > len(data):
+        raise MalformedResponseError(f"{field}: payload too short for a .npy header")
+    try:
+        return pybase64.b64decode(data[:chars], validate=True)[:nbytes]
+    except (binascii.Error, ValueError) as exc:
+        raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
+
+
+def _npy_header(data: str | bytes | bytearray | memoryview, field: str) -> tuple[int, np.dtype, list[int]]:
+    """``(data offset, dtype, shape)`` from the header of a base64 ``.npy`` file.
+
+    The header is a Python dict literal (format versions 1-3); it is read with
+    ``ast.literal_eval`` after a length cap, so nothing is executed or unpickled.
+    """
+    lead = _b64_prefix(data, 12, field)
+    if lead[:6] != _NPY_MAGIC:
+        raise MalformedResponseError(f"{field}: not a .npy file (magic {lead[:6]!r})")
+    major = lead[6]
+    if major not in (1, 2, 3):
+        raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{lead[7]}")
+    size_bytes = 2 if major == 1 else 4
+    header_len = int.from_bytes(lead[8 : 8 + size_bytes], "little")
+    if header_len > _NPY_MAX_HEADER:
+        raise MalformedResponseError(f"{field}: .npy header of {header_len} bytes exceeds {_NPY_MAX_HEADER}")
+    offset = 8 + size_bytes + header_len
+    text = _b64_prefix(data, offset, field)[8 + size_bytes :]
+    try:
+        header = ast.literal_eval(text.decode("latin1" if major < 3 else "utf-8"))
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+        raise MalformedResponseError(f"{field}: unreadable .npy header {text[:200]!r}") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        raise MalformedResponseError(
+            f"{field}: .npy header must hold exactly 'descr', 'fortran_order' and 'shape', got {header!r}"
+        )
+    descr, shape = header["descr"], header["shape"]
+    dtype = next((d for d in WIRE_DTYPES.values() if isinstance(descr, str) and _same_dtype(descr, d)), None)
+    if dtype is None:
+        raise MalformedResponseError(
+            f"{field}: .npy dtype {descr!r} is not a route dtype, expected one of {sorted(WIRE_DTYPES)} "
+            "(little-endian)"
+        )
+    if header["fortran_order"] is not False:
+        raise MalformedResponseError(f"{field}: .npy array must be C-ordered (fortran_order=False)")
+    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        raise MalformedResponseError(
+            f"{field}: .npy shape must be a tuple of non-negative ints, got {shape!r}"
+        )
+    return offset, dtype, list(shape)
+
+
+def _same_dtype(descr: str, dtype: np.dtype) -> bool:
+    try:
+        return np.dtype(descr) == dtype
+    except TypeError:
+        return False
+
+
+def decode_npy_routes(
+    data: str | bytes | bytearray | memoryview,
+    *,
+    num_experts: int | None = None,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    check_unique: bool = True,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    field: str = "choices[0].routed_experts",
+) -> np.ndarray:
+    """Decode vLLM's base64 ``.npy`` routes into ``[rows, num_layers, top_k]``.
+
+    The header (dtype, order, shape) is read from the first few hundred base64 characters and
+    the payload length checked against it and ``max_bytes`` before the whole payload is decoded
+    (one SIMD base64 pass into one buffer; the array is a view past the header). Validated like
+    :func:`decode_routes`; uint16 ids come back as int16.
+    """
+    if not isinstance(data, str | bytes | bytearray | memoryview):
+        raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
+    offset, dtype, shape = _npy_header(data, field)
+    count = math.prod(shape)
+    _check_size(count * dtype.itemsize, max_bytes, field)
+    buffer = _b64_to_buffer(data, offset + count * dtype.itemsize, field)
+    routes = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    validate_routes(
+        routes,
+        num_experts=num_experts,
+        num_layers=num_layers,
+        top_k=top_k,
+        check_unique=check_unique,
+        field=field,
+    )
+    return _signed(routes)
 
 
 # --------------------------------------------------------------------------- body parsing

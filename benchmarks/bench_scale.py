@@ -1,0 +1,383 @@
+"""Rollouts on many ranks: per-rank collection vs collecting on rank 0 and broadcasting.
+
+A fixed global batch per RL step (``--groups`` GRPO groups of ``--group-size`` trajectories of
+``--tokens`` tokens) with production route shapes (48 layers x top-8 of 128 experts: uint8, 384
+B per token) is served by a loopback engine process (the ``skyrl`` protocol; the routes are
+pre-encoded once, so the engine's own cost stays small) and collected on 1, 2 and 4 gloo
+processes, in two designs, each in its own fresh processes:
+
+- ``broadcast`` (the baseline, the job's earlier design): rank 0 collects every group with a
+  ``RolloutCollector`` and sends all trajectories, routes included, to every rank with
+  ``torch.distributed.broadcast_object_list``; every rank's buffer holds the global batch.
+- ``per-rank``: every rank's ``RolloutCollector`` collects only its own groups into its own
+  buffer; one all-reduce of the step's scalar statistics.
+
+Per rank and design: route bytes held in the buffer, peak RSS growth over a step (the largest
+of the steps after a warm-up), and the data-path time per step (from a barrier until the rank's
+buffer is full; the slowest rank, median over steps; the designs alternate for ``--rounds``
+rounds and each keeps its fastest). Both designs must hold the same global set of trajectories
+(checked before the table is printed). The projection table extrapolates to 64 and 512 ranks at
+32k-token trajectories from the measured per-byte costs (see ``_fit``).
+
+Usage: ``python benchmarks/bench_scale.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common
+
+LAYERS, TOP_K, EXPERTS = 48, 8, 128
+ROUTE_BYTES_PER_TOKEN = LAYERS * TOP_K  # uint8
+PROMPT_TOKENS = 256
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+def serve(port_file: str, tokens: int) -> None:
+    """A loopback ``skyrl`` engine: response ids from the request's seed, one pre-encoded route
+    envelope ``[tokens - 1, 48, 8]`` uint8 for every answer."""
+    import orjson
+    from aiohttp import web
+
+    from r3lightning.align.dummy import dummy_routes
+    from r3lightning.rollout.wire import encode_routes
+
+    routes = encode_routes(dummy_routes(tokens - 1, LAYERS, TOP_K, EXPERTS).numpy(), dtype="uint8")
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        seed = int(body["sampling_params"]["seed"])
+        count = int(body["sampling_params"]["max_tokens"])
+        ids = [(seed + 31 * i) % 50_000 for i in range(count)]
+        choice = {
+            "token_ids": ids,
+            "finish_reason": "length",
+            "logprobs": {"content": [{"logprob": -0.5} for _ in ids]},
+            "routed_experts": routes,
+        }
+        return web.Response(body=orjson.dumps({"choices": [choice]}), content_type="application/json")
+
+    async def main() -> None:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/skyrl/v1/generate", generate)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        Path(port_file).write_text(str(runner.addresses[0][1]))
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- one rank
+
+
+def rank_main(rank: int, world: int, port: int, url: str, arms: list[str], args: dict, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    root_only = dist.new_group([0])  # every rank must join new_group
+    for arm in arms:
+        result = run_steps(rank, world, url, arm, args, root_only)
+        Path(out_dir, f"{arm}_{world}_{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_steps(rank: int, world: int, url: str, arm: str, args: dict, root_only) -> dict:
+    """One design's steps on this rank; its figures."""
+    import torch
+    import torch.distributed as dist
+
+    from r3lightning import ReplayBuffer, RolloutCollector, SamplingConfig
+
+    collector = RolloutCollector(
+        url,
+        lambda prompt, response: float(response[0] % 2),
+        group_size=args["group_size"],
+        sampling=SamplingConfig(max_new_tokens=args["tokens"] - PROMPT_TOKENS, ignore_eos=True),
+        num_layers=LAYERS,
+        top_k=TOP_K,
+        num_experts=EXPERTS,
+        max_in_flight=8,
+        process_group=root_only if arm == "broadcast" else None,
+        progress=False,
+    )
+    prompts = [[1000 + g] * PROMPT_TOKENS for g in range(args["groups"])]
+    buffer = ReplayBuffer(num_experts=EXPERTS)
+    times, growths, sends = [], [], []
+    for step in range(args["steps"] + 1):  # step 0 warms up
+        buffer.clear()
+        gc.collect()
+        dist.barrier()
+        base = _common.reset_peak_rss()
+        start = time.perf_counter()
+        if arm == "broadcast":
+            payload = [None]
+            if rank == 0:
+                payload = [collector.collect(prompts, step=step).trajectories]
+            send = torch.zeros(1, dtype=torch.float64)
+            if world > 1:  # (one process never broadcast)
+                dist.barrier()  # the broadcast phase starts when rank 0 has everything
+                collected = time.perf_counter()
+                dist.broadcast_object_list(payload, src=0)  # pickled, sent, unpickled on every rank
+                send[0] = time.perf_counter() - collected
+                dist.all_reduce(send, dist.ReduceOp.MAX)  # until the last rank has its copy
+            buffer.extend(payload[0])
+            del payload
+        else:
+            collector.collect(prompts, step=step, buffer=buffer)
+        elapsed = time.perf_counter() - start
+        growth = _common.peak_rss() - base
+        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        dist.all_reduce(slowest, dist.ReduceOp.MAX)
+        if step > 0:
+            times.append(float(slowest))
+            growths.append(growth)
+            if arm == "broadcast":
+                sends.append(float(send))
+    route_bytes = sum(t.routed_experts.nbytes for t in buffer)
+    held = [(t.prompt_ids[0].item(), tuple(t.response_ids[:4].tolist())) for t in buffer]
+    return {
+        "rank": rank,
+        "route_bytes": route_bytes,
+        "trajectories": len(buffer),
+        "rss_growth": max(growths),
+        "step_s": statistics.median(times),
+        "send_s": statistics.median(sends) if sends else 0.0,  # the broadcast phase
+        "held": held,  # which trajectories this rank holds, for the cross-design check
+    }
+
+
+def run_arms(
+    arms: list[str], world: int, url: str, args: dict, out_dir: str
+) -> dict[tuple[str, int], list[dict]]:
+    """``arms`` one after the other in one set of ``world`` fresh processes."""
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    mp.start_processes(
+        _spawned, args=(world, port, url, arms, args, out_dir), nprocs=world, join=True, start_method="spawn"
+    )
+    return {
+        (arm, world): [json.loads(Path(out_dir, f"{arm}_{world}_{r}.json").read_text()) for r in range(world)]
+        for arm in arms
+    }
+
+
+def _step_s(ranks: list[dict]) -> float:
+    return max(r["step_s"] for r in ranks)
+
+
+def _spawned(rank: int, *args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rank_main(rank, *args)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def _fit(
+    rows: dict[tuple[str, int], list[dict]], worlds: list[int], global_bytes: int
+) -> tuple[float, float]:
+    """Per-byte costs measured in the broadcast design: collection by one rank (its step time
+    minus the broadcast phase, per byte collected) and the broadcast phase (pickle, send,
+    unpickle) per byte of the global batch, taken as independent of the number of ranks (a
+    perfectly pipelined broadcast: the baseline's best case)."""
+    collect = statistics.median(
+        (max(r["step_s"] for r in rows[("broadcast", w)]) - rows[("broadcast", w)][0]["send_s"])
+        / global_bytes
+        for w in worlds
+    )
+    sends = [rows[("broadcast", w)][0]["send_s"] / global_bytes for w in worlds if w > 1]
+    return collect, statistics.median(sends)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CI size: 2 ranks, both designs in one run")
+    parser.add_argument("--groups", type=int, default=None)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per trajectory")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per design (full mode)")
+    parsed = parser.parse_args()
+    quick = parsed.quick
+    args = {
+        "groups": parsed.groups or (4 if quick else 16),
+        "group_size": parsed.group_size,
+        "tokens": parsed.tokens or (1024 if quick else 8192),
+        "steps": parsed.steps or (1 if quick else 3),
+        "rounds": parsed.rounds,
+    }
+    worlds = [2] if quick else [1, 2, 4]
+    trajectories = args["groups"] * args["group_size"]
+    global_bytes = trajectories * (args["tokens"] - 1) * ROUTE_BYTES_PER_TOKEN
+    print(f"# Rollouts on many ranks ({_common.machine_line()})")
+    print(
+        f"global batch: {args['groups']} groups x {args['group_size']} = {trajectories} trajectories of "
+        f"{args['tokens']} tokens, routes [{args['tokens'] - 1}, {LAYERS}, {TOP_K}] uint8: "
+        f"{global_bytes / _common.MiB:.1f} MiB per step; {args['steps']} timed steps after a warm-up"
+        + ("" if quick else f", the fastest of {args['rounds']} alternating rounds per design")
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = Path(tmp, "port")
+        engine = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(port_file), str(args["tokens"])],
+            env={**os.environ, "PYTHONPATH": str(_common.ROOT)},
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not port_file.exists() or not port_file.read_text():
+                if engine.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the benchmark engine did not start")
+                time.sleep(0.1)
+            url = f"http://127.0.0.1:{port_file.read_text()}"
+            rows: dict[tuple[str, int], list[dict]] = {}
+            for w in worlds:
+                if quick:  # one set of processes: the second design's RSS growth is then only indicative
+                    rows.update(run_arms(["broadcast", "per-rank"], w, url, args, tmp))
+                    continue
+                # each design in fresh processes, so neither inherits the other's heap; the
+                # designs alternate for --rounds rounds and each keeps its fastest round, so
+                # load drift on a shared host hits both alike
+                for _ in range(args["rounds"]):
+                    for arm in ("broadcast", "per-rank"):
+                        for key, ranks in run_arms([arm], w, url, args, tmp).items():
+                            if key not in rows or _step_s(ranks) < _step_s(rows[key]):
+                                rows[key] = ranks
+        finally:
+            engine.terminate()
+            engine.wait(30)
+
+    for w in worlds:
+        everything = sorted(h for r in rows[("broadcast", w)][:1] for h in map(tuple, r["held"]))
+        union = sorted(h for r in rows[("per-rank", w)] for h in map(tuple, r["held"]))
+        assert union == everything and len(union) == trajectories, f"designs disagree at {w} ranks"
+        assert all(sorted(map(tuple, r["held"])) == everything for r in rows[("broadcast", w)])
+
+    table = []
+    for w in worlds:
+        for arm in ("broadcast", "per-rank"):
+            ranks = rows[(arm, w)]
+            held = [r["route_bytes"] for r in ranks]
+            table.append(
+                [
+                    arm,
+                    w,
+                    f"{max(held) / _common.MiB:.1f}",
+                    f"{max(held) / global_bytes * w:.3f}",
+                    f"{max(r['rss_growth'] for r in ranks) / _common.MiB:.0f}",
+                    _common.ms(max(r["step_s"] for r in ranks)),
+                    _common.ms(ranks[0]["send_s"]) if arm == "broadcast" else "",
+                ]
+            )
+    _common.print_table(
+        "Per rank, measured",
+        [
+            "arm",
+            "ranks",
+            "route MiB held (max rank)",
+            "x global/ranks",
+            "peak RSS growth MiB (max rank)",
+            "step ms",
+            "of which broadcast ms",
+        ],
+        table,
+    )
+
+    for w in (w for w in worlds if w > 1):
+        per_rank = rows[("per-rank", w)]
+        exact = max(abs(r["route_bytes"] / (global_bytes / w) - 1) for r in per_rank)
+        print(
+            f"target: per-rank route bytes = global / {w} within 5%: {'met' if exact <= 0.05 else 'missed'}"
+        )
+    if len(worlds) > 1:
+        growth = [max(r["rss_growth"] for r in rows[("per-rank", w)]) for w in worlds]
+        falling = all(b < a for a, b in itertools.pairwise(growth))
+        print(
+            f"target: per-rank peak RSS growth falls with the number of ranks: {'met' if falling else 'missed'}"
+        )
+    slower = [  # (on one rank the two designs run the same code)
+        w
+        for w in worlds
+        if w > 1
+        and max(r["step_s"] for r in rows[("per-rank", w)]) > max(r["step_s"] for r in rows[("broadcast", w)])
+    ]
+    print(
+        f"target: per-rank step time <= broadcast on > 1 rank: {'met' if not slower else f'missed at {slower} ranks'}"
+    )
+
+    # projection: fixed 8 trajectories per rank of 32k tokens
+    collect, send = _fit(rows, worlds, global_bytes)
+    rss = {
+        arm: statistics.median(
+            max(r["rss_growth"] for r in rows[(arm, w)])
+            / max(max(r["route_bytes"] for r in rows[(arm, w)]), 1)
+            for w in worlds
+        )
+        for arm in ("broadcast", "per-rank")
+    }
+    print(
+        f"\nmeasured: collect {collect * _common.GiB:.2f} s/GiB per rank, broadcast {send * _common.GiB:.2f} s/GiB "
+        f"of the global batch, peak RSS growth / route bytes held: broadcast {rss['broadcast']:.2f}x, "
+        f"per-rank {rss['per-rank']:.2f}x"
+    )
+    projection = []
+    for w in (64, 512):
+        total = 8 * w * (32768 - 1) * ROUTE_BYTES_PER_TOKEN
+        mine = total / w
+        projection.append(
+            [
+                w,
+                8 * w,
+                f"{total / _common.GiB:.1f}",
+                f"{total / _common.GiB:.1f} / {mine / _common.GiB:.3f}",
+                f"{rss['broadcast'] * total / _common.GiB:.1f} / {rss['per-rank'] * mine / _common.GiB:.3f}",
+                f"{(collect + send) * total:.0f} / {collect * mine:.1f}",
+            ]
+        )
+    _common.print_table(
+        "Projection: 8 trajectories of 32k tokens per rank (broadcast / per-rank)",
+        [
+            "ranks",
+            "trajectories",
+            "global route GiB",
+            "route GiB per rank",
+            "peak RSS GiB per rank",
+            "step s",
+        ],
+        projection,
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
+        serve(sys.argv[2], int(sys.argv[3]))
+    else:
+        main()

@@ -1,0 +1,163 @@
+"""Filling a batch's fields from trajectories: the collation core, below ``RolloutBatch``.
+
+``collate_fields`` plans a batch on the host (lengths, width, route offsets and dtype: a few small
+tensors), takes every output buffer once, and fills rows, optionally from a thread pool. Each task
+owns a contiguous range of rows and writes every position of them (padding included), so tasks never
+touch the same memory and the output is identical to a serial fill. The copies are torch ops, which
+release the GIL, so long sequences and large route blocks fill in parallel.
+
+It returns the ``RolloutBatch`` keyword arguments rather than a batch, so that ``RolloutBatch``
+(which collates its own placeholder rows) and the collator (which wraps pooled buffers into batches)
+both build on it without importing each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from r3lightning.data.trajectory import Trajectory
+from r3lightning.packed import PackedTensor
+from r3lightning.ragged import offsets_from_lengths
+from r3lightning.routes import widest_route_dtype
+
+__all__ = ["Allocator", "Buffers", "collate_fields", "pinned_empty", "plain_empty"]
+
+Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Page-locked uninitialised CPU tensor (needs an accelerator runtime)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
+def plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+class Buffers:
+    """Named output buffers: fresh per batch, or views of one pool slot's reusable storage."""
+
+    def __init__(self, allocator: Allocator, storage: dict[str, Tensor] | None = None) -> None:
+        self._allocator = allocator
+        self._storage = storage  # name -> flat [capacity] tensor, grown on demand; None = unpooled
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        numel = math.prod(shape)
+        if self._storage is None:
+            return self._allocator(shape, dtype)
+        flat = self._storage.get(name)
+        if flat is None or flat.dtype != dtype or flat.numel() < numel:
+            # 25% headroom so slowly growing batches do not re-pin every step
+            flat = self._allocator((max(numel + numel // 4, 1),), dtype)
+            self._storage[name] = flat
+        return flat[:numel].view(shape)
+
+    def fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A buffer outside the pool, for data that outlives the batch's lease."""
+        return self._allocator(shape, dtype)
+
+
+def _fill_rows(
+    rows: range,
+    trajectories: Sequence[Trajectory],
+    out: dict[str, Tensor],
+    offsets: list[int],
+    pad_token_id: int,
+) -> None:
+    """Write every position of ``rows`` (padding included); tasks own disjoint rows."""
+    width = out["input_ids"].shape[1]
+    routes = out.get("routes")
+    for i in rows:
+        t = trajectories[i]
+        prompt = t.prompt_length
+        pad = width - t.num_tokens
+        response_start = pad + prompt
+        ids = out["input_ids"][i]
+        ids[:pad].fill_(pad_token_id)
+        ids[pad:response_start].copy_(t.prompt_ids)
+        ids[response_start:].copy_(t.response_ids)
+        mask = out["attention_mask"][i]
+        mask[:pad].fill_(False)
+        mask[pad:].fill_(True)
+        for name, source in (("loss_mask", t.loss_mask), ("rollout_logprobs", t.rollout_logprobs)):
+            row = out[name][i]
+            row[:response_start].zero_()
+            row[response_start:].copy_(source)
+        if routes is not None and t.routed_experts is not None:
+            routes[offsets[i] : offsets[i + 1]].copy_(t.routed_experts)
+
+
+def collate_fields(
+    trajectories: Sequence[Trajectory],
+    buffers: Buffers,
+    *,
+    pad_token_id: int,
+    width_multiple: int,
+    executor: ThreadPoolExecutor | None,
+    tasks: int,
+) -> dict[str, Any]:
+    """Plan and fill one batch's fields (``RolloutBatch`` keyword arguments) from ``trajectories``.
+
+    Output tensors come from ``buffers``; rows are filled by ``tasks`` tasks on ``executor`` (serially
+    without one). Raises ``ValueError`` when the trajectories' route schemas differ.
+    """
+    count = len(trajectories)
+    prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
+    sequence_lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)
+    width = int(sequence_lengths.max()) if count else 0
+    width = -(-width // width_multiple) * width_multiple
+
+    schemas = {t.route_schema for t in trajectories if t.routed_experts is not None}
+    if len(schemas) > 1:
+        raise ValueError(
+            f"trajectories in one batch have different route schemas (num_layers, top_k): {sorted(schemas)}"
+        )
+    out: dict[str, Tensor] = {
+        "input_ids": buffers.take("input_ids", (count, width), torch.int64),
+        "attention_mask": buffers.take("attention_mask", (count, width), torch.bool),
+        "loss_mask": buffers.take("loss_mask", (count, width), torch.float32),
+        "rollout_logprobs": buffers.take("rollout_logprobs", (count, width), torch.float32),
+    }
+    offsets: list[int] = []
+    cu_host: Tensor | None = None
+    if schemas:
+        (schema,) = schemas
+        dtype = widest_route_dtype(
+            t.routed_experts.dtype for t in trajectories if t.routed_experts is not None
+        )
+        rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
+        # not pooled: B + 1 ints are cheap to allocate, and routes derived without a device move
+        # (dtype casts, pinning) keep these host offsets, which must outlive the batch's lease
+        cu_host = buffers.fresh((count + 1,), torch.int32).copy_(offsets_from_lengths(rows, "route rows"))
+        offsets = cu_host.tolist()
+        out["routes"] = buffers.take("routes", (offsets[-1], *schema), dtype)
+
+    scalars = {
+        "advantages": torch.tensor([t.advantage for t in trajectories], dtype=torch.float32),
+        "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+        "prompt_lengths": prompt_lengths,
+        "sequence_lengths": sequence_lengths,
+    }
+    fields = {name: buffers.take(name, (count,), v.dtype).copy_(v) for name, v in scalars.items()}
+
+    tasks = max(1, min(tasks, count))
+    bounds = [count * k // tasks for k in range(tasks + 1)]
+    chunks = [range(bounds[k], bounds[k + 1]) for k in range(tasks)]
+    if executor is None or tasks == 1:
+        for rows_range in chunks:
+            _fill_rows(rows_range, trajectories, out, offsets, pad_token_id)
+    else:
+        futures = [executor.submit(_fill_rows, r, trajectories, out, offsets, pad_token_id) for r in chunks]
+        for future in futures:
+            future.result()  # re-raises a worker's exception here
+
+    routed = None
+    if cu_host is not None:
+        routed = PackedTensor(out.pop("routes"), cu_host, cu_seqlens_host=cu_host)
+    return {**out, **fields, "routed_experts": routed, "_host_lengths": (sequence_lengths, prompt_lengths)}

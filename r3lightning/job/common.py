@@ -1,0 +1,15 @@
+"""What every part of the job shares: its user-facing error and the launcher's rank."""
+
+from __future__ import annotations
+
+import os
+
+
+class JobError(Exception):
+    """A problem the user can fix (configuration, engine address); reported as one line."""
+
+
+def is_global_zero() -> bool:
+    """Rank 0 of a (possibly not yet launched) multi-process run, from the launcher's env vars."""
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    return rank == 0 and int(os.environ.get("NODE_RANK", "0")) == 0

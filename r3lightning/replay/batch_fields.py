@@ -1,0 +1,37 @@
+"""Reading the fields a replay step needs from a batch, whatever its type.
+
+Shared by the callback and the megatron layout helper without either importing the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["batch_field", "host_attention_mask"]
+
+
+def batch_field(batch: Any, name: str) -> Any:
+    """``batch.name`` for a ``RolloutBatch`` (or any object), ``batch[name]`` for a mapping."""
+    if isinstance(batch, dict):
+        return batch.get(name)
+    return getattr(batch, name, None)
+
+
+def host_attention_mask(batch: Any) -> Tensor:
+    """The batch's ``[B, S]`` left-padded attention mask on the host.
+
+    Rebuilt from ``batch.lengths_host()`` when the batch carries host lengths (``RolloutBatch``),
+    so no device->host sync is needed for a batch already on the GPU; otherwise copied back.
+    """
+    attention_mask = batch_field(batch, "attention_mask")
+    if attention_mask is None:
+        raise ValueError("RouterReplayCallback needs batch.attention_mask ([B, S] bool, left-padded)")
+    lengths_host = getattr(batch, "lengths_host", None)
+    if callable(lengths_host):
+        lengths = lengths_host()[0]
+        width = attention_mask.shape[1]
+        return torch.arange(width)[None, :] >= (width - lengths)[:, None]
+    return attention_mask.detach().cpu()

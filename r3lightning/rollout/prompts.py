@@ -1,0 +1,118 @@
+"""What a rollout request carries and how its answer is scored.
+
+:class:`RolloutPrompt` is one prompt plus the per-prompt metadata a reward needs (verl's dataset
+fields); :class:`SamplingConfig` the request's sampling settings in each protocol's names;
+:func:`sampling_seed` the seed of every sample, a pure function of ``(seed, step, group,
+sample)``. A reward is any ``reward_fn(prompt, response_ids)`` returning a number or
+``{"score": number}``; :func:`text_reward` adapts a verl-style ``compute_score(data_source,
+solution_str, ground_truth, extra_info=None)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .client_protocol import engine_sampling_params
+
+__all__ = ["RewardFn", "RolloutPrompt", "SamplingConfig", "sampling_seed", "score_value", "text_reward"]
+
+_MAX_SEED = 2**31 - 1  # what every engine accepts as a sampling seed
+
+
+def sampling_seed(seed: int, step: int, group: int, sample: int = 0) -> int:
+    """The sampling seed of sample ``sample`` of group ``group`` at RL step ``step``, in
+    ``[0, 2**31 - 1)``: a hash, so seeds of different steps or groups never collide in a pattern."""
+    digest = hashlib.blake2b(struct.pack("<4q", seed, step, group, sample), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % _MAX_SEED
+
+
+@dataclass
+class RolloutPrompt:
+    """One prompt and the metadata its reward needs (verl's dataset fields).
+
+    ``token_ids``: the prompt as token ids; ``data_source``, ``ground_truth``, ``extra_info``:
+    passed through to the reward untouched.
+    """
+
+    token_ids: list[int]
+    data_source: str | None = None
+    ground_truth: Any = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        ids = self.token_ids.tolist() if hasattr(self.token_ids, "tolist") else list(self.token_ids)
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(
+                f"RolloutPrompt.token_ids must be a non-empty sequence of token ids >= 0, got {ids!r:.80}"
+            )
+        self.token_ids = ids
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings of every request, spelled per protocol by
+    :func:`~r3lightning.rollout.client_protocol.engine_sampling_params`; ``extra`` is merged into
+    the wire parameters as is."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None  # e.g. the tokenizer's end-of-turn ids
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
+        """The request's ``sampling_params`` in ``protocol``'s field names."""
+        params = engine_sampling_params(
+            protocol,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+        )
+        params.update(self.extra)
+        return params
+
+
+RewardFn = Callable[[RolloutPrompt, list[int]], "float | Mapping[str, Any] | Awaitable[Any]"]
+
+
+def text_reward(
+    compute_score: Callable[..., Any], decode: Callable[[list[int]], str]
+) -> Callable[[RolloutPrompt, list[int]], Any]:
+    """A ``reward_fn`` from a verl-style ``compute_score(data_source, solution_str, ground_truth,
+    extra_info=None)``: the response is decoded with ``decode`` (e.g. a tokenizer's ``decode``)."""
+
+    def reward(prompt: RolloutPrompt, response_ids: list[int]) -> Any:
+        return compute_score(
+            prompt.data_source, decode(response_ids), prompt.ground_truth, extra_info=prompt.extra_info
+        )
+
+    return reward
+
+
+def score_value(value: Any, where: str) -> float:
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise ValueError(
+                f"reward_fn returned a mapping without a 'score' entry for {where}: {value!r:.120}"
+            )
+        value = value["score"]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(
+            f"reward_fn must return a finite number (or {{'score': number}}) for {where}, got {value!r}"
+        )
+    return float(value)

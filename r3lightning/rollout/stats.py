@@ -1,0 +1,131 @@
+"""One rollout step's statistics, reduced over the ranks that collected it.
+
+Each rank counts its own requests, attempts and engine errors and sums its trajectories'
+rewards and lengths; :func:`reduce_step_stats` all-reduces those few scalars (one SUM and one MAX
+of float64s: the only thing collection exchanges between ranks) into :class:`RolloutStats`. A
+rank whose collection failed says so in the same reduction, so every rank raises instead of
+waiting for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..data.trajectory import Trajectory
+
+__all__ = ["OtherRankFailedError", "RolloutStats", "StepCounters", "reduce_step_stats"]
+
+
+@dataclass
+class RolloutStats:
+    """One step's statistics over *all* ranks (sums all-reduced; ``engines_out`` and
+    ``rollout_s`` are the largest of any rank).
+
+    ``attempts``: HTTP attempts, first tries and retries; ``engine_errors``: requests that
+    exhausted an engine's retries and went to another engine; ``engines_out``: engines taken out
+    of the step.
+    """
+
+    step: int
+    groups: int
+    trajectories: int
+    reward_mean: float
+    reward_std: float  # unbiased, over every trajectory of the step
+    response_length_mean: float
+    response_length_max: int
+    requests: int
+    attempts: int
+    engine_errors: int
+    engines_out: int
+    rollout_s: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+class OtherRankFailedError(RuntimeError):
+    """Collection failed on another rank of the step (that rank raises its own error)."""
+
+
+@dataclass
+class StepCounters:
+    """One rank's request counters for one step."""
+
+    requests: int = 0
+    attempts: int = 0
+    engine_errors: int = 0
+    engines_out: int = 0
+
+
+def reduce_step_stats(
+    step: int,
+    num_groups: int,
+    trajectories: list[Trajectory],
+    counters: StepCounters,
+    seconds: float,
+    failed: bool,
+    *,
+    world_size: int,
+    group: Any = None,
+) -> RolloutStats:
+    """The step's statistics over every rank of ``group`` (one SUM and one MAX all-reduce of a
+    few float64s when ``world_size > 1``). Raises :class:`OtherRankFailedError` when another
+    rank reported ``failed`` and this one did not."""
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
+    lengths = [t.response_length for t in trajectories]
+    sums = torch.tensor(
+        [
+            len(trajectories),
+            float(rewards.sum()),
+            float((rewards * rewards).sum()),
+            sum(lengths),
+            counters.requests,
+            counters.attempts,
+            counters.engine_errors,
+            failed,
+        ],
+        dtype=torch.float64,
+    )
+    maxima = torch.tensor([counters.engines_out, seconds, max(lengths, default=0)], dtype=torch.float64)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        device = _collective_device(group)
+        sums, maxima = sums.to(device), maxima.to(device)
+        dist.all_reduce(sums, dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(maxima, dist.ReduceOp.MAX, group=group)
+        sums, maxima = sums.cpu(), maxima.cpu()
+    count, reward_sum, reward_sq, length_sum, requests, attempts, engine_errors, failures = sums.tolist()
+    if failures and not failed:
+        raise OtherRankFailedError(
+            f"rollout collection failed on {int(failures)} other rank(s) at step {step}; see their errors"
+        )
+    mean = reward_sum / count if count else 0.0
+    var = (reward_sq - count * mean * mean) / (count - 1) if count > 1 else 0.0
+    return RolloutStats(
+        step=step,
+        groups=num_groups,
+        trajectories=int(count),
+        reward_mean=mean,
+        reward_std=math.sqrt(max(var, 0.0)),
+        response_length_mean=length_sum / count if count else 0.0,
+        response_length_max=int(maxima[2]),
+        requests=int(requests),
+        attempts=int(attempts),
+        engine_errors=int(engine_errors),
+        engines_out=int(maxima[0]),
+        rollout_s=float(maxima[1]),
+    )
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where a collective's tensor must live: the current GPU for NCCL, else the host."""
+    import torch.distributed as dist
+
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
