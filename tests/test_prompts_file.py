@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from r3lightning.job.prompts_file import PromptsFile, read_rows
+from r3lightning.job.prompts_file import PromptsFileTask, read_rows
 from r3lightning.models.tiny_tokenizer import CHARACTERS, build_tiny_tokenizer, save_tiny_checkpoint
 
 pa = pytest.importorskip("pyarrow")
@@ -76,9 +76,9 @@ def test_verl_layout_read_and_tokenised_with_the_chat_template(tmp_path, tokeniz
     rows = verl_rows(20)
     path = (write_parquet if fmt == "parquet" else write_jsonl)(tmp_path / f"d.{fmt}", rows)
     assert read_rows(path) == rows
-    prompts = PromptsFile(path, tokenizer, shuffle=False)
+    prompts = PromptsFileTask(path, tokenizer, shuffle=False)
     assert len(prompts) == 20
-    for record, row in zip(prompts.next_prompts(20), rows, strict=True):
+    for record, row in zip(prompts.prompts_for_step(0, 20), rows, strict=True):
         reference = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True)["input_ids"]
         assert list(record.token_ids) == list(reference)
         assert record.ground_truth == row["reward_model"]["ground_truth"]
@@ -89,7 +89,7 @@ def test_verl_layout_read_and_tokenised_with_the_chat_template(tmp_path, tokeniz
 def test_custom_columns_and_plain_string_prompts(tmp_path, tokenizer):
     rows = [{"question": f"q{i}", "meta": {"answer": i}} for i in range(3)]
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    prompts = PromptsFile(
+    prompts = PromptsFileTask(
         path,
         tokenizer,
         prompt_key="question",
@@ -98,16 +98,16 @@ def test_custom_columns_and_plain_string_prompts(tmp_path, tokenizer):
         extra_info_key=None,
         shuffle=False,
     )
-    first = prompts.next_prompts(1)[0]
+    first = prompts.prompts_for_step(0, 1)[0]
     reference = tokenizer.apply_chat_template([{"role": "user", "content": "q0"}], add_generation_prompt=True)
     assert list(first.token_ids) == list(reference["input_ids"])
-    assert (first.data_source, first.ground_truth, first.extra_info) == ("", 0, None)
+    assert (first.data_source, first.ground_truth, first.extra_info) == ("", 0, {})
 
 
 def test_missing_column_and_bad_files_name_what_is_wrong(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
     with pytest.raises(KeyError, match=r"d.jsonl row 0: no column 'reward_model.ground_truth'"):
-        PromptsFile(path, tokenizer)
+        PromptsFileTask(path, tokenizer)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2 is not a JSON object"):
@@ -128,11 +128,11 @@ def test_overlong_prompts_are_dropped_or_truncated_and_counted(tmp_path, tokeniz
     full = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True)["input_ids"] for r in rows]
     limit = 30
     with caplog.at_level(logging.WARNING):
-        prompts = PromptsFile(path, tokenizer, max_prompt_length=limit, overlong=overlong, shuffle=False)
-    records = prompts.next_prompts(len(prompts))
+        prompts = PromptsFileTask(path, tokenizer, max_prompt_length=limit, overlong=overlong, shuffle=False)
+    records = prompts.prompts_for_step(0, len(prompts))
     if overlong == "drop":
         assert (prompts.dropped, prompts.truncated) == (2, 0)
-        assert [r.row for r in records] == [0, 2]
+        assert prompts.rows == [0, 2] and [r.token_ids for r in records] == [full[0], full[2]]
     else:
         assert (prompts.dropped, prompts.truncated) == (0, 2)
         cut = (lambda ids: ids[-limit:]) if overlong == "truncate_left" else (lambda ids: ids[:limit])
@@ -140,46 +140,41 @@ def test_overlong_prompts_are_dropped_or_truncated_and_counted(tmp_path, tokeniz
     assert "2 truncated" in caplog.text or "2 of 4 prompts dropped" in caplog.text
 
 
-def test_epochs_are_seeded_permutations_and_wrap(tmp_path, tokenizer):
+def _rows(task, step, count):
+    return [task.rows[task.records.index(p)] for p in task.prompts_for_step(step, count)]
+
+
+def test_epochs_are_seeded_permutations_and_steps_cover_them_in_order(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", verl_rows(10))
-    a = PromptsFile(path, tokenizer, seed=3)
-    epoch0 = [r.row for r in a.next_prompts(10)]
-    epoch1 = [r.row for r in a.next_prompts(10)]
+    a = PromptsFileTask(path, tokenizer, seed=3)
+    epoch0 = _rows(a, 0, 10)
+    epoch1 = _rows(a, 1, 10)
     assert sorted(epoch0) == sorted(epoch1) == list(range(10))
     assert epoch0 != list(range(10)) and epoch0 != epoch1
-    assert [r.row for r in PromptsFile(path, tokenizer, seed=3).next_prompts(10)] == epoch0
-    assert [r.row for r in PromptsFile(path, tokenizer, seed=4).next_prompts(10)] != epoch0
-    assert [r.row for r in PromptsFile(path, tokenizer, shuffle=False).next_prompts(10)] == list(range(10))
+    assert _rows(PromptsFileTask(path, tokenizer, seed=3), 0, 10) == epoch0
+    assert _rows(PromptsFileTask(path, tokenizer, seed=4), 0, 10) != epoch0
+    assert _rows(PromptsFileTask(path, tokenizer, shuffle=False), 0, 10) == list(range(10))
+    # steps of 4 prompts walk the same sequence: no prompt repeated or skipped within an epoch,
+    # and step 2 crosses into epoch 1
+    steps = [_rows(a, step, 4) for step in range(5)]
+    assert steps[0] + steps[1] + steps[2][:2] == epoch0
+    assert steps[2][2:] + steps[3] + steps[4] == epoch1
 
 
-def test_resume_continues_at_the_next_unseen_prompt(tmp_path, tokenizer):
-    path = write_parquet(tmp_path / "d.parquet", verl_rows(10))
-    straight = PromptsFile(path, tokenizer, seed=1)
-    expected = [r.row for r in straight.next_prompts(14)]
-
-    first = PromptsFile(path, tokenizer, seed=1)
-    seen = [r.row for r in first.next_prompts(6)]
-    state = first.state_dict()
-    resumed = PromptsFile(path, tokenizer, seed=1)
-    resumed.load_state_dict(state)
-    assert seen + [r.row for r in resumed.next_prompts(8)] == expected
-
-    other = PromptsFile(path, tokenizer, seed=1, max_prompt_length=14, overlong="truncate_left")
-    with pytest.raises(ValueError, match="different prompts"):
-        other.load_state_dict(state)
-    with pytest.raises(ValueError, match="missing key 'position'"):
-        resumed.load_state_dict({"epoch": 0, "fingerprint": state["fingerprint"]})
-    before = resumed.state_dict()
-    with pytest.raises(ValueError, match="out of range"):
-        resumed.load_state_dict({**state, "position": 11})
-    assert resumed.state_dict() == before  # a refused state changes nothing
+def test_stop_ids_and_decode_come_from_the_tokenizer(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", verl_rows(2))
+    task = PromptsFileTask(path, tokenizer)
+    assert task.stop_token_ids == [tokenizer.eos_token_id] == [2]
+    assert task.decode([*tokenizer.encode("7+1"), 2]) == "7+1"
 
 
 def test_settings_are_checked(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", verl_rows(2))
     with pytest.raises(ValueError, match=r"task\.max_prompt_length must be an integer >= 1"):
-        PromptsFile(path, tokenizer, max_prompt_length=0)
+        PromptsFileTask(path, tokenizer, max_prompt_length=0)
     with pytest.raises(ValueError, match=r"task\.overlong must be"):
-        PromptsFile(path, tokenizer, overlong="cut")
+        PromptsFileTask(path, tokenizer, overlong="cut")
+    with pytest.raises(ValueError, match=r"task\.tokenizer: a prompts file needs the model's tokenizer"):
+        PromptsFileTask(path, None)
     with pytest.raises(FileNotFoundError, match="expected a local checkpoint directory"):
-        PromptsFile(path, str(tmp_path / "nope"))
+        PromptsFileTask(path, str(tmp_path / "nope"))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from r3lightning.job.rewards import TextRewardScorer, exact_match, extract_answer, math_answer
+from r3lightning.job.rewards import exact_match, extract_answer, math_answer
 from r3lightning.models.tiny_tokenizer import build_tiny_tokenizer
+from r3lightning.rollout.prompts import RolloutPrompt, TextReward
 
 
 @pytest.mark.parametrize(
@@ -34,66 +35,53 @@ def test_extract_answer_and_exact_match():
     assert exact_match("s", "42 and more", "42") == 0.0
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tiny_tokenizer()
-
-
-def test_scorer_decodes_and_passes_verl_arguments(tokenizer):
+def test_text_reward_decodes_passes_verl_arguments_and_keeps_extra_numbers():
+    tokenizer = build_tiny_tokenizer()
     calls = []
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-        calls.append((data_source, solution_str, ground_truth, extra_info, threading.current_thread().name))
+        calls.append((data_source, solution_str, ground_truth, extra_info))
         return {"score": 0.5, "format_ok": 1, "note": "text is not a metric"}
 
-    ids = tokenizer.encode("12+3")
-    with TextRewardScorer(compute_score, tokenizer, max_workers=2) as scorer:
-        (result,) = scorer.score_all([("src", [*ids, tokenizer.eos_token_id], "15", {"i": 1})])
-    assert (result.score, result.metrics, result.failed) == (0.5, {"format_ok": 1.0}, False)
-    source, text, truth, extra, thread = calls[0]
-    assert (source, text, truth, extra) == ("src", "12+3", "15", {"i": 1})  # eos skipped
-    assert thread.startswith("r3-reward")  # off the calling thread
+    reward = TextReward(compute_score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    prompt = RolloutPrompt([5], data_source="src", ground_truth="15", extra_info={"i": 1})
+    assert reward(prompt, [*tokenizer.encode("12+3"), tokenizer.eos_token_id]) == 0.5
+    assert reward(prompt, tokenizer.encode("1")) == 0.5
+    assert calls[0] == ("src", "12+3", "15", {"i": 1})  # eos skipped
+    assert reward.pop_metrics() == {"reward/format_ok": 1.0, "reward/failures": 0.0}
+    assert reward.pop_metrics() == {"reward/failures": 0.0}  # reset
 
 
-def test_failing_scorer_scores_zero_counted_and_logged_once(tokenizer, caplog):
+def test_failing_scorer_scores_zero_counted_and_logged_once(caplog):
     def flaky(data_source, solution_str, ground_truth, extra_info=None):
         if ground_truth == "bad":
             raise RuntimeError("scorer exploded")
-        return 1.0
+        return {"score": 1.0, "ok": 1.0}
 
-    items = [("s", [10], truth, None) for truth in ("ok", "bad", "ok", "bad", "bad")]
-    with caplog.at_level(logging.ERROR), TextRewardScorer(flaky, tokenizer) as scorer:
-        results = scorer.score_all(items)
-    assert [r.score for r in results] == [1.0, 0.0, 1.0, 0.0, 0.0]
-    assert [r.failed for r in results] == [False, True, False, True, True]
-    assert scorer.failures == 3
+    reward = TextReward(flaky, str)
+    with caplog.at_level(logging.ERROR):
+        scores = [reward(RolloutPrompt([1], ground_truth=t), [1]) for t in ("ok", "bad", "ok", "bad", "bad")]
+    assert scores == [1.0, 0.0, 1.0, 0.0, 0.0]
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "scorer exploded" in caplog.text  # the first traceback, once
+    # a failed response counts in the mean of the extra entries as a 0
+    assert reward.pop_metrics() == {"reward/ok": pytest.approx(2 / 5), "reward/failures": 3.0}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), "1.0", True, {"value": 1.0}])
-def test_non_numeric_rewards_count_as_failures(tokenizer, bad):
-    with TextRewardScorer(lambda *a, **k: bad, tokenizer) as scorer:
-        (result,) = scorer.score_all([("s", [10], "1", None)])
-    assert result.failed and result.score == 0.0 and scorer.failures == 1
+def test_non_numeric_rewards_count_as_failures(bad):
+    reward = TextReward(lambda *a, **k: bad, str)
+    assert reward(RolloutPrompt([1]), [1]) == 0.0
+    assert reward.pop_metrics()["reward/failures"] == 1.0
 
 
-def test_a_slow_scorer_does_not_block_submission(tokenizer):
-    release = threading.Event()
-
-    def slow(data_source, solution_str, ground_truth, extra_info=None):
-        assert release.wait(10)
-        return 1.0
-
-    with TextRewardScorer(slow, tokenizer, max_workers=1) as scorer:
-        futures = [scorer.submit("s", [10], "1") for _ in range(3)]
-        assert not any(f.done() for f in futures)  # submit returned while scoring waits
-        release.set()
-        assert [f.result(timeout=10).score for f in futures] == [1.0, 1.0, 1.0]
+def test_text_reward_is_safe_from_reward_threads():
+    reward = TextReward(lambda d, s, g, extra_info=None: {"score": 1.0, "n": 1.0}, str)
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda _: reward(RolloutPrompt([1]), [1]), range(400))) == [1.0] * 400
+    assert reward.pop_metrics() == {"reward/n": 1.0, "reward/failures": 0.0}
 
 
-def test_scorer_arguments_are_checked(tokenizer):
+def test_compute_score_must_be_callable():
     with pytest.raises(TypeError, match="compute_score must be callable"):
-        TextRewardScorer("not callable", tokenizer)
-    with pytest.raises(ValueError, match=r"reward.max_workers must be >= 1"):
-        TextRewardScorer(exact_match, tokenizer, max_workers=0)
+        TextReward("not callable", str)

@@ -13,35 +13,26 @@ directory. JSONL is read line by line with orjson.
 The whole file is tokenised once, at construction (``apply_chat_template(...,
 add_generation_prompt=True)``); prompts over ``max_prompt_length`` ids are dropped or truncated
 and counted. Prompts are then served in epochs: each epoch is a permutation of the rows drawn
-from ``(seed, epoch)``, and a cursor ``(epoch, position)`` -- the resumable state -- says where
-the next prompt comes from, so a restarted run neither repeats nor skips a prompt.
+from ``(seed, epoch)``, and RL step ``s`` takes positions ``[s * n, (s + 1) * n)`` of that
+endless sequence. The prompts of a step are a pure function of ``(seed, step)``: a run resumed
+from its checkpoint (which holds the step) neither repeats nor skips a prompt, on any number of
+ranks, with no cursor to save.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from ..rollout.prompts import RolloutPrompt, TextReward
+
 log = logging.getLogger(__name__)
 
 Overlong = Literal["drop", "truncate_left", "truncate_right"]
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    """One tokenised prompt and what its reward function needs."""
-
-    token_ids: tuple[int, ...]
-    data_source: str
-    ground_truth: Any
-    extra_info: dict[str, Any] | None
-    row: int  # row index in the file (before any drop)
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -123,8 +114,9 @@ def load_tokenizer(path: str | Path) -> Any:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
-class PromptsFile:
-    """The prompts of one dataset file, tokenised, served in reproducible shuffled epochs.
+class PromptsFileTask:
+    """The prompts of one dataset file, tokenised, served in reproducible shuffled epochs (the
+    job's ``task=prompts_file``).
 
     Args:
         path: ``.parquet`` or ``.jsonl`` file.
@@ -133,6 +125,8 @@ class PromptsFile:
             paths reach into nested columns); ``extra_info_key=None`` passes no extra info, and a
             missing ``data_source`` column gives ``""``.
         max_prompt_length: prompts with more ids are handled by ``overlong``.
+        response_length: the generation budget per response (the job's
+            ``rollout.sampling.max_new_tokens`` follows it).
         overlong: ``"drop"`` them, or keep the last (``"truncate_left"``) or first
             (``"truncate_right"``) ``max_prompt_length`` ids.
         shuffle: a fresh permutation per epoch from ``(seed, epoch)``; else file order.
@@ -148,6 +142,7 @@ class PromptsFile:
         ground_truth_key: str = "reward_model.ground_truth",
         extra_info_key: str | None = "extra_info",
         max_prompt_length: int = 1024,
+        response_length: int = 256,
         overlong: Overlong = "drop",
         shuffle: bool = True,
         seed: int = 0,
@@ -162,15 +157,22 @@ class PromptsFile:
             raise ValueError(
                 f"task.overlong must be 'drop', 'truncate_left' or 'truncate_right', got {overlong!r}"
             )
+        if tokenizer is None:
+            raise ValueError(
+                "task.tokenizer: a prompts file needs the model's tokenizer; set model=hf_checkpoint "
+                "model.path=DIR (the default) or task.tokenizer=DIR"
+            )
         if isinstance(tokenizer, str | Path):
             tokenizer = load_tokenizer(tokenizer)
         self.path = Path(path).expanduser()
         self.tokenizer = tokenizer
+        self.response_length = int(response_length)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.dropped = 0
         self.truncated = 0
-        self.records: list[PromptRecord] = []
+        self.records: list[RolloutPrompt] = []
+        self.rows: list[int] = []  # file row of each record (before any drop)
         rows = read_rows(self.path)
         for index, row in enumerate(rows):
             where = f"{self.path.name} row {index}"
@@ -184,14 +186,14 @@ class PromptsFile:
             source = _optional(row, data_source_key)
             extra = None if extra_info_key is None else _optional(row, extra_info_key)
             self.records.append(
-                PromptRecord(
-                    token_ids=tuple(ids),
+                RolloutPrompt(
+                    ids,
                     data_source="" if source is None else str(source),
                     ground_truth=lookup(row, ground_truth_key, where=where),
-                    extra_info=extra,
-                    row=index,
+                    extra_info=extra if isinstance(extra, dict) else {},
                 )
             )
+            self.rows.append(index)
         if not self.records:
             raise ValueError(
                 f"task.path: no usable prompt in {self.path} ({len(rows)} rows, {self.dropped} longer than "
@@ -206,50 +208,43 @@ class PromptsFile:
                 self.truncated,
                 max_prompt_length,
             )
-        self._fingerprint = _fingerprint(self.records)
-        self.epoch = 0
-        self.position = 0
-        self._order = self._epoch_order(0)
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def _epoch_order(self, epoch: int) -> list[int]:
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The record indices of ``epoch`` in serving order: a permutation seeded by ``(seed, epoch)``."""
         if not self.shuffle:
             return list(range(len(self.records)))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.records), generator=generator).tolist()
 
-    def next_prompts(self, count: int) -> list[PromptRecord]:
-        """The next ``count`` prompts; an epoch that runs out continues into the next permutation."""
-        out = []
-        for _ in range(count):
-            if self.position == len(self._order):
-                self.epoch += 1
-                self.position = 0
-                self._order = self._epoch_order(self.epoch)
-            out.append(self.records[self._order[self.position]])
-            self.position += 1
+    def prompts_for_step(self, step: int, num_prompts: int) -> list[RolloutPrompt]:
+        """Positions ``[step * num_prompts, (step + 1) * num_prompts)`` of the epoch sequence; a step
+        that crosses an epoch's end continues into the next permutation."""
+        size = len(self.records)
+        out, orders = [], {}
+        for position in range(step * num_prompts, (step + 1) * num_prompts):
+            epoch, index = divmod(position, size)
+            if epoch not in orders:
+                orders[epoch] = self.epoch_order(epoch)
+            out.append(self.records[orders[epoch][index]])
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "fingerprint": self._fingerprint}
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The tokenizer's end-of-sequence id(s): sent to the engine as stop conditions."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue at the saved cursor; refuses a state taken on another file, tokenizer or setting."""
-        for key in ("epoch", "position", "fingerprint"):
-            if key not in state:
-                raise ValueError(f"prompts state: missing key {key!r}")
-        if state["fingerprint"] != self._fingerprint:
-            raise ValueError(
-                f"prompts state: taken on different prompts than {self.path} now gives (the file, the "
-                "tokenizer or the column / length settings changed); start a new run directory"
-            )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= len(self.records):
-            raise ValueError(f"prompts state: cursor (epoch={epoch}, position={position}) out of range")
-        self.epoch, self.position = epoch, position
-        self._order = self._epoch_order(epoch)
+    def decode(self, response_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+
+    def text_reward(self, compute_score: Any) -> TextReward:
+        """The job's reward: verl's ``compute_score`` on this tokenizer's decoded responses."""
+        return TextReward(compute_score, self.decode)
 
 
 def _optional(row: Mapping[str, Any], key: str) -> Any:
@@ -257,10 +252,3 @@ def _optional(row: Mapping[str, Any], key: str) -> Any:
         return lookup(row, key, where="")
     except KeyError:
         return None
-
-
-def _fingerprint(records: Sequence[PromptRecord]) -> str:
-    digest = hashlib.sha256()
-    for r in records:
-        digest.update(repr((r.row, r.token_ids)).encode())
-    return digest.hexdigest()[:16]
