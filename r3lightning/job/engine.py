@@ -150,17 +150,20 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
             f"rollout.server.dtype must be a torch dtype name (bfloat16, float32), got {server_cfg.dtype!r}"
         )
     model = build_model(cfg.model)
-    server = RolloutServer(
-        model,
-        host=str(server_cfg.host),
-        port=int(server_cfg.port),
-        api_key=rollout.api_key,
-        dtype=dtype,
-        device=server_cfg.device,
-        max_batch_size=int(server_cfg.max_batch_size),
-        seed=int(cfg.seed),
-        copy_model=False,
-    )
+    try:
+        server = RolloutServer(
+            model,
+            host=str(server_cfg.host),
+            port=int(server_cfg.port),
+            api_key=rollout.api_key,
+            dtype=dtype,
+            device=server_cfg.device,
+            max_batch_size=int(server_cfg.max_batch_size),
+            seed=int(cfg.seed),
+            copy_model=False,
+        )
+    except (TypeError, ValueError) as exc:  # e.g. a non-loopback host without rollout.api_key
+        raise JobError(f"rollout.server: {exc}") from None
     try:
         server.__enter__()  # serves from a daemon thread until __exit__
     except OSError as exc:
