@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[hf,megatron,dev]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[hf,megatron,data,dev]" "$(TORCH_PIN)"
 	touch $(STAMP)
 
 setup: $(STAMP)

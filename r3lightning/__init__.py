@@ -54,6 +54,7 @@ _EXPORTS: dict[str, str] = {
     "SamplingConfig": ".rollout.prompts",
     "sampling_seed": ".rollout.prompts",
     "text_reward": ".rollout.prompts",
+    "TextReward": ".rollout.prompts",
     "RolloutStats": ".rollout.stats",
     "Trajectory": ".data.trajectory",
     "ReplayBuffer": ".data.buffer",
@@ -151,7 +152,7 @@ if TYPE_CHECKING:  # static type checkers and IDEs see the eager imports
         RetriesExhaustedError,
         RetryableGenerateError,
     )
-    from .rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed, text_reward
+    from .rollout.prompts import RolloutPrompt, SamplingConfig, TextReward, sampling_seed, text_reward
     from .rollout.server import RolloutServer
     from .rollout.stats import RolloutStats
     from .rollout.wire import decode_routes, encode_routes

@@ -30,6 +30,8 @@ def test_each_option_composes_and_resolves(group, option):
     overrides = [f"{group}={option}"]
     if (group, option) == ("model", "hf_checkpoint"):
         overrides.append("model.path=/models/some-moe")
+    if (group, option) == ("task", "prompts_file"):
+        overrides += ["task.path=/data/train.parquet", "task.tokenizer=/models/some-moe"]
     if group == "rollout" and option == "skyrl":
         overrides.append("rollout.url=http://127.0.0.1:30000")
     cfg = compose_config(overrides)

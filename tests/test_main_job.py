@@ -349,3 +349,20 @@ def test_ctrl_c_exits_130_saying_how_to_resume(tmp_path):
     )
     assert "Traceback" not in err
     assert checkpoint.is_file()
+
+
+def test_exposed_embedded_engine_without_a_key_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(
+            [
+                "rollout.server.host=0.0.0.0",
+                "steps=1",
+                "prompts_per_step=1",
+                f"hydra.run.dir={tmp_path}",
+                *QUIET,
+            ]
+        )
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("r3lightning-train: error: rollout.server: "), err
+    assert "0.0.0.0" in err

@@ -164,7 +164,7 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
             batch_invariant=server_cfg.get("batch_invariant"),
             simulated_disagreement=server_cfg.get("simulated_disagreement"),
         )
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:  # e.g. a non-loopback host without rollout.api_key
         raise JobError(f"rollout.server: {exc}") from None
     try:
         server.__enter__()  # serves from a daemon thread until __exit__

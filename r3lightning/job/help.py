@@ -73,9 +73,12 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
 
 def _defaults(conf_dir: Path) -> dict[str, str | None]:
     chosen: dict[str, str | None] = {}
-    for entry in OmegaConf.load(conf_dir / "config.yaml").defaults:
-        if OmegaConf.is_dict(entry):
+    defaults = OmegaConf.to_container(OmegaConf.load(conf_dir / "config.yaml").defaults, resolve=False)
+    for entry in defaults:  # type: ignore[union-attr]
+        if isinstance(entry, dict):
             ((group, option),) = entry.items()
+            if isinstance(option, str) and option.startswith("${") and option.endswith("}"):
+                option = chosen.get(option[2:-1])  # another group's choice, e.g. reward: ${task}
             chosen[str(group)] = None if option is None else str(option)
     return chosen
 

@@ -64,11 +64,17 @@ class TaskPrompts:
         self.task, self.num_prompts, self.seed = task, num_prompts, seed
 
     def __call__(self, step: int) -> list[RolloutPrompt]:
+        per_step = getattr(self.task.prompts, "prompts_for_step", None)
+        if callable(per_step):  # a dataset task: its prompts are a pure function of the step
+            return list(per_step(step, self.num_prompts))
         generator = torch.Generator().manual_seed(sampling_seed(self.seed, step, _PROMPTS))
         return [RolloutPrompt(p) for p in self.task.sample_prompts(self.num_prompts, generator)]
 
-    def reward(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
-        return self.task.reward(prompt.token_ids, response_ids)
+    def reward(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
+        return self.task.score_prompt(prompt, response_ids)
+
+    def pop_metrics(self) -> dict[str, float]:
+        return self.task.pop_metrics()
 
 
 class OnPolicyLoop(pl.Callback):
@@ -212,6 +218,7 @@ class OnPolicyLoop(pl.Callback):
             "rollout_s": stats.rollout_s,
             "rollout_attempts": float(stats.attempts),
             "engine_errors": float(stats.engine_errors),
+            **(self.prompts.pop_metrics() if hasattr(self.prompts, "pop_metrics") else {}),
         }
 
 
@@ -231,6 +238,8 @@ def on_policy_loop(
     rollout = cfg.rollout
     prompts = TaskPrompts(task, int(cfg.prompts_per_step), int(cfg.seed))
     sampling = SamplingConfig(**OmegaConf.to_container(rollout.sampling, resolve=True))  # type: ignore[arg-type]
+    if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
+        sampling.stop_token_ids = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
 
     def make_collector(urls: list[str]) -> RolloutCollector:
         return RolloutCollector(
@@ -246,6 +255,7 @@ def on_policy_loop(
             normalize_std=normalize_std,
             seed=int(cfg.seed),
             max_in_flight=int(rollout.max_in_flight),
+            reward_threads=int(cfg.get("reward_threads", 0)),
             client_options={"api_key": rollout.api_key, "timeout_s": float(rollout.request_timeout_s)},
             progress=bool(cfg.trainer.get("enable_progress_bar", True)),
         )

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+
+from ..rollout.prompts import RolloutPrompt
 
 
 class PromptSource(Protocol):
@@ -38,9 +40,12 @@ class ScoredTask:
     """
 
     def __init__(self, prompts: PromptSource, reward: Reward) -> None:
-        if not callable(getattr(prompts, "sample_prompts", None)):
+        if not callable(getattr(prompts, "sample_prompts", None)) and not callable(
+            getattr(prompts, "prompts_for_step", None)
+        ):
             raise TypeError(
-                f"task must have sample_prompts(num_prompts, generator), got {type(prompts).__name__}"
+                "task must have sample_prompts(num_prompts, generator) or prompts_for_step(step, "
+                f"num_prompts), got {type(prompts).__name__}"
             )
         if not callable(reward):
             raise TypeError(
@@ -49,9 +54,23 @@ class ScoredTask:
             )
         self.prompts = prompts
         self.score = reward
+        # a dataset task scores decoded text: verl's compute_score through the task's tokenizer
+        text_reward = getattr(prompts, "text_reward", None)
+        self.text_score = text_reward(reward) if callable(text_reward) else None
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         return self.prompts.sample_prompts(num_prompts, generator)
+
+    def score_prompt(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
+        """The reward of one response to ``prompt``: the text reward of a dataset task (which sees
+        the prompt's data_source, ground_truth and extra_info), else :meth:`reward` of its ids."""
+        if self.text_score is not None:
+            return self.text_score(prompt, response_ids)
+        return self.reward(prompt.token_ids, response_ids)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The text reward's extra metrics and failure count since the last call (none otherwise)."""
+        return self.text_score.pop_metrics() if self.text_score is not None else {}
 
     def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         value = self.score(prompt_ids, response_ids)

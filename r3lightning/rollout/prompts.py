@@ -11,8 +11,10 @@ solution_str, ground_truth, extra_info=None)``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import struct
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +23,17 @@ import torch
 
 from .client_protocol import engine_sampling_params
 
-__all__ = ["RewardFn", "RolloutPrompt", "SamplingConfig", "sampling_seed", "score_value", "text_reward"]
+__all__ = [
+    "RewardFn",
+    "RolloutPrompt",
+    "SamplingConfig",
+    "TextReward",
+    "sampling_seed",
+    "score_value",
+    "text_reward",
+]
+
+log = logging.getLogger(__name__)
 
 _MAX_SEED = 2**31 - 1  # what every engine accepts as a sampling seed
 
@@ -88,18 +100,75 @@ class SamplingConfig:
 RewardFn = Callable[[RolloutPrompt, list[int]], "float | Mapping[str, Any] | Awaitable[Any]"]
 
 
-def text_reward(
-    compute_score: Callable[..., Any], decode: Callable[[list[int]], str]
-) -> Callable[[RolloutPrompt, list[int]], Any]:
+class TextReward:
     """A ``reward_fn`` from a verl-style ``compute_score(data_source, solution_str, ground_truth,
-    extra_info=None)``: the response is decoded with ``decode`` (e.g. a tokenizer's ``decode``)."""
+    extra_info=None)``; the response is decoded with ``decode`` (e.g. a tokenizer's ``decode``).
 
-    def reward(prompt: RolloutPrompt, response_ids: list[int]) -> Any:
-        return compute_score(
-            prompt.data_source, decode(response_ids), prompt.ground_truth, extra_info=prompt.extra_info
-        )
+    A scorer that raises scores 0 for that response: the failure is counted (``failures``) and the
+    first traceback is logged once, so one bad row never ends a run. A dict result's ``score`` is
+    the reward and its other numeric entries are summed per key for :meth:`pop_metrics`. Safe to
+    call from several threads (the collector's ``reward_threads`` pool).
+    """
 
-    return reward
+    def __init__(self, compute_score: Callable[..., Any], decode: Callable[[list[int]], str]) -> None:
+        if not callable(compute_score):
+            raise TypeError(f"reward: compute_score must be callable, got {compute_score!r}")
+        self.compute_score = compute_score
+        self.decode = decode
+        self.failures = 0
+        self._lock = threading.Lock()
+        self._sums: dict[str, float] = {}
+        self._count = 0
+
+    def __call__(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
+        try:
+            value = self.compute_score(
+                prompt.data_source,
+                self.decode(response_ids),
+                prompt.ground_truth,
+                extra_info=prompt.extra_info,
+            )
+            score = score_value(value, "compute_score")
+        except Exception:
+            with self._lock:
+                self.failures += 1
+                self._count += 1
+                first = self.failures == 1
+            if first:
+                log.exception(
+                    "the reward function raised; the response scores 0 (logged once, failures counted)"
+                )
+            return 0.0
+        extra = {}
+        if isinstance(value, Mapping):
+            extra = {
+                str(k): float(v)
+                for k, v in value.items()
+                if k != "score"
+                and isinstance(v, int | float)
+                and not isinstance(v, bool)
+                and math.isfinite(v)
+            }
+        with self._lock:
+            self._count += 1
+            for key, v in extra.items():
+                self._sums[key] = self._sums.get(key, 0.0) + v
+        return score
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``reward/<key>``: the mean of each extra entry over the responses scored since the last
+        call (a response without the entry counts as 0), and ``reward/failures``; then resets."""
+        with self._lock:
+            count, sums, failures = self._count, self._sums, self.failures
+            self._count, self._sums, self.failures = 0, {}, 0
+        metrics = {f"reward/{k}": v / max(count, 1) for k, v in sums.items()}
+        metrics["reward/failures"] = float(failures)
+        return metrics
+
+
+def text_reward(compute_score: Callable[..., Any], decode: Callable[[list[int]], str]) -> TextReward:
+    """:class:`TextReward` of ``compute_score`` and ``decode``."""
+    return TextReward(compute_score, decode)
 
 
 def score_value(value: Any, where: str) -> float:
