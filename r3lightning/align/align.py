@@ -19,7 +19,7 @@ import torch
 
 from r3lightning.align.layout import Pad, TokenMetadataLayout, take_rows
 from r3lightning.packed import PackedTensor
-from r3lightning.ragged import check_fill_value, host_lengths
+from r3lightning.ragged import check_fill_value, host_lengths, to_device_async
 
 __all__ = ["align_packed_token_metadata", "build_replay_mask", "scatter_to_padded_batch"]
 
@@ -105,7 +105,7 @@ def build_replay_mask(
     offsets = torch.cumsum(counts, 0) - counts
     index = layout.source_index(offsets, starts=starts, counts=counts)
     mask = (index >= 0).reshape(layout.token_shape)
-    return mask if device is None else mask.to(device, non_blocking=True)
+    return mask if device is None else to_device_async(mask, torch.device(device))
 
 
 def scatter_to_padded_batch(
@@ -152,6 +152,6 @@ def scatter_to_padded_batch(
     positions = (index >= 0).nonzero().reshape(-1)  # host
     if positions.numel():
         device = tensor.device
-        flat_values = tensor.reshape(-1, *row_shape).index_select(0, positions.to(device, non_blocking=True))
-        out.view(-1, *row_shape)[index[positions].to(device, non_blocking=True)] = flat_values
+        flat_values = tensor.reshape(-1, *row_shape).index_select(0, to_device_async(positions, device))
+        out.view(-1, *row_shape)[to_device_async(index[positions], device)] = flat_values
     return out
