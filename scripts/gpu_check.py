@@ -559,7 +559,16 @@ def check_grpo(device: torch.device, variant: str) -> dict[str, Any]:
             seen["pinned"].append(batch.is_pinned())
             return batch
 
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.in_training_step = True  # the paired-mismatch forwards before it are not counted
+            try:
+                return super().training_step(batch, batch_idx)
+            finally:
+                self.in_training_step = False
+
         def batch_logprobs(self, batch: Any) -> torch.Tensor:
+            if not getattr(self, "in_training_step", False):
+                return super().batch_logprobs(batch)
             seen["dtypes"].append(
                 {batch.rollout_logprobs.dtype, batch.loss_mask.dtype, batch.advantages.dtype}
             )
