@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import base64
 import json
-import random
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from route_samples import distinct_routes, naive_decode
 
 from r3lightning import MalformedResponseError, decode_routes, encode_routes
 from r3lightning.rollout.wire import (
@@ -17,22 +17,10 @@ from r3lightning.rollout.wire import (
     decode_array,
     decode_flat_routes,
     encode_flat_routes,
-    parse_body,
     validate_routes,
 )
 
 NAMES = {np.uint8: "uint8", np.int16: "int16", np.int32: "int32"}
-
-
-def naive_decode(envelope: dict) -> np.ndarray:
-    """The obvious decoder: standard-library base64, then numpy."""
-    raw = base64.b64decode(envelope["data"], validate=True)
-    return np.frombuffer(raw, dtype=np.dtype(envelope["dtype"]).newbyteorder("<")).reshape(envelope["shape"])
-
-
-def distinct_routes(rows: int, layers: int, top_k: int, num_experts: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.argsort(rng.random((rows, layers, num_experts)), axis=-1)[..., :top_k]
 
 
 # ------------------------------------------------------------------ envelope
@@ -211,224 +199,6 @@ def test_flat_route_errors():
         decode_flat_routes(data, num_layers=0, top_k=2)
     with pytest.raises(ValueError, match="top_k must be a positive integer, got True"):
         decode_flat_routes(data, num_layers=3, top_k=True)
-
-
-# ------------------------------------------------------------------ whole-body parsing
-
-
-def _payload_bytes(parsed, value) -> bytes:
-    payload = parsed.payload(value, "field")
-    return payload.encode() if isinstance(payload, str) else bytes(payload)
-
-
-def test_payload_is_a_view_of_the_body_not_a_string():
-    envelope = encode_routes(distinct_routes(64, 4, 2, 16))
-    body = json.dumps({"choices": [{"routed_experts": envelope, "token_ids": [1]}]}).encode()
-    parsed = parse_body(body)
-    slot = parsed.value["choices"][0]["routed_experts"]
-    assert slot["shape"] == envelope["shape"] and slot["dtype"] == envelope["dtype"]
-    assert len(slot["data"]) < 16  # a placeholder, not the base64 text
-    view = parsed.payload(slot["data"], "data")
-    assert isinstance(view, memoryview) and view.obj is body
-    assert bytes(view) == envelope["data"].encode()
-
-
-TRICKY_STRINGS = [
-    "plain",
-    'quote " inside',
-    'escaped \\" backslash',
-    '"data": "AAAA"',
-    '\\"data\\": \\"',
-    "ends with backslash \\",
-    "unicode é ✓ \u2028",
-    '{"routed_experts": "QUJD"}',
-]
-
-
-def _random_body(rng: random.Random, n_choices: int) -> tuple[dict, list[np.ndarray]]:
-    choices, expected = [], []
-    for i in range(n_choices):
-        routes = distinct_routes(rng.randint(0, 6), rng.randint(1, 3), 2, rng.choice([8, 300]), seed=i)
-        expected.append(routes)
-        choice = {
-            "index": i,
-            "text": rng.choice(TRICKY_STRINGS),
-            "token_ids": [rng.randint(0, 99) for _ in range(rng.randint(0, 5))],
-            "routed_experts": encode_routes(routes),
-            "finish_reason": rng.choice(["stop", "length", None]),
-        }
-        keys = list(choice)
-        rng.shuffle(keys)
-        choices.append({k: choice[k] for k in keys})
-        keys = ["dtype", "shape", "data"]
-        rng.shuffle(keys)
-        choice["routed_experts"] = {k: choice["routed_experts"][k] for k in keys}
-    body = {"id": rng.choice(TRICKY_STRINGS), "choices": choices, "note": {"k": rng.choice(TRICKY_STRINGS)}}
-    return body, expected
-
-
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), n_choices=st.integers(1, 3), indent=st.sampled_from([None, 0, 2, "\t"]),
-       ensure_ascii=st.booleans(), compact=st.booleans())  # fmt: skip
-def test_body_parsing_matches_naive_json_loads(seed, n_choices, indent, ensure_ascii, compact):
-    rng = random.Random(seed)
-    body, expected = _random_body(rng, n_choices)
-    separators = (",", ":") if compact else (" , ", " :\n ")
-    text = json.dumps(body, indent=indent, ensure_ascii=ensure_ascii, separators=separators).encode()
-    reference = json.loads(text)
-    parsed = parse_body(text)
-    for i, choice in enumerate(parsed.value["choices"]):
-        envelope = dict(choice["routed_experts"])
-        envelope["data"] = parsed.payload(envelope["data"], "data")
-        decoded = decode_routes(envelope)
-        np.testing.assert_array_equal(decoded, expected[i])
-        np.testing.assert_array_equal(decoded, naive_decode(reference["choices"][i]["routed_experts"]))
-        choice["routed_experts"]["data"] = reference["choices"][i]["routed_experts"]["data"]
-    assert parsed.restore() == reference  # everything else is parsed exactly as json.loads does
-
-
-def test_escaped_slashes_in_a_payload_are_unescaped():
-    routes = distinct_routes(40, 2, 2, 256, seed=1)
-    envelope = encode_routes(routes)
-    assert "/" in envelope["data"]
-    text = json.dumps({"routed_experts": envelope}).replace("/", "\\/").encode()
-    parsed = parse_body(text)
-    data = parsed.payload(parsed.value["routed_experts"]["data"], "data")
-    assert isinstance(data, str)
-    np.testing.assert_array_equal(decode_routes({**envelope, "data": data}), routes)
-
-
-def test_unspliced_and_restored_payloads():
-    # an escaped key name is not recognised by the scanner: the value arrives as a plain str
-    text = (
-        b'{"d\\u0061ta": "QUJD", "x": {"data": "QUJD", "routed_experts": null}, "y": "\\"data\\": \\"Zm9v"}'
-    )
-    parsed = parse_body(text)
-    assert parsed.payload(parsed.value["data"], "data") == "QUJD"
-    assert parsed.restore() == json.loads(text)
-    with pytest.raises(MalformedResponseError, match="field: expected a base64 string, got int"):
-        parsed.payload(3, "field")
-
-
-@pytest.mark.parametrize(
-    "text, message",
-    [
-        (b'{"data": "QUJD', "unterminated string"),
-        (b'{"data": "QUJD" "x"}', "not valid JSON"),
-        (b"", "not valid JSON"),
-        (b'{"choices": [}', "not valid JSON"),
-        (b'{"data": "QU\\qJD"}', "invalid JSON string"),
-    ],
-)
-def test_invalid_bodies(text, message):
-    with pytest.raises(MalformedResponseError, match=message):
-        parsed = parse_body(text)
-        parsed.payload(parsed.value["data"], "data")
-
-
-# ------------------------------------------------------------------ validation vs a naive reference
-
-
-def naive_validation_error(routes: np.ndarray, num_experts: int | None) -> str | None:
-    """The message validate_routes must raise, from plain Python loops (None: valid)."""
-    ids = routes.astype(np.int64)
-    if ids.size and routes.dtype.kind == "i" and ids.min() < 0:
-        return f"routed_experts: expert id {ids.min()} is negative"
-    if ids.size and num_experts is not None and ids.max() >= num_experts:
-        return f"routed_experts: expert id {ids.max()} is out of range for num_experts={num_experts}"
-    for row in range(routes.shape[0]):
-        for layer in range(routes.shape[1]):
-            experts = ids[row, layer].tolist()
-            if len(set(experts)) < len(experts) and any(experts):
-                return f"routed_experts: row {row} layer {layer} repeats an expert: {experts}"
-    return None
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    rows=st.integers(0, 9),
-    layers=st.integers(1, 3),
-    top_k=st.integers(1, 5),
-    dtype=st.sampled_from(["<u1", "<i2", "<i4", "<i8", ">i4", "<u2"]),
-    num_experts=st.sampled_from([None, 6, 300, 40_000]),
-    block=st.sampled_from([1, 2, 5, 1 << 15]),
-    seed=st.integers(0, 2**16),
-    edits=st.lists(st.sampled_from(["repeat", "zero", "negative", "large", "big_negative"]), max_size=3),
-)
-def test_validation_matches_a_naive_reference(rows, layers, top_k, dtype, num_experts, block, seed, edits):
-    rng = np.random.default_rng(seed)
-    routes = distinct_routes(rows, layers, top_k, 6, seed).astype(dtype)
-    info = np.iinfo(routes.dtype)
-    for edit in edits if routes.size else []:
-        row, layer = rng.integers(rows), rng.integers(layers)
-        lane = rng.integers(top_k)
-        if edit == "repeat" and top_k > 1:
-            routes[row, layer, (lane + 1) % top_k] = routes[row, layer, lane]
-        elif edit == "zero":
-            routes[row, layer] = 0  # dense-layer filler: allowed
-        elif edit == "negative" and info.min < 0:
-            routes[row, layer, lane] = -1
-        elif edit == "big_negative" and info.min < 0:  # unsigned image below 40_000 for int16
-            routes[row, layer, lane] = max(info.min, -30_000)
-        elif edit == "large":
-            routes[row, layer, lane] = min(info.max, 35_000)
-    before = routes.copy()
-    expected = naive_validation_error(routes, num_experts)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("r3lightning.rollout.wire._UNIQUE_BLOCK", block)
-        for view in (routes, routes[:, ::-1]):  # contiguous and strided inputs
-            want = expected if view is routes else naive_validation_error(view, num_experts)
-            if want is None:
-                validate_routes(view, num_experts=num_experts)
-            else:
-                with pytest.raises(MalformedResponseError) as caught:
-                    validate_routes(view, num_experts=num_experts)
-                assert str(caught.value) == want
-    np.testing.assert_array_equal(routes, before)  # never modified
-
-
-def test_negative_ids_are_found_whatever_num_experts_is():
-    routes = np.array([[[1, 2]], [[3, -30_000]]], dtype=np.int16)  # unsigned image: 35536
-    with pytest.raises(MalformedResponseError, match="expert id -30000 is negative"):
-        validate_routes(routes, num_experts=40_000)
-    with pytest.raises(MalformedResponseError, match="expert id -30000 is negative"):
-        validate_routes(routes)
-    readonly = np.array([[[5, 5]]], dtype=np.int32)
-    readonly.flags.writeable = False
-    with pytest.raises(MalformedResponseError, match=r"row 0 layer 0 repeats an expert: \[5, 5\]"):
-        validate_routes(readonly, num_experts=6)
-
-
-def test_first_repeat_is_reported_across_blocks(monkeypatch):
-    monkeypatch.setattr("r3lightning.rollout.wire._UNIQUE_BLOCK", 4)
-    routes = distinct_routes(7, 2, 3, 10, seed=5)  # 14 [top_k] rows: blocks of 4
-    routes[1, 0] = 0  # filler, first block
-    routes[4, 1] = 0  # filler, third block (flat rows 8-11)
-    routes[5, 0] = [7, 1, 7]  # flat row 10: the first repeat
-    routes[5, 1] = [2, 2, 3]  # flat row 11, same block
-    routes[6, 0] = [4, 4, 3]  # flat row 12, next block
-    with pytest.raises(MalformedResponseError, match=r"row 5 layer 0 repeats an expert: \[7, 1, 7\]"):
-        validate_routes(routes)
-
-
-@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 1 << 19])
-def test_body_scan_is_exact_at_every_step_size(chunk, monkeypatch):
-    monkeypatch.setattr("r3lightning.rollout.wire._SCAN_CHUNK", chunk)
-    routes = distinct_routes(9, 2, 2, 256, seed=1)
-    envelope = encode_routes(routes)
-    assert "/" in envelope["data"]
-    plain = json.dumps({"a": 'x \\" y', "routed_experts": envelope, "z": "\\"})
-    escaped = plain.replace("/", "\\/")
-    for text in (plain, escaped):
-        parsed = parse_body(text.encode())
-        data = parsed.payload(parsed.value["routed_experts"]["data"], "data")
-        assert isinstance(data, str if text is escaped else memoryview)
-        np.testing.assert_array_equal(decode_routes({**envelope, "data": data}), routes)
-        parsed.value["routed_experts"]["data"] = envelope["data"]
-        assert parsed.restore() == json.loads(text)
-    for text, message in [(b'{"data": "QUJD', "unterminated"), (b'{"data": "QU\\"', "unterminated")]:
-        with pytest.raises(MalformedResponseError, match=message):
-            parse_body(text)
 
 
 def test_uint16_envelopes_decode_to_int16_or_int32():

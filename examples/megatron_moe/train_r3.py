@@ -31,14 +31,12 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch import nn
 
 from r3lightning import (
     MegatronRouterReplay,
@@ -47,34 +45,8 @@ from r3lightning import (
     build_replay_mask,
     dummy_routes,
 )
+from r3lightning.job.megatron import TinyMegatronMoE
 from r3lightning.replay.megatron_cpu import megatron_device_shims
-
-
-class TokenwiseMoELM(nn.Module):
-    """Embedding -> [RMSNorm -> megatron MLP or MoELayer, + residual] x num_layers -> LM head."""
-
-    def __init__(self, config: TransformerConfig, vocab_size: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, config.hidden_size)
-        moe_spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts).submodules.mlp
-        dense_spec = get_gpt_layer_local_spec().submodules.mlp
-        self.norms = nn.ModuleList()
-        self.mlps = nn.ModuleList()
-        for index, is_moe in enumerate(config.moe_layer_freq):
-            mlp = build_module(moe_spec if is_moe else dense_spec, config=config)
-            if is_moe:
-                mlp.set_layer_number(index + 1)  # megatron's 1-based global layer number
-            self.norms.append(nn.RMSNorm(config.hidden_size))
-            self.mlps.append(mlp)
-        self.head = nn.Linear(config.hidden_size, vocab_size, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens [B, S]`` -> logits ``[B, S, vocab]``; megatron layers run on ``[S, B, H]``."""
-        hidden = self.embed(tokens).transpose(0, 1)
-        for norm, mlp in zip(self.norms, self.mlps, strict=True):
-            out, _ = mlp(norm(hidden))
-            hidden = hidden + out
-        return self.head(hidden).transpose(0, 1).float()
 
 
 def rollout(engine, engine_replay, prompts, response_len, generator):
@@ -84,7 +56,7 @@ def rollout(engine, engine_replay, prompts, response_len, generator):
         for prompt in prompts:
             tokens = prompt.clone()
             for _ in range(response_len):
-                logits = engine(tokens[None])[0, -1]
+                logits = engine(tokens[None]).logits[0, -1]
                 nxt = torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=generator)
                 tokens = torch.cat([tokens, nxt.to(tokens.device)])
             # the engine forwards every token but the last sampled one: n - 1 route rows
@@ -117,7 +89,7 @@ def train_step(policy, backend, optimizer, input_ids, attention_mask, routes, re
     backend.install(aligned, replay_mask)
     backend.start_recording()
     try:
-        logprobs = torch.log_softmax(policy(tokens), -1).gather(-1, labels[..., None])[..., 0]
+        logprobs = torch.log_softmax(policy(tokens).logits, -1).gather(-1, labels[..., None])[..., 0]
         loss = -(logprobs * advantages * has_label).sum() / has_label.sum()
         optimizer.zero_grad()
         loss.backward()
@@ -171,8 +143,9 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         use_cpu_initialization=True,
         params_dtype=torch.float32,
     )
-    policy = TokenwiseMoELM(config, vocab).to(device)
-    engine = TokenwiseMoELM(config, vocab).to(device, torch.bfloat16)  # synced each step
+    shape = SimpleNamespace(vocab_size=vocab, num_hidden_layers=config.num_layers)
+    policy = TinyMegatronMoE(config, shape).to(device)
+    engine = TinyMegatronMoE(config, shape).to(device, torch.bfloat16)  # synced each step
     backend = MegatronRouterReplay(policy)
     engine_replay = MegatronRouterReplay(engine)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)

@@ -285,6 +285,9 @@ class HFRouterReplay:
             installed = routes[:, slot.layer].long()  # [N, K]: only this layer is widened
             indices = installed if mask is None else torch.where(mask[:, None], installed, native)
             weights = slot.adapter.gate_weights(module, output[p_logits], indices)
+            # in the dtype the router returns: some (ERNIE) compute in fp32 and round to the
+            # input's dtype, which their logits do not show
+            weights = weights.to(output[p_weights].dtype)
             replaced = list(output)
             replaced[p_weights], replaced[p_indices] = weights, indices
             if not recompute:

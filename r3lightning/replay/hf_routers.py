@@ -81,9 +81,8 @@ def ernie_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     """ERNIE-4.5-MoE: fp32 softmax over all experts (the ``moe_statics`` bias only selects),
     renormalised with the sum clamped at ``router.norm_min``.
 
-    Returned in fp32, the router's logits dtype: the router itself casts to its *input* dtype,
-    which its output does not show; in a bf16 model the expert outputs are then scaled by the
-    unrounded weight (a last-bit difference from native routing, none in an fp32 model).
+    Returned in fp32, the router's logits dtype; the replay hook rounds it to the dtype of the
+    weights the router returned (its input's), as the router itself does.
     """
     weights = F.softmax(logits.float(), dim=1, dtype=torch.float).gather(-1, indices)
     return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=router.norm_min)

@@ -39,7 +39,8 @@ from .errors import (
     RetriesExhaustedError,
     RetryableGenerateError,
 )
-from .wire import DEFAULT_MAX_BYTES, read_capped
+from .json_body import read_capped
+from .wire import DEFAULT_MAX_BYTES
 
 __all__ = ["Backoff", "ClientStats", "RemoteGenerateClient", "RemoteGenerateResult"]
 

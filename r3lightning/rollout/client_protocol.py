@@ -46,20 +46,15 @@ deviation raises :class:`MalformedResponseError` naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .errors import MalformedResponseError
-from .wire import (
-    DEFAULT_MAX_BYTES,
-    ParsedBody,
-    decode_flat_routes,
-    decode_npy_routes,
-    decode_routes,
-    parse_body,
-)
+from .json_body import ParsedBody, parse_body_with
+from .wire import DEFAULT_MAX_BYTES, Payload, decode_flat_routes, decode_npy_routes, decode_routes
 
 __all__ = [
     "ENGINE_ROUTES_FLAG",
@@ -118,6 +113,16 @@ class RouteSchema:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+    def decode_kwargs(self) -> dict[str, Any]:
+        """The checks as keyword arguments of the wire decoders (``decode_routes`` and kin)."""
+        return {
+            "num_experts": self.num_experts,
+            "num_layers": self.num_layers,
+            "top_k": self.top_k,
+            "check_unique": self.check_unique,
+            "max_bytes": self.max_bytes,
+        }
 
 
 def engine_sampling_params(
@@ -228,21 +233,25 @@ def parse_response(
     """Parse a 2xx generate body; routes are decoded and validated only when ``want_routes``.
 
     With ``prompt_len`` the route row count must be ``prompt_len - start + G - 1`` (``G`` = the
-    response length). Cost: one scan of the body, an orjson parse of its non-route part, and
-    (when wanted) one base64 decode into the route array plus
-    :func:`~r3lightning.rollout.wire.validate_routes`.
+    response length). Cost: an orjson parse of the body's non-route part, and (when wanted) one
+    base64 decode of the routes, done while parsing the body (see
+    :func:`~r3lightning.rollout.json_body.parse_body`), plus one validation pass
+    (:func:`~r3lightning.rollout.route_check.validate_routes`). Without routes, one ``memchr``
+    scan skips the payload.
     """
-    parsed = parse_body(raw)
-    if not isinstance(parsed.value, dict):
-        raise MalformedResponseError(
-            f"response body: expected a JSON object, got {type(parsed.value).__name__}"
-        )
-    if protocol == "sglang":
-        result, where = _parse_sglang(parsed, schema, want_routes)
-    elif protocol == "openai":
-        result, where = _parse_openai(parsed, schema, want_routes)
-    else:
-        result, where = _parse_choices(parsed, schema, want_routes)
+    parse_fields = {"sglang": _parse_sglang, "openai": _parse_openai}.get(protocol, _parse_choices)
+
+    def fields(parsed: ParsedBody) -> tuple[RemoteGenerateResult, str, RoutesJob]:
+        if not isinstance(parsed.value, dict):
+            raise MalformedResponseError(
+                f"response body: expected a JSON object, got {type(parsed.value).__name__}"
+            )
+        return parse_fields(parsed, schema, want_routes)
+
+    # the fields are read on a helper thread while this one decodes the route payload
+    parsed, (result, where, routes) = parse_body_with(raw, fields, decode=want_routes)
+    if routes is not None:
+        result.routed_experts = routes()
     if want_routes:
         _check_rows(result, where, prompt_len, start)
     result.raw_response = parsed.restore()
@@ -298,15 +307,33 @@ def _stop_reason(value: Any, field: str) -> str | None:
     return stop
 
 
-def _take(
-    parsed: ParsedBody, container: dict[str, Any], key: str, field: str, want: bool
-) -> str | memoryview | None:
+def _take(parsed: ParsedBody, container: dict[str, Any], key: str, field: str, want: bool) -> Payload | None:
     """The payload at ``container[key]`` if wanted; leaves None in its place in the raw response."""
     value, container[key] = container[key], None
     if not want:
         parsed.discard(value)
         return None
     return parsed.payload(value, field)
+
+
+# Decodes a response's routes once its payload bytes are in (see parse_body_with); None when
+# routes were not asked for.
+RoutesJob = Callable[[], np.ndarray] | None
+
+
+def _routes_job(
+    parsed: ParsedBody,
+    container: dict[str, Any],
+    key: str,
+    field: str,
+    want: bool,
+    decode: Callable[[Payload], np.ndarray],
+) -> RoutesJob:
+    """``decode`` of the payload at ``container[key]``, deferred; an unwanted one is let go now."""
+    if not want:
+        _take(parsed, container, key, field, want=False)
+        return None
+    return lambda: decode(_take(parsed, container, key, field, want=True))
 
 
 def _first_choice(parsed: ParsedBody) -> dict[str, Any]:
@@ -326,23 +353,17 @@ def _first_choice(parsed: ParsedBody) -> dict[str, Any]:
 
 def _choice_routes(
     parsed: ParsedBody, choice: dict[str, Any], schema: RouteSchema, want: bool, where: str
-) -> np.ndarray | None:
+) -> RoutesJob:
     """``choice["routed_experts"]``: a SkyRL ndarray envelope or vLLM's base64 ``.npy`` string."""
     routes = choice.get("routed_experts", _MISSING)
     if isinstance(routes, dict):
-        data = _take(parsed, routes, "data", f"{where}.data", want) if "data" in routes else None
-        if not want:
-            return None
-        # an envelope without "data" fails in decode_routes, naming the key
-        return decode_routes(
-            routes if data is None else {**routes, "data": data},
-            num_experts=schema.num_experts,
-            num_layers=schema.num_layers,
-            top_k=schema.top_k,
-            check_unique=schema.check_unique,
-            max_bytes=schema.max_bytes,
-            field=where,
-        )
+        if "data" not in routes:  # fails in decode_routes, naming the key
+            return (lambda: decode_routes(routes, **schema.decode_kwargs(), field=where)) if want else None
+
+        def decode_envelope(data: Payload) -> np.ndarray:
+            return decode_routes({**routes, "data": data}, **schema.decode_kwargs(), field=where)
+
+        return _routes_job(parsed, routes, "data", f"{where}.data", want, decode_envelope)
     if routes is None or routes is _MISSING:
         if want:
             raise _absent(where, routes)
@@ -354,23 +375,19 @@ def _choice_routes(
             f"{where}: expected an ndarray envelope (SkyRL) or a base64 .npy string (vLLM), "
             f"got {type(routes).__name__}"
         )
-    data = _take(parsed, choice, "routed_experts", where, want)
-    if data is None:
-        return None
-    return decode_npy_routes(
-        data,
-        num_experts=schema.num_experts,
-        num_layers=schema.num_layers,
-        top_k=schema.top_k,
-        check_unique=schema.check_unique,
-        max_bytes=schema.max_bytes,
-        field=where,
+    return _routes_job(
+        parsed,
+        choice,
+        "routed_experts",
+        where,
+        want,
+        lambda data: decode_npy_routes(data, **schema.decode_kwargs(), field=where),
     )
 
 
 def _parse_choices(
     parsed: ParsedBody, schema: RouteSchema, want_routes: bool
-) -> tuple[RemoteGenerateResult, str]:
+) -> tuple[RemoteGenerateResult, str, RoutesJob]:
     """``skyrl`` and ``vllm``: ``choices[0]`` with ``token_ids``, ``logprobs.content`` and routes."""
     choice = _first_choice(parsed)
     ids = _int_list(choice.get("token_ids"), "choices[0].token_ids")
@@ -386,26 +403,18 @@ def _parse_choices(
         logprobs = _float_list([e.get("logprob") for e in entries], len(ids), "choices[0].logprobs.content")
     where = "choices[0].routed_experts"
     routes = _choice_routes(parsed, choice, schema, want_routes, where)
-    return RemoteGenerateResult(ids, logprobs, stop, routes, {}), where
+    return RemoteGenerateResult(ids, logprobs, stop, None, {}), where, routes
 
 
-def _flat_routes(data: str | memoryview, schema: RouteSchema, field: str) -> np.ndarray:
+def _flat_routes(data: Payload, schema: RouteSchema, field: str) -> np.ndarray:
     if schema.num_layers is None or schema.top_k is None:
         raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
-    return decode_flat_routes(
-        data,
-        num_layers=schema.num_layers,
-        top_k=schema.top_k,
-        num_experts=schema.num_experts,
-        check_unique=schema.check_unique,
-        max_bytes=schema.max_bytes,
-        field=field,
-    )
+    return decode_flat_routes(data, **schema.decode_kwargs(), field=field)
 
 
 def _parse_sglang(
     parsed: ParsedBody, schema: RouteSchema, want_routes: bool
-) -> tuple[RemoteGenerateResult, str]:
+) -> tuple[RemoteGenerateResult, str, RoutesJob]:
     body = parsed.value
     ids = _int_list(body.get("output_ids"), "output_ids")
     meta = body.get("meta_info")
@@ -427,15 +436,15 @@ def _parse_sglang(
         if want_routes:
             raise _absent(where, value)
     else:
-        data = _take(parsed, meta, "routed_experts", where, want_routes)
-        if data is not None:
-            routes = _flat_routes(data, schema, where)
-    return RemoteGenerateResult(ids, logprobs, stop, routes, {}), where
+        routes = _routes_job(
+            parsed, meta, "routed_experts", where, want_routes, lambda data: _flat_routes(data, schema, where)
+        )
+    return RemoteGenerateResult(ids, logprobs, stop, None, {}), where, routes
 
 
 def _parse_openai(
     parsed: ParsedBody, schema: RouteSchema, want_routes: bool
-) -> tuple[RemoteGenerateResult, str]:
+) -> tuple[RemoteGenerateResult, str, RoutesJob]:
     """``/v1/completions`` of vLLM (per-choice ``.npy`` routes) or SGLang (``sglext`` int32)."""
     choice = _first_choice(parsed)
     token_ids = choice.get("token_ids")
@@ -458,9 +467,15 @@ def _parse_openai(
     vllm_routes = choice.get("routed_experts")
     if sglang_routes is not None and vllm_routes is None:  # SGLang's answer
         where = "sglext.routed_experts"
-        data = _take(parsed, sglext, "routed_experts", where, want_routes)
-        routes = None if data is None else _flat_routes(data, schema, where)
-        return RemoteGenerateResult(ids, logprobs, stop, routes, {}), where
+        routes = _routes_job(
+            parsed,
+            sglext,
+            "routed_experts",
+            where,
+            want_routes,
+            lambda data: _flat_routes(data, schema, where),
+        )
+        return RemoteGenerateResult(ids, logprobs, stop, None, {}), where, routes
     if sglang_routes is not None:  # both forms: keep vLLM's, which carries its own shape
         _take(parsed, sglext, "routed_experts", "", want=False)
     where = "choices[0].routed_experts"
@@ -469,4 +484,4 @@ def _parse_openai(
             f"{where} (vLLM) / sglext.routed_experts (SGLang)", choice.get("routed_experts", _MISSING)
         )
     routes = _choice_routes(parsed, choice, schema, want_routes, where)
-    return RemoteGenerateResult(ids, logprobs, stop, routes, {}), where
+    return RemoteGenerateResult(ids, logprobs, stop, None, {}), where, routes

@@ -54,9 +54,9 @@ from aiohttp import web
 
 from .client_protocol import PROTOCOL_PATHS
 from .engine import GenerationEngine
+from .json_body import read_capped
 from .server_protocol import RequestFieldError, build_response, parse_generate_request, wants_logprobs
 from .weights import UploadError, loadable_targets, read_safetensors_upload
-from .wire import read_capped
 
 logger = logging.getLogger(__name__)
 
