@@ -12,8 +12,11 @@ import base64
 import contextlib
 import io
 import json
+import multiprocessing
+import os
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -316,3 +319,45 @@ def test_decoders_take_decoded_payloads_and_check_their_size():
         decode_npy_routes(DecodedPayload(npy[:20]))
     with pytest.raises(MalformedResponseError, match="holds 307 bytes but the shape and dtype need 308"):
         decode_npy_routes(DecodedPayload(npy[:-1]))
+
+
+@pytest.mark.parametrize("pool", ["single core", "interpreter shutting down"])
+def test_the_decoding_parse_runs_on_the_callers_thread_without_a_usable_helper(pool, monkeypatch):
+    refusing = ThreadPoolExecutor(1)
+    refusing.shutdown()  # submit() now raises RuntimeError, as at interpreter exit
+    monkeypatch.setattr(json_body, "helper_pool", lambda: None if pool == "single core" else refusing)
+    envelope = encode_routes(big_routes(5))
+    body = json.dumps({"choices": [{"token_ids": [1], "routed_experts": envelope}]}).encode()
+    names = []
+    parsed, _ = parse_body_with(body, lambda p: names.append(threading.current_thread().name), decode=True)
+    assert names == [threading.current_thread().name]
+    payload = parsed.payload(parsed.value["choices"][0]["routed_experts"]["data"], "data")
+    assert isinstance(payload, DecodedPayload)
+    assert bytes(payload.raw) == base64.b64decode(envelope["data"])
+
+
+def _parse_in_child(body: bytes, queue) -> None:
+    parsed, name = parse_body_with(body, lambda p: threading.current_thread().name, decode=True)
+    queue.put((name, len(parsed.payload(parsed.value["routed_experts"]["data"], "d").raw)))
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="fork only")
+def test_a_forked_child_gets_its_own_helper_threads():
+    """A data loader worker forked after the parent used the helper: the parent's thread does not
+    exist in the child, so a pool inherited as is would never run the JSON job (a hang)."""
+    envelope = encode_routes(big_routes(6))
+    body = json.dumps({"routed_experts": envelope}).encode()
+    parse_body_with(body, lambda p: None, decode=True)  # the parent's pool is up
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_parse_in_child, args=(body, queue))
+    child.start()
+    try:
+        name, size = queue.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert size == len(base64.b64decode(envelope["data"]))
+    if json_body.helper_pool() is not None:
+        assert name.startswith("r3-decode")

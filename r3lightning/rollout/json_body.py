@@ -302,6 +302,18 @@ def _loads(text: bytes) -> Any:
         raise MalformedResponseError(f"response body is not valid JSON: {exc}") from None
 
 
+def _submit(work: Callable[[], T]) -> futures.Future[T] | None:
+    """``work`` on a helper thread; None (the caller runs it) on a single core or once the
+    interpreter is shutting down (the pool then refuses new work)."""
+    pool = helper_pool()
+    if pool is None:
+        return None
+    try:
+        return pool.submit(work)
+    except RuntimeError:
+        return None
+
+
 def _parse_decoding(
     buf: bytes,
     keys: tuple[str, ...],
@@ -317,9 +329,8 @@ def _parse_decoding(
         parsed.value = _loads(text)
         return then(parsed)
 
-    pool = helper_pool()
     # orjson and ``then`` keep the GIL while pybase64 drops it: they run on a helper meanwhile
-    job = pool.submit(fields) if pool is not None else None
+    job = _submit(fields)
     decoded: dict[int, DecodedPayload] = {}
     for index in guessed:
         start, end, _ = spans[index]
