@@ -47,7 +47,7 @@ def first_repeat_reference(routes: np.ndarray) -> tuple[int, int] | None:
 @given(
     rows=st.integers(0, 9),
     layers=st.integers(1, 3),
-    top_k=st.sampled_from([1, 2, 3, 4, 5, 8, 16]),
+    top_k=st.sampled_from([1, 2, 3, 4, 5, 6, 8, 10, 16]),
     dtype=st.sampled_from(["<u1", "<i2", "<i4", "<i8", ">i4", "<u2"]),
     num_experts=st.sampled_from([None, 6, 16, 128, 129, 255, 256, 300, 32_768, 40_000]),
     block=st.sampled_from([1, 2, 5, 1 << 15]),
@@ -103,20 +103,22 @@ def test_negative_ids_are_found_whatever_num_experts_is():
 
 def test_first_repeat_is_reported_across_blocks(monkeypatch):
     monkeypatch.setattr(route_check, "_UNIQUE_BLOCK", 4)
-    routes = distinct_routes(7, 2, 3, 10, seed=5)  # 14 [top_k] rows: blocks of 4 (numpy: top_k 3)
+    routes = distinct_routes(7, 2, 3, 10, seed=5)  # 14 [top_k] rows: blocks of 4
     routes[1, 0] = 0  # filler, first block
     routes[4, 1] = 0  # filler, third block (flat rows 8-11)
     routes[5, 0] = [7, 1, 7]  # flat row 10: the first repeat
     routes[5, 1] = [2, 2, 3]  # flat row 11, same block
     routes[6, 0] = [4, 4, 3]  # flat row 12, next block
-    with pytest.raises(MalformedResponseError, match=r"row 5 layer 0 repeats an expert: \[7, 1, 7\]"):
-        validate_routes(routes)
+    for layout in (np.asfortranarray(routes), routes):  # numpy (not C-ordered), the pairwise kernel
+        with pytest.raises(MalformedResponseError, match=r"row 5 layer 0 repeats an expert: \[7, 1, 7\]"):
+            validate_routes(layout)
 
 
-# ------------------------------------------------------------------ the compiled kernel at scale
+# ------------------------------------------------------------------ the compiled kernels at scale
 
 KERNEL_DTYPES = ["<u1", "<u2", "<i2", "<i4"]
-KERNEL_TOP_K = [2, 4, 8, 16]
+KERNEL_TOP_K = [2, 4, 8, 16]  # the SWAR kernel's
+ANY_TOP_K = [2, 3, 4, 6, 8, 10, 16]  # 3, 6 and 10: the pairwise kernel's
 ROWS, LAYERS = 700, 5  # 3500 [top_k] rows: several kernel blocks and a ragged last one
 
 
@@ -146,8 +148,18 @@ def test_kernel_covers_the_layout(dtype, top_k):
     assert route_check._word_layout(odd) is None
 
 
-@pytest.mark.parametrize("top_k", KERNEL_TOP_K)
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_numpy_checks_what_no_kernel_covers():
+    routes = kernel_routes("<u1", 16, 64, seed=0)
+    check = route_check._compiled_check
+    assert check(routes, 64, range_check=True, unique=True) is not None  # SWAR
+    assert check(routes[..., :10], 64, range_check=True, unique=True) is None  # strided
+    wide = np.concatenate([routes, routes[..., :1]], axis=-1)  # top_k 17: too many pairs
+    assert check(wide, 64, range_check=True, unique=True) is None
+    assert check(np.ascontiguousarray(routes[..., :10]), 64, range_check=True, unique=True) is not None
+
+
+@pytest.mark.parametrize("top_k", ANY_TOP_K)
+@pytest.mark.parametrize("dtype", [*KERNEL_DTYPES, "<i8"])
 def test_kernel_reports_the_first_repeat_wherever_it_is(dtype, top_k):
     info = np.iinfo(np.dtype(dtype))
     num_experts = int(min(info.max, 300))
@@ -179,8 +191,8 @@ def range_limits(dtype: str) -> list[int | None]:
     return [e for e in edges if e is None or e <= 1 << bits]
 
 
-@pytest.mark.parametrize("top_k", [2, 8])
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("top_k", [2, 3, 8, 10])
+@pytest.mark.parametrize("dtype", [*KERNEL_DTYPES, "<i8"])
 def test_kernel_range_check_at_every_edge(dtype, top_k):
     """Every num_experts edge (half and full lane range, one either side) with the largest id
     just inside and just outside, and negative ids for signed dtypes."""
@@ -202,9 +214,9 @@ def test_kernel_range_check_at_every_edge(dtype, top_k):
                         routes[row, layer] = 0
             want = naive_validation_error(routes, num_experts)
             # the kernel's own flag, exact both ways (a false alarm costs a numpy pass)
-            layout = route_check._word_layout(routes)
             for unique in (True, False):  # with the distinct-experts test and without
-                flagged = route_check._run_kernel(routes, layout, num_experts, unique=unique)[1]
+                checked = route_check._compiled_check(routes, num_experts, range_check=True, unique=unique)
+                flagged = checked[1]
                 assert flagged == (want is not None and "repeats" not in want), (num_experts, bad_id)
             if want is None:
                 validate_routes(routes, num_experts=num_experts)
