@@ -14,14 +14,14 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["helper_count", "helper_pool"]
+__all__ = ["helper_pool"]
 
 # Enough for a few concurrent parses (the collector decodes responses on several threads).
 _MAX_HELPERS = 3
 
 
 @functools.cache
-def helper_count() -> int:
+def _helper_count() -> int:
     """Helper threads: one per core this process may use beyond the caller's, at most 3."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, min(cores - 1, _MAX_HELPERS))
@@ -45,7 +45,7 @@ def helper_pool() -> ThreadPoolExecutor | None:
     """The process-wide helper threads; None on a single core (callers then do everything
     themselves)."""
     global _pool
-    count = helper_count()
+    count = _helper_count()
     if not count:
         return None
     with _pool_lock:

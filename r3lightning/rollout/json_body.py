@@ -250,14 +250,11 @@ def parse_body_with(
     first parse and its outcome. What it raises is raised here.
     """
     buf = bytes(body) if not isinstance(body, bytes) else body
-    if decode:
-        text, spans, guessed = _splice(buf, keys, guess=True)
-        if guessed and (outcome := _parse_decoding(buf, keys, text, spans, guessed, then)) is not None:
+    text, spans, guessed = _splice(buf, keys, guess=decode)
+    if guessed:
+        if (outcome := _parse_decoding(buf, keys, text, spans, guessed, then)) is not None:
             return outcome
-        if not guessed:
-            parsed = ParsedBody(_loads(text), buf, spans, {}, keys)
-            return parsed, then(parsed)
-    text, spans, _ = _splice(buf, keys, guess=False)
+        text, spans, _ = _splice(buf, keys, guess=False)  # a wrong guess: the exact parse
     parsed = ParsedBody(_loads(text), buf, spans, {}, keys)
     return parsed, then(parsed)
 

@@ -54,8 +54,8 @@ def validate_routes(
     the ``top_k`` ids of a row must be distinct (dispatch assumes it); an all-zero row is the
     filler of a dense layer and is allowed. Cost: one pass over the routes (the compiled kernel
     checks range and distinctness together: about 0.65 ms on one core for 32k x 48 x 8 uint8
-    ids, 1.3 ms for int16); layouts the kernel does not cover use numpy (about 10 ms). The first call for a new row layout compiles the kernel (about 0.3 s). Never
-    modifies ``routes``.
+    ids, 1.3 ms for int16); layouts no kernel covers use numpy (about 10 ms). The first call for
+    a new row layout compiles its kernel (about 0.3 s). Never modifies ``routes``.
     """
     if routes.ndim != 3:
         raise MalformedResponseError(
@@ -76,13 +76,11 @@ def validate_routes(
             # the kernel stops at the first repeat: a bad id anywhere is reported first, as numpy
             # does, with the exact min or max
             check_range(routes, num_experts, field)
-        if first_block >= 0:
-            rows = routes.reshape(-1, routes.shape[2])[first_block : first_block + _KERNEL_BLOCK]
-            _raise_repeat(routes, first_block + _first_repeat(rows), field)
+        _raise_first_repeat(routes, first_block, field)
         return
     check_range(routes, num_experts, field)
-    if check_unique:
-        check_unique_rows(routes, field)
+    if unique:
+        _raise_first_repeat(routes, 0, field, block=routes.size)
 
 
 def check_range(routes: np.ndarray, num_experts: int | None, field: str) -> int | None:
@@ -118,18 +116,21 @@ def check_unique_rows(routes: np.ndarray, field: str) -> None:
     if routes.size == 0 or routes.shape[2] < 2:
         return
     if (compiled := _compiled_check(routes, None, range_check=False, unique=True)) is not None:
-        first_block, _ = compiled
-        if first_block >= 0:
-            rows = routes.reshape(-1, routes.shape[2])[first_block : first_block + _KERNEL_BLOCK]
-            _raise_repeat(routes, first_block + _first_repeat(rows), field)
+        _raise_first_repeat(routes, compiled[0], field)
+    else:
+        _raise_first_repeat(routes, 0, field, block=routes.size)
+
+
+def _raise_first_repeat(routes: np.ndarray, first: int, field: str, block: int = _KERNEL_BLOCK) -> None:
+    """Raise for the first repeating ``[top_k]`` row among the ``block`` flat rows from
+    ``first`` (a kernel's flagged block, or every row), found by numpy; nothing if ``first`` < 0
+    or no row repeats."""
+    if first < 0:
         return
-    index = _first_repeat(routes)
-    if index >= 0:
-        _raise_repeat(routes, index, field)
-
-
-def _raise_repeat(routes: np.ndarray, index: int, field: str) -> None:
-    row, layer = divmod(index, routes.shape[1])
+    index = _first_repeat(routes.reshape(-1, routes.shape[2])[first : first + block])
+    if index < 0:
+        return
+    row, layer = divmod(first + index, routes.shape[1])
     raise MalformedResponseError(
         f"{field}: row {row} layer {layer} repeats an expert: {routes[row, layer].tolist()}"
     )
