@@ -8,7 +8,7 @@ Arms, timed side by side in one run (each arm's repeats back to back, see ``time
 - the client's codec (``r3lightning.rollout.wire``): ``parse_body(decode=True)`` + ``decode_array``
   (the body decode: routes bytes only), + ``decode_routes`` (id-range and distinct-expert
   validation, what the client does by default), and the whole response parse the client runs
-  (``client_protocol.parse_response``: token ids, logprobs, raw response), with and without the
+  (``client_response.parse_response``: token ids, logprobs, raw response), with and without the
   distinct-expert check;
 - ``validate_routes`` alone on the decoded array (range only; range + distinct experts), to
   attribute the validation cost;
@@ -25,7 +25,7 @@ dense all-zero rows exempt), "range-checked" the same without the distinct-exper
 
 The floor is one thread. The client's parse uses the process's helper thread where there is a
 second core (``r3lightning.rollout.helper_threads``): it reads the JSON fields while the calling
-thread decodes the payload, then checks half of the routes.
+thread decodes the payload; the calling thread then checks the routes.
 
 Before timing, the codec decodes a reformatted body (reversed key order, indented) and every
 protocol's body must give the same routes. Usage: ``python benchmarks/bench_wire.py [--quick]``.
@@ -45,7 +45,8 @@ import pybase64
 import torch
 
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.rollout.client_protocol import RouteSchema, parse_response
+from r3lightning.rollout.client_protocol import RouteSchema
+from r3lightning.rollout.client_response import parse_response
 from r3lightning.rollout.wire import decode_array, decode_routes, encode_routes, parse_body, validate_routes
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS = 48, 8, 128

@@ -15,7 +15,8 @@ from engine_server import EngineServer
 from fault_server import FaultServer, Raw, expected_generation
 
 from r3lightning import MalformedResponseError, RemoteGenerateClient, engine_sampling_params
-from r3lightning.rollout.client_protocol import RouteSchema, parse_response
+from r3lightning.rollout.client_protocol import RouteSchema
+from r3lightning.rollout.client_response import parse_response
 from r3lightning.rollout.wire import decode_npy_routes, validate_routes
 
 PROMPT = [5, 6, 7, 8]

@@ -25,14 +25,8 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import orjson
 
-from .client_protocol import (
-    ENGINES,
-    PROTOCOL_PATHS,
-    RemoteGenerateResult,
-    RouteSchema,
-    build_request,
-    parse_response,
-)
+from .client_protocol import ENGINES, PROTOCOL_PATHS, RemoteGenerateResult, RouteSchema, build_request
+from .client_response import parse_response
 from .errors import (
     GenerateRequestError,
     MalformedResponseError,

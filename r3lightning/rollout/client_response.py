@@ -1,0 +1,292 @@
+"""Client side of the generate protocols, responses: a 2xx body in, a checked result out.
+
+Each protocol's fields are read where its engine writes them (the sources are listed in
+:mod:`r3lightning.rollout.client_protocol`): token ids, logprobs, the stop reason and, when
+asked for, the routes. The rows cover token positions ``[start, P + G - 1)``; routes asked for
+but absent, or of another row count, raise :class:`MalformedResponseError`.
+
+Bodies are parsed once with :func:`~r3lightning.rollout.json_body.parse_body_with`, so the base64
+route string is never materialised as a ``str`` and decodes straight into the route array while
+a helper thread reads the fields. Every deviation raises :class:`MalformedResponseError` naming
+the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .client_protocol import ENGINE_ROUTES_FLAG, RemoteGenerateResult, RouteSchema
+from .errors import MalformedResponseError
+from .json_body import ParsedBody, parse_body_with
+from .wire import Payload, decode_flat_routes, decode_npy_routes, decode_routes
+
+__all__ = ["parse_response"]
+
+
+def parse_response(
+    raw: bytes,
+    protocol: str,
+    schema: RouteSchema,
+    *,
+    want_routes: bool,
+    prompt_len: int | None = None,
+    start: int = 0,
+) -> RemoteGenerateResult:
+    """Parse a 2xx generate body; routes are decoded and validated only when ``want_routes``.
+
+    With ``prompt_len`` the route row count must be ``prompt_len - start + G - 1`` (``G`` = the
+    response length). Cost: an orjson parse of the body's non-route part, and (when wanted) one
+    base64 decode of the routes, done while parsing the body (see
+    :func:`~r3lightning.rollout.json_body.parse_body`), plus one validation pass
+    (:func:`~r3lightning.rollout.route_check.validate_routes`). Without routes, one ``memchr``
+    scan skips the payload.
+    """
+    parse_fields = {"sglang": _parse_sglang, "openai": _parse_openai}.get(protocol, _parse_choices)
+
+    def fields(parsed: ParsedBody) -> tuple[RemoteGenerateResult, str, RoutesJob]:
+        if not isinstance(parsed.value, dict):
+            raise MalformedResponseError(
+                f"response body: expected a JSON object, got {type(parsed.value).__name__}"
+            )
+        return parse_fields(parsed, schema, want_routes)
+
+    # the fields are read on a helper thread while this one decodes the route payload
+    parsed, (result, where, routes) = parse_body_with(raw, fields, decode=want_routes)
+    if routes is not None:
+        result.routed_experts = routes()
+    if want_routes:
+        _check_rows(result, where, prompt_len, start)
+    result.raw_response = parsed.restore()
+    return result
+
+
+def _absent(where: str, value: Any) -> MalformedResponseError:
+    state = "missing" if value is _MISSING else "null"
+    return MalformedResponseError(
+        f"{where}: routes were requested but the field is {state}; start the engine with "
+        f"{ENGINE_ROUTES_FLAG} (vLLM, SGLang, SkyRL's vLLM server), and for SGLang also send "
+        "return_routed_experts=true"
+    )
+
+
+def _check_rows(result: RemoteGenerateResult, where: str, prompt_len: int | None, start: int) -> None:
+    if result.routed_experts is None:
+        raise _absent(where, None)
+    if prompt_len is None:
+        return
+    generated = len(result.response_ids)
+    expected = max(0, prompt_len - start + generated - 1)
+    rows = result.routed_experts.shape[0]
+    if rows != expected:
+        raise MalformedResponseError(
+            f"{where}: {rows} route rows, expected P - start + G - 1 = {prompt_len} - {start} + "
+            f"{generated} - 1 = {expected} (rows cover positions [start, P + G - 1))"
+        )
+
+
+_MISSING = object()
+
+
+def _int_list(value: Any, field: str) -> list[int]:
+    # a negative id would index embeddings from the end downstream instead of failing
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise MalformedResponseError(f"{field}: expected a list of non-negative integer token ids")
+    return value
+
+
+def _float_list(values: list[Any], length: int, field: str) -> list[float]:
+    if len(values) != length:
+        raise MalformedResponseError(f"{field}: {len(values)} logprobs for {length} tokens")
+    if not all(type(v) is float or type(v) is int for v in values):
+        raise MalformedResponseError(f"{field}: expected numeric logprobs")
+    return [float(v) for v in values]
+
+
+def _stop_reason(value: Any, field: str) -> str | None:
+    stop = value.get("type") if isinstance(value, dict) else value
+    if stop is not None and not isinstance(stop, str):
+        raise MalformedResponseError(f"{field}: expected a string or {{'type': ...}}, got {value!r}")
+    return stop
+
+
+def _take(parsed: ParsedBody, container: dict[str, Any], key: str, field: str, want: bool) -> Payload | None:
+    """The payload at ``container[key]`` if wanted; leaves None in its place in the raw response."""
+    value, container[key] = container[key], None
+    if not want:
+        parsed.discard(value)
+        return None
+    return parsed.payload(value, field)
+
+
+# Decodes a response's routes once its payload bytes are in (see parse_body_with); None when
+# routes were not asked for.
+RoutesJob = Callable[[], np.ndarray] | None
+
+
+def _routes_job(
+    parsed: ParsedBody,
+    container: dict[str, Any],
+    key: str,
+    field: str,
+    want: bool,
+    decode: Callable[[Payload], np.ndarray],
+) -> RoutesJob:
+    """``decode`` of the payload at ``container[key]``, deferred; an unwanted one is let go now."""
+    if not want:
+        _take(parsed, container, key, field, want=False)
+        return None
+    return lambda: decode(_take(parsed, container, key, field, want=True))
+
+
+def _first_choice(parsed: ParsedBody) -> dict[str, Any]:
+    choices = parsed.value.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise MalformedResponseError("choices: expected a non-empty list of choice objects")
+    for other in choices[1:]:  # one result per call: never materialise the others' routes
+        if not isinstance(other, dict):
+            continue
+        routes = other.get("routed_experts")
+        if isinstance(routes, dict) and "data" in routes:
+            _take(parsed, routes, "data", "", want=False)
+        elif isinstance(routes, str):
+            _take(parsed, other, "routed_experts", "", want=False)
+    return choices[0]
+
+
+def _choice_routes(
+    parsed: ParsedBody, choice: dict[str, Any], schema: RouteSchema, want: bool, where: str
+) -> RoutesJob:
+    """``choice["routed_experts"]``: a SkyRL ndarray envelope or vLLM's base64 ``.npy`` string."""
+    routes = choice.get("routed_experts", _MISSING)
+    if isinstance(routes, dict):
+        if "data" not in routes:  # fails in decode_routes, naming the key
+            return (lambda: decode_routes(routes, **schema.decode_kwargs(), field=where)) if want else None
+
+        def decode_envelope(data: Payload) -> np.ndarray:
+            return decode_routes({**routes, "data": data}, **schema.decode_kwargs(), field=where)
+
+        return _routes_job(parsed, routes, "data", f"{where}.data", want, decode_envelope)
+    if routes is None or routes is _MISSING:
+        if want:
+            raise _absent(where, routes)
+        return None
+    if not isinstance(routes, str):
+        if not want:
+            return None
+        raise MalformedResponseError(
+            f"{where}: expected an ndarray envelope (SkyRL) or a base64 .npy string (vLLM), "
+            f"got {type(routes).__name__}"
+        )
+    return _routes_job(
+        parsed,
+        choice,
+        "routed_experts",
+        where,
+        want,
+        lambda data: decode_npy_routes(data, **schema.decode_kwargs(), field=where),
+    )
+
+
+def _parse_choices(
+    parsed: ParsedBody, schema: RouteSchema, want_routes: bool
+) -> tuple[RemoteGenerateResult, str, RoutesJob]:
+    """``skyrl`` and ``vllm``: ``choices[0]`` with ``token_ids``, ``logprobs.content`` and routes."""
+    choice = _first_choice(parsed)
+    ids = _int_list(choice.get("token_ids"), "choices[0].token_ids")
+    stop = _stop_reason(choice.get("finish_reason"), "choices[0].finish_reason")
+    logprobs = None
+    content = choice.get("logprobs")
+    if content is not None:
+        entries = content.get("content") if isinstance(content, dict) else None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise MalformedResponseError(
+                "choices[0].logprobs.content: expected a list of {'logprob': x} objects"
+            )
+        logprobs = _float_list([e.get("logprob") for e in entries], len(ids), "choices[0].logprobs.content")
+    where = "choices[0].routed_experts"
+    routes = _choice_routes(parsed, choice, schema, want_routes, where)
+    return RemoteGenerateResult(ids, logprobs, stop, None, {}), where, routes
+
+
+def _flat_routes(data: Payload, schema: RouteSchema, field: str) -> np.ndarray:
+    if schema.num_layers is None or schema.top_k is None:
+        raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
+    return decode_flat_routes(data, **schema.decode_kwargs(), field=field)
+
+
+def _parse_sglang(
+    parsed: ParsedBody, schema: RouteSchema, want_routes: bool
+) -> tuple[RemoteGenerateResult, str, RoutesJob]:
+    body = parsed.value
+    ids = _int_list(body.get("output_ids"), "output_ids")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise MalformedResponseError(f"meta_info: expected an object, got {type(meta).__name__}")
+    stop = _stop_reason(meta.get("finish_reason"), "meta_info.finish_reason")
+    logprobs = None
+    entries = meta.get("output_token_logprobs")
+    if entries is not None:
+        if not isinstance(entries, list) or not all(isinstance(e, list) and e for e in entries):
+            raise MalformedResponseError(
+                "meta_info.output_token_logprobs: expected a list of [logprob, token_id, ...]"
+            )
+        logprobs = _float_list([e[0] for e in entries], len(ids), "meta_info.output_token_logprobs")
+    where = "meta_info.routed_experts"
+    routes = None
+    value = meta.get("routed_experts", _MISSING)
+    if value is None or value is _MISSING:
+        if want_routes:
+            raise _absent(where, value)
+    else:
+        routes = _routes_job(
+            parsed, meta, "routed_experts", where, want_routes, lambda data: _flat_routes(data, schema, where)
+        )
+    return RemoteGenerateResult(ids, logprobs, stop, None, {}), where, routes
+
+
+def _parse_openai(
+    parsed: ParsedBody, schema: RouteSchema, want_routes: bool
+) -> tuple[RemoteGenerateResult, str, RoutesJob]:
+    """``/v1/completions`` of vLLM (per-choice ``.npy`` routes) or SGLang (``sglext`` int32)."""
+    choice = _first_choice(parsed)
+    token_ids = choice.get("token_ids")
+    if token_ids is None:
+        raise MalformedResponseError(
+            "choices[0].token_ids: missing; the engine ignored return_token_ids=true "
+            "(needs vLLM or SGLang's /v1/completions with token-id support)"
+        )
+    ids = _int_list(token_ids, "choices[0].token_ids")
+    stop = _stop_reason(choice.get("finish_reason"), "choices[0].finish_reason")
+    logprobs = None
+    content = choice.get("logprobs")
+    if content is not None:
+        values = content.get("token_logprobs") if isinstance(content, dict) else None
+        if not isinstance(values, list):
+            raise MalformedResponseError("choices[0].logprobs.token_logprobs: expected a list of floats")
+        logprobs = _float_list(values, len(ids), "choices[0].logprobs.token_logprobs")
+    sglext = parsed.value.get("sglext")
+    sglang_routes = sglext.get("routed_experts") if isinstance(sglext, dict) else None
+    vllm_routes = choice.get("routed_experts")
+    if sglang_routes is not None and vllm_routes is None:  # SGLang's answer
+        where = "sglext.routed_experts"
+        routes = _routes_job(
+            parsed,
+            sglext,
+            "routed_experts",
+            where,
+            want_routes,
+            lambda data: _flat_routes(data, schema, where),
+        )
+        return RemoteGenerateResult(ids, logprobs, stop, None, {}), where, routes
+    if sglang_routes is not None:  # both forms: keep vLLM's, which carries its own shape
+        _take(parsed, sglext, "routed_experts", "", want=False)
+    where = "choices[0].routed_experts"
+    if want_routes and vllm_routes is None:
+        raise _absent(
+            f"{where} (vLLM) / sglext.routed_experts (SGLang)", choice.get("routed_experts", _MISSING)
+        )
+    routes = _choice_routes(parsed, choice, schema, want_routes, where)
+    return RemoteGenerateResult(ids, logprobs, stop, None, {}), where, routes
