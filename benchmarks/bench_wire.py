@@ -21,7 +21,8 @@ rows): SkyRL's envelope (uint8, the encoder's compact dtype), vLLM's base64 ``.n
 ``/inference/v1/generate`` and per choice on ``/v1/completions``, SGLang's flat int32 in
 ``meta_info`` and in ``sglext``. Each protocol's floor is ``pybase64.b64decode`` of its own
 payload; "validated" is the client's default (row count, id range and distinct experts per row,
-dense all-zero rows exempt), "range-checked" the same without the distinct-experts check.
+dense all-zero rows exempt), "range-checked" the same without the distinct-experts check. The
+three arms of a protocol are timed in turn within each round (interleaved).
 
 The floor is one thread. The client's parse uses the process's helper thread where there is a
 second core (``r3lightning.rollout.helper_threads``): it reads the JSON fields while the calling
@@ -223,7 +224,10 @@ def protocol_table(routes: np.ndarray, repeats: int) -> None:
         arms[f"{name} | floor"] = lambda payload=payload: pybase64.b64decode(payload, validate=True)
         arms[f"{name} | validated"] = parse
         arms[f"{name} | range-checked"] = lambda parse=parse: parse(schema=range_only)
-    results = _common.time_arms(arms, repeats=repeats, warmup=2, interleave=False)
+    # interleaved: each round times the floor and both parses back to back, so each ratio compares
+    # arms under the same machine state (run back to back, the arms' medians drifted apart by
+    # up to 30% between runs, enough to flip a parse's order against its cheaper range-only arm)
+    results = _common.time_arms(arms, repeats=repeats, warmup=2, interleave=True)
     rows, verdicts = [], []
     for name, (_, body, _) in bodies.items():
         floor = results[f"{name} | floor"]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from route_samples import distinct_routes
 
 from r3lightning import MalformedResponseError
-from r3lightning.rollout import route_check
+from r3lightning.rollout import route_check, route_kernels
 from r3lightning.rollout.route_check import check_unique_rows, validate_routes
 
 
@@ -117,7 +117,7 @@ def test_first_repeat_is_reported_across_blocks(monkeypatch):
 # ------------------------------------------------------------------ the compiled kernels at scale
 
 KERNEL_DTYPES = ["<u1", "<u2", "<i2", "<i4"]
-KERNEL_TOP_K = [2, 4, 8, 16]  # the SWAR kernel's
+KERNEL_TOP_K = [2, 4, 8, 16]  # power-of-two: the vector and SWAR kernels
 ANY_TOP_K = [2, 3, 4, 6, 8, 10, 16]  # 3, 6 and 10: the pairwise kernel's
 ROWS, LAYERS = 700, 5  # 3500 [top_k] rows: several kernel blocks and a ragged last one
 
@@ -136,22 +136,31 @@ def kernel_routes(dtype: str, top_k: int, num_experts: int, seed: int) -> np.nda
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_kernel_covers_the_layout(dtype, top_k):
     routes = kernel_routes(dtype, top_k, 64, seed=0)
-    layout = route_check._word_layout(routes)
+    layout = route_kernels.word_layout(routes)
     row_bytes = top_k * np.dtype(dtype).itemsize
     assert layout == (
         min(row_bytes, 8),
         min(row_bytes, 8) // np.dtype(dtype).itemsize,
         max(1, row_bytes // 8),
     )
-    assert route_check._word_layout(routes[:, ::-1]) is None  # strided: numpy
+    assert route_kernels.word_layout(routes[:, ::-1]) is None  # strided: numpy
     odd = np.concatenate([routes, routes[..., :1]], axis=-1)  # top_k + 1: not a power of two
-    assert route_check._word_layout(odd) is None
+    assert route_kernels.word_layout(odd) is None
+
+
+@pytest.mark.parametrize("top_k", KERNEL_TOP_K)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_vector_kernel_takes_rows_of_8_to_64_bytes(dtype, top_k):
+    routes = kernel_routes(dtype, top_k, 64, seed=0)
+    assert route_kernels.vector_covers(routes) == (8 <= top_k * np.dtype(dtype).itemsize <= 64)
+    odd = np.concatenate([routes, routes[..., :1]], axis=-1)  # top_k + 1: not a power of two
+    assert not route_kernels.vector_covers(odd)
 
 
 def test_numpy_checks_what_no_kernel_covers():
     routes = kernel_routes("<u1", 16, 64, seed=0)
-    check = route_check._compiled_check
-    assert check(routes, 64, range_check=True, unique=True) is not None  # SWAR
+    check = route_kernels.compiled_check
+    assert check(routes, 64, range_check=True, unique=True) is not None  # the vector kernel
     assert check(routes[..., :10], 64, range_check=True, unique=True) is None  # strided
     wide = np.concatenate([routes, routes[..., :1]], axis=-1)  # top_k 17: too many pairs
     assert check(wide, 64, range_check=True, unique=True) is None
@@ -167,6 +176,8 @@ def test_kernel_reports_the_first_repeat_wherever_it_is(dtype, top_k):
     for trial in range(6):
         routes = kernel_routes(dtype, top_k, num_experts, seed=trial)
         validate_routes(routes, num_experts=num_experts)  # distinct and zero rows: valid
+        # the kernel's own flag is exact: a false alarm would only cost a numpy pass
+        assert route_kernels.compiled_check(routes, num_experts, range_check=True, unique=True) == (-1, False)
         repeats = []
         for _ in range(rng.integers(1, 4)):
             row, layer = int(rng.integers(ROWS)), int(rng.integers(LAYERS))
@@ -177,6 +188,10 @@ def test_kernel_reports_the_first_repeat_wherever_it_is(dtype, top_k):
             repeats.append((row, layer))
         row, layer = first_repeat_reference(routes)
         assert (row, layer) == min(repeats)
+        first_block = (row * LAYERS + layer) // route_kernels.KERNEL_BLOCK * route_kernels.KERNEL_BLOCK
+        assert (
+            route_kernels.compiled_check(routes, num_experts, range_check=True, unique=True)[0] == first_block
+        )
         message = f"row {row} layer {layer} repeats an expert: {routes[row, layer].tolist()}"
         with pytest.raises(MalformedResponseError) as caught:
             validate_routes(routes, num_experts=num_experts)
@@ -215,7 +230,7 @@ def test_kernel_range_check_at_every_edge(dtype, top_k):
             want = naive_validation_error(routes, num_experts)
             # the kernel's own flag, exact both ways (a false alarm costs a numpy pass)
             for unique in (True, False):  # with the distinct-experts test and without
-                checked = route_check._compiled_check(routes, num_experts, range_check=True, unique=unique)
+                checked = route_kernels.compiled_check(routes, num_experts, range_check=True, unique=unique)
                 flagged = checked[1]
                 assert flagged == (want is not None and "repeats" not in want), (num_experts, bad_id)
             if want is None:
@@ -244,3 +259,57 @@ def test_a_bad_id_after_the_first_repeat_is_reported_first():
     routes[ROWS - 1, LAYERS - 1, 3] = 200
     with pytest.raises(MalformedResponseError, match="expert id 200 is out of range for num_experts=100"):
         validate_routes(routes, num_experts=100)
+
+
+VECTOR_LAYOUTS = [
+    ("<u1", 8),
+    ("<u2", 4),
+    ("<i4", 2),
+    ("<u1", 16),
+    ("<i2", 8),
+    ("<i4", 8),
+    ("<u1", 64),
+    ("<i4", 16),
+]
+
+
+@pytest.mark.parametrize(("dtype", "top_k"), VECTOR_LAYOUTS)
+def test_vector_kernel_checks_the_rows_past_the_last_full_vector(dtype, top_k):
+    """Rows go through 64-byte vectors; the last few rows are checked padded with exempt
+    all-zero rows, and a repeat there is flagged in its block."""
+    for rows in (1, 7, 8 * 130 + 5, 8 * 387 + 7):  # fewer than a vector; tails inside a later block
+        routes = kernel_routes(dtype, top_k, 100, seed=rows)[: rows // LAYERS + 1].reshape(-1, 1, top_k)[
+            :rows
+        ]
+        routes = np.ascontiguousarray(routes)
+        routes[-1] = np.arange(1, top_k + 1)
+        assert route_kernels.compiled_check(routes, 100, range_check=True, unique=True) == (-1, False)
+        for last in range(max(0, rows - 7), rows):
+            bad = routes.copy()
+            bad[last, 0] = np.arange(1, top_k + 1)
+            bad[last, 0, top_k - 1] = 1
+            first = last // route_kernels.KERNEL_BLOCK * route_kernels.KERNEL_BLOCK
+            assert route_kernels.compiled_check(bad, 100, range_check=True, unique=True) == (first, False)
+            bad[last, 0, top_k - 1] = 100  # out of range instead of a repeat
+            assert route_kernels.compiled_check(bad, 100, range_check=True, unique=True) == (-1, True)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "top_k"), [(d, k) for d, k in VECTOR_LAYOUTS if k * np.dtype(d).itemsize > 8]
+)
+def test_vector_kernel_exempts_whole_zero_rows_only(dtype, top_k):
+    """A row of several 64-bit words is dense filler only when every word is zero: zeros
+    filling one word of a row are a repeat (of expert 0)."""
+    routes = kernel_routes(dtype, top_k, 100, seed=1)
+    assert route_kernels.compiled_check(routes, 100, range_check=True, unique=True) == (-1, False)
+    lanes_per_word = 8 // np.dtype(dtype).itemsize
+    words = [(w * lanes_per_word, (w + 1) * lanes_per_word) for w in range(top_k // lanes_per_word)]
+    zeroed = [*words, (0, top_k // 2), (top_k // 2, top_k)]  # each word, and each half of the row
+    for low, high in zeroed:
+        for row, layer in ((0, 0), (ROWS // 2, 3), (ROWS - 1, LAYERS - 1)):
+            bad = routes.copy()
+            bad[row, layer] = np.arange(1, top_k + 1)
+            bad[row, layer, low:high] = 0
+            flat = row * LAYERS + layer
+            first = flat // route_kernels.KERNEL_BLOCK * route_kernels.KERNEL_BLOCK
+            assert route_kernels.compiled_check(bad, 100, range_check=True, unique=True) == (first, False)
