@@ -167,13 +167,16 @@ def _run_swar(
 @functools.cache
 def _swar_kernel(word_bits: int, lanes: int, words: int, range_test: int, unique: bool):
     """The kernel for rows of ``words`` words of ``word_bits`` bits, ``lanes`` ids per word, one
-    of the range tests of :func:`_range_test`, and the distinct-experts test if ``unique``.
+    of the range tests of :func:`_range_test`, and the distinct-experts test if ``unique`` (rows
+    of one word only: longer rows go to the vector kernel).
 
     Everything that depends on the layout is a closure constant, so numba specialises the
     rotations and LLVM unrolls the lane loops and vectorises across rows. Numba is imported
     here: a process that never validates routes never loads it."""
     import numba
 
+    if unique and words != 1:
+        raise ValueError(f"the SWAR distinct-experts test takes one-word rows, got {words} words")
     u64 = np.uint64
     lane_bits = word_bits // lanes
     full = u64((1 << word_bits) - 1)
@@ -181,16 +184,13 @@ def _swar_kernel(word_bits: int, lanes: int, words: int, range_test: int, unique
     high = u64(int(low) << (lane_bits - 1))  # top bit of every lane
     not_high = u64(int(full) & ~int(high))
     zero = u64(0)
-    # a word against itself: rotations by 1 .. lanes/2 lanes pair every two of its ids
+    # the row's word against itself: rotations by 1 .. lanes/2 lanes pair every two of its ids
     inner = tuple(u64(r * lane_bits) for r in range(1, lanes // 2 + 1))
     inner_back = tuple(u64(word_bits - int(s)) for s in inner)
-    # a word against a later word of the row: rotations by 0 .. lanes-1 lanes
-    cross = tuple(u64(r * lane_bits) for r in range(1, lanes))
-    cross_back = tuple(u64(word_bits - int(s)) for s in cross)
-    if not unique:  # no pairs to compare: the loops below compile away
-        inner, inner_back, cross, cross_back = (u64(0),), (u64(0),), (u64(0),), (u64(0),)
-    n_inner, n_cross = (len(inner), len(cross)) if unique else (0, 0)
-    block, width, pairs_across = u64(KERNEL_BLOCK), u64(words), words if unique else 1
+    if not unique:  # no pairs to compare: the loop below compiles away
+        inner, inner_back = (u64(0),), (u64(0),)
+    n_inner = len(inner) if unique else 0
+    block, width = u64(KERNEL_BLOCK), u64(words)
 
     @numba.njit(nogil=True, cache=False)
     def kernel(view, add):  # view: [rows * words] unsigned words
@@ -216,13 +216,6 @@ def _swar_kernel(word_bits: int, lanes: int, words: int, range_test: int, unique
                     for j in range(n_inner):
                         y = x ^ (((x << inner[j]) | (x >> inner_back[j])) & full)
                         hits |= (y - low) & ~y
-                    for i2 in range(i + 1, pairs_across):
-                        x2 = u64(view[base + u64(i2)])
-                        y = x ^ x2
-                        hits |= (y - low) & ~y
-                        for j in range(n_cross):
-                            y = x ^ (((x2 << cross[j]) | (x2 >> cross_back[j])) & full)
-                            hits |= (y - low) & ~y
                 if nonzero != zero:  # all-zero rows (dense-layer filler) are exempt
                     repeats |= hits
             if repeats & high != zero:
