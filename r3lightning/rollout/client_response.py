@@ -7,8 +7,8 @@ but absent, or of another row count, raise :class:`MalformedResponseError`.
 
 Bodies are parsed once with :func:`~r3lightning.rollout.json_body.parse_body_with`, so the base64
 route string is never materialised as a ``str`` and decodes straight into the route array while
-a helper thread reads the fields. Every deviation raises :class:`MalformedResponseError` naming
-the field.
+a helper thread reads the fields; the decode also checks the routes in the same pass where it can
+(:func:`_route_decoder`). Every deviation raises :class:`MalformedResponseError` naming the field.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from ..routes import WIRE_DTYPES, compact_dtype
 from .client_protocol import ENGINE_ROUTES_FLAG, RemoteGenerateResult, RouteSchema
 from .errors import MalformedResponseError
-from .json_body import ParsedBody, parse_body_with
-from .wire import Payload, decode_flat_routes, decode_npy_routes, decode_routes
+from .json_body import ParsedBody, PayloadDecoder, parse_body_with
+from .route_decode import DecodedPayload, RowCheck, decode_payload
+from .wire import Payload, decode_flat_routes, decode_npy_routes, decode_routes, read_npy_header
 
 __all__ = ["parse_response"]
 
@@ -54,13 +56,47 @@ def parse_response(
         return parse_fields(parsed, schema, want_routes)
 
     # the fields are read on a helper thread while this one decodes the route payload
-    parsed, (result, where, routes) = parse_body_with(raw, fields, decode=want_routes)
+    decode = _route_decoder(protocol, schema) if want_routes else False
+    parsed, (result, where, routes) = parse_body_with(raw, fields, decode=decode)
     if routes is not None:
         result.routed_experts = routes()
     if want_routes:
         _check_rows(result, where, prompt_len, start)
     result.raw_response = parsed.restore()
     return result
+
+
+# base64 of the .npy magic b"\x93NUMPY": how a vLLM payload starts
+_NPY_MAGIC_BASE64 = b"k05VTVBZ"
+
+
+def _route_decoder(protocol: str, schema: RouteSchema) -> PayloadDecoder:
+    """A payload decoder that also checks the routes in the same pass
+    (:func:`~r3lightning.rollout.route_decode.decode_payload`), under the row layout the wire
+    decoder will find: read ahead from a ``.npy`` payload's header, else expected from the
+    protocol and the schema. A wrong expectation costs only the fused check's own time: the
+    wire decoder then checks the routes itself."""
+
+    def decode(text: memoryview) -> DecodedPayload:
+        rows, rows_from = _expected_rows(protocol, schema, text)
+        return decode_payload(text, rows, rows_from)
+
+    return decode
+
+
+def _expected_rows(protocol: str, schema: RouteSchema, text: memoryview) -> tuple[RowCheck | None, int]:
+    """The row check for a route payload, and the byte its rows start at."""
+    if text[: len(_NPY_MAGIC_BASE64)] == _NPY_MAGIC_BASE64:  # vLLM's .npy, on either protocol
+        try:
+            offset, dtype, shape = read_npy_header(text, "routes")
+        except MalformedResponseError:
+            return None, 0  # the wire decoder reports it
+        return RowCheck.of(dtype, shape[-1] if shape else None, schema.num_experts), offset
+    if protocol in ("skyrl", "vllm"):  # an ndarray envelope, in the encoder's compact dtype
+        dtype = compact_dtype(schema.num_experts - 1) if schema.num_experts else WIRE_DTYPES["uint8"]
+        return RowCheck.of(dtype, schema.top_k, schema.num_experts), 0
+    # SGLang's flat int32 (sglang, and sglext on the OpenAI endpoint)
+    return RowCheck.of(WIRE_DTYPES["int32"], schema.top_k, schema.num_experts), 0
 
 
 def _absent(where: str, value: Any) -> MalformedResponseError:

@@ -17,27 +17,29 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import orjson
-import pybase64
 
 from .errors import MalformedResponseError
 from .helper_threads import helper_pool
+from .route_decode import DecodedPayload, decode_payload
 
-__all__ = ["PAYLOAD_KEYS", "DecodedPayload", "ParsedBody", "parse_body", "parse_body_with", "read_capped"]
+__all__ = [
+    "PAYLOAD_KEYS",
+    "DecodedPayload",
+    "ParsedBody",
+    "PayloadDecoder",
+    "parse_body",
+    "parse_body_with",
+    "read_capped",
+]
 
 T = TypeVar("T")
 
 # JSON keys whose string values are route payloads: the envelope's "data", the engines' key.
 PAYLOAD_KEYS = ("data", "routed_experts")
 
-
-class DecodedPayload:
-    """A base64 payload that :func:`parse_body` already decoded (which also proved it valid
-    base64). The wire decoders take it wherever they take base64 text and skip the decode."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw: bytearray):
-        self.raw = raw  # the decoded bytes
+# Decodes one payload's base64 text (a view of the body), raising binascii.Error or ValueError
+# when it is not valid base64; the default is decode_payload without a row check.
+PayloadDecoder = Callable[[memoryview], DecodedPayload]
 
 
 _PLACEHOLDER = "\x00payload:"  # what orjson yields for the spliced-in b'"\\u0000payload:<i>"'
@@ -209,7 +211,10 @@ class ParsedBody:
 
 
 def parse_body(
-    body: bytes | bytearray | memoryview, *, keys: tuple[str, ...] = PAYLOAD_KEYS, decode: bool = False
+    body: bytes | bytearray | memoryview,
+    *,
+    keys: tuple[str, ...] = PAYLOAD_KEYS,
+    decode: bool | PayloadDecoder = False,
 ) -> ParsedBody:
     """Parse a JSON body once, leaving the string values of ``keys`` unparsed in the raw bytes.
 
@@ -218,7 +223,9 @@ def parse_body(
     replaced by a short placeholder before orjson parses what is left.
 
     ``decode``: the caller will decode the payloads, so strings of 64 KiB or more are decoded
-    here. Their ends are guessed from a few probes (:func:`_guess_string_end`) and proved by the
+    here, by ``decode`` itself when it is a :data:`PayloadDecoder` (one that can also check the
+    routes it decodes, see :func:`~r3lightning.rollout.route_decode.decode_payload`), else by
+    ``decode_payload``. Their ends are guessed from a few probes (:func:`_guess_string_end`) and proved by the
     strict base64 decode itself: a span that decodes holds neither a quote nor an escape. So the
     payload is read once, by the decode, which runs on this thread while a helper thread parses
     the rest of the JSON. A wrong guess (a body with two large payloads can cause one) falls
@@ -241,7 +248,7 @@ def parse_body_with(
     then: Callable[[ParsedBody], T],
     *,
     keys: tuple[str, ...] = PAYLOAD_KEYS,
-    decode: bool = False,
+    decode: bool | PayloadDecoder = False,
 ) -> tuple[ParsedBody, T]:
     """:func:`parse_body`, then ``then(parsed)``: with ``decode``, on the helper thread while
     this one decodes the payloads, so the caller's own pass over the JSON fields costs nothing.
@@ -251,9 +258,10 @@ def parse_body_with(
     first parse and its outcome. What it raises is raised here.
     """
     buf = bytes(body) if not isinstance(body, bytes) else body
-    text, spans, guessed = _splice(buf, keys, guess=decode)
+    text, spans, guessed = _splice(buf, keys, guess=bool(decode))
     if guessed:
-        if (outcome := _parse_decoding(buf, keys, text, spans, guessed, then)) is not None:
+        decoder = decode_payload if decode is True else decode
+        if (outcome := _parse_decoding(buf, keys, text, spans, guessed, then, decoder)) is not None:
             return outcome
         text, spans, _ = _splice(buf, keys, guess=False)  # a wrong guess: the exact parse
     parsed = ParsedBody(_loads(text), buf, spans, {}, keys)
@@ -319,6 +327,7 @@ def _parse_decoding(
     spans: list[tuple[int, int, bool]],
     guessed: list[int],
     then: Callable[[ParsedBody], T],
+    decoder: PayloadDecoder,
 ) -> tuple[ParsedBody, T] | None:
     """The decoding parse of :func:`parse_body_with`; None when a guessed end was wrong."""
     parsed = ParsedBody(None, buf, spans, {}, keys)
@@ -327,13 +336,13 @@ def _parse_decoding(
         parsed.value = _loads(text)
         return then(parsed)
 
-    # orjson and ``then`` keep the GIL while pybase64 drops it: they run on a helper meanwhile
+    # orjson and ``then`` keep the GIL while the decode drops it: they run on a helper meanwhile
     job = _submit(fields)
     decoded: dict[int, DecodedPayload] = {}
     for index in guessed:
         start, end, _ = spans[index]
         try:
-            raw = pybase64.b64decode_as_bytearray(memoryview(buf)[start:end], validate=True)
+            payload = decoder(memoryview(buf)[start:end])
         except (binascii.Error, ValueError):
             # invalid base64, or a quote or escape inside: the exact scan tells which
             exact_end, escaped = _string_end(buf, start)
@@ -343,7 +352,7 @@ def _parse_decoding(
                 return None
             spans[index] = (start, end, escaped)  # right span, bad payload: its decoder reports it
             continue
-        decoded[index] = DecodedPayload(raw)
+        decoded[index] = payload
     outcome = job.result() if job is not None else fields()
     parsed._decoded.update((i, payload) for i, payload in decoded.items() if i not in parsed._taken)
     return parsed, outcome

@@ -19,7 +19,7 @@ import numpy as np
 from .errors import MalformedResponseError
 from .route_kernels import KERNEL_BLOCK, compiled_check
 
-__all__ = ["validate_routes"]
+__all__ = ["check_range", "check_shape", "check_unique_rows", "validate_routes"]
 
 # Rows per block of the numpy distinct-experts check: a block's columns ([top_k, block] in the
 # wire dtype) and its pairwise comparisons ([top_k*(top_k-1)/2, block] bools) stay in L2 cache.
@@ -44,16 +44,7 @@ def validate_routes(
     ids, 1.3 ms for int16); layouts no kernel covers use numpy (about 10 ms). The first call for
     a new row layout compiles its kernel (about 0.3 s). Never modifies ``routes``.
     """
-    if routes.ndim != 3:
-        raise MalformedResponseError(
-            f"{field}: expected shape [rows, num_layers, top_k], got {list(routes.shape)}"
-        )
-    for axis, expected, name in ((1, num_layers, "num_layers"), (2, top_k, "top_k")):
-        if expected is not None and routes.shape[axis] != expected:
-            raise MalformedResponseError(
-                f"{field}: shape {list(routes.shape)} has {routes.shape[axis]} on axis {axis}, "
-                f"expected {name}={expected}"
-            )
+    check_shape(routes, num_layers, top_k, field)
     if routes.size == 0:
         return
     unique = check_unique and routes.shape[2] > 1
@@ -68,6 +59,20 @@ def validate_routes(
     check_range(routes, num_experts, field)
     if unique:
         _raise_first_repeat(routes, 0, field, block=routes.size)
+
+
+def check_shape(routes: np.ndarray, num_layers: int | None, top_k: int | None, field: str) -> None:
+    """``routes`` must be ``[rows, num_layers, top_k]`` (``None`` takes any size on that axis)."""
+    if routes.ndim != 3:
+        raise MalformedResponseError(
+            f"{field}: expected shape [rows, num_layers, top_k], got {list(routes.shape)}"
+        )
+    for axis, expected, name in ((1, num_layers, "num_layers"), (2, top_k, "top_k")):
+        if expected is not None and routes.shape[axis] != expected:
+            raise MalformedResponseError(
+                f"{field}: shape {list(routes.shape)} has {routes.shape[axis]} on axis {axis}, "
+                f"expected {name}={expected}"
+            )
 
 
 def check_range(routes: np.ndarray, num_experts: int | None, field: str) -> int | None:

@@ -27,7 +27,16 @@ import functools
 
 import numpy as np
 
-__all__ = ["KERNEL_BLOCK", "compiled_check", "vector_covers", "word_layout"]
+__all__ = [
+    "KERNEL_BLOCK",
+    "VECTOR_BYTES",
+    "VectorRowCheck",
+    "compiled_check",
+    "vector_covers",
+    "vector_covers_rows",
+    "vector_limit",
+    "word_layout",
+]
 
 # Rows per block of the compiled kernels: they report the first block with a repeat, which numpy
 # then searches for the exact row (only on the error path).
@@ -228,69 +237,154 @@ def _swar_kernel(word_bits: int, lanes: int, words: int, range_test: int, unique
 
 # --------------------------------------------------------------------------- the vector kernel
 
-_VECTOR_BYTES = 64  # one AVX-512 register; LLVM splits it into two or four on narrower machines
+VECTOR_BYTES = 64  # one AVX-512 register; LLVM splits it into two or four on narrower machines
 
 
 def vector_covers(routes: np.ndarray) -> bool:
     """Whether the vector kernel checks ``routes`` (C-contiguous, native order assumed): a
     power-of-two ``top_k`` above 1 of 1, 2 or 4-byte ids, rows of 8 to 64 bytes (uint8 top-8,
     the layout vLLM and SkyRL send for up to 256 experts; int16 top-8; SGLang's int32 top-8)."""
-    top_k, size = routes.shape[2], routes.dtype.itemsize
-    return size in (1, 2, 4) and top_k > 1 and not top_k & (top_k - 1) and 8 <= top_k * size <= _VECTOR_BYTES
+    return vector_covers_rows(routes.shape[2], routes.dtype.itemsize)
+
+
+def vector_covers_rows(top_k: int, itemsize: int) -> bool:
+    """:func:`vector_covers` for rows of ``top_k`` ids of ``itemsize`` bytes."""
+    return (
+        itemsize in (1, 2, 4)
+        and top_k > 1
+        and not top_k & (top_k - 1)
+        and 8 <= top_k * itemsize <= VECTOR_BYTES
+    )
+
+
+def vector_limit(dtype: np.dtype, num_experts: int | None) -> int:
+    """The bound the vector kernel holds ids of ``dtype`` under, compared unsigned: ``num_experts``
+    where given, at most half the range for signed ids (a negative id has its top bit set), and
+    the whole range (a bound no id reaches) otherwise."""
+    bits = 8 * dtype.itemsize
+    limit = 1 << bits
+    if num_experts is not None:
+        limit = min(limit, num_experts)
+    if dtype.kind == "i":
+        limit = min(limit, 1 << (bits - 1))
+    return limit
 
 
 def _run_vector(routes: np.ndarray, num_experts: int | None, *, range_check: bool) -> tuple[int, bool]:
     """The vector kernel: ``(first flat row of the first block with a repeat or -1, whether an
-    id is out of range)``. Ids are compared unsigned: a negative id has its top bit set, so a
-    bound of at most half the range catches it."""
+    id is out of range)``."""
     bits = 8 * routes.dtype.itemsize
-    limit = 1 << bits  # no unsigned id reaches it
-    if range_check:
-        if num_experts is not None:
-            limit = min(limit, num_experts)
-        if routes.dtype.kind == "i":
-            limit = min(limit, 1 << (bits - 1))
+    limit = vector_limit(routes.dtype, num_experts) if range_check else 1 << bits
     data = routes.reshape(-1).view(np.uint8)  # [rows * row bytes]
     kernel = _vector_kernel(bits, routes.shape[2] * routes.dtype.itemsize)
     first_block, bad = kernel(data, np.uint64(limit))
     return int(first_block), bool(bad)
 
 
-@functools.cache
-def _vector_kernel(lane_bits: int, row_bytes: int):
-    """The distinct-experts and range check of ``row_bytes``-byte rows of ``lane_bits``-bit ids,
-    written as portable LLVM vector code (a numba intrinsic) over 64-byte vectors of rows.
+class VectorRowCheck:
+    """LLVM IR for the vector row check, shared by :func:`_vector_kernel` and the fused decode
+    (:mod:`.route_decode`): feed it 64-byte vectors of whole rows with :meth:`add`, then read
+    the flags with :meth:`flags`. One object per layout; :meth:`begin` gives each loop its own
+    running state.
 
     Per vector: each rotation of a row by 1 .. top_k/2 lanes is xored with the row, and the
     lane-wise unsigned minimum of those xors is zero exactly where two ids of the row are equal;
-    all-zero rows (dense-layer filler) are lifted out with an all-ones mask. A block's minimum
-    and maximum stay in two vector registers and are tested once per block. LLVM maps this to
-    rotates or shuffles, xor, min and max (vprolq, vpminub on AVX-512): 0.47 ms for 32k x 48 x 8
-    uint8 ids on one core against 0.65 ms for the SWAR kernel, whose zero-lane test costs two
-    more operations per rotation."""
+    all-zero rows (dense-layer filler) are lifted out with an all-ones mask. The running minimum
+    and maximum stay in two vector registers. LLVM maps this to rotates or shuffles, xor, min and
+    max (vprolq, vpminub on AVX-512): about 14 operations per vector of uint8 top-8 rows.
+    """
+
+    def __init__(self, lane_bits: int, row_bytes: int):
+        from llvmlite import ir
+
+        self.lane_bits, self.lanes = lane_bits, 8 * VECTOR_BYTES // lane_bits
+        top_k = 8 * row_bytes // lane_bits
+        self.vector = ir.VectorType(ir.IntType(lane_bits), self.lanes)
+        self.words = ir.VectorType(ir.IntType(64), VECTOR_BYTES // 8)
+        index = ir.VectorType(ir.IntType(32), self.lanes)
+        self.rotations = [  # by 1 .. top_k/2 lanes within each row: together they pair every two ids
+            ir.Constant(index, [top_k * (i // top_k) + (i % top_k + step) % top_k for i in range(self.lanes)])
+            for step in range(1, top_k // 2 + 1)
+        ]
+        # a row is all zero when all its 64-bit words are: AND each word with its partners, pairwise
+        self.partners = [
+            ir.Constant(
+                ir.VectorType(ir.IntType(32), self.words.count), [i ^ s for i in range(self.words.count)]
+            )
+            for s in (1, 2, 4)
+            if s < row_bytes // 8
+        ]
+
+    def begin(self, builder) -> tuple:
+        """A loop's running ``(minimum, maximum)``, allocated before it (stack slots that LLVM
+        keeps in registers)."""
+        from llvmlite import ir
+        from numba.core import cgutils
+
+        full = (1 << self.lane_bits) - 1
+        return (
+            cgutils.alloca_once_value(builder, ir.Constant(self.vector, [full] * self.lanes)),
+            cgutils.alloca_once_value(builder, ir.Constant(self.vector, [0] * self.lanes)),
+        )
+
+    def add(self, builder, state: tuple, ids) -> None:
+        """Check one vector ``ids`` (64 bytes of whole rows, any vector type of that size)."""
+        from llvmlite import ir
+
+        ids = builder.bitcast(ids, self.vector)
+        undefined = ir.Constant(self.vector, ir.Undefined)
+        xors = None
+        for rotation in self.rotations:
+            xor = builder.xor(ids, builder.shuffle_vector(ids, undefined, rotation))
+            xors = xor if xors is None else _unsigned_min(builder, xors, xor)
+        words = self.words
+        zero = builder.icmp_unsigned("==", builder.bitcast(ids, words), ir.Constant(words, [0] * words.count))
+        for partner in self.partners:
+            zero = builder.and_(
+                zero, builder.shuffle_vector(zero, ir.Constant(zero.type, ir.Undefined), partner)
+            )
+        xors = builder.or_(xors, builder.bitcast(builder.sext(zero, words), self.vector))
+        smallest, largest = state
+        builder.store(_unsigned_min(builder, builder.load(smallest), xors), smallest)
+        high = builder.load(largest)
+        builder.store(builder.select(builder.icmp_unsigned(">", high, ids), high, ids), largest)
+
+    def flags(self, builder, state: tuple):
+        """``(i64 nonzero if a row repeats an id, i64 largest id)`` over the vectors added."""
+        from llvmlite import ir
+        from numba.core import cgutils
+
+        smallest, largest = state
+        repeated = builder.icmp_unsigned(
+            "==", builder.load(smallest), ir.Constant(self.vector, [0] * self.lanes)
+        )
+        repeats = builder.zext(builder.bitcast(repeated, ir.IntType(self.lanes)), ir.IntType(64))
+        reduce_max = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.IntType(self.lane_bits), [self.vector]),
+            f"llvm.vector.reduce.umax.v{self.lanes}i{self.lane_bits}",
+        )
+        top = builder.zext(builder.call(reduce_max, [builder.load(largest)]), ir.IntType(64))
+        return repeats, top
+
+
+def _unsigned_min(builder, a, b):
+    return builder.select(builder.icmp_unsigned("<", a, b), a, b)
+
+
+@functools.cache
+def _vector_kernel(lane_bits: int, row_bytes: int):
+    """The distinct-experts and range check of ``row_bytes``-byte rows of ``lane_bits``-bit ids
+    (:class:`VectorRowCheck`, as a numba intrinsic) over 64-byte vectors of rows. A block's
+    minimum and maximum are tested once per block: 0.47 ms for 32k x 48 x 8 uint8 ids on one
+    core against 0.65 ms for the SWAR kernel, whose zero-lane test costs two more operations
+    per rotation."""
     import numba
-    from llvmlite import ir
     from numba import types
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    lanes, top_k = 8 * _VECTOR_BYTES // lane_bits, 8 * row_bytes // lane_bits
-    lane, vector = ir.IntType(lane_bits), ir.VectorType(ir.IntType(lane_bits), lanes)
-    words = ir.VectorType(ir.IntType(64), _VECTOR_BYTES // 8)
-    index = ir.VectorType(ir.IntType(32), lanes)
-    rotations = [  # by 1 .. top_k/2 lanes within each row: together they pair every two ids
-        ir.Constant(index, [top_k * (i // top_k) + (i % top_k + step) % top_k for i in range(lanes)])
-        for step in range(1, top_k // 2 + 1)
-    ]
-    # a row is all zero when all its 64-bit words are: AND each word with its partners, pairwise
-    partners = [
-        ir.Constant(ir.VectorType(ir.IntType(32), words.count), [i ^ step for i in range(words.count)])
-        for step in (1, 2, 4)
-        if step < row_bytes // 8
-    ]
-
-    def unsigned_min(builder, a, b):
-        return builder.select(builder.icmp_unsigned("<", a, b), a, b)
+    check = VectorRowCheck(lane_bits, row_bytes)
 
     @intrinsic
     def block_flags(typingctx, data, first, count):
@@ -300,42 +394,19 @@ def _vector_kernel(lane_bits: int, row_bytes: int):
         def codegen(context, builder, sig, args):
             array, first, count = args
             base = context.make_array(sig.args[0])(context, builder, array).data
-            base = builder.bitcast(base, vector.as_pointer())
-            smallest = cgutils.alloca_once_value(builder, ir.Constant(vector, [(1 << lane_bits) - 1] * lanes))
-            largest = cgutils.alloca_once_value(builder, ir.Constant(vector, [0] * lanes))
+            base = builder.bitcast(base, check.vector.as_pointer())
+            state = check.begin(builder)
             with cgutils.for_range(builder, count) as loop:
-                ids = builder.load(builder.gep(base, [builder.add(first, loop.index)]), align=1)
-                xors = None
-                for rotation in rotations:
-                    turned = builder.shuffle_vector(ids, ir.Constant(vector, ir.Undefined), rotation)
-                    xor = builder.xor(ids, turned)
-                    xors = xor if xors is None else unsigned_min(builder, xors, xor)
-                zero = builder.icmp_unsigned(
-                    "==", builder.bitcast(ids, words), ir.Constant(words, [0] * words.count)
+                check.add(
+                    builder, state, builder.load(builder.gep(base, [builder.add(first, loop.index)]), align=1)
                 )
-                for partner in partners:
-                    zero = builder.and_(
-                        zero, builder.shuffle_vector(zero, ir.Constant(zero.type, ir.Undefined), partner)
-                    )
-                xors = builder.or_(xors, builder.bitcast(builder.sext(zero, words), vector))
-                builder.store(unsigned_min(builder, builder.load(smallest), xors), smallest)
-                high = builder.load(largest)
-                builder.store(builder.select(builder.icmp_unsigned(">", high, ids), high, ids), largest)
-            repeated = builder.icmp_unsigned("==", builder.load(smallest), ir.Constant(vector, [0] * lanes))
-            repeats = builder.zext(builder.bitcast(repeated, ir.IntType(lanes)), ir.IntType(64))
-            reduce_max = cgutils.get_or_insert_function(
-                builder.module,
-                ir.FunctionType(lane, [vector]),
-                f"llvm.vector.reduce.umax.v{lanes}i{lane_bits}",
-            )
-            top = builder.zext(builder.call(reduce_max, [builder.load(largest)]), ir.IntType(64))
-            return context.make_tuple(builder, sig.return_type, [repeats, top])
+            return context.make_tuple(builder, sig.return_type, list(check.flags(builder, state)))
 
         return signature, codegen
 
     u64 = np.uint64
-    rows_per_vector = _VECTOR_BYTES // row_bytes
-    width, per_vector = u64(_VECTOR_BYTES), u64(rows_per_vector)
+    rows_per_vector = VECTOR_BYTES // row_bytes
+    width, per_vector = u64(VECTOR_BYTES), u64(rows_per_vector)
     block, kernel_block = u64(KERNEL_BLOCK // rows_per_vector), u64(KERNEL_BLOCK)  # block: vectors
 
     @numba.njit(nogil=True, cache=False)
@@ -352,7 +423,7 @@ def _vector_kernel(lane_bits: int, row_bytes: int):
             start += count
         tail = u64(data.shape[0]) - n * width
         if tail != u64(0):  # the last rows, padded with all-zero rows (exempt and in range)
-            padded = np.zeros(_VECTOR_BYTES, np.uint8)
+            padded = np.zeros(VECTOR_BYTES, np.uint8)
             padded[:tail] = data[n * width :]
             repeats, high = block_flags(padded, u64(0), u64(1))
             top = max(top, high)

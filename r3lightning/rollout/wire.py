@@ -16,8 +16,10 @@ torch has few operations for uint16.
 
 A generate response is mostly that one base64 string; :mod:`r3lightning.rollout.json_body`
 parses the body around it and hands the payload here already decoded or as a zero-copy view,
-which pybase64 decodes straight into the numpy array's buffer. Decoding is one SIMD base64 pass
-plus one validation pass (:mod:`r3lightning.rollout.route_check`); nothing is ever unpickled.
+which is decoded straight into the numpy array's buffer. Decoding is one SIMD base64 pass plus
+one validation pass (:mod:`r3lightning.rollout.route_check`), or, where the parse decoded the
+payload with the route check fused in (:mod:`r3lightning.rollout.route_decode`), that one pass
+alone; nothing is ever unpickled.
 
 Every decoder validates before it allocates (dtype, shape, byte count, size cap) and raises
 :class:`MalformedResponseError` (a ``ValueError``) naming the field.
@@ -38,7 +40,8 @@ import pybase64
 from ..routes import WIRE_DTYPES, compact_dtype
 from .errors import MalformedResponseError
 from .json_body import PAYLOAD_KEYS, DecodedPayload, ParsedBody, parse_body, read_capped
-from .route_check import check_range, check_unique_rows, validate_routes
+from .route_check import check_range, check_shape, check_unique_rows, validate_routes
+from .route_decode import decode_payload
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -55,6 +58,7 @@ __all__ = [
     "encode_routes",
     "parse_body",
     "read_capped",
+    "read_npy_header",
     "validate_routes",
 ]
 
@@ -144,7 +148,7 @@ def _b64_to_buffer(data: Any, expected_bytes: int, field: str) -> bytearray:
     if isinstance(data, DecodedPayload):
         return data.raw
     try:
-        return pybase64.b64decode_as_bytearray(data, validate=True)
+        return decode_payload(data).raw
     except (binascii.Error, ValueError) as exc:
         raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
 
@@ -204,22 +208,61 @@ def decode_routes(
     See :func:`decode_array` for the decoding and :func:`validate_routes` for the checks.
     """
     routes = decode_array(envelope, max_bytes=max_bytes, field=field)
-    validate_routes(
+    return _validated(
         routes,
+        envelope["data"],
+        0,
         num_experts=num_experts,
         num_layers=num_layers,
         top_k=top_k,
         check_unique=check_unique,
         field=field,
     )
-    return _signed(routes)
 
 
-def _signed(routes: np.ndarray) -> np.ndarray:
-    """uint16 routes as int16 (a free view when every id is below 32768, else an int32 copy)."""
+def _checked_by_decode(data: Payload, routes: np.ndarray, offset: int, num_experts: int | None) -> int | None:
+    """The largest id of ``routes`` (the bytes of ``data`` from ``offset`` to its end) when the
+    decode already ran a route check on exactly these rows at least as strict as the one asked
+    for (:func:`~r3lightning.rollout.route_decode.decode_payload`), else None."""
+    if not isinstance(data, DecodedPayload) or data.checked is None or data.rows_from != offset:
+        return None
+    return data.largest if data.checked.covers(routes, num_experts) else None
+
+
+def _validated(
+    routes: np.ndarray,
+    data: Payload,
+    offset: int,
+    *,
+    num_experts: int | None,
+    num_layers: int | None,
+    top_k: int | None,
+    check_unique: bool,
+    field: str,
+) -> np.ndarray:
+    """``routes`` checked (:func:`validate_routes`, or only their shape where the decode already
+    checked their ids), uint16 ids as int16 where they fit."""
+    largest = _checked_by_decode(data, routes, offset, num_experts)
+    if largest is None:
+        validate_routes(
+            routes,
+            num_experts=num_experts,
+            num_layers=num_layers,
+            top_k=top_k,
+            check_unique=check_unique,
+            field=field,
+        )
+    else:
+        check_shape(routes, num_layers, top_k, field)
+    return _signed(routes, largest)
+
+
+def _signed(routes: np.ndarray, largest: int | None = None) -> np.ndarray:
+    """uint16 routes as int16 (a free view when every id is below 32768, else an int32 copy);
+    ``largest``: their largest id, when known."""
     if routes.dtype != WIRE_DTYPES["uint16"]:
         return routes
-    if routes.size == 0 or int(routes.max()) < 32768:
+    if routes.size == 0 or (largest if largest is not None else int(routes.max())) < 32768:
         return routes.view(WIRE_DTYPES["int16"])
     return routes.astype(WIRE_DTYPES["int32"])
 
@@ -255,11 +298,12 @@ def decode_flat_routes(
         )
     buffer = _b64_to_buffer(data, nbytes, field)
     routes = np.frombuffer(buffer, dtype=WIRE_DTYPES["int32"]).reshape(-1, num_layers, top_k)
+    checked = _checked_by_decode(data, routes, 0, num_experts)
     # int32 is signed: the range pass always yields the largest id, reused for the compact dtype
-    high = check_range(routes, num_experts, field) if routes.size else 0
+    high = checked if checked is not None else check_range(routes, num_experts, field) if routes.size else 0
     if compact:
         routes = routes.astype(compact_dtype(high or 0), copy=False)
-    if check_unique:  # on the compact copy: up to 4x less memory traffic
+    if check_unique and checked is None:  # on the compact copy: up to 4x less memory traffic
         check_unique_rows(routes, field)
     return routes
 
@@ -284,7 +328,7 @@ def _b64_prefix(data: Payload, nbytes: int, field: str) -> bytes:
         raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
 
 
-def _npy_header(data: Payload, field: str) -> tuple[int, np.dtype, list[int]]:
+def read_npy_header(data: Payload, field: str) -> tuple[int, np.dtype, list[int]]:
     """``(data offset, dtype, shape)`` from the header of a base64 ``.npy`` file.
 
     The header is a Python dict literal (format versions 1-3); it is read with
@@ -368,17 +412,18 @@ def decode_npy_routes(
     :func:`decode_routes`; uint16 ids come back as int16.
     """
     _check_payload_type(data, field)
-    offset, dtype, shape = _npy_header(data, field)
+    offset, dtype, shape = read_npy_header(data, field)
     count = math.prod(shape)
     _check_size(count * dtype.itemsize, max_bytes, field)
     buffer = _b64_to_buffer(data, offset + count * dtype.itemsize, field)
     routes = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
-    validate_routes(
+    return _validated(
         routes,
+        data,
+        offset,
         num_experts=num_experts,
         num_layers=num_layers,
         top_k=top_k,
         check_unique=check_unique,
         field=field,
     )
-    return _signed(routes)
