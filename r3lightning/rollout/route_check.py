@@ -8,6 +8,9 @@ and distinctness in one pass without the GIL and without a copy: about 0.5 ms on
 (about 10 ms for 32k x 48 x 8). numpy also finds the exact row or id behind a kernel's flag,
 for the message. Splitting a check across threads did not pay on 2 cores.
 
+Where the client decoded a payload with this check fused into the decode
+(:mod:`.route_decode`), the wire decoders call only :func:`check_shape`.
+
 All-zero rows (the filler of a dense layer) are exempt from the distinct-experts rule; errors
 are :class:`MalformedResponseError` naming the field, the row and the layer.
 """
