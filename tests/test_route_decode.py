@@ -395,3 +395,15 @@ def test_a_failed_row_check_still_decodes_and_validates_the_rest(bad_at):
     text[400 if bad_at == "same stretch" else len(text) // 2] = ord("*")
     with pytest.raises(binascii.Error, match="Non-base64 digit found"):
         decode_payload(bytes(text), RowCheck.of(routes.dtype, 8, 128))
+
+
+@needs_kernel
+def test_any_contiguous_buffer_is_read_as_bytes():
+    data = np.random.default_rng(5).integers(0, 256, MIN_BYTES + 30, dtype=np.uint8).tobytes()
+    text = base64.b64encode(data)
+    for given in (memoryview(text).cast("H"), bytearray(text), np.frombuffer(text, np.uint8)):
+        payload = decode_payload(given)
+        assert isinstance(payload.raw, np.ndarray) and payload.raw.tobytes() == data
+    strided = memoryview(np.frombuffer(text + text, np.uint8).reshape(2, -1)[:, : len(text) // 2])
+    with pytest.raises((BufferError, ValueError, TypeError)):  # pybase64 refuses it, as before
+        decode_payload(strided)

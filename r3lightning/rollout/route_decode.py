@@ -120,10 +120,11 @@ def decode_payload(
     for invalid base64. Cost: one pass over ``text``; the first call per row layout and process
     compiles its kernel (about 0.5 s).
     """
-    size = len(text)
-    if isinstance(text, str) or size < _FUSED_MIN_CHARS or size % 4 or not fused_decode_available():
+    view = None if isinstance(text, str) else memoryview(text)
+    if view is None or not _fused_takes(view):
         return DecodedPayload(pybase64.b64decode_as_bytearray(text, validate=True))
-    src = np.frombuffer(text, np.uint8)  # [chars]
+    src = np.frombuffer(view, np.uint8)  # [chars], whatever the buffer's item size
+    size = src.size
     padding = int(src[-1] == ord("=")) + int(src[-2] == ord("="))
     nbytes, steps = size // 4 * 3 - padding, (size - 4) // _STEP_CHARS
     row_bytes = rows.top_k * rows.dtype.itemsize if rows is not None else 1
@@ -156,6 +157,16 @@ def decode_payload(
                 return DecodedPayload(out)
             largest = max(largest, int(part.view(f"u{rows.dtype.itemsize}").max()))
     return DecodedPayload(out, rows, rows_from, largest)
+
+
+def _fused_takes(view: memoryview) -> bool:
+    """Whether the kernel decodes this text: contiguous, 64 KiB or more, whole groups of four."""
+    return (
+        view.c_contiguous
+        and view.nbytes >= _FUSED_MIN_CHARS
+        and not view.nbytes % 4
+        and fused_decode_available()
+    )
 
 
 def _aligned(nbytes: int) -> np.ndarray:
