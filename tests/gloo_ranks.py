@@ -22,4 +22,17 @@ def run_ranks(fn: Callable[..., Any], *args: Any, nprocs: int = 2) -> None:
     ``spawn``, not ``fork``: the test process may hold live threads (thread pools, servers, torch
     workers) whose locks a forked child would inherit mid-acquire and wait on forever.
     """
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+    mp.start_processes(_rank_main, args=(fn, *args), nprocs=nprocs, join=True, start_method="spawn")
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(rank, *args)``, then the rank's process group torn down if ``fn`` (or Lightning, which
+    leaves it up after ``fit``) did not: gloo's threads still alive at interpreter exit can abort
+    the rank ("terminate called without an active exception") after its work is done."""
+    try:
+        fn(rank, *args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
