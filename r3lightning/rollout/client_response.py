@@ -42,7 +42,8 @@ def parse_response(
     With ``prompt_len`` the route row count must be ``prompt_len - start + G - 1`` (``G`` = the
     response length). Cost: an orjson parse of the body's non-route part, and (when wanted) one
     base64 decode of the routes, done while parsing the body (see
-    :func:`~r3lightning.rollout.json_body.parse_body`), plus one validation pass
+    :func:`~r3lightning.rollout.json_body.parse_body`), which also checks them where the fused
+    kernel runs (:func:`_route_decoder`); elsewhere, one validation pass
     (:func:`~r3lightning.rollout.route_check.validate_routes`). Without routes, one ``memchr``
     scan skips the payload.
     """

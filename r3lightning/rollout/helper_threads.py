@@ -1,8 +1,8 @@
 """Helper threads for the client's decode path.
 
 A generate response with routes is one large base64 payload in a small JSON document. The
-payload's decode (a GIL-free compiled kernel, or pybase64) drops the GIL; the JSON parse (orjson) and the reading of its fields
-keep it. So :func:`~r3lightning.rollout.json_body.parse_body_with` hands the JSON to a helper
+payload's decode (a GIL-free compiled kernel, or pybase64) drops the GIL; the JSON parse
+(orjson) and the reading of its fields keep it. So :func:`~r3lightning.rollout.json_body.parse_body_with` hands the JSON to a helper
 thread from :func:`helper_pool` while the calling thread decodes. Helpers never wait on the pool
 themselves, so concurrent parses cannot deadlock it. Threads start on first use.
 """

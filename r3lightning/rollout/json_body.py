@@ -225,11 +225,11 @@ def parse_body(
     ``decode``: the caller will decode the payloads, so strings of 64 KiB or more are decoded
     here, by ``decode`` itself when it is a :data:`PayloadDecoder` (one that can also check the
     routes it decodes, see :func:`~r3lightning.rollout.route_decode.decode_payload`), else by
-    ``decode_payload``. Their ends are guessed from a few probes (:func:`_guess_string_end`) and proved by the
-    strict base64 decode itself: a span that decodes holds neither a quote nor an escape. So the
-    payload is read once, by the decode, which runs on this thread while a helper thread parses
-    the rest of the JSON. A wrong guess (a body with two large payloads can cause one) falls
-    back to the exact parse below, after one wasted decode attempt.
+    ``decode_payload``. Their ends are guessed from a few probes (:func:`_guess_string_end`) and
+    proved by the strict base64 decode itself: a span that decodes holds neither a quote nor an
+    escape. So the payload is read once, by the decode, which runs on this thread while a helper
+    thread parses the rest of the JSON. A wrong guess (a body with two large payloads can cause
+    one) falls back to the exact parse below, after one wasted decode attempt.
 
     Otherwise ``memchr`` finds each closing quote (noting on the way whether the span holds an
     escape): one more streaming pass over the payload. Cost beyond the payload: one copy of the

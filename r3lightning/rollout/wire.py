@@ -138,7 +138,7 @@ def _decoded_size(data: Payload, field: str) -> int:
     return n // 4 * 3 - tail.count(b"=")
 
 
-def _b64_to_buffer(data: Any, expected_bytes: int, field: str) -> bytearray:
+def _b64_to_buffer(data: Any, expected_bytes: int, field: str) -> bytearray | np.ndarray:
     _check_payload_type(data, field)
     size = _decoded_size(data, field)
     if size != expected_bytes:
