@@ -54,7 +54,7 @@ def serve(port_file: str, tokens: int) -> None:
     from aiohttp import web
 
     from r3lightning.align.dummy import dummy_routes
-    from r3lightning.rollout.wire import encode_routes
+    from r3lightning.wire.codec import encode_routes
 
     routes = encode_routes(dummy_routes(tokens - 1, LAYERS, TOP_K, EXPERTS).numpy(), dtype="uint8")
 

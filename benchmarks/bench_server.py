@@ -102,7 +102,7 @@ async def _measure(url: str, body: bytes) -> tuple[list[float], float, list[int]
 async def main(mb: int) -> None:
     tokens = (mb << 20) // 7
     body = b'{"token_ids": [' + b", ".join([b"12345"] * tokens) + b"]}"
-    serve = [sys.executable, "-m", "r3lightning.rollout.server", "--port", "0", "--device", "cpu"]
+    serve = [sys.executable, "-m", "r3lightning.serve.server", "--port", "0", "--device", "cpu"]
     arms = {
         "decode on the event loop": [sys.executable, __file__, "--serve-on-loop"],
         "RolloutServer, decoder thread": [*serve, "--max-request-bytes", str(len(body) + 1)],

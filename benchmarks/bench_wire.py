@@ -5,7 +5,7 @@ routes (32k rows: 24 MiB raw, 32 MiB of base64) next to 1024 response token ids 
 Arms, timed side by side in one run (each arm's repeats back to back, see ``time_arms``):
 
 - floor: ``pybase64.b64decode`` of the payload bytes alone (already cut out of the body);
-- the client's codec (``r3lightning.rollout.wire``): ``parse_body(decode=True)`` + ``decode_array``
+- the client's codec (``r3lightning.wire.codec``): ``parse_body(decode=True)`` + ``decode_array``
   (the body decode: routes bytes only), + ``decode_routes`` (id-range and distinct-expert
   validation, what the client does by default), and the whole response parse the client runs
   (``client_response.parse_response``: token ids, logprobs, raw response), with and without the
@@ -25,7 +25,7 @@ dense all-zero rows exempt), "range-checked" the same without the distinct-exper
 three arms of a protocol are timed in turn within each round (interleaved).
 
 The floor is one thread. The client's parse uses the process's helper thread where there is a
-second core (``r3lightning.rollout.helper_threads``): it reads the JSON fields while the calling
+second core (``r3lightning.wire.helper_threads``): it reads the JSON fields while the calling
 thread decodes the payload; the calling thread then checks the routes.
 
 Before timing, the codec decodes a reformatted body (reversed key order, indented) and every
@@ -46,9 +46,9 @@ import pybase64
 import torch
 
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.rollout.client_protocol import RouteSchema
-from r3lightning.rollout.client_response import parse_response
-from r3lightning.rollout.wire import decode_array, decode_routes, encode_routes, parse_body, validate_routes
+from r3lightning.wire.codec import decode_array, decode_routes, encode_routes, parse_body, validate_routes
+from r3lightning.wire.request import RouteSchema
+from r3lightning.wire.response import parse_response
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS = 48, 8, 128
 RESPONSE_TOKENS = 1024

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .ragged import (
+from r3lightning.ragged import (
     INT32_MAX,
     LengthsLike,
     batch_index,

@@ -79,7 +79,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing the pack
 import torch  # noqa: E402
 
 CHECKS = ("transfer", "hf", "hf-fsdp", "hf-fsdp2", "grpo", "grpo-bf16", "grpo-fsdp2", "megatron")
-# the tiny Qwen3-MoE of r3lightning.models.tiny: 4 decoder layers (0 dense), 8 experts, top-2
+# the tiny Qwen3-MoE of r3lightning.testing.tiny: 4 decoder layers (0 dense), 8 experts, top-2
 LAYERS, TOP_K, EXPERTS, VOCAB = 4, 2, 8, 96
 MOE_LAYERS = (1, 2, 3)
 
@@ -264,10 +264,10 @@ def replayed_slots(used: torch.Tensor, trajectories) -> tuple[int, int]:
 def check_transfer(device: torch.device) -> dict[str, Any]:
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.data.datamodule import R3DataModule
-    from r3lightning.models.tiny import build_tiny_moe
     from r3lightning.replay.callback import RouterReplayCallback
     from r3lightning.replay.context import record_routes
-    from r3lightning.replay.hf import HFRouterReplay
+    from r3lightning.replay.hf.replay import HFRouterReplay
+    from r3lightning.testing.tiny import build_tiny_moe
 
     cuda = device.type == "cuda"
     batch_size, count = 4, 16
@@ -351,8 +351,8 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------- check 2: HF + Lightning
 def engine_trajectories(device: torch.device, count: int):
     """Trajectories whose routes a bf16 engine with perturbed routers recorded on ``device``."""
-    from r3lightning.models.tiny import build_tiny_moe
     from r3lightning.replay.context import record_routes
+    from r3lightning.testing.tiny import build_tiny_moe
 
     engine = build_tiny_moe(seed=0, dtype=torch.bfloat16).to(device)
     generator = torch.Generator().manual_seed(7)
@@ -374,9 +374,9 @@ def engine_trajectories(device: torch.device, count: int):
 def _lightning_module(shard: bool):
     import lightning.pytorch as pl
 
-    from r3lightning.models.tiny import build_tiny_moe
     from r3lightning.replay.callback import RouterReplayCallback
     from r3lightning.replay.context import record_routes
+    from r3lightning.testing.tiny import build_tiny_moe
 
     class ReplayedPolicy(pl.LightningModule):
         """Token NLL on the loss mask; notes what every training step saw and routed."""
@@ -542,9 +542,9 @@ def check_grpo(device: torch.device, variant: str) -> dict[str, Any]:
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.data.datamodule import R3DataModule
     from r3lightning.job.module import GRPOModule
-    from r3lightning.models.tiny import build_tiny_moe
     from r3lightning.replay.callback import RouterReplayCallback
     from r3lightning.replay.context import record_routes
+    from r3lightning.testing.tiny import build_tiny_moe
 
     cuda = device.type == "cuda"
     batch_size, count = 4, 12
@@ -647,7 +647,7 @@ def megatron_runtime(device: torch.device) -> Iterator[None]:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from r3lightning.replay.megatron_cpu import megatron_device_shims
+    from r3lightning.testing.megatron_cpu import megatron_device_shims
 
     with megatron_device_shims(device):
         if device.type == "cuda":
@@ -705,7 +705,7 @@ def _megatron_replay(device: torch.device) -> dict[str, Any]:
     from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
     from r3lightning.align.dummy import dummy_routes
     from r3lightning.packed import PackedTensor
-    from r3lightning.replay.megatron import MegatronRouterReplay
+    from r3lightning.replay.megatron.replay import MegatronRouterReplay
 
     layer_index = 2
     torch.manual_seed(0)

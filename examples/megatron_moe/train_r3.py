@@ -45,8 +45,8 @@ from r3lightning import (
     build_replay_mask,
     dummy_routes,
 )
-from r3lightning.job.megatron import TinyMegatronMoE
-from r3lightning.replay.megatron_cpu import megatron_device_shims
+from r3lightning.testing.megatron_cpu import megatron_device_shims
+from r3lightning.testing.tiny_megatron import TinyMegatronMoE
 
 
 def rollout(engine, engine_replay, prompts, response_len, generator):

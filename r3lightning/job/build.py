@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .common import JobError
+from r3lightning.job.common import JobError
 
 __all__ = ["JobError", "dataclass_from", "instantiate_node", "locate", "plain", "tensorboard_if_installed"]
 

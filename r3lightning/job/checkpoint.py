@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from .build import JobError
+from r3lightning.job.build import JobError
 
 
 def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:

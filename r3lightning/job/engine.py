@@ -21,9 +21,9 @@ import torch
 from omegaconf import DictConfig, ListConfig
 from torch import Tensor
 
-from .common import JobError, is_global_zero
-from .rollout_loop import Engine, WeightSync
-from .setup import build_model
+from r3lightning.job.common import JobError, is_global_zero
+from r3lightning.job.rollout_loop import Engine, WeightSync
+from r3lightning.job.setup import build_model
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -141,7 +141,7 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
     if not is_global_zero():
         yield Engine(None, gather=bool(rollout.sync_weights))
         return
-    from ..rollout.server import RolloutServer
+    from r3lightning.serve.server import RolloutServer
 
     server_cfg = rollout.server
     dtype = getattr(torch, str(server_cfg.dtype), None)

@@ -9,7 +9,7 @@
     r3lightning-train --help                                # config groups, options and keys
     python -m r3lightning.job.main ...                      # the same
 
-The configs ship inside the package (``r3lightning/conf``), so the job runs from a wheel in any
+The configs (top-level ``conf/``) ship inside the wheel as ``r3lightning/conf``, so the job runs from a wheel in any
 directory. Every swappable piece is built from its ``_target_`` (see ``setup.py`` for what the
 job passes itself).
 
@@ -37,8 +37,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .common import JobError, is_global_zero
-from .setup import CONF_DIR
+from r3lightning.job.common import JobError, is_global_zero
+from r3lightning.job.setup import CONF_DIR
 
 PROG = "r3lightning-train"
 # Hydra flags that take a value, and those the pre-check understands
@@ -48,9 +48,9 @@ _MULTIRUN_FLAGS = ("-m", "--multirun")
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     """Run the job described by ``cfg`` into ``run_dir``; returns ``{run name: history}``."""
-    from .engine import embedded_server
-    from .report import format_table, plot_runs
-    from .setup import check_config, model_runtime, replay_settings, train_one
+    from r3lightning.job.engine import embedded_server
+    from r3lightning.job.report import format_table, plot_runs
+    from r3lightning.job.setup import check_config, model_runtime, replay_settings, train_one
 
     check_config(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -108,7 +108,7 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
     """Run ``cfg`` into ``run_dir``; every failure the user can act on is one line and a status."""
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-    from ..rollout.errors import RemoteGenerateError
+    from r3lightning.wire.errors import RemoteGenerateError
 
     try:
         run(cfg, run_dir)
@@ -207,7 +207,7 @@ def _precheck(flags: list[str], overrides: list[str]) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from .setup import check_config
+    from r3lightning.job.setup import check_config
 
     plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
     try:
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point (``r3lightning-train``): Hydra parses the command-line overrides."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:
-        from .help import format_help
+        from r3lightning.job.help import format_help
 
         print(format_help(CONF_DIR))
         sys.exit(0)

@@ -19,13 +19,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from ..align.layout import TokenMetadataLayout, position_ids_from_mask
-from ..ragged import to_device_async
-from ..replay.backend import agreement_hits
-from ..replay.batch_fields import host_attention_mask
-from ..replay.callback import RouterReplayCallback
-from ..replay.context import record_routes, replay_routes
-from .grpo import (
+from r3lightning.align.layout import TokenMetadataLayout, position_ids_from_mask
+from r3lightning.correction.grpo import (
     GRPOConfig,
     masked_mean,
     mismatch_metrics,
@@ -34,6 +29,11 @@ from .grpo import (
     token_entropy,
     token_logprobs,
 )
+from r3lightning.ragged import to_device_async
+from r3lightning.replay.backend import agreement_hits
+from r3lightning.replay.batch_fields import host_attention_mask
+from r3lightning.replay.callback import RouterReplayCallback
+from r3lightning.replay.context import record_routes, replay_routes
 
 
 @dataclass
@@ -80,7 +80,7 @@ class GRPOModule(pl.LightningModule):
         # whose routes are recorded there); False: the rollout engine's logprobs.
         self.recompute_old_logprobs = recompute_old_logprobs
         self.measure_agreement = measure_agreement
-        # DCP directory (r3lightning.models.sharded) each rank reads its shards from after
+        # DCP directory (r3lightning.job.sharded) each rank reads its shards from after
         # sharding a meta-device model; None = the model arrives with its weights
         self.sharded_weights = sharded_weights
         self._paired: dict[str, Tensor] = {}  # measured at batch transfer, logged by training_step
@@ -249,7 +249,7 @@ class GRPOModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root
-        (:func:`~r3lightning.models.sharded.shard_model`); a model built on the meta device then
+        (:func:`~r3lightning.job.sharded.shard_model`); a model built on the meta device then
         reads this rank's shards from ``sharded_weights``. A no-op for other strategies.
         """
         mesh = self.device_mesh
@@ -260,7 +260,7 @@ class GRPOModule(pl.LightningModule):
             )
         if mesh is None or getattr(self.model, "_r3_sharded", False):
             return
-        from ..models.sharded import load_sharded_weights, shard_model
+        from r3lightning.job.sharded import load_sharded_weights, shard_model
 
         dp_mesh = (
             mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh

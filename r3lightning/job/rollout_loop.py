@@ -29,12 +29,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from ..rollout.client_protocol import RouteSchema
-from ..rollout.collector import RolloutCollector
-from ..rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
-from .common import JobError
-from .report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
-from .task import ScoredTask
+from r3lightning.job.common import JobError
+from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
+from r3lightning.rollout.collector import RolloutCollector
+from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
+from r3lightning.rollout.tasks import ScoredTask
+from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
 

@@ -32,15 +32,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from .build import dataclass_from, instantiate_node, locate, plain
-from .common import JobError, is_global_zero
+from r3lightning.job.build import dataclass_from, instantiate_node, locate, plain
+from r3lightning.job.common import JobError, is_global_zero
 
 if TYPE_CHECKING:
-    from .rollout_loop import Engine
+    from r3lightning.job.rollout_loop import Engine
 
 __all__ = ["CONF_DIR", "JobError", "build_model", "check_config", "is_global_zero", "train_one"]
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"  # shipped inside the package
+# A wheel carries the configs inside the package (setup.py copies them at build time); a source
+# checkout or an editable install reads the repository's top-level conf/.
+_PACKAGED_CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[2] / "conf"
 
 
 _MODES = ("r3", "r2", "off")
@@ -75,7 +78,7 @@ def _positive_number(cfg: DictConfig, key: str) -> None:
 
 def replay_callback_settings(cfg: DictConfig) -> DictConfig | None:
     """The ``callbacks`` entry whose ``_target_`` is a ``RouterReplayCallback`` (None if removed)."""
-    from ..replay.callback import RouterReplayCallback
+    from r3lightning.replay.callback import RouterReplayCallback
 
     for name, node in cfg.callbacks.items():
         if node is None or "_target_" not in node:
@@ -88,9 +91,9 @@ def replay_callback_settings(cfg: DictConfig) -> DictConfig | None:
 
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before anything is built; messages name the key and what it expects."""
-    from ..rollout.prompts import SamplingConfig
-    from .grpo import GRPOConfig
-    from .module import OptimConfig
+    from r3lightning.correction.grpo import GRPOConfig
+    from r3lightning.job.module import OptimConfig
+    from r3lightning.rollout.prompts import SamplingConfig
 
     _int(cfg, "seed", minimum=None)
     _int(cfg, "steps")
@@ -210,8 +213,8 @@ def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Mod
         path = Path(str(values["path"])).expanduser()
         if not (path / "config.json").is_file():
             raise JobError(f"model.path must be a local checkpoint directory with a config.json, got {path}")
-        from ..models.sharded import meta_model
-        from .models import torch_dtype
+        from r3lightning.job.models import torch_dtype
+        from r3lightning.job.sharded import meta_model
 
         # parameters on the meta device: each FSDP2 rank reads only its shards after sharding
         return meta_model(path, dtype=torch_dtype(values.get("dtype", "float32"), "model.dtype"))
@@ -225,13 +228,13 @@ def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Mod
 
 def replay_backend(cfg: DictConfig, model: torch.nn.Module):
     """The router replay backend of ``model`` named by the replay callback's ``backend`` key."""
-    from ..replay.hf import HFRouterReplay
+    from r3lightning.replay.hf.replay import HFRouterReplay
 
     settings = replay_callback_settings(cfg)
     kind = "hf" if settings is None else settings.get("backend", "hf")
     try:
         if kind == "megatron":
-            from ..replay.megatron import MegatronRouterReplay
+            from r3lightning.replay.megatron.replay import MegatronRouterReplay
 
             own = getattr(model, "router_replay_backend", None)
             return own() if callable(own) else MegatronRouterReplay(model, validate=False)
@@ -255,7 +258,7 @@ def _model_vocab_size(model: torch.nn.Module) -> int | None:
 
 def build_task(cfg: DictConfig, vocab_size: int | None):
     """The task (``task._target_``) with its reward (``reward._target_``)."""
-    from .task import ScoredTask
+    from r3lightning.rollout.tasks import ScoredTask
 
     extra = {}
     if "vocab_size" in cfg.task and cfg.task.vocab_size is None:
@@ -300,7 +303,7 @@ def _callbacks(cfg: DictConfig, backend, mode: str) -> list:
     """The ``callbacks`` dict, in order; the replay callback gets the job's backend and mode, and
     ``strict`` from ``replay.strict`` when set (null: strict for r3 with an external engine, which
     must return routes, else the callback's own ``strict``)."""
-    from ..replay.callback import RouterReplayCallback
+    from r3lightning.replay.callback import RouterReplayCallback
 
     out = []
     for name, node in cfg.callbacks.items():
@@ -350,12 +353,12 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from ..data.buffer import ReplayBuffer
-    from ..rollout.client_protocol import RouteSchema
-    from .checkpoint import resume_checkpoint
-    from .grpo import GRPOConfig
-    from .module import OptimConfig
-    from .rollout_loop import on_policy_loop
+    from r3lightning.correction.grpo import GRPOConfig
+    from r3lightning.data.buffer import ReplayBuffer
+    from r3lightning.job.checkpoint import resume_checkpoint
+    from r3lightning.job.module import OptimConfig
+    from r3lightning.job.rollout_loop import on_policy_loop
+    from r3lightning.wire.request import RouteSchema
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model, trainer=True)

@@ -76,14 +76,20 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from ..align.align import align_packed_token_metadata, build_replay_mask
-from ..align.dummy import dummy_routes
-from ..align.layout import TokenMetadataLayout
-from ..packed import PackedTensor
-from ..ragged import to_device_async
-from .backend import RouterReplayBackend
-from .batch_fields import batch_field, host_attention_mask
-from .replay_metrics import COUNT_KEYS, comparison_counts, stats_counts, step_metrics, sum_over_ranks
+from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
+from r3lightning.align.dummy import dummy_routes
+from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.packed import PackedTensor
+from r3lightning.ragged import to_device_async
+from r3lightning.replay.backend import RouterReplayBackend
+from r3lightning.replay.batch_fields import batch_field, host_attention_mask
+from r3lightning.replay.metrics import (
+    COUNT_KEYS,
+    comparison_counts,
+    stats_counts,
+    step_metrics,
+    sum_over_ranks,
+)
 
 Mode = Literal["r3", "r2", "off"]
 LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> layout
@@ -213,11 +219,11 @@ class RouterReplayCallback(Callback):
         if self.backend is None:
             module = self._routed_module(pl_module)
             if self._backend_spec == "megatron":
-                from .megatron import MegatronRouterReplay
+                from r3lightning.replay.megatron.replay import MegatronRouterReplay
 
                 self.backend = MegatronRouterReplay(module, validate=bool(self.validate_routes))
             else:
-                from .hf import HFRouterReplay
+                from r3lightning.replay.hf.replay import HFRouterReplay
 
                 # for_model may return a backend attached earlier (by record_routes, say)
                 self.backend = HFRouterReplay.for_model(module)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from .backend import RouterReplayBackend
+from r3lightning.replay.backend import RouterReplayBackend
 
 
 def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
@@ -33,7 +33,7 @@ def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterRepla
     if isinstance(model_or_backend, nn.Module) and callable(own):
         return own()
     if isinstance(model_or_backend, nn.Module):
-        from .hf import HFRouterReplay
+        from r3lightning.replay.hf.replay import HFRouterReplay
 
         return HFRouterReplay.for_model(model_or_backend)
     raise TypeError(

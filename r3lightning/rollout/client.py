@@ -1,13 +1,13 @@
 """Async HTTP client for one generation request, with routed experts, against a rollout engine.
 
 :class:`RemoteGenerateClient` sends a ``skyrl``, ``vllm``, ``sglang`` or ``openai`` generate
-request (formats, and where each field comes from, in :mod:`r3lightning.rollout.client_protocol`)
+request (formats, and where each field comes from, in :mod:`r3lightning.wire.request`)
 and returns a :class:`RemoteGenerateResult` whose
 routes were decoded straight from the body bytes into a numpy array (bodies over
 ``decode_in_thread_bytes`` are decoded off the event loop). Attempts that fail transiently
 (connection refused/reset, timeouts, a cut-off body, 408/429/5xx) are retried with capped
 exponential backoff and jitter, honouring ``Retry-After``; other 4xx answers and malformed
-payloads raise at once. See :mod:`r3lightning.rollout.errors` for what is raised.
+payloads raise at once. See :mod:`r3lightning.wire.errors` for what is raised.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import orjson
 
-from .client_protocol import ENGINES, PROTOCOL_PATHS, RemoteGenerateResult, RouteSchema, build_request
-from .client_response import parse_response
-from .errors import (
+from r3lightning.wire.codec import DEFAULT_MAX_BYTES
+from r3lightning.wire.errors import (
     GenerateRequestError,
     MalformedResponseError,
     RetriesExhaustedError,
     RetryableGenerateError,
 )
-from .json_body import read_capped
-from .wire import DEFAULT_MAX_BYTES
+from r3lightning.wire.json_body import read_capped
+from r3lightning.wire.request import ENGINES, PROTOCOL_PATHS, RemoteGenerateResult, RouteSchema, build_request
+from r3lightning.wire.response import parse_response
 
 __all__ = ["Backoff", "ClientStats", "RemoteGenerateClient", "RemoteGenerateResult"]
 
@@ -137,7 +137,7 @@ class RemoteGenerateClient:
     wait); ``max_response_bytes`` caps a body and ``max_route_bytes`` one decoded route array.
     ``num_layers``/``top_k`` give the route schema (required to reshape SGLang's flat routes,
     checked for the others); with ``num_experts`` ids are range-checked; ``check_unique_experts`` rejects
-    rows that repeat an expert (see :func:`~r3lightning.rollout.wire.validate_routes`); the
+    rows that repeat an expert (see :func:`~r3lightning.wire.codec.validate_routes`); the
     schema lives in :attr:`routes`. The aiohttp session is created on
     first use, recreated when the running event loop changes, and closed by :meth:`close` /
     ``async with``. Pickling drops it, so a client can be sent to another process.
@@ -301,7 +301,7 @@ class RemoteGenerateClient:
         ``routed_experts_prompt_start`` on (the rows an earlier turn did not capture): exactly
         ``P - start + G - 1`` of them, else :class:`MalformedResponseError` (also when they are
         absent: the message names the engine flag ``--enable-return-routed-experts``).
-        :func:`~r3lightning.rollout.client_protocol.engine_sampling_params` spells sampling and
+        :func:`~r3lightning.wire.request.engine_sampling_params` spells sampling and
         stop parameters (``stop_token_ids``, ``ignore_eos``) in this protocol's names. Raises
         :class:`GenerateRequestError`, :class:`MalformedResponseError` or
         :class:`RetriesExhaustedError`; never retries a non-retryable failure.

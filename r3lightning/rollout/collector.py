@@ -17,7 +17,7 @@ samples the same trajectories on 1, 2 or 4 ranks and whatever the request timing
 Several engines: group ``g`` goes to engine ``g % n`` of the ``n`` engines (all samples of a
 group on one engine, which shares their prompt's KV cache) or, while that one is out, to the
 ``g % m``-th of the ``m`` still up; groups of healthy engines never move. An engine whose request
-exhausts its retries (:class:`~r3lightning.rollout.errors.RetriesExhaustedError`) is out for the
+exhausts its retries (:class:`~r3lightning.wire.errors.RetriesExhaustedError`) is out for the
 rest of the step and that request, like every later one, goes to the others; with every engine
 out the step fails with :class:`EnginesUnavailableError`. Other errors (a 4xx, a malformed body)
 are bugs, not outages, and fail the step at once. An SGLang router is one URL like any other.
@@ -43,15 +43,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..data.trajectory import Trajectory
-from ..trace import RoutedExpertTrace
-from .client import RemoteGenerateClient, RemoteGenerateResult
-from .errors import RemoteGenerateError, RetriesExhaustedError
-from .prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
-from .stats import RolloutStats, StepCounters, reduce_step_stats
+from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.client import RemoteGenerateClient, RemoteGenerateResult
+from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
+from r3lightning.rollout.stats import RolloutStats, StepCounters, reduce_step_stats
+from r3lightning.trace import RoutedExpertTrace
+from r3lightning.wire.errors import RemoteGenerateError, RetriesExhaustedError
 
 if TYPE_CHECKING:
-    from ..data.buffer import ReplayBuffer
+    from r3lightning.data.buffer import ReplayBuffer
 
 __all__ = ["CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
 
@@ -343,7 +343,7 @@ class RolloutCollector:
     def _group_trajectories(
         self, prompt: RolloutPrompt, samples: list[tuple[RemoteGenerateResult, float]]
     ) -> list[Trajectory]:
-        from ..job.grpo import group_advantages
+        from r3lightning.correction.grpo import group_advantages
 
         rewards = torch.tensor([reward for _, reward in samples], dtype=torch.float64)  # [group_size]
         advantages = group_advantages(rewards, self.group_size, normalize_std=self.normalize_std).tolist()

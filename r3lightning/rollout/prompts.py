@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .client_protocol import engine_sampling_params
+from r3lightning.wire.request import engine_sampling_params
 
 __all__ = [
     "RewardFn",
@@ -70,7 +70,7 @@ class RolloutPrompt:
 @dataclass
 class SamplingConfig:
     """Sampling settings of every request, spelled per protocol by
-    :func:`~r3lightning.rollout.client_protocol.engine_sampling_params`; ``extra`` is merged into
+    :func:`~r3lightning.wire.request.engine_sampling_params`; ``extra`` is merged into
     the wire parameters as is."""
 
     temperature: float = 1.0

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..data.trajectory import Trajectory
+from r3lightning.data.trajectory import Trajectory
 
 __all__ = ["OtherRankFailedError", "RolloutStats", "StepCounters", "reduce_step_stats"]
 

@@ -1,0 +1,204 @@
+"""Rollout MoE load metrics: how evenly the engine spread a step's tokens over the experts.
+
+The routes of a training batch are the experts the rollout engine actually used, so the
+per-layer expert load of a step costs one scatter-add over routes already in hand (no extra
+forward, no host sync). :func:`expert_load_stats` is the pure function; :class:`ExpertLoadMonitor`
+is the Lightning callback that logs it every ``every_n_steps`` steps.
+
+Per MoE layer ``l``, with ``c[l, e]`` the number of token slots routed to expert ``e``:
+
+- ``max_over_mean[l] = max_e c[l, e] / mean_e c[l, e]``: 1 when perfectly balanced, up to
+  ``num_experts / top_k`` when every token of the layer went to the same ``top_k`` experts
+  (the hottest expert's load relative to a uniform spread, what expert-parallel ranks wait on);
+- ``entropy[l] = -sum_e p log p / log(num_experts)`` with ``p = c[l] / sum_e c[l]``: 1 when
+  uniform, lower as routing concentrates.
+
+Dense layers carry all-zero rows (engines fill them so) and are left out: either the layers
+named by ``moe_layers``, or else every layer whose slots are all-zero rows (a zero row is
+skipped slot by slot, since ``top_k`` distinct experts can never all be expert 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from r3lightning.packed import PackedTensor
+
+__all__ = ["ExpertLoadMonitor", "expert_load_stats"]
+
+
+def expert_load_stats(
+    routes: Tensor | PackedTensor, num_experts: int, *, moe_layers: Sequence[int] | None = None
+) -> dict[str, Tensor]:
+    """Per-layer expert load of ``routes`` ``[rows, num_layers, top_k]`` (or a PackedTensor of them).
+
+    Returns float32 tensors on the routes' device: ``counts`` ``[L, E]`` (token slots per expert),
+    ``tokens`` ``[L]`` (rows counted per layer), ``max_over_mean`` ``[L]`` and ``entropy`` ``[L]``
+    (normalised to [0, 1]; see the module docstring), and ``layers`` (int64 ``[L]``, the absolute
+    decoder-layer index of each entry). Layers with no counted rows give NaN. Cost: one
+    ``index_add_`` over the routes plus ``[L, E]`` arithmetic; no device->host sync.
+    """
+    values = routes.values if isinstance(routes, PackedTensor) else routes
+    if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
+        raise ValueError(
+            f"routes must be an integer [rows, num_layers, top_k] tensor, got {values.dtype} {tuple(values.shape)}"
+        )
+    if type(num_experts) is not int or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    _, num_layers, top_k = values.shape
+    device = values.device
+    chosen = list(range(num_layers)) if moe_layers is None else [int(layer) for layer in moe_layers]
+    if any(not 0 <= layer < num_layers for layer in chosen):
+        raise ValueError(f"moe_layers {chosen} out of range for {num_layers} layers")
+    ids = values.long()  # [rows, L_all, K]
+    # a slot counts unless its row is all zeros (a dense layer's filler)
+    counted = values.ne(0).any(-1, keepdim=True).expand_as(ids)  # [rows, L_all, K]
+    n = num_layers
+    flat = (ids + torch.arange(n, device=device).view(1, n, 1) * num_experts).reshape(-1)
+    weights = counted.reshape(-1).to(torch.float32)
+    # ids out of range would land in another layer's bins: clamp them into a dropped bin
+    flat = torch.where((ids >= 0).reshape(-1) & (ids < num_experts).reshape(-1), flat, n * num_experts)
+    counts = torch.zeros(n * num_experts + 1, dtype=torch.float32, device=device)
+    counts.index_add_(0, flat, weights)
+    counts = counts[:-1].view(n, num_experts)  # [L_all, E]
+    if moe_layers is not None:
+        # views stacked, not an index tensor: a host index would be copied to the device (a sync)
+        counts = torch.stack([counts[layer] for layer in chosen]) if chosen else counts[:0]
+    layers = torch.tensor(chosen, dtype=torch.int64)  # host
+    slots = counts.sum(-1)  # [L]
+    tokens = slots / top_k
+    mean = slots / num_experts
+    max_over_mean = counts.amax(-1) / mean  # NaN for a layer with no slots
+    p = counts / slots.unsqueeze(-1)
+    entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts) if num_experts > 1 else p.sum(-1)
+    entropy = torch.where(slots > 0, entropy, torch.full_like(entropy, float("nan")))
+    return {
+        "counts": counts,
+        "tokens": tokens,
+        "max_over_mean": max_over_mean,
+        "entropy": entropy,
+        "layers": layers,
+    }
+
+
+def _routes_of(batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return batch.get("routed_experts")
+    return getattr(batch, "routed_experts", None)
+
+
+class ExpertLoadMonitor(Callback):
+    """Log the rollout engine's per-layer expert load of the training batch every N steps.
+
+    Reads ``batch.routed_experts`` (a :class:`PackedTensor` ``[rows, L, K]``, or a mapping's
+    ``"routed_experts"``) in ``on_train_batch_start`` of every ``every_n_steps``-th optimizer step
+    (steps 0, N, 2N, ...) and computes the metrics on the routes' device without a host sync.
+    They are written to the Trainer's loggers in ``on_train_batch_end`` of that step, with one
+    read-back of the few scalars once the step's work is queued (as Lightning's own logger writes
+    do); they are not passed through ``self.log``, which would write the last value again on
+    every later logging step. Metrics:
+
+    - ``{prefix}/max_over_mean`` (mean over MoE layers) and ``{prefix}/max_over_mean_worst``
+      (the worst layer);
+    - ``{prefix}/entropy`` (mean over MoE layers, normalised to [0, 1]) and
+      ``{prefix}/entropy_min``;
+    - with ``log_per_layer``, ``{prefix}/layer_XX/max_over_mean`` and ``.../entropy``.
+
+    Args:
+        num_experts: experts per MoE layer. ``None``: taken, with the MoE layer indices, from a
+            ``RouterReplayCallback``'s backend in the same Trainer.
+        every_n_steps: measure every this many optimizer steps (once per step).
+        moe_layers: absolute indices of the MoE layers; ``None``: the backend's, else every
+            layer with non-zero rows (see :func:`expert_load_stats`).
+        log_per_layer: also log each layer's values.
+        prefix: metric name prefix.
+        sync_dist: average the values over ranks (each rank sees its own batch; a collective on
+            the measured steps, which every rank reaches).
+    """
+
+    def __init__(
+        self,
+        num_experts: int | None = None,
+        *,
+        every_n_steps: int = 10,
+        moe_layers: Sequence[int] | None = None,
+        log_per_layer: bool = False,
+        prefix: str = "expert_load",
+        sync_dist: bool = False,
+    ) -> None:
+        if type(every_n_steps) is not int or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
+        if num_experts is not None and (type(num_experts) is not int or num_experts < 1):
+            raise ValueError(f"num_experts must be a positive int or None, got {num_experts!r}")
+        self.num_experts = num_experts
+        self.every_n_steps = every_n_steps
+        self.moe_layers = None if moe_layers is None else tuple(int(layer) for layer in moe_layers)
+        self.log_per_layer = log_per_layer
+        self.prefix = prefix
+        self.sync_dist = sync_dist
+        self._last_step: int | None = None
+        self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
+
+    def _schema(self, trainer: pl.Trainer) -> tuple[int, tuple[int, ...] | None]:
+        num_experts, moe_layers = self.num_experts, self.moe_layers
+        if num_experts is None or moe_layers is None:
+            for callback in trainer.callbacks:
+                backend = getattr(callback, "backend", None)
+                if backend is not None and hasattr(backend, "num_experts") and hasattr(backend, "moe_layers"):
+                    num_experts = num_experts if num_experts is not None else int(backend.num_experts)
+                    moe_layers = moe_layers if moe_layers is not None else tuple(backend.moe_layers)
+                    break
+        if num_experts is None:
+            raise ValueError(
+                "ExpertLoadMonitor needs num_experts: pass it, or add a RouterReplayCallback whose "
+                "backend knows the model's experts"
+            )
+        return num_experts, moe_layers
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step % self.every_n_steps or step == self._last_step:
+            return
+        routes = _routes_of(batch)
+        if routes is None or (isinstance(routes, PackedTensor) and routes.num_rows == 0):
+            return
+        self._last_step = step
+        num_experts, moe_layers = self._schema(trainer)
+        stats = expert_load_stats(routes, num_experts, moe_layers=moe_layers)
+        measured = stats["tokens"] > 0  # [L]: dense layers (all-zero rows) drop out
+        count = measured.sum().clamp(min=1)
+        zero = torch.zeros_like(stats["entropy"])
+        values = {
+            "max_over_mean": torch.where(measured, stats["max_over_mean"], zero).sum() / count,
+            "max_over_mean_worst": torch.where(measured, stats["max_over_mean"], zero).amax(),
+            "entropy": torch.where(measured, stats["entropy"], zero).sum() / count,
+            "entropy_min": torch.where(measured, stats["entropy"], torch.ones_like(zero)).amin(),
+        }
+        if self.log_per_layer:
+            for i, layer in enumerate(stats["layers"].tolist()):  # host tensor: no device sync
+                values[f"layer_{layer:02d}/max_over_mean"] = stats["max_over_mean"][i]
+                values[f"layer_{layer:02d}/entropy"] = stats["entropy"][i]
+        names = [f"{self.prefix}/{name}" for name in values]
+        self._pending = (step, names, torch.stack(list(values.values())))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._pending is None:
+            return
+        step, names, values = self._pending
+        self._pending = None
+        if self.sync_dist and trainer.world_size > 1:
+            values = trainer.strategy.reduce(values, reduce_op="mean")
+        metrics = dict(zip(names, values.tolist(), strict=True))  # the one read-back
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)

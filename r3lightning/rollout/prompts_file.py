@@ -1,0 +1,254 @@
+"""Prompts from a dataset file (parquet or JSONL) in verl's column layout, tokenised with a chat template.
+
+A verl RL dataset row holds ``prompt`` (chat messages ``[{"role", "content"}, ...]``),
+``data_source``, ``reward_model: {"ground_truth": ...}`` and ``extra_info``; the reward function
+is ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``. Reading that
+layout as it is lets an existing verl dataset train here unchanged; other layouts name their
+columns (dotted paths reach into nested columns).
+
+Parquet is read with pyarrow (the ``data`` extra): it is the reference parquet implementation,
+small next to Hugging Face ``datasets`` (which depends on it anyway) and needs no cache
+directory. JSONL is read line by line with orjson.
+
+The whole file is tokenised once, at construction (``apply_chat_template(...,
+add_generation_prompt=True)``); prompts over ``max_prompt_length`` ids are dropped or truncated
+and counted. Prompts are then served in epochs: each epoch is a permutation of the rows drawn
+from ``(seed, epoch)``, and RL step ``s`` takes positions ``[s * n, (s + 1) * n)`` of that
+endless sequence. The prompts of a step are a pure function of ``(seed, step)``: a run resumed
+from its checkpoint (which holds the step) neither repeats nor skips a prompt, on any number of
+ranks, with no cursor to save.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from r3lightning.rollout.prompts import RolloutPrompt, TextReward
+
+log = logging.getLogger(__name__)
+
+Overlong = Literal["drop", "truncate_left", "truncate_right"]
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of a ``.parquet`` or ``.jsonl`` / ``.json`` (one object per line) file, as dicts."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"task.path: no such file: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError(
+                "task.path: reading .parquet files needs pyarrow: pip install 'r3lightning[data]'"
+            ) from None
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        import orjson
+
+        rows = []
+        with path.open("rb") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = orjson.loads(line)
+                except orjson.JSONDecodeError as exc:
+                    raise ValueError(f"task.path: {path}:{number} is not a JSON object: {exc}") from None
+                if not isinstance(row, dict):
+                    raise ValueError(
+                        f"task.path: {path}:{number} must be a JSON object, got {type(row).__name__}"
+                    )
+                rows.append(row)
+        return rows
+    raise ValueError(f"task.path must end in .parquet, .jsonl or .json, got {path.name!r}")
+
+
+def lookup(row: Mapping[str, Any], key: str, *, where: str) -> Any:
+    """``row[a][b]`` for ``key="a.b"``; a missing part raises ``KeyError`` naming the key and row."""
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            raise KeyError(f"{where}: no column {key!r} (missing {part!r})")
+        value = value[part]
+    return value
+
+
+def as_messages(prompt: Any, *, where: str) -> list[dict[str, str]]:
+    """verl's chat messages as they are; a plain string becomes one user message."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        messages = []
+        for m in prompt:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: each message needs string 'role' and 'content', got {dict(m)}")
+            messages.append({"role": m["role"], "content": m["content"]})
+        return messages
+    raise ValueError(
+        f"{where}: the prompt must be a string or a non-empty list of chat messages, got {prompt!r}"
+    )
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """``apply_chat_template(messages, add_generation_prompt=True)`` as a plain list of ids."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A tokenizer from a local checkpoint directory; never a hub download."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"task.tokenizer: expected a local checkpoint directory, got {str(path)!r}")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+class PromptsFileTask:
+    """The prompts of one dataset file, tokenised, served in reproducible shuffled epochs (the
+    job's ``task=prompts_file``).
+
+    Args:
+        path: ``.parquet`` or ``.jsonl`` file.
+        tokenizer: a tokenizer object, or the path of a local checkpoint directory holding one.
+        prompt_key, data_source_key, ground_truth_key, extra_info_key: column names (dotted
+            paths reach into nested columns); ``extra_info_key=None`` passes no extra info, and a
+            missing ``data_source`` column gives ``""``.
+        max_prompt_length: prompts with more ids are handled by ``overlong``.
+        response_length: the generation budget per response (the job's
+            ``rollout.sampling.max_new_tokens`` follows it).
+        overlong: ``"drop"`` them, or keep the last (``"truncate_left"``) or first
+            (``"truncate_right"``) ``max_prompt_length`` ids.
+        shuffle: a fresh permutation per epoch from ``(seed, epoch)``; else file order.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        tokenizer: Any,
+        *,
+        prompt_key: str = "prompt",
+        data_source_key: str = "data_source",
+        ground_truth_key: str = "reward_model.ground_truth",
+        extra_info_key: str | None = "extra_info",
+        max_prompt_length: int = 1024,
+        response_length: int = 256,
+        overlong: Overlong = "drop",
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if (
+            isinstance(max_prompt_length, bool)
+            or not isinstance(max_prompt_length, int)
+            or max_prompt_length < 1
+        ):
+            raise ValueError(f"task.max_prompt_length must be an integer >= 1, got {max_prompt_length!r}")
+        if overlong not in ("drop", "truncate_left", "truncate_right"):
+            raise ValueError(
+                f"task.overlong must be 'drop', 'truncate_left' or 'truncate_right', got {overlong!r}"
+            )
+        if tokenizer is None:
+            raise ValueError(
+                "task.tokenizer: a prompts file needs the model's tokenizer; set model=hf_checkpoint "
+                "model.path=DIR (the default) or task.tokenizer=DIR"
+            )
+        if isinstance(tokenizer, str | Path):
+            tokenizer = load_tokenizer(tokenizer)
+        self.path = Path(path).expanduser()
+        self.tokenizer = tokenizer
+        self.response_length = int(response_length)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.dropped = 0
+        self.truncated = 0
+        self.records: list[RolloutPrompt] = []
+        self.rows: list[int] = []  # file row of each record (before any drop)
+        rows = read_rows(self.path)
+        for index, row in enumerate(rows):
+            where = f"{self.path.name} row {index}"
+            ids = chat_prompt_ids(tokenizer, as_messages(lookup(row, prompt_key, where=where), where=where))
+            if len(ids) > max_prompt_length:
+                if overlong == "drop":
+                    self.dropped += 1
+                    continue
+                self.truncated += 1
+                ids = ids[-max_prompt_length:] if overlong == "truncate_left" else ids[:max_prompt_length]
+            source = _optional(row, data_source_key)
+            extra = None if extra_info_key is None else _optional(row, extra_info_key)
+            self.records.append(
+                RolloutPrompt(
+                    ids,
+                    data_source="" if source is None else str(source),
+                    ground_truth=lookup(row, ground_truth_key, where=where),
+                    extra_info=extra if isinstance(extra, dict) else {},
+                )
+            )
+            self.rows.append(index)
+        if not self.records:
+            raise ValueError(
+                f"task.path: no usable prompt in {self.path} ({len(rows)} rows, {self.dropped} longer than "
+                f"max_prompt_length={max_prompt_length})"
+            )
+        if self.dropped or self.truncated:
+            log.warning(
+                "%s: %d of %d prompts dropped and %d truncated (longer than max_prompt_length=%d ids)",
+                self.path.name,
+                self.dropped,
+                len(rows),
+                self.truncated,
+                max_prompt_length,
+            )
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The record indices of ``epoch`` in serving order: a permutation seeded by ``(seed, epoch)``."""
+        if not self.shuffle:
+            return list(range(len(self.records)))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.records), generator=generator).tolist()
+
+    def prompts_for_step(self, step: int, num_prompts: int) -> list[RolloutPrompt]:
+        """Positions ``[step * num_prompts, (step + 1) * num_prompts)`` of the epoch sequence; a step
+        that crosses an epoch's end continues into the next permutation."""
+        size = len(self.records)
+        out, orders = [], {}
+        for position in range(step * num_prompts, (step + 1) * num_prompts):
+            epoch, index = divmod(position, size)
+            if epoch not in orders:
+                orders[epoch] = self.epoch_order(epoch)
+            out.append(self.records[orders[epoch][index]])
+        return out
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The tokenizer's end-of-sequence id(s): sent to the engine as stop conditions."""
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
+
+    def decode(self, response_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+
+    def text_reward(self, compute_score: Any) -> TextReward:
+        """The job's reward: verl's ``compute_score`` on this tokenizer's decoded responses."""
+        return TextReward(compute_score, self.decode)
+
+
+def _optional(row: Mapping[str, Any], key: str) -> Any:
+    try:
+        return lookup(row, key, where="")
+    except KeyError:
+        return None

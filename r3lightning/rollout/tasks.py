@@ -1,0 +1,155 @@
+"""A small verifiable task that a randomly initialised tiny model learns in a few RL steps.
+
+A prompt is a few random filler tokens followed by an *instruction* token naming a class
+``c`` in ``[0, num_classes)`` (token id ``first_token + c``); the class of token ``t`` is
+``t % num_classes``. The reward is the fraction of response tokens in class ``c``, so it is exact
+and cheap (no reward model). A uniform random policy scores ``1 / num_classes``, the optimum is
+1.0, and the answer depends on the prompt. The instruction sits right before the first response
+token, so a randomly initialised tiny model learns the rule in a few tens of GRPO steps.
+
+Your own task and reward replace these through the config (``task._target_``, ``reward._target_``):
+a task is anything with ``sample_prompts(num_prompts, generator) -> list[list[int]]``, a reward
+any callable ``reward(prompt_ids, response_ids) -> float``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from r3lightning.rollout.prompts import RolloutPrompt
+
+
+class PromptSource(Protocol):
+    """What the job asks of a task (``task._target_``): prompts for one RL step."""
+
+    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]: ...
+
+
+Reward = Callable[[Sequence[int], Sequence[int]], float]  # (prompt_ids, response_ids) -> reward
+
+
+class ScoredTask:
+    """A task's prompts with the reward that scores them (``task`` and ``reward`` config keys).
+
+    ``reward(prompt_ids, response_ids)`` must return a finite number; anything else is a
+    ``ValueError`` naming the reward and the value.
+    """
+
+    def __init__(self, prompts: PromptSource, reward: Reward) -> None:
+        if not callable(getattr(prompts, "sample_prompts", None)) and not callable(
+            getattr(prompts, "prompts_for_step", None)
+        ):
+            raise TypeError(
+                "task must have sample_prompts(num_prompts, generator) or prompts_for_step(step, "
+                f"num_prompts), got {type(prompts).__name__}"
+            )
+        if not callable(reward):
+            raise TypeError(
+                f"reward must be callable as reward(prompt_ids, response_ids) -> float, got "
+                f"{type(reward).__name__} (for a function that takes more keywords add _partial_: true)"
+            )
+        self.prompts = prompts
+        self.score = reward
+        # a dataset task scores decoded text: verl's compute_score through the task's tokenizer
+        text_reward = getattr(prompts, "text_reward", None)
+        self.text_score = text_reward(reward) if callable(text_reward) else None
+
+    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
+        return self.prompts.sample_prompts(num_prompts, generator)
+
+    def score_prompt(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
+        """The reward of one response to ``prompt``: the text reward of a dataset task (which sees
+        the prompt's data_source, ground_truth and extra_info), else :meth:`reward` of its ids."""
+        if self.text_score is not None:
+            return self.text_score(prompt, response_ids)
+        return self.reward(prompt.token_ids, response_ids)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The text reward's extra metrics and failure count since the last call (none otherwise)."""
+        return self.text_score.pop_metrics() if self.text_score is not None else {}
+
+    def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
+        value = self.score(prompt_ids, response_ids)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"reward {self.score!r} returned {value!r}; expected a finite number")
+        return float(value)
+
+
+class TokenClassReward:
+    """Fraction of the expected ``response_length`` tokens in the prompt's target class.
+
+    Dividing by the expected length (not the actual one) means a response cut short cannot score
+    higher than a complete one.
+    """
+
+    def __init__(self, num_classes: int = 2, first_token: int = 4, response_length: int = 4) -> None:
+        self.num_classes = num_classes
+        self.first_token = first_token
+        self.response_length = response_length
+
+    def target_class(self, prompt_ids: Sequence[int]) -> int:
+        """The class the prompt's final instruction token asks for."""
+        target = int(prompt_ids[-1]) - self.first_token
+        if not 0 <= target < self.num_classes:
+            raise ValueError(
+                f"prompt must end with an instruction token in [{self.first_token}, "
+                f"{self.first_token + self.num_classes}), got {int(prompt_ids[-1])}"
+            )
+        return target
+
+    def __call__(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
+        target = self.target_class(prompt_ids)
+        hits = sum(1 for t in response_ids[: self.response_length] if t % self.num_classes == target)
+        return hits / self.response_length
+
+
+class TokenClassTask:
+    """Prompts of the token-class task (deterministic given the generator); its reward is
+    :class:`TokenClassReward` (also as ``task.reward``)."""
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        num_classes: int = 2,
+        prompt_length: int = 6,
+        response_length: int = 4,
+        first_token: int = 4,
+    ) -> None:
+        # instruction ids are [first_token, first_token + num_classes); fillers come after them,
+        # so special ids (pad, bos, eos below first_token) never appear in prompts
+        if num_classes < 2:
+            raise ValueError(f"task.num_classes must be >= 2, got {num_classes}")
+        if prompt_length < 1 or response_length < 1:
+            raise ValueError(
+                "task.prompt_length and task.response_length must be >= 1, got "
+                f"{prompt_length} and {response_length}"
+            )
+        if not 0 <= first_token < vocab_size - 2 * num_classes:
+            raise ValueError(
+                f"task.first_token must be in [0, vocab_size - 2 * num_classes) = "
+                f"[0, {vocab_size - 2 * num_classes}), got {first_token}"
+            )
+        self.vocab_size = vocab_size
+        self.num_classes = num_classes
+        self.prompt_length = prompt_length
+        self.response_length = response_length
+        self.first_token = first_token
+        self.reward = TokenClassReward(num_classes, first_token, response_length)
+
+    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
+        """``num_prompts`` random prompts of ``prompt_length`` token ids (host tensors only)."""
+        filler_start = self.first_token + self.num_classes
+        fillers = torch.randint(
+            filler_start, self.vocab_size, (num_prompts, self.prompt_length - 1), generator=generator
+        )  # [num_prompts, prompt_length - 1]
+        classes = torch.randint(0, self.num_classes, (num_prompts, 1), generator=generator)
+        return torch.cat([fillers, classes + self.first_token], dim=1).tolist()
+
+    def target_class(self, prompt_ids: Sequence[int]) -> int:
+        return self.reward.target_class(prompt_ids)

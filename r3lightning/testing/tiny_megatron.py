@@ -1,0 +1,191 @@
+"""A tiny megatron-core MoE language model for the main job (``model=tiny_megatron_moe``).
+
+The MoE layers, routers and ``RouterReplay`` are megatron-core's own; around them sits the least a
+language model needs (embedding, RMSNorm + residual per layer, LM head), token-wise, with no
+attention, so it runs on a CPU and its logits at a position depend only on that position's token.
+It speaks the Hugging Face causal-LM calling convention the job's other pieces use
+(``model(input_ids=..., attention_mask=..., position_ids=...).logits``, a ``config`` with
+``vocab_size``), so the embedded rollout engine serves it and ``GRPOModule`` trains it unchanged.
+A KV cache is accepted and left empty: a token-wise model needs no past.
+
+Routes go through megatron's ``RouterReplay``: :meth:`TinyMegatronMoE.router_replay_backend` is
+the :class:`MegatronRouterReplay` of the model's routers (the rollout engine records with it; the
+job's ``callbacks=router_replay_megatron`` replays with it). The model sees the padded ``[B, S]``
+batch, so the callback aligns routes to that layout (``layout_fn``); megatron's packed THD layout
+is :meth:`MegatronRouterReplay.build_layout`'s, for models that take packed tokens.
+
+:func:`megatron_runtime` is the process setup megatron-core needs: a world-size-1 process group,
+``parallel_state`` (TP = CP = PP = 1) and, off CUDA + Transformer Engine, the documented device
+shims (:func:`r3lightning.testing.megatron_cpu.megatron_device_shims`). The job enters it around
+the whole run (``model.runtime``) and undoes what it set up on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["TinyMegatronMoE", "megatron_runtime", "tiny_megatron_moe"]
+
+
+@dataclass
+class _Output:
+    logits: Tensor  # [B, S, V] float32
+
+
+class TinyMegatronMoE(nn.Module):
+    """Embedding -> [RMSNorm -> megatron MLP or ``MoELayer``, + residual] x layers -> LM head.
+
+    ``transformer_config``: megatron's ``TransformerConfig`` (``moe_enable_routing_replay=True``);
+    ``config``: the Hugging Face-style description the job and the rollout engine read
+    (``vocab_size``, ``num_hidden_layers``, ``max_position_embeddings``).
+    """
+
+    def __init__(self, transformer_config: Any, config: Any) -> None:
+        super().__init__()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+
+        self.transformer_config = transformer_config
+        self.config = config
+        hidden = transformer_config.hidden_size
+        self.embed = nn.Embedding(config.vocab_size, hidden)
+        moe_spec = get_gpt_layer_local_spec(num_experts=transformer_config.num_moe_experts).submodules.mlp
+        dense_spec = get_gpt_layer_local_spec().submodules.mlp
+        self.norms = nn.ModuleList()
+        self.mlps = nn.ModuleList()
+        for index, is_moe in enumerate(transformer_config.moe_layer_freq):
+            mlp = build_module(moe_spec if is_moe else dense_spec, config=transformer_config)
+            if is_moe:
+                mlp.set_layer_number(index + 1)  # megatron's 1-based global layer number
+            self.norms.append(nn.RMSNorm(hidden))
+            self.mlps.append(mlp)
+        self.head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self._backend = None
+
+    def router_replay_backend(self):
+        """The :class:`MegatronRouterReplay` of this model's routers (built once)."""
+        if self._backend is None:
+            from r3lightning.replay.megatron.replay import MegatronRouterReplay
+
+            self._backend = MegatronRouterReplay(self, validate=False)
+        return self._backend
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The weights, without megatron's empty ``_extra_state`` entries (``None`` off Transformer
+        Engine): what the rollout engine loads. Checkpoints of a parent module keep them."""
+        out = super().state_dict(*args, **kwargs)
+        for key in [k for k, v in out.items() if k.endswith("._extra_state") and v is None]:
+            del out[key]
+        return out
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+    ) -> _Output:
+        """``input_ids [B, S]`` -> ``.logits [B, S or logits_to_keep, V]``; megatron layers run on
+        ``[S, B, H]``. Masks, positions and the cache are accepted for the calling convention:
+        a token-wise model needs none of them."""
+        hidden = self.embed(input_ids).transpose(0, 1)  # [S, B, H]
+        for norm, mlp in zip(self.norms, self.mlps, strict=True):
+            out, _ = mlp(norm(hidden))
+            hidden = hidden + out
+        if logits_to_keep:
+            hidden = hidden[-logits_to_keep:]
+        return _Output(self.head(hidden).transpose(0, 1).float())
+
+
+def tiny_megatron_moe(
+    *,
+    vocab_size: int = 96,
+    num_layers: int = 4,
+    hidden_size: int = 32,
+    ffn_hidden_size: int = 64,
+    num_experts: int = 8,
+    top_k: int = 2,
+    moe_layer_freq: list[int] | None = None,
+    max_position_embeddings: int = 256,
+    seed: int = 0,
+) -> TinyMegatronMoE:
+    """A randomly initialised :class:`TinyMegatronMoE` in fp32 (dropless, routing replay on).
+
+    ``moe_layer_freq``: one 0/1 per layer (default: the first layer dense, the rest MoE). Init draws
+    from a forked RNG seeded with ``seed``: two calls give identical weights. Needs
+    :func:`megatron_runtime` to be active.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from transformers import PretrainedConfig
+
+    freq = list(moe_layer_freq) if moe_layer_freq is not None else [0] + [1] * (num_layers - 1)
+    if len(freq) != num_layers:
+        raise ValueError(f"moe_layer_freq must have num_layers={num_layers} entries, got {freq}")
+    transformer_config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        ffn_hidden_size=ffn_hidden_size,
+        num_attention_heads=1,
+        num_moe_experts=num_experts,
+        moe_router_topk=top_k,
+        moe_layer_freq=freq,
+        moe_enable_routing_replay=True,  # gives every TopKRouter megatron's RouterReplay
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="allgather",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
+    config = PretrainedConfig(
+        vocab_size=vocab_size,
+        num_hidden_layers=num_layers,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=0,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyMegatronMoE(transformer_config, config)
+    return model.eval()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def megatron_runtime(device: str = "cpu") -> Iterator[None]:
+    """A world-size-1 process group, megatron's ``parallel_state`` and the device shims, for one
+    process; what this call set up is torn down on exit (an existing group is left alone)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from r3lightning.testing.megatron_cpu import megatron_device_shims
+
+    with megatron_device_shims(device):
+        own_group = not dist.is_initialized()
+        if own_group:
+            backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
+        own_state = not parallel_state.model_parallel_is_initialized()
+        if own_state:
+            parallel_state.initialize_model_parallel()
+        try:
+            yield
+        finally:
+            if own_state:
+                parallel_state.destroy_model_parallel()
+            if own_group:
+                dist.destroy_process_group()

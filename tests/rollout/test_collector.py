@@ -1,0 +1,403 @@
+"""RolloutCollector against real aiohttp engines on 127.0.0.1: grouping, scoring, seeds,
+failover between engines, statistics, and per-rank collection on gloo processes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+from fault_server import FaultServer, Status, expected_generation
+from gloo_ranks import free_port, run_ranks
+
+from r3lightning import (
+    EnginesUnavailableError,
+    GenerateRequestError,
+    ReplayBuffer,
+    RolloutCollector,
+    RolloutPrompt,
+    SamplingConfig,
+    text_reward,
+)
+from r3lightning.rollout.client import Backoff
+
+SCHEMA = {"num_layers": 3, "top_k": 2, "num_experts": 300}
+FAST = {"max_attempts": 2, "backoff": Backoff(base_s=0.001, cap_s=0.001)}
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+
+
+def prompt_reward(prompt: RolloutPrompt, response: list[int]) -> float:
+    return float(sum(prompt.token_ids) % 3)
+
+
+def make(engines, reward=prompt_reward, **kwargs) -> RolloutCollector:
+    kwargs = {"group_size": 2, "sampling": SamplingConfig(max_new_tokens=3), "progress": False, **kwargs}
+    return RolloutCollector(engines, reward, client_options=FAST, **SCHEMA, **kwargs)
+
+
+async def collect(engines, prompts, step: int, **kwargs):
+    """One step with a fresh collector, closed afterwards."""
+    async with make(engines, **kwargs) as collector:
+        return await collector.collect_async(prompts, step=step)
+
+
+def expected(prompt: list[int]):
+    return expected_generation(prompt, 3, 0, **SCHEMA)
+
+
+async def test_collects_whole_groups_with_routes_rewards_and_distinct_seeds():
+    async with FaultServer(**SCHEMA) as server:
+        buffer = ReplayBuffer(num_experts=300)
+        prompts = [RolloutPrompt(p, data_source="toy", ground_truth=i) for i, p in enumerate(PROMPTS)]
+        async with make(server.url, seed=11) as collector:
+            rollouts = await collector.collect_async(prompts, step=3, buffer=buffer)
+        seeds = [body["sampling_params"]["seed"] for _, body, _ in server.requests]
+        again = await collect(server.url, PROMPTS, 3, seed=11)
+        seeds_again = [body["sampling_params"]["seed"] for _, body, _ in server.requests[len(seeds) :]]
+        await collect(server.url, PROMPTS, 4, seed=11)
+        seeds_next = [body["sampling_params"]["seed"] for _, body, _ in server.requests[2 * len(seeds) :]]
+    assert rollouts.groups == [0, 1, 2, 3] and len(rollouts.trajectories) == 8
+    assert list(buffer) == rollouts.trajectories
+    for i, t in enumerate(rollouts.trajectories):
+        prompt = PROMPTS[i // 2]
+        ids, logprobs, routes = expected(prompt)
+        assert t.prompt_ids.tolist() == prompt and t.response_ids.tolist() == ids
+        assert t.rollout_logprobs.tolist() == pytest.approx(logprobs)
+        assert t.routed_experts.dtype == torch.uint8 and np.array_equal(t.routed_experts.numpy(), routes)
+        assert t.reward == sum(prompt) % 3
+        assert t.advantage == 0.0  # equal rewards within a group: no signal
+    # one seed per (group, sample), fixed by (seed, step): a rerun sends the same ones
+    assert len(set(seeds)) == 8 and sorted(seeds_again) == sorted(seeds)
+    assert not set(seeds_next) & set(seeds)
+    stats = rollouts.stats
+    rewards = [sum(p) % 3 for p in PROMPTS for _ in range(2)]
+    assert (stats.step, stats.groups, stats.trajectories) == (3, 4, 8)
+    assert stats.reward_mean == pytest.approx(np.mean(rewards))
+    assert stats.reward_std == pytest.approx(np.std(rewards, ddof=1))
+    assert (stats.response_length_mean, stats.response_length_max) == (3.0, 3)
+    assert (stats.requests, stats.attempts, stats.engine_errors, stats.engines_out) == (8, 8, 0, 0)
+    assert [t.response_ids.tolist() for t in again.trajectories] == [
+        t.response_ids.tolist() for t in rollouts.trajectories
+    ]
+
+
+async def test_an_engine_answering_500_is_out_for_the_step_and_its_groups_go_to_the_other():
+    async with FaultServer(**SCHEMA) as good, FaultServer(**SCHEMA) as bad:
+        bad.script.extend([Status(500, "overloaded")] * 1000)
+        with pytest.warns(RuntimeWarning, match=rf"rollout engine {bad.url} is out for step 0"):
+            rollouts = await collect([bad.url, good.url], PROMPTS, 0, max_in_flight=1)
+        alone = await collect(good.url, PROMPTS, 0)
+        # the next step tries the engine again
+        bad.script.clear()
+        later = await collect([bad.url, good.url], PROMPTS, 1)
+    # group 0 (and 2) went first to the failing engine: one request exhausted its 2 attempts there
+    assert bad.hits - len(later.trajectories) // 2 == 2
+    stats = rollouts.stats
+    assert (stats.engine_errors, stats.engines_out, stats.requests, stats.attempts) == (1, 1, 9, 10)
+    assert [t.response_ids.tolist() for t in rollouts.trajectories] == [
+        t.response_ids.tolist() for t in alone.trajectories
+    ]
+    assert len(rollouts.trajectories) == 8
+    # both engines up: even groups on the first, odd groups on the second
+    first = [body["token_ids"] for _, body, _ in bad.requests[2:]]
+    assert sorted(map(tuple, first)) == sorted(map(tuple, [PROMPTS[0]] * 2 + [PROMPTS[2]] * 2))
+    assert later.stats.engine_errors == 0
+
+
+async def test_only_the_groups_of_an_engine_that_is_out_move():
+    prompts = [[20 + g] for g in range(6)]
+    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as bad, FaultServer(**SCHEMA) as c:
+        bad.script.extend([Status(502, "gone")] * 1000)
+        with pytest.warns(RuntimeWarning, match="is out for step 0"):
+            rollouts = await collect([a.url, bad.url, c.url], prompts, 0, max_in_flight=1)
+    served = {
+        name: sorted(body["token_ids"][0] - 20 for _, body, _ in server.requests)
+        for name, server in (("a", a), ("c", c))
+    }
+    # groups 0, 3 stay on a and 2, 5 on c; of the failed engine's groups 1 and 4, the (g % 2)-th
+    # engine still up takes each: 1 -> c, 4 -> a
+    assert served == {"a": [0, 0, 3, 3, 4, 4], "c": [1, 1, 2, 2, 5, 5]}
+    assert len(rollouts.trajectories) == 12 and rollouts.stats.engines_out == 1
+
+
+async def test_all_engines_down_is_one_clear_error():
+    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as b:
+        for server in (a, b):
+            server.script.extend([Status(503, "down")] * 1000)
+        with (
+            pytest.warns(RuntimeWarning, match="is out for step 7"),
+            pytest.raises(
+                EnginesUnavailableError, match=r"all 2 rollout engine\(s\) failed at step 7"
+            ) as info,
+        ):
+            await collect([a.url, b.url], PROMPTS, 7)
+    assert set(info.value.errors) == {a.url, b.url}
+    assert "HTTP 503" in str(info.value)
+
+
+async def test_a_rejected_request_is_not_an_outage():
+    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as b:
+        a.script.append(Status(400, "unknown sampling key"))
+        with pytest.raises(GenerateRequestError, match="unknown sampling key"):
+            await collect([a.url, b.url], PROMPTS[:1], 0, max_in_flight=1)
+    assert b.hits == 0
+
+
+async def test_reward_forms_mapping_coroutine_thread_pool_and_bad_values():
+    threads: list[str] = []
+
+    def scored(prompt: RolloutPrompt, response: list[int]) -> dict:
+        threads.append(threading.current_thread().name)
+        return {"score": prompt.ground_truth + len(response), "acc": 1.0}
+
+    async def awaited(prompt: RolloutPrompt, response: list[int]) -> float:
+        await asyncio.sleep(0)
+        return -1.0
+
+    prompts = [RolloutPrompt(p, ground_truth=10 * i) for i, p in enumerate(PROMPTS[:2])]
+    async with FaultServer(**SCHEMA) as server:
+        async with make(server.url, reward=scored, reward_threads=2) as collector:
+            pooled = await collector.collect_async(prompts, step=0)
+        coro = await collect(server.url, prompts, 0, reward=awaited)
+        with pytest.raises(ValueError, match=r"finite number .* for group 0 sample 1 of step 0, got nan"):
+            calls = iter([1.0, float("nan")])
+            await collect(server.url, prompts[:1], 0, reward=lambda p, r: next(calls), max_in_flight=1)
+        with pytest.raises(ValueError, match="without a 'score' entry"):
+            await collect(server.url, prompts[:1], 0, reward=lambda p, r: {"acc": 1.0})
+    assert [t.reward for t in pooled.trajectories] == [3.0, 3.0, 13.0, 13.0]
+    assert len(threads) == 4 and all(name.startswith("r3-reward") for name in threads)
+    assert [t.reward for t in coro.trajectories] == [-1.0] * 4
+
+
+def test_text_reward_calls_a_verl_style_compute_score():
+    seen = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append((data_source, solution_str, ground_truth, extra_info))
+        return float(solution_str == ground_truth)
+
+    reward = text_reward(compute_score, lambda ids: "".join(chr(96 + i) for i in ids))
+    prompt = RolloutPrompt([1, 2], data_source="gsm8k", ground_truth="abc", extra_info={"split": "train"})
+    assert reward(prompt, [1, 2, 3]) == 1.0 and reward(prompt, [3]) == 0.0
+    assert seen[0] == ("gsm8k", "abc", "abc", {"split": "train"})
+
+
+def test_group_assignment_partitions_the_step_evenly():
+    blocks = [RolloutCollector.assigned_groups(12, r, 4) for r in range(4)]
+    assert [list(b) for b in blocks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    with pytest.raises(ValueError, match=r"6 prompts .* must divide evenly among 4 ranks"):
+        RolloutCollector.assigned_groups(6, 0, 4)
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="group_size must be an integer >= 2"):
+        RolloutCollector("http://127.0.0.1:1", prompt_reward, group_size=1, **SCHEMA)
+    with pytest.raises(ValueError, match="request_routes=True needs num_layers and top_k"):
+        RolloutCollector("http://127.0.0.1:1", prompt_reward, group_size=2)
+    with pytest.raises(ValueError, match="each URL at most once"):
+        RolloutCollector(["http://a:1", "http://a:1/"], prompt_reward, group_size=2, **SCHEMA)
+    with pytest.raises(ValueError, match="token_ids must be a non-empty sequence"):
+        RolloutPrompt([1, -2])
+
+
+# ---------------------------------------------------------------------------- several ranks
+
+
+def _serve_in_thread(server: FaultServer):
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+
+    async def main():
+        async with server:
+            started.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
+    thread.start()
+    started.wait(10)
+    return stop, thread
+
+
+def _rank_worker(rank: int, port: int, url: str, world: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        from r3lightning import R3DataModule
+
+        prompts = [[i + 1] * (i % 3 + 1) for i in range(4)]
+        buffer = ReplayBuffer()
+        rollouts = make(url, seed=5).collect(prompts, step=2, buffer=buffer)
+        mine = [(t.prompt_ids.tolist(), t.response_ids.tolist()) for t in rollouts.trajectories]
+        # the data module draws this rank's whole buffer with shard=False, half of it by default
+        drawn = {}
+        for shard in (False, True):
+            datamodule = R3DataModule(buffer, batch_size=8, shuffle=False, collate_threads=1, shard=shard)
+            drawn[shard] = [int((b.loss_mask.sum(1) > 0).sum()) for b in datamodule.train_dataloader()]
+
+        def failing(prompt: RolloutPrompt, response: list[int]) -> float:
+            if rank == 1:
+                raise KeyError("verifier crashed")
+            return 0.0
+
+        try:
+            make(url, reward=failing).collect(prompts, step=3)
+            failure = None
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        out[rank] = (rollouts.groups, mine, rollouts.stats.as_dict(), failure, drawn)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_collect_disjoint_groups_and_share_only_statistics():
+    import torch.multiprocessing as mp
+
+    server = FaultServer(**SCHEMA)
+    stop, thread = _serve_in_thread(server)
+    try:
+        with mp.Manager() as manager:
+            out = manager.dict()
+            run_ranks(_rank_worker, free_port(), server.url, 2, out, nprocs=2)
+            result = dict(out)
+    finally:
+        stop.set()
+        thread.join(10)
+    prompts = [[i + 1] * (i % 3 + 1) for i in range(4)]
+    for rank, groups in ((0, [0, 1]), (1, [2, 3])):
+        got_groups, mine, stats, _, drawn = result[rank]
+        assert drawn == {False: [4], True: [2]}
+        assert got_groups == groups
+        assert mine == [(prompts[g], expected(prompts[g])[0]) for g in groups for _ in range(2)]
+        rewards = [sum(prompts[g]) % 3 for g in range(4) for _ in range(2)]
+        assert stats["trajectories"] == 8 and stats["requests"] == 8 and stats["groups"] == 4
+        assert stats["reward_mean"] == pytest.approx(np.mean(rewards))
+    assert result[0][2] == result[1][2]  # all-reduced: the same statistics on every rank
+    # a failure on one rank raises on every rank, not a hang in the all-reduce
+    assert result[1][3] == "KeyError: 'verifier crashed'"
+    assert result[0][3].startswith("OtherRankFailedError: rollout collection failed on 1 other rank")
+
+
+@pytest.mark.slow
+def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
+    """The embedded engine (tiny Qwen3-MoE in bf16): varied samples per group, so advantages are
+    the group-normalised rewards, and the same (seed, step) samples the same rollouts again."""
+    from r3lightning.serve.server import RolloutServer
+    from r3lightning.testing.tiny import build_tiny_moe
+
+    def reward(prompt: RolloutPrompt, response: list[int]) -> float:
+        return sum(1 for t in response if t % 2 == prompt.token_ids[-1] % 2) / len(response)
+
+    prompts = [[11, 12, 13, 14, 15, 4], [21, 22, 23, 24, 25, 5]]
+    schema = {"num_layers": 4, "top_k": 2, "num_experts": 8}
+
+    def collector(request_routes: bool) -> RolloutCollector:
+        return RolloutCollector(
+            server.url,
+            reward,
+            group_size=4,
+            sampling=SamplingConfig(max_new_tokens=4, ignore_eos=True),
+            request_routes=request_routes,
+            seed=7,
+            progress=False,
+            **schema,
+        )
+
+    with RolloutServer(build_tiny_moe(seed=0), max_batch_size=1, copy_model=False) as server:
+        first = collector(True).collect(prompts, step=3)
+        again = collector(True).collect(prompts, step=3)
+        no_routes = collector(False).collect(prompts, step=3)
+    rewards = []
+    for i, t in enumerate(first.trajectories):
+        assert t.prompt_ids.tolist() == prompts[i // 4] and t.response_length == 4
+        # one route row per forwarded token: prompt (6) + response (4) - the last sampled token
+        assert t.routed_experts.shape == (9, 4, 2) and t.routed_experts.dtype == torch.uint8
+        assert not t.routed_experts[:, 0].any()  # layer 0 is dense: no routes
+        assert t.reward == reward(RolloutPrompt(prompts[i // 4]), t.response_ids.tolist())
+        assert t.rollout_logprobs.shape == (4,) and bool((t.rollout_logprobs < 0).all())
+        rewards.append(t.reward)
+    grouped = np.array(rewards).reshape(2, 4)
+    advantages = (grouped - grouped.mean(1, keepdims=True)) / (grouped.std(1, ddof=1, keepdims=True) + 1e-6)
+    assert [t.advantage for t in first.trajectories] == pytest.approx(
+        advantages.reshape(-1).tolist(), abs=1e-5
+    )
+    assert len({tuple(t.response_ids.tolist()) for t in first.trajectories}) > 2  # distinct seeds
+    assert first.stats.reward_mean == pytest.approx(np.mean(rewards))
+    assert [t.response_ids.tolist() for t in again.trajectories] == [
+        t.response_ids.tolist() for t in first.trajectories
+    ]
+    for a, b in zip(first.trajectories, again.trajectories, strict=True):
+        assert torch.equal(a.routed_experts, b.routed_experts)
+        assert torch.equal(a.rollout_logprobs, b.rollout_logprobs)
+    assert all(t.routed_experts is None for t in no_routes.trajectories)
+
+
+@pytest.mark.slow
+def test_readme_loop_snippet_runs_as_written(capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    body = readme.split("\n## Collecting rollouts in your own loop\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    buffer, rollouts = scope["buffer"], scope["rollouts"]
+    assert len(buffer) == 32 and rollouts.groups == list(range(8))
+    for t in buffer:
+        assert t.routed_experts.shape == (t.prompt_length + t.response_length - 1, 4, 2)
+        hits = sum(x % 2 == (t.prompt_ids[-1].item() - 8) % 2 for x in t.response_ids.tolist())
+        assert t.reward == hits / t.response_length
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in printed] == ["0", "1"]
+
+
+# ---------------------------------------------------------------------------- the job's engines
+
+
+async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
+    from aiohttp import web
+    from safetensors.torch import load
+
+    from r3lightning.job.common import JobError
+    from r3lightning.job.engine import embedded_server
+    from r3lightning.job.main import compose_config
+    from r3lightning.job.setup import check_config
+
+    received: dict[int, dict] = {}
+
+    def app(index: int) -> web.Application:
+        async def update(request: web.Request) -> web.Response:
+            received[index] = load(await request.read())
+            return web.json_response({"ok": True})
+
+        application = web.Application(client_max_size=1 << 24)
+        application.router.add_post("/update_weights", update)
+        return application
+
+    runners = [web.AppRunner(app(i)) for i in range(2)]
+    urls = []
+    for runner in runners:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        cfg = compose_config([f"rollout.url=[{urls[0]}/,{urls[1]}]", "rollout=skyrl"])
+        check_config(cfg)
+        with embedded_server(cfg) as engine:
+            assert engine.urls == urls and engine.gather
+            state = {"w": torch.arange(6.0).reshape(2, 3)}
+            await asyncio.to_thread(engine.push, state)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    for index in range(2):
+        assert received[index]["w"].dtype == torch.bfloat16
+        assert torch.equal(received[index]["w"], state["w"].to(torch.bfloat16))
+    with pytest.raises(JobError, match=r"rollout.url must be null .* or a list of them, got .*ftp://b"):
+        check_config(compose_config(["rollout.url=[http://a:1,ftp://b]"]))
