@@ -3,9 +3,10 @@
 :class:`RolloutPrompt` is one prompt plus the per-prompt metadata a reward needs (verl's dataset
 fields); :class:`SamplingConfig` the request's sampling settings in each protocol's names;
 :func:`sampling_seed` the seed of every sample, a pure function of ``(seed, step, group,
-sample)``. A reward is any ``reward_fn(prompt, response_ids)`` returning a number or
-``{"score": number}``; :func:`text_reward` adapts a verl-style ``compute_score(data_source,
-solution_str, ground_truth, extra_info=None)``.
+sample)``. A reward is any ``reward_fn(prompt, response_ids)`` returning a real number or
+``{"score": number, ...}``; :class:`GuardedReward` bounds its time and turns its failures into a
+0 score, and :func:`text_reward` adapts a verl-style ``compute_score(data_source, solution_str,
+ground_truth, extra_info=None)``.
 """
 
 from __future__ import annotations
@@ -13,17 +14,21 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import numbers
 import struct
 import threading
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from r3lightning.wire.request import engine_sampling_params
 
 __all__ = [
+    "GuardedReward",
     "RewardFn",
     "RolloutPrompt",
     "SamplingConfig",
@@ -47,11 +52,8 @@ def sampling_seed(seed: int, step: int, group: int, sample: int = 0) -> int:
 
 @dataclass
 class RolloutPrompt:
-    """One prompt and the metadata its reward needs (verl's dataset fields).
-
-    ``token_ids``: the prompt as token ids; ``data_source``, ``ground_truth``, ``extra_info``:
-    passed through to the reward untouched.
-    """
+    """One prompt (``token_ids``) and what its reward needs: ``data_source``, ``ground_truth`` and
+    ``extra_info`` (verl's dataset fields), passed to the reward untouched."""
 
     token_ids: list[int]
     data_source: str | None = None
@@ -67,11 +69,17 @@ class RolloutPrompt:
         self.token_ids = ids
 
 
-@dataclass
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     """Sampling settings of every request, spelled per protocol by
-    :func:`~r3lightning.wire.request.engine_sampling_params`; ``extra`` is merged into
-    the wire parameters as is."""
+    :func:`~r3lightning.wire.request.engine_sampling_params`; ``extra`` is merged into the wire
+    parameters as is. Checked at construction (a ``ValueError`` naming the field), so a bad value
+    fails before any request rather than as an engine's 400. ``top_k`` -1 (or 0) and ``top_p`` 1
+    disable those filters; ``temperature`` 0 is greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -80,6 +88,33 @@ class SamplingConfig:
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None  # e.g. the tokenizer's end-of-turn ids
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        temperature, top_p = (
+            None if isinstance(v, bool) else _real(v) for v in (self.temperature, self.top_p)
+        )
+        problems = {
+            "temperature": ("a finite number >= 0", temperature is None or temperature < 0),
+            "top_p": ("a number in (0, 1]", top_p is None or not 0 < top_p <= 1),
+            "top_k": ("an integer >= -1 (-1 or 0: no filter)", not _is_int(self.top_k) or self.top_k < -1),
+            "max_new_tokens": (
+                "an integer >= 1",
+                not _is_int(self.max_new_tokens) or self.max_new_tokens < 1,
+            ),
+            "ignore_eos": ("true or false", not isinstance(self.ignore_eos, bool)),
+            "stop_token_ids": (
+                "null or a list of token ids >= 0",
+                self.stop_token_ids is not None
+                and not (
+                    isinstance(self.stop_token_ids, list | tuple)
+                    and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
+                ),
+            ),
+            "extra": ("a mapping of extra sampling parameters", not isinstance(self.extra, Mapping)),
+        }
+        for name, (expected, bad) in problems.items():
+            if bad:
+                raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
 
     def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
         """The request's ``sampling_params`` in ``protocol``'s field names."""
@@ -100,88 +135,167 @@ class SamplingConfig:
 RewardFn = Callable[[RolloutPrompt, list[int]], "float | Mapping[str, Any] | Awaitable[Any]"]
 
 
-class TextReward:
-    """A ``reward_fn`` from a verl-style ``compute_score(data_source, solution_str, ground_truth,
-    extra_info=None)``; the response is decoded with ``decode`` (e.g. a tokenizer's ``decode``).
-
-    A scorer that raises scores 0 for that response: the failure is counted (``failures``) and the
-    first traceback is logged once, so one bad row never ends a run. A dict result's ``score`` is
-    the reward and its other numeric entries are summed per key for :meth:`pop_metrics`. Safe to
-    call from several threads (the collector's ``reward_threads`` pool).
-    """
-
-    def __init__(self, compute_score: Callable[..., Any], decode: Callable[[list[int]], str]) -> None:
-        if not callable(compute_score):
-            raise TypeError(f"reward: compute_score must be callable, got {compute_score!r}")
-        self.compute_score = compute_score
-        self.decode = decode
-        self.failures = 0
-        self._lock = threading.Lock()
-        self._sums: dict[str, float] = {}
-        self._count = 0
-
-    def __call__(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
-        try:
-            value = self.compute_score(
-                prompt.data_source,
-                self.decode(response_ids),
-                prompt.ground_truth,
-                extra_info=prompt.extra_info,
-            )
-            score = score_value(value, "compute_score")
-        except Exception:
-            with self._lock:
-                self.failures += 1
-                self._count += 1
-                first = self.failures == 1
-            if first:
-                log.exception(
-                    "the reward function raised; the response scores 0 (logged once, failures counted)"
-                )
-            return 0.0
-        extra = {}
-        if isinstance(value, Mapping):
-            extra = {
-                str(k): float(v)
-                for k, v in value.items()
-                if k != "score"
-                and isinstance(v, int | float)
-                and not isinstance(v, bool)
-                and math.isfinite(v)
-            }
-        with self._lock:
-            self._count += 1
-            for key, v in extra.items():
-                self._sums[key] = self._sums.get(key, 0.0) + v
-        return score
-
-    def pop_metrics(self) -> dict[str, float]:
-        """``reward/<key>``: the mean of each extra entry over the responses scored since the last
-        call (a response without the entry counts as 0), and ``reward/failures``; then resets."""
-        with self._lock:
-            count, sums, failures = self._count, self._sums, self.failures
-            self._count, self._sums, self.failures = 0, {}, 0
-        metrics = {f"reward/{k}": v / max(count, 1) for k, v in sums.items()}
-        metrics["reward/failures"] = float(failures)
-        return metrics
-
-
-def text_reward(compute_score: Callable[..., Any], decode: Callable[[list[int]], str]) -> TextReward:
-    """:class:`TextReward` of ``compute_score`` and ``decode``."""
-    return TextReward(compute_score, decode)
+def _real(value: Any) -> float | None:
+    """``value`` as a finite float when it is one real number (a Python or numpy number, a bool as
+    0 or 1, a one-element numpy array or tensor); else None."""
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else None
+    elif isinstance(value, np.ndarray | np.generic):
+        value = value.item() if value.size == 1 else None
+    if not isinstance(value, numbers.Real):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 def score_value(value: Any, where: str) -> float:
+    """The reward of a ``reward_fn`` result: a real number, or the ``score`` entry of a mapping;
+    a ``ValueError`` naming ``where`` for anything else (NaN, inf, text, several numbers)."""
     if isinstance(value, Mapping):
         if "score" not in value:
             raise ValueError(
                 f"reward_fn returned a mapping without a 'score' entry for {where}: {value!r:.120}"
             )
         value = value["score"]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    number = _real(value)
+    if number is None:
         raise ValueError(
             f"reward_fn must return a finite number (or {{'score': number}}) for {where}, got {value!r}"
         )
-    return float(value)
+    return number
+
+
+_TIMED_OUT = object()
+
+
+def callable_name(fn: Any) -> str:
+    """``fn``'s qualified name, through a ``functools.partial`` (Hydra's ``_partial_: true``)."""
+    target = getattr(fn, "func", fn)
+    return getattr(target, "__qualname__", None) or type(target).__name__
+
+
+def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -> Any:
+    """``fn(*args)``, or ``_TIMED_OUT`` when it has not returned within ``timeout_s`` (None: no
+    bound, called inline). Bounded calls run in a fresh daemon thread (~0.1 ms to start): a Python
+    thread cannot be stopped, so a scorer that never returns is left behind, and being a daemon it
+    never holds up the interpreter's exit."""
+    if timeout_s is None:
+        return fn(*args)
+    done: futures.Future = futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller
+            done.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="r3-reward").start()
+    if not futures.wait([done], timeout_s).done:
+        return _TIMED_OUT
+    return done.result()
+
+
+class GuardedReward:
+    """``score(prompt, response_ids)`` made safe inside a collection: a result that is not a real
+    number (or ``{"score": number}``), or a scorer that raises (when ``errors_score_zero``), scores
+    0 and counts in ``reward/failures``; one that has not returned after ``timeout_s`` seconds
+    scores 0 and counts in ``reward/timeouts``. The first failure and the first timeout of the run
+    are logged once, saying the response scored 0. A mapping's other real entries are averaged
+    per key into ``reward/<key>``. Safe to call from several threads (the collector's
+    ``reward_threads``).
+    """
+
+    def __init__(
+        self,
+        score: Callable[[RolloutPrompt, list[int]], Any],
+        *,
+        timeout_s: float | None = 60.0,
+        errors_score_zero: bool = True,
+        name: str | None = None,
+    ) -> None:
+        if timeout_s is not None and (
+            _real(timeout_s) is None or timeout_s <= 0 or isinstance(timeout_s, bool)
+        ):
+            raise ValueError(f"timeout_s must be a number > 0 or None, got {timeout_s!r}")
+        self.score, self.timeout_s, self.errors_score_zero = score, timeout_s, errors_score_zero
+        self.name = name or callable_name(score)
+        self._lock = threading.Lock()
+        self._sums: dict[str, float] = {}
+        self._count = self.failures = self.timeouts = 0
+        self._logged: set[str] = set()  # "failure" / "timeout": once per run, never reset
+
+    def __call__(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
+        try:
+            value = _bounded_call(self.score, self.timeout_s, prompt, response_ids)
+            if value is _TIMED_OUT:
+                return self._zero("timeout", f"did not return within {self.timeout_s:g} s", None)
+            reward = score_value(value, self.name)
+        except Exception as exc:
+            if not self.errors_score_zero:
+                raise
+            return self._zero("failure", f"raised {type(exc).__name__}: {' '.join(str(exc).split())}", exc)
+        extra = (
+            {str(k): _real(v) for k, v in value.items() if k != "score"} if isinstance(value, Mapping) else {}
+        )
+        with self._lock:
+            self._count += 1
+            for key, v in extra.items():
+                if v is not None:
+                    self._sums[key] = self._sums.get(key, 0.0) + v
+        return reward
+
+    def _zero(self, kind: str, what: str, exc: BaseException | None) -> float:
+        with self._lock:
+            self._count += 1
+            setattr(self, f"{kind}s", getattr(self, f"{kind}s") + 1)
+            first = kind not in self._logged
+            self._logged.add(kind)
+        if first:
+            log.warning(
+                "reward %s %s; the response scored 0 (counted in reward/%ss; logged once per run)",
+                self.name,
+                what,
+                kind,
+                exc_info=exc,
+            )
+        return 0.0
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``reward/<key>`` (the mean of each extra entry over the responses scored since the last
+        call; a response without it counts as 0), ``reward/failures`` and ``reward/timeouts``;
+        then resets them."""
+        with self._lock:
+            count, sums, failures, timeouts = self._count, self._sums, self.failures, self.timeouts
+            self._count, self._sums, self.failures, self.timeouts = 0, {}, 0, 0
+        metrics = {f"reward/{k}": v / max(count, 1) for k, v in sums.items()}
+        return {**metrics, "reward/failures": float(failures), "reward/timeouts": float(timeouts)}
+
+
+class TextReward(GuardedReward):
+    """A guarded reward from a verl-style ``compute_score(data_source, solution_str,
+    ground_truth, extra_info=None)``; the response is decoded with ``decode`` (e.g. a tokenizer's
+    ``decode``). A scorer that raises, returns no number or hangs past ``timeout_s`` scores 0
+    (:class:`GuardedReward`), so one bad row never ends a run."""
+
+    def __init__(
+        self,
+        compute_score: Callable[..., Any],
+        decode: Callable[[list[int]], str],
+        *,
+        timeout_s: float | None = 60.0,
+    ) -> None:
+        if not callable(compute_score):
+            raise TypeError(f"reward: compute_score must be callable, got {compute_score!r}")
+        self.compute_score, self.decode = compute_score, decode
+        super().__init__(self._verl_score, timeout_s=timeout_s, name=callable_name(compute_score))
+
+    def _verl_score(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
+        text = self.decode(response_ids)
+        return self.compute_score(prompt.data_source, text, prompt.ground_truth, extra_info=prompt.extra_info)
+
+
+def text_reward(
+    compute_score: Callable[..., Any], decode: Callable[[list[int]], str], *, timeout_s: float | None = 60.0
+) -> TextReward:
+    """:class:`TextReward` of ``compute_score`` and ``decode``."""
+    return TextReward(compute_score, decode, timeout_s=timeout_s)

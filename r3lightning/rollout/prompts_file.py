@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from r3lightning.rollout.prompts import RolloutPrompt, TextReward
+from r3lightning.rollout.prompts import RolloutPrompt
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +70,29 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"task.path must end in .parquet, .jsonl or .json, got {path.name!r}")
 
 
-def lookup(row: Mapping[str, Any], key: str, *, where: str) -> Any:
-    """``row[a][b]`` for ``key="a.b"``; a missing part raises ``KeyError`` naming the key and row."""
+_MISSING = object()
+
+
+def _get(row: Mapping[str, Any], key: str) -> Any:
+    """``row[a][b]`` for ``key="a.b"``, or ``_MISSING``."""
     value: Any = row
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:
-            raise KeyError(f"{where}: no column {key!r} (missing {part!r})")
+            return _MISSING
         value = value[part]
+    return value
+
+
+def lookup(row: Mapping[str, Any], key: str, *, where: str, setting: str = "task.prompt_key") -> Any:
+    """``row[a][b]`` for ``key="a.b"``; a missing column is a ``ValueError`` naming the row, the
+    column, the ``setting`` that names it, and the row's columns."""
+    value = _get(row, key)
+    if value is _MISSING:
+        raise ValueError(
+            f"{where}: no column {key!r} for {setting} (the row has: {', '.join(map(str, row))}); name "
+            "your file's columns with task.prompt_key, task.data_source_key and task.ground_truth_key "
+            "(dotted paths reach into nested columns)"
+        )
     return value
 
 
@@ -176,20 +192,21 @@ class PromptsFileTask:
         rows = read_rows(self.path)
         for index, row in enumerate(rows):
             where = f"{self.path.name} row {index}"
-            ids = chat_prompt_ids(tokenizer, as_messages(lookup(row, prompt_key, where=where), where=where))
+            prompt = lookup(row, prompt_key, where=where, setting="task.prompt_key")
+            ids = chat_prompt_ids(tokenizer, as_messages(prompt, where=where))
             if len(ids) > max_prompt_length:
                 if overlong == "drop":
                     self.dropped += 1
                     continue
                 self.truncated += 1
                 ids = ids[-max_prompt_length:] if overlong == "truncate_left" else ids[:max_prompt_length]
-            source = _optional(row, data_source_key)
-            extra = None if extra_info_key is None else _optional(row, extra_info_key)
+            source = _get(row, data_source_key)
+            extra = None if extra_info_key is None else _get(row, extra_info_key)
             self.records.append(
                 RolloutPrompt(
                     ids,
-                    data_source="" if source is None else str(source),
-                    ground_truth=lookup(row, ground_truth_key, where=where),
+                    data_source="" if source in (None, _MISSING) else str(source),
+                    ground_truth=lookup(row, ground_truth_key, where=where, setting="task.ground_truth_key"),
                     extra_info=extra if isinstance(extra, dict) else {},
                 )
             )
@@ -240,15 +257,5 @@ class PromptsFileTask:
         return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
 
     def decode(self, response_ids: Sequence[int]) -> str:
+        """The response's text as the reward sees it (special tokens skipped)."""
         return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
-
-    def text_reward(self, compute_score: Any) -> TextReward:
-        """The job's reward: verl's ``compute_score`` on this tokenizer's decoded responses."""
-        return TextReward(compute_score, self.decode)
-
-
-def _optional(row: Mapping[str, Any], key: str) -> Any:
-    try:
-        return lookup(row, key, where="")
-    except KeyError:
-        return None

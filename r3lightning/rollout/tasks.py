@@ -14,13 +14,12 @@ any callable ``reward(prompt_ids, response_ids) -> float``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from r3lightning.rollout.prompts import RolloutPrompt
+from r3lightning.rollout.prompts import GuardedReward, RolloutPrompt, TextReward, callable_name, score_value
 
 
 class PromptSource(Protocol):
@@ -35,11 +34,14 @@ Reward = Callable[[Sequence[int], Sequence[int]], float]  # (prompt_ids, respons
 class ScoredTask:
     """A task's prompts with the reward that scores them (``task`` and ``reward`` config keys).
 
-    ``reward(prompt_ids, response_ids)`` must return a finite number; anything else is a
-    ``ValueError`` naming the reward and the value.
+    A dataset task (one with ``decode``, e.g. :class:`~r3lightning.rollout.prompts_file.PromptsFileTask`)
+    is scored by a verl-style ``compute_score`` on the decoded text (:class:`TextReward`: a scorer
+    that raises scores 0); any other by ``reward(prompt_ids, response_ids)`` (an exception ends
+    the run: it is the job's own code). Either way a scorer still running after ``timeout_s``
+    seconds scores 0 and counts in ``reward/timeouts`` (:class:`GuardedReward`).
     """
 
-    def __init__(self, prompts: PromptSource, reward: Reward) -> None:
+    def __init__(self, prompts: PromptSource, reward: Reward, *, timeout_s: float | None = 60.0) -> None:
         if not callable(getattr(prompts, "sample_prompts", None)) and not callable(
             getattr(prompts, "prompts_for_step", None)
         ):
@@ -54,31 +56,31 @@ class ScoredTask:
             )
         self.prompts = prompts
         self.score = reward
-        # a dataset task scores decoded text: verl's compute_score through the task's tokenizer
-        text_reward = getattr(prompts, "text_reward", None)
-        self.text_score = text_reward(reward) if callable(text_reward) else None
+        decode = getattr(prompts, "decode", None)
+        if callable(decode):
+            self.guarded: GuardedReward = TextReward(reward, decode, timeout_s=timeout_s)
+        else:
+            self.guarded = GuardedReward(
+                lambda p, ids: self.score(p.token_ids, ids),
+                timeout_s=timeout_s,
+                errors_score_zero=False,
+                name=callable_name(reward),
+            )
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         return self.prompts.sample_prompts(num_prompts, generator)
 
-    def score_prompt(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
-        """The reward of one response to ``prompt``: the text reward of a dataset task (which sees
-        the prompt's data_source, ground_truth and extra_info), else :meth:`reward` of its ids."""
-        if self.text_score is not None:
-            return self.text_score(prompt, response_ids)
-        return self.reward(prompt.token_ids, response_ids)
+    def score_prompt(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
+        """The reward of one response to ``prompt`` (0 for a timeout, or a text scorer's failure)."""
+        return self.guarded(prompt, response_ids)
 
     def pop_metrics(self) -> dict[str, float]:
-        """The text reward's extra metrics and failure count since the last call (none otherwise)."""
-        return self.text_score.pop_metrics() if self.text_score is not None else {}
+        """``reward/failures``, ``reward/timeouts`` and the scorer's extra entries since the last call."""
+        return self.guarded.pop_metrics()
 
     def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
-        value = self.score(prompt_ids, response_ids)
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"reward {self.score!r} returned {value!r}; expected a finite number")
-        return float(value)
+        """The id reward of one response, unguarded: a ``ValueError`` unless a real number."""
+        return score_value(self.score(prompt_ids, response_ids), f"reward {callable_name(self.score)}")
 
 
 class TokenClassReward:

@@ -106,8 +106,17 @@ def test_custom_columns_and_plain_string_prompts(tmp_path, tokenizer):
 
 def test_missing_column_and_bad_files_name_what_is_wrong(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
-    with pytest.raises(KeyError, match=r"d.jsonl row 0: no column 'reward_model.ground_truth'"):
+    with pytest.raises(ValueError) as info:
         PromptsFileTask(path, tokenizer)
+    assert str(info.value) == (  # str(): no KeyError quotes around the message
+        "d.jsonl row 0: no column 'reward_model.ground_truth' for task.ground_truth_key (the row has: "
+        "prompt); name your file's columns with task.prompt_key, task.data_source_key and "
+        "task.ground_truth_key (dotted paths reach into nested columns)"
+    )
+    with pytest.raises(
+        ValueError, match=r"^d.jsonl row 0: no column 'question' for task.prompt_key \(the row"
+    ):
+        PromptsFileTask(path, tokenizer, prompt_key="question")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2 is not a JSON object"):
