@@ -1,129 +1,127 @@
-"""``r3lightning-train --help``: config groups, their options and the keys, explained by the
-comments in the YAML files themselves (the one place they are written down)."""
+"""``r3lightning-train [group=option ...] --help``: the config groups with the selected option of
+each marked, and the keys of the selected options, explained by the comments in the YAML files
+themselves (the one place they are written down)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-_KEY_LINE = re.compile(
-    r"^(?P<indent>\s*)(?P<key>[A-Za-z_][\w]*):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$"
-)
+_KEY_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$")
+_USAGE = """r3lightning-train: GRPO training of a causal MoE with Rollout Routing Replay (R3).
+
+usage: r3lightning-train [--config-dir DIR] [-m] [group=option ...] [key=value ...] [+key=value ...]
+
+  group=option       pick a config group's option, e.g. replay=off trainer=cpu_fsdp
+  key=value          set a value, e.g. steps=50 rollout.url=http://host:30000
+  +key=value         add a key, e.g. +callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor
+  --config-dir DIR   your own YAML files (DIR/<group>/<option>.yaml), searched before the package's
+  -m, --multirun     a sweep (key=a,b): its jobs run one after the other; failures are listed
+  --cfg job          print the composed config and exit; --hydra-help for Hydra's own flags
+  group=option --help  this help with that option selected and its keys listed
+
+Every piece with a _target_ is built from it (your own class or function works). Configs: {conf_dir}
+Any trainer.* key goes to lightning's Trainer as it is (+trainer.max_steps=100, +trainer.logger=false);
+the job sets max_epochs (= steps), reload_dataloaders_every_n_epochs and callbacks itself."""
 
 
 def _description(path: Path) -> str:
-    """The leading comment block of a YAML file, joined into one paragraph (usage lines dropped)."""
+    """The leading comment block of a YAML file as one paragraph (usage lines dropped)."""
     lines = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
         text = line.lstrip("#").strip()
-        if text.startswith(("@package", "r3lightning-train", "python -m")) or line.startswith("#   "):
-            continue
-        lines.append(text)
+        if not text.startswith(("@package", "r3lightning-train", "python -m")) and not line.startswith(
+            "#   "
+        ):
+            lines.append(text)
     return " ".join(lines)
 
 
 def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
-    """``(dotted key, value, comment)`` of every key line in ``path`` (nested keys by indentation;
-    a comment continued on the following comment-only lines is joined)."""
+    """``(dotted key, value, comment)`` of every key line of ``path`` (nesting by indentation; a
+    comment continued on the next comment-only lines at the same column is joined; the items of
+    lists and the ``defaults`` / ``hydra`` blocks are not options)."""
     out: list[tuple[str, str, str]] = []
     stack: list[tuple[int, str]] = []
-    in_defaults = False
-    comment_column = -1  # where the last key line's comment starts
-    list_indent: int | None = None  # inside a list's items (their keys are not options)
+    skip_block, comment_column, list_indent = False, -1, None
     for line in path.read_text().splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
             if out and out[-1][2] and line.index("#") == comment_column:
-                key, value, comment = out[-1]
-                out[-1] = (key, value, f"{comment} {stripped.lstrip('#').strip()}")
+                out[-1] = (*out[-1][:2], f"{out[-1][2]} {stripped.lstrip('#').strip()}")
             continue
         comment_column = -1
+        indent = len(line) - len(line.lstrip())
         if stripped.startswith("- "):
-            indent = len(line) - len(line.lstrip())
             list_indent = indent if list_indent is None else min(list_indent, indent)
             continue
         match = _KEY_LINE.match(line)
-        if match is None:
+        if match is None or (list_indent is not None and indent > list_indent):
             continue
-        indent = len(match["indent"])
-        if list_indent is not None:
-            if indent > list_indent:
-                continue
-            list_indent = None
+        list_indent = None
         while stack and stack[-1][0] >= indent:
             stack.pop()
         if indent == 0:
-            in_defaults = match["key"] in ("defaults", "hydra")
-        if in_defaults:
+            skip_block = match["key"] in ("defaults", "hydra")
+        if skip_block:
             continue
         key = ".".join([*(k for _, k in stack), match["key"]])
         stack.append((indent, match["key"]))
-        value = match["value"].strip()
-        if match["key"] == "_target_" or (not value and not match["comment"]):
+        if match["key"] == "_target_" or not (match["value"].strip() or match["comment"]):
             continue
         if match["comment"]:
-            comment_column = line.index("#", len(match["indent"]) + len(match["key"]))
-        out.append((f"{prefix}{key}", value, (match["comment"] or "").strip()))
+            comment_column = line.index("#", indent + len(match["key"]))
+        out.append((f"{prefix}{key}", match["value"].strip(), (match["comment"] or "").strip()))
     return out
 
 
-def _defaults(conf_dir: Path) -> dict[str, str | None]:
-    chosen: dict[str, str | None] = {}
-    defaults = OmegaConf.to_container(OmegaConf.load(conf_dir / "config.yaml").defaults, resolve=False)
-    for entry in defaults:  # type: ignore[union-attr]
-        if isinstance(entry, dict):
-            ((group, option),) = entry.items()
-            if isinstance(option, str) and option.startswith("${") and option.endswith("}"):
-                option = chosen.get(option[2:-1])  # another group's choice, e.g. reward: ${task}
-            chosen[str(group)] = None if option is None else str(option)
-    return chosen
+def _selected(conf_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, str | None], str | None]:
+    """``({group: selected option}, problem)``: Hydra's own choices after ``overrides`` (an
+    experiment's ``override /group: ...`` included); the defaults and a note when they do not
+    compose."""
+    from hydra import compose, initialize_config_dir
+
+    def choices(items: list[str]) -> dict[str, str | None]:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            cfg = compose("config", overrides=items, return_hydra_config=True)
+        return dict(cfg.hydra.runtime.choices)
+
+    try:
+        return choices(list(overrides)), None
+    except Exception as exc:
+        note = " ".join(str(exc).split("Config search path")[0].split())
+        return choices([]), f"(the defaults are shown: {note})"
 
 
-def format_help(conf_dir: Path) -> str:
-    """The help text: usage, every config group with its options (default marked), the top-level
-    keys, then the keys of each default option, each with its explanation."""
-    defaults = _defaults(conf_dir)
-    lines = [
-        "r3lightning-train: GRPO training of a causal MoE with Rollout Routing Replay (R3).",
-        "",
-        "usage: r3lightning-train [--config-dir DIR] [-m] [group=option ...] [key=value ...] [+key=value ...]",
-        "",
-        "  group=option       pick a config group's option, e.g. replay=off trainer=cpu_fsdp",
-        "  key=value          set a value, e.g. steps=50 rollout.url=http://host:30000",
-        "  +key=value         add a key, e.g. +callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor",
-        "  --config-dir DIR   your own YAML files (DIR/<group>/<option>.yaml), searched before the package's",
-        "  -m, --multirun     a sweep (key=a,b): its jobs run one after the other; failures are listed",
-        "  --cfg job          print the composed config and exit; --hydra-help for Hydra's own flags",
-        "",
-        f"Every piece with a _target_ is built from it (your own class or function works). Configs: {conf_dir}",
-        "Any trainer.* key goes to lightning's Trainer as it is (+trainer.max_steps=100, +trainer.logger=false);",
-        "the job sets max_epochs (= steps), reload_dataloaders_every_n_epochs and callbacks itself.",
-        "",
-        "Config groups (* = default):",
-    ]
+def format_help(conf_dir: Path, args: Sequence[str] = ()) -> str:
+    """The help text: usage, every config group with its options (the selected one marked), the
+    top-level keys, then the keys of each selected option, each with its explanation. ``args``:
+    the command line; its ``group=option`` and ``key=value`` overrides select the options."""
+    overrides = [a for a in args if "=" in a and not a.lstrip("+~").startswith(("-", "hydra"))]
+    selected, problem = _selected(conf_dir, overrides)
+    lines = [_USAGE.format(conf_dir=conf_dir), "", "Config groups (* = selected):", problem]
     for group in sorted(p.name for p in conf_dir.iterdir() if p.is_dir()):
         lines.append(f"  {group}:")
         for path in sorted((conf_dir / group).glob("*.yaml")):
-            mark = "*" if defaults.get(group) == path.stem else " "
+            mark = "*" if selected.get(group) == path.stem else " "
             lines.append(f"   {mark} {path.stem:<24} {_description(path)}")
     sections = [("Options", _keys(conf_dir / "config.yaml", ""))]
-    for group, option in defaults.items():
-        if option is not None and (conf_dir / group / f"{option}.yaml").exists():
-            prefix = f"{group}."
-            path = conf_dir / group / f"{option}.yaml"
-            keys = _keys(path, prefix)
-            for base in OmegaConf.load(path).get("defaults", []) or []:
-                if isinstance(base, str) and base != "_self_":
-                    keys = _keys(conf_dir / group / f"{base}.yaml", prefix) + keys
-            sections.append((f"{group} ({option})", keys))
+    for entry in OmegaConf.load(conf_dir / "config.yaml").defaults:  # the groups in their order
+        group = str(next(iter(entry))) if OmegaConf.is_dict(entry) else ""
+        path = conf_dir / group / f"{selected.get(group)}.yaml"
+        if group and path.is_file():
+            prefix = "" if path.read_text().startswith("# @package _global_") else f"{group}."
+            bases = [
+                b for b in OmegaConf.load(path).get("defaults", []) if isinstance(b, str) and b != "_self_"
+            ]
+            keys = [k for base in [*bases, path.stem] for k in _keys(path.with_name(f"{base}.yaml"), prefix)]
+            sections.append((f"{group} ({selected[group]})", keys))
     for title, keys in sections:
-        if not keys:
-            continue
-        lines += ["", f"{title}:"]
-        for key, value, comment in keys:
-            lines.append(f"  {key}={value}".ljust(44) + (f"  {comment}" if comment else ""))
-    return "\n".join(lines)
+        lines += ["", f"{title}:"] if keys else []
+        lines += [(f"  {k}={v}".ljust(44) + f"  {comment}").rstrip() for k, v, comment in keys]
+    return "\n".join(line for line in lines if line is not None)

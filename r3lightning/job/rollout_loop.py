@@ -1,23 +1,22 @@
 """The on-policy RL loop around a Lightning fit: one epoch = one RL step.
 
-``OnPolicyLoop`` is the Lightning callback that keeps the engine on-policy: at fit start and
-after every epoch rank 0 pushes the trainer's weights to the engine (one push per step), every
-rank waits for that push, then every rank collects *its own* GRPO groups of the next step with a
-:class:`~r3lightning.rollout.collector.RolloutCollector` into its own ``ReplayBuffer`` (the data
-module reads it unsharded: ``R3DataModule(shard=False)``; the trainer reloads its dataloader
-every epoch, ``reload_dataloaders_every_n_epochs=1``). No trajectory, and no route, crosses
-ranks; only the collector's scalar statistics are all-reduced. One row of metrics per step.
+:class:`OnPolicyLoop` keeps the engine on-policy: at fit start and after every step but the
+last, rank 0 pushes the trainer's weights to the engine, every rank waits for that push, then
+collects *its own* GRPO groups of the next step (:class:`~r3lightning.rollout.collector.RolloutCollector`)
+into its own ``ReplayBuffer``, which the data module reads unsharded (``data.shard=false``; the
+trainer reloads its dataloader every epoch). No trajectory or route crosses ranks; only the
+collector's scalar statistics are all-reduced. One row of metrics per step.
 
-Its history is part of the checkpoint, and the checkpoint taken after step ``e`` already holds
-step ``e + 1``'s rollouts (in the data module's state), so a one-process resumed run continues
-exactly. A checkpoint holds rank 0's buffer only, so a multi-rank resume collects the step's
-groups again on every rank (same seeds, same restored weights) instead of using it.
-
-The job's prompts come from the task (:class:`TaskPrompts`); its reward is the task's.
+No rollout follows the last step (nothing would train on it). A checkpoint saved after step
+``e`` holds step ``e + 1``'s rollouts when they were collected (an interrupted run, one process),
+so the resumed run continues exactly; otherwise (the last step, or a multi-rank run, whose
+checkpoint holds rank 0's buffer only) the resumed run collects that step again on every rank,
+with the same seeds and the restored weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,9 +25,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import Tensor
 
+from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
 from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
 from r3lightning.rollout.collector import RolloutCollector
@@ -110,6 +110,7 @@ class OnPolicyLoop(pl.Callback):
         self._pending: dict[str, float] = {}  # rollout stats of the step being trained
         self._epoch_start = 0.0
         self._pushed_on_restore = False
+        self._next_collected = False  # whether the buffer holds the next step's rollouts
 
     # ------------------------------------------------------------------ lightning hooks
 
@@ -122,12 +123,14 @@ class OnPolicyLoop(pl.Callback):
         # else the checkpoint holds the next step's rollouts (restored with the data module)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
-        if trainer.world_size > 1:
-            # the restored buffer is rank 0's: collect this rank's groups of the step again, on
-            # the restored weights (the engine still serves its initial ones)
+        step = int(checkpoint["epoch"]) + 1
+        collected = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("next_collected", True)
+        if (trainer.world_size > 1 or not collected) and step < trainer.max_epochs:
+            # the restored buffer is rank 0's, or not the next step's: collect this rank's groups
+            # of the step again, on the restored weights (the engine still serves its initial ones)
             self._ensure_collector(trainer)
             self._push_weights(trainer, pl_module)
-            self._collect(trainer, int(checkpoint["epoch"]) + 1)
+            self._collect(trainer, step)
             self._pushed_on_restore = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -147,10 +150,10 @@ class OnPolicyLoop(pl.Callback):
         self.history.append(record)
         if self.metrics_path is not None and trainer.is_global_zero:
             write_csv(self.metrics_path, self.history)
-        # Also after the last step: the checkpoint saved next then holds the next step's
-        # rollouts, so a run extended with more steps resumes exactly where it stopped.
-        self._push_weights(trainer, pl_module)
-        self._collect(trainer, step + 1)
+        self._next_collected = step + 1 < trainer.max_epochs  # none after the last step
+        if self._next_collected:
+            self._push_weights(trainer, pl_module)
+            self._collect(trainer, step + 1)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.collector is not None:
@@ -159,7 +162,7 @@ class OnPolicyLoop(pl.Callback):
     # ------------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": self.history, "pending": self._pending}
+        return {"history": self.history, "pending": self._pending, "next_collected": self._next_collected}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = list(state_dict.get("history", []))
@@ -237,9 +240,10 @@ def on_policy_loop(
     ``GET /health`` (else a ``JobError``)."""
     rollout = cfg.rollout
     prompts = TaskPrompts(task, int(cfg.prompts_per_step), int(cfg.seed))
-    sampling = SamplingConfig(**OmegaConf.to_container(rollout.sampling, resolve=True))  # type: ignore[arg-type]
+    sampling = dataclass_from(SamplingConfig, rollout.sampling, "rollout.sampling")
     if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
-        sampling.stop_token_ids = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
+        stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
+        sampling = dataclasses.replace(sampling, stop_token_ids=stop)
 
     def make_collector(urls: list[str]) -> RolloutCollector:
         return RolloutCollector(
