@@ -48,11 +48,13 @@ _MULTIRUN_FLAGS = ("-m", "--multirun")
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     """Run the job described by ``cfg`` into ``run_dir``; returns ``{run name: history}``."""
+    from r3lightning.job.checkpoint import check_run_dir
     from r3lightning.job.engine import embedded_server
     from r3lightning.job.report import format_table, plot_runs
     from r3lightning.job.setup import check_config, model_runtime, replay_settings, train_one
 
     check_config(cfg)
+    check_run_dir(cfg, run_dir)  # before config.yaml is rewritten
     run_dir.mkdir(parents=True, exist_ok=True)
     modes = [str(m) for m in cfg.compare] or [str(cfg.replay.mode)]
     if is_global_zero():
@@ -201,12 +203,14 @@ def compose_config(
         )
 
 
-def _precheck(flags: list[str], overrides: list[str]) -> str | None:
-    """Compose the config once before Hydra does and check its values, so a bad override or value
-    is one line and no run folder is made. ``hydra.*`` overrides are left to Hydra."""
+def _precheck(flags: list[str], overrides: list[str], run_dir: Path | None) -> str | None:
+    """Compose the config once before Hydra does and check its values (and that ``run_dir`` holds
+    no run of another task, dataset or model), so a bad override or value is one line and no run
+    folder is made or rewritten. ``hydra.*`` overrides are left to Hydra."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from r3lightning.job.checkpoint import check_run_dir
     from r3lightning.job.setup import check_config
 
     plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
@@ -217,6 +221,8 @@ def _precheck(flags: list[str], overrides: list[str]) -> str | None:
             config_name=_flag_value(flags, "--config-name", "-cn") or "config",
         )
         check_config(cfg)
+        if run_dir is not None:
+            check_run_dir(cfg, run_dir)
     except JobError as exc:
         return str(exc)
     except (HydraException, OmegaConfBaseException) as exc:
@@ -247,11 +253,11 @@ def _single(args: list[str], label: str = "") -> int:
     flags, overrides, understood = _split_flags(args)
     new_dirs: list[Path] = []
     if understood:
-        problem = _precheck(flags, overrides)
+        run_dir = _planned_run_dir(flags, overrides)
+        problem = _precheck(flags, overrides, run_dir)
         if problem is not None:
             _error(problem, label)
             return 2
-        run_dir = _planned_run_dir(flags, overrides)
         if run_dir is not None:
             # the folders this run will make (so a run that fails before training removes them),
             # with the run folder pinned, so Hydra's ${now:...} cannot name another one
@@ -320,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--help" in args or "-h" in args:
         from r3lightning.job.help import format_help
 
-        print(format_help(CONF_DIR))
+        print(format_help(CONF_DIR, args))
         sys.exit(0)
     # Lightning's banner lines (accelerator summary, logger tips) are noise here.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
