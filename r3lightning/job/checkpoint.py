@@ -71,10 +71,10 @@ def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
             saved = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise JobError(f"{path} cannot be read ({' '.join(str(exc).split())[:120]}); {_FIX}") from None
-        for key in sorted(set(saved) | set(current), key=lambda k: (k.startswith("data."), k)):
-            old, new = saved.get(key, "absent"), current.get(key, "absent")
+        for key in [*current, *(k for k in saved if k not in current)]:  # task, reward, model, data
+            old, new = (repr(side[key]) if key in side else "absent" for side in (saved, current))
             if old != new:
-                what = "the file differs" if key.startswith("data.") else f"{old!r} there, {new!r} now"
+                what = "the file differs" if key.startswith("data.") else f"{old} there, {new} now"
                 raise JobError(
                     f"{path.parent} was trained on another task, dataset or model ({key.removeprefix('data.')}: "
                     f"{what}); run with its settings to resume it, or use another hydra.run.dir"

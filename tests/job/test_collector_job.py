@@ -68,7 +68,8 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_collects_its_own_groups_and_step0_matches_one_process(one_process, tmp_path, world):
-    run_ranks(_rank, free_port(), world, str(tmp_path), nprocs=world)
+    steps = 2 if world == 2 else 1
+    run_ranks(_rank, free_port(), world, str(tmp_path), steps, nprocs=world)
     assert len(one_process) == PROMPTS * GROUP
     per_rank = PROMPTS * GROUP // world
     union = []
@@ -82,25 +83,29 @@ def test_each_rank_collects_its_own_groups_and_step0_matches_one_process(one_pro
             assert torch.equal(a.routed_experts, b.routed_experts) and a.routed_experts.dtype == torch.uint8
             assert (a.reward, a.advantage) == (b.reward, b.advantage)
         union += mine
+        assert not (tmp_path / f"step{steps}_rank{rank}.pt").exists()  # no rollout after the last step
     assert sorted(map(str, map(_key, union))) == sorted(map(str, map(_key, one_process)))
-    # the step trained on every rank and rank 0 wrote the metrics with the all-reduced statistics
+    # every step trained on every rank and rank 0 wrote the metrics with the all-reduced statistics
     metrics = (tmp_path / "replay_r3" / "metrics.csv").read_text().splitlines()
-    assert len(metrics) == 2
+    assert len(metrics) == steps + 1
     row = dict(zip(metrics[0].split(","), metrics[1].split(","), strict=True))
     rewards = [t.reward for t in one_process]
     assert float(row["reward"]) == pytest.approx(sum(rewards) / len(rewards))
     assert float(row["rollout_attempts"]) == PROMPTS * GROUP and float(row["engine_errors"]) == 0
     if world != 2:
         return
-    # resumed for a second step: the checkpoint holds rank 0's buffer only, so every rank
-    # collects its own groups of step 1 again, on the restored weights: the same ones as before
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    run_ranks(_rank, free_port(), world, str(tmp_path), 2, str(resumed), nprocs=world)
+    # stopped after one step, then extended to two: the checkpoint holds no rollouts of step 1 (and
+    # only rank 0's buffer), so every rank collects its own groups of step 1 on the restored
+    # weights: the same ones as the run that went straight through
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    run_ranks(_rank, free_port(), world, str(stopped), 1, nprocs=world)
+    assert not list(stopped.glob("step1_*"))
+    run_ranks(_rank, free_port(), world, str(stopped), 2, nprocs=world)
     for rank in range(world):
-        before, after = _load(tmp_path / f"step1_rank{rank}.pt"), _load(resumed / f"step1_rank{rank}.pt")
-        assert [_key(t) for t in after] == [_key(t) for t in before] and len(after) == per_rank
+        straight, resumed = _load(tmp_path / f"step1_rank{rank}.pt"), _load(stopped / f"step1_rank{rank}.pt")
+        assert [_key(t) for t in resumed] == [_key(t) for t in straight] and len(resumed) == per_rank
         assert all(
-            torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(after, before, strict=True)
+            torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(resumed, straight, strict=True)
         )
-    assert len((tmp_path / "replay_r3" / "metrics.csv").read_text().splitlines()) == 3
+    assert len((stopped / "replay_r3" / "metrics.csv").read_text().splitlines()) == 3
