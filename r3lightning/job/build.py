@@ -1,23 +1,27 @@
-"""From config nodes to objects: ``_target_`` instantiation and typed settings, errors in one line.
+"""From config nodes to objects, every failure a one-line :class:`JobError` naming the config key:
+``_target_`` nodes (:func:`instantiate_node`; a missing module, attribute or package is named),
+settings dataclasses (:func:`dataclass_from`), and the pieces of a run the job builds itself.
 
-:func:`instantiate_node` builds a ``_target_`` node and turns every way it can fail (a module or
-attribute that does not exist, a constructor that rejects its keywords or values) into a
-:class:`JobError` naming the config key. :func:`dataclass_from` builds a settings dataclass,
-checking each value against its field's type, so ``algorithm.clip_low=abc`` names the key and
-the type it expects rather than failing deep inside a run.
-"""
+The job passes on: the replay backend named by the replay callback's ``backend`` (``hf`` /
+``megatron``) with ``mode`` = ``replay.mode``; the model (on the meta device when
+``model.sharded_weights`` is set: the module then loads each FSDP2 rank's shards); and the
+``Trainer``'s ``max_epochs`` (= ``steps``), ``reload_dataloaders_every_n_epochs=1`` and
+``callbacks``. Any other ``trainer.*`` key goes to ``Trainer`` as it is, over the job's
+``logger`` (the ``loggers`` list), ``gradient_clip_val`` (``algorithm.optim.grad_clip``),
+``default_root_dir``, ``num_sanity_val_steps=0`` and ``enable_model_summary=false``."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import inspect
-import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.common import JobError
 
@@ -99,54 +103,161 @@ def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
         raise JobError(f"{key}: {one_line(exc)}") from None
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def _check_value(key: str, value: Any, tp: Any) -> Any:
-    """``value`` converted to ``tp`` (int -> float, list -> tuple), or a JobError naming ``key``."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        options = [o for o in typing.get_args(tp) if o is not type(None)]
-        if value is None and len(options) < len(typing.get_args(tp)):
-            return None
-        for option in options:
-            try:
-                return _check_value(key, value, option)
-            except JobError:
-                pass
-        names = [_TYPE_NAMES.get(o, getattr(o, "__name__", str(o))) for o in options]
-        null = " or null" if len(options) < len(typing.get_args(tp)) else ""
-        raise JobError(f"{key} must be {' or '.join(names)}{null}, got {value!r}")
-    if typing.get_origin(tp) is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise JobError(f"{key} must be a list of {len(args)} values, got {value!r}")
-        return tuple(
-            _check_value(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))
-        )
-    accepted = {int: int, float: int | float, bool: bool, str: str}.get(tp)
-    if accepted is None:
-        return value
-    if not isinstance(value, accepted) or (isinstance(value, bool) and tp is not bool):
-        raise JobError(f"{key} must be {_TYPE_NAMES[tp]}, got {value!r}")
-    return float(value) if tp is float else value
-
-
 def dataclass_from(cls: type, node: Any, key: str, *, skip: tuple[str, ...] = ()) -> Any:
-    """``cls(**node)`` with every value checked against its field's type and unknown keys
-    rejected; a ``ValueError`` of the class's own checks (``"<field> must be ..."``) is reported
-    under ``key``. ``skip``: keys of ``node`` that belong to something else (a nested group)."""
+    """``cls(**node)`` with unknown keys rejected, lists given to tuple fields as tuples, and a
+    ``ValueError`` of the class's own checks (``"<field> must be ..."``) reported under ``key``.
+    Value types and ranges are checked by ``check_config``. ``skip``: keys of ``node`` that belong
+    to something else (a nested group)."""
     values = {k: v for k, v in (plain(node) or {}).items() if k not in skip}
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise JobError(f"{key}.{unknown[0]} is not a setting here; expected one of {names}")
+        raise JobError(f"{key}.{unknown[0]} is not a setting here; expected one of {list(fields)}")
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
+            values[name] = tuple(value)
     try:
-        return cls(
-            **{name: _check_value(f"{key}.{name}", value, hints[name]) for name, value in values.items()}
-        )
+        return cls(**values)
     except ValueError as exc:
         raise JobError(f"{key}.{one_line(exc)}") from None
+
+
+def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
+    """``(name, node)`` of the ``callbacks`` entry building a ``RouterReplayCallback`` (None if removed)."""
+    from r3lightning.replay.callback import RouterReplayCallback
+
+    for name, node in cfg.callbacks.items():
+        target = None if node is None else target_of(node, f"callbacks.{name}")
+        if isinstance(target, type) and issubclass(target, RouterReplayCallback):
+            return str(name), node
+    return None
+
+
+def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Module:
+    """The policy from ``model._target_`` (its keys but ``runtime`` and ``sharded_weights`` are the
+    factory's). ``trainer=True`` with ``sharded_weights``: ``model.path``'s model with parameters
+    on the meta device, for FSDP2 ranks that read only their shards (an engine needs weights)."""
+    values = {k: v for k, v in plain(model_cfg).items() if k not in ("runtime", "sharded_weights")}
+    if trainer and model_cfg.get("sharded_weights") is not None:
+        from r3lightning.job.models import torch_dtype
+        from r3lightning.job.sharded import meta_model
+
+        path = Path(str(values.get("path"))).expanduser()
+        if values.get("path") is None or not (path / "config.json").is_file():
+            raise JobError(
+                f"model.sharded_weights needs model.path: a directory with a config.json, got {values.get('path')}"
+            )
+        return meta_model(path, dtype=torch_dtype(values.get("dtype", "float32"), "model.dtype"))
+    model = instantiate_node(values, "model")
+    if not isinstance(model, torch.nn.Module):
+        raise JobError(
+            f"model._target_ {values['_target_']!r} must return a torch.nn.Module, got {type(model).__name__}"
+        )
+    return model
+
+
+def replay_backend(cfg: DictConfig, model: torch.nn.Module):
+    """The router replay backend of ``model`` named by the replay callback's ``backend`` key."""
+    from r3lightning.replay.hf.replay import HFRouterReplay
+
+    replay = replay_callback_settings(cfg)
+    kind = "hf" if replay is None else replay[1].get("backend", "hf")
+    megatron_model = callable(getattr(model, "router_replay_backend", None))
+    try:
+        if kind == "megatron":
+            from r3lightning.replay.megatron.replay import MegatronRouterReplay
+
+            return (
+                model.router_replay_backend()
+                if megatron_model
+                else MegatronRouterReplay(model, validate=False)
+            )
+        if kind in ("hf", None):
+            return HFRouterReplay.for_model(model)
+    except (TypeError, ValueError, LookupError) as exc:
+        hint = " (a Hugging Face model: use callbacks=router_replay)" if kind == "megatron" else ""
+        if megatron_model and kind != "megatron":
+            hint = " (this model routes with megatron-core: use callbacks=router_replay_megatron)"
+        raise JobError(f"callbacks.router_replay.backend={kind}: {one_line(exc)}{hint}") from None
+    raise JobError(f"callbacks.router_replay.backend must be hf or megatron, got {kind!r}")
+
+
+def build_task(cfg: DictConfig, vocab_size: int | None):
+    """The task (``task._target_``) and its reward (``reward._target_``; ``reward.timeout_s``
+    bounds each scorer call)."""
+    from r3lightning.rollout.tasks import ScoredTask
+
+    extra = {}
+    if "vocab_size" in cfg.task and cfg.task.vocab_size is None:
+        if vocab_size is None:
+            raise JobError("task.vocab_size must be set: the model has no config.vocab_size")
+        extra["vocab_size"] = vocab_size
+    prompts = instantiate_node(cfg.task, "task", **extra)
+    reward = {k: v for k, v in plain(cfg.reward).items() if k != "timeout_s"}
+    try:
+        return ScoredTask(
+            prompts, instantiate_node(reward, "reward"), timeout_s=cfg.reward.get("timeout_s", 60.0)
+        )
+    except TypeError as exc:
+        raise JobError(str(exc)) from None
+
+
+def _trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
+    """``trainer.*`` as ``Trainer`` keywords; values with a ``_target_`` (strategy, plugins, ...)
+    are instantiated."""
+    return {
+        k: instantiate_node(v, f"trainer.{k}") if isinstance(v, dict) and "_target_" in v else v
+        for k, v in plain(trainer_cfg).items()
+    }
+
+
+def _callbacks(cfg: DictConfig, backend, mode: str) -> list:
+    """The ``callbacks`` dict, in order (``null`` drops an entry); the replay callback gets the
+    job's backend and mode, and ``strict`` from ``replay.strict`` when set (null: strict for r3
+    with an external engine, which must return routes, else the callback's own ``strict``)."""
+    replay, out = replay_callback_settings(cfg), []
+    for name, node in cfg.callbacks.items():
+        extra: dict[str, Any] = {}
+        if replay is not None and name == replay[0]:
+            extra = {"backend": backend, "mode": mode}
+            strict = cfg.replay.get("strict")
+            if strict is None and cfg.rollout.url is not None and mode == "r3":
+                strict = True  # an external engine without routes is misconfigured: never train natively
+            if strict is not None:
+                extra["strict"] = bool(strict)
+        if node is not None:  # the replay callback's backend key is built by the job
+            out.append(
+                instantiate_node(
+                    {k: v for k, v in plain(node).items() if k != "backend"}, f"callbacks.{name}", **extra
+                )
+            )
+    return out
+
+
+def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: float | None):
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    kwargs = _trainer_kwargs(cfg.trainer)
+    if "logger" not in kwargs:  # the loggers list (save_dir: the run's folder; None entries dropped)
+        logs = [
+            instantiate_node(
+                node, f"loggers[{i}]", **({} if "save_dir" in node else {"save_dir": str(out_dir)})
+            )
+            for i, node in enumerate(cfg.loggers or [])
+        ]
+        kwargs["logger"] = [logger for logger in logs if logger is not None] or False
+    defaults = {"gradient_clip_val": grad_clip, "default_root_dir": str(out_dir), "num_sanity_val_steps": 0}
+    try:
+        return pl.Trainer(
+            **{**defaults, "enable_model_summary": False, **kwargs},
+            max_epochs=int(cfg.steps),
+            reload_dataloaders_every_n_epochs=1,
+            callbacks=callbacks,
+        )
+    except (MisconfigurationException, TypeError, ValueError) as exc:
+        raise JobError(f"trainer: {one_line(exc)}") from None
 
 
 def tensorboard_if_installed(save_dir: str, name: str = "tensorboard", **kwargs: Any):

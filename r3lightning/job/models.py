@@ -1,11 +1,7 @@
-"""Model factories for the job's ``model`` config group (``model._target_``).
-
-Each returns the policy the trainer trains, in the dtype it is given (fp32 by default); the
-embedded rollout engine calls the same factory once more for its own copy and casts it to
-``rollout.server.dtype``. Bring your own with ``model._target_=my_pkg.build_policy`` (any
-callable returning a Hugging Face-style causal MoE LM: ``model(input_ids=..., attention_mask=...,
-position_ids=...).logits`` and a ``config.vocab_size``).
-"""
+"""Model factories of the job's ``model`` group (``model._target_``; bring your own: any callable
+returning a Hugging Face-style causal MoE LM with ``.logits`` and ``config.vocab_size``). Each
+returns the trainer's policy in its ``dtype`` (fp32 by default); the embedded engine calls the
+same factory for its own copy, cast to ``rollout.server.dtype``."""
 
 from __future__ import annotations
 
@@ -20,9 +16,7 @@ __all__ = ["from_pretrained", "tiny_moe", "torch_dtype"]
 
 def torch_dtype(name: str | torch.dtype, key: str = "dtype") -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16``; a ValueError naming ``key`` for anything else."""
-    if isinstance(name, torch.dtype):
-        return name
-    dtype = getattr(torch, str(name), None)
+    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{key} must be a torch dtype name (float32, bfloat16, float16), got {name!r}")
     return dtype
@@ -49,14 +43,10 @@ def tiny_moe(
 
 
 def from_pretrained(
-    path: str,
-    *,
-    dtype: str = "float32",
-    attn_implementation: str | None = None,
-    **kwargs: Any,
+    path: str, *, dtype: str = "float32", attn_implementation: str | None = None, **kwargs: Any
 ) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` of a local checkpoint directory (never a hub name:
-    nothing is downloaded). ``kwargs`` go to ``from_pretrained`` as they are."""
+    nothing is downloaded); ``kwargs`` go to it as they are."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(str(path)).expanduser()

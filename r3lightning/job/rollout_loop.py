@@ -1,30 +1,26 @@
 """The on-policy RL loop around a Lightning fit: one epoch = one RL step.
 
-:class:`OnPolicyLoop` keeps the engine on-policy: at fit start and after every step but the
-last, rank 0 pushes the trainer's weights to the engine, every rank waits for that push, then
-collects *its own* GRPO groups of the next step (:class:`~r3lightning.rollout.collector.RolloutCollector`)
-into its own ``ReplayBuffer``, which the data module reads unsharded (``data.shard=false``; the
-trainer reloads its dataloader every epoch). No trajectory or route crosses ranks; only the
-collector's scalar statistics are all-reduced. One row of metrics per step.
-
-No rollout follows the last step (nothing would train on it). A checkpoint saved after step
-``e`` holds step ``e + 1``'s rollouts when they were collected (an interrupted run, one process),
-so the resumed run continues exactly; otherwise (the last step, or a multi-rank run, whose
-checkpoint holds rank 0's buffer only) the resumed run collects that step again on every rank,
-with the same seeds and the restored weights.
+At fit start and after every step but the last, rank 0 pushes the trainer's weights to the
+engine, every rank waits for that push, then collects *its own* GRPO groups of the next step into
+its own ``ReplayBuffer`` (read unsharded by the data module, reloaded every epoch). No trajectory
+or route crosses ranks; only the collector's scalar statistics are all-reduced. No rollout
+follows the last step. A checkpoint holds the next step's rollouts when they were collected (an
+interrupted one-process run resumes exactly); otherwise (the last step, or several ranks: it holds
+rank 0's buffer only) the resumed run collects that step again, same seeds, restored weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
-import torch
 from omegaconf import DictConfig
 from torch import Tensor
 
@@ -32,79 +28,45 @@ from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
 from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
 from r3lightning.rollout.collector import RolloutCollector
-from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
+from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.rollout.tasks import ScoredTask
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
 
-_PROMPTS = -1  # the "group index" of a step's prompt draw in sampling_seed (groups are >= 0)
-
 
 @dataclass
 class Engine:
-    """Where rollouts come from and how the trainer's weights reach them.
-
-    ``urls``: the engines' base URLs (None on ranks that learn them from rank 0: the embedded
-    engine). ``push``: rank 0's weight sync (None elsewhere, or when the deployment syncs weights
-    itself). ``gather``: whether every rank joins the per-step full-weight gather (a collective
-    under FSDP2, so it is the same on every rank).
-    """
+    """Where rollouts come from: ``urls`` (None on ranks that learn the embedded engine's URL
+    from rank 0); ``push``, rank 0's weight sync (None elsewhere, or when the deployment syncs
+    weights itself); ``gather``, whether every rank joins the per-step full-weight gather (a
+    collective under FSDP2, so the same on every rank)."""
 
     urls: list[str] | None
     push: WeightSync | None = None
     gather: bool = False
 
 
-class TaskPrompts:
-    """The step's global prompt list, drawn from the task with a generator seeded by
-    ``(seed, step)``: the same on every rank, for any number of ranks."""
-
-    def __init__(self, task: ScoredTask, num_prompts: int, seed: int) -> None:
-        self.task, self.num_prompts, self.seed = task, num_prompts, seed
-
-    def __call__(self, step: int) -> list[RolloutPrompt]:
-        per_step = getattr(self.task.prompts, "prompts_for_step", None)
-        if callable(per_step):  # a dataset task: its prompts are a pure function of the step
-            return list(per_step(step, self.num_prompts))
-        generator = torch.Generator().manual_seed(sampling_seed(self.seed, step, _PROMPTS))
-        return [RolloutPrompt(p) for p in self.task.sample_prompts(self.num_prompts, generator)]
-
-    def reward(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
-        return self.task.score_prompt(prompt, response_ids)
-
-    def pop_metrics(self) -> dict[str, float]:
-        return self.task.pop_metrics()
-
-
 class OnPolicyLoop(pl.Callback):
-    """Rollout -> per-rank buffer -> train, once per epoch, with weight pushes in between.
-
-    ``make_collector(urls)``: builds the collector once the engine URLs are known on every rank
-    (at fit start; the embedded engine's URL comes from rank 0). ``prompts(step)``: the step's
-    global prompt list. ``buffer``: this rank's ``ReplayBuffer`` (refilled each step).
-    ``engine``: its URLs and weight sync: every rank joins the full-state-dict gather when
-    ``engine.gather`` (a collective under FSDP2), rank 0 pushes it with ``engine.push``, and
-    every rank waits at a barrier for that push before collecting. ``metrics_path``: CSV
-    rewritten after every step (rank 0).
-    """
+    """Rollout -> this rank's ``buffer`` -> train, once per epoch, with weight pushes in between:
+    ``task``'s prompts (``prompts_per_step`` of them per step) scored by its reward, collected
+    from ``engine`` as ``cfg.rollout`` says; one row per step in ``metrics_path`` (rank 0)."""
 
     def __init__(
         self,
-        make_collector: Callable[[list[str]], RolloutCollector],
-        prompts: Callable[[int], Sequence[RolloutPrompt]],
-        buffer,
-        *,
+        cfg: DictConfig,
         engine: Engine,
-        metrics_path: str | Path | None = None,
-        full_state_dict: Callable[[pl.LightningModule], dict[str, Tensor]] | None = None,
+        task: ScoredTask,
+        schema: RouteSchema,
+        buffer,
+        metrics_path: Path,
     ) -> None:
-        self.make_collector = make_collector
-        self.prompts = prompts
-        self.buffer = buffer
-        self.engine = engine
-        self.metrics_path = None if metrics_path is None else Path(metrics_path)
-        self.full_state_dict = full_state_dict or _plain_state_dict
+        self.cfg, self.engine, self.task, self.schema, self.buffer = cfg, engine, task, schema, buffer
+        self.metrics_path = metrics_path
+        self.sampling = dataclass_from(SamplingConfig, cfg.rollout.sampling, "rollout.sampling")
+        if self.sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
+            stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
+            self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
         self._pending: dict[str, float] = {}  # rollout stats of the step being trained
@@ -112,15 +74,50 @@ class OnPolicyLoop(pl.Callback):
         self._pushed_on_restore = False
         self._next_collected = False  # whether the buffer holds the next step's rollouts
 
-    # ------------------------------------------------------------------ lightning hooks
+    def new_collector(self, urls: list[str]) -> RolloutCollector:
+        cfg, rollout = self.cfg, self.cfg.rollout
+        return RolloutCollector(
+            urls,
+            self.task.score_prompt,
+            group_size=int(cfg.algorithm.group_size),
+            sampling=self.sampling,
+            protocol=str(rollout.protocol),
+            num_layers=self.schema.num_layers,
+            top_k=self.schema.top_k,
+            num_experts=self.schema.num_experts,
+            request_routes=bool(cfg.replay.request_routes),
+            normalize_std=bool(cfg.algorithm.normalize_std),
+            seed=int(cfg.seed),
+            max_in_flight=int(rollout.max_in_flight),
+            reward_threads=int(cfg.get("reward_threads", 0)),
+            client_options={"api_key": rollout.api_key, "timeout_s": float(rollout.request_timeout_s)},
+            progress=bool(cfg.trainer.get("enable_progress_bar", True)),
+        )
+
+    def check_engines(self) -> None:
+        """Engines known here (not the embedded one on ranks > 0) must answer ``GET /health``."""
+        down = [u for u, ok in self.new_collector(self.engine.urls or []).check_engines().items() if not ok]
+        if down:
+            raise JobError(
+                f"cannot reach the rollout engine at {', '.join(down)} (GET /health failed within "
+                f"{float(self.cfg.rollout.request_timeout_s):g}s); check rollout.url or start the engine"
+            )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._check_ranks(trainer)
+        if trainer.world_size > 1 and getattr(trainer.datamodule, "shard", False):
+            raise JobError(
+                "every rank collects only its own groups, so the data module must not shard its "
+                "buffer again: set data.shard=false"
+            )
+        if int(self.cfg.prompts_per_step) % trainer.world_size:
+            raise JobError(
+                f"prompts_per_step ({self.cfg.prompts_per_step}) must be a multiple of the number of ranks "
+                f"({trainer.world_size}): every rank trains on the same number of whole groups"
+            )
         self._ensure_collector(trainer)
         if trainer.ckpt_path is None:  # fresh run: roll out step 0 with the initial weights
             self._push_weights(trainer, pl_module)
-            self._collect(trainer, trainer.current_epoch)
-        # else the checkpoint holds the next step's rollouts (restored with the data module)
+            self._collect(trainer.current_epoch)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
         step = int(checkpoint["epoch"]) + 1
@@ -130,7 +127,7 @@ class OnPolicyLoop(pl.Callback):
             # of the step again, on the restored weights (the engine still serves its initial ones)
             self._ensure_collector(trainer)
             self._push_weights(trainer, pl_module)
-            self._collect(trainer, step)
+            self._collect(step)
             self._pushed_on_restore = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -144,22 +141,21 @@ class OnPolicyLoop(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.current_epoch
-        record = {"step": float(step), **self._pending}
-        record["train_s"] = time.perf_counter() - self._epoch_start
-        record.update(_epoch_metrics(trainer.callback_metrics))
+        record = {"step": float(step), **self._pending, "train_s": time.perf_counter() - self._epoch_start}
+        for key, value in trainer.callback_metrics.items():  # train/<name> as <name>
+            if key.startswith(("train/", AGREEMENT_PREFIX, MISMATCH_PREFIX)):
+                record[key.removeprefix("train/")] = float(value)
         self.history.append(record)
-        if self.metrics_path is not None and trainer.is_global_zero:
+        if trainer.is_global_zero:
             write_csv(self.metrics_path, self.history)
         self._next_collected = step + 1 < trainer.max_epochs  # none after the last step
         if self._next_collected:
             self._push_weights(trainer, pl_module)
-            self._collect(trainer, step + 1)
+            self._collect(step + 1)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.collector is not None:
             self.collector.close()
-
-    # ------------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history, "pending": self._pending, "next_collected": self._next_collected}
@@ -169,51 +165,36 @@ class OnPolicyLoop(pl.Callback):
         if not self._pushed_on_restore:  # else the stats of the collection just repeated
             self._pending = dict(state_dict.get("pending", {}))
 
-    # ------------------------------------------------------------------ helpers
-
-    def _check_ranks(self, trainer: pl.Trainer) -> None:
-        world = trainer.world_size
-        if world == 1:
-            return
-        if getattr(trainer.datamodule, "shard", False):
-            raise JobError(
-                "every rank collects only its own groups, so the data module must not shard its "
-                "buffer again: set data.shard=false"
-            )
-        num_prompts = len(self.prompts(0))
-        if num_prompts % world:
-            raise JobError(
-                f"prompts_per_step ({num_prompts}) must be a multiple of the number of ranks ({world}): "
-                "every rank trains on the same number of whole groups"
-            )
-
     def _ensure_collector(self, trainer: pl.Trainer) -> None:
-        if self.collector is not None:
-            return
         urls = self.engine.urls
-        if trainer.world_size > 1:
+        if self.collector is None and trainer.world_size > 1:
             urls = trainer.strategy.broadcast(urls, src=0)  # a few short strings, once per fit
-            if trainer.num_nodes > 1 and self.engine.urls is None and _is_loopback(urls[0]):
+            if (
+                trainer.num_nodes > 1
+                and self.engine.urls is None
+                and _is_loopback(urlsplit(urls[0]).hostname)
+            ):
                 raise JobError(
                     f"the embedded engine listens on loopback ({urls[0]}), which other nodes cannot "
                     "reach: set rollout.server.host to this node's address, or rollout.url"
                 )
-        assert urls, "the engine URLs are known on rank 0"
-        self.collector = self.make_collector(list(urls))
+        if self.collector is None:
+            assert urls, "the engine URLs are known on rank 0"
+            self.collector = self.new_collector(list(urls))
 
     def _push_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.engine.gather:
-            state_dict = self.full_state_dict(pl_module)
+            state_dict = full_state_dict(pl_module)
             if self.engine.push is not None:
                 self.engine.push(state_dict)
         if trainer.world_size > 1:
             trainer.strategy.barrier("r3lightning-weights-pushed")  # no rank samples stale weights
 
-    def _collect(self, trainer: pl.Trainer, step: int) -> None:
+    def _collect(self, step: int) -> None:
         assert self.collector is not None
         self.buffer.clear()
-        rollouts = self.collector.collect(self.prompts(step), step=step, buffer=self.buffer)
-        stats = rollouts.stats
+        prompts = self.task.prompts_for_step(step, int(self.cfg.prompts_per_step), int(self.cfg.seed))
+        stats = self.collector.collect(prompts, step=step, buffer=self.buffer).stats
         self._pending = {
             "reward": stats.reward_mean,
             "reward_std": stats.reward_std,
@@ -221,104 +202,30 @@ class OnPolicyLoop(pl.Callback):
             "rollout_s": stats.rollout_s,
             "rollout_attempts": float(stats.attempts),
             "engine_errors": float(stats.engine_errors),
-            **(self.prompts.pop_metrics() if hasattr(self.prompts, "pop_metrics") else {}),
+            **self.task.pop_metrics(),
         }
 
 
-def on_policy_loop(
-    cfg: DictConfig,
-    engine: Engine,
-    task: ScoredTask,
-    schema: RouteSchema,
-    buffer,
-    *,
-    normalize_std: bool,
-    metrics_path: Path,
-) -> OnPolicyLoop:
-    """The job's loop: the task's prompts and reward, a collector over ``engine``'s URLs built
-    from ``cfg.rollout``. Engines known here (not the embedded one on ranks > 0) must answer
-    ``GET /health`` (else a ``JobError``)."""
-    rollout = cfg.rollout
-    prompts = TaskPrompts(task, int(cfg.prompts_per_step), int(cfg.seed))
-    sampling = dataclass_from(SamplingConfig, rollout.sampling, "rollout.sampling")
-    if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
-        stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
-        sampling = dataclasses.replace(sampling, stop_token_ids=stop)
-
-    def make_collector(urls: list[str]) -> RolloutCollector:
-        return RolloutCollector(
-            urls,
-            prompts.reward,
-            group_size=int(cfg.algorithm.group_size),
-            sampling=sampling,
-            protocol=str(rollout.protocol),
-            num_layers=schema.num_layers,
-            top_k=schema.top_k,
-            num_experts=schema.num_experts,
-            request_routes=bool(cfg.replay.request_routes),
-            normalize_std=normalize_std,
-            seed=int(cfg.seed),
-            max_in_flight=int(rollout.max_in_flight),
-            reward_threads=int(cfg.get("reward_threads", 0)),
-            client_options={"api_key": rollout.api_key, "timeout_s": float(rollout.request_timeout_s)},
-            progress=bool(cfg.trainer.get("enable_progress_bar", True)),
-        )
-
-    if engine.urls is not None:
-        down = [url for url, ok in make_collector(engine.urls).check_engines().items() if not ok]
-        if down:
-            raise JobError(
-                f"cannot reach the rollout engine at {', '.join(down)} (GET /health failed within "
-                f"{float(rollout.request_timeout_s):g}s); check rollout.url or start the engine"
-            )
-    return OnPolicyLoop(make_collector, prompts, buffer, engine=engine, metrics_path=metrics_path)
-
-
-def _is_loopback(url: str) -> bool:
-    import ipaddress
-    from urllib.parse import urlsplit
-
-    host = urlsplit(url).hostname or ""
+def _is_loopback(host: str | None) -> bool:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host or "").is_loopback
     except ValueError:
         return host == "localhost"
 
 
-def _plain_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
-    """The policy's full weights keyed as in the HF model (what the engine serves), on rank 0;
-    the other ranks get an empty dict (only rank 0 pushes).
-
-    FSDP2-sharded parameters (DTensors) are all-gathered one at a time, a collective every rank
-    must join; rank 0 moves each gathered tensor to the host at once, so no device ever holds
-    more than one unsharded tensor (a whole unsharded policy would not fit beside its shards).
-    Unsharded values are returned as they are, without a copy.
-    """
+def full_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
+    """The policy's full weights keyed as in the HF model (what the engine serves) on rank 0; an
+    empty dict elsewhere. FSDP2-sharded parameters (DTensors) are all-gathered one at a time (a
+    collective every rank joins) and moved to the host at once on rank 0, so no device ever holds
+    more than one unsharded tensor beside its shards; unsharded values come without a copy."""
     from torch.distributed.tensor import DTensor
 
     keep = pl_module.trainer.is_global_zero
     out = {}
     for name, value in pl_module.model.state_dict().items():
         if isinstance(value, DTensor):
-            value = value.full_tensor()
-            if keep:
-                value = value.cpu()
+            value = value.full_tensor()  # a collective: every rank joins
+            value = value.cpu() if keep else value
         if keep:
             out[name] = value.detach()
-    return out
-
-
-def _epoch_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Flatten the epoch-aggregated logged metrics into CSV columns.
-
-    ``train/<name>`` -> ``<name>``; the module's per-layer routing agreement keeps its
-    ``used_agreement/layer_XX`` name, and its paired mismatch metrics their ``mismatch/<name>``.
-    """
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        v = float(value.item() if isinstance(value, Tensor) else value)
-        if key.startswith("train/"):
-            out[key[len("train/") :]] = v
-        elif key.startswith((AGREEMENT_PREFIX, MISMATCH_PREFIX)):
-            out[key] = v
     return out

@@ -32,13 +32,13 @@ BAD_VALUES = [
     ("rollout.sampling.max_new_tokens=-5", "rollout.sampling.max_new_tokens must be an integer >= 1, got -5"),
     (
         "rollout.sampling.temperature=-1",
-        "rollout.sampling.temperature must be a finite number >= 0, got -1.0",
+        "rollout.sampling.temperature must be a finite number >= 0, got -1",
     ),
     (
         "rollout.sampling.temperature=nan",
         "rollout.sampling.temperature must be a finite number >= 0, got nan",
     ),
-    ("rollout.sampling.top_p=0", "rollout.sampling.top_p must be a number in (0, 1], got 0.0"),
+    ("rollout.sampling.top_p=0", "rollout.sampling.top_p must be a number in (0, 1], got 0"),
     ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p must be a number in (0, 1], got 1.5"),
     (
         "rollout.sampling.top_k=-2",
@@ -285,7 +285,7 @@ def _job(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedP
         ("seed=-3", "seed must be an integer in [0, 4294967295], got -3"),
         (
             "rollout.sampling.temperature=-1",
-            "rollout.sampling.temperature must be a finite number >= 0, got -1.0",
+            "rollout.sampling.temperature must be a finite number >= 0, got -1",
         ),
     ],
 )

@@ -26,7 +26,7 @@ def test_instantiation_errors_name_the_key():
 def test_trainer_keys_go_to_the_trainer_as_they_are(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    from r3lightning.job.setup import build_trainer
+    from r3lightning.job.build import build_trainer
 
     cfg = compose_config(["trainer.enable_progress_bar=false"])
     trainer = build_trainer(cfg, tmp_path, [], grad_clip=1.0)
@@ -56,7 +56,7 @@ def test_tensorboard_logger_only_when_installed(tmp_path):
 
 
 def test_replay_backend_follows_the_callbacks_config():
-    from r3lightning.job.setup import build_model, replay_backend
+    from r3lightning.job.build import build_model, replay_backend
     from r3lightning.replay.hf.replay import HFRouterReplay
 
     cfg = compose_config()
@@ -78,7 +78,7 @@ def test_replay_backend_follows_the_callbacks_config():
 def test_callbacks_dict_entries_are_built_in_order_and_null_drops_one():
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from r3lightning.job.setup import _callbacks, build_model, replay_backend
+    from r3lightning.job.build import _callbacks, build_model, replay_backend
     from r3lightning.replay.callback import RouterReplayCallback
 
     extra = [
@@ -101,8 +101,8 @@ def test_callbacks_dict_entries_are_built_in_order_and_null_drops_one():
 def test_model_factories_take_dtype_and_attention_keywords(tmp_path):
     import torch
 
+    from r3lightning.job.build import build_model
     from r3lightning.job.models import from_pretrained, tiny_moe
-    from r3lightning.job.setup import build_model
 
     model = build_model(
         compose_config(["model.dtype=bfloat16", "+model.overrides.num_hidden_layers=2"]).model
@@ -126,14 +126,14 @@ def test_model_factories_take_dtype_and_attention_keywords(tmp_path):
     meta = build_model(sharded.model, trainer=True)
     assert all(p.is_meta for p in meta.parameters())
     assert not any(p.is_meta for p in build_model(sharded.model).parameters())  # the engine's copy
-    with pytest.raises(JobError, match=r"^model\.sharded_weights needs model\.path: a checkpoint directory"):
+    with pytest.raises(JobError, match=r"^model\.sharded_weights needs model\.path: a directory with a config\.json"):
         build_model(compose_config(["+model.sharded_weights=/dcp"]).model, trainer=True)
 
 
 def test_task_and_reward_are_built_from_their_targets():
     import torch
 
-    from r3lightning.job.setup import build_task
+    from r3lightning.job.build import build_task
     from r3lightning.rollout.tasks import ScoredTask, TokenClassTask
 
     task = build_task(compose_config(["task.num_classes=3"]), vocab_size=96)
@@ -165,7 +165,7 @@ def test_task_and_reward_are_built_from_their_targets():
 
 
 def test_reward_timeout_comes_from_the_reward_group(tmp_path):
-    from r3lightning.job.setup import build_task
+    from r3lightning.job.build import build_task
     from r3lightning.rollout.prompts import TextReward
     from r3lightning.testing.tiny_tokenizer import save_tiny_checkpoint
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from r3lightning.job.build import _trainer_kwargs
 from r3lightning.job.main import compose_config
-from r3lightning.job.setup import CONF_DIR, JobError, _trainer_kwargs, check_config, replay_settings
+from r3lightning.job.setup import CONF_DIR, JobError, check_config, replay_settings
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 
