@@ -203,7 +203,7 @@ def build_task(cfg: DictConfig, vocab_size: int | None):
         raise JobError(str(exc)) from None
 
 
-def _trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
+def trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
     """``trainer.*`` as ``Trainer`` keywords; values with a ``_target_`` (strategy, plugins, ...)
     are instantiated."""
     return {
@@ -212,7 +212,7 @@ def _trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def _callbacks(cfg: DictConfig, backend, mode: str) -> list:
+def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
     """The ``callbacks`` dict, in order (``null`` drops an entry); the replay callback gets the
     job's backend and mode, and ``strict`` from ``replay.strict`` when set (null: strict for r3
     with an external engine, which must return routes, else the callback's own ``strict``)."""
@@ -239,7 +239,7 @@ def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: fl
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
-    kwargs = _trainer_kwargs(cfg.trainer)
+    kwargs = trainer_kwargs(cfg.trainer)
     if "logger" not in kwargs:  # the loggers list (save_dir: the run's folder; None entries dropped)
         logs = [
             instantiate_node(

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job import build
 from r3lightning.job.build import (
-    _callbacks,
+    build_callbacks,
     build_model,
     build_task,
     build_trainer,
@@ -71,6 +71,10 @@ def _number(low: float, *, above: bool = True, high: float | None = None) -> Rul
     return text, lambda v: real(v) and (v > low if above else v >= low) and v <= (v if high is None else high)
 
 
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
 def _null(rule: Rule) -> Rule:
     return f"{rule[0]} or null", lambda v: v is None or rule[1](v)
 
@@ -86,7 +90,7 @@ _DTYPE: Rule = (
 )
 _URLS: Rule = (
     "null (embedded engine), http(s)://host:port or a list of them",
-    lambda v: v is None or (v != [] and all(str(u).startswith(("http://", "https://")) for u in _listed(v))),
+    lambda v: v is None or (v != [] and all(str(u).startswith(("http://", "https://")) for u in _as_list(v))),
 )
 # Every value the job reads itself, checked (where present) before anything is built; the keys a
 # _target_ takes are checked by it: the data module is built once here, the others at their build.
@@ -134,10 +138,6 @@ _RULES: dict[str, Rule] = {
     "algorithm.optim.grad_clip": _null(_number(0)),
 }
 _ABSENT = object()
-
-
-def _listed(value: Any) -> list:
-    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _check_rules(cfg: DictConfig, rules: dict[str, Rule]) -> None:
@@ -287,7 +287,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     loop = OnPolicyLoop(cfg, engine, task, schema, buffer, out_dir / "metrics.csv")
     if engine.urls is not None:
         loop.check_engines()
-    callbacks = [*_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
+    callbacks = [*build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
     trainer = build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)
     if ckpt_path is not None and is_global_zero():

@@ -32,8 +32,8 @@ def _run_job(run_dir: Path, world: int, rank: int, steps: int = 1, spy_dir: Path
 
     collect = rollout_loop.OnPolicyLoop._collect
 
-    def spy(self, trainer, step):
-        collect(self, trainer, step)
+    def spy(self, step):
+        collect(self, step)
         torch.save(pack_trajectories(list(self.buffer)), (spy_dir or run_dir) / f"step{step}_rank{rank}.pt")
 
     rollout_loop.OnPolicyLoop._collect = spy

@@ -78,7 +78,7 @@ def test_replay_backend_follows_the_callbacks_config():
 def test_callbacks_dict_entries_are_built_in_order_and_null_drops_one():
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from r3lightning.job.build import _callbacks, build_model, replay_backend
+    from r3lightning.job.build import build_callbacks, build_model, replay_backend
     from r3lightning.replay.callback import RouterReplayCallback
 
     extra = [
@@ -87,15 +87,17 @@ def test_callbacks_dict_entries_are_built_in_order_and_null_drops_one():
     ]
     cfg = compose_config([*extra, "replay=off"])
     backend = replay_backend(cfg, build_model(cfg.model))
-    replay, monitor = _callbacks(cfg, backend, "off")
+    replay, monitor = build_callbacks(cfg, backend, "off")
     assert isinstance(replay, RouterReplayCallback) and replay.backend is backend and replay.mode == "off"
     assert replay.strict is False  # the callback's own setting with the embedded engine
     assert isinstance(monitor, LearningRateMonitor) and monitor.logging_interval == "step"
-    (only,) = _callbacks(compose_config([*extra, "callbacks.router_replay=null"]), backend, "r3")
+    (only,) = build_callbacks(compose_config([*extra, "callbacks.router_replay=null"]), backend, "r3")
     assert isinstance(only, LearningRateMonitor)
     external = ["rollout.url=http://10.0.0.1:30000"]
-    assert _callbacks(compose_config(external), backend, "r3")[0].strict is True  # must return routes
-    assert _callbacks(compose_config([*external, "replay.strict=false"]), backend, "r3")[0].strict is False
+    assert build_callbacks(compose_config(external), backend, "r3")[0].strict is True  # must return routes
+    assert (
+        build_callbacks(compose_config([*external, "replay.strict=false"]), backend, "r3")[0].strict is False
+    )
 
 
 def test_model_factories_take_dtype_and_attention_keywords(tmp_path):
@@ -126,7 +128,9 @@ def test_model_factories_take_dtype_and_attention_keywords(tmp_path):
     meta = build_model(sharded.model, trainer=True)
     assert all(p.is_meta for p in meta.parameters())
     assert not any(p.is_meta for p in build_model(sharded.model).parameters())  # the engine's copy
-    with pytest.raises(JobError, match=r"^model\.sharded_weights needs model\.path: a directory with a config\.json"):
+    with pytest.raises(
+        JobError, match=r"^model\.sharded_weights needs model\.path: a directory with a config\.json"
+    ):
         build_model(compose_config(["+model.sharded_weights=/dcp"]).model, trainer=True)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from r3lightning.job.build import _trainer_kwargs
+from r3lightning.job.build import trainer_kwargs
 from r3lightning.job.main import compose_config
 from r3lightning.job.setup import CONF_DIR, JobError, check_config, replay_settings
 
@@ -95,7 +95,7 @@ def test_replay_off_and_compare_and_external_engine_overrides():
 def test_fsdp_trainer_instantiates_its_strategy():
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    kwargs = _trainer_kwargs(compose_config(["trainer=gpu_fsdp"]).trainer)
+    kwargs = trainer_kwargs(compose_config(["trainer=gpu_fsdp"]).trainer)
     assert isinstance(kwargs["strategy"], ModelParallelStrategy)
     assert kwargs["accelerator"] == "gpu" and kwargs["devices"] == 8
     assert kwargs["strategy"]._data_parallel_size == 8 and kwargs["strategy"]._tensor_parallel_size == 1

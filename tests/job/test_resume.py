@@ -128,9 +128,9 @@ def test_no_rollout_after_the_last_step_and_a_foreign_resume_leaves_the_run_unto
     collected: list[int] = []
     original = rollout_loop.OnPolicyLoop._collect
 
-    def spy(self, trainer, step):
+    def spy(self, step):
         collected.append(step)
-        original(self, trainer, step)
+        original(self, step)
 
     monkeypatch.setattr(rollout_loop.OnPolicyLoop, "_collect", spy)
     tiny = ["prompts_per_step=2", "algorithm.group_size=2", "task.response_length=2", *QUIET]

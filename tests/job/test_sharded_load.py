@@ -138,3 +138,20 @@ def test_loading_into_an_unsharded_meta_model_and_a_mismatched_checkpoint(tmp_pa
         match=r"does not match the model: missing \['model\.layers\.4\.input_layernorm\.weight', .*\], unexpected \[\]",
     ):
         load_sharded_weights(meta_model(other), dcp_dir, "cpu")
+
+
+def test_conversion_command_line_writes_the_checkpoint_in_the_dtype_asked(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    from r3lightning.job.sharded import main
+
+    model = build_tiny_moe(tiny_family_config("qwen3_moe"), seed=4)
+    model.save_pretrained(tmp_path / "hf")
+    main([str(tmp_path / "hf"), str(tmp_path / "dcp"), "--dtype", "bfloat16"])
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'dcp'}\n"
+    state = {k: torch.empty_like(v, dtype=torch.bfloat16) for k, v in model.state_dict().items()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(state[name], value.to(torch.bfloat16)), name
+    with pytest.raises(SystemExit):  # argparse: a dtype that is not offered
+        main([str(tmp_path / "hf"), str(tmp_path / "x"), "--dtype", "int8"])
