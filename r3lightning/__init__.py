@@ -1,12 +1,10 @@
 """r3lightning: Rollout Routing Replay (R3) for Mixture-of-Experts RL in PyTorch Lightning.
 
-The folders follow a route from the engine to the router; each imports only from the ones before it:
-core (``packed``, ``ragged``, ``routes``, ``trace``) < ``wire`` < ``align`` < ``data`` < ``correction``
-< ``rollout`` < ``replay`` < ``testing`` < ``serve`` < ``job``.
-
-``__all__`` holds what a user of the data module, the replay callback, the client, the collector and
-the embedded server needs; everything else is imported from its module. Names resolve on first use,
-so ``import r3lightning`` imports neither Lightning nor transformers nor megatron-core.
+Layers, each importing only from those before it: core (``packed``, ``ragged``, ``routes``, ``trace``)
+< wire < align < data < correction < rollout < replay < testing < serve < job. ``__all__`` is what a
+user of the data module, the callback, the client, the collector and the server needs; the rest is
+imported from its module. Names resolve on first use: ``import r3lightning`` imports no Lightning,
+transformers or megatron-core.
 """
 
 from __future__ import annotations

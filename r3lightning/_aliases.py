@@ -1,11 +1,7 @@
-"""Old import paths of the names and modules that moved in 0.2, kept until 0.3.
-
-An old path still imports, with a ``DeprecationWarning`` naming the new one. Moved modules are
-served by one meta-path finder (first on ``sys.meta_path``, answering only for the old paths
-below); names that left ``r3lightning`` or a module that became a package are served by that
-package's ``__getattr__`` through :func:`moved_attribute`. The CHANGELOG's migration table lists
-the same moves (a test keeps the two equal). Importing this module imports nothing new.
-"""
+"""Old import paths of the names and modules that moved in 0.2, kept until 0.3 with a
+``DeprecationWarning`` naming the new path: moved modules through one meta-path finder, names
+through their package's ``__getattr__`` (:func:`moved_attribute`). The CHANGELOG's migration table
+lists the same moves (a test keeps them equal)."""
 
 from __future__ import annotations
 
@@ -57,45 +53,30 @@ FLAT_MODULES: dict[str, str] = {
     "r3lightning.replay.megatron": "r3lightning.replay.megatron.replay",
 }
 
-# names that left the top level: old path -> new path
-NAMES: dict[str, str] = {
-    "r3lightning.TokenMetadataTrace": "r3lightning.trace.TokenMetadataTrace",
-    "r3lightning.compact_route_dtype": "r3lightning.routes.compact_route_dtype",
-    "r3lightning.encode_routes": "r3lightning.wire.codec.encode_routes",
-    "r3lightning.decode_routes": "r3lightning.wire.codec.decode_routes",
-    "r3lightning.RetryableGenerateError": "r3lightning.wire.errors.RetryableGenerateError",
-    "r3lightning.GenerateRequestError": "r3lightning.wire.errors.GenerateRequestError",
-    "r3lightning.RetriesExhaustedError": "r3lightning.wire.errors.RetriesExhaustedError",
-    "r3lightning.split_for_sequence_parallel": "r3lightning.align.layout.split_for_sequence_parallel",
-    "r3lightning.position_ids_from_mask": "r3lightning.align.layout.position_ids_from_mask",
-    "r3lightning.scatter_to_padded_batch": "r3lightning.align.align.scatter_to_padded_batch",
-    "r3lightning.RolloutCollator": "r3lightning.data.collate.RolloutCollator",
-    "r3lightning.usable_cpu_count": "r3lightning.data.cpus.usable_cpu_count",
-    "r3lightning.collate_pool_size": "r3lightning.data.cpus.collate_pool_size",
-    "r3lightning.sampling_seed": "r3lightning.rollout.prompts.sampling_seed",
-    "r3lightning.text_reward": "r3lightning.rollout.prompts.text_reward",
-    "r3lightning.TextReward": "r3lightning.rollout.prompts.TextReward",
-    "r3lightning.RolloutStats": "r3lightning.rollout.stats.RolloutStats",
-    "r3lightning.register_router": "r3lightning.replay.hf.routers.register_router",
-    "r3lightning.RouterAdapter": "r3lightning.replay.hf.routers.RouterAdapter",
-    "r3lightning.registered_router_types": "r3lightning.replay.hf.routers.registered_router_types",
-    "r3lightning.softmax_then_topk_weights": "r3lightning.replay.hf.routers.softmax_then_topk_weights",
-    "r3lightning.softmax_renormalised_weights": "r3lightning.replay.hf.routers.softmax_renormalised_weights",
-    "r3lightning.mixtral_weights": "r3lightning.replay.hf.routers.mixtral_weights",
-    "r3lightning.sigmoid_scaled_weights": "r3lightning.replay.hf.routers.sigmoid_scaled_weights",
-    "r3lightning.softmax_scaled_weights": "r3lightning.replay.hf.routers.softmax_scaled_weights",
-    "r3lightning.ernie_weights": "r3lightning.replay.hf.routers.ernie_weights",
-    "r3lightning.softmax_over_topk_weights": "r3lightning.replay.hf.routers.softmax_over_topk_weights",
-    "r3lightning.MegatronParallelism": "r3lightning.replay.megatron.layout.MegatronParallelism",
-    "r3lightning.megatron_token_layout": "r3lightning.replay.megatron.layout.megatron_token_layout",
-    "r3lightning.megatron_padding_mask": "r3lightning.replay.megatron.layout.megatron_padding_mask",
-    "r3lightning.ExpertLoadMonitor": "r3lightning.replay.expert_load.ExpertLoadMonitor",
-    "r3lightning.expert_load_stats": "r3lightning.replay.expert_load.expert_load_stats",
-    "r3lightning.tiny_moe_config": "r3lightning.testing.tiny.tiny_moe_config",
-    "r3lightning.build_tiny_moe": "r3lightning.testing.tiny.build_tiny_moe",
-    "r3lightning.meta_model": "r3lightning.job.sharded.meta_model",
-    "r3lightning.load_sharded_weights": "r3lightning.job.sharded.load_sharded_weights",
-    "r3lightning.convert_checkpoint": "r3lightning.job.sharded.convert_checkpoint",
+# names that left the top level, by the module they are imported from now
+_LEFT_TOP_LEVEL: dict[str, str] = {
+    "r3lightning.trace": "TokenMetadataTrace",
+    "r3lightning.routes": "compact_route_dtype",
+    "r3lightning.wire.codec": "encode_routes decode_routes",
+    "r3lightning.wire.errors": "RetryableGenerateError GenerateRequestError RetriesExhaustedError",
+    "r3lightning.align.layout": "split_for_sequence_parallel position_ids_from_mask",
+    "r3lightning.align.align": "scatter_to_padded_batch",
+    "r3lightning.data.collate": "RolloutCollator",
+    "r3lightning.data.cpus": "usable_cpu_count collate_pool_size",
+    "r3lightning.rollout.prompts": "sampling_seed text_reward TextReward",
+    "r3lightning.rollout.stats": "RolloutStats",
+    "r3lightning.replay.hf.routers": "register_router RouterAdapter registered_router_types "
+    "softmax_then_topk_weights softmax_renormalised_weights mixtral_weights sigmoid_scaled_weights "
+    "softmax_scaled_weights ernie_weights softmax_over_topk_weights",
+    "r3lightning.replay.megatron.layout": "MegatronParallelism megatron_token_layout megatron_padding_mask",
+    "r3lightning.replay.expert_load": "ExpertLoadMonitor expert_load_stats",
+    "r3lightning.testing.tiny": "tiny_moe_config build_tiny_moe",
+    "r3lightning.job.sharded": "meta_model load_sharded_weights convert_checkpoint",
+}
+NAMES: dict[str, str] = {  # old path -> new path
+    f"r3lightning.{name}": f"{module}.{name}"
+    for module, names in _LEFT_TOP_LEVEL.items()
+    for name in names.split()
 }
 
 
