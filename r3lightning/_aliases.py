@@ -103,8 +103,7 @@ def moved_attribute(package: str, name: str) -> Any:
 
 
 class _MovedModules:
-    """Finder and loader (``importlib.abc``'s protocol; the ABCs cost 20 ms to import) that imports an
-    old module path as the module now at the new one, the same object."""
+    """Finder and loader of an old module path: the module at the new path, the same object."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         return importlib.machinery.ModuleSpec(fullname, self) if fullname in MODULES else None

@@ -45,17 +45,11 @@ _EMPTY = "use PackedTensor.empty(row_shape, dtype=..., device=...) for a batch o
 
 
 class PackedTensor:
-    """Ragged batch: ``values [sum(len), *row_shape]`` plus int32 ``cu_seqlens [B + 1]``.
-
-    Args:
-        values: ``[rows, *row_shape]``, any dtype and device.
-        cu_seqlens: int32 ``[B + 1]`` on ``values``' device, from 0, non-decreasing, ending at
-            ``rows``; segment ``i`` is ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``.
-        cu_seqlens_host: CPU int32 copy of device ``cu_seqlens``, trusted to equal them; without
-            it validation copies them to the host once (a sync).
-
-    Pickling sends the referenced rows and the offsets as raw bytes (any dtype) and restores the
-    device (device values are copied to the host first: a sync). ``ValueError`` names the field.
+    """Ragged batch: ``values [rows, *row_shape]`` (any dtype, device) and int32 ``cu_seqlens [B + 1]``
+    on their device (from 0, non-decreasing, ending at ``rows``; segment ``i`` is
+    ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``). ``cu_seqlens_host``, a CPU copy trusted to equal
+    device offsets, spares validation its one sync. ``ValueError`` names the bad field. Pickling
+    sends the referenced rows and offsets as raw bytes (device values: a sync) and keeps the device.
     """
 
     values: Tensor  # [rows, *row_shape]
@@ -285,10 +279,8 @@ class PackedTensor:
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> PackedTensor:
-        """Values moved to ``device`` and/or cast to ``dtype`` (a dtype first is taken as ``dtype``);
-        offsets stay int32 and come from the host copy (no read back). ``non_blocking`` applies to
-        the values, as for tensors (Lightning's ``move_data_to_device`` never passes it). ``self``
-        when nothing changes."""
+        """Values moved and/or cast (a dtype first is ``dtype``; ``self`` when nothing changes); offsets
+        stay int32, from the host copy. ``non_blocking`` applies to the values, as for tensors."""
         if isinstance(device, torch.dtype):
             device, dtype = None, device
         values = self.values.to(device=device, dtype=dtype, non_blocking=non_blocking)

@@ -124,27 +124,22 @@ def check_segment_schema(schemas: list[tuple[Any, Any, Any]]) -> None:
 
 
 def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
-    """Host int64 ``[count]`` from an int (every ``unit`` alike) or one int per unit; floats and
+    """Host int64 ``[count]`` from an int >= 0 (every ``unit`` alike) or one per unit; floats and
     bools are refused, not truncated. Device ``repeats`` are read back once (a sync)."""
     if isinstance(repeats, (Tensor, np.ndarray)) and repeats.ndim == 0:
         repeats = repeats.item()
     if isinstance(repeats, (int, np.integer)) and not isinstance(repeats, (bool, np.bool_)):
-        per_unit = torch.full((count,), int(repeats), dtype=torch.int64)
-    elif isinstance(repeats, (Tensor, np.ndarray, list, tuple)):
-        per_unit = host_int64(repeats, "repeats")
-        if isinstance(repeats, (list, tuple)) and any(isinstance(r, bool) for r in repeats):
-            raise ValueError(f"repeats must hold ints, got {list(repeats)!r}")
-        if per_unit.numel() != count:
-            raise ValueError(
-                f"repeats must have one entry per {unit} ({count}), got {per_unit.numel()}; pass an int "
-                f">= 0 or one count >= 0 per {unit} ({count})"
-            )
-    else:
+        repeats = torch.full((count,), int(repeats), dtype=torch.int64)
+    elif not isinstance(repeats, (Tensor, np.ndarray, list, tuple)):
         raise ValueError(
             f"repeats must be an int >= 0 or one count >= 0 per {unit} ({count}), got {repeats!r}"
         )
-    if per_unit.numel() and int(per_unit.min()) < 0:
-        raise ValueError(f"repeats must be >= 0, got {per_unit.tolist()}")
+    per_unit = host_lengths(repeats, "repeats")
+    if per_unit.numel() != count:
+        raise ValueError(
+            f"repeats must have one entry per {unit} ({count}), got {per_unit.numel()}; pass an int "
+            f">= 0 or one count >= 0 per {unit} ({count})"
+        )
     return per_unit
 
 
@@ -209,10 +204,9 @@ def check_pad_row(pad: Tensor, row_shape: tuple[int, ...], name: str = "pad") ->
 
 
 def to_device_async(host: Tensor, device: torch.device) -> Tensor:
-    """Host tensor -> ``device`` without blocking or syncing (``host`` itself for the CPU). Pageable
-    memory is staged through torch's pinned caching allocator first (one memcpy of a small index
-    map or mask): a ``non_blocking`` copy from it may make the driver synchronise. The allocator
-    fences the staging block by the copy, so both may die at once."""
+    """Host tensor -> ``device`` without blocking or syncing (``host`` itself for the CPU): pageable
+    memory (a small index map or mask) is staged through torch's pinned caching allocator, which
+    fences the block by the copy; a ``non_blocking`` copy from pageable memory may sync."""
     if device.type == "cpu":
         return host
     if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():

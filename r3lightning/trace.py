@@ -87,13 +87,10 @@ class TokenMetadataTrace:
         loss_mask: Sequence[float] | np.ndarray | torch.Tensor | None = None,
         strict: bool = False,
     ) -> torch.Tensor:
-        """The captured rows as one host tensor ``[num_rows <= token_count, *row_shape]`` (one copy).
-
-        Sets ``uncaptured_rows = token_count - num_rows`` and, from ``loss_mask`` (one entry per
-        token, nonzero = loss target), ``uncaptured_loss_targets``: targets ``t`` whose row ``t - 1``
-        was never captured; ``strict=True`` raises ``ValueError`` if there is one. A trace finalizes
-        once (``RuntimeError`` after); a ``ValueError`` leaves it open.
-        """
+        """The captured rows as one host tensor ``[num_rows <= token_count, *row_shape]`` (one copy), once
+        (``RuntimeError`` after; a ``ValueError`` leaves the trace open). Sets ``uncaptured_rows`` and,
+        from ``loss_mask`` (per token, nonzero = target), ``uncaptured_loss_targets``: targets ``t``
+        whose row ``t - 1`` is missing, a ``ValueError`` with ``strict=True``."""
         self._check_open()
         token_count = _count("token_count", token_count)
         if self.num_rows > token_count:
@@ -158,13 +155,10 @@ class RoutedExpertTrace(TokenMetadataTrace):
     def record_generation(
         self, prompt_token_count: int, generated_token_count: int, routed_experts: ArrayLike | None
     ) -> None:
-        """One generation over a prompt of ``P`` tokens (the whole trajectory so far) giving ``G``.
-
-        The engine forwarded tokens ``prompt_start .. P + G - 2`` (the last sampled token is never an
-        input), so ``routed_experts`` has exactly ``P - prompt_start + G - 1`` rows, or is None /
-        empty when ``G == 0``. Ids are non-negative integers, below ``num_experts`` when given. On
-        error the trace is unchanged.
-        """
+        """One generation over a prompt of ``P`` tokens (the whole trajectory so far) giving ``G``: the
+        engine forwarded tokens ``prompt_start .. P + G - 2``, so ``routed_experts`` has exactly
+        ``P - prompt_start + G - 1`` rows (None or empty when ``G == 0``) of ids in
+        ``[0, num_experts)``. On error the trace is unchanged."""
         self._check_open()
         prompt = _count("prompt_token_count", prompt_token_count)
         generated = _count("generated_token_count", generated_token_count)

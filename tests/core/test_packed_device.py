@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from packed_reference import LENGTHS, ROW_SHAPE, as_np, assert_segments, make_segments, ref_padded
+from runif import run_if
 from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin_memory
 
 from r3lightning import PackedTensor
@@ -47,7 +48,7 @@ def test_ops_never_read_device_offsets():
     assert PackedTensor(meta.values, meta.cu_seqlens, cu_seqlens_host=meta.cu_seqlens_host).num_rows == 9
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@run_if(cuda=True)
 def test_cuda_ops_never_synchronise():
     segments, refs = make_segments([3, 0, 2, 4])
     pinned = PackedTensor.from_segments(segments).pin_memory()
@@ -265,7 +266,7 @@ def test_device_side_offsets_of_views_and_gathers_follow_the_gpu_code_path_on_th
     assert view.cu_seqlens.data_ptr() != view.cu_seqlens_host.data_ptr()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@run_if(cuda=True)
 def test_pageable_host_maps_are_staged_and_fenced_on_the_way_to_the_gpu():
     from r3lightning.ragged import to_device_async
 
