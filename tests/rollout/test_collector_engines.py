@@ -1,0 +1,167 @@
+"""RolloutCollector over several real loopback engines: an engine that fails (5xx, hung) is out
+for the step and only its groups move; every engine out is one clear error; the job's engine list."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import torch
+from fault_server import FaultServer, Slow, Status
+from rollout_support import PROMPTS, SCHEMA, collect
+
+from r3lightning import EnginesUnavailableError, GenerateRequestError
+from r3lightning.rollout.config import RetryPolicy
+
+
+async def test_an_engine_answering_500_is_out_for_the_step_and_its_groups_go_to_the_other(caplog):
+    async with FaultServer(**SCHEMA) as good, FaultServer(**SCHEMA) as bad:
+        bad.script.extend([Status(500, "overloaded")] * 1000)
+        rollouts = await collect([bad.url, good.url], PROMPTS, 0, max_in_flight=1)
+        # one line, through the package's logger, once per engine and step
+        (record,) = [r for r in caplog.records if "is out" in r.getMessage()]
+        assert record.name == "r3lightning.rollout.collector" and record.levelname == "WARNING"
+        assert record.getMessage() == (
+            f"rollout engine {bad.url} is out for step 0: HTTP 500 after 2 attempt(s); "
+            "its requests go to the other engines"
+        )
+        alone = await collect(good.url, PROMPTS, 0)
+        # the next step tries the engine again
+        bad.script.clear()
+        later = await collect([bad.url, good.url], PROMPTS, 1)
+    # group 0 (and 2) went first to the failing engine: one request exhausted its 2 attempts there
+    assert bad.hits - len(later.trajectories) // 2 == 2
+    stats = rollouts.stats
+    assert (stats.engine_errors, stats.engines_out, stats.requests, stats.attempts) == (1, 1, 9, 10)
+    assert [t.response_ids.tolist() for t in rollouts.trajectories] == [
+        t.response_ids.tolist() for t in alone.trajectories
+    ]
+    assert len(rollouts.trajectories) == 8
+    # both engines up: even groups on the first, odd groups on the second
+    first = [body["token_ids"] for _, body, _ in bad.requests[2:]]
+    assert sorted(map(tuple, first)) == sorted(map(tuple, [PROMPTS[0]] * 2 + [PROMPTS[2]] * 2))
+    assert later.stats.engine_errors == 0
+
+
+async def test_only_the_groups_of_an_engine_that_is_out_move():
+    prompts = [[20 + g] for g in range(6)]
+    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as bad, FaultServer(**SCHEMA) as c:
+        bad.script.extend([Status(502, "gone")] * 1000)
+        rollouts = await collect([a.url, bad.url, c.url], prompts, 0, max_in_flight=1)
+    served = {
+        name: sorted(body["token_ids"][0] - 20 for _, body, _ in server.requests)
+        for name, server in (("a", a), ("c", c))
+    }
+    # groups 0, 3 stay on a and 2, 5 on c; of the failed engine's groups 1 and 4, the (g % 2)-th
+    # engine still up takes each: 1 -> c, 4 -> a
+    assert served == {"a": [0, 0, 3, 3, 4, 4], "c": [1, 1, 2, 2, 5, 5]}
+    assert len(rollouts.trajectories) == 12 and rollouts.stats.engines_out == 1
+
+
+async def test_all_engines_down_is_one_clear_error_with_a_short_clause_per_engine(caplog):
+    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as b:
+        for server in (a, b):
+            server.script.extend([Status(503, "down " * 100)] * 1000)
+        with pytest.raises(EnginesUnavailableError) as info:
+            await collect([a.url, b.url], PROMPTS, 7)
+    assert set(info.value.errors) == {a.url, b.url}
+    assert str(info.value) == (
+        f"all 2 rollout engine(s) failed at step 7: {a.url}: HTTP 503 after 2 attempt(s); "
+        f"{b.url}: HTTP 503 after 2 attempt(s)"
+    )
+    assert sum("is out for step 7" in r.getMessage() for r in caplog.records) == 2
+
+
+async def test_a_rejected_request_is_not_an_outage():
+    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as b:
+        a.script.append(Status(400, "unknown sampling key"))
+        with pytest.raises(GenerateRequestError, match="unknown sampling key"):
+            await collect([a.url, b.url], PROMPTS[:1], 0, max_in_flight=1)
+    assert b.hits == 0
+
+
+@contextlib.asynccontextmanager
+async def hung_engine():
+    """Accepts connections, never answers."""
+    connections = []
+
+    async def never_answer(reader, writer):
+        connections.append(writer)
+        await reader.read()
+
+    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        for writer in connections:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_hung_engine_is_detected_and_its_groups_move_while_a_slow_one_keeps_its_own(caplog):
+    retry = RetryPolicy(max_attempts=2, timeout_s=600, health_interval_s=0.2, health_timeout_s=0.3)
+    async with hung_engine() as hung, FaultServer(**SCHEMA) as slow:
+        slow.script.extend([Slow(1.0)] * 4)  # the first requests: slow but healthy
+        began = time.perf_counter()
+        rollouts = await asyncio.wait_for(collect([hung, slow.url], PROMPTS, 0, retry=retry), timeout=30)
+        elapsed = time.perf_counter() - began
+        alone = await collect(slow.url, PROMPTS, 0)
+    assert elapsed < 10.0  # ~1 s to declare it hung; the attempt timeout is 600 s
+    assert [t.response_ids.tolist() for t in rollouts.trajectories] == [
+        t.response_ids.tolist() for t in alone.trajectories
+    ]
+    assert rollouts.stats.engines_out == 1 and slow.hits == 8 + 8
+    (line,) = [r.getMessage() for r in caplog.records if "is out" in r.getMessage()]
+    assert line == (
+        f"rollout engine {hung} is out for step 0: stopped answering GET /health (2 probes in a row "
+        "got no answer within 0.3 s) after 1 attempt(s); its requests go to the other engines"
+    )
+
+
+# ---------------------------------------------------------------------------- the job's engines
+
+
+async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
+    from aiohttp import web
+    from safetensors.torch import load
+
+    from r3lightning.job.common import JobError
+    from r3lightning.job.engine import embedded_server
+    from r3lightning.job.main import compose_config
+    from r3lightning.job.setup import check_config
+
+    received: dict[int, dict] = {}
+
+    def app(index: int) -> web.Application:
+        async def update(request: web.Request) -> web.Response:
+            received[index] = load(await request.read())
+            return web.json_response({"ok": True})
+
+        application = web.Application(client_max_size=1 << 24)
+        application.router.add_post("/update_weights", update)
+        return application
+
+    runners = [web.AppRunner(app(i)) for i in range(2)]
+    urls = []
+    for runner in runners:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    try:
+        cfg = compose_config([f"rollout.url=[{urls[0]}/,{urls[1]}]", "rollout=skyrl"])
+        check_config(cfg)
+        with embedded_server(cfg) as engine:
+            assert engine.urls == urls and engine.gather
+            state = {"w": torch.arange(6.0).reshape(2, 3)}
+            await asyncio.to_thread(engine.push, state)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    for index in range(2):
+        assert received[index]["w"].dtype == torch.bfloat16
+        assert torch.equal(received[index]["w"], state["w"].to(torch.bfloat16))
+    with pytest.raises(JobError, match=r"rollout.url must be null .* or a list of them, got .*ftp://b"):
+        check_config(compose_config(["rollout.url=[http://a:1,ftp://b]"]))
