@@ -103,6 +103,30 @@ _SAMPLING_KEYS = frozenset(
 )
 # skyrl carries the route fields inside sampling_params
 _SKYRL_ROUTE_KEYS = frozenset({"routed_experts_prompt_start", "return_routed_experts"})
+# top-level request keys per protocol (plus "stream", accepted only as false)
+_BODY_KEYS = {
+    "skyrl": frozenset({"token_ids", "sampling_params", "model", "cache_salt", "return_routed_experts"}),
+    "sglang": frozenset(
+        {
+            "input_ids",
+            "sampling_params",
+            "return_logprob",
+            "return_routed_experts",
+            "routed_experts_start_len",
+        }
+    ),
+}
+
+
+def _check_body_keys(body: dict, protocol: str) -> None:
+    known = _BODY_KEYS[protocol] | {"stream"}
+    unknown = sorted(str(key) for key in body if key not in known)
+    if unknown:
+        raise RequestFieldError(f"request body has unknown keys {unknown}; supported: {sorted(known)}")
+    if body.get("stream") not in (None, False):
+        raise RequestFieldError(
+            f"stream = {body['stream']!r} is not supported by this server (accepted: false)"
+        )
 
 
 def _check_keys(params: dict, protocol: str) -> None:
@@ -141,7 +165,7 @@ def parse_sampling_params(
     kwargs: dict[str, Any] = {}
     for target, names in _SAMPLING_NAMES[protocol].items():
         given = [name for name in names if params.get(name) is not None]
-        if len(given) > 1 and len({params[name] for name in given}) > 1:
+        if any(params[name] != params[given[0]] for name in given[1:]):
             raise RequestFieldError(f"sampling_params sets both {given[0]} and {given[1]} differently")
         if given:
             field = f"sampling_params.{given[0]}"
@@ -192,21 +216,19 @@ def parse_generate_request(
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if not isinstance(body, dict):
         raise RequestFieldError(f"request body must be a JSON object, got {type(body).__name__}")
-    sampling = _object(body.get("sampling_params"), "sampling_params")
     prompt_field = "token_ids" if protocol == "skyrl" else "input_ids"
+    if prompt_field not in body:
+        hint = " (text prompts are not supported)" if "text" in body else ""
+        raise RequestFieldError(f"{prompt_field} is required (the prompt as a list of token ids){hint}")
+    _check_body_keys(body, protocol)
+    sampling = _object(body.get("sampling_params"), "sampling_params")
+    raw_prompt = body[prompt_field]
     if protocol == "skyrl":
-        if "token_ids" not in body:
-            raise RequestFieldError("token_ids is required (the prompt as a list of token ids)")
-        raw_prompt = body["token_ids"]
         start_field = "sampling_params.routed_experts_prompt_start"
         start = _int(sampling.get("routed_experts_prompt_start"), start_field, low=0, allow_none=True)
         wanted = body.get("return_routed_experts", sampling.get("return_routed_experts"))
         want_routes = True if wanted is None else _bool(wanted, "return_routed_experts")
     else:
-        if "input_ids" not in body:
-            hint = " (text prompts are not supported)" if "text" in body else ""
-            raise RequestFieldError(f"input_ids is required (the prompt as a list of token ids){hint}")
-        raw_prompt = body["input_ids"]
         if isinstance(raw_prompt, list) and raw_prompt and isinstance(raw_prompt[0], list):
             raise RequestFieldError("input_ids must be one prompt (a flat list); send one request per prompt")
         start_field = "routed_experts_start_len"
@@ -232,7 +254,7 @@ def parse_generate_request(
 
 def wants_logprobs(body: dict, protocol: str) -> bool:
     """sglang sends ``return_logprob``; skyrl responses always carry the sampled tokens' logprobs."""
-    return protocol == "skyrl" or bool(body.get("return_logprob", False))
+    return protocol == "skyrl" or _bool(body.get("return_logprob", False), "return_logprob")
 
 
 def build_response(

@@ -165,3 +165,110 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
         assert torch.equal(received[index]["w"], state["w"].to(torch.bfloat16))
     with pytest.raises(JobError, match=r"rollout.url must be null .* or a list of them, got .*ftp://b"):
         check_config(compose_config(["rollout.url=[http://a:1,ftp://b]"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "rollout.max_in_flight=3",
+            "rollout.max_in_flight moved to rollout.collector.max_in_flight; set "
+            "rollout.collector.max_in_flight=3 instead",
+        ),
+        (
+            "rollout.request_timeout_s=5",
+            "rollout.request_timeout_s moved to rollout.retry.timeout_s; set "
+            "rollout.retry.timeout_s=5 instead",
+        ),
+        (
+            "rollout.collector.max_in_flight=0",
+            "rollout.collector.max_in_flight must be an integer >= 1, got 0",
+        ),
+        ("rollout.retry.health_failures=0", "rollout.retry.health_failures must be an integer >= 1, got 0"),
+        (
+            "rollout.retry.backoff.jitter=2",
+            "rollout.retry.backoff.jitter must be a number >= 0 and <= 1, got 2.0",
+        ),
+        ("rollout.limits.max_queue=-1", "rollout.limits.max_queue must be an integer >= 0, got -1"),
+        (
+            "rollout.server.dtype=int8",
+            "rollout.server.dtype must be one of ['bfloat16', 'float16', 'float32'], got 'int8'",
+        ),
+        ("rollout.server.max_batch_size=0", "rollout.server.max_batch_size must be an integer >= 1, got 0"),
+    ],
+)
+def test_job_rollout_groups_are_checked_with_the_key_named(override, message):
+    from r3lightning.job.common import JobError
+    from r3lightning.job.main import compose_config
+    from r3lightning.job.setup import check_config
+
+    with pytest.raises(JobError) as info:
+        check_config(compose_config([override]))
+    assert str(info.value) == message
+
+
+def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
+    """Every key of rollout.retry / collector / limits (and rollout.server but host and port)
+    is a field of its dataclass, and an override reaches it."""
+    import dataclasses
+
+    from r3lightning.job.engine import server_settings
+    from r3lightning.job.main import compose_config
+    from r3lightning.job.rollout_loop import collector_config, retry_policy
+    from r3lightning.rollout.config import Backoff, CollectorConfig
+    from r3lightning.serve.config import EngineConfig, ServerLimits
+
+    cfg = compose_config([])
+    groups = {
+        "retry": RetryPolicy,
+        "retry.backoff": Backoff,
+        "collector": CollectorConfig,
+        "limits": ServerLimits,
+        "server": EngineConfig,
+    }
+    for key, cls in groups.items():
+        node = cfg.rollout.retry.backoff if key == "retry.backoff" else cfg.rollout[key]
+        extra = {"host", "port"} if key == "server" else set()
+        assert set(node) == {f.name for f in dataclasses.fields(cls)} | extra, key
+    cfg = compose_config(
+        [
+            "rollout.retry.health_interval_s=null",
+            "rollout.retry.backoff.cap_s=2",
+            "rollout.collector.max_in_flight=7",
+            "reward_threads=0",
+            "algorithm.group_size=4",
+            "rollout.limits.max_new_tokens_cap=99",
+            "rollout.server.batch_wait_s=0.5",
+            "seed=3",
+        ]
+    )
+    retry, collector = retry_policy(cfg.rollout), collector_config(cfg.rollout)
+    engine, limits = server_settings(cfg.rollout)
+    assert retry.health_interval_s is None and retry.backoff.cap_s == 2.0 and retry.timeout_s == 120.0
+    assert collector == CollectorConfig(group_size=4, seed=3, max_in_flight=7, reward_threads=0)
+    assert limits == ServerLimits(max_new_tokens_cap=99)
+    assert engine == EngineConfig(max_batch_size=64, batch_wait_s=0.5, seed=3, copy_model=False)
+
+
+async def test_job_names_the_real_health_timeout_of_an_unreachable_engine():
+    from types import SimpleNamespace
+
+    from r3lightning.job.common import JobError
+    from r3lightning.job.main import compose_config
+    from r3lightning.job.rollout_loop import Engine, on_policy_loop
+    from r3lightning.wire.request import RouteSchema
+
+    async with hung_engine() as url:
+        cfg = compose_config([f"rollout.url={url}", "rollout.retry.health_timeout_s=0.5"])
+        task = SimpleNamespace(prompts=None)
+        began = time.perf_counter()
+        with pytest.raises(JobError) as info:
+            await asyncio.to_thread(
+                on_policy_loop, cfg, Engine([url]), task, RouteSchema(3, 2, 8), None, metrics_path=None
+            )
+        elapsed = time.perf_counter() - began
+    assert 0.5 <= elapsed < 3.0  # the probe's own timeout, as the message says
+    assert str(info.value) == (
+        f"cannot reach the rollout engine at {url}: GET /health did not answer 200 within 0.5s "
+        "(rollout.retry.health_timeout_s); check rollout.url or start the engine"
+    )

@@ -39,7 +39,9 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server():
-    with RolloutServer(engine=EngineConfig(seed=0), api_key="key") as srv:  # bf16 tiny MoE, as the main job serves it
+    with RolloutServer(
+        engine=EngineConfig(seed=0), api_key="key"
+    ) as srv:  # bf16 tiny MoE, as the main job serves it
         yield srv
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import save
 from transformers import DynamicCache
 
 from r3lightning.replay.context import as_backend, record_routes
+from r3lightning.serve.config import EngineConfig, ServerLimits
 from r3lightning.serve.engine import GenerationEngine, GenerationRequest
 from r3lightning.serve.sampling import SamplingParams, sample_token
 from r3lightning.serve.server import RolloutServer
@@ -71,7 +72,7 @@ def bf16_engine():
 
 @pytest.fixture(scope="module")
 def server():
-    with RolloutServer(seed=0) as srv:
+    with RolloutServer(engine=EngineConfig(seed=0)) as srv:
         yield srv
 
 
@@ -99,7 +100,7 @@ def test_routes_align_token_by_token_with_a_full_forward(bf16_engine):
     In fp32 the incremental decode and the full forward route identically. In bf16 their numerics
     differ, so a few near-tied experts can flip; rows shifted by one token agree only by chance.
     """
-    fp32 = GenerationEngine(build_tiny_moe(seed=0), dtype=torch.float32)
+    fp32 = GenerationEngine(build_tiny_moe(seed=0), EngineConfig(dtype=torch.float32))
     same = shifted = total = 0
     for seed in range(4):
         prompt = _prompt(10 + seed, 6)
@@ -136,7 +137,7 @@ def test_prompt_start_returns_the_suffix_rows(bf16_engine):
 
 def test_left_padded_batch_equals_unbatched():
     """Left padding with position ids: each row generates exactly what it would alone (fp32)."""
-    engine = GenerationEngine(build_tiny_moe(seed=0), dtype=torch.float32)
+    engine = GenerationEngine(build_tiny_moe(seed=0), EngineConfig(dtype=torch.float32))
     requests = [
         GenerationRequest(
             _prompt(20 + i, n), SamplingParams(max_new_tokens=8 + 4 * i, seed=i, ignore_eos=True), True
@@ -155,7 +156,9 @@ def test_left_padded_batch_equals_unbatched():
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_every_router_family_generates_aligned_routes(family):
     """Batched generation on each supported MoE family; rows match a full forward (fp32)."""
-    engine = GenerationEngine(build_tiny_moe(tiny_family_config(family), seed=0), dtype=torch.float32)
+    engine = GenerationEngine(
+        build_tiny_moe(tiny_family_config(family), seed=0), EngineConfig(dtype=torch.float32)
+    )
     requests = [
         GenerationRequest(_prompt(40 + n, n), SamplingParams(6, seed=n, ignore_eos=True), True)
         for n in (3, 12)
@@ -279,7 +282,7 @@ def test_sampling_params_and_request_validation(bf16_engine):
 
 def test_close_leaves_no_submitted_request_pending_and_no_worker_alive():
     """Submits racing close() either run to completion or are refused at submit."""
-    engine = GenerationEngine(build_tiny_moe(seed=0), dtype=torch.float32)
+    engine = GenerationEngine(build_tiny_moe(seed=0), EngineConfig(dtype=torch.float32))
     request = GenerationRequest([3, 4, 5], SamplingParams(max_new_tokens=1, temperature=0.0))
     futures, refused = [], []
     go = threading.Event()
@@ -543,7 +546,7 @@ async def test_bad_requests_get_400_naming_the_field(server, path, body, message
 
 
 async def test_oversized_body_gets_413_and_the_server_keeps_serving():
-    async with RolloutServer(build_tiny_moe(seed=0), max_request_bytes=1000) as srv:
+    async with RolloutServer(build_tiny_moe(seed=0), limits=ServerLimits(max_request_bytes=1000)) as srv:
         body = json.dumps({"input_ids": list(range(1, 90)) * 4}).encode()
         assert len(body) > 1000
         status, payload = await _post(f"{srv.url}/generate", body)
@@ -615,7 +618,9 @@ async def test_concurrent_requests_are_batched_and_each_gets_its_own_answer():
     """12 concurrent requests share batches (fp32, so padding cannot flip a near tie)."""
     prompts = [_prompt(30 + i, 2 + i % 5) for i in range(12)]
     params = SamplingParams(max_new_tokens=5, seed=0, ignore_eos=True)
-    async with RolloutServer(build_tiny_moe(seed=0), dtype=torch.float32, max_batch_size=4) as srv:
+    async with RolloutServer(
+        build_tiny_moe(seed=0), engine=EngineConfig(dtype=torch.float32, max_batch_size=4)
+    ) as srv:
 
         async def one(i, prompt):
             body = {

@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from r3lightning.serve.config import EngineConfig, ServerLimits
 from r3lightning.serve.server import RolloutServer
 from r3lightning.testing.tiny import build_tiny_moe
 
@@ -91,7 +92,9 @@ async def _status_line(reader: asyncio.StreamReader, timeout: float = 10.0) -> t
 
 @pytest.fixture
 async def srv():
-    async with RolloutServer(build_tiny_moe(seed=0), dtype=torch.float32, max_batch_size=8) as server:
+    async with RolloutServer(
+        build_tiny_moe(seed=0), engine=EngineConfig(dtype=torch.float32, max_batch_size=8)
+    ) as server:
         yield server
 
 
@@ -158,7 +161,7 @@ async def test_neutral_and_text_only_sampling_keys_are_accepted(srv):
 
 
 async def test_max_tokens_above_the_server_cap_is_refused():
-    async with RolloutServer(build_tiny_moe(seed=0), max_new_tokens_cap=8) as srv:
+    async with RolloutServer(build_tiny_moe(seed=0), limits=ServerLimits(max_new_tokens_cap=8)) as srv:
         body = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 1_000_000_000}}
         status, payload, _ = await _post(f"{srv.url}/skyrl/v1/generate", json_body=body)
         assert status == 400
@@ -205,7 +208,7 @@ async def test_skyrl_returns_routes_whenever_recorded_and_the_start_only_narrows
 
 
 async def test_a_connection_that_never_finishes_its_headers_is_closed():
-    async with RolloutServer(build_tiny_moe(seed=0), header_timeout_s=0.5) as srv:
+    async with RolloutServer(build_tiny_moe(seed=0), limits=ServerLimits(header_timeout_s=0.5)) as srv:
         start = time.monotonic()
         reader, writer = await _raw(srv, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Le")
         async with asyncio.timeout(10):
@@ -216,7 +219,7 @@ async def test_a_connection_that_never_finishes_its_headers_is_closed():
 
 
 async def test_a_stalled_body_gets_408():
-    async with RolloutServer(build_tiny_moe(seed=0), body_timeout_s=0.5) as srv:
+    async with RolloutServer(build_tiny_moe(seed=0), limits=ServerLimits(body_timeout_s=0.5)) as srv:
         head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
         reader, writer = await _raw(srv, head, b'{"input_ids": [')
         status, answer = await _status_line(reader)
@@ -227,7 +230,11 @@ async def test_a_stalled_body_gets_408():
 
 async def test_past_max_queue_the_answer_is_429_with_retry_after():
     """Two requests that never send their bodies hold the whole budget (batch 1 + queue 1)."""
-    async with RolloutServer(build_tiny_moe(seed=0), max_batch_size=1, max_queue=1, retry_after_s=3) as srv:
+    async with RolloutServer(
+        build_tiny_moe(seed=0),
+        engine=EngineConfig(max_batch_size=1),
+        limits=ServerLimits(max_queue=1, retry_after_s=3),
+    ) as srv:
         head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n"
         stalled = [await _raw(srv, head, b"{") for _ in range(2)]
         deadline = time.monotonic() + 10
@@ -267,7 +274,7 @@ async def test_generate_bodies_beyond_a_full_context_prompt_are_refused_unread()
 async def test_large_generate_bodies_do_not_stall_health():
     """Four 16 MB prompts (far past the context) are decoded off the event loop and refused from
     their length; /health keeps answering meanwhile (the loop used to stall for seconds)."""
-    async with RolloutServer(build_tiny_moe(seed=0), max_request_bytes=17 << 20) as srv:
+    async with RolloutServer(build_tiny_moe(seed=0), limits=ServerLimits(max_request_bytes=17 << 20)) as srv:
         tokens = b", ".join([b"12345"] * ((16 << 20) // 7))
         body = b'{"token_ids": [' + tokens + b"]}"
         assert len(body) > 15 << 20
@@ -413,7 +420,7 @@ async def test_uploads_are_refused_from_the_header_before_the_data_is_read(srv):
 
 
 async def test_upload_over_the_cap_is_413_from_its_header():
-    async with RolloutServer(build_tiny_moe(seed=0), max_weights_bytes=20_000) as srv:
+    async with RolloutServer(build_tiny_moe(seed=0), limits=ServerLimits(max_weights_bytes=20_000)) as srv:
         before = _weights(srv)
         upload = _safetensors({EMBED: torch.zeros(96, 64)})  # 24 KiB of data
         status, payload, _ = await _post(f"{srv.url}/update_weights", upload)
@@ -433,7 +440,7 @@ async def test_upload_over_the_cap_is_413_from_its_header():
 
 
 async def test_one_weight_upload_at_a_time():
-    async with RolloutServer(build_tiny_moe(seed=0), body_timeout_s=1.0) as srv:
+    async with RolloutServer(build_tiny_moe(seed=0), limits=ServerLimits(body_timeout_s=1.0)) as srv:
         new = build_tiny_moe(seed=4).state_dict()
         upload = _safetensors(new)
         reader, writer = await _raw(srv, _head(len(upload)), upload[: len(upload) // 2])  # then stalls
@@ -651,7 +658,11 @@ def test_cli_serves_until_sigint_and_exits_0():
 async def test_weights_load_off_the_loop_and_never_mid_generation():
     """An upload that waits for a running generation waits in a worker thread: /health answers
     meanwhile; the generation finishes on the old weights, the next one sees the new ones."""
-    async with RolloutServer(build_tiny_moe(seed=0), dtype=torch.float32, max_new_tokens_cap=250) as srv:
+    async with RolloutServer(
+        build_tiny_moe(seed=0),
+        engine=EngineConfig(dtype=torch.float32),
+        limits=ServerLimits(max_new_tokens_cap=250),
+    ) as srv:
         new = build_tiny_moe(seed=6).state_dict()
         long = {"token_ids": [5, 6], "sampling_params": {"max_tokens": 250, "ignore_eos": True}}
         generation = asyncio.create_task(_post(f"{srv.url}/skyrl/v1/generate", json_body=long))
