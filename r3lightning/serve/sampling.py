@@ -65,7 +65,7 @@ class SamplingParams:
         for token in self.stop_token_ids:
             check_setting("stop_token_ids", token, low=0, integer=True)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.seed is not None:
             check_setting("seed", self.seed, low=0, high=MAX_SEED, integer=True)
 

@@ -206,7 +206,9 @@ def test_simulated_disagreement_zero_is_exact_and_bad_values_are_refused():
         == _prefill_routes(GenerationEngine(model), prompts)
     ).all()
     for bad in (0.7, -0.1, "0.1", True):
-        with pytest.raises(ValueError, match="simulated_disagreement must be a number in"):
+        with pytest.raises(
+            ValueError, match=r"^simulated_disagreement must be None or a number >= 0 and <= 0.5, got"
+        ):
             GenerationEngine(model, EngineConfig(simulated_disagreement=bad))
     with pytest.raises(ValueError, match="does not select the top-k of its logits"):
         GenerationEngine(
@@ -336,7 +338,11 @@ def test_same_seed_gives_identical_metrics_rows_under_load(tmp_path):
         for burner in burners:
             burner.start()
         try:
-            batching = [] if attempt == 0 else ["rollout.server.max_batch_size=5", "rollout.max_in_flight=3"]
+            batching = (
+                []
+                if attempt == 0
+                else ["rollout.server.max_batch_size=5", "rollout.collector.max_in_flight=3"]
+            )
             histories.append(run(compose_config([*overrides, *batching]), tmp_path / f"run{attempt}"))
         finally:
             stop.set()
@@ -368,7 +374,8 @@ def test_job_passes_the_engine_settings_and_names_a_bad_one(tmp_path):
     cfg = compose_config(["experiment=compare_realistic"])
     assert cfg.rollout.server.simulated_disagreement == 0.1 and list(cfg.compare) == ["r3", "off"]
     with pytest.raises(
-        JobError, match=r"rollout.server: simulated_disagreement must be a number in \[0, 0.5\]"
+        JobError,
+        match=r"^rollout.server.simulated_disagreement must be None or a number >= 0 and <= 0.5, got 0.7$",
     ):
         run(compose_config(["rollout.server.simulated_disagreement=0.7"]), tmp_path)
     with pytest.raises(JobError, match=r"rollout\.server: batch-invariant serving is not supported"):
