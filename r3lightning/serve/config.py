@@ -1,9 +1,6 @@
-"""Settings of the embedded engine and server: frozen dataclasses, checked when built.
-
-The job's ``rollout.server.*`` (besides ``host`` and ``port``) and ``rollout.limits.*`` keys map
-to :class:`EngineConfig` and :class:`ServerLimits` field for field; ``r3lightning-serve`` has a
-flag per field. Every bad value is a ``ValueError`` whose message starts with the field name.
-"""
+"""Settings of the embedded engine and server, checked when built (a bad value is a ``ValueError``
+starting with the field name). The job's ``rollout.server.*`` (but ``host`` and ``port``) and
+``rollout.limits.*`` map to them field for field; ``r3lightning-serve`` has a flag per field."""
 
 from __future__ import annotations
 

@@ -90,7 +90,9 @@ def _check_keys(values: dict, known: set[str], where: str) -> None:
         raise RequestFieldError(f"{where} has unknown keys {unknown}; supported: {sorted(known)}")
 
 
-def parse_sampling_params(params: dict, protocol: str, *, max_new_tokens_cap: int | None = None) -> SamplingParams:
+def parse_sampling_params(
+    params: dict, protocol: str, *, max_new_tokens_cap: int | None = None
+) -> SamplingParams:
     """``sampling_params`` of a request -> :class:`SamplingParams`; unknown keys are refused.
 
     Names follow the protocol (``max_tokens`` / ``seed`` for skyrl, ``max_new_tokens`` /
@@ -98,7 +100,9 @@ def parse_sampling_params(params: dict, protocol: str, *, max_new_tokens_cap: in
     ``max_new_tokens_cap`` holds under every name). Keys that only shape text output are
     accepted; penalties and the like only at their neutral value.
     """
-    _check_keys(params, _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set()), "sampling_params")
+    _check_keys(
+        params, _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set()), "sampling_params"
+    )
     for key in _TEXT_ONLY_KEYS & params.keys():
         if params[key] is not None:
             _bool(params[key], f"sampling_params.{key}")
@@ -152,7 +156,9 @@ def parse_generate_request(
         raise RequestFieldError(f"{prompt_field} is required (the prompt as a list of token ids){hint}")
     _check_keys(body, _BODY_KEYS[protocol], "the request body")
     if body.get("stream") not in (None, False):
-        raise RequestFieldError(f"stream = {body['stream']!r} is not supported by this server (accepted: false)")
+        raise RequestFieldError(
+            f"stream = {body['stream']!r} is not supported by this server (accepted: false)"
+        )
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise RequestFieldError(f"sampling_params must be a JSON object, got {type(sampling).__name__}")
@@ -199,7 +205,9 @@ def build_response(
             "token_ids": ids,
             "finish_reason": output.finish_reason,
             "stop_reason": output.stop_token_id,
-            "logprobs": {"content": [{"logprob": lp, "token_id": t} for t, lp in pairs]} if logprobs else None,
+            "logprobs": {"content": [{"logprob": lp, "token_id": t} for t, lp in pairs]}
+            if logprobs
+            else None,
             "routed_experts": None if routes is None else encode_routes(routes),
         }
         usage = {"prompt_tokens": output.prompt_tokens, "completion_tokens": len(ids)}
@@ -213,7 +221,9 @@ def build_response(
     stop = output.finish_reason == "stop"
     meta: dict[str, Any] = {
         "id": request_id,
-        "finish_reason": {"type": "stop", "matched": output.stop_token_id} if stop else {"type": "length", "length": len(ids)},
+        "finish_reason": {"type": "stop", "matched": output.stop_token_id}
+        if stop
+        else {"type": "length", "length": len(ids)},
         "prompt_tokens": output.prompt_tokens,
         "completion_tokens": len(ids),
         "weight_version": output.weight_version,

@@ -1,9 +1,5 @@
-"""Per-request sampling: parameters and the choice of one token from a row of logits.
-
-The engine samples each row of a batch with that request's own parameters and its own seeded
-``torch.Generator``, so a seeded request samples the same tokens whatever it is batched with
-(up to the numerics of the padded forward).
-"""
+"""Per-request sampling: parameters and the choice of one token from a row of logits. Each row
+of a batch samples with its request's own parameters and seeded ``torch.Generator``."""
 
 from __future__ import annotations
 
@@ -25,14 +21,11 @@ MAX_TOP_K = 2**31 - 1
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples.
-
-    ``temperature == 0`` is greedy; otherwise it lies in :data:`TEMPERATURE_RANGE`, where dividing
-    float32 logits by it cannot overflow. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
-    Generation stops after ``max_new_tokens`` tokens (finish reason ``"length"``) or at the first
-    sampled token in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``;
-    the stop token is part of the output). ``seed`` makes sampling reproducible per request
-    (independent of batching); ``None`` draws one from the engine's seeded generator.
+    """How one request samples. ``temperature`` 0 is greedy, else in :data:`TEMPERATURE_RANGE`
+    (dividing float32 logits cannot overflow); ``top_k <= 0`` and ``top_p == 1`` disable those
+    filters. Generation stops after ``max_new_tokens`` (``"length"``) or at the first sampled token
+    in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``, the token
+    kept). ``seed``: reproducible per request; None draws one from the engine's seeded generator.
     """
 
     max_new_tokens: int = 16
@@ -47,20 +40,23 @@ class SamplingParams:
         check_setting("max_new_tokens", self.max_new_tokens, low=1, integer=True)
         check_setting("top_k", self.top_k, low=-1, high=MAX_TOP_K, integer=True)
         low, high = TEMPERATURE_RANGE
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
             raise ValueError(
-                f"temperature must be a number, 0 or in [{low:g}, {high:g}], got {self.temperature!r}"
+                f"temperature must be a number, 0 or in [{low:g}, {high:g}], got {temperature!r}"
             )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.temperature != 0 and not low <= self.temperature <= high:
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if temperature != 0 and not low <= temperature <= high:
             raise ValueError(
                 f"temperature must be 0 (greedy) or in [{low:g}, {high:g}] (smaller values overflow "
-                f"float32 logits), got {self.temperature!r}"
+                f"float32 logits), got {temperature!r}"
             )
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if (
+            isinstance(self.top_p, bool)
+            or not isinstance(self.top_p, int | float)
+            or not 0.0 < self.top_p <= 1.0
+        ):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         for token in self.stop_token_ids:
             check_setting("stop_token_ids", token, low=0, integer=True)
