@@ -3,11 +3,9 @@
     r3lightning-serve --port 30000                       # the tiny MoE on 127.0.0.1
     r3lightning-serve --model /ckpt/qwen3-moe --device cuda:0 --api-key KEY --host 0.0.0.0
 
-Every field of :class:`~r3lightning.serve.config.EngineConfig` and ``ServerLimits`` has a flag
-(``--max-queue 64``, ``--max-request-bytes none``). A bad argument or a failed startup (a
-``--model`` that is not a local checkpoint directory, never looked up on the hub; ``--device
-cuda`` without CUDA; a port out of range or in use; a non-loopback ``--host`` without a key)
-prints one line naming it and exits 2. Heavy imports wait until the arguments are checked.
+Each EngineConfig and ServerLimits field has a flag (``--max-request-bytes none``). A bad argument
+or startup (a ``--model`` not a local checkpoint: never downloaded; no CUDA; a port in use; a
+non-loopback host without a key) is one line and exit 2. Heavy imports wait for the arguments.
 """
 
 from __future__ import annotations
@@ -59,16 +57,16 @@ def _setting(text: str) -> Any:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _ArgumentParser(
-        prog="r3lightning-serve", description="Serve a causal MoE model that returns its routes."
+        prog="r3lightning-serve", description="Serve a MoE model that returns its routes."
     )
     parser.add_argument(
-        "--host", default="127.0.0.1", help="not loopback: needs --api-key or --allow-unauthenticated"
+        "--host", default="127.0.0.1", help="not loopback: needs a key or --allow-unauthenticated"
     )
     parser.add_argument("--port", type=_port, default=30000, help="0 picks a free port (printed at start)")
     parser.add_argument("--model", help="local Hugging Face checkpoint directory (default: the tiny MoE)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
     parser.add_argument(
-        "--allow-unauthenticated", action="store_true", help="serve a non-loopback --host keyless"
+        "--allow-unauthenticated", action="store_true", help="serve a non-loopback host keyless"
     )
     parser.add_argument("--log-level", default="INFO")
     from r3lightning.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
@@ -76,10 +74,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     for cls, names in ((EngineConfig, _ENGINE_FLAGS), (ServerLimits, _LIMIT_FLAGS)):
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         for name in names:
-            shown = str(defaults[name]).removeprefix("torch.")
-            parser.add_argument(
-                f"--{name.replace('_', '-')}", type=_setting, default=defaults[name], help=shown
-            )
+            flag, shown = f"--{name.replace('_', '-')}", str(defaults[name]).removeprefix("torch.")
+            parser.add_argument(flag, type=_setting, default=defaults[name], help=shown)
     return parser.parse_args([_RENAMED.get(arg, arg) for arg in (sys.argv[1:] if argv is None else argv)])
 
 

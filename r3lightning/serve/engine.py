@@ -1,14 +1,12 @@
 """Token generation with route recording for the embedded rollout server.
 
-:class:`GenerationEngine` runs a KV-cached sampling loop on a serving copy of a Hugging Face
-causal MoE model: one prefill forward of the left-padded prompts, then one forward per decode step
-for the rows still generating, each inside :func:`~r3lightning.replay.context.record_routes`.
-Route row ``t`` = the experts used when token ``t`` was an input; the last sampled token is never
-forwarded, so a ``P``-token prompt generating ``G`` tokens yields ``P - prompt_start + G - 1``
-rows. Requests from any thread go through :meth:`~GenerationEngine.submit` to one worker thread
-that batches what is pending; the model runs under one lock that weight updates also take. Each
-request succeeds or fails on its own: a failed batch forward is rerun one request at a time
-(the same results, by batch invariance: :mod:`r3lightning.serve.invariance`).
+:class:`GenerationEngine` runs a KV-cached sampling loop (a prefill of the left-padded prompts,
+then one forward per decode step for the rows still generating), each forward inside
+:func:`~r3lightning.replay.context.record_routes`: a ``P``-token prompt generating ``G`` tokens
+yields ``P - prompt_start + G - 1`` route rows (the last sampled token is never forwarded). One
+worker thread batches the requests :meth:`~GenerationEngine.submit` queues from any thread; the
+model runs under a lock weight updates also take. A failed batch forward is rerun one request at
+a time, so only its cause fails (the others get the same results, by batch invariance).
 """
 
 from __future__ import annotations
@@ -81,18 +79,12 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerationEngine:
-    """A KV-cached, route-recording sampling loop over a causal MoE model (the module docstring).
-
-    ``config`` (:class:`~r3lightning.serve.config.EngineConfig`): unless ``copy_model=False`` the
-    model is served as a private :func:`serving_copy`. ``batch_invariant=None`` is on whenever the
-    model allows it (not with sliding-window attention or attention sinks, e.g. gpt-oss); False
-    batches the padded forward directly (faster; results then depend on the batch within bf16
-    rounding). ``simulated_disagreement`` attaches a
-    :class:`~r3lightning.serve.perturb.RouterLogitPerturbation`, recalibrated after each weight
-    update (~12 probe forwards). Cost: two host syncs per row and decode step (token, logprob),
-    and a host copy of each forward's routes when asked for. :attr:`invariant_tile_rows`: the row
-    tile of the batch-invariant GEMMs.
-    """
+    """A KV-cached, route-recording sampling loop over a causal MoE model (the module docstring),
+    set up by :class:`~r3lightning.serve.config.EngineConfig` (``batch_invariant=None``: on unless
+    the model has sliding-window attention or sinks, e.g. gpt-oss). Cost: two host syncs per row
+    and decode step (token, logprob), a host copy of each forward's routes when asked for, and ~12
+    probe forwards per weight update with a simulated disagreement. :attr:`invariant_tile_rows`:
+    the row tile of the batch-invariant GEMMs."""
 
     invariant_tile_rows: int = 64
 
@@ -192,10 +184,8 @@ class GenerationEngine:
         params = [r.params for r in requests]
         budgets = [min(p.max_new_tokens, self.max_context - n) for p, n in zip(params, lengths, strict=True)]
         generators = [self._generator(p.seed) for p in params]
-        stops = [
-            frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
-            for p in params
-        ]
+        eos = self.eos_token_ids
+        stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else eos) for p in params]
         record = any(r.return_routed_experts for r in requests)
         route_rows: list[list[Tensor]] = [[] for _ in requests]
         version = self.weight_version
@@ -321,10 +311,7 @@ class GenerationEngine:
             stop = item is None
             pending = [(r, f) for r, f in pending if f.set_running_or_notify_cancel()]
             for (_, future), result in zip(pending, self._run_isolated([r for r, _ in pending]), strict=True):
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+                (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
 
     def _run_isolated(self, requests: list[GenerationRequest]) -> list[GenerationOutput | Exception]:
         """Each request's output or its own exception; the worker lives on whatever fails. A

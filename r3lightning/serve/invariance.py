@@ -1,17 +1,11 @@
-"""Batch-invariant serving forwards: a request's tokens, logprobs and routes do not depend on what
-else the engine batches it with.
+"""Batch-invariant serving: a request's tokens, logprobs and routes do not depend on its batch.
 
-A padded batch forward differs from a request's forward alone: attention reduces over the batch's
-padded key width, GEMMs pick kernels and blockings by their row count, grouped expert GEMMs
-depend on each expert's token count. Three changes remove all of it, by construction:
-attention runs over each row's real keys only (:func:`row_invariant_attention`, registered as
-``"r3_row_invariant"``; rows with the same padding share one SDPA call, each row its own (batch,
-head) program); MoE experts run as transformers' ``"eager"`` loop; every ``F.linear`` of the
-modules that own weights runs on fixed ``tile_rows``-row tiles (:class:`RowTiledLinear`, entered
-around those modules by forward hooks), so every GEMM has one shape and no cross-row reduction.
-The rest of a decoder is per row already. Cost: one attention call per padding width and layer,
-the eager expert loop, ``ceil(M / tile_rows)`` GEMMs per linear (benchmarks/bench_engine.py);
-no host syncs (the row offsets are host ints the engine tracks).
+A padded batch forward differs from a request's own: attention reduces over the padded key
+width, GEMMs pick kernels by row count, grouped expert GEMMs by each expert's token count. So:
+attention over each row's real keys only (:func:`row_invariant_attention`), transformers' eager
+expert loop, and every weight-owning module's ``F.linear`` on fixed row tiles
+(:class:`RowTiledLinear`). Cost: one attention call per padding width and layer, the eager loop,
+``ceil(M / tile_rows)`` GEMMs per linear (benchmarks/bench_engine.py); no host syncs.
 """
 
 from __future__ import annotations
@@ -37,20 +31,18 @@ _TILE_ROWS: ContextVar[int | None] = ContextVar("r3_tile_rows", default=None)
 
 def row_invariant_attention(
     module: nn.Module,
-    query: Tensor,  # [B, H, Q, D]
-    key: Tensor,  # [B, H_kv, S_kv, D]
-    value: Tensor,  # [B, H_kv, S_kv, D]
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     attention_mask: Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """Causal attention of each row over its own real keys; returns ``[B, Q, H, D]``.
-
-    Row ``b``'s real keys start at ``starts[b]`` (set by :func:`batch_invariant`); queries on
-    padding get zeros (never used). A prefill from an empty cache (``Q == S_kv``) or one-token
-    decode steps (``Q == 1``); outside a :func:`batch_invariant` block it is transformers' SDPA.
-    """
+    """Causal attention of each row over its own real keys (from ``starts[b]``, set by
+    :func:`batch_invariant`): ``query [B, H, Q, D]``, ``key``/``value [B, H_kv, S_kv, D]`` ->
+    ``[B, Q, H, D]``, zeros on padding queries. A prefill (``Q == S_kv``) or one-token decode
+    steps (``Q == 1``); outside a :func:`batch_invariant` block it is transformers' SDPA."""
     starts = _ROW_STARTS.get()
     if starts is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -61,7 +53,6 @@ def row_invariant_attention(
     q_len, kv_len = query.shape[2], key.shape[2]
     if q_len != 1 and q_len != kv_len:
         raise RuntimeError(f"{ATTENTION_NAME} supports prefill from an empty cache or one-token decode steps")
-    gqa = query.shape[1] != key.shape[1]
     out = query.new_zeros(query.shape[0], q_len, query.shape[1], query.shape[3])
     groups: dict[int, list[int]] = {}  # rows with the same padding share one call
     for row, start in enumerate(starts):
@@ -76,7 +67,7 @@ def row_invariant_attention(
             value.index_select(0, index)[:, :, start:],
             is_causal=q_len > 1,
             scale=scaling,
-            enable_gqa=gqa,
+            enable_gqa=query.shape[1] != key.shape[1],
         )  # [rows, H, Q - q_start, D]
         out[index, q_start:] = attended.transpose(1, 2)
     return out, None
@@ -85,14 +76,12 @@ def row_invariant_attention(
 def batch_invariance_problem(model: nn.Module) -> str | None:
     """Why :func:`row_invariant_attention` cannot stand in for ``model``'s attention, or None:
     not a transformers model, sliding-window layers or attention sinks (gpt-oss)."""
+    name = type(model).__name__
     if not hasattr(model, "set_attn_implementation"):
-        return f"{type(model).__name__} is not a transformers model"
-    config = getattr(model, "config", None)
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return f"{type(model).__name__} has sliding-window attention layers"
-    if any(hasattr(module, "sinks") for module in model.modules()):
-        return f"{type(model).__name__} has attention sinks"
-    return None
+        return f"{name} is not a transformers model"
+    if "sliding_attention" in (getattr(getattr(model, "config", None), "layer_types", None) or ()):
+        return f"{name} has sliding-window attention layers"
+    return f"{name} has attention sinks" if any(hasattr(m, "sinks") for m in model.modules()) else None
 
 
 def make_batch_invariant(model: nn.Module) -> None:

@@ -1,14 +1,11 @@
 """SIMULATION ONLY: perturb a serving model's router logits to a target routing disagreement.
 
-Production engines and trainers disagree on about 10% of (token, layer) expert slots for a model
-like Qwen3-30B-A3B (R3 paper, arXiv 2510.11370, SGLang vs Megatron); a tiny model in bf16 next to
-its fp32 trainer on well under 1%. :class:`RouterLogitPerturbation` adds a deterministic term to
-every router's logits before the top-k, ``logits + scale * hidden @ R.T`` (``R``: fixed
-``N(0, 1/hidden)`` ``[experts, hidden]``), and recomputes the experts and gate weights with the
-router family's own formula, as an engine whose logits differ slightly would. The term depends on
-the token's own hidden state only, so the engine stays batch invariant and reproducible.
-``scale`` is calibrated so that, on a fixed probe batch, the share of expert slots that differ
-from the unperturbed routing equals the target. Never part of a real deployment.
+Production engines and trainers disagree on ~10% of expert slots for Qwen3-30B-A3B (R3 paper,
+arXiv 2510.11370); a tiny bf16 engine beside its fp32 trainer on under 1%. Each router's logits
+get ``scale * hidden @ R.T`` (``R``: fixed ``N(0, 1/hidden)`` ``[experts, hidden]``) before the
+top-k, experts and gate weights recomputed with the family's own formula; a function of the
+token's own hidden state, so the engine stays batch invariant. ``scale`` is calibrated so that
+the probe batch's share of flipped slots equals the target. Never part of a real deployment.
 """
 
 from __future__ import annotations
@@ -30,32 +27,19 @@ from r3lightning.replay.hf.routers import (
 from r3lightning.rollout.config import check_setting
 
 # families whose experts are the top-k of the raw logits (softmax and top-k commute)
-_TOPK_OF_LOGITS = (
-    softmax_then_topk_weights,
-    softmax_renormalised_weights,
-    mixtral_weights,
-    softmax_over_topk_weights,
-)
+_TOPK_OF_LOGITS = {softmax_then_topk_weights, softmax_renormalised_weights, mixtral_weights}
+_TOPK_OF_LOGITS.add(softmax_over_topk_weights)
 
 
 class RouterLogitPerturbation:
-    """Forward hooks on every router of ``model`` that perturb its logits (see the module docstring).
-
-    ``target``: the slot disagreement to calibrate to, in ``[0, 0.5]``; ``seed`` fixes ``R`` and
-    the probe batch (``probe_sequences`` x ``probe_length`` random tokens). The hooks run before
-    the routers' other forward hooks (a route recorder records the perturbed experts). Call
-    :meth:`calibrate` after every weight change; :meth:`remove` detaches the hooks.
-    """
+    """Forward hooks on every router of ``model`` that perturb its logits (the module docstring):
+    ``target`` in ``[0, 0.5]``; ``seed`` fixes ``R`` and the probe batch (random tokens of
+    ``probe_shape``). They run before the routers' other hooks (a route recorder records the
+    perturbed experts). :meth:`calibrate` after every weight change; :meth:`remove` detaches."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        target: float,
-        *,
-        seed: int = 0,
-        probe_sequences: int = 8,
-        probe_length: int = 16,
-    ) -> None:
+        self, model: nn.Module, target: float, *, seed: int = 0, probe_shape: tuple[int, int] = (8, 16)
+    ):
         check_setting("simulated_disagreement", target, low=0, high=0.5)
         self.target, self.scale = float(target), 0.0
         self.measured = 0.0  # disagreement on the probe batch at the calibrated scale
@@ -65,9 +49,8 @@ class RouterLogitPerturbation:
         for _, name, router, adapter in find_routers(model):
             if adapter.gate_weights not in _TOPK_OF_LOGITS:
                 raise ValueError(
-                    f"router {name!r} ({type(router).__name__}) does not select the top-k of its logits; "
-                    "the simulated disagreement supports routers that pick the top-k of their logits (Qwen3-MoE, "
-                    "Qwen2-MoE, OLMoE, Mixtral, gpt-oss, ...)"
+                    f"router {name!r} ({type(router).__name__}) does not select the top-k of its logits; the "
+                    "simulated disagreement supports those that do (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss)"
                 )
             weight = next(p for p in router.parameters() if p.dim() == 2)  # [experts, hidden]
             experts, hidden = weight.shape
@@ -75,7 +58,7 @@ class RouterLogitPerturbation:
             self._directions[router] = direction.to(weight.device, weight.dtype)
             self._handles.append(router.register_forward_hook(self._make_hook(adapter), prepend=True))
         vocab = int(getattr(getattr(model, "config", None), "vocab_size", 2))
-        self.probe = torch.randint(vocab, (probe_sequences, probe_length), generator=generator)
+        self.probe = torch.randint(vocab, probe_shape, generator=generator)  # [sequences, length]
 
     def _make_hook(self, adapter) -> Callable:
         p_logits, p_weights, p_indices = adapter.output_positions
@@ -101,17 +84,17 @@ class RouterLogitPerturbation:
         if self.target == 0.0:
             self.scale, self.measured = 0.0, 0.0
             return 0.0
-        previous = self.scale
+        previous, self.scale = self.scale, 0.0
         try:
-            self.scale = 0.0
             native = routes()
             native = native.reshape(-1, native.shape[-1])  # [slots / K, K]
 
             def measure(scale: float) -> float:
                 self.scale = scale
                 perturbed = routes()
-                hits = agreement_hits(perturbed.reshape(-1, perturbed.shape[-1]), native)
-                return 1.0 - float(hits.float().mean())
+                return 1.0 - float(
+                    agreement_hits(perturbed.reshape(-1, perturbed.shape[-1]), native).float().mean()
+                )
 
             # always the same bracket: the scale depends on the weights alone, never on what the
             # engine calibrated (served) before

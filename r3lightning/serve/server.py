@@ -1,17 +1,11 @@
 """Embedded rollout server: an aiohttp app serving a causal MoE model that returns its routes.
 
-    with RolloutServer() as server:                 # tiny Qwen3-MoE in bf16, ephemeral port
-        ...                                         # RemoteGenerateClient(server.url)
-        server.update_weights(trainer_model.state_dict())   # stay on-policy
-
-``POST /skyrl/v1/generate`` and ``POST /generate`` (sglang, :mod:`r3lightning.serve.protocol`):
-bodies are decoded in one decoder thread and batched by the engine's worker, so ``/health`` is
-never stalled. ``GET /health``: liveness, the route schema and ``weight_version`` (never behind
-the key). ``POST /update_weights[?strict=true]``: a safetensors body checked from its header,
-cast into the serving dtype, all or nothing, one at a time. Limits:
-:class:`~r3lightning.serve.config.ServerLimits`. Errors are JSON ``{"error": {"message", "type",
-"code"}}`` (400 bad JSON or field, named; 401 key; 408 stalled body; 409 concurrent upload; 413
-over a cap; 429 queue full with ``Retry-After``; 500 failed generation); the server serves on.
+``POST /skyrl/v1/generate`` and ``POST /generate`` (sglang, :mod:`r3lightning.serve.protocol`),
+decoded in one decoder thread and batched by the engine's worker (``/health`` never stalls);
+``GET /health``: liveness, route schema, ``weight_version`` (never behind the key); ``POST
+/update_weights[?strict=true]``: safetensors, checked from its header, all or nothing. Errors are
+JSON ``{"error": {"message", "type", "code"}}``: 400 (field named), 401, 408 stalled body, 409
+concurrent upload, 413 over a cap, 429 queue full (``Retry-After``), 500; it serves on after each.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ from r3lightning.serve.protocol import PROTOCOLS, build_response, parse_generate
 from r3lightning.serve.weights import check_weights, loadable_targets
 from r3lightning.wire.json_body import read_capped
 from r3lightning.wire.request import PROTOCOL_PATHS
-from r3lightning.wire.safetensors import UploadError, read_safetensors
+from r3lightning.wire.safetensors import read_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -48,21 +42,26 @@ _ERROR_TYPES |= {413: "PayloadTooLarge", 429: "TooManyRequests", 500: "InternalE
 
 
 class _HTTPError(Exception):
+    """Answered as JSON ``{"error": {"message", "type", "code"}}`` (with ``Retry-After`` if set)."""
+
     def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.retry_after = status, message, retry_after
 
+    def response(self) -> web.Response:
+        error = {
+            "message": self.message,
+            "type": _ERROR_TYPES.get(self.status, "HTTPError"),
+            "code": self.status,
+        }
+        response = _json_response({"error": error}, self.status)
+        if self.retry_after is not None:
+            response.headers["Retry-After"] = str(self.retry_after)
+        return response
+
 
 def _json_response(payload: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
-
-
-def _error_response(status: int, message: str, retry_after: int | None = None) -> web.Response:
-    error = {"message": message, "type": _ERROR_TYPES.get(status, "HTTPError"), "code": status}
-    response = _json_response({"error": error}, status)
-    if retry_after is not None:
-        response.headers["Retry-After"] = str(retry_after)
-    return response
 
 
 def _too_large(cap: int):
@@ -94,17 +93,11 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
 class RolloutServer:
     """Serve ``model`` (default: ``build_tiny_moe(seed=engine.seed)``) over HTTP on ``host:port``.
 
-    ``engine``: :class:`~r3lightning.serve.config.EngineConfig` of the
-    :class:`~r3lightning.serve.engine.GenerationEngine` (by default a bf16 private copy: the
-    caller's model is never touched); ``limits``: :class:`~r3lightning.serve.config.ServerLimits`.
-    ``port=0`` picks a free port (read :attr:`port` / :attr:`url` once started). ``api_key``:
-    every route but ``/health`` then needs ``Authorization: Bearer <api_key>``; a host that is
-    not loopback needs one unless ``allow_unauthenticated`` (``ValueError`` otherwise).
-    ``model_name``: what responses and ``/health`` call the model.
-
-    Use as ``async with`` inside a running loop, or as a plain ``with`` (the server then runs its
-    own event loop in a daemon thread, for synchronous callers such as a Lightning training loop).
-    A server runs once.
+    ``engine``: :class:`~r3lightning.serve.config.EngineConfig` (default: a bf16 private copy);
+    ``limits``: :class:`~r3lightning.serve.config.ServerLimits`; ``port=0``: a free one (see
+    :attr:`url`). With ``api_key`` every route but ``/health`` needs ``Authorization: Bearer
+    <api_key>``; a non-loopback host needs one unless ``allow_unauthenticated``. Use as ``async
+    with`` in a running loop, or as ``with`` (its own loop in a daemon thread). It runs once.
     """
 
     def __init__(
@@ -179,16 +172,16 @@ class RolloutServer:
             header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             scheme, _, token = header.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self._api_key_bytes):
-                return _error_response(401, "missing or wrong bearer token in the Authorization header")
+                return _HTTPError(401, "missing or wrong bearer token in the Authorization header").response()
         try:
             return await handler(request)
         except _HTTPError as exc:
-            return _error_response(exc.status, exc.message, exc.retry_after)
+            return exc.response()
         except web.HTTPException as exc:
-            return _error_response(exc.status, exc.reason)
+            return _HTTPError(exc.status, exc.reason).response()
         except Exception as exc:
             logger.exception("request %s %s failed", request.method, request.path)
-            return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+            return _HTTPError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     async def _body_chunks(self, request: web.Request) -> AsyncIterator[bytes]:
         """The body as it arrives; 408 when no byte comes for ``body_timeout_s``."""
@@ -242,10 +235,8 @@ class RolloutServer:
         finally:
             self._generating -= 1
         request_id = request.headers.get("X-Session-ID") or f"gen-{next(self._ids)}"
-        answer = build_response(
-            output, protocol, request_id=request_id, model_name=self.model_name, logprobs=logprobs
-        )
-        return _json_response(answer)
+        names = {"request_id": request_id, "model_name": self.model_name}
+        return _json_response(build_response(output, protocol, **names, logprobs=logprobs))
 
     async def _health(self, request: web.Request) -> web.Response:
         e = self.engine
@@ -269,15 +260,9 @@ class RolloutServer:
         self._uploading = True
         try:
             targets = loadable_targets(self.engine.model)
-            state_dict = await read_safetensors(
-                self._body_chunks(request),
-                content_length=length,
-                max_bytes=cap,
-                check=lambda specs: check_weights(targets, specs, strict=strict, where="upload"),
-                too_large=lambda size: UploadError(
-                    f"safetensors body of {size} bytes exceeds the cap of {cap} bytes", 413
-                ),
-            )
+            check = functools.partial(check_weights, targets, strict=strict, where="upload")
+            body = self._body_chunks(request)
+            state_dict = await read_safetensors(body, content_length=length, max_bytes=cap, check=check)
             updated = await asyncio.to_thread(self.engine.update_weights, state_dict, strict=strict)
         except ValueError as exc:  # UploadError (400 or 413) or the engine's checks
             raise _HTTPError(getattr(exc, "status", 400), str(exc)) from None
@@ -300,9 +285,8 @@ class RolloutServer:
         self._started = True
         # aiohttp closes a connection whose request head is incomplete (or that idles between
         # requests) after keepalive_timeout: that is the header read timeout
-        runner = web.AppRunner(
-            self.make_app(), access_log=None, keepalive_timeout=self.limits.header_timeout_s
-        )
+        timeout = self.limits.header_timeout_s
+        runner = web.AppRunner(self.make_app(), access_log=None, keepalive_timeout=timeout)
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self.port).start()
@@ -328,34 +312,25 @@ class RolloutServer:
         await self.stop()
 
     def __enter__(self) -> RolloutServer:
-        """Run the server on its own event loop in a daemon thread; returns once it is bound."""
-        loop, ready, failure = asyncio.new_event_loop(), threading.Event(), []
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(self.start())
-            except BaseException as exc:
-                failure.append(exc)
-            ready.set()
-            if not failure:
-                loop.run_forever()
-                loop.run_until_complete(self.stop())
-            loop.close()
-
-        self._loop, self._thread = loop, threading.Thread(target=run, name="r3-rollout-server", daemon=True)
+        """Serve from a daemon thread's own event loop; returns once bound."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="r3-rollout-server", daemon=True)
         self._thread.start()
-        ready.wait()
-        if failure:
-            self._thread.join()
-            raise failure[0]
+        try:
+            asyncio.run_coroutine_threadsafe(self.start(), self._loop).result()
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc_info) -> None:
-        if self._thread is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._thread = self._loop = None
+        if self._loop is None or self._thread is None:
+            return
+        asyncio.run_coroutine_threadsafe(self.stop(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._thread = self._loop = None
 
 
 if __name__ == "__main__":  # python -m r3lightning.serve.server: the r3lightning-serve command

@@ -1,13 +1,9 @@
-"""What a serving model may load: one rule set for the in-process path
-(:meth:`GenerationEngine.update_weights`) and ``POST /update_weights`` (whose safetensors body
-is read by :func:`r3lightning.wire.safetensors.read_safetensors`).
-
-Names are the model's parameters and persistent buffers (a non-persistent buffer such as
-``rotary_emb.inv_freq`` is derived state, never loaded); shapes equal the model's; a floating
-tensor loads only from a floating source of 16 bits or more (fp8, integer or bool would be cast
-silently), a non-floating buffer only from its own dtype; values are finite in the serving dtype
-(a NaN or inf weight makes every later generation sample token 0); ``strict``: every name.
-"""
+"""What a serving model may load, for :meth:`GenerationEngine.update_weights` and ``POST
+/update_weights`` alike: the model's parameters and persistent buffers (``rotary_emb.inv_freq``
+is derived, never loaded), their shapes; floating tensors only from floating sources of 16 bits
+or more (fp8, ints or bools would be cast silently), other buffers only from their own dtype;
+values finite in the serving dtype (one NaN or inf makes every later sample token 0); ``strict``:
+every name."""
 
 from __future__ import annotations
 
@@ -29,37 +25,28 @@ def loadable_targets(model: torch.nn.Module) -> dict[str, Tensor]:
 
 def check_weights(
     targets: Mapping[str, Tensor],
-    specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    specs: Mapping[str, tuple[torch.dtype, tuple]],
     *,
     strict: bool,
-    where: str = "state_dict",
+    where="state_dict",
 ) -> None:
     """``ValueError`` naming the tensor unless ``specs`` (name -> dtype, shape) may load into
     ``targets``: the metadata half of the rules (:func:`check_finite` is the values half)."""
-    unknown = sorted(set(specs) - set(targets))
+    unknown, missing = sorted(set(specs) - set(targets)), sorted(set(targets) - set(specs))
     if unknown:
-        raise ValueError(
-            f"{where} has {len(unknown)} names that are not parameters or persistent buffers of the "
-            f"model, e.g. {unknown[:3]}"
-        )
-    if strict:
-        missing = sorted(set(targets) - set(specs))
-        if missing:
-            raise ValueError(f"{where} lacks {len(missing)} model names, e.g. {missing[:3]}")
+        odd = "names that are not parameters or persistent buffers of the model"
+        raise ValueError(f"{where} has {len(unknown)} {odd}, e.g. {unknown[:3]}")
+    if strict and missing:
+        raise ValueError(f"{where} lacks {len(missing)} model names, e.g. {missing[:3]}")
     for name, (dtype, shape) in specs.items():
-        target = targets[name]
+        target, at = targets[name], f"{where}[{name!r}]"
         if tuple(shape) != tuple(target.shape):
-            raise ValueError(
-                f"{where}[{name!r}] has shape {tuple(shape)}, the model expects {tuple(target.shape)}"
-            )
-        if target.is_floating_point():
-            if dtype not in _LOADABLE_FLOATS:
-                raise ValueError(
-                    f"{where}[{name!r}] has dtype {dtype}; the model's floating tensor takes only "
-                    f"float16, bfloat16, float32 or float64"
-                )
-        elif dtype != target.dtype:
-            raise ValueError(f"{where}[{name!r}] has dtype {dtype}, the model's buffer is {target.dtype}")
+            raise ValueError(f"{at} has shape {tuple(shape)}, the model expects {tuple(target.shape)}")
+        if target.is_floating_point() and dtype not in _LOADABLE_FLOATS:
+            floats = "float16, bfloat16, float32 or float64"
+            raise ValueError(f"{at} has dtype {dtype}; the model's floating tensor takes only {floats}")
+        if not target.is_floating_point() and dtype != target.dtype:
+            raise ValueError(f"{at} has dtype {dtype}, the model's buffer is {target.dtype}")
 
 
 def check_finite(
@@ -78,8 +65,7 @@ def check_finite(
         if not bool(flags.all()):
             name, value = items[int((~flags).nonzero()[0, 0])]
             dtype = targets[name].dtype
-            bad = int((~torch.isfinite(value.to(dtype))).sum())
+            bad = f"{int((~torch.isfinite(value.to(dtype))).sum())} values that are not finite"
             raise ValueError(
-                f"{where}[{name!r}] holds {bad} values that are not finite in the serving dtype "
-                f"{dtype} (NaN, inf, or beyond its range)"
+                f"{where}[{name!r}] holds {bad} in the serving dtype {dtype} (NaN, inf, or beyond its range)"
             )

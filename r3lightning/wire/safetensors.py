@@ -106,13 +106,12 @@ async def read_safetensors(
     content_length: int | None,
     max_bytes: int,
     check: Callable[[Mapping[str, tuple[torch.dtype, tuple[int, ...]]]], None],
-    too_large: Callable[[int], UploadError],
 ) -> dict[str, Tensor]:
     """A safetensors body as host tensors, refused from its header when it cannot load.
 
     ``check(specs)`` (name -> dtype, shape; raises ``ValueError``) runs before any tensor data is
     read; the size the header implies must equal ``content_length`` (when given) and stay within
-    ``max_bytes`` (else ``too_large(size)``). The tensors view one flat buffer (a copy only where
+    ``max_bytes`` (else a 413 :class:`UploadError`). The tensors view one flat buffer (a copy only where
     an offset is not a multiple of the element size). Raises :class:`UploadError`.
     """
     stream, not_safetensors = _Stream(chunks), "request body is not a safetensors file"
@@ -135,7 +134,7 @@ async def read_safetensors(
     data_bytes = entries[-1][4] if entries else 0
     total = 8 + header_len + data_bytes
     if total > max_bytes:
-        raise too_large(total)
+        raise UploadError(f"safetensors body of {total} bytes exceeds the cap of {max_bytes} bytes", 413)
     if content_length is not None and content_length != total:
         raise UploadError(
             f"safetensors header describes a body of {total} bytes, but Content-Length is {content_length}"

@@ -29,7 +29,6 @@ async def _read(body: bytes, check=None, *, chunk: int = 1, content_length: int 
         content_length=content_length,
         max_bytes=1 << 20,
         check=check or (lambda specs: None),
-        too_large=lambda size: UploadError(f"too large: {size}", status=413),
     )
 
 
