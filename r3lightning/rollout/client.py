@@ -137,7 +137,7 @@ class RemoteGenerateClient:
     wait); ``max_response_bytes`` caps a body and ``max_route_bytes`` one decoded route array.
     ``num_layers``/``top_k`` give the route schema (required to reshape SGLang's flat routes,
     checked for the others); with ``num_experts`` ids are range-checked; ``check_unique_experts`` rejects
-    rows that repeat an expert (see :func:`~r3lightning.wire.codec.validate_routes`); the
+    rows that repeat an expert (see :func:`~r3lightning.wire.route_check.check_routes`); the
     schema lives in :attr:`routes`. The aiohttp session is created on
     first use, recreated when the running event loop changes, and closed by :meth:`close` /
     ``async with``. Pickling drops it, so a client can be sent to another process.
@@ -337,6 +337,7 @@ class RemoteGenerateClient:
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         start = routed_experts_prompt_start or 0
         self._session_for_running_loop()  # another loop's client: raise before touching stats
+        url = f"{self.base_url}{PROTOCOL_PATHS[self.protocol]}"
 
         def parse(raw: bytes) -> RemoteGenerateResult:
             return parse_response(
@@ -346,6 +347,7 @@ class RemoteGenerateClient:
                 want_routes=return_routed_experts,
                 prompt_len=len(prompt_ids),
                 start=start,
+                url=url,
             )
 
         result, attempts = await self._call(

@@ -90,14 +90,16 @@ class RemoteGenerateResult:
 class RouteSchema:
     """What returned routes must look like: ``[rows, num_layers, top_k]`` ids below ``num_experts``.
 
-    ``None`` skips a check (``sglang`` needs ``num_layers`` and ``top_k`` to reshape).
-    ``check_unique`` rejects rows that repeat an expert; ``max_bytes`` caps one decoded array.
+    ``None`` skips a check (``sglang`` needs ``num_layers`` and ``top_k`` to reshape);
+    ``max_bytes`` caps one decoded array. ``check_unique`` also refuses rows that repeat an
+    expert in the parse (a second pass, several times the decode; off by default because every
+    route is checked for repeats when it becomes a ``Trajectory``).
     """
 
     num_layers: int | None = None
     top_k: int | None = None
     num_experts: int | None = None
-    check_unique: bool = True
+    check_unique: bool = False
     max_bytes: int = DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
@@ -105,16 +107,6 @@ class RouteSchema:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-
-    def decode_kwargs(self) -> dict[str, Any]:
-        """The checks as keyword arguments of the wire decoders (``decode_routes`` and kin)."""
-        return {
-            "num_experts": self.num_experts,
-            "num_layers": self.num_layers,
-            "top_k": self.top_k,
-            "check_unique": self.check_unique,
-            "max_bytes": self.max_bytes,
-        }
 
 
 def engine_sampling_params(
