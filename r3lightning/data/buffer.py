@@ -50,7 +50,9 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         dtype = widest_route_dtype(r.dtype for r in with_routes)
         routes = torch.cat([r.to(dtype) for r in with_routes])  # [sum rows, L, K]
         rows = route_rows.clamp(min=0)  # [count]
-        running = torch.cat([torch.zeros(1, dtype=torch.int64), routes.flatten(1).sum(1, dtype=torch.int64).cumsum(0)])
+        running = torch.cat(
+            [torch.zeros(1, dtype=torch.int64), routes.flatten(1).sum(1, dtype=torch.int64).cumsum(0)]
+        )
         ends = rows.cumsum(0)  # one past each trajectory's last row
         route_sums = running[ends] - running[ends - rows]
 
@@ -188,7 +190,11 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: trajectory {i} rejected: {err}") from None
         routes = out[-1].routed_experts
-        if sums is not None and routes is not None and (total := int(routes.sum(dtype=torch.int64))) != sums[i]:
+        if (
+            sums is not None
+            and routes is not None
+            and (total := int(routes.sum(dtype=torch.int64))) != sums[i]
+        ):
             raise ValueError(
                 f"{where}: trajectory {i} rejected: its {len(routes)} route rows add up to {total}, "
                 f"not to route_sums[{i}] = {sums[i]} (route_rows out of step with routes)"

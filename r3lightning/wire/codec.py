@@ -1,20 +1,13 @@
 """Route wire codec: ndarray envelopes, SGLang's flat int32 routes and vLLM's ``.npy`` routes.
 
-Three encodings of routes ``[rows, num_layers, top_k]`` travel over HTTP:
-
-- the ndarray envelope ``{"data": base64 of C-order little-endian bytes, "shape": [...],
-  "dtype": "uint8" | "int16" | "uint16" | "int32"}`` (:func:`encode_routes` /
-  :func:`decode_routes`); the encoder picks the smallest dtype that holds the largest id;
-- SGLang's base64 of flat int32 ids, reshaped with the model's ``(num_layers, top_k)``
-  (:func:`encode_flat_routes` / :func:`decode_flat_routes`);
-- vLLM's base64 of a whole ``.npy`` file (uint8 or uint16, :func:`decode_npy_routes`), whose
-  header is read as a literal (never unpickled, never executed).
-
-Each decoder checks the declared size against ``max_bytes`` and the payload length before it
-allocates, decodes with pybase64 into one buffer that numpy views, and runs the route check
-(:mod:`r3lightning.wire.route_check`). Decoded uint16 ids come back as int16 (a view while below
-32768, else int32): torch has few uint16 operations. Errors are :class:`MalformedResponseError`
-(a ``ValueError``) naming the field.
+The envelope is ``{"data": base64 of C-order little-endian bytes, "shape": [...], "dtype":
+"uint8" | "int16" | "uint16" | "int32"}`` (the encoder picks the smallest dtype that holds the
+largest id); SGLang sends base64 of flat int32 ids, reshaped with the model's ``(num_layers,
+top_k)``; vLLM a base64 ``.npy`` file (uint8 or uint16) whose header is read as a literal, never
+executed or unpickled. Each decoder checks the declared size against ``max_bytes`` and the
+payload length before it allocates, decodes with pybase64 into one buffer that numpy views, and
+runs the route check (:mod:`r3lightning.wire.route_check`). uint16 ids come back as int16 (int32
+from 32768 on): torch has few uint16 operations. Errors are :class:`MalformedResponseError`.
 """
 
 from __future__ import annotations
@@ -23,6 +16,7 @@ import ast
 import binascii
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,42 +26,43 @@ from r3lightning.routes import WIRE_DTYPES, compact_dtype
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.route_check import check_routes
 
-__all__ = [
-    "DEFAULT_MAX_BYTES",
-    "WIRE_DTYPES",
-    "checked_routes",
-    "compact_dtype",
-    "decode_array",
-    "decode_flat_array",
-    "decode_flat_routes",
-    "decode_npy_array",
-    "decode_npy_routes",
-    "decode_routes",
-    "encode_flat_routes",
-    "encode_routes",
-]
+__all__ = ["DEFAULT_MAX_BYTES", "RouteSchema", "checked_routes", "decode_array", "decode_flat_routes",
+           "decode_npy_routes", "decode_routes", "encode_flat_routes", "encode_routes"]  # fmt: skip
 
 DEFAULT_MAX_BYTES = 1 << 30  # cap on one decoded array, checked before anything is allocated
 Base64Text = str | bytes | bytearray | memoryview
 
 
-def _as_id_array(array: Any) -> tuple[np.ndarray, int]:
-    """The array as a non-negative integer ndarray and its largest id (0 when empty)."""
+@dataclass(frozen=True)
+class RouteSchema:
+    """Decoded routes: ``[rows, num_layers, top_k]`` ids below ``num_experts`` (None: unchecked;
+    SGLang's flat routes need ``num_layers`` and ``top_k``), at most ``max_bytes`` per array.
+    ``check_unique`` refuses repeated experts in the parse (several times the decode's cost; off
+    by default: every route is checked for repeats when it becomes a ``Trajectory``)."""
+
+    num_layers: int | None = None
+    top_k: int | None = None
+    num_experts: int | None = None
+    check_unique: bool = False
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "top_k", "num_experts"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
+    """Non-negative integer routes ``[rows, L, K]`` (any shape) as a JSON-ready ndarray envelope in
+    ``dtype``, by default the smallest that holds the largest id. Cost: a min/max, a cast when
+    the dtype changes and a SIMD base64 encode."""
     a = np.asarray(array)  # a CPU torch tensor converts without a copy
     if a.dtype.kind not in "iu":
         raise ValueError(f"routes: expected an integer array, got dtype {a.dtype}")
     if a.size and a.dtype.kind == "i" and int(a.min()) < 0:
         raise ValueError(f"routes: expert ids must be non-negative, got {int(a.min())}")
-    return a, int(a.max()) if a.size else 0
-
-
-def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
-    """Encode non-negative integer routes ``[rows, L, K]`` (any shape) as an ndarray envelope.
-
-    ``dtype`` forces a wire dtype; by default the smallest that holds the largest id. Cost: a
-    min/max pass, a cast when the dtype changes and a SIMD base64 encode. JSON-ready as is.
-    """
-    a, max_id = _as_id_array(array)
+    max_id = int(a.max()) if a.size else 0
     if dtype is not None and dtype not in WIRE_DTYPES:
         raise ValueError(f"routes: unknown dtype {dtype!r}, expected one of {sorted(WIRE_DTYPES)}")
     target = compact_dtype(max_id) if dtype is None else WIRE_DTYPES[dtype]
@@ -80,15 +75,14 @@ def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
 
 def encode_flat_routes(array: Any) -> str:
     """Encode routes as SGLang does: base64 of the flat little-endian int32 ids."""
-    a, _ = _as_id_array(array)
-    return pybase64.b64encode_as_string(np.ascontiguousarray(a, dtype="<i4").reshape(-1).view(np.uint8))
+    return encode_routes(array, dtype="int32")["data"]
 
 
 def _check_size(shape: list[int], itemsize: int, max_bytes: int, field: str) -> int:
     """Bytes of an array of ``shape``, refused above ``max_bytes`` before anything is allocated."""
     if (nbytes := math.prod(shape) * itemsize) > max_bytes:
         raise MalformedResponseError(
-            f"{field}: payload of {nbytes} bytes exceeds the cap of {max_bytes} bytes (max_bytes)"
+            f"{field}: payload of {nbytes} bytes exceeds the cap of {max_bytes} bytes"
         )
     if any(d > max_bytes for d in shape):  # beside a 0: numpy refuses huge dimensions anyway
         raise MalformedResponseError(f"{field}: shape {shape} has a dimension above max_bytes={max_bytes}")
@@ -100,11 +94,10 @@ def _b64decode(data: Any, field: str, expected: int | None, max_bytes: int) -> b
     ``expected`` and at most ``max_bytes``: both checked before decoding. Cost: one SIMD pass."""
     if not isinstance(data, Base64Text):
         raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
-    n = len(data)
-    if n % 4:
-        raise MalformedResponseError(f"{field}: base64 length {n} is not a multiple of 4 (truncated or invalid)")
-    tail = data[-2:]
-    size = n // 4 * 3 - (tail.encode("utf-8", "replace") if isinstance(tail, str) else bytes(tail)).count(b"=")
+    if (n := len(data)) % 4:
+        raise MalformedResponseError(f"{field}: base64 length {n} is not a multiple of 4 (truncated?)")
+    tail = data[-2:].encode("utf-8", "replace") if isinstance(data, str) else bytes(data[-2:])
+    size = n // 4 * 3 - tail.count(b"=")
     if expected is not None and size != expected:
         raise MalformedResponseError(
             f"{field}: base64 payload holds {size} bytes but the shape and dtype need {expected}"
@@ -123,26 +116,26 @@ def decode_array(
     """Decode an ndarray envelope (``data`` a ``str``, bytes or a ``memoryview`` of base64) into a
     writable C-contiguous array, unchecked. Cost: one base64 decode into the array's buffer."""
     if not isinstance(envelope, Mapping):
-        raise MalformedResponseError(f"{field}: expected an ndarray envelope object, got {type(envelope).__name__}")
+        raise MalformedResponseError(
+            f"{field}: expected an ndarray envelope object, got {type(envelope).__name__}"
+        )
     if missing := [key for key in ("data", "shape", "dtype") if key not in envelope]:
         raise MalformedResponseError(f"{field}: envelope is missing {missing}")
     name, shape = envelope["dtype"], envelope["shape"]
     if not isinstance(name, str) or name not in WIRE_DTYPES:
-        raise MalformedResponseError(f"{field}.dtype: unknown dtype {name!r}, expected one of {sorted(WIRE_DTYPES)}")
+        raise MalformedResponseError(
+            f"{field}.dtype: unknown dtype {name!r}, expected one of {sorted(WIRE_DTYPES)}"
+        )
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedResponseError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
     dtype = WIRE_DTYPES[name]
     nbytes = _check_size(shape, dtype.itemsize, max_bytes, field)
-    return np.frombuffer(_b64decode(envelope["data"], f"{field}.data", nbytes, max_bytes), dtype).reshape(shape)
+    raw = _b64decode(envelope["data"], f"{field}.data", nbytes, max_bytes)
+    return np.frombuffer(raw, dtype).reshape(shape)
 
 
-def decode_flat_array(
-    data: Any, num_layers: int, top_k: int, *, max_bytes: int = DEFAULT_MAX_BYTES, field: str
-) -> np.ndarray:
+def decode_flat_array(data: Any, num_layers: int, top_k: int, *, max_bytes: int, field: str) -> np.ndarray:
     """SGLang's base64 flat int32 ids as ``[rows, num_layers, top_k]`` int32, unchecked."""
-    for name, value in (("num_layers", num_layers), ("top_k", top_k)):
-        if type(value) is not int or value < 1:  # the caller's schema, not the response's
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     raw = _b64decode(data, field, None, max_bytes)
     if len(raw) % (num_layers * top_k * 4):
         raise MalformedResponseError(
@@ -157,9 +150,8 @@ _NPY_MAX_HEADER = 10_000  # numpy's own default cap (np.load's max_header_size)
 
 
 def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
-    """``(data offset, dtype, shape)`` from the header of a base64 ``.npy`` file (versions 1-3),
-    decoding only the first few hundred characters; the header dict is read with
-    ``ast.literal_eval`` after a length cap, so nothing is executed or unpickled."""
+    """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3) from its first
+    characters; the header dict is read by ``ast.literal_eval`` after a length cap."""
 
     def prefix(nbytes: int) -> bytes:
         chars = -(-nbytes // 3) * 4
@@ -188,24 +180,22 @@ def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
             f"{field}: .npy header must hold exactly 'descr', 'fortran_order' and 'shape', got {header!r}"
         )
     descr, shape = header["descr"], header["shape"]
-    dtype = next((d for d in WIRE_DTYPES.values() if isinstance(descr, str) and _same_dtype(descr, d)), None)
-    if dtype is None:
+    try:
+        dtype = np.dtype(descr) if isinstance(descr, str) else None
+    except TypeError:
+        dtype = None
+    if dtype not in WIRE_DTYPES.values():
+        expected = f"{sorted(WIRE_DTYPES)} (little-endian)"
         raise MalformedResponseError(
-            f"{field}: .npy dtype {descr!r} is not a route dtype, expected one of "
-            f"{sorted(WIRE_DTYPES)} (little-endian)"
+            f"{field}: .npy dtype {descr!r} is not a route dtype, expected one of {expected}"
         )
     if header["fortran_order"] is not False:
         raise MalformedResponseError(f"{field}: .npy array must be C-ordered (fortran_order=False)")
     if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedResponseError(f"{field}: .npy shape must be a tuple of non-negative ints, got {shape!r}")
+        raise MalformedResponseError(
+            f"{field}: .npy shape must be a tuple of non-negative ints, got {shape!r}"
+        )
     return start + length, dtype, list(shape)
-
-
-def _same_dtype(descr: str, dtype: np.dtype) -> bool:
-    try:
-        return np.dtype(descr) == dtype
-    except TypeError:
-        return False
 
 
 def decode_npy_array(data: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, field: str) -> np.ndarray:
@@ -221,28 +211,23 @@ def decode_npy_array(data: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, field: st
 
 def checked_routes(
     routes: np.ndarray,
+    schema: RouteSchema,
     *,
-    num_experts: int | None = None,
-    num_layers: int | None = None,
-    top_k: int | None = None,
-    check_unique: bool = True,
     rows: range | None = None,
     rows_rule: str = "",
     compact: bool = False,
     field: str = "routed_experts",
 ) -> np.ndarray:
-    """Decoded ``routes`` after the route check (ids, distinct experts with ``check_unique``, then
-    the row count), in their host dtype: uint16 ids as int16 (int32 from 32768 on), and with
-    ``compact`` (SGLang's int32) the smallest dtype holding the largest id, checked for repeats
-    after the cast (up to 4x fewer bytes to compare)."""
-    check = {"num_layers": num_layers, "top_k": top_k, "where": field, "error": MalformedResponseError}
+    """Decoded ``routes`` after the route check, in their host dtype: uint16 as int16 (int32 from
+    32768 on); with ``compact`` (SGLang's int32) the smallest dtype holding the largest id, cast
+    before the distinct check (up to 4x fewer bytes to compare)."""
+    check = dict(num_layers=schema.num_layers, top_k=schema.top_k, where=field, error=MalformedResponseError)
+    num_experts = schema.num_experts
     if compact:
         high = check_routes(routes, num_experts=num_experts, distinct=False, **check)
-        routes = routes.astype(compact_dtype(high), copy=False)
-        num_experts = None  # checked: the second pass is only a max of the compact ids
-    high = check_routes(
-        routes, num_experts=num_experts, rows=rows, rows_rule=rows_rule, distinct=check_unique, **check
-    )
+        routes, num_experts = routes.astype(compact_dtype(high)), None  # ids checked: a max is left
+    high = check_routes(routes, num_experts=num_experts, distinct=schema.check_unique, **check, rows=rows,
+                        rows_rule=rows_rule)  # fmt: skip
     if routes.dtype == WIRE_DTYPES["uint16"]:
         routes = routes.view("<i2") if high < 1 << 15 else routes.astype("<i4")
     return routes
@@ -260,10 +245,8 @@ def decode_routes(
 ) -> np.ndarray:
     """Decode and check a routes envelope into ``[rows, num_layers, top_k]`` in its wire dtype
     (:func:`decode_array`, then :func:`checked_routes`)."""
-    routes = decode_array(envelope, max_bytes=max_bytes, field=field)
-    return checked_routes(
-        routes, num_experts=num_experts, num_layers=num_layers, top_k=top_k, check_unique=check_unique, field=field
-    )
+    schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
+    return checked_routes(decode_array(envelope, max_bytes=max_bytes, field=field), schema, field=field)
 
 
 def decode_flat_routes(
@@ -279,10 +262,11 @@ def decode_flat_routes(
 ) -> np.ndarray:
     """Decode and check SGLang's base64 flat int32 routes into ``[rows, num_layers, top_k]``;
     with ``compact``, in the smallest dtype that holds the largest id (4x less host memory)."""
+    schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
+    if num_layers is None or top_k is None:
+        raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
     routes = decode_flat_array(data, num_layers, top_k, max_bytes=max_bytes, field=field)
-    return checked_routes(
-        routes, num_experts=num_experts, check_unique=check_unique, compact=compact, field=field
-    )
+    return checked_routes(routes, schema, compact=compact, field=field)
 
 
 def decode_npy_routes(
@@ -297,7 +281,5 @@ def decode_npy_routes(
 ) -> np.ndarray:
     """Decode and check vLLM's base64 ``.npy`` routes into ``[rows, num_layers, top_k]``
     (:func:`decode_npy_array`, then :func:`checked_routes`)."""
-    routes = decode_npy_array(data, max_bytes=max_bytes, field=field)
-    return checked_routes(
-        routes, num_experts=num_experts, num_layers=num_layers, top_k=top_k, check_unique=check_unique, field=field
-    )
+    schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
+    return checked_routes(decode_npy_array(data, max_bytes=max_bytes, field=field), schema, field=field)

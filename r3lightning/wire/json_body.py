@@ -1,10 +1,8 @@
 """HTTP JSON bodies: a capped read, and a parse that leaves long route payloads in the raw bytes.
 
-A generate response is mostly one base64 string (16 MiB of text for 32k x 48 x 8 uint8 routes).
-Turning it into a Python ``str`` alone costs many times its base64 decode, so :class:`JsonBody`
-cuts every long string value of a payload key out of the body (``memchr`` finds its closing
-quote), lets orjson parse the small rest, and hands the payload on as a ``memoryview`` of the
-body, which pybase64 decodes without a copy.
+A generate response is mostly one base64 string (16 MiB for 32k x 48 x 8 uint8 routes); making
+it a ``str`` alone costs many times its decode. :class:`JsonBody` cuts such strings out of the
+body, orjson parses the rest, and pybase64 later decodes a ``memoryview`` of the body.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ _KEY = re.compile(rb'"(?:data|routed_experts)"[ \t\n\r]*:[ \t\n\r]*"')
 _MARK = "\x00payload:"  # what orjson yields for a cut string, b'"\\u0000payload:<i>"'
 
 
-def _escaped(raw: bytes, index: int) -> bool:
-    """Whether the byte at ``index`` follows an odd run of backslashes."""
+def _escaped(raw: bytes, index: int) -> bool:  # after an odd run of backslashes
     start = index
     while index > 0 and raw[index - 1] == 0x5C:
         index -= 1
@@ -38,11 +35,10 @@ def _escaped(raw: bytes, index: int) -> bool:
 class JsonBody:
     """A JSON body parsed with its long payload strings left in ``raw``.
 
-    ``value`` is the parsed JSON where each cut string is a short marker; :meth:`take` and
-    :meth:`payload` turn a marker into a ``memoryview`` of its base64 text and :meth:`finish`
-    replaces the markers left in ``value`` by None. Cost: one ``memchr`` pass over each long string, a copy of the
-    rest of the body and an orjson parse of it. Invalid JSON raises
-    :class:`MalformedResponseError`.
+    ``value`` is the parsed JSON with a short marker for each cut string; :meth:`take` turns one
+    into a ``memoryview`` of its base64 text, :meth:`finish` the others into None. Cost: two
+    ``memchr`` passes over each long string (its end, escapes), a copy of the rest of the body and
+    an orjson parse of it. Invalid JSON raises :class:`MalformedResponseError`.
     """
 
     def __init__(self, raw: bytes) -> None:
@@ -76,23 +72,14 @@ class JsonBody:
         return None
 
     def take(self, container: dict[str, Any], key: str) -> Any:
-        """``container[key]`` (a marker, or any JSON value), left as None in ``value``: a
-        response's ``raw_response`` never holds its route payload."""
-        value = container[key]
-        container[key] = None
-        if (index := self._index(value)) is not None:
-            self._taken.add(index)
-        return value
-
-    def payload(self, value: Any, field: str) -> str | memoryview:
-        """A payload string from :meth:`take`: a cut string's base64 text as a view of the body,
-        else the ``str`` itself. Anything but a string raises :class:`MalformedResponseError`."""
-        if (index := self._index(value)) is not None:
-            start, end = self.spans[index]
-            return memoryview(self.raw)[start:end]
-        if isinstance(value, str):
+        """``container[key]``, left as None in ``value`` (a raw response never holds its route
+        payload); a cut string comes back as a ``memoryview`` of its base64 text in the body."""
+        value, container[key] = container[key], None
+        if (index := self._index(value)) is None:
             return value
-        raise MalformedResponseError(f"{field}: expected a base64 string, got {type(value).__name__}")
+        self._taken.add(index)
+        start, end = self.spans[index]
+        return memoryview(self.raw)[start:end]
 
     def finish(self) -> Any:
         """``value`` with the markers never taken (another choice's routes, a long ``data``
@@ -115,15 +102,12 @@ async def read_capped(
     cap: int,
     too_large: Callable[[int | None], Exception],
 ) -> bytes:
-    """An HTTP body (request or response) of at most ``cap`` bytes, refused before reading past it.
-
-    ``too_large(declared)`` builds the error, with the declared ``content_length`` when that
-    alone exceeds ``cap``, else None (found while streaming). Cost: one join of the chunks.
-    """
+    """An HTTP body of at most ``cap`` bytes, refused before reading past it; ``too_large(declared)``
+    builds the error (``declared``: ``content_length`` when that alone exceeds ``cap``, else None)."""
     if content_length is not None and content_length > cap:
         raise too_large(content_length)
     parts: list[bytes] = []
-    size = 0
+    size = 0  # one join of the chunks at the end
     async for chunk in chunks:
         size += len(chunk)
         if size > cap:

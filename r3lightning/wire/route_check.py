@@ -1,17 +1,13 @@
-"""The route check that every path creating routes goes through.
+"""The route check that every path creating routes goes through: a parsed response, a
+``Trajectory`` built by a user, a restored buffer or data-module state.
 
-A parsed response (the client), a :class:`~r3lightning.data.trajectory.Trajectory` built by a
-user and a restored buffer or data-module state are all checked by :func:`check_routes`: the
-shape ``[rows, num_layers, top_k]`` and the row count the caller expects, ids in
-``[0, num_experts)`` (below 2**31 when the model is unknown: routes are int32 at the widest)
-and, with ``distinct``, ``top_k`` distinct ids per row except all-zero rows (a dense layer's
-filler). A failure names ``where`` (the field or the trajectory) and the row.
-
-Cost for 32k x 48 x 8 uint8 ids: the range check is one ``max`` (about 0.2 ms); the
-distinct-experts check, done in numpy, transposes blocks of rows and compares every pair of
-columns (about 10 ms, several times a base64 decode of the same ids). So the client's parse
-runs it only on request (``RouteSchema.check_unique``) and every route is checked for repeats
-when it becomes a ``Trajectory``, before it can reach a buffer.
+:func:`check_routes` checks the shape ``[rows, num_layers, top_k]``, ids in ``[0, num_experts)``
+(below 2**31 when unknown), with ``distinct`` ``top_k`` distinct ids per row except all-zero
+rows (a dense layer's filler), and the row count; a failure names ``where`` and the row. For
+32k x 48 x 8 uint8 ids the ids cost one ``max`` (0.2 ms), the distinct check about 10 ms: several
+base64 decodes of the same ids, so the client's parse runs it only on request
+(``RouteSchema.check_unique``) and every route is checked for repeats when it becomes a
+``Trajectory``, before it can reach a buffer.
 """
 
 from __future__ import annotations
@@ -39,11 +35,11 @@ def check_routes(
 ) -> int:
     """Check routes ``[rows, num_layers, top_k]`` and return their largest id (0 when empty).
 
-    ``num_layers`` / ``top_k`` / ``num_experts``: the model's, None where unknown. ``rows``: the
-    row counts allowed, described by ``rows_rule`` in the message. Raises ``error`` (a
-    ``ValueError`` class) naming ``where``. Cost: one pass for the range (an unsigned ``max``),
-    one more over every row with ``distinct``; never modifies ``routes``; no device syncs (a
-    NumPy array on the host).
+    ``num_layers`` / ``top_k`` / ``num_experts``: the model's, None where unknown; ``rows``: the
+    row counts allowed, ``rows_rule`` says which in the message. Raises ``error`` (a ``ValueError``
+    class) naming ``where``. Cost: an unsigned ``max`` over the ids (signed ones are viewed as
+    unsigned of their width, so a negative id is at least ``2**(bits-1)``), one more pass with
+    ``distinct``; a host array: no device syncs; ``routes`` is never modified.
     """
     shape = list(routes.shape)
     if routes.ndim != 3:
@@ -54,7 +50,9 @@ def check_routes(
         if shape[axis] < 1 or (expected is not None and shape[axis] != expected):
             wanted = f"expected {name}={expected}" if expected is not None else f"expected {name} >= 1"
             raise error(f"{where}: shape {shape} has {shape[axis]} on axis {axis}, {wanted}")
-    high = _largest(routes, where, error) if routes.size else 0
+    high = int(routes.view(routes.dtype.str.replace("i", "u")).max()) if routes.size else 0
+    if routes.dtype.kind == "i" and high >> (8 * routes.dtype.itemsize - 1):
+        raise error(f"{where}: expert id {int(routes.min())} is negative")
     if high >= (num_experts if num_experts is not None else MAX_EXPERT_ID + 1):
         bound = f"num_experts={num_experts}" if num_experts is not None else "int32 (ids < 2**31)"
         raise error(f"{where}: expert id {high} is out of range for {bound}")
@@ -62,15 +60,6 @@ def check_routes(
         check_distinct(routes, where, error)
     if rows is not None and shape[0] not in rows:  # after the ids: a bad id is the likelier story
         raise error(f"{where}: {shape[0]} route rows, expected {rows_rule or rows}")
-    return high
-
-
-def _largest(routes: np.ndarray, where: str, error: type[ValueError]) -> int:
-    """The largest id, refusing negative ones, in one pass: signed ids are read as unsigned of
-    their width, where a negative id is at least ``2**(bits-1)``."""
-    high = int(routes.view(routes.dtype.str.replace("i", "u")).max())
-    if routes.dtype.kind == "i" and high >> (8 * routes.dtype.itemsize - 1):
-        raise error(f"{where}: expert id {int(routes.min())} is negative")
     return high
 
 

@@ -169,7 +169,10 @@ def test_corrupted_buffer_state_is_refused_and_the_buffer_keeps_its_contents(cas
         (lambda s: s.pop("trajectories"), r"ReplayBuffer state lacks \['trajectories'\]"),
         (lambda s: s.update(route_schema=[2, "x"]), r"route_schema must be None or \[num_layers, top_k\]"),
         (lambda s: s.update(start=1.5), r"start must be an int >= 0, got 1.5"),
-        (lambda s: s.update(route_schema=[3, 2]), r"shape \[3, 2, 2\] has 2 on axis 1, expected num_layers=3"),
+        (
+            lambda s: s.update(route_schema=[3, 2]),
+            r"shape \[3, 2, 2\] has 2 on axis 1, expected num_layers=3",
+        ),
     ],
 )
 def test_bad_buffer_state_keys_are_named(mutate, message):
@@ -247,10 +250,19 @@ POSITION_FAULTS = [
 ]
 
 
-@pytest.mark.parametrize(("case", "part", "change", "message"), POSITION_FAULTS, ids=[c[0] for c in POSITION_FAULTS])
+@pytest.mark.parametrize(
+    ("case", "part", "change", "message"), POSITION_FAULTS, ids=[c[0] for c in POSITION_FAULTS]
+)
 def test_bad_data_module_position_is_refused_and_nothing_changes(case, part, change, message):
     state = _positioned(_filled()).state_dict()
-    assert state["cursor"] == {"epoch": 0, "consumed": 0, "batches": 3, "exhausted": False, "start": 0, "stop": 3}
+    assert state["cursor"] == {
+        "epoch": 0,
+        "consumed": 0,
+        "batches": 3,
+        "exhausted": False,
+        "start": 0,
+        "stop": 3,
+    }
     state[part].update(change)
     other = ReplayBuffer()
     other.extend([Trajectory([20], [21]), Trajectory([22], [23])])

@@ -83,9 +83,12 @@ def test_empty_routes_and_zero_length_response_are_valid():
             ValueError,
             r"routed_experts: row 1 layer 1 repeats an expert: \[3, 3\]",
         ),
-
         ({"routed_experts": torch.zeros(2, 2, 2)}, TypeError, r"routed_experts must hold integer expert ids"),
-        ({"routed_experts": -torch.ones(2, 2, 2, dtype=torch.int64)}, ValueError, r"expert id -1 is negative"),
+        (
+            {"routed_experts": -torch.ones(2, 2, 2, dtype=torch.int64)},
+            ValueError,
+            r"expert id -1 is negative",
+        ),
         ({"response_ids": "abc"}, TypeError, r"response_ids must be a tensor, ndarray or list"),
     ],
 )
