@@ -1,13 +1,9 @@
-"""Route wire codec: ndarray envelopes, SGLang's flat int32 routes and vLLM's ``.npy`` routes.
-
-The envelope is ``{"data": base64 of C-order little-endian bytes, "shape": [...], "dtype":
-"uint8" | "int16" | "uint16" | "int32"}`` (the encoder picks the smallest dtype that holds the
-largest id); SGLang sends base64 of flat int32 ids, reshaped with the model's ``(num_layers,
-top_k)``; vLLM a base64 ``.npy`` file (uint8 or uint16) whose header is read as a literal, never
-executed or unpickled. Each decoder checks the declared size against ``max_bytes`` and the
-payload length before it allocates, decodes with pybase64 into one buffer that numpy views, and
-runs the route check (:mod:`r3lightning.wire.route_check`). uint16 ids come back as int16 (int32
-from 32768 on): torch has few uint16 operations. Errors are :class:`MalformedResponseError`.
+"""Route wire codec: ndarray envelopes ``{"data": base64 of C-order little-endian bytes, "shape",
+"dtype": "uint8" | "int16" | "uint16" | "int32"}``, SGLang's base64 flat int32 ids (reshaped with
+the model's ``(num_layers, top_k)``) and vLLM's base64 ``.npy`` file (uint8 or uint16; its header
+is read as a literal, never executed or unpickled). Each decoder checks the declared size against
+``max_bytes`` before it allocates, decodes with pybase64 into one buffer that numpy views, and
+runs the route check; uint16 ids come back as int16 (int32 from 32768 on).
 """
 
 from __future__ import annotations
@@ -134,8 +130,12 @@ def decode_array(
     return np.frombuffer(raw, dtype).reshape(shape)
 
 
-def decode_flat_array(data: Any, num_layers: int, top_k: int, *, max_bytes: int, field: str) -> np.ndarray:
+def decode_flat_array(
+    data: Any, num_layers: int | None, top_k: int | None, *, max_bytes: int, field: str
+) -> np.ndarray:
     """SGLang's base64 flat int32 ids as ``[rows, num_layers, top_k]`` int32, unchecked."""
+    if num_layers is None or top_k is None:  # the caller's schema, not the response
+        raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
     raw = _b64decode(data, field, None, max_bytes)
     if len(raw) % (num_layers * top_k * 4):
         raise MalformedResponseError(
@@ -150,27 +150,24 @@ _NPY_MAX_HEADER = 10_000  # numpy's own default cap (np.load's max_header_size)
 
 
 def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
-    """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3) from its first
-    characters; the header dict is read by ``ast.literal_eval`` after a length cap."""
-
-    def prefix(nbytes: int) -> bytes:
-        chars = -(-nbytes // 3) * 4
-        if chars > len(data):
-            raise MalformedResponseError(f"{field}: payload too short for a .npy header")
-        try:
-            return pybase64.b64decode(data[:chars], validate=True)[:nbytes]
-        except (binascii.Error, ValueError) as exc:
-            raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
-
-    lead = prefix(12)
-    if lead[:6] != _NPY_MAGIC:
+    """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3), decoding only the
+    characters a header can span; its dict is read by ``ast.literal_eval`` after a length cap."""
+    try:  # whole groups of 4 characters, at most the largest header's
+        lead = pybase64.b64decode(
+            data[: min(len(data), (12 + _NPY_MAX_HEADER) * 4 // 3 + 4) // 4 * 4], validate=True
+        )
+    except (binascii.Error, ValueError) as exc:
+        raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
+    if lead[:6] != _NPY_MAGIC or len(lead) < 12:
         raise MalformedResponseError(f"{field}: not a .npy file (magic {lead[:6]!r})")
     if (major := lead[6]) not in (1, 2, 3):
         raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{lead[7]}")
     start = 10 if major == 1 else 12
-    if (length := int.from_bytes(lead[8:start], "little")) > _NPY_MAX_HEADER:
-        raise MalformedResponseError(f"{field}: .npy header of {length} bytes exceeds {_NPY_MAX_HEADER}")
-    text = prefix(start + length)[start:]
+    if (length := int.from_bytes(lead[8:start], "little")) > _NPY_MAX_HEADER or start + length > len(lead):
+        raise MalformedResponseError(
+            f"{field}: .npy header of {length} bytes (at most {_NPY_MAX_HEADER}) is cut off"
+        )
+    text = lead[start : start + length]
     try:
         header = ast.literal_eval(text.decode("latin1" if major < 3 else "utf-8"))
     except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
@@ -219,17 +216,14 @@ def checked_routes(
     field: str = "routed_experts",
 ) -> np.ndarray:
     """Decoded ``routes`` after the route check, in their host dtype: uint16 as int16 (int32 from
-    32768 on); with ``compact`` (SGLang's int32) the smallest dtype holding the largest id, cast
-    before the distinct check (up to 4x fewer bytes to compare)."""
-    check = dict(num_layers=schema.num_layers, top_k=schema.top_k, where=field, error=MalformedResponseError)
-    num_experts = schema.num_experts
+    32768 on); with ``compact`` (SGLang's int32) the smallest dtype holding the largest id."""
+    bounds = {"num_experts": schema.num_experts, "num_layers": schema.num_layers, "top_k": schema.top_k}
+    check = {"rows": rows, "rows_rule": rows_rule, "where": field, "error": MalformedResponseError}
+    high = check_routes(routes, distinct=schema.check_unique, **bounds, **check)
     if compact:
-        high = check_routes(routes, num_experts=num_experts, distinct=False, **check)
-        routes, num_experts = routes.astype(compact_dtype(high)), None  # ids checked: a max is left
-    high = check_routes(routes, num_experts=num_experts, distinct=schema.check_unique, **check, rows=rows,
-                        rows_rule=rows_rule)  # fmt: skip
-    if routes.dtype == WIRE_DTYPES["uint16"]:
-        routes = routes.view("<i2") if high < 1 << 15 else routes.astype("<i4")
+        return routes.astype(compact_dtype(high), copy=False)
+    if routes.dtype == WIRE_DTYPES["uint16"]:  # torch has few uint16 operations
+        return routes.view("<i2") if high < 1 << 15 else routes.astype("<i4")
     return routes
 
 
@@ -263,8 +257,6 @@ def decode_flat_routes(
     """Decode and check SGLang's base64 flat int32 routes into ``[rows, num_layers, top_k]``;
     with ``compact``, in the smallest dtype that holds the largest id (4x less host memory)."""
     schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
-    if num_layers is None or top_k is None:
-        raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
     routes = decode_flat_array(data, num_layers, top_k, max_bytes=max_bytes, field=field)
     return checked_routes(routes, schema, compact=compact, field=field)
 

@@ -10,13 +10,8 @@ for every failure of a generation request, or a subclass to tell them apart:
 
 from __future__ import annotations
 
-__all__ = [
-    "GenerateRequestError",
-    "MalformedResponseError",
-    "RemoteGenerateError",
-    "RetriesExhaustedError",
-    "RetryableGenerateError",
-]
+__all__ = ["GenerateRequestError", "MalformedResponseError", "RemoteGenerateError", "RetriesExhaustedError",
+           "RetryableGenerateError"]  # fmt: skip
 
 
 class RemoteGenerateError(Exception):
@@ -24,9 +19,8 @@ class RemoteGenerateError(Exception):
 
 
 class RetryableGenerateError(RemoteGenerateError):
-    """One attempt failed transiently (connection refused/reset, timeout, cut-off body, 429, 5xx);
-    ``status``: the HTTP status (None for transport failures), ``retry_after``: the seconds the
-    server asked for with ``Retry-After`` (None when absent)."""
+    """One attempt failed transiently; ``status``: the HTTP status (None for transport failures),
+    ``retry_after``: the seconds the server asked for with ``Retry-After`` (or None)."""
 
     def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None):
         super().__init__(message)
@@ -34,8 +28,7 @@ class RetryableGenerateError(RemoteGenerateError):
 
 
 class GenerateRequestError(RemoteGenerateError):
-    """The server rejected the request with a non-retryable status (a 4xx other than 408/429);
-    ``server_message`` is what it said (truncated)."""
+    """A non-retryable status; ``server_message``: what the server said (truncated)."""
 
     def __init__(self, status: int, server_message: str, *, url: str | None = None):
         super().__init__(f"HTTP {status}{f' from {url}' if url else ''}: {server_message}")
@@ -43,13 +36,11 @@ class GenerateRequestError(RemoteGenerateError):
 
 
 class MalformedResponseError(RemoteGenerateError, ValueError):
-    """A response breaks the wire format (the message names the field) or is not valid HTTP.
-    Also a ``ValueError``, so codec users need not know the client."""
+    """A response breaks the wire format (the message names the field) or is not valid HTTP."""
 
 
 class RetriesExhaustedError(RemoteGenerateError):
-    """Every allowed attempt failed with a retryable error: ``attempts`` made, ``last_error`` the
-    last one's (also chained as ``__cause__``)."""
+    """Every allowed attempt failed: ``attempts`` made, ``last_error`` the last one's (chained)."""
 
     def __init__(self, attempts: int, last_error: BaseException, *, url: str | None = None):
         where = f" to {url}" if url else ""

@@ -15,12 +15,12 @@ import orjson
 
 from r3lightning.wire.errors import MalformedResponseError
 
-__all__ = ["PAYLOAD_KEYS", "JsonBody", "read_capped"]
+__all__ = ["JsonBody", "read_capped", "unescaped"]
 
-# keys whose string values may be route payloads: the envelope's "data", the engines' own key
-PAYLOAD_KEYS = ("data", "routed_experts")
 # shorter strings are parsed by orjson as any other (cutting them out would not pay)
 _CUT_MIN = 1 << 12
+# a payload key (the envelope's "data", the engines' "routed_experts") opening a string value; in
+# valid JSON a match is never inside a string (its quotes there would be escaped)
 _KEY = re.compile(rb'"(?:data|routed_experts)"[ \t\n\r]*:[ \t\n\r]*"')
 _MARK = "\x00payload:"  # what orjson yields for a cut string, b'"\\u0000payload:<i>"'
 
@@ -36,9 +36,9 @@ class JsonBody:
     """A JSON body parsed with its long payload strings left in ``raw``.
 
     ``value`` is the parsed JSON with a short marker for each cut string; :meth:`take` turns one
-    into a ``memoryview`` of its base64 text, :meth:`finish` the others into None. Cost: two
-    ``memchr`` passes over each long string (its end, escapes), a copy of the rest of the body and
-    an orjson parse of it. Invalid JSON raises :class:`MalformedResponseError`.
+    into a ``memoryview`` of its text, :meth:`finish` the others into None. Cost: a ``memchr``
+    pass over each long string (its end), a copy of the rest of the body and an orjson parse of
+    it. Invalid JSON raises :class:`MalformedResponseError`.
     """
 
     def __init__(self, raw: bytes) -> None:
@@ -54,8 +54,8 @@ class JsonBody:
             if end < 0:
                 raise MalformedResponseError(f"response body: unterminated string at byte {start - 1}")
             searched = end + 1
-            if _escaped(raw, match.start()) or end - start < _CUT_MIN or raw.find(b"\\", start, end) >= 0:
-                continue  # inside another string, short, or escaped: orjson reads it
+            if end - start < _CUT_MIN:
+                continue  # short: orjson reads it
             pieces += (raw[copied:start], b"\\u0000payload:%d" % len(self.spans))
             self.spans.append((start, end))
             copied = end
@@ -94,6 +94,20 @@ class JsonBody:
         if isinstance(node, list):
             return [self._clear(item) for item in node]
         return None if self._index(node) is not None else node
+
+
+def unescaped(value: Any) -> Any:
+    """``value`` from :meth:`JsonBody.take` (an envelope or a payload) with its cut string turned
+    into a ``str`` when it holds JSON escapes (``\\/`` from some writers), else None. Strict
+    base64 refuses a backslash, so only a failed decode pays for this (a copy of the string)."""
+    data = value.get("data") if isinstance(value, dict) else value
+    if not isinstance(data, memoryview) or (text := data.tobytes()).find(b"\\") < 0:
+        return None
+    try:
+        data = orjson.loads(b'"' + text + b'"')
+    except orjson.JSONDecodeError:
+        return None
+    return {**value, "data": data} if isinstance(value, dict) else data
 
 
 async def read_capped(

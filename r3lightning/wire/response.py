@@ -14,7 +14,7 @@ import numpy as np
 
 from r3lightning.wire.codec import checked_routes, decode_array, decode_flat_array, decode_npy_array
 from r3lightning.wire.errors import MalformedResponseError
-from r3lightning.wire.json_body import JsonBody
+from r3lightning.wire.json_body import JsonBody, unescaped
 from r3lightning.wire.request import ENGINE_ROUTES_FLAG, RemoteGenerateResult, RouteSchema
 
 __all__ = ["parse_response"]
@@ -65,28 +65,35 @@ def parse_response(
 def _decode(
     where: str, value: Any, flat: bool, schema: RouteSchema, rows: range | None, rule: str
 ) -> np.ndarray:
-    """The routes ``value`` (from :func:`_take_routes`) decoded in its wire format and checked."""
+    """The routes ``value`` (from :func:`_take_routes`) decoded in its wire format and checked;
+    a payload with JSON escapes is decoded again once they are resolved."""
     if value is None or value is _MISSING:
         raise MalformedResponseError(
             f"{where}: routes were requested but the field is {'null' if value is None else 'missing'}; "
             f"start the engine with {ENGINE_ROUTES_FLAG} (vLLM, SGLang, SkyRL's vLLM server), and for "
             "SGLang also send return_routed_experts=true"
         )
+    try:
+        routes = _decoded(where, value, flat, schema)
+    except MalformedResponseError:
+        if (text := unescaped(value)) is None:
+            raise
+        routes = _decoded(where, text, flat, schema)
+    return checked_routes(routes, schema, rows=rows, rows_rule=rule, compact=flat, field=where)
+
+
+def _decoded(where: str, value: Any, flat: bool, schema: RouteSchema) -> np.ndarray:
     limits = {"max_bytes": schema.max_bytes, "field": where}
     if flat:
-        if schema.num_layers is None or schema.top_k is None:
-            raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
-        routes = decode_flat_array(value, schema.num_layers, schema.top_k, **limits)
-    elif isinstance(value, dict):  # SkyRL's ndarray envelope
-        routes = decode_array(value, **limits)
-    elif isinstance(value, str | memoryview):  # vLLM's base64 .npy file
-        routes = decode_npy_array(value, **limits)
-    else:
-        raise MalformedResponseError(
-            f"{where}: expected an ndarray envelope (SkyRL) or a base64 .npy string (vLLM), "
-            f"got {type(value).__name__}"
-        )
-    return checked_routes(routes, schema, rows=rows, rows_rule=rule, compact=flat, field=where)
+        return decode_flat_array(value, schema.num_layers, schema.top_k, **limits)
+    if isinstance(value, dict):  # SkyRL's ndarray envelope
+        return decode_array(value, **limits)
+    if isinstance(value, str | memoryview):  # vLLM's base64 .npy file
+        return decode_npy_array(value, **limits)
+    kind = type(value).__name__
+    raise MalformedResponseError(
+        f"{where}: expected an ndarray envelope (SkyRL) or a .npy string (vLLM), got {kind}"
+    )
 
 
 def _take_routes(body: JsonBody, container: Any, key: str) -> Any:

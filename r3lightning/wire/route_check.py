@@ -1,12 +1,9 @@
 """The route check that every path creating routes goes through: a parsed response, a
 ``Trajectory`` built by a user, a restored buffer or data-module state.
 
-:func:`check_routes` checks the shape ``[rows, num_layers, top_k]``, ids in ``[0, num_experts)``
-(below 2**31 when unknown), with ``distinct`` ``top_k`` distinct ids per row except all-zero
-rows (a dense layer's filler), and the row count; a failure names ``where`` and the row. For
-32k x 48 x 8 uint8 ids the ids cost one ``max`` (0.2 ms), the distinct check about 10 ms: several
-base64 decodes of the same ids, so the client's parse runs it only on request
-(``RouteSchema.check_unique``) and every route is checked for repeats when it becomes a
+For 32k x 48 x 8 uint8 ids the range costs one ``max`` (0.2 ms) and the distinct-experts check
+about 10 ms, several base64 decodes of the same ids: the client's parse runs it only on request
+(``RouteSchema.check_unique``), and every route is checked for repeats when it becomes a
 ``Trajectory``, before it can reach a buffer.
 """
 

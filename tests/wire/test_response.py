@@ -152,6 +152,20 @@ def test_absent_routes_name_the_engine_flag_and_unwanted_ones_are_not_decoded(la
     assert result.routed_experts is None and result.response_ids == IDS
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_payloads_with_escaped_slashes_parse_like_plain_ones(layout):
+    routes = good_routes(400)  # long enough to be cut from the body
+    protocol, body = body_of(layout, routes)
+    assert b"/" in body
+    escaped = body.replace(b"/", b"\\/")
+    schema = RouteSchema(LAYERS, TOP_K, EXPERTS)
+    result = parse_response(escaped, protocol, schema, want_routes=True, prompt_len=400 - len(IDS) + 1)
+    np.testing.assert_array_equal(result.routed_experts, routes)
+    broken = escaped.replace(b"\\/", b"\\*", 1)  # not a JSON escape: the decode's error is reported
+    with pytest.raises(MalformedResponseError, match="base64"):
+        parse_response(broken, protocol, schema, want_routes=True)
+
+
 def test_absurd_shape_through_the_parse_is_malformed():
     envelope = {"data": "", "shape": [2**63, 2, 0], "dtype": "uint8"}
     body = json.dumps({"choices": [{"token_ids": [1], "routed_experts": envelope}]}).encode()
