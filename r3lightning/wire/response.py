@@ -20,7 +20,7 @@ from r3lightning.wire.request import ENGINE_ROUTES_FLAG, RemoteGenerateResult, R
 __all__ = ["parse_response"]
 
 _MISSING = object()
-_BAD = object()  # a malformed logprobs entry
+_BAD = object()  # logprobs of the wrong shape
 
 
 def parse_response(
@@ -117,13 +117,13 @@ def _logprobs(values: Any, ids: list[int], field: str, expected: str) -> list[fl
     """``values`` (None: the engine sent none) as one float per token id."""
     if values is None:
         return None
-    if not isinstance(values, list) or any(v is _BAD for v in values):
+    if not isinstance(values, list):
         raise MalformedResponseError(f"{field}: expected {expected}")
     if len(values) != len(ids):
         raise MalformedResponseError(f"{field}: {len(values)} logprobs for {len(ids)} tokens")
     if not all(type(v) is float or type(v) is int for v in values):
         raise MalformedResponseError(f"{field}: expected numeric logprobs")
-    return [float(v) for v in values]
+    return list(map(float, values))
 
 
 def _stop_reason(value: Any, field: str) -> str | None:
@@ -158,8 +158,8 @@ def _read_choices(body: JsonBody, openai: bool = False) -> Read:
     if openai:
         logprobs = _logprobs(values, ids, "choices[0].logprobs.token_logprobs", "a list of floats")
     else:
-        if isinstance(values, list):
-            values = [e.get("logprob") if isinstance(e, dict) else _BAD for e in values]
+        if isinstance(values, list):  # a malformed entry fails the numeric check below
+            values = [e.get("logprob") if isinstance(e, dict) else None for e in values]
         logprobs = _logprobs(values, ids, "choices[0].logprobs.content", "a list of {'logprob': x} objects")
     stop = _stop_reason(choice.get("finish_reason"), "choices[0].finish_reason")
     result = RemoteGenerateResult(ids, logprobs, stop, None, {})
@@ -181,7 +181,7 @@ def _read_sglang(body: JsonBody) -> Read:
         raise MalformedResponseError(f"meta_info: expected an object, got {type(meta).__name__}")
     values = meta.get("output_token_logprobs")  # [[logprob, token_id, text], ...]
     if isinstance(values, list):
-        values = [v[0] if isinstance(v, list) and v else _BAD for v in values]
+        values = [v[0] if isinstance(v, list) and v else None for v in values]
     logprobs = _logprobs(values, ids, "meta_info.output_token_logprobs", "a list of [logprob, token_id, ...]")
     stop = _stop_reason(meta.get("finish_reason"), "meta_info.finish_reason")
     routes = _take_routes(body, meta, "routed_experts")
