@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["batch_field", "host_attention_mask"]
+__all__ = ["batch_field", "host_attention_mask", "set_batch_field"]
 
 
 def batch_field(batch: Any, name: str) -> Any:
@@ -18,6 +18,13 @@ def batch_field(batch: Any, name: str) -> Any:
     if isinstance(batch, dict):
         return batch.get(name)
     return getattr(batch, name, None)
+
+
+def set_batch_field(batch: Any, name: str, value: Any) -> None:
+    if isinstance(batch, dict):
+        batch[name] = value
+    else:
+        setattr(batch, name, value)
 
 
 def host_attention_mask(batch: Any) -> Tensor:

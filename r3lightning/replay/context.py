@@ -41,6 +41,20 @@ def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterRepla
     )
 
 
+def build_backend(kind: str, model: nn.Module, *, validate: bool) -> RouterReplayBackend:
+    """The ``"hf"`` backend of ``model`` (the one attached already, if any) or a new ``"megatron"``
+    one, with its ``validate`` flag set."""
+    if kind == "megatron":
+        from r3lightning.replay.megatron.replay import MegatronRouterReplay
+
+        return MegatronRouterReplay(model, validate=validate)
+    from r3lightning.replay.hf.replay import HFRouterReplay
+
+    backend = HFRouterReplay.for_model(model)
+    backend.validate = validate
+    return backend
+
+
 @dataclass
 class RouteRecording:
     """Filled when the ``record_routes`` block exits normally."""

@@ -1,21 +1,25 @@
 """Router replay metrics from on-device counts: the math behind ``router_replay/...``.
 
 Counts are int64 tables ``[4, layers]`` (rows :data:`COUNT_KEYS`) kept on the device where they
-were counted; ratios are taken only after summing over forwards, micro-batches and ranks, so
-each metric is an exact ratio of sums (<= 1), never a mean of ratios. Nothing here syncs with
-the host.
+were counted; ratios are taken only after summing over forwards, micro-batches and ranks, so each
+metric is an exact ratio of sums (<= 1), never a mean of ratios. Nothing here syncs with the host.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import agreement_hits
+from r3lightning.replay.backend import RouterReplayBackend, agreement_hits
+from r3lightning.replay.batch_fields import batch_field
 
-__all__ = ["COUNT_KEYS", "comparison_counts", "stats_counts", "step_metrics", "sum_over_ranks"]
+__all__ = ["COUNT_KEYS", "ReplayMetrics", "comparison_counts", "stats_counts", "step_metrics"]
 
 # route_rows: rows with a route row (per forward and layer); replayed_rows: those replayed;
 # native_hits / used_hits: route experts the router picked natively / the forward used
@@ -26,9 +30,8 @@ _ROUTE_ROWS, _REPLAYED_ROWS, _NATIVE_HITS, _USED_HITS = range(4)
 def stats_counts(stats: dict, top_k: int, device: torch.device) -> Tensor:
     """``[4, len(layers)]`` counts of a replaying backend's ``routing_stats()`` on ``device``.
 
-    Every route row a replaying backend sees is replayed; a backend without ``used_slots``
-    replays exactly what it installed (every slot used). Host zeros (nothing counted yet) are
-    staged through page-locked memory: never a blocking copy.
+    Every route row a replaying backend sees is replayed; without ``used_slots`` it used exactly
+    what it installed. Host zeros (nothing counted yet) go through page-locked memory.
     """
     replayed, native = stats["replayed_rows"], stats["agreeing_slots"]
     used = stats.get("used_slots")
@@ -40,11 +43,10 @@ def stats_counts(stats: dict, top_k: int, device: torch.device) -> Tensor:
 def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
     """``[4, len(layers)]`` counts comparing recorded experts with routes nothing replayed.
 
-    ``routes`` ``[*token_shape, L, K]`` and ``mask`` ``[*token_shape]`` (True: a route row), and
-    ``used`` ``[*shape, L, K]`` from ``stop_recording`` (several forwards joined along the last
-    token axis); ``layers`` int64 MoE layer indices on ``used``'s device. None when ``used`` is
-    not whole forwards of ``token_shape`` (a probe of another shape). One ``[..., K, K]``
-    comparison on device.
+    ``routes [*token_shape, L, K]``, ``mask [*token_shape]`` (True: a route row), ``used
+    [*shape, L, K]`` from ``stop_recording`` (several forwards joined along the last token axis),
+    ``layers`` the MoE layer indices on ``used``'s device. None when ``used`` is not whole forwards
+    of ``token_shape`` (a probe of another shape). One ``[..., K, K]`` comparison on device.
     """
     token_shape = tuple(routes.shape[:-2])
     lead, width = token_shape[:-1], token_shape[-1]
@@ -60,14 +62,6 @@ def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor
     )  # [L_moe] over all forwards
     rows = keep.sum().expand(len(layers)) * forwards
     return torch.stack([rows, torch.zeros_like(rows), hits, hits])
-
-
-def sum_over_ranks(vector: Tensor) -> Tensor:
-    """``vector`` summed over all ranks of the default group (in place; one ``all_reduce``, no
-    host sync); unchanged without a multi-rank process group."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(vector)
-    return vector
 
 
 def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -> dict[str, Tensor]:
@@ -90,3 +84,103 @@ def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -
         for layer in layers:
             metrics[f"native_agreement/layer_{layer:02d}"] = per_layer[layer]
     return metrics
+
+
+class ReplayMetrics:
+    """The counts of one training step, on device, and their logging as ``router_replay/...``.
+
+    :meth:`start` opens a step; forwards add their counts with :meth:`add` (off-mode comparisons)
+    or :meth:`fold` (a replaying backend's stats, before it is cleared); :meth:`table` is the sum so
+    far plus what the backend counted since its last clear. :meth:`log` sums over ranks
+    (``sync_dist``: one ``all_reduce`` of ``4 * num_layers + 2`` int64) and logs device tensors.
+    """
+
+    def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
+        self.per_layer, self.sync_dist = per_layer, sync_dist
+        self.backend: RouterReplayBackend | None = None
+        self.device = torch.device("cpu")
+        self._layers: tuple[int, ...] | None = None  # MoE layers of any rank, gathered once per fit
+        self._index: Tensor | None = None  # backend.moe_layers on the metrics' device, built once
+        self._table: Tensor | None = None  # [4, moe_layers] int64
+        self._native_loss_tokens: Tensor | None = None  # int64 scalar
+
+    def new_fit(self) -> None:
+        self._layers = None
+
+    def start(self, backend: RouterReplayBackend, batch: Any) -> None:
+        """Open a step of ``backend`` on ``batch`` (the counts live on its ``input_ids``' device)."""
+        if backend is not self.backend:
+            self.backend, self._index = backend, None
+        ids = batch_field(batch, "input_ids")
+        self.device = ids.device if isinstance(ids, Tensor) else torch.device("cpu")
+        self._table = self._native_loss_tokens = None
+
+    def layer_index(self, device: torch.device) -> Tensor:
+        assert self.backend is not None
+        if self._index is None or self._index.device != device:
+            self._index = to_device_async(torch.tensor(self.backend.moe_layers), device)
+        return self._index
+
+    def add(self, table: Tensor) -> None:
+        self._table = table if self._table is None else self._table + table.to(self._table.device)
+
+    def fold(self) -> None:
+        """Keep what the replaying backend counted so far (call before it is cleared)."""
+        assert self.backend is not None
+        self.add(stats_counts(self.backend.routing_stats(), self.backend.top_k, self.device))
+
+    def table(self, *, with_backend: bool) -> Tensor:
+        """``[4, len(moe_layers)]``: the counts so far (zeros if none), plus the backend's own
+        since its last clear when ``with_backend``."""
+        assert self.backend is not None
+        table = self._table
+        if with_backend:
+            stats = stats_counts(self.backend.routing_stats(), self.backend.top_k, self.device)
+            table = stats if table is None else stats + table.to(stats.device)
+        if table is None:  # nothing counted yet: zeros, so every rank logs the same keys
+            table = torch.zeros((4, len(self.backend.moe_layers)), dtype=torch.int64, device=self.device)
+        return table
+
+    def count_native_loss_tokens(self, layout: TokenMetadataLayout, mask: Tensor, batch: Any) -> None:
+        """Loss targets of the step's batch whose logprob row (``t - 1``) has no captured route
+        (``mask`` False there: they route natively), once per step, on device."""
+        loss_mask = batch_field(batch, "loss_mask")
+        if loss_mask is not None:
+            target_next = layout.from_batch(loss_mask, next_token=True) > 0
+            self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
+
+    def _global_layers(self) -> tuple[int, ...]:
+        """MoE layers any rank routes (pipeline stages differ), gathered once per fit."""
+        assert self.backend is not None
+        if self._layers is None:
+            layers = set(self.backend.moe_layers)
+            if self.sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                gathered: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(gathered, tuple(self.backend.moe_layers))
+                layers = {layer for rank_layers in gathered for layer in rank_layers}
+            self._layers = tuple(sorted(layers))
+        return self._layers
+
+    def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
+        """Log the ratios of ``local`` (:meth:`table`); ``missing``: the run's batches without
+        routes, logged with ``native_loss_tokens`` unless None (off mode)."""
+        backend, device = self.backend, self.device
+        assert backend is not None
+        # [4, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars
+        table = torch.zeros((4, backend.num_layers), dtype=torch.int64, device=device)
+        table.index_copy_(1, self.layer_index(device), local.to(device))
+        extra = torch.zeros(2, dtype=torch.int64, device=device)
+        if self._native_loss_tokens is not None:
+            extra[0] += self._native_loss_tokens.to(device)
+        extra[1] += missing or 0
+        vector = torch.cat([table.reshape(-1), extra])
+        layers = self._global_layers()
+        if self.sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(vector)  # exact ratios over all ranks; no host sync
+        totals = vector[: table.numel()].reshape(table.shape).double()
+        metrics = step_metrics(totals, top_k=backend.top_k, layers=layers if self.per_layer else None)
+        if missing is not None:
+            metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[table.numel() :]
+        for name, value in metrics.items():
+            # sync_dist=False: already summed over ranks above
+            pl_module.log(f"router_replay/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)
