@@ -10,8 +10,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from megatron_cpu import make_config, make_moe_layer
+from replay_policy import MemoryLogger, loader, make_batch
 from sync_detector import ArmDetector, DisarmDetector, SyncDetector
-from test_callback import MemoryLogger, loader, make_batch
 from test_megatron_replay import TokenMoE, megatron_cpu, random_routes  # noqa: F401 (fixture)
 
 from r3lightning.data.batch import RolloutBatch
