@@ -1,21 +1,23 @@
 """Router replay for Hugging Face transformers 5.x MoE models.
 
-In transformers 5.x every supported family routes through a small router module whose forward
-returns ``(router_logits [N, E], routing_weights [N, K], expert_indices [N, K])`` for the ``N``
-flattened tokens of the batch. ``HFRouterReplay`` puts a forward hook on each router that
+Every supported family routes through a router module whose forward returns ``(router_logits
+[N, E], routing_weights [N, K], expert_indices [N, K])`` for the ``N`` flattened tokens.
+``HFRouterReplay`` puts a forward hook on each router that replaces ``expert_indices`` with the
+installed routes of its decoder layer (rows whose replay mask is False keep their native experts)
+and recomputes ``routing_weights`` from the *live* logits with the family's own normalisation
+(:mod:`r3lightning.replay.hf.routers`): the router still gets gradients, and replaying the native
+experts is bit-identical to not replaying.
 
-* replaces ``expert_indices`` with the installed routes of that router's decoder layer (rows
-  whose replay mask is False keep their native experts), and
-* recomputes ``routing_weights`` from the *live* ``router_logits`` for those indices with the
-  family's own normalisation, so the router weight still gets gradients and the result equals
-  the native computation bit for bit when the replayed experts are the native ones.
+Your own hooks on a router: the router's forward itself always picks its own experts; replay swaps
+its output afterwards, in a forward hook. Hooks run in registration order, so a hook of yours
+registered before the backend was built (in the model's ``__init__``, say) or with
+``register_forward_hook(..., prepend=True)`` sees the router's own choice, and one registered after
+the backend sees the replayed output. What a forward actually used is what
+:func:`~r3lightning.replay.context.record_routes` records.
 
-Routes are keyed per router module (no queue of pending routes), so an activation-checkpoint
-recomputation replays exactly what the first forward replayed, and FSDP2 ``fully_shard``, which
-keeps module identity, needs nothing special. Recompute passes are neither recorded nor counted
-in the routing stats.
-
-Other router types are supported through :func:`~r3lightning.replay.hf.routers.register_router`.
+Routes are keyed per router module (no queue), so activation-checkpoint recompute replays what the
+forward replayed and FSDP2 ``fully_shard`` (module identity kept) needs nothing special; recompute
+is neither recorded nor counted. Other router types: :func:`~r3lightning.replay.hf.routers.register_router`.
 """
 
 from __future__ import annotations
@@ -32,32 +34,9 @@ from r3lightning.replay.backend import (
     routes_on_all_layers,
     validate_routes_for_install,
 )
+from r3lightning.replay.hf.routers import RouterAdapter, _adapter_for, _load_builtins, find_routers
 
-# The router adapter registry lives in hf_routers; these names stay importable from here.
-from r3lightning.replay.hf.routers import (
-    GateWeightsFn,
-    RouterAdapter,
-    _adapter_for,
-    _load_builtins,
-    find_routers,
-    mixtral_weights,
-    register_router,
-    sigmoid_scaled_weights,
-    softmax_over_topk_weights,
-    softmax_then_topk_weights,
-)
-
-__all__ = [
-    "GateWeightsFn",
-    "HFRouterReplay",
-    "RouterAdapter",
-    "find_routers",
-    "mixtral_weights",
-    "register_router",
-    "sigmoid_scaled_weights",
-    "softmax_over_topk_weights",
-    "softmax_then_topk_weights",
-]
+__all__ = ["HFRouterReplay"]
 
 
 @dataclass
@@ -74,24 +53,17 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyD
 class HFRouterReplay:
     """Replay / record backend for the MoE routers of a Hugging Face model (``RouterReplayBackend``).
 
-    ``model`` is any module containing the routers (a ``*ForCausalLM``, its backbone, or a
-    LightningModule holding it). Routers are mapped to their absolute decoder-layer index from
-    their qualified name (``...layers.<i>....``); ``num_layers`` is ``config.num_hidden_layers``
-    when the model has a config. Use :meth:`for_model` to share one backend per model.
+    ``model``: any module holding the routers (a ``*ForCausalLM``, its backbone, a LightningModule).
+    Routers map to absolute decoder layers by their qualified name (``...layers.<i>....``);
+    ``num_layers`` is ``config.num_hidden_layers`` when there is a config. :meth:`for_model` shares
+    one backend per model. ``validate=True`` checks installed ids (range, distinct per row): a pass
+    over the routes and, for device routes, host syncs (the callback turns it off).
 
-    ``validate=True`` checks installed expert ids (range, distinct within a row) on
-    install: one pass over the routes and, for routes already on device, device->host syncs
-    (:class:`~r3lightning.replay.callback.RouterReplayCallback` turns it off: its ids are checked
-    upstream).
-
-    Per router call while routes are installed: the installed routes of that layer widened to
-    int64 (routes stay in their compact dtype on device until then), a ``where`` on the indices,
-    the family's weight formula on the live logits, and two ``[N, K, K]`` comparisons for the
-    agreement counts, all on device with no host sync. The routes move to the router logits'
-    device in the first router call after :meth:`install` (once; with CPU-offloaded parameters
-    that is still the compute device). With nothing installed and nothing recording the hooks
-    return at once (no tensor work, nothing for ``torch.compile`` to trace). Recording keeps an
-    int32 ``[N, K]`` per MoE layer and forward.
+    Per router call while routes are installed, on device and without a host sync: that layer's
+    routes widened to int64, a ``where`` on the indices, the weight formula on the live logits and
+    two ``[N, K, K]`` comparisons for the counts. Routes move to the logits' device once, in the
+    first router call after :meth:`install`. Idle hooks return at once (nothing for
+    ``torch.compile`` to trace). Recording keeps an int32 ``[N, K]`` per MoE layer and forward.
     """
 
     def __init__(self, model: nn.Module, *, validate: bool = True) -> None:
@@ -138,7 +110,6 @@ class HFRouterReplay:
         )
         self.routers: tuple[nn.Module, ...] = tuple(module for _, _, module, _ in found)
 
-    # ----------------------------------------------------------------------------- lifecycle
     @classmethod
     def for_model(cls, model: nn.Module, **kwargs) -> HFRouterReplay:
         """The backend already attached to ``model``'s routers (as it is: ``kwargs`` only apply to
@@ -159,16 +130,11 @@ class HFRouterReplay:
             if _OWNERS.get(module) is self:
                 del _OWNERS[module]
 
-    # ------------------------------------------------------------------------------- replay
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
-        """Replay ``routes`` ``[*token_shape, num_layers, top_k]`` until :meth:`clear`.
-
-        Kept as given (compact dtype, any device: no copy here); the first router call moves
-        them to its logits' device (``non_blocking``: pin host routes to overlap the copy) and
-        each router widens only its own layer to int64. ``replay_mask`` ``[*token_shape]`` bool,
-        False -> native routing for that token. Replaces any installed routes; the routing stats
-        keep accumulating until :meth:`clear` (several installs in one step: micro-batches).
-        """
+        """Replay ``routes [*token_shape, num_layers, top_k]`` (``replay_mask [*token_shape]`` False:
+        native routing) until :meth:`clear`; replaces installed routes, stats keep accumulating.
+        Kept as given (compact, any device); the first router call moves them to its device
+        (``non_blocking``: pin host routes) and each router widens only its own layer."""
         token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
         n = routes[..., 0, 0].numel()
         self._routes = routes.reshape(n, self.num_layers, self.top_k)
@@ -197,26 +163,19 @@ class HFRouterReplay:
     def installed(self) -> bool:
         return self._routes is not None
 
-    # ---------------------------------------------------------------------------- recording
     @property
     def recording(self) -> bool:
         return bool(self._sessions)
 
     def start_recording(self) -> None:
         """Capture the experts used (after replay) by every forward until :meth:`stop_recording`.
-
-        Recordings nest: each ``start_recording`` opens a session that sees every later forward;
-        ``stop_recording`` closes the innermost one.
-        """
+        Recordings nest: each sees every later forward; ``stop_recording`` closes the innermost."""
         self._sessions.append([])
 
     def stop_recording(self) -> Tensor:
-        """Routes of the recorded forwards, int32 ``[*token_shape, num_layers, top_k]`` on device.
-
-        Several forwards (KV-cache generation: prefill then one step per token) are concatenated
-        along the last token axis, so ``generate`` yields one row per forwarded token. Dense
-        layers hold 0. No host sync.
-        """
+        """Routes of the recorded forwards, int32 ``[*token_shape, num_layers, top_k]`` on device, 0
+        on dense layers, no host sync. Several forwards (KV-cache generation) are joined along the
+        last token axis: ``generate`` yields one row per forwarded token."""
         if not self._sessions:
             raise RuntimeError("stop_recording() without a matching start_recording()")
         captures = self._sessions.pop()
@@ -237,15 +196,9 @@ class HFRouterReplay:
             pieces.append(routes_on_all_layers(rows, token_shape, self.num_layers, self.top_k))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
 
-    # -------------------------------------------------------------------------------- stats
     def routing_stats(self) -> dict:
-        """Per MoE layer, over the replayed rows of the forwards since :meth:`clear` (every
-        install in between): int64 ``[len(moe_layers)]`` tensors on the logits' device (no sync).
-
-        ``agreeing_slots[i] / (replayed_rows[i] * top_k)`` is the fraction of replayed experts
-        the router would also have chosen natively (as a set) at layer ``layers[i]``;
-        ``used_slots`` counts the replayed experts the forward actually used.
-        """
+        """:meth:`RouterReplayBackend.routing_stats`, with ``used_slots`` (replayed experts the forward
+        used); int64 ``[len(moe_layers)]`` on the logits' device, no sync."""
         if self._stats is None:
             rows = slots = used = torch.zeros(len(self.moe_layers), dtype=torch.int64)
         else:
@@ -258,7 +211,6 @@ class HFRouterReplay:
             "used_slots": used,
         }
 
-    # -------------------------------------------------------------------------------- hooks
     def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._sessions or in_recompute():
             return
