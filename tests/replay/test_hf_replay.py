@@ -157,7 +157,7 @@ def test_masked_rows_and_dense_layers_ignore_invalid_route_values():
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_recompute_replays_the_same_routes(use_reentrant):
-    input_ids, _ = batch(4)
+    input_ids, attention_mask = batch(4)
     routes = random_routes(4, 2, 8, seed=3)
     grads = []
     for checkpointing in (False, True):
