@@ -103,8 +103,8 @@ def softmax_probs_at(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tenso
 # --------------------------------------------------------------------------- layers and refusals
 def test_moe_layers_of_full_model_and_pipeline_stages(block):
     assert MegatronRouterReplay(block).moe_layers == (1, 2, 3)  # layer 0 is dense
-    stage0 = MegatronRouterReplay(list(block.layers[:2]), tp_size=1, cp_size=1)
-    stage1 = MegatronRouterReplay(list(block.layers[2:]), tp_size=1, cp_size=1)
+    stage0 = MegatronRouterReplay(list(block.layers[:2]), parallelism=MegatronParallelism())
+    stage1 = MegatronRouterReplay(list(block.layers[2:]), parallelism=MegatronParallelism())
     assert (stage0.moe_layers, stage1.moe_layers) == ((1,), (2, 3))
     assert (stage1.num_layers, stage1.top_k, stage1.num_experts) == (LAYERS, TOP_K, EXPERTS)
 
@@ -161,7 +161,7 @@ def test_routers_without_replay_or_layer_number_are_refused():
 
 
 def test_install_rejects_bad_routes(block):
-    backend = MegatronRouterReplay(block, tp_size=2, tp_rank=0, sequence_parallel=True)
+    backend = MegatronRouterReplay(block, parallelism=MegatronParallelism(tp_size=2, sequence_parallel=True))
     good = torch.zeros(1, 8, LAYERS, TOP_K, dtype=torch.uint8)
     good[..., 1] = 1
     with pytest.raises(TypeError, match="integer tensor"):
@@ -196,7 +196,7 @@ def test_packed_routes_reach_each_layer_exactly(block, tp, cp):
     for cp_rank in range(cp):
         for tp_rank in range(tp):
             backend = MegatronRouterReplay(
-                block, tp_size=tp, tp_rank=tp_rank, cp_size=cp, cp_rank=cp_rank, sequence_parallel=tp > 1
+                block, parallelism=MegatronParallelism(tp, tp_rank, cp, cp_rank, sequence_parallel=tp > 1)
             )
             layout = backend.build_layout(attention_mask)
             routes = align_packed_token_metadata(
@@ -235,7 +235,9 @@ def test_unpacked_batch_is_split_in_megatron_token_order(block):
         batch, width, LAYERS, TOP_K
     )
     for tp_rank in range(tp):
-        backend = MegatronRouterReplay(block, tp_size=tp, tp_rank=tp_rank, sequence_parallel=True)
+        backend = MegatronRouterReplay(
+            block, parallelism=MegatronParallelism(tp, tp_rank, sequence_parallel=True)
+        )
         backend.install(routes)
         share = width // tp
         for layer, router in zip(backend.moe_layers, backend_routers(block), strict=True):
@@ -349,12 +351,12 @@ def test_backend_protocol_and_context_managers():
 def test_recording_under_sequence_parallelism_needs_the_tp_group():
     layer = make_moe_layer(make_config(), 2)
     with pytest.raises(ValueError, match="tp_rank must be an int in \\[0, 2\\)"):
-        MegatronRouterReplay(layer, tp_size=2, tp_rank=2)
-    backend = MegatronRouterReplay(layer, tp_size=2, tp_rank=0, sequence_parallel=True)
+        MegatronRouterReplay(layer, parallelism=MegatronParallelism(tp_size=2, tp_rank=2))
+    backend = MegatronRouterReplay(layer, parallelism=MegatronParallelism(tp_size=2, sequence_parallel=True))
     backend.start_recording()
     layer(torch.randn(4, 1, HIDDEN))
     group = parallel_state.get_tensor_model_parallel_group()  # size 1: stands in for the TP group
-    gathered = MegatronRouterReplay(layer, tp_size=1, tp_group=group).stop_recording()
+    gathered = MegatronRouterReplay(layer, parallelism=MegatronParallelism(), tp_group=group).stop_recording()
     assert gathered.shape == (1, 4, LAYERS, TOP_K)
     backend.clear()
 
