@@ -18,6 +18,7 @@ from torch import Tensor
 
 __all__ = [
     "RouterReplayBackend",
+    "agreement_counts",
     "agreement_hits",
     "in_recompute",
     "routes_on_all_layers",
@@ -114,6 +115,18 @@ def agreement_hits(replayed: Tensor, native: Tensor) -> Tensor:
     """bool ``[N, K]``: replayed slots whose id is in the native top-k set (``[N, K]`` ids each; an
     ``[N, K, K]`` comparison on device). Summed per layer: ``routing_stats()["agreeing_slots"]``."""
     return (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)
+
+
+def agreement_counts(
+    replayed: Tensor, native: Tensor, mask: Tensor | None, *, used: Tensor | None = None
+) -> Tensor:
+    """int64 ``[3]`` over the rows ``mask`` keeps (all when None), on device without a sync: rows,
+    replayed slots in the ``native`` top-k set, and in ``used``'s (0 without ``used``); ``[N, K]``."""
+    with torch.no_grad():
+        keep = torch.ones_like(replayed[:, :1], dtype=torch.bool) if mask is None else mask[:, None]
+        hits = agreement_hits(replayed, native) & keep
+        used_hits = hits.new_zeros(()) if used is None else (agreement_hits(replayed, used) & keep).sum()
+        return torch.stack([keep.sum(), hits.sum(), used_hits.sum()])
 
 
 def routes_on_all_layers(

@@ -1,21 +1,15 @@
 """Rollout MoE load metrics: how evenly the engine spread a step's tokens over the experts.
 
-The routes of a training batch are the experts the rollout engine actually used, so the
-per-layer expert load of a step costs one scatter-add over routes already in hand (no extra
-forward, no host sync). :func:`expert_load_stats` is the pure function; :class:`ExpertLoadMonitor`
-is the Lightning callback that logs it every ``every_n_steps`` steps.
+The routes of a training batch are the experts the engine used, so a step's per-layer expert load
+is one scatter-add over routes already in hand (no extra forward, no host sync). With ``c[l, e]``
+the token slots of MoE layer ``l`` routed to expert ``e``:
 
-Per MoE layer ``l``, with ``c[l, e]`` the number of token slots routed to expert ``e``:
+- ``max_over_mean[l] = max_e c / mean_e c``: 1 when balanced, up to ``num_experts / top_k`` when
+  every token went to the same experts (the hottest expert's load, what EP ranks wait on);
+- ``entropy[l] = -sum_e p log p / log(num_experts)``, ``p = c[l] / sum_e c[l]``: 1 when uniform.
 
-- ``max_over_mean[l] = max_e c[l, e] / mean_e c[l, e]``: 1 when perfectly balanced, up to
-  ``num_experts / top_k`` when every token of the layer went to the same ``top_k`` experts
-  (the hottest expert's load relative to a uniform spread, what expert-parallel ranks wait on);
-- ``entropy[l] = -sum_e p log p / log(num_experts)`` with ``p = c[l] / sum_e c[l]``: 1 when
-  uniform, lower as routing concentrates.
-
-Dense layers carry all-zero rows (engines fill them so) and are left out: either the layers
-named by ``moe_layers``, or else every layer whose slots are all-zero rows (a zero row is
-skipped slot by slot, since ``top_k`` distinct experts can never all be expert 0).
+Dense layers (all-zero rows, as engines fill them) are left out: the layers not in ``moe_layers``,
+or else every all-zero row, slot by slot (``top_k`` distinct experts are never all expert 0).
 """
 
 from __future__ import annotations
@@ -30,6 +24,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from r3lightning.packed import PackedTensor
+from r3lightning.replay.batch_fields import batch_field
 
 __all__ = ["ExpertLoadMonitor", "expert_load_stats"]
 
@@ -37,14 +32,10 @@ __all__ = ["ExpertLoadMonitor", "expert_load_stats"]
 def expert_load_stats(
     routes: Tensor | PackedTensor, num_experts: int, *, moe_layers: Sequence[int] | None = None
 ) -> dict[str, Tensor]:
-    """Per-layer expert load of ``routes`` ``[rows, num_layers, top_k]`` (or a PackedTensor of them).
-
-    Returns float32 tensors on the routes' device: ``counts`` ``[L, E]`` (token slots per expert),
-    ``tokens`` ``[L]`` (rows counted per layer), ``max_over_mean`` ``[L]`` and ``entropy`` ``[L]``
-    (normalised to [0, 1]; see the module docstring), and ``layers`` (int64 ``[L]``, the absolute
-    decoder-layer index of each entry). Layers with no counted rows give NaN. Cost: one
-    ``index_add_`` over the routes plus ``[L, E]`` arithmetic; no device->host sync.
-    """
+    """Per-layer expert load of ``routes [rows, num_layers, top_k]`` (or a PackedTensor of them):
+    float32 ``counts [L, E]``, ``tokens [L]``, ``max_over_mean [L]`` and ``entropy [L]`` (NaN for a
+    layer without rows) on the routes' device, and host int64 ``layers [L]`` (absolute indices).
+    One ``index_add_`` over the routes plus ``[L, E]`` arithmetic; no host sync."""
     values = routes.values if isinstance(routes, PackedTensor) else routes
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
         raise ValueError(
@@ -88,39 +79,23 @@ def expert_load_stats(
     }
 
 
-def _routes_of(batch: Any) -> Any:
-    if isinstance(batch, dict):
-        return batch.get("routed_experts")
-    return getattr(batch, "routed_experts", None)
-
-
 class ExpertLoadMonitor(Callback):
     """Log the rollout engine's per-layer expert load of the training batch every N steps.
 
-    Reads ``batch.routed_experts`` (a :class:`PackedTensor` ``[rows, L, K]``, or a mapping's
-    ``"routed_experts"``) in ``on_train_batch_start`` of every ``every_n_steps``-th optimizer step
-    (steps 0, N, 2N, ...) and computes the metrics on the routes' device without a host sync.
-    They are written to the Trainer's loggers in ``on_train_batch_end`` of that step, with one
-    read-back of the few scalars once the step's work is queued (as Lightning's own logger writes
-    do); they are not passed through ``self.log``, which would write the last value again on
-    every later logging step. Metrics:
-
-    - ``{prefix}/max_over_mean`` (mean over MoE layers) and ``{prefix}/max_over_mean_worst``
-      (the worst layer);
-    - ``{prefix}/entropy`` (mean over MoE layers, normalised to [0, 1]) and
-      ``{prefix}/entropy_min``;
-    - with ``log_per_layer``, ``{prefix}/layer_XX/max_over_mean`` and ``.../entropy``.
+    Reads ``batch.routed_experts`` in ``on_train_batch_start`` of steps 0, N, 2N, ... and computes
+    on device; the values reach the Trainer's loggers in ``on_train_batch_end`` with one read-back
+    (not through ``self.log``, which would repeat the last value on later logging steps):
+    ``{prefix}/max_over_mean`` and ``/entropy`` (means over MoE layers), ``/max_over_mean_worst``,
+    ``/entropy_min`` and, with ``log_per_layer``, ``{prefix}/layer_XX/max_over_mean`` and ``.../entropy``.
 
     Args:
-        num_experts: experts per MoE layer. ``None``: taken, with the MoE layer indices, from a
-            ``RouterReplayCallback``'s backend in the same Trainer.
-        every_n_steps: measure every this many optimizer steps (once per step).
-        moe_layers: absolute indices of the MoE layers; ``None``: the backend's, else every
-            layer with non-zero rows (see :func:`expert_load_stats`).
+        num_experts: experts per MoE layer; ``None``: from a ``RouterReplayCallback``'s backend
+            (which also gives ``moe_layers``).
+        every_n_steps: measure every this many optimizer steps.
+        moe_layers: absolute MoE layer indices; ``None``: the backend's, else non-zero rows.
         log_per_layer: also log each layer's values.
         prefix: metric name prefix.
-        sync_dist: average the values over ranks (each rank sees its own batch; a collective on
-            the measured steps, which every rank reaches).
+        sync_dist: average over ranks (a collective on the measured steps, which all ranks reach).
     """
 
     def __init__(
@@ -168,7 +143,7 @@ class ExpertLoadMonitor(Callback):
         step = trainer.global_step
         if step % self.every_n_steps or step == self._last_step:
             return
-        routes = _routes_of(batch)
+        routes = batch_field(batch, "routed_experts")
         if routes is None or (isinstance(routes, PackedTensor) and routes.num_rows == 0):
             return
         self._last_step = step

@@ -1,8 +1,8 @@
 """Router replay metrics from on-device counts: the math behind ``router_replay/...``.
 
-Counts are int64 tables ``[4, layers]`` (rows :data:`COUNT_KEYS`) kept on the device where they
-were counted; ratios are taken only after summing over forwards, micro-batches and ranks, so each
-metric is an exact ratio of sums (<= 1), never a mean of ratios. Nothing here syncs with the host.
+Counts are int64 tables ``[4, layers]`` (rows :data:`COUNT_KEYS`) kept where they were counted;
+ratios are taken only after summing over forwards, micro-batches and ranks, so each metric is an
+exact ratio of sums (<= 1), never a mean of ratios. Nothing here syncs with the host.
 """
 
 from __future__ import annotations
@@ -19,34 +19,19 @@ from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import RouterReplayBackend, agreement_hits
 from r3lightning.replay.batch_fields import batch_field
 
-__all__ = ["COUNT_KEYS", "ReplayMetrics", "comparison_counts", "stats_counts", "step_metrics"]
+__all__ = ["COUNT_KEYS", "ReplayMetrics", "comparison_counts", "step_metrics"]
 
 # route_rows: rows with a route row (per forward and layer); replayed_rows: those replayed;
 # native_hits / used_hits: route experts the router picked natively / the forward used
 COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
-_ROUTE_ROWS, _REPLAYED_ROWS, _NATIVE_HITS, _USED_HITS = range(4)
-
-
-def stats_counts(stats: dict, top_k: int, device: torch.device) -> Tensor:
-    """``[4, len(layers)]`` counts of a replaying backend's ``routing_stats()`` on ``device``.
-
-    Every route row a replaying backend sees is replayed; without ``used_slots`` it used exactly
-    what it installed. Host zeros (nothing counted yet) go through page-locked memory.
-    """
-    replayed, native = stats["replayed_rows"], stats["agreeing_slots"]
-    used = stats.get("used_slots")
-    if used is None:
-        used = replayed * top_k
-    return torch.stack([to_device_async(t, device).long() for t in (replayed, replayed, native, used)])
 
 
 def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
     """``[4, len(layers)]`` counts comparing recorded experts with routes nothing replayed.
 
     ``routes [*token_shape, L, K]``, ``mask [*token_shape]`` (True: a route row), ``used
-    [*shape, L, K]`` from ``stop_recording`` (several forwards joined along the last token axis),
-    ``layers`` the MoE layer indices on ``used``'s device. None when ``used`` is not whole forwards
-    of ``token_shape`` (a probe of another shape). One ``[..., K, K]`` comparison on device.
+    [*shape, L, K]`` from ``stop_recording`` (forwards joined along the last token axis), ``layers``
+    the MoE layers on ``used``'s device. None unless ``used`` is whole forwards of ``token_shape``.
     """
     token_shape = tuple(routes.shape[:-2])
     lead, width = token_shape[:-1], token_shape[-1]
@@ -57,30 +42,25 @@ def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor
     used = used.reshape(*lead, forwards, width, *used.shape[-2:]).movedim(len(lead), 0)
     routes = routes.to(used.device).index_select(-2, layers)  # [*token_shape, L_moe, K]
     keep = mask.to(used.device)[..., None, None]
-    hits = (agreement_hits(routes, used.index_select(-2, layers)) & keep).sum(
-        dim=(*range(used.dim() - 2), -1)
-    )  # [L_moe] over all forwards
+    hits = agreement_hits(routes, used.index_select(-2, layers)) & keep
+    hits = hits.sum(dim=(*range(used.dim() - 2), -1))  # [L_moe] over all forwards
     rows = keep.sum().expand(len(layers)) * forwards
     return torch.stack([rows, torch.zeros_like(rows), hits, hits])
 
 
 def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -> dict[str, Tensor]:
-    """The step's ratios from counts ``[4, num_layers]`` by absolute layer (float64, on device).
-
-    ``replayed_fraction`` (0 without route rows), ``native_agreement``, ``used_agreement`` and,
-    for ``layers``, ``native_agreement/layer_XX`` (NaN without route rows: nothing to compare).
-    """
-    route_rows = table[_ROUTE_ROWS].sum()
-    slots = route_rows * top_k
+    """Ratios from counts ``[4, num_layers]`` by absolute layer (float64, on device):
+    ``replayed_fraction`` (0 without route rows), ``native_agreement``, ``used_agreement`` and, for
+    ``layers``, ``native_agreement/layer_XX`` (NaN without route rows: nothing to compare)."""
+    route_rows, replayed_rows, native_hits, used_hits = table
+    rows = route_rows.sum()
     metrics = {
-        "replayed_fraction": torch.where(
-            route_rows > 0, table[_REPLAYED_ROWS].sum() / route_rows.clamp(min=1), 0.0
-        ),
-        "native_agreement": table[_NATIVE_HITS].sum() / slots,
-        "used_agreement": table[_USED_HITS].sum() / slots,
+        "replayed_fraction": torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0),
+        "native_agreement": native_hits.sum() / (rows * top_k),
+        "used_agreement": used_hits.sum() / (rows * top_k),
     }
     if layers:
-        per_layer = table[_NATIVE_HITS] / (table[_ROUTE_ROWS] * top_k)  # [num_layers]
+        per_layer = native_hits / (route_rows * top_k)  # [num_layers]
         for layer in layers:
             metrics[f"native_agreement/layer_{layer:02d}"] = per_layer[layer]
     return metrics
@@ -89,10 +69,10 @@ def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -
 class ReplayMetrics:
     """The counts of one training step, on device, and their logging as ``router_replay/...``.
 
-    :meth:`start` opens a step; forwards add their counts with :meth:`add` (off-mode comparisons)
-    or :meth:`fold` (a replaying backend's stats, before it is cleared); :meth:`table` is the sum so
-    far plus what the backend counted since its last clear. :meth:`log` sums over ranks
-    (``sync_dist``: one ``all_reduce`` of ``4 * num_layers + 2`` int64) and logs device tensors.
+    :meth:`start` opens a step; forwards add counts with :meth:`add` (off-mode comparisons) or
+    :meth:`fold` (a replaying backend's stats, before it is cleared); :meth:`table` is the sum so
+    far (plus the backend's own since its last clear). :meth:`log` sums over ranks with
+    ``sync_dist`` (one ``all_reduce`` of ``4 * num_layers + 2`` int64) and logs device tensors.
     """
 
     def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
@@ -124,41 +104,51 @@ class ReplayMetrics:
     def add(self, table: Tensor) -> None:
         self._table = table if self._table is None else self._table + table.to(self._table.device)
 
+    def _backend_counts(self) -> Tensor:
+        """The replaying backend's stats since its last clear as counts (every route row it saw
+        was replayed; without ``used_slots`` it used all it installed). Host zeros are staged."""
+        assert self.backend is not None
+        stats = self.backend.routing_stats()
+        replayed, native = stats["replayed_rows"], stats["agreeing_slots"]
+        used = stats.get("used_slots")
+        used = replayed * self.backend.top_k if used is None else used
+        return torch.stack(
+            [to_device_async(t, self.device).long() for t in (replayed, replayed, native, used)]
+        )
+
     def fold(self) -> None:
         """Keep what the replaying backend counted so far (call before it is cleared)."""
-        assert self.backend is not None
-        self.add(stats_counts(self.backend.routing_stats(), self.backend.top_k, self.device))
+        self.add(self._backend_counts())
 
     def table(self, *, with_backend: bool) -> Tensor:
-        """``[4, len(moe_layers)]``: the counts so far (zeros if none), plus the backend's own
-        since its last clear when ``with_backend``."""
+        """``[4, len(moe_layers)]``: the counts so far (zeros if none, so every rank logs the same
+        keys), plus the backend's own since its last clear when ``with_backend``."""
         assert self.backend is not None
         table = self._table
         if with_backend:
-            stats = stats_counts(self.backend.routing_stats(), self.backend.top_k, self.device)
+            stats = self._backend_counts()
             table = stats if table is None else stats + table.to(stats.device)
-        if table is None:  # nothing counted yet: zeros, so every rank logs the same keys
+        if table is None:
             table = torch.zeros((4, len(self.backend.moe_layers)), dtype=torch.int64, device=self.device)
         return table
 
     def count_native_loss_tokens(self, layout: TokenMetadataLayout, mask: Tensor, batch: Any) -> None:
-        """Loss targets of the step's batch whose logprob row (``t - 1``) has no captured route
-        (``mask`` False there: they route natively), once per step, on device."""
+        """Loss targets of the step's batch whose logprob row (``t - 1``) has no route (``mask``
+        False: native routing), once per step, on device."""
         loss_mask = batch_field(batch, "loss_mask")
         if loss_mask is not None:
             target_next = layout.from_batch(loss_mask, next_token=True) > 0
             self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
 
-    def _global_layers(self) -> tuple[int, ...]:
+    def _global_layers(self, distributed: bool) -> tuple[int, ...]:
         """MoE layers any rank routes (pipeline stages differ), gathered once per fit."""
         assert self.backend is not None
         if self._layers is None:
-            layers = set(self.backend.moe_layers)
-            if self.sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                gathered: list[Any] = [None] * dist.get_world_size()
+            gathered: list[Any] = [tuple(self.backend.moe_layers)]
+            if distributed:
+                gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, tuple(self.backend.moe_layers))
-                layers = {layer for rank_layers in gathered for layer in rank_layers}
-            self._layers = tuple(sorted(layers))
+            self._layers = tuple(sorted({layer for layers in gathered for layer in layers}))
         return self._layers
 
     def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
@@ -174,13 +164,15 @@ class ReplayMetrics:
             extra[0] += self._native_loss_tokens.to(device)
         extra[1] += missing or 0
         vector = torch.cat([table.reshape(-1), extra])
-        layers = self._global_layers()
-        if self.sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        distributed = (
+            self.sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        )
+        layers = self._global_layers(distributed)
+        if distributed:
             dist.all_reduce(vector)  # exact ratios over all ranks; no host sync
         totals = vector[: table.numel()].reshape(table.shape).double()
         metrics = step_metrics(totals, top_k=backend.top_k, layers=layers if self.per_layer else None)
         if missing is not None:
             metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[table.numel() :]
-        for name, value in metrics.items():
-            # sync_dist=False: already summed over ranks above
+        for name, value in metrics.items():  # sync_dist=False: summed over ranks above
             pl_module.log(f"router_replay/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)

@@ -23,13 +23,12 @@ is neither recorded nor counted. Other router types: :func:`~r3lightning.replay.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from r3lightning.replay.backend import (
-    agreement_hits,
+    agreement_counts,
     in_recompute,
     routes_on_all_layers,
     validate_routes_for_install,
@@ -37,14 +36,6 @@ from r3lightning.replay.backend import (
 from r3lightning.replay.hf.routers import RouterAdapter, _adapter_for, _load_builtins, find_routers
 
 __all__ = ["HFRouterReplay"]
-
-
-@dataclass
-class _RouterSlot:
-    layer: int  # absolute decoder-layer index
-    position: int  # index into moe_layers
-    adapter: RouterAdapter
-
 
 # router module -> owning backend; one backend per router so hooks never stack
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyDictionary()
@@ -83,15 +74,7 @@ class HFRouterReplay:
         self.moe_layers: tuple[int, ...] = tuple(layers)
         self.model_name = type(model).__name__
 
-        self._routes: Tensor | None = None  # [N, num_layers, top_k], compact dtype as installed
-        self._mask: Tensor | None = None  # [N] bool or None
-        self._token_shape: tuple[int, ...] | None = None
-        # [3, len(moe_layers)] int64 on the logits' device: replayed rows, agreeing slots, used slots
-        self._stats: Tensor | None = None
-        # one list per active recording (nested recordings each get every forward), per forward:
-        # (token shape, {layer: experts used [N, K] int32})
-        self._sessions: list[list[tuple[tuple[int, ...], dict[int, Tensor]]]] = []
-
+        self.clear()
         for _, name, module, _ in found:
             if module in _OWNERS:
                 raise RuntimeError(
@@ -101,9 +84,8 @@ class HFRouterReplay:
         self._handles = []
         for position, (layer, _, module, adapter) in enumerate(found):
             _OWNERS[module] = self
-            slot = _RouterSlot(layer, position, adapter)
-            self._handles.append(module.register_forward_hook(self._make_router_hook(slot)))
-        # The first MoE block's input gives the token shape of each recorded forward.
+            self._handles.append(module.register_forward_hook(self._router_hook(layer, position, adapter)))
+        # the first MoE block's input gives the token shape of each recorded forward
         first_parent = model.get_submodule(found[0][1].rpartition(".")[0]) if "." in found[0][1] else model
         self._handles.append(
             first_parent.register_forward_pre_hook(self._on_first_moe_block, with_kwargs=True)
@@ -153,11 +135,12 @@ class HFRouterReplay:
 
     def clear(self) -> None:
         """Drop installed routes, recording and stats (no device work)."""
-        self._routes = None
-        self._mask = None
-        self._token_shape = None
-        self._stats = None
-        self._sessions = []
+        self._routes: Tensor | None = None  # [N, num_layers, top_k], compact dtype as installed
+        self._mask: Tensor | None = None  # [N] bool
+        self._token_shape: tuple[int, ...] | None = None
+        self._stats: Tensor | None = None  # [3, moe_layers] int64 on device: agreement_counts
+        # per open recording (they nest), per forward: (token shape, {layer: experts [N, K] int32})
+        self._sessions: list[list[tuple[tuple[int, ...], dict[int, Tensor]]]] = []
 
     @property
     def installed(self) -> bool:
@@ -218,60 +201,44 @@ class HFRouterReplay:
         for session in self._sessions:
             session.append((tuple(hidden.shape[:-1]), {}))
 
-    def _make_router_hook(self, slot: _RouterSlot):
+    def _router_hook(self, layer: int, position: int, adapter: RouterAdapter):
         def hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
-            return self._route(slot, module, output)
+            if self._routes is None and not self._sessions:
+                return None  # idle: no tensor work and nothing torch.compile cannot trace
+            return self._route(layer, position, adapter, module, output)
 
         return hook
 
-    def _route(self, slot: _RouterSlot, module: nn.Module, output: tuple) -> tuple | None:
-        if self._routes is None and not self._sessions:
-            return None  # idle: no tensor work and no call torch.compile cannot trace
-        p_logits, p_weights, p_indices = slot.adapter.output_positions
+    def _route(
+        self, layer: int, position: int, adapter: RouterAdapter, module: nn.Module, output: tuple
+    ) -> tuple | None:
+        p_logits, p_weights, p_indices = adapter.output_positions
         native = output[p_indices]  # [N, K]
         recompute = in_recompute()
-        indices = native
-        replaced = None
+        indices, replaced = native, None
         if self._routes is not None:
             if native.shape[0] != self._routes.shape[0]:
                 raise ValueError(
-                    f"{self.model_name} routed {native.shape[0]} tokens at layer {slot.layer} but routes "
+                    f"{self.model_name} routed {native.shape[0]} tokens at layer {layer} but routes "
                     f"were installed for token shape {self._token_shape} ({self._routes.shape[0]} tokens)"
                 )
             routes, mask = self._routes_on(output[p_logits].device)
-            installed = routes[:, slot.layer].long()  # [N, K]: only this layer is widened
+            installed = routes[:, layer].long()  # [N, K]: only this layer is widened
             indices = installed if mask is None else torch.where(mask[:, None], installed, native)
-            weights = slot.adapter.gate_weights(module, output[p_logits], indices)
-            # in the dtype the router returns: some (ERNIE) compute in fp32 and round to the
-            # input's dtype, which their logits do not show
-            weights = weights.to(output[p_weights].dtype)
+            # in the dtype the router returns: ERNIE computes in fp32 and rounds to its input's
+            weights = adapter.gate_weights(module, output[p_logits], indices).to(output[p_weights].dtype)
             replaced = list(output)
             replaced[p_weights], replaced[p_indices] = weights, indices
             if not recompute:
-                self._count(slot, installed, native, indices, mask)
+                if self._stats is None:
+                    self._stats = torch.zeros(
+                        (3, len(self.moe_layers)), dtype=torch.int64, device=native.device
+                    )
+                self._stats[:, position] += agreement_counts(installed, native, mask, used=indices)
         if self._sessions and not recompute:
             used = indices.detach().to(torch.int32)
             for session in self._sessions:
                 if not session:
                     raise RuntimeError("recording started in the middle of a forward pass")
-                session[-1][1][slot.layer] = used
+                session[-1][1][layer] = used
         return None if replaced is None else type(output)(replaced)
-
-    def _count(
-        self, slot: _RouterSlot, installed: Tensor, native: Tensor, used: Tensor, mask: Tensor | None
-    ) -> None:
-        """Add this forward's replayed rows, native hits and used hits of one layer (on device)."""
-        with torch.no_grad():
-            hits = agreement_hits(installed, native)  # [N, K]
-            used_hits = agreement_hits(installed, used)
-            if mask is None:
-                rows: Tensor | int = installed.shape[0]
-            else:
-                keep = mask[:, None]
-                hits, used_hits, rows = hits & keep, used_hits & keep, mask.sum()
-            if self._stats is None:
-                self._stats = torch.zeros((3, len(self.moe_layers)), dtype=torch.int64, device=native.device)
-            column = self._stats[:, slot.position]
-            column[0] += rows
-            column[1] += hits.sum()
-            column[2] += used_hits.sum()

@@ -11,7 +11,8 @@ named for the family it was written from (the families that share its formula in
 
 ==========================  ==================================================================
 ``qwen3_moe_weights``       softmax over all experts in fp32, renormalised over the top-k when
-                            ``norm_topk_prob`` (Qwen2-MoE, OLMoE, Qwen3-Next, FlexOlmo, Mellum)
+                            ``norm_topk_prob``, cast back to the logits' dtype (Qwen2-MoE, OLMoE,
+                            Qwen3-Next, FlexOlmo, Mellum)
 ``qwen3_5_moe_weights``     as above, always renormalised (Qwen3-VL-MoE, Qwen3-Omni, Hunyuan-MoE)
 ``mixtral_weights``         softmax over all experts, renormalised, kept in fp32 (MiniMax)
 ``deepseek_v3_weights``     sigmoid scores, optional renormalisation, ``routed_scaling_factor``
@@ -60,8 +61,6 @@ class RouterAdapter:
 
 
 def qwen3_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """fp32 softmax over all experts, top-k renormalised when ``router.norm_topk_prob``, cast back
-    to the logits' dtype."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     if router.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -69,20 +68,17 @@ def qwen3_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Ten
 
 
 def qwen3_5_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """As :func:`qwen3_moe_weights`, always renormalised (these routers have no switch)."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     return (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
 
 
 def mixtral_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """fp32 softmax over all experts, renormalised over the top-k, kept in fp32."""
     weights = F.softmax(logits.float(), dim=-1).gather(-1, indices)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def deepseek_v3_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Sigmoid scores (the selection-only ``e_score_correction_bias`` and group limit play no part),
-    optional renormalisation, then ``routed_scaling_factor``."""
+    # the selection-only e_score_correction_bias and group limit play no part in the weights
     weights = logits.sigmoid().gather(1, indices)
     if router.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -90,20 +86,17 @@ def deepseek_v3_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> T
 
 
 def deepseek_v2_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """fp32 softmax over all experts (the group limit only selects) times ``routed_scaling_factor``."""
     weights = logits.softmax(dim=-1, dtype=torch.float32).gather(-1, indices)
     return weights * router.routed_scaling_factor
 
 
 def ernie_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """fp32 softmax over all experts (``moe_statics`` only selects), renormalised with the sum
-    clamped at ``router.norm_min``; the hook rounds it to the router's output dtype, as it does."""
+    # fp32, as the router computes (moe_statics only selects); the hook rounds to its output dtype
     weights = F.softmax(logits.float(), dim=1, dtype=torch.float).gather(-1, indices)
     return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=router.norm_min)
 
 
 def gpt_oss_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Softmax over the selected logits only."""
     top = logits.gather(-1, indices)
     return F.softmax(top, dim=1, dtype=top.dtype)
 
@@ -216,8 +209,7 @@ def _load_builtins() -> None:
 
 
 def registered_router_types() -> list[type[nn.Module]]:
-    """Every router type replay knows: the built-in families found in the installed
-    transformers, then those added with :func:`register_router`."""
+    """Every router type replay knows: built-in ones of the installed transformers, then registered."""
     _load_builtins()
     return list(_ADAPTERS)
 
@@ -233,12 +225,9 @@ _LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
 
 
 def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdapter]]:
-    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer.
-
-    The layer is the ``<i>`` of the innermost ``layers.<i>.`` in the router's qualified name (the
-    Hugging Face decoder-layer list); routers outside such a list, several routers on one layer,
-    or none at all raise ``ValueError`` naming the model class.
-    """
+    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer: the
+    ``<i>`` of the innermost ``layers.<i>.`` in its name. A router outside such a list, several on
+    one layer, or none at all is a ``ValueError`` naming the model class."""
     _load_builtins()
     found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
     for name, module in model.named_modules():

@@ -292,16 +292,12 @@ class MegatronRouterReplay:
 
     def routing_stats(self) -> dict:
         """:meth:`RouterReplayBackend.routing_stats` of this rank's local MoE layers (on device)."""
-        pairs = [(r.replayed_rows, r.agreeing_slots) for r in self._replays]
-        known = [count for pair in pairs for count in pair if count is not None]
-        zero = torch.zeros((), dtype=torch.int64, device=known[0].device if known else "cpu")
-        rows, slots = (
-            torch.stack([zero if c is None else c.long() for c in column])
-            for column in zip(*pairs, strict=True)
-        )
+        known = [r.counts for r in self._replays if r.counts is not None]
+        zero = torch.zeros(3, dtype=torch.int64, device=known[0].device if known else "cpu")
+        table = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)  # [3, L]
         return {
             "layers": self.moe_layers,
             "top_k": self.top_k,
-            "replayed_rows": rows,
-            "agreeing_slots": slots,
+            "replayed_rows": table[0],
+            "agreeing_slots": table[1],
         }

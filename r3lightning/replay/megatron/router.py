@@ -1,26 +1,16 @@
 """megatron-core's ``RouterReplay`` with a per-token replay mask, agreement counts and recording.
 
 megatron's ``RouterReplay`` replays whole batches: ``REPLAY_FORWARD`` returns the target indices,
-``REPLAY_BACKWARD`` pops a FIFO (one entry per forward) during activation recomputation, ``RECORD``
-keeps the native choice; both replay actions gather the gate weights from the router's live
-scores. :class:`MaskedRouterReplay` is a drop-in subclass that takes the place of a router's own
-instance (also in megatron's global instance list) and adds what replaying rollout routes needs:
-
-* a replay mask travelling with each target through the FIFO (False rows keep native routing),
-* per-forward counts of replayed rows and of replayed experts the router would have chosen itself,
-* recording of the experts used under replay,
-* a forward pre-hook choosing ``REPLAY_FORWARD`` for forwards and ``REPLAY_BACKWARD`` for
-  recomputation (detected as running inside autograd's backward), and queuing one FIFO entry
-  per forward, so checkpointed layers and pipelined microbatches replay what their forward did;
-* megatron-core 0.16-0.19 mask the expert-bias token counts with the router padding mask
-  broadcast against the expert axis (``[N, E] & [N]``: an error, or wrong counts when
-  ``N == E``); a router whose megatron has that bug gets the per-token broadcast instead, so the
-  padding mask leaves padding out of those counts as it does of the aux losses;
-* for a fused router (``moe_router_fusion=True``, whose Transformer Engine top-k never consults
-  ``RouterReplay``) the same pre-hook points ``router.config`` at an unfused copy of its config
-  while it replays or records, and back at the shared config otherwise.
-
-Without a mask it returns exactly what megatron's ``REPLAY_*`` actions return.
+``REPLAY_BACKWARD`` pops a FIFO (one entry per forward) in recompute, ``RECORD`` keeps the native
+choice; the gate weights come from the live scores. :class:`MaskedRouterReplay` takes the place of a
+router's own instance (in megatron's global list too) and adds a replay mask travelling with each
+target through the FIFO, per-forward agreement counts, recording under replay, and a forward
+pre-hook that picks ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` (recompute runs inside autograd's
+backward) and queues one entry per forward. Two megatron workarounds: 0.16-0.19 mask the
+expert-bias counts with ``[N, E] & [N]`` (an error, or wrong counts when ``N == E``), replaced by
+the per-token broadcast; a fused router (whose TE top-k never consults ``RouterReplay``) is pointed
+at an unfused copy of its config while it replays or records. Without a mask it returns exactly
+what megatron's ``REPLAY_*`` actions return.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor, nn
 
-from r3lightning.replay.backend import agreement_hits, in_recompute
+from r3lightning.replay.backend import agreement_counts, in_recompute
 
 __all__ = ["MaskedRouterReplay"]
 
@@ -60,8 +50,7 @@ class MaskedRouterReplay(RouterReplay):
         self.fresh = False  # installed routes not yet consumed by a forward (already queued)
         self.recording = False
         self.token_batch: int | None = None  # b of the last forward's [s, b, h] input
-        self.replayed_rows: Tensor | None = None  # int64 scalar on device
-        self.agreeing_slots: Tensor | None = None
+        self.counts: Tensor | None = None  # agreement_counts [3] int64 of the forwards, on device
         self.hook: Any = None
         self.fused_config: Any = None  # the router's own config when it uses the fused top-k
         self.unfused_config: Any = None  # its copy with moe_router_fusion=False, used to replay
@@ -115,7 +104,7 @@ class MaskedRouterReplay(RouterReplay):
         self.recording = False
         self.recorded_topk_idx = None
         self.token_batch = None
-        self.replayed_rows = self.agreeing_slots = None
+        self.counts = None
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
         self._select_top_k(router)
@@ -170,26 +159,11 @@ class MaskedRouterReplay(RouterReplay):
             indices = torch.where(keep, replayed, native)
             probs = torch.where(keep, probs, native_probs)
         if action is _FORWARD:
-            self._count(replayed, native, mask)
+            counts = agreement_counts(replayed, native, None if mask is None else mask.to(replayed.device))
+            self.counts = counts if self.counts is None else self.counts + counts
             if self.recording:
                 self.record_indices(indices.detach())
         return probs, indices
-
-    def _count(self, replayed: Tensor, native: Tensor, mask: Tensor | None) -> None:
-        with torch.no_grad():
-            hits = agreement_hits(replayed, native)  # [N, K]
-            if mask is None:
-                rows = torch.full((), replayed.shape[0], dtype=torch.int64, device=replayed.device)
-            else:
-                keep = mask.to(replayed.device)
-                rows = keep.sum()
-                hits &= keep.unsqueeze(-1)
-            slots = hits.sum()
-            if self.replayed_rows is None:
-                self.replayed_rows, self.agreeing_slots = rows, slots
-            else:
-                self.replayed_rows = self.replayed_rows + rows
-                self.agreeing_slots = self.agreeing_slots + slots
 
 
 def _count_expert_tokens(router: TopKRouter, routing_map: Tensor, padding_mask: Tensor | None = None) -> None:
