@@ -51,9 +51,8 @@ def _refuse_unsupported(config: Any) -> None:
         )
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         raise ValueError(
-            f"router replay needs dropless MoE, got moe_expert_capacity_factor="
-            f"{config.moe_expert_capacity_factor}: token dropping after routing would drop replayed "
-            "experts, so the experts used would differ from the rollout's"
+            f"router replay needs dropless MoE, got moe_expert_capacity_factor={config.moe_expert_capacity_factor}: "
+            "token dropping would drop replayed experts, so the experts used would differ from the rollout's"
         )
 
 
@@ -61,34 +60,26 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRou
     """Each router's virtual pipeline stage (None without VPP): the ``vp_stage`` of a module holding
     it (megatron's chunks carry one), else its chunk's index when ``modules`` are one per stage."""
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
-    if (vpp is None or vpp <= 1) and parallel_state.model_parallel_is_initialized():
+    if not (vpp and vpp > 1) and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     stage_of: dict[int, int] = {}
     chunk_of: dict[int, int] = {}
     for index, root in enumerate(modules):
         for module in root.modules():
-            stage = getattr(module, "vp_stage", None)
-            for sub in module.modules() if stage is not None else ():
-                if isinstance(sub, TopKRouter):
-                    stage_of.setdefault(id(sub), int(stage))
             if isinstance(module, TopKRouter):
                 chunk_of.setdefault(id(module), index)
-    virtual = (vpp is not None and vpp > 1) or len(set(stage_of.values())) > 1
-    if not virtual:
+            for sub in module.modules() if getattr(module, "vp_stage", None) is not None else ():
+                if isinstance(sub, TopKRouter):
+                    stage_of.setdefault(id(sub), int(module.vp_stage))
+    if not (vpp and vpp > 1) and len(set(stage_of.values())) <= 1:
         return [None] * len(routers)
-    stages: list[int | None] = []
-    for router in routers:
-        stage = stage_of.get(id(router))
-        if stage is None and vpp is not None and len(modules) == vpp:
-            stage = chunk_of[id(router)]
-        if stage is None:
-            raise ValueError(
-                f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell "
-                f"the virtual stage of the router at decoder layer {router.layer_number - 1}; pass the "
-                "list of model chunks megatron builds (one per virtual stage, in stage order) or "
-                "modules carrying vp_stage"
-            )
-        stages.append(stage)
+    stages = [stage_of.get(id(r), chunk_of[id(r)] if len(modules) == vpp else None) for r in routers]
+    if None in stages:
+        raise ValueError(
+            f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell the virtual "
+            f"stage of the router at decoder layer {routers[stages.index(None)].layer_number - 1}; pass the "
+            "list of model chunks megatron builds (one per virtual stage, in stage order) or modules carrying vp_stage"
+        )
     return stages
 
 
@@ -191,21 +182,16 @@ class MegatronRouterReplay:
         validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
         device = self._routers[0].weight.device
         local = self._split_sequence(routes)  # [N, L, K] compact dtype
-        # one widening copy per installed MoE layer (no device index tensor to build)
-        per_layer = torch.empty((len(targets), local.shape[0], self.top_k), dtype=torch.int64, device=device)
-        for row, position in enumerate(targets):  # [L_installed, N, K]
-            per_layer[row].copy_(local[:, self.moe_layers[position]], non_blocking=True)
-        mask = None
-        if replay_mask is not None:
-            mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)  # [N]
-        for position, layer_routes in zip(targets, per_layer, strict=True):
-            replay = self._replays[position]
-            if replay.fresh:  # replaced before any forward used it: no recompute will pop its entry
-                replay.replay_backward_list.pop()
-                replay.replay_backward_masks.pop()
-            replay.set_target_indices(layer_routes, mask)
-            replay.fresh = True
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        mask = (
+            None
+            if replay_mask is None
+            else to_device_async(self._split_sequence(replay_mask).contiguous(), device)
+        )
+        for position in targets:  # one widening copy per layer (no device index tensor to build)
+            layer_routes = torch.empty((local.shape[0], self.top_k), dtype=torch.int64, device=device)
+            self._replays[position].install(
+                layer_routes.copy_(local[:, self.moe_layers[position]], non_blocking=True), mask
+            )
 
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
         """The ``vp_stage`` to install with for ``chunk`` (a model chunk or a wrapper of it, as the
@@ -219,8 +205,7 @@ class MegatronRouterReplay:
             )
         return stages.pop()
 
-    def _stage_positions(self, vp_stage: int | None) -> list[int]:
-        """Indices (into ``moe_layers``) of the routers an install with ``vp_stage`` feeds."""
+    def _stage_positions(self, vp_stage: int | None) -> list[int]:  # into moe_layers
         stages = sorted({s for s in self.vp_stages if s is not None})
         if not stages:
             if vp_stage not in (None, 0):
@@ -228,9 +213,8 @@ class MegatronRouterReplay:
             return list(range(len(self.moe_layers)))
         if vp_stage is None:
             raise ValueError(
-                f"virtual pipeline parallelism (model chunks of stages {stages}): install(..., vp_stage=) "
-                "is required, the vp_stage of the chunk megatron's forward_step_func runs, so each "
-                "chunk replays its own micro-batches in the order megatron runs them"
+                f"virtual pipeline parallelism (model chunks of stages {stages}): install(..., vp_stage=) is "
+                "required, the vp_stage of the chunk megatron's forward_step_func runs"
             )
         positions = [i for i, s in enumerate(self.vp_stages) if s == vp_stage]
         if not positions:

@@ -87,6 +87,16 @@ class MaskedRouterReplay(RouterReplay):
             active = self.target_topk_idx is not None or self.recording
             router.config = self.unfused_config if active else self.fused_config
 
+    def install(self, indices: Tensor, mask: Tensor | None) -> None:
+        """Replay ``indices [N, K]`` int64 (``mask [N]`` False: native) in the next forward; an install
+        no forward used yet is replaced, with its recompute entry."""
+        if self.fresh:
+            self.replay_backward_list.pop()
+            self.replay_backward_masks.pop()
+        self.set_target_indices(indices, mask)
+        self.fresh = True
+        self.set_router_replay_action(_FORWARD)
+
     def set_target_indices(self, topk_indices: Tensor, replay_mask: Tensor | None = None) -> None:
         super().set_target_indices(topk_indices)
         self.target_mask = replay_mask
