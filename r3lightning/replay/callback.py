@@ -34,7 +34,6 @@ from r3lightning.replay.modes import (
     OldPolicyRecorder,
     Replaying,
     align_routes,
-    pack_recorded,
 )
 
 Mode = Literal["r3", "r2", "off"]
@@ -46,19 +45,17 @@ class RouterReplayCallback(Callback):
     """Install aligned routes before each training forward; clear them after.
 
     Args:
-        backend: ``"hf"`` / ``None`` (Hugging Face routers of the LightningModule, or of its
-            ``model_attr`` submodule), ``"megatron"``, or a ``RouterReplayBackend``. String backends
-            are built at each ``on_fit_start`` (after ``configure_model`` and sharding).
+        backend: ``"hf"`` / ``None`` (Hugging Face routers of the module or its ``model_attr``),
+            ``"megatron"`` (both built at each ``on_fit_start``), or a ``RouterReplayBackend``.
         mode: ``"r3"``, ``"r2"`` or ``"off"``.
-        strict: raise instead of routing natively when a training batch has no routes (r3), no
-            old-policy forward recorded any (r2), or a routed forward runs with nothing installed.
-        log_agreement: log the ``router_replay/`` metrics (False: nothing counted or reduced).
-        log_per_layer: also log ``native_agreement/layer_XX``.
-        validate_routes: check expert ids on every install (range, distinct per row; host syncs).
-            ``None``: off for a backend built or found here; a backend object keeps its flag.
-        layout_fn: ``attention_mask -> TokenMetadataLayout`` of the tokens the model sees; default:
-            the backend's ``build_layout``, else ``TokenMetadataLayout.padded(mask, pad_to_multiple)``.
-        model_attr: submodule holding the MoE model, when the module holds several (a reference).
+        strict: raise instead of routing natively when routes are missing (r3: in the batch, r2:
+            not recorded) or a routed forward runs with nothing installed.
+        log_agreement / log_per_layer: log the ``router_replay/`` metrics / also per layer.
+        validate_routes: check ids on every install (host syncs). ``None``: off for a backend built
+            here; a backend object keeps its own flag.
+        layout_fn: ``attention_mask -> TokenMetadataLayout`` the model sees; default: the backend's
+            ``build_layout``, else ``TokenMetadataLayout.padded(mask, pad_to_multiple)``.
+        model_attr: submodule holding the MoE model, when the module holds several.
         sync_dist: sum the counts over ranks before the ratios (one ``all_reduce`` per step).
     """
 
@@ -121,10 +118,8 @@ class RouterReplayCallback(Callback):
 
     def _ensure_backend(self, pl_module: pl.LightningModule) -> RouterReplayBackend:
         if self.backend is None:  # for_model: maybe a backend attached earlier (record_routes)
-            spec = "megatron" if self._backend_spec == "megatron" else "hf"
-            self.backend = build_backend(
-                spec, self._routed_module(pl_module), validate=bool(self.validate_routes)
-            )
+            module, validate = self._routed_module(pl_module), bool(self.validate_routes)
+            self.backend = build_backend(self._backend_spec == "megatron", module, validate=validate)
         if self.strict and not self._strict_hooks:
             # on the routers themselves: the module may call its model without its own forward
             targets = getattr(self.backend, "routers", None) or [self._routed_module(pl_module)]
@@ -186,8 +181,6 @@ class RouterReplayCallback(Callback):
     def _prepare(self, routes: PackedTensor, batch: Any) -> Install:
         layout = self.build_layout(host_attention_mask(batch))
         return Install(layout, *self.align_routes(routes, layout))
-
-    pack_recorded = staticmethod(pack_recorded)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -274,10 +267,18 @@ class RouterReplayCallback(Callback):
         if not active or (routes is not None and routes.num_rows > 0):  # r3 / off, or recorded already
             yield
             return
-        with self._r2.record(self.backend) as recorded:  # type: ignore[arg-type]
+        self.backend.start_recording()  # type: ignore[union-attr]
+        self._r2.recording = True
+        try:
             yield
+        except BaseException:
+            self.backend.clear()  # type: ignore[union-attr]
+            raise
+        finally:
+            self._r2.recording = False
+        recorded = self.backend.stop_recording()  # type: ignore[union-attr]
         layout = self.build_layout(host_attention_mask(batch))
-        packed = self._r2.keep(recorded[0], layout, batch)
+        packed = self._r2.keep(recorded, layout, batch)
         install = Install(layout, *self.align_routes(packed, layout))
         if self._in_micro:
             self._micro = install

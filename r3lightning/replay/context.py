@@ -41,10 +41,10 @@ def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterRepla
     )
 
 
-def build_backend(kind: str, model: nn.Module, *, validate: bool) -> RouterReplayBackend:
-    """The ``"hf"`` backend of ``model`` (the one attached already, if any) or a new ``"megatron"``
-    one, with its ``validate`` flag set."""
-    if kind == "megatron":
+def build_backend(megatron: bool, model: nn.Module, *, validate: bool) -> RouterReplayBackend:
+    """A new megatron backend of ``model``, or its Hugging Face one (the one attached already, if
+    any), with its ``validate`` flag set."""
+    if megatron:
         from r3lightning.replay.megatron.replay import MegatronRouterReplay
 
         return MegatronRouterReplay(model, validate=validate)

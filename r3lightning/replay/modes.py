@@ -1,18 +1,12 @@
-"""What each replay mode does with the routes of the active (micro-)batch.
+"""What each replay mode does with the routes active for the forwards (a step's, a micro-batch's).
 
-:class:`RouterReplayCallback <r3lightning.replay.callback.RouterReplayCallback>` decides which
-routes are active (the step's, a micro-batch's, none); the mode object makes the forwards use them:
-
-* :class:`Replaying` (``r3``, and ``r2`` once routes are recorded) installs them in the backend;
-* :class:`Comparing` (``off``) routes natively and compares what the forwards used with them;
-* :class:`OldPolicyRecorder` (``r2``) records the old-policy forward and keeps its routes per row;
-* :class:`MissingRoutes` counts, warns about or refuses steps whose routes are missing.
+:class:`Replaying` (r3, and r2 once recorded) installs them; :class:`Comparing` (off) routes
+natively and compares; :class:`OldPolicyRecorder` (r2) records the old-policy forward per row;
+:class:`MissingRoutes` counts, warns about or refuses steps without routes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +24,7 @@ from r3lightning.replay.batch_fields import batch_field, set_batch_field
 from r3lightning.replay.metrics import ReplayMetrics, comparison_counts
 from r3lightning.wire.request import ENGINE_ROUTES_FLAG
 
-__all__ = [
-    "Comparing",
-    "Install",
-    "MissingRoutes",
-    "OldPolicyRecorder",
-    "Replaying",
-    "align_routes",
-    "pack_recorded",
-]
+__all__ = ["Comparing", "Install", "MissingRoutes", "OldPolicyRecorder", "Replaying", "align_routes"]
 
 
 @dataclass(frozen=True)
@@ -68,15 +54,11 @@ def align_routes(
 
 
 class Replaying:
-    """r3 / r2: every forward replays the active install; without one the routers route natively.
-
-    ``metrics`` None: nothing is counted. Routing stats accumulate in the backend across installs;
-    switching to native routing clears the backend, so its counts are folded into ``metrics`` first.
-    """
+    """r3 / r2: the forwards replay the active install, or route natively without one. The backend
+    counts across installs; going native clears it, so its counts are folded into ``metrics`` first."""
 
     def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
-        self.backend, self.metrics = backend, metrics
-        self.installed_any = False
+        self.backend, self.metrics, self.installed_any = backend, metrics, False
 
     def use(self, install: Install | None) -> None:
         if install is not None:
@@ -92,60 +74,45 @@ class Replaying:
 
 
 class Comparing:
-    """off: native routing; the experts of the forwards run while an install is active are recorded
-    and compared with its routes when it ends (``metrics`` None: nothing recorded or compared).
-
-    A recording that cannot be compared (no forward, or forwards of another token shape such as a
-    probe) is dropped: off mode only measures.
-    """
+    """off: native routing; what the forwards used while an install is active is recorded and
+    compared with its routes when it ends. A recording that cannot be compared (no forward, or a
+    probe of another token shape) is dropped: off mode only measures. No metrics: nothing done."""
 
     def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
-        self.backend, self.metrics = backend, metrics
-        self.installed_any = False
+        self.backend, self.metrics, self.installed_any = backend, metrics, False
         self._open: Install | None = None
 
     def use(self, install: Install | None) -> None:
         if self.metrics is None:
             return
-        self._close()
+        opened, self._open = self._open, install
+        if opened is not None:
+            try:
+                used = self.backend.stop_recording()  # [*token_shape', L, K]
+            except (RuntimeError, ValueError):
+                used = None
+            table = (
+                None
+                if used is None
+                else comparison_counts(
+                    opened.routes, opened.mask, used, self.metrics.layer_index(used.device)
+                )
+            )
+            if table is not None:
+                self.metrics.add(table)
         if install is not None:
             self.backend.start_recording()
-            self._open = install
-
-    def _close(self) -> None:
-        install, self._open = self._open, None
-        if install is None or self.metrics is None:
-            return
-        try:
-            used = self.backend.stop_recording()  # [*token_shape', L, K]
-        except (RuntimeError, ValueError):
-            return
-        table = comparison_counts(install.routes, install.mask, used, self.metrics.layer_index(used.device))
-        if table is not None:
-            self.metrics.add(table)
 
     def table(self, *, reopen: bool = True) -> Tensor | None:
         """Compare the forwards recorded so far; ``reopen``: the recording goes on for later ones."""
         if self.metrics is None:
             return None
-        install = self._open
-        self._close()
-        if reopen and install is not None:
-            self.use(install)
+        self.use(self._open if reopen else None)
         return self.metrics.table(with_backend=False)
 
 
-def pack_recorded(recorded: Tensor, layout: TokenMetadataLayout) -> PackedTensor:
-    """Recorded ``[*token_shape, L, K]`` -> per-trajectory packed rows (real tokens, in order)."""
-    if layout.cp_size != 1:
-        raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
-    real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
-    rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, to_device_async(real, recorded.device))
-    return PackedTensor.from_lengths(rows, layout.sequence_lengths)
-
-
 class OldPolicyRecorder:
-    """r2: the experts the old-policy forwards of one step used, kept per row of the step's batch
+    """r2: the routes the old-policy forwards of one step recorded, kept per row of the step's batch
     (``step_batch``), so every later pass over those rows (re-cut, shuffled, trimmed) finds them."""
 
     def __init__(self, step_batch: Any = None) -> None:
@@ -163,72 +130,55 @@ class OldPolicyRecorder:
     def routes_of(self, batch: Any) -> PackedTensor | None:
         """``batch.routed_experts``, else the routes recorded for all its rows (then set on it)."""
         routes = batch_field(batch, "routed_experts")
-        if routes is not None or not self.rows:
-            return routes
-        rows = self.rows_in_step(batch)
+        rows = None if routes is not None or not self.rows else self.rows_in_step(batch)
         if rows is None or not all(int(r) in self.rows for r in rows):
-            return None
+            return routes
         routes = PackedTensor.from_segments([self.rows[int(r)] for r in rows])
         set_batch_field(batch, "routed_experts", routes)
         return routes
 
-    @contextmanager
-    def record(self, backend: RouterReplayBackend) -> Iterator[list[Tensor]]:
-        """Record the block's forwards; on a normal exit the list holds ``[*token_shape, L, K]``.
-        On an exception the backend is cleared (its routes included)."""
-        out: list[Tensor] = []
-        backend.start_recording()
-        self.recording = True
-        try:
-            yield out
-        except BaseException:
-            backend.clear()
-            raise
-        finally:
-            self.recording = False
-        out.append(backend.stop_recording())
-
     def keep(self, recorded: Tensor, layout: TokenMetadataLayout, batch: Any) -> PackedTensor:
-        """Pack one forward's ``recorded`` routes per trajectory, set them on ``batch`` and keep
-        them for its rows of the step's batch."""
+        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory (real tokens, in
+        order), set it on ``batch`` and keep it for its rows of the step's batch."""
         if tuple(recorded.shape[:-2]) != layout.token_shape:
             raise ValueError(
                 f"old_policy_forward recorded token shape {tuple(recorded.shape[:-2])}, expected one forward "
                 f"over the batch with token shape {layout.token_shape}"
             )
-        packed = pack_recorded(recorded, layout)
+        if layout.cp_size != 1:
+            raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
+        real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
+        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(
+            0, to_device_async(real, recorded.device)
+        )
+        packed = PackedTensor.from_lengths(rows, layout.sequence_lengths)
         set_batch_field(batch, "routed_experts", packed)
-        rows = self.rows_in_step(batch)
-        for i, row in enumerate([] if rows is None else rows.tolist()):  # host positions
+        positions = self.rows_in_step(batch)
+        for i, row in enumerate([] if positions is None else positions.tolist()):
             self.rows[row] = packed[i]
         return packed
 
 
 class MissingRoutes:
-    """Steps with routes expected (r3, r2) but none replayed: counted once per step, warned once per
-    run and mode (rank zero), or an error under ``strict``. Count and warnings are checkpointed."""
+    """Steps with routes expected but none replayed: counted once per step, warned once per run and
+    mode (rank zero), an error under ``strict``. Count and warnings are checkpointed."""
 
     def __init__(self, strict: bool) -> None:
-        self.strict = strict
-        self.count = 0  # this run, this rank
+        self.strict, self.count, self.counted_step = strict, 0, False
         self.warned: set[str] = set()
-        self.counted_step = False  # reset per step by the callback
 
     def __call__(self, mode: str, reason: str) -> None:
         if self.strict:
             flag = f"; start the rollout engine with {ENGINE_ROUTES_FLAG}" if mode == "r3" else ""
             raise ValueError(f"RouterReplayCallback(mode={mode!r}, strict=True): {reason}{flag}")
-        if not self.counted_step:
-            self.counted_step = True
-            self.count += 1
-        if mode in self.warned:
-            return
-        self.warned.add(mode)
-        if mode == "r2":
-            rank_zero_warn(f"RouterReplayCallback(mode='r2'): {reason}; nothing was replayed")
-        else:
+        self.count += not self.counted_step
+        self.counted_step = True
+        if mode not in self.warned:
+            self.warned.add(mode)
             rank_zero_warn(
-                f"RouterReplayCallback(mode='r3'): {reason}, so it routes natively. Is the rollout engine "
+                f"RouterReplayCallback(mode='r2'): {reason}; nothing was replayed"
+                if mode == "r2"
+                else f"RouterReplayCallback(mode='r3'): {reason}, so it routes natively. Is the rollout engine "
                 f"started with {ENGINE_ROUTES_FLAG} and asked for routes? Such batches are counted in "
                 "router_replay/batches_without_routes (warned once per run; strict=True raises)."
             )
@@ -239,12 +189,9 @@ class MissingRoutes:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; a bad field is a ``ValueError`` naming it (nothing changes)."""
         count, warned = state.get("batches_without_routes", 0), state.get("warned", [])
+        prefix = "RouterReplayCallback state:"
         if type(count) is not int or count < 0:
-            raise ValueError(
-                f"RouterReplayCallback state: batches_without_routes must be an int >= 0, got {count!r}"
-            )
+            raise ValueError(f"{prefix} batches_without_routes must be an int >= 0, got {count!r}")
         if not isinstance(warned, list | tuple) or not set(warned) <= {"r3", "r2"}:
-            raise ValueError(
-                f"RouterReplayCallback state: warned must be a list of 'r3' / 'r2', got {warned!r}"
-            )
+            raise ValueError(f"{prefix} warned must be a list of 'r3' / 'r2', got {warned!r}")
         self.count, self.warned = count, set(warned)
