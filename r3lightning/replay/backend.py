@@ -1,11 +1,8 @@
 """The interface every router replay backend implements, and helpers the backends share.
 
-A backend owns the MoE routers of one model (or pipeline stage): it replays installed expert ids
-while the gate weights still come from the router's live logits (so the router keeps getting
-gradients), and records the ids each router used. Routes are integers ``[*token_shape, num_layers,
-top_k]`` on the absolute decoder-layer axis (dense layers included: ignored on install, 0 when
-recorded); ``token_shape`` is what the model sees (``[B, S']`` padded, ``[1, T]`` packed; megatron:
-this CP rank's ``[1, T_local]`` before the sequence-parallel split, which the backend applies).
+Routes are integers ``[*token_shape, num_layers, top_k]`` on the absolute decoder-layer axis (dense
+layers ignored on install, 0 when recorded); ``token_shape`` is what the model sees (``[B, S']``
+padded, ``[1, T]`` packed; megatron: this CP rank's, before the sequence-parallel split).
 """
 
 from __future__ import annotations
@@ -78,9 +75,7 @@ def validate_routes_for_install(
     num_layers, top_k, num_experts = backend.num_layers, backend.top_k, backend.num_experts
     if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
         raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
-    label = (
-        "*token_shape" if token_dims is None else "B, S" if token_dims == 2 else f"{token_dims} token dims"
-    )
+    label = {None: "*token_shape", 2: "B, S"}.get(token_dims, f"{token_dims} token dims")
     shape_ok = routes.dim() >= 3 if token_dims is None else routes.dim() == token_dims + 2
     if not shape_ok or tuple(routes.shape[-2:]) != (num_layers, top_k):
         raise ValueError(
@@ -90,10 +85,8 @@ def validate_routes_for_install(
     if replay_mask is not None and (
         replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != token_shape
     ):
-        raise ValueError(
-            f"replay_mask must be a bool tensor of shape {token_shape}, "
-            f"got {replay_mask.dtype} {tuple(replay_mask.shape)}"
-        )
+        got = f"{replay_mask.dtype} {tuple(replay_mask.shape)}"
+        raise ValueError(f"replay_mask must be a bool tensor of shape {token_shape}, got {got}")
     if check_ids:
         used = routes[..., list(backend.moe_layers), :]  # [*token_shape, moe_layers, top_k]
         if replay_mask is not None:
@@ -101,9 +94,9 @@ def validate_routes_for_install(
         if used.numel():
             low, high = int(used.min()), int(used.max())
             if low < 0 or high >= num_experts:
+                expected = f"expected ids in [0, {num_experts - 1}]"
                 raise ValueError(
-                    f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; "
-                    f"expected ids in [0, {num_experts - 1}]"
+                    f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; {expected}"
                 )
             ordered = used.sort(dim=-1).values
             if bool((ordered[..., 1:] == ordered[..., :-1]).any()):

@@ -1,7 +1,4 @@
-"""Reading the fields a replay step needs from a batch, whatever its type.
-
-Shared by the callback and the megatron layout helper without either importing the other.
-"""
+"""The fields a replay step reads from a batch, whatever its type (``RolloutBatch``, mapping)."""
 
 from __future__ import annotations
 
@@ -28,11 +25,8 @@ def set_batch_field(batch: Any, name: str, value: Any) -> None:
 
 
 def host_attention_mask(batch: Any) -> Tensor:
-    """The batch's ``[B, S]`` left-padded attention mask on the host.
-
-    Rebuilt from ``batch.lengths_host()`` when the batch carries host lengths (``RolloutBatch``),
-    so no device->host sync is needed for a batch already on the GPU; otherwise copied back.
-    """
+    """The batch's left-padded ``[B, S]`` mask on the host: rebuilt from ``batch.lengths_host()`` (a
+    ``RolloutBatch``: no device->host sync), else copied back."""
     attention_mask = batch_field(batch, "attention_mask")
     if attention_mask is None:
         raise ValueError("RouterReplayCallback needs batch.attention_mask ([B, S] bool, left-padded)")

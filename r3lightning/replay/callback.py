@@ -1,14 +1,9 @@
 """Lightning callback that makes every training forward of an MoE model use replayed routes.
 
-Before each training step it builds the :class:`TokenMetadataLayout` of the tokens the model sees
-(padded ``[B, S]``, or the backend's: packed / CP / SP for megatron), aligns the batch's packed
-``routed_experts`` to it and hands them to the mode (:mod:`r3lightning.replay.modes`). Inside
-``with callback.micro_batch(sub_batch):`` the sub-batch's routes, in its own layout, are active.
-Routes are cleared after the step, at epoch end, on any exception and before validation / test /
-predict / sanity checking. The ``router_replay/`` metrics are counted on device
-(:mod:`r3lightning.replay.metrics`). Install costs no device->host sync for a ``RolloutBatch`` (a
-mapping batch costs one: its mask is copied back): ids were checked upstream (wire decode,
-``ReplayBuffer``) and are checked again only with ``validate_routes=True``.
+Before each step: the layout of the tokens the model sees, the batch's packed routes aligned to it,
+handed to the mode (:mod:`~r3lightning.replay.modes`); ``micro_batch(sub_batch)`` makes a
+sub-batch's routes active. Cleared after the step, at epoch end, on exceptions and before any
+other stage. Installing a ``RolloutBatch`` costs no host sync (ids were checked upstream).
 """
 
 from __future__ import annotations
@@ -232,11 +227,9 @@ class RouterReplayCallback(Callback):
     def micro_batch(self, sub_batch: Any) -> Iterator[TokenMetadataLayout | None]:
         """Replay ``sub_batch``'s routes, aligned to its own layout, in every forward of the block.
 
-        ``sub_batch``: a cut of the step's ``RolloutBatch`` (``split`` / ``chunk`` / ``select``,
-        trimmed or not) or any batch with ``routed_experts`` (r2: rows ``old_policy_forward``
-        recorded). Rows without a route, or a sub-batch without any, route natively (r3: a missing
-        route, unless its step was already counted). Yields the layout (None without routes). Run the
-        backward inside the block. Blocks cannot nest or overlap."""
+        ``sub_batch``: a cut of the step's ``RolloutBatch`` or any batch with ``routed_experts`` (r2:
+        rows ``old_policy_forward`` recorded); without routes it routes natively (r3: missing routes).
+        Yields the layout (None without routes). Run the backward inside; blocks cannot nest."""
         if not self._in_step or self.backend is None:
             raise RuntimeError("micro_batch() is only valid inside a training step (with this callback)")
         if self._in_micro:
@@ -258,10 +251,8 @@ class RouterReplayCallback(Callback):
     def old_policy_forward(self, batch: Any) -> Iterator[None]:
         """Wrap the old-policy (no-grad) forward over ``batch`` (the step's batch or a cut of it).
 
-        r2: records the experts used, stores them on ``batch.routed_experts`` and for its rows, so
-        later passes over them replay them (re-cut micro-batches; the rest of the step once every
-        row is recorded; the rest of an enclosing ``micro_batch(batch)``). Rows are recorded once.
-        r3 / off: does nothing. The block runs exactly one forward over ``batch``."""
+        r2: stores the experts used on ``batch.routed_experts`` and for its rows, so later passes over
+        them replay them (the rest of the step once every row is recorded). r3 / off: nothing."""
         active = self.mode == "r2" and self._in_step and self.backend is not None
         routes = self._r2.routes_of(batch) if active else None
         if not active or (routes is not None and routes.num_rows > 0):  # r3 / off, or recorded already

@@ -1,16 +1,12 @@
-"""Context managers to record and replay routes in custom loops (no Lightning needed).
+"""Record and replay routes in custom loops (no Lightning needed)::
 
-    with record_routes(model) as rec:
+    with record_routes(model) as rec:  # rec.routes: [B, S, num_layers, top_k], the experts used
         model(input_ids, attention_mask=attention_mask)
-    rec.routes  # [B, S, num_layers, top_k]: experts each MoE layer used (after any replay)
-
     with replay_routes(model, routes, replay_mask):
-        loss = model(input_ids, attention_mask=attention_mask).logits.sum()
-        loss.backward()  # activation-checkpoint recompute inside backward replays the same routes
+        model(input_ids, attention_mask=attention_mask).logits.sum().backward()  # recompute too
 
-Both accept a Hugging Face MoE model (its ``HFRouterReplay`` is created once and reused), a model
-that names its own backend (``model.router_replay_backend()``, e.g. a megatron-core MoE), or any
-``RouterReplayBackend``.
+``model``: a Hugging Face MoE (its ``HFRouterReplay``, made once), a model naming its own backend
+(``model.router_replay_backend()``, e.g. a megatron-core MoE), or any ``RouterReplayBackend``.
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from r3lightning.replay.backend import RouterReplayBackend
 
 
 def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
-    """The backend itself, the model's own (``model.router_replay_backend()``), or the Hugging Face
-    backend attached to a model (created on first use)."""
+    """The backend itself, the model's own, or the Hugging Face one attached to it (made once)."""
     if isinstance(model_or_backend, RouterReplayBackend):
         return model_or_backend
     own = getattr(model_or_backend, "router_replay_backend", None)
@@ -64,12 +59,9 @@ class RouteRecording:
 
 @contextmanager
 def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator[RouteRecording]:
-    """Record the experts every MoE layer uses in the forwards of the block.
-
-    ``rec.routes`` is set on exit. Several forwards (e.g. ``generate`` with a KV cache) are joined
-    along the last token axis. Installed routes (an enclosing ``replay_routes``) stay installed;
-    on an exception the recording is dropped and everything is cleared.
-    """
+    """Record the experts every MoE layer uses in the block's forwards into ``rec.routes`` (several
+    forwards, e.g. ``generate``, joined along the last token axis). Installed routes stay; an
+    exception drops the recording and clears everything."""
     backend = as_backend(model_or_backend)
     recording = RouteRecording()
     backend.start_recording()
@@ -85,11 +77,8 @@ def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator
 def replay_routes(
     model_or_backend: nn.Module | RouterReplayBackend, routes: Tensor, replay_mask: Tensor | None = None
 ) -> Iterator[RouterReplayBackend]:
-    """Replay ``routes`` ``[*token_shape, num_layers, top_k]`` in the forwards of the block.
-
-    ``replay_mask`` bool ``[*token_shape]``: False rows keep native routing. Routes are cleared on
-    exit, also on an exception. Yields the backend (for ``routing_stats()``).
-    """
+    """Replay ``routes [*token_shape, num_layers, top_k]`` in the block's forwards (``replay_mask
+    [*token_shape]`` False: native routing); cleared on exit. Yields the backend (``routing_stats()``)."""
     backend = as_backend(model_or_backend)
     backend.install(routes, replay_mask)
     try:

@@ -1,15 +1,9 @@
 """Rollout MoE load metrics: how evenly the engine spread a step's tokens over the experts.
 
-The routes of a training batch are the experts the engine used, so a step's per-layer expert load
-is one scatter-add over routes already in hand (no extra forward, no host sync). With ``c[l, e]``
-the token slots of MoE layer ``l`` routed to expert ``e``:
-
-- ``max_over_mean[l] = max_e c / mean_e c``: 1 when balanced, up to ``num_experts / top_k`` when
-  every token went to the same experts (the hottest expert's load, what EP ranks wait on);
-- ``entropy[l] = -sum_e p log p / log(num_experts)``, ``p = c[l] / sum_e c[l]``: 1 when uniform.
-
-Dense layers (all-zero rows, as engines fill them) are left out: the layers not in ``moe_layers``,
-or else every all-zero row, slot by slot (``top_k`` distinct experts are never all expert 0).
+One scatter-add over the batch's routes (no forward, no host sync). Per MoE layer: ``max_over_mean``
+(the hottest expert's slots over the mean: 1 balanced, up to ``num_experts / top_k``) and
+``entropy`` of the expert shares over ``log(num_experts)`` (1 uniform). All-zero rows (dense layers)
+are skipped.
 """
 
 from __future__ import annotations
@@ -64,9 +58,7 @@ def expert_load_stats(
         counts = torch.stack([counts[layer] for layer in chosen]) if chosen else counts[:0]
     layers = torch.tensor(chosen, dtype=torch.int64)  # host
     slots = counts.sum(-1)  # [L]
-    tokens = slots / top_k
-    mean = slots / num_experts
-    max_over_mean = counts.amax(-1) / mean  # NaN for a layer with no slots
+    tokens, max_over_mean = slots / top_k, counts.amax(-1) / (slots / num_experts)  # NaN without slots
     p = counts / slots.unsqueeze(-1)
     entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts) if num_experts > 1 else p.sum(-1)
     entropy = torch.where(slots > 0, entropy, torch.full_like(entropy, float("nan")))
@@ -82,20 +74,12 @@ def expert_load_stats(
 class ExpertLoadMonitor(Callback):
     """Log the rollout engine's per-layer expert load of the training batch every N steps.
 
-    Reads ``batch.routed_experts`` in ``on_train_batch_start`` of steps 0, N, 2N, ... and computes
-    on device; the values reach the Trainer's loggers in ``on_train_batch_end`` with one read-back
-    (not through ``self.log``, which would repeat the last value on later logging steps):
-    ``{prefix}/max_over_mean`` and ``/entropy`` (means over MoE layers), ``/max_over_mean_worst``,
-    ``/entropy_min`` and, with ``log_per_layer``, ``{prefix}/layer_XX/max_over_mean`` and ``.../entropy``.
-
-    Args:
-        num_experts: experts per MoE layer; ``None``: from a ``RouterReplayCallback``'s backend
-            (which also gives ``moe_layers``).
-        every_n_steps: measure every this many optimizer steps.
-        moe_layers: absolute MoE layer indices; ``None``: the backend's, else non-zero rows.
-        log_per_layer: also log each layer's values.
-        prefix: metric name prefix.
-        sync_dist: average over ranks (a collective on the measured steps, which all ranks reach).
+    Computed on device at ``on_train_batch_start`` of steps 0, N, 2N, ...; written to the loggers at
+    ``on_train_batch_end`` with one read-back (``self.log`` would repeat it on later steps):
+    ``{prefix}/max_over_mean``, ``/entropy`` (means over MoE layers), ``/max_over_mean_worst``,
+    ``/entropy_min``; with ``log_per_layer`` also ``{prefix}/layer_XX/max_over_mean`` and ``/entropy``.
+    ``num_experts`` / ``moe_layers``: default from a ``RouterReplayCallback``'s backend (else non-zero
+    rows); ``sync_dist``: average over ranks (a collective on the measured steps).
     """
 
     def __init__(
@@ -112,12 +96,9 @@ class ExpertLoadMonitor(Callback):
             raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
         if num_experts is not None and (type(num_experts) is not int or num_experts < 1):
             raise ValueError(f"num_experts must be a positive int or None, got {num_experts!r}")
-        self.num_experts = num_experts
-        self.every_n_steps = every_n_steps
+        self.num_experts, self.every_n_steps, self.log_per_layer = num_experts, every_n_steps, log_per_layer
         self.moe_layers = None if moe_layers is None else tuple(int(layer) for layer in moe_layers)
-        self.log_per_layer = log_per_layer
-        self.prefix = prefix
-        self.sync_dist = sync_dist
+        self.prefix, self.sync_dist = prefix, sync_dist
         self._last_step: int | None = None
         self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
 
@@ -131,10 +112,7 @@ class ExpertLoadMonitor(Callback):
                     moe_layers = moe_layers if moe_layers is not None else tuple(backend.moe_layers)
                     break
         if num_experts is None:
-            raise ValueError(
-                "ExpertLoadMonitor needs num_experts: pass it, or add a RouterReplayCallback whose "
-                "backend knows the model's experts"
-            )
+            raise ValueError("ExpertLoadMonitor needs num_experts: pass it, or add a RouterReplayCallback")
         return num_experts, moe_layers
 
     def on_train_batch_start(

@@ -27,12 +27,9 @@ COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
 
 
 def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
-    """``[4, len(layers)]`` counts comparing recorded experts with routes nothing replayed.
-
-    ``routes [*token_shape, L, K]``, ``mask [*token_shape]`` (True: a route row), ``used
-    [*shape, L, K]`` from ``stop_recording`` (forwards joined along the last token axis), ``layers``
-    the MoE layers on ``used``'s device. None unless ``used`` is whole forwards of ``token_shape``.
-    """
+    """``[4, len(layers)]`` counts comparing ``used [*shape, L, K]`` (``stop_recording``: forwards
+    joined along the last token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None
+    unless ``used`` is whole forwards of ``token_shape``. ``layers`` on ``used``'s device."""
     token_shape = tuple(routes.shape[:-2])
     lead, width = token_shape[:-1], token_shape[-1]
     shape = tuple(used.shape[:-2])
@@ -67,13 +64,9 @@ def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -
 
 
 class ReplayMetrics:
-    """The counts of one training step, on device, and their logging as ``router_replay/...``.
-
-    :meth:`start` opens a step; forwards add counts with :meth:`add` (off-mode comparisons) or
-    :meth:`fold` (a replaying backend's stats, before it is cleared); :meth:`table` is the sum so
-    far (plus the backend's own since its last clear). :meth:`log` sums over ranks with
-    ``sync_dist`` (one ``all_reduce`` of ``4 * num_layers + 2`` int64) and logs device tensors.
-    """
+    """One training step's counts on device, and their logging as ``router_replay/...``: forwards
+    :meth:`add` (off) or :meth:`fold` (a replaying backend's, before it is cleared) counts; :meth:`log`
+    sums over ranks (``sync_dist``: one ``all_reduce`` of ``4 * num_layers + 2`` int64)."""
 
     def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
         self.per_layer, self.sync_dist = per_layer, sync_dist

@@ -1,23 +1,11 @@
-"""Router replay for Hugging Face transformers 5.x MoE models.
+"""Router replay for Hugging Face transformers 5.x MoE models (concepts: the docs' "Router replay").
 
-Every supported family routes through a router module whose forward returns ``(router_logits
-[N, E], routing_weights [N, K], expert_indices [N, K])`` for the ``N`` flattened tokens.
-``HFRouterReplay`` puts a forward hook on each router that replaces ``expert_indices`` with the
-installed routes of its decoder layer (rows whose replay mask is False keep their native experts)
-and recomputes ``routing_weights`` from the *live* logits with the family's own normalisation
-(:mod:`r3lightning.replay.hf.routers`): the router still gets gradients, and replaying the native
-experts is bit-identical to not replaying.
-
-Your own hooks on a router: the router's forward itself always picks its own experts; replay swaps
-its output afterwards, in a forward hook. Hooks run in registration order, so a hook of yours
-registered before the backend was built (in the model's ``__init__``, say) or with
-``register_forward_hook(..., prepend=True)`` sees the router's own choice, and one registered after
-the backend sees the replayed output. What a forward actually used is what
-:func:`~r3lightning.replay.context.record_routes` records.
-
-Routes are keyed per router module (no queue), so activation-checkpoint recompute replays what the
-forward replayed and FSDP2 ``fully_shard`` (module identity kept) needs nothing special; recompute
-is neither recorded nor counted. Other router types: :func:`~r3lightning.replay.hf.routers.register_router`.
+A forward hook on each router (whose forward returns ``(logits [N, E], weights [N, K], indices
+[N, K])``) swaps in the installed experts of its layer (mask False: native) and recomputes the
+weights from the live logits with the family's formula (:mod:`~r3lightning.replay.hf.routers`).
+The router's own forward still picks its own experts: a user hook registered before the backend
+(or with ``prepend=True``) sees that choice, one registered after it sees the replayed output.
+Keyed per router module, so recompute and FSDP2 need nothing special.
 """
 
 from __future__ import annotations
@@ -44,17 +32,12 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyD
 class HFRouterReplay:
     """Replay / record backend for the MoE routers of a Hugging Face model (``RouterReplayBackend``).
 
-    ``model``: any module holding the routers (a ``*ForCausalLM``, its backbone, a LightningModule).
-    Routers map to absolute decoder layers by their qualified name (``...layers.<i>....``);
-    ``num_layers`` is ``config.num_hidden_layers`` when there is a config. :meth:`for_model` shares
-    one backend per model. ``validate=True`` checks installed ids (range, distinct per row): a pass
-    over the routes and, for device routes, host syncs (the callback turns it off).
-
-    Per router call while routes are installed, on device and without a host sync: that layer's
-    routes widened to int64, a ``where`` on the indices, the weight formula on the live logits and
-    two ``[N, K, K]`` comparisons for the counts. Routes move to the logits' device once, in the
-    first router call after :meth:`install`. Idle hooks return at once (nothing for
-    ``torch.compile`` to trace). Recording keeps an int32 ``[N, K]`` per MoE layer and forward.
+    ``model``: any module holding the routers (a ``*ForCausalLM``, its backbone, a LightningModule);
+    routers map to decoder layers by name (``...layers.<i>....``). :meth:`for_model` shares one
+    backend per model. ``validate``: check installed ids (host syncs for device routes). Per router
+    call with routes installed: that layer widened to int64, a ``where``, the weight formula and two
+    ``[N, K, K]`` comparisons, on device without a sync; idle hooks return at once (``torch.compile``
+    sees nothing). Recording keeps an int32 ``[N, K]`` per MoE layer and forward.
     """
 
     def __init__(self, model: nn.Module, *, validate: bool = True) -> None:
@@ -113,10 +96,8 @@ class HFRouterReplay:
                 del _OWNERS[module]
 
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
-        """Replay ``routes [*token_shape, num_layers, top_k]`` (``replay_mask [*token_shape]`` False:
-        native routing) until :meth:`clear`; replaces installed routes, stats keep accumulating.
-        Kept as given (compact, any device); the first router call moves them to its device
-        (``non_blocking``: pin host routes) and each router widens only its own layer."""
+        """Replay ``routes [*token_shape, L, K]`` (mask False: native) until :meth:`clear`, kept as
+        given; the first router call moves them to its device (``non_blocking``: pin host routes)."""
         token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
         n = routes[..., 0, 0].numel()
         self._routes = routes.reshape(n, self.num_layers, self.top_k)

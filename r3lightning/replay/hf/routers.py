@@ -1,31 +1,22 @@
-"""Which Hugging Face router module types can be replayed, and how: the router adapter registry.
+"""Which Hugging Face router types can be replayed, and how: the router adapter registry.
 
-A :class:`RouterAdapter` tells :class:`~r3lightning.replay.hf.replay.HFRouterReplay` where a router's
-forward returns its logits, gate weights and expert indices, and how the family turns live logits
-into gate weights for given experts. The built-in families are registered lazily from the
-installed transformers; :func:`register_router` adds others; :func:`find_routers` maps a model's
-routers to their absolute decoder-layer indices.
+A :class:`RouterAdapter` says where a router's output holds its logits, gate weights and expert
+indices, and how its family turns live logits into gate weights for given experts. Built-in
+families are registered lazily from the installed transformers (``_BUILTIN`` lists the router
+classes per formula); :func:`register_router` adds others. The gate-weight functions ``(router,
+logits [N, E], experts [N, K] int64) -> [N, K]`` are named for the family they were written from:
 
-Gate-weight functions ``(router, logits [N, E], experts [N, K] int64) -> weights [N, K]``, each
-named for the family it was written from (the families that share its formula in brackets):
-
-==========================  ==================================================================
-``qwen3_moe_weights``       softmax over all experts in fp32, renormalised over the top-k when
-                            ``norm_topk_prob``, cast back to the logits' dtype (Qwen2-MoE, OLMoE,
-                            Qwen3-Next, FlexOlmo, Mellum)
-``qwen3_5_moe_weights``     as above, always renormalised (Qwen3-VL-MoE, Qwen3-Omni, Hunyuan-MoE)
-``mixtral_weights``         softmax over all experts, renormalised, kept in fp32 (MiniMax)
-``deepseek_v3_weights``     sigmoid scores, optional renormalisation, ``routed_scaling_factor``
-                            (GLM-4 MoE, dots1, EXAONE-MoE, Kimi-Linear, Nemotron-H, ...)
-``deepseek_v2_weights``     softmax over all experts times ``routed_scaling_factor`` (DeepSeek-OCR-2)
-``ernie_weights``           ERNIE-4.5-MoE: softmax, renormalised with the sum clamped at ``norm_min``
-``gpt_oss_weights``         softmax over the selected logits only (Aria, GraniteMoE)
-``phimoe_weights``          PhiMoE's sparsemixer, slot by slot
-==========================  ==================================================================
-
-The names before this release (``softmax_then_topk_weights``, ``softmax_renormalised_weights``,
-``sigmoid_scaled_weights``, ``softmax_scaled_weights``, ``softmax_over_topk_weights``) still import
-from here, with a ``DeprecationWarning``, until the next minor release.
+======================= ===========================================================================
+``qwen3_moe_weights``   fp32 softmax over all experts, top-k renormalised if ``norm_topk_prob``,
+                        in the logits' dtype (Qwen2-MoE, OLMoE, Qwen3-Next, FlexOlmo, Mellum)
+``qwen3_5_moe_weights`` as above, always renormalised (Qwen3-VL-MoE, Qwen3-Omni, Hunyuan-MoE)
+``mixtral_weights``     fp32 softmax over all experts, renormalised, kept in fp32 (MiniMax)
+``deepseek_v3_weights`` sigmoid, optional renormalisation, ``routed_scaling_factor`` (GLM-4 MoE, ...)
+``deepseek_v2_weights`` fp32 softmax over all experts times ``routed_scaling_factor``
+``ernie_weights``       ERNIE-4.5-MoE: softmax renormalised with the sum clamped at ``norm_min``
+``gpt_oss_weights``     softmax over the selected logits only (Aria, GraniteMoE)
+``phimoe_weights``      PhiMoE's sparsemixer, slot by slot
+======================= ===========================================================================
 """
 
 from __future__ import annotations
@@ -47,12 +38,9 @@ GateWeightsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 @dataclass(frozen=True)
 class RouterAdapter:
-    """How to replay one router module type.
-
-    The router's forward returns a tuple holding the logits, the gate weights and the expert
-    indices at ``output_positions`` (in that order); ``gate_weights`` recomputes the weights for
-    given indices exactly as the router itself does after its top-k selection.
-    """
+    """How to replay one router type: its forward's tuple holds the logits, gate weights and expert
+    indices at ``output_positions``; ``gate_weights`` recomputes the weights for given indices as
+    the router itself does after its top-k."""
 
     gate_weights: GateWeightsFn
     top_k_attr: str = "top_k"
@@ -119,6 +107,7 @@ def phimoe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor
     return torch.cat(columns, dim=-1)
 
 
+# names before this release: importable, with a DeprecationWarning, until the next minor release
 _RENAMED = {
     "softmax_then_topk_weights": "qwen3_moe_weights",
     "softmax_renormalised_weights": "qwen3_5_moe_weights",
@@ -132,20 +121,17 @@ def __getattr__(name: str) -> Any:
     new = _RENAMED.get(name)
     if new is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"{__name__}.{name} is deprecated and will be removed in the next minor release; "
-        f"use {__name__}.{new}",
-        DeprecationWarning,
-        stacklevel=2,
+    message = (
+        f"{__name__}.{name} is deprecated and will be removed in the next minor release; use {__name__}.{new}"
     )
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
     return globals()[new]
 
 
 _ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
 
-# Built-in families: "<transformers model package>.<router class>" names per weight formula, checked
-# against the router's own forward; imported lazily, so a transformers build without one of them
-# still serves the others.
+# "<transformers model package>.<router class>" per formula, each checked against the router's own
+# forward; imported lazily, so a transformers build without one of them still serves the others
 _BUILTIN: dict[GateWeightsFn, str] = {
     qwen3_moe_weights: """qwen3_moe.Qwen3MoeTopKRouter qwen2_moe.Qwen2MoeTopKRouter olmoe.OlmoeTopKRouter
         qwen3_next.Qwen3NextTopKRouter flex_olmo.FlexOlmoTopKRouter mellum.MellumTopKRouter

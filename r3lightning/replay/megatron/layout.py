@@ -1,11 +1,8 @@
-"""Where a megatron-core rank's tokens are: its tensor/context-parallel position and token layout.
+"""Where a megatron-core rank's tokens are: its TP/CP position and the token layout it sees.
 
-Megatron packs a batch (THD) into one ``[1, T]`` row, each sequence padded to a multiple of TP (of
-``2 * TP * CP`` with context parallelism, each CP rank keeping two of its ``2 * CP`` chunks); under
-sequence parallelism each TP rank's MoE layers see its contiguous ``1/TP`` of the row. fp8 needs
-more padding (GEMM token counts in multiples of 16, block-scaled recipes quantising the row in
-blocks of 128 per alignment unit): sequences to ``lcm(16, align)``, the row to ``128 * align``
-(the last sequence takes the extra), as verl packs fp8 batches.
+Packed (THD) rows pad each sequence to TP (``2 * TP * CP`` with context parallelism; fp8 adds
+``lcm(16, align)`` per sequence and ``128 * align`` per row, as verl packs fp8 batches); under
+sequence parallelism each TP rank's routers see its contiguous ``1/TP`` of the row.
 """
 
 from __future__ import annotations
@@ -78,14 +75,10 @@ def megatron_token_layout(
     side: Literal["left", "right"] = "right",
     fp8: bool = False,
 ) -> TokenMetadataLayout:
-    """Layout of the tokens this rank's megatron model sees for a left-padded ``attention_mask [B, S]``
-    or a batch holding one (a ``RolloutBatch`` on the GPU costs no sync: its host lengths are used).
-
-    ``packed=True``: THD, each sequence padded to ``parallelism.pad_to_multiple`` (plus fp8 padding
-    with ``fp8``) and cut for this CP rank, ``[1, T_local]``. ``packed=False``: megatron's unpacked
-    ``[B, S']`` (real tokens in front with ``side="right"``, ``S'`` a multiple of TP; no CP).
-    ``parallelism`` defaults to :meth:`MegatronParallelism.resolve`. Built on the host.
-    """
+    """Layout of the tokens this rank's megatron model sees for a left-padded mask ``[B, S]`` or a
+    batch holding one (a ``RolloutBatch``'s host lengths: no sync). ``packed``: THD, ``[1, T_local]``
+    for this CP rank (with ``fp8`` padding); else megatron's unpacked ``[B, S']`` (real tokens in
+    front with ``side="right"``; no CP). ``parallelism``: :meth:`MegatronParallelism.resolve`."""
     if isinstance(batch, Tensor):
         if batch.dim() != 2:
             raise ValueError(f"attention_mask must be [B, S], got shape {tuple(batch.shape)}")
@@ -115,9 +108,7 @@ def megatron_token_layout(
 def megatron_padding_mask(
     layout: TokenMetadataLayout, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """bool ``[*token_shape]``, True on padding: the ``padding_mask`` to pass to ``GPTModel`` (the
-    pre-sequence-parallel shape: megatron scatters it) or ``MoELayer``. megatron-core 0.16 leaves
-    True positions out of the aux losses, the z-loss and the expert-bias counts (its docstrings say
-    the opposite). One host->device copy through page-locked staging, no sync."""
+    """bool ``[*token_shape]``, True on padding: ``padding_mask`` for ``GPTModel`` (pre-split shape)
+    or ``MoELayer``; megatron leaves it out of aux losses and expert-bias counts. No host sync."""
     mask = ~layout.token_mask
     return mask if device is None else to_device_async(mask, torch.device(device))

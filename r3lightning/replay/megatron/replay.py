@@ -1,21 +1,9 @@
 """Router replay for megatron-core MoE models, through megatron's own ``RouterReplay``.
 
-With ``TransformerConfig(moe_enable_routing_replay=True)`` every ``TopKRouter`` has a
-``RouterReplay`` its routing consults for the top-k, while the gate weights still come from the
-live scores. :class:`MegatronRouterReplay` drives them for one pipeline stage: layers are each
-router's global ``layer_number`` (pipeline, virtual-stage and dense-first offsets applied), routes
-``[B, S, num_layers, top_k]`` (packed ``[1, T_local]`` of this CP rank, or an unpacked batch) are
-split for sequence parallelism, put in megatron's ``[s, b]`` order and widened to int64 at install,
-and each layer's rows go to that router's :class:`MaskedRouterReplay` (``REPLAY_FORWARD`` in the
-forward, ``REPLAY_BACKWARD`` in recompute, one queued entry per forward).
-
-``forward_backward_func``: install each micro-batch's routes in the ``forward_step_func`` right
-before its forward; megatron recomputes a chunk's micro-batches in the order of their forwards, so
-each recompute replays its own, under any schedule. Virtual pipeline parallelism: build the backend
-over the list of model chunks and install with ``vp_stage=backend.vp_stage_of(model)``. Fused
-routers (``moe_router_fusion=True``, whose TE top-k never consults ``RouterReplay``) route through
-megatron's unfused top-k while replaying or recording. Sinkhorn routing and token dropping are
-refused: the experts used would not be the installed ones.
+Build the model with ``moe_enable_routing_replay=True``; install each micro-batch's routes in the
+``forward_step_func`` right before its forward (with VPP: ``vp_stage=backend.vp_stage_of(model)``);
+recompute replays them in megatron's order under any schedule. Fused routers replay through the
+unfused top-k; sinkhorn routing and token dropping are refused.
 """
 
 from __future__ import annotations
@@ -86,14 +74,11 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRou
 class MegatronRouterReplay:
     """Replay / record backend for the MoE routers of one megatron-core pipeline stage.
 
-    ``model_or_modules``: the stage's model (``GPTModel``, ``TransformerBlock``, a DDP/Float16
-    wrapper) or modules holding its ``TopKRouter`` s (with VPP: megatron's model chunks), built with
-    ``moe_enable_routing_replay=True``. ``config``: the routers' ``TransformerConfig`` by default.
-    ``parallelism``: this rank's TP/CP position; default :meth:`MegatronParallelism.resolve` (from
-    ``parallel_state``) with ``config.sequence_parallel``. ``tp_group`` (default: megatron's) is
-    used by :meth:`stop_recording` under sequence parallelism. ``validate`` checks ids on install
-    (range, distinct per row; a host sync for device routes). Routes stay until :meth:`clear`, to
-    call after every step; backends over the same routers share their state.
+    ``model_or_modules``: the stage's model (or a DDP/Float16 wrapper) or modules holding its
+    ``TopKRouter`` s (with VPP: megatron's model chunks). ``parallelism`` defaults to
+    :meth:`MegatronParallelism.resolve` with ``config.sequence_parallel``; ``tp_group`` (default:
+    megatron's) serves :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on
+    install (a host sync). Routes stay until :meth:`clear`; backends over one model share state.
     """
 
     def __init__(
@@ -172,12 +157,9 @@ class MegatronRouterReplay:
     def install(
         self, routes: Tensor, replay_mask: Tensor | None = None, *, vp_stage: int | None = None
     ) -> None:
-        """Replay ``routes [B, S, num_layers, top_k]`` (the token shape before the sequence-parallel
-        split; ``replay_mask [B, S]`` False: native) in the next forward and its recompute. With
-        VPP, ``vp_stage`` (of the chunk megatron hands the ``forward_step_func``) is required and
-        only that chunk's routers take them. Cost: one int64 copy of this rank's rows per installed
-        layer on the routers' device (``non_blocking``: pin host routes); no host sync unless
-        ``validate``."""
+        """Replay ``routes [B, S, L, K]`` (before the sequence-parallel split; mask False: native) in
+        the next forward and its recompute; with VPP only chunk ``vp_stage``'s routers take them. One
+        int64 copy of this rank's rows per layer (``non_blocking``); no host sync unless ``validate``."""
         targets = self._stage_positions(vp_stage)
         validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
         device = self._routers[0].weight.device

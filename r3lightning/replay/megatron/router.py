@@ -1,16 +1,10 @@
 """megatron-core's ``RouterReplay`` with a per-token replay mask, agreement counts and recording.
 
-megatron's ``RouterReplay`` replays whole batches: ``REPLAY_FORWARD`` returns the target indices,
-``REPLAY_BACKWARD`` pops a FIFO (one entry per forward) in recompute, ``RECORD`` keeps the native
-choice; the gate weights come from the live scores. :class:`MaskedRouterReplay` takes the place of a
-router's own instance (in megatron's global list too) and adds a replay mask travelling with each
-target through the FIFO, per-forward agreement counts, recording under replay, and a forward
-pre-hook that picks ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` (recompute runs inside autograd's
-backward) and queues one entry per forward. Two megatron workarounds: 0.16-0.19 mask the
-expert-bias counts with ``[N, E] & [N]`` (an error, or wrong counts when ``N == E``), replaced by
-the per-token broadcast; a fused router (whose TE top-k never consults ``RouterReplay``) is pointed
-at an unfused copy of its config while it replays or records. Without a mask it returns exactly
-what megatron's ``REPLAY_*`` actions return.
+:class:`MaskedRouterReplay` takes a router's ``RouterReplay`` slot (megatron's global list too); a
+mask travels with each target through megatron's recompute FIFO, and a pre-hook picks
+``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` and queues one entry per forward. It also fixes the
+expert-bias padding mask of megatron-core 0.16-0.19 and routes fused routers through the unfused
+top-k while replaying. Without a mask it returns exactly what megatron's ``REPLAY_*`` return.
 """
 
 from __future__ import annotations
@@ -37,11 +31,8 @@ _BACKWARD = RouterReplayAction.REPLAY_BACKWARD
 
 
 class MaskedRouterReplay(RouterReplay):
-    """megatron's ``RouterReplay`` plus a per-token replay mask, agreement counts and recording.
-
-    State of one router. A pending ``target_mask`` travels with each ``target_topk_idx`` through
-    megatron's backward FIFO (``replay_backward_masks`` mirrors ``replay_backward_list``).
-    """
+    """One router's replay state: ``target_mask`` travels with each ``target_topk_idx`` through the
+    recompute FIFO (``replay_backward_masks`` mirrors ``replay_backward_list``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -177,11 +168,8 @@ class MaskedRouterReplay(RouterReplay):
 
 
 def _count_expert_tokens(router: TopKRouter, routing_map: Tensor, padding_mask: Tensor | None = None) -> None:
-    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token.
-
-    Counts the tokens routed to each expert for the expert-bias update, padding excluded; neither
-    in evaluation nor in activation recomputation (no grad there), as megatron does.
-    """
+    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token; nothing in
+    evaluation or recompute (no grad there), as megatron does."""
     if router.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():
             if padding_mask is not None:
