@@ -44,19 +44,18 @@ class HFRouterReplay:
         self.validate = validate
         found = find_routers(model)
         layers = [layer for layer, *_ in found]
-        top_ks = {getattr(m, a.top_k_attr) for _, _, m, a in found}
-        num_experts = {getattr(m, a.num_experts_attr) for _, _, m, a in found}
-        if len(top_ks) != 1 or len(num_experts) != 1:
-            raise ValueError(f"routers disagree on top_k {top_ks} or num_experts {num_experts}")
-        config = getattr(model, "config", None)
-        self.num_layers: int = int(getattr(config, "num_hidden_layers", layers[-1] + 1))
+        shapes = {
+            (int(getattr(m, a.top_k_attr)), int(getattr(m, a.num_experts_attr))) for _, _, m, a in found
+        }
+        if len(shapes) != 1:
+            raise ValueError(f"routers disagree on (top_k, num_experts): {sorted(shapes)}")
+        (self.top_k, self.num_experts), self.moe_layers = shapes.pop(), tuple(layers)
+        self.num_layers: int = int(
+            getattr(getattr(model, "config", None), "num_hidden_layers", layers[-1] + 1)
+        )
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at layer {layers[-1]} but num_hidden_layers={self.num_layers}")
-        self.top_k: int = int(top_ks.pop())
-        self.num_experts: int = int(num_experts.pop())
-        self.moe_layers: tuple[int, ...] = tuple(layers)
         self.model_name = type(model).__name__
-
         self.clear()
         for _, name, module, _ in found:
             if module in _OWNERS:
@@ -103,16 +102,6 @@ class HFRouterReplay:
         self._routes = routes.reshape(n, self.num_layers, self.top_k)
         self._mask = None if replay_mask is None else replay_mask.reshape(n)
         self._token_shape = token_shape
-
-    def _routes_on(self, device: torch.device) -> tuple[Tensor, Tensor | None]:
-        """Installed routes ``[N, L, K]`` and mask ``[N]`` on ``device``, moved there once."""
-        routes, mask = self._routes, self._mask
-        assert routes is not None
-        if routes.device != device:
-            self._routes = routes = routes.to(device, non_blocking=True)
-            if mask is not None:
-                self._mask = mask = mask.to(device, non_blocking=True)
-        return routes, mask
 
     def clear(self) -> None:
         """Drop installed routes, recording and stats (no device work)."""
@@ -163,16 +152,14 @@ class HFRouterReplay:
     def routing_stats(self) -> dict:
         """:meth:`RouterReplayBackend.routing_stats`, with ``used_slots`` (replayed experts the forward
         used); int64 ``[len(moe_layers)]`` on the logits' device, no sync."""
-        if self._stats is None:
-            rows = slots = used = torch.zeros(len(self.moe_layers), dtype=torch.int64)
-        else:
-            rows, slots, used = self._stats.unbind(0)
+        stats = (
+            torch.zeros((3, len(self.moe_layers)), dtype=torch.int64) if self._stats is None else self._stats
+        )
+        keys = ("replayed_rows", "agreeing_slots", "used_slots")
         return {
             "layers": self.moe_layers,
             "top_k": self.top_k,
-            "replayed_rows": rows,
-            "agreeing_slots": slots,
-            "used_slots": used,
+            **dict(zip(keys, stats.unbind(0), strict=True)),
         }
 
     def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -203,8 +190,10 @@ class HFRouterReplay:
                     f"{self.model_name} routed {native.shape[0]} tokens at layer {layer} but routes "
                     f"were installed for token shape {self._token_shape} ({self._routes.shape[0]} tokens)"
                 )
-            routes, mask = self._routes_on(output[p_logits].device)
-            installed = routes[:, layer].long()  # [N, K]: only this layer is widened
+            if self._routes.device != native.device:  # once per install: to the router's device
+                self._routes = self._routes.to(native.device, non_blocking=True)
+                self._mask = None if self._mask is None else self._mask.to(native.device, non_blocking=True)
+            installed, mask = self._routes[:, layer].long(), self._mask  # [N, K]: only this layer widened
             indices = installed if mask is None else torch.where(mask[:, None], installed, native)
             # in the dtype the router returns: ERNIE computes in fp32 and rounds to its input's
             weights = adapter.gate_weights(module, output[p_logits], indices).to(output[p_weights].dtype)
@@ -212,9 +201,7 @@ class HFRouterReplay:
             replaced[p_weights], replaced[p_indices] = weights, indices
             if not recompute:
                 if self._stats is None:
-                    self._stats = torch.zeros(
-                        (3, len(self.moe_layers)), dtype=torch.int64, device=native.device
-                    )
+                    self._stats = native.new_zeros((3, len(self.moe_layers)), dtype=torch.int64)
                 self._stats[:, position] += agreement_counts(installed, native, mask, used=indices)
         if self._sessions and not recompute:
             used = indices.detach().to(torch.int32)

@@ -93,15 +93,13 @@ class MegatronRouterReplay:
         modules = [model_or_modules] if isinstance(model_or_modules, nn.Module) else list(model_or_modules)
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError("model_or_modules must be an nn.Module or a non-empty list of nn.Modules")
-        found = list(
-            {id(m): m for root in modules for m in root.modules() if isinstance(m, TopKRouter)}.values()
-        )
+        found = {id(m): m for root in modules for m in root.modules() if isinstance(m, TopKRouter)}.values()
         if not found:
             raise ValueError(
                 f"no megatron TopKRouter found in {[type(m).__name__ for m in modules]}; "
                 "is it an MoE model (TransformerConfig.num_moe_experts set)?"
             )
-        self.config = config if config is not None else found[0].config
+        self.config = config if config is not None else next(iter(found)).config
         _refuse_unsupported(self.config)
         for router in found:
             if router.router_replay is None:
@@ -119,16 +117,18 @@ class MegatronRouterReplay:
         layers = [router.layer_number - 1 for router in self._routers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
-        self.num_layers: int = int(self.config.num_layers)
+        cfg = self.config
+        self.num_layers, self.top_k, self.num_experts = (
+            int(cfg.num_layers),
+            int(cfg.moe_router_topk),
+            int(cfg.num_moe_experts),
+        )
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at decoder layer {layers[-1]} but config.num_layers={self.num_layers}")
-        self.top_k: int = int(self.config.moe_router_topk)
-        self.num_experts: int = int(self.config.num_moe_experts)
         self.moe_layers: tuple[int, ...] = tuple(layers)
-        sequence_parallel = bool(getattr(self.config, "sequence_parallel", False))
+        sequence_parallel = bool(getattr(cfg, "sequence_parallel", False))
         self.parallelism = parallelism or MegatronParallelism.resolve(sequence_parallel=sequence_parallel)
-        self.validate = validate
-        self._tp_group = tp_group
+        self.validate, self._tp_group = validate, tp_group
         self._replays = [MaskedRouterReplay.attach(router) for router in self._routers]
         # per router (moe_layers order); None everywhere without virtual pipeline parallelism
         self.vp_stages: tuple[int | None, ...] = tuple(_virtual_stages(self.config, modules, self._routers))
@@ -141,10 +141,8 @@ class MegatronRouterReplay:
     def build_layout(
         self, batch: Any, *, packed: bool = True, fp8: bool | None = None
     ) -> TokenMetadataLayout:
-        """:func:`megatron_token_layout` for this rank (packed by default); ``fp8`` (packed only)
-        defaults to whether the model trains in fp8 (``config.fp8`` set)."""
-        if fp8 is None:
-            fp8 = packed and bool(getattr(self.config, "fp8", None))
+        """:func:`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8`` being set."""
+        fp8 = packed and bool(getattr(self.config, "fp8", None)) if fp8 is None else fp8
         return megatron_token_layout(batch, packed=packed, parallelism=self.parallelism, fp8=fp8)
 
     def _split_sequence(self, tensor: Tensor) -> Tensor:
@@ -164,15 +162,12 @@ class MegatronRouterReplay:
         validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
         device = self._routers[0].weight.device
         local = self._split_sequence(routes)  # [N, L, K] compact dtype
-        mask = (
-            None
-            if replay_mask is None
-            else to_device_async(self._split_sequence(replay_mask).contiguous(), device)
-        )
+        if replay_mask is not None:
+            replay_mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)
         for position in targets:  # one widening copy per layer (no device index tensor to build)
-            layer_routes = torch.empty((local.shape[0], self.top_k), dtype=torch.int64, device=device)
+            rows = torch.empty((local.shape[0], self.top_k), dtype=torch.int64, device=device)
             self._replays[position].install(
-                layer_routes.copy_(local[:, self.moe_layers[position]], non_blocking=True), mask
+                rows.copy_(local[:, self.moe_layers[position]], non_blocking=True), replay_mask
             )
 
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
@@ -241,14 +236,12 @@ class MegatronRouterReplay:
         local = torch.stack(recorded, dim=1)  # [S_local * B, L_moe, K]
         par = self.parallelism
         if par.sequence_parallel and par.tp_size > 1:
-            group = self._tp_group
-            if group is None:
-                if not parallel_state.model_parallel_is_initialized():
-                    raise RuntimeError(
-                        f"stop_recording with tp_size={par.tp_size} gathers over the TP group: pass "
-                        "tp_group= or initialise megatron.core.parallel_state"
-                    )
-                group = parallel_state.get_tensor_model_parallel_group()
+            if self._tp_group is None and not parallel_state.model_parallel_is_initialized():
+                raise RuntimeError(
+                    f"stop_recording with tp_size={par.tp_size} gathers over the TP group: pass "
+                    "tp_group= or initialise megatron.core.parallel_state"
+                )
+            group = self._tp_group or parallel_state.get_tensor_model_parallel_group()
             pieces = [torch.empty_like(local) for _ in range(par.tp_size)]
             dist.all_gather(pieces, local.contiguous(), group=group)
             local = torch.cat(pieces)  # [S * B, L_moe, K], TP ranks in sequence order
@@ -260,10 +253,10 @@ class MegatronRouterReplay:
         """:meth:`RouterReplayBackend.routing_stats` of this rank's local MoE layers (on device)."""
         known = [r.counts for r in self._replays if r.counts is not None]
         zero = torch.zeros(3, dtype=torch.int64, device=known[0].device if known else "cpu")
-        table = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)  # [3, L]
+        rows, slots, _ = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)
         return {
             "layers": self.moe_layers,
             "top_k": self.top_k,
-            "replayed_rows": table[0],
-            "agreeing_slots": table[1],
+            "replayed_rows": rows,
+            "agreeing_slots": slots,
         }
