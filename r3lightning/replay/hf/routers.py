@@ -240,39 +240,28 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
 
 
 _ROUTER_NAME_RE = re.compile(r"(Router|Gate|Gating)$|Top[Kk](Router|Gating)")
+_OUTPUT = "(router_logits [N, E], gate_weights [N, K], expert_indices [N, K])"
 
 
 def _no_router_message(model: nn.Module) -> str:
     """Why ``model`` has nothing to replay, naming the router-like module found and the fix."""
     model_name = type(model).__name__
-    candidate = next(
-        ((name, type(m)) for name, m in model.named_modules() if _ROUTER_NAME_RE.search(type(m).__name__)),
-        None,
-    )
-    if candidate is None:
-        known = sorted(cls.__name__ for cls in _ADAPTERS)
-        return (
-            f"no MoE router found in {model_name}; supported router types: {known}. A router type of "
-            "your own is replayed once registered:\n" + _register_fix("MyRouter")
-        )
-    name, cls = candidate
-    reason = _INCOMPATIBLE.get(cls.__name__)
-    if reason is not None:
-        return (
-            f"{model_name}'s router {name!r} ({cls.__module__}.{cls.__name__}) cannot be replayed: "
-            f"{reason}, while replay rewrites a router output (router_logits [N, E], gate_weights "
-            "[N, K], expert_indices [N, K])"
-        )
-    return (
-        f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}, a "
-        "router type r3lightning does not know. If its forward returns (router_logits [N, E], "
-        "gate_weights [N, K], expert_indices [N, K]), register it with the function that turns logits "
-        "into its gate weights for given experts (or one of your own):\n" + _register_fix(cls.__name__)
-    )
-
-
-def _register_fix(class_name: str) -> str:
-    return (
+    found = [(name, type(m)) for name, m in model.named_modules() if _ROUTER_NAME_RE.search(type(m).__name__)]
+    name, cls = found[0] if found else ("", None)
+    fix = (
         "    from r3lightning.replay.hf.routers import RouterAdapter, qwen3_moe_weights, register_router\n"
-        f"    register_router({class_name}, RouterAdapter(gate_weights=qwen3_moe_weights))"
+        f"    register_router({cls.__name__ if cls else 'MyRouter'}, RouterAdapter(gate_weights=qwen3_moe_weights))"
+    )
+    if cls is None:
+        known = sorted(c.__name__ for c in _ADAPTERS)
+        return f"no MoE router found in {model_name}; supported router types: {known}. Yours replays once registered:\n{fix}"
+    where = f"{name!r} ({cls.__module__}.{cls.__name__})"
+    if cls.__name__ in _INCOMPATIBLE:
+        reason = _INCOMPATIBLE[cls.__name__]
+        return f"{model_name}'s router {where} cannot be replayed: {reason}, while replay rewrites {_OUTPUT}"
+    return (
+        f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}, a router "
+        "type r3lightning does not know. If its "
+        f"forward returns {_OUTPUT}, register it with the function that turns logits into its gate weights "
+        f"for given experts (or one of your own):\n{fix}"
     )

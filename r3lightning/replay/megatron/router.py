@@ -67,8 +67,7 @@ class MaskedRouterReplay(RouterReplay):
         if _EXPERT_BIAS_MASK_BUG and getattr(router, "enable_expert_bias", False):
             router._apply_expert_bias = types.MethodType(_count_expert_tokens, router)
         if replay.fused_config is None and getattr(router.config, "moe_router_fusion", False):
-            replay.fused_config = router.config
-            replay.unfused_config = copy.copy(router.config)
+            replay.fused_config, replay.unfused_config = router.config, copy.copy(router.config)
             replay.unfused_config.moe_router_fusion = False
         return replay
 
@@ -95,17 +94,12 @@ class MaskedRouterReplay(RouterReplay):
 
     def clear_indices(self) -> None:
         super().clear_indices()
-        self.target_mask = None
-        self.replay_backward_masks = []
-        self.fresh = False
+        self.target_mask, self.replay_backward_masks, self.fresh = None, [], False
 
     def reset(self) -> None:
         self.clear_indices()
         self.clear_router_replay_action()
-        self.recording = False
-        self.recorded_topk_idx = None
-        self.token_batch = None
-        self.counts = None
+        self.recording, self.recorded_topk_idx, self.token_batch, self.counts = False, None, None, None
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
         self._select_top_k(router)
