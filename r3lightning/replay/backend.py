@@ -13,15 +13,6 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = [
-    "RouterReplayBackend",
-    "agreement_counts",
-    "agreement_hits",
-    "in_recompute",
-    "routes_on_all_layers",
-    "validate_routes_for_install",
-]
-
 
 @runtime_checkable
 class RouterReplayBackend(Protocol):

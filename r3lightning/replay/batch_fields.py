@@ -7,8 +7,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["batch_field", "host_attention_mask", "set_batch_field"]
-
 
 def batch_field(batch: Any, name: str) -> Any:
     """``batch.name`` for a ``RolloutBatch`` (or any object), ``batch[name]`` for a mapping."""

@@ -18,18 +18,12 @@ from torch import Tensor, nn
 
 from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.packed import PackedTensor
+from r3lightning.replay import modes
 from r3lightning.replay.backend import RouterReplayBackend
 from r3lightning.replay.batch_fields import batch_field, host_attention_mask
 from r3lightning.replay.context import build_backend
 from r3lightning.replay.metrics import COUNT_KEYS, ReplayMetrics
-from r3lightning.replay.modes import (
-    Comparing,
-    Install,
-    MissingRoutes,
-    OldPolicyRecorder,
-    Replaying,
-    align_routes,
-)
+from r3lightning.replay.modes import Install
 
 Mode = Literal["r3", "r2", "off"]
 LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> layout
@@ -88,7 +82,7 @@ class RouterReplayCallback(Callback):
                 )
             self.backend.validate = validate_routes
         self._strict_hooks: list = []
-        self._missing = MissingRoutes(strict)
+        self._missing = modes.MissingRoutes(strict)
         self._metrics = ReplayMetrics(per_layer=log_per_layer, sync_dist=sync_dist)
         self._reset_step()
 
@@ -97,8 +91,8 @@ class RouterReplayCallback(Callback):
         self._batch: Any = None
         self._step: Install | None = None  # the whole batch's routes
         self._micro: Install | None = None  # the active micro-batch's (None: native)
-        self._mode: Replaying | Comparing | None = None
-        self._r2 = OldPolicyRecorder()
+        self._mode: modes.Replaying | modes.Comparing | None = None
+        self._r2 = modes.OldPolicyRecorder()
 
     @staticmethod
     def find(trainer: pl.Trainer) -> RouterReplayCallback:
@@ -171,7 +165,7 @@ class RouterReplayCallback(Callback):
     def align_routes(self, routes: PackedTensor, layout: TokenMetadataLayout) -> tuple[Tensor, Tensor]:
         """Dense routes ``[*token_shape, L, K]`` and replay mask (see :func:`align_routes`)."""
         assert self.backend is not None
-        return align_routes(routes, layout, self.backend)
+        return modes.align_routes(routes, layout, self.backend)
 
     def _prepare(self, routes: PackedTensor, batch: Any) -> Install:
         layout = self.build_layout(host_attention_mask(batch))
@@ -182,10 +176,12 @@ class RouterReplayCallback(Callback):
     ) -> None:
         backend = self._ensure_backend(pl_module)
         self._clear()
-        self._in_step, self._batch, self._r2 = True, batch, OldPolicyRecorder(batch)
+        self._in_step, self._batch, self._r2 = True, batch, modes.OldPolicyRecorder(batch)
         self._metrics.start(backend, batch)
         metrics = self._metrics if self.log_agreement else None
-        self._mode = Comparing(backend, metrics) if self.mode == "off" else Replaying(backend, metrics)
+        self._mode = (
+            modes.Comparing(backend, metrics) if self.mode == "off" else modes.Replaying(backend, metrics)
+        )
         routes = batch_field(batch, "routed_experts")
         if routes is None or routes.num_rows == 0:
             if self.mode == "r3":

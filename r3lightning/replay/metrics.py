@@ -19,8 +19,6 @@ from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import RouterReplayBackend, agreement_hits
 from r3lightning.replay.batch_fields import batch_field
 
-__all__ = ["COUNT_KEYS", "ReplayMetrics", "comparison_counts", "step_metrics"]
-
 # route_rows: rows with a route row (per forward and layer); replayed_rows: those replayed;
 # native_hits / used_hits: route experts the router picked natively / the forward used
 COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
@@ -65,7 +63,7 @@ def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -
 
 class ReplayMetrics:
     """One training step's counts on device, and their logging as ``router_replay/...``: forwards
-    :meth:`add` (off) or :meth:`fold` (a replaying backend's, before it is cleared) counts; :meth:`log`
+    :meth:`add` counts (off mode's, or a replaying backend's before it is cleared); :meth:`log`
     sums over ranks (``sync_dist``: one ``all_reduce`` of ``4 * num_layers + 2`` int64)."""
 
     def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
@@ -97,21 +95,16 @@ class ReplayMetrics:
     def add(self, table: Tensor) -> None:
         self._table = table if self._table is None else self._table + table.to(self._table.device)
 
-    def _backend_counts(self) -> Tensor:
+    def backend_counts(self) -> Tensor:
         """The replaying backend's stats since its last clear as counts (every route row it saw
         was replayed; without ``used_slots`` it used all it installed). Host zeros are staged."""
         assert self.backend is not None
         stats = self.backend.routing_stats()
-        replayed, native = stats["replayed_rows"], stats["agreeing_slots"]
-        used = stats.get("used_slots")
+        replayed, native, used = stats["replayed_rows"], stats["agreeing_slots"], stats.get("used_slots")
         used = replayed * self.backend.top_k if used is None else used
         return torch.stack(
             [to_device_async(t, self.device).long() for t in (replayed, replayed, native, used)]
         )
-
-    def fold(self) -> None:
-        """Keep what the replaying backend counted so far (call before it is cleared)."""
-        self.add(self._backend_counts())
 
     def table(self, *, with_backend: bool) -> Tensor:
         """``[4, len(moe_layers)]``: the counts so far (zeros if none, so every rank logs the same
@@ -119,7 +112,7 @@ class ReplayMetrics:
         assert self.backend is not None
         table = self._table
         if with_backend:
-            stats = self._backend_counts()
+            stats = self.backend_counts()
             table = stats if table is None else stats + table.to(stats.device)
         if table is None:
             table = torch.zeros((4, len(self.backend.moe_layers)), dtype=torch.int64, device=self.device)
@@ -132,17 +125,6 @@ class ReplayMetrics:
         if loss_mask is not None:
             target_next = layout.from_batch(loss_mask, next_token=True) > 0
             self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
-
-    def _global_layers(self, distributed: bool) -> tuple[int, ...]:
-        """MoE layers any rank routes (pipeline stages differ), gathered once per fit."""
-        assert self.backend is not None
-        if self._layers is None:
-            gathered: list[Any] = [tuple(self.backend.moe_layers)]
-            if distributed:
-                gathered = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, tuple(self.backend.moe_layers))
-            self._layers = tuple(sorted({layer for layers in gathered for layer in layers}))
-        return self._layers
 
     def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
         """Log the ratios of ``local`` (:meth:`table`); ``missing``: the run's batches without
@@ -157,14 +139,16 @@ class ReplayMetrics:
             extra[0] += self._native_loss_tokens.to(device)
         extra[1] += missing or 0
         vector = torch.cat([table.reshape(-1), extra])
-        distributed = (
-            self.sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        )
-        layers = self._global_layers(distributed)
+        distributed = self.sync_dist and dist.is_available() and dist.is_initialized()
+        if self._layers is None:  # MoE layers any rank routes (pipeline stages differ), once per fit
+            gathered: list[Any] = [tuple(backend.moe_layers)] * (dist.get_world_size() if distributed else 1)
+            if distributed:
+                dist.all_gather_object(gathered, tuple(backend.moe_layers))
+            self._layers = tuple(sorted({layer for layers in gathered for layer in layers}))
         if distributed:
             dist.all_reduce(vector)  # exact ratios over all ranks; no host sync
         totals = vector[: table.numel()].reshape(table.shape).double()
-        metrics = step_metrics(totals, top_k=backend.top_k, layers=layers if self.per_layer else None)
+        metrics = step_metrics(totals, top_k=backend.top_k, layers=self._layers if self.per_layer else None)
         if missing is not None:
             metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[table.numel() :]
         for name, value in metrics.items():  # sync_dist=False: summed over ranks above

@@ -24,8 +24,6 @@ from r3lightning.replay.batch_fields import batch_field, set_batch_field
 from r3lightning.replay.metrics import ReplayMetrics, comparison_counts
 from r3lightning.wire.request import ENGINE_ROUTES_FLAG
 
-__all__ = ["Comparing", "Install", "MissingRoutes", "OldPolicyRecorder", "Replaying", "align_routes"]
-
 
 @dataclass(frozen=True)
 class Install:
@@ -46,9 +44,8 @@ def align_routes(
         raise ValueError(
             f"batch.routed_experts rows must be [num_layers={L}, top_k={K}], got {tuple(routes.row_shape)}"
         )
-    dense = align_packed_token_metadata(
-        routes, layout, pad=lambda n: dummy_routes(n, L, K, E, device=routes.device)
-    )
+    pad = lambda n: dummy_routes(n, L, K, E, device=routes.device)  # noqa: E731
+    dense = align_packed_token_metadata(routes, layout, pad=pad)
     mask = build_replay_mask(routes.lengths, layout)  # host
     return dense, to_device_async(mask, dense.device)  # staged through page-locked memory
 
@@ -66,7 +63,7 @@ class Replaying:
             self.installed_any = True
             return
         if self.metrics is not None:
-            self.metrics.fold()
+            self.metrics.add(self.metrics.backend_counts())
         self.backend.clear()
 
     def table(self, *, reopen: bool = True) -> Tensor | None:
@@ -89,15 +86,10 @@ class Comparing:
         if opened is not None:
             try:
                 used = self.backend.stop_recording()  # [*token_shape', L, K]
-            except (RuntimeError, ValueError):
+            except (RuntimeError, ValueError):  # no forward, or forwards that cannot be joined
                 used = None
-            table = (
-                None
-                if used is None
-                else comparison_counts(
-                    opened.routes, opened.mask, used, self.metrics.layer_index(used.device)
-                )
-            )
+            index = None if used is None else self.metrics.layer_index(used.device)
+            table = None if used is None else comparison_counts(opened.routes, opened.mask, used, index)
             if table is not None:
                 self.metrics.add(table)
         if install is not None:
