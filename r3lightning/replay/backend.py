@@ -5,8 +5,6 @@ layers ignored on install, 0 when recorded); ``token_shape`` is what the model s
 padded, ``[1, T]`` packed; megatron: this CP rank's, before the sequence-parallel split).
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 

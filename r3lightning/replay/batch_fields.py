@@ -1,7 +1,5 @@
 """The fields a replay step reads from a batch, whatever its type (``RolloutBatch``, mapping)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch

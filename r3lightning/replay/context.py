@@ -9,8 +9,6 @@
 (``model.router_replay_backend()``, e.g. a megatron-core MoE), or any ``RouterReplayBackend``.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass

@@ -6,8 +6,6 @@ One scatter-add over the batch's routes (no forward, no host sync). Per MoE laye
 are skipped.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -103,14 +101,13 @@ class ExpertLoadMonitor(Callback):
         self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
 
     def _schema(self, trainer: pl.Trainer) -> tuple[int, tuple[int, ...] | None]:
+        backend = next(
+            (b for c in trainer.callbacks if hasattr(b := getattr(c, "backend", None), "moe_layers")), None
+        )
         num_experts, moe_layers = self.num_experts, self.moe_layers
-        if num_experts is None or moe_layers is None:
-            for callback in trainer.callbacks:
-                backend = getattr(callback, "backend", None)
-                if backend is not None and hasattr(backend, "num_experts") and hasattr(backend, "moe_layers"):
-                    num_experts = num_experts if num_experts is not None else int(backend.num_experts)
-                    moe_layers = moe_layers if moe_layers is not None else tuple(backend.moe_layers)
-                    break
+        if backend is not None and hasattr(backend, "num_experts"):
+            num_experts = int(backend.num_experts) if num_experts is None else num_experts
+            moe_layers = tuple(backend.moe_layers) if moe_layers is None else moe_layers
         if num_experts is None:
             raise ValueError("ExpertLoadMonitor needs num_experts: pass it, or add a RouterReplayCallback")
         return num_experts, moe_layers

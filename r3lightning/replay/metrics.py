@@ -5,8 +5,6 @@ ratios are taken only after summing over forwards, micro-batches and ranks, so e
 exact ratio of sums (<= 1), never a mean of ratios. Nothing here syncs with the host.
 """
 
-from __future__ import annotations
-
 from typing import Any
 
 import lightning.pytorch as pl

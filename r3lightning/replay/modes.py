@@ -5,8 +5,6 @@ natively and compares; :class:`OldPolicyRecorder` (r2) records the old-policy fo
 :class:`MissingRoutes` counts, warns about or refuses steps without routes.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any
 

@@ -19,8 +19,6 @@ logits [N, E], experts [N, K] int64) -> [N, K]`` are named for the family they w
 ======================= ===========================================================================
 """
 
-from __future__ import annotations
-
 import importlib
 import re
 import warnings
@@ -135,16 +133,15 @@ _ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
 _BUILTIN: dict[GateWeightsFn, str] = {
     qwen3_moe_weights: """qwen3_moe.Qwen3MoeTopKRouter qwen2_moe.Qwen2MoeTopKRouter olmoe.OlmoeTopKRouter
         qwen3_next.Qwen3NextTopKRouter flex_olmo.FlexOlmoTopKRouter mellum.MellumTopKRouter
-        qwen3_omni_moe.Qwen3OmniMoeThinkerTextTopKRouter
-        qwen3_omni_moe.Qwen3OmniMoeTalkerTextTopKRouter qwen4_exp.Qwen4ExpTextTopKRouter""",
+        qwen3_omni_moe.Qwen3OmniMoeThinkerTextTopKRouter qwen3_omni_moe.Qwen3OmniMoeTalkerTextTopKRouter
+        qwen4_exp.Qwen4ExpTextTopKRouter""",
     qwen3_5_moe_weights: """qwen3_5_moe.Qwen3_5MoeTopKRouter qwen3_vl_moe.Qwen3VLMoeTextTopKRouter
         qwen3_omni_moe.Qwen3OmniMoeTextTopKRouter hunyuan_v1_moe.HunYuanMoEV1Gate""",
     mixtral_weights: "mixtral.MixtralTopKRouter minimax.MiniMaxTopKRouter",
     deepseek_v3_weights: """deepseek_v3.DeepseekV3TopkRouter glm4_moe.Glm4MoeTopkRouter
-        glm4_moe_lite.Glm4MoeLiteTopkRouter dots1.Dots1TopkRouter
-        exaone_moe.ExaoneMoeTopkRouter solar_open.SolarOpenTopkRouter
-        deepseek_v32.DeepseekV32TopkRouter glm4v_moe.Glm4vMoeTextTopkRouter
-        glm5_next.Glm5NextTextTopkRouter glm_moe_dsa.GlmMoeDsaTopkRouter
+        glm4_moe_lite.Glm4MoeLiteTopkRouter dots1.Dots1TopkRouter exaone_moe.ExaoneMoeTopkRouter
+        solar_open.SolarOpenTopkRouter deepseek_v32.DeepseekV32TopkRouter
+        glm4v_moe.Glm4vMoeTextTopkRouter glm5_next.Glm5NextTextTopkRouter glm_moe_dsa.GlmMoeDsaTopkRouter
         kimi_linear.KimiLinearTopkRouter mimo_v2_flash.MiMoV2FlashTopkRouter
         nemotron_h.NemotronHTopkRouter bailing_hybrid.BailingHybridTopkRouter
         dots3_note.Dots3NoteTextTopkRouter hy_v4.HYV4TopkRouter hy_v4_vl.HYV4VLTopkRouter
@@ -153,8 +150,8 @@ _BUILTIN: dict[GateWeightsFn, str] = {
         unlimited_ocr.UnlimitedOcrTextTopkRouter""",
     ernie_weights: "ernie4_5_moe.Ernie4_5_MoeTopKRouter",
     gpt_oss_weights: """gpt_oss.GptOssTopKRouter aria.AriaTextTopKRouter granitemoe.GraniteMoeTopKRouter
-        granitemoeshared.GraniteMoeSharedTopKRouter
-        granitemoehybrid.GraniteMoeHybridTopKRouter granitemoe_swa.GraniteMoeSWATopKRouter""",
+        granitemoeshared.GraniteMoeSharedTopKRouter granitemoehybrid.GraniteMoeHybridTopKRouter
+        granitemoe_swa.GraniteMoeSWATopKRouter""",
     phimoe_weights: "phimoe.PhimoeTopKRouter",
 }
 

@@ -59,12 +59,9 @@ class MegatronParallelism:
         return 2 * self.tp_size * self.cp_size if self.cp_size > 1 else self.tp_size
 
     def packed_multiples(self, *, fp8: bool = False) -> tuple[int, int]:
-        """``(per sequence, whole row)`` pad multiples of the packed layout: ``(pad_to_multiple, 1)``,
-        with ``fp8`` ``(lcm(16, pad_to_multiple), 128 * pad_to_multiple)``."""
+        """``(per sequence, whole row)`` pad multiples of the packed layout (see the module)."""
         align = self.pad_to_multiple
-        if not fp8:
-            return align, 1
-        return math.lcm(FP8_SEQUENCE_MULTIPLE, align), FP8_BLOCK * align
+        return (math.lcm(FP8_SEQUENCE_MULTIPLE, align), FP8_BLOCK * align) if fp8 else (align, 1)
 
 
 def megatron_token_layout(
@@ -79,12 +76,9 @@ def megatron_token_layout(
     batch holding one (a ``RolloutBatch``'s host lengths: no sync). ``packed``: THD, ``[1, T_local]``
     for this CP rank (with ``fp8`` padding); else megatron's unpacked ``[B, S']`` (real tokens in
     front with ``side="right"``; no CP). ``parallelism``: :meth:`MegatronParallelism.resolve`."""
-    if isinstance(batch, Tensor):
-        if batch.dim() != 2:
-            raise ValueError(f"attention_mask must be [B, S], got shape {tuple(batch.shape)}")
-        mask = batch.detach().cpu()
-    else:
-        mask = host_attention_mask(batch)
+    if isinstance(batch, Tensor) and batch.dim() != 2:
+        raise ValueError(f"attention_mask must be [B, S], got shape {tuple(batch.shape)}")
+    mask = batch.detach().cpu() if isinstance(batch, Tensor) else host_attention_mask(batch)
     par = parallelism if parallelism is not None else MegatronParallelism.resolve()
     if packed:
         per_sequence, whole_row = par.packed_multiples(fp8=fp8)
@@ -105,9 +99,7 @@ def megatron_token_layout(
     return TokenMetadataLayout.padded(mask, side=side, pad_to_multiple=par.tp_size)
 
 
-def megatron_padding_mask(
-    layout: TokenMetadataLayout, device: torch.device | str | None = None
-) -> torch.Tensor:
+def megatron_padding_mask(layout: TokenMetadataLayout, device: torch.device | str | None = None) -> Tensor:
     """bool ``[*token_shape]``, True on padding: ``padding_mask`` for ``GPTModel`` (pre-split shape)
     or ``MoELayer``; megatron leaves it out of aux losses and expert-bias counts. No host sync."""
     mask = ~layout.token_mask

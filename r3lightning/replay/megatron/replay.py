@@ -6,8 +6,6 @@ recompute replays them in megatron's order under any schedule. Fused routers rep
 unfused top-k; sinkhorn routing and token dropping are refused.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterable
 from typing import Any
 
