@@ -1,9 +1,6 @@
-"""The interface every router replay backend implements, and helpers the backends share.
-
-Routes are integers ``[*token_shape, num_layers, top_k]`` on the absolute decoder-layer axis (dense
-layers ignored on install, 0 when recorded); ``token_shape`` is what the model sees (``[B, S']``
-padded, ``[1, T]`` packed; megatron: this CP rank's, before the sequence-parallel split).
-"""
+"""The router replay backend interface and helpers its backends share. Routes are integers
+``[*token_shape, num_layers, top_k]`` on the absolute decoder-layer axis (dense layers ignored on
+install, 0 when recorded), ``token_shape`` as the model sees it (megatron: before the SP split)."""
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable

@@ -1,10 +1,6 @@
-"""Lightning callback that makes every training forward of an MoE model use replayed routes.
-
-Before each step: the layout of the tokens the model sees, the batch's packed routes aligned to it,
-handed to the mode (:mod:`~r3lightning.replay.modes`); ``micro_batch(sub_batch)`` makes a
-sub-batch's routes active. Cleared after the step, at epoch end, on exceptions and before any
-other stage. Installing a ``RolloutBatch`` costs no host sync (ids were checked upstream).
-"""
+"""Lightning callback that makes every training forward of an MoE model use replayed routes: it
+aligns each step's (or micro-batch's) packed routes to the layout the model sees and hands them to
+the mode (:mod:`~r3lightning.replay.modes`); a ``RolloutBatch`` installs without a host sync."""
 
 from __future__ import annotations
 
@@ -76,9 +72,9 @@ class RouterReplayCallback(Callback):
         self.backend = backend if isinstance(backend, RouterReplayBackend) else None
         if self.backend is not None and validate_routes is not None:
             if not hasattr(self.backend, "validate"):
+                name = type(self.backend).__name__
                 raise ValueError(
-                    f"validate_routes={validate_routes} needs a backend with a 'validate' flag, "
-                    f"got {type(self.backend).__name__}"
+                    f"validate_routes={validate_routes} needs a backend with a 'validate' flag, got {name}"
                 )
             self.backend.validate = validate_routes
         self._strict_hooks: list = []
@@ -178,10 +174,8 @@ class RouterReplayCallback(Callback):
         self._clear()
         self._in_step, self._batch, self._r2 = True, batch, modes.OldPolicyRecorder(batch)
         self._metrics.start(backend, batch)
-        metrics = self._metrics if self.log_agreement else None
-        self._mode = (
-            modes.Comparing(backend, metrics) if self.mode == "off" else modes.Replaying(backend, metrics)
-        )
+        mode_cls = modes.Comparing if self.mode == "off" else modes.Replaying
+        self._mode = mode_cls(backend, self._metrics if self.log_agreement else None)
         routes = batch_field(batch, "routed_experts")
         if routes is None or routes.num_rows == 0:
             if self.mode == "r3":

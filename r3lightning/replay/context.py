@@ -1,12 +1,9 @@
 """Record and replay routes in custom loops (no Lightning needed)::
 
-    with record_routes(model) as rec:  # rec.routes: [B, S, num_layers, top_k], the experts used
-        model(input_ids, attention_mask=attention_mask)
-    with replay_routes(model, routes, replay_mask):
-        model(input_ids, attention_mask=attention_mask).logits.sum().backward()  # recompute too
-
-``model``: a Hugging Face MoE (its ``HFRouterReplay``, made once), a model naming its own backend
-(``model.router_replay_backend()``, e.g. a megatron-core MoE), or any ``RouterReplayBackend``.
+with record_routes(model) as rec:  # rec.routes: [B, S, num_layers, top_k], the experts used
+    model(input_ids, attention_mask=attention_mask)
+with replay_routes(model, routes, replay_mask):
+    model(input_ids, attention_mask=attention_mask).logits.sum().backward()  # recompute too
 """
 
 from collections.abc import Iterator

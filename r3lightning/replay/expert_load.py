@@ -1,10 +1,6 @@
-"""Rollout MoE load metrics: how evenly the engine spread a step's tokens over the experts.
-
-One scatter-add over the batch's routes (no forward, no host sync). Per MoE layer: ``max_over_mean``
-(the hottest expert's slots over the mean: 1 balanced, up to ``num_experts / top_k``) and
-``entropy`` of the expert shares over ``log(num_experts)`` (1 uniform). All-zero rows (dense layers)
-are skipped.
-"""
+"""How evenly the rollout engine spread a step's tokens over the experts, per MoE layer, from the
+routes in hand (one scatter-add, no host sync): ``max_over_mean`` (1 balanced, up to ``num_experts /
+top_k``) and normalised ``entropy`` (1 uniform). All-zero rows (dense layers) are skipped."""
 
 import math
 from collections.abc import Sequence
@@ -60,13 +56,7 @@ def expert_load_stats(
     p = counts / slots.unsqueeze(-1)
     entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts) if num_experts > 1 else p.sum(-1)
     entropy = torch.where(slots > 0, entropy, torch.full_like(entropy, float("nan")))
-    return {
-        "counts": counts,
-        "tokens": tokens,
-        "max_over_mean": max_over_mean,
-        "entropy": entropy,
-        "layers": layers,
-    }
+    return dict(counts=counts, tokens=tokens, max_over_mean=max_over_mean, entropy=entropy, layers=layers)
 
 
 class ExpertLoadMonitor(Callback):

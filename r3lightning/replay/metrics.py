@@ -1,9 +1,6 @@
-"""Router replay metrics from on-device counts: the math behind ``router_replay/...``.
-
-Counts are int64 tables ``[4, layers]`` (rows :data:`COUNT_KEYS`) kept where they were counted;
-ratios are taken only after summing over forwards, micro-batches and ranks, so each metric is an
-exact ratio of sums (<= 1), never a mean of ratios. Nothing here syncs with the host.
-"""
+"""The ``router_replay/...`` metrics from int64 counts ``[4, layers]`` (:data:`COUNT_KEYS`) kept on
+device and summed over forwards, micro-batches and ranks before any ratio: each metric is an exact
+ratio of sums (<= 1). Nothing here syncs with the host."""
 
 from typing import Any
 
@@ -100,9 +97,8 @@ class ReplayMetrics:
         stats = self.backend.routing_stats()
         replayed, native, used = stats["replayed_rows"], stats["agreeing_slots"], stats.get("used_slots")
         used = replayed * self.backend.top_k if used is None else used
-        return torch.stack(
-            [to_device_async(t, self.device).long() for t in (replayed, replayed, native, used)]
-        )
+        counts = (replayed, replayed, native, used)
+        return torch.stack([to_device_async(t, self.device).long() for t in counts])
 
     def table(self, *, with_backend: bool) -> Tensor:
         """``[4, len(moe_layers)]``: the counts so far (zeros if none, so every rank logs the same

@@ -1,9 +1,6 @@
-"""What each replay mode does with the routes active for the forwards (a step's, a micro-batch's).
-
-:class:`Replaying` (r3, and r2 once recorded) installs them; :class:`Comparing` (off) routes
-natively and compares; :class:`OldPolicyRecorder` (r2) records the old-policy forward per row;
-:class:`MissingRoutes` counts, warns about or refuses steps without routes.
-"""
+"""What each mode does with the active routes: :class:`Replaying` (r3; r2 once recorded) installs
+them, :class:`Comparing` (off) measures native routing against them, :class:`OldPolicyRecorder` (r2)
+records the old-policy forward per row, :class:`MissingRoutes` handles steps without routes."""
 
 from dataclasses import dataclass
 from typing import Any

@@ -44,15 +44,12 @@ class HFRouterReplay:
         self.validate = validate
         found = find_routers(model)
         layers = [layer for layer, *_ in found]
-        shapes = {
-            (int(getattr(m, a.top_k_attr)), int(getattr(m, a.num_experts_attr))) for _, _, m, a in found
-        }
+        shapes = {(int(getattr(m, a.top_k_attr)), int(getattr(m, a.num_experts_attr))) for *_, m, a in found}
         if len(shapes) != 1:
             raise ValueError(f"routers disagree on (top_k, num_experts): {sorted(shapes)}")
         (self.top_k, self.num_experts), self.moe_layers = shapes.pop(), tuple(layers)
-        self.num_layers: int = int(
-            getattr(getattr(model, "config", None), "num_hidden_layers", layers[-1] + 1)
-        )
+        config = getattr(model, "config", None)
+        self.num_layers: int = int(getattr(config, "num_hidden_layers", layers[-1] + 1))
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at layer {layers[-1]} but num_hidden_layers={self.num_layers}")
         self.model_name = type(model).__name__
@@ -69,9 +66,8 @@ class HFRouterReplay:
             self._handles.append(module.register_forward_hook(self._router_hook(layer, position, adapter)))
         # the first MoE block's input gives the token shape of each recorded forward
         first_parent = model.get_submodule(found[0][1].rpartition(".")[0]) if "." in found[0][1] else model
-        self._handles.append(
-            first_parent.register_forward_pre_hook(self._on_first_moe_block, with_kwargs=True)
-        )
+        first_hook = first_parent.register_forward_pre_hook(self._on_first_moe_block, with_kwargs=True)
+        self._handles.append(first_hook)
         self.routers: tuple[nn.Module, ...] = tuple(module for _, _, module, _ in found)
 
     @classmethod
@@ -142,8 +138,7 @@ class HFRouterReplay:
                     f"recorded forwards have token shapes {[c[0] for c in captures]}; they can only be "
                     "joined along the last token axis"
                 )
-            missing = set(self.moe_layers) - set(by_layer)
-            if missing:
+            if missing := set(self.moe_layers) - set(by_layer):
                 raise RuntimeError(f"recording saw no routing for MoE layers {sorted(missing)}")
             rows = ((layer, r.reshape(*token_shape, self.top_k)) for layer, r in by_layer.items())
             pieces.append(routes_on_all_layers(rows, token_shape, self.num_layers, self.top_k))
@@ -156,11 +151,7 @@ class HFRouterReplay:
             torch.zeros((3, len(self.moe_layers)), dtype=torch.int64) if self._stats is None else self._stats
         )
         keys = ("replayed_rows", "agreeing_slots", "used_slots")
-        return {
-            "layers": self.moe_layers,
-            "top_k": self.top_k,
-            **dict(zip(keys, stats.unbind(0), strict=True)),
-        }
+        return dict(layers=self.moe_layers, top_k=self.top_k) | dict(zip(keys, stats.unbind(0), strict=True))
 
     def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._sessions or in_recompute():

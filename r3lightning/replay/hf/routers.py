@@ -119,9 +119,7 @@ def __getattr__(name: str) -> Any:
     new = _RENAMED.get(name)
     if new is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    message = (
-        f"{__name__}.{name} is deprecated and will be removed in the next minor release; use {__name__}.{new}"
-    )
+    message = f"{__name__}.{name} is deprecated (removed in the next minor release); use {__name__}.{new}"
     warnings.warn(message, DeprecationWarning, stacklevel=2)
     return globals()[new]
 

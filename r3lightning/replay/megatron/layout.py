@@ -1,9 +1,6 @@
-"""Where a megatron-core rank's tokens are: its TP/CP position and the token layout it sees.
-
-Packed (THD) rows pad each sequence to TP (``2 * TP * CP`` with context parallelism; fp8 adds
-``lcm(16, align)`` per sequence and ``128 * align`` per row, as verl packs fp8 batches); under
-sequence parallelism each TP rank's routers see its contiguous ``1/TP`` of the row.
-"""
+"""A megatron-core rank's TP/CP position and token layout: packed (THD) sequences padded to TP (``2 *
+TP * CP`` with CP; fp8 to ``lcm(16, align)`` per sequence and ``128 * align`` per row, as verl packs);
+under sequence parallelism each TP rank's routers see its contiguous ``1/TP`` of the row."""
 
 from __future__ import annotations
 
@@ -82,14 +79,8 @@ def megatron_token_layout(
     par = parallelism if parallelism is not None else MegatronParallelism.resolve()
     if packed:
         per_sequence, whole_row = par.packed_multiples(fp8=fp8)
-        return TokenMetadataLayout.packed(
-            mask.sum(-1),
-            pad_to_multiple=per_sequence,
-            cp_size=par.cp_size,
-            cp_rank=par.cp_rank,
-            batch_width=mask.shape[1],
-            pad_total_to_multiple=whole_row,
-        )
+        pads = dict(pad_to_multiple=per_sequence, pad_total_to_multiple=whole_row, batch_width=mask.shape[1])
+        return TokenMetadataLayout.packed(mask.sum(-1), cp_size=par.cp_size, cp_rank=par.cp_rank, **pads)
     if fp8:
         raise ValueError("fp8 padding applies to the packed layout: pass packed=True")
     if par.cp_size > 1:

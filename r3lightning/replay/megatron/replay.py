@@ -1,10 +1,6 @@
-"""Router replay for megatron-core MoE models, through megatron's own ``RouterReplay``.
-
-Build the model with ``moe_enable_routing_replay=True``; install each micro-batch's routes in the
-``forward_step_func`` right before its forward (with VPP: ``vp_stage=backend.vp_stage_of(model)``);
-recompute replays them in megatron's order under any schedule. Fused routers replay through the
-unfused top-k; sinkhorn routing and token dropping are refused.
-"""
+"""Router replay for megatron-core MoE models (``moe_enable_routing_replay=True``), through megatron's
+own ``RouterReplay``: install each micro-batch's routes in the ``forward_step_func`` before its
+forward (VPP: with ``vp_stage``); recompute replays them in megatron's order under any schedule."""
 
 from collections.abc import Iterable
 from typing import Any
@@ -116,11 +112,8 @@ class MegatronRouterReplay:
         if len(set(layers)) != len(layers):
             raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
         cfg = self.config
-        self.num_layers, self.top_k, self.num_experts = (
-            int(cfg.num_layers),
-            int(cfg.moe_router_topk),
-            int(cfg.num_moe_experts),
-        )
+        self.num_layers, self.top_k = int(cfg.num_layers), int(cfg.moe_router_topk)
+        self.num_experts: int = int(cfg.num_moe_experts)
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at decoder layer {layers[-1]} but config.num_layers={self.num_layers}")
         self.moe_layers: tuple[int, ...] = tuple(layers)
@@ -164,9 +157,8 @@ class MegatronRouterReplay:
             replay_mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)
         for position in targets:  # one widening copy per layer (no device index tensor to build)
             rows = torch.empty((local.shape[0], self.top_k), dtype=torch.int64, device=device)
-            self._replays[position].install(
-                rows.copy_(local[:, self.moe_layers[position]], non_blocking=True), replay_mask
-            )
+            layer_rows = local[:, self.moe_layers[position]]  # [N, K] compact
+            self._replays[position].install(rows.copy_(layer_rows, non_blocking=True), replay_mask)
 
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
         """The ``vp_stage`` to install with for ``chunk`` (a model chunk or a wrapper of it, as the
@@ -252,9 +244,4 @@ class MegatronRouterReplay:
         known = [r.counts for r in self._replays if r.counts is not None]
         zero = torch.zeros(3, dtype=torch.int64, device=known[0].device if known else "cpu")
         rows, slots, _ = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)
-        return {
-            "layers": self.moe_layers,
-            "top_k": self.top_k,
-            "replayed_rows": rows,
-            "agreeing_slots": slots,
-        }
+        return dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)

@@ -1,11 +1,6 @@
-"""megatron-core's ``RouterReplay`` with a per-token replay mask, agreement counts and recording.
-
-:class:`MaskedRouterReplay` takes a router's ``RouterReplay`` slot (megatron's global list too); a
-mask travels with each target through megatron's recompute FIFO, and a pre-hook picks
-``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` and queues one entry per forward. It also fixes the
-expert-bias padding mask of megatron-core 0.16-0.19 and routes fused routers through the unfused
-top-k while replaying. Without a mask it returns exactly what megatron's ``REPLAY_*`` return.
-"""
+"""megatron-core's ``RouterReplay`` with a per-token replay mask (carried through the recompute FIFO),
+agreement counts and recording; it also fixes megatron-core 0.16-0.19's expert-bias padding mask and
+replays fused routers through the unfused top-k. Without a mask: exactly megatron's ``REPLAY_*``."""
 
 from __future__ import annotations
 
@@ -142,14 +137,12 @@ class MaskedRouterReplay(RouterReplay):
         probs, replayed = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         if mask is None and action is _BACKWARD:
             return probs, replayed
-        indices = replayed
+        indices, groups = replayed, dict(num_groups=num_groups, group_topk=group_topk)
         if mask is None:
             with torch.no_grad():  # only for the agreement counts
-                _, native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                _, native = default_compute_topk(scores, topk, **groups)
         else:
-            native_probs, native = default_compute_topk(
-                scores, topk, num_groups=num_groups, group_topk=group_topk
-            )
+            native_probs, native = default_compute_topk(scores, topk, **groups)
             keep = mask.to(scores.device, non_blocking=True).unsqueeze(-1)  # [N, 1]
             indices = torch.where(keep, replayed, native)
             probs = torch.where(keep, probs, native_probs)
