@@ -23,20 +23,16 @@ class RouterReplayBackend(Protocol):
         """Replay ``routes`` in the following forwards (and their activation recompute) until
         :meth:`clear` or the next install. ``replay_mask [*token_shape]`` bool: False rows (padding,
         uncaptured tokens) keep native routing; None replays every row."""
-        ...
 
     def clear(self) -> None:
         """Drop installed routes, recording state and routing stats; routers route natively."""
-        ...
 
     def start_recording(self) -> None:
         """Capture the experts every router uses in the following forwards."""
-        ...
 
     def stop_recording(self) -> Tensor:
         """The experts the recorded forward used, ``[*token_shape, num_layers, top_k]`` (0 on dense
         layers); a backend may join several forwards along the token axis (KV-cache generation)."""
-        ...
 
     def routing_stats(self) -> dict:
         """Agreement of the forwards since :meth:`clear`, recompute not counted twice: ``layers``,
@@ -44,7 +40,6 @@ class RouterReplayBackend(Protocol):
         int64 ``[len(layers)]`` on the routers' device (host zeros before a forward), no host sync;
         optionally ``used_slots`` (replayed ids the forward used; default: all). Agreement of layer
         ``i`` = ``agreeing_slots[i] / (replayed_rows[i] * top_k)``."""
-        ...
 
 
 def validate_routes_for_install(

@@ -151,12 +151,10 @@ class RouterReplayCallback(Callback):
 
     def build_layout(self, attention_mask: Tensor) -> TokenMetadataLayout:
         """Layout of the tokens the routed model sees for a host left-padded ``[B, S]`` mask."""
-        if self.layout_fn is not None:
-            return self.layout_fn(attention_mask)
-        backend_layout = getattr(self.backend, "build_layout", None)
-        if backend_layout is not None:
-            return backend_layout(attention_mask)
-        return TokenMetadataLayout.padded(attention_mask, pad_to_multiple=self.pad_to_multiple)
+        build = self.layout_fn or getattr(self.backend, "build_layout", None)
+        if build is None:
+            return TokenMetadataLayout.padded(attention_mask, pad_to_multiple=self.pad_to_multiple)
+        return build(attention_mask)
 
     def align_routes(self, routes: PackedTensor, layout: TokenMetadataLayout) -> tuple[Tensor, Tensor]:
         """Dense routes ``[*token_shape, L, K]`` and replay mask (see :func:`align_routes`)."""

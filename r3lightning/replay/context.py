@@ -1,9 +1,11 @@
 """Record and replay routes in custom loops (no Lightning needed)::
 
-with record_routes(model) as rec:  # rec.routes: [B, S, num_layers, top_k], the experts used
-    model(input_ids, attention_mask=attention_mask)
-with replay_routes(model, routes, replay_mask):
-    model(input_ids, attention_mask=attention_mask).logits.sum().backward()  # recompute too
+    with record_routes(model) as rec:  # rec.routes: [B, S, num_layers, top_k], the experts used
+        model(input_ids, attention_mask=attention_mask)
+    with replay_routes(model, routes, replay_mask):
+        model(input_ids, attention_mask=attention_mask).logits.sum().backward()  # recompute too
+
+``model``: a Hugging Face MoE, a model with ``router_replay_backend()``, or a ``RouterReplayBackend``.
 """
 
 from collections.abc import Iterator
@@ -26,9 +28,8 @@ def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterRepla
         from r3lightning.replay.hf.replay import HFRouterReplay
 
         return HFRouterReplay.for_model(model_or_backend)
-    raise TypeError(
-        f"expected an nn.Module MoE model or a RouterReplayBackend, got {type(model_or_backend).__name__}"
-    )
+    got = type(model_or_backend).__name__
+    raise TypeError(f"expected an nn.Module MoE model or a RouterReplayBackend, got {got}")
 
 
 def build_backend(megatron: bool, model: nn.Module, *, validate: bool) -> RouterReplayBackend:

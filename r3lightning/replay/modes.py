@@ -162,13 +162,14 @@ class MissingRoutes:
         self.counted_step = True
         if mode not in self.warned:
             self.warned.add(mode)
-            rank_zero_warn(
-                f"RouterReplayCallback(mode='r2'): {reason}; nothing was replayed"
-                if mode == "r2"
-                else f"RouterReplayCallback(mode='r3'): {reason}, so it routes natively. Is the rollout engine "
-                f"started with {ENGINE_ROUTES_FLAG} and asked for routes? Such batches are counted in "
-                "router_replay/batches_without_routes (warned once per run; strict=True raises)."
+            hint = (
+                f", so it routes natively. Is the rollout engine started with {ENGINE_ROUTES_FLAG} and asked "
             )
+            hint += (
+                "for routes? Such batches are counted in router_replay/batches_without_routes (warned once)."
+            )
+            hint = hint if mode == "r3" else "; nothing was replayed"
+            rank_zero_warn(f"RouterReplayCallback(mode={mode!r}): {reason}{hint}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches_without_routes": self.count, "warned": sorted(self.warned)}

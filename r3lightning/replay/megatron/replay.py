@@ -44,8 +44,8 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRou
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     if not (vpp and vpp > 1) and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    stage_of: dict[int, int] = {}
-    chunk_of: dict[int, int] = {}
+    stage_of: dict[int, int] = {}  # router id -> vp_stage of a module holding it
+    chunk_of: dict[int, int] = {}  # router id -> index of its chunk in modules
     for index, root in enumerate(modules):
         for module in root.modules():
             if isinstance(module, TopKRouter):
