@@ -53,19 +53,16 @@ def validate_routes_for_install(
     """Check ``backend.install(routes, replay_mask)``'s arguments (``token_dims``: exactly that many
     token axes); returns the token shape. ``check_ids``: the replayed MoE-layer ids lie in ``[0,
     num_experts)`` and are distinct per row (a pass over them; host syncs for device routes)."""
-    num_layers, top_k, num_experts = backend.num_layers, backend.top_k, backend.num_experts
+    L, K, num_experts = backend.num_layers, backend.top_k, backend.num_experts
     if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
         raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
     label = {None: "*token_shape", 2: "B, S"}.get(token_dims, f"{token_dims} token dims")
     shape_ok = routes.dim() >= 3 if token_dims is None else routes.dim() == token_dims + 2
-    if not shape_ok or tuple(routes.shape[-2:]) != (num_layers, top_k):
-        raise ValueError(
-            f"routes must have shape [{label}, num_layers={num_layers}, top_k={top_k}], got {tuple(routes.shape)}"
-        )
+    if not shape_ok or tuple(routes.shape[-2:]) != (L, K):
+        expected = f"[{label}, num_layers={L}, top_k={K}]"
+        raise ValueError(f"routes must have shape {expected}, got {tuple(routes.shape)}")
     token_shape = tuple(routes.shape[:-2])
-    if replay_mask is not None and (
-        replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != token_shape
-    ):
+    if replay_mask is not None and (replay_mask.dtype != torch.bool or replay_mask.shape != token_shape):
         got = f"{replay_mask.dtype} {tuple(replay_mask.shape)}"
         raise ValueError(f"replay_mask must be a bool tensor of shape {token_shape}, got {got}")
     if check_ids:
@@ -75,10 +72,8 @@ def validate_routes_for_install(
         if used.numel():
             low, high = int(used.min()), int(used.max())
             if low < 0 or high >= num_experts:
-                expected = f"expected ids in [0, {num_experts - 1}]"
-                raise ValueError(
-                    f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; {expected}"
-                )
+                got = f"routes hold expert ids in [{low}, {high}] on replayed MoE layers"
+                raise ValueError(f"{got}; expected ids in [0, {num_experts - 1}]")
             ordered = used.sort(dim=-1).values
             if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
                 raise ValueError("routes repeat an expert within a token's top_k on a replayed MoE layer")

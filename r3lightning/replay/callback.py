@@ -61,9 +61,7 @@ class RouterReplayCallback(Callback):
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if not (backend is None or backend in ("hf", "megatron") or isinstance(backend, RouterReplayBackend)):
-            raise ValueError(
-                f"backend must be None, 'hf', 'megatron' or a RouterReplayBackend, got {backend!r}"
-            )
+            raise ValueError(f"backend must be None, 'hf', 'megatron' or a backend object, got {backend!r}")
         self.mode: Mode = mode
         self.strict, self.log_agreement, self.log_per_layer = strict, log_agreement, log_per_layer
         self.validate_routes, self.layout_fn = validate_routes, layout_fn
@@ -72,10 +70,8 @@ class RouterReplayCallback(Callback):
         self.backend = backend if isinstance(backend, RouterReplayBackend) else None
         if self.backend is not None and validate_routes is not None:
             if not hasattr(self.backend, "validate"):
-                name = type(self.backend).__name__
-                raise ValueError(
-                    f"validate_routes={validate_routes} needs a backend with a 'validate' flag, got {name}"
-                )
+                needs = f"validate_routes={validate_routes} needs a backend with a 'validate' flag"
+                raise ValueError(f"{needs}, got {type(self.backend).__name__}")
             self.backend.validate = validate_routes
         self._strict_hooks: list = []
         self._missing = modes.MissingRoutes(strict)

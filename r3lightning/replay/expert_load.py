@@ -26,13 +26,11 @@ def expert_load_stats(
     One ``index_add_`` over the routes plus ``[L, E]`` arithmetic; no host sync."""
     values = routes.values if isinstance(routes, PackedTensor) else routes
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
-        raise ValueError(
-            f"routes must be an integer [rows, num_layers, top_k] tensor, got {values.dtype} {tuple(values.shape)}"
-        )
+        got = f"{values.dtype} {tuple(values.shape)}"
+        raise ValueError(f"routes must be an integer [rows, num_layers, top_k] tensor, got {got}")
     if type(num_experts) is not int or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    _, num_layers, top_k = values.shape
-    device = values.device
+    (_, num_layers, top_k), device = values.shape, values.device
     chosen = list(range(num_layers)) if moe_layers is None else [int(layer) for layer in moe_layers]
     if any(not 0 <= layer < num_layers for layer in chosen):
         raise ValueError(f"moe_layers {chosen} out of range for {num_layers} layers")
@@ -91,11 +89,10 @@ class ExpertLoadMonitor(Callback):
         self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
 
     def _schema(self, trainer: pl.Trainer) -> tuple[int, tuple[int, ...] | None]:
-        backend = next(
-            (b for c in trainer.callbacks if hasattr(b := getattr(c, "backend", None), "moe_layers")), None
-        )
+        backends = [getattr(callback, "backend", None) for callback in trainer.callbacks]
+        backend = next((b for b in backends if hasattr(b, "moe_layers") and hasattr(b, "num_experts")), None)
         num_experts, moe_layers = self.num_experts, self.moe_layers
-        if backend is not None and hasattr(backend, "num_experts"):
+        if backend is not None:
             num_experts = int(backend.num_experts) if num_experts is None else num_experts
             moe_layers = tuple(backend.moe_layers) if moe_layers is None else moe_layers
         if num_experts is None:

@@ -36,9 +36,7 @@ def align_routes(
     replay mask ``[*token_shape]``, both on the routes' device. Host work only; no host sync."""
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
     if tuple(routes.row_shape) != (L, K):
-        raise ValueError(
-            f"batch.routed_experts rows must be [num_layers={L}, top_k={K}], got {tuple(routes.row_shape)}"
-        )
+        raise ValueError(f"route rows must be [num_layers={L}, top_k={K}], got {list(routes.row_shape)}")
     pad = lambda n: dummy_routes(n, L, K, E, device=routes.device)  # noqa: E731
     dense = align_packed_token_metadata(routes, layout, pad=pad)
     mask = build_replay_mask(routes.lengths, layout)  # host

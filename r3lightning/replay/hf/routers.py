@@ -217,10 +217,8 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
             continue
         match = _LAYER_RE.search(f".{name}.")
         if match is None:
-            raise ValueError(
-                f"router {name!r} ({type(module).__name__}) is not inside a 'layers.<i>' module list; "
-                "cannot tell its decoder-layer index"
-            )
+            where = f"router {name!r} ({type(module).__name__})"
+            raise ValueError(f"{where} is not inside a 'layers.<i>' module list: no decoder-layer index")
         found.append((int(match.group(1)), name, module, adapter))
     if not found:
         raise ValueError(_no_router_message(model))

@@ -84,9 +84,7 @@ def megatron_token_layout(
     if fp8:
         raise ValueError("fp8 padding applies to the packed layout: pass packed=True")
     if par.cp_size > 1:
-        raise ValueError(
-            f"context parallelism (cp_size={par.cp_size}) needs the packed layout: pass packed=True"
-        )
+        raise ValueError(f"context parallelism (cp_size={par.cp_size}) needs the packed layout (packed=True)")
     return TokenMetadataLayout.padded(mask, side=side, pad_to_multiple=par.tp_size)
 
 

@@ -166,10 +166,8 @@ class MegatronRouterReplay:
         inside = {id(module) for module in chunk.modules()}
         stages = {s for r, s in zip(self._routers, self.vp_stages, strict=True) if id(r) in inside}
         if len(stages) != 1:
-            raise ValueError(
-                f"{type(chunk).__name__} holds routers of virtual stages {sorted(stages, key=str)}; "
-                "expected the routers of exactly one model chunk of this backend"
-            )
+            found = sorted(stages, key=str)
+            raise ValueError(f"{type(chunk).__name__} holds routers of virtual stages {found}, not one")
         return stages.pop()
 
     def _stage_positions(self, vp_stage: int | None) -> list[int]:  # into moe_layers
@@ -179,10 +177,8 @@ class MegatronRouterReplay:
                 raise ValueError(f"vp_stage={vp_stage!r} given, but the model has no virtual pipeline stages")
             return list(range(len(self.moe_layers)))
         if vp_stage is None:
-            raise ValueError(
-                f"virtual pipeline parallelism (model chunks of stages {stages}): install(..., vp_stage=) is "
-                "required, the vp_stage of the chunk megatron's forward_step_func runs"
-            )
+            chunks = f"virtual pipeline parallelism (model chunks of stages {stages})"
+            raise ValueError(f"{chunks}: install(..., vp_stage=) is required, the forward_step_func's")
         positions = [i for i, s in enumerate(self.vp_stages) if s == vp_stage]
         if not positions:
             raise ValueError(f"vp_stage must be one of {stages} (this rank's MoE chunks), got {vp_stage!r}")

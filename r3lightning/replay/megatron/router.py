@@ -109,12 +109,9 @@ class MaskedRouterReplay(RouterReplay):
             if self.recording:
                 self.set_router_replay_action(RouterReplayAction.RECORD)
             return
-        if hidden is not None and hidden.shape[0] * hidden.shape[1] != self.target_topk_idx.shape[0]:
-            raise ValueError(
-                f"router at layer {router.layer_number - 1} routes {hidden.shape[0] * hidden.shape[1]} "
-                f"tokens ([s, b] = {list(hidden.shape[:2])}) but the installed routes hold "
-                f"{self.target_topk_idx.shape[0]} rows for this rank"
-            )
+        if hidden is not None and (tokens := hidden.shape[0] * hidden.shape[1]) != len(self.target_topk_idx):
+            where = f"router at layer {router.layer_number - 1} routes {tokens} tokens ([s, b] = {list(hidden.shape[:2])})"
+            raise ValueError(f"{where} but the installed routes hold {len(self.target_topk_idx)} rows")
         if not self.fresh:  # a further forward with the same routes gets its own FIFO entry
             self.replay_backward_list.append(self.target_topk_idx)
             self.replay_backward_masks.append(self.target_mask)
