@@ -10,6 +10,7 @@ Keyed per router module, so recompute and FSDP2 need nothing special.
 
 from __future__ import annotations
 
+import importlib
 import weakref
 
 import torch
@@ -24,6 +25,11 @@ from r3lightning.replay.backend import (
 from r3lightning.replay.hf.routers import RouterAdapter, _adapter_for, _load_builtins, find_routers
 
 __all__ = ["HFRouterReplay"]
+
+
+def __getattr__(name: str) -> object:  # the old flat r3lightning.replay.hf served the registry's names
+    return getattr(importlib.import_module("r3lightning.replay.hf.routers"), name)
+
 
 # router module -> owning backend; one backend per router so hooks never stack
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyDictionary()

@@ -121,7 +121,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     message = f"{__name__}.{name} is deprecated (removed in the next minor release); use {__name__}.{new}"
     warnings.warn(message, DeprecationWarning, stacklevel=2)
-    return globals()[new]
+    value = globals()[name] = globals()[new]  # warned once, as the other moved names
+    return value
 
 
 _ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
