@@ -133,9 +133,8 @@ class OldPolicyRecorder:
         if layout.cp_size != 1:
             raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
         real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
-        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(
-            0, to_device_async(real, recorded.device)
-        )
+        index = to_device_async(real, recorded.device)
+        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, index)
         packed = PackedTensor.from_lengths(rows, layout.sequence_lengths)
         set_batch_field(batch, "routed_experts", packed)
         positions = self.rows_in_step(batch)
@@ -160,12 +159,8 @@ class MissingRoutes:
         self.counted_step = True
         if mode not in self.warned:
             self.warned.add(mode)
-            hint = (
-                f", so it routes natively. Is the rollout engine started with {ENGINE_ROUTES_FLAG} and asked "
-            )
-            hint += (
-                "for routes? Such batches are counted in router_replay/batches_without_routes (warned once)."
-            )
+            hint = f", so it routes natively. Is the engine run with {ENGINE_ROUTES_FLAG}, asked for routes?"
+            hint += " Counted in router_replay/batches_without_routes (warned once; strict=True raises)."
             hint = hint if mode == "r3" else "; nothing was replayed"
             rank_zero_warn(f"RouterReplayCallback(mode={mode!r}): {reason}{hint}")
 

@@ -181,11 +181,10 @@ def test_llama4_router_is_refused_with_the_reason():
         HFRouterReplay(model)
 
 
-def test_readme_recipe_for_your_own_moe_runs_as_written():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("\n## Bringing your own MoE\n", 1)[1].split("\n## ", 1)[0]
-    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme_recipe"})
+def test_docs_recipe_for_your_own_moe_runs_as_written():
+    page = Path(__file__).resolve().parents[2] / "docs" / "recipes" / "own-moe.md"
+    (code,) = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    exec(compile(code, str(page), "exec"), {"__name__": "docs_recipe"})
 
 
 RENAMED = {
@@ -198,13 +197,23 @@ RENAMED = {
 
 
 @pytest.mark.parametrize(("old", "new"), sorted(RENAMED.items()))
-def test_old_weight_helper_names_import_with_a_deprecation_warning(old, new):
+def test_old_weight_helper_names_import_with_a_deprecation_warning(old, new, monkeypatch):
+    """Warned once per process (then cached, as every moved name): forget an earlier lookup first."""
     message = rf"r3lightning\.replay\.hf\.routers\.{old} is deprecated .*use r3lightning\.replay\.hf\.routers\.{new}$"
-    with pytest.warns(DeprecationWarning, match=message):
+    monkeypatch.delitem(vars(routers), old, raising=False)
+    with pytest.warns(DeprecationWarning, match=message) as caught:
         exec(f"from r3lightning.replay.hf.routers import {old} as helper", scope := {})
     assert scope["helper"] is getattr(routers, new)
+    assert caught[0].filename == "<string>"  # points at the importing line
+    monkeypatch.delitem(vars(routers), old)
     with pytest.warns(DeprecationWarning, match=message):
         assert getattr(routers, old) is getattr(routers, new)
+    # the old flat r3lightning.replay.hf module served these names too
+    monkeypatch.delitem(vars(routers), old)
+    monkeypatch.delitem(vars(importlib.import_module("r3lightning.replay.hf")), old, raising=False)
+    with pytest.warns(DeprecationWarning, match=rf"^r3lightning\.replay\.hf\.{old} moved to"):
+        exec(f"from r3lightning.replay.hf import {old} as helper", scope := {})
+    assert scope["helper"] is getattr(routers, new)
 
 
 def test_new_weight_helper_names_import_silently_and_unknown_names_fail():

@@ -1,5 +1,5 @@
 """Micro-batch recipes as users write them: sub-batches of a ``RolloutBatch`` keep their routes, the
-README's PPO example replays every micro-batch, and the job is strict against an external engine."""
+the docs' PPO recipe replays every micro-batch, and the job is strict against an external engine."""
 
 import copy
 
@@ -38,17 +38,15 @@ def test_sub_batches_keep_their_routes_and_know_their_rows(seven):
         seven.select(2)
 
 
-def test_readme_micro_batch_example_replays_every_micro_batch(seven, tmp_path, monkeypatch):
+def test_docs_micro_batch_recipe_replays_every_micro_batch(seven, tmp_path, monkeypatch):
+    """docs/recipes/lightning-module.md's PPOPolicy, fed a batch with a routeless trajectory."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    body = readme.split("\n## Micro-batches and several passes per rollout batch\n", 1)[1].split("\n## ", 1)[
-        0
-    ]
-    (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    page = Path(__file__).resolve().parents[2] / "docs" / "recipes" / "lightning-module.md"
+    code = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)[0]  # the module itself
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, str(page), "exec"), scope)
     module = scope["PPOPolicy"](build_tiny_moe(seed=0))
     forwards = []
     backend = RouterReplayCallback()

@@ -10,6 +10,7 @@ Keyed per router module, so recompute and FSDP2 need nothing special.
 
 from __future__ import annotations
 
+import importlib
 import weakref
 
 import torch
@@ -24,6 +25,11 @@ from r3lightning.replay.backend import (
 from r3lightning.replay.hf.routers import RouterAdapter, _adapter_for, _load_builtins, find_routers
 
 __all__ = ["HFRouterReplay"]
+
+
+def __getattr__(name: str) -> object:  # the old flat r3lightning.replay.hf served the registry's names
+    return getattr(importlib.import_module("r3lightning.replay.hf.routers"), name)
+
 
 # router module -> owning backend; one backend per router so hooks never stack
 _OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyDictionary()
@@ -134,10 +140,8 @@ class HFRouterReplay:
         pieces = []
         for token_shape, by_layer in captures:
             if token_shape[:-1] != lead:
-                raise ValueError(
-                    f"recorded forwards have token shapes {[c[0] for c in captures]}; they can only be "
-                    "joined along the last token axis"
-                )
+                shapes = [c[0] for c in captures]
+                raise ValueError(f"recorded forwards of token shapes {shapes} join along the last axis only")
             if missing := set(self.moe_layers) - set(by_layer):
                 raise RuntimeError(f"recording saw no routing for MoE layers {sorted(missing)}")
             rows = ((layer, r.reshape(*token_shape, self.top_k)) for layer, r in by_layer.items())
@@ -147,9 +151,8 @@ class HFRouterReplay:
     def routing_stats(self) -> dict:
         """:meth:`RouterReplayBackend.routing_stats`, with ``used_slots`` (replayed experts the forward
         used); int64 ``[len(moe_layers)]`` on the logits' device, no sync."""
-        stats = (
-            torch.zeros((3, len(self.moe_layers)), dtype=torch.int64) if self._stats is None else self._stats
-        )
+        if (stats := self._stats) is None:
+            stats = torch.zeros((3, len(self.moe_layers)), dtype=torch.int64)
         keys = ("replayed_rows", "agreeing_slots", "used_slots")
         return dict(layers=self.moe_layers, top_k=self.top_k) | dict(zip(keys, stats.unbind(0), strict=True))
 
@@ -176,11 +179,9 @@ class HFRouterReplay:
         recompute = in_recompute()
         indices, replaced = native, None
         if self._routes is not None:
-            if native.shape[0] != self._routes.shape[0]:
-                raise ValueError(
-                    f"{self.model_name} routed {native.shape[0]} tokens at layer {layer} but routes "
-                    f"were installed for token shape {self._token_shape} ({self._routes.shape[0]} tokens)"
-                )
+            if (n := native.shape[0]) != len(self._routes):
+                where = f"{self.model_name} routed {n} tokens at layer {layer} but routes were installed"
+                raise ValueError(f"{where} for token shape {self._token_shape} ({len(self._routes)} tokens)")
             if self._routes.device != native.device:  # once per install: to the router's device
                 self._routes = self._routes.to(native.device, non_blocking=True)
                 self._mask = None if self._mask is None else self._mask.to(native.device, non_blocking=True)

@@ -107,13 +107,9 @@ def phimoe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor
 
 
 # names before this release: importable, with a DeprecationWarning, until the next minor release
-_RENAMED = {
-    "softmax_then_topk_weights": "qwen3_moe_weights",
-    "softmax_renormalised_weights": "qwen3_5_moe_weights",
-    "sigmoid_scaled_weights": "deepseek_v3_weights",
-    "softmax_scaled_weights": "deepseek_v2_weights",
-    "softmax_over_topk_weights": "gpt_oss_weights",
-}
+_RENAMED = {"softmax_then_topk_weights": "qwen3_moe_weights", "softmax_over_topk_weights": "gpt_oss_weights"}
+_RENAMED |= {"softmax_renormalised_weights": "qwen3_5_moe_weights"}
+_RENAMED |= {"sigmoid_scaled_weights": "deepseek_v3_weights", "softmax_scaled_weights": "deepseek_v2_weights"}
 
 
 def __getattr__(name: str) -> Any:
@@ -122,7 +118,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     message = f"{__name__}.{name} is deprecated (removed in the next minor release); use {__name__}.{new}"
     warnings.warn(message, DeprecationWarning, stacklevel=2)
-    return globals()[new]
+    value = globals()[name] = globals()[new]  # warned once, as the other moved names
+    return value
 
 
 _ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}

@@ -124,10 +124,7 @@ class MaskedRouterReplay(RouterReplay):
             return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         if action is _BACKWARD:
             if not self.replay_backward_list:
-                raise RuntimeError(
-                    "activation recomputation found no queued routes: routes were cleared between a "
-                    "forward and its backward"
-                )
+                raise RuntimeError("activation recompute found no queued routes: cleared after its forward")
             mask = self.replay_backward_masks.pop(0)
         else:
             mask = self.target_mask
