@@ -17,22 +17,24 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
 from omegaconf import DictConfig
 from torch import Tensor
 
-from r3lightning.job.build import dataclass_from
+from r3lightning.job.build import dataclass_from, plain
 from r3lightning.job.common import JobError
 from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
 from r3lightning.rollout.collector import RolloutCollector
+from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.rollout.tasks import ScoredTask
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
+T = TypeVar("T")
 
 
 @dataclass
@@ -75,23 +77,15 @@ class OnPolicyLoop(pl.Callback):
         self._next_collected = False  # whether the buffer holds the next step's rollouts
 
     def new_collector(self, urls: list[str]) -> RolloutCollector:
-        cfg, rollout = self.cfg, self.cfg.rollout
+        rollout = self.cfg.rollout
         return RolloutCollector(
             urls,
             self.task.score_prompt,
-            group_size=int(cfg.algorithm.group_size),
+            collector_config(rollout),
+            schema=self.schema,
             sampling=self.sampling,
-            protocol=str(rollout.protocol),
-            num_layers=self.schema.num_layers,
-            top_k=self.schema.top_k,
-            num_experts=self.schema.num_experts,
-            request_routes=bool(cfg.replay.request_routes),
-            normalize_std=bool(cfg.algorithm.normalize_std),
-            seed=int(cfg.seed),
-            max_in_flight=int(rollout.max_in_flight),
-            reward_threads=int(cfg.get("reward_threads", 0)),
-            client_options={"api_key": rollout.api_key, "timeout_s": float(rollout.request_timeout_s)},
-            progress=bool(cfg.trainer.get("enable_progress_bar", True)),
+            retry=retry_policy(rollout),
+            client_options={"api_key": rollout.api_key},
         )
 
     def check_engines(self) -> None:
@@ -99,8 +93,9 @@ class OnPolicyLoop(pl.Callback):
         down = [u for u, ok in self.new_collector(self.engine.urls or []).check_engines().items() if not ok]
         if down:
             raise JobError(
-                f"cannot reach the rollout engine at {', '.join(down)} (GET /health failed within "
-                f"{float(self.cfg.rollout.request_timeout_s):g}s); check rollout.url or start the engine"
+                f"cannot reach the rollout engine at {', '.join(down)}: GET /health did not answer 200 "
+                f"within {retry_policy(self.cfg.rollout).health_timeout_s:g}s (rollout.retry.health_timeout_s); "
+                "check rollout.url or start the engine"
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -204,6 +199,24 @@ class OnPolicyLoop(pl.Callback):
             "engine_errors": float(stats.engine_errors),
             **self.task.pop_metrics(),
         }
+
+
+def retry_policy(rollout: DictConfig) -> RetryPolicy:
+    """``rollout.retry`` (with its ``backoff``) as a :class:`RetryPolicy`; a bad value is a
+    ``JobError`` naming the key."""
+    backoff = settings_from(Backoff, rollout.retry.backoff, "rollout.retry.backoff")
+    return settings_from(RetryPolicy, rollout.retry, "rollout.retry", backoff=backoff)
+
+
+def collector_config(rollout: DictConfig) -> CollectorConfig:
+    """``rollout.collector`` as a :class:`CollectorConfig`."""
+    return settings_from(CollectorConfig, rollout.collector, "rollout.collector")
+
+
+def settings_from(cls: type[T], node: DictConfig, key: str, **fixed: Any) -> T:
+    """``cls`` from ``node`` (unknown keys refused, the class's own checks named under ``key``)
+    with ``fixed`` fields set."""
+    return dataclass_from(cls, {**{k: v for k, v in plain(node).items() if k not in fixed}, **fixed}, key)
 
 
 def _is_loopback(host: str | None) -> bool:

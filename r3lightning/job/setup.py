@@ -92,8 +92,9 @@ _URLS: Rule = (
     "null (embedded engine), http(s)://host:port or a list of them",
     lambda v: v is None or (v != [] and all(str(u).startswith(("http://", "https://")) for u in _as_list(v))),
 )
-# Every value the job reads itself, checked (where present) before anything is built; the keys a
-# _target_ takes are checked by it: the data module is built once here, the others at their build.
+# Every value the job reads itself, checked (where present) before anything is built; rollout.retry,
+# collector, server and limits are checked by their settings classes (engine.check_rollout), the
+# data module's keys by building it once here.
 _RULES: dict[str, Rule] = {
     "seed": _integer(0, 2**32 - 1),  # Lightning's seed_everything range
     "steps": _integer(1),
@@ -118,13 +119,8 @@ _RULES: dict[str, Rule] = {
     "rollout.protocol": _one_of("skyrl", "vllm", "sglang", "openai"),
     "rollout.url": _URLS,
     "rollout.require_url": _BOOL,
-    "rollout.request_timeout_s": _number(0),
-    "rollout.max_in_flight": _integer(1),
     "rollout.sync_weights": _BOOL,
     "rollout.server.port": _integer(0, 65535),
-    "rollout.server.dtype": _DTYPE,
-    "rollout.server.max_batch_size": _integer(1),
-    "rollout.server.simulated_disagreement": _null(_number(0, above=False, high=1)),
     "algorithm.group_size": _integer(2),
     "algorithm.normalize_std": _BOOL,
     "algorithm.clip_low": _number(0),
@@ -195,6 +191,9 @@ def check_config(cfg: DictConfig) -> None:
     path = OmegaConf.select(cfg, "task.path")
     if path is not None and not Path(str(path)).expanduser().is_file():
         raise JobError(f"task.path: no such file: {path}")
+    from r3lightning.job.engine import check_rollout  # rollout.retry / collector / server / limits
+
+    check_rollout(cfg)
     # before a checkpoint is loaded: Lightning would only find out when building the Trainer
     if cfg.trainer.get("accelerator") == "gpu" and not (
         torch.cuda.is_available() or torch.backends.mps.is_available()
