@@ -104,7 +104,8 @@ def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
 
 
 def dataclass_from(cls: type, node: Any, key: str, *, skip: tuple[str, ...] = ()) -> Any:
-    """``cls(**node)`` with unknown keys rejected, lists given to tuple fields as tuples, and a
+    """``cls(**node)`` with unknown keys rejected, lists given to tuple fields as tuples, ints to
+    float fields as floats, and a
     ``ValueError`` of the class's own checks (``"<field> must be ..."``) reported under ``key``.
     Value types and ranges are checked by ``check_config``. ``skip``: keys of ``node`` that belong
     to something else (a nested group)."""
@@ -115,8 +116,11 @@ def dataclass_from(cls: type, node: Any, key: str, *, skip: tuple[str, ...] = ()
         raise JobError(f"{key}.{unknown[0]} is not a setting here; expected one of {list(fields)}")
     hints = typing.get_type_hints(cls)
     for name, value in values.items():
+        options = typing.get_args(hints[name]) or (hints[name],)
         if isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
             values[name] = tuple(value)
+        elif type(value) is int and float in options and int not in options:
+            values[name] = float(value)
     try:
         return cls(**values)
     except ValueError as exc:

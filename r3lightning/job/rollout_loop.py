@@ -80,7 +80,7 @@ class OnPolicyLoop(pl.Callback):
         rollout = self.cfg.rollout
         return RolloutCollector(
             urls,
-            self.task.score_prompt,
+            lambda prompt, response_ids: self.task.score_prompt(prompt, response_ids),
             collector_config(rollout),
             schema=self.schema,
             sampling=self.sampling,
@@ -89,7 +89,7 @@ class OnPolicyLoop(pl.Callback):
         )
 
     def check_engines(self) -> None:
-        """Engines known here (not the embedded one on ranks > 0) must answer ``GET /health``."""
+        """A ``JobError`` unless every engine of ``engine.urls`` answers ``GET /health``."""
         down = [u for u, ok in self.new_collector(self.engine.urls or []).check_engines().items() if not ok]
         if down:
             raise JobError(
@@ -217,6 +217,17 @@ def settings_from(cls: type[T], node: DictConfig, key: str, **fixed: Any) -> T:
     """``cls`` from ``node`` (unknown keys refused, the class's own checks named under ``key``)
     with ``fixed`` fields set."""
     return dataclass_from(cls, {**{k: v for k, v in plain(node).items() if k not in fixed}, **fixed}, key)
+
+
+def on_policy_loop(
+    cfg: DictConfig, engine: Engine, task: ScoredTask, schema: RouteSchema, buffer, *, metrics_path: Path
+) -> OnPolicyLoop:
+    """The job's :class:`OnPolicyLoop`, after the engines known here (not the embedded one on
+    ranks > 0) answered ``GET /health`` (else a ``JobError``)."""
+    loop = OnPolicyLoop(cfg, engine, task, schema, buffer, metrics_path)
+    if engine.urls is not None:
+        loop.check_engines()
+    return loop
 
 
 def _is_loopback(host: str | None) -> bool:

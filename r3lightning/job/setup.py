@@ -261,7 +261,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.job.checkpoint import RunCheckpoint, resume_checkpoint
     from r3lightning.job.module import OptimConfig
-    from r3lightning.job.rollout_loop import OnPolicyLoop
+    from r3lightning.job.rollout_loop import on_policy_loop
     from r3lightning.wire.request import RouteSchema
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
@@ -283,9 +283,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     if not isinstance(module, pl.LightningModule):
         raise JobError(f"module._target_ must build a LightningModule, got {type(module).__name__}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    loop = OnPolicyLoop(cfg, engine, task, schema, buffer, out_dir / "metrics.csv")
-    if engine.urls is not None:
-        loop.check_engines()
+    loop = on_policy_loop(cfg, engine, task, schema, buffer, metrics_path=out_dir / "metrics.csv")
     callbacks = [*build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
     trainer = build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)

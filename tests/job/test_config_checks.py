@@ -32,13 +32,13 @@ BAD_VALUES = [
     ("rollout.sampling.max_new_tokens=-5", "rollout.sampling.max_new_tokens must be an integer >= 1, got -5"),
     (
         "rollout.sampling.temperature=-1",
-        "rollout.sampling.temperature must be a finite number >= 0, got -1",
+        "rollout.sampling.temperature must be a finite number >= 0, got -1.0",
     ),
     (
         "rollout.sampling.temperature=nan",
         "rollout.sampling.temperature must be a finite number >= 0, got nan",
     ),
-    ("rollout.sampling.top_p=0", "rollout.sampling.top_p must be a number in (0, 1], got 0"),
+    ("rollout.sampling.top_p=0", "rollout.sampling.top_p must be a number in (0, 1], got 0.0"),
     ("rollout.sampling.top_p=1.5", "rollout.sampling.top_p must be a number in (0, 1], got 1.5"),
     (
         "rollout.sampling.top_k=-2",
@@ -70,7 +70,7 @@ BAD_VALUES = [
         "rollout.url=[]",
         "rollout.url must be null (embedded engine), http(s)://host:port or a list of them, got []",
     ),
-    ("rollout.retry.timeout_s=0", "rollout.retry.timeout_s must be a number > 0, got 0"),
+    ("rollout.retry.timeout_s=0", "rollout.retry.timeout_s must be a number > 0, got 0.0"),
     ("rollout.retry.timeout_s=abc", "rollout.retry.timeout_s must be a number > 0, got 'abc'"),
     ("rollout.collector.max_in_flight=0", "rollout.collector.max_in_flight must be an integer >= 1, got 0"),
     (
@@ -86,7 +86,7 @@ BAD_VALUES = [
     ),
     (
         "rollout.server.simulated_disagreement=2",
-        "rollout.server.simulated_disagreement must be None or a number >= 0 and <= 0.5, got 2",
+        "rollout.server.simulated_disagreement must be None or a number >= 0 and <= 0.5, got 2.0",
     ),
     ("reward.timeout_s=0", "reward.timeout_s must be a number > 0 or null, got 0"),
     ("task.num_classes=1", "task.num_classes must be an integer >= 2, got 1"),
@@ -293,7 +293,7 @@ def _job(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedP
         ("seed=-3", "seed must be an integer in [0, 4294967295], got -3"),
         (
             "rollout.sampling.temperature=-1",
-            "rollout.sampling.temperature must be a finite number >= 0, got -1",
+            "rollout.sampling.temperature must be a finite number >= 0, got -1.0",
         ),
     ],
 )
