@@ -133,12 +133,8 @@ def server_settings(rollout: DictConfig) -> tuple[EngineConfig, ServerLimits]:
     ``port``) and :class:`ServerLimits` (``rollout.limits``)."""
     from r3lightning.serve.config import EngineConfig, ServerLimits
 
-    engine = settings_from(EngineConfig, _without(rollout.server, "host", "port"), "rollout.server")
+    engine = settings_from(EngineConfig, rollout.server, "rollout.server", skip=("host", "port"))
     return engine, settings_from(ServerLimits, rollout.limits, "rollout.limits")
-
-
-def _without(node: DictConfig, *keys: str) -> dict:
-    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in keys}  # type: ignore[union-attr]
 
 
 def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:

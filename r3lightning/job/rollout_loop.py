@@ -237,14 +237,18 @@ def collector_config(rollout: DictConfig) -> CollectorConfig:
     return settings_from(CollectorConfig, rollout.collector, "rollout.collector")
 
 
-def settings_from(cls: type[T], node: DictConfig, key: str, **fixed: Any) -> T:
-    """``cls`` from ``node`` (types checked, unknown keys refused) with ``fixed`` fields set; a
-    value the dataclass refuses is a ``JobError`` naming ``key.<field>``."""
+def settings_from(cls: type[T], node: DictConfig, key: str, skip: tuple[str, ...] = (), **fixed: Any) -> T:
+    """``cls`` from ``node`` (types checked, unknown keys refused, ``skip`` left out) with ``fixed``
+    fields set; a refused value is a ``JobError`` naming ``key.<field>`` and, for an
+    interpolated one, where it comes from (``${reward_threads}``)."""
     try:
-        settings = dataclass_from(cls, node, key, skip=tuple(fixed))
+        settings = dataclass_from(cls, node, key, skip=(*skip, *fixed))
         return replace(settings, **fixed) if fixed else settings
-    except ValueError as exc:  # the config's messages start with the field name
-        raise JobError(f"{key}.{exc}") from None
+    except (ValueError, JobError) as exc:  # the config's messages start with the field name
+        message = str(exc) if isinstance(exc, JobError) else f"{key}.{exc}"
+        raw = OmegaConf.to_container(node, resolve=False).get(message.removeprefix(f"{key}.").split()[0])
+        source = f" (set by {raw})" if isinstance(raw, str) and raw.startswith("${") else ""
+        raise JobError(message + source) from None
 
 
 def on_policy_loop(

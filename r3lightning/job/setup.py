@@ -92,6 +92,7 @@ def replay_callback_settings(cfg: DictConfig) -> DictConfig | None:
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before anything is built; messages name the key and what it expects."""
     from r3lightning.correction.grpo import GRPOConfig
+    from r3lightning.job.engine import check_rollout
     from r3lightning.job.module import OptimConfig
     from r3lightning.rollout.prompts import SamplingConfig
 
@@ -123,9 +124,6 @@ def check_config(cfg: DictConfig) -> None:
         raise JobError(
             f"rollout.url must be null (embedded engine), http(s)://host:port or a list of them, got {url!r}"
         )
-    from r3lightning.job.engine import check_rollout
-
-    check_rollout(cfg)
     grpo = dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim",))
     if grpo.group_size < 2:
         raise JobError(f"algorithm.group_size must be an integer >= 2, got {grpo.group_size}")
@@ -134,6 +132,7 @@ def check_config(cfg: DictConfig) -> None:
             raise JobError(f"algorithm.{key} must be a number > 0, got {getattr(grpo, key)!r}")
     dataclass_from(OptimConfig, cfg.algorithm.optim, "algorithm.optim")
     dataclass_from(SamplingConfig, cfg.rollout.sampling, "rollout.sampling")
+    check_rollout(cfg)  # after algorithm.*: rollout.collector interpolates some of its keys
     _positive_number(cfg, "algorithm.optim.lr")
     for key in _JOB_TRAINER_KEYS:
         if key in cfg.trainer:
