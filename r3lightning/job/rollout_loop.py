@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
 import torch
@@ -193,7 +194,10 @@ class OnPolicyLoop(pl.Callback):
         urls = self.engine.urls
         if trainer.world_size > 1:
             urls = trainer.strategy.broadcast(urls, src=0)  # a few short strings, once per fit
-            if trainer.num_nodes > 1 and self.engine.urls is None and _is_loopback(urls[0]):
+            from r3lightning.serve.server import is_loopback
+
+            host = urlsplit(urls[0]).hostname or ""
+            if trainer.num_nodes > 1 and self.engine.urls is None and is_loopback(host):
                 raise JobError(
                     f"the embedded engine listens on loopback ({urls[0]}), which other nodes cannot "
                     "reach: set rollout.server.host to this node's address, or rollout.url"
@@ -285,17 +289,6 @@ def on_policy_loop(
                 "or start the engine"
             )
     return OnPolicyLoop(make_collector, prompts, buffer, engine=engine, metrics_path=metrics_path)
-
-
-def _is_loopback(url: str) -> bool:
-    import ipaddress
-    from urllib.parse import urlsplit
-
-    host = urlsplit(url).hostname or ""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def _plain_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
