@@ -7,12 +7,11 @@ rollouts, routes included, from one or more engines over HTTP:
                                  CollectorConfig(group_size=8), schema=model.config)
     rollouts = collector.collect(prompts, step=step, buffer=buffer)   # or await collect_async(...)
 
-Many ranks: every rank passes the step's *global* prompt list and collects only the whole GRPO
-groups it will train on (:meth:`RolloutCollector.assigned_groups`: a contiguous block of
-``num_groups / world_size`` groups), so routes never cross ranks; only a few scalar statistics
-are all-reduced. Which group goes to which rank and every sampling seed
-(:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step,
-group, sample)``: a run samples the same trajectories on 1, 2 or 4 ranks, whatever the timing.
+Many ranks: every rank passes the step's *global* prompt list and collects only its contiguous
+block of whole GRPO groups (:meth:`RolloutCollector.assigned_groups`); routes never cross ranks,
+a few scalars are all-reduced. Group placement and every sampling seed
+(:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step, group,
+sample)``: the same trajectories on 1, 2 or 4 ranks, whatever the timing.
 
 Several engines: group ``g`` goes to engine ``g % n`` of the ``n`` engines (all samples of a
 group on one engine, which shares their prompt's KV cache) or, while that one is out, to the
@@ -22,11 +21,9 @@ out for the rest of the step (logged once, one line) and its requests go to the 
 every engine out the step fails with :class:`EnginesUnavailableError`. Other errors (a 4xx, a
 malformed body) are bugs, not outages, and fail the step at once. An SGLang router is one URL.
 
-Scoring: ``reward_fn(prompt, response_ids)`` -> a number, or a mapping with a ``"score"`` entry
-(what verl's ``compute_score`` may return); a coroutine function is awaited. With
-``reward_threads > 0`` a plain function runs in a thread pool, so slow rewards overlap with
-generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
-``compute_score(data_source, solution_str, ground_truth, extra_info=None)``.
+Scoring: ``reward_fn(prompt, response_ids)`` -> a number or ``{"score": number}`` (verl's
+``compute_score``; :func:`~r3lightning.rollout.prompts.text_reward` adapts one), a coroutine
+function awaited, a plain one in a thread pool when ``reward_threads > 0``.
 """
 
 from __future__ import annotations
@@ -70,11 +67,8 @@ class CollectedRollouts:
 
 
 class EnginesUnavailableError(RemoteGenerateError):
-    """Every engine of the collector exhausted its retries within one step.
-
-    ``errors`` maps each engine's URL to the error that took it out; the message gives one
-    short clause per engine.
-    """
+    """Every engine of the collector is out within one step. ``errors``: each engine's URL -> the
+    error that took it out; the message gives one short clause per engine."""
 
     def __init__(self, step: int, errors: Mapping[str, BaseException]):
         detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
@@ -104,24 +98,15 @@ def outage(error: BaseException) -> str:
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
-    Args:
-        engines: engine URL(s) and/or configured :class:`RemoteGenerateClient` (s). A URL gets
-            a client with ``config.protocol``, ``schema``, ``retry`` and ``client_options``
-            (e.g. ``api_key``); each engine's requests use its own client's protocol.
-        reward_fn: ``(prompt: RolloutPrompt, response_ids: list[int]) -> float | {"score": float}``
-            (or a coroutine function).
-        config: group size, seed, protocol, concurrency (:class:`CollectorConfig`).
-        schema: the route schema (every decoder layer, dense included): a
-            :class:`~r3lightning.wire.request.RouteSchema` or the model's config
-            (:func:`~r3lightning.rollout.config.route_schema`); needed when
-            ``config.request_routes``, and routes are checked against it.
-        sampling: the requests' sampling settings (the seed is :func:`sampling_seed`'s).
-        retry: the URL-built clients' :class:`RetryPolicy`.
-        process_group: the data-parallel group the groups are spread over (default: the
-            default group when ``torch.distributed`` is initialised, else a single rank).
-
-    Cost per step: host-side only; each rank holds its own trajectories' routes in the
-    engine's compact dtype and exchanges one all-reduce of a few scalars.
+    ``engines``: URL(s) and/or :class:`RemoteGenerateClient` (s); a URL gets a client with
+    ``config.protocol``, ``schema``, ``retry`` and ``client_options`` (e.g. ``api_key``).
+    ``config``: :class:`CollectorConfig`. ``schema``: the route schema (every decoder layer), a
+    :class:`~r3lightning.wire.request.RouteSchema` or the model's config
+    (:func:`~r3lightning.rollout.config.route_schema`); needed to request routes, which are
+    checked against it. ``sampling``: the requests' :class:`SamplingConfig` (seeds are
+    :func:`sampling_seed`'s). ``process_group``: the data-parallel group the groups are spread
+    over (default: the default group when ``torch.distributed`` is initialised, else one rank).
+    Cost per step: host-side only, plus one all-reduce of a few scalars.
     """
 
     def __init__(
@@ -202,11 +187,7 @@ class RolloutCollector:
     # ------------------------------------------------------------------ collection
 
     def collect(
-        self,
-        prompts: Sequence[RolloutPrompt | Sequence[int]],
-        *,
-        step: int,
-        buffer: ReplayBuffer | None = None,
+        self, prompts: Sequence[RolloutPrompt | Sequence[int]], *, step: int, buffer=None
     ) -> CollectedRollouts:
         """Synchronous :meth:`collect_async` (runs its own event loop; the clients' sessions are
         closed before it ends)."""
@@ -253,13 +234,14 @@ class RolloutCollector:
             if world == 1:
                 raise
             error = exc
+        seconds, failed = time.perf_counter() - start, error is not None
         stats = reduce_step_stats(
             step,
             len(items),
             trajectories,
             counters,
-            time.perf_counter() - start,
-            error is not None,
+            seconds,
+            failed,
             world_size=world,
             group=self.process_group,
         )
@@ -274,9 +256,8 @@ class RolloutCollector:
     ) -> list[Trajectory]:
         slots = asyncio.Semaphore(self.config.max_in_flight)
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
-        bar = _progress_bar(
-            len(groups) * self.config.group_size, f"rollout step {step}", self.config.progress and show
-        )
+        size = self.config.group_size
+        bar = _progress_bar(len(groups) * size, f"rollout step {step}", self.config.progress and show)
 
         async def sample(group: int, index: int) -> tuple[RemoteGenerateResult, float]:
             prompt = prompts[group]
@@ -287,9 +268,8 @@ class RolloutCollector:
                     if engine in out:  # only the groups of an engine that is out move
                         up = [e for e in range(len(self.clients)) if e not in out]
                         if not up:
-                            raise EnginesUnavailableError(
-                                step, {self.clients[e].base_url: out[e] for e in out}
-                            )
+                            errors = {self.clients[e].base_url: out[e] for e in sorted(out)}  # engine order
+                            raise EnginesUnavailableError(step, errors)
                         engine = up[group % len(up)]
                     client = self.clients[engine]
                     counters.requests += 1
@@ -305,19 +285,15 @@ class RolloutCollector:
                         counters.engine_errors += 1
                         if engine not in out:
                             out[engine] = exc
-                            logger.warning(
-                                "rollout engine %s is out for step %d: %s; its requests go to the other engines",
-                                client.base_url,
-                                step,
-                                outage(exc),
-                            )
+                            note = "rollout engine %s is out for step %d: %s; its requests go to the other engines"
+                            logger.warning(note, client.base_url, step, outage(exc))
                         continue
                 counters.attempts += result.attempts
                 bar.update(1)
                 where = f"group {group} sample {index} of step {step}"
                 return result, score_value(await self._score(prompt, result.response_ids), where)
 
-        jobs = [asyncio.ensure_future(sample(g, j)) for g in groups for j in range(self.config.group_size)]
+        jobs = [asyncio.ensure_future(sample(g, j)) for g in groups for j in range(size)]
         try:
             samples = await asyncio.gather(*jobs)
         except BaseException:
@@ -329,10 +305,7 @@ class RolloutCollector:
             bar.close()
         trajectories = []
         for i, group in enumerate(groups):
-            first = i * self.config.group_size
-            trajectories += self._group_trajectories(
-                prompts[group], samples[first : first + self.config.group_size]
-            )
+            trajectories += self._group_trajectories(prompts[group], samples[i * size : (i + 1) * size])
         counters.engines_out = len(out)
         return trajectories
 
@@ -354,9 +327,8 @@ class RolloutCollector:
         from r3lightning.correction.grpo import group_advantages
 
         rewards = torch.tensor([reward for _, reward in samples], dtype=torch.float64)  # [group_size]
-        advantages = group_advantages(
-            rewards, self.config.group_size, normalize_std=self.config.normalize_std
-        ).tolist()
+        config = self.config
+        advantages = group_advantages(rewards, config.group_size, normalize_std=config.normalize_std).tolist()
         out = []
         for (result, reward), advantage in zip(samples, advantages, strict=True):
             response = list(result.response_ids)
@@ -376,8 +348,6 @@ class RolloutCollector:
                 )
             )
         return out
-
-    # ------------------------------------------------------------------ statistics
 
     # ------------------------------------------------------------------ engines and lifecycle
 
@@ -418,8 +388,7 @@ class RolloutCollector:
         await self.aclose()
 
     def __repr__(self) -> str:
-        urls = [c.base_url for c in self.clients]
-        return f"RolloutCollector({urls}, {self.config})"
+        return f"RolloutCollector({[c.base_url for c in self.clients]}, {self.config})"
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):
