@@ -55,17 +55,14 @@ class ClientStats:
 
 def _retry_after(value: str | None) -> float | None:
     """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date); None if absent/bad."""
-    if not value:
-        return None
     try:
-        return max(0.0, float(value))
+        return max(0.0, float(value)) if value else None
     except ValueError:
         pass
     try:
-        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def _server_message(text: str) -> str:
@@ -102,13 +99,12 @@ def _as_int_list(values: Sequence[int] | Any, name: str) -> list[int]:
 class RemoteGenerateClient:
     """Client for one rollout engine; safe to share between concurrent tasks of one event loop.
 
-    It serves one event loop at a time (from a second, running one: ``RuntimeError``; give each
-    thread its own client, e.g. a pickled copy). ``schema``: a
-    :class:`~r3lightning.wire.request.RouteSchema` or a model config (:attr:`routes`; SGLang's flat
-    routes need its ``num_layers`` and ``top_k``). ``retry``: a
-    :class:`~r3lightning.rollout.config.RetryPolicy`. ``model``: the request's model name;
-    ``engine`` narrows ``openai``'s route fields to vLLM's or SGLang's (default: both).
-    ``max_response_bytes`` caps a body; set :attr:`max_connections` (requests in flight) and
+    One event loop at a time (a second, running one: ``RuntimeError``; give each thread its own,
+    e.g. a pickled copy). ``schema``: a ``RouteSchema`` or a model config (:attr:`routes`; SGLang
+    needs ``num_layers``, ``top_k``; ``check_unique=True`` refuses repeated experts in the parse,
+    ``Trajectory`` always). ``retry``: a :class:`~r3lightning.rollout.config.RetryPolicy`;
+    ``model``: the request's model name; ``engine``: ``openai``'s route fields of vLLM or SGLang
+    only. ``max_response_bytes`` caps a body; set :attr:`max_connections` and
     :attr:`decode_in_thread_bytes` before the first request. The aiohttp session opens on first
     use, follows the running loop, closes with :meth:`close` / ``async with``; pickling drops it.
     """
@@ -285,6 +281,7 @@ class RemoteGenerateClient:
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         start = routed_experts_prompt_start or 0
         self._session_for_running_loop()  # another loop's client: raise before touching stats
+        url = f"{self.base_url}{PROTOCOL_PATHS[self.protocol]}"
 
         def parse(raw: bytes) -> RemoteGenerateResult:
             return parse_response(
@@ -294,6 +291,7 @@ class RemoteGenerateClient:
                 want_routes=return_routed_experts,
                 prompt_len=len(prompt_ids),
                 start=start,
+                url=url,
             )
 
         result, attempts = await self._call(

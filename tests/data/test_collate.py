@@ -6,6 +6,7 @@ import torch
 from collate_reference import assert_batch_matches, make_trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runif import run_if
 
 from r3lightning.align.dummy import dummy_routes
 from r3lightning.data.collate import PinnedBufferPool, RolloutCollator, collate_trajectories
@@ -75,8 +76,8 @@ def test_empty_batch():
 
 
 def test_widest_route_dtype_in_the_batch_wins():
-    narrow = Trajectory([1, 2], [3], routed_experts=torch.full((2, 3, 2), 200))  # uint8
-    wide = Trajectory([1], [3], routed_experts=torch.full((1, 3, 2), 1000))  # int16
+    narrow = Trajectory([1, 2], [3], routed_experts=torch.tensor([200, 201]).repeat(2, 3, 1))  # uint8
+    wide = Trajectory([1], [3], routed_experts=torch.tensor([1000, 999]).repeat(1, 3, 1))  # int16
     batch = collate_trajectories([narrow, wide])
     assert narrow.routed_experts.dtype == torch.uint8 and batch.routed_experts.dtype == torch.int16
     assert_batch_matches(batch, [narrow, wide])
@@ -273,7 +274,7 @@ def test_pool_rejects_bad_settings():
         RolloutCollator(num_threads=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+@run_if(cuda=True)  # pinned memory
 def test_real_pinned_pool_and_async_transfer():
     collator = RolloutCollator(num_threads=2, pin_memory=True, pool_slots=2)
     trajectories = batch_of(17, 4)
