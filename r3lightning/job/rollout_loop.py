@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
@@ -30,17 +30,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
 from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
+from r3lightning.job.rollout_settings import collector_config, retry_policy
 from r3lightning.rollout.collector import RolloutCollector
-from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
 from r3lightning.rollout.tasks import ScoredTask
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
-T = TypeVar("T")
 
 _PROMPTS = -1  # the "group index" of a step's prompt draw in sampling_seed (groups are >= 0)
 
@@ -227,32 +225,6 @@ class OnPolicyLoop(pl.Callback):
             "engine_errors": float(stats.engine_errors),
             **(self.prompts.pop_metrics() if hasattr(self.prompts, "pop_metrics") else {}),
         }
-
-
-def retry_policy(rollout: DictConfig) -> RetryPolicy:
-    """``rollout.retry`` (with its ``backoff``) as a :class:`RetryPolicy`; a bad value is a
-    ``JobError`` naming the key."""
-    backoff = settings_from(Backoff, rollout.retry.backoff, "rollout.retry.backoff")
-    return settings_from(RetryPolicy, rollout.retry, "rollout.retry", backoff=backoff)
-
-
-def collector_config(rollout: DictConfig) -> CollectorConfig:
-    """``rollout.collector`` as a :class:`CollectorConfig`."""
-    return settings_from(CollectorConfig, rollout.collector, "rollout.collector")
-
-
-def settings_from(cls: type[T], node: DictConfig, key: str, skip: tuple[str, ...] = (), **fixed: Any) -> T:
-    """``cls`` from ``node`` (types checked, unknown keys refused, ``skip`` left out) with ``fixed``
-    fields set; a refused value is a ``JobError`` naming ``key.<field>`` and, for an
-    interpolated one, where it comes from (``${reward_threads}``)."""
-    try:
-        settings = dataclass_from(cls, node, key, skip=(*skip, *fixed))
-        return replace(settings, **fixed) if fixed else settings
-    except (ValueError, JobError) as exc:  # the config's messages start with the field name
-        message = str(exc) if isinstance(exc, JobError) else f"{key}.{exc}"
-        raw = OmegaConf.to_container(node, resolve=False).get(message.removeprefix(f"{key}.").split()[0])
-        source = f" (set by {raw})" if isinstance(raw, str) and raw.startswith("${") else ""
-        raise JobError(message + source) from None
 
 
 def on_policy_loop(

@@ -92,8 +92,8 @@ def replay_callback_settings(cfg: DictConfig) -> DictConfig | None:
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before anything is built; messages name the key and what it expects."""
     from r3lightning.correction.grpo import GRPOConfig
-    from r3lightning.job.engine import check_rollout
     from r3lightning.job.module import OptimConfig
+    from r3lightning.job.rollout_settings import check_rollout
     from r3lightning.rollout.prompts import SamplingConfig
 
     _int(cfg, "seed", minimum=None)

@@ -212,9 +212,8 @@ def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
     is a field of its dataclass, and an override reaches it."""
     import dataclasses
 
-    from r3lightning.job.engine import server_settings
     from r3lightning.job.main import compose_config
-    from r3lightning.job.rollout_loop import collector_config, retry_policy
+    from r3lightning.job.rollout_settings import collector_config, retry_policy, server_settings
     from r3lightning.rollout.config import Backoff, CollectorConfig
     from r3lightning.serve.config import EngineConfig, ServerLimits
 
