@@ -44,6 +44,15 @@ CASES = {
         "| RolloutServer, decoder thread",
         "| RolloutServer, default cap",
     ],
+    "bench_step.py": [
+        "SIMULATED engine disagreement 10% of expert slots",
+        "### R3 step vs off step: tiny",
+        "### R3 step vs off step: mid",
+        "| r3 (replay=r3: routes aligned, installed, replayed)",
+        "### Route work, each piece alone: mid",
+        "| layout + align",
+        "target: r3 step <= 1.02x the off step on the CPU: tiny ",
+    ],
     "bench_collate.py": [
         "### U[max/16, max] typical RL",
         "| packed pool",
