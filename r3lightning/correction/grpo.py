@@ -8,13 +8,15 @@ are loss targets. Everything here is pure tensor math: no host<->device syncs un
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from r3lightning.correction.importance import CorrectionConfig
 
-@dataclass
+
+@dataclass(frozen=True)
 class GRPOConfig:
     group_size: int = 8  # responses sampled per prompt
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
@@ -25,6 +27,8 @@ class GRPOConfig:
     ratio_band: float = 2.0
     # Paired native-vs-replayed mismatch (mismatch/*) every n RL steps; 0 = never.
     mismatch_every_n_steps: int = 1
+    # Importance-sampling correction of the loss tokens (r3lightning.correction); none by default.
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 
 def group_advantages(
@@ -60,9 +64,10 @@ def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` where ``mask`` is nonzero; 0 when the mask is empty (no sync)."""
+    """Mean of ``values`` weighted by ``mask``; what ``values`` hold where ``mask`` is 0 (even NaN)
+    never reaches the result or its gradient; 0 when the mask is empty (no sync)."""
     mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    return torch.where(mask != 0, values * mask, 0.0).sum() / mask.sum().clamp(min=1.0)
 
 
 def policy_loss(
@@ -73,19 +78,26 @@ def policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss, averaged over all loss tokens of the batch (token-mean).
+    """Clipped surrogate loss, summed over the loss tokens and divided by their count (token-mean).
 
     ``logprobs`` (trainer, with grad), ``old_logprobs`` (the behaviour policy: the rollout
     engine's logprobs) and ``loss_mask`` are ``[B, S]``; ``advantages`` ``[B]`` is broadcast over
-    each trajectory's tokens. Returns the scalar loss and detached metrics (``clip_fraction``).
+    each trajectory's tokens. ``weights`` ``[B, S]`` (detached, e.g. from
+    :func:`~r3lightning.correction.importance.correction_weights`) multiply each token's term;
+    the divisor stays the loss-token count, so a dropped token (weight 0) does not reweight the
+    rest. Masked tokens contribute exactly 0 to the loss and its gradient, whatever their values;
+    no loss token gives a loss of 0. Returns the loss and detached metrics (``clip_fraction``).
     """
-    log_ratio = logprobs - old_logprobs  # [B, S]
+    log_ratio = torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0)  # [B, S]
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None].to(ratio.dtype)  # [B, 1]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)  # [B, S]
+    if weights is not None:
+        per_token = per_token * torch.where(loss_mask != 0, weights.detach(), 0.0)
     loss = masked_mean(per_token, loss_mask)
     with torch.no_grad():
         clip_fraction = masked_mean((clipped < unclipped).float(), loss_mask)
