@@ -30,15 +30,21 @@ key or file; in a sweep: any job failed); 3 the rollout engine failed; 130 inter
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.common import JobError, is_global_zero
 from r3lightning.job.setup import CONF_DIR
+
+if TYPE_CHECKING:
+    from r3lightning.job.rollout_loop import Engine
 
 PROG = "r3lightning-train"
 # Hydra flags that take a value, and those the pre-check understands
@@ -46,28 +52,86 @@ _VALUE_FLAGS = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", 
 _MULTIRUN_FLAGS = ("-m", "--multirun")
 
 
-def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
-    """Run the job described by ``cfg`` into ``run_dir``; returns ``{run name: history}``."""
-    from r3lightning.job.engine import embedded_server
-    from r3lightning.job.report import format_table, plot_runs
-    from r3lightning.job.setup import check_config, model_runtime, replay_settings, train_one
+_ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
+
+
+def arms(cfg: DictConfig) -> dict[str, DictConfig]:
+    """``{arm name: its config}`` from ``compare`` (``[]``: one arm, ``replay=<replay.mode>``), each
+    checked with ``check_config``. An entry is a replay mode (``r3``: the arm ``replay=r3``) or
+    ``{name, replay, overrides}``: ``replay`` swaps the ``replay`` group (default: keep it),
+    ``overrides`` maps dotted keys of this config to values (applied after the swap)."""
+    from r3lightning.job.setup import check_config, replay_settings
 
     check_config(cfg)
+    out: dict[str, DictConfig] = {}
+    for index, entry in enumerate(cfg.compare or [None]):
+        where = f"compare[{index}]"
+        spec = {"replay": entry} if not OmegaConf.is_dict(entry) else OmegaConf.to_container(entry)
+        unknown = set(spec) - {"name", "replay", "overrides"}
+        if unknown:
+            raise JobError(f"{where}: unknown keys {sorted(unknown)}; an arm has name, replay and overrides")
+        mode = spec.get("replay")
+        if mode is not None and str(mode) not in ("r3", "r2", "off"):
+            raise JobError(f"{where}.replay must be one of ['r3', 'r2', 'off'], got {mode!r}")
+        arm = cfg if mode is None else replay_settings(cfg, str(mode))
+        name = str(spec.get("name") or f"replay={arm.replay.mode}")
+        if not _ARM_NAME.fullmatch(name) or name in out:
+            problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
+            raise JobError(f"{where}.name {name!r} {problem}")
+        overrides = spec.get("overrides") or {}
+        if not isinstance(overrides, dict):
+            raise JobError(f"{where}.overrides must map dotted config keys to values, got {overrides!r}")
+        arm = OmegaConf.merge(arm, {"compare": []})
+        for key, value in overrides.items():
+            if OmegaConf.select(arm, str(key), default=KeyError) is KeyError:
+                raise JobError(f"{where}.overrides: {key!r} is not a key of the config")
+            OmegaConf.update(arm, str(key), value, merge=True)
+        try:
+            check_config(arm)
+        except JobError as exc:
+            raise JobError(f"{where} ({name}): {exc}") from None
+        out[name] = arm
+    return out
+
+
+def run_seeds(cfg: DictConfig) -> list[int]:
+    """``seed``, ``seed + 1``, ... (``seeds`` of them): every arm runs each."""
+    count = cfg.get("seeds", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise JobError(f"seeds must be an integer >= 1, got {count!r}")
+    return [int(cfg.seed) + i for i in range(count)]
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
+    """Run every arm of ``cfg`` for every seed into ``run_dir``; returns ``{run name: history}``,
+    the run name being the arm's (one seed) or ``<arm>/seed=<s>`` (several; its folder
+    ``<arm>/seed_<s>``, ``=`` written ``_``). Arms whose ``rollout`` and ``model`` settings agree
+    share one engine."""
+    from r3lightning.job.engine import embedded_server
+    from r3lightning.job.report import environment, environment_line, format_table, plot_runs
+    from r3lightning.job.setup import model_runtime, train_one
+
+    configs, seeds = arms(cfg), run_seeds(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    modes = [str(m) for m in cfg.compare] or [str(cfg.replay.mode)]
     if is_global_zero():
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        env = f"# {environment_line(environment())}\n"
+        (run_dir / "config.yaml").write_text(env + OmegaConf.to_yaml(cfg, resolve=True))
     runs: dict[str, list[dict[str, float]]] = {}
-    with model_runtime(cfg.model), embedded_server(cfg) as engine:
-        for mode in modes:
-            run_cfg = cfg if not cfg.compare else replay_settings(cfg, mode)
-            name = f"replay={mode}"
-            runs[name] = train_one(run_cfg, run_dir / name.replace("=", "_"), engine)
+    with model_runtime(cfg.model), contextlib.ExitStack() as stack:
+        engines: dict[str, Engine] = {}
+        for seed in seeds:
+            for arm, arm_cfg in configs.items():
+                key = OmegaConf.to_yaml({"rollout": arm_cfg.rollout, "model": arm_cfg.model})
+                if key not in engines:
+                    engines[key] = stack.enter_context(embedded_server(arm_cfg))
+                name = arm if len(seeds) == 1 else f"{arm}/seed={seed}"
+                seeded = OmegaConf.merge(arm_cfg, {"seed": seed})
+                runs[name] = train_one(seeded, run_dir / name.replace("=", "_"), engines[key])
     if is_global_zero():
         band = float(cfg.algorithm.ratio_band)
-        table = format_table(runs, band)
-        (run_dir / "summary.txt").write_text(table + "\n")
-        print("\n" + table)
+        report = format_table(runs, band, env=environment())
+        (run_dir / "summary.txt").write_text(report + "\n")
+        print("\n" + report)
         if cfg.plot:
             plot_runs(run_dir / "metrics.png", runs, band)
             print(f"\nplot: {run_dir / 'metrics.png'}\nrun directory: {run_dir}")
@@ -131,7 +195,7 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         again = " ".join(
             [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
         )
-        if any(run_dir.glob("*/checkpoints/last.ckpt")):
+        if any(run_dir.glob("**/checkpoints/last.ckpt")):
             state = f"the checkpoint keeps the last finished step, resume with: {again}"
         else:
             state = f"no step had finished, start again with: {again}"
@@ -207,8 +271,6 @@ def _precheck(flags: list[str], overrides: list[str]) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from r3lightning.job.setup import check_config
-
     plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
     try:
         cfg = compose_config(
@@ -216,7 +278,8 @@ def _precheck(flags: list[str], overrides: list[str]) -> str | None:
             config_dir=_flag_value(flags, "--config-dir", "-cd"),
             config_name=_flag_value(flags, "--config-name", "-cn") or "config",
         )
-        check_config(cfg)
+        arms(cfg)
+        run_seeds(cfg)
     except JobError as exc:
         return str(exc)
     except (HydraException, OmegaConfBaseException) as exc:

@@ -1,23 +1,30 @@
-"""Run outputs: per-step metrics CSV, the final summary table, and the PNG plot.
+"""Run outputs: per-step metrics CSV, the summary table, the plot, and the environment line.
 
-A run's history is a list of flat ``{metric: float}`` records, one per RL step. Per-layer
-routing agreement is stored as ``used_agreement/layer_<i>`` columns, the GRPO module's paired
-mismatch as ``mismatch/<name>`` columns (present on the steps it was measured). Plotting uses
-matplotlib's Agg backend (no display needed).
+A run's history is a list of flat ``{metric: float}`` records, one per RL step: per-layer routing
+agreement as ``used_agreement/layer_<i>``, the GRPO module's paired mismatch as ``mismatch/<name>``
+(on the steps it was measured), ``simulated_disagreement`` when the engine simulated one. Runs
+named ``<arm>/seed=<s>`` are seeds of one arm: the table and the plot show the median over seeds
+and its [min, max]. Plotting uses matplotlib's Agg backend (no display needed).
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Mapping, Sequence
+import platform
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 AGREEMENT_PREFIX = "used_agreement/layer_"
 MISMATCH_PREFIX = "mismatch/"
+SEED_SEP = "/seed="
+SIMULATED = "simulated_disagreement"
+PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed")
+History = Sequence[Mapping[str, float]]
 
 
-def write_csv(path: str | Path, records: Sequence[Mapping[str, float]]) -> None:
+def write_csv(path: str | Path, records: History) -> None:
     """(Re)write ``path`` with one row per record; columns are the union of keys, in order."""
     columns: list[str] = []
     for record in records:
@@ -40,61 +47,98 @@ def agreement_keys(record: Mapping[str, float]) -> list[str]:
     return sorted(keys, key=lambda k: int(k[len(AGREEMENT_PREFIX) :]))
 
 
-def mean_agreement(record: Mapping[str, float]) -> float:
-    """Mean routing agreement over layers (NaN when the step has none)."""
-    values = [record[k] for k in agreement_keys(record)]
-    return sum(values) / len(values) if values else math.nan
+def environment() -> dict[str, str]:
+    """What a run's rows depend on besides its config: library versions, intra-op threads, CPU."""
+    import lightning
+    import torch
+    import transformers
 
-
-def _window_mean(records: Sequence[Mapping[str, float]], key: str, first: bool, window: int) -> float:
-    values = [r[key] for r in records if key in r and not math.isnan(r[key])]
-    if not values:
-        return math.nan
-    part = values[:window] if first else values[-window:]
-    return sum(part) / len(part)
-
-
-def summarize(records: Sequence[Mapping[str, float]], window: int = 3) -> dict[str, float]:
-    """Headline figures of one run: reward at the start and end (means over ``window`` steps),
-    mean mismatch metrics, the lowest per-layer routing agreement seen in any step, and the
-    paired mismatch (``mismatch/*``: means over the steps it was measured, and step 0's)."""
-    agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
-    n = len(records)
-    out = {
-        "steps": float(n),
-        "reward_start": _window_mean(records, "reward", True, window),
-        "reward_end": _window_mean(records, "reward", False, window),
-        "k3_kl": _window_mean(records, "k3_kl", True, n),
-        "ratio_out_of_band": _window_mean(records, "ratio_out_of_band", True, n),
-        "agreement_mean": sum(agreements) / len(agreements) if agreements else math.nan,
-        "agreement_min": min(agreements) if agreements else math.nan,
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    versions = {"torch": torch, "transformers": transformers, "lightning": lightning}
+    return {
+        **{k: m.__version__ for k, m in versions.items()},
+        "threads": str(torch.get_num_threads()),
+        "cpu": cpu,
     }
-    for name in PAIRED:
-        key = MISMATCH_PREFIX + name
-        out[name] = _window_mean(records, key, True, n)
-        out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
-        out[f"{name}_end"] = _window_mean(records, key, False, window)
-    for suffix in ("", "_step0"):
-        out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
+
+
+def environment_line(env: Mapping[str, str]) -> str:
+    return (
+        f"environment: torch {env['torch']}, transformers {env['transformers']}, lightning "
+        f"{env['lightning']}, {env['threads']} intra-op threads, CPU {env['cpu']}"
+    )
+
+
+def simulated_share(runs: Mapping[str, History]) -> str | None:
+    """The simulated engine disagreement of ``runs`` as a share (``"10%"``; None: not simulated)."""
+    values = sorted({r[SIMULATED] for h in runs.values() for r in h if r.get(SIMULATED)})
+    return ", ".join(f"{100 * v:g}%" for v in values) if values else None
+
+
+def seed_groups(runs: Mapping[str, History]) -> dict[str, list[History]]:
+    """``{arm: [history of each seed]}`` from run names ``<arm>`` or ``<arm>/seed=<s>``."""
+    out: dict[str, list[History]] = {}
+    for name, history in runs.items():
+        out.setdefault(name.split(SEED_SEP)[0], []).append(history)
     return out
 
 
-PAIRED = (
-    "native_agreement",
-    "k3_native",
-    "k3_replayed",
-    "outside_band_native",
-    "outside_band_replayed",
-    "policy_entropy",
-)
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """``(median, min, max)`` of the values that are not NaN (NaNs when none is)."""
+    kept = sorted(v for v in values if not math.isnan(v))
+    return (statistics.median(kept), kept[0], kept[-1]) if kept else (math.nan,) * 3
+
+
+def _mean(records: History, key: str, part: slice = slice(None)) -> float:
+    values = [r[key] for r in records if key in r and not math.isnan(r[key])][part]
+    return sum(values) / len(values) if values else math.nan
 
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else math.nan
 
 
-def _band(ratio_band: float) -> str:
-    return f"[{1 / ratio_band:g}, {ratio_band:g}]"
+def summarize(records: History, window: int = 3) -> dict[str, float]:
+    """Headline figures of one run: reward at the start and end (means over ``window`` steps),
+    mean mismatch metrics, the lowest per-layer routing agreement seen in any step, and the
+    paired mismatch (``mismatch/*``: means over the steps it was measured, and step 0's)."""
+    agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
+    out = {
+        "steps": float(len(records)),
+        "reward_start": _mean(records, "reward", slice(window)),
+        "reward_end": _mean(records, "reward", slice(-window, None)),
+        "k3_kl": _mean(records, "k3_kl"),
+        "ratio_out_of_band": _mean(records, "ratio_out_of_band"),
+        "agreement_mean": sum(agreements) / len(agreements) if agreements else math.nan,
+        "agreement_min": min(agreements) if agreements else math.nan,
+    }
+    for name in (*PAIRED, "policy_entropy"):
+        key = MISMATCH_PREFIX + name
+        out[name] = _mean(records, key)
+        out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
+        out[f"{name}_end"] = _mean(records, key, slice(-window, None))
+    for suffix in ("", "_step0"):
+        out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
+    return out
+
+
+def _fmt(kind: str) -> Callable[[float], str]:
+    def fmt(value: float) -> str:
+        if math.isnan(value):
+            return "n/a"
+        digits = {"pct2": 2, "pct3": 3}.get(kind)
+        if digits is not None:
+            return f"{100 * value:.{digits}f}%"
+        return {"int": f"{value:.0f}", "f3": f"{value:.3f}", "sci": f"{value:.2e}", "x": f"{value:.1f}x"}[
+            kind
+        ]
+
+    return fmt
 
 
 def _fmt_table(rows: list[list[str]]) -> list[str]:
@@ -104,68 +148,56 @@ def _fmt_table(rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: float = 2.0) -> str:
-    """Fixed-width summary, one row per run (e.g. ``{"replay=r3": ..., "replay=off": ...}``);
-    ``ratio_band`` is the one the out-of-band metrics were measured with.
+def format_table(
+    runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
+) -> str:
+    """Fixed-width summary, one row per arm (``{"replay=r3": ..., "replay=off": ...}``, or
+    ``<arm>/seed=<s>`` names: the arm's row is the median over seeds of each figure, the row
+    under it its [min, max]); a second table has step 0 of every run, where every arm has the same
+    weights and rollouts. ``ratio_band``: the one the out-of-band metrics were measured with.
+    The simulation label (if any) heads the text, ``env``'s line ends it.
 
     Every mismatch figure is paired: on the same weights and batch, the trainer's logprobs routed
-    natively and with the engine's routes replayed, each against the engine's, so the native and
-    replayed columns compare like with like in every arm. A second table shows step 0, where
-    every arm has the same weights and rollouts."""
-
-    def pct(value: float, digits: int) -> str:
-        return "n/a" if math.isnan(value) else f"{100 * value:.{digits}f}%"
-
-    def sci(value: float) -> str:
-        return "n/a" if math.isnan(value) else f"{value:.2e}"
-
-    def times(value: float) -> str:
-        return "n/a" if math.isnan(value) else f"{value:.1f}x"
-
-    band = _band(ratio_band)
-    header = [
-        "run",
-        "steps",
-        "reward start->end",
-        "native agreement",
-        "k3 native",
-        "k3 replayed",
-        "native/replayed",
-        f"outside {band} native",
-        "replayed",
-        "entropy start->end",
+    natively and with the engine's routes replayed, each against the engine's."""
+    band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    columns = [  # header, the summarize() keys joined by "->", format
+        ("steps", ("steps",), "int"),
+        ("reward start->end", ("reward_start", "reward_end"), "f3"),
+        ("native agreement", ("native_agreement",), "pct2"),
+        ("k3 native", ("k3_native",), "sci"),
+        ("k3 replayed", ("k3_replayed",), "sci"),
+        ("native/replayed", ("k3_ratio",), "x"),
+        (f"outside {band} native", ("outside_band_native",), "pct3"),
+        ("replayed", ("outside_band_replayed",), "pct3"),
+        ("entropy start->end", ("policy_entropy_step0", "policy_entropy_end"), "f3"),
     ]
-    rows, first = (
-        [header],
-        [["run", "k3 native", "k3 replayed", "native/replayed", "outside native", "replayed"]],
+    step0 = [("k3 native", "sci"), ("k3 replayed", "sci"), ("native/replayed", "x")]
+    step0 += [("outside native", "pct3"), ("replayed", "pct3")]
+    rows, first = [["run", *(c[0] for c in columns)]], [["run", *(c[0] for c in step0)]]
+    groups = seed_groups(runs)
+    for arm, histories in groups.items():
+        summaries = [summarize(h) for h in histories]
+        stats = {k: spread([s[k] for s in summaries]) for _, keys, _ in columns for k in keys}
+        rows.append([arm, *(" -> ".join(_fmt(f)(stats[k][0]) for k in keys) for _, keys, f in columns)])
+        if len(histories) > 1:
+            cells = [
+                " -> ".join(f"[{_fmt(f)(stats[k][1])}, {_fmt(f)(stats[k][2])}]" for k in keys)
+                for _, keys, f in columns
+            ]
+            rows.append([f"  [min, max] of {len(histories)}", *cells])
+    for name, history in runs.items():
+        s = summarize(history)
+        keys = ("k3_native", "k3_replayed", "k3_ratio", "outside_band_native", "outside_band_replayed")
+        first.append([name, *(_fmt(f)(s[f"{k}_step0"]) for k, (_, f) in zip(keys, step0, strict=True))])
+    share = simulated_share(runs)
+    lines = (
+        [f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})", ""]
+        if share
+        else []
     )
-    for name, records in runs.items():
-        s = summarize(records)
-        rows.append(
-            [
-                name,
-                f"{int(s['steps'])}",
-                f"{s['reward_start']:.3f} -> {s['reward_end']:.3f}",
-                pct(s["native_agreement"], 2),
-                sci(s["k3_native"]),
-                sci(s["k3_replayed"]),
-                times(s["k3_ratio"]),
-                pct(s["outside_band_native"], 3),
-                pct(s["outside_band_replayed"], 3),
-                f"{s['policy_entropy_step0']:.3f} -> {s['policy_entropy_end']:.3f}",
-            ]
-        )
-        first.append(
-            [
-                name,
-                sci(s["k3_native_step0"]),
-                sci(s["k3_replayed_step0"]),
-                times(s["k3_ratio_step0"]),
-                pct(s["outside_band_native_step0"], 3),
-                pct(s["outside_band_replayed_step0"], 3),
-            ]
-        )
-    lines = _fmt_table(rows)
+    if any(len(h) > 1 for h in groups.values()):
+        lines += ["median over seeds per arm; the row under each arm: [min, max] over its seeds", ""]
+    lines += _fmt_table(rows)
     lines += ["", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
     lines += [
         "",
@@ -176,74 +208,85 @@ def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: 
         f"{band}; native / replayed: the trainer's own routing / the engine's routes replayed, "
         "same weights and batch; means over the measured steps",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + ([environment_line(env)] if env else []))
 
 
-def plot_runs(
-    path: str | Path, runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: float = 2.0
-) -> None:
-    """Six panels over RL steps, one colour per run: mean reward, native routing agreement, paired
-    k3 KL (solid: native routing, dashed: replayed), its native/replayed ratio, the fraction of
+def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float = 2.0) -> list[str]:
+    """Six panels over RL steps, one colour per arm: mean reward, native routing agreement, paired
+    k3 KL (solid: native routing, dashed: replayed), its native/replayed ratio, the share of
     tokens with ratio outside ``[1 / ratio_band, ratio_band]`` (native / replayed) and the policy
-    entropy."""
+    entropy. Several seeds of an arm: the median line in a [min, max] band. Returns the titles
+    (figure, then panels), which name a simulated disagreement."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
+    def k3_ratio(r: Mapping[str, float]) -> float:
+        native, replayed = (r.get(f"{MISMATCH_PREFIX}k3_{s}", math.nan) for s in ("native", "replayed"))
+        return _ratio(native, replayed)
+
+    m = MISMATCH_PREFIX
+    panels = [  # title, [(value of a record, line style suffix)], percent
+        ("mean reward", [(lambda r: r.get("reward", math.nan), "")]),
+        (
+            "native routing agreement with the engine (%)",
+            [(lambda r: 100 * r.get(m + "native_agreement", math.nan), "")],
+        ),
+        (
+            "paired k3 KL(engine || trainer)",
+            [(lambda r, s=s: r.get(f"{m}k3_{s}", math.nan), s) for s in ("native", "replayed")],
+        ),
+        ("k3 native / k3 replayed (same weights)", [(k3_ratio, "")]),
+        (
+            f"tokens with ratio outside [{1 / ratio_band:g}, {ratio_band:g}] (%)",
+            [
+                (lambda r, s=s: 100 * r.get(f"{m}outside_band_{s}", math.nan), s)
+                for s in ("native", "replayed")
+            ],
+        ),
+        ("policy entropy (nats)", [(lambda r: r.get(m + "policy_entropy", math.nan), "")]),
+    ]
+    share = simulated_share(runs)
+    label = f"SIMULATED engine disagreement {share} (rollout.server.{SIMULATED})" if share else ""
+    titles = [f"{t}, simulated {share}" if share else t for t, _ in panels]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5 + 0.4 * bool(share)), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-
-    def series(records, key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
-        points = [(r["step"], scale * r[key]) for r in records if key in r and not math.isnan(r[key])]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    for (name, records), color in zip(runs.items(), colors, strict=False):
-        axes[0, 0].plot(*series(records, "reward"), color=color, marker=".", label=name)
-        axes[0, 1].plot(
-            *series(records, MISMATCH_PREFIX + "native_agreement", 100), color=color, marker=".", label=name
-        )
-        for col, key, scale in ((2, "k3", 1.0), (1, "outside_band", 100.0)):
-            ax = axes[0, 2] if col == 2 else axes[1, 1]
-            ax.plot(
-                *series(records, f"{MISMATCH_PREFIX}{key}_native", scale),
-                color=color,
-                marker=".",
-                label=f"{name} native",
-            )
-            ax.plot(
-                *series(records, f"{MISMATCH_PREFIX}{key}_replayed", scale),
-                color=color,
-                ls="--",
-                marker="x",
-                label=f"{name} replayed",
-            )
-        ratios = [
-            (r["step"], _ratio(r[MISMATCH_PREFIX + "k3_native"], r[MISMATCH_PREFIX + "k3_replayed"]))
-            for r in records
-            if MISMATCH_PREFIX + "k3_native" in r and MISMATCH_PREFIX + "k3_replayed" in r
-        ]
-        axes[1, 0].plot([p[0] for p in ratios], [p[1] for p in ratios], color=color, marker=".", label=name)
-        axes[1, 2].plot(
-            *series(records, MISMATCH_PREFIX + "policy_entropy"), color=color, marker=".", label=name
-        )
-    titles = {
-        (0, 0): "mean reward",
-        (0, 1): "native routing agreement with the engine (%)",
-        (0, 2): "paired k3 KL(engine || trainer)",
-        (1, 0): "k3 native / k3 replayed (same weights)",
-        (1, 1): f"tokens with ratio outside {_band(ratio_band)} (%)",
-        (1, 2): "policy entropy (nats)",
-    }
-    for (i, j), title in titles.items():
-        axes[i, j].set_title(title)
+    for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
+        for ax, (_, lines) in zip(axes.flat, panels, strict=True):
+            for value, style in lines:
+                by_step: dict[float, list[float]] = {}
+                for history in histories:
+                    for r in history:
+                        if not math.isnan(v := value(r)):
+                            by_step.setdefault(r["step"], []).append(v)
+                steps = sorted(by_step)
+                med, low, high = (
+                    zip(*(spread(by_step[s]) for s in steps), strict=True) if steps else ((), (), ())
+                )
+                dashed = style == "replayed"
+                name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
+                ax.plot(
+                    steps,
+                    med,
+                    color=color,
+                    ls="--" if dashed else "-",
+                    marker="x" if dashed else ".",
+                    label=f"{name} {style}".strip(),
+                )
+                if len(histories) > 1:
+                    ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
+    for ax, title in zip(axes.flat, titles, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     axes[0, 2].set_yscale("log")
     axes[1, 0].axhline(1.0, color="grey", lw=0.8)
     axes[1, 0].set_ylim(bottom=0)
     axes[1, 1].set_ylim(bottom=0)
-    for ax in axes.flat:
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    if label:
+        fig.suptitle(label)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return [label, *titles]

@@ -86,7 +86,8 @@ class OnPolicyLoop(pl.Callback):
     ``engine``: its URLs and weight sync: every rank joins the full-state-dict gather when
     ``engine.gather`` (a collective under FSDP2), rank 0 pushes it with ``engine.push``, and
     every rank waits at a barrier for that push before collecting. ``metrics_path``: CSV
-    rewritten after every step (rank 0).
+    rewritten after every step (rank 0). ``labels``: columns with the same value in every row
+    (``simulated_disagreement`` when the engine simulates one).
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class OnPolicyLoop(pl.Callback):
         engine: Engine,
         metrics_path: str | Path | None = None,
         full_state_dict: Callable[[pl.LightningModule], dict[str, Tensor]] | None = None,
+        labels: Mapping[str, float] | None = None,
     ) -> None:
         self.make_collector = make_collector
         self.prompts = prompts
@@ -105,6 +107,7 @@ class OnPolicyLoop(pl.Callback):
         self.engine = engine
         self.metrics_path = None if metrics_path is None else Path(metrics_path)
         self.full_state_dict = full_state_dict or _plain_state_dict
+        self.labels = dict(labels or {})
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
         self._pending: dict[str, float] = {}  # rollout stats of the step being trained
@@ -141,7 +144,7 @@ class OnPolicyLoop(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.current_epoch
-        record = {"step": float(step), **self._pending}
+        record = {"step": float(step), **self.labels, **self._pending}
         record["train_s"] = time.perf_counter() - self._epoch_start
         record.update(_epoch_metrics(trainer.callback_metrics))
         self.history.append(record)
@@ -267,7 +270,11 @@ def on_policy_loop(
                 f"cannot reach the rollout engine at {', '.join(down)} (GET /health failed within "
                 f"{float(rollout.request_timeout_s):g}s); check rollout.url or start the engine"
             )
-    return OnPolicyLoop(make_collector, prompts, buffer, engine=engine, metrics_path=metrics_path)
+    simulated = OmegaConf.select(rollout, "server.simulated_disagreement") if rollout.url is None else None
+    labels = {"simulated_disagreement": float(simulated)} if simulated else {}
+    return OnPolicyLoop(
+        make_collector, prompts, buffer, engine=engine, metrics_path=metrics_path, labels=labels
+    )
 
 
 def _is_loopback(url: str) -> bool:
