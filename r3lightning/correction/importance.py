@@ -22,16 +22,6 @@ from torch import Tensor
 
 from r3lightning.packed import PackedTensor
 
-__all__ = [
-    "MODES",
-    "CorrectionConfig",
-    "correction_weights",
-    "geometric_mask",
-    "sequence_tis",
-    "token_mask",
-    "token_tis",
-]
-
 MODES = ("none", "token_tis", "sequence_tis", "geometric_mask", "token_mask")
 TIS_MODES = ("token_tis", "sequence_tis")
 MASK_MODES = ("geometric_mask", "token_mask")
@@ -39,21 +29,20 @@ MASK_MODES = ("geometric_mask", "token_mask")
 Tokens = Tensor | PackedTensor
 
 
-def _check_number(name: str, value: object) -> float:
+def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     return float(value)
 
 
-def _check_threshold(threshold: float) -> None:
-    if not _check_number("threshold", threshold) > 0:
+def _check(threshold: float = 2.0, lower: float = 0.5, upper: float = 2.0) -> None:
+    """The settings' ranges, each error naming its field: ``threshold > 0``, ``0 <= lower < upper``."""
+    if not _number("threshold", threshold) > 0:
         raise ValueError(f"threshold must be a number > 0 (the truncation cap C), got {threshold!r}")
-
-
-def _check_band(lower: float, upper: float) -> None:
-    lo, hi = _check_number("lower", lower), _check_number("upper", upper)
-    if not 0 <= lo < hi:
-        raise ValueError(f"lower and upper must satisfy 0 <= lower < upper, got lower={lower!r}, upper={upper!r}")
+    if not 0 <= _number("lower", lower) < _number("upper", upper):
+        raise ValueError(
+            f"lower and upper must satisfy 0 <= lower < upper, got lower={lower!r}, upper={upper!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -72,8 +61,7 @@ class CorrectionConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
-        _check_threshold(self.threshold)
-        _check_band(self.lower, self.upper)
+        _check(self.threshold, self.lower, self.upper)
 
 
 def tokens_of(log_ratio: Tokens, mask: Tokens) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -82,23 +70,25 @@ def tokens_of(log_ratio: Tokens, mask: Tokens) -> tuple[Tensor, Tensor, Tensor |
     if isinstance(log_ratio, PackedTensor):
         if log_ratio.row_shape != ():
             raise ValueError(
-                f"log_ratio must be a PackedTensor of per-token values (row_shape ()), got {log_ratio.row_shape}"
+                f"log_ratio must hold per-token values (row_shape ()), got {log_ratio.row_shape}"
             )
         if isinstance(mask, PackedTensor):
             if not torch.equal(mask.cu_seqlens_host, log_ratio.cu_seqlens_host):
-                raise ValueError("mask must be a PackedTensor with log_ratio's cu_seqlens (the same segments)")
+                raise ValueError("mask must be a PackedTensor with log_ratio's cu_seqlens")
             mask = mask.values
         values, cu = log_ratio.values, log_ratio.cu_seqlens
     elif isinstance(log_ratio, Tensor) and log_ratio.dim() == 2:
         values = log_ratio
     else:
         got = tuple(log_ratio.shape) if isinstance(log_ratio, Tensor) else type(log_ratio).__name__
-        raise ValueError(f"log_ratio must be a padded [B, T] tensor or a PackedTensor of per-token values, got {got}")
+        raise ValueError(f"log_ratio must be a padded [B, T] tensor or a PackedTensor, got {got}")
     if not values.is_floating_point():
         raise ValueError(f"log_ratio must be a floating-point tensor, got dtype {values.dtype}")
     if not isinstance(mask, Tensor) or mask.shape != values.shape or mask.device != values.device:
         got = f"{tuple(mask.shape)} on {mask.device}" if isinstance(mask, Tensor) else type(mask).__name__
-        raise ValueError(f"mask must have log_ratio's shape {tuple(values.shape)} on {values.device}, got {got}")
+        raise ValueError(
+            f"mask must have log_ratio's shape {tuple(values.shape)} on {values.device}, got {got}"
+        )
     return values.detach(), mask.detach() != 0, cu
 
 
@@ -131,7 +121,7 @@ def zero_off(keep: Tensor, values: Tensor) -> Tensor:
 
 def token_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
     """Truncated IS: per-token weight ``min(exp(log_ratio), threshold)`` on loss tokens."""
-    _check_threshold(threshold)
+    _check(threshold=threshold)
     lr, keep, _ = tokens_of(log_ratio, mask)
     return _like(log_ratio, zero_off(keep, _ratio(lr).clamp(max=threshold)))
 
@@ -139,7 +129,7 @@ def token_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tok
 def sequence_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
     """One weight per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)``,
     repeated on its loss tokens."""
-    _check_threshold(threshold)
+    _check(threshold=threshold)
     lr, keep, cu = tokens_of(log_ratio, mask)
     total = _sequence_sum(zero_off(keep, lr), cu)
     return _like(log_ratio, zero_off(keep, torch.exp(total).clamp(max=threshold)))
@@ -148,7 +138,7 @@ def sequence_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> 
 def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
     """1 on the loss tokens of sequences whose geometric-mean ratio ``exp(mean log_ratio)`` over
     their loss tokens lies in ``[lower, upper]``; whole sequences outside are dropped (0)."""
-    _check_band(lower, upper)
+    _check(lower=lower, upper=upper)
     lr, keep, cu = tokens_of(log_ratio, mask)
     mean = _sequence_sum(zero_off(keep, lr), cu) / _sequence_sum(keep, cu).clamp(min=1)
     ratio = torch.exp(mean)
@@ -157,7 +147,7 @@ def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper
 
 def token_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
     """1 on the loss tokens whose ratio ``exp(log_ratio)`` lies in ``[lower, upper]``, else 0."""
-    _check_band(lower, upper)
+    _check(lower=lower, upper=upper)
     lr, keep, _ = tokens_of(log_ratio, mask)
     ratio = _ratio(lr)
     return _like(log_ratio, keep & (ratio >= lower) & (ratio <= upper))

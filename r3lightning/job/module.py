@@ -55,8 +55,8 @@ class GRPOModule(pl.LightningModule):
 
     ``grpo.correction`` weights each loss token by an importance-sampling correction
     (:mod:`r3lightning.correction`) of ``log p_trainer - log p_engine`` from this same forward
-    (replayed under r3); ``correction/*`` are exact ratios of sums over the epoch's batches so far
-    and over ranks, logged every step (the epoch's last value covers the whole RL step).
+    (replayed under r3); unless it is ``none``, ``correction/*`` are exact ratios of sums over the
+    epoch's batches so far and over ranks, logged every step (the epoch's last covers the RL step).
 
     Paired mismatch, every ``grpo.mismatch_every_n_steps`` RL steps (on the step's first batch,
     whose weights are the ones the engine sampled with): two extra no-grad forwards of the batch,
@@ -202,7 +202,9 @@ class GRPOModule(pl.LightningModule):
         if self.measure_agreement and callback is not None and callback.mode != "r2":
             self._log_agreement(callback, len(batch))
         loss_mask = batch.loss_mask.to(logprobs.dtype)
-        weights = correction_weights(logprobs.detach() - batch.rollout_logprobs, loss_mask, self.grpo.correction)
+        weights = correction_weights(
+            logprobs.detach() - batch.rollout_logprobs, loss_mask, self.grpo.correction
+        )
         self._correction.update(weights, loss_mask)
         loss, stats = policy_loss(
             logprobs,
@@ -213,8 +215,11 @@ class GRPOModule(pl.LightningModule):
             clip_high=self.grpo.clip_high,
             weights=weights,
         )
-        correction = self._correction.compute(sync_dist=self._distributed)
-        self.log_dict({k: v.float() for k, v in correction.items()}, on_step=True, on_epoch=False, batch_size=1)
+        if self.grpo.correction.mode != "none":
+            correction = self._correction.compute(sync_dist=self._distributed)
+            self.log_dict(
+                {k: v.float() for k, v in correction.items()}, on_step=True, on_epoch=False, batch_size=1
+            )
         stats.update(
             mismatch_metrics(
                 logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band

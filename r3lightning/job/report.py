@@ -2,7 +2,8 @@
 
 A run's history is a list of flat ``{metric: float}`` records, one per RL step: per-layer routing
 agreement as ``used_agreement/layer_<i>``, the GRPO module's paired mismatch as ``mismatch/<name>``
-(on the steps it was measured), ``simulated_disagreement`` when the engine simulated one. Runs
+(on the steps it was measured), its importance-sampling correction as ``correction/<name>`` (when
+one is applied), ``simulated_disagreement`` when the engine simulated one. Runs
 named ``<arm>/seed=<s>`` are seeds of one arm: the table and the plot show the median over seeds
 and its [min, max]. Plotting uses matplotlib's Agg backend (no display needed).
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 
 AGREEMENT_PREFIX = "used_agreement/layer_"
 MISMATCH_PREFIX = "mismatch/"
+CORRECTION_PREFIX = "correction/"  # the GRPO module's importance-sampling correction (when applied)
+CORRECTED = ("ess", "truncated_fraction", "masked_fraction")
 SEED_SEP = "/seed="
 SIMULATED = "simulated_disagreement"
 PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed")
@@ -122,6 +125,8 @@ def summarize(records: History, window: int = 3) -> dict[str, float]:
         out[name] = _mean(records, key)
         out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
         out[f"{name}_end"] = _mean(records, key, slice(-window, None))
+    for name in CORRECTED:
+        out[name] = _mean(records, CORRECTION_PREFIX + name)
     for suffix in ("", "_step0"):
         out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
     return out
@@ -171,6 +176,10 @@ def format_table(
         ("replayed", ("outside_band_replayed",), "pct3"),
         ("entropy start->end", ("policy_entropy_step0", "policy_entropy_end"), "f3"),
     ]
+    corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
+    if corrected:
+        columns += [("IS ESS", ("ess",), "f3"), ("truncated", ("truncated_fraction",), "pct2")]
+        columns += [("masked", ("masked_fraction",), "pct2")]
     step0 = [("k3 native", "sci"), ("k3 replayed", "sci"), ("native/replayed", "x")]
     step0 += [("outside native", "pct3"), ("replayed", "pct3")]
     rows, first = [["run", *(c[0] for c in columns)]], [["run", *(c[0] for c in step0)]]
@@ -208,6 +217,12 @@ def format_table(
         f"{band}; native / replayed: the trainer's own routing / the engine's routes replayed, "
         "same weights and batch; means over the measured steps",
     ]
+    if corrected:
+        lines.append(
+            "IS ESS, truncated, masked: the loss's importance-sampling correction (algorithm.correction; "
+            "n/a: none), effective sample size (sum w)^2 / (n sum w^2) and shares of loss tokens, "
+            "means over steps"
+        )
     return "\n".join(lines + ([environment_line(env)] if env else []))
 
 

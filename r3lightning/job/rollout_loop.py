@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from r3lightning.job.common import JobError
-from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
+from r3lightning.job.report import AGREEMENT_PREFIX, CORRECTION_PREFIX, MISMATCH_PREFIX, write_csv
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
 from r3lightning.rollout.tasks import ScoredTask
@@ -315,13 +315,14 @@ def _epoch_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Flatten the epoch-aggregated logged metrics into CSV columns.
 
     ``train/<name>`` -> ``<name>``; the module's per-layer routing agreement keeps its
-    ``used_agreement/layer_XX`` name, and its paired mismatch metrics their ``mismatch/<name>``.
+    ``used_agreement/layer_XX`` name, its paired mismatch metrics their ``mismatch/<name>`` and its
+    importance-sampling correction its ``correction/<name>``.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():
         v = float(value.item() if isinstance(value, Tensor) else value)
         if key.startswith("train/"):
             out[key[len("train/") :]] = v
-        elif key.startswith((AGREEMENT_PREFIX, MISMATCH_PREFIX)):
+        elif key.startswith((AGREEMENT_PREFIX, MISMATCH_PREFIX, CORRECTION_PREFIX)):
             out[key] = v
     return out

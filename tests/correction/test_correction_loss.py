@@ -100,7 +100,7 @@ def test_all_masked_batch_gives_a_finite_zero_loss_and_says_so():
 
 def _reference(parts: list[tuple[list[float], list[int]]], mode: str, threshold: float) -> dict[str, float]:
     """Sums over every token of every part, in Python floats, then the ratios."""
-    w = [v for weights, mask in parts for v, k in zip(weights, mask) if k]
+    w = [v for weights, mask in parts for v, k in zip(weights, mask, strict=True) if k]
     n = len(w)
     return {
         "correction/weight_mean": sum(w) / n,
@@ -122,7 +122,10 @@ def _micro_batches(seed: int, mode: str):
     packed_b = PackedTensor.from_lengths(log_ratio_b, [2, 0, 4])
     packed_mask = PackedTensor.from_lengths(mask_b.reshape(-1), [2, 0, 4])
     b = correction_weights(packed_b, packed_mask, config)
-    parts = [(a.reshape(-1).tolist(), mask_a.reshape(-1).tolist()), (b.values.tolist(), mask_b.reshape(-1).tolist())]
+    parts = [
+        (a.reshape(-1).tolist(), mask_a.reshape(-1).tolist()),
+        (b.values.tolist(), mask_b.reshape(-1).tolist()),
+    ]
     return config, [(a, mask_a), (b, packed_mask)], parts
 
 

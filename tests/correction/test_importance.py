@@ -24,35 +24,44 @@ BIAS = [0.3, 0.0, 0.1, 0.0, -0.25, 0.15]  # per-sequence drift: sums and means c
 def _sequences(seed: int = 0) -> tuple[list[list[float]], list[list[int]]]:
     """Log-ratios wide enough to cross every cap and band, and a loss mask with holes."""
     g = torch.Generator().manual_seed(seed)
-    ratios = [(torch.randn(n, generator=g, dtype=torch.float64) * 0.6 + b).tolist() for n, b in zip(LENGTHS, BIAS)]
+    ratios = [
+        (torch.randn(n, generator=g, dtype=torch.float64) * 0.6 + b).tolist()
+        for n, b in zip(LENGTHS, BIAS, strict=True)
+    ]
     masks = [[int(v) for v in (torch.rand(n, generator=g) > 0.25).tolist()] for n in LENGTHS]
     masks[2][0] = 0
     return ratios, masks
 
 
 def ref_token_tis(x, m, c):
-    return [[min(math.exp(v), c) if k else 0.0 for v, k in zip(xs, ms)] for xs, ms in zip(x, m)]
+    return [
+        [min(math.exp(v), c) if k else 0.0 for v, k in zip(xs, ms, strict=True)]
+        for xs, ms in zip(x, m, strict=True)
+    ]
 
 
 def ref_sequence_tis(x, m, c):
     out = []
-    for xs, ms in zip(x, m):
-        w = min(math.exp(sum(v for v, k in zip(xs, ms) if k)), c)
+    for xs, ms in zip(x, m, strict=True):
+        w = min(math.exp(sum(v for v, k in zip(xs, ms, strict=True) if k)), c)
         out.append([w if k else 0.0 for k in ms])
     return out
 
 
 def ref_geometric_mask(x, m, lo, hi):
     out = []
-    for xs, ms in zip(x, m):
+    for xs, ms in zip(x, m, strict=True):
         n = sum(ms)
-        ratio = math.exp(sum(v for v, k in zip(xs, ms) if k) / n) if n else 1.0
+        ratio = math.exp(sum(v for v, k in zip(xs, ms, strict=True) if k) / n) if n else 1.0
         out.append([float(k and lo <= ratio <= hi) for k in ms])
     return out
 
 
 def ref_token_mask(x, m, lo, hi):
-    return [[float(k and lo <= math.exp(v) <= hi) for v, k in zip(xs, ms)] for xs, ms in zip(x, m)]
+    return [
+        [float(k and lo <= math.exp(v) <= hi) for v, k in zip(xs, ms, strict=True)]
+        for xs, ms in zip(x, m, strict=True)
+    ]
 
 
 CASES = [  # (function, reference, keywords: non-default on purpose, the defaults)
@@ -81,7 +90,10 @@ def packed(rows, dtype=torch.float64):
 def _garbage_on_masked(x, m):
     """The same log-ratios with NaN / +-inf wherever the mask is 0: must not matter."""
     junk = [float("nan"), float("inf"), -float("inf")]
-    return [[v if k else junk[(i + t) % 3] for t, (v, k) in enumerate(zip(xs, ms))] for i, (xs, ms) in enumerate(zip(x, m))]
+    return [
+        [v if k else junk[(i + t) % 3] for t, (v, k) in enumerate(zip(xs, ms, strict=True))]
+        for i, (xs, ms) in enumerate(zip(x, m, strict=True))
+    ]
 
 
 def _args(ref, kw):
@@ -161,7 +173,10 @@ def test_correction_weights_dispatches_on_the_config():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"mode": "tis"}, r"mode must be one of \['none', 'token_tis', 'sequence_tis', 'geometric_mask', 'token_mask'\], got 'tis'"),
+        (
+            {"mode": "tis"},
+            r"mode must be one of \['none', 'token_tis', 'sequence_tis', 'geometric_mask', 'token_mask'\], got 'tis'",
+        ),
         ({"threshold": 0.0}, "threshold must be a number > 0"),
         ({"threshold": "2"}, "threshold must be a number, got '2'"),
         ({"lower": 2.0, "upper": 1.0}, "0 <= lower < upper, got lower=2.0, upper=1.0"),
@@ -178,9 +193,11 @@ def test_bad_inputs_are_clear_errors():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"mask must have log_ratio's shape \(2, 3\) on cpu, got \(2, 4\)"):
         token_tis(x, torch.ones(2, 4))
-    with pytest.raises(ValueError, match=r"padded \[B, T\] tensor or a PackedTensor .* got \(6,\)"):
+    with pytest.raises(
+        ValueError, match=r"log_ratio must be a padded \[B, T\] tensor or a PackedTensor, got \(6,\)"
+    ):
         token_tis(torch.zeros(6), torch.ones(6))
-    with pytest.raises(ValueError, match="floating-point tensor, got dtype torch.int64"):
+    with pytest.raises(ValueError, match=r"floating-point tensor, got dtype torch\.int64"):
         token_mask(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
     with pytest.raises(ValueError, match="threshold must be a number > 0"):
         sequence_tis(x, torch.ones(2, 3), threshold=-1.0)
