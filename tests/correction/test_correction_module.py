@@ -8,6 +8,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
+from sync_detector import ArmDetector, DisarmDetector, SyncDetector
 from torch.utils.data import DataLoader
 
 from r3lightning.align.layout import position_ids_from_mask
@@ -16,6 +17,7 @@ from r3lightning.correction.grpo import GRPOConfig, policy_loss, token_logprobs
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.job.module import GRPOModule, OptimConfig
+from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
 from r3lightning.serve.engine import GenerationEngine, GenerationRequest
@@ -208,3 +210,43 @@ def test_docs_recipe_runs_and_logs_the_replayed_correction(rollouts):
     got = fit(MyPolicy(build_tiny_moe(seed=0), config), batches["routes"][:1], "r3")
     expected = reference(log_ratios["replayed"][:3], config)
     assert _close(got, expected, expected["loss_tokens"]), (got, expected)
+
+
+# ---------------------------------------------------------------------------- host syncs
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_a_corrected_grpo_step_makes_no_host_sync(rollouts, mode):
+    detector = SyncDetector()
+    config = CorrectionConfig(mode=mode, threshold=THRESHOLD, lower=0.99, upper=1.005)
+    module = GRPOModule(build_tiny_moe(seed=0), GRPOConfig(correction=config))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ArmDetector(detector), RouterReplayCallback(), DisarmDetector(detector)],
+    )
+    with detector:
+        trainer.fit(module, DataLoader(rollouts[0]["routes"][:1], batch_size=None, collate_fn=lambda b: b))
+    assert detector.syncs == []
+    assert "correction/ess" in trainer.callback_metrics
+
+
+def test_packed_corrections_and_metrics_make_no_host_sync():
+    detector = SyncDetector()
+    host = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    device_cu = host.clone()  # the offsets a GPU batch carries next to its host copy
+    log_ratio = PackedTensor(torch.randn(8) * 0.3, device_cu, cu_seqlens_host=host)
+    mask = PackedTensor(torch.ones(8), device_cu, cu_seqlens_host=host)
+    detector.mark(log_ratio.values, mask.values, device_cu)
+    with detector:
+        detector.armed = True
+        for mode in MODES:
+            config = CorrectionConfig(mode=mode)
+            metrics = CorrectionMetrics(config)
+            metrics.update(correction_weights(log_ratio, mask, config), mask)
+            metrics.compute(sync_dist=True)
+    assert detector.syncs == []
