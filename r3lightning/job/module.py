@@ -124,9 +124,9 @@ class GRPOModule(pl.LightningModule):
     # ------------------------------------------------------------------ paired mismatch
 
     def on_train_epoch_start(self) -> None:
+        self._correction.reset()
         # trainer.callback_metrics keeps the last value of every metric; a step that does not
         # measure the paired mismatch must not show the previous measurement as its own
-        self._correction.reset()
         metrics = self.trainer.callback_metrics
         for key in [k for k in metrics if k.startswith("mismatch/")]:
             del metrics[key]
@@ -202,10 +202,10 @@ class GRPOModule(pl.LightningModule):
         if self.measure_agreement and callback is not None and callback.mode != "r2":
             self._log_agreement(callback, len(batch))
         loss_mask = batch.loss_mask.to(logprobs.dtype)
-        weights = correction_weights(
-            logprobs.detach() - batch.rollout_logprobs, loss_mask, self.grpo.correction
-        )
-        self._correction.update(weights, loss_mask)
+        weights, correction = None, self.grpo.correction
+        if correction.mode != "none":
+            weights = correction_weights(logprobs.detach() - batch.rollout_logprobs, loss_mask, correction)
+            self._correction.update(weights, loss_mask)
         loss, stats = policy_loss(
             logprobs,
             old_logprobs,
@@ -215,10 +215,10 @@ class GRPOModule(pl.LightningModule):
             clip_high=self.grpo.clip_high,
             weights=weights,
         )
-        if self.grpo.correction.mode != "none":
-            correction = self._correction.compute(sync_dist=self._distributed)
+        if weights is not None:
+            totals = self._correction.compute(sync_dist=self._distributed)
             self.log_dict(
-                {k: v.float() for k, v in correction.items()}, on_step=True, on_epoch=False, batch_size=1
+                {k: v.float() for k, v in totals.items()}, on_step=True, on_epoch=False, batch_size=1
             )
         stats.update(
             mismatch_metrics(
