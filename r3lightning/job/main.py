@@ -60,23 +60,22 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
     check_config(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):
-        where = f"compare[{index}]"
-        spec = {"replay": entry} if not OmegaConf.is_dict(entry) else OmegaConf.to_container(entry)
-        unknown = set(spec) - {"name", "replay", "overrides"}
-        if unknown:
-            raise JobError(f"{where}: unknown keys {sorted(unknown)}; an arm has name, replay and overrides")
-        mode = spec.get("replay")
+        where, spec = (
+            f"compare[{index}]",
+            OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry},
+        )
+        mode, overrides = spec.pop("replay", None), spec.pop("overrides", None) or {}
+        name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
+        if spec:
+            raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
         if mode is not None and str(mode) not in ("r3", "r2", "off"):
             raise JobError(f"{where}.replay must be one of ['r3', 'r2', 'off'], got {mode!r}")
-        arm = cfg if mode is None else replay_settings(cfg, str(mode))
-        name = str(spec.get("name") or f"replay={arm.replay.mode}")
         if not _ARM_NAME.fullmatch(name) or name in out:
             problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
             raise JobError(f"{where}.name {name!r} {problem}")
-        overrides = spec.get("overrides") or {}
         if not isinstance(overrides, dict):
             raise JobError(f"{where}.overrides must map dotted config keys to values, got {overrides!r}")
-        arm = OmegaConf.merge(arm, {"compare": []})
+        arm = OmegaConf.merge(cfg if mode is None else replay_settings(cfg, str(mode)), {"compare": []})
         for key, value in overrides.items():
             if OmegaConf.select(arm, str(key), default=KeyError) is KeyError:
                 raise JobError(f"{where}.overrides: {key!r} is not a key of the config")
@@ -230,17 +229,15 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool]:
 
 def _compose(flags: list[str], overrides: list[str], hydra_config: bool = False) -> DictConfig:
     """``compose_config`` with the ``--config-dir`` / ``--config-name`` among ``flags``."""
-    found: dict[str, str] = {}
-    for i, flag in enumerate(flags):
-        name, eq, value = flag.partition("=")
-        for long, short in (("--config-dir", "-cd"), ("--config-name", "-cn")):
-            if name in (long, short) and (eq or i + 1 < len(flags)):
-                found[long] = value if eq else flags[i + 1]
+    given = dict(
+        f.split("=", 1) if "=" in f else (f, "".join(flags[i + 1 : i + 2])) for i, f in enumerate(flags)
+    )
+    directory, name = (
+        given.get(long) or given.get(short)
+        for long, short in (("--config-dir", "-cd"), ("--config-name", "-cn"))
+    )
     return compose_config(
-        overrides,
-        config_dir=found.get("--config-dir"),
-        config_name=found.get("--config-name", "config"),
-        hydra_config=hydra_config,
+        overrides, config_dir=directory, config_name=name or "config", hydra_config=hydra_config
     )
 
 

@@ -51,12 +51,9 @@ def environment() -> dict[str, str]:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    model = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    cpu = next(model, platform.processor() or platform.machine())
     versions = {m.__name__: m.__version__ for m in (torch, transformers, lightning)}
     return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu}
 
@@ -123,17 +120,34 @@ def _fmt_table(rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def _rows(name: str, summaries: list[dict[str, float]], columns: list) -> list[list[str]]:
-    """``name``'s row (the median over ``summaries`` of each column's keys, joined by "->") and,
-    for several summaries, the row of their [min, max] under it."""
-    stats = {k: spread([s[k] for s in summaries]) for _, keys, _ in columns for k in keys}
+# The summary's columns: header ({band}: the ratio band), summarize() keys (joined by "->"), format.
+COLUMNS = (
+    ("steps", "steps", "{:.0f}"),
+    ("reward start->end", "reward_start reward_end", "{:.3f}"),
+    ("native agreement", "native_agreement", "{:.2%}"),
+    ("k3 native", "k3_native", "{:.2e}"),
+    ("k3 replayed", "k3_replayed", "{:.2e}"),
+    ("native/replayed", "k3_ratio", "{:.1f}x"),
+    ("outside {band} native", "outside_band_native", "{:.3%}"),
+    ("replayed", "outside_band_replayed", "{:.3%}"),
+    ("entropy start->end", "policy_entropy_step0 policy_entropy_end", "{:.3f}"),
+)
+STEP0 = tuple((h.replace(" {band}", ""), f"{k}_step0", f) for h, k, f in COLUMNS[3:8])
 
-    def cell(spec: str, key: str, i: int) -> str:
-        return "n/a" if math.isnan(stats[key][i]) else spec.format(stats[key][i])
 
-    rows = [[name, *(" -> ".join(cell(f, k, 0) for k in keys) for _, keys, f in columns)]]
+def _cell(spec: str, value: float) -> str:
+    return "n/a" if math.isnan(value) else spec.format(value)
+
+
+def _rows(
+    name: str, summaries: list[dict[str, float]], columns: Sequence[tuple[str, ...]]
+) -> list[list[str]]:
+    """``name``'s row (the median over ``summaries`` of each column) and, for several summaries,
+    the row of their [min, max] under it."""
+    stats = [([spread([s[k] for s in summaries]) for k in keys.split()], f) for _, keys, f in columns]
+    rows = [[name, *(" -> ".join(_cell(f, m) for m, _, _ in values) for values, f in stats)]]
     if len(summaries) > 1:
-        ranges = (" -> ".join(f"[{cell(f, k, 1)}, {cell(f, k, 2)}]" for k in keys) for _, keys, f in columns)
+        ranges = (" -> ".join(f"[{_cell(f, lo)}, {_cell(f, hi)}]" for _, lo, hi in v) for v, f in stats)
         rows.append([f"  [min, max] of {len(summaries)}", *ranges])
     return rows
 
@@ -148,45 +162,20 @@ def format_table(
     disagreement heads the text, ``env``'s line ends it. Mismatch figures are paired: on the same
     weights and batch, the trainer's logprobs routed natively and replayed, each against the engine's."""
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
-    sci, times, pct = "{:.2e}", "{:.1f}x", "{:.3%}"
-    paired = [("k3 native", ("k3_native",), sci), ("k3 replayed", ("k3_replayed",), sci)]
-    paired += [
-        ("native/replayed", ("k3_ratio",), times),
-        (f"outside {band} native", ("outside_band_native",), pct),
-    ]
-    paired += [("replayed", ("outside_band_replayed",), pct)]
-    columns = [
-        ("steps", ("steps",), "{:.0f}"),
-        ("reward start->end", ("reward_start", "reward_end"), "{:.3f}"),
-    ]
-    columns += [("native agreement", ("native_agreement",), "{:.2%}"), *paired]
-    columns += [("entropy start->end", ("policy_entropy_step0", "policy_entropy_end"), "{:.3f}")]
-    step0 = [
-        ("outside native" if "outside" in h else h, tuple(f"{k}_step0" for k in keys), f)
-        for h, keys, f in paired
-    ]
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
-    table = [
-        ["run", *(c[0] for c in columns)],
-        *(r for arm, s in groups.items() for r in _rows(arm, s, columns)),
-    ]
+    table = [["run", *(h.format(band=band) for h, _, _ in COLUMNS)]]
+    table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, COLUMNS)]
     first = [
-        ["run", *(c[0] for c in step0)],
-        *(_rows(name, [summarize(h)], step0)[0] for name, h in runs.items()),
+        ["run", *(h for h, _, _ in STEP0)],
+        *(_rows(n, [summarize(h)], STEP0)[0] for n, h in runs.items()),
     ]
     share = simulated_share(runs)
-    lines = [f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})", ""][
-        : 2 * bool(share)
-    ]
+    sim = f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})"
+    lines = [sim, ""] if share else []
     if any(len(s) > 1 for s in groups.values()):
         lines += ["median over seeds per arm; the row under each arm: [min, max] over its seeds", ""]
-    lines += [
-        *_fmt_table(table),
-        "",
-        "step 0 (same weights and rollouts in every arm):",
-        *_fmt_table(first),
-        "",
-    ]
+    lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):"]
+    lines += [*_fmt_table(first), ""]
     lines += [
         "reward: mean of the first / last 3 steps; entropy (nats) of the policy on response tokens: "
         "step 0 -> mean of the last 3 measured steps",
