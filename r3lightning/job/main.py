@@ -1,7 +1,7 @@
 """The main job: GRPO training of a causal MoE with Rollout Routing Replay, configured by Hydra.
 
     r3lightning-train                                       # tiny Qwen3-MoE, embedded engine, R3
-    r3lightning-train experiment=compare                    # replay on and off, side by side
+    r3lightning-train experiment=compare                    # replay on and off, 3 seeds each
     r3lightning-train replay=off steps=10
     r3lightning-train rollout.url=http://host:30000 rollout.protocol=sglang
     r3lightning-train --config-dir my_conf reward=mine      # your own YAML files next to the package's
@@ -9,23 +9,18 @@
     r3lightning-train --help                                # config groups, options and keys
     python -m r3lightning.job.main ...                      # the same
 
-The configs (top-level ``conf/``) ship inside the wheel as ``r3lightning/conf``, so the job runs from a wheel in any
-directory. Every swappable piece is built from its ``_target_`` (see ``setup.py`` for what the
-job passes itself).
+The configs (top-level ``conf/``) ship inside the wheel as ``r3lightning/conf``. Every swappable
+piece is built from its ``_target_`` (``setup.py``: what the job passes itself). Per RL step (one
+Lightning epoch) the engine (bf16, the embedded ``RolloutServer`` by default) samples responses
+and returns the experts it routed every token to; the replay callback makes the fp32 training
+forward use them; the updated weights go back to the engine.
 
-Per RL step (one Lightning epoch): the rollout engine (bf16, the embedded ``RolloutServer`` by
-default) samples a group of responses per prompt and returns the experts it routed every token
-to; trajectories go through ``RoutedExpertTrace`` into the ``ReplayBuffer``; the data module
-collates them with packed routes; ``RouterReplayCallback`` installs the routes so the fp32
-training forward uses the engine's experts; the updated weights go back to the engine.
-
-Outputs land in Hydra's run directory: ``config.yaml`` (resolved), per run ``<name>/metrics.csv``
-and ``<name>/checkpoints/last.ckpt`` (a rerun with the same ``hydra.run.dir`` resumes from it),
-``summary.txt`` (the final table) and ``metrics.png``. A run that fails before training leaves
-no folder behind.
-
-Exit status: 0 done; 2 a configuration, checkpoint or engine-address problem (one line naming the
-key or file; in a sweep: any job failed); 3 the rollout engine failed; 130 interrupted (Ctrl-C).
+Outputs in Hydra's run directory: ``config.yaml`` (resolved, under a comment line naming the
+environment), per run ``<name>/metrics.csv`` and ``<name>/checkpoints/last.ckpt`` (a rerun
+with the same ``hydra.run.dir`` resumes), ``summary.txt`` and ``metrics.png``. A run that
+fails before training leaves no folder behind. Exit status: 0 done; 2 a configuration,
+checkpoint or engine-address problem (one line naming the key or file; in a sweep: any job
+failed); 3 the rollout engine failed; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -65,23 +60,22 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
     check_config(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):
-        where = f"compare[{index}]"
-        spec = {"replay": entry} if not OmegaConf.is_dict(entry) else OmegaConf.to_container(entry)
-        unknown = set(spec) - {"name", "replay", "overrides"}
-        if unknown:
-            raise JobError(f"{where}: unknown keys {sorted(unknown)}; an arm has name, replay and overrides")
-        mode = spec.get("replay")
+        where, spec = (
+            f"compare[{index}]",
+            OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry},
+        )
+        mode, overrides = spec.pop("replay", None), spec.pop("overrides", None) or {}
+        name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
+        if spec:
+            raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
         if mode is not None and str(mode) not in ("r3", "r2", "off"):
             raise JobError(f"{where}.replay must be one of ['r3', 'r2', 'off'], got {mode!r}")
-        arm = cfg if mode is None else replay_settings(cfg, str(mode))
-        name = str(spec.get("name") or f"replay={arm.replay.mode}")
         if not _ARM_NAME.fullmatch(name) or name in out:
             problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
             raise JobError(f"{where}.name {name!r} {problem}")
-        overrides = spec.get("overrides") or {}
         if not isinstance(overrides, dict):
             raise JobError(f"{where}.overrides must map dotted config keys to values, got {overrides!r}")
-        arm = OmegaConf.merge(arm, {"compare": []})
+        arm = OmegaConf.merge(cfg if mode is None else replay_settings(cfg, str(mode)), {"compare": []})
         for key, value in overrides.items():
             if OmegaConf.select(arm, str(key), default=KeyError) is KeyError:
                 raise JobError(f"{where}.overrides: {key!r} is not a key of the config")
@@ -233,13 +227,18 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool]:
     return flags, overrides, understood
 
 
-def _flag_value(flags: list[str], long: str, short: str) -> str | None:
-    for i, flag in enumerate(flags):
-        if flag in (long, short) and i + 1 < len(flags):
-            return flags[i + 1]
-        if flag.startswith((f"{long}=", f"{short}=")):
-            return flag.split("=", 1)[1]
-    return None
+def _compose(flags: list[str], overrides: list[str], hydra_config: bool = False) -> DictConfig:
+    """``compose_config`` with the ``--config-dir`` / ``--config-name`` among ``flags``."""
+    given = dict(
+        f.split("=", 1) if "=" in f else (f, "".join(flags[i + 1 : i + 2])) for i, f in enumerate(flags)
+    )
+    directory, name = (
+        given.get(long) or given.get(short)
+        for long, short in (("--config-dir", "-cd"), ("--config-name", "-cn"))
+    )
+    return compose_config(
+        overrides, config_dir=directory, config_name=name or "config", hydra_config=hydra_config
+    )
 
 
 def compose_config(
@@ -273,11 +272,7 @@ def _precheck(flags: list[str], overrides: list[str]) -> str | None:
 
     plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
     try:
-        cfg = compose_config(
-            plain,
-            config_dir=_flag_value(flags, "--config-dir", "-cd"),
-            config_name=_flag_value(flags, "--config-name", "-cn") or "config",
-        )
+        cfg = _compose(flags, plain)
         arms(cfg)
         run_seeds(cfg)
     except JobError as exc:
@@ -291,13 +286,7 @@ def _planned_run_dir(flags: list[str], overrides: list[str]) -> Path | None:
     """The absolute run folder Hydra will use (``hydra.run.dir``, resolved now); None if unknown."""
     keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
     try:
-        cfg = compose_config(
-            keep,
-            config_dir=_flag_value(flags, "--config-dir", "-cd"),
-            config_name=_flag_value(flags, "--config-name", "-cn") or "config",
-            hydra_config=True,
-        )
-        return Path(str(cfg.hydra.run.dir)).absolute()
+        return Path(str(_compose(flags, keep, hydra_config=True).hydra.run.dir)).absolute()
     except Exception:
         return None
 
@@ -355,13 +344,8 @@ def _sweep(args: list[str]) -> int:
         label = f"job #{number} ({' '.join(job)}): "
         if sweep_dir is None:
             try:
-                cfg = compose_config(
-                    [a for a in job if not a.startswith("hydra.run.dir=")],
-                    config_dir=_flag_value(flags, "--config-dir", "-cd"),
-                    config_name=_flag_value(flags, "--config-name", "-cn") or "config",
-                    hydra_config=True,
-                )
-                sweep_dir = str(cfg.hydra.sweep.dir)
+                job_overrides = [a for a in job if not a.startswith("hydra.run.dir=")]
+                sweep_dir = str(_compose(flags, job_overrides, hydra_config=True).hydra.sweep.dir)
             except Exception:
                 pass  # reported by the job's own run below
         print(f"[{PROG}] {label.rstrip(': ')}", file=sys.stderr)

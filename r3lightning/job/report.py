@@ -14,7 +14,7 @@ import csv
 import math
 import platform
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 AGREEMENT_PREFIX = "used_agreement/layer_"
@@ -29,9 +29,7 @@ History = Sequence[Mapping[str, float]]
 
 def write_csv(path: str | Path, records: History) -> None:
     """(Re)write ``path`` with one row per record; columns are the union of keys, in order."""
-    columns: list[str] = []
-    for record in records:
-        columns.extend(k for k in record if k not in columns)
+    columns = list(dict.fromkeys(k for record in records for k in record))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
@@ -56,18 +54,11 @@ def environment() -> dict[str, str]:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    versions = {"torch": torch, "transformers": transformers, "lightning": lightning}
-    return {
-        **{k: m.__version__ for k, m in versions.items()},
-        "threads": str(torch.get_num_threads()),
-        "cpu": cpu,
-    }
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    model = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    cpu = next(model, platform.processor() or platform.machine())
+    versions = {m.__name__: m.__version__ for m in (torch, transformers, lightning)}
+    return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu}
 
 
 def environment_line(env: Mapping[str, str]) -> str:
@@ -111,39 +102,19 @@ def summarize(records: History, window: int = 3) -> dict[str, float]:
     mean mismatch metrics, the lowest per-layer routing agreement seen in any step, and the
     paired mismatch (``mismatch/*``: means over the steps it was measured, and step 0's)."""
     agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
-    out = {
-        "steps": float(len(records)),
-        "reward_start": _mean(records, "reward", slice(window)),
-        "reward_end": _mean(records, "reward", slice(-window, None)),
-        "k3_kl": _mean(records, "k3_kl"),
-        "ratio_out_of_band": _mean(records, "ratio_out_of_band"),
-        "agreement_mean": sum(agreements) / len(agreements) if agreements else math.nan,
-        "agreement_min": min(agreements) if agreements else math.nan,
-    }
+    end = slice(-window, None)
+    out = {"steps": float(len(records)), "reward_start": _mean(records, "reward", slice(window))}
+    out |= {"reward_end": _mean(records, "reward", end), "agreement_min": min(agreements, default=math.nan)}
+    out |= {k: _mean(records, k) for k in ("k3_kl", "ratio_out_of_band")}
+    out["agreement_mean"] = sum(agreements) / len(agreements) if agreements else math.nan
     for name in (*PAIRED, "policy_entropy"):
         key = MISMATCH_PREFIX + name
-        out[name] = _mean(records, key)
+        out[name], out[f"{name}_end"] = _mean(records, key), _mean(records, key, end)
         out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
-        out[f"{name}_end"] = _mean(records, key, slice(-window, None))
-    for name in CORRECTED:
-        out[name] = _mean(records, CORRECTION_PREFIX + name)
+    out |= {name: _mean(records, CORRECTION_PREFIX + name) for name in CORRECTED}
     for suffix in ("", "_step0"):
         out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
     return out
-
-
-def _fmt(kind: str) -> Callable[[float], str]:
-    def fmt(value: float) -> str:
-        if math.isnan(value):
-            return "n/a"
-        digits = {"pct2": 2, "pct3": 3}.get(kind)
-        if digits is not None:
-            return f"{100 * value:.{digits}f}%"
-        return {"int": f"{value:.0f}", "f3": f"{value:.3f}", "sci": f"{value:.2e}", "x": f"{value:.1f}x"}[
-            kind
-        ]
-
-    return fmt
 
 
 def _fmt_table(rows: list[list[str]]) -> list[str]:
@@ -153,63 +124,70 @@ def _fmt_table(rows: list[list[str]]) -> list[str]:
     return lines
 
 
+# The summary's columns: header ({band}: the ratio band), summarize() keys (joined by "->"), format.
+COLUMNS = (
+    ("steps", "steps", "{:.0f}"),
+    ("reward start->end", "reward_start reward_end", "{:.3f}"),
+    ("native agreement", "native_agreement", "{:.2%}"),
+    ("k3 native", "k3_native", "{:.2e}"),
+    ("k3 replayed", "k3_replayed", "{:.2e}"),
+    ("native/replayed", "k3_ratio", "{:.1f}x"),
+    ("outside {band} native", "outside_band_native", "{:.3%}"),
+    ("replayed", "outside_band_replayed", "{:.3%}"),
+    ("entropy start->end", "policy_entropy_step0 policy_entropy_end", "{:.3f}"),
+)
+CORRECTED_COLUMNS = (  # shown when a run applied an importance-sampling correction
+    ("IS ESS", "ess", "{:.3f}"),
+    ("truncated", "truncated_fraction", "{:.2%}"),
+    ("masked", "masked_fraction", "{:.2%}"),
+)
+STEP0 = tuple((h.replace(" {band}", ""), f"{k}_step0", f) for h, k, f in COLUMNS[3:8])
+
+
+def _cell(spec: str, value: float) -> str:
+    return "n/a" if math.isnan(value) else spec.format(value)
+
+
+def _rows(
+    name: str, summaries: list[dict[str, float]], columns: Sequence[tuple[str, ...]]
+) -> list[list[str]]:
+    """``name``'s row (the median over ``summaries`` of each column) and, for several summaries,
+    the row of their [min, max] under it."""
+    stats = [([spread([s[k] for s in summaries]) for k in keys.split()], f) for _, keys, f in columns]
+    rows = [[name, *(" -> ".join(_cell(f, m) for m, _, _ in values) for values, f in stats)]]
+    if len(summaries) > 1:
+        ranges = (" -> ".join(f"[{_cell(f, lo)}, {_cell(f, hi)}]" for _, lo, hi in v) for v, f in stats)
+        rows.append([f"  [min, max] of {len(summaries)}", *ranges])
+    return rows
+
+
 def format_table(
     runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
 ) -> str:
-    """Fixed-width summary, one row per arm (``{"replay=r3": ..., "replay=off": ...}``, or
-    ``<arm>/seed=<s>`` names: the arm's row is the median over seeds of each figure, the row
-    under it its [min, max]); a second table has step 0 of every run, where every arm has the same
-    weights and rollouts. ``ratio_band``: the one the out-of-band metrics were measured with.
-    The simulation label (if any) heads the text, ``env``'s line ends it.
-
-    Every mismatch figure is paired: on the same weights and batch, the trainer's logprobs routed
-    natively and with the engine's routes replayed, each against the engine's."""
+    """Fixed-width summary, one row per arm (``{"replay=r3": ..., "replay=off": ...}``; with
+    ``<arm>/seed=<s>`` names the arm's row holds the median over seeds of each figure and the row
+    under it their [min, max]), then step 0 of every run, where every arm has the same weights and
+    rollouts. ``ratio_band``: the one the out-of-band metrics were measured with. A simulated
+    disagreement heads the text, ``env``'s line ends it. Mismatch figures are paired: on the same
+    weights and batch, the trainer's logprobs routed natively and replayed, each against the engine's."""
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
-    columns = [  # header, the summarize() keys joined by "->", format
-        ("steps", ("steps",), "int"),
-        ("reward start->end", ("reward_start", "reward_end"), "f3"),
-        ("native agreement", ("native_agreement",), "pct2"),
-        ("k3 native", ("k3_native",), "sci"),
-        ("k3 replayed", ("k3_replayed",), "sci"),
-        ("native/replayed", ("k3_ratio",), "x"),
-        (f"outside {band} native", ("outside_band_native",), "pct3"),
-        ("replayed", ("outside_band_replayed",), "pct3"),
-        ("entropy start->end", ("policy_entropy_step0", "policy_entropy_end"), "f3"),
-    ]
+    groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
     corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
-    if corrected:
-        columns += [("IS ESS", ("ess",), "f3"), ("truncated", ("truncated_fraction",), "pct2")]
-        columns += [("masked", ("masked_fraction",), "pct2")]
-    step0 = [("k3 native", "sci"), ("k3 replayed", "sci"), ("native/replayed", "x")]
-    step0 += [("outside native", "pct3"), ("replayed", "pct3")]
-    rows, first = [["run", *(c[0] for c in columns)]], [["run", *(c[0] for c in step0)]]
-    groups = seed_groups(runs)
-    for arm, histories in groups.items():
-        summaries = [summarize(h) for h in histories]
-        stats = {k: spread([s[k] for s in summaries]) for _, keys, _ in columns for k in keys}
-        rows.append([arm, *(" -> ".join(_fmt(f)(stats[k][0]) for k in keys) for _, keys, f in columns)])
-        if len(histories) > 1:
-            cells = [
-                " -> ".join(f"[{_fmt(f)(stats[k][1])}, {_fmt(f)(stats[k][2])}]" for k in keys)
-                for _, keys, f in columns
-            ]
-            rows.append([f"  [min, max] of {len(histories)}", *cells])
-    for name, history in runs.items():
-        s = summarize(history)
-        keys = ("k3_native", "k3_replayed", "k3_ratio", "outside_band_native", "outside_band_replayed")
-        first.append([name, *(_fmt(f)(s[f"{k}_step0"]) for k, (_, f) in zip(keys, step0, strict=True))])
+    columns = COLUMNS + CORRECTED_COLUMNS if corrected else COLUMNS
+    table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
+    table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
+    first = [
+        ["run", *(h for h, _, _ in STEP0)],
+        *(_rows(n, [summarize(h)], STEP0)[0] for n, h in runs.items()),
+    ]
     share = simulated_share(runs)
-    lines = (
-        [f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})", ""]
-        if share
-        else []
-    )
-    if any(len(h) > 1 for h in groups.values()):
+    sim = f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})"
+    lines = [sim, ""] if share else []
+    if any(len(s) > 1 for s in groups.values()):
         lines += ["median over seeds per arm; the row under each arm: [min, max] over its seeds", ""]
-    lines += _fmt_table(rows)
-    lines += ["", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
+    lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):"]
+    lines += [*_fmt_table(first), ""]
     lines += [
-        "",
         "reward: mean of the first / last 3 steps; entropy (nats) of the policy on response tokens: "
         "step 0 -> mean of the last 3 measured steps",
         "native agreement: share of the engine's expert slots the trainer's router picks natively",
@@ -231,77 +209,58 @@ def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float =
     k3 KL (solid: native routing, dashed: replayed), its native/replayed ratio, the share of
     tokens with ratio outside ``[1 / ratio_band, ratio_band]`` (native / replayed) and the policy
     entropy. Several seeds of an arm: the median line in a [min, max] band. Returns the titles
-    (figure, then panels), which name a simulated disagreement."""
+    (figure, then panels); a simulated disagreement is named in each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def k3_ratio(r: Mapping[str, float]) -> float:
-        native, replayed = (r.get(f"{MISMATCH_PREFIX}k3_{s}", math.nan) for s in ("native", "replayed"))
-        return _ratio(native, replayed)
-
-    m = MISMATCH_PREFIX
-    panels = [  # title, [(value of a record, line style suffix)], percent
-        ("mean reward", [(lambda r: r.get("reward", math.nan), "")]),
-        (
-            "native routing agreement with the engine (%)",
-            [(lambda r: 100 * r.get(m + "native_agreement", math.nan), "")],
-        ),
-        (
-            "paired k3 KL(engine || trainer)",
-            [(lambda r, s=s: r.get(f"{m}k3_{s}", math.nan), s) for s in ("native", "replayed")],
-        ),
-        ("k3 native / k3 replayed (same weights)", [(k3_ratio, "")]),
+    m, both = MISMATCH_PREFIX, ("native", "replayed")
+    panels = [  # title, (column, line label), scale
+        ("mean reward", [("reward", "")], 1),
+        ("native routing agreement with the engine (%)", [(m + "native_agreement", "")], 100),
+        ("paired k3 KL(engine || trainer)", [(f"{m}k3_{s}", s) for s in both], 1),
+        ("k3 native / k3 replayed (same weights)", [("k3_ratio", "")], 1),
         (
             f"tokens with ratio outside [{1 / ratio_band:g}, {ratio_band:g}] (%)",
-            [
-                (lambda r, s=s: 100 * r.get(f"{m}outside_band_{s}", math.nan), s)
-                for s in ("native", "replayed")
-            ],
+            [(f"{m}outside_band_{s}", s) for s in both],
+            100,
         ),
-        ("policy entropy (nats)", [(lambda r: r.get(m + "policy_entropy", math.nan), "")]),
+        ("policy entropy (nats)", [(m + "policy_entropy", "")], 1),
     ]
     share = simulated_share(runs)
-    label = f"SIMULATED engine disagreement {share} (rollout.server.{SIMULATED})" if share else ""
-    titles = [f"{t}, simulated {share}" if share else t for t, _ in panels]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5 + 0.4 * bool(share)), constrained_layout=True)
+    titles = [f"{t}, simulated {share}" if share else t for t, _, _ in panels]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
-        for ax, (_, lines) in zip(axes.flat, panels, strict=True):
-            for value, style in lines:
+        records = [
+            {**r, "k3_ratio": _ratio(r.get(m + "k3_native", math.nan), r.get(m + "k3_replayed", math.nan))}
+            for h in histories
+            for r in h
+        ]
+        name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
+        for ax, (_, lines, scale) in zip(axes.flat, panels, strict=True):
+            for key, label in lines:
                 by_step: dict[float, list[float]] = {}
-                for history in histories:
-                    for r in history:
-                        if not math.isnan(v := value(r)):
-                            by_step.setdefault(r["step"], []).append(v)
+                for r in records:
+                    if not math.isnan(r.get(key, math.nan)):
+                        by_step.setdefault(r["step"], []).append(scale * r[key])
                 steps = sorted(by_step)
-                med, low, high = (
-                    zip(*(spread(by_step[s]) for s in steps), strict=True) if steps else ((), (), ())
-                )
-                dashed = style == "replayed"
-                name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
-                ax.plot(
-                    steps,
-                    med,
-                    color=color,
-                    ls="--" if dashed else "-",
-                    marker="x" if dashed else ".",
-                    label=f"{name} {style}".strip(),
-                )
+                med, low, high = zip(*(spread(by_step[s]) for s in steps), strict=True) if steps else [()] * 3
+                style = {"ls": "--", "marker": "x"} if label == "replayed" else {"ls": "-", "marker": "."}
+                ax.plot(steps, med, color=color, label=f"{name} {label}".strip(), **style)
                 if len(histories) > 1:
                     ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
     for ax, title in zip(axes.flat, titles, strict=True):
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
+        ax.set(title=title, xlabel="RL step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[0, 2].set_yscale("log")
     axes[1, 0].axhline(1.0, color="grey", lw=0.8)
     axes[1, 0].set_ylim(bottom=0)
     axes[1, 1].set_ylim(bottom=0)
-    if label:
-        fig.suptitle(label)
+    suptitle = f"SIMULATED engine disagreement {share} (rollout.server.{SIMULATED})" if share else ""
+    fig.suptitle(suptitle)
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return [label, *titles]
+    return [suptitle, *titles]
