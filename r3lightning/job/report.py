@@ -137,7 +137,7 @@ COLUMNS = (
     ("entropy start->end", "policy_entropy_step0 policy_entropy_end", "{:.3f}"),
 )
 CORRECTED_COLUMNS = (  # shown when a run applied an importance-sampling correction
-    ("IS ESS", "ess", "{:.3f}"),
+    ("IS ESS", "ess", "{:.4f}"),
     ("truncated", "truncated_fraction", "{:.2%}"),
     ("masked", "masked_fraction", "{:.2%}"),
 )
