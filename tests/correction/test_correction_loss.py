@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 
 from r3lightning.correction import CorrectionConfig, CorrectionMetrics, correction_weights, geometric_mask
 from r3lightning.correction.grpo import policy_loss
@@ -150,10 +150,10 @@ def test_metrics_are_ratios_of_sums_over_micro_batches(mode):
     assert metrics.compute()["correction/loss_tokens"].item() == 0.0
 
 
-def _rank(rank: int, port: int, mode: str) -> None:
+def _rank(rank: int, mode: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo")  # the launcher sets torchrun's environment on 127.0.0.1
     config, batches, parts = _micro_batches(3, mode)
     metrics = CorrectionMetrics(config)
     metrics.update(*batches[rank])  # each rank holds one of the two micro-batches
@@ -165,4 +165,4 @@ def _rank(rank: int, port: int, mode: str) -> None:
 
 @pytest.mark.slow
 def test_metrics_sum_over_two_gloo_ranks():
-    run_ranks(_rank, free_port(), "token_tis")
+    run_ranks(_rank, "token_tis")
