@@ -2,25 +2,17 @@
 
     r3lightning-train                                       # tiny Qwen3-MoE, embedded engine, R3
     r3lightning-train experiment=compare                    # replay on and off, 3 seeds each
-    r3lightning-train replay=off steps=10
     r3lightning-train rollout.url=http://host:30000 rollout.protocol=sglang
     r3lightning-train --config-dir my_conf reward=mine      # your own YAML files next to the package's
     r3lightning-train -m replay=r3,off seed=0,1             # a sweep: one job after the other
     r3lightning-train --help                                # config groups, options and keys
-    python -m r3lightning.job.main ...                      # the same
 
-The configs (top-level ``conf/``) ship inside the wheel as ``r3lightning/conf``. Every swappable
-piece is built from its ``_target_`` (``setup.py``: what the job passes itself). Per RL step (one
-Lightning epoch) the engine (bf16, the embedded ``RolloutServer`` by default) samples responses
-and returns the experts it routed every token to; the replay callback makes the fp32 training
-forward use them; the updated weights go back to the engine.
-
-Outputs in Hydra's run directory: ``config.yaml`` (resolved, under a comment line naming the
-environment), per run ``<name>/metrics.csv`` and ``<name>/checkpoints/last.ckpt`` (a rerun
-with the same ``hydra.run.dir`` resumes), ``summary.txt`` and ``metrics.png``. A run that
-fails before training leaves no folder behind. Exit status: 0 done; 2 a configuration,
-checkpoint or engine-address problem (one line naming the key or file; in a sweep: any job
-failed); 3 the rollout engine failed; 130 interrupted (Ctrl-C).
+(or ``python -m r3lightning.job.main``). Configs: top-level ``conf/``, shipped in the wheel. Outputs
+in Hydra's run directory: ``config.yaml`` (resolved, under a line naming the environment), per run
+``<name>/metrics.csv`` and ``<name>/checkpoints/last.ckpt`` (rerun with the same ``hydra.run.dir`` to
+resume), ``summary.txt``, ``metrics.png``; a run that fails before training leaves no folder. Exit
+status: 0 done; 2 a configuration, checkpoint or engine-address problem (one line naming the key or
+file; a sweep: any job failed); 3 the rollout engine failed; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -45,6 +37,12 @@ PROG = "r3lightning-train"
 # Hydra flags that take a value, and those the pre-check understands
 _VALUE_FLAGS = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp")
 _MULTIRUN_FLAGS = ("-m", "--multirun")
+_WHERE = {
+    "--config-dir": "config_dir",
+    "-cd": "config_dir",
+    "--config-name": "config_name",
+    "-cn": "config_name",
+}
 
 
 _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
@@ -142,10 +140,9 @@ def _error(message: str, label: str = "") -> None:
 
 
 def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
-    """Remove ``run_dir`` when this run made it (it is in ``new_dirs``, the folders that did not
-    exist before the run, deepest first) and it holds only what a run that never trained writes
-    (Hydra's ``.hydra/`` and log, ``config.yaml``, empty folders); then the other new folders
-    that are left empty. A folder that existed before is never touched."""
+    """Remove ``run_dir`` if this run made it (``new_dirs``: folders new to this run, deepest first)
+    and it holds only what a run that never trained writes (``.hydra/``, logs, ``config.yaml``,
+    empty folders); then the other new folders left empty. Older folders are never touched."""
     run_dir = run_dir.absolute()
 
     def disposable(path: Path) -> bool:
@@ -207,38 +204,28 @@ def _hydra_message(exc: BaseException) -> str:
     return _one_line(text)
 
 
-def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool]:
-    """``(flags, overrides, understood)``: Hydra flags with their values, the overrides, and whether
-    every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra as they are)."""
+def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str, str]]:
+    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides,
+    whether every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra
+    as they are), and the ``config_dir`` / ``config_name`` the flags give (for ``compose_config``)."""
     flags: list[str] = []
     overrides: list[str] = []
+    where: dict[str, str] = {}
     understood = True
     items = iter(args)
     for arg in items:
-        if arg in _VALUE_FLAGS:
-            flags += [arg, next(items, "")]
-        elif arg.split("=", 1)[0] in _VALUE_FLAGS:
-            flags.append(arg)
+        name, eq, value = arg.partition("=")
+        if name in _VALUE_FLAGS:
+            value = value if eq else next(items, "")
+            flags += [arg] if eq else [arg, value]
+            if name in _WHERE:
+                where[_WHERE[name]] = value
         elif arg.startswith("-"):
             flags.append(arg)
             understood = False
         else:
             overrides.append(arg)
-    return flags, overrides, understood
-
-
-def _compose(flags: list[str], overrides: list[str], hydra_config: bool = False) -> DictConfig:
-    """``compose_config`` with the ``--config-dir`` / ``--config-name`` among ``flags``."""
-    given = dict(
-        f.split("=", 1) if "=" in f else (f, "".join(flags[i + 1 : i + 2])) for i, f in enumerate(flags)
-    )
-    directory, name = (
-        given.get(long) or given.get(short)
-        for long, short in (("--config-dir", "-cd"), ("--config-name", "-cn"))
-    )
-    return compose_config(
-        overrides, config_dir=directory, config_name=name or "config", hydra_config=hydra_config
-    )
+    return flags, overrides, understood, where
 
 
 def compose_config(
@@ -248,11 +235,8 @@ def compose_config(
     config_name: str = "config",
     hydra_config: bool = False,
 ) -> DictConfig:
-    """The job's config with ``overrides`` applied, without running it (tests, notebooks).
-
-    ``config_dir``: a folder of your own YAML files searched before the package's (as
-    ``--config-dir``); ``config_name``: the primary config (as ``--config-name``).
-    """
+    """The job's config with ``overrides`` applied, without running it (tests, notebooks);
+    ``config_dir`` / ``config_name`` as ``--config-dir`` / ``--config-name``."""
     from hydra import compose, initialize_config_dir
 
     extra = []
@@ -264,7 +248,7 @@ def compose_config(
         )
 
 
-def _precheck(flags: list[str], overrides: list[str]) -> str | None:
+def _precheck(where: dict[str, str], overrides: list[str]) -> str | None:
     """Compose the config once before Hydra does and check its values, so a bad override or value
     is one line and no run folder is made. ``hydra.*`` overrides are left to Hydra."""
     from hydra.errors import HydraException
@@ -272,7 +256,7 @@ def _precheck(flags: list[str], overrides: list[str]) -> str | None:
 
     plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
     try:
-        cfg = _compose(flags, plain)
+        cfg = compose_config(plain, **where)
         arms(cfg)
         run_seeds(cfg)
     except JobError as exc:
@@ -282,11 +266,11 @@ def _precheck(flags: list[str], overrides: list[str]) -> str | None:
     return None
 
 
-def _planned_run_dir(flags: list[str], overrides: list[str]) -> Path | None:
+def _planned_run_dir(where: dict[str, str], overrides: list[str]) -> Path | None:
     """The absolute run folder Hydra will use (``hydra.run.dir``, resolved now); None if unknown."""
     keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
     try:
-        return Path(str(_compose(flags, keep, hydra_config=True).hydra.run.dir)).absolute()
+        return Path(str(compose_config(keep, **where, hydra_config=True).hydra.run.dir)).absolute()
     except Exception:
         return None
 
@@ -296,14 +280,14 @@ def _single(args: list[str], label: str = "") -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    flags, overrides, understood = _split_flags(args)
+    _, overrides, understood, where = _split_flags(args)
     new_dirs: list[Path] = []
     if understood:
-        problem = _precheck(flags, overrides)
+        problem = _precheck(where, overrides)
         if problem is not None:
             _error(problem, label)
             return 2
-        run_dir = _planned_run_dir(flags, overrides)
+        run_dir = _planned_run_dir(where, overrides)
         if run_dir is not None:
             # the folders this run will make (so a run that fails before training removes them),
             # with the run folder pinned, so Hydra's ${now:...} cannot name another one
@@ -331,7 +315,7 @@ def _sweep(args: list[str]) -> int:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    flags, overrides, _ = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
+    flags, overrides, _, where = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
@@ -345,7 +329,7 @@ def _sweep(args: list[str]) -> int:
         if sweep_dir is None:
             try:
                 job_overrides = [a for a in job if not a.startswith("hydra.run.dir=")]
-                sweep_dir = str(_compose(flags, job_overrides, hydra_config=True).hydra.sweep.dir)
+                sweep_dir = str(compose_config(job_overrides, **where, hydra_config=True).hydra.sweep.dir)
             except Exception:
                 pass  # reported by the job's own run below
         print(f"[{PROG}] {label.rstrip(': ')}", file=sys.stderr)

@@ -189,49 +189,47 @@ def format_table(
 
 def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float = 2.0) -> list[str]:
     """Six panels over RL steps, one colour per arm: mean reward, native routing agreement, paired
-    k3 KL (solid: native routing, dashed: replayed), its native/replayed ratio, the share of
-    tokens with ratio outside ``[1 / ratio_band, ratio_band]`` (native / replayed) and the policy
-    entropy. Several seeds of an arm: the median line in a [min, max] band. Returns the titles
-    (figure, then panels); a simulated disagreement is named in each."""
+    k3 KL and the share of tokens with ratio outside ``[1 / ratio_band, ratio_band]`` (solid: native
+    routing, dashed: replayed), k3 native / replayed, policy entropy; several seeds: the median in a
+    [min, max] band. Returns the titles (figure, panels), which name a simulated disagreement."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    m, both = MISMATCH_PREFIX, ("native", "replayed")
-    panels = [  # title, (column, line label), scale
-        ("mean reward", [("reward", "")], 1),
-        ("native routing agreement with the engine (%)", [(m + "native_agreement", "")], 100),
-        ("paired k3 KL(engine || trainer)", [(f"{m}k3_{s}", s) for s in both], 1),
-        ("k3 native / k3 replayed (same weights)", [("k3_ratio", "")], 1),
-        (
-            f"tokens with ratio outside [{1 / ratio_band:g}, {ratio_band:g}] (%)",
-            [(f"{m}outside_band_{s}", s) for s in both],
+    m, band = MISMATCH_PREFIX, f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    panels = {  # title: columns (the second one, replayed, dashed), scale
+        "mean reward": (["reward"], 1),
+        "native routing agreement with the engine (%)": ([m + "native_agreement"], 100),
+        "paired k3 KL(engine || trainer)": ([m + "k3_native", m + "k3_replayed"], 1),
+        "k3 native / k3 replayed (same weights)": (["k3_ratio"], 1),
+        f"tokens with ratio outside {band} (%)": (
+            [m + "outside_band_native", m + "outside_band_replayed"],
             100,
         ),
-        ("policy entropy (nats)", [(m + "policy_entropy", "")], 1),
-    ]
+        "policy entropy (nats)": ([m + "policy_entropy"], 1),
+    }
     share = simulated_share(runs)
-    titles = [f"{t}, simulated {share}" if share else t for t, _, _ in panels]
+    titles = [f"{t}, simulated {share}" if share else t for t in panels]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
+        name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
+        ratio = {m + "k3_native", m + "k3_replayed"}
         records = [
-            {**r, "k3_ratio": _ratio(r.get(m + "k3_native", math.nan), r.get(m + "k3_replayed", math.nan))}
+            {**r, "k3_ratio": _ratio(r[m + "k3_native"], r[m + "k3_replayed"])} if ratio <= set(r) else r
             for h in histories
             for r in h
         ]
-        name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
-        for ax, (_, lines, scale) in zip(axes.flat, panels, strict=True):
-            for key, label in lines:
-                by_step: dict[float, list[float]] = {}
-                for r in records:
-                    if not math.isnan(r.get(key, math.nan)):
-                        by_step.setdefault(r["step"], []).append(scale * r[key])
-                steps = sorted(by_step)
-                med, low, high = zip(*(spread(by_step[s]) for s in steps), strict=True) if steps else [()] * 3
-                style = {"ls": "--", "marker": "x"} if label == "replayed" else {"ls": "-", "marker": "."}
-                ax.plot(steps, med, color=color, label=f"{name} {label}".strip(), **style)
+        for ax, (keys, scale) in zip(axes.flat, panels.values(), strict=True):
+            for dashed, key in enumerate(keys):
+                steps = sorted({r["step"] for r in records if key in r})
+                stats = [
+                    spread([scale * r[key] for r in records if r["step"] == s and key in r]) for s in steps
+                ]
+                med, low, high = zip(*stats, strict=True) if stats else [()] * 3
+                label = f"{name} {key.rsplit('_', 1)[1]}" if len(keys) > 1 else name
+                ax.plot(steps, med, color=color, label=label, ls="--" if dashed else "-", marker=".x"[dashed])
                 if len(histories) > 1:
                     ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
     for ax, title in zip(axes.flat, titles, strict=True):
@@ -240,8 +238,8 @@ def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float =
         ax.legend(fontsize=7)
     axes[0, 2].set_yscale("log")
     axes[1, 0].axhline(1.0, color="grey", lw=0.8)
-    axes[1, 0].set_ylim(bottom=0)
-    axes[1, 1].set_ylim(bottom=0)
+    for ax in (axes[1, 0], axes[1, 1]):
+        ax.set_ylim(bottom=0)
     suptitle = f"SIMULATED engine disagreement {share} (rollout.server.{SIMULATED})" if share else ""
     fig.suptitle(suptitle)
     fig.savefig(path, dpi=100)
