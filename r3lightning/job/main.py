@@ -248,31 +248,26 @@ def compose_config(
         )
 
 
-def _precheck(where: dict[str, str], overrides: list[str]) -> str | None:
-    """Compose the config once before Hydra does and check its values, so a bad override or value
-    is one line and no run folder is made. ``hydra.*`` overrides are left to Hydra."""
+def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
+    """``(problem, run folder)``: compose the config before Hydra does and check its values, so a bad
+    override or value is one line and no run folder is made; else the absolute ``hydra.run.dir``
+    (resolved now; None if unknown). Other ``hydra.*`` overrides are left to Hydra."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
+    keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
     try:
-        cfg = compose_config(plain, **where)
+        cfg = compose_config(keep, **where, hydra_config=True)
         arms(cfg)
         run_seeds(cfg)
     except JobError as exc:
-        return str(exc)
+        return str(exc), None
     except (HydraException, OmegaConfBaseException) as exc:
-        return _hydra_message(exc)
-    return None
-
-
-def _planned_run_dir(where: dict[str, str], overrides: list[str]) -> Path | None:
-    """The absolute run folder Hydra will use (``hydra.run.dir``, resolved now); None if unknown."""
-    keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
+        return _hydra_message(exc), None
     try:
-        return Path(str(compose_config(keep, **where, hydra_config=True).hydra.run.dir)).absolute()
+        return None, Path(str(cfg.hydra.run.dir)).absolute()
     except Exception:
-        return None
+        return None, None
 
 
 def _single(args: list[str], label: str = "") -> int:
@@ -283,11 +278,10 @@ def _single(args: list[str], label: str = "") -> int:
     _, overrides, understood, where = _split_flags(args)
     new_dirs: list[Path] = []
     if understood:
-        problem = _precheck(where, overrides)
+        problem, run_dir = _precheck(where, overrides)
         if problem is not None:
             _error(problem, label)
             return 2
-        run_dir = _planned_run_dir(where, overrides)
         if run_dir is not None:
             # the folders this run will make (so a run that fails before training removes them),
             # with the run folder pinned, so Hydra's ${now:...} cannot name another one

@@ -1,10 +1,8 @@
-"""Run outputs: per-step metrics CSV, the summary table, the plot, and the environment line.
+"""Run outputs: per-step metrics CSV, the summary table, the plot (matplotlib Agg), the environment.
 
-A run's history is a list of flat ``{metric: float}`` records, one per RL step: per-layer routing
-agreement as ``used_agreement/layer_<i>``, the GRPO module's paired mismatch as ``mismatch/<name>``
-(on the steps it was measured), ``simulated_disagreement`` when the engine simulated one. Runs
-named ``<arm>/seed=<s>`` are seeds of one arm: the table and the plot show the median over seeds
-and its [min, max]. Plotting uses matplotlib's Agg backend (no display needed).
+A run's history: one flat ``{metric: float}`` record per RL step (``used_agreement/layer_<i>``,
+``mismatch/<name>`` on the steps measured, ``simulated_disagreement`` when simulated). Runs named
+``<arm>/seed=<s>`` are seeds of one arm: table and plot show the median over seeds and its range.
 """
 
 from __future__ import annotations
@@ -95,9 +93,9 @@ def _ratio(a: float, b: float) -> float:
 
 
 def summarize(records: History, window: int = 3) -> dict[str, float]:
-    """Headline figures of one run: reward at the start and end (means over ``window`` steps),
-    mean mismatch metrics, the lowest per-layer routing agreement seen in any step, and the
-    paired mismatch (``mismatch/*``: means over the steps it was measured, and step 0's)."""
+    """Headline figures of one run: reward at the start and end (means over ``window`` steps), the
+    routing agreement (mean, lowest of any step and layer), means of the mismatch metrics, and the
+    paired mismatch (``mismatch/*``: mean over the measured steps, over the last ones, step 0's)."""
     agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
     end = slice(-window, None)
     out = {"steps": float(len(records)), "reward_start": _mean(records, "reward", slice(window))}
