@@ -1,18 +1,17 @@
 """The main job: GRPO training of a causal MoE with Rollout Routing Replay, configured by Hydra.
 
-    r3lightning-train                                       # tiny Qwen3-MoE, embedded engine, R3
-    r3lightning-train experiment=compare                    # replay on and off, 3 seeds each
+    r3lightning-train                                   # tiny Qwen3-MoE, embedded engine, R3
+    r3lightning-train experiment=compare                # replay on and off, 3 seeds each
     r3lightning-train rollout.url=http://host:30000 rollout.protocol=sglang
-    r3lightning-train --config-dir my_conf reward=mine      # your own YAML files next to the package's
-    r3lightning-train -m replay=r3,off seed=0,1             # a sweep: one job after the other
-    r3lightning-train --help                                # config groups, options and keys
+    r3lightning-train --config-dir my_conf reward=mine  # your YAML files next to the package's
+    r3lightning-train -m replay=r3,off seed=0,1         # a sweep: one job after the other
+    r3lightning-train --help                            # config groups, options and keys
 
-(or ``python -m r3lightning.job.main``). Configs: top-level ``conf/``, shipped in the wheel. Outputs
-in Hydra's run directory: ``config.yaml`` (resolved, under a line naming the environment), per run
-``<name>/metrics.csv`` and ``<name>/checkpoints/last.ckpt`` (rerun with the same ``hydra.run.dir`` to
-resume), ``summary.txt``, ``metrics.png``; a run that fails before training leaves no folder. Exit
-status: 0 done; 2 a configuration, checkpoint or engine-address problem (one line naming the key or
-file; a sweep: any job failed); 3 the rollout engine failed; 130 interrupted (Ctrl-C).
+Outputs in Hydra's run folder: ``config.yaml`` (under a line naming the environment), per run
+``metrics.csv`` and ``checkpoints/last.ckpt`` (rerun into the folder to resume), ``summary.txt``,
+``metrics.png``; a run that fails before training leaves no folder. Exit status: 0 done; 2 a bad
+config, checkpoint or engine address (one line naming it; a sweep: any job failed); 3 the rollout
+engine failed; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -23,36 +22,26 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.common import JobError, is_global_zero
 from r3lightning.job.setup import CONF_DIR
 
-if TYPE_CHECKING:
-    from r3lightning.job.rollout_loop import Engine
-
 PROG = "r3lightning-train"
 # Hydra flags that take a value, and those the pre-check understands
 _VALUE_FLAGS = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp")
 _MULTIRUN_FLAGS = ("-m", "--multirun")
-_WHERE = {
-    "--config-dir": "config_dir",
-    "-cd": "config_dir",
-    "--config-name": "config_name",
-    "-cn": "config_name",
-}
-
-
+_WHERE = dict.fromkeys(("--config-dir", "-cd"), "config_dir") | dict.fromkeys(
+    ("--config-name", "-cn"), "config_name"
+)
 _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 
 
 def arms(cfg: DictConfig) -> dict[str, DictConfig]:
-    """``{arm name: its config}`` from ``compare`` (``[]``: one arm, ``replay=<replay.mode>``), each
-    checked with ``check_config``. An entry is a replay mode (``r3``: the arm ``replay=r3``) or
-    ``{name, replay, overrides}``: ``replay`` swaps the ``replay`` group (default: keep it),
-    ``overrides`` maps dotted keys of this config to values (applied after the swap)."""
+    """``{arm name: its checked config}`` from ``compare`` (``[]``: the arm ``replay=<replay.mode>``).
+    An entry is a replay mode (the arm ``replay=<mode>``) or ``{name, replay, overrides}``: ``replay``
+    swaps the ``replay`` group (default: kept), then ``overrides`` sets dotted keys of the config."""
     from r3lightning.job.setup import check_config, replay_settings
 
     check_config(cfg)
@@ -95,10 +84,8 @@ def run_seeds(cfg: DictConfig) -> list[int]:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
-    """Run every arm of ``cfg`` for every seed into ``run_dir``; returns ``{run name: history}``,
-    the run name being the arm's (one seed) or ``<arm>/seed=<s>`` (several; its folder
-    ``<arm>/seed_<s>``, ``=`` written ``_``). Arms whose ``rollout`` and ``model`` settings agree
-    share one engine."""
+    """Run every arm for every seed into ``run_dir``; returns ``{run name: history}``, named ``<arm>``
+    (one seed) or ``<arm>/seed=<s>`` (folder ``<arm>/seed_<s>``, ``=`` written ``_``)."""
     from r3lightning.job.engine import embedded_server
     from r3lightning.job.report import environment, environment_line, format_table, plot_runs
     from r3lightning.job.setup import model_runtime, train_one
@@ -110,7 +97,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
         (run_dir / "config.yaml").write_text(env + OmegaConf.to_yaml(cfg, resolve=True))
     runs: dict[str, list[dict[str, float]]] = {}
     with model_runtime(cfg.model), contextlib.ExitStack() as stack:
-        engines: dict[str, Engine] = {}
+        engines = {}  # one engine per distinct rollout and model settings
         for seed in seeds:
             for arm, arm_cfg in configs.items():
                 key = OmegaConf.to_yaml({"rollout": arm_cfg.rollout, "model": arm_cfg.model})
@@ -183,14 +170,10 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         print(f"{PROG}: {label}rollout engine error: {_one_line(exc)}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        again = " ".join(
-            [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
-        )
-        if any(run_dir.glob("**/checkpoints/last.ckpt")):
-            state = f"the checkpoint keeps the last finished step, resume with: {again}"
-        else:
-            state = f"no step had finished, start again with: {again}"
-        print(f"{PROG}: {label}interrupted; {state}", file=sys.stderr)
+        again = [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
+        done = any(run_dir.glob("**/checkpoints/last.ckpt"))
+        state = ["no step had finished, start again", "the checkpoint keeps the last finished step, resume"]
+        print(f"{PROG}: {label}interrupted; {state[done]} with: {' '.join(again)}", file=sys.stderr)
         return 130
     finally:
         if is_global_zero():

@@ -153,28 +153,24 @@ def _rows(
 def format_table(
     runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
 ) -> str:
-    """Fixed-width summary, one row per arm (``{"replay=r3": ..., "replay=off": ...}``; with
-    ``<arm>/seed=<s>`` names the arm's row holds the median over seeds of each figure and the row
-    under it their [min, max]), then step 0 of every run, where every arm has the same weights and
-    rollouts. ``ratio_band``: the one the out-of-band metrics were measured with. A simulated
-    disagreement heads the text, ``env``'s line ends it. Mismatch figures are paired: on the same
-    weights and batch, the trainer's logprobs routed natively and replayed, each against the engine's."""
+    """Fixed-width summary: a row per arm (for ``<arm>/seed=<s>`` runs, the median over seeds of each
+    figure, and their [min, max] under it), then step 0 of every run (same weights and rollouts in
+    every arm). Mismatch figures are paired: same weights and batch, the trainer's logprobs routed
+    natively and replayed, each against the engine's. A simulation heads the text, ``env`` ends it."""
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
     table = [["run", *(h.format(band=band) for h, _, _ in COLUMNS)]]
     table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, COLUMNS)]
-    first = [
-        ["run", *(h for h, _, _ in STEP0)],
-        *(_rows(n, [summarize(h)], STEP0)[0] for n, h in runs.items()),
-    ]
+    first = [["run", *(h for h, _, _ in STEP0)]]
+    first += [_rows(name, [summarize(h)], STEP0)[0] for name, h in runs.items()]
     share = simulated_share(runs)
     sim = f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})"
     lines = [sim, ""] if share else []
     if any(len(s) > 1 for s in groups.values()):
         lines += ["median over seeds per arm; the row under each arm: [min, max] over its seeds", ""]
-    lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):"]
-    lines += [*_fmt_table(first), ""]
+    lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
     lines += [
+        "",
         "reward: mean of the first / last 3 steps; entropy (nats) of the policy on response tokens: "
         "step 0 -> mean of the last 3 measured steps",
         "native agreement: share of the engine's expert slots the trainer's router picks natively",
