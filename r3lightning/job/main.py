@@ -1,26 +1,17 @@
 """The main job: GRPO training of a causal MoE with Rollout Routing Replay, configured by Hydra.
 
-    r3lightning-train                                       # tiny Qwen3-MoE, embedded engine, R3
-    r3lightning-train experiment=compare                    # replay on and off, 3 seeds each
-    r3lightning-train replay=off steps=10
+    r3lightning-train                                   # tiny Qwen3-MoE, embedded engine, R3
+    r3lightning-train experiment=compare                # replay on and off, 3 seeds each
     r3lightning-train rollout.url=http://host:30000 rollout.protocol=sglang
-    r3lightning-train --config-dir my_conf reward=mine      # your own YAML files next to the package's
-    r3lightning-train -m replay=r3,off seed=0,1             # a sweep: one job after the other
-    r3lightning-train --help                                # config groups, options and keys
-    python -m r3lightning.job.main ...                      # the same
+    r3lightning-train --config-dir my_conf reward=mine  # your YAML files next to the package's
+    r3lightning-train -m replay=r3,off seed=0,1         # a sweep: one job after the other
+    r3lightning-train --help                            # config groups, options and keys
 
-The configs (top-level ``conf/``) ship inside the wheel as ``r3lightning/conf``. Every swappable
-piece is built from its ``_target_`` (``setup.py``: what the job passes itself). Per RL step (one
-Lightning epoch) the engine (bf16, the embedded ``RolloutServer`` by default) samples responses
-and returns the experts it routed every token to; the replay callback makes the fp32 training
-forward use them; the updated weights go back to the engine.
-
-Outputs in Hydra's run directory: ``config.yaml`` (resolved, under a comment line naming the
-environment), per run ``<name>/metrics.csv`` and ``<name>/checkpoints/last.ckpt`` (a rerun
-with the same ``hydra.run.dir`` resumes), ``summary.txt`` and ``metrics.png``. A run that
-fails before training leaves no folder behind. Exit status: 0 done; 2 a configuration,
-checkpoint or engine-address problem (one line naming the key or file; in a sweep: any job
-failed); 3 the rollout engine failed; 130 interrupted (Ctrl-C).
+Outputs in Hydra's run folder: ``config.yaml`` (under a line naming the environment), per run
+``metrics.csv`` and ``checkpoints/last.ckpt`` (rerun into the folder to resume), ``summary.txt``,
+``metrics.png``; a run that fails before training leaves no folder. Exit status: 0 done; 2 a bad
+config, checkpoint or engine address (one line naming it; a sweep: any job failed); 3 the rollout
+engine failed; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -31,30 +22,26 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.common import JobError, is_global_zero
 from r3lightning.job.setup import CONF_DIR
 
-if TYPE_CHECKING:
-    from r3lightning.job.rollout_loop import Engine
-
 PROG = "r3lightning-train"
 # Hydra flags that take a value, and those the pre-check understands
 _VALUE_FLAGS = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp")
 _MULTIRUN_FLAGS = ("-m", "--multirun")
-
-
+_WHERE = dict.fromkeys(("--config-dir", "-cd"), "config_dir") | dict.fromkeys(
+    ("--config-name", "-cn"), "config_name"
+)
 _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 
 
 def arms(cfg: DictConfig) -> dict[str, DictConfig]:
-    """``{arm name: its config}`` from ``compare`` (``[]``: one arm, ``replay=<replay.mode>``), each
-    checked with ``check_config``. An entry is a replay mode (``r3``: the arm ``replay=r3``) or
-    ``{name, replay, overrides}``: ``replay`` swaps the ``replay`` group (default: keep it),
-    ``overrides`` maps dotted keys of this config to values (applied after the swap)."""
+    """``{arm name: its checked config}`` from ``compare`` (``[]``: the arm ``replay=<replay.mode>``).
+    An entry is a replay mode (the arm ``replay=<mode>``) or ``{name, replay, overrides}``: ``replay``
+    swaps the ``replay`` group (default: kept), then ``overrides`` sets dotted keys of the config."""
     from r3lightning.job.setup import check_config, replay_settings
 
     check_config(cfg)
@@ -97,10 +84,8 @@ def run_seeds(cfg: DictConfig) -> list[int]:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
-    """Run every arm of ``cfg`` for every seed into ``run_dir``; returns ``{run name: history}``,
-    the run name being the arm's (one seed) or ``<arm>/seed=<s>`` (several; its folder
-    ``<arm>/seed_<s>``, ``=`` written ``_``). Arms whose ``rollout`` and ``model`` settings agree
-    share one engine."""
+    """Run every arm for every seed into ``run_dir``; returns ``{run name: history}``, named ``<arm>``
+    (one seed) or ``<arm>/seed=<s>`` (folder ``<arm>/seed_<s>``, ``=`` written ``_``)."""
     from r3lightning.job.engine import embedded_server
     from r3lightning.job.report import environment, environment_line, format_table, plot_runs
     from r3lightning.job.setup import model_runtime, train_one
@@ -112,7 +97,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
         (run_dir / "config.yaml").write_text(env + OmegaConf.to_yaml(cfg, resolve=True))
     runs: dict[str, list[dict[str, float]]] = {}
     with model_runtime(cfg.model), contextlib.ExitStack() as stack:
-        engines: dict[str, Engine] = {}
+        engines = {}  # one engine per distinct rollout and model settings
         for seed in seeds:
             for arm, arm_cfg in configs.items():
                 key = OmegaConf.to_yaml({"rollout": arm_cfg.rollout, "model": arm_cfg.model})
@@ -142,10 +127,9 @@ def _error(message: str, label: str = "") -> None:
 
 
 def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
-    """Remove ``run_dir`` when this run made it (it is in ``new_dirs``, the folders that did not
-    exist before the run, deepest first) and it holds only what a run that never trained writes
-    (Hydra's ``.hydra/`` and log, ``config.yaml``, empty folders); then the other new folders
-    that are left empty. A folder that existed before is never touched."""
+    """Remove ``run_dir`` if this run made it (``new_dirs``: folders new to this run, deepest first)
+    and it holds only what a run that never trained writes (``.hydra/``, logs, ``config.yaml``,
+    empty folders); then the other new folders left empty. Older folders are never touched."""
     run_dir = run_dir.absolute()
 
     def disposable(path: Path) -> bool:
@@ -186,14 +170,10 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         print(f"{PROG}: {label}rollout engine error: {_one_line(exc)}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        again = " ".join(
-            [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
-        )
-        if any(run_dir.glob("**/checkpoints/last.ckpt")):
-            state = f"the checkpoint keeps the last finished step, resume with: {again}"
-        else:
-            state = f"no step had finished, start again with: {again}"
-        print(f"{PROG}: {label}interrupted; {state}", file=sys.stderr)
+        again = [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
+        done = any(run_dir.glob("**/checkpoints/last.ckpt"))
+        state = ["no step had finished, start again", "the checkpoint keeps the last finished step, resume"]
+        print(f"{PROG}: {label}interrupted; {state[done]} with: {' '.join(again)}", file=sys.stderr)
         return 130
     finally:
         if is_global_zero():
@@ -207,38 +187,28 @@ def _hydra_message(exc: BaseException) -> str:
     return _one_line(text)
 
 
-def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool]:
-    """``(flags, overrides, understood)``: Hydra flags with their values, the overrides, and whether
-    every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra as they are)."""
+def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str, str]]:
+    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides,
+    whether every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra
+    as they are), and the ``config_dir`` / ``config_name`` the flags give (for ``compose_config``)."""
     flags: list[str] = []
     overrides: list[str] = []
+    where: dict[str, str] = {}
     understood = True
     items = iter(args)
     for arg in items:
-        if arg in _VALUE_FLAGS:
-            flags += [arg, next(items, "")]
-        elif arg.split("=", 1)[0] in _VALUE_FLAGS:
-            flags.append(arg)
+        name, eq, value = arg.partition("=")
+        if name in _VALUE_FLAGS:
+            value = value if eq else next(items, "")
+            flags += [arg] if eq else [arg, value]
+            if name in _WHERE:
+                where[_WHERE[name]] = value
         elif arg.startswith("-"):
             flags.append(arg)
             understood = False
         else:
             overrides.append(arg)
-    return flags, overrides, understood
-
-
-def _compose(flags: list[str], overrides: list[str], hydra_config: bool = False) -> DictConfig:
-    """``compose_config`` with the ``--config-dir`` / ``--config-name`` among ``flags``."""
-    given = dict(
-        f.split("=", 1) if "=" in f else (f, "".join(flags[i + 1 : i + 2])) for i, f in enumerate(flags)
-    )
-    directory, name = (
-        given.get(long) or given.get(short)
-        for long, short in (("--config-dir", "-cd"), ("--config-name", "-cn"))
-    )
-    return compose_config(
-        overrides, config_dir=directory, config_name=name or "config", hydra_config=hydra_config
-    )
+    return flags, overrides, understood, where
 
 
 def compose_config(
@@ -248,11 +218,8 @@ def compose_config(
     config_name: str = "config",
     hydra_config: bool = False,
 ) -> DictConfig:
-    """The job's config with ``overrides`` applied, without running it (tests, notebooks).
-
-    ``config_dir``: a folder of your own YAML files searched before the package's (as
-    ``--config-dir``); ``config_name``: the primary config (as ``--config-name``).
-    """
+    """The job's config with ``overrides`` applied, without running it (tests, notebooks);
+    ``config_dir`` / ``config_name`` as ``--config-dir`` / ``--config-name``."""
     from hydra import compose, initialize_config_dir
 
     extra = []
@@ -264,31 +231,26 @@ def compose_config(
         )
 
 
-def _precheck(flags: list[str], overrides: list[str]) -> str | None:
-    """Compose the config once before Hydra does and check its values, so a bad override or value
-    is one line and no run folder is made. ``hydra.*`` overrides are left to Hydra."""
+def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
+    """``(problem, run folder)``: compose the config before Hydra does and check its values, so a bad
+    override or value is one line and no run folder is made; else the absolute ``hydra.run.dir``
+    (resolved now; None if unknown). Other ``hydra.*`` overrides are left to Hydra."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
+    keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
     try:
-        cfg = _compose(flags, plain)
+        cfg = compose_config(keep, **where, hydra_config=True)
         arms(cfg)
         run_seeds(cfg)
     except JobError as exc:
-        return str(exc)
+        return str(exc), None
     except (HydraException, OmegaConfBaseException) as exc:
-        return _hydra_message(exc)
-    return None
-
-
-def _planned_run_dir(flags: list[str], overrides: list[str]) -> Path | None:
-    """The absolute run folder Hydra will use (``hydra.run.dir``, resolved now); None if unknown."""
-    keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
+        return _hydra_message(exc), None
     try:
-        return Path(str(_compose(flags, keep, hydra_config=True).hydra.run.dir)).absolute()
+        return None, Path(str(cfg.hydra.run.dir)).absolute()
     except Exception:
-        return None
+        return None, None
 
 
 def _single(args: list[str], label: str = "") -> int:
@@ -296,14 +258,13 @@ def _single(args: list[str], label: str = "") -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    flags, overrides, understood = _split_flags(args)
+    _, overrides, understood, where = _split_flags(args)
     new_dirs: list[Path] = []
     if understood:
-        problem = _precheck(flags, overrides)
+        problem, run_dir = _precheck(where, overrides)
         if problem is not None:
             _error(problem, label)
             return 2
-        run_dir = _planned_run_dir(flags, overrides)
         if run_dir is not None:
             # the folders this run will make (so a run that fails before training removes them),
             # with the run folder pinned, so Hydra's ${now:...} cannot name another one
@@ -331,7 +292,7 @@ def _sweep(args: list[str]) -> int:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    flags, overrides, _ = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
+    flags, overrides, _, where = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
@@ -345,7 +306,7 @@ def _sweep(args: list[str]) -> int:
         if sweep_dir is None:
             try:
                 job_overrides = [a for a in job if not a.startswith("hydra.run.dir=")]
-                sweep_dir = str(_compose(flags, job_overrides, hydra_config=True).hydra.sweep.dir)
+                sweep_dir = str(compose_config(job_overrides, **where, hydra_config=True).hydra.sweep.dir)
             except Exception:
                 pass  # reported by the job's own run below
         print(f"[{PROG}] {label.rstrip(': ')}", file=sys.stderr)

@@ -1,11 +1,9 @@
-"""Run outputs: per-step metrics CSV, the summary table, the plot, and the environment line.
+"""Run outputs: per-step metrics CSV, the summary table, the plot (matplotlib Agg), the environment.
 
-A run's history is a list of flat ``{metric: float}`` records, one per RL step: per-layer routing
-agreement as ``used_agreement/layer_<i>``, the GRPO module's paired mismatch as ``mismatch/<name>``
-(on the steps it was measured), its importance-sampling correction as ``correction/<name>`` (when
-one is applied), ``simulated_disagreement`` when the engine simulated one. Runs
-named ``<arm>/seed=<s>`` are seeds of one arm: the table and the plot show the median over seeds
-and its [min, max]. Plotting uses matplotlib's Agg backend (no display needed).
+A run's history: one flat ``{metric: float}`` record per RL step (``used_agreement/layer_<i>``,
+``mismatch/<name>`` on the steps measured, ``correction/<name>`` when a correction is applied,
+``simulated_disagreement`` when simulated). Runs named ``<arm>/seed=<s>`` are seeds of one arm:
+table and plot show the median over seeds and its range.
 """
 
 from __future__ import annotations
@@ -98,9 +96,9 @@ def _ratio(a: float, b: float) -> float:
 
 
 def summarize(records: History, window: int = 3) -> dict[str, float]:
-    """Headline figures of one run: reward at the start and end (means over ``window`` steps),
-    mean mismatch metrics, the lowest per-layer routing agreement seen in any step, and the
-    paired mismatch (``mismatch/*``: means over the steps it was measured, and step 0's)."""
+    """Headline figures of one run: reward at the start and end (means over ``window`` steps), the
+    routing agreement (mean, lowest of any step and layer), means of the mismatch metrics, and the
+    paired mismatch (``mismatch/*``: mean over the measured steps, over the last ones, step 0's)."""
     agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
     end = slice(-window, None)
     out = {"steps": float(len(records)), "reward_start": _mean(records, "reward", slice(window))}
@@ -164,30 +162,26 @@ def _rows(
 def format_table(
     runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
 ) -> str:
-    """Fixed-width summary, one row per arm (``{"replay=r3": ..., "replay=off": ...}``; with
-    ``<arm>/seed=<s>`` names the arm's row holds the median over seeds of each figure and the row
-    under it their [min, max]), then step 0 of every run, where every arm has the same weights and
-    rollouts. ``ratio_band``: the one the out-of-band metrics were measured with. A simulated
-    disagreement heads the text, ``env``'s line ends it. Mismatch figures are paired: on the same
-    weights and batch, the trainer's logprobs routed natively and replayed, each against the engine's."""
+    """Fixed-width summary: a row per arm (for ``<arm>/seed=<s>`` runs, the median over seeds of each
+    figure, and their [min, max] under it), then step 0 of every run (same weights and rollouts in
+    every arm). Mismatch figures are paired: same weights and batch, the trainer's logprobs routed
+    natively and replayed, each against the engine's. A simulation heads the text, ``env`` ends it."""
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
     corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
     columns = COLUMNS + CORRECTED_COLUMNS if corrected else COLUMNS
     table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
     table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
-    first = [
-        ["run", *(h for h, _, _ in STEP0)],
-        *(_rows(n, [summarize(h)], STEP0)[0] for n, h in runs.items()),
-    ]
+    first = [["run", *(h for h, _, _ in STEP0)]]
+    first += [_rows(name, [summarize(h)], STEP0)[0] for name, h in runs.items()]
     share = simulated_share(runs)
     sim = f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})"
     lines = [sim, ""] if share else []
     if any(len(s) > 1 for s in groups.values()):
         lines += ["median over seeds per arm; the row under each arm: [min, max] over its seeds", ""]
-    lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):"]
-    lines += [*_fmt_table(first), ""]
+    lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
     lines += [
+        "",
         "reward: mean of the first / last 3 steps; entropy (nats) of the policy on response tokens: "
         "step 0 -> mean of the last 3 measured steps",
         "native agreement: share of the engine's expert slots the trainer's router picks natively",
@@ -206,49 +200,47 @@ def format_table(
 
 def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float = 2.0) -> list[str]:
     """Six panels over RL steps, one colour per arm: mean reward, native routing agreement, paired
-    k3 KL (solid: native routing, dashed: replayed), its native/replayed ratio, the share of
-    tokens with ratio outside ``[1 / ratio_band, ratio_band]`` (native / replayed) and the policy
-    entropy. Several seeds of an arm: the median line in a [min, max] band. Returns the titles
-    (figure, then panels); a simulated disagreement is named in each."""
+    k3 KL and the share of tokens with ratio outside ``[1 / ratio_band, ratio_band]`` (solid: native
+    routing, dashed: replayed), k3 native / replayed, policy entropy; several seeds: the median in a
+    [min, max] band. Returns the titles (figure, panels), which name a simulated disagreement."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    m, both = MISMATCH_PREFIX, ("native", "replayed")
-    panels = [  # title, (column, line label), scale
-        ("mean reward", [("reward", "")], 1),
-        ("native routing agreement with the engine (%)", [(m + "native_agreement", "")], 100),
-        ("paired k3 KL(engine || trainer)", [(f"{m}k3_{s}", s) for s in both], 1),
-        ("k3 native / k3 replayed (same weights)", [("k3_ratio", "")], 1),
-        (
-            f"tokens with ratio outside [{1 / ratio_band:g}, {ratio_band:g}] (%)",
-            [(f"{m}outside_band_{s}", s) for s in both],
+    m, band = MISMATCH_PREFIX, f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    panels = {  # title: columns (the second one, replayed, dashed), scale
+        "mean reward": (["reward"], 1),
+        "native routing agreement with the engine (%)": ([m + "native_agreement"], 100),
+        "paired k3 KL(engine || trainer)": ([m + "k3_native", m + "k3_replayed"], 1),
+        "k3 native / k3 replayed (same weights)": (["k3_ratio"], 1),
+        f"tokens with ratio outside {band} (%)": (
+            [m + "outside_band_native", m + "outside_band_replayed"],
             100,
         ),
-        ("policy entropy (nats)", [(m + "policy_entropy", "")], 1),
-    ]
+        "policy entropy (nats)": ([m + "policy_entropy"], 1),
+    }
     share = simulated_share(runs)
-    titles = [f"{t}, simulated {share}" if share else t for t, _, _ in panels]
+    titles = [f"{t}, simulated {share}" if share else t for t in panels]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
+        name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
+        ratio = {m + "k3_native", m + "k3_replayed"}
         records = [
-            {**r, "k3_ratio": _ratio(r.get(m + "k3_native", math.nan), r.get(m + "k3_replayed", math.nan))}
+            {**r, "k3_ratio": _ratio(r[m + "k3_native"], r[m + "k3_replayed"])} if ratio <= set(r) else r
             for h in histories
             for r in h
         ]
-        name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
-        for ax, (_, lines, scale) in zip(axes.flat, panels, strict=True):
-            for key, label in lines:
-                by_step: dict[float, list[float]] = {}
-                for r in records:
-                    if not math.isnan(r.get(key, math.nan)):
-                        by_step.setdefault(r["step"], []).append(scale * r[key])
-                steps = sorted(by_step)
-                med, low, high = zip(*(spread(by_step[s]) for s in steps), strict=True) if steps else [()] * 3
-                style = {"ls": "--", "marker": "x"} if label == "replayed" else {"ls": "-", "marker": "."}
-                ax.plot(steps, med, color=color, label=f"{name} {label}".strip(), **style)
+        for ax, (keys, scale) in zip(axes.flat, panels.values(), strict=True):
+            for dashed, key in enumerate(keys):
+                steps = sorted({r["step"] for r in records if key in r})
+                stats = [
+                    spread([scale * r[key] for r in records if r["step"] == s and key in r]) for s in steps
+                ]
+                med, low, high = zip(*stats, strict=True) if stats else [()] * 3
+                label = f"{name} {key.rsplit('_', 1)[1]}" if len(keys) > 1 else name
+                ax.plot(steps, med, color=color, label=label, ls="--" if dashed else "-", marker=".x"[dashed])
                 if len(histories) > 1:
                     ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
     for ax, title in zip(axes.flat, titles, strict=True):
@@ -257,8 +249,8 @@ def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float =
         ax.legend(fontsize=7)
     axes[0, 2].set_yscale("log")
     axes[1, 0].axhline(1.0, color="grey", lw=0.8)
-    axes[1, 0].set_ylim(bottom=0)
-    axes[1, 1].set_ylim(bottom=0)
+    for ax in (axes[1, 0], axes[1, 1]):
+        ax.set_ylim(bottom=0)
     suptitle = f"SIMULATED engine disagreement {share} (rollout.server.{SIMULATED})" if share else ""
     fig.suptitle(suptitle)
     fig.savefig(path, dpi=100)

@@ -121,3 +121,16 @@ def test_every_arm_runs_every_seed_with_its_overrides(tmp_path):
     assert "SIMULATED engine disagreement: 10% of expert slots" in summary.splitlines()[0]
     assert "  [min, max] of 2" in summary
     assert OmegaConf.load(tmp_path / "multi" / "config.yaml").seeds == 2
+
+
+def test_config_dir_and_name_flags_reach_the_precheck():
+    from r3lightning.job.main import _split_flags
+
+    args = ["--config-dir", "/d", "-cn=other", "steps=2", "-cd=/e"]
+    assert _split_flags(args) == (
+        ["--config-dir", "/d", "-cn=other", "-cd=/e"],
+        ["steps=2"],
+        True,
+        {"config_dir": "/e", "config_name": "other"},
+    )
+    assert _split_flags(["--cfg", "job"])[2] is False  # left to Hydra as it is
