@@ -20,6 +20,7 @@ from r3lightning.job.module import GRPOModule, OptimConfig
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
+from r3lightning.serve.config import EngineConfig
 from r3lightning.serve.engine import GenerationEngine, GenerationRequest
 from r3lightning.serve.sampling import SamplingParams
 from r3lightning.testing.tiny import build_tiny_moe
@@ -33,7 +34,7 @@ def rollouts():
     (with the engine's routes, and without them as for r2), and each trajectory's response-token log-ratios, rescored alone and unpadded in float64:
     routed natively and with the engine's routes replayed by hand."""
     model = build_tiny_moe(seed=0)
-    engine = GenerationEngine(model, simulated_disagreement=0.15)
+    engine = GenerationEngine(model, EngineConfig(simulated_disagreement=0.15))
     g = torch.Generator().manual_seed(5)
     requests = [
         GenerationRequest(
