@@ -14,6 +14,7 @@ any callable ``reward(prompt_ids, response_ids) -> float``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -67,6 +68,11 @@ class ScoredTask:
         if self.text_score is not None:
             return self.text_score(prompt, response_ids)
         return self.reward(prompt.token_ids, response_ids)
+
+    def environment_factory(self) -> Callable[[], Any] | None:
+        """A multi-turn task's environment factory (its ``make_environment(score_prompt)``), else None."""
+        make = getattr(self.prompts, "make_environment", None)
+        return None if make is None else functools.partial(make, self.score_prompt)
 
     def pop_metrics(self) -> dict[str, float]:
         """The text reward's extra metrics and failure count since the last call (none otherwise)."""

@@ -1,0 +1,121 @@
+"""A toy tool-use task that the tiny model learns: call the calculator, then answer with its result.
+
+Token level, like the token-class task (:mod:`~r3lightning.rollout.tasks`). A prompt is filler
+tokens, two operand tokens ``first_token + a`` and ``first_token + b`` (``a, b`` in
+``[0, num_classes)``) and ``ASK``. The answer is ``c = (a + b) % num_classes``. A turn whose
+response holds ``CALL`` calls the calculator, which answers with the observation
+``[RESULT, first_token + c]`` (loss mask 0); the first call earns ``call_reward``. A turn without
+``CALL`` is the answer and ends the trajectory: it scores :class:`CalculatorReward` (the fraction
+of its tokens ``t`` with ``t % num_classes == c``), but only after a call; without the tool it
+scores 0. The collector's ``max_turns`` bounds the calls.
+
+A random policy calls in about ``response_length / vocab_size`` of its first turns; GRPO then
+raises ``CALL`` after ``ASK`` and, as in the token-class task, the answer's class right after the
+tool's result token (the token just before the answer), so rewards and turns per trajectory climb
+within the demo's steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from r3lightning.rollout.prompts import RolloutPrompt
+from r3lightning.rollout.tasks import TokenClassReward
+
+__all__ = ["CalculatorEnvironment", "CalculatorReward", "CalculatorTask"]
+
+
+def _answer(prompt_ids: Sequence[int], first_token: int, num_classes: int) -> int:
+    """``(a + b) % num_classes`` of the prompt's operand tokens (the two before ``ASK``)."""
+    operands = [int(t) - first_token for t in prompt_ids[-3:-1]]
+    if len(operands) != 2 or not all(0 <= v < num_classes for v in operands):
+        raise ValueError(
+            f"a calculator prompt ends with two operand ids in [{first_token}, {first_token + num_classes}) "
+            f"and ASK, got {list(prompt_ids)[-3:]}"
+        )
+    return sum(operands) % num_classes
+
+
+class CalculatorReward(TokenClassReward):
+    """The answer's score: the fraction of the expected ``response_length`` tokens in the class
+    of ``(a + b) % num_classes`` (the reward config of ``task=calculator``)."""
+
+    def target_class(self, prompt_ids: Sequence[int]) -> int:
+        return _answer(prompt_ids, self.first_token, self.num_classes)
+
+
+class CalculatorTask:
+    """Prompts of the calculator task and its environments (``make_environment``).
+
+    Token ids: operands ``[first_token, first_token + num_classes)``, then ``ASK``, ``CALL``,
+    ``RESULT``, then fillers up to ``vocab_size``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 96,
+        num_classes: int = 2,
+        prompt_length: int = 6,
+        response_length: int = 4,
+        first_token: int = 4,
+        call_reward: float = 0.2,
+    ) -> None:
+        if num_classes < 2:
+            raise ValueError(f"task.num_classes must be >= 2, got {num_classes}")
+        if prompt_length < 3 or response_length < 1:
+            raise ValueError(
+                "task.prompt_length must be >= 3 (two operands and ASK) and task.response_length >= 1, "
+                f"got {prompt_length} and {response_length}"
+            )
+        if not 0 <= first_token < vocab_size - num_classes - 4:
+            raise ValueError(
+                f"task.first_token must be in [0, vocab_size - num_classes - 4) = "
+                f"[0, {vocab_size - num_classes - 4}), got {first_token}"
+            )
+        self.vocab_size, self.num_classes = vocab_size, num_classes
+        self.prompt_length, self.response_length = prompt_length, response_length
+        self.first_token, self.call_reward = first_token, float(call_reward)
+        self.ask_token = first_token + num_classes
+        self.call_token, self.result_token = self.ask_token + 1, self.ask_token + 2
+
+    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
+        """``num_prompts`` prompts of ``prompt_length`` ids (host tensors only)."""
+        fillers = torch.randint(
+            self.result_token + 1, self.vocab_size, (num_prompts, self.prompt_length - 3), generator=generator
+        )  # [num_prompts, prompt_length - 3]
+        operands = (
+            torch.randint(0, self.num_classes, (num_prompts, 2), generator=generator) + self.first_token
+        )
+        ask = torch.full((num_prompts, 1), self.ask_token)
+        return torch.cat([fillers, operands, ask], dim=1).tolist()
+
+    def make_environment(self, score: Callable[[RolloutPrompt, list[int]], float]) -> CalculatorEnvironment:
+        """One trajectory's environment; ``score(prompt, answer_ids)`` rates the final answer."""
+        return CalculatorEnvironment(self, score)
+
+
+class CalculatorEnvironment:
+    """The calculator tool of :class:`CalculatorTask` for one trajectory (ids in, ids out)."""
+
+    def __init__(self, task: CalculatorTask, score: Callable[[RolloutPrompt, list[int]], float]) -> None:
+        self.task, self.score = task, score
+        self.prompt: RolloutPrompt | None = None
+        self.calls = 0
+
+    def reset(self, prompt: RolloutPrompt) -> list[int]:
+        self.prompt, self.calls = prompt, 0
+        return prompt.token_ids
+
+    def step(self, response: list[int]) -> tuple[list[int], float, bool, dict[str, int]]:
+        if self.prompt is None:
+            raise RuntimeError("CalculatorEnvironment.step before reset")
+        task = self.task
+        if task.call_token in response:
+            self.calls += 1
+            value = _answer(self.prompt.token_ids, task.first_token, task.num_classes)
+            reward = task.call_reward if self.calls == 1 else 0.0
+            return [task.result_token, task.first_token + value], reward, False, {"calls": self.calls}
+        reward = self.score(self.prompt, response) if self.calls else 0.0
+        return [], reward, True, {"calls": self.calls}
