@@ -33,18 +33,22 @@ metadata those need travels in :class:`~r3lightning.rollout.prompts.RolloutPromp
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from r3lightning.correction.grpo import group_advantages
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateClient, RemoteGenerateResult
+from r3lightning.rollout.environment import Environment
+from r3lightning.rollout.episode import Episode, plain_call, run_episode
 from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
 from r3lightning.rollout.stats import RolloutStats, StepCounters, reduce_step_stats
 from r3lightning.trace import RoutedExpertTrace
@@ -106,7 +110,7 @@ class RolloutCollector:
     def __init__(
         self,
         engines: str | RemoteGenerateClient | Sequence[str | RemoteGenerateClient],
-        reward_fn: RewardFn,
+        reward_fn: RewardFn | None,
         *,
         group_size: int,
         sampling: SamplingConfig | None = None,
@@ -122,14 +126,23 @@ class RolloutCollector:
         client_options: Mapping[str, Any] | None = None,
         process_group: Any = None,
         progress: bool = True,
+        environment: Callable[[], Environment] | None = None,
+        max_turns: int = 1,
     ) -> None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
             raise ValueError(f"group_size must be an integer >= 2 (GRPO groups), got {group_size!r}")
         for name, value, low in (("max_in_flight", max_in_flight, 1), ("reward_threads", reward_threads, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not callable(reward_fn):
+        if environment is None and not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        if environment is not None and (reward_fn is not None or not callable(environment)):
+            raise ValueError(
+                "environment must be a factory (a class or a partial) building one environment per "
+                "trajectory, and reward_fn None: the environment's step rewards are the reward"
+            )
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
         if request_routes and (num_layers is None or top_k is None):
             raise ValueError("request_routes=True needs num_layers and top_k (the route schema)")
         if isinstance(engines, str | RemoteGenerateClient):
@@ -171,6 +184,7 @@ class RolloutCollector:
         self.reward_threads = reward_threads
         self.process_group = process_group
         self.progress = progress
+        self.environment, self.max_turns = environment, max_turns
         self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ ranks
@@ -271,10 +285,10 @@ class RolloutCollector:
         slots = asyncio.Semaphore(self.max_in_flight)
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
         bar = _progress_bar(len(groups) * self.group_size, f"rollout step {step}", self.progress and show)
+        counters.turns = [[0.0, 0.0, 0.0] for _ in range(self.max_turns)]
 
-        async def sample(group: int, index: int) -> tuple[RemoteGenerateResult, float]:
-            prompt = prompts[group]
-            seed = sampling_seed(self.seed, step, group, index)
+        async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
+            seed = sampling_seed(self.seed, step, group, index, turn)
             while True:
                 async with slots:
                     engine = group % len(self.clients)
@@ -289,10 +303,10 @@ class RolloutCollector:
                     counters.requests += 1
                     try:
                         result = await client.generate(
-                            prompt.token_ids,
+                            tokens,
                             self.sampling.wire_params(client.protocol, seed),
                             return_routed_experts=self.request_routes,
-                            routed_experts_prompt_start=0 if self.request_routes else None,
+                            routed_experts_prompt_start=start,
                         )
                     except RetriesExhaustedError as exc:
                         counters.attempts += exc.attempts
@@ -307,13 +321,46 @@ class RolloutCollector:
                             )
                         continue
                 counters.attempts += result.attempts
-                bar.update(1)
-                where = f"group {group} sample {index} of step {step}"
-                return result, score_value(await self._score(prompt, result.response_ids), where)
+                return result
 
-        jobs = [asyncio.ensure_future(sample(g, j)) for g in groups for j in range(self.group_size)]
+        async def sample(group: int, index: int) -> Episode:
+            prompt, where = prompts[group], f"group {group} sample {index} of step {step}"
+            if self.environment is None:
+                start = 0 if self.request_routes else None
+                result = await generate(group, index, prompt.token_ids, 0, start)
+                reward = score_value(await self._call(self.reward_fn, prompt, result.response_ids), where)
+                episode = _single_turn(prompt, result, reward, self._trace())
+            else:
+                run = functools.partial(generate, group, index)
+                episode = await run_episode(
+                    self.environment(),
+                    prompt,
+                    run,
+                    max_turns=self.max_turns,
+                    trace=self._trace(),
+                    call=self._call,
+                    where=where,
+                )
+            bar.update(1)
+            return episode
+
+        async def whole_group(group: int) -> list[Episode]:
+            jobs = [asyncio.ensure_future(sample(group, j)) for j in range(self.group_size)]
+            try:
+                return await asyncio.gather(*jobs)
+            except Exception as exc:
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                if self.environment is None or isinstance(exc, EnginesUnavailableError):
+                    raise
+                counters.dropped_groups += 1  # one failed turn drops the whole group, never part of it
+                warnings.warn(f"group {group} of step {step} dropped: {exc}", RuntimeWarning, stacklevel=2)
+                return []
+
+        jobs = [asyncio.ensure_future(whole_group(g)) for g in groups]
         try:
-            samples = await asyncio.gather(*jobs)
+            kept = await asyncio.gather(*jobs)
         except BaseException:
             for job in jobs:  # gather leaves the others running: stop them before raising
                 job.cancel()
@@ -321,51 +368,31 @@ class RolloutCollector:
             raise
         finally:
             bar.close()
+        if groups and not any(kept):
+            raise RuntimeError(f"every group of step {step} was dropped (see the warnings for each error)")
         trajectories = []
-        for i, group in enumerate(groups):
-            first = i * self.group_size
-            trajectories += self._group_trajectories(prompts[group], samples[first : first + self.group_size])
+        for episodes in filter(None, kept):  # dropped groups are empty
+            rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]
+            advantages = group_advantages(rewards, self.group_size, normalize_std=self.normalize_std)
+            for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
+                counters.add_turns(episode.turn_rewards, episode.route_bytes)
+                trajectories.append(episode.trajectory(advantage))
         counters.engines_out = len(out)
         return trajectories
 
-    async def _score(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
-        if inspect.iscoroutinefunction(self.reward_fn):
-            return await self.reward_fn(prompt, response_ids)
-        if self.reward_threads:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.reward_threads, thread_name_prefix="r3-reward")
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.reward_fn, prompt, response_ids
-            )
-        value = self.reward_fn(prompt, response_ids)
-        return await value if inspect.isawaitable(value) else value
+    def _trace(self) -> RoutedExpertTrace | None:
+        return (
+            RoutedExpertTrace(self.num_layers, self.top_k, self.num_experts) if self.request_routes else None
+        )
 
-    def _group_trajectories(
-        self, prompt: RolloutPrompt, samples: list[tuple[RemoteGenerateResult, float]]
-    ) -> list[Trajectory]:
-        from r3lightning.correction.grpo import group_advantages
-
-        rewards = torch.tensor([reward for _, reward in samples], dtype=torch.float64)  # [group_size]
-        advantages = group_advantages(rewards, self.group_size, normalize_std=self.normalize_std).tolist()
-        out = []
-        for (result, reward), advantage in zip(samples, advantages, strict=True):
-            response = list(result.response_ids)
-            routes = None
-            if self.request_routes:
-                trace = RoutedExpertTrace(self.num_layers, self.top_k, self.num_experts)
-                trace.record_generation(len(prompt.token_ids), len(response), result.routed_experts)
-                routes = trace.finalize(len(prompt.token_ids) + len(response))
-            out.append(
-                Trajectory(
-                    prompt.token_ids,
-                    response,
-                    rollout_logprobs=result.response_logprobs,
-                    reward=reward,
-                    advantage=float(advantage),
-                    routed_experts=routes,
-                )
-            )
-        return out
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``: awaited if a coroutine function, in the ``reward_threads`` pool if plain
+        and the pool exists (a reward or an environment method), else inline."""
+        if not self.reward_threads or inspect.iscoroutinefunction(fn):
+            return await plain_call(fn, *args)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.reward_threads, thread_name_prefix="r3-reward")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------ statistics
 
@@ -410,6 +437,20 @@ class RolloutCollector:
     def __repr__(self) -> str:
         urls = [c.base_url for c in self.clients]
         return f"RolloutCollector({urls}, group_size={self.group_size}, seed={self.seed})"
+
+
+def _single_turn(
+    prompt: RolloutPrompt, result: RemoteGenerateResult, reward: float, trace: RoutedExpertTrace | None
+) -> Episode:
+    response = list(result.response_ids)
+    episode = Episode(prompt.token_ids, response, [1.0] * len(response), turn_rewards=[reward])
+    episode.logprobs = result.response_logprobs  # None: the trajectory's default zeros
+    routes = result.routed_experts
+    episode.route_bytes = [0 if routes is None else int(routes.nbytes)]
+    if trace is not None:
+        trace.record_generation(len(prompt.token_ids), len(response), routes)
+        episode.routes = trace.finalize(len(prompt.token_ids) + len(response))
+    return episode
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):

@@ -42,7 +42,7 @@ class Episode:
     prompt_ids: list[int]  # the first observation
     response_ids: list[int] = field(default_factory=list)  # [R] responses and later observations
     loss_mask: list[float] = field(default_factory=list)  # [R] 1 sampled, 0 observed
-    logprobs: list[float] = field(default_factory=list)  # [R] the engine's; 0 on observations
+    logprobs: list[float] | None = field(default_factory=list)  # [R] the engine's; 0 observed
     turn_rewards: list[float] = field(default_factory=list)  # [turns]
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K]

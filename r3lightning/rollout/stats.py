@@ -10,7 +10,7 @@ waiting for it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,10 @@ class RolloutStats:
 
     ``attempts``: HTTP attempts, first tries and retries; ``engine_errors``: requests that
     exhausted an engine's retries and went to another engine; ``engines_out``: engines taken out
-    of the step.
+    of the step. Per turn ``k`` of the kept trajectories (index 0 = first turn):
+    ``turn_rewards[k]`` and ``turn_route_bytes[k]`` are the means over the trajectories that
+    reached it; ``turns`` is the mean number of turns; ``dropped_groups`` counts the GRPO groups
+    an environment's failing turn took out of the step.
     """
 
     step: int
@@ -42,9 +45,18 @@ class RolloutStats:
     engine_errors: int
     engines_out: int
     rollout_s: float
+    dropped_groups: int = 0
+    turns: float = 0.0
+    turn_rewards: tuple[float, ...] = ()
+    turn_route_bytes: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        """Every field as a float; turn ``k`` as ``turn_reward/turn_{k+1}`` and ``route_bytes/turn_{k+1}``."""
+        out = {k: float(v) for k, v in asdict(self).items() if not isinstance(v, tuple)}
+        for k, (reward, size) in enumerate(zip(self.turn_rewards, self.turn_route_bytes, strict=True)):
+            out[f"turn_reward/turn_{k + 1}"] = reward
+            out[f"route_bytes/turn_{k + 1}"] = size
+        return out
 
 
 class OtherRankFailedError(RuntimeError):
@@ -59,6 +71,16 @@ class StepCounters:
     attempts: int = 0
     engine_errors: int = 0
     engines_out: int = 0
+    dropped_groups: int = 0
+    # per turn index of the kept trajectories: [trajectories, reward sum, route bytes sum]
+    turns: list[list[float]] = field(default_factory=list)
+
+    def add_turns(self, rewards: list[float], route_bytes: list[int]) -> None:
+        """Count one kept trajectory's turns (``turns`` must already hold ``max_turns`` entries)."""
+        for k, (reward, size) in enumerate(zip(rewards, route_bytes, strict=True)):
+            self.turns[k][0] += 1
+            self.turns[k][1] += reward
+            self.turns[k][2] += size
 
 
 def reduce_step_stats(
@@ -87,6 +109,8 @@ def reduce_step_stats(
             counters.attempts,
             counters.engine_errors,
             failed,
+            counters.dropped_groups,
+            *(value for turn in counters.turns for value in turn),
         ],
         dtype=torch.float64,
     )
@@ -99,7 +123,10 @@ def reduce_step_stats(
         dist.all_reduce(sums, dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxima, dist.ReduceOp.MAX, group=group)
         sums, maxima = sums.cpu(), maxima.cpu()
-    count, reward_sum, reward_sq, length_sum, requests, attempts, engine_errors, failures = sums.tolist()
+    count, reward_sum, reward_sq, length_sum, requests, attempts, engine_errors, failures, dropped, *turns = (
+        sums.tolist()
+    )
+    reached = turns[0::3]  # per turn: trajectories that reached it, reward sum, route bytes sum
     if failures and not failed:
         raise OtherRankFailedError(
             f"rollout collection failed on {int(failures)} other rank(s) at step {step}; see their errors"
@@ -119,6 +146,10 @@ def reduce_step_stats(
         engine_errors=int(engine_errors),
         engines_out=int(maxima[0]),
         rollout_s=float(maxima[1]),
+        dropped_groups=int(dropped),
+        turns=sum(reached) / count if count else 0.0,
+        turn_rewards=tuple(r / max(n, 1) for n, r in zip(reached, turns[1::3], strict=True)),
+        turn_route_bytes=tuple(b / max(n, 1) for n, b in zip(reached, turns[2::3], strict=True)),
     )
 
 

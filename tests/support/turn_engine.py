@@ -1,8 +1,9 @@
 """A scripted skyrl engine on 127.0.0.1 whose every route row names the request that computed it.
 
 Row ``p`` of a request over a ``P``-token prompt is :func:`route_row` of (the token at ``p``,
-``p``, ``P``): the same position forwarded by two turns gets two different rows, so a test can
-tell which turn's row a trajectory kept, boundary tokens included. Written with plain json +
+``p``, ``P``, the engine's ``salt``): the same position forwarded by two turns, or by two
+engines, gets two different rows, so a test can tell which request's row a trajectory kept,
+boundary tokens included. Written with plain json +
 base64 (nothing from the package under test). Responses are :func:`response_ids` of the prompt
 and the request's seed; logprobs ``-0.01 * (position + 1)``. Each request pops an action from
 ``script`` (``"ok"`` when empty): ``Status`` answers that HTTP status, ``"extra_row"`` sends one
@@ -21,9 +22,12 @@ from aiohttp import web
 from fault_server import Status
 
 
-def route_row(token: int, position: int, prompt_len: int, num_layers: int, top_k: int, num_experts: int):
-    """``[L, K]`` distinct ids per layer, a function of the token, its position and the request."""
-    base = (token * 7 + position * 3 + prompt_len * 11) % num_experts
+def route_row(
+    token: int, position: int, prompt_len: int, num_layers: int, top_k: int, num_experts: int, salt: int = 0
+):
+    """``[L, K]`` distinct ids per layer, a function of the token, its position, the request and
+    the engine's ``salt``."""
+    base = (token * 7 + position * 3 + prompt_len * 11 + salt * 5) % num_experts
     layers = np.arange(num_layers)[:, None] * 5
     return (base + layers + np.arange(top_k)[None, :]) % num_experts
 
@@ -33,8 +37,11 @@ def response_ids(prompt: list[int], seed: int, count: int, vocab: int) -> list[i
 
 
 class TurnEngine:
-    def __init__(self, *, num_layers: int = 3, top_k: int = 2, num_experts: int = 16, vocab: int = 96):
+    def __init__(
+        self, *, num_layers: int = 3, top_k: int = 2, num_experts: int = 16, vocab: int = 96, salt: int = 0
+    ):
         self.schema = (num_layers, top_k, num_experts)
+        self.salt = salt
         self.vocab = vocab
         self.script: deque[Any] = deque()
         self.served: list[tuple[list[int], int, list[int], np.ndarray]] = []
@@ -57,7 +64,7 @@ class TurnEngine:
         await self._runner.cleanup()
 
     def rows(self, tokens: list[int], prompt_len: int, start: int, stop: int) -> np.ndarray:
-        rows = [route_row(tokens[p], p, prompt_len, *self.schema) for p in range(start, stop)]
+        rows = [route_row(tokens[p], p, prompt_len, *self.schema, self.salt) for p in range(start, stop)]
         return np.array(rows, dtype=np.int64).reshape(len(rows), *self.schema[:2])
 
     async def _generate(self, request: web.Request) -> web.Response:
