@@ -220,6 +220,8 @@ class OnPolicyLoop(pl.Callback):
             "engine_errors": float(stats.engine_errors),
             **(self.prompts.pop_metrics() if hasattr(self.prompts, "pop_metrics") else {}),
         }
+        if self.collector.environment is not None:  # turns, dropped groups, per-turn rewards and bytes
+            self._pending.update(stats.turn_metrics())
 
 
 def on_policy_loop(
@@ -241,10 +243,12 @@ def on_policy_loop(
     if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
         sampling.stop_token_ids = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
 
+    environment = task.environment_factory()  # a multi-turn task: its environments give the reward
+
     def make_collector(urls: list[str]) -> RolloutCollector:
         return RolloutCollector(
             urls,
-            prompts.reward,
+            prompts.reward if environment is None else None,
             group_size=int(cfg.algorithm.group_size),
             sampling=sampling,
             protocol=str(rollout.protocol),
@@ -258,6 +262,8 @@ def on_policy_loop(
             reward_threads=int(cfg.get("reward_threads", 0)),
             client_options={"api_key": rollout.api_key, "timeout_s": float(rollout.request_timeout_s)},
             progress=bool(cfg.trainer.get("enable_progress_bar", True)),
+            environment=environment,
+            max_turns=int(getattr(task.prompts, "max_turns", 1)),
         )
 
     if engine.urls is not None:

@@ -7,7 +7,7 @@ response holds ``CALL`` calls the calculator, which answers with the observation
 ``[RESULT, first_token + c]`` (loss mask 0); the first call earns ``call_reward``. A turn without
 ``CALL`` is the answer and ends the trajectory: it scores :class:`CalculatorReward` (the fraction
 of its tokens ``t`` with ``t % num_classes == c``), but only after a call; without the tool it
-scores 0. The collector's ``max_turns`` bounds the calls.
+scores 0. ``max_turns`` (the task's, passed to the collector) bounds the calls.
 
 A random policy calls in about ``response_length / vocab_size`` of its first turns; GRPO then
 raises ``CALL`` after ``ASK`` and, as in the token-class task, the answer's class right after the
@@ -50,7 +50,8 @@ class CalculatorTask:
     """Prompts of the calculator task and its environments (``make_environment``).
 
     Token ids: operands ``[first_token, first_token + num_classes)``, then ``ASK``, ``CALL``,
-    ``RESULT``, then fillers up to ``vocab_size``.
+    ``RESULT``, then fillers up to ``vocab_size``. ``max_turns``: the collector's bound on
+    generations per trajectory.
     """
 
     def __init__(
@@ -61,6 +62,7 @@ class CalculatorTask:
         response_length: int = 4,
         first_token: int = 4,
         call_reward: float = 0.2,
+        max_turns: int = 3,
     ) -> None:
         if num_classes < 2:
             raise ValueError(f"task.num_classes must be >= 2, got {num_classes}")
@@ -69,6 +71,8 @@ class CalculatorTask:
                 "task.prompt_length must be >= 3 (two operands and ASK) and task.response_length >= 1, "
                 f"got {prompt_length} and {response_length}"
             )
+        if max_turns < 1:
+            raise ValueError(f"task.max_turns must be >= 1, got {max_turns}")
         if not 0 <= first_token < vocab_size - num_classes - 4:
             raise ValueError(
                 f"task.first_token must be in [0, vocab_size - num_classes - 4) = "
@@ -76,7 +80,7 @@ class CalculatorTask:
             )
         self.vocab_size, self.num_classes = vocab_size, num_classes
         self.prompt_length, self.response_length = prompt_length, response_length
-        self.first_token, self.call_reward = first_token, float(call_reward)
+        self.first_token, self.call_reward, self.max_turns = first_token, float(call_reward), max_turns
         self.ask_token = first_token + num_classes
         self.call_token, self.result_token = self.ask_token + 1, self.ask_token + 2
 

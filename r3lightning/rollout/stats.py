@@ -51,11 +51,18 @@ class RolloutStats:
     turn_route_bytes: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
-        """Every field as a float; turn ``k`` as ``turn_reward/turn_{k+1}`` and ``route_bytes/turn_{k+1}``."""
-        out = {k: float(v) for k, v in asdict(self).items() if not isinstance(v, tuple)}
-        for k, (reward, size) in enumerate(zip(self.turn_rewards, self.turn_route_bytes, strict=True)):
-            out[f"turn_reward/turn_{k + 1}"] = reward
-            out[f"route_bytes/turn_{k + 1}"] = size
+        """Every field as a float, the per-turn ones as in :meth:`turn_metrics`."""
+        return {
+            **{k: float(v) for k, v in asdict(self).items() if not isinstance(v, tuple)},
+            **self.turn_metrics(),
+        }
+
+    def turn_metrics(self) -> dict[str, float]:
+        """``turns``, ``dropped_groups``, and ``turn_reward/turn_{k}`` and ``route_bytes/turn_{k}``
+        of turn ``k`` (from 1)."""
+        out = {"turns": self.turns, "dropped_groups": float(self.dropped_groups)}
+        for k, (reward, size) in enumerate(zip(self.turn_rewards, self.turn_route_bytes, strict=True), 1):
+            out[f"turn_reward/turn_{k}"], out[f"route_bytes/turn_{k}"] = reward, size
         return out
 
 
