@@ -32,6 +32,7 @@ from torch import Tensor
 from r3lightning.job.common import JobError
 from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
 from r3lightning.rollout.collector import RolloutCollector
+from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
 from r3lightning.rollout.tasks import ScoredTask
 from r3lightning.wire.request import RouteSchema
@@ -220,7 +221,7 @@ class OnPolicyLoop(pl.Callback):
             "engine_errors": float(stats.engine_errors),
             **(self.prompts.pop_metrics() if hasattr(self.prompts, "pop_metrics") else {}),
         }
-        if self.collector.environment is not None:  # turns, dropped groups, per-turn rewards and bytes
+        if self.collector.environments is not None:  # turns, dropped groups, per-turn rewards and bytes
             self._pending.update(stats.turn_metrics())
 
 
@@ -243,27 +244,27 @@ def on_policy_loop(
     if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
         sampling.stop_token_ids = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
 
-    environment = task.environment_factory()  # a multi-turn task: its environments give the reward
+    reward = task.environments() or prompts.reward  # a multi-turn task's environments give the reward
+    config = CollectorConfig(
+        group_size=int(cfg.algorithm.group_size),
+        seed=int(cfg.seed),
+        protocol=str(rollout.protocol),
+        request_routes=bool(cfg.replay.request_routes),
+        normalize_std=normalize_std,
+        max_in_flight=int(rollout.max_in_flight),
+        reward_threads=int(cfg.get("reward_threads", 0)),
+        progress=bool(cfg.trainer.get("enable_progress_bar", True)),
+    )
 
     def make_collector(urls: list[str]) -> RolloutCollector:
         return RolloutCollector(
             urls,
-            prompts.reward if environment is None else None,
-            group_size=int(cfg.algorithm.group_size),
+            reward,
+            config,
+            schema=schema,
             sampling=sampling,
-            protocol=str(rollout.protocol),
-            num_layers=schema.num_layers,
-            top_k=schema.top_k,
-            num_experts=schema.num_experts,
-            request_routes=bool(cfg.replay.request_routes),
-            normalize_std=normalize_std,
-            seed=int(cfg.seed),
-            max_in_flight=int(rollout.max_in_flight),
-            reward_threads=int(cfg.get("reward_threads", 0)),
-            client_options={"api_key": rollout.api_key, "timeout_s": float(rollout.request_timeout_s)},
-            progress=bool(cfg.trainer.get("enable_progress_bar", True)),
-            environment=environment,
-            max_turns=int(getattr(task.prompts, "max_turns", 1)),
+            retry=RetryPolicy(timeout_s=float(rollout.request_timeout_s)),
+            client_options={"api_key": rollout.api_key},
         )
 
     if engine.urls is not None:

@@ -11,19 +11,20 @@ environment's ``tokenizer`` chat template plus the generation prompt). ``respons
 turn's sampled token ids, or their text when the environment sets ``response_format = "text"``
 (decoded with its ``tokenizer``). ``reward`` is this turn's reward (the trajectory's is their
 sum); ``done`` ends the trajectory; ``info`` is free-form and ignored by the collector. The
-collector builds one environment per trajectory from a factory (a class or a
-``functools.partial``; ``_partial_: true`` in a config) and calls a plain method in its
-``reward_threads`` pool when it has one, so a slow tool does not stall the event loop.
+collector builds one environment per trajectory from :class:`Environments` and calls a plain
+method in its ``reward_threads`` pool when it has one, so a slow tool does not stall the event
+loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from r3lightning.rollout.prompts import RolloutPrompt, TextReward
 
-__all__ = ["Environment", "Observation", "TextEnvironment", "text_environment"]
+__all__ = ["Environment", "Environments", "Observation", "TextEnvironment", "text_environment"]
 
 Observation = Sequence[int] | Sequence[Mapping[str, str]]  # token ids or chat messages
 StepResult = tuple[Observation, float, bool, Mapping[str, Any]]
@@ -68,3 +69,20 @@ def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> Calla
     :class:`TextReward` counts failures and extra metrics over all of them."""
     reward = TextReward(compute_score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     return lambda: TextEnvironment(reward)
+
+
+@dataclass(frozen=True)
+class Environments:
+    """Multi-turn rollouts for a :class:`~r3lightning.rollout.collector.RolloutCollector`, given
+    where its ``reward_fn`` goes: ``make()`` builds one environment per trajectory (a class or a
+    ``functools.partial``), which runs at most ``max_turns`` generations; the sum of its step
+    rewards is the trajectory's reward."""
+
+    make: Callable[[], Environment]
+    max_turns: int = 1
+
+    def __post_init__(self) -> None:
+        if not callable(self.make):
+            raise TypeError(f"Environments.make must build an environment, got {self.make!r}")
+        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
+            raise ValueError(f"Environments.max_turns must be an integer >= 1, got {self.max_turns!r}")

@@ -28,7 +28,7 @@ from r3lightning.rollout.environment import Environment
 from r3lightning.rollout.prompts import RolloutPrompt, score_value
 from r3lightning.trace import RoutedExpertTrace
 
-__all__ = ["Episode", "run_episode"]
+__all__ = ["Episode", "plain_call", "run_episode", "single_turn"]
 
 # (token ids of the whole prefix, turn index, first route row wanted or None) -> the engine's answer
 Generate = Callable[[list[int], int, "int | None"], Awaitable[RemoteGenerateResult]]
@@ -113,6 +113,20 @@ async def run_episode(
         tokens += response + observed
     if trace is not None:
         episode.routes = trace.finalize(len(episode.prompt_ids) + len(episode.response_ids))
+    return episode
+
+
+def single_turn(
+    prompt: RolloutPrompt, result: RemoteGenerateResult, reward: float, trace: RoutedExpertTrace | None
+) -> Episode:
+    """The episode of a single-turn rollout: one scored generation (logprobs None if the engine
+    sent none: the trajectory's default zeros)."""
+    response, routes = list(result.response_ids), result.routed_experts
+    episode = Episode(prompt.token_ids, response, [1.0] * len(response), result.response_logprobs, [reward])
+    episode.route_bytes = [0 if routes is None else int(routes.nbytes)]
+    if trace is not None:
+        trace.record_generation(len(prompt.token_ids), len(response), routes)
+        episode.routes = trace.finalize(len(prompt.token_ids) + len(response))
     return episode
 
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.prompts import RolloutPrompt
 
 
@@ -69,10 +70,13 @@ class ScoredTask:
             return self.text_score(prompt, response_ids)
         return self.reward(prompt.token_ids, response_ids)
 
-    def environment_factory(self) -> Callable[[], Any] | None:
-        """A multi-turn task's environment factory (its ``make_environment(score_prompt)``), else None."""
+    def environments(self) -> Environments | None:
+        """A multi-turn task's :class:`Environments` (its ``make_environment(score_prompt)`` and
+        ``max_turns``, 1 if it has none); None for a single-turn task."""
         make = getattr(self.prompts, "make_environment", None)
-        return None if make is None else functools.partial(make, self.score_prompt)
+        if make is None:
+            return None
+        return Environments(functools.partial(make, self.score_prompt), getattr(self.prompts, "max_turns", 1))
 
     def pop_metrics(self) -> dict[str, float]:
         """The text reward's extra metrics and failure count since the last call (none otherwise)."""

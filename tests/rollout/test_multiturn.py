@@ -16,10 +16,12 @@ from fault_server import Status
 from turn_engine import TurnEngine, response_ids, route_row
 
 from r3lightning.rollout.client import RemoteGenerateClient
+from r3lightning.rollout.config import RetryPolicy
 from r3lightning.rollout.episode import run_episode
 from r3lightning.rollout.prompts import RolloutPrompt
 from r3lightning.trace import RoutedExpertTrace
 from r3lightning.wire.errors import GenerateRequestError, MalformedResponseError
+from r3lightning.wire.request import RouteSchema
 
 L, K, E = 3, 2, 16
 G = 4  # tokens per turn
@@ -62,7 +64,7 @@ def _generate(client, *, routes=True):
 
 
 def _client(url):
-    return RemoteGenerateClient(url, num_layers=L, top_k=K, num_experts=E, max_attempts=1)
+    return RemoteGenerateClient(url, schema=RouteSchema(L, K, E), retry=RetryPolicy(max_attempts=1))
 
 
 def _reference(prompt, observations, turns):

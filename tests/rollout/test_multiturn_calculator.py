@@ -56,13 +56,14 @@ def test_the_answer_reward_is_the_class_fraction_of_the_operands_sum():
 
 
 def test_scored_task_builds_environments_with_the_checked_reward():
-    task = ScoredTask(CalculatorTask(), CalculatorReward())
-    env = task.environment_factory()()
+    task = ScoredTask(CalculatorTask(max_turns=4), CalculatorReward())
+    assert task.environments().max_turns == 4
+    env = task.environments().make()
     env.reset(RolloutPrompt([50, 51, 52, 5, 4, ASK]))  # answer 1
     env.step([CALL])
     assert env.step([5, 9, 10, 11]) == ([], 0.75, True, {"calls": 1})
-    assert ScoredTask(TokenClassTask(), lambda p, r: 0.0).environment_factory() is None
-    nan = ScoredTask(CalculatorTask(), lambda p, r: float("nan")).environment_factory()()
+    assert ScoredTask(TokenClassTask(), lambda p, r: 0.0).environments() is None
+    nan = ScoredTask(CalculatorTask(), lambda p, r: float("nan")).environments().make()
     nan.reset(RolloutPrompt([50, 51, 52, 5, 4, ASK]))
     nan.step([CALL])
     with pytest.raises(ValueError, match="expected a finite number"):

@@ -17,14 +17,15 @@ from fault_server import FaultServer, Status
 from turn_engine import TurnEngine, route_row
 
 from r3lightning.data.buffer import ReplayBuffer
-from r3lightning.rollout.client import Backoff
 from r3lightning.rollout.collector import EnginesUnavailableError, RolloutCollector
-from r3lightning.rollout.environment import TextEnvironment
+from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
+from r3lightning.rollout.environment import Environments, TextEnvironment
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig
+from r3lightning.wire.request import RouteSchema
 
 L, K, E, G = 3, 2, 16, 3
 SCHEMA = {"num_layers": L, "top_k": K, "num_experts": E}
-ONE_TRY = {"max_attempts": 1, "backoff": Backoff(base_s=0.001, cap_s=0.001)}
+ONE_TRY = RetryPolicy(max_attempts=1, backoff=Backoff(base_s=0.001, cap_s=0.001))
 PROMPTS = [[11, 12, 13], [14, 15], [16, 17, 18, 19]]
 
 
@@ -51,9 +52,16 @@ class CountingEnv:
         return [40 + turn] * (turn + 1), float(turn + 1), turn + 1 == self.turns, {}
 
 
-def make(engines, env=CountingEnv, **kwargs) -> RolloutCollector:
-    kwargs = {"group_size": 2, "sampling": SamplingConfig(max_new_tokens=G), "progress": False, **kwargs}
-    return RolloutCollector(engines, None, environment=env, client_options=ONE_TRY, **SCHEMA, **kwargs)
+def make(engines, env=CountingEnv, max_turns=3, reward=None, **settings) -> RolloutCollector:
+    config = CollectorConfig(**{"group_size": 2, "progress": False, **settings})
+    return RolloutCollector(
+        engines,
+        Environments(env, max_turns) if reward is None else reward,
+        config,
+        schema=RouteSchema(**SCHEMA),
+        sampling=SamplingConfig(max_new_tokens=G),
+        retry=ONE_TRY,
+    )
 
 
 def seed_of(seed, step, group, sample, turn):
@@ -113,25 +121,25 @@ async def test_groups_of_multi_turn_trajectories_with_per_turn_seeds_and_metrics
     )
 
 
-async def test_a_failing_turn_drops_its_whole_group_and_nothing_half_built_reaches_the_buffer():
+async def test_a_failing_turn_drops_its_whole_group_and_nothing_half_built_reaches_the_buffer(caplog):
     class Failing(CountingEnv):
         fail_prompt, fail = 14, 1  # group 1, second turn, both samples' first turn already done
 
     buffer = ReplayBuffer(num_experts=E)
     async with TurnEngine(**SCHEMA) as engine, make(engine.url, env=Failing, max_turns=3) as collector:
-        with pytest.warns(RuntimeWarning, match="group 1 of step 0 dropped: the tool timed out"):
-            rollouts = await collector.collect_async(PROMPTS, step=0, buffer=buffer)
+        rollouts = await collector.collect_async(PROMPTS, step=0, buffer=buffer)
+    assert "group 1 of step 0 dropped: the tool timed out" in caplog.messages
     assert [t.prompt_ids.tolist() for t in buffer] == [PROMPTS[0]] * 2 + [PROMPTS[2]] * 2
     assert rollouts.stats.dropped_groups == 1 and rollouts.stats.trajectories == 4
     assert all(t.route_rows == t.num_tokens - 1 for t in buffer)
 
 
 @pytest.mark.parametrize("fault", ["extra_row", Status(400, "prompt too long")])
-async def test_a_malformed_or_refused_turn_drops_the_group(fault):
+async def test_a_malformed_or_refused_turn_drops_the_group(fault, caplog):
     async with TurnEngine(**SCHEMA) as engine, make(engine.url, max_turns=2) as collector:
         engine.script.extend(["ok", "ok", "ok", fault])  # the fourth request, whichever turn it is
-        with pytest.warns(RuntimeWarning, match="dropped"):
-            rollouts = await collector.collect_async(PROMPTS, step=0)
+        rollouts = await collector.collect_async(PROMPTS, step=0)
+    assert sum("dropped" in m for m in caplog.messages) == 1
     assert rollouts.stats.dropped_groups == 1 and len(rollouts.trajectories) == 4
 
 
@@ -142,19 +150,16 @@ async def test_every_group_dropped_fails_the_step_and_engines_out_fail_it_at_onc
 
     buffer = ReplayBuffer(num_experts=E)
     async with TurnEngine(**SCHEMA) as engine, make(engine.url, env=Broken) as collector:
-        with (
-            pytest.warns(RuntimeWarning),
-            pytest.raises(RuntimeError, match="every group of step 0 was dropped"),
-        ):
+        with pytest.raises(RuntimeError, match="every group of step 0 was dropped"):
             await collector.collect_async(PROMPTS, step=0, buffer=buffer)
     assert len(buffer) == 0
     async with FaultServer(**SCHEMA) as down, make(down.url) as collector:
         down.script.extend([Status(503)] * 6)
-        with pytest.warns(RuntimeWarning, match="is out"), pytest.raises(EnginesUnavailableError):
+        with pytest.raises(EnginesUnavailableError):
             await collector.collect_async(PROMPTS, step=0)
 
 
-async def test_failover_mid_trajectory_continues_from_its_prefix_with_each_engines_rows():
+async def test_failover_mid_trajectory_continues_from_its_prefix_with_each_engines_rows(caplog):
     """Group 0 lives on engine A; A dies after the first turn, so the second and third turns
     go to B with the whole prefix and A's rows kept: every row is the engine's that computed it."""
     async with (
@@ -163,8 +168,8 @@ async def test_failover_mid_trajectory_continues_from_its_prefix_with_each_engin
         make([a.url, b.url], max_turns=3) as collector,
     ):
         a.script.extend(["ok", "ok", Status(503), Status(503)])  # group 0: 2 first turns, then down
-        with pytest.warns(RuntimeWarning, match=f"rollout engine {a.url} is out for step 0"):
-            rollouts = await collector.collect_async([PROMPTS[0], PROMPTS[1]], step=0)
+        rollouts = await collector.collect_async([PROMPTS[0], PROMPTS[1]], step=0)
+    assert any(m.startswith(f"rollout engine {a.url} is out for step 0") for m in caplog.messages)
     stats = rollouts.stats
     # one or both of group 0's second turns met the dead engine before it was marked out
     assert (stats.engines_out, stats.dropped_groups) == (1, 0) and stats.engine_errors in (1, 2)
@@ -192,17 +197,9 @@ async def test_the_one_turn_text_environment_equals_the_single_turn_path():
 
     prompts = [RolloutPrompt(p, data_source="toy") for p in PROMPTS]
     async with FaultServer(**SCHEMA) as engine:
-        async with make(engine.url, env=lambda: TextEnvironment(score), seed=3) as collector:
+        async with make(engine.url, env=lambda: TextEnvironment(score), max_turns=1, seed=3) as collector:
             env_path = await collector.collect_async(prompts, step=1)
-        async with RolloutCollector(
-            engine.url,
-            score,
-            group_size=2,
-            sampling=SamplingConfig(max_new_tokens=G),
-            seed=3,
-            progress=False,
-            **SCHEMA,
-        ) as collector:
+        async with make(engine.url, reward=score, seed=3) as collector:
             single = await collector.collect_async(prompts, step=1)
     assert len(env_path.trajectories) == 6 and env_path.trajectories == single.trajectories
     assert {t.reward for t in single.trajectories} != {0.0}
@@ -212,13 +209,11 @@ async def test_the_one_turn_text_environment_equals_the_single_turn_path():
 
 
 def test_arguments_are_checked():
-    with pytest.raises(ValueError, match="reward_fn None: the environment's step rewards are the reward"):
+    with pytest.raises(ValueError, match=r"Environments\.max_turns must be an integer >= 1, got 0"):
+        Environments(CountingEnv, max_turns=0)
+    with pytest.raises(TypeError, match=r"Environments\.make must build an environment, got 3"):
+        Environments(3)
+    with pytest.raises(TypeError, match="reward_fn must be callable or Environments, got NoneType"):
         RolloutCollector(
-            "http://127.0.0.1:1", lambda p, r: 0.0, group_size=2, environment=CountingEnv, **SCHEMA
+            "http://127.0.0.1:1", None, CollectorConfig(group_size=2), schema=RouteSchema(**SCHEMA)
         )
-    with pytest.raises(ValueError, match="max_turns must be an integer >= 1, got 0"):
-        RolloutCollector(
-            "http://127.0.0.1:1", None, group_size=2, environment=CountingEnv, max_turns=0, **SCHEMA
-        )
-    with pytest.raises(TypeError, match="reward_fn must be callable"):
-        RolloutCollector("http://127.0.0.1:1", None, group_size=2, **SCHEMA)
