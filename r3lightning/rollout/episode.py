@@ -1,16 +1,12 @@
 """One multi-turn trajectory: environment observations and engine turns, routes turn by turn.
 
-Turn ``k`` sends the whole token prefix (first prompt, every response and observation so far)
-with ``routed_experts_prompt_start`` = the rows the trace already holds, so only new rows travel:
-the previous turn's last sampled token (never an input until now), this turn's observation and
-response. Row ``t`` of the result is therefore what the engine computed when token ``t`` was an
-input, boundary tokens included, and the final trajectory has ``n - 1`` rows.
-
-Observation tokens join the trajectory with loss mask 0 and logprob 0 (their rows are replayed
-like any other); sampled tokens have mask 1 and the engine's logprobs. The trajectory ends when
-the environment says ``done`` or after ``max_turns`` generations; an observation after the last
-generation is dropped (nothing would predict from it). Any failure (engine, environment, routes)
-raises: the caller decides what it costs, the trace is never half-finalised.
+Each turn sends the whole token prefix with ``routed_experts_prompt_start`` = the rows the trace
+holds, so only new rows travel: the previous turn's last sampled token (first an input now), the
+observation and the response. Row ``t`` is thus what the engine computed when token ``t`` was an
+input, boundary tokens included; a finished trajectory has ``n - 1`` rows. Observation tokens
+get loss mask 0 and logprob 0 (their rows are still replayed). The trajectory ends at ``done`` or
+after ``max_turns`` generations (a last observation is dropped: nothing predicts from it). A
+failure (engine, environment, routes) raises and leaves the trace unfinished.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ class Episode:
     prompt_ids: list[int]  # the first observation
     response_ids: list[int] = field(default_factory=list)  # [R] responses and later observations
     loss_mask: list[float] = field(default_factory=list)  # [R] 1 sampled, 0 observed
-    logprobs: list[float] | None = field(default_factory=list)  # [R] the engine's; 0 observed
+    logprobs: list[float] = field(default_factory=list)  # [R] the engine's (0 if none); 0 observed
     turn_rewards: list[float] = field(default_factory=list)  # [turns]
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K]
@@ -90,13 +86,7 @@ async def run_episode(
     tokens = list(episode.prompt_ids)
     for turn in range(max_turns):
         result = await generate(tokens, turn, None if trace is None else trace.prompt_start)
-        response = [int(t) for t in result.response_ids]
-        if trace is not None:
-            trace.record_generation(len(tokens), len(response), result.routed_experts)
-        routes = result.routed_experts
-        episode.route_bytes.append(0 if routes is None else int(routes.nbytes))
-        logprobs = result.response_logprobs
-        _extend(episode, response, 1.0, [0.0] * len(response) if logprobs is None else logprobs)
+        response = _record(episode, trace, len(tokens), result)
         text = getattr(env, "response_format", "ids") == "text"
         answer = _tokenizer(env, where).decode(response, skip_special_tokens=True) if text else response
         step = await call(env.step, answer)
@@ -111,22 +101,35 @@ async def run_episode(
         observed = _token_ids(env, observation, f"{where}: step() observation of turn {turn}")
         _extend(episode, observed, 0.0, [0.0] * len(observed))
         tokens += response + observed
-    if trace is not None:
-        episode.routes = trace.finalize(len(episode.prompt_ids) + len(episode.response_ids))
-    return episode
+    return _finish(episode, trace)
 
 
 def single_turn(
     prompt: RolloutPrompt, result: RemoteGenerateResult, reward: float, trace: RoutedExpertTrace | None
 ) -> Episode:
-    """The episode of a single-turn rollout: one scored generation (logprobs None if the engine
-    sent none: the trajectory's default zeros)."""
-    response, routes = list(result.response_ids), result.routed_experts
-    episode = Episode(prompt.token_ids, response, [1.0] * len(response), result.response_logprobs, [reward])
-    episode.route_bytes = [0 if routes is None else int(routes.nbytes)]
+    """The episode of a single-turn rollout: one generation, already scored."""
+    episode = Episode(prompt.token_ids, turn_rewards=[reward])
+    _record(episode, trace, len(prompt.token_ids), result)
+    return _finish(episode, trace)
+
+
+def _record(episode: Episode, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult):
+    """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""
+    response, routes, logprobs = (
+        [int(t) for t in result.response_ids],
+        result.routed_experts,
+        result.response_logprobs,
+    )
     if trace is not None:
-        trace.record_generation(len(prompt.token_ids), len(response), routes)
-        episode.routes = trace.finalize(len(prompt.token_ids) + len(response))
+        trace.record_generation(prefix, len(response), routes)
+    episode.route_bytes.append(0 if routes is None else int(routes.nbytes))
+    _extend(episode, response, 1.0, [0.0] * len(response) if logprobs is None else logprobs)
+    return response
+
+
+def _finish(episode: Episode, trace: RoutedExpertTrace | None) -> Episode:
+    if trace is not None:
+        episode.routes = trace.finalize(len(episode.prompt_ids) + len(episode.response_ids))
     return episode
 
 
