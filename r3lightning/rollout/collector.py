@@ -301,7 +301,7 @@ class RolloutCollector:
                         up = [e for e in range(len(self.clients)) if e not in out]
                         if not up:
                             raise EnginesUnavailableError(
-                                step, {self.clients[e].base_url: out[e] for e in out}
+                                step, {self.clients[e].base_url: out[e] for e in sorted(out)}
                             )
                         engine = up[group % len(up)]
                     client = self.clients[engine]
