@@ -1,18 +1,12 @@
 """A toy tool-use task that the tiny model learns: call the calculator, then answer with its result.
 
-Token level, like the token-class task (:mod:`~r3lightning.rollout.tasks`). A prompt is filler
-tokens, two operand tokens ``first_token + a`` and ``first_token + b`` (``a, b`` in
-``[0, num_classes)``) and ``ASK``. The answer is ``c = (a + b) % num_classes``. A turn whose
-response holds ``CALL`` calls the calculator, which answers with the observation
-``[RESULT, first_token + c]`` (loss mask 0); the first call earns ``call_reward``. A turn without
-``CALL`` is the answer and ends the trajectory: it scores :class:`CalculatorReward` (the fraction
-of its tokens ``t`` with ``t % num_classes == c``), but only after a call; without the tool it
-scores 0. ``max_turns`` (the task's, passed to the collector) bounds the calls.
-
-A random policy calls in about ``response_length / vocab_size`` of its first turns; GRPO then
-raises ``CALL`` after ``ASK`` and, as in the token-class task, the answer's class right after the
-tool's result token (the token just before the answer), so rewards and turns per trajectory climb
-within the demo's steps.
+Token level, like the token-class task. A prompt is fillers, operands ``first_token + a``,
+``first_token + b`` and ``ASK``; the answer is ``c = (a + b) % num_classes``. A turn holding
+``CALL`` gets the tool's observation ``[RESULT, first_token + c]`` (the first call earns
+``call_reward``); a turn without ``CALL`` answers, ends the trajectory and scores
+:class:`CalculatorReward` (share of its tokens ``t`` with ``t % num_classes == c``), or 0 without a
+call. A random policy calls in ~``response_length / vocab_size`` of its first turns; GRPO then
+learns ``CALL`` after ``ASK`` and the class after ``RESULT`` within the demo's 30 steps.
 """
 
 from __future__ import annotations

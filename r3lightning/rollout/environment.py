@@ -18,9 +18,10 @@ loop.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from r3lightning.rollout.prompts import RolloutPrompt, TextReward
 
@@ -47,8 +48,6 @@ class TextEnvironment:
     the collector's single-turn ones with the same reward.
     """
 
-    response_format: Literal["ids"] = "ids"
-
     def __init__(self, score: Callable[[RolloutPrompt, list[int]], float]) -> None:
         self.score = score
         self.prompt: RolloutPrompt | None = None
@@ -63,12 +62,12 @@ class TextEnvironment:
         return [], self.score(self.prompt, response), True, {}
 
 
-def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> Callable[[], TextEnvironment]:
+def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> functools.partial[TextEnvironment]:
     """The factory of one-turn environments scoring decoded responses with a verl-style
-    ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``; one shared
-    :class:`TextReward` counts failures and extra metrics over all of them."""
+    ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``. They share one
+    :class:`TextReward` (``factory.args[0]``: its ``pop_metrics()`` counts failures and extras)."""
     reward = TextReward(compute_score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    return lambda: TextEnvironment(reward)
+    return functools.partial(TextEnvironment, reward)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ a failover to another engine in the middle of a trajectory.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 import threading
 from typing import ClassVar
@@ -19,7 +20,7 @@ from turn_engine import TurnEngine, route_row
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.rollout.collector import EnginesUnavailableError, RolloutCollector
 from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
-from r3lightning.rollout.environment import Environments, TextEnvironment
+from r3lightning.rollout.environment import Environments, TextEnvironment, text_environment
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig
 from r3lightning.wire.request import RouteSchema
 
@@ -206,6 +207,49 @@ async def test_the_one_turn_text_environment_equals_the_single_turn_path():
     assert env_path.stats.as_dict() == pytest.approx(
         {**single.stats.as_dict(), "rollout_s": env_path.stats.rollout_s}
     )
+
+
+async def test_a_verl_dataset_and_its_compute_score_as_a_one_turn_environment(tmp_path):
+    """PromptsFileTask records scored by text_environment equal the single-turn text reward's
+    trajectories; a compute_score that raises scores 0 and is counted."""
+    from r3lightning.rollout.prompts_file import PromptsFileTask
+    from r3lightning.testing.tiny_tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"{i}+1?"}],
+            "data_source": "toy",
+            "reward_model": {"ground_truth": i + 1},
+        }
+        for i in range(3)
+    ]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    task = PromptsFileTask(tmp_path / "train.jsonl", tokenizer, shuffle=False)
+    seen = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append((data_source, solution_str, ground_truth))
+        if ground_truth == 3:
+            raise ValueError("verifier crashed")
+        return {"score": float(len(set(solution_str)) % 3), "chars": float(len(solution_str))}
+
+    factory = text_environment(compute_score, tokenizer)
+    async with TurnEngine(**SCHEMA, vocab=len(tokenizer)) as engine:
+        async with make(engine.url, env=factory, max_turns=1) as collector:
+            env_path = await collector.collect_async(task.prompts_for_step(0, 3), step=0)
+        async with make(engine.url, reward=task.text_reward(compute_score)) as collector:
+            single = await collector.collect_async(task.prompts_for_step(0, 3), step=0)
+    assert env_path.trajectories == single.trajectories
+    responses = [
+        tokenizer.decode(t.response_ids.tolist(), skip_special_tokens=True) for t in single.trajectories
+    ]
+    assert sorted(seen[:6]) == sorted(("toy", text, i // 2 + 1) for i, text in enumerate(responses))
+    expected = [float(len(set(text)) % 3) for text in responses[:4]] + [0.0, 0.0]
+    assert [t.reward for t in env_path.trajectories] == expected
+    metrics = factory.args[0].pop_metrics()
+    assert metrics["reward/failures"] == 2.0
+    assert metrics["reward/chars"] == pytest.approx(sum(len(t) for t in responses[:4]) / 6)
 
 
 def test_arguments_are_checked():
