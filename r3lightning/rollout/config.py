@@ -37,9 +37,9 @@ def check_setting(
     if value is None and optional:
         return
     kind = "an integer" if integer else "a number"
-    bounds = [f"> {low:g}" if above else f">= {low:g}"] if low is not None else []
-    bounds += [f"<= {high:g}"] if high is not None else []
-    expected = f"{'None or ' if optional else ''}{kind}{' ' if bounds else ''}{' and '.join(bounds)}"
+    bounds = [f"{'>' if above else '>='} {low:g}"] if low is not None else []
+    bounds += [f"<= {high:g}" if isinstance(high, float) else f"<= {high}"] if high is not None else []
+    expected = " ".join([f"{'None or ' if optional else ''}{kind}", " and ".join(bounds)]).strip()
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
     ok = ok and math.isfinite(value)
     if ok and low is not None:

@@ -1,24 +1,19 @@
 """Token generation with route recording for the embedded rollout server.
 
-:class:`GenerationEngine` owns a private serving copy of a Hugging Face causal MoE model (bf16 by
-default) and runs a KV-cached sampling loop over a batch of requests: one prefill forward of the
-left-padded prompts, then one forward per decode step for the rows still generating. Every
-forward runs inside :func:`r3lightning.replay.context.record_routes`, so the experts each MoE layer
-used are captured for every forwarded token: route row ``t`` of a request = the experts used when
-token ``t`` was an input. The last sampled token is never forwarded, so a request with a ``P``
-token prompt that generates ``G`` tokens yields ``P - prompt_start + G - 1`` rows (the rows
-before ``prompt_start`` were returned by an earlier turn).
+:class:`GenerationEngine` runs a KV-cached sampling loop over a batch of requests on a serving
+copy of a Hugging Face causal MoE model: one prefill forward of the left-padded prompts, then one
+forward per decode step for the rows still generating, each inside
+:func:`~r3lightning.replay.context.record_routes`. Route row ``t`` = the experts used when token
+``t`` was an input; the last sampled token is never forwarded, so a ``P``-token prompt that
+generates ``G`` tokens yields ``P - prompt_start + G - 1`` rows.
 
-Requests from several threads are funnelled through :meth:`GenerationEngine.submit` into one
-worker thread that batches whatever is pending; the model is only touched under one lock, which
+Requests from any thread go through :meth:`GenerationEngine.submit` to one worker thread that
+batches whatever is pending; the model runs under one lock, which
 :meth:`GenerationEngine.update_weights` also takes, so weights never change mid-generation.
-
-Batch invariance (``batch_invariant=True``, the default): every forward runs under
-:func:`r3lightning.serve.invariance.batch_invariant`, so a request with its seed gets the same
-tokens, logprobs and routes whatever else is in flight (prompt lengths, batch size, arrival
-time). Each request succeeds or fails on its own: a sampling error fails only its request, and a
-batch whose forward fails is rerun one request at a time (same results, by batch invariance), so
-only the request that causes the failure gets it.
+With batch invariance (:mod:`r3lightning.serve.invariance`) a seeded request gets the same
+tokens, logprobs and routes whatever else is in flight. Each request succeeds or fails on its
+own: a sampling error fails only its request, and a failed batch forward is rerun one request
+at a time (same results, by batch invariance).
 """
 
 from __future__ import annotations
@@ -39,9 +34,11 @@ from torch import Tensor
 
 from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.replay.context import as_backend, record_routes
+from r3lightning.rollout.config import check_setting
+from r3lightning.serve.config import EngineConfig
 from r3lightning.serve.invariance import batch_invariance_problem, batch_invariant, make_batch_invariant
 from r3lightning.serve.perturb import RouterLogitPerturbation
-from r3lightning.serve.sampling import MAX_SEED, SamplingParams, check_int, sample_token
+from r3lightning.serve.sampling import MAX_SEED, SamplingParams, sample_token
 from r3lightning.serve.weights import check_finite, check_weights, loadable_targets
 
 logger = logging.getLogger(__name__)
@@ -108,88 +105,62 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerationEngine:
-    """A KV-cached, route-recording sampling loop over a private copy of a causal MoE model.
+    """A KV-cached, route-recording sampling loop over a causal MoE model (see the module docstring).
 
-    ``model``: a Hugging Face causal LM (``forward(input_ids, attention_mask, position_ids,
-    cache | past_key_values, use_cache, logits_to_keep)``) with MoE routers :func:`record_routes`
-    understands. Unless ``copy_model=False`` it is rebuilt as a private copy (:func:`serving_copy`)
-    before being cast to ``dtype`` on ``device`` (default: where the model is), so the caller's
-    (e.g. fp32 training) model, its hooks and its replay backend are never touched.
-    Sampling costs two host syncs per row and decode step (token id and logprob); when a request
-    asks for routes, each forward also copies its recorded routes to the host.
-    ``max_batch_size``: most requests the worker runs in one batch; ``batch_wait_s``: how long the
-    worker lingers for more requests after the first one arrives.
-    ``batch_invariant``: compute each request exactly as it would be computed alone (see the module
-    docstring; ``invariant_tile_rows`` is the row tile of its GEMMs). ``None`` (default): whenever
-    the model allows it (not with sliding-window attention or attention sinks, e.g. gpt-oss);
-    ``True``: required (``ValueError`` otherwise). ``False`` batches the padded forward directly:
-    faster, but results then depend on the batch (within bf16 rounding). Batch invariance switches
-    the served model's attention and experts implementations and adds forward hooks (to the
-    caller's model itself with ``copy_model=False``).
-    ``simulated_disagreement`` (a SIMULATION knob, ``None`` = off): perturb the serving model's
-    router logits so that this fraction of (token, layer) expert slots differs from its own
-    unperturbed routing, as production engines differ from their trainers (~0.1 for
-    Qwen3-30B-A3B); see :mod:`r3lightning.serve.perturb`. Recalibrated after every weight update
-    (about 12 forwards of a 128-token probe batch).
+    ``model``: a Hugging Face causal LM with MoE routers :func:`record_routes` understands.
+    ``config`` (:class:`~r3lightning.serve.config.EngineConfig`): unless ``copy_model=False``
+    the model is rebuilt as a private copy (:func:`serving_copy`) before the cast to ``dtype``
+    on ``device``, so the caller's model, hooks and replay backend are never touched.
+    ``batch_invariant=None`` turns invariance on whenever the model allows it (not with
+    sliding-window attention or attention sinks, e.g. gpt-oss), ``True`` requires it
+    (``ValueError`` otherwise), ``False`` batches the padded forward directly: faster, but results
+    then depend on the batch within bf16 rounding. ``simulated_disagreement`` attaches a
+    :class:`~r3lightning.serve.perturb.RouterLogitPerturbation`, recalibrated after every weight
+    update (about 12 forwards of a 128-token probe batch).
+    Cost: two host syncs per row and decode step (token id and logprob), plus a host copy of each
+    forward's routes when a request asks for them. :attr:`invariant_tile_rows` is the row tile of
+    the batch-invariant GEMMs.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str | None = None,
-        max_batch_size: int = 8,
-        batch_wait_s: float = 0.002,
-        seed: int = 0,
-        copy_model: bool = True,
-        batch_invariant: bool | None = None,
-        invariant_tile_rows: int = 64,
-        simulated_disagreement: float | None = None,
-        simulation_seed: int = 0,
-    ) -> None:
-        check_int("max_batch_size", max_batch_size, low=1)
-        check_int("invariant_tile_rows", invariant_tile_rows, low=1)
-        if batch_invariant is not None and not isinstance(batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be None or a bool, got {batch_invariant!r}")
-        if device is None:
-            device = next(model.parameters()).device
-        if copy_model:
+    invariant_tile_rows: int = 64
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = config
+        device = config.device if config.device is not None else next(model.parameters()).device
+        if config.copy_model:
             model = serving_copy(model)
-        self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.model = model.to(device=device, dtype=config.dtype).eval().requires_grad_(False)
         forward_args = inspect.signature(self.model.forward).parameters
         # transformers >= 5.20 renamed past_key_values to cache (the old name warns)
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
-        if batch_invariant is None:
-            batch_invariant = batch_invariance_problem(self.model) is None
-        self.batch_invariant = batch_invariant
-        self.invariant_tile_rows = invariant_tile_rows
-        if batch_invariant:
+        invariant = config.batch_invariant
+        self.batch_invariant = (
+            batch_invariance_problem(self.model) is None if invariant is None else invariant
+        )
+        if self.batch_invariant:
             make_batch_invariant(self.model)
-        self.device = torch.device(device)
-        self.dtype = dtype
-        config = model.config
+        self.device, self.dtype = torch.device(device), config.dtype
         routers = as_backend(self.model)  # the route schema record_routes produces
         self.num_layers, self.top_k, self.num_experts = routers.num_layers, routers.top_k, routers.num_experts
         self._moe_layers = list(routers.moe_layers)
-        self.vocab_size = _config_int(config, "vocab_size")
-        self.max_context = _config_int(config, "max_position_embeddings")
-        self.pad_token_id = getattr(config, "pad_token_id", None) or 0
+        self.vocab_size = _config_int(model.config, "vocab_size")
+        self.max_context = _config_int(model.config, "max_position_embeddings")
+        self.pad_token_id = getattr(model.config, "pad_token_id", None) or 0
         self.eos_token_ids = self._eos_ids(model)
-        self.max_batch_size = max_batch_size
-        self.batch_wait_s = batch_wait_s
+        self.max_batch_size, self.batch_wait_s = config.max_batch_size, config.batch_wait_s
         self.weight_version = 0
-        self._seed_generator = torch.Generator().manual_seed(seed)
+        self._seed_generator = torch.Generator().manual_seed(config.seed)
         self._lock = threading.Lock()  # held while the model runs or its weights change
         self._worker_lock = threading.Lock()  # orders submit() against close()
         self._queue: queue.SimpleQueue[tuple[GenerationRequest, Future] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
         self.perturbation: RouterLogitPerturbation | None = None
-        if simulated_disagreement is not None:
-            self.perturbation = RouterLogitPerturbation(
-                self.model, simulated_disagreement, seed=simulation_seed
-            )
+        if config.simulated_disagreement is not None:
+            self.perturbation = RouterLogitPerturbation(self.model, config.simulated_disagreement)
             self._calibrate_perturbation()
 
     @staticmethod
@@ -234,7 +205,7 @@ class GenerationEngine:
                 raise ValueError(
                     f"sampling_params.stop_token_ids must be in [0, {self.vocab_size}), got {token}"
                 )
-        check_int("routed_experts_prompt_start", request.routed_experts_prompt_start, low=0)
+        check_setting("routed_experts_prompt_start", request.routed_experts_prompt_start, low=0, integer=True)
         if request.routed_experts_prompt_start > len(prompt):
             raise ValueError(
                 f"routed_experts_prompt_start must be <= the prompt length {len(prompt)}, "
@@ -493,7 +464,7 @@ class GenerationEngine:
             if not isinstance(value, Tensor):
                 raise ValueError(f"state_dict[{name!r}] must be a tensor, got {type(value).__name__}")
         check_weights(targets, {k: (v.dtype, tuple(v.shape)) for k, v in state_dict.items()}, strict=strict)
-        check_finite(state_dict)
+        check_finite(state_dict, targets)
         with self._lock, torch.no_grad():
             for name, value in state_dict.items():
                 targets[name].copy_(value)

@@ -32,6 +32,7 @@ from r3lightning.replay.hf.routers import (
     softmax_renormalised_weights,
     softmax_then_topk_weights,
 )
+from r3lightning.rollout.config import check_setting
 
 # Families whose experts are the top-k of the raw logits (softmax and top-k commute).
 _TOPK_OF_LOGITS = (
@@ -60,8 +61,7 @@ class RouterLogitPerturbation:
         probe_sequences: int = 8,
         probe_length: int = 16,
     ) -> None:
-        if isinstance(target, bool) or not isinstance(target, int | float) or not 0.0 <= target <= 0.5:
-            raise ValueError(f"simulated_disagreement must be a number in [0, 0.5], got {target!r}")
+        check_setting("simulated_disagreement", target, low=0, high=0.5)
         self.target = float(target)
         self.scale = 0.0
         self.measured = 0.0  # disagreement on the probe batch at the calibrated scale

@@ -13,20 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from r3lightning.rollout.config import check_setting
+
 MAX_SEED = 2**63 - 1
 # A temperature > 0 divides float32 logits: below 1e-3 a large logit overflows to inf (and
 # 1e-300 becomes 0 in float32), so softmax turns NaN. 0 means greedy.
 TEMPERATURE_RANGE = (1e-3, 1e3)
 # top_k beyond any vocabulary size only disables the filter; the bound keeps it a C int.
 MAX_TOP_K = 2**31 - 1
-
-
-def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -50,8 +44,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("max_new_tokens", self.max_new_tokens, low=1)
-        check_int("top_k", self.top_k, low=-1, high=MAX_TOP_K)
+        check_setting("max_new_tokens", self.max_new_tokens, low=1, integer=True)
+        check_setting("top_k", self.top_k, low=-1, high=MAX_TOP_K, integer=True)
         low, high = TEMPERATURE_RANGE
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
             raise ValueError(
@@ -69,11 +63,11 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         for token in self.stop_token_ids:
-            check_int("stop_token_ids", token, low=0)
+            check_setting("stop_token_ids", token, low=0, integer=True)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.seed is not None:
-            check_int("seed", self.seed, low=0, high=MAX_SEED)
+            check_setting("seed", self.seed, low=0, high=MAX_SEED, integer=True)
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:

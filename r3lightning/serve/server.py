@@ -5,36 +5,24 @@
         ...
         server.update_weights(trainer_model.state_dict())   # stay on-policy
 
-    async with RolloutServer(model, port=0) as server: ...  # inside a running event loop
+    async with RolloutServer(model, limits=ServerLimits(max_queue=64)) as server: ...
 
-Routes (JSON bodies unless noted):
+Routes: ``POST /skyrl/v1/generate`` and ``POST /generate`` (sglang), one generation per request
+in the formats of :mod:`r3lightning.serve.protocol`, batched by the engine's worker thread (the
+event loop only reads and answers; bodies are decoded and checked in one decoder thread, so
+large bodies do not stall ``/health``); ``GET /health``: liveness, the route schema and the
+``weight_version``, never behind the API key; ``POST /update_weights``: a safetensors body
+checked from its header before any data is read, cast into the serving dtype, all or nothing
+(:mod:`r3lightning.serve.weights`), one upload at a time (``?strict=true`` also requires every
+model tensor).
 
-- ``POST /skyrl/v1/generate`` and ``POST /generate`` (sglang): one generation per request, in the
-  formats of :mod:`r3lightning.serve.protocol`; concurrent requests are batched by the
-  :class:`~r3lightning.serve.engine.GenerationEngine` worker thread, so the event loop only
-  parses, validates and serialises.
-- ``GET /health``: liveness plus the route schema (``num_layers``, ``top_k``, ``num_experts``)
-  and the ``weight_version``; never needs the API key.
-- ``POST /update_weights``: a safetensors body (floating tensors of 16 bits or more, cast into
-  the serving dtype); ``?strict=true`` also requires every model tensor. Checked from the
-  safetensors header before any data is read, streamed into one host buffer, checked for finite
-  values and loaded off the event loop, all or nothing (:mod:`r3lightning.serve.weights`); one
-  upload at a time. Answers ``{"updated", "weight_version"}``.
-
-Limits (see :class:`RolloutServer`): a connection must deliver its request head within
-``header_timeout_s`` and keep its body flowing (``body_timeout_s`` between reads); past
-``max_queue`` generate requests beyond one engine batch the answer is 429 with ``Retry-After``;
-``max_tokens`` / ``max_new_tokens`` above ``max_new_tokens_cap`` and unknown sampling keys are
-400. Generate bodies are decoded and validated in a worker thread (a prompt longer than the
-model context is refused from its length alone), so large bodies do not stall ``/health``.
-
-Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for bad JSON or fields (the
-message names the field), 401 for a wrong bearer token, 404/405 for unknown routes, 408 for a
-stalled body, 409 for a second concurrent weight upload, 413 for a body over the cap, 429 when
-the queue is full, 500 if generation itself fails. The server keeps serving after any of them.
-
-Command line: ``r3lightning-serve --port 30000`` (or ``python -m r3lightning.serve.server``),
-see :mod:`r3lightning.serve.cli`.
+Limits (:class:`~r3lightning.serve.config.ServerLimits`): header and body read timeouts, a
+bounded queue (429 with ``Retry-After``), a cap on ``max_tokens`` under every protocol's name,
+body size caps; unknown request or sampling keys are 400. Errors are JSON ``{"error":
+{"message", "type", "code"}}``: 400 bad JSON or field (named), 401 wrong bearer token, 404/405,
+408 stalled body, 409 concurrent weight upload, 413 body over the cap, 429 queue full, 500 if
+generation itself fails; the server keeps serving after any of them. Command line:
+:mod:`r3lightning.serve.cli` (``r3lightning-serve``).
 """
 
 from __future__ import annotations
@@ -47,11 +35,13 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import orjson
 import torch
 from aiohttp import web
 
+from r3lightning.serve.config import EngineConfig, ServerLimits
 from r3lightning.serve.engine import GenerationEngine
 from r3lightning.serve.protocol import (
     RequestFieldError,
@@ -65,21 +55,24 @@ from r3lightning.wire.request import PROTOCOL_PATHS
 
 logger = logging.getLogger(__name__)
 
-# a full-context prompt in JSON: up to 24 bytes per token id (digits, separator, indentation)
-# plus room for the sampling parameters
+# a full-context prompt in JSON: up to 24 bytes per token id plus room for the sampling parameters
 _REQUEST_BYTES_PER_TOKEN = 24
 _REQUEST_BYTES_SLACK = 64 << 10
-DEFAULT_MAX_WEIGHTS_BYTES = 8 << 30
-DEFAULT_MAX_NEW_TOKENS_CAP = 4096
-DEFAULT_MAX_QUEUE = 256
+_ERROR_TYPES = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    408: "RequestTimeout",
+    409: "Conflict",
+    413: "PayloadTooLarge",
+    429: "TooManyRequests",
+    500: "InternalError",
+}
 
 
 class _HTTPError(Exception):
     def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
+        self.status, self.message, self.retry_after = status, message, retry_after
 
 
 def _json_response(payload: object, status: int = 200) -> web.Response:
@@ -87,18 +80,8 @@ def _json_response(payload: object, status: int = 200) -> web.Response:
 
 
 def _error_response(status: int, message: str, retry_after: int | None = None) -> web.Response:
-    kind = {
-        400: "BadRequest",
-        401: "Unauthorized",
-        408: "RequestTimeout",
-        409: "Conflict",
-        413: "PayloadTooLarge",
-        429: "TooManyRequests",
-        500: "InternalError",
-    }
-    response = _json_response(
-        {"error": {"message": message, "type": kind.get(status, "HTTPError"), "code": status}}, status
-    )
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "HTTPError"), "code": status}
+    response = _json_response({"error": error}, status)
     if retry_after is not None:
         response.headers["Retry-After"] = str(retry_after)
     return response
@@ -125,24 +108,15 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
 
 
 class RolloutServer:
-    """Serve ``model`` (default: ``build_tiny_moe(seed=seed)``) over HTTP on ``host:port``.
+    """Serve ``model`` (default: ``build_tiny_moe(seed=engine.seed)``) over HTTP on ``host:port``.
 
-    The model is copied and cast to ``dtype`` (bf16 by default) by a
-    :class:`~r3lightning.serve.engine.GenerationEngine`; the caller's model is never touched.
+    ``engine`` (:class:`~r3lightning.serve.config.EngineConfig`) builds the
+    :class:`~r3lightning.serve.engine.GenerationEngine`: by default a bf16 private copy, so the
+    caller's model is never touched. ``limits``: :class:`~r3lightning.serve.config.ServerLimits`.
     ``port=0`` picks a free port (read :attr:`port` / :attr:`url` once started). ``api_key``:
-    when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``; a host that
-    is not loopback needs one unless ``allow_unauthenticated`` (``ValueError`` otherwise).
-    ``max_request_bytes`` caps generate bodies (None: what a full-context prompt needs, 24 bytes
-    per token of the model context plus 64 KiB, so oversized bodies are refused before they are
-    read), ``max_weights_bytes`` weight-update bodies.
-    ``max_batch_size`` bounds how many concurrent requests share one forward; ``max_queue``
-    how many more generate requests may wait (then 429 with ``Retry-After: retry_after_s``).
-    ``max_new_tokens_cap`` caps a request's ``max_tokens`` (None: the model context).
-    ``header_timeout_s``: a connection's request head must arrive within it (it also closes idle
-    keep-alive connections); ``body_timeout_s``: most seconds between two reads of a body (408).
-    ``seed`` seeds the default model and the sampling seeds of requests that send none.
-    ``copy_model=False`` serves ``model`` itself (cast in place) instead of a private copy. ``batch_invariant`` and
-    ``simulated_disagreement`` (a simulation knob): see :class:`GenerationEngine`.
+    every route but ``/health`` then needs ``Authorization: Bearer <api_key>``; a host that is
+    not loopback needs one unless ``allow_unauthenticated`` (``ValueError`` otherwise).
+    ``model_name``: what responses and ``/health`` call the model.
 
     Use as ``async with`` inside a running loop, or as a plain ``with`` (the server then runs its
     own event loop in a daemon thread, for synchronous callers such as a Lightning training loop).
@@ -153,71 +127,33 @@ class RolloutServer:
         self,
         model: torch.nn.Module | None = None,
         *,
+        engine: EngineConfig | None = None,
+        limits: ServerLimits | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
         allow_unauthenticated: bool = False,
-        max_request_bytes: int | None = None,
-        max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
-        max_batch_size: int = 8,
-        max_queue: int = DEFAULT_MAX_QUEUE,
-        max_new_tokens_cap: int | None = DEFAULT_MAX_NEW_TOKENS_CAP,
-        header_timeout_s: float = 30.0,
-        body_timeout_s: float = 30.0,
-        retry_after_s: int = 1,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str | None = None,
-        seed: int = 0,
         model_name: str | None = None,
-        copy_model: bool = True,
-        batch_invariant: bool | None = None,
-        simulated_disagreement: float | None = None,
     ) -> None:
-        for name, value in (
-            ("max_request_bytes", 1 if max_request_bytes is None else max_request_bytes),
-            ("max_weights_bytes", max_weights_bytes),
-            ("max_new_tokens_cap", 1 if max_new_tokens_cap is None else max_new_tokens_cap),
-            ("retry_after_s", retry_after_s),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
-        for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        engine = EngineConfig() if engine is None else engine
+        limits = ServerLimits() if limits is None else limits
+        if not isinstance(limits, ServerLimits):
+            raise TypeError(f"limits must be a ServerLimits, got {type(limits).__name__}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {port!r}")
+            raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
         check_exposure(host, api_key, allow_unauthenticated)
         if model is None:
-            copy_model = False
             from r3lightning.testing.tiny import build_tiny_moe
 
-            model = build_tiny_moe(seed=seed)
-        self.engine = GenerationEngine(
-            model,
-            dtype=dtype,
-            device=device,
-            max_batch_size=max_batch_size,
-            seed=seed,
-            copy_model=copy_model,
-            batch_invariant=batch_invariant,
-            simulated_disagreement=simulated_disagreement,
-        )
+            model, engine = build_tiny_moe(seed=engine.seed), replace(engine, copy_model=False)
+        self.engine = GenerationEngine(model, engine)
         self.model_name = model_name or getattr(model.config, "name_or_path", None) or type(model).__name__
-        self.host = host
-        self.port = port
-        self.api_key = api_key
+        self.host, self.port, self.api_key = host, port, api_key
         self._api_key_bytes = None if api_key is None else api_key.encode()
-        if max_request_bytes is None:
-            max_request_bytes = _REQUEST_BYTES_SLACK + _REQUEST_BYTES_PER_TOKEN * self.engine.max_context
-        self.max_request_bytes = max_request_bytes
-        self.max_weights_bytes = max_weights_bytes
-        self.max_queue = max_queue
-        self.max_new_tokens_cap = max_new_tokens_cap
-        self.header_timeout_s = header_timeout_s
-        self.body_timeout_s = body_timeout_s
-        self.retry_after_s = retry_after_s
+        if limits.max_request_bytes is None:
+            needed = _REQUEST_BYTES_SLACK + _REQUEST_BYTES_PER_TOKEN * self.engine.max_context
+            limits = replace(limits, max_request_bytes=needed)
+        self.limits = limits
         self._generating = 0  # generate requests admitted and not yet answered
         self._uploading = False  # one weight upload at a time
         # One thread decodes generate bodies: decoding holds the GIL, and a single decoder leaves
@@ -275,11 +211,12 @@ class RolloutServer:
         """The body as it arrives; 408 when no byte comes for ``body_timeout_s``."""
         while True:
             try:
-                async with asyncio.timeout(self.body_timeout_s):
+                async with asyncio.timeout(self.limits.body_timeout_s):
                     chunk = await request.content.readany()
             except TimeoutError:
                 raise _HTTPError(
-                    408, f"request body stalled: no data for {self.body_timeout_s:g} s (body_timeout_s)"
+                    408,
+                    f"request body stalled: no data for {self.limits.body_timeout_s:g} s (body_timeout_s)",
                 ) from None
             if not chunk:
                 return
@@ -307,24 +244,25 @@ class RolloutServer:
                 body,
                 protocol,
                 max_prompt_tokens=self.engine.max_context - 1,
-                max_new_tokens_cap=self.max_new_tokens_cap,
+                max_new_tokens_cap=self.limits.max_new_tokens_cap,
             )
+            logprobs = wants_logprobs(body, protocol)
             future = self.engine.submit(gen_request, prompt_field=prompt_field)  # validates first
         except (RequestFieldError, ValueError) as exc:
             raise _HTTPError(400, str(exc)) from None
-        return future, wants_logprobs(body, protocol)
+        return future, logprobs
 
     async def _generate(self, request: web.Request, protocol: str) -> web.Response:
-        if self._generating >= self.engine.max_batch_size + self.max_queue:
+        if self._generating >= self.engine.max_batch_size + self.limits.max_queue:
             raise _HTTPError(
                 429,
                 f"the server is busy: {self._generating} generate requests in flight "
-                f"(max_batch_size {self.engine.max_batch_size} + max_queue {self.max_queue})",
-                retry_after=self.retry_after_s,
+                f"(max_batch_size {self.engine.max_batch_size} + max_queue {self.limits.max_queue})",
+                retry_after=self.limits.retry_after_s,
             )
         self._generating += 1
         try:
-            raw = await self._read_body(request, self.max_request_bytes)
+            raw = await self._read_body(request, self.limits.max_request_bytes)
             loop = asyncio.get_running_loop()
             future, logprobs = await loop.run_in_executor(self._decoder, self._admit, raw, protocol)
             del raw
@@ -366,7 +304,7 @@ class RolloutServer:
             raise _HTTPError(409, "another weight upload is in progress; send one at a time")
         self._uploading = True
         try:
-            cap = self.max_weights_bytes
+            cap = self.limits.max_weights_bytes
             if request.content_length is not None and request.content_length > cap:
                 raise _HTTPError(
                     413, f"request body of {request.content_length} bytes exceeds the cap of {cap} bytes"
@@ -411,7 +349,9 @@ class RolloutServer:
         self._started = True
         # aiohttp closes a connection whose request head is incomplete (or that idles between
         # requests) after keepalive_timeout: that is the header read timeout
-        runner = web.AppRunner(self.make_app(), access_log=None, keepalive_timeout=self.header_timeout_s)
+        runner = web.AppRunner(
+            self.make_app(), access_log=None, keepalive_timeout=self.limits.header_timeout_s
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         try:

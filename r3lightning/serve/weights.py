@@ -103,21 +103,30 @@ def check_weights(
             raise ValueError(f"{where}[{name!r}] has dtype {dtype}, the model's buffer is {target.dtype}")
 
 
-def check_finite(state_dict: Mapping[str, Tensor], *, where: str = "state_dict") -> None:
-    """``ValueError`` naming the first floating tensor holding NaN or inf.
+def check_finite(
+    state_dict: Mapping[str, Tensor], targets: Mapping[str, Tensor], *, where: str = "state_dict"
+) -> None:
+    """``ValueError`` naming the first floating tensor that is not finite once cast to its
+    target's dtype: NaN, inf, or a finite value beyond that dtype's range (float64 ``1e300`` into
+    float32, float32 ``3.4e38`` into bfloat16 or float16 would install ``inf``).
 
-    One pass over every floating tensor and one device->host sync per device.
+    One cast and one finiteness pass per floating tensor (one tensor at a time: no second copy
+    of the weights) and one device->host sync per device.
     """
     by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
     for name, value in state_dict.items():
         if value.is_floating_point():
             by_device.setdefault(value.device, []).append((name, value))
     for items in by_device.values():
-        flags = torch.stack([torch.isfinite(value).all() for _, value in items]).cpu()  # [tensors]
+        flags = torch.stack([torch.isfinite(v.to(targets[n].dtype)).all() for n, v in items]).cpu()
         if not bool(flags.all()):
             name, value = items[int((~flags).nonzero()[0, 0])]
-            bad = int((~torch.isfinite(value)).sum())
-            raise ValueError(f"{where}[{name!r}] holds {bad} non-finite values (NaN or inf)")
+            dtype = targets[name].dtype
+            bad = int((~torch.isfinite(value.to(dtype))).sum())
+            raise ValueError(
+                f"{where}[{name!r}] holds {bad} values that are not finite in the serving dtype "
+                f"{dtype} (NaN, inf, or beyond its range)"
+            )
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,12 @@ from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.replay.megatron.layout import MegatronParallelism, megatron_token_layout
 from r3lightning.rollout.client import RemoteGenerateClient
+from r3lightning.rollout.config import RetryPolicy
+from r3lightning.serve.config import EngineConfig
 from r3lightning.serve.server import RolloutServer
 from r3lightning.testing.tiny import build_tiny_moe
 from r3lightning.trace import RoutedExpertTrace
+from r3lightning.wire.request import RouteSchema
 
 pytestmark = pytest.mark.slow
 
@@ -252,14 +255,19 @@ class Rollouts:
 
 @pytest.fixture(scope="module")
 def rollouts() -> Rollouts:
-    with RolloutServer(seed=SEED) as server:  # bf16 tiny Qwen3-MoE, the main job's default engine
+    with RolloutServer(
+        engine=EngineConfig(seed=SEED)
+    ) as server:  # bf16 tiny Qwen3-MoE, the main job's default engine
         proxy = RecordingProxy(server.url)
         results: list[tuple[Trajectory, RoutedExpertTrace | None]] = []
 
         async def run_all() -> None:
             clients = {
                 protocol: RemoteGenerateClient(
-                    proxy.url, protocol=protocol, max_attempts=1, num_layers=L, top_k=K, num_experts=E
+                    proxy.url,
+                    protocol=protocol,
+                    schema=RouteSchema(L, K, E),
+                    retry=RetryPolicy(max_attempts=1),
                 )
                 for protocol in ("skyrl", "sglang")
             }

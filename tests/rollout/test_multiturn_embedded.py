@@ -15,6 +15,7 @@ from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.config import CollectorConfig
 from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.prompts import SamplingConfig
+from r3lightning.serve.config import EngineConfig
 from r3lightning.serve.server import RolloutServer
 from r3lightning.testing.tiny import build_tiny_moe
 
@@ -36,8 +37,8 @@ class ToolEnv:
         return [40 + self.turn] * (self.turn + 1), float(self.turn), self.turn == 3, {}
 
 
-def collect(server_model, **server_kwargs):
-    with RolloutServer(server_model, **server_kwargs) as server:
+def collect(server_model, **engine):
+    with RolloutServer(server_model, engine=EngineConfig(**engine)) as server:
         collector = RolloutCollector(
             server.url,
             Environments(ToolEnv, max_turns=5),
