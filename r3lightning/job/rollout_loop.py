@@ -261,7 +261,8 @@ def on_policy_loop(
     if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
         sampling.stop_token_ids = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
     config, retry = collector_config(rollout), retry_policy(rollout)
-    reward = task.environments() or prompts.reward  # a multi-turn task's environments give the reward
+    # a multi-turn task's environments give the reward
+    reward = getattr(task, "environments", lambda: None)() or prompts.reward
 
     def make_collector(urls: list[str]) -> RolloutCollector:
         options = {"api_key": rollout.api_key}
