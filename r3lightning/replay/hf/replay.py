@@ -143,7 +143,7 @@ class HFRouterReplay:
     def for_model(cls, model: nn.Module, **kwargs) -> HFRouterReplay:
         """The backend already attached to ``model``'s routers (as it is: ``kwargs`` only apply to
         a new one), or a new one built with ``kwargs``."""
-        _load_builtins()
+        _load_builtins(imported_only=True)
         for module in model.modules():
             if _adapter_for(module) is not None and module in _OWNERS:
                 return _OWNERS[module]

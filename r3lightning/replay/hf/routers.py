@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,7 +153,7 @@ _INCOMPATIBLE: dict[str, str] = {
     "Llama4Router": "its forward returns (dense scores [N, E], logits) without expert indices",
     "DbrxRouter": "its forward returns only the logits; the top-k is taken in the experts module",
 }
-_builtins_loaded = False
+_builtins_loaded: set[str] = set()  # router class names already looked up
 
 
 def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> None:
@@ -164,19 +165,22 @@ def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> Non
     _ADAPTERS[module_type] = adapter
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
+def _load_builtins(*, imported_only: bool = False) -> None:
+    """Register the built-in families' routers. ``imported_only``: only families whose modeling
+    module is imported already (as it is for every router of a model that exists), so finding a
+    model's routers never imports the ~40 other families (a second or more at startup)."""
     for family, class_name, adapter in _BUILTIN:
+        name = f"transformers.models.{family}.modeling_{family}"
+        if class_name in _builtins_loaded or (imported_only and name not in sys.modules):
+            continue
+        _builtins_loaded.add(class_name)
         try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            module = importlib.import_module(name)
         except ImportError:
             continue
         router_cls = getattr(module, class_name, None)
         if router_cls is not None:
             _ADAPTERS.setdefault(router_cls, adapter)
-    _builtins_loaded = True
 
 
 def registered_router_types() -> list[type[nn.Module]]:
@@ -203,7 +207,7 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
     Hugging Face decoder-layer list); routers outside such a list, several routers on one layer,
     or none at all raise ``ValueError`` naming the model class.
     """
-    _load_builtins()
+    _load_builtins(imported_only=True)
     found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
     for name, module in model.named_modules():
         adapter = _adapter_for(module)
