@@ -1,4 +1,4 @@
-# Two entry points for a new machine: `make demo` (main job) and `make test` (lint + full suite).
+# Two entry points for a new machine: `make demo` (main job) and `make test` (lint, docs, full suite).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ STAMP := $(VENV)/.r3lightning-installed
 # torch is installed first from its pinned CPU wheel so no dependency can pull a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test lint docs format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,11 +28,15 @@ format: setup
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-test: lint
+# The documentation site, strictly (a warning fails the build), offline, into site/.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+test: lint docs
 	$(PY) -m pytest -q $(ARGS)
 
 bench: setup
 	for b in benchmarks/bench_*.py; do $(PY) $$b --quick || exit 1; done
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache site

@@ -1,17 +1,12 @@
-"""``PackedTensor``: a ragged batch stored as one dense buffer plus int32 offsets.
-
-A batch of ``B`` variable-length segments (one per trajectory) is stored as
+"""``PackedTensor``: a ragged batch as one dense buffer plus int32 offsets.
 
     values      [sum(lengths), *row_shape]   every real row, segment after segment
-    cu_seqlens  [B + 1] int32                offsets on ``values``' device (what varlen kernels take)
+    cu_seqlens  [B + 1] int32                on ``values``' device (what varlen kernels take)
 
-with a CPU copy of the offsets (``cu_seqlens_host``) carried alongside. Every operation plans
-its work from the host copy, so none of them reads offsets back from an accelerator: slicing,
-gathering, padding and moving a GPU ``PackedTensor`` never synchronise with the device, except
-where the *caller* hands in device-resident indices, lengths or offsets (documented per method).
-
-Segment views (``pt[i]``, ``pt[a:b]``) alias ``values``; every reordering operation (gathers,
-``cat``, ``repeat``, ``repeat_interleave``, ``to_padded``) returns new storage.
+A CPU copy of the offsets (``cu_seqlens_host``) travels alongside and plans every operation, so
+slicing, gathering, padding and moving a GPU ``PackedTensor`` never sync with the device, unless
+the caller hands in device-resident indices, lengths or offsets (said per method). Segment views
+(``pt[i]``, ``pt[a:b]``) alias ``values``; every reordering returns new storage.
 """
 
 from __future__ import annotations
@@ -27,12 +22,14 @@ import torch
 from torch import Tensor
 
 from r3lightning.ragged import (
-    INT32_MAX,
     LengthsLike,
     batch_index,
     check_fill_value,
     check_pad_row,
+    check_rows,
+    check_segment_schema,
     check_side,
+    checked_offsets,
     host_int64,
     offsets_from_lengths,
     padded_flat_index,
@@ -43,29 +40,16 @@ from r3lightning.ragged import (
     to_device_async,
 )
 
-__all__ = ["PackedTensor"]
-
-# Index types accepted by ``PackedTensor.__getitem__``.
 IndexLike = int | slice | Sequence[int] | Sequence[bool] | Tensor | np.ndarray
+_EMPTY = "use PackedTensor.empty(row_shape, dtype=..., device=...) for a batch of zero segments"
 
 
 class PackedTensor:
-    """Ragged batch: ``values [sum(len), *row_shape]`` plus int32 ``cu_seqlens [B + 1]``.
-
-    Args:
-        values: ``[rows, *row_shape]``, any dtype and device.
-        cu_seqlens: int32 ``[B + 1]`` on ``values``' device, starting at 0, non-decreasing and
-            ending at ``rows``. Segment ``i`` is ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``.
-        cu_seqlens_host: optional CPU int32 copy of ``cu_seqlens``. When ``cu_seqlens`` lives on an
-            accelerator and this is not given, validation copies it to the host once (a sync);
-            passing it avoids that sync, and it is then trusted to equal ``cu_seqlens``.
-
-    Pickling sends only the referenced rows and the host offsets as raw bytes (any dtype,
-    bfloat16 included) and restores the original device; pickling device values copies them to
-    the host first (a sync).
-
-    Raises:
-        ValueError: naming the offending field and what was expected.
+    """Ragged batch: ``values [rows, *row_shape]`` (any dtype, device) and int32 ``cu_seqlens [B + 1]``
+    on their device (from 0, non-decreasing, ending at ``rows``; segment ``i`` is
+    ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``). ``cu_seqlens_host``, a CPU copy trusted to equal
+    device offsets, spares validation its one sync. ``ValueError`` names the bad field. Pickling
+    sends the referenced rows and offsets as raw bytes (device values: a sync) and keeps the device.
     """
 
     values: Tensor  # [rows, *row_shape]
@@ -75,43 +59,9 @@ class PackedTensor:
     __hash__ = None  # type: ignore[assignment]  # mutable tensors, value equality
 
     def __init__(self, values: Tensor, cu_seqlens: Tensor, *, cu_seqlens_host: Tensor | None = None) -> None:
-        _check_values(values)
-        if not isinstance(cu_seqlens, Tensor):
-            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype != torch.int32:
-            raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
-            raise ValueError(
-                f"cu_seqlens must be 1-D with B + 1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}"
-            )
-        if cu_seqlens.device != values.device:
-            raise ValueError(f"cu_seqlens must be on values' device {values.device}, got {cu_seqlens.device}")
-        rows = values.shape[0]
-        if rows > INT32_MAX:
-            raise ValueError(f"values has {rows} rows, more than int32 cu_seqlens can address ({INT32_MAX})")
-        if cu_seqlens_host is None:
-            host = cu_seqlens.detach().cpu()  # the one sync, only for device offsets given by a user
-        else:
-            host = cu_seqlens_host
-            if host.device.type != "cpu" or host.dtype != torch.int32 or host.shape != cu_seqlens.shape:
-                raise ValueError(
-                    f"cu_seqlens_host must be a CPU int32 tensor of shape {tuple(cu_seqlens.shape)}, got "
-                    f"{host.dtype} {tuple(host.shape)} on {host.device}"
-                )
-        if int(host[0]) != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {int(host[0])}")
-        steps = host[1:] - host[:-1]
-        if steps.numel() and int(steps.min()) < 0:
-            bad = int(torch.nonzero(steps < 0)[0, 0])
-            raise ValueError(
-                f"cu_seqlens must be non-decreasing, got cu_seqlens[{bad}] = {int(host[bad])} > "
-                f"cu_seqlens[{bad + 1}] = {int(host[bad + 1])}"
-            )
-        if int(host[-1]) != rows:
-            raise ValueError(f"cu_seqlens must end at the {rows} rows of values, got {int(host[-1])}")
+        self.cu_seqlens_host = checked_offsets(values, cu_seqlens, cu_seqlens_host)
         self.values = values
         self.cu_seqlens = cu_seqlens
-        self.cu_seqlens_host = host
 
     @classmethod
     def _trusted(
@@ -124,15 +74,11 @@ class PackedTensor:
         out.cu_seqlens_host = cu_seqlens_host
         return out
 
-    # ----------------------------------------------------------------------------- factories
-
     @classmethod
     def from_lengths(cls, values: Tensor, lengths: LengthsLike) -> PackedTensor:
-        """Pack ``values [sum(lengths), *row]`` as consecutive segments of ``lengths [B]``.
-
-        ``values`` is kept as is (no copy). Device-resident ``lengths`` are read back once (a sync).
-        """
-        _check_values(values)
+        """``values [sum(lengths), *row]`` (no copy) as consecutive segments of ``lengths [B]``
+        (device ``lengths`` are read back: a sync)."""
+        check_rows(values)
         offsets = offsets_from_lengths(host_int64(lengths, "lengths"))
         if int(offsets[-1]) != values.shape[0]:
             raise ValueError(f"lengths sum to {int(offsets[-1])} but values has {values.shape[0]} rows")
@@ -140,46 +86,35 @@ class PackedTensor:
 
     @classmethod
     def from_segments(cls, segments: Sequence[Tensor | np.ndarray]) -> PackedTensor:
-        """Concatenate segments ``[n_i, *row_shape]`` (tensors or ndarrays) into new storage.
-
-        All segments must share ``row_shape``, dtype and device. One pass over the segment list
-        (unavoidable: it is a Python list); the copy itself is a single ``torch.cat``.
-        """
+        """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row shape, dtype and device)
+        concatenated into new storage by one ``cat``."""
         if len(segments) == 0:
             raise ValueError(
-                "from_segments needs at least one segment to infer row_shape and dtype; use "
-                "PackedTensor.empty(row_shape, dtype=..., device=...) for a batch of zero segments"
+                f"from_segments needs at least one segment to infer row_shape and dtype; {_EMPTY}"
             )
-        if all(isinstance(s, np.ndarray) for s in segments):
-            arrays = [np.asarray(s) for s in segments]
-            _check_segment_schema([(a.shape, a.dtype, "cpu") for a in arrays])
-            lengths = torch.tensor([a.shape[0] for a in arrays], dtype=torch.int64)
-            offsets = offsets_from_lengths(lengths, "segment lengths")
-            return cls._trusted(torch.from_numpy(np.concatenate(arrays, axis=0)), offsets)
-        tensors = []
-        with warnings.catch_warnings():
-            # Read-only arrays (e.g. decoded from bytes) are only read by the concatenation below.
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            for s in segments:
-                if isinstance(s, np.ndarray):
-                    tensors.append(torch.from_numpy(np.ascontiguousarray(s)))
-                elif isinstance(s, Tensor):
-                    tensors.append(s)
-                else:
-                    raise TypeError(f"segments must be tensors or ndarrays, got {type(s).__name__}")
-        _check_segment_schema([(t.shape, t.dtype, t.device) for t in tensors])
-        lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
-        offsets = offsets_from_lengths(lengths, "segment lengths")
-        return cls._trusted(torch.cat(tensors, dim=0), offsets)
+        bad = next((s for s in segments if not isinstance(s, (Tensor, np.ndarray))), None)
+        if bad is not None:
+            raise TypeError(f"segments must be tensors or ndarrays, got {type(bad).__name__}")
+        if all(isinstance(s, np.ndarray) for s in segments):  # numpy also joins dtypes torch cannot
+            check_segment_schema([(a.shape, a.dtype, "cpu") for a in segments])
+            values = torch.from_numpy(np.concatenate(segments, axis=0))
+        else:
+            with warnings.catch_warnings():  # read-only arrays are only read by the cat
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                parts = [
+                    torch.from_numpy(np.ascontiguousarray(s)) if isinstance(s, np.ndarray) else s
+                    for s in segments
+                ]
+            check_segment_schema([(t.shape, t.dtype, t.device) for t in parts])
+            values = torch.cat(parts, dim=0)
+        lengths = torch.tensor([s.shape[0] for s in segments], dtype=torch.int64)
+        return cls._trusted(values, offsets_from_lengths(lengths, "segment lengths"))
 
     @classmethod
     def from_padded(cls, padded: Tensor, lengths: LengthsLike, side: str = "left") -> PackedTensor:
-        """Gather the real rows of ``padded [B, S, *row]`` into new storage.
-
-        With ``side="left"`` segment ``i`` is ``padded[i, S - lengths[i]:]``; with ``"right"``,
-        ``padded[i, :lengths[i]]``. One ``index_select`` of the real rows; device-resident
-        ``lengths`` are read back once (a sync).
-        """
+        """The real rows of ``padded [B, S, *row]``, new storage (one ``index_select``): segment
+        ``i`` is ``padded[i, S - lengths[i]:]`` for ``side="left"``, ``padded[i, :lengths[i]]`` for
+        ``"right"``. Device ``lengths`` are read back (a sync)."""
         check_side(side)
         if not isinstance(padded, Tensor) or padded.dim() < 2:
             shape = tuple(padded.shape) if isinstance(padded, Tensor) else type(padded).__name__
@@ -219,28 +154,22 @@ class PackedTensor:
         parts = list(parts)
         if not parts:
             raise ValueError(
-                "cat needs at least one PackedTensor to infer row_shape, dtype and device; use "
-                "PackedTensor.empty(row_shape, dtype=..., device=...) for a batch of zero segments"
+                f"cat needs at least one PackedTensor to infer row_shape, dtype and device; {_EMPTY}"
             )
         for i, p in enumerate(parts):
             if not isinstance(p, PackedTensor):
                 raise TypeError(f"cat takes PackedTensors, got {type(p).__name__} at position {i}")
-        first = parts[0]
-        for i, p in enumerate(parts[1:], start=1):
-            if (p.row_shape, p.dtype, p.device) != (first.row_shape, first.dtype, first.device):
+            if (p.row_shape, p.dtype, p.device) != (parts[0].row_shape, parts[0].dtype, parts[0].device):
                 raise ValueError(
-                    f"cat needs equal row_shape, dtype and device; part 0 has {first.row_shape} "
-                    f"{first.dtype} {first.device}, part {i} has {p.row_shape} {p.dtype} {p.device}"
+                    f"cat needs equal row_shape, dtype and device; part 0 has {parts[0].row_shape} "
+                    f"{parts[0].dtype} {parts[0].device}, part {i} has {p.row_shape} {p.dtype} {p.device}"
                 )
-        lengths = torch.cat([p.lengths for p in parts])
-        offsets = offsets_from_lengths(lengths, "cat lengths")
+        offsets = offsets_from_lengths(torch.cat([p.lengths for p in parts]), "cat lengths")
         return PackedTensor._trusted(torch.cat([p.values for p in parts], dim=0), offsets)
-
-    # ---------------------------------------------------------------------------- properties
 
     @property
     def lengths(self) -> Tensor:
-        """Host int64 ``[B]`` segment lengths (computed from the host offsets, no sync)."""
+        """Host int64 ``[B]`` (from the host offsets, no sync)."""
         host = self.cu_seqlens_host
         return (host[1:] - host[:-1]).to(torch.int64)
 
@@ -269,21 +198,16 @@ class PackedTensor:
         return self.cu_seqlens_host.numel() - 1
 
     def segment_ids(self) -> Tensor:
-        """Host int64 ``[rows]``: the segment each row belongs to."""
+        """Host int64 ``[rows]``: each row's segment."""
         return segment_ids_and_positions(self.lengths)[0]
 
     def segment_positions(self) -> Tensor:
         """Host int64 ``[rows]``: each row's position within its segment."""
         return segment_ids_and_positions(self.lengths)[1]
 
-    # ------------------------------------------------------------------------------ indexing
-
     def __getitem__(self, index: IndexLike) -> Tensor | PackedTensor:
-        """``int`` -> segment view ``[len_i, *row]``; step-1 slice -> ``PackedTensor`` view;
-        strided slice, list, index tensor/array or bool mask -> gathered ``PackedTensor`` copy.
-
-        Device-resident index tensors and masks are read back once (a sync).
-        """
+        """``int`` -> segment view ``[len_i, *row]``; step-1 slice -> ``PackedTensor`` view; strided
+        slice, list, index tensor / array or bool mask -> gathered copy (device indices: a sync)."""
         if isinstance(index, tuple):
             raise TypeError(
                 "a PackedTensor is indexed along segments only; index the segment's tensor for rows"
@@ -296,8 +220,7 @@ class PackedTensor:
             start, stop = picked.start, picked.stop
             first, last = int(host[start]), int(host[stop])
             cu_host = host[start : stop + 1] - first
-            # the device offsets by the same ops on every device (a tiny kernel, no sync), so the
-            # CPU runs the path a GPU takes
+            # the same tiny kernel on every device (no sync): the CPU runs the path a GPU takes
             cu = self.cu_seqlens[start : stop + 1] - first
             return PackedTensor._trusted(self.values[first:last], cu_host, cu)
         return self._gather(picked)
@@ -305,43 +228,37 @@ class PackedTensor:
     def _gather(self, segments: Tensor) -> PackedTensor:
         """New ``PackedTensor`` of the given host segment indices, one ``index_select``."""
         lengths = self.lengths[segments]
-        offsets = offsets_from_lengths(lengths, "gathered lengths")
         segment, positions = segment_ids_and_positions(lengths)
         starts = self.cu_seqlens_host[:-1].to(torch.int64)[segments]
         rows = starts[segment] + positions  # [gathered rows] source row of each output row
         values = self.values.index_select(0, to_device_async(rows, self.device))
-        return PackedTensor._trusted(values, offsets)
+        return PackedTensor._trusted(values, offsets_from_lengths(lengths, "gathered lengths"))
 
     def __iter__(self) -> Iterator[Tensor]:
         """Segment views, in order."""
         return iter(self.values.split(self.lengths.tolist(), dim=0))
-
-    # ---------------------------------------------------------------------- reordering ops
 
     def repeat(self, repeats: int) -> PackedTensor:
         """The whole batch ``repeats`` times (like ``list * repeats``), new storage."""
         repeats = operator.index(repeats)
         if repeats < 0:
             raise ValueError(f"repeats must be >= 0, got {repeats}")
-        values = self.values.repeat(repeats, *([1] * (self.values.dim() - 1)))
-        return PackedTensor._trusted(
-            values, offsets_from_lengths(self.lengths.repeat(repeats), "repeated lengths")
-        )
+        offsets = offsets_from_lengths(self.lengths.repeat(repeats), "repeated lengths")
+        return PackedTensor._trusted(self.values.repeat(repeats, *([1] * (self.values.dim() - 1))), offsets)
 
     def repeat_interleave(self, repeats: int | LengthsLike) -> PackedTensor:
-        """Each segment ``repeats`` times in place (``[a, a, b, b]``); ``repeats`` is an int or one
-        count per segment. New storage. Device-resident ``repeats`` are read back once (a sync)."""
+        """Each segment ``repeats`` times in place (``[a, a, b, b]``), an int or one count per
+        segment (device counts: a sync). New storage."""
         per_segment = repeat_counts(repeats, len(self), unit="segment")
         return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_segment))
 
     def to_padded(
         self, max_len: int | None = None, pad: float | bool | Tensor = 0, side: str = "left"
     ) -> Tensor:
-        """Dense ``[B, max_len, *row_shape]`` copy, real rows at the right (``"left"`` padding) or
-        left end (``"right"``), every other position ``pad`` (a scalar the dtype holds exactly, or
-        a row broadcastable to ``row_shape``). One fill and one ``index_copy_``; no sync."""
+        """Dense ``[B, max_len, *row_shape]``, real rows at the right end (``side="left"``) or the
+        left, elsewhere ``pad`` (a scalar the dtype holds exactly, or a row broadcasting to
+        ``row_shape``). One fill and one ``index_copy_``; no sync."""
         check_side(side)
-        lengths = self.lengths
         longest = self.max_length
         width = longest if max_len is None else operator.index(max_len)
         if width < longest:
@@ -352,11 +269,9 @@ class PackedTensor:
             out = pad.to(device=self.device, dtype=self.dtype).expand(shape).clone()
         else:
             out = torch.full(shape, check_fill_value(pad, self.dtype), dtype=self.dtype, device=self.device)
-        flat = padded_flat_index(lengths, width, side)
+        flat = padded_flat_index(self.lengths, width, side)
         out.view(-1, *self.row_shape).index_copy_(0, to_device_async(flat, self.device), self.values)
         return out
-
-    # ------------------------------------------------------------------- device and memory
 
     def to(
         self,
@@ -364,14 +279,8 @@ class PackedTensor:
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> PackedTensor:
-        """Move values to ``device`` and/or cast them to ``dtype``; offsets stay int32.
-
-        ``non_blocking`` applies to the values (asynchronous from pinned memory, as for tensors).
-        Offsets come from the host copy, so moving to the CPU reads nothing back from the device.
-        Returns ``self`` when nothing changes. A dtype as first argument is taken as ``dtype``.
-        Lightning's ``move_data_to_device`` calls ``.to(device)`` on non-tensor objects without
-        ``non_blocking``; batch classes that want asynchronous copies pass it themselves.
-        """
+        """Values moved and/or cast (a dtype first is ``dtype``; ``self`` when nothing changes); offsets
+        stay int32, from the host copy. ``non_blocking`` applies to the values, as for tensors."""
         if isinstance(device, torch.dtype):
             device, dtype = None, device
         values = self.values.to(device=device, dtype=dtype, non_blocking=non_blocking)
@@ -379,18 +288,15 @@ class PackedTensor:
             return self
         if values.device == self.device:
             return PackedTensor._trusted(values, self.cu_seqlens_host, self.cu_seqlens)
-        # The host offsets may live in a reusable (pinned) collation buffer that is rewritten once
-        # the source batch is released; the moved batch gets its own copy (B + 1 ints).
+        # the host offsets may sit in a reused pinned collation buffer: the moved batch owns a copy
         return PackedTensor._trusted(values, self.cu_seqlens_host.clone())
 
     def cpu(self) -> PackedTensor:
         return self.to("cpu")
 
     def pin_memory(self) -> PackedTensor:
-        """Page-locked copy of values and offsets (``self`` when already pinned); CPU only.
-
-        Called by ``torch.utils.data`` DataLoader pinning for a PackedTensor anywhere in a batch.
-        """
+        """Page-locked copy of CPU values and offsets (``self`` when pinned); the DataLoader's pinning
+        calls it wherever a PackedTensor sits in a batch."""
         if self.device.type != "cpu":
             raise ValueError(f"pin_memory needs CPU values, got device {self.device}")
         if self.is_pinned():
@@ -408,27 +314,20 @@ class PackedTensor:
         return PackedTensor._trusted(self.values.contiguous(), self.cu_seqlens_host, self.cu_seqlens)
 
     def clone(self) -> PackedTensor:
-        """Copy owning exactly its rows (a view's clone drops the rest of the source storage)."""
+        """A copy owning exactly its rows (a view's clone leaves the source storage behind)."""
         return PackedTensor._trusted(self.values.clone(), self.cu_seqlens_host.clone())
 
-    # ------------------------------------------------------------------- equality, pickling
-
     def equal(self, other: object) -> bool:
-        """Same segments, row schema, dtype, device and values (a device sync for GPU values)."""
-        if not isinstance(other, PackedTensor):
-            return False
+        """Same segments, row schema, dtype, device and values (a sync for device values)."""
         return (
-            self.row_shape == other.row_shape
-            and self.dtype == other.dtype
-            and self.device == other.device
+            isinstance(other, PackedTensor)
+            and (self.row_shape, self.dtype, self.device) == (other.row_shape, other.dtype, other.device)
             and torch.equal(self.cu_seqlens_host, other.cu_seqlens_host)
             and torch.equal(self.values, other.values)
         )
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, PackedTensor):
-            return NotImplemented
-        return self.equal(other)
+        return self.equal(other) if isinstance(other, PackedTensor) else NotImplemented
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         raw, dtype_name, shape = tensor_to_bytes(self.values)
@@ -438,18 +337,12 @@ class PackedTensor:
         return PackedTensor._trusted(self.values, self.cu_seqlens_host, self.cu_seqlens)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedTensor:
-        return PackedTensor._trusted(
-            copy.deepcopy(self.values, memo),
-            self.cu_seqlens_host.clone(),
-            copy.deepcopy(self.cu_seqlens, memo),
-        )
+        values, cu_seqlens = copy.deepcopy(self.values, memo), copy.deepcopy(self.cu_seqlens, memo)
+        return PackedTensor._trusted(values, self.cu_seqlens_host.clone(), cu_seqlens)
 
     def __repr__(self) -> str:
-        lengths = self.lengths.tolist()
-        if len(lengths) > 8:
-            shown = ", ".join(map(str, lengths[:4])) + ", ..., " + ", ".join(map(str, lengths[-2:]))
-        else:
-            shown = ", ".join(map(str, lengths))
+        lengths = [str(n) for n in self.lengths.tolist()]
+        shown = ", ".join(lengths if len(lengths) <= 8 else [*lengths[:4], "...", *lengths[-2:]])
         return (
             f"PackedTensor(segments={len(self)}, rows={self.num_rows}, row_shape={self.row_shape}, "
             f"dtype={self.dtype}, device={self.device}, lengths=[{shown}])"
@@ -461,22 +354,3 @@ def _rebuild(
 ) -> PackedTensor:
     host = torch.from_numpy(np.array(offsets, dtype=np.int32))
     return PackedTensor._trusted(tensor_from_bytes(raw, dtype_name, shape), host).to(device)
-
-
-def _check_values(values: Any) -> None:
-    if not isinstance(values, Tensor):
-        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-    if values.dim() == 0:
-        raise ValueError("values must have a row axis [rows, *row_shape], got a 0-d tensor")
-
-
-def _check_segment_schema(schemas: list[tuple[Any, Any, Any]]) -> None:
-    shape0, dtype0, device0 = schemas[0]
-    for i, (shape, dtype, device) in enumerate(schemas):
-        if len(shape) == 0:
-            raise ValueError(f"segment {i} is 0-d; segments must be [n_i, *row_shape]")
-        if tuple(shape[1:]) != tuple(shape0[1:]) or dtype != dtype0 or str(device) != str(device0):
-            raise ValueError(
-                f"segments must share row_shape, dtype and device; segment 0 has {tuple(shape0[1:])} "
-                f"{dtype0} {device0}, segment {i} has {tuple(shape[1:])} {dtype} {device}"
-            )

@@ -1,10 +1,6 @@
-"""Host-side index arithmetic for ragged batches (segments of varying length).
-
-Everything here runs on small CPU tensors (per segment or per row int64 indices) so that the
-device-side work it plans (an ``index_select``, an ``index_copy_``) needs no device->host sync.
-Shared by ``PackedTensor``, ``RolloutBatch`` and anything else that maps packed rows onto padded
-grids: batch-axis index normalisation and the raw-byte tensor form both pickle through are here too.
-"""
+"""Host index maths and checks for ragged batches, shared by ``PackedTensor``, ``RolloutBatch``
+and the alignment. It runs on small CPU int64 tensors (one entry per segment or row), so the device
+work it plans (an ``index_select``, an ``index_copy_``) never reads anything back."""
 
 from __future__ import annotations
 
@@ -17,43 +13,24 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = [
-    "INT32_MAX",
-    "LengthsLike",
-    "batch_index",
-    "check_fill_value",
-    "check_pad_row",
-    "check_side",
-    "host_int64",
-    "host_lengths",
-    "offsets_from_lengths",
-    "padded_flat_index",
-    "repeat_counts",
-    "segment_ids_and_positions",
-    "tensor_from_bytes",
-    "tensor_to_bytes",
-    "to_device_async",
-]
-
 INT32_MAX = 2**31 - 1
 
 LengthsLike = Sequence[int] | Tensor | np.ndarray
 
 
-def host_int64(data: LengthsLike, name: str) -> Tensor:
-    """``data`` as a 1-D int64 CPU tensor; ``name`` goes into the error messages.
-
-    Cost: a device tensor is copied to the host (one sync); a host int64 tensor is returned as is
-    (no copy), other host data is converted once.
-    Raises ``ValueError`` for non-1-D or non-integer input (bools and floats included).
-    """
+def _as_tensor(data: Any) -> Tensor:
+    """A tensor, an ndarray or a sequence as a tensor (shared where possible; ``[]`` is int64)."""
     if isinstance(data, Tensor):
-        tensor = data.detach()
-    elif isinstance(data, np.ndarray):
-        tensor = torch.from_numpy(np.ascontiguousarray(data))
-    else:
-        items = list(data)
-        tensor = torch.as_tensor(items) if items else torch.empty(0, dtype=torch.int64)
+        return data.detach()
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(data))
+    return torch.as_tensor(data) if len(data) else torch.empty(0, dtype=torch.int64)
+
+
+def host_int64(data: LengthsLike, name: str) -> Tensor:
+    """``data`` as a 1-D int64 CPU tensor (a host int64 tensor is returned as is; a device one is
+    copied: a sync). ``ValueError`` naming ``name`` for non-1-D or non-integer data (bools too)."""
+    tensor = _as_tensor(data if isinstance(data, (Tensor, np.ndarray)) else list(data))
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
@@ -62,16 +39,12 @@ def host_int64(data: LengthsLike, name: str) -> Tensor:
 
 
 def host_lengths(data: LengthsLike, name: str) -> Tensor:
-    """Non-negative lengths (or starts, counts) as a 1-D int64 CPU tensor, for :func:`host_int64`'s
-    inputs except that a Python sequence must hold Python ints (no bools, floats or numpy scalars).
-
-    Cost: a device tensor is copied to the host (one sync). Raises ``ValueError`` naming ``name``.
-    """
+    """:func:`host_int64` of non-negative counts; a Python sequence must hold Python ints (no
+    bools, floats or numpy scalars). ``ValueError`` naming ``name``."""
     if not isinstance(data, (Tensor, np.ndarray)):
-        items = list(data)
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
-            raise ValueError(f"{name} must hold ints, got {items!r}")
-        data = items
+        data = list(data)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in data):
+            raise ValueError(f"{name} must hold ints, got {data!r}")
     lengths = host_int64(data, name)
     if lengths.numel() and int(lengths.min()) < 0:
         raise ValueError(f"{name} must be >= 0, got {lengths.tolist()}")
@@ -79,10 +52,8 @@ def host_lengths(data: LengthsLike, name: str) -> Tensor:
 
 
 def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
-    """Host int64 ``lengths [B]`` -> host int32 offsets ``[B + 1]`` (``cu_seqlens``).
-
-    Raises ``ValueError`` for a negative length or a total beyond what int32 offsets address.
-    """
+    """Host int64 ``lengths [B]`` -> host int32 offsets ``[B + 1]`` (``cu_seqlens``); ``ValueError``
+    for a negative length or a total that int32 offsets cannot address."""
     if lengths.numel() and int(lengths.min()) < 0:
         bad = int(torch.nonzero(lengths < 0)[0, 0])
         raise ValueError(f"{name} must be >= 0, got {name}[{bad}] = {int(lengths[bad])}")
@@ -95,51 +66,97 @@ def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
     return offsets.to(torch.int32)
 
 
-def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
-    """Host int64 ``[count]`` repeat counts from an int (every ``unit`` alike) or one int per unit.
+def check_rows(values: Any) -> None:
+    if not isinstance(values, Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() == 0:
+        raise ValueError("values must have a row axis [rows, *row_shape], got a 0-d tensor")
 
-    Floats and bools are rejected rather than truncated. Device-resident ``repeats`` are read back
-    once (a sync). Raises ``ValueError`` naming ``repeats`` and the expected value.
-    """
+
+def checked_offsets(values: Tensor, cu_seqlens: Tensor, host: Tensor | None) -> Tensor:
+    """The host copy of ``cu_seqlens`` (copied from the device when ``host`` is None: a sync), after
+    checking both against ``values [rows, ...]``: int32, 1-D, from 0, non-decreasing, ending at ``rows``."""
+    check_rows(values)
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(
+            f"cu_seqlens must be 1-D with B + 1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.device != values.device:
+        raise ValueError(f"cu_seqlens must be on values' device {values.device}, got {cu_seqlens.device}")
+    rows = values.shape[0]
+    if rows > INT32_MAX:
+        raise ValueError(f"values has {rows} rows, more than int32 cu_seqlens can address ({INT32_MAX})")
+    host = cu_seqlens.detach().cpu() if host is None else host
+    if host.device.type != "cpu" or host.dtype != torch.int32 or host.shape != cu_seqlens.shape:
+        raise ValueError(
+            f"cu_seqlens_host must be a CPU int32 tensor of shape {tuple(cu_seqlens.shape)}, got "
+            f"{host.dtype} {tuple(host.shape)} on {host.device}"
+        )
+    if int(host[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(host[0])}")
+    steps = host[1:] - host[:-1]
+    if steps.numel() and int(steps.min()) < 0:
+        bad = int(torch.nonzero(steps < 0)[0, 0])
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{bad}] = {int(host[bad])} > "
+            f"cu_seqlens[{bad + 1}] = {int(host[bad + 1])}"
+        )
+    if int(host[-1]) != rows:
+        raise ValueError(f"cu_seqlens must end at the {rows} rows of values, got {int(host[-1])}")
+    return host
+
+
+def check_segment_schema(schemas: list[tuple[Any, Any, Any]]) -> None:
+    """``ValueError`` unless every ``(shape, dtype, device)`` has a row axis and the first's row schema."""
+    shape0, dtype0, device0 = schemas[0]
+    for i, (shape, dtype, device) in enumerate(schemas):
+        if len(shape) == 0:
+            raise ValueError(f"segment {i} is 0-d; segments must be [n_i, *row_shape]")
+        if tuple(shape[1:]) != tuple(shape0[1:]) or dtype != dtype0 or str(device) != str(device0):
+            raise ValueError(
+                f"segments must share row_shape, dtype and device; segment 0 has {tuple(shape0[1:])} "
+                f"{dtype0} {device0}, segment {i} has {tuple(shape[1:])} {dtype} {device}"
+            )
+
+
+def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
+    """Host int64 ``[count]`` from an int >= 0 (every ``unit`` alike) or one per unit; floats and
+    bools are refused, not truncated. Device ``repeats`` are read back once (a sync)."""
     if isinstance(repeats, (Tensor, np.ndarray)) and repeats.ndim == 0:
         repeats = repeats.item()
     if isinstance(repeats, (int, np.integer)) and not isinstance(repeats, (bool, np.bool_)):
-        per_unit = torch.full((count,), int(repeats), dtype=torch.int64)
-    elif isinstance(repeats, (Tensor, np.ndarray, list, tuple)):
-        per_unit = host_int64(repeats, "repeats")
-        if isinstance(repeats, (list, tuple)) and any(isinstance(r, bool) for r in repeats):
-            raise ValueError(f"repeats must hold ints, got {list(repeats)!r}")
-        if per_unit.numel() != count:
-            raise ValueError(
-                f"repeats must have one entry per {unit} ({count}), got {per_unit.numel()}; pass an int "
-                f">= 0 or one count >= 0 per {unit} ({count})"
-            )
-    else:
+        repeats = torch.full((count,), int(repeats), dtype=torch.int64)
+    elif not isinstance(repeats, (Tensor, np.ndarray, list, tuple)):
         raise ValueError(
             f"repeats must be an int >= 0 or one count >= 0 per {unit} ({count}), got {repeats!r}"
         )
-    if per_unit.numel() and int(per_unit.min()) < 0:
-        raise ValueError(f"repeats must be >= 0, got {per_unit.tolist()}")
+    per_unit = host_lengths(repeats, "repeats")
+    if per_unit.numel() != count:
+        raise ValueError(
+            f"repeats must have one entry per {unit} ({count}), got {per_unit.numel()}; pass an int "
+            f">= 0 or one count >= 0 per {unit} ({count})"
+        )
     return per_unit
 
 
 def segment_ids_and_positions(lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """For host int64 ``lengths [B]``: the segment of every packed row and its position within
-    that segment, both host int64 ``[sum(lengths)]``. O(rows) on the host."""
+    """For host int64 ``lengths [B]``: each packed row's segment and its position in it, both host
+    int64 ``[sum(lengths)]``."""
     total = int(lengths.sum())
     starts = torch.zeros_like(lengths)
     torch.cumsum(lengths[:-1], dim=0, out=starts[1:])
     segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
-    positions = torch.arange(total) - starts[segment]
-    return segment, positions
+    return segment, torch.arange(total) - starts[segment]
 
 
 def padded_flat_index(lengths: Tensor, width: int, side: str) -> Tensor:
-    """Host int64 ``[sum(lengths)]``: where each packed row sits in a flattened ``[B, width]`` grid.
-
-    ``side="left"`` puts segment ``i`` at the right end of its row (left padding), ``"right"``
-    at the start. The caller checks ``width >= max(lengths)``.
-    """
+    """Host int64 ``[sum(lengths)]``: each packed row's place in a flattened ``[B, width]`` grid,
+    at the right end of its row for ``side="left"`` (left padding), at the start for ``"right"``.
+    The caller checks ``width >= max(lengths)``."""
     check_side(side)
     segment, positions = segment_ids_and_positions(lengths)
     column = positions + (width - lengths[segment]) if side == "left" else positions
@@ -154,12 +171,9 @@ def check_side(side: str) -> None:
 def check_fill_value(
     value: Any, dtype: torch.dtype, name: str = "pad", what: str = "dtype"
 ) -> int | float | bool:
-    """``value`` as a Python scalar that ``dtype`` stores faithfully, else ``ValueError`` naming ``name``.
-
-    Integer and bool dtypes must hold the value exactly (``torch.full`` would silently wrap -1 to 255
-    in uint8, or truncate 0.5 to 0); floating dtypes only need to keep a finite value finite
-    (rounding 0.1 to the nearest float32 is not an error).
-    """
+    """``value`` as a Python scalar that ``dtype`` stores faithfully, else ``ValueError`` naming
+    ``name``: exactly for integer and bool dtypes (``torch.full`` wraps -1 to 255 in uint8), finite
+    values staying finite for floating ones (0.1 rounded to float32 is fine)."""
     if isinstance(value, (np.integer, np.floating, np.bool_)):
         value = value.item()
     if not isinstance(value, (bool, int, float)):
@@ -190,14 +204,9 @@ def check_pad_row(pad: Tensor, row_shape: tuple[int, ...], name: str = "pad") ->
 
 
 def to_device_async(host: Tensor, device: torch.device) -> Tensor:
-    """Host tensor -> ``device`` without blocking the host and never a device->host sync.
-
-    Returns ``host`` itself for a CPU ``device``. A pageable ``host`` is first staged into page-locked
-    memory from torch's caching host allocator (one host memcpy; small index maps and masks only):
-    a ``non_blocking`` copy straight from pageable memory may make the driver synchronise. The
-    staging block is fenced by the copy (the allocator records an event on the copy's stream and
-    reuses the block only after it), so both ``host`` and the staging block may die right away.
-    """
+    """Host tensor -> ``device`` without blocking or syncing (``host`` itself for the CPU): pageable
+    memory (a small index map or mask) is staged through torch's pinned caching allocator, which
+    fences the block by the copy; a ``non_blocking`` copy from pageable memory may sync."""
     if device.type == "cpu":
         return host
     if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
@@ -206,18 +215,10 @@ def to_device_async(host: Tensor, device: torch.device) -> Tensor:
 
 
 def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice | Tensor:
-    """Normalise an index along the batch axis of a ``count``-long ``owner`` (e.g. a
-    ``PackedTensor`` of segments, a ``RolloutBatch`` of rows).
-
-    Returns an ``int`` in ``[0, count)`` for an integer (0-d tensors included), a step-1
-    ``slice(start, stop)`` with ``0 <= start <= stop <= count`` for a step-1 slice, and host int64
-    positions ``[n]`` in ``[0, count)`` for a strided slice, a list / tuple, an index tensor or
-    array, or a bool mask of length ``count``. Device-resident indices are read back once (a sync).
-
-    Raises ``TypeError`` for a bool scalar or an unsupported type, ``IndexError`` for positions
-    out of range, a mask of the wrong length, non-integer entries or a non-1-D index; messages
-    name ``owner`` and ``unit``.
-    """
+    """An index along the batch axis of a ``count``-long ``owner`` (``PackedTensor`` segments,
+    ``RolloutBatch`` rows) as an int in ``[0, count)``, a ``slice(start, stop >= start)`` for a step-1
+    slice, or host int64 positions for anything else (device indices: a sync). ``TypeError`` for a
+    bool scalar or another type, ``IndexError`` for a bad position, mask length or dtype."""
     if (
         isinstance(index, (Tensor, np.ndarray))
         and index.ndim == 0
@@ -233,17 +234,12 @@ def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice
         return position % count
     if isinstance(index, slice):
         start, stop, step = index.indices(count)
-        if step != 1:  # (torch.arange rejects empty ranges such as 1:0:2)
+        if step != 1:  # (torch.arange refuses empty ranges such as 1:0:2)
             return start + step * torch.arange(len(range(start, stop, step)), dtype=torch.int64)
         return slice(start, max(start, stop))
-    if isinstance(index, Tensor):
-        tensor = index.detach().cpu()
-    elif isinstance(index, np.ndarray):
-        tensor = torch.from_numpy(np.ascontiguousarray(index))
-    elif isinstance(index, (list, tuple)):
-        tensor = torch.as_tensor(index) if index else torch.empty(0, dtype=torch.int64)
-    else:
+    if not isinstance(index, (Tensor, np.ndarray, list, tuple)):
         raise TypeError(f"unsupported {owner} index of type {type(index).__name__}")
+    tensor = _as_tensor(index).cpu()
     if tensor.dim() != 1:
         raise IndexError(f"{owner} index must be 1-D, got shape {tuple(tensor.shape)}")
     if tensor.dtype == torch.bool:
@@ -260,22 +256,18 @@ def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice
 
 
 def tensor_to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    """``(raw uint8 bytes, dtype name, shape)`` of ``tensor``'s elements, for pickling.
-
-    Raw bytes let every dtype (bfloat16, bool, float8) round-trip without numpy supporting it, and
-    only the referenced elements travel (a view does not drag its storage along). Device tensors
-    are copied to the host first (a sync).
-    """
+    """``(raw uint8 bytes, dtype name, shape)`` for pickling any dtype (bfloat16, float8) without
+    the rest of a view's storage. A sync for device tensors."""
     host = tensor.detach().cpu().contiguous()
-    # (an empty tensor may carry a zero stride, which a dtype view rejects)
+    # (an empty tensor may carry a zero stride, which a dtype view refuses)
     raw = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)
     return raw, str(host.dtype).removeprefix("torch."), tuple(host.shape)
 
 
 def tensor_from_bytes(raw: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> Tensor:
-    """Inverse of :func:`tensor_to_bytes`: a CPU tensor (sharing ``raw`` unless it is read-only)."""
+    """Inverse of :func:`tensor_to_bytes`: a CPU tensor sharing ``raw`` unless it is read-only."""
     dtype = getattr(torch, dtype_name)
-    if raw.size == 0:  # an empty array may carry a zero stride, which a dtype view rejects
+    if raw.size == 0:
         return torch.empty(shape, dtype=dtype)
     if not raw.flags.writeable:  # out-of-band pickle buffers may be read-only
         raw = raw.copy()

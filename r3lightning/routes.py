@@ -1,10 +1,9 @@
-"""Route dtypes shared by every stage: the compact integer types of expert ids.
+"""Route dtypes: the compact integer types of expert ids, shared by every stage.
 
-Routes are small non-negative ints, kept on the host and on the wire in the smallest of
-uint8 / int16 / int32 that holds the largest expert id (a 128-expert model's routes are a quarter
-of their int32 size), and widened to what a router needs only when they are installed. The wire
-also carries uint16 (vLLM's dtype for models with more than 256 experts); decoders turn it into
-int16 (a free view while every id is below 32768) because torch's uint16 lacks most operations.
+Routes live on the host and the wire in the smallest of uint8 / int16 / int32 that holds the
+largest expert id (a 128-expert model's routes are a quarter of int32), and are widened to what a
+router needs only at install time. The wire also carries uint16 (vLLM, over 256 experts), decoded
+to int16 (a free view below 32768) because torch's uint16 lacks most operations.
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-
-__all__ = ["WIRE_DTYPES", "compact_dtype", "compact_route_dtype", "compact_routes", "widest_route_dtype"]
 
 # wire name -> little-endian numpy dtype, narrowest first
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -44,14 +41,12 @@ def compact_route_dtype(max_expert_id: int) -> torch.dtype:
 
 
 def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
-    """``routes`` (ids >= 0) cast to :func:`compact_route_dtype` of their largest id (uint8 when
-    empty). One pass over the ids (a ``max``) plus the cast; ``copy=True`` always returns new
-    storage, otherwise ``routes`` itself when already compact."""
+    """``routes`` (ids >= 0) in :func:`compact_route_dtype` of their largest id (uint8 when empty):
+    one ``max`` and the cast; ``routes`` itself when already compact unless ``copy=True``."""
     high = int(routes.max()) if routes.numel() else 0
     return routes.to(compact_route_dtype(high), copy=copy)
 
 
 def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """The dtype that holds routes of every one of ``dtypes`` (at least one), e.g. uint8 and
-    int16 -> int16."""
+    """The dtype that holds routes of all ``dtypes`` (at least one): uint8 and int16 -> int16."""
     return functools.reduce(torch.promote_types, dtypes)

@@ -1,15 +1,9 @@
-"""Per-trajectory accumulation of token-aligned metadata across the turns of a rollout.
+"""One trajectory's routes (token-aligned metadata), accumulated across the turns of a rollout.
 
-A multi-turn rollout sends a growing conversation to the engine several times. Re-gathering the
-routes of the whole conversation each turn would resend (and re-decode) every earlier row, so the
-trace tells the engine where its capture already stops (``prompt_start``) and appends only the new
-rows. Row ``t`` belongs to token ``t`` *as an input*: it is what the forward at position ``t``
-produced, which is also what the trainer's forward at ``t`` must replay to predict token ``t + 1``.
-
-Only rows that were really captured are returned. Tokens without a row (the last sampled token,
-which the engine never forwards; a synthetic EOS appended after a stop; a prompt whose generation
-stopped before it started) are routed natively by the trainer; the trace counts them so callers
-can log how much of the loss is not replayed, and ``strict=True`` turns that into an error.
+Row ``t`` belongs to token ``t`` as an *input*: the forward at ``t``, which the trainer replays to
+predict token ``t + 1``. Each turn the engine is told where the capture stops (``prompt_start``) and
+sends only new rows. Tokens without a row (the last sampled token; a synthetic EOS after a stop) are
+routed natively by the trainer and counted; ``strict=True`` refuses a loss target without its row.
 """
 
 from __future__ import annotations
@@ -18,8 +12,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-__all__ = ["RoutedExpertTrace", "TokenMetadataTrace"]
 
 ArrayLike = np.ndarray | torch.Tensor
 
@@ -31,7 +23,7 @@ def _count(name: str, value: object) -> int:
 
 
 def _as_host_array(name: str, rows: object) -> np.ndarray:
-    """``rows`` as a host ndarray sharing memory where possible (a GPU tensor is copied: a sync)."""
+    """``rows`` as a host ndarray, sharing memory where possible (a GPU tensor is copied: a sync)."""
     if isinstance(rows, torch.Tensor):
         if rows.dtype == torch.bfloat16:
             raise ValueError(f"{name} dtype bfloat16 has no host array form; cast it first")
@@ -41,77 +33,53 @@ def _as_host_array(name: str, rows: object) -> np.ndarray:
     raise ValueError(f"{name} must be a numpy array or torch tensor, got {type(rows).__name__}")
 
 
-def _kind(dtype: np.dtype) -> str:
-    return "integer" if dtype.kind in "iu" else dtype.kind
-
-
 class TokenMetadataTrace:
-    """Rows of one trajectory's per-token metadata ``[rows, *row_shape]``, appended in token order.
+    """Rows ``[rows, *row_shape]`` of one trajectory's per-token metadata, appended in token order.
 
-    ``row_shape`` is fixed by the constructor or by the first append; the dtype stays what the
-    producer sent (integer chunks of different widths are widened to the widest only at
-    :meth:`finalize`, the one copy). Chunks are kept by reference until then.
+    ``row_shape`` is fixed by the constructor or the first append. Chunks are kept by reference; integer
+    chunks of several widths are widened to the widest by :meth:`finalize`, the one copy.
     """
 
     def __init__(self, row_shape: Sequence[int] | None = None, *, name: str = "rows") -> None:
         self.name = name
-        self._row_shape = None if row_shape is None else tuple(int(d) for d in row_shape)
+        self.row_shape = None if row_shape is None else tuple(int(d) for d in row_shape)
+        self.dtype: np.dtype | None = None  # the widest integer width so far; None before any row
+        self.num_rows = 0  # rows captured so far (row t belongs to token t)
+        self.finalized = False
         self._chunks: list[np.ndarray] = []
-        self._num_rows = 0
-        self._dtype: np.dtype | None = None
-        self._finalized = False
         # set by finalize: tokens without a row / loss targets whose predicting row is missing
         self.uncaptured_rows: int | None = None
         self.uncaptured_loss_targets: int | None = None
 
-    @property
-    def num_rows(self) -> int:
-        """Rows captured so far (row ``t`` belongs to token ``t``)."""
-        return self._num_rows
-
-    @property
-    def row_shape(self) -> tuple[int, ...] | None:
-        return self._row_shape
-
-    @property
-    def dtype(self) -> np.dtype | None:
-        """dtype of the rows so far (the widest integer width seen), None before any row."""
-        return self._dtype
-
-    @property
-    def finalized(self) -> bool:
-        return self._finalized
-
     def _check_open(self) -> None:
-        if self._finalized:
+        if self.finalized:
             raise RuntimeError(f"this {type(self).__name__} was already finalized")
 
     def _validated(self, rows: ArrayLike) -> np.ndarray:
-        """Checks ``rows`` against the schema without changing the trace."""
+        """``rows`` checked against the schema; the trace is unchanged."""
         self._check_open()
         array = _as_host_array(self.name, rows)
         if array.ndim < 1:
             raise ValueError(f"{self.name} must have a row axis [rows, *row_shape], got a 0-d array")
-        shape = tuple(array.shape[1:])
-        if self._row_shape is not None and shape != self._row_shape:
+        if self.row_shape is not None and tuple(array.shape[1:]) != self.row_shape:
             raise ValueError(
-                f"{self.name} row shape changed: expected [rows, {', '.join(map(str, self._row_shape))}], "
+                f"{self.name} row shape changed: expected [rows, {', '.join(map(str, self.row_shape))}], "
                 f"got {tuple(array.shape)}"
             )
-        if self._dtype is not None and _kind(array.dtype) != _kind(self._dtype):
-            raise ValueError(f"{self.name} dtype changed from {self._dtype} to {array.dtype}")
+        if self.dtype is not None and self.dtype.kind.replace("u", "i") != array.dtype.kind.replace("u", "i"):
+            raise ValueError(f"{self.name} dtype changed from {self.dtype} to {array.dtype}")
         return array
 
     def append(self, rows: ArrayLike) -> None:
-        """Append rows for the next ``len(rows)`` tokens. No copy (the chunk is kept by reference)."""
+        """Rows for the next ``len(rows)`` tokens, kept by reference (no copy)."""
         self._store(self._validated(rows))
 
     def _store(self, array: np.ndarray) -> None:
-        self._row_shape = tuple(array.shape[1:])
-        self._dtype = array.dtype if self._dtype is None else np.result_type(self._dtype, array.dtype)
+        self.row_shape = tuple(array.shape[1:])
+        self.dtype = array.dtype if self.dtype is None else np.result_type(self.dtype, array.dtype)
         if array.shape[0]:
             self._chunks.append(array)
-            self._num_rows += array.shape[0]
+            self.num_rows += array.shape[0]
 
     def finalize(
         self,
@@ -119,63 +87,52 @@ class TokenMetadataTrace:
         loss_mask: Sequence[float] | np.ndarray | torch.Tensor | None = None,
         strict: bool = False,
     ) -> torch.Tensor:
-        """The captured rows as one host tensor ``[num_rows <= token_count, *row_shape]``.
-
-        ``loss_mask`` (length ``token_count``, nonzero = loss target) is used to count the targets
-        ``t`` whose predicting row ``t - 1`` was never captured (``uncaptured_loss_targets``; token 0
-        is never a target). ``strict=True`` raises ``ValueError`` if there is any. Sets
-        ``uncaptured_rows = token_count - num_rows``. A trace finalizes once: a second call raises
-        ``RuntimeError``; a call that raises ``ValueError`` leaves the trace open. One copy
-        (concatenating the chunks).
-        """
+        """The captured rows as one host tensor ``[num_rows <= token_count, *row_shape]`` (one copy), once
+        (``RuntimeError`` after; a ``ValueError`` leaves the trace open). Sets ``uncaptured_rows`` and,
+        from ``loss_mask`` (per token, nonzero = target), ``uncaptured_loss_targets``: targets ``t``
+        whose row ``t - 1`` is missing, a ``ValueError`` with ``strict=True``."""
         self._check_open()
         token_count = _count("token_count", token_count)
-        if self._num_rows > token_count:
+        if self.num_rows > token_count:
             raise ValueError(
-                f"{self.name}: {self._num_rows} rows were captured but token_count is {token_count}; "
+                f"{self.name}: {self.num_rows} rows were captured but token_count is {token_count}; "
                 f"a trajectory has at most one row per token"
             )
         missing_targets = 0
         if loss_mask is not None:
-            if isinstance(loss_mask, (np.ndarray, torch.Tensor)):
-                mask = _as_host_array("loss_mask", loss_mask)
-            else:
-                mask = np.asarray(list(loss_mask))
+            tensor_like = isinstance(loss_mask, (np.ndarray, torch.Tensor))
+            mask = _as_host_array("loss_mask", loss_mask) if tensor_like else np.asarray(list(loss_mask))
             if mask.ndim != 1 or mask.shape[0] != token_count:
                 raise ValueError(
                     f"loss_mask must have one entry per token (token_count={token_count}), got shape {mask.shape}"
                 )
-            # target t reads the forward at row t - 1; rows >= num_rows were not captured
-            targets = np.flatnonzero(mask[1:] != 0) + 1
-            missing = targets[targets - 1 >= self._num_rows]
+            targets = np.flatnonzero(mask[1:] != 0) + 1  # target t reads the forward at row t - 1
+            missing = targets[targets - 1 >= self.num_rows]
             missing_targets = int(missing.size)
             if strict and missing_targets:
                 raise ValueError(
                     f"{self.name}: loss target token {int(missing[0])} needs row {int(missing[0]) - 1}, but "
-                    f"only {self._num_rows} rows were captured ({missing_targets} loss targets lack their row; "
+                    f"only {self.num_rows} rows were captured ({missing_targets} loss targets lack their row; "
                     f"strict=True)"
                 )
         if self._chunks:
-            rows = torch.from_numpy(np.concatenate(self._chunks, axis=0, dtype=self._dtype))
+            rows = torch.from_numpy(np.concatenate(self._chunks, axis=0, dtype=self.dtype))
         else:
-            shape = (0, *(self._row_shape or ()))
-            rows = torch.from_numpy(np.empty(shape, dtype=np.uint8 if self._dtype is None else self._dtype))
-        self.uncaptured_rows = token_count - self._num_rows
+            dtype = np.uint8 if self.dtype is None else self.dtype
+            rows = torch.from_numpy(np.empty((0, *(self.row_shape or ())), dtype=dtype))
+        self.uncaptured_rows = token_count - self.num_rows
         self.uncaptured_loss_targets = missing_targets
         self._chunks = []
-        self._finalized = True
+        self.finalized = True
         return rows
 
 
 class RoutedExpertTrace(TokenMetadataTrace):
     """Routes ``[rows, num_layers, top_k]`` of one trajectory, recorded generation by generation.
 
-    Per generation, send ``prompt_start`` with the request so the engine returns rows only from
-    there; :meth:`record_generation` checks the count. ``num_layers`` / ``top_k`` fix the schema up
-    front (otherwise the first rows do; passing them also shapes an empty result), and
-    ``num_experts`` bounds the ids. Uncaptured rows are routed natively by the trainer:
-    after :meth:`finalize`, ``uncaptured_rows`` counts them and ``uncaptured_loss_targets`` counts
-    the loss targets that depend on them.
+    Send ``prompt_start`` with each request so the engine returns rows from there on;
+    :meth:`record_generation` checks their count. ``num_layers`` / ``top_k`` fix the schema up front
+    (else the first rows do; they also shape an empty result); ``num_experts`` bounds the ids.
     """
 
     def __init__(
@@ -198,14 +155,10 @@ class RoutedExpertTrace(TokenMetadataTrace):
     def record_generation(
         self, prompt_token_count: int, generated_token_count: int, routed_experts: ArrayLike | None
     ) -> None:
-        """Record one generation over a prompt of ``P`` tokens that produced ``G`` tokens.
-
-        The engine forwarded tokens ``prompt_start .. P + G - 2`` (the last sampled token is never
-        an input), so ``routed_experts`` must have exactly ``P - prompt_start + G - 1`` rows; with
-        ``G == 0`` nothing was forwarded and it must be None or empty. The prompt must contain the
-        whole trajectory so far (``P >= P_prev + G_prev``). Ids must be non-negative integers
-        (below ``num_experts`` when given). On error the trace is unchanged.
-        """
+        """One generation over a prompt of ``P`` tokens (the whole trajectory so far) giving ``G``: the
+        engine forwarded tokens ``prompt_start .. P + G - 2``, so ``routed_experts`` has exactly
+        ``P - prompt_start + G - 1`` rows (None or empty when ``G == 0``) of ids in
+        ``[0, num_experts)``. On error the trace is unchanged."""
         self._check_open()
         prompt = _count("prompt_token_count", prompt_token_count)
         generated = _count("generated_token_count", generated_token_count)
@@ -215,6 +168,7 @@ class RoutedExpertTrace(TokenMetadataTrace):
                 f"each turn's prompt extends the trajectory"
             )
         expected = prompt - self.prompt_start + generated - 1 if generated else 0
+        where = f"(P={prompt} - prompt_start={self.prompt_start} + G={generated} - 1)"
         if (
             routed_experts is not None
             and not generated
@@ -223,10 +177,7 @@ class RoutedExpertTrace(TokenMetadataTrace):
             routed_experts = None  # an engine may send an empty array when nothing was forwarded
         if routed_experts is None:
             if expected:
-                raise ValueError(
-                    f"routed_experts is missing: expected {expected} rows "
-                    f"(P={prompt} - prompt_start={self.prompt_start} + G={generated} - 1)"
-                )
+                raise ValueError(f"routed_experts is missing: expected {expected} rows {where}")
             self._token_count = prompt + generated
             return
         array = self._validated(routed_experts)
@@ -236,8 +187,7 @@ class RoutedExpertTrace(TokenMetadataTrace):
             )
         if array.shape[0] != expected:
             raise ValueError(
-                f"routed_experts has {array.shape[0]} rows, expected {expected} "
-                f"(P={prompt} - prompt_start={self.prompt_start} + G={generated} - 1)"
+                f"routed_experts has {array.shape[0]} rows, expected {expected} {where}"
                 if generated
                 else f"routed_experts has {array.shape[0]} rows, expected 0 (G=0: nothing was forwarded)"
             )

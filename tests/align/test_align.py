@@ -3,6 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runif import run_if
 
 from r3lightning.align.align import align_packed_token_metadata, build_replay_mask, scatter_to_padded_batch
 from r3lightning.align.dummy import dummy_routes
@@ -301,7 +302,7 @@ def test_random_layouts_match_reference(case, seed):
     assert torch.equal(back, ref.scatter(grid, laid, lengths, width, -2, next_token=next_token))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@run_if(cuda=True)
 def test_cuda_alignment_never_synchronises():
     segments = random_segments(LENGTHS, None, LENGTHS, torch.Generator().manual_seed(3))
     packed = PackedTensor.from_segments(segments)

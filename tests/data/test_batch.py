@@ -4,6 +4,7 @@ import random
 import pytest
 import torch
 from collate_reference import assert_batch_matches, make_trajectory
+from runif import run_if
 
 from r3lightning.align.dummy import dummy_routes
 from r3lightning.data.batch import ROW_FIELDS, TOKEN_FIELDS, RolloutBatch
@@ -171,7 +172,7 @@ def test_to_moves_every_field_including_routes(batch):
     assert moved.routed_experts.cu_seqlens_host.device.type == "cpu"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+@run_if(cuda=True)  # pinned memory
 def test_pin_memory_and_gpu_round_trip(batch):
     pinned = batch.pin_memory()
     assert pinned.is_pinned() and pinned.pin_memory() is pinned and not batch.is_pinned()

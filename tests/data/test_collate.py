@@ -6,6 +6,7 @@ import torch
 from collate_reference import assert_batch_matches, make_trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from runif import run_if
 
 from r3lightning.align.dummy import dummy_routes
 from r3lightning.data.collate import PinnedBufferPool, RolloutCollator, collate_trajectories
@@ -273,7 +274,7 @@ def test_pool_rejects_bad_settings():
         RolloutCollator(num_threads=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+@run_if(cuda=True)  # pinned memory
 def test_real_pinned_pool_and_async_transfer():
     collator = RolloutCollator(num_threads=2, pin_memory=True, pool_slots=2)
     trajectories = batch_of(17, 4)

@@ -1,16 +1,14 @@
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from gloo_ranks import free_port
+from gloo_ranks import run_ranks
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from runif import run_if
 
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer
@@ -136,7 +134,7 @@ def test_fit_sees_packed_routes_on_the_device_and_every_trajectory_once_per_epoc
     assert (datamodule.epoch, datamodule.batches_consumed) == (1, 4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@run_if(cuda=True)
 def test_gpu_fit_uses_the_pinned_pool_without_misses():
     datamodule = R3DataModule(filled(12), 2, collate_threads=2)
     module = Recorder()
@@ -319,7 +317,8 @@ def test_hydra_config_instantiates_the_data_module():
 # ---------------------------------------------------------------------------- ddp (2 processes, gloo)
 
 
-def _ddp_worker(out_dir):
+def _ddp_worker(rank, out_dir):
+    torch.set_num_threads(1)
     buffer = filled(11)
     datamodule = R3DataModule(buffer, 2, collate_threads=2)
     module = Recorder()
@@ -330,26 +329,7 @@ def _ddp_worker(out_dir):
 
 @pytest.mark.slow
 def test_two_process_ddp_ranks_collate_disjoint_shards_covering_the_epoch(tmp_path):
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": "2",
-        "NODE_RANK": "0",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(tmp_path)],
-            env={**env, "LOCAL_RANK": str(rank), "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(2)
-    ]
-    outputs = [p.communicate(timeout=240)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)[-4000:]
+    run_ranks(_ddp_worker, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [[len(b) for b in batches] for batches in ranks] == [[2, 2, 2], [2, 2, 2]]
     rows = [[tag for batch in batches for tag in batch] for batches in ranks]
@@ -357,11 +337,6 @@ def test_two_process_ddp_ranks_collate_disjoint_shards_covering_the_epoch(tmp_pa
     assert not set(real[0]) & set(real[1])
     assert sorted(real[0] + real[1]) == list(range(100, 111))
     assert sum(r.count(None) for r in rows) == 1  # one placeholder evens out 11 over 2 ranks
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    _ddp_worker(sys.argv[1])
 
 
 class Evaluator(Recorder):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 
 from r3lightning.data.buffer import pack_trajectories, unpack_trajectories
 
@@ -44,8 +44,7 @@ def _run_job(run_dir: Path, world: int, rank: int, steps: int = 1, spy_dir: Path
         rollout_loop.OnPolicyLoop._collect = collect
 
 
-def _rank(rank: int, port: int, world: int, run_dir: str, steps: int = 1, spy_dir: str | None = None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+def _rank(rank: int, world: int, run_dir: str, steps: int = 1, spy_dir: str | None = None) -> None:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
     _run_job(Path(run_dir), world, rank, steps, None if spy_dir is None else Path(spy_dir))
@@ -68,7 +67,7 @@ def one_process(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_collects_its_own_groups_and_step0_matches_one_process(one_process, tmp_path, world):
-    run_ranks(_rank, free_port(), world, str(tmp_path), nprocs=world)
+    run_ranks(_rank, world, str(tmp_path), nprocs=world)
     assert len(one_process) == PROMPTS * GROUP
     per_rank = PROMPTS * GROUP // world
     union = []
@@ -96,7 +95,7 @@ def test_each_rank_collects_its_own_groups_and_step0_matches_one_process(one_pro
     # collects its own groups of step 1 again, on the restored weights: the same ones as before
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    run_ranks(_rank, free_port(), world, str(tmp_path), 2, str(resumed), nprocs=world)
+    run_ranks(_rank, world, str(tmp_path), 2, str(resumed), nprocs=world)
     for rank in range(world):
         before, after = _load(tmp_path / f"step1_rank{rank}.pt"), _load(resumed / f"step1_rank{rank}.pt")
         assert [_key(t) for t in after] == [_key(t) for t in before] and len(after) == per_rank

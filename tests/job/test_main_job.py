@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from runif import run_if
 
 from r3lightning.job.main import compose_config, main, run
 from r3lightning.job.report import agreement_keys, read_csv, summarize
@@ -125,11 +126,8 @@ def test_bad_override_is_one_line(tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("r3lightning-train: error: ") and expected in err
 
 
+@run_if(cuda=False)
 def test_trainer_the_machine_cannot_run_is_one_line(tmp_path, capsys):
-    import torch
-
-    if torch.cuda.is_available() or torch.backends.mps.is_available():
-        pytest.skip("needs a machine without a GPU")
     for overrides, expected in (
         (
             ["trainer=gpu_fsdp"],

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 
 from r3lightning.job.sharded import convert_checkpoint, meta_model, parameters_on_meta
 from r3lightning.testing.tiny import build_tiny_moe, tiny_family_config
@@ -36,7 +36,7 @@ def peak_growth(out: dict[str, int], key: str) -> Iterator[None]:
     out[key] = _status_kib("VmHWM") - start
 
 
-def _rank(rank: int, port: int, hf_dir: str, dcp_dir: str, out_dir: str) -> None:
+def _rank(rank: int, hf_dir: str, dcp_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -44,8 +44,7 @@ def _rank(rank: int, port: int, hf_dir: str, dcp_dir: str, out_dir: str) -> None
 
     from r3lightning.job.sharded import load_sharded_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
     tokens = torch.arange(2 * 11).reshape(2, 11) % 90 + 3
     out: dict = {}
@@ -73,7 +72,7 @@ def test_meta_init_shard_and_load_uses_a_fraction_of_a_copy_per_rank_and_matches
     hf_dir, dcp_dir = tmp_path / "hf", tmp_path / "dcp"
     build_tiny_moe(tiny_family_config("qwen3_moe", **CONFIG), seed=3).save_pretrained(hf_dir)
     convert_checkpoint(hf_dir, dcp_dir)
-    run_ranks(_rank, free_port(), str(hf_dir), str(dcp_dir), str(tmp_path))
+    run_ranks(_rank, str(hf_dir), str(dcp_dir), str(tmp_path))
     from transformers import AutoModelForCausalLM
 
     eager = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()

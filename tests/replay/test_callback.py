@@ -5,7 +5,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import Logger
@@ -478,10 +478,9 @@ class ShardedPolicy(TinyPolicy):
         fully_shard(self.model, mesh=self.device_mesh)
 
 
-def _fsdp_fit(rank, port, batches):
+def _fsdp_fit(rank, batches):
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -511,4 +510,4 @@ def _fsdp_fit(rank, port, batches):
 
 @pytest.mark.slow
 def test_fsdp2_model_parallel_strategy_replays_per_rank(batches):
-    run_ranks(_fsdp_fit, free_port(), batches)
+    run_ranks(_fsdp_fit, batches)

@@ -1,9 +1,8 @@
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 from torch import nn
 
 from r3lightning.replay.backend import (
@@ -357,12 +356,11 @@ def test_register_router_adds_other_models():
 
 
 # ------------------------------------------------------------------------------ FSDP2 (gloo)
-def _fsdp_worker(rank, world_size, port, routes, input_ids, attention_mask, expected_logits):
+def _fsdp_worker(rank, routes, input_ids, attention_mask, expected_logits):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
         model = build_tiny_moe(seed=0).train()
@@ -391,7 +389,7 @@ def test_fsdp2_fully_shard_replays_per_rank_routes():
     reference = build_tiny_moe(seed=0).train()
     with replay_routes(reference, routes, attention_mask):
         expected_logits = reference(input_ids, attention_mask=attention_mask).logits.detach()
-    run_ranks(_fsdp_worker, 2, free_port(), routes, input_ids, attention_mask, expected_logits)
+    run_ranks(_fsdp_worker, routes, input_ids, attention_mask, expected_logits)
 
 
 def test_routes_stay_compact_and_replay_the_same_under_torch_compile():

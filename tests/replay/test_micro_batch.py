@@ -7,7 +7,7 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 from test_callback import LAYERS, MemoryLogger, engine_dense, fit, loader, make_batch, position_ids, real_rows
 
 from r3lightning.align.layout import TokenMetadataLayout
@@ -456,10 +456,9 @@ def expected_counts(batch):
     return int(mask.sum()), hits
 
 
-def _ddp_fit(rank, port, shards, expected):
+def _ddp_fit(rank, shards, expected):
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3", RANK=str(rank))
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -520,7 +519,7 @@ def test_three_ranks_with_unequal_shards_log_the_exact_global_ratio():
     global_ratio = sum(hits) / (rows * 6)
     mean_of_ratios = sum(sum(expected[r][1]) / (expected[r][0] * 6) for r in range(3)) / 3
     assert abs(global_ratio - mean_of_ratios) > 1e-4  # the shards are unequal enough to tell apart
-    run_ranks(_ddp_fit, free_port(), shards, expected, nprocs=3)
+    run_ranks(_ddp_fit, shards, expected, nprocs=3)
 
 
 # ------------------------------------------------------------------ sub-batches of a RolloutBatch

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from fault_server import FaultServer, expected_generation
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 from rollout_support import PROMPTS, SCHEMA, collect, prompt_reward
 from rollout_support import make_collector as make
 
@@ -191,10 +191,10 @@ def _serve_in_thread(server: FaultServer):
     return stop, thread
 
 
-def _rank_worker(rank: int, port: int, url: str, world: int, out: dict) -> None:
+def _rank_worker(rank: int, url: str, out: dict) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     try:
         from r3lightning import R3DataModule
 
@@ -232,7 +232,7 @@ def test_two_ranks_collect_disjoint_groups_and_share_only_statistics():
     try:
         with mp.Manager() as manager:
             out = manager.dict()
-            run_ranks(_rank_worker, free_port(), server.url, 2, out, nprocs=2)
+            run_ranks(_rank_worker, server.url, out, nprocs=2)
             result = dict(out)
     finally:
         stop.set()

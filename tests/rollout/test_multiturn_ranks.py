@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 import pytest
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 from turn_engine import TurnEngine
 
 from r3lightning.rollout.collector import RolloutCollector
@@ -62,10 +62,10 @@ def summary(rollouts):
     return rollouts.groups, trajectories, rollouts.stats.as_dict()
 
 
-def _rank_worker(rank: int, port: int, url: str, out: dict) -> None:
+def _rank_worker(rank: int, url: str, out: dict) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo")
     out[rank] = (summary(collect(url, TwoCalls)), summary(collect(url, FailingCalls)))
 
 
@@ -88,7 +88,7 @@ def test_two_ranks_collect_their_own_episodes_and_reduce_the_turn_statistics():
         alone = summary(collect(engine.url, TwoCalls))  # one rank: every group
         with mp.Manager() as manager:
             out = manager.dict()
-            run_ranks(_rank_worker, free_port(), engine.url, out, nprocs=2)
+            run_ranks(_rank_worker, engine.url, out, nprocs=2)
             result = dict(out)
     finally:
         stop.set()

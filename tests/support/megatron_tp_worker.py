@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from gloo_ranks import free_port, run_ranks
+from gloo_ranks import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -26,9 +26,9 @@ SEQ, MOE_LAYER = 8, 2
 PADDING = [3, 6, 7]  # padding positions of the [1, SEQ] sequence: some on each TP rank
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo")
     from megatron.core import parallel_state
     from megatron_cpu import cpu_shims
 
@@ -102,4 +102,4 @@ def run_rank(rank: int) -> dict:
 
 
 if __name__ == "__main__":
-    run_ranks(worker, free_port(), sys.argv[1])
+    run_ranks(worker, sys.argv[1])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runif import run_if
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -137,8 +138,8 @@ def test_a_broken_replay_is_a_fail_line_and_exit_status_1(gpu_check, monkeypatch
     assert json.loads(results.read_text())["results"][0]["status"] == "FAIL"
 
 
+@run_if(megatron=True)
 def test_megatron_runtime_undoes_its_cpu_shims(gpu_check):
-    pytest.importorskip("megatron.core")
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.transformer.moe import moe_utils

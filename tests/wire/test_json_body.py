@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import multiprocessing
-import os
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from route_samples import distinct_routes, naive_decode
+from runif import run_if
 
 from r3lightning import MalformedResponseError, decode_routes, encode_routes
 from r3lightning.wire import json_body
@@ -341,7 +341,7 @@ def _parse_in_child(body: bytes, queue) -> None:
     queue.put((name, len(parsed.payload(parsed.value["routed_experts"]["data"], "d").raw)))
 
 
-@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="fork only")
+@run_if(fork=True)
 def test_a_forked_child_gets_its_own_helper_threads():
     """A data loader worker forked after the parent used the helper: the parent's thread does not
     exist in the child, so a pool inherited as is would never run the JSON job (a hang)."""

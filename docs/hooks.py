@@ -1,0 +1,73 @@
+"""mkdocs hook: pages carry generated tables instead of hand-typed lists that drift.
+
+``<!-- generated: config-groups -->`` becomes the job's config groups and options, read from the
+top-level ``conf/`` (each option described by the first sentence of its YAML comment), and
+``<!-- generated: public-api -->`` the names of ``r3lightning.__all__``, each with its defining
+module and the first line of its docstring, read from the source (nothing is imported).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+
+def _first_sentence(comment: str) -> str:
+    sentence = re.split(r"(?<=[a-z0-9)]\.)\s+(?=[A-Z])", comment.strip(), maxsplit=1)[0]
+    return sentence.replace("|", "\\|").replace("_", "\\_").replace("<", "&lt;").rstrip(":")
+
+
+def _leading_comment(path: Path) -> str:
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#") or line.startswith("#   "):  # the prose ends at code or an example
+            break
+        if not line.startswith("# @package"):
+            lines.append(line.lstrip("#").strip())
+    return " ".join(lines)
+
+
+def config_groups() -> str:
+    defaults = {}
+    for entry in yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict):
+            defaults.update(entry)
+    rows = ["| group | option | what it is |", "|---|---|---|"]
+    for group in sorted(p for p in CONF.iterdir() if p.is_dir()):
+        default = defaults.get(group.name)
+        for option in sorted(group.glob("*.yaml")):
+            name = f"`{group.name}={option.stem}`" + (" (default)" if option.stem == default else "")
+            rows.append(f"| `{group.name}` | {name} | {_first_sentence(_leading_comment(option))} |")
+    return "\n".join(rows)
+
+
+def public_api() -> str:
+    source = (ROOT / "r3lightning" / "__init__.py").read_text()
+    block = next(n for n in ast.parse(source).body if isinstance(n, ast.If))
+    rows = ["| name | defined in | what it is |", "|---|---|---|"]
+    for node in sorted(block.body, key=lambda n: n.module):
+        module_path = ROOT / Path(*node.module.split(".")).with_suffix(".py")
+        definitions = {
+            d.name: d
+            for d in ast.parse(module_path.read_text()).body
+            if isinstance(d, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        }
+        for alias in node.names:
+            doc = ast.get_docstring(definitions[alias.name]) or ""
+            summary = doc.split("\n\n", 1)[0].replace("\n", " ").replace("|", "\\|")
+            link = f"[`{alias.name}`][{node.module}.{alias.name}]"
+            rows.append(f"| {link} | `{node.module}` | {summary} |")
+    return "\n".join(rows)
+
+
+GENERATED = {"config-groups": config_groups, "public-api": public_api}
+
+
+def on_page_markdown(markdown: str, **kwargs: object) -> str:
+    return re.sub(r"<!-- generated: ([\w-]+) -->", lambda m: GENERATED[m.group(1)](), markdown)

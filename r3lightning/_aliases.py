@@ -1,0 +1,123 @@
+"""Old import paths of the names and modules that moved in 0.2, kept until 0.3 with a
+``DeprecationWarning`` naming the new path: moved modules through one meta-path finder, names
+through their package's ``__getattr__`` (:func:`moved_attribute`). The CHANGELOG's migration table
+lists the same moves (a test keeps them equal)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
+from typing import Any
+
+REMOVED_IN = "0.3"
+
+# old module -> new module
+MODULES: dict[str, str] = {
+    "r3lightning.expert_load": "r3lightning.replay.expert_load",
+    "r3lightning.models": "r3lightning.testing",
+    "r3lightning.models.tiny": "r3lightning.testing.tiny",
+    "r3lightning.models.tiny_tokenizer": "r3lightning.testing.tiny_tokenizer",
+    "r3lightning.models.sharded": "r3lightning.job.sharded",
+    "r3lightning.job.grpo": "r3lightning.correction.grpo",
+    "r3lightning.job.megatron": "r3lightning.testing.tiny_megatron",
+    "r3lightning.job.prompts_file": "r3lightning.rollout.prompts_file",
+    "r3lightning.job.rewards": "r3lightning.rollout.rewards",
+    "r3lightning.job.task": "r3lightning.rollout.tasks",
+    "r3lightning.replay.hf_routers": "r3lightning.replay.hf.routers",
+    "r3lightning.replay.megatron_cpu": "r3lightning.testing.megatron_cpu",
+    "r3lightning.replay.megatron_layout": "r3lightning.replay.megatron.layout",
+    "r3lightning.replay.megatron_router": "r3lightning.replay.megatron.router",
+    "r3lightning.replay.replay_metrics": "r3lightning.replay.metrics",
+    "r3lightning.rollout.cli": "r3lightning.serve.cli",
+    "r3lightning.rollout.client_protocol": "r3lightning.wire.request",
+    "r3lightning.rollout.client_response": "r3lightning.wire.response",
+    "r3lightning.rollout.engine": "r3lightning.serve.engine",
+    "r3lightning.rollout.errors": "r3lightning.wire.errors",
+    "r3lightning.rollout.invariance": "r3lightning.serve.invariance",
+    "r3lightning.rollout.json_body": "r3lightning.wire.json_body",
+    "r3lightning.rollout.perturb": "r3lightning.serve.perturb",
+    "r3lightning.rollout.route_check": "r3lightning.wire.route_check",
+    "r3lightning.rollout.sampling": "r3lightning.serve.sampling",
+    "r3lightning.rollout.server": "r3lightning.serve.server",
+    "r3lightning.rollout.server_protocol": "r3lightning.serve.protocol",
+    "r3lightning.rollout.weights": "r3lightning.serve.weights",
+    "r3lightning.rollout.wire": "r3lightning.wire.codec",
+}
+
+# flat modules that became packages: the package serves the old names from the module they are in now
+FLAT_MODULES: dict[str, str] = {
+    "r3lightning.replay.hf": "r3lightning.replay.hf.replay",
+    "r3lightning.replay.megatron": "r3lightning.replay.megatron.replay",
+}
+
+# names that left the top level, by the module they are imported from now
+_LEFT_TOP_LEVEL: dict[str, str] = {
+    "r3lightning.trace": "TokenMetadataTrace",
+    "r3lightning.routes": "compact_route_dtype",
+    "r3lightning.wire.codec": "encode_routes decode_routes",
+    "r3lightning.wire.errors": "RetryableGenerateError GenerateRequestError RetriesExhaustedError",
+    "r3lightning.align.layout": "split_for_sequence_parallel position_ids_from_mask",
+    "r3lightning.align.align": "scatter_to_padded_batch",
+    "r3lightning.data.collate": "RolloutCollator",
+    "r3lightning.data.cpus": "usable_cpu_count collate_pool_size",
+    "r3lightning.rollout.prompts": "sampling_seed text_reward TextReward",
+    "r3lightning.rollout.stats": "RolloutStats",
+    "r3lightning.replay.hf.routers": "register_router RouterAdapter registered_router_types "
+    "softmax_then_topk_weights softmax_renormalised_weights mixtral_weights sigmoid_scaled_weights "
+    "softmax_scaled_weights ernie_weights softmax_over_topk_weights",
+    "r3lightning.replay.megatron.layout": "MegatronParallelism megatron_token_layout megatron_padding_mask",
+    "r3lightning.replay.expert_load": "ExpertLoadMonitor expert_load_stats",
+    "r3lightning.testing.tiny": "tiny_moe_config build_tiny_moe",
+    "r3lightning.job.sharded": "meta_model load_sharded_weights convert_checkpoint",
+}
+NAMES: dict[str, str] = {  # old path -> new path
+    f"r3lightning.{name}": f"{module}.{name}"
+    for module, names in _LEFT_TOP_LEVEL.items()
+    for name in names.split()
+}
+
+
+def _warn(old: str, new: str, stacklevel: int) -> None:
+    message = f"{old} moved to {new}; the old path is removed in {REMOVED_IN}"
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
+
+
+def moved_attribute(package: str, name: str) -> Any:
+    """``package.name`` from its new place, with the warning; ``AttributeError`` if it never moved."""
+    new = NAMES.get(f"{package}.{name}")
+    if new is None and package in FLAT_MODULES and not name.startswith("_"):
+        module = importlib.import_module(FLAT_MODULES[package])
+        if hasattr(module, name):
+            value = getattr(module, name)
+            new = f"{getattr(value, '__module__', module.__name__)}.{name}"
+    if new is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    module_name, _, attribute = new.rpartition(".")
+    value = getattr(importlib.import_module(module_name), attribute)
+    _warn(f"{package}.{name}", new, stacklevel=3)  # the user's line, past the package's __getattr__
+    vars(sys.modules[package])[name] = value  # once: ``from package import name`` looks twice
+    return value
+
+
+class _MovedModules:
+    """Finder and loader of an old module path: the module at the new path, the same object."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        return importlib.machinery.ModuleSpec(fullname, self) if fullname in MODULES else None
+
+    def create_module(self, spec: Any) -> None:
+        return None  # a placeholder that exec_module replaces in sys.modules
+
+    def exec_module(self, module: ModuleType) -> None:
+        new = MODULES[module.__name__]
+        _warn(module.__name__, new, stacklevel=2)  # the import line: warnings skips importlib's frames
+        sys.modules[module.__name__] = importlib.import_module(new)
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once): an old path never loads a second copy."""
+    if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModules())

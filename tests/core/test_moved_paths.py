@@ -1,0 +1,92 @@
+"""Every move in the CHANGELOG's migration table: the new path imports, the old one still does, with
+a DeprecationWarning naming the new path, and gives the same object."""
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import r3lightning
+from r3lightning import _aliases
+
+CHANGELOG = Path(__file__).resolve().parents[2] / "CHANGELOG.md"
+
+
+def _table() -> dict[str, str]:
+    section = CHANGELOG.read_text().split("### Moved: old import path -> new import path\n", 1)[1]
+    section = section.split("\n### ", 1)[0]
+    return dict(re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|$", section, flags=re.M))
+
+
+TABLE = _table()
+
+
+def _resolve(path: str) -> object:
+    """A module, or an attribute of the longest importable prefix."""
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def test_the_table_lists_every_alias_and_nothing_else():
+    assert TABLE == {**_aliases.NAMES, **_aliases.MODULES, **_aliases.FLAT_MODULES}
+    assert not set(_aliases.NAMES) & {f"r3lightning.{n}" for n in r3lightning.__all__}
+
+
+@pytest.mark.parametrize("old", sorted(_aliases.NAMES))
+def test_a_name_that_left_a_package_warns_and_resolves(old, monkeypatch):
+    new = TABLE[old]
+    expected = _resolve(new)  # imported from its documented place
+    package, _, name = old.rpartition(".")
+    monkeypatch.delitem(vars(sys.modules[package]), name, raising=False)  # a cached earlier lookup
+    with pytest.warns(DeprecationWarning, match=f"^{re.escape(old)} moved to {re.escape(new)};") as caught:
+        value = getattr(sys.modules[package], name)
+    assert value is expected
+    assert caught[0].filename == __file__  # points at the user's line
+
+
+@pytest.mark.parametrize("old", sorted(_aliases.MODULES))
+def test_a_moved_module_warns_and_is_the_new_module(old, monkeypatch):
+    new = TABLE[old]
+    expected = importlib.import_module(new)
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=f"{re.escape(old)} moved to {re.escape(new)};") as caught:
+        module = importlib.import_module(old)
+    assert module is expected
+    assert sys.modules[old] is expected  # no second copy of the module
+    assert caught[-1].message.args[0].startswith(old)
+
+
+def test_a_moved_module_warns_at_the_import_statement(monkeypatch):
+    monkeypatch.delitem(sys.modules, "r3lightning.rollout.wire", raising=False)
+    with pytest.warns(DeprecationWarning, match="r3lightning.rollout.wire moved") as caught:
+        from r3lightning.rollout.wire import encode_routes
+    assert caught[0].filename == __file__
+    assert encode_routes is importlib.import_module("r3lightning.wire.codec").encode_routes
+
+
+@pytest.mark.parametrize("old", sorted(_aliases.FLAT_MODULES))
+def test_a_module_that_became_a_package_serves_its_old_names(old, monkeypatch):
+    new_module = importlib.import_module(TABLE[old])
+    package = importlib.import_module(old)
+    names = [n for n, v in vars(new_module).items() if getattr(v, "__module__", "").startswith(old)]
+    names = [n for n in names if not n.startswith("_")]
+    assert names
+    for name in names:
+        monkeypatch.delitem(vars(package), name, raising=False)
+        with pytest.warns(DeprecationWarning, match=f"^{re.escape(old)}.{name} moved to r3lightning"):
+            exec(f"from {old} import {name} as value", scope := {})
+        assert scope["value"] is getattr(new_module, name)
+    with pytest.raises(AttributeError, match=f"module '{old}' has no attribute 'missing'"):
+        package.missing  # noqa: B018
+
+
+def test_old_paths_are_not_files_any_more():
+    root = Path(r3lightning.__file__).parent.parent
+    for old in _aliases.MODULES:
+        path = root / old.replace(".", "/")
+        assert not path.with_suffix(".py").exists() and not (path / "__init__.py").exists(), old
