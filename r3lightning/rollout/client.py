@@ -114,8 +114,9 @@ class RemoteGenerateClient:
     ``schema``: the route schema, a :class:`~r3lightning.wire.request.RouteSchema` or a model
     config (:func:`~r3lightning.rollout.config.route_schema`): ``num_layers`` / ``top_k``
     reshape SGLang's flat routes and are checked for the others, ids are range-checked with
-    ``num_experts``; it lives in :attr:`routes`. ``retry``: attempts, backoff, timeouts and
-    health probing (:class:`~r3lightning.rollout.config.RetryPolicy`). ``model`` is sent as
+    ``num_experts`` (repeated experts are refused when the routes become a ``Trajectory``, or in
+    the parse with ``RouteSchema(check_unique=True)``); it lives in :attr:`routes`. ``retry``:
+    attempts, backoff, timeouts and health probing (:class:`~r3lightning.rollout.config.RetryPolicy`). ``model`` is sent as
     the request's model name; ``engine`` (``"vllm"`` / ``"sglang"``) narrows the ``openai``
     request's route fields to that engine's (default: both, which either engine accepts).
     ``max_response_bytes`` caps a body. Set :attr:`max_connections` (requests in flight; more
@@ -309,6 +310,7 @@ class RemoteGenerateClient:
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         start = routed_experts_prompt_start or 0
         self._session_for_running_loop()  # another loop's client: raise before touching stats
+        url = f"{self.base_url}{PROTOCOL_PATHS[self.protocol]}"
 
         def parse(raw: bytes) -> RemoteGenerateResult:
             return parse_response(
@@ -318,6 +320,7 @@ class RemoteGenerateClient:
                 want_routes=return_routed_experts,
                 prompt_len=len(prompt_ids),
                 start=start,
+                url=url,
             )
 
         result, attempts = await self._call(

@@ -3,13 +3,9 @@
     r3lightning-serve --port 30000                       # the tiny MoE on 127.0.0.1
     r3lightning-serve --model /ckpt/qwen3-moe --device cuda:0 --api-key KEY --host 0.0.0.0
 
-Every field of :class:`~r3lightning.serve.config.EngineConfig` and
-:class:`~r3lightning.serve.config.ServerLimits` has a flag (``--max-queue 64``,
-``--max-request-bytes none``). A bad argument or a failed startup (a ``--model`` that is not a
-local checkpoint directory, which is never looked up on the hub; ``--device cuda`` without CUDA;
-a port out of range or in use; a non-loopback ``--host`` without ``--api-key`` or
-``--allow-unauthenticated``) prints one line naming it and exits 2. Heavy imports (torch,
-transformers, aiohttp) wait until the arguments are checked.
+Each EngineConfig and ServerLimits field has a flag (``--max-request-bytes none``). A bad argument
+or startup (a ``--model`` not a local checkpoint: never downloaded; no CUDA; a port in use; a
+non-loopback host without a key) is one line and exit 2. Heavy imports wait for the arguments.
 """
 
 from __future__ import annotations
@@ -24,15 +20,8 @@ from pathlib import Path
 from typing import Any
 
 _ENGINE_FLAGS = ("dtype", "device", "max_batch_size", "batch_wait_s", "seed", "batch_invariant")
-_LIMIT_FLAGS = (
-    "max_queue",
-    "max_new_tokens_cap",
-    "max_request_bytes",
-    "max_weights_bytes",
-    "header_timeout_s",
-    "body_timeout_s",
-    "retry_after_s",
-)
+_LIMIT_FLAGS = ("max_queue", "max_new_tokens_cap", "max_request_bytes", "max_weights_bytes")
+_LIMIT_FLAGS += ("header_timeout_s", "body_timeout_s", "retry_after_s")
 _RENAMED = {"--header-timeout": "--header-timeout-s", "--body-timeout": "--body-timeout-s"}
 
 
@@ -46,21 +35,18 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 65535], got {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 65535], got {port}")
+    port = _setting(value)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 65535], got {port!r}")
     return port
 
 
 def _setting(text: str) -> Any:
-    """A flag's value as the config field gets it: none, true/false, an int, a float or the text
-    (the config dataclass checks it and names the field)."""
-    lowered = text.lower()
-    if lowered in ("none", "null", "true", "false"):
-        return {"none": None, "null": None, "true": True, "false": False}[lowered]
+    """A flag's value for its config field: none, true/false, an int, a float or the text (the
+    config dataclass checks it and names the field)."""
+    words = {"none": None, "null": None, "true": True, "false": False}
+    if text.lower() in words:
+        return words[text.lower()]
     for kind in (int, float):
         try:
             return kind(text)
@@ -71,21 +57,16 @@ def _setting(text: str) -> Any:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _ArgumentParser(
-        prog="r3lightning-serve",
-        description="Serve a causal MoE model that returns its routed experts (skyrl and sglang protocols).",
+        prog="r3lightning-serve", description="Serve a MoE model that returns its routes."
     )
     parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind; not loopback: needs --api-key or --allow-unauthenticated",
+        "--host", default="127.0.0.1", help="not loopback: needs a key or --allow-unauthenticated"
     )
     parser.add_argument("--port", type=_port, default=30000, help="0 picks a free port (printed at start)")
+    parser.add_argument("--model", help="local Hugging Face checkpoint directory (default: the tiny MoE)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
     parser.add_argument(
-        "--model", default=None, help="local Hugging Face checkpoint directory (default: the tiny MoE)"
-    )
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
-    parser.add_argument(
-        "--allow-unauthenticated", action="store_true", help="serve a non-loopback --host without a key"
+        "--allow-unauthenticated", action="store_true", help="serve a non-loopback host keyless"
     )
     parser.add_argument("--log-level", default="INFO")
     from r3lightning.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
@@ -93,13 +74,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     for cls, names in ((EngineConfig, _ENGINE_FLAGS), (ServerLimits, _LIMIT_FLAGS)):
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         for name in names:
-            default = defaults[name]
-            shown = str(default).removeprefix("torch.")
-            parser.add_argument(
-                f"--{name.replace('_', '-')}", type=_setting, default=default, help=f"default {shown}"
-            )
-    argv = [_RENAMED.get(arg, arg) for arg in (sys.argv[1:] if argv is None else argv)]
-    return parser.parse_args(argv)
+            flag, shown = f"--{name.replace('_', '-')}", str(defaults[name]).removeprefix("torch.")
+            parser.add_argument(flag, type=_setting, default=defaults[name], help=shown)
+    return parser.parse_args([_RENAMED.get(arg, arg) for arg in (sys.argv[1:] if argv is None else argv)])
 
 
 def _device(name: str | None):
@@ -111,13 +88,12 @@ def _device(name: str | None):
         device = torch.device(name)
     except (RuntimeError, ValueError):
         raise _StartupError(f"--device {name}: not a device name (expected e.g. cpu, cuda, cuda:0)") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise _StartupError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        if device.index is not None and device.index >= count:
-            raise _StartupError(f"--device {name}: this machine has {count} CUDA device(s)")
-    elif device.type != "cpu":
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and count == 0:
+        raise _StartupError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= count:
+        raise _StartupError(f"--device {name}: this machine has {count} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
         raise _StartupError(f"--device {name}: expected cpu or cuda[:N]")
     return device
 
@@ -142,9 +118,8 @@ def _load_model(path: str, dtype):
 
 async def _serve_until_signalled(server) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
         await server.start()
     except OSError as exc:
@@ -158,10 +133,8 @@ async def _serve_until_signalled(server) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``r3lightning-serve``); serves until SIGINT / SIGTERM.
-
-    A bad argument or a startup failure prints one line naming it and exits 2.
-    """
+    """Console entry point (``r3lightning-serve``): serves until SIGINT / SIGTERM; a bad argument
+    or a startup failure prints one line naming it and exits 2."""
     try:
         _serve(_parse_args(argv))
     except _StartupError as exc:
@@ -189,15 +162,10 @@ def _serve(args: argparse.Namespace) -> None:
     from r3lightning.serve.server import RolloutServer
 
     try:
+        exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}
+        name = args.model or "r3lightning-tiny-moe"
         server = RolloutServer(
-            model,
-            engine=engine,
-            limits=limits,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            allow_unauthenticated=args.allow_unauthenticated,
-            model_name=args.model or "r3lightning-tiny-moe",
+            model, engine=engine, limits=limits, host=args.host, port=args.port, **exposure, model_name=name
         )
     except ValueError as exc:  # a model the engine cannot serve
         raise _StartupError(str(exc)) from None

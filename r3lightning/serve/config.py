@@ -1,9 +1,6 @@
-"""Settings of the embedded engine and server: frozen dataclasses, checked when built.
-
-The job's ``rollout.server.*`` (besides ``host`` and ``port``) and ``rollout.limits.*`` keys map
-to :class:`EngineConfig` and :class:`ServerLimits` field for field; ``r3lightning-serve`` has a
-flag per field. Every bad value is a ``ValueError`` whose message starts with the field name.
-"""
+"""Settings of the embedded engine and server, checked when built (a bad value is a ``ValueError``
+starting with the field name). The job's ``rollout.server.*`` (but ``host`` and ``port``) and
+``rollout.limits.*`` map to them field for field; ``r3lightning-serve`` has a flag per field."""
 
 from __future__ import annotations
 
@@ -20,15 +17,12 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a :class:`~r3lightning.serve.engine.GenerationEngine` serves its model.
-
-    ``dtype`` (a torch dtype or its name) and ``device`` (default: where the model is) of the
-    serving weights. ``max_batch_size``: most requests in one forward; ``batch_wait_s``: how
-    long the worker lingers for more after the first arrives. ``seed``: the sampling seed of
-    requests that send none (and of the default model). ``copy_model``: serve a private copy
-    (False: the model itself, cast in place). ``batch_invariant``: each request computed as if
-    alone (None: whenever the model allows). ``simulated_disagreement``: a SIMULATION knob
-    (None: off), the fraction of expert slots the engine's router logits are perturbed to flip.
+    """How a :class:`~r3lightning.serve.engine.GenerationEngine` serves: ``dtype`` (or its name)
+    and ``device`` (default: the model's) of its weights; ``max_batch_size`` requests per forward,
+    gathered for ``batch_wait_s`` after the first; ``seed`` of requests that send none (and of the
+    default model); ``copy_model`` (False: serve the model itself, cast in place);
+    ``batch_invariant`` (None: whenever the model allows); ``simulated_disagreement``: a
+    SIMULATION knob (None: off), the share of expert slots the router logits are perturbed to flip.
     """
 
     dtype: torch.dtype | str = torch.bfloat16
@@ -57,15 +51,12 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What a :class:`~r3lightning.serve.server.RolloutServer` accepts.
-
-    ``max_queue``: generate requests that may wait beyond one engine batch (then 429 with
-    ``Retry-After: retry_after_s``). ``max_new_tokens_cap``: the largest ``max_tokens`` a
-    request may ask for, under any protocol's name (None: the model context).
-    ``max_request_bytes``: a generate body (None: what a full-context prompt needs, 24 bytes per
-    token of context plus 64 KiB); ``max_weights_bytes``: an ``/update_weights`` body.
-    ``header_timeout_s``: a request head must arrive within it (it also closes idle keep-alive
-    connections); ``body_timeout_s``: most seconds between two reads of a body (then 408).
+    """What a :class:`~r3lightning.serve.server.RolloutServer` accepts: ``max_queue`` generate
+    requests waiting beyond one batch (then 429, ``Retry-After: retry_after_s``); requests up to
+    ``max_new_tokens_cap`` tokens under any name (None: the context); generate bodies up to
+    ``max_request_bytes`` (None: a full-context prompt's 24 bytes a token + 64 KiB) and uploads up
+    to ``max_weights_bytes``; a request head within ``header_timeout_s`` (idle keep-alive
+    connections close then too), at most ``body_timeout_s`` between body reads (then 408).
     """
 
     max_queue: int = 256

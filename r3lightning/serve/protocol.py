@@ -1,11 +1,10 @@
 """Server side of the two generate protocols: request bodies -> requests, outputs -> response bodies.
 
 ``skyrl`` (``POST /skyrl/v1/generate``, vLLM sampling names) and ``sglang`` (``POST /generate``)
-differ only in field names and response layout; both map onto one
-:class:`~r3lightning.serve.engine.GenerationRequest`. The client side is
-:mod:`r3lightning.wire.request`. Every parse error is a :class:`RequestFieldError` naming the
-field (the server answers 400), whatever the JSON value: a list where a number belongs, an
-unknown key at the top level or in ``sampling_params``.
+differ in names and layout only; both map onto one
+:class:`~r3lightning.serve.engine.GenerationRequest` (the client side:
+:mod:`r3lightning.wire.request`). Every parse error is a :class:`RequestFieldError` naming the
+field, whatever the JSON value (a list where a number belongs, an unknown key at any level).
 """
 
 from __future__ import annotations
@@ -30,34 +29,30 @@ _ALIASES = {
     "sglang": {"max_new_tokens": ("max_new_tokens", "max_tokens"), "seed": ("sampling_seed", "seed")},
 }
 _PLAIN = ("temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")  # same name everywhere
-# Keys that only shape text output (never produced here): any bool is accepted.
-_TEXT_ONLY_KEYS = frozenset(
-    {"skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "detokenize"}
-)
-# Keys accepted only at the value that leaves sampling unchanged: any other asks for something
-# this engine does not do, which must not pass silently.
+# keys that only shape text output (never produced here): any bool is accepted
+_TEXT_ONLY_KEYS = {
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "detokenize",
+}
+# keys accepted only at the value that leaves sampling unchanged (n: one request per sample;
+# logprobs: the sampled token's is always returned): any other asks for what this engine lacks
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "min_p": (0, 0.0),
     "min_tokens": (0,),
-    "repetition_penalty": (1, 1.0),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
+    "n": (1,),
     "stop": ([],),
-    "logprobs": (0, 1),  # the sampled token's logprob is always returned (skyrl)
-    "n": (1,),  # one request per sample
 }
-_SAMPLING_KEYS = (
-    {name for names in (*_ALIASES["skyrl"].values(), *_ALIASES["sglang"].values()) for name in names}
-    | set(_PLAIN)
-    | _TEXT_ONLY_KEYS
-    | set(_NEUTRAL_VALUES)
-)
+_NEUTRAL_VALUES |= {"repetition_penalty": (1, 1.0), "logprobs": (0, 1)}
+_NEUTRAL_VALUES |= {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
+_SAMPLING_KEYS = {name for aliases in _ALIASES.values() for names in aliases.values() for name in names}
+_SAMPLING_KEYS |= set(_PLAIN) | _TEXT_ONLY_KEYS | set(_NEUTRAL_VALUES)
 # top-level keys per protocol (skyrl also reads the route fields inside sampling_params)
-_BODY_KEYS = {
-    "skyrl": {"token_ids", "sampling_params", "model", "cache_salt", "return_routed_experts", "stream"},
-    "sglang": {"input_ids", "sampling_params", "return_logprob", "return_routed_experts"}
-    | {"routed_experts_start_len", "stream"},
-}
+_BODY_KEYS = {"skyrl": {"token_ids", "model", "cache_salt"}, "sglang": {"input_ids", "return_logprob"}}
+for _keys in _BODY_KEYS.values():
+    _keys |= {"sampling_params", "return_routed_experts", "stream"}
+_BODY_KEYS["sglang"].add("routed_experts_start_len")
 _SKYRL_ROUTE_KEYS = {"routed_experts_prompt_start", "return_routed_experts"}
 
 
@@ -78,9 +73,11 @@ def _bool(value: Any, field: str) -> bool:
 def _token_ids(value: Any, field: str) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise RequestFieldError(f"{field} must be a list of token ids, got {type(value).__name__}")
-    for i, token in enumerate(value):
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise RequestFieldError(f"{field}[{i}] must be a non-negative integer token id, got {token!r}")
+    bad = next(
+        (i for i, t in enumerate(value) if isinstance(t, bool) or not isinstance(t, int) or t < 0), None
+    )
+    if bad is not None:
+        raise RequestFieldError(f"{field}[{bad}] must be a non-negative integer token id, got {value[bad]!r}")
     return tuple(value)
 
 
@@ -90,18 +87,17 @@ def _check_keys(values: dict, known: set[str], where: str) -> None:
         raise RequestFieldError(f"{where} has unknown keys {unknown}; supported: {sorted(known)}")
 
 
-def parse_sampling_params(params: dict, protocol: str, *, max_new_tokens_cap: int | None = None) -> SamplingParams:
-    """``sampling_params`` of a request -> :class:`SamplingParams`; unknown keys are refused.
-
-    Names follow the protocol (``max_tokens`` / ``seed`` for skyrl, ``max_new_tokens`` /
-    ``sampling_seed`` for sglang; the other protocol's name is accepted as an alias, and
-    ``max_new_tokens_cap`` holds under every name). Keys that only shape text output are
-    accepted; penalties and the like only at their neutral value.
-    """
-    _check_keys(params, _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set()), "sampling_params")
-    for key in _TEXT_ONLY_KEYS & params.keys():
-        if params[key] is not None:
-            _bool(params[key], f"sampling_params.{key}")
+def parse_sampling_params(
+    params: dict, protocol: str, *, max_new_tokens_cap: int | None = None
+) -> SamplingParams:
+    """``sampling_params`` -> :class:`SamplingParams`; unknown keys are refused. Names follow the
+    protocol (skyrl ``max_tokens`` / ``seed``, sglang ``max_new_tokens`` / ``sampling_seed``), the
+    other's accepted as aliases, and ``max_new_tokens_cap`` holds under every name. Keys that only
+    shape text are accepted; penalties and the like only at their neutral value."""
+    known = _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set())
+    _check_keys(params, known, "sampling_params")
+    for key in (_TEXT_ONLY_KEYS & params.keys()) - {k for k, v in params.items() if v is None}:
+        _bool(params[key], f"sampling_params.{key}")
     for key, neutral in _NEUTRAL_VALUES.items():
         value = params.get(key)
         if value is not None and (isinstance(value, bool) or value not in neutral):
@@ -136,12 +132,9 @@ def parse_sampling_params(params: dict, protocol: str, *, max_new_tokens_cap: in
 def parse_generate_request(
     body: Any, protocol: str, *, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None
 ) -> GenerationRequest:
-    """A decoded JSON request body of ``protocol`` -> :class:`GenerationRequest`.
-
-    ``max_prompt_tokens`` refuses longer prompts before looking at their ids (one ``len``).
-    skyrl returns routes unless ``return_routed_experts`` is false (as SkyRL's own server does
-    when it records them); ``routed_experts_prompt_start`` only narrows them.
-    """
+    """A decoded JSON request body of ``protocol`` -> :class:`GenerationRequest`. Longer prompts
+    than ``max_prompt_tokens`` are refused from their length alone. skyrl returns routes unless
+    ``return_routed_experts`` is false (as SkyRL's server does); the prompt start only narrows them."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if not isinstance(body, dict):
@@ -152,7 +145,9 @@ def parse_generate_request(
         raise RequestFieldError(f"{prompt_field} is required (the prompt as a list of token ids){hint}")
     _check_keys(body, _BODY_KEYS[protocol], "the request body")
     if body.get("stream") not in (None, False):
-        raise RequestFieldError(f"stream = {body['stream']!r} is not supported by this server (accepted: false)")
+        raise RequestFieldError(
+            f"stream = {body['stream']!r} is not supported by this server (accepted: false)"
+        )
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise RequestFieldError(f"sampling_params must be a JSON object, got {type(sampling).__name__}")
@@ -191,33 +186,32 @@ def build_response(
     output: GenerationOutput, protocol: str, *, request_id: str, model_name: str, logprobs: bool
 ) -> dict:
     """The JSON-ready response body of one generation in ``protocol``'s layout."""
-    routes, ids = output.routed_experts, output.token_ids  # routes: [rows, L, K] or None
-    pairs = zip(ids, output.logprobs, strict=True)
+    routes, ids, version = (
+        output.routed_experts,
+        output.token_ids,
+        output.weight_version,
+    )  # routes: [rows, L, K]
+    pairs, counts = zip(ids, output.logprobs, strict=True), {"prompt_tokens": output.prompt_tokens}
+    counts["completion_tokens"] = len(ids)
     if protocol == "skyrl":
-        choice = {
-            "index": 0,
-            "token_ids": ids,
-            "finish_reason": output.finish_reason,
-            "stop_reason": output.stop_token_id,
-            "logprobs": {"content": [{"logprob": lp, "token_id": t} for t, lp in pairs]} if logprobs else None,
-            "routed_experts": None if routes is None else encode_routes(routes),
-        }
-        usage = {"prompt_tokens": output.prompt_tokens, "completion_tokens": len(ids)}
+        choice = {"index": 0, "token_ids": ids, "finish_reason": output.finish_reason}
+        choice["stop_reason"] = output.stop_token_id
+        choice["logprobs"] = (
+            {"content": [{"logprob": lp, "token_id": t} for t, lp in pairs]} if logprobs else None
+        )
+        choice["routed_experts"] = None if routes is None else encode_routes(routes)
         return {
             "id": request_id,
             "model": model_name,
             "choices": [choice],
-            "usage": usage,
-            "weight_version": output.weight_version,
+            "usage": counts,
+            "weight_version": version,
         }
     stop = output.finish_reason == "stop"
-    meta: dict[str, Any] = {
-        "id": request_id,
-        "finish_reason": {"type": "stop", "matched": output.stop_token_id} if stop else {"type": "length", "length": len(ids)},
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": len(ids),
-        "weight_version": output.weight_version,
-    }
+    finish = (
+        {"type": "stop", "matched": output.stop_token_id} if stop else {"type": "length", "length": len(ids)}
+    )
+    meta: dict[str, Any] = {"id": request_id, "finish_reason": finish, **counts, "weight_version": version}
     if logprobs:
         meta["output_token_logprobs"] = [[lp, t, None] for t, lp in pairs]
     if routes is not None:

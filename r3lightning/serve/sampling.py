@@ -1,9 +1,5 @@
-"""Per-request sampling: parameters and the choice of one token from a row of logits.
-
-The engine samples each row of a batch with that request's own parameters and its own seeded
-``torch.Generator``, so a seeded request samples the same tokens whatever it is batched with
-(up to the numerics of the padded forward).
-"""
+"""Per-request sampling: parameters and the choice of one token from a row of logits. Each row
+of a batch samples with its request's own parameters and seeded ``torch.Generator``."""
 
 from __future__ import annotations
 
@@ -25,14 +21,11 @@ MAX_TOP_K = 2**31 - 1
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples.
-
-    ``temperature == 0`` is greedy; otherwise it lies in :data:`TEMPERATURE_RANGE`, where dividing
-    float32 logits by it cannot overflow. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
-    Generation stops after ``max_new_tokens`` tokens (finish reason ``"length"``) or at the first
-    sampled token in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``;
-    the stop token is part of the output). ``seed`` makes sampling reproducible per request
-    (independent of batching); ``None`` draws one from the engine's seeded generator.
+    """How one request samples. ``temperature`` 0 is greedy, else in :data:`TEMPERATURE_RANGE`
+    (dividing float32 logits cannot overflow); ``top_k <= 0`` and ``top_p == 1`` disable those
+    filters. Generation stops after ``max_new_tokens`` (``"length"``) or at the first sampled token
+    in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``, the token
+    kept). ``seed``: reproducible per request; None draws one from the engine's seeded generator.
     """
 
     max_new_tokens: int = 16
@@ -46,22 +39,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         check_setting("max_new_tokens", self.max_new_tokens, low=1, integer=True)
         check_setting("top_k", self.top_k, low=-1, high=MAX_TOP_K, integer=True)
+        check_setting("temperature", self.temperature, low=0)
         low, high = TEMPERATURE_RANGE
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
-            raise ValueError(
-                f"temperature must be a number, 0 or in [{low:g}, {high:g}], got {self.temperature!r}"
-            )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature != 0 and not low <= self.temperature <= high:
             raise ValueError(
                 f"temperature must be 0 (greedy) or in [{low:g}, {high:g}] (smaller values overflow "
                 f"float32 logits), got {self.temperature!r}"
             )
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_setting("top_p", self.top_p, low=0, above=True, high=1.0)
         for token in self.stop_token_ids:
             check_setting("stop_token_ids", token, low=0, integer=True)
         if not isinstance(self.ignore_eos, bool):
@@ -71,17 +56,13 @@ class SamplingParams:
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Sample one token from float32 ``logits`` ``[V]``; returns ``(token, logprob)``.
-
-    Two device->host syncs (the token id and its logprob); the filters cost a ``[V]`` sort only
-    when ``top_p < 1``.
-    """
+    """Sample one token from float32 ``logits [V]``: ``(token, logprob)``. Two device->host syncs
+    (token and logprob); a ``[V]`` sort only when ``top_p < 1``."""
     if params.temperature == 0.0:
         token = int(logits.argmax())
         return token, float(logits.log_softmax(-1)[token])
-    scaled = logits / params.temperature  # [V]
+    filtered = scaled = logits / params.temperature  # [V]
     logprobs = scaled.log_softmax(-1)
-    filtered = scaled
     if 0 < params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         filtered = filtered.masked_fill(filtered < kth, -math.inf)

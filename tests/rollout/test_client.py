@@ -13,13 +13,9 @@ import pytest
 from fault_server import OK, FaultServer, Raw, Status, expected_generation
 from rollout_support import FAST, PROMPT, SCHEMA, check_result, generate, make_client, params
 
-from r3lightning import (
-    GenerateRequestError,
-    MalformedResponseError,
-    RemoteGenerateClient,
-    RemoteGenerateError,
-)
+from r3lightning import MalformedResponseError, RemoteGenerateClient, RemoteGenerateError, Trajectory
 from r3lightning.rollout.config import Backoff, RetryPolicy, route_schema
+from r3lightning.wire.errors import GenerateRequestError
 from r3lightning.wire.request import RouteSchema
 
 # ------------------------------------------------------------------ round trips
@@ -170,10 +166,6 @@ MALFORMED = {
         ),
         r"expert id 300 is out of range for num_experts=300",
     ),
-    "repeated": (
-        _skyrl_body({"data": _b64(np.full((1, 3, 2), 4, np.uint8)), "shape": [1, 3, 2], "dtype": "uint8"}),
-        r"row 0 layer 0 repeats an expert",
-    ),
     "wrong-layers": (
         _skyrl_body({"data": _b64(GOOD), "shape": [1, 2, 3], "dtype": "uint8"}),
         r"num_layers=3",
@@ -209,6 +201,27 @@ async def test_malformed_responses_raise_at_once(case):
         with pytest.raises(MalformedResponseError, match=message) as info:
             await generate(client)
         assert isinstance(info.value, ValueError) and isinstance(info.value, RemoteGenerateError)
+        assert server.hits == 1 and client.stats.retries == 0
+
+
+async def test_repeated_experts_are_refused_by_the_opt_in_parse_check_and_by_trajectory():
+    """The parse checks shapes, ids and row counts; the distinct-experts check (several times the
+    decode's cost) runs where routes become a ``Trajectory``, or in the parse with
+    ``RouteSchema(check_unique=True)``."""
+    routes = np.tile(GOOD, (5, 1, 1))  # P - start + G - 1 = 4 + 2 - 1 rows
+    routes[3, 1] = [7, 7]
+    body = _skyrl_body({"data": _b64(routes), "shape": [5, 3, 2], "dtype": "uint8"})
+    async with FaultServer() as server, make_client(server) as client:
+        server.script.append(Raw(body))
+        result = await generate(client)
+        np.testing.assert_array_equal(result.routed_experts, routes)
+        with pytest.raises(ValueError, match=r"row 3 layer 1 repeats an expert: \[7, 7\]"):
+            Trajectory(PROMPT, result.response_ids, routed_experts=result.routed_experts)
+    checking = RouteSchema(**SCHEMA, check_unique=True)
+    async with FaultServer() as server, make_client(server, schema=checking) as client:
+        server.script.append(Raw(body))
+        with pytest.raises(MalformedResponseError, match=r"row 3 layer 1 repeats an expert"):
+            await generate(client)
         assert server.hits == 1 and client.stats.retries == 0
 
 

@@ -194,7 +194,7 @@ def _serve_in_thread(server: FaultServer):
 def _rank_worker(rank: int, url: str, out: dict) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # run_ranks sets the launcher environment
     try:
         from r3lightning import R3DataModule
 

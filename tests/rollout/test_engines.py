@@ -16,9 +16,10 @@ from fault_server import FaultServer, Raw, expected_generation
 
 from r3lightning import MalformedResponseError, RemoteGenerateClient, engine_sampling_params
 from r3lightning.rollout.config import RetryPolicy
-from r3lightning.wire.codec import decode_npy_routes, validate_routes
+from r3lightning.wire.codec import decode_npy_routes
 from r3lightning.wire.request import RouteSchema
 from r3lightning.wire.response import parse_response
+from r3lightning.wire.route_check import check_routes
 
 PROMPT = [5, 6, 7, 8]
 SCHEMA = {"num_layers": 3, "top_k": 2}
@@ -326,7 +327,7 @@ def test_dense_zero_rows_pass_the_wire_check_but_not_on_an_moe_layer_at_install(
     scores = torch.rand(2, 5, backend.num_layers, backend.num_experts, generator=g)
     routes = scores.argsort(dim=-1)[..., : backend.top_k].to(torch.uint8)  # [B, S, L, K]
     routes[..., 0, :] = 0
-    validate_routes(routes.reshape(10, backend.num_layers, backend.top_k).numpy())
+    check_routes(routes.reshape(10, backend.num_layers, backend.top_k).numpy())
     validate_routes_for_install(backend, routes, None)
     backend.install(routes)  # validate=True by default
     with torch.no_grad():

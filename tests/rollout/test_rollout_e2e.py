@@ -120,7 +120,9 @@ async def test_multi_turn_prompt_starts_equal_one_full_conversation_capture(fp32
 
 async def test_errors_surface_as_typed_client_errors(server):
     async with _client(server.url, "skyrl", api_key="key") as client:
-        with pytest.raises(GenerateRequestError, match=r"sampling_params\.top_p must be in") as info:
+        with pytest.raises(
+            GenerateRequestError, match=r"sampling_params\.top_p must be a number > 0 and <= 1"
+        ) as info:
             await client.generate([5, 6], {"top_p": 7})
         assert info.value.status == 400
         with pytest.raises(GenerateRequestError, match=r"token_ids holds token id 400 at index 0") as info:

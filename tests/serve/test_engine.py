@@ -254,9 +254,9 @@ def test_serving_copy_leaves_the_source_model_and_its_replay_backend_alone():
 def test_sampling_params_and_request_validation(bf16_engine):
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         SamplingParams(max_new_tokens=0)
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match=r"^top_p must be a number > 0 and <= 1, got 0.0$"):
         SamplingParams(top_p=0.0)
-    with pytest.raises(ValueError, match="temperature must be a finite number"):
+    with pytest.raises(ValueError, match=r"^temperature must be a number >= 0, got nan$"):
         SamplingParams(temperature=float("nan"))
     with pytest.raises(ValueError, match="seed must be an integer"):
         SamplingParams(seed=True)

@@ -51,7 +51,7 @@ def test_cli_model_that_is_not_a_local_directory_fails_in_one_line_without_netwo
     assert f"--model {tmp_path}: cannot load the checkpoint" in err
 
 
-@run_if(cuda=False)  # checks the error on a machine without a GPU
+@run_if(cuda=False)  # checks the error on a machine without CUDA
 def test_cli_cuda_device_without_cuda(capsys):
     err = _cli_error(capsys, ["--device", "cuda"])
     assert "--device cuda: CUDA is not available on this machine; use --device cpu" in err

@@ -1,11 +1,10 @@
 """Weight uploads to the embedded server on 127.0.0.1: refused from the safetensors header before
 the data is read, all or nothing, one at a time, never mid-generation; values that overflow the
-serving dtype are refused; the streaming safetensors reader on its own."""
+serving dtype are refused. The safetensors reader on its own: tests/wire/test_safetensors_body.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import struct
 import time
@@ -204,78 +203,6 @@ async def test_a_client_that_disconnects_mid_upload_loses_nothing(srv):
     assert not srv._uploading
     assert same_weights(srv, before) and srv.weight_version == 0
     await still_serving(srv)
-
-
-# --------------------------------------------------------------------------- safetensors reader
-
-
-def _upload(header: dict, data: bytes) -> bytes:
-    encoded = json.dumps(header).encode()
-    return struct.pack("<Q", len(encoded)) + encoded + data
-
-
-async def _read(body: bytes, targets: dict, *, chunk: int = 1, content_length: int | None = None):
-    from r3lightning.serve.weights import UploadError, read_safetensors_upload
-
-    async def chunks():
-        for i in range(0, len(body), chunk):
-            yield body[i : i + chunk]
-
-    return await read_safetensors_upload(
-        chunks(),
-        content_length=content_length,
-        max_bytes=1 << 20,
-        targets=targets,
-        strict=False,
-        too_large=lambda size: UploadError(f"too large: {size}", status=413),
-    )
-
-
-async def test_reader_handles_byte_sized_chunks_and_unaligned_tensors():
-    """An odd-sized fp16 tensor leaves the fp32 one after it at an unaligned offset."""
-    a, b = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float16), torch.tensor([0.5, 7.0], dtype=torch.float32)
-    header = {
-        "a": {"dtype": "F16", "shape": [3], "data_offsets": [0, 6]},
-        "b": {"dtype": "F32", "shape": [2], "data_offsets": [6, 14]},
-        "__metadata__": {"format": "pt"},
-    }
-    data = a.numpy().tobytes() + b.numpy().tobytes()
-    body = _upload(header, data)
-    got = await _read(body, {"a": torch.zeros(3), "b": torch.zeros(2)}, content_length=len(body))
-    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
-
-
-@pytest.mark.parametrize(
-    ("header", "data", "message"),
-    [
-        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}}, b"", r"data_offsets span 8 bytes"),
-        ({"a": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 4]}}, b"", r"unknown dtype 'Q4'"),
-        (
-            {
-                "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
-                "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
-            },
-            b"\0" * 12,
-            r"header\['b'\]: data starts at byte 8, expected 4",
-        ),
-        ({"a": {"dtype": "F32", "shape": [1]}}, b"", r"must hold dtype, shape and data_offsets"),
-        (
-            {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
-            b"\0" * 2,
-            r"body ended after \d+ of \d+ bytes",
-        ),
-        (
-            {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
-            b"\0" * 9,
-            r"continues past the \d+ bytes its safetensors header describes",
-        ),
-    ],
-)
-async def test_reader_refuses_malformed_headers_and_bodies(header, data, message):
-    from r3lightning.serve.weights import UploadError
-
-    with pytest.raises(UploadError, match=message):
-        await _read(_upload(header, data), {"a": torch.zeros(1), "b": torch.zeros(1)})
 
 
 @pytest.mark.slow

@@ -23,9 +23,8 @@ def make_client(server: FaultServer, protocol: str = "skyrl", **options) -> Remo
     5 s each) or client keywords."""
     retry = {"backoff": FAST, "max_attempts": 3, "timeout_s": 5.0}
     retry.update({k: options.pop(k) for k in list(options) if k in _RETRY_FIELDS})
-    return RemoteGenerateClient(
-        server.url, protocol=protocol, schema=RouteSchema(**SCHEMA), retry=RetryPolicy(**retry), **options
-    )
+    options.setdefault("schema", RouteSchema(**SCHEMA))
+    return RemoteGenerateClient(server.url, protocol=protocol, retry=RetryPolicy(**retry), **options)
 
 
 def params(protocol: str, n: int = 4) -> dict:
