@@ -28,11 +28,8 @@ Scoring: ``reward_fn(prompt, response_ids)`` -> a number, or a mapping with a ``
 generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``.
 
-Multi-turn: with :class:`~r3lightning.rollout.environment.Environments` instead of a
-``reward_fn`` each trajectory is an episode of its own environment
-(:func:`~r3lightning.rollout.episode.run_episode`; turn seeds hash the turn too). A failing
-turn (not an outage: an engine that goes out passes the trajectory's prefix to another) drops
-its whole group, counted in ``RolloutStats.dropped_groups``; a step with every group dropped fails.
+Multi-turn: with :class:`~r3lightning.rollout.environment.Environments` as ``reward_fn`` each trajectory
+is a :func:`~r3lightning.rollout.episode.run_episode`; a failing turn drops its group (not an outage).
 """
 
 from __future__ import annotations
@@ -44,7 +41,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,9 +52,15 @@ from r3lightning.rollout.config import CollectorConfig, RetryPolicy, route_schem
 from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.episode import Episode, plain_call, run_episode, single_turn
 from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
-from r3lightning.rollout.stats import RolloutStats, StepCounters, reduce_step_stats
+from r3lightning.rollout.stats import (
+    CollectedRollouts,
+    EnginesUnavailableError,
+    StepCounters,
+    outage,
+    reduce_step_stats,
+)
 from r3lightning.trace import RoutedExpertTrace
-from r3lightning.wire.errors import RemoteGenerateError, RetriesExhaustedError
+from r3lightning.wire.errors import RetriesExhaustedError
 from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
@@ -67,48 +69,6 @@ if TYPE_CHECKING:
 __all__ = ["CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CollectedRollouts:
-    """This rank's share of one step: ``trajectories`` group after group (``group_size`` each),
-    ``groups`` the global index of each, and the step's global ``stats``."""
-
-    trajectories: list[Trajectory]
-    groups: list[int]
-    stats: RolloutStats
-
-
-class EnginesUnavailableError(RemoteGenerateError):
-    """Every engine of the collector exhausted its retries within one step.
-
-    ``errors`` maps each engine's URL to the error that took it out; the message gives one
-    short clause per engine.
-    """
-
-    def __init__(self, step: int, errors: Mapping[str, BaseException]):
-        detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
-        super().__init__(f"all {len(errors)} rollout engine(s) failed at step {step}: {detail}")
-        self.errors = dict(errors)
-
-
-def outage(error: BaseException) -> str:
-    """A short clause for why an engine is out: ``HTTP 503 after 5 attempts``, ``connection
-    failed after 5 attempts``, ``timed out ...``, or the hung-engine message."""
-    last = getattr(error, "last_error", error)
-    cause = last.__cause__
-    if getattr(last, "status", None) is not None:
-        what = f"HTTP {last.status}"
-    elif isinstance(cause, TimeoutError):
-        what = "timed out"
-    elif isinstance(cause, OSError):
-        what = "connection failed"
-    elif cause is not None:
-        what = type(cause).__name__
-    else:
-        what = str(last)
-    attempts = getattr(error, "attempts", None)
-    return what if attempts is None else f"{what} after {attempts} attempt(s)"
 
 
 class RolloutCollector:
@@ -288,7 +248,6 @@ class RolloutCollector:
         bar = _progress_bar(
             len(groups) * self.config.group_size, f"rollout step {step}", self.config.progress and show
         )
-
         envs = self.environments
         counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
 
@@ -336,16 +295,9 @@ class RolloutCollector:
                 reward = score_value(await self._call(self.reward_fn, prompt, result.response_ids), where)
                 episode = single_turn(prompt, result, reward, self._trace())
             else:
+                settings = {"max_turns": envs.max_turns, "trace": self._trace(), "call": self._call}
                 run = functools.partial(generate, group, index)
-                episode = await run_episode(
-                    envs.make(),
-                    prompt,
-                    run,
-                    max_turns=envs.max_turns,
-                    trace=self._trace(),
-                    call=self._call,
-                    where=where,
-                )
+                episode = await run_episode(envs.make(), prompt, run, where=where, **settings)
             bar.update(1)
             return episode
 
@@ -388,20 +340,16 @@ class RolloutCollector:
         return trajectories
 
     def _trace(self) -> RoutedExpertTrace | None:
-        if not self.config.request_routes:
-            return None
-        return RoutedExpertTrace(self.schema.num_layers, self.schema.top_k, self.schema.num_experts)
+        s = self.schema
+        return RoutedExpertTrace(s.num_layers, s.top_k, s.num_experts) if self.config.request_routes else None
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``: awaited if a coroutine function, in the ``reward_threads`` pool if plain
-        and the pool exists (a reward or an environment method), else inline."""
+        """A reward or environment method: in the ``reward_threads`` pool if plain, else awaited."""
         if not self.config.reward_threads or inspect.iscoroutinefunction(fn):
             return await plain_call(fn, *args)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.config.reward_threads, thread_name_prefix="r3-reward")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    # ------------------------------------------------------------------ statistics
 
     # ------------------------------------------------------------------ engines and lifecycle
 

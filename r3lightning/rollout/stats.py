@@ -1,23 +1,34 @@
-"""One rollout step's statistics, reduced over the ranks that collected it.
+"""One rollout step's outcome: its trajectories and statistics, or why it failed.
 
 Each rank counts its own requests, attempts and engine errors and sums its trajectories'
 rewards and lengths; :func:`reduce_step_stats` all-reduces those few scalars (one SUM and one MAX
 of float64s: the only thing collection exchanges between ranks) into :class:`RolloutStats`. A
 rank whose collection failed says so in the same reduction, so every rank raises instead of
-waiting for it.
+waiting for it. :class:`CollectedRollouts` is what a step returns; :class:`EnginesUnavailableError`
+what it raises when every engine is out.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from r3lightning.data.trajectory import Trajectory
+from r3lightning.wire.errors import RemoteGenerateError
 
-__all__ = ["OtherRankFailedError", "RolloutStats", "StepCounters", "reduce_step_stats"]
+__all__ = [
+    "CollectedRollouts",
+    "EnginesUnavailableError",
+    "OtherRankFailedError",
+    "RolloutStats",
+    "StepCounters",
+    "outage",
+    "reduce_step_stats",
+]
 
 
 @dataclass
@@ -68,6 +79,48 @@ class RolloutStats:
 
 class OtherRankFailedError(RuntimeError):
     """Collection failed on another rank of the step (that rank raises its own error)."""
+
+
+@dataclass
+class CollectedRollouts:
+    """This rank's share of one step: ``trajectories`` group after group (``group_size`` each),
+    ``groups`` the global index of each, and the step's global ``stats``."""
+
+    trajectories: list[Trajectory]
+    groups: list[int]
+    stats: RolloutStats
+
+
+class EnginesUnavailableError(RemoteGenerateError):
+    """Every engine of the collector exhausted its retries within one step.
+
+    ``errors`` maps each engine's URL to the error that took it out; the message gives one
+    short clause per engine.
+    """
+
+    def __init__(self, step: int, errors: Mapping[str, BaseException]):
+        detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
+        super().__init__(f"all {len(errors)} rollout engine(s) failed at step {step}: {detail}")
+        self.errors = dict(errors)
+
+
+def outage(error: BaseException) -> str:
+    """A short clause for why an engine is out: ``HTTP 503 after 5 attempts``, ``connection
+    failed after 5 attempts``, ``timed out ...``, or the hung-engine message."""
+    last = getattr(error, "last_error", error)
+    cause = last.__cause__
+    if getattr(last, "status", None) is not None:
+        what = f"HTTP {last.status}"
+    elif isinstance(cause, TimeoutError):
+        what = "timed out"
+    elif isinstance(cause, OSError):
+        what = "connection failed"
+    elif cause is not None:
+        what = type(cause).__name__
+    else:
+        what = str(last)
+    attempts = getattr(error, "attempts", None)
+    return what if attempts is None else f"{what} after {attempts} attempt(s)"
 
 
 @dataclass
