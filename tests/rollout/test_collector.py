@@ -257,7 +257,6 @@ def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
     """The embedded engine (tiny Qwen3-MoE in bf16): varied samples per group, so advantages are
     the group-normalised rewards, and the same (seed, step) samples the same rollouts again."""
     from r3lightning.serve.config import EngineConfig
-
     from r3lightning.serve.server import RolloutServer
     from r3lightning.testing.tiny import build_tiny_moe
 
