@@ -226,6 +226,8 @@ class OnPolicyLoop(pl.Callback):
             "engine_errors": float(stats.engine_errors),
             **(self.prompts.pop_metrics() if hasattr(self.prompts, "pop_metrics") else {}),
         }
+        if self.collector.environments is not None:  # turns, dropped groups, per-turn rewards and bytes
+            self._pending.update(stats.turn_metrics())
 
 
 def retry_policy(rollout: DictConfig) -> RetryPolicy:
@@ -262,12 +264,14 @@ def on_policy_loop(
     if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
         sampling.stop_token_ids = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
     config, retry = collector_config(rollout), retry_policy(rollout)
+    # a multi-turn task's environments give the reward
+    reward = getattr(task, "environments", lambda: None)() or prompts.reward
 
     def make_collector(urls: list[str]) -> RolloutCollector:
         options = {"api_key": rollout.api_key}
         return RolloutCollector(
             urls,
-            prompts.reward,
+            reward,
             config,
             schema=schema,
             sampling=sampling,

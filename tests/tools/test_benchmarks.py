@@ -26,6 +26,12 @@ CASES = {
         "| pybase64.b64decode of the payload (floor)",
         "target:",
     ],
+    "bench_multiturn.py": [
+        "### Multi-turn route bytes per turn",
+        "| 4    | 192              | 97              | 959             | 480            | 4.97x",
+        "| incremental | 959                 | 0.47",
+        "resending every row sends 2.80x the rows",
+    ],
     "bench_align.py": [
         "### Alignment into model-facing layouts",
         "| padded [B, S]",
