@@ -137,13 +137,12 @@ def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
             return path.name == ".hydra" or all(disposable(p) for p in path.iterdir())
         return path.suffix == ".log" or (path.parent == run_dir and path.name == "config.yaml")
 
-    if run_dir not in new_dirs or not run_dir.is_dir() or not all(disposable(p) for p in run_dir.iterdir()):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    for parent in new_dirs[new_dirs.index(run_dir) + 1 :]:
-        if not parent.is_dir() or any(parent.iterdir()):
-            break
-        parent.rmdir()
+    if run_dir in new_dirs and run_dir.is_dir() and all(disposable(p) for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in new_dirs[new_dirs.index(run_dir) + 1 :]:
+            if not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dirs: list[Path]) -> int:
@@ -183,26 +182,21 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
 def _hydra_message(exc: BaseException) -> str:
     """Hydra's multi-line composition error as one line (the search-path dump dropped)."""
     text = str(exc).split("Config search path")[0].split("full_key:")[0]
-    text = text.replace(":\n\t", ": ").replace("\n\t", ", ")
-    return _one_line(text)
+    return _one_line(text.replace(":\n\t", ": ").replace("\n\t", ", "))
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str, str]]:
     """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides,
     whether every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra
     as they are), and the ``config_dir`` / ``config_name`` the flags give (for ``compose_config``)."""
-    flags: list[str] = []
-    overrides: list[str] = []
-    where: dict[str, str] = {}
-    understood = True
+    flags, overrides, where, understood = [], [], {}, True
     items = iter(args)
     for arg in items:
         name, eq, value = arg.partition("=")
         if name in _VALUE_FLAGS:
             value = value if eq else next(items, "")
             flags += [arg] if eq else [arg, value]
-            if name in _WHERE:
-                where[_WHERE[name]] = value
+            where |= {_WHERE[name]: value} if name in _WHERE else {}
         elif arg.startswith("-"):
             flags.append(arg)
             understood = False
