@@ -47,10 +47,8 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
     check_config(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):
-        where, spec = (
-            f"compare[{index}]",
-            OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry},
-        )
+        spec = OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry}
+        where = f"compare[{index}]"
         mode, overrides = spec.pop("replay", None), spec.pop("overrides", None) or {}
         name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
         if spec:
@@ -186,9 +184,9 @@ def _hydra_message(exc: BaseException) -> str:
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str, str]]:
-    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides,
-    whether every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra
-    as they are), and the ``config_dir`` / ``config_name`` the flags give (for ``compose_config``)."""
+    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides, whether
+    the pre-check understands every flag (others, like ``--cfg``, go to Hydra as they are), and the
+    ``config_dir`` / ``config_name`` they give."""
     flags, overrides, where, understood = [], [], {}, True
     items = iter(args)
     for arg in items:
@@ -216,13 +214,9 @@ def compose_config(
     ``config_dir`` / ``config_name`` as ``--config-dir`` / ``--config-name``."""
     from hydra import compose, initialize_config_dir
 
-    extra = []
-    if config_dir is not None:
-        extra.append(f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]")
+    where = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]"] if config_dir else []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(
-            config_name=config_name, overrides=[*extra, *(overrides or [])], return_hydra_config=hydra_config
-        )
+        return compose(config_name, [*where, *(overrides or [])], return_hydra_config=hydra_config)
 
 
 def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
@@ -326,8 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     # Lightning's banner lines (accelerator summary, logger tips) are noise here.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    code = _sweep(args) if any(a in _MULTIRUN_FLAGS for a in args) else _single(args)
-    sys.exit(code)
+    sys.exit(_sweep(args) if any(a in _MULTIRUN_FLAGS for a in args) else _single(args))
 
 
 if __name__ == "__main__":
