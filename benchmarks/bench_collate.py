@@ -58,9 +58,10 @@ def make_trajectories(distribution: str, batch: int, max_len: int, seed: int = 0
     generator = torch.Generator().manual_seed(seed)
     low = max(PROMPT_TOKENS + 1, int(max_len * DISTRIBUTIONS[distribution]))
     lengths = torch.randint(low, max_len + 1, (batch,), generator=generator)
-    source = torch.randint(
-        0, NUM_EXPERTS, (max_len, NUM_LAYERS, TOP_K), dtype=torch.int16, generator=generator
-    )
+    # distinct experts per row (the route check refuses repeats): top_k evenly spaced experts
+    # shifted by a random offset per (row, layer)
+    offset = torch.randint(0, NUM_EXPERTS, (max_len, NUM_LAYERS, 1), generator=generator)
+    source = ((torch.arange(TOP_K) * (NUM_EXPERTS // TOP_K) + offset) % NUM_EXPERTS).to(torch.int16)
     trajectories = []
     for n in lengths.tolist():
         trajectories.append(

@@ -21,6 +21,7 @@ import argparse
 import _common
 import torch
 
+from r3lightning.serve.config import EngineConfig
 from r3lightning.serve.engine import GenerationEngine, GenerationRequest
 from r3lightning.serve.sampling import SamplingParams
 from r3lightning.testing.tiny import build_tiny_moe
@@ -58,13 +59,14 @@ def main() -> None:
     }
     model = build_tiny_moe(seed=0)
     arms = {
-        "plain (batch_invariant=False)": GenerationEngine(model, batch_invariant=False, max_batch_size=64)
+        "plain (batch_invariant=False)": GenerationEngine(
+            model, EngineConfig(batch_invariant=False, max_batch_size=64)
+        )
     }
     for tile in (16, 32, 64):
         name = f"batch-invariant, tile {tile}" + (" (default)" if tile == 64 else "")
-        arms[name] = GenerationEngine(
-            model, batch_invariant=True, invariant_tile_rows=tile, max_batch_size=64
-        )
+        arms[name] = GenerationEngine(model, EngineConfig(batch_invariant=True, max_batch_size=64))
+        arms[name].invariant_tile_rows = tile
 
     for requests in workloads.values():  # correctness before speed
         sample = requests[:: max(1, len(requests) // 6)]

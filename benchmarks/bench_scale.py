@@ -107,18 +107,16 @@ def run_steps(rank: int, world: int, url: str, arm: str, args: dict, root_only) 
     import torch.distributed as dist
 
     from r3lightning import ReplayBuffer, RolloutCollector, SamplingConfig
+    from r3lightning.rollout.config import CollectorConfig
+    from r3lightning.wire.request import RouteSchema
 
     collector = RolloutCollector(
         url,
         lambda prompt, response: float(response[0] % 2),
-        group_size=args["group_size"],
+        CollectorConfig(group_size=args["group_size"], max_in_flight=8, progress=False),
+        schema=RouteSchema(LAYERS, TOP_K, EXPERTS),
         sampling=SamplingConfig(max_new_tokens=args["tokens"] - PROMPT_TOKENS, ignore_eos=True),
-        num_layers=LAYERS,
-        top_k=TOP_K,
-        num_experts=EXPERTS,
-        max_in_flight=8,
         process_group=root_only if arm == "broadcast" else None,
-        progress=False,
     )
     prompts = [[1000 + g] * PROMPT_TOKENS for g in range(args["groups"])]
     buffer = ReplayBuffer(num_experts=EXPERTS)

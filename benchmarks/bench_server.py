@@ -13,7 +13,11 @@ every 10 ms; the worst ``/health`` latency is how long the server left it waitin
 
 Reported: the worst and median ``/health`` latency and how long the four bodies took to be
 answered. Every arm must refuse all four bodies (400 or 413) before its figures count.
-Usage: ``python benchmarks/bench_server.py [--quick]``.
+
+Readiness: seconds from launching ``r3lightning-serve --port 0`` (the tiny MoE on the CPU) to its
+``listening`` line, median and range over several launches; ``--ready-root DIR`` also times the
+checkout at DIR (e.g. an older one) in the same, alternating runs.
+Usage: ``python benchmarks/bench_server.py [--quick] [--ready-root DIR]``.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ async def _serve_on_loop() -> None:
     await asyncio.Event().wait()
 
 
-def _start(command: list[str]) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": str(_common.ROOT), "OMP_NUM_THREADS": "1"}
+def _start(command: list[str], root: str | None = None) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(root or _common.ROOT), "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = child.stdout.readline()
     if "listening on " not in line:
@@ -97,6 +101,29 @@ async def _measure(url: str, body: bytes) -> tuple[list[float], float, list[int]
     done.set()
     await poller
     return latencies, elapsed, list(statuses)
+
+
+def readiness(launches: int, other_root: str | None) -> None:
+    """Seconds from launch to the ``listening`` line, alternating between the checkouts."""
+    command = [sys.executable, "-m", "r3lightning.serve.server", "--port", "0", "--device", "cpu"]
+    roots = {"this checkout": None, **({f"{other_root}": other_root} if other_root else {})}
+    times: dict[str, list[float]] = {name: [] for name in roots}
+    for _ in range(launches):
+        for name, root in roots.items():
+            start = time.perf_counter()
+            child, _ = _start(command, root)
+            times[name].append(time.perf_counter() - start)
+            child.kill()
+            child.wait()
+    rows = [
+        [name, f"{statistics.median(t):.2f}", f"{min(t):.2f} - {max(t):.2f}", len(t)]
+        for name, t in times.items()
+    ]
+    _common.print_table(
+        "r3lightning-serve readiness (launch to listening, tiny MoE on the CPU)",
+        ["checkout", "median s", "range s", "launches"],
+        rows,
+    )
 
 
 async def main(mb: int) -> None:
@@ -142,6 +169,11 @@ async def main(mb: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 MiB bodies instead of 16 MiB")
+    parser.add_argument("--ready-root", default=None, help="also time r3lightning-serve from this checkout")
     parser.add_argument("--serve-on-loop", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    asyncio.run(_serve_on_loop() if args.serve_on_loop else main(4 if args.quick else 16))
+    if args.serve_on_loop:
+        asyncio.run(_serve_on_loop())
+    else:
+        asyncio.run(main(4 if args.quick else 16))
+        readiness(3 if args.quick else 7, args.ready_root)

@@ -14,9 +14,9 @@ Each step:
 3. it prints how often the trainer's native top-k would have agreed with the rollout (the mismatch
    R3 removes) and checks that the experts actually used equal the rollout's on every token/layer.
 
-The model is deliberately tiny and token-wise (embedding, megatron MLP / ``MoELayer`` blocks with
-residuals, LM head; no attention) so that it runs on a CPU; the MoE layers, routers and
-``RouterReplay`` are megatron-core's own. Run::
+The model is the package's tiny megatron-core MoE (:func:`r3lightning.testing.tiny_megatron.tiny_megatron_moe`:
+token-wise embedding, megatron MLP / ``MoELayer`` blocks with residuals, LM head; no attention) so
+that it runs on a CPU; the MoE layers, routers and ``RouterReplay`` are megatron-core's own. Run::
 
     python examples/megatron_moe/train_r3.py --steps 20            # CPU or the current GPU
     python examples/megatron_moe/train_r3.py --device cuda --steps 20
@@ -30,13 +30,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-from types import SimpleNamespace
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from r3lightning import (
     MegatronRouterReplay,
@@ -45,8 +40,7 @@ from r3lightning import (
     build_replay_mask,
     dummy_routes,
 )
-from r3lightning.testing.megatron_cpu import megatron_device_shims
-from r3lightning.testing.tiny_megatron import TinyMegatronMoE
+from r3lightning.testing.tiny_megatron import megatron_runtime, tiny_megatron_moe
 
 
 def rollout(engine, engine_replay, prompts, response_len, generator):
@@ -110,42 +104,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync-every", type=int, default=2, help="weight sync period (engine lag)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    with megatron_device_shims(device):  # undone when the run ends
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # a world-size-1 process group, megatron's parallel_state and the CPU shims; undone on exit
+    with megatron_runtime(device.type):
         train(args, device)
 
 
 def train(args: argparse.Namespace, device: torch.device) -> None:
-    if not dist.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        backend_name = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend_name, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    parallel_state.initialize_model_parallel()
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
-
     vocab = 64
-    config = TransformerConfig(
-        num_layers=4,
-        hidden_size=32,
-        ffn_hidden_size=64,
-        num_attention_heads=1,
-        num_moe_experts=16,
-        moe_router_topk=2,
-        moe_layer_freq=[0, 1, 1, 1],  # dense first layer, as in DeepSeek-style models
-        moe_enable_routing_replay=True,  # gives every TopKRouter megatron's RouterReplay
-        moe_router_load_balancing_type="none",
-        moe_token_dispatcher_type="allgather",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-    )
-    shape = SimpleNamespace(vocab_size=vocab, num_hidden_layers=config.num_layers)
-    policy = TinyMegatronMoE(config, shape).to(device)
-    engine = TinyMegatronMoE(config, shape).to(device, torch.bfloat16)  # synced each step
+    # dense first layer then three MoE layers of 16 experts, top-2 (DeepSeek-style), routing replay on
+    policy = tiny_megatron_moe(vocab_size=vocab, num_experts=16, seed=args.seed).train().to(device)
+    engine = tiny_megatron_moe(vocab_size=vocab, num_experts=16).to(device, torch.bfloat16)  # synced below
     backend = MegatronRouterReplay(policy)
     engine_replay = MegatronRouterReplay(engine)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3)
@@ -174,9 +146,6 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         )
         if not bool(same.all()):
             raise SystemExit("replayed experts differ from the rollout's")
-
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

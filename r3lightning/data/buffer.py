@@ -33,8 +33,9 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     """Trajectories -> a dict of a few flat tensors (checkpoint-friendly, ``weights_only`` safe).
 
     Token fields are concatenated with per-trajectory lengths; routes are concatenated in the
-    widest dtype present with one row count per trajectory (-1 = no routes). One copy of every
-    field; no per-trajectory Python objects in the result.
+    widest dtype present with one row count per trajectory (-1 = no routes) and the sum of each
+    trajectory's ids (``route_sums``: a restore refuses rows that moved to a neighbour). One copy
+    of every field plus one pass over the routes; no per-trajectory Python objects in the result.
     """
     count = len(trajectories)
     prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
@@ -44,9 +45,16 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     )
     with_routes = [t.routed_experts for t in trajectories if t.routed_experts is not None]
     routes: Tensor | None = None
+    route_sums = torch.zeros(count, dtype=torch.int64)
     if with_routes:
         dtype = widest_route_dtype(r.dtype for r in with_routes)
         routes = torch.cat([r.to(dtype) for r in with_routes])  # [sum rows, L, K]
+        rows = route_rows.clamp(min=0)  # [count]
+        running = torch.cat(
+            [torch.zeros(1, dtype=torch.int64), routes.flatten(1).sum(1, dtype=torch.int64).cumsum(0)]
+        )
+        ends = rows.cumsum(0)  # one past each trajectory's last row
+        route_sums = running[ends] - running[ends - rows]
 
     def cat(name: str, dtype: torch.dtype) -> Tensor:
         if not count:
@@ -65,6 +73,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float64),
         "advantages": torch.tensor([t.advantage for t in trajectories], dtype=torch.float64),
         "route_rows": route_rows,
+        "route_sums": route_sums,
         "routes": routes,
     }
 
@@ -116,9 +125,10 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     """Inverse of :func:`pack_trajectories`; each route tensor regains its own compact dtype.
 
     Validates like building every :class:`Trajectory` anew (it does: one set of checks for
-    fresh and restored trajectories), plus the packing itself (keys present, lengths
-    non-negative and summing to each field's size). Raises ``ValueError`` naming ``where``, the
-    field and the trajectory. Cost: one copy and one validation pass of every field.
+    fresh and restored trajectories, the route check included), plus the packing itself (keys
+    present, lengths non-negative and summing to each field's size, each trajectory's routes
+    adding up to its ``route_sums`` entry when the state has them). Raises ``ValueError`` naming
+    ``where``, the field and the trajectory. Cost: one copy and one validation pass of every field.
     """
     _missing(packed, _PACKED_KEYS, where)
     count = packed["count"]
@@ -139,6 +149,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
         fields[name] = _vector(packed, name, sum(lengths), where).split(lengths)
     rewards = _vector(packed, "rewards", count, where).tolist()
     advantages = _vector(packed, "advantages", count, where).tolist()
+    sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
     kept_rows = [r for r in route_rows if r >= 0]
     routes_all = packed["routes"]
     if routes_all is None:
@@ -178,6 +189,16 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
             )
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: trajectory {i} rejected: {err}") from None
+        routes = out[-1].routed_experts
+        if (
+            sums is not None
+            and routes is not None
+            and (total := int(routes.sum(dtype=torch.int64))) != sums[i]
+        ):
+            raise ValueError(
+                f"{where}: trajectory {i} rejected: its {len(routes)} route rows add up to {total}, "
+                f"not to route_sums[{i}] = {sums[i]} (route_rows out of step with routes)"
+            )
     return out
 
 

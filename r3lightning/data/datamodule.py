@@ -53,7 +53,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
@@ -66,6 +66,9 @@ from r3lightning.align.layout import check_int
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, pack_trajectories, unpack_trajectories
 from r3lightning.data.collate import RolloutCollator
+from r3lightning.data.position import Cursor as _Cursor
+from r3lightning.data.position import Plan as _Plan
+from r3lightning.data.position import restore_position
 from r3lightning.data.trajectory import Trajectory
 
 __all__ = ["R3DataModule"]
@@ -84,33 +87,6 @@ class _Snapshot(Dataset):
 
     def __getitem__(self, index: int) -> Trajectory | None:
         return None if index < 0 else self.trajectories[index]
-
-
-@dataclass
-class _Cursor:
-    """Where this rank is in the data: shared by the data module and its sampler."""
-
-    epoch: int = -1  # -1 = no epoch started yet
-    consumed: int = 0  # batches trained in the epoch
-    batches: int = 0  # this rank's batches in the epoch
-    exhausted: bool = False  # an iterator has yielded the whole epoch
-    start: int = 0  # snapshot = buffer sequence numbers [start, stop)
-    stop: int = 0
-
-    @property
-    def in_progress(self) -> bool:
-        return self.epoch >= 0 and not self.exhausted and 0 < self.consumed < self.batches
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Settings that decide the epoch's batches; a mid-epoch resume needs them unchanged."""
-
-    batch_size: int
-    shuffle: bool
-    seed: int
-    drop_last: bool
-    num_replicas: int
 
 
 class _EpochShardSampler(DistributedSampler):
@@ -462,20 +438,23 @@ class R3DataModule(pl.LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the buffer (in place) and the position; the next ``train_dataloader``
         continues the saved epoch after its consumed batches."""
+        where = "R3DataModule state"
+        if not isinstance(state, dict):
+            raise ValueError(f"{where} must be a dict, got {type(state).__name__}")
         if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"R3DataModule state version {state.get('version')!r} is not {_STATE_VERSION}")
-        missing = [key for key in ("buffer", "cursor", "plan", "snapshot") if key not in state]
-        if missing:
-            raise ValueError(f"R3DataModule state lacks {missing}")
+            raise ValueError(f"{where} version {state.get('version')!r} is not {_STATE_VERSION}")
+        if missing := [key for key in ("buffer", "cursor", "plan", "snapshot") if key not in state]:
+            raise ValueError(f"{where} lacks {missing}")
         # everything is checked before anything changes: a bad state leaves buffer and position
-        try:
-            cursor = _Cursor(**state["cursor"])
-            plan = None if state["plan"] is None else _Plan(**state["plan"])
-        except TypeError as err:
-            raise ValueError(f"R3DataModule state cursor / plan do not match this version: {err}") from None
+        cursor, plan = restore_position(state["cursor"], state["plan"], where)
         snapshot = None
         if state["snapshot"] is not None:
-            snapshot = tuple(unpack_trajectories(state["snapshot"], where="R3DataModule state snapshot"))
+            snapshot = tuple(unpack_trajectories(state["snapshot"], where=f"{where} snapshot"))
+            if len(snapshot) != cursor.stop - cursor.start:
+                raise ValueError(
+                    f"{where} snapshot holds {len(snapshot)} trajectories, not the "
+                    f"cursor.stop - cursor.start = {cursor.stop - cursor.start} of its range"
+                )
         self.buffer.load_state_dict(state["buffer"])  # validates before it changes anything
         self._cursor, self._plan = cursor, plan
         self._snapshot, self._snapshot_restored = snapshot, snapshot is not None

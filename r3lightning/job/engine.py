@@ -16,14 +16,24 @@ import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor
 
 from r3lightning.job.common import JobError, is_global_zero
-from r3lightning.job.rollout_loop import Engine, WeightSync
+from r3lightning.job.rollout_loop import Engine, WeightSync, collector_config, retry_policy, settings_from
 from r3lightning.job.setup import build_model
+
+if TYPE_CHECKING:
+    from r3lightning.serve.config import EngineConfig, ServerLimits
+
+# keys that moved into a settings group: old -> new
+_MOVED = {
+    "rollout.request_timeout_s": "rollout.retry.timeout_s",
+    "rollout.max_in_flight": "rollout.collector.max_in_flight",
+}
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -107,6 +117,30 @@ def engine_urls(rollout: DictConfig) -> list[str] | None:
     return [str(u).rstrip("/") for u in urls]
 
 
+def check_rollout(cfg: DictConfig) -> None:
+    """Refuse a moved key or a bad value of ``rollout.retry`` / ``collector`` / ``server`` /
+    ``limits`` (a one-line ``JobError`` naming the key) before anything is built."""
+    for old, new in _MOVED.items():
+        if OmegaConf.select(cfg, old) is not None:
+            raise JobError(f"{old} moved to {new}; set {new}={OmegaConf.select(cfg, old)} instead")
+    retry_policy(cfg.rollout)
+    collector_config(cfg.rollout)
+    server_settings(cfg.rollout)
+
+
+def server_settings(rollout: DictConfig) -> tuple[EngineConfig, ServerLimits]:
+    """The embedded server's :class:`EngineConfig` (``rollout.server`` but ``host`` and
+    ``port``) and :class:`ServerLimits` (``rollout.limits``)."""
+    from r3lightning.serve.config import EngineConfig, ServerLimits
+
+    engine = settings_from(EngineConfig, _without(rollout.server, "host", "port"), "rollout.server")
+    return engine, settings_from(ServerLimits, rollout.limits, "rollout.limits")
+
+
+def _without(node: DictConfig, *keys: str) -> dict:
+    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in keys}  # type: ignore[union-attr]
+
+
 def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
     rollout = cfg.rollout
     if not rollout.sync_weights:
@@ -121,7 +155,7 @@ def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
         return Engine(urls)
     if not is_global_zero():
         return Engine(urls, gather=True)
-    timeout = float(rollout.request_timeout_s)
+    timeout = retry_policy(rollout).timeout_s
     if rollout.protocol == "skyrl":
         return Engine(urls, _http_push(urls, rollout.api_key, timeout), gather=True)
     directory = Path(str(rollout.weight_sync_dir))
@@ -143,26 +177,16 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         return
     from r3lightning.serve.server import RolloutServer
 
-    server_cfg = rollout.server
-    dtype = getattr(torch, str(server_cfg.dtype), None)
-    if not isinstance(dtype, torch.dtype):
-        raise JobError(
-            f"rollout.server.dtype must be a torch dtype name (bfloat16, float32), got {server_cfg.dtype!r}"
-        )
+    engine, limits = server_settings(rollout)
     model = build_model(cfg.model)
     try:
         server = RolloutServer(
             model,
-            host=str(server_cfg.host),
-            port=int(server_cfg.port),
+            engine=engine,
+            limits=limits,
+            host=str(rollout.server.host),
+            port=int(rollout.server.port),
             api_key=rollout.api_key,
-            dtype=dtype,
-            device=server_cfg.device,
-            max_batch_size=int(server_cfg.max_batch_size),
-            seed=int(cfg.seed),
-            copy_model=False,
-            batch_invariant=server_cfg.get("batch_invariant"),
-            simulated_disagreement=server_cfg.get("simulated_disagreement"),
         )
     except (TypeError, ValueError) as exc:  # e.g. a non-loopback host without rollout.api_key
         raise JobError(f"rollout.server: {exc}") from None
@@ -170,7 +194,7 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         server.__enter__()  # serves from a daemon thread until __exit__
     except OSError as exc:
         raise JobError(
-            f"cannot start the embedded rollout server on {server_cfg.host}:{server_cfg.port}: {exc}"
+            f"cannot start the embedded rollout server on {rollout.server.host}:{rollout.server.port}: {exc}"
         ) from None
     try:
         sync = bool(rollout.sync_weights)

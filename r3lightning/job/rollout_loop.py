@@ -20,23 +20,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
+from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
 from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
 from r3lightning.rollout.collector import RolloutCollector
+from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
 from r3lightning.rollout.tasks import ScoredTask
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
+T = TypeVar("T")
 
 _PROMPTS = -1  # the "group index" of a step's prompt draw in sampling_seed (groups are >= 0)
 
@@ -225,50 +228,60 @@ class OnPolicyLoop(pl.Callback):
         }
 
 
+def retry_policy(rollout: DictConfig) -> RetryPolicy:
+    """``rollout.retry`` (with its ``backoff``) as a :class:`RetryPolicy`; a bad value is a
+    ``JobError`` naming the key."""
+    backoff = settings_from(Backoff, rollout.retry.backoff, "rollout.retry.backoff")
+    return settings_from(RetryPolicy, rollout.retry, "rollout.retry", backoff=backoff)
+
+
+def collector_config(rollout: DictConfig) -> CollectorConfig:
+    """``rollout.collector`` as a :class:`CollectorConfig`."""
+    return settings_from(CollectorConfig, rollout.collector, "rollout.collector")
+
+
+def settings_from(cls: type[T], node: DictConfig, key: str, **fixed: Any) -> T:
+    """``cls`` from ``node`` (types checked, unknown keys refused) with ``fixed`` fields set; a
+    value the dataclass refuses is a ``JobError`` naming ``key.<field>``."""
+    try:
+        settings = dataclass_from(cls, node, key, skip=tuple(fixed))
+        return replace(settings, **fixed) if fixed else settings
+    except ValueError as exc:  # the config's messages start with the field name
+        raise JobError(f"{key}.{exc}") from None
+
+
 def on_policy_loop(
-    cfg: DictConfig,
-    engine: Engine,
-    task: ScoredTask,
-    schema: RouteSchema,
-    buffer,
-    *,
-    normalize_std: bool,
-    metrics_path: Path,
+    cfg: DictConfig, engine: Engine, task: ScoredTask, schema: RouteSchema, buffer, *, metrics_path: Path
 ) -> OnPolicyLoop:
     """The job's loop: the task's prompts and reward, a collector over ``engine``'s URLs built
-    from ``cfg.rollout``. Engines known here (not the embedded one on ranks > 0) must answer
-    ``GET /health`` (else a ``JobError``)."""
+    from ``rollout.collector``, ``rollout.retry`` and ``rollout.sampling``. Engines known here
+    (not the embedded one on ranks > 0) must answer ``GET /health`` (else a ``JobError``)."""
     rollout = cfg.rollout
     prompts = TaskPrompts(task, int(cfg.prompts_per_step), int(cfg.seed))
     sampling = SamplingConfig(**OmegaConf.to_container(rollout.sampling, resolve=True))  # type: ignore[arg-type]
     if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
         sampling.stop_token_ids = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
+    config, retry = collector_config(rollout), retry_policy(rollout)
 
     def make_collector(urls: list[str]) -> RolloutCollector:
+        options = {"api_key": rollout.api_key}
         return RolloutCollector(
             urls,
             prompts.reward,
-            group_size=int(cfg.algorithm.group_size),
+            config,
+            schema=schema,
             sampling=sampling,
-            protocol=str(rollout.protocol),
-            num_layers=schema.num_layers,
-            top_k=schema.top_k,
-            num_experts=schema.num_experts,
-            request_routes=bool(cfg.replay.request_routes),
-            normalize_std=normalize_std,
-            seed=int(cfg.seed),
-            max_in_flight=int(rollout.max_in_flight),
-            reward_threads=int(cfg.get("reward_threads", 0)),
-            client_options={"api_key": rollout.api_key, "timeout_s": float(rollout.request_timeout_s)},
-            progress=bool(cfg.trainer.get("enable_progress_bar", True)),
+            retry=retry,
+            client_options=options,
         )
 
     if engine.urls is not None:
         down = [url for url, ok in make_collector(engine.urls).check_engines().items() if not ok]
         if down:
             raise JobError(
-                f"cannot reach the rollout engine at {', '.join(down)} (GET /health failed within "
-                f"{float(rollout.request_timeout_s):g}s); check rollout.url or start the engine"
+                f"cannot reach the rollout engine at {', '.join(down)}: GET /health did not answer 200 "
+                f"within {retry.health_timeout_s:g}s (rollout.retry.health_timeout_s); check rollout.url "
+                "or start the engine"
             )
     simulated = OmegaConf.select(rollout, "server.simulated_disagreement") if rollout.url is None else None
     labels = {"simulated_disagreement": float(simulated)} if simulated else {}

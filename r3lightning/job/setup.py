@@ -120,8 +120,9 @@ def check_config(cfg: DictConfig) -> None:
         raise JobError(
             f"rollout.url must be null (embedded engine), http(s)://host:port or a list of them, got {url!r}"
         )
-    _positive_number(cfg, "rollout.request_timeout_s")
-    _int(cfg, "rollout.max_in_flight")
+    from r3lightning.job.engine import check_rollout
+
+    check_rollout(cfg)
     grpo = dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim",))
     if grpo.group_size < 2:
         raise JobError(f"algorithm.group_size must be an integer >= 2, got {grpo.group_size}")
@@ -389,7 +390,6 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
         task,
         schema,
         buffer,
-        normalize_std=grpo.normalize_std,
         metrics_path=out_dir / "metrics.csv",
     )
     checkpoint = ModelCheckpoint(

@@ -1,19 +1,6 @@
-"""The interface every router replay backend implements.
-
-A backend owns the MoE routers of one model (or one pipeline stage of it) and can
-
-* replay: force each router to use installed expert ids while the gate weights are still
-  computed from the router's live logits (so the router keeps receiving gradients), and
-* record: capture the expert ids each router actually used in a forward pass.
-
-Routes are integer tensors ``[*token_shape, num_layers, top_k]`` whose layer axis is the
-absolute decoder-layer index (dense layers included; their entries are ignored on install and
-filled with 0 when recording). ``token_shape`` is the shape of the token tensor the model sees:
-``[B, S']`` for a padded batch, ``[1, T]`` for a packed one (for megatron: this context-parallel
-rank's ``[1, T_local]``, before the sequence-parallel split, which the backend applies itself).
-"""
-
-from __future__ import annotations
+"""The router replay backend interface and helpers its backends share. Routes are integers
+``[*token_shape, num_layers, top_k]`` on the absolute decoder-layer axis (dense layers ignored on
+install, 0 when recorded), ``token_shape`` as the model sees it (megatron: before the SP split)."""
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
@@ -21,18 +8,11 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-__all__ = [
-    "RouterReplayBackend",
-    "agreement_hits",
-    "in_recompute",
-    "routes_on_all_layers",
-    "validate_routes_for_install",
-]
-
 
 @runtime_checkable
 class RouterReplayBackend(Protocol):
-    """Install / clear / record routes for the MoE routers of one model."""
+    """Install / clear / record routes ``[*token_shape, num_layers, top_k]`` for the MoE routers of
+    one model. Routing stats accumulate over every install until :meth:`clear`."""
 
     num_layers: int  # size of the routes' layer axis (all decoder layers, dense ones included)
     top_k: int
@@ -40,45 +20,26 @@ class RouterReplayBackend(Protocol):
     moe_layers: tuple[int, ...]  # absolute indices of the layers this backend routes
 
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
-        """Replay ``routes`` ``[*token_shape, num_layers, top_k]`` in the following forwards.
-
-        ``replay_mask`` bool ``[*token_shape]``: False rows keep native routing (padding,
-        uncaptured suffix tokens). ``None`` replays every row. Routes stay installed (and are
-        reused by activation-checkpoint recomputation) until :meth:`clear` or the next install,
-        which replaces them (one install per micro-batch); routing stats keep accumulating.
-        """
-        ...
+        """Replay ``routes`` in the following forwards (and their activation recompute) until
+        :meth:`clear` or the next install. ``replay_mask [*token_shape]`` bool: False rows (padding,
+        uncaptured tokens) keep native routing; None replays every row."""
 
     def clear(self) -> None:
         """Drop installed routes, recording state and routing stats; routers route natively."""
-        ...
 
     def start_recording(self) -> None:
         """Capture the experts every router uses in the following forwards."""
-        ...
 
     def stop_recording(self) -> Tensor:
-        """Stop capturing; return ``[*token_shape, num_layers, top_k]`` of the recorded forward.
-
-        Dense layers hold 0. Backends may join several forwards along the token axis (the
-        Hugging Face backend does, for KV-cache generation).
-        """
-        ...
+        """The experts the recorded forward used, ``[*token_shape, num_layers, top_k]`` (0 on dense
+        layers); a backend may join several forwards along the token axis (KV-cache generation)."""
 
     def routing_stats(self) -> dict:
-        """Native-vs-replayed agreement of the forwards since the last :meth:`clear` (every
-        install in between).
-
-        Keys: ``"layers"`` (tuple of absolute layer indices), ``"replayed_rows"`` (int64
-        ``[len(layers)]``: token rows replayed per layer), ``"agreeing_slots"`` (int64
-        ``[len(layers)]``: expert slots whose replayed id is in the native top-k set), and
-        ``"top_k"``; optionally ``"used_slots"`` (replayed expert slots the forward actually
-        used; a backend without it replays exactly what it installed). Agreement of layer ``i`` =
-        ``agreeing_slots[i] / (replayed_rows[i] * top_k)``. Activation-checkpoint recomputation is
-        not counted twice. Tensors on the routers' device, no host sync (before any forward they
-        may be host zeros).
-        """
-        ...
+        """Agreement of the forwards since :meth:`clear`, recompute not counted twice: ``layers``,
+        ``top_k``, ``replayed_rows`` and ``agreeing_slots`` (replayed ids in the native top-k set),
+        int64 ``[len(layers)]`` on the routers' device (host zeros before a forward), no host sync;
+        optionally ``used_slots`` (replayed ids the forward used; default: all). Agreement of layer
+        ``i`` = ``agreeing_slots[i] / (replayed_rows[i] * top_k)``."""
 
 
 def validate_routes_for_install(
@@ -89,34 +50,21 @@ def validate_routes_for_install(
     token_dims: int | None = None,
     check_ids: bool = True,
 ) -> tuple[int, ...]:
-    """Check the arguments of ``backend.install(routes, replay_mask)``; returns the token shape.
-
-    ``routes`` must be an integer ``[*token_shape, num_layers, top_k]`` tensor (``token_dims=2``:
-    exactly ``[B, S, num_layers, top_k]``) and ``replay_mask`` None or bool ``[*token_shape]``.
-    With ``check_ids`` the expert ids of the replayed rows on ``backend.moe_layers`` must lie in
-    ``[0, num_experts)`` and be distinct within a row: one pass over those rows and, for device
-    routes, device->host syncs (the masked selection, the min/max and the repeat test). Raises
-    ``TypeError`` / ``ValueError``; nothing is kept.
-    """
-    num_layers, top_k, num_experts = backend.num_layers, backend.top_k, backend.num_experts
+    """Check ``backend.install(routes, replay_mask)``'s arguments (``token_dims``: exactly that many
+    token axes); returns the token shape. ``check_ids``: the replayed MoE-layer ids lie in ``[0,
+    num_experts)`` and are distinct per row (a pass over them; host syncs for device routes)."""
+    L, K, num_experts = backend.num_layers, backend.top_k, backend.num_experts
     if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
         raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
-    label = (
-        "*token_shape" if token_dims is None else "B, S" if token_dims == 2 else f"{token_dims} token dims"
-    )
+    label = {None: "*token_shape", 2: "B, S"}.get(token_dims, f"{token_dims} token dims")
     shape_ok = routes.dim() >= 3 if token_dims is None else routes.dim() == token_dims + 2
-    if not shape_ok or tuple(routes.shape[-2:]) != (num_layers, top_k):
-        raise ValueError(
-            f"routes must have shape [{label}, num_layers={num_layers}, top_k={top_k}], got {tuple(routes.shape)}"
-        )
+    if not shape_ok or tuple(routes.shape[-2:]) != (L, K):
+        expected = f"[{label}, num_layers={L}, top_k={K}]"
+        raise ValueError(f"routes must have shape {expected}, got {tuple(routes.shape)}")
     token_shape = tuple(routes.shape[:-2])
-    if replay_mask is not None and (
-        replay_mask.dtype != torch.bool or tuple(replay_mask.shape) != token_shape
-    ):
-        raise ValueError(
-            f"replay_mask must be a bool tensor of shape {token_shape}, "
-            f"got {replay_mask.dtype} {tuple(replay_mask.shape)}"
-        )
+    if replay_mask is not None and (replay_mask.dtype != torch.bool or replay_mask.shape != token_shape):
+        got = f"{replay_mask.dtype} {tuple(replay_mask.shape)}"
+        raise ValueError(f"replay_mask must be a bool tensor of shape {token_shape}, got {got}")
     if check_ids:
         used = routes[..., list(backend.moe_layers), :]  # [*token_shape, moe_layers, top_k]
         if replay_mask is not None:
@@ -124,10 +72,8 @@ def validate_routes_for_install(
         if used.numel():
             low, high = int(used.min()), int(used.max())
             if low < 0 or high >= num_experts:
-                raise ValueError(
-                    f"routes hold expert ids in [{low}, {high}] on replayed MoE layers; "
-                    f"expected ids in [0, {num_experts - 1}]"
-                )
+                got = f"routes hold expert ids in [{low}, {high}] on replayed MoE layers"
+                raise ValueError(f"{got}; expected ids in [0, {num_experts - 1}]")
             ordered = used.sort(dim=-1).values
             if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
                 raise ValueError("routes repeat an expert within a token's top_k on a replayed MoE layer")
@@ -135,24 +81,29 @@ def validate_routes_for_install(
 
 
 def agreement_hits(replayed: Tensor, native: Tensor) -> Tensor:
-    """bool ``[N, K]``: replayed expert slot whose id is in the router's native top-k set.
-
-    ``replayed`` / ``native`` are ``[N, K]`` expert ids on one device; an ``[N, K, K]``
-    comparison, no host sync. Summed per layer, these are the ``agreeing_slots`` of
-    :meth:`RouterReplayBackend.routing_stats`.
-    """
+    """bool ``[N, K]``: replayed slots whose id is in the native top-k set (``[N, K]`` ids each; an
+    ``[N, K, K]`` comparison on device). Summed per layer: ``routing_stats()["agreeing_slots"]``."""
     return (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)
+
+
+def agreement_counts(
+    replayed: Tensor, native: Tensor, mask: Tensor | None, *, used: Tensor | None = None
+) -> Tensor:
+    """int64 ``[3]`` over the rows ``mask`` keeps (all when None), on device without a sync: rows,
+    replayed slots in the ``native`` top-k set, and in ``used``'s (0 without ``used``); ``[N, K]``."""
+    with torch.no_grad():
+        keep = torch.ones_like(replayed[:, :1], dtype=torch.bool) if mask is None else mask[:, None]
+        hits = agreement_hits(replayed, native) & keep
+        used_hits = hits.new_zeros(()) if used is None else (agreement_hits(replayed, used) & keep).sum()
+        return torch.stack([keep.sum(), hits.sum(), used_hits.sum()])
 
 
 def routes_on_all_layers(
     layer_rows: Iterable[tuple[int, Tensor]], token_shape: Sequence[int], num_layers: int, top_k: int
 ) -> Tensor:
-    """Recorded routes as :meth:`RouterReplayBackend.stop_recording` returns them.
-
-    ``layer_rows``: ``(absolute layer, experts [*token_shape, top_k])`` of each routed layer (at
-    least one; all on one device). Returns int32 ``[*token_shape, num_layers, top_k]`` there, 0 on
-    every other layer (dense layers, other pipeline stages). One zero fill and one copy per layer.
-    """
+    """int32 ``[*token_shape, num_layers, top_k]`` from ``(absolute layer, experts [*token_shape,
+    top_k])`` of each routed layer (at least one), 0 on every other layer: what ``stop_recording``
+    returns."""
     out: Tensor | None = None
     for layer, rows in layer_rows:
         if out is None:
@@ -168,7 +119,6 @@ _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", 
 
 
 def in_recompute() -> bool:
-    """True while autograd runs a backward pass, i.e. during activation-checkpoint recomputation
-    (reentrant or not: both recompute inside the backward's graph task). Backends replay there
-    what the forward replayed, and neither record nor count it again."""
+    """True inside autograd's backward, i.e. during activation-checkpoint recompute (reentrant or
+    not): backends replay what the forward replayed and neither record nor count it again."""
     return _graph_task_id() != -1

@@ -1,16 +1,9 @@
-"""Reading the fields a replay step needs from a batch, whatever its type.
-
-Shared by the callback and the megatron layout helper without either importing the other.
-"""
-
-from __future__ import annotations
+"""The fields a replay step reads from a batch, whatever its type (``RolloutBatch``, mapping)."""
 
 from typing import Any
 
 import torch
 from torch import Tensor
-
-__all__ = ["batch_field", "host_attention_mask"]
 
 
 def batch_field(batch: Any, name: str) -> Any:
@@ -20,12 +13,16 @@ def batch_field(batch: Any, name: str) -> Any:
     return getattr(batch, name, None)
 
 
-def host_attention_mask(batch: Any) -> Tensor:
-    """The batch's ``[B, S]`` left-padded attention mask on the host.
+def set_batch_field(batch: Any, name: str, value: Any) -> None:
+    if isinstance(batch, dict):
+        batch[name] = value
+    else:
+        setattr(batch, name, value)
 
-    Rebuilt from ``batch.lengths_host()`` when the batch carries host lengths (``RolloutBatch``),
-    so no device->host sync is needed for a batch already on the GPU; otherwise copied back.
-    """
+
+def host_attention_mask(batch: Any) -> Tensor:
+    """The batch's left-padded ``[B, S]`` mask on the host: rebuilt from ``batch.lengths_host()`` (a
+    ``RolloutBatch``: no device->host sync), else copied back."""
     attention_mask = batch_field(batch, "attention_mask")
     if attention_mask is None:
         raise ValueError("RouterReplayCallback needs batch.attention_mask ([B, S] bool, left-padded)")

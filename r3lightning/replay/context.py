@@ -1,19 +1,12 @@
-"""Context managers to record and replay routes in custom loops (no Lightning needed).
+"""Record and replay routes in custom loops (no Lightning needed)::
 
-    with record_routes(model) as rec:
+    with record_routes(model) as rec:  # rec.routes: [B, S, num_layers, top_k], the experts used
         model(input_ids, attention_mask=attention_mask)
-    rec.routes  # [B, S, num_layers, top_k]: experts each MoE layer used (after any replay)
-
     with replay_routes(model, routes, replay_mask):
-        loss = model(input_ids, attention_mask=attention_mask).logits.sum()
-        loss.backward()  # activation-checkpoint recompute inside backward replays the same routes
+        model(input_ids, attention_mask=attention_mask).logits.sum().backward()  # recompute too
 
-Both accept a Hugging Face MoE model (its ``HFRouterReplay`` is created once and reused), a model
-that names its own backend (``model.router_replay_backend()``, e.g. a megatron-core MoE), or any
-``RouterReplayBackend``.
+``model``: a Hugging Face MoE, a model with ``router_replay_backend()``, or a ``RouterReplayBackend``.
 """
-
-from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,8 +18,7 @@ from r3lightning.replay.backend import RouterReplayBackend
 
 
 def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
-    """The backend itself, the model's own (``model.router_replay_backend()``), or the Hugging Face
-    backend attached to a model (created on first use)."""
+    """The backend itself, the model's own, or the Hugging Face one attached to it (made once)."""
     if isinstance(model_or_backend, RouterReplayBackend):
         return model_or_backend
     own = getattr(model_or_backend, "router_replay_backend", None)
@@ -36,9 +28,22 @@ def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterRepla
         from r3lightning.replay.hf.replay import HFRouterReplay
 
         return HFRouterReplay.for_model(model_or_backend)
-    raise TypeError(
-        f"expected an nn.Module MoE model or a RouterReplayBackend, got {type(model_or_backend).__name__}"
-    )
+    got = type(model_or_backend).__name__
+    raise TypeError(f"expected an nn.Module MoE model or a RouterReplayBackend, got {got}")
+
+
+def build_backend(megatron: bool, model: nn.Module, *, validate: bool) -> RouterReplayBackend:
+    """A new megatron backend of ``model``, or its Hugging Face one (the one attached already, if
+    any), with its ``validate`` flag set."""
+    if megatron:
+        from r3lightning.replay.megatron.replay import MegatronRouterReplay
+
+        return MegatronRouterReplay(model, validate=validate)
+    from r3lightning.replay.hf.replay import HFRouterReplay
+
+    backend = HFRouterReplay.for_model(model)
+    backend.validate = validate
+    return backend
 
 
 @dataclass
@@ -50,12 +55,9 @@ class RouteRecording:
 
 @contextmanager
 def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator[RouteRecording]:
-    """Record the experts every MoE layer uses in the forwards of the block.
-
-    ``rec.routes`` is set on exit. Several forwards (e.g. ``generate`` with a KV cache) are joined
-    along the last token axis. Installed routes (an enclosing ``replay_routes``) stay installed;
-    on an exception the recording is dropped and everything is cleared.
-    """
+    """Record the experts every MoE layer uses in the block's forwards into ``rec.routes`` (several
+    forwards, e.g. ``generate``, joined along the last token axis). Installed routes stay; an
+    exception drops the recording and clears everything."""
     backend = as_backend(model_or_backend)
     recording = RouteRecording()
     backend.start_recording()
@@ -71,11 +73,8 @@ def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator
 def replay_routes(
     model_or_backend: nn.Module | RouterReplayBackend, routes: Tensor, replay_mask: Tensor | None = None
 ) -> Iterator[RouterReplayBackend]:
-    """Replay ``routes`` ``[*token_shape, num_layers, top_k]`` in the forwards of the block.
-
-    ``replay_mask`` bool ``[*token_shape]``: False rows keep native routing. Routes are cleared on
-    exit, also on an exception. Yields the backend (for ``routing_stats()``).
-    """
+    """Replay ``routes [*token_shape, num_layers, top_k]`` in the block's forwards (``replay_mask
+    [*token_shape]`` False: native routing); cleared on exit. Yields the backend (``routing_stats()``)."""
     backend = as_backend(model_or_backend)
     backend.install(routes, replay_mask)
     try:

@@ -1,24 +1,6 @@
-"""Rollout MoE load metrics: how evenly the engine spread a step's tokens over the experts.
-
-The routes of a training batch are the experts the rollout engine actually used, so the
-per-layer expert load of a step costs one scatter-add over routes already in hand (no extra
-forward, no host sync). :func:`expert_load_stats` is the pure function; :class:`ExpertLoadMonitor`
-is the Lightning callback that logs it every ``every_n_steps`` steps.
-
-Per MoE layer ``l``, with ``c[l, e]`` the number of token slots routed to expert ``e``:
-
-- ``max_over_mean[l] = max_e c[l, e] / mean_e c[l, e]``: 1 when perfectly balanced, up to
-  ``num_experts / top_k`` when every token of the layer went to the same ``top_k`` experts
-  (the hottest expert's load relative to a uniform spread, what expert-parallel ranks wait on);
-- ``entropy[l] = -sum_e p log p / log(num_experts)`` with ``p = c[l] / sum_e c[l]``: 1 when
-  uniform, lower as routing concentrates.
-
-Dense layers carry all-zero rows (engines fill them so) and are left out: either the layers
-named by ``moe_layers``, or else every layer whose slots are all-zero rows (a zero row is
-skipped slot by slot, since ``top_k`` distinct experts can never all be expert 0).
-"""
-
-from __future__ import annotations
+"""How evenly the rollout engine spread a step's tokens over the experts, per MoE layer, from the
+routes in hand (one scatter-add, no host sync): ``max_over_mean`` (1 balanced, up to ``num_experts /
+top_k``) and normalised ``entropy`` (1 uniform). All-zero rows (dense layers) are skipped."""
 
 import math
 from collections.abc import Sequence
@@ -30,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
 from r3lightning.packed import PackedTensor
+from r3lightning.replay.batch_fields import batch_field
 
 __all__ = ["ExpertLoadMonitor", "expert_load_stats"]
 
@@ -37,23 +20,17 @@ __all__ = ["ExpertLoadMonitor", "expert_load_stats"]
 def expert_load_stats(
     routes: Tensor | PackedTensor, num_experts: int, *, moe_layers: Sequence[int] | None = None
 ) -> dict[str, Tensor]:
-    """Per-layer expert load of ``routes`` ``[rows, num_layers, top_k]`` (or a PackedTensor of them).
-
-    Returns float32 tensors on the routes' device: ``counts`` ``[L, E]`` (token slots per expert),
-    ``tokens`` ``[L]`` (rows counted per layer), ``max_over_mean`` ``[L]`` and ``entropy`` ``[L]``
-    (normalised to [0, 1]; see the module docstring), and ``layers`` (int64 ``[L]``, the absolute
-    decoder-layer index of each entry). Layers with no counted rows give NaN. Cost: one
-    ``index_add_`` over the routes plus ``[L, E]`` arithmetic; no device->host sync.
-    """
+    """Per-layer expert load of ``routes [rows, num_layers, top_k]`` (or a PackedTensor of them):
+    float32 ``counts [L, E]``, ``tokens [L]``, ``max_over_mean [L]`` and ``entropy [L]`` (NaN for a
+    layer without rows) on the routes' device, and host int64 ``layers [L]`` (absolute indices).
+    One ``index_add_`` over the routes plus ``[L, E]`` arithmetic; no host sync."""
     values = routes.values if isinstance(routes, PackedTensor) else routes
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
-        raise ValueError(
-            f"routes must be an integer [rows, num_layers, top_k] tensor, got {values.dtype} {tuple(values.shape)}"
-        )
+        got = f"{values.dtype} {tuple(values.shape)}"
+        raise ValueError(f"routes must be an integer [rows, num_layers, top_k] tensor, got {got}")
     if type(num_experts) is not int or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    _, num_layers, top_k = values.shape
-    device = values.device
+    (_, num_layers, top_k), device = values.shape, values.device
     chosen = list(range(num_layers)) if moe_layers is None else [int(layer) for layer in moe_layers]
     if any(not 0 <= layer < num_layers for layer in chosen):
         raise ValueError(f"moe_layers {chosen} out of range for {num_layers} layers")
@@ -73,54 +50,22 @@ def expert_load_stats(
         counts = torch.stack([counts[layer] for layer in chosen]) if chosen else counts[:0]
     layers = torch.tensor(chosen, dtype=torch.int64)  # host
     slots = counts.sum(-1)  # [L]
-    tokens = slots / top_k
-    mean = slots / num_experts
-    max_over_mean = counts.amax(-1) / mean  # NaN for a layer with no slots
+    tokens, max_over_mean = slots / top_k, counts.amax(-1) / (slots / num_experts)  # NaN without slots
     p = counts / slots.unsqueeze(-1)
     entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts) if num_experts > 1 else p.sum(-1)
     entropy = torch.where(slots > 0, entropy, torch.full_like(entropy, float("nan")))
-    return {
-        "counts": counts,
-        "tokens": tokens,
-        "max_over_mean": max_over_mean,
-        "entropy": entropy,
-        "layers": layers,
-    }
-
-
-def _routes_of(batch: Any) -> Any:
-    if isinstance(batch, dict):
-        return batch.get("routed_experts")
-    return getattr(batch, "routed_experts", None)
+    return dict(counts=counts, tokens=tokens, max_over_mean=max_over_mean, entropy=entropy, layers=layers)
 
 
 class ExpertLoadMonitor(Callback):
     """Log the rollout engine's per-layer expert load of the training batch every N steps.
 
-    Reads ``batch.routed_experts`` (a :class:`PackedTensor` ``[rows, L, K]``, or a mapping's
-    ``"routed_experts"``) in ``on_train_batch_start`` of every ``every_n_steps``-th optimizer step
-    (steps 0, N, 2N, ...) and computes the metrics on the routes' device without a host sync.
-    They are written to the Trainer's loggers in ``on_train_batch_end`` of that step, with one
-    read-back of the few scalars once the step's work is queued (as Lightning's own logger writes
-    do); they are not passed through ``self.log``, which would write the last value again on
-    every later logging step. Metrics:
-
-    - ``{prefix}/max_over_mean`` (mean over MoE layers) and ``{prefix}/max_over_mean_worst``
-      (the worst layer);
-    - ``{prefix}/entropy`` (mean over MoE layers, normalised to [0, 1]) and
-      ``{prefix}/entropy_min``;
-    - with ``log_per_layer``, ``{prefix}/layer_XX/max_over_mean`` and ``.../entropy``.
-
-    Args:
-        num_experts: experts per MoE layer. ``None``: taken, with the MoE layer indices, from a
-            ``RouterReplayCallback``'s backend in the same Trainer.
-        every_n_steps: measure every this many optimizer steps (once per step).
-        moe_layers: absolute indices of the MoE layers; ``None``: the backend's, else every
-            layer with non-zero rows (see :func:`expert_load_stats`).
-        log_per_layer: also log each layer's values.
-        prefix: metric name prefix.
-        sync_dist: average the values over ranks (each rank sees its own batch; a collective on
-            the measured steps, which every rank reaches).
+    Computed on device at ``on_train_batch_start`` of steps 0, N, 2N, ...; written to the loggers at
+    ``on_train_batch_end`` with one read-back (``self.log`` would repeat it on later steps):
+    ``{prefix}/max_over_mean``, ``/entropy`` (means over MoE layers), ``/max_over_mean_worst``,
+    ``/entropy_min``; with ``log_per_layer`` also ``{prefix}/layer_XX/max_over_mean`` and ``/entropy``.
+    ``num_experts`` / ``moe_layers``: default from a ``RouterReplayCallback``'s backend (else non-zero
+    rows); ``sync_dist``: average over ranks (a collective on the measured steps).
     """
 
     def __init__(
@@ -137,29 +82,21 @@ class ExpertLoadMonitor(Callback):
             raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
         if num_experts is not None and (type(num_experts) is not int or num_experts < 1):
             raise ValueError(f"num_experts must be a positive int or None, got {num_experts!r}")
-        self.num_experts = num_experts
-        self.every_n_steps = every_n_steps
+        self.num_experts, self.every_n_steps, self.log_per_layer = num_experts, every_n_steps, log_per_layer
         self.moe_layers = None if moe_layers is None else tuple(int(layer) for layer in moe_layers)
-        self.log_per_layer = log_per_layer
-        self.prefix = prefix
-        self.sync_dist = sync_dist
+        self.prefix, self.sync_dist = prefix, sync_dist
         self._last_step: int | None = None
         self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
 
     def _schema(self, trainer: pl.Trainer) -> tuple[int, tuple[int, ...] | None]:
+        backends = [getattr(callback, "backend", None) for callback in trainer.callbacks]
+        backend = next((b for b in backends if hasattr(b, "moe_layers") and hasattr(b, "num_experts")), None)
         num_experts, moe_layers = self.num_experts, self.moe_layers
-        if num_experts is None or moe_layers is None:
-            for callback in trainer.callbacks:
-                backend = getattr(callback, "backend", None)
-                if backend is not None and hasattr(backend, "num_experts") and hasattr(backend, "moe_layers"):
-                    num_experts = num_experts if num_experts is not None else int(backend.num_experts)
-                    moe_layers = moe_layers if moe_layers is not None else tuple(backend.moe_layers)
-                    break
+        if backend is not None:
+            num_experts = int(backend.num_experts) if num_experts is None else num_experts
+            moe_layers = tuple(backend.moe_layers) if moe_layers is None else moe_layers
         if num_experts is None:
-            raise ValueError(
-                "ExpertLoadMonitor needs num_experts: pass it, or add a RouterReplayCallback whose "
-                "backend knows the model's experts"
-            )
+            raise ValueError("ExpertLoadMonitor needs num_experts: pass it, or add a RouterReplayCallback")
         return num_experts, moe_layers
 
     def on_train_batch_start(
@@ -168,7 +105,7 @@ class ExpertLoadMonitor(Callback):
         step = trainer.global_step
         if step % self.every_n_steps or step == self._last_step:
             return
-        routes = _routes_of(batch)
+        routes = batch_field(batch, "routed_experts")
         if routes is None or (isinstance(routes, PackedTensor) and routes.num_rows == 0):
             return
         self._last_step = step

@@ -1,51 +1,28 @@
-"""Router replay metrics from on-device counts: the math behind ``router_replay/...``.
+"""The ``router_replay/...`` metrics from int64 counts ``[4, layers]`` (:data:`COUNT_KEYS`) kept on
+device and summed over forwards, micro-batches and ranks before any ratio: each metric is an exact
+ratio of sums (<= 1). Nothing here syncs with the host."""
 
-Counts are int64 tables ``[4, layers]`` (rows :data:`COUNT_KEYS`) kept on the device where they
-were counted; ratios are taken only after summing over forwards, micro-batches and ranks, so
-each metric is an exact ratio of sums (<= 1), never a mean of ratios. Nothing here syncs with
-the host.
-"""
+from typing import Any
 
-from __future__ import annotations
-
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import agreement_hits
-
-__all__ = ["COUNT_KEYS", "comparison_counts", "stats_counts", "step_metrics", "sum_over_ranks"]
+from r3lightning.replay.backend import RouterReplayBackend, agreement_hits
+from r3lightning.replay.batch_fields import batch_field
 
 # route_rows: rows with a route row (per forward and layer); replayed_rows: those replayed;
 # native_hits / used_hits: route experts the router picked natively / the forward used
 COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
-_ROUTE_ROWS, _REPLAYED_ROWS, _NATIVE_HITS, _USED_HITS = range(4)
-
-
-def stats_counts(stats: dict, top_k: int, device: torch.device) -> Tensor:
-    """``[4, len(layers)]`` counts of a replaying backend's ``routing_stats()`` on ``device``.
-
-    Every route row a replaying backend sees is replayed; a backend without ``used_slots``
-    replays exactly what it installed (every slot used). Host zeros (nothing counted yet) are
-    staged through page-locked memory: never a blocking copy.
-    """
-    replayed, native = stats["replayed_rows"], stats["agreeing_slots"]
-    used = stats.get("used_slots")
-    if used is None:
-        used = replayed * top_k
-    return torch.stack([to_device_async(t, device).long() for t in (replayed, replayed, native, used)])
 
 
 def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
-    """``[4, len(layers)]`` counts comparing recorded experts with routes nothing replayed.
-
-    ``routes`` ``[*token_shape, L, K]`` and ``mask`` ``[*token_shape]`` (True: a route row), and
-    ``used`` ``[*shape, L, K]`` from ``stop_recording`` (several forwards joined along the last
-    token axis); ``layers`` int64 MoE layer indices on ``used``'s device. None when ``used`` is
-    not whole forwards of ``token_shape`` (a probe of another shape). One ``[..., K, K]``
-    comparison on device.
-    """
+    """``[4, len(layers)]`` counts comparing ``used [*shape, L, K]`` (``stop_recording``: forwards
+    joined along the last token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None
+    unless ``used`` is whole forwards of ``token_shape``. ``layers`` on ``used``'s device."""
     token_shape = tuple(routes.shape[:-2])
     lead, width = token_shape[:-1], token_shape[-1]
     shape = tuple(used.shape[:-2])
@@ -55,38 +32,118 @@ def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor
     used = used.reshape(*lead, forwards, width, *used.shape[-2:]).movedim(len(lead), 0)
     routes = routes.to(used.device).index_select(-2, layers)  # [*token_shape, L_moe, K]
     keep = mask.to(used.device)[..., None, None]
-    hits = (agreement_hits(routes, used.index_select(-2, layers)) & keep).sum(
-        dim=(*range(used.dim() - 2), -1)
-    )  # [L_moe] over all forwards
+    hits = agreement_hits(routes, used.index_select(-2, layers)) & keep
+    hits = hits.sum(dim=(*range(used.dim() - 2), -1))  # [L_moe] over all forwards
     rows = keep.sum().expand(len(layers)) * forwards
     return torch.stack([rows, torch.zeros_like(rows), hits, hits])
 
 
-def sum_over_ranks(vector: Tensor) -> Tensor:
-    """``vector`` summed over all ranks of the default group (in place; one ``all_reduce``, no
-    host sync); unchanged without a multi-rank process group."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(vector)
-    return vector
-
-
 def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -> dict[str, Tensor]:
-    """The step's ratios from counts ``[4, num_layers]`` by absolute layer (float64, on device).
-
-    ``replayed_fraction`` (0 without route rows), ``native_agreement``, ``used_agreement`` and,
-    for ``layers``, ``native_agreement/layer_XX`` (NaN without route rows: nothing to compare).
-    """
-    route_rows = table[_ROUTE_ROWS].sum()
-    slots = route_rows * top_k
+    """Ratios from counts ``[4, num_layers]`` by absolute layer (float64, on device):
+    ``replayed_fraction`` (0 without route rows), ``native_agreement``, ``used_agreement`` and, for
+    ``layers``, ``native_agreement/layer_XX`` (NaN without route rows: nothing to compare)."""
+    route_rows, replayed_rows, native_hits, used_hits = table
+    rows = route_rows.sum()
     metrics = {
-        "replayed_fraction": torch.where(
-            route_rows > 0, table[_REPLAYED_ROWS].sum() / route_rows.clamp(min=1), 0.0
-        ),
-        "native_agreement": table[_NATIVE_HITS].sum() / slots,
-        "used_agreement": table[_USED_HITS].sum() / slots,
+        "replayed_fraction": torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0),
+        "native_agreement": native_hits.sum() / (rows * top_k),
+        "used_agreement": used_hits.sum() / (rows * top_k),
     }
     if layers:
-        per_layer = table[_NATIVE_HITS] / (table[_ROUTE_ROWS] * top_k)  # [num_layers]
+        per_layer = native_hits / (route_rows * top_k)  # [num_layers]
         for layer in layers:
             metrics[f"native_agreement/layer_{layer:02d}"] = per_layer[layer]
     return metrics
+
+
+class ReplayMetrics:
+    """One training step's counts on device, and their logging as ``router_replay/...``: forwards
+    :meth:`add` counts (off mode's, or a replaying backend's before it is cleared); :meth:`log`
+    sums over ranks (``sync_dist``: one ``all_reduce`` of ``4 * num_layers + 2`` int64)."""
+
+    def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
+        self.per_layer, self.sync_dist = per_layer, sync_dist
+        self.backend: RouterReplayBackend | None = None
+        self.device = torch.device("cpu")
+        self._layers: tuple[int, ...] | None = None  # MoE layers of any rank, gathered once per fit
+        self._index: Tensor | None = None  # backend.moe_layers on the metrics' device, built once
+        self._table: Tensor | None = None  # [4, moe_layers] int64
+        self._native_loss_tokens: Tensor | None = None  # int64 scalar
+
+    def new_fit(self) -> None:
+        self._layers = None
+
+    def start(self, backend: RouterReplayBackend, batch: Any) -> None:
+        """Open a step of ``backend`` on ``batch`` (the counts live on its ``input_ids``' device)."""
+        if backend is not self.backend:
+            self.backend, self._index = backend, None
+        ids = batch_field(batch, "input_ids")
+        self.device = ids.device if isinstance(ids, Tensor) else torch.device("cpu")
+        self._table = self._native_loss_tokens = None
+
+    def layer_index(self, device: torch.device) -> Tensor:
+        assert self.backend is not None
+        if self._index is None or self._index.device != device:
+            self._index = to_device_async(torch.tensor(self.backend.moe_layers), device)
+        return self._index
+
+    def add(self, table: Tensor) -> None:
+        self._table = table if self._table is None else self._table + table.to(self._table.device)
+
+    def backend_counts(self) -> Tensor:
+        """The replaying backend's stats since its last clear as counts (every route row it saw
+        was replayed; without ``used_slots`` it used all it installed). Host zeros are staged."""
+        assert self.backend is not None
+        stats = self.backend.routing_stats()
+        replayed, native, used = stats["replayed_rows"], stats["agreeing_slots"], stats.get("used_slots")
+        used = replayed * self.backend.top_k if used is None else used
+        counts = (replayed, replayed, native, used)
+        return torch.stack([to_device_async(t, self.device).long() for t in counts])
+
+    def table(self, *, with_backend: bool) -> Tensor:
+        """``[4, len(moe_layers)]``: the counts so far (zeros if none, so every rank logs the same
+        keys), plus the backend's own since its last clear when ``with_backend``."""
+        assert self.backend is not None
+        table = self._table
+        if with_backend:
+            stats = self.backend_counts()
+            table = stats if table is None else stats + table.to(stats.device)
+        if table is None:
+            table = torch.zeros((4, len(self.backend.moe_layers)), dtype=torch.int64, device=self.device)
+        return table
+
+    def count_native_loss_tokens(self, layout: TokenMetadataLayout, mask: Tensor, batch: Any) -> None:
+        """Loss targets of the step's batch whose logprob row (``t - 1``) has no route (``mask``
+        False: native routing), once per step, on device."""
+        loss_mask = batch_field(batch, "loss_mask")
+        if loss_mask is not None:
+            target_next = layout.from_batch(loss_mask, next_token=True) > 0
+            self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
+
+    def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
+        """Log the ratios of ``local`` (:meth:`table`); ``missing``: the run's batches without
+        routes, logged with ``native_loss_tokens`` unless None (off mode)."""
+        backend, device = self.backend, self.device
+        assert backend is not None
+        # [4, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars
+        table = torch.zeros((4, backend.num_layers), dtype=torch.int64, device=device)
+        table.index_copy_(1, self.layer_index(device), local.to(device))
+        extra = torch.zeros(2, dtype=torch.int64, device=device)
+        if self._native_loss_tokens is not None:
+            extra[0] += self._native_loss_tokens.to(device)
+        extra[1] += missing or 0
+        vector = torch.cat([table.reshape(-1), extra])
+        distributed = self.sync_dist and dist.is_available() and dist.is_initialized()
+        if self._layers is None:  # MoE layers any rank routes (pipeline stages differ), once per fit
+            gathered: list[Any] = [tuple(backend.moe_layers)] * (dist.get_world_size() if distributed else 1)
+            if distributed:
+                dist.all_gather_object(gathered, tuple(backend.moe_layers))
+            self._layers = tuple(sorted({layer for layers in gathered for layer in layers}))
+        if distributed:
+            dist.all_reduce(vector)  # exact ratios over all ranks; no host sync
+        totals = vector[: table.numel()].reshape(table.shape).double()
+        metrics = step_metrics(totals, top_k=backend.top_k, layers=self._layers if self.per_layer else None)
+        if missing is not None:
+            metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[table.numel() :]
+        for name, value in metrics.items():  # sync_dist=False: summed over ranks above
+            pl_module.log(f"router_replay/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)

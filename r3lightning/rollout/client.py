@@ -7,7 +7,10 @@ routes were decoded straight from the body bytes into a numpy array (bodies over
 ``decode_in_thread_bytes`` are decoded off the event loop). Attempts that fail transiently
 (connection refused/reset, timeouts, a cut-off body, 408/429/5xx) are retried with capped
 exponential backoff and jitter, honouring ``Retry-After``; other 4xx answers and malformed
-payloads raise at once. See :mod:`r3lightning.wire.errors` for what is raised.
+payloads raise at once. While requests wait, the engine's ``/health`` is probed, so one that
+accepts connections but never answers is given up on in seconds, not after ``timeout_s``
+(:class:`~r3lightning.rollout.config.RetryPolicy`). See :mod:`r3lightning.wire.errors` for
+what is raised.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Literal, TypeVar
 import aiohttp
 import orjson
 
-from r3lightning.wire.codec import DEFAULT_MAX_BYTES
+from r3lightning.rollout.config import Backoff, RetryPolicy, check_setting, route_schema
 from r3lightning.wire.errors import (
     GenerateRequestError,
     MalformedResponseError,
@@ -36,35 +39,11 @@ from r3lightning.wire.json_body import read_capped
 from r3lightning.wire.request import ENGINES, PROTOCOL_PATHS, RemoteGenerateResult, RouteSchema, build_request
 from r3lightning.wire.response import parse_response
 
-__all__ = ["Backoff", "ClientStats", "RemoteGenerateClient", "RemoteGenerateResult"]
+__all__ = ["Backoff", "ClientStats", "RemoteGenerateClient", "RemoteGenerateResult", "RetryPolicy"]
 
 T = TypeVar("T")
 _RETRY_STATUSES = frozenset({408, 429})  # plus every 5xx
 _MAX_ERROR_TEXT = 2048
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Delay before retry ``r`` (1-based): ``min(cap_s, base_s * 2**(r-1))``, of which a random
-    fraction up to ``jitter`` is taken off (``jitter=1``: full jitter, ``0``: none).
-
-    A ``Retry-After`` header replaces the computed delay, clipped to ``max_retry_after_s``.
-    """
-
-    base_s: float = 0.5
-    cap_s: float = 8.0
-    jitter: float = 1.0
-    max_retry_after_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.base_s < 0 or self.cap_s < 0 or self.max_retry_after_s < 0:
-            raise ValueError(f"backoff delays must be >= 0, got {self}")
-        if not 0 <= self.jitter <= 1:
-            raise ValueError(f"backoff jitter must be in [0, 1], got {self.jitter}")
-
-    def delay(self, retry: int, rng: random.Random) -> float:
-        delay = min(self.cap_s, self.base_s * 2.0 ** (retry - 1))
-        return delay * (1.0 - self.jitter * rng.random())
 
 
 @dataclass
@@ -122,88 +101,75 @@ def _as_int_list(values: Sequence[int] | Any, name: str) -> list[int]:
     return ids
 
 
+class _EngineHung(RetryableGenerateError):
+    """The engine stopped answering ``GET /health`` while a request waited: not retried there."""
+
+
 class RemoteGenerateClient:
     """Client for one rollout engine; safe to share between concurrent tasks of one event loop.
 
     A client serves one event loop at a time: used from a second loop (another thread) while
     the first still runs, it raises ``RuntimeError`` saying so (give each thread its own client,
     e.g. a pickled copy); a loop that has finished is simply replaced.
-    ``timeout_s`` bounds one generate attempt (long: a generation may take minutes; waiting for a
-    free connection is not counted); ``connect_timeout_s`` bounds opening a connection and
-    ``health_timeout_s`` the ``/health`` probe, both short so a dead or hung engine is noticed
-    quickly; ``engine`` (``"vllm"`` / ``"sglang"``) narrows the ``openai`` request's route fields
-    to that engine's (default: both, which either engine accepts);
-    ``max_attempts`` bounds attempts per call; ``max_connections`` bounds requests in flight (more
-    wait); ``max_response_bytes`` caps a body and ``max_route_bytes`` one decoded route array.
-    ``num_layers``/``top_k`` give the route schema (required to reshape SGLang's flat routes,
-    checked for the others); with ``num_experts`` ids are range-checked; ``check_unique_experts`` rejects
-    rows that repeat an expert (see :func:`~r3lightning.wire.codec.validate_routes`); the
-    schema lives in :attr:`routes`. The aiohttp session is created on
-    first use, recreated when the running event loop changes, and closed by :meth:`close` /
-    ``async with``. Pickling drops it, so a client can be sent to another process.
+    ``schema``: the route schema, a :class:`~r3lightning.wire.request.RouteSchema` or a model
+    config (:func:`~r3lightning.rollout.config.route_schema`): ``num_layers`` / ``top_k``
+    reshape SGLang's flat routes and are checked for the others, ids are range-checked with
+    ``num_experts`` (repeated experts are refused when the routes become a ``Trajectory``, or in
+    the parse with ``RouteSchema(check_unique=True)``); it lives in :attr:`routes`. ``retry``:
+    attempts, backoff, timeouts and health probing (:class:`~r3lightning.rollout.config.RetryPolicy`). ``model`` is sent as
+    the request's model name; ``engine`` (``"vllm"`` / ``"sglang"``) narrows the ``openai``
+    request's route fields to that engine's (default: both, which either engine accepts).
+    ``max_response_bytes`` caps a body. Set :attr:`max_connections` (requests in flight; more
+    wait) and :attr:`decode_in_thread_bytes` on the instance before its first request.
+    The aiohttp session is created on first use, recreated when the running event loop changes,
+    and closed by :meth:`close` / ``async with``. Pickling drops it, so a client can be sent to
+    another process.
     """
+
+    max_connections: int = 256
+    decode_in_thread_bytes: int = 1 << 20
 
     def __init__(
         self,
         base_url: str,
         *,
         protocol: Literal["skyrl", "vllm", "sglang", "openai"] = "skyrl",
-        model: str | None = None,
+        schema: RouteSchema | Any = None,
+        retry: RetryPolicy | None = None,
         api_key: str | None = None,
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 10.0,
-        health_timeout_s: float = 5.0,
+        model: str | None = None,
         engine: Literal["vllm", "sglang"] | None = None,
-        max_attempts: int = 5,
-        backoff: Backoff | None = None,
-        max_connections: int = 256,
         max_response_bytes: int = 2 << 30,
-        max_route_bytes: int = DEFAULT_MAX_BYTES,
-        num_layers: int | None = None,
-        top_k: int | None = None,
-        num_experts: int | None = None,
-        check_unique_experts: bool = True,
-        decode_in_thread_bytes: int = 1 << 20,
     ):
         if protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-        for name, value in (("max_attempts", max_attempts), ("max_connections", max_connections)):
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name, value in (
-            ("timeout_s", timeout_s),
-            ("connect_timeout_s", connect_timeout_s),
-            ("health_timeout_s", health_timeout_s),
-        ):
-            if not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
         if engine is not None and (protocol != "openai" or engine not in ENGINES):
             raise ValueError(
                 f"engine must be None or one of {list(ENGINES)} with protocol='openai', "
                 f"got engine={engine!r} with protocol={protocol!r}"
             )
+        check_setting("max_response_bytes", max_response_bytes, low=1, integer=True)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         self.base_url = base_url.rstrip("/")
         self.protocol = protocol
         self.model = model
         self.api_key = api_key
-        self.timeout_s = float(timeout_s)
-        self.connect_timeout_s = float(connect_timeout_s)
-        self.health_timeout_s = float(health_timeout_s)
         self.engine = engine
-        self.max_attempts = max_attempts
-        self.backoff = backoff if backoff is not None else Backoff()
-        self.max_connections = max_connections
+        self.retry = retry if retry is not None else RetryPolicy()
         self.max_response_bytes = max_response_bytes
-        self.routes = RouteSchema(num_layers, top_k, num_experts, check_unique_experts, max_route_bytes)
-        self.decode_in_thread_bytes = decode_in_thread_bytes
+        self.routes = RouteSchema() if schema is None else route_schema(schema)
         self.stats = ClientStats()
         self._rng = random.Random()
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: str | None = None  # name of the thread whose loop owns the session
+        self._waiting = 0  # attempts in flight on this loop: the health monitor runs while > 0
+        self._monitor: asyncio.Task | None = None
+        self._hung: asyncio.Future | None = None  # resolved by the monitor when the engine hangs
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -226,7 +192,8 @@ class RemoteGenerateClient:
                     "copies one), or await client.close() on the first loop before switching"
                 )
             self._abandon_session()
-            connector = aiohttp.TCPConnector(limit=self.max_connections)
+            # one connection beyond the requests' slots, so a health probe never waits for one
+            connector = aiohttp.TCPConnector(limit=self.max_connections + 1)
             self._session = aiohttp.ClientSession(connector=connector)
             self._slots = asyncio.Semaphore(self.max_connections)
             self._loop = loop
@@ -242,7 +209,8 @@ class RemoteGenerateClient:
         with ``await client.close()`` / ``async with`` before its loop ends.
         """
         session, loop = self._session, self._loop
-        self._session = self._slots = self._loop = None
+        self._session = self._slots = self._loop = self._monitor = self._hung = None
+        self._waiting = 0
         if session is None or session.closed or loop is None:
             return
         if loop.is_running():
@@ -253,7 +221,10 @@ class RemoteGenerateClient:
     async def close(self) -> None:
         """Close the HTTP session (a later call opens a new one)."""
         if self._session is not None and self._loop is asyncio.get_running_loop():
-            session, self._session, self._slots, self._loop = self._session, None, None, None
+            session, monitor = self._session, self._monitor
+            self._session = self._slots = self._loop = self._monitor = self._hung = None
+            if monitor is not None:
+                monitor.cancel()
             await session.close()
         else:
             self._abandon_session()
@@ -266,7 +237,9 @@ class RemoteGenerateClient:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_session"] = state["_slots"] = state["_loop"] = state["_thread"] = None
+        for name in ("_session", "_slots", "_loop", "_thread", "_monitor", "_hung"):
+            state[name] = None
+        state["_waiting"] = 0
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -337,6 +310,7 @@ class RemoteGenerateClient:
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         start = routed_experts_prompt_start or 0
         self._session_for_running_loop()  # another loop's client: raise before touching stats
+        url = f"{self.base_url}{PROTOCOL_PATHS[self.protocol]}"
 
         def parse(raw: bytes) -> RemoteGenerateResult:
             return parse_response(
@@ -346,6 +320,7 @@ class RemoteGenerateClient:
                 want_routes=return_routed_experts,
                 prompt_len=len(prompt_ids),
                 start=start,
+                url=url,
             )
 
         result, attempts = await self._call(
@@ -355,19 +330,36 @@ class RemoteGenerateClient:
         return result
 
     async def health(self) -> bool:
-        """Whether ``GET /health`` answers 200 within ``health_timeout_s`` (one attempt; raises only
-        ``RuntimeError`` for use from a second event loop)."""
+        """Whether ``GET /health`` answers 200 within ``retry.health_timeout_s`` (one attempt;
+        raises only ``RuntimeError`` for use from a second event loop)."""
+        return await self._probe() == 200
+
+    async def _probe(self) -> int | None:
+        """The status ``GET /health`` answers within ``retry.health_timeout_s``; None if none."""
         session, _ = self._session_for_running_loop()
         try:
             async with session.get(
                 f"{self.base_url}/health",
                 headers=self._headers(None),
-                timeout=aiohttp.ClientTimeout(total=self.health_timeout_s),
+                timeout=aiohttp.ClientTimeout(total=self.retry.health_timeout_s),
             ) as response:
                 await response.read()
-                return response.status == 200
+                return response.status
         except (aiohttp.ClientError, TimeoutError):
-            return False
+            return None
+
+    async def _watch_health(self, hung: asyncio.Future) -> None:
+        """Probe ``/health`` while attempts wait; resolve ``hung`` after ``health_failures``
+        probes in a row without any answer (an answer of any status means the engine is alive)."""
+        failures = 0
+        while self._waiting:
+            await asyncio.sleep(self.retry.health_interval_s)
+            if not self._waiting:
+                return
+            failures = 0 if await self._probe() is not None else failures + 1
+            if failures >= self.retry.health_failures:
+                hung.set_result(None)
+                return
 
     async def _call(
         self, method: str, path: str, data: bytes, headers: dict[str, str], parse: Callable[[bytes], T]
@@ -375,19 +367,20 @@ class RemoteGenerateClient:
         """Send with retries; returns the parsed body and the number of attempts it took."""
         url = f"{self.base_url}{path}"
         self.stats.requests += 1
+        retry = self.retry
         try:
-            for attempt in range(1, self.max_attempts + 1):
+            for attempt in range(1, retry.max_attempts + 1):
                 self.stats.attempts += 1
                 try:
-                    raw = await self._attempt(method, url, data, headers)
+                    raw = await self._watched_attempt(method, url, data, headers)
                 except RetryableGenerateError as error:
-                    if attempt == self.max_attempts:
+                    if attempt == retry.max_attempts or isinstance(error, _EngineHung):
                         raise RetriesExhaustedError(attempt, error, url=url) from error
                     self.stats.retries += 1
                     if error.retry_after is not None:
-                        delay = min(error.retry_after, self.backoff.max_retry_after_s)
+                        delay = min(error.retry_after, retry.backoff.max_retry_after_s)
                     else:
-                        delay = self.backoff.delay(attempt, self._rng)
+                        delay = retry.backoff.delay(attempt, self._rng)
                     await asyncio.sleep(delay)
                     continue
                 if len(raw) > self.decode_in_thread_bytes:
@@ -398,37 +391,66 @@ class RemoteGenerateClient:
             self.stats.failures += 1
             raise
 
-    async def _attempt(self, method: str, url: str, data: bytes, headers: dict[str, str]) -> bytes:
-        """One HTTP attempt -> the body of a 2xx answer; transient failures -> RetryableGenerateError."""
+    async def _watched_attempt(self, method: str, url: str, data: bytes, headers: dict[str, str]) -> bytes:
+        """:meth:`_attempt`, abandoned with :class:`_EngineHung` if the health monitor gives up."""
         session, slots = self._session_for_running_loop()
         async with slots:  # waiting for a free connection does not eat into timeout_s
+            if self.retry.health_interval_s is None:
+                return await self._attempt(session, method, url, data, headers)
+            if self._hung is None or self._hung.done():
+                self._hung = asyncio.get_running_loop().create_future()
+            hung = self._hung
+            self._waiting += 1
+            if self._monitor is None or self._monitor.done():
+                self._monitor = asyncio.ensure_future(self._watch_health(hung))
+            send = asyncio.ensure_future(self._attempt(session, method, url, data, headers))
             try:
-                async with session.request(
-                    method,
-                    url,
-                    data=data,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s),
-                ) as response:
-                    if response.status >= 400:
-                        text = (await response.content.read(_MAX_ERROR_TEXT)).decode("utf-8", "replace")
-                        message = _server_message(text)
-                        if response.status in _RETRY_STATUSES or response.status >= 500:
-                            raise RetryableGenerateError(
-                                f"HTTP {response.status} from {url}: {message}",
-                                status=response.status,
-                                retry_after=_retry_after(response.headers.get("Retry-After")),
-                            )
-                        raise GenerateRequestError(response.status, message, url=url)
-                    return await self._read_body(response)
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
-                kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
-                raise RetryableGenerateError(f"{method} {url} {kind}: {type(exc).__name__}: {exc}") from exc
-            except aiohttp.ClientResponseError as exc:
-                # aiohttp could not parse the status line or headers: garbage, like a malformed body
-                raise MalformedResponseError(
-                    f"{method} {url}: the answer is not a valid HTTP response ({exc.message})"
-                ) from exc
+                await asyncio.wait((send, hung), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                self._waiting -= 1
+                if not send.done():
+                    send.cancel()
+                    await asyncio.wait((send,))
+            if not send.cancelled():
+                return send.result()
+            retry = self.retry
+            raise _EngineHung(
+                f"stopped answering GET /health ({retry.health_failures} probes in a row got no "
+                f"answer within {retry.health_timeout_s:g} s)"
+            )
+
+    async def _attempt(
+        self, session: aiohttp.ClientSession, method: str, url: str, data: bytes, headers: dict[str, str]
+    ) -> bytes:
+        """One HTTP attempt -> the body of a 2xx answer; transient failures -> RetryableGenerateError."""
+        retry = self.retry
+        try:
+            async with session.request(
+                method,
+                url,
+                data=data,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=retry.connect_timeout_s),
+            ) as response:
+                if response.status >= 400:
+                    text = (await response.content.read(_MAX_ERROR_TEXT)).decode("utf-8", "replace")
+                    message = _server_message(text)
+                    if response.status in _RETRY_STATUSES or response.status >= 500:
+                        raise RetryableGenerateError(
+                            f"HTTP {response.status} from {url}: {message}",
+                            status=response.status,
+                            retry_after=_retry_after(response.headers.get("Retry-After")),
+                        )
+                    raise GenerateRequestError(response.status, message, url=url)
+                return await self._read_body(response)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
+            raise RetryableGenerateError(f"{method} {url} {kind}: {type(exc).__name__}: {exc}") from exc
+        except aiohttp.ClientResponseError as exc:
+            # aiohttp could not parse the status line or headers: garbage, like a malformed body
+            raise MalformedResponseError(
+                f"{method} {url}: the answer is not a valid HTTP response ({exc.message})"
+            ) from exc
 
     async def _read_body(self, response: aiohttp.ClientResponse) -> bytes:
         """The whole body, refusing more than ``max_response_bytes`` before reading past it."""

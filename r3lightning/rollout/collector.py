@@ -4,38 +4,37 @@ The public way a training loop (the main job's, or a user's own) collects one RL
 rollouts, routes included, from one or more engines over HTTP:
 
     collector = RolloutCollector(["http://engine-a:30000", "http://engine-b:30000"], reward_fn,
-                                 group_size=8, num_layers=48, top_k=8, num_experts=128)
+                                 CollectorConfig(group_size=8), schema=model.config)
     rollouts = collector.collect(prompts, step=step, buffer=buffer)   # or await collect_async(...)
 
 Many ranks: every rank passes the step's *global* prompt list and collects only the whole GRPO
 groups it will train on (:meth:`RolloutCollector.assigned_groups`: a contiguous block of
 ``num_groups / world_size`` groups), so routes never cross ranks; only a few scalar statistics
 are all-reduced. Which group goes to which rank and every sampling seed
-(:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step, group index, sample index)``: a run
-samples the same trajectories on 1, 2 or 4 ranks and whatever the request timing.
+(:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step,
+group, sample)``: a run samples the same trajectories on 1, 2 or 4 ranks, whatever the timing.
 
 Several engines: group ``g`` goes to engine ``g % n`` of the ``n`` engines (all samples of a
 group on one engine, which shares their prompt's KV cache) or, while that one is out, to the
-``g % m``-th of the ``m`` still up; groups of healthy engines never move. An engine whose request
-exhausts its retries (:class:`~r3lightning.wire.errors.RetriesExhaustedError`) is out for the
-rest of the step and that request, like every later one, goes to the others; with every engine
-out the step fails with :class:`EnginesUnavailableError`. Other errors (a 4xx, a malformed body)
-are bugs, not outages, and fail the step at once. An SGLang router is one URL like any other.
+``g % m``-th of the ``m`` still up; groups of healthy engines never move. An engine whose
+request exhausts its retries, or that stops answering ``/health`` (:class:`RetryPolicy`), is
+out for the rest of the step (logged once, one line) and its requests go to the others; with
+every engine out the step fails with :class:`EnginesUnavailableError`. Other errors (a 4xx, a
+malformed body) are bugs, not outages, and fail the step at once. An SGLang router is one URL.
 
-Scoring: ``reward_fn(prompt, response_ids)`` -> a float, or a mapping with a ``"score"`` entry
+Scoring: ``reward_fn(prompt, response_ids)`` -> a number, or a mapping with a ``"score"`` entry
 (what verl's ``compute_score`` may return); a coroutine function is awaited. With
-``reward_threads > 0`` a plain function runs in a thread pool of that size, so slow rewards
-(a verifier, a sandbox) overlap with generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
-``compute_score(data_source, solution_str, ground_truth, extra_info=None)``. The per-prompt
-metadata those need travels in :class:`~r3lightning.rollout.prompts.RolloutPrompt`.
+``reward_threads > 0`` a plain function runs in a thread pool, so slow rewards overlap with
+generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
+``compute_score(data_source, solution_str, ground_truth, extra_info=None)``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,15 +44,19 @@ import torch
 
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateClient, RemoteGenerateResult
+from r3lightning.rollout.config import CollectorConfig, RetryPolicy, route_schema
 from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
 from r3lightning.rollout.stats import RolloutStats, StepCounters, reduce_step_stats
 from r3lightning.trace import RoutedExpertTrace
 from r3lightning.wire.errors import RemoteGenerateError, RetriesExhaustedError
+from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
     from r3lightning.data.buffer import ReplayBuffer
 
 __all__ = ["CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,35 +72,53 @@ class CollectedRollouts:
 class EnginesUnavailableError(RemoteGenerateError):
     """Every engine of the collector exhausted its retries within one step.
 
-    ``errors`` maps each engine's URL to the error that took it out.
+    ``errors`` maps each engine's URL to the error that took it out; the message gives one
+    short clause per engine.
     """
 
     def __init__(self, step: int, errors: Mapping[str, BaseException]):
-        detail = "; ".join(f"{url}: {err}" for url, err in errors.items())
+        detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
         super().__init__(f"all {len(errors)} rollout engine(s) failed at step {step}: {detail}")
         self.errors = dict(errors)
+
+
+def outage(error: BaseException) -> str:
+    """A short clause for why an engine is out: ``HTTP 503 after 5 attempts``, ``connection
+    failed after 5 attempts``, ``timed out ...``, or the hung-engine message."""
+    last = getattr(error, "last_error", error)
+    cause = last.__cause__
+    if getattr(last, "status", None) is not None:
+        what = f"HTTP {last.status}"
+    elif isinstance(cause, TimeoutError):
+        what = "timed out"
+    elif isinstance(cause, OSError):
+        what = "connection failed"
+    elif cause is not None:
+        what = type(cause).__name__
+    else:
+        what = str(last)
+    attempts = getattr(error, "attempts", None)
+    return what if attempts is None else f"{what} after {attempts} attempt(s)"
 
 
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
     Args:
-        engines: engine URL(s) and/or configured :class:`RemoteGenerateClient` (s). URLs get a
-            client with ``protocol``, the route schema, ``max_connections=max_in_flight`` and
-            ``client_options``; each engine's requests use its own client's protocol.
+        engines: engine URL(s) and/or configured :class:`RemoteGenerateClient` (s). A URL gets
+            a client with ``config.protocol``, ``schema``, ``retry`` and ``client_options``
+            (e.g. ``api_key``); each engine's requests use its own client's protocol.
         reward_fn: ``(prompt: RolloutPrompt, response_ids: list[int]) -> float | {"score": float}``
             (or a coroutine function).
-        group_size: samples per prompt (a GRPO group, >= 2; kept whole on one rank).
+        config: group size, seed, protocol, concurrency (:class:`CollectorConfig`).
+        schema: the route schema (every decoder layer, dense included): a
+            :class:`~r3lightning.wire.request.RouteSchema` or the model's config
+            (:func:`~r3lightning.rollout.config.route_schema`); needed when
+            ``config.request_routes``, and routes are checked against it.
         sampling: the requests' sampling settings (the seed is :func:`sampling_seed`'s).
-        num_layers, top_k, num_experts: the route schema (every decoder layer, dense included);
-            routes are requested when ``request_routes`` and checked against it.
-        normalize_std: GRPO advantages divide by the group's reward std (False: Dr. GRPO).
-        seed: the run's seed.
-        max_in_flight: this rank's requests in flight over all engines.
-        reward_threads: > 0 runs a plain ``reward_fn`` in a thread pool of that size.
+        retry: the URL-built clients' :class:`RetryPolicy`.
         process_group: the data-parallel group the groups are spread over (default: the
             default group when ``torch.distributed`` is initialised, else a single rank).
-        progress: show a progress bar (rank 0 of the group only).
 
     Cost per step: host-side only; each rank holds its own trajectories' routes in the
     engine's compact dtype and exchanges one all-reduce of a few scalars.
@@ -107,70 +128,53 @@ class RolloutCollector:
         self,
         engines: str | RemoteGenerateClient | Sequence[str | RemoteGenerateClient],
         reward_fn: RewardFn,
+        config: CollectorConfig,
         *,
-        group_size: int,
+        schema: RouteSchema | Mapping[str, Any] | Any = None,
         sampling: SamplingConfig | None = None,
-        protocol: str = "skyrl",
-        num_layers: int | None = None,
-        top_k: int | None = None,
-        num_experts: int | None = None,
-        request_routes: bool = True,
-        normalize_std: bool = True,
-        seed: int = 0,
-        max_in_flight: int = 64,
-        reward_threads: int = 0,
+        retry: RetryPolicy | None = None,
         client_options: Mapping[str, Any] | None = None,
         process_group: Any = None,
-        progress: bool = True,
     ) -> None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
-            raise ValueError(f"group_size must be an integer >= 2 (GRPO groups), got {group_size!r}")
-        for name, value, low in (("max_in_flight", max_in_flight, 1), ("reward_threads", reward_threads, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(config, CollectorConfig):
+            raise TypeError(f"config must be a CollectorConfig, got {type(config).__name__}")
         if not callable(reward_fn):
             raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
-        if request_routes and (num_layers is None or top_k is None):
-            raise ValueError("request_routes=True needs num_layers and top_k (the route schema)")
+        self.schema = None if schema is None else route_schema(schema)
+        if config.request_routes and (
+            self.schema is None or None in (self.schema.num_layers, self.schema.top_k)
+        ):
+            raise ValueError(
+                "request_routes=True needs the route schema: schema=RouteSchema(num_layers, top_k, "
+                "num_experts) or the model's config"
+            )
         if isinstance(engines, str | RemoteGenerateClient):
             engines = [engines]
         if not engines:
             raise ValueError("engines must name at least one engine URL or client")
-        options = dict(client_options or {})
         self.clients: list[RemoteGenerateClient] = []
         for engine in engines:
-            if isinstance(engine, RemoteGenerateClient):
-                self.clients.append(engine)
-            elif isinstance(engine, str):
-                kwargs = {"max_connections": max_in_flight, **options}
-                self.clients.append(
-                    RemoteGenerateClient(
-                        engine,
-                        protocol=protocol,  # type: ignore[arg-type]
-                        num_layers=num_layers,
-                        top_k=top_k,
-                        num_experts=num_experts,
-                        **kwargs,
-                    )
+            if isinstance(engine, str):
+                engine = RemoteGenerateClient(
+                    engine,
+                    protocol=config.protocol,
+                    schema=self.schema,
+                    retry=retry,
+                    **(client_options or {}),
                 )
-            else:
+                engine.max_connections = config.max_in_flight
+            elif not isinstance(engine, RemoteGenerateClient):
                 raise TypeError(
                     f"engines: expected a URL or a RemoteGenerateClient, got {type(engine).__name__}"
                 )
+            self.clients.append(engine)
         urls = [c.base_url for c in self.clients]
         if len(set(urls)) != len(urls):
             raise ValueError(f"engines: each URL at most once, got {urls}")
         self.reward_fn = reward_fn
-        self.group_size = group_size
+        self.config = config
         self.sampling = sampling if sampling is not None else SamplingConfig()
-        self.num_layers, self.top_k, self.num_experts = num_layers, top_k, num_experts
-        self.request_routes = request_routes
-        self.normalize_std = normalize_std
-        self.seed = seed
-        self.max_in_flight = max_in_flight
-        self.reward_threads = reward_threads
         self.process_group = process_group
-        self.progress = progress
         self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ ranks
@@ -268,13 +272,15 @@ class RolloutCollector:
     async def _collect_groups(
         self, prompts: list[RolloutPrompt], groups: range, step: int, counters: StepCounters, show: bool
     ) -> list[Trajectory]:
-        slots = asyncio.Semaphore(self.max_in_flight)
+        slots = asyncio.Semaphore(self.config.max_in_flight)
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
-        bar = _progress_bar(len(groups) * self.group_size, f"rollout step {step}", self.progress and show)
+        bar = _progress_bar(
+            len(groups) * self.config.group_size, f"rollout step {step}", self.config.progress and show
+        )
 
         async def sample(group: int, index: int) -> tuple[RemoteGenerateResult, float]:
             prompt = prompts[group]
-            seed = sampling_seed(self.seed, step, group, index)
+            seed = sampling_seed(self.config.seed, step, group, index)
             while True:
                 async with slots:
                     engine = group % len(self.clients)
@@ -291,19 +297,19 @@ class RolloutCollector:
                         result = await client.generate(
                             prompt.token_ids,
                             self.sampling.wire_params(client.protocol, seed),
-                            return_routed_experts=self.request_routes,
-                            routed_experts_prompt_start=0 if self.request_routes else None,
+                            return_routed_experts=self.config.request_routes,
+                            routed_experts_prompt_start=0 if self.config.request_routes else None,
                         )
                     except RetriesExhaustedError as exc:
                         counters.attempts += exc.attempts
                         counters.engine_errors += 1
                         if engine not in out:
                             out[engine] = exc
-                            warnings.warn(
-                                f"rollout engine {client.base_url} is out for step {step}: {exc}; "
-                                "its requests go to the other engines",
-                                RuntimeWarning,
-                                stacklevel=2,
+                            logger.warning(
+                                "rollout engine %s is out for step %d: %s; its requests go to the other engines",
+                                client.base_url,
+                                step,
+                                outage(exc),
                             )
                         continue
                 counters.attempts += result.attempts
@@ -311,7 +317,7 @@ class RolloutCollector:
                 where = f"group {group} sample {index} of step {step}"
                 return result, score_value(await self._score(prompt, result.response_ids), where)
 
-        jobs = [asyncio.ensure_future(sample(g, j)) for g in groups for j in range(self.group_size)]
+        jobs = [asyncio.ensure_future(sample(g, j)) for g in groups for j in range(self.config.group_size)]
         try:
             samples = await asyncio.gather(*jobs)
         except BaseException:
@@ -323,17 +329,19 @@ class RolloutCollector:
             bar.close()
         trajectories = []
         for i, group in enumerate(groups):
-            first = i * self.group_size
-            trajectories += self._group_trajectories(prompts[group], samples[first : first + self.group_size])
+            first = i * self.config.group_size
+            trajectories += self._group_trajectories(
+                prompts[group], samples[first : first + self.config.group_size]
+            )
         counters.engines_out = len(out)
         return trajectories
 
     async def _score(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
         if inspect.iscoroutinefunction(self.reward_fn):
             return await self.reward_fn(prompt, response_ids)
-        if self.reward_threads:
+        if self.config.reward_threads:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.reward_threads, thread_name_prefix="r3-reward")
+                self._pool = ThreadPoolExecutor(self.config.reward_threads, thread_name_prefix="r3-reward")
             return await asyncio.get_running_loop().run_in_executor(
                 self._pool, self.reward_fn, prompt, response_ids
             )
@@ -346,13 +354,15 @@ class RolloutCollector:
         from r3lightning.correction.grpo import group_advantages
 
         rewards = torch.tensor([reward for _, reward in samples], dtype=torch.float64)  # [group_size]
-        advantages = group_advantages(rewards, self.group_size, normalize_std=self.normalize_std).tolist()
+        advantages = group_advantages(
+            rewards, self.config.group_size, normalize_std=self.config.normalize_std
+        ).tolist()
         out = []
         for (result, reward), advantage in zip(samples, advantages, strict=True):
             response = list(result.response_ids)
             routes = None
-            if self.request_routes:
-                trace = RoutedExpertTrace(self.num_layers, self.top_k, self.num_experts)
+            if self.config.request_routes:
+                trace = RoutedExpertTrace(self.schema.num_layers, self.schema.top_k, self.schema.num_experts)
                 trace.record_generation(len(prompt.token_ids), len(response), result.routed_experts)
                 routes = trace.finalize(len(prompt.token_ids) + len(response))
             out.append(
@@ -409,7 +419,7 @@ class RolloutCollector:
 
     def __repr__(self) -> str:
         urls = [c.base_url for c in self.clients]
-        return f"RolloutCollector({urls}, group_size={self.group_size}, seed={self.seed})"
+        return f"RolloutCollector({urls}, {self.config})"
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):

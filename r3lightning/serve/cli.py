@@ -3,31 +3,30 @@
     r3lightning-serve --port 30000                       # the tiny MoE on 127.0.0.1
     r3lightning-serve --model /ckpt/qwen3-moe --device cuda:0 --api-key KEY --host 0.0.0.0
 
-Every limit of :class:`~r3lightning.serve.server.RolloutServer` has a flag. A bad argument or
-a failed startup (a ``--model`` that is not a local checkpoint directory, which is never looked
-up on the hub; ``--device cuda`` without CUDA; a port out of range or in use; a non-loopback
-``--host`` without ``--api-key`` or ``--allow-unauthenticated``) prints one line naming it and
-exits 2.
+Each EngineConfig and ServerLimits field has a flag (``--max-request-bytes none``). A bad argument
+or startup (a ``--model`` not a local checkpoint: never downloaded; no CUDA; a port in use; a
+non-loopback host without a key) is one line and exit 2. Heavy imports wait for the arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
-import torch
+_ENGINE_FLAGS = ("dtype", "device", "max_batch_size", "batch_wait_s", "seed", "batch_invariant")
+_LIMIT_FLAGS = ("max_queue", "max_new_tokens_cap", "max_request_bytes", "max_weights_bytes")
+_LIMIT_FLAGS += ("header_timeout_s", "body_timeout_s", "retry_after_s")
+_RENAMED = {"--header-timeout": "--header-timeout-s", "--body-timeout": "--body-timeout-s"}
 
-from r3lightning.serve.server import (
-    DEFAULT_MAX_NEW_TOKENS_CAP,
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_WEIGHTS_BYTES,
-    RolloutServer,
-    check_exposure,
-)
+
+class _StartupError(Exception):
+    """A bad argument or a failed startup: printed as one line, exit status 2."""
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -35,94 +34,71 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise _StartupError(message)
 
 
-class _StartupError(Exception):
-    """A bad argument or a failed startup: printed as one line, exit status 2."""
-
-
 def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 65535], got {value!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 65535], got {port}")
+    port = _setting(value)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 65535], got {port!r}")
     return port
+
+
+def _setting(text: str) -> Any:
+    """A flag's value for its config field: none, true/false, an int, a float or the text (the
+    config dataclass checks it and names the field)."""
+    words = {"none": None, "null": None, "true": True, "false": False}
+    if text.lower() in words:
+        return words[text.lower()]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _ArgumentParser(
-        prog="r3lightning-serve",
-        description="Serve a causal MoE model that returns its routed experts (skyrl and sglang protocols).",
+        prog="r3lightning-serve", description="Serve a MoE model that returns its routes."
     )
     parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to bind; one that is not loopback needs --api-key or --allow-unauthenticated",
+        "--host", default="127.0.0.1", help="not loopback: needs a key or --allow-unauthenticated"
     )
     parser.add_argument("--port", type=_port, default=30000, help="0 picks a free port (printed at start)")
+    parser.add_argument("--model", help="local Hugging Face checkpoint directory (default: the tiny MoE)")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
     parser.add_argument(
-        "--model",
-        default=None,
-        help="local Hugging Face checkpoint directory (default: the tiny MoE); never downloaded",
+        "--allow-unauthenticated", action="store_true", help="serve a non-loopback host keyless"
     )
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda:0 (default: cuda if available)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
-    parser.add_argument(
-        "--allow-unauthenticated",
-        action="store_true",
-        help="serve on a non-loopback --host without --api-key",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-batch-size", type=int, default=8)
-    parser.add_argument(
-        "--max-queue", type=int, default=DEFAULT_MAX_QUEUE, help="waiting generate requests before 429"
-    )
-    parser.add_argument(
-        "--max-new-tokens-cap",
-        type=int,
-        default=DEFAULT_MAX_NEW_TOKENS_CAP,
-        help="largest max_tokens / max_new_tokens a request may ask for",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=None,
-        help="largest generate body (default: what a full-context prompt needs)",
-    )
-    parser.add_argument(
-        "--max-weights-bytes",
-        type=int,
-        default=DEFAULT_MAX_WEIGHTS_BYTES,
-        help="largest /update_weights body (safetensors)",
-    )
-    parser.add_argument(
-        "--header-timeout", type=float, default=30.0, help="seconds to receive a request head"
-    )
-    parser.add_argument("--body-timeout", type=float, default=30.0, help="most seconds between body reads")
     parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    from r3lightning.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
+
+    for cls, names in ((EngineConfig, _ENGINE_FLAGS), (ServerLimits, _LIMIT_FLAGS)):
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for name in names:
+            flag, shown = f"--{name.replace('_', '-')}", str(defaults[name]).removeprefix("torch.")
+            parser.add_argument(flag, type=_setting, default=defaults[name], help=shown)
+    return parser.parse_args([_RENAMED.get(arg, arg) for arg in (sys.argv[1:] if argv is None else argv)])
 
 
-def _device(name: str | None) -> torch.device:
+def _device(name: str | None):
+    import torch
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
         raise _StartupError(f"--device {name}: not a device name (expected e.g. cpu, cuda, cuda:0)") from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise _StartupError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-        if device.index is not None and device.index >= count:
-            raise _StartupError(f"--device {name}: this machine has {count} CUDA device(s)")
-    elif device.type != "cpu":
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and count == 0:
+        raise _StartupError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= count:
+        raise _StartupError(f"--device {name}: this machine has {count} CUDA device(s)")
+    if device.type not in ("cpu", "cuda"):
         raise _StartupError(f"--device {name}: expected cpu or cuda[:N]")
     return device
 
 
-def _load_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
+def _load_model(path: str, dtype):
     directory = Path(path)
     if not directory.is_dir() or not (directory / "config.json").is_file():
         what = "is not a directory" if not directory.is_dir() else "has no config.json"
@@ -140,11 +116,10 @@ def _load_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
         ) from None
 
 
-async def _serve_until_signalled(server: RolloutServer) -> None:
+async def _serve_until_signalled(server) -> None:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     try:
         await server.start()
     except OSError as exc:
@@ -158,53 +133,41 @@ async def _serve_until_signalled(server: RolloutServer) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``r3lightning-serve``); serves until SIGINT / SIGTERM.
-
-    A bad argument or a startup failure prints one line naming it and exits 2.
-    """
+    """Console entry point (``r3lightning-serve``): serves until SIGINT / SIGTERM; a bad argument
+    or a startup failure prints one line naming it and exits 2."""
     try:
-        args = _parse_args(argv)
-        _serve(args)
+        _serve(_parse_args(argv))
     except _StartupError as exc:
-        message = " ".join(str(exc).split())
-        print(f"r3lightning-serve: error: {message}", file=sys.stderr)
+        print(f"r3lightning-serve: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     return 0
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from r3lightning.serve.config import EngineConfig, ServerLimits
+    from r3lightning.serve.server import check_exposure
+
     try:
         check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+        settings = {name: getattr(args, name) for name in _ENGINE_FLAGS if name != "device"}
+        engine = EngineConfig(**settings, device=_device(args.device), copy_model=False)
+        limits = ServerLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
     except ValueError as exc:
         raise _StartupError(str(exc)) from None
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):
         raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    dtype = getattr(torch, args.dtype)
-    device = _device(args.device)
-    model = None if args.model is None else _load_model(args.model, dtype)  # None: the tiny MoE
+    model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
+    from r3lightning.serve.server import RolloutServer
+
     try:
+        exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}
+        name = args.model or "r3lightning-tiny-moe"
         server = RolloutServer(
-            model,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            allow_unauthenticated=args.allow_unauthenticated,
-            max_request_bytes=args.max_request_bytes,
-            max_weights_bytes=args.max_weights_bytes,
-            max_batch_size=args.max_batch_size,
-            max_queue=args.max_queue,
-            max_new_tokens_cap=args.max_new_tokens_cap,
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            dtype=dtype,
-            device=device,
-            seed=args.seed,
-            model_name=args.model or "r3lightning-tiny-moe",
-            copy_model=False,
+            model, engine=engine, limits=limits, host=args.host, port=args.port, **exposure, model_name=name
         )
-    except ValueError as exc:  # a bad limit, or a model the engine cannot serve
+    except ValueError as exc:  # a model the engine cannot serve
         raise _StartupError(str(exc)) from None
     asyncio.run(_serve_until_signalled(server))
 

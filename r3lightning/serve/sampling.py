@@ -1,9 +1,5 @@
-"""Per-request sampling: parameters and the choice of one token from a row of logits.
-
-The engine samples each row of a batch with that request's own parameters and its own seeded
-``torch.Generator``, so a seeded request samples the same tokens whatever it is batched with
-(up to the numerics of the padded forward).
-"""
+"""Per-request sampling: parameters and the choice of one token from a row of logits. Each row
+of a batch samples with its request's own parameters and seeded ``torch.Generator``."""
 
 from __future__ import annotations
 
@@ -13,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from r3lightning.rollout.config import check_setting
+
 MAX_SEED = 2**63 - 1
 # A temperature > 0 divides float32 logits: below 1e-3 a large logit overflows to inf (and
 # 1e-300 becomes 0 in float32), so softmax turns NaN. 0 means greedy.
@@ -21,24 +19,13 @@ TEMPERATURE_RANGE = (1e-3, 1e3)
 MAX_TOP_K = 2**31 - 1
 
 
-def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
-
-
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples.
-
-    ``temperature == 0`` is greedy; otherwise it lies in :data:`TEMPERATURE_RANGE`, where dividing
-    float32 logits by it cannot overflow. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
-    Generation stops after ``max_new_tokens`` tokens (finish reason ``"length"``) or at the first
-    sampled token in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``;
-    the stop token is part of the output). ``seed`` makes sampling reproducible per request
-    (independent of batching); ``None`` draws one from the engine's seeded generator.
+    """How one request samples. ``temperature`` 0 is greedy, else in :data:`TEMPERATURE_RANGE`
+    (dividing float32 logits cannot overflow); ``top_k <= 0`` and ``top_p == 1`` disable those
+    filters. Generation stops after ``max_new_tokens`` (``"length"``) or at the first sampled token
+    in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``, the token
+    kept). ``seed``: reproducible per request; None draws one from the engine's seeded generator.
     """
 
     max_new_tokens: int = 16
@@ -50,44 +37,32 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("max_new_tokens", self.max_new_tokens, low=1)
-        check_int("top_k", self.top_k, low=-1, high=MAX_TOP_K)
+        check_setting("max_new_tokens", self.max_new_tokens, low=1, integer=True)
+        check_setting("top_k", self.top_k, low=-1, high=MAX_TOP_K, integer=True)
+        check_setting("temperature", self.temperature, low=0)
         low, high = TEMPERATURE_RANGE
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
-            raise ValueError(
-                f"temperature must be a number, 0 or in [{low:g}, {high:g}], got {self.temperature!r}"
-            )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature != 0 and not low <= self.temperature <= high:
             raise ValueError(
                 f"temperature must be 0 (greedy) or in [{low:g}, {high:g}] (smaller values overflow "
                 f"float32 logits), got {self.temperature!r}"
             )
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_setting("top_p", self.top_p, low=0, above=True, high=1.0)
         for token in self.stop_token_ids:
-            check_int("stop_token_ids", token, low=0)
+            check_setting("stop_token_ids", token, low=0, integer=True)
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if self.seed is not None:
-            check_int("seed", self.seed, low=0, high=MAX_SEED)
+            check_setting("seed", self.seed, low=0, high=MAX_SEED, integer=True)
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Sample one token from float32 ``logits`` ``[V]``; returns ``(token, logprob)``.
-
-    Two device->host syncs (the token id and its logprob); the filters cost a ``[V]`` sort only
-    when ``top_p < 1``.
-    """
+    """Sample one token from float32 ``logits [V]``: ``(token, logprob)``. Two device->host syncs
+    (token and logprob); a ``[V]`` sort only when ``top_p < 1``."""
     if params.temperature == 0.0:
         token = int(logits.argmax())
         return token, float(logits.log_softmax(-1)[token])
-    scaled = logits / params.temperature  # [V]
+    filtered = scaled = logits / params.temperature  # [V]
     logprobs = scaled.log_softmax(-1)
-    filtered = scaled
     if 0 < params.top_k < scaled.numel():
         kth = torch.topk(scaled, params.top_k).values[-1]
         filtered = filtered.masked_fill(filtered < kth, -math.inf)

@@ -1,45 +1,17 @@
 """Embedded rollout server: an aiohttp app serving a causal MoE model that returns its routes.
 
-    with RolloutServer() as server:                 # tiny Qwen3-MoE in bf16, ephemeral port
-        client = RemoteGenerateClient(server.url)
-        ...
-        server.update_weights(trainer_model.state_dict())   # stay on-policy
-
-    async with RolloutServer(model, port=0) as server: ...  # inside a running event loop
-
-Routes (JSON bodies unless noted):
-
-- ``POST /skyrl/v1/generate`` and ``POST /generate`` (sglang): one generation per request, in the
-  formats of :mod:`r3lightning.serve.protocol`; concurrent requests are batched by the
-  :class:`~r3lightning.serve.engine.GenerationEngine` worker thread, so the event loop only
-  parses, validates and serialises.
-- ``GET /health``: liveness plus the route schema (``num_layers``, ``top_k``, ``num_experts``)
-  and the ``weight_version``; never needs the API key.
-- ``POST /update_weights``: a safetensors body (floating tensors of 16 bits or more, cast into
-  the serving dtype); ``?strict=true`` also requires every model tensor. Checked from the
-  safetensors header before any data is read, streamed into one host buffer, checked for finite
-  values and loaded off the event loop, all or nothing (:mod:`r3lightning.serve.weights`); one
-  upload at a time. Answers ``{"updated", "weight_version"}``.
-
-Limits (see :class:`RolloutServer`): a connection must deliver its request head within
-``header_timeout_s`` and keep its body flowing (``body_timeout_s`` between reads); past
-``max_queue`` generate requests beyond one engine batch the answer is 429 with ``Retry-After``;
-``max_tokens`` / ``max_new_tokens`` above ``max_new_tokens_cap`` and unknown sampling keys are
-400. Generate bodies are decoded and validated in a worker thread (a prompt longer than the
-model context is refused from its length alone), so large bodies do not stall ``/health``.
-
-Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 for bad JSON or fields (the
-message names the field), 401 for a wrong bearer token, 404/405 for unknown routes, 408 for a
-stalled body, 409 for a second concurrent weight upload, 413 for a body over the cap, 429 when
-the queue is full, 500 if generation itself fails. The server keeps serving after any of them.
-
-Command line: ``r3lightning-serve --port 30000`` (or ``python -m r3lightning.serve.server``),
-see :mod:`r3lightning.serve.cli`.
+``POST /skyrl/v1/generate`` and ``POST /generate`` (sglang, :mod:`r3lightning.serve.protocol`),
+decoded in one decoder thread and batched by the engine's worker (``/health`` never stalls);
+``GET /health``: liveness, route schema, ``weight_version`` (never behind the key); ``POST
+/update_weights[?strict=true]``: safetensors, checked from its header, all or nothing. Errors are
+JSON ``{"error": {"message", "type", "code"}}``: 400 (field named), 401, 408 stalled body, 409
+concurrent upload, 413 over a cap, 429 queue full (``Retry-After``), 500; it serves on after each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import ipaddress
 import itertools
@@ -47,69 +19,63 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import orjson
 import torch
 from aiohttp import web
 
+from r3lightning.serve.config import EngineConfig, ServerLimits
 from r3lightning.serve.engine import GenerationEngine
-from r3lightning.serve.protocol import (
-    RequestFieldError,
-    build_response,
-    parse_generate_request,
-    wants_logprobs,
-)
-from r3lightning.serve.weights import UploadError, loadable_targets, read_safetensors_upload
+from r3lightning.serve.protocol import PROTOCOLS, build_response, parse_generate_request, wants_logprobs
+from r3lightning.serve.weights import check_weights, loadable_targets
 from r3lightning.wire.json_body import read_capped
 from r3lightning.wire.request import PROTOCOL_PATHS
+from r3lightning.wire.safetensors import read_safetensors
 
 logger = logging.getLogger(__name__)
 
-# a full-context prompt in JSON: up to 24 bytes per token id (digits, separator, indentation)
-# plus room for the sampling parameters
-_REQUEST_BYTES_PER_TOKEN = 24
-_REQUEST_BYTES_SLACK = 64 << 10
-DEFAULT_MAX_WEIGHTS_BYTES = 8 << 30
-DEFAULT_MAX_NEW_TOKENS_CAP = 4096
-DEFAULT_MAX_QUEUE = 256
+# a full-context prompt in JSON: up to 24 bytes per token id plus room for the sampling parameters
+_REQUEST_BYTES_PER_TOKEN, _REQUEST_BYTES_SLACK = 24, 64 << 10
+_ERROR_TYPES = {400: "BadRequest", 401: "Unauthorized", 408: "RequestTimeout", 409: "Conflict"}
+_ERROR_TYPES |= {413: "PayloadTooLarge", 429: "TooManyRequests", 500: "InternalError"}
 
 
 class _HTTPError(Exception):
+    """Answered as JSON ``{"error": {"message", "type", "code"}}`` (with ``Retry-After`` if set)."""
+
     def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after = retry_after
+        self.status, self.message, self.retry_after = status, message, retry_after
+
+    def response(self) -> web.Response:
+        error = {
+            "message": self.message,
+            "type": _ERROR_TYPES.get(self.status, "HTTPError"),
+            "code": self.status,
+        }
+        response = _json_response({"error": error}, self.status)
+        if self.retry_after is not None:
+            response.headers["Retry-After"] = str(self.retry_after)
+        return response
 
 
 def _json_response(payload: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
 
 
-def _error_response(status: int, message: str, retry_after: int | None = None) -> web.Response:
-    kind = {
-        400: "BadRequest",
-        401: "Unauthorized",
-        408: "RequestTimeout",
-        409: "Conflict",
-        413: "PayloadTooLarge",
-        429: "TooManyRequests",
-        500: "InternalError",
-    }
-    response = _json_response(
-        {"error": {"message": message, "type": kind.get(status, "HTTPError"), "code": status}}, status
-    )
-    if retry_after is not None:
-        response.headers["Retry-After"] = str(retry_after)
-    return response
+def _too_large(cap: int):
+    def error(declared: int | None) -> _HTTPError:
+        of = "" if declared is None else f" of {declared} bytes"
+        return _HTTPError(413, f"request body{of} exceeds the cap of {cap} bytes")
+
+    return error
 
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` only accepts connections from this machine (``localhost`` or a loopback IP)."""
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -125,99 +91,45 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
 
 
 class RolloutServer:
-    """Serve ``model`` (default: ``build_tiny_moe(seed=seed)``) over HTTP on ``host:port``.
+    """Serve ``model`` (default: ``build_tiny_moe(seed=engine.seed)``) over HTTP on ``host:port``.
 
-    The model is copied and cast to ``dtype`` (bf16 by default) by a
-    :class:`~r3lightning.serve.engine.GenerationEngine`; the caller's model is never touched.
-    ``port=0`` picks a free port (read :attr:`port` / :attr:`url` once started). ``api_key``:
-    when set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``; a host that
-    is not loopback needs one unless ``allow_unauthenticated`` (``ValueError`` otherwise).
-    ``max_request_bytes`` caps generate bodies (None: what a full-context prompt needs, 24 bytes
-    per token of the model context plus 64 KiB, so oversized bodies are refused before they are
-    read), ``max_weights_bytes`` weight-update bodies.
-    ``max_batch_size`` bounds how many concurrent requests share one forward; ``max_queue``
-    how many more generate requests may wait (then 429 with ``Retry-After: retry_after_s``).
-    ``max_new_tokens_cap`` caps a request's ``max_tokens`` (None: the model context).
-    ``header_timeout_s``: a connection's request head must arrive within it (it also closes idle
-    keep-alive connections); ``body_timeout_s``: most seconds between two reads of a body (408).
-    ``seed`` seeds the default model and the sampling seeds of requests that send none.
-    ``copy_model=False`` serves ``model`` itself (cast in place) instead of a private copy. ``batch_invariant`` and
-    ``simulated_disagreement`` (a simulation knob): see :class:`GenerationEngine`.
-
-    Use as ``async with`` inside a running loop, or as a plain ``with`` (the server then runs its
-    own event loop in a daemon thread, for synchronous callers such as a Lightning training loop).
-    A server runs once: it cannot be restarted after it stops.
+    ``engine``: :class:`~r3lightning.serve.config.EngineConfig` (default: a bf16 private copy);
+    ``limits``: :class:`~r3lightning.serve.config.ServerLimits`; ``port=0``: a free one (see
+    :attr:`url`). With ``api_key`` every route but ``/health`` needs ``Authorization: Bearer
+    <api_key>``; a non-loopback host needs one unless ``allow_unauthenticated``. Use as ``async
+    with`` in a running loop, or as ``with`` (its own loop in a daemon thread). It runs once.
     """
 
     def __init__(
         self,
         model: torch.nn.Module | None = None,
         *,
+        engine: EngineConfig | None = None,
+        limits: ServerLimits | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
         allow_unauthenticated: bool = False,
-        max_request_bytes: int | None = None,
-        max_weights_bytes: int = DEFAULT_MAX_WEIGHTS_BYTES,
-        max_batch_size: int = 8,
-        max_queue: int = DEFAULT_MAX_QUEUE,
-        max_new_tokens_cap: int | None = DEFAULT_MAX_NEW_TOKENS_CAP,
-        header_timeout_s: float = 30.0,
-        body_timeout_s: float = 30.0,
-        retry_after_s: int = 1,
-        dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str | None = None,
-        seed: int = 0,
         model_name: str | None = None,
-        copy_model: bool = True,
-        batch_invariant: bool | None = None,
-        simulated_disagreement: float | None = None,
     ) -> None:
-        for name, value in (
-            ("max_request_bytes", 1 if max_request_bytes is None else max_request_bytes),
-            ("max_weights_bytes", max_weights_bytes),
-            ("max_new_tokens_cap", 1 if max_new_tokens_cap is None else max_new_tokens_cap),
-            ("retry_after_s", retry_after_s),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
-        for name, value in (("header_timeout_s", header_timeout_s), ("body_timeout_s", body_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        engine, limits = engine or EngineConfig(), limits or ServerLimits()
+        if not isinstance(limits, ServerLimits):
+            raise TypeError(f"limits must be a ServerLimits, got {type(limits).__name__}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {port!r}")
+            raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
         check_exposure(host, api_key, allow_unauthenticated)
         if model is None:
-            copy_model = False
             from r3lightning.testing.tiny import build_tiny_moe
 
-            model = build_tiny_moe(seed=seed)
-        self.engine = GenerationEngine(
-            model,
-            dtype=dtype,
-            device=device,
-            max_batch_size=max_batch_size,
-            seed=seed,
-            copy_model=copy_model,
-            batch_invariant=batch_invariant,
-            simulated_disagreement=simulated_disagreement,
-        )
+            model, engine = build_tiny_moe(seed=engine.seed), replace(engine, copy_model=False)
+        self.engine = GenerationEngine(model, engine)
         self.model_name = model_name or getattr(model.config, "name_or_path", None) or type(model).__name__
-        self.host = host
-        self.port = port
-        self.api_key = api_key
+        self.host, self.port, self.api_key = host, port, api_key
         self._api_key_bytes = None if api_key is None else api_key.encode()
-        if max_request_bytes is None:
-            max_request_bytes = _REQUEST_BYTES_SLACK + _REQUEST_BYTES_PER_TOKEN * self.engine.max_context
-        self.max_request_bytes = max_request_bytes
-        self.max_weights_bytes = max_weights_bytes
-        self.max_queue = max_queue
-        self.max_new_tokens_cap = max_new_tokens_cap
-        self.header_timeout_s = header_timeout_s
-        self.body_timeout_s = body_timeout_s
-        self.retry_after_s = retry_after_s
+        if limits.max_request_bytes is None:
+            needed = _REQUEST_BYTES_SLACK + _REQUEST_BYTES_PER_TOKEN * self.engine.max_context
+            limits = replace(limits, max_request_bytes=needed)
+        self.limits = limits
         self._generating = 0  # generate requests admitted and not yet answered
         self._uploading = False  # one weight upload at a time
         # One thread decodes generate bodies: decoding holds the GIL, and a single decoder leaves
@@ -241,13 +153,13 @@ class RolloutServer:
         """How many weight updates the serving model has received (0 = the initial weights)."""
         return self.engine.weight_version
 
-    # ------------------------------------------------------------------ app
-
     def make_app(self) -> web.Application:
         """The aiohttp application (routes + error/auth middleware), unstarted."""
         app = web.Application(middlewares=[self._middleware])
-        app.router.add_post(PROTOCOL_PATHS["skyrl"], self._skyrl_generate)
-        app.router.add_post(PROTOCOL_PATHS["sglang"], self._sglang_generate)
+        for protocol in PROTOCOLS:
+            app.router.add_post(
+                PROTOCOL_PATHS[protocol], functools.partial(self._generate, protocol=protocol)
+            )
         app.router.add_get("/health", self._health)
         app.router.add_post("/update_weights", self._update_weights)
         return app
@@ -260,71 +172,62 @@ class RolloutServer:
             header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             scheme, _, token = header.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self._api_key_bytes):
-                return _error_response(401, "missing or wrong bearer token in the Authorization header")
+                return _HTTPError(401, "missing or wrong bearer token in the Authorization header").response()
         try:
             return await handler(request)
         except _HTTPError as exc:
-            return _error_response(exc.status, exc.message, exc.retry_after)
+            return exc.response()
         except web.HTTPException as exc:
-            return _error_response(exc.status, exc.reason)
+            return _HTTPError(exc.status, exc.reason).response()
         except Exception as exc:
             logger.exception("request %s %s failed", request.method, request.path)
-            return _error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+            return _HTTPError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     async def _body_chunks(self, request: web.Request) -> AsyncIterator[bytes]:
         """The body as it arrives; 408 when no byte comes for ``body_timeout_s``."""
+        wait = self.limits.body_timeout_s
         while True:
             try:
-                async with asyncio.timeout(self.body_timeout_s):
+                async with asyncio.timeout(wait):
                     chunk = await request.content.readany()
             except TimeoutError:
                 raise _HTTPError(
-                    408, f"request body stalled: no data for {self.body_timeout_s:g} s (body_timeout_s)"
+                    408, f"request body stalled: no data for {wait:g} s (body_timeout_s)"
                 ) from None
             if not chunk:
                 return
             yield chunk
 
-    async def _read_body(self, request: web.Request, cap: int) -> bytes:
-        """The request body, refusing (413) more than ``cap`` bytes before reading past it."""
-
-        def too_large(declared: int | None) -> _HTTPError:
-            of = "" if declared is None else f" of {declared} bytes"
-            return _HTTPError(413, f"request body{of} exceeds the cap of {cap} bytes")
-
-        return await read_capped(self._body_chunks(request), request.content_length, cap, too_large)
-
     def _admit(self, raw: bytes, protocol: str):
-        """Decode, validate and queue one generate body (runs in a worker thread: the prompt check
-        is a Python pass over its ids). Returns the engine's future and whether logprobs are wanted."""
+        """Decode, check and queue one generate body (in the decoder thread: the prompt check is a
+        Python pass over its ids); the engine's future and whether logprobs are wanted."""
         try:
             body = orjson.loads(raw)
+            limits = {
+                "max_prompt_tokens": self.engine.max_context - 1,
+                "max_new_tokens_cap": self.limits.max_new_tokens_cap,
+            }
+            request, logprobs = (
+                parse_generate_request(body, protocol, **limits),
+                wants_logprobs(body, protocol),
+            )
+            return self.engine.submit(
+                request, prompt_field="token_ids" if protocol == "skyrl" else "input_ids"
+            ), logprobs
         except orjson.JSONDecodeError as exc:
             raise _HTTPError(400, f"request body is not valid JSON: {exc}") from None
-        prompt_field = "token_ids" if protocol == "skyrl" else "input_ids"
-        try:
-            gen_request = parse_generate_request(
-                body,
-                protocol,
-                max_prompt_tokens=self.engine.max_context - 1,
-                max_new_tokens_cap=self.max_new_tokens_cap,
-            )
-            future = self.engine.submit(gen_request, prompt_field=prompt_field)  # validates first
-        except (RequestFieldError, ValueError) as exc:
+        except ValueError as exc:  # RequestFieldError, or the engine's check naming the field
             raise _HTTPError(400, str(exc)) from None
-        return future, wants_logprobs(body, protocol)
 
     async def _generate(self, request: web.Request, protocol: str) -> web.Response:
-        if self._generating >= self.engine.max_batch_size + self.max_queue:
-            raise _HTTPError(
-                429,
-                f"the server is busy: {self._generating} generate requests in flight "
-                f"(max_batch_size {self.engine.max_batch_size} + max_queue {self.max_queue})",
-                retry_after=self.retry_after_s,
-            )
+        batch, queued = self.engine.max_batch_size, self.limits.max_queue
+        if self._generating >= batch + queued:
+            busy = f"{self._generating} generate requests in flight (max_batch_size {batch} + max_queue {queued})"
+            raise _HTTPError(429, f"the server is busy: {busy}", retry_after=self.limits.retry_after_s)
         self._generating += 1
         try:
-            raw = await self._read_body(request, self.max_request_bytes)
+            cap = self.limits.max_request_bytes
+            raw = await read_capped(self._body_chunks(request), request.content_length, cap, _too_large(cap))
             loop = asyncio.get_running_loop()
             future, logprobs = await loop.run_in_executor(self._decoder, self._admit, raw, protocol)
             del raw
@@ -332,31 +235,14 @@ class RolloutServer:
         finally:
             self._generating -= 1
         request_id = request.headers.get("X-Session-ID") or f"gen-{next(self._ids)}"
-        payload = build_response(
-            output, protocol, request_id=request_id, model_name=self.model_name, logprobs=logprobs
-        )
-        return _json_response(payload)
-
-    async def _skyrl_generate(self, request: web.Request) -> web.Response:
-        return await self._generate(request, "skyrl")
-
-    async def _sglang_generate(self, request: web.Request) -> web.Response:
-        return await self._generate(request, "sglang")
+        names = {"request_id": request_id, "model_name": self.model_name}
+        return _json_response(build_response(output, protocol, **names, logprobs=logprobs))
 
     async def _health(self, request: web.Request) -> web.Response:
-        engine = self.engine
-        return _json_response(
-            {
-                "status": "ok",
-                "model": self.model_name,
-                "num_layers": engine.num_layers,
-                "top_k": engine.top_k,
-                "num_experts": engine.num_experts,
-                "vocab_size": engine.vocab_size,
-                "max_context": engine.max_context,
-                "weight_version": engine.weight_version,
-            }
-        )
+        e = self.engine
+        health = {"status": "ok", "model": self.model_name, "num_layers": e.num_layers, "top_k": e.top_k}
+        health |= {"num_experts": e.num_experts, "vocab_size": e.vocab_size, "max_context": e.max_context}
+        return _json_response(health | {"weight_version": e.weight_version})
 
     async def _update_weights(self, request: web.Request) -> web.Response:
         strict_arg = request.query.get("strict", "false").lower()
@@ -364,45 +250,33 @@ class RolloutServer:
             raise _HTTPError(400, f"query parameter strict must be true or false, got {strict_arg!r}")
         if self._uploading:
             raise _HTTPError(409, "another weight upload is in progress; send one at a time")
+        cap, length, strict = (
+            self.limits.max_weights_bytes,
+            request.content_length,
+            strict_arg in ("true", "1"),
+        )
+        if length is not None and length > cap:
+            raise _too_large(cap)(length)
         self._uploading = True
         try:
-            cap = self.max_weights_bytes
-            if request.content_length is not None and request.content_length > cap:
-                raise _HTTPError(
-                    413, f"request body of {request.content_length} bytes exceeds the cap of {cap} bytes"
-                )
-            strict = strict_arg in ("true", "1")
-            try:
-                state_dict = await read_safetensors_upload(
-                    self._body_chunks(request),
-                    content_length=request.content_length,
-                    max_bytes=cap,
-                    targets=loadable_targets(self.engine.model),
-                    strict=strict,
-                    too_large=lambda size: UploadError(
-                        f"safetensors body of {size} bytes exceeds the cap of {cap} bytes", status=413
-                    ),
-                )
-                updated = await asyncio.to_thread(self.engine.update_weights, state_dict, strict=strict)
-            except UploadError as exc:
-                raise _HTTPError(exc.status, str(exc)) from None
-            except ValueError as exc:
-                raise _HTTPError(400, str(exc)) from None
+            targets = loadable_targets(self.engine.model)
+            check = functools.partial(check_weights, targets, strict=strict, where="upload")
+            body = self._body_chunks(request)
+            state_dict = await read_safetensors(body, content_length=length, max_bytes=cap, check=check)
+            updated = await asyncio.to_thread(self.engine.update_weights, state_dict, strict=strict)
+        except ValueError as exc:  # UploadError (400 or 413) or the engine's checks
+            raise _HTTPError(getattr(exc, "status", 400), str(exc)) from None
         finally:
             self._uploading = False
         return _json_response({"updated": updated, "weight_version": self.engine.weight_version})
 
-    # ------------------------------------------------------------------ weights (in process)
-
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> int:
-        """Copy ``state_dict`` (e.g. fp32 training weights) into the serving model; returns the count.
-
-        Thread-safe and blocking: waits for the running batch, never lands mid-generation.
-        From a coroutine on the server's loop use ``await asyncio.to_thread(server.update_weights, sd)``.
-        """
+        """Copy ``state_dict`` (e.g. fp32 training weights) into the serving model; returns the
+        count. Thread-safe and blocking: waits for the running batch. From a coroutine on the
+        server's loop use ``await asyncio.to_thread(server.update_weights, sd)``."""
         return self.engine.update_weights(state_dict, strict=strict)
 
-    # ------------------------------------------------------------------ lifecycle (async)
+    # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> RolloutServer:
         """Bind and start serving on the running loop; :attr:`port` holds the bound port after."""
@@ -411,16 +285,15 @@ class RolloutServer:
         self._started = True
         # aiohttp closes a connection whose request head is incomplete (or that idles between
         # requests) after keepalive_timeout: that is the header read timeout
-        runner = web.AppRunner(self.make_app(), access_log=None, keepalive_timeout=self.header_timeout_s)
+        timeout = self.limits.header_timeout_s
+        runner = web.AppRunner(self.make_app(), access_log=None, keepalive_timeout=timeout)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
         try:
-            await site.start()
+            await web.TCPSite(runner, self.host, self.port).start()
         except BaseException:
             await runner.cleanup()
             raise
-        self.port = runner.addresses[0][1]
-        self._runner = runner
+        self.port, self._runner = runner.addresses[0][1], runner
         logger.info("rollout server listening on %s", self.url)
         return self
 
@@ -438,42 +311,25 @@ class RolloutServer:
     async def __aexit__(self, *exc_info) -> None:
         await self.stop()
 
-    # ------------------------------------------------------------------ lifecycle (sync)
-
     def __enter__(self) -> RolloutServer:
-        """Run the server on its own event loop in a daemon thread; returns once it is bound."""
-        ready = threading.Event()
-        failure: list[BaseException] = []
-        loop = asyncio.new_event_loop()
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(self.start())
-            except BaseException as exc:
-                failure.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            loop.run_forever()
-            loop.run_until_complete(self.stop())
-            loop.close()
-
-        self._loop = loop
-        self._thread = threading.Thread(target=run, name="r3-rollout-server", daemon=True)
+        """Serve from a daemon thread's own event loop; returns once bound."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="r3-rollout-server", daemon=True)
         self._thread.start()
-        ready.wait()
-        if failure:
-            self._thread.join()
-            raise failure[0]
+        try:
+            asyncio.run_coroutine_threadsafe(self.start(), self._loop).result()
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc_info) -> None:
-        if self._thread is None or self._loop is None:
+        if self._loop is None or self._thread is None:
             return
+        asyncio.run_coroutine_threadsafe(self.stop(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+        self._loop.close()
         self._thread = self._loop = None
 
 

@@ -1,28 +1,9 @@
-"""Route wire codec: ndarray envelopes, SGLang's flat int32 routes and vLLM's ``.npy`` routes.
-
-Three encodings of a route array ``[rows, num_layers, top_k]`` travel over HTTP:
-
-- the ndarray envelope ``{"data": base64 of C-order little-endian bytes, "shape": [...],
-  "dtype": "uint8" | "int16" | "uint16" | "int32"}`` (``encode_routes`` / ``decode_routes``); the
-  encoder picks the smallest dtype that holds the largest expert id;
-- SGLang's bare base64 string of flat int32 ids, reshaped with the model's ``(num_layers, top_k)``
-  (``encode_flat_routes`` / ``decode_flat_routes``);
-- vLLM's base64 string of a whole ``.npy`` file (``np.save(..., allow_pickle=False)`` of a uint8 or
-  uint16 ``[rows, num_hidden_layers, top_k]`` array; ``decode_npy_routes``). Its header is parsed
-  here as a literal (never unpickled) and checked before the payload is decoded.
-
-Decoded uint16 routes come back as int16 (a view while every id is below 32768, else int32):
-torch has few operations for uint16.
-
-A generate response is mostly that one base64 string; :mod:`r3lightning.wire.json_body`
-parses the body around it and hands the payload here already decoded or as a zero-copy view,
-which is decoded straight into the numpy array's buffer. Decoding is one SIMD base64 pass plus
-one validation pass (:mod:`r3lightning.wire.route_check`), or, where the parse decoded the
-payload with the route check fused in (:mod:`r3lightning.wire.route_decode`), that one pass
-alone; nothing is ever unpickled.
-
-Every decoder validates before it allocates (dtype, shape, byte count, size cap) and raises
-:class:`MalformedResponseError` (a ``ValueError``) naming the field.
+"""Route wire codec: ndarray envelopes ``{"data": base64 of C-order little-endian bytes, "shape",
+"dtype": "uint8" | "int16" | "uint16" | "int32"}``, SGLang's base64 flat int32 ids (reshaped with
+the model's ``(num_layers, top_k)``) and vLLM's base64 ``.npy`` file (uint8 or uint16; its header
+is read as a literal, never executed or unpickled). Each decoder checks the declared size against
+``max_bytes`` before it allocates, decodes with pybase64 into one buffer that numpy views, and
+runs the route check; uint16 ids come back as int16 (int32 from 32768 on).
 """
 
 from __future__ import annotations
@@ -30,8 +11,8 @@ from __future__ import annotations
 import ast
 import binascii
 import math
-import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,158 +20,211 @@ import pybase64
 
 from r3lightning.routes import WIRE_DTYPES, compact_dtype
 from r3lightning.wire.errors import MalformedResponseError
-from r3lightning.wire.json_body import PAYLOAD_KEYS, DecodedPayload, ParsedBody, parse_body, read_capped
-from r3lightning.wire.route_check import check_range, check_shape, check_unique_rows, validate_routes
-from r3lightning.wire.route_decode import decode_payload
+from r3lightning.wire.route_check import check_routes
 
-__all__ = [
-    "DEFAULT_MAX_BYTES",
-    "PAYLOAD_KEYS",
-    "WIRE_DTYPES",
-    "DecodedPayload",
-    "ParsedBody",
-    "compact_dtype",
-    "decode_array",
-    "decode_flat_routes",
-    "decode_npy_routes",
-    "decode_routes",
-    "encode_flat_routes",
-    "encode_routes",
-    "parse_body",
-    "read_capped",
-    "read_npy_header",
-    "validate_routes",
-]
+__all__ = ["DEFAULT_MAX_BYTES", "RouteSchema", "checked_routes", "decode_array", "decode_flat_routes",
+           "decode_npy_routes", "decode_routes", "encode_flat_routes", "encode_routes"]  # fmt: skip
 
-# Default cap on the decoded size of one array; checked before anything is allocated.
-DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_MAX_BYTES = 1 << 30  # cap on one decoded array, checked before anything is allocated
+Base64Text = str | bytes | bytearray | memoryview
 
 
-def _wire_name(dtype: np.dtype) -> str:
-    return next(name for name, d in WIRE_DTYPES.items() if d == dtype)
+@dataclass(frozen=True)
+class RouteSchema:
+    """Decoded routes: ``[rows, num_layers, top_k]`` ids below ``num_experts`` (None: unchecked;
+    SGLang's flat routes need ``num_layers`` and ``top_k``), at most ``max_bytes`` per array.
+    ``check_unique`` refuses repeated experts in the parse (several times the decode's cost; off
+    by default: every route is checked for repeats when it becomes a ``Trajectory``)."""
 
+    num_layers: int | None = None
+    top_k: int | None = None
+    num_experts: int | None = None
+    check_unique: bool = False
+    max_bytes: int = DEFAULT_MAX_BYTES
 
-def _as_id_array(array: Any, field: str) -> tuple[np.ndarray, int]:
-    """The array as a non-negative integer ndarray and its largest id (0 when empty)."""
-    a = np.asarray(array)  # a CPU torch tensor converts without a copy
-    if a.dtype.kind not in "iu":
-        raise ValueError(f"{field}: expected an integer array, got dtype {a.dtype}")
-    if a.size == 0:
-        return a, 0
-    if a.dtype.kind == "i" and int(a.min()) < 0:
-        raise ValueError(f"{field}: expert ids must be non-negative, got {int(a.min())}")
-    return a, int(a.max())
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "top_k", "num_experts"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
 
 
 def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
-    """Encode a non-negative integer array (routes ``[rows, L, K]``) as an ndarray envelope.
-
-    ``dtype`` forces a wire dtype (``"uint8"``, ``"int16"``, ``"int32"``); by default the smallest
-    one that holds the largest id is used. Cost: one min/max pass, one cast when the dtype
-    changes, and one SIMD base64 encode. The envelope serialises with ``orjson.dumps``.
-    """
-    a, max_id = _as_id_array(array, "routes")
-    if dtype is None:
-        target = compact_dtype(max_id)
-    elif dtype in WIRE_DTYPES:
-        target = WIRE_DTYPES[dtype]
-        if max_id > np.iinfo(target).max:
-            raise ValueError(f"routes: id {max_id} does not fit in dtype {dtype!r}")
-    else:
+    """Non-negative integer routes ``[rows, L, K]`` (any shape) as a JSON-ready ndarray envelope in
+    ``dtype``, by default the smallest that holds the largest id. Cost: a min/max, a cast when
+    the dtype changes and a SIMD base64 encode."""
+    a = np.asarray(array)  # a CPU torch tensor converts without a copy
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"routes: expected an integer array, got dtype {a.dtype}")
+    if a.size and a.dtype.kind == "i" and int(a.min()) < 0:
+        raise ValueError(f"routes: expert ids must be non-negative, got {int(a.min())}")
+    max_id = int(a.max()) if a.size else 0
+    if dtype is not None and dtype not in WIRE_DTYPES:
         raise ValueError(f"routes: unknown dtype {dtype!r}, expected one of {sorted(WIRE_DTYPES)}")
-    data = np.ascontiguousarray(a, dtype=target)
-    return {
-        "data": pybase64.b64encode_as_string(data.reshape(-1).view(np.uint8)),
-        "shape": list(a.shape),
-        "dtype": _wire_name(target),
-    }
+    target = compact_dtype(max_id) if dtype is None else WIRE_DTYPES[dtype]
+    if max_id > np.iinfo(target).max:
+        raise ValueError(f"routes: id {max_id} does not fit in dtype {dtype!r}")
+    data = np.ascontiguousarray(a, dtype=target).reshape(-1).view(np.uint8)
+    name = next(n for n, d in WIRE_DTYPES.items() if d == target)
+    return {"data": pybase64.b64encode_as_string(data), "shape": list(a.shape), "dtype": name}
 
 
 def encode_flat_routes(array: Any) -> str:
     """Encode routes as SGLang does: base64 of the flat little-endian int32 ids."""
-    a, _ = _as_id_array(array, "routes")
-    data = np.ascontiguousarray(a, dtype=WIRE_DTYPES["int32"])
-    return pybase64.b64encode_as_string(data.reshape(-1).view(np.uint8))
+    return encode_routes(array, dtype="int32")["data"]
 
 
-Base64Text = str | bytes | bytearray | memoryview
-Payload = Base64Text | DecodedPayload
+def _check_size(shape: list[int], itemsize: int, max_bytes: int, field: str) -> int:
+    """Bytes of an array of ``shape``, refused above ``max_bytes`` before anything is allocated."""
+    if (nbytes := math.prod(shape) * itemsize) > max_bytes:
+        raise MalformedResponseError(
+            f"{field}: payload of {nbytes} bytes exceeds the cap of {max_bytes} bytes"
+        )
+    if any(d > max_bytes for d in shape):  # beside a 0: numpy refuses huge dimensions anyway
+        raise MalformedResponseError(f"{field}: shape {shape} has a dimension above max_bytes={max_bytes}")
+    return nbytes
 
 
-def _check_payload_type(data: Any, field: str) -> None:
-    if not isinstance(data, Payload):
+def _b64decode(data: Any, field: str, expected: int | None, max_bytes: int) -> bytearray:
+    """Strictly decode base64 ``data``, whose decoded size (from its length and padding) must be
+    ``expected`` and at most ``max_bytes``: both checked before decoding. Cost: one SIMD pass."""
+    if not isinstance(data, Base64Text):
         raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
-
-
-def _decoded_size(data: Payload, field: str) -> int:
-    """Byte count the base64 ``data`` decodes to, from its length and padding alone."""
-    if isinstance(data, DecodedPayload):
-        return len(data.raw)
-    n = len(data)
-    if n % 4:
+    if (n := len(data)) % 4:
+        raise MalformedResponseError(f"{field}: base64 length {n} is not a multiple of 4 (truncated?)")
+    tail = data[-2:].encode("utf-8", "replace") if isinstance(data, str) else bytes(data[-2:])
+    size = n // 4 * 3 - tail.count(b"=")
+    if expected is not None and size != expected:
         raise MalformedResponseError(
-            f"{field}: base64 length {n} is not a multiple of 4 (truncated or invalid base64)"
+            f"{field}: base64 payload holds {size} bytes but the shape and dtype need {expected}"
         )
-    if n == 0:
-        return 0
-    tail = data[-2:]
-    tail = tail.encode("utf-8", "replace") if isinstance(tail, str) else bytes(tail)
-    return n // 4 * 3 - tail.count(b"=")
-
-
-def _b64_to_buffer(data: Any, expected_bytes: int, field: str) -> bytearray | np.ndarray:
-    _check_payload_type(data, field)
-    size = _decoded_size(data, field)
-    if size != expected_bytes:
-        raise MalformedResponseError(
-            f"{field}: base64 payload holds {size} bytes but the shape and dtype need {expected_bytes}"
-        )
-    if isinstance(data, DecodedPayload):
-        return data.raw
+    if size > max_bytes:
+        raise MalformedResponseError(f"{field}: payload of {size} bytes exceeds the cap of {max_bytes} bytes")
     try:
-        return decode_payload(data).raw
+        return pybase64.b64decode_as_bytearray(data, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
-
-
-def _check_size(nbytes: int, max_bytes: int, field: str) -> None:
-    if nbytes > max_bytes:
-        raise MalformedResponseError(
-            f"{field}: payload of {nbytes} bytes exceeds the cap of {max_bytes} bytes (max_bytes)"
-        )
 
 
 def decode_array(
     envelope: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES, field: str = "array"
 ) -> np.ndarray:
-    """Decode an ndarray envelope into a writable, C-contiguous array.
-
-    ``envelope["data"]`` may be a ``str``, ``bytes``, a ``memoryview`` or a
-    :class:`DecodedPayload` (both from :meth:`ParsedBody.payload`). The declared size is checked
-    against ``max_bytes`` and the payload length against the shape before any allocation (a
-    payload the parse already decoded is checked the same way, after; its size was bounded by
-    the body's). Cost: one SIMD base64 decode into the array's own buffer, no other copy.
-    """
+    """Decode an ndarray envelope (``data`` a ``str``, bytes or a ``memoryview`` of base64) into a
+    writable C-contiguous array, unchecked. Cost: one base64 decode into the array's buffer."""
     if not isinstance(envelope, Mapping):
         raise MalformedResponseError(
             f"{field}: expected an ndarray envelope object, got {type(envelope).__name__}"
         )
-    missing = [key for key in ("data", "shape", "dtype") if key not in envelope]
-    if missing:
+    if missing := [key for key in ("data", "shape", "dtype") if key not in envelope]:
         raise MalformedResponseError(f"{field}: envelope is missing {missing}")
-    name = envelope["dtype"]
+    name, shape = envelope["dtype"], envelope["shape"]
     if not isinstance(name, str) or name not in WIRE_DTYPES:
         raise MalformedResponseError(
             f"{field}.dtype: unknown dtype {name!r}, expected one of {sorted(WIRE_DTYPES)}"
         )
-    dtype = WIRE_DTYPES[name]
-    shape = envelope["shape"]
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedResponseError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
-    nbytes = math.prod(shape) * dtype.itemsize
-    _check_size(nbytes, max_bytes, field)
-    buffer = _b64_to_buffer(envelope["data"], nbytes, f"{field}.data")
-    return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    dtype = WIRE_DTYPES[name]
+    nbytes = _check_size(shape, dtype.itemsize, max_bytes, field)
+    raw = _b64decode(envelope["data"], f"{field}.data", nbytes, max_bytes)
+    return np.frombuffer(raw, dtype).reshape(shape)
+
+
+def decode_flat_array(
+    data: Any, num_layers: int | None, top_k: int | None, *, max_bytes: int, field: str
+) -> np.ndarray:
+    """SGLang's base64 flat int32 ids as ``[rows, num_layers, top_k]`` int32, unchecked."""
+    if num_layers is None or top_k is None:  # the caller's schema, not the response
+        raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
+    raw = _b64decode(data, field, None, max_bytes)
+    if len(raw) % (num_layers * top_k * 4):
+        raise MalformedResponseError(
+            f"{field}: {len(raw)} bytes is not a whole number of int32 rows of "
+            f"num_layers={num_layers} x top_k={top_k}"
+        )
+    return np.frombuffer(raw, "<i4").reshape(-1, num_layers, top_k)
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+_NPY_MAX_HEADER = 10_000  # numpy's own default cap (np.load's max_header_size)
+
+
+def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
+    """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3), decoding only the
+    characters a header can span; its dict is read by ``ast.literal_eval`` after a length cap."""
+    try:  # whole groups of 4 characters, at most the largest header's
+        lead = pybase64.b64decode(
+            data[: min(len(data), (12 + _NPY_MAX_HEADER) * 4 // 3 + 4) // 4 * 4], validate=True
+        )
+    except (binascii.Error, ValueError) as exc:
+        raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
+    if lead[:6] != _NPY_MAGIC or len(lead) < 12:
+        raise MalformedResponseError(f"{field}: not a .npy file (magic {lead[:6]!r})")
+    if (major := lead[6]) not in (1, 2, 3):
+        raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{lead[7]}")
+    start = 10 if major == 1 else 12
+    if (length := int.from_bytes(lead[8:start], "little")) > _NPY_MAX_HEADER or start + length > len(lead):
+        raise MalformedResponseError(
+            f"{field}: .npy header of {length} bytes (at most {_NPY_MAX_HEADER}) is cut off"
+        )
+    text = lead[start : start + length]
+    try:
+        header = ast.literal_eval(text.decode("latin1" if major < 3 else "utf-8"))
+    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
+        raise MalformedResponseError(f"{field}: unreadable .npy header {text[:200]!r}") from None
+    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
+        raise MalformedResponseError(
+            f"{field}: .npy header must hold exactly 'descr', 'fortran_order' and 'shape', got {header!r}"
+        )
+    descr, shape = header["descr"], header["shape"]
+    try:
+        dtype = np.dtype(descr) if isinstance(descr, str) else None
+    except TypeError:
+        dtype = None
+    if dtype not in WIRE_DTYPES.values():
+        expected = f"{sorted(WIRE_DTYPES)} (little-endian)"
+        raise MalformedResponseError(
+            f"{field}: .npy dtype {descr!r} is not a route dtype, expected one of {expected}"
+        )
+    if header["fortran_order"] is not False:
+        raise MalformedResponseError(f"{field}: .npy array must be C-ordered (fortran_order=False)")
+    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+        raise MalformedResponseError(
+            f"{field}: .npy shape must be a tuple of non-negative ints, got {shape!r}"
+        )
+    return start + length, dtype, list(shape)
+
+
+def decode_npy_array(data: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, field: str) -> np.ndarray:
+    """vLLM's base64 ``.npy`` routes as an array, unchecked: the header is read and the size
+    checked first, then one decode into one buffer that the array views past the header."""
+    if not isinstance(data, Base64Text):
+        raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
+    offset, dtype, shape = _npy_header(data, field)
+    nbytes = _check_size(shape, dtype.itemsize, max_bytes, field)
+    raw = _b64decode(data, field, offset + nbytes, max_bytes + offset)
+    return np.frombuffer(raw, dtype, count=math.prod(shape), offset=offset).reshape(shape)
+
+
+def checked_routes(
+    routes: np.ndarray,
+    schema: RouteSchema,
+    *,
+    rows: range | None = None,
+    rows_rule: str = "",
+    compact: bool = False,
+    field: str = "routed_experts",
+) -> np.ndarray:
+    """Decoded ``routes`` after the route check, in their host dtype: uint16 as int16 (int32 from
+    32768 on); with ``compact`` (SGLang's int32) the smallest dtype holding the largest id."""
+    bounds = {"num_experts": schema.num_experts, "num_layers": schema.num_layers, "top_k": schema.top_k}
+    check = {"rows": rows, "rows_rule": rows_rule, "where": field, "error": MalformedResponseError}
+    high = check_routes(routes, distinct=schema.check_unique, **bounds, **check)
+    if compact:
+        return routes.astype(compact_dtype(high), copy=False)
+    if routes.dtype == WIRE_DTYPES["uint16"]:  # torch has few uint16 operations
+        return routes.view("<i2") if high < 1 << 15 else routes.astype("<i4")
+    return routes
 
 
 def decode_routes(
@@ -203,72 +237,14 @@ def decode_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "routed_experts",
 ) -> np.ndarray:
-    """Decode and validate a routes envelope into ``[rows, num_layers, top_k]`` in its wire dtype.
-
-    See :func:`decode_array` for the decoding and :func:`validate_routes` for the checks.
-    """
-    routes = decode_array(envelope, max_bytes=max_bytes, field=field)
-    return _validated(
-        routes,
-        envelope["data"],
-        0,
-        num_experts=num_experts,
-        num_layers=num_layers,
-        top_k=top_k,
-        check_unique=check_unique,
-        field=field,
-    )
-
-
-def _checked_by_decode(data: Payload, routes: np.ndarray, offset: int, num_experts: int | None) -> int | None:
-    """The largest id of ``routes`` (the bytes of ``data`` from ``offset`` to its end) when the
-    decode already ran a route check on exactly these rows at least as strict as the one asked
-    for (:func:`~r3lightning.wire.route_decode.decode_payload`), else None."""
-    if not isinstance(data, DecodedPayload) or data.checked is None or data.rows_from != offset:
-        return None
-    return data.largest if data.checked.covers(routes, num_experts) else None
-
-
-def _validated(
-    routes: np.ndarray,
-    data: Payload,
-    offset: int,
-    *,
-    num_experts: int | None,
-    num_layers: int | None,
-    top_k: int | None,
-    check_unique: bool,
-    field: str,
-) -> np.ndarray:
-    """``routes`` checked (:func:`validate_routes`, or only their shape where the decode already
-    checked their ids), uint16 ids as int16 where they fit."""
-    largest = _checked_by_decode(data, routes, offset, num_experts)
-    if largest is None:
-        validate_routes(
-            routes,
-            num_experts=num_experts,
-            num_layers=num_layers,
-            top_k=top_k,
-            check_unique=check_unique,
-            field=field,
-        )
-    else:
-        check_shape(routes, num_layers, top_k, field)
-    return _signed(routes, largest)
-
-
-def _signed(routes: np.ndarray, largest: int | None = None) -> np.ndarray:
-    """uint16 routes as int16 (a free view when every id is below 32768, else an int32 copy);
-    ``largest``: their largest id, when known."""
-    if routes.dtype != WIRE_DTYPES["uint16"]:
-        return routes
-    if routes.size == 0 or (largest if largest is not None else int(routes.max())) < 32768:
-        return routes.view(WIRE_DTYPES["int16"])
-    return routes.astype(WIRE_DTYPES["int32"])
+    """Decode and check a routes envelope into ``[rows, num_layers, top_k]`` in its wire dtype
+    (:func:`decode_array`, then :func:`checked_routes`)."""
+    schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
+    return checked_routes(decode_array(envelope, max_bytes=max_bytes, field=field), schema, field=field)
 
 
 def decode_flat_routes(
-    data: Payload,
+    data: Base64Text,
     *,
     num_layers: int,
     top_k: int,
@@ -278,124 +254,15 @@ def decode_flat_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "meta_info.routed_experts",
 ) -> np.ndarray:
-    """Decode SGLang's base64 flat int32 routes into ``[rows, num_layers, top_k]``.
-
-    With ``compact`` the result is cast to the smallest dtype that holds its largest id (one
-    extra pass, 4x less host memory downstream). Validated like :func:`decode_routes`.
-    """
-    for name, value in (("num_layers", num_layers), ("top_k", top_k)):
-        # the caller's schema, not the response: a plain ValueError
-        if type(value) is not int or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    _check_payload_type(data, field)
-    nbytes = _decoded_size(data, field)
-    _check_size(nbytes, max_bytes, field)
-    row_bytes = num_layers * top_k * 4
-    if nbytes % row_bytes:
-        raise MalformedResponseError(
-            f"{field}: {nbytes} bytes is not a whole number of int32 rows of "
-            f"num_layers={num_layers} x top_k={top_k}"
-        )
-    buffer = _b64_to_buffer(data, nbytes, field)
-    routes = np.frombuffer(buffer, dtype=WIRE_DTYPES["int32"]).reshape(-1, num_layers, top_k)
-    checked = _checked_by_decode(data, routes, 0, num_experts)
-    # int32 is signed: the range pass always yields the largest id, reused for the compact dtype
-    high = checked if checked is not None else check_range(routes, num_experts, field) if routes.size else 0
-    if compact:
-        routes = routes.astype(compact_dtype(high or 0), copy=False)
-    if check_unique and checked is None:  # on the compact copy: up to 4x less memory traffic
-        check_unique_rows(routes, field)
-    return routes
-
-
-_NPY_MAGIC = b"\x93NUMPY"
-# numpy's own default cap on a header (np.load's max_header_size)
-_NPY_MAX_HEADER = 10_000
-
-
-def _b64_prefix(data: Payload, nbytes: int, field: str) -> bytes:
-    """The first ``nbytes`` decoded bytes of base64 ``data`` (decodes only what it needs)."""
-    if isinstance(data, DecodedPayload):
-        if nbytes > len(data.raw):
-            raise MalformedResponseError(f"{field}: payload too short for a .npy header")
-        return bytes(data.raw[:nbytes])
-    chars = -(-nbytes // 3) * 4
-    if chars > len(data):
-        raise MalformedResponseError(f"{field}: payload too short for a .npy header")
-    try:
-        return pybase64.b64decode(data[:chars], validate=True)[:nbytes]
-    except (binascii.Error, ValueError) as exc:
-        raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
-
-
-def read_npy_header(data: Payload, field: str) -> tuple[int, np.dtype, list[int]]:
-    """``(data offset, dtype, shape)`` from the header of a base64 ``.npy`` file.
-
-    The header is a Python dict literal (format versions 1-3); it is read with
-    ``ast.literal_eval`` after a length cap, so nothing is executed or unpickled.
-    """
-    lead = _b64_prefix(data, 12, field)
-    if lead[:6] != _NPY_MAGIC:
-        raise MalformedResponseError(f"{field}: not a .npy file (magic {lead[:6]!r})")
-    major = lead[6]
-    if major not in (1, 2, 3):
-        raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{lead[7]}")
-    size_bytes = 2 if major == 1 else 4
-    header_len = int.from_bytes(lead[8 : 8 + size_bytes], "little")
-    if header_len > _NPY_MAX_HEADER:
-        raise MalformedResponseError(f"{field}: .npy header of {header_len} bytes exceeds {_NPY_MAX_HEADER}")
-    offset = 8 + size_bytes + header_len
-    text = _b64_prefix(data, offset, field)[8 + size_bytes :]
-    header = _header_dict(text, major, field)
-    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
-        raise MalformedResponseError(
-            f"{field}: .npy header must hold exactly 'descr', 'fortran_order' and 'shape', got {header!r}"
-        )
-    descr, shape = header["descr"], header["shape"]
-    dtype = next((d for d in WIRE_DTYPES.values() if isinstance(descr, str) and _same_dtype(descr, d)), None)
-    if dtype is None:
-        raise MalformedResponseError(
-            f"{field}: .npy dtype {descr!r} is not a route dtype, expected one of {sorted(WIRE_DTYPES)} "
-            "(little-endian)"
-        )
-    if header["fortran_order"] is not False:
-        raise MalformedResponseError(f"{field}: .npy array must be C-ordered (fortran_order=False)")
-    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedResponseError(
-            f"{field}: .npy shape must be a tuple of non-negative ints, got {shape!r}"
-        )
-    return offset, dtype, list(shape)
-
-
-# The header np.save writes (numpy's format.write_array_header): its keys in this order and
-# spacing, the shape a tuple of ints. Read without a parser; anything else takes the slow path.
-_NPY_HEADER = re.compile(
-    rb"\{'descr': '([<>|=][a-z][0-9]+)', 'fortran_order': (False|True), 'shape': \(([0-9]+(?:, [0-9]+)*,?)?\), \} *\n?\Z"
-)
-
-
-def _header_dict(text: bytes, major: int, field: str) -> dict[str, Any]:
-    """The header dict of a ``.npy`` file (a Python literal, never executed: ``ast.literal_eval``
-    reads anything but np.save's own layout, which a regex reads ten times faster)."""
-    if (match := _NPY_HEADER.match(text)) is not None:
-        descr, order, dims = match.groups()
-        shape = tuple(int(d) for d in dims.split(b",") if d.strip()) if dims else ()
-        return {"descr": descr.decode(), "fortran_order": order == b"True", "shape": shape}
-    try:
-        return ast.literal_eval(text.decode("latin1" if major < 3 else "utf-8"))
-    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
-        raise MalformedResponseError(f"{field}: unreadable .npy header {text[:200]!r}") from None
-
-
-def _same_dtype(descr: str, dtype: np.dtype) -> bool:
-    try:
-        return np.dtype(descr) == dtype
-    except TypeError:
-        return False
+    """Decode and check SGLang's base64 flat int32 routes into ``[rows, num_layers, top_k]``;
+    with ``compact``, in the smallest dtype that holds the largest id (4x less host memory)."""
+    schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
+    routes = decode_flat_array(data, num_layers, top_k, max_bytes=max_bytes, field=field)
+    return checked_routes(routes, schema, compact=compact, field=field)
 
 
 def decode_npy_routes(
-    data: Payload,
+    data: Base64Text,
     *,
     num_experts: int | None = None,
     num_layers: int | None = None,
@@ -404,26 +271,7 @@ def decode_npy_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "choices[0].routed_experts",
 ) -> np.ndarray:
-    """Decode vLLM's base64 ``.npy`` routes into ``[rows, num_layers, top_k]``.
-
-    The header (dtype, order, shape) is read from the first few hundred base64 characters and
-    the payload length checked against it and ``max_bytes`` before the whole payload is decoded
-    (one SIMD base64 pass into one buffer; the array is a view past the header). Validated like
-    :func:`decode_routes`; uint16 ids come back as int16.
-    """
-    _check_payload_type(data, field)
-    offset, dtype, shape = read_npy_header(data, field)
-    count = math.prod(shape)
-    _check_size(count * dtype.itemsize, max_bytes, field)
-    buffer = _b64_to_buffer(data, offset + count * dtype.itemsize, field)
-    routes = np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
-    return _validated(
-        routes,
-        data,
-        offset,
-        num_experts=num_experts,
-        num_layers=num_layers,
-        top_k=top_k,
-        check_unique=check_unique,
-        field=field,
-    )
+    """Decode and check vLLM's base64 ``.npy`` routes into ``[rows, num_layers, top_k]``
+    (:func:`decode_npy_array`, then :func:`checked_routes`)."""
+    schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
+    return checked_routes(decode_npy_array(data, max_bytes=max_bytes, field=field), schema, field=field)

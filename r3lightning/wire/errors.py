@@ -1,24 +1,17 @@
-"""Errors raised by the rollout client and the route wire codec.
-
-Catch :class:`RemoteGenerateError` for every failure of a generation request, or one of its
-subclasses to tell them apart:
+"""Errors of the rollout client and the route wire codec; catch :class:`RemoteGenerateError`
+for every failure of a generation request, or a subclass to tell them apart:
 
     RemoteGenerateError
     ├── RetryableGenerateError     one attempt failed in a way worth retrying (5xx, 429, timeout, ...)
     ├── GenerateRequestError       the server rejected the request (4xx other than 408/429): not retried
-    ├── MalformedResponseError     the response is not what the protocol promises (also a ValueError)
+    ├── MalformedResponseError     the response breaks the protocol (also a ValueError): not retried
     └── RetriesExhaustedError      every allowed attempt failed; carries the attempts and last error
 """
 
 from __future__ import annotations
 
-__all__ = [
-    "GenerateRequestError",
-    "MalformedResponseError",
-    "RemoteGenerateError",
-    "RetriesExhaustedError",
-    "RetryableGenerateError",
-]
+__all__ = ["GenerateRequestError", "MalformedResponseError", "RemoteGenerateError", "RetriesExhaustedError",
+           "RetryableGenerateError"]  # fmt: skip
 
 
 class RemoteGenerateError(Exception):
@@ -26,51 +19,30 @@ class RemoteGenerateError(Exception):
 
 
 class RetryableGenerateError(RemoteGenerateError):
-    """One attempt failed transiently: connection refused/reset, timeout, cut-off body, 429 or 5xx.
-
-    ``status`` is the HTTP status (None for transport failures) and ``retry_after`` the delay in
-    seconds the server asked for with ``Retry-After`` (None when absent).
-    """
+    """One attempt failed transiently; ``status``: the HTTP status (None for transport failures),
+    ``retry_after``: the seconds the server asked for with ``Retry-After`` (or None)."""
 
     def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None):
         super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
+        self.status, self.retry_after = status, retry_after
 
 
 class GenerateRequestError(RemoteGenerateError):
-    """The server rejected the request with a non-retryable HTTP status (a 4xx other than 408/429).
-
-    ``status`` is the HTTP status and ``server_message`` what the server said (truncated).
-    """
+    """A non-retryable status; ``server_message``: what the server said (truncated)."""
 
     def __init__(self, status: int, server_message: str, *, url: str | None = None):
-        where = f" from {url}" if url else ""
-        super().__init__(f"HTTP {status}{where}: {server_message}")
-        self.status = status
-        self.server_message = server_message
-        self.url = url
+        super().__init__(f"HTTP {status}{f' from {url}' if url else ''}: {server_message}")
+        self.status, self.server_message, self.url = status, server_message, url
 
 
 class MalformedResponseError(RemoteGenerateError, ValueError):
-    """A response does not follow the wire format (the message names the offending field) or
-    is not valid HTTP at all.
-
-    Also a ``ValueError`` so codec users can catch it without knowing the rollout client.
-    Never retried: a server that answers garbage answers it again.
-    """
+    """A response breaks the wire format (the message names the field) or is not valid HTTP."""
 
 
 class RetriesExhaustedError(RemoteGenerateError):
-    """Every allowed attempt failed with a retryable error.
-
-    ``attempts`` is how many attempts were made and ``last_error`` the error of the last one
-    (also chained as ``__cause__``).
-    """
+    """Every allowed attempt failed: ``attempts`` made, ``last_error`` the last one's (chained)."""
 
     def __init__(self, attempts: int, last_error: BaseException, *, url: str | None = None):
         where = f" to {url}" if url else ""
         super().__init__(f"request{where} failed after {attempts} attempt(s); last error: {last_error}")
-        self.attempts = attempts
-        self.last_error = last_error
-        self.url = url
+        self.attempts, self.last_error, self.url = attempts, last_error, url

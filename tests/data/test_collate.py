@@ -76,8 +76,8 @@ def test_empty_batch():
 
 
 def test_widest_route_dtype_in_the_batch_wins():
-    narrow = Trajectory([1, 2], [3], routed_experts=torch.full((2, 3, 2), 200))  # uint8
-    wide = Trajectory([1], [3], routed_experts=torch.full((1, 3, 2), 1000))  # int16
+    narrow = Trajectory([1, 2], [3], routed_experts=torch.tensor([200, 201]).repeat(2, 3, 1))  # uint8
+    wide = Trajectory([1], [3], routed_experts=torch.tensor([1000, 999]).repeat(1, 3, 1))  # int16
     batch = collate_trajectories([narrow, wide])
     assert narrow.routed_experts.dtype == torch.uint8 and batch.routed_experts.dtype == torch.int16
     assert_batch_matches(batch, [narrow, wide])

@@ -96,12 +96,33 @@ CORRUPTIONS = [
     (
         "negative expert id",
         _replace("routes", lambda r: r.to(torch.int16) - 1),
-        r"trajectory 0 rejected: .*expert ids >= 0",
+        r"trajectory 0 rejected: Trajectory.routed_experts: expert id -1 is negative",
     ),
+    (
+        "repeated expert in a row",
+        _set("routes", (1, 0), torch.tensor([3, 3], dtype=torch.uint8)),
+        r"trajectory 0 rejected: Trajectory.routed_experts: row 1 layer 0 repeats an expert: \[3, 3\]",
+    ),
+    (
+        "route rows shifted by one to the first",
+        _replace("route_rows", lambda rows: rows + torch.tensor([1, 0, -1])),
+        r"trajectory 0 rejected: its 4 route rows add up to 40, not to route_sums\[0\] = 34",
+    ),
+    (
+        "route rows shifted by one to the last",
+        _replace("route_rows", lambda rows: rows + torch.tensor([-1, 0, 1])),
+        r"trajectory 0 rejected: its 2 route rows add up to 28, not to route_sums\[0\] = 34",
+    ),
+    (
+        "one route id changed",
+        _set("routes", (4, 1, 1), 2),  # 7 -> 2 in the last trajectory's second row
+        r"trajectory 2 rejected: its 2 route rows add up to 23, not to route_sums\[2\] = 28",
+    ),
+    ("route sums not a tensor", _replace("route_sums", [34, 0, 28]), r"route_sums must be a 1-D tensor"),
     (
         "more route rows than tokens",
         lambda p: (p.update(route_rows=torch.tensor([5, -1, 0])), None),
-        r"trajectory 0 rejected: .*routed_experts has 5 rows but the trajectory has only 4 tokens",
+        r"trajectory 0 rejected: Trajectory.routed_experts: 5 route rows, expected at most one per token, 4",
     ),
     (
         "route rows disagree with routes",
@@ -148,7 +169,10 @@ def test_corrupted_buffer_state_is_refused_and_the_buffer_keeps_its_contents(cas
         (lambda s: s.pop("trajectories"), r"ReplayBuffer state lacks \['trajectories'\]"),
         (lambda s: s.update(route_schema=[2, "x"]), r"route_schema must be None or \[num_layers, top_k\]"),
         (lambda s: s.update(start=1.5), r"start must be an int >= 0, got 1.5"),
-        (lambda s: s.update(route_schema=[3, 2]), r"\(num_layers, top_k\) = \(2, 2\), expected \(3, 2\)"),
+        (
+            lambda s: s.update(route_schema=[3, 2]),
+            r"shape \[3, 2, 2\] has 2 on axis 1, expected num_layers=3",
+        ),
     ],
 )
 def test_bad_buffer_state_keys_are_named(mutate, message):
@@ -166,10 +190,14 @@ def test_bad_buffer_state_keys_are_named(mutate, message):
 def test_restored_trajectories_equal_the_saved_ones_and_own_their_storage():
     saved = _trajectories()
     packed = pack_trajectories(saved)
+    # each trajectory's ids summed by hand: 0..7 + 0..3 for the first, none, 0..7 for the last
+    assert packed["route_sums"].tolist() == [34, 0, 28] and packed["route_sums"].dtype == torch.int64
     restored = unpack_trajectories(packed)
     assert restored == saved
     packed["prompt_ids"].fill_(0)  # the restored trajectories do not alias the packed block
     assert restored[0].prompt_ids.tolist() == [1, 2]
+    del packed["route_sums"]  # a state saved before the sums existed still loads
+    assert unpack_trajectories(pack_trajectories(saved) | {"route_sums": None}) == saved
 
 
 def test_data_module_snapshot_is_validated_before_the_buffer_changes():
@@ -193,6 +221,77 @@ def test_data_module_snapshot_is_validated_before_the_buffer_changes():
     with pytest.raises(ValueError, match=r"R3DataModule state lacks \['cursor'\]"):
         module.load_state_dict(state)
     assert _same(buffer, before)
+
+
+def _positioned(buffer: ReplayBuffer) -> R3DataModule:
+    module = R3DataModule(buffer, batch_size=1, shuffle=False, collate_threads=1)
+    module.train_dataloader()  # epoch 0 planned: one batch per trajectory, snapshot [start, stop)
+    return module
+
+
+POSITION_FAULTS = [
+    ("epoch as a string", "cursor", {"epoch": "0"}, r"cursor\.epoch must be an int >= -1, got '0'"),
+    ("epoch before the first", "cursor", {"epoch": -2}, r"cursor\.epoch must be an int >= -1, got -2"),
+    (
+        "consumed past the epoch",
+        "cursor",
+        {"consumed": 4},
+        r"cursor\.consumed = 4 is past the epoch's cursor\.batches = 3",
+    ),
+    ("start after stop", "cursor", {"start": 4}, r"cursor\.start = 4 is after cursor\.stop = 3"),
+    ("negative stop", "cursor", {"stop": -1}, r"cursor\.stop must be an int >= 0, got -1"),
+    ("exhausted as an int", "cursor", {"exhausted": 0}, r"cursor\.exhausted must be a bool, got 0"),
+    ("batches as a float", "cursor", {"batches": 3.0}, r"cursor\.batches must be an int >= 0, got 3\.0"),
+    ("consumed as a bool", "cursor", {"consumed": True}, r"cursor\.consumed must be an int >= 0, got True"),
+    ("unknown cursor key", "cursor", {"position": 1}, r"cursor must be a dict with the keys \[.*'position'"),
+    ("batch size 0", "plan", {"batch_size": 0}, r"plan\.batch_size must be an int >= 1, got 0"),
+    ("shuffle as a string", "plan", {"shuffle": "yes"}, r"plan\.shuffle must be a bool, got 'yes'"),
+    ("no ranks", "plan", {"num_replicas": 0}, r"plan\.num_replicas must be an int >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "part", "change", "message"), POSITION_FAULTS, ids=[c[0] for c in POSITION_FAULTS]
+)
+def test_bad_data_module_position_is_refused_and_nothing_changes(case, part, change, message):
+    state = _positioned(_filled()).state_dict()
+    assert state["cursor"] == {
+        "epoch": 0,
+        "consumed": 0,
+        "batches": 3,
+        "exhausted": False,
+        "start": 0,
+        "stop": 3,
+    }
+    state[part].update(change)
+    other = ReplayBuffer()
+    other.extend([Trajectory([20], [21]), Trajectory([22], [23])])
+    target = _positioned(other)
+    before = (copy.deepcopy(target._cursor), target._plan, target._snapshot, _contents(other))
+    with pytest.raises(ValueError, match="R3DataModule state " + message):
+        target.load_state_dict(state)
+    cursor, plan, snapshot, contents = before
+    assert (target._cursor, target._plan, target._snapshot) == (cursor, plan, snapshot)
+    assert _same(other, contents)
+    state[part] = _positioned(_filled()).state_dict()[part]  # the same state, repaired, loads
+    target.load_state_dict(state)
+    assert (target.epoch, target.batches_consumed, len(other)) == (0, 0, 3)
+
+
+def test_a_snapshot_that_does_not_fill_its_range_is_refused():
+    module = _positioned(_filled())
+    state = module.state_dict()
+    state["snapshot"] = pack_trajectories(_trajectories())
+    state["cursor"].update(consumed=1, stop=5)
+    before = _contents(module.buffer)
+    with pytest.raises(
+        ValueError,
+        match=r"R3DataModule state snapshot holds 3 trajectories, not the cursor.stop - cursor.start = 5",
+    ):
+        module.load_state_dict(state)
+    assert _same(module.buffer, before) and module.batches_consumed == 0
+    with pytest.raises(ValueError, match=r"R3DataModule state must be a dict, got list"):
+        module.load_state_dict([])
 
 
 # ---------------------------------------------------------------------------- Trajectory fields
@@ -221,7 +320,7 @@ def test_wide_unsigned_routes_are_supported_when_they_fit(dtype):
 )
 def test_expert_ids_beyond_int32_are_reported_as_themselves(value, dtype):
     raw = np.array([[[1, value]]], dtype=dtype)
-    with pytest.raises(ValueError, match=rf"routed_experts holds expert id {value}, expected ids < 2\*\*31"):
+    with pytest.raises(ValueError, match=rf"expert id {value} is out of range for int32 \(ids < 2\*\*31\)"):
         Trajectory([1, 2], [3], routed_experts=raw)
 
 

@@ -64,17 +64,31 @@ def test_empty_routes_and_zero_length_response_are_valid():
         ({"reward": float("inf")}, ValueError, r"reward must be finite"),
         ({"advantage": "high"}, TypeError, r"advantage must be a real number"),
         (
-            {"routed_experts": torch.zeros(4, 2)},
+            {"routed_experts": torch.zeros(4, 2, dtype=torch.int64)},
             ValueError,
-            r"routed_experts must be \[rows, num_layers, top_k\]",
+            r"routed_experts: expected shape \[rows, num_layers, top_k\], got \[4, 2\]",
+        ),
+        (
+            {"routed_experts": torch.zeros(4, 0, 2, dtype=torch.int64)},
+            ValueError,
+            r"routed_experts: shape \[4, 0, 2\] has 0 on axis 1, expected num_layers >= 1",
         ),
         (
             {"routed_experts": torch.zeros(5, 2, 2, dtype=torch.int64)},
             ValueError,
-            r"5 rows but the trajectory has only 4",
+            r"routed_experts: 5 route rows, expected at most one per token, 4 \(len\(prompt_ids\)",
+        ),
+        (
+            {"routed_experts": torch.tensor([[[1, 2], [0, 0]], [[4, 5], [3, 3]]])},
+            ValueError,
+            r"routed_experts: row 1 layer 1 repeats an expert: \[3, 3\]",
         ),
         ({"routed_experts": torch.zeros(2, 2, 2)}, TypeError, r"routed_experts must hold integer expert ids"),
-        ({"routed_experts": -torch.ones(2, 2, 2, dtype=torch.int64)}, ValueError, r"expert ids >= 0"),
+        (
+            {"routed_experts": -torch.ones(2, 2, 2, dtype=torch.int64)},
+            ValueError,
+            r"expert id -1 is negative",
+        ),
         ({"response_ids": "abc"}, TypeError, r"response_ids must be a tensor, ndarray or list"),
     ],
 )
@@ -85,14 +99,22 @@ def test_bad_trajectory_fields_raise_naming_the_field(kwargs, error, match):
         Trajectory(prompt, response, **args)
 
 
+def test_dense_zero_rows_pass_the_route_check_but_a_repeated_zero_does_not():
+    dense = torch.tensor([[[1, 2, 3], [0, 0, 0]], [[4, 5, 6], [0, 6, 7]]]).to(torch.uint16)
+    assert Trajectory([1, 2], [3], routed_experts=dense).routed_experts.tolist() == dense.tolist()
+    dense[1, 1] = torch.tensor([0, 0, 7])  # zeros in a row that is not all zero: expert 0 twice
+    with pytest.raises(ValueError, match=r"routed_experts: row 1 layer 1 repeats an expert: \[0, 0, 7\]"):
+        Trajectory([1, 2], [3], routed_experts=dense)
+
+
 def test_validate_against_model_bounds():
     t = Trajectory([1, 9], [3], routed_experts=routes(2, high=8))
     t.validate(vocab_size=10, num_experts=8, route_schema=(2, 2))
     with pytest.raises(ValueError, match=r"prompt_ids\[1\] = 9 is out of range for a vocabulary of 9"):
         t.validate(vocab_size=9)
-    with pytest.raises(ValueError, match=r"expert id 7, out of range for 7 experts"):
+    with pytest.raises(ValueError, match=r"routed_experts: expert id 7 is out of range for num_experts=7"):
         t.validate(num_experts=7)
-    with pytest.raises(ValueError, match=r"\(num_layers, top_k\) = \(2, 2\), expected \(4, 2\)"):
+    with pytest.raises(ValueError, match=r"shape \[2, 2, 2\] has 2 on axis 1, expected num_layers=4"):
         t.validate(route_schema=(4, 2))
 
 
@@ -147,13 +169,13 @@ def test_rejected_trajectory_leaves_buffer_unchanged():
     before = [t for t in buffer]
     bad_schema = Trajectory([1], [2], routed_experts=torch.zeros(1, 3, 2, dtype=torch.int64))
     with pytest.raises(
-        ValueError, match=r"trajectory 1 of the batch rejected: .*\(3, 2\), expected \(2, 2\)"
+        ValueError, match=r"trajectory 1 of the batch rejected: .*has 3 on axis 1, expected num_layers=2"
     ):
         buffer.extend([tagged(2), bad_schema, tagged(3)])  # all-or-nothing
     with pytest.raises(ValueError, match=r"trajectory rejected: .*response_ids\[0\] = 500 is out of range"):
         buffer.add(Trajectory([1], [500]))
-    with pytest.raises(ValueError, match=r"expert id 9, out of range for 8 experts"):
-        buffer.add(Trajectory([1], [2], routed_experts=torch.full((1, 2, 2), 9)))
+    with pytest.raises(ValueError, match=r"expert id 9 is out of range for num_experts=8"):
+        buffer.add(Trajectory([1], [2], routed_experts=torch.tensor([[[9, 1], [2, 3]]])))
     with pytest.raises(TypeError, match=r"takes Trajectory objects, got dict at position 0"):
         buffer.add({"prompt_ids": [1]})
     assert len(buffer) == 2 and all(a is b for a, b in zip(buffer, before, strict=True))
@@ -235,7 +257,7 @@ def test_loaded_routes_fix_the_schema_even_when_the_state_names_none():
     restored = ReplayBuffer()
     restored.load_state_dict({**full.state_dict(), "route_schema": None})
     assert restored.route_schema == (2, 2)
-    with pytest.raises(ValueError, match=r"\(num_layers, top_k\) = \(3, 2\), expected \(2, 2\)"):
+    with pytest.raises(ValueError, match=r"has 3 on axis 1, expected num_layers=2"):
         restored.add(Trajectory([1, 2], [3], routed_experts=routes(2, layers=3)))
     assert len(restored) == 4
 

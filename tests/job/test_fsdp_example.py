@@ -12,6 +12,7 @@ import pytest
 
 from r3lightning.job.report import agreement_keys, read_csv
 from r3lightning.job.sharded import convert_checkpoint
+from r3lightning.serve.config import EngineConfig
 from r3lightning.serve.server import RolloutServer
 from r3lightning.testing.tiny import build_tiny_moe
 
@@ -26,7 +27,9 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
     sharded = convert_checkpoint(checkpoint, tmp_path / "tiny-moe-dcp")
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    with RolloutServer(build_tiny_moe(seed=0), max_batch_size=64, copy_model=False) as server:
+    with RolloutServer(
+        build_tiny_moe(seed=0), engine=EngineConfig(max_batch_size=64, copy_model=False)
+    ) as server:
         proc = subprocess.run(
             [
                 sys.executable,

@@ -237,7 +237,7 @@ def test_external_engine_weight_sync_follows_the_protocol(tmp_path, monkeypatch)
             ["loggers=[{_target_: nowhere.Logger}]"],
             r"^loggers\[0\]\._target_: cannot import 'nowhere\.Logger'",
         ),
-        (["rollout.request_timeout_s=0"], r"^rollout\.request_timeout_s must be a number > 0, got 0$"),
+        (["rollout.retry.timeout_s=0"], r"^rollout\.retry\.timeout_s must be a number > 0, got 0\.0$"),
         (
             ["+trainer.max_epochs=3"],
             r"^trainer\.max_epochs is set by the job; use steps \(one epoch is one RL step\)$",

@@ -85,10 +85,13 @@ def test_replay_r2_records_in_the_old_policy_forward_and_replays_it(tmp_path):
 
 
 def test_external_engine_sglang_protocol(tmp_path):
+    from r3lightning.serve.config import EngineConfig
     from r3lightning.serve.server import RolloutServer
     from r3lightning.testing.tiny import build_tiny_moe
 
-    with RolloutServer(build_tiny_moe(seed=0), max_batch_size=64, copy_model=False) as server:
+    with RolloutServer(
+        build_tiny_moe(seed=0), engine=EngineConfig(max_batch_size=64, copy_model=False)
+    ) as server:
         cfg = compose_config(
             [
                 f"rollout.url={server.url}",
@@ -151,7 +154,7 @@ def test_unreachable_engine_is_one_line_without_traceback(tmp_path):
             "-m",
             "r3lightning.job.main",
             "rollout.url=http://127.0.0.1:9",
-            "rollout.request_timeout_s=5",
+            "rollout.retry.health_timeout_s=5",
             f"hydra.run.dir={tmp_path}",
         ],
         capture_output=True,
@@ -164,8 +167,8 @@ def test_unreachable_engine_is_one_line_without_traceback(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr
     assert lines[-1] == (
-        "r3lightning-train: error: cannot reach the rollout engine at http://127.0.0.1:9 "
-        "(GET /health failed within 5s); check rollout.url or start the engine"
+        "r3lightning-train: error: cannot reach the rollout engine at http://127.0.0.1:9: GET /health did "
+        "not answer 200 within 5s (rollout.retry.health_timeout_s); check rollout.url or start the engine"
     )
     assert (tmp_path / ".hydra").is_dir()  # a folder that existed before the run is left alone
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from test_callback import MemoryLogger, TinyPolicy, loader, make_batch
+from replay_policy import MemoryLogger, TinyPolicy, loader, make_batch
 
 from r3lightning import ExpertLoadMonitor, PackedTensor, RouterReplayCallback, expert_load_stats
 

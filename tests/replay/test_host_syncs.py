@@ -9,10 +9,9 @@ import copy
 import lightning.pytorch as pl
 import pytest
 import torch
-from megatron_cpu import make_config, make_moe_layer
+from megatron_cpu import TokenMoE, distinct_routes, make_config, make_moe_layer, megatron_cpu  # noqa: F401
+from replay_policy import MemoryLogger, loader, make_batch
 from sync_detector import ArmDetector, DisarmDetector, SyncDetector
-from test_callback import MemoryLogger, loader, make_batch
-from test_megatron_replay import TokenMoE, megatron_cpu, random_routes  # noqa: F401 (fixture)
 
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.job.module import GRPOModule
@@ -21,6 +20,8 @@ from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.replay.megatron.replay import MegatronRouterReplay
 from r3lightning.testing.tiny import build_tiny_moe
+
+pytestmark = pytest.mark.usefixtures("megatron_cpu")
 
 
 def fit_one_step(module, batch, callback):
@@ -108,7 +109,7 @@ def megatron_batch(seed, lengths=(3, 6, 5)):
         prompt_lengths=torch.ones(len(lengths), dtype=torch.long),
         sequence_lengths=torch.tensor(lengths),
         _host_lengths=(torch.tensor(lengths), torch.ones(len(lengths), dtype=torch.long)),
-        routed_experts=PackedTensor.from_segments([random_routes(n - 1, generator) for n in lengths]),
+        routed_experts=PackedTensor.from_segments([distinct_routes(n - 1, generator) for n in lengths]),
     )
 
 

@@ -1,62 +1,22 @@
-"""RemoteGenerateClient against real aiohttp servers on 127.0.0.1: protocols, retries, errors."""
+"""RemoteGenerateClient against real aiohttp servers on 127.0.0.1: request formats, responses,
+errors that are not retried, and settings. Retries and health: test_client_retries.py;
+sessions, event loops and pickling: test_client_lifecycle.py."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import email.utils
 import json
-import pickle
-import random
-import socket
-import threading
-import time
 
-import aiohttp
 import numpy as np
 import pytest
-from fault_server import CLOSE, DROP_MID_BODY, OK, FaultServer, Raw, Slow, Status, expected_generation
-from gloo_ranks import free_port
+from fault_server import OK, FaultServer, Raw, Status, expected_generation
+from rollout_support import FAST, PROMPT, SCHEMA, check_result, generate, make_client, params
 
-from r3lightning import (
-    GenerateRequestError,
-    MalformedResponseError,
-    RemoteGenerateClient,
-    RemoteGenerateError,
-    RetriesExhaustedError,
-    RetryableGenerateError,
-)
-from r3lightning.rollout.client import Backoff, _retry_after
-
-SCHEMA = {"num_layers": 3, "top_k": 2, "num_experts": 300}
-FAST = Backoff(base_s=0.001, cap_s=0.004)
-PROMPT = [5, 6, 7, 8]
-
-
-def make_client(server: FaultServer, protocol: str = "skyrl", **kwargs) -> RemoteGenerateClient:
-    options = {"backoff": FAST, "max_attempts": 3, "timeout_s": 5.0, **SCHEMA, **kwargs}
-    return RemoteGenerateClient(server.url, protocol=protocol, **options)
-
-
-def params(protocol: str, n: int = 4) -> dict:
-    return {"max_tokens": n} if protocol == "skyrl" else {"max_new_tokens": n}
-
-
-async def generate(client: RemoteGenerateClient, prompt=PROMPT, start=None, n: int = 4):
-    return await client.generate(
-        prompt, params(client.protocol, n), return_routed_experts=True, routed_experts_prompt_start=start
-    )
-
-
-def check_result(result, prompt=PROMPT, n: int = 4, start: int = 0) -> None:
-    ids, logprobs, routes = expected_generation(prompt, n, start, **SCHEMA)
-    assert result.response_ids == ids
-    assert result.response_logprobs == logprobs
-    assert result.stop_reason == "length"
-    assert result.routed_experts.dtype == (np.uint8 if routes.max(initial=0) < 256 else np.int16)  # compact
-    np.testing.assert_array_equal(result.routed_experts, routes)
-
+from r3lightning import MalformedResponseError, RemoteGenerateClient, RemoteGenerateError, Trajectory
+from r3lightning.rollout.config import Backoff, RetryPolicy, route_schema
+from r3lightning.wire.errors import GenerateRequestError
+from r3lightning.wire.request import RouteSchema
 
 # ------------------------------------------------------------------ round trips
 
@@ -130,264 +90,6 @@ async def test_non_route_data_key_is_kept_in_raw_response():
     assert result.raw_response["meta"] == {"data": "a\\/b", "other": [{"data": "QUJD"}]}
 
 
-async def test_hundreds_of_concurrent_requests():
-    # decode_in_thread_bytes=0: every body is decoded in a worker thread
-    async with (
-        FaultServer() as server,
-        make_client(server, max_connections=32, decode_in_thread_bytes=0) as client,
-    ):
-        prompts = [[i % 97, i % 89 + 1, 3] for i in range(300)]
-        results = await asyncio.gather(
-            *(generate(client, prompt=p, n=1 + i % 5) for i, p in enumerate(prompts))
-        )
-        for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
-            check_result(result, prompt=prompt, n=1 + i % 5)
-        assert client.stats.requests == client.stats.attempts == 300
-        assert 1 < server.max_in_flight <= 32
-
-
-async def test_health():
-    async with FaultServer() as server, make_client(server) as client:
-        assert await client.health()
-    dead = RemoteGenerateClient(f"http://127.0.0.1:{free_port()}", timeout_s=1.0)
-    assert not await dead.health()
-    await dead.close()
-
-
-# ------------------------------------------------------------------ lifecycle
-
-
-def test_pickled_client_works_in_a_fresh_event_loop():
-    async def serve_and_use(client: RemoteGenerateClient | None) -> RemoteGenerateClient:
-        async with FaultServer() as server:
-            client = make_client(server) if client is None else client
-            client.base_url = server.url
-            check_result(await generate(client))
-            assert client._session is not None and not client._session.closed
-            await client.close()
-            return client
-
-    first = asyncio.run(serve_and_use(None))
-    clone = pickle.loads(pickle.dumps(first))
-    assert clone._session is None and clone.stats.requests == 1  # counters travel with the pickle
-    asyncio.run(serve_and_use(clone))
-    assert clone.stats.requests == 2 and first.stats.requests == 1
-
-
-@pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::pytest.PytestUnraisableExceptionWarning")
-def test_session_of_a_finished_loop_is_replaced():
-    server_loop = asyncio.new_event_loop()
-    server = server_loop.run_until_complete(FaultServer().__aenter__())
-    client = make_client(server)
-
-    async def use() -> object:
-        check_result(await generate(client))
-        return client._session
-
-    try:
-        # each asyncio.run ends its loop with the session still open; the next one must notice
-        sessions = []
-        for _ in range(2):
-            worker = asyncio.new_event_loop()
-            try:
-                task = worker.create_task(use())
-                while not task.done():  # serve and use on one thread, alternating the two loops
-                    worker.run_until_complete(asyncio.sleep(0.001))
-                    server_loop.run_until_complete(asyncio.sleep(0.001))
-                sessions.append(task.result())
-            finally:
-                worker.close()
-        assert sessions[0] is not sessions[1] and sessions[0].closed
-    finally:
-        server_loop.run_until_complete(server.__aexit__(None, None, None))
-        server_loop.close()
-
-
-def test_a_second_event_loop_is_told_the_client_is_in_use():
-    """One client shared by two threads: the second loop gets a clear error, not a broken session."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="rollout-thread", daemon=True)
-    thread.start()
-
-    def on_loop(coro, timeout=10.0):
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
-
-    server = on_loop(FaultServer().__aenter__())
-    client = make_client(server)
-    try:
-        check_result(on_loop(generate(client)))  # the session now belongs to rollout-thread's loop
-        with pytest.raises(RuntimeError, match="in use by another event loop \\(thread 'rollout-thread'\\)"):
-            asyncio.run(generate(client))
-        check_result(on_loop(generate(client)))  # the first loop's session is untouched
-        assert client.stats.failures == 0
-        clone = pickle.loads(pickle.dumps(client))  # what the message recommends
-
-        async def use_clone():
-            async with clone:
-                check_result(await generate(clone))
-
-        asyncio.run(use_clone())
-        on_loop(client.close())
-        asyncio.run(use_clone())  # closed on its loop: another loop may take it over
-    finally:
-        on_loop(server.__aexit__(None, None, None))
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
-async def test_health_of_a_hung_engine_fails_fast_despite_a_long_generate_timeout():
-    async def never_answer(reader, writer):
-        await asyncio.sleep(60)
-
-    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
-    port = hung.sockets[0].getsockname()[1]
-    client = RemoteGenerateClient(f"http://127.0.0.1:{port}", timeout_s=600.0, health_timeout_s=0.2)
-    assert (client.timeout_s, client.connect_timeout_s) == (600.0, 10.0)
-    try:
-        began = time.perf_counter()
-        assert not await asyncio.wait_for(client.health(), timeout=5.0)
-        assert time.perf_counter() - began < 2.0
-    finally:
-        await client.close()
-        hung.close()
-
-
-async def test_a_connection_that_never_completes_fails_after_the_connect_timeout():
-    """A full accept queue on 127.0.0.1: the handshake never completes, so only the short
-    connect timeout (not the long generate timeout) ends the attempt."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)  # accepts nothing: one queued connection fills it
-    port = listener.getsockname()[1]
-    fillers = []
-    for _ in range(4):
-        filler = socket.socket()
-        filler.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            filler.connect(("127.0.0.1", port))
-        fillers.append(filler)
-    client = RemoteGenerateClient(
-        f"http://127.0.0.1:{port}", timeout_s=600.0, connect_timeout_s=0.3, max_attempts=1
-    )
-    try:
-        began = time.perf_counter()
-        with pytest.raises(RetriesExhaustedError) as info:
-            await asyncio.wait_for(client.generate(PROMPT, {"max_tokens": 1}), timeout=10.0)
-        assert time.perf_counter() - began < 5.0
-        assert isinstance(info.value.last_error.__cause__, aiohttp.ConnectionTimeoutError)
-    finally:
-        await client.close()
-        for sock in (*fillers, listener):
-            sock.close()
-
-
-async def test_async_with_closes_the_session():
-    async with FaultServer() as server:
-        async with make_client(server) as client:
-            await generate(client)
-            session = client._session
-        assert session.closed and client._session is None
-        check_result(await generate(client))  # reopens lazily
-        await client.close()
-
-
-# ------------------------------------------------------------------ retries
-
-
-@pytest.mark.parametrize(
-    "fault",
-    [Status(502, "bad gateway"), Status(500), Status(503), Status(408), DROP_MID_BODY, CLOSE],
-    ids=["502", "500", "503", "408", "drop-mid-body", "close"],
-)
-@pytest.mark.parametrize("protocol", ["skyrl", "sglang"])
-async def test_transient_fault_then_success(fault, protocol):
-    async with FaultServer() as server, make_client(server, protocol) as client:
-        server.script.extend([fault, fault])
-        result = await generate(client)
-        check_result(result)
-        assert result.attempts == 3 and server.hits == 3
-        assert (client.stats.attempts, client.stats.retries, client.stats.failures) == (3, 2, 0)
-
-
-@pytest.mark.parametrize(
-    "fault, cause",
-    [
-        (DROP_MID_BODY, aiohttp.ClientPayloadError),
-        (CLOSE, aiohttp.ServerDisconnectedError),
-        (Slow(0.5), TimeoutError),
-    ],
-    ids=["drop-mid-body", "close", "slow"],
-)
-async def test_what_each_transport_fault_looks_like(fault, cause):
-    async with FaultServer() as server, make_client(server, max_attempts=1, timeout_s=0.2) as client:
-        server.script.append(fault)
-        with pytest.raises(RetriesExhaustedError) as info:
-            await generate(client)
-        assert info.value.attempts == 1 and client.stats.retries == 0
-        assert isinstance(info.value.last_error, RetryableGenerateError)
-        assert info.value.last_error.status is None
-        assert isinstance(info.value.last_error.__cause__, cause)
-
-
-async def test_retries_are_bounded():
-    async with FaultServer() as server, make_client(server, max_attempts=4) as client:
-        server.script.extend([Status(503, '{"error": {"message": "overloaded"}}')] * 10)
-        with pytest.raises(RetriesExhaustedError, match="after 4 attempt") as info:
-            await generate(client)
-        assert info.value.attempts == 4 and server.hits == 4
-        assert isinstance(info.value.last_error, RetryableGenerateError)
-        assert info.value.last_error.status == 503
-        assert "overloaded" in str(info.value.last_error)
-        assert (client.stats.attempts, client.stats.retries, client.stats.failures) == (4, 3, 1)
-
-
-async def test_retry_after_is_honoured():
-    async with FaultServer() as server, make_client(server) as client:
-        server.script.append(Status(429, "slow down", headers={"Retry-After": "0.3"}))
-        began = time.perf_counter()
-        result = await generate(client)
-        elapsed = time.perf_counter() - began
-        check_result(result)
-        assert result.attempts == 2
-        assert elapsed >= 0.3  # the backoff alone would wait at most 1 ms
-
-
-async def test_retry_after_is_clipped():
-    backoff = Backoff(base_s=0.001, cap_s=0.004, max_retry_after_s=0.01)
-    async with FaultServer() as server, make_client(server, backoff=backoff) as client:
-        server.script.append(Status(503, headers={"Retry-After": "3600"}))
-        began = time.perf_counter()
-        # bounded here: were the clip lost, this fails in 5 s instead of sleeping for an hour
-        check_result(await asyncio.wait_for(generate(client), timeout=5.0))
-        assert time.perf_counter() - began < 1.0
-
-
-async def test_slow_response_times_out_and_is_retried():
-    async with FaultServer() as server, make_client(server, timeout_s=0.2, max_attempts=2) as client:
-        server.script.append(Slow(0.5))
-        result = await generate(client)
-        assert result.attempts == 2
-        check_result(result)
-        server.script.extend([Slow(0.5), Slow(0.5)])
-        with pytest.raises(RetriesExhaustedError) as info:
-            await generate(client)
-        assert "timed out" in str(info.value.last_error)
-
-
-async def test_connection_refused_is_retried_then_exhausted():
-    client = RemoteGenerateClient(
-        f"http://127.0.0.1:{free_port()}", backoff=FAST, max_attempts=3, timeout_s=2.0
-    )
-    with pytest.raises(RetriesExhaustedError) as info:
-        await client.generate(PROMPT, {"max_tokens": 1})
-    assert info.value.attempts == 3 and client.stats.attempts == 3
-    assert isinstance(info.value.last_error.__cause__, OSError | ConnectionError) or "Connect" in str(
-        info.value.last_error
-    )
-    await client.close()
-
-
 # ------------------------------------------------------------------ errors that are not retried
 
 
@@ -414,7 +116,8 @@ async def test_an_answer_that_is_not_http_is_a_typed_error_not_retried():
     server = await asyncio.start_server(answer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with RemoteGenerateClient(f"http://127.0.0.1:{port}", backoff=FAST, max_attempts=3) as client:
+        retry = RetryPolicy(backoff=FAST, max_attempts=3)
+        async with RemoteGenerateClient(f"http://127.0.0.1:{port}", retry=retry) as client:
             with pytest.raises(MalformedResponseError, match=r"not a valid HTTP response.*Bad status line"):
                 await client.generate(PROMPT, {"max_tokens": 1})
             assert len(hits) == 1 and client.stats.retries == 0 and client.stats.failures == 1
@@ -463,10 +166,6 @@ MALFORMED = {
         ),
         r"expert id 300 is out of range for num_experts=300",
     ),
-    "repeated": (
-        _skyrl_body({"data": _b64(np.full((1, 3, 2), 4, np.uint8)), "shape": [1, 3, 2], "dtype": "uint8"}),
-        r"row 0 layer 0 repeats an expert",
-    ),
     "wrong-layers": (
         _skyrl_body({"data": _b64(GOOD), "shape": [1, 2, 3], "dtype": "uint8"}),
         r"num_layers=3",
@@ -502,6 +201,27 @@ async def test_malformed_responses_raise_at_once(case):
         with pytest.raises(MalformedResponseError, match=message) as info:
             await generate(client)
         assert isinstance(info.value, ValueError) and isinstance(info.value, RemoteGenerateError)
+        assert server.hits == 1 and client.stats.retries == 0
+
+
+async def test_repeated_experts_are_refused_by_the_opt_in_parse_check_and_by_trajectory():
+    """The parse checks shapes, ids and row counts; the distinct-experts check (several times the
+    decode's cost) runs where routes become a ``Trajectory``, or in the parse with
+    ``RouteSchema(check_unique=True)``."""
+    routes = np.tile(GOOD, (5, 1, 1))  # P - start + G - 1 = 4 + 2 - 1 rows
+    routes[3, 1] = [7, 7]
+    body = _skyrl_body({"data": _b64(routes), "shape": [5, 3, 2], "dtype": "uint8"})
+    async with FaultServer() as server, make_client(server) as client:
+        server.script.append(Raw(body))
+        result = await generate(client)
+        np.testing.assert_array_equal(result.routed_experts, routes)
+        with pytest.raises(ValueError, match=r"row 3 layer 1 repeats an expert: \[7, 7\]"):
+            Trajectory(PROMPT, result.response_ids, routed_experts=result.routed_experts)
+    checking = RouteSchema(**SCHEMA, check_unique=True)
+    async with FaultServer() as server, make_client(server, schema=checking) as client:
+        server.script.append(Raw(body))
+        with pytest.raises(MalformedResponseError, match=r"row 3 layer 1 repeats an expert"):
+            await generate(client)
         assert server.hits == 1 and client.stats.retries == 0
 
 
@@ -544,18 +264,6 @@ async def test_oversized_body_is_refused():
 # ------------------------------------------------------------------ pieces
 
 
-def test_backoff_is_capped_exponential_with_full_jitter():
-    backoff = Backoff(base_s=0.5, cap_s=3.0, jitter=1.0)
-    rng = random.Random(0)
-    for retry, ceiling in [(1, 0.5), (2, 1.0), (3, 2.0), (4, 3.0), (10, 3.0)]:
-        delays = [backoff.delay(retry, rng) for _ in range(200)]
-        assert all(0 <= d <= ceiling for d in delays)
-        assert max(delays) > 0.8 * ceiling and min(delays) < 0.2 * ceiling
-    assert Backoff(base_s=0.5, cap_s=3.0, jitter=0.0).delay(3, rng) == 2.0
-    with pytest.raises(ValueError, match="jitter"):
-        Backoff(jitter=1.5)
-
-
 async def test_only_the_first_choice_is_decoded():
     second = {"token_ids": [9], "routed_experts": {"data": "AAAA", "shape": [1, 3, 1], "dtype": "uint8"}}
     async with FaultServer() as server, make_client(server) as client:
@@ -586,14 +294,6 @@ async def test_prompt_validation_and_numpy_ids():
         assert server.hits == 1
 
 
-def test_retry_after_header_forms():
-    assert _retry_after("2.5") == 2.5 and _retry_after("-3") == 0.0
-    assert _retry_after(None) is None and _retry_after("soon") is None
-    in_a_minute = email.utils.formatdate(time.time() + 60, usegmt=True)
-    assert 55 < _retry_after(in_a_minute) <= 60
-    assert _retry_after(email.utils.formatdate(time.time() - 60, usegmt=True)) == 0.0
-
-
 async def test_plain_text_error_bodies_are_reported():
     async with FaultServer() as server, make_client(server) as client:
         server.script.append(Status(403, "  forbidden: bad token\n"))
@@ -609,13 +309,31 @@ def test_constructor_validation():
         RemoteGenerateClient("http://x", protocol="tgi")
     with pytest.raises(ValueError, match="engine must be None or one of"):
         RemoteGenerateClient("http://x", protocol="vllm", engine="sglang")
-    for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
-        with pytest.raises(ValueError, match=f"^{name} must be > 0"):
-            RemoteGenerateClient("http://x", **{name: 0})
-    with pytest.raises(ValueError, match="max_attempts"):
-        RemoteGenerateClient("http://x", max_attempts=0)
+    for name in ("timeout_s", "connect_timeout_s", "health_timeout_s", "health_interval_s"):
+        with pytest.raises(ValueError, match=f"^{name} must be (None or )?a number > 0, got 0$"):
+            RetryPolicy(**{name: 0})
+    for name in ("max_attempts", "health_failures"):
+        with pytest.raises(ValueError, match=f"^{name} must be an integer >= 1, got 0$"):
+            RetryPolicy(**{name: 0})
+    with pytest.raises(ValueError, match=r"^base_s must be a number >= 0, got -1$"):
+        Backoff(base_s=-1)
+    with pytest.raises(ValueError, match=r"^max_response_bytes must be an integer >= 1, got 0$"):
+        RemoteGenerateClient("http://x", max_response_bytes=0)
+    with pytest.raises(TypeError, match="retry must be a RetryPolicy, got dict"):
+        RemoteGenerateClient("http://x", retry={"max_attempts": 1})
     with pytest.raises(ValueError, match="base_url"):
         RemoteGenerateClient("127.0.0.1:80")
+
+
+def test_client_takes_its_route_schema_from_a_model_config():
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    qwen = Qwen3MoeConfig(num_hidden_layers=5, num_experts=12, num_experts_per_tok=3)
+    client = RemoteGenerateClient("http://x", schema=qwen)
+    assert client.routes == RouteSchema(5, 3, 12)
+    mixtral = MixtralConfig(num_hidden_layers=4, num_local_experts=6, num_experts_per_tok=2)
+    assert RemoteGenerateClient("http://x", schema=mixtral.to_dict()).routes == RouteSchema(4, 2, 6)
+    assert route_schema(RouteSchema(1, 2, 3)) == RouteSchema(1, 2, 3)
 
 
 async def test_sglang_routes_need_the_schema():

@@ -9,38 +9,21 @@ import threading
 import numpy as np
 import pytest
 import torch
-from fault_server import FaultServer, Status, expected_generation
+from fault_server import FaultServer, expected_generation
 from gloo_ranks import run_ranks
+from rollout_support import PROMPTS, SCHEMA, collect, prompt_reward
+from rollout_support import make_collector as make
 
 from r3lightning import (
-    EnginesUnavailableError,
-    GenerateRequestError,
     ReplayBuffer,
     RolloutCollector,
     RolloutPrompt,
     SamplingConfig,
+    sampling_seed,
     text_reward,
 )
-from r3lightning.rollout.client import Backoff
-
-SCHEMA = {"num_layers": 3, "top_k": 2, "num_experts": 300}
-FAST = {"max_attempts": 2, "backoff": Backoff(base_s=0.001, cap_s=0.001)}
-PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-
-
-def prompt_reward(prompt: RolloutPrompt, response: list[int]) -> float:
-    return float(sum(prompt.token_ids) % 3)
-
-
-def make(engines, reward=prompt_reward, **kwargs) -> RolloutCollector:
-    kwargs = {"group_size": 2, "sampling": SamplingConfig(max_new_tokens=3), "progress": False, **kwargs}
-    return RolloutCollector(engines, reward, client_options=FAST, **SCHEMA, **kwargs)
-
-
-async def collect(engines, prompts, step: int, **kwargs):
-    """One step with a fresh collector, closed afterwards."""
-    async with make(engines, **kwargs) as collector:
-        return await collector.collect_async(prompts, step=step)
+from r3lightning.rollout.config import CollectorConfig
+from r3lightning.wire.request import RouteSchema
 
 
 def expected(prompt: list[int]):
@@ -83,68 +66,6 @@ async def test_collects_whole_groups_with_routes_rewards_and_distinct_seeds():
     ]
 
 
-async def test_an_engine_answering_500_is_out_for_the_step_and_its_groups_go_to_the_other():
-    async with FaultServer(**SCHEMA) as good, FaultServer(**SCHEMA) as bad:
-        bad.script.extend([Status(500, "overloaded")] * 1000)
-        with pytest.warns(RuntimeWarning, match=rf"rollout engine {bad.url} is out for step 0"):
-            rollouts = await collect([bad.url, good.url], PROMPTS, 0, max_in_flight=1)
-        alone = await collect(good.url, PROMPTS, 0)
-        # the next step tries the engine again
-        bad.script.clear()
-        later = await collect([bad.url, good.url], PROMPTS, 1)
-    # group 0 (and 2) went first to the failing engine: one request exhausted its 2 attempts there
-    assert bad.hits - len(later.trajectories) // 2 == 2
-    stats = rollouts.stats
-    assert (stats.engine_errors, stats.engines_out, stats.requests, stats.attempts) == (1, 1, 9, 10)
-    assert [t.response_ids.tolist() for t in rollouts.trajectories] == [
-        t.response_ids.tolist() for t in alone.trajectories
-    ]
-    assert len(rollouts.trajectories) == 8
-    # both engines up: even groups on the first, odd groups on the second
-    first = [body["token_ids"] for _, body, _ in bad.requests[2:]]
-    assert sorted(map(tuple, first)) == sorted(map(tuple, [PROMPTS[0]] * 2 + [PROMPTS[2]] * 2))
-    assert later.stats.engine_errors == 0
-
-
-async def test_only_the_groups_of_an_engine_that_is_out_move():
-    prompts = [[20 + g] for g in range(6)]
-    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as bad, FaultServer(**SCHEMA) as c:
-        bad.script.extend([Status(502, "gone")] * 1000)
-        with pytest.warns(RuntimeWarning, match="is out for step 0"):
-            rollouts = await collect([a.url, bad.url, c.url], prompts, 0, max_in_flight=1)
-    served = {
-        name: sorted(body["token_ids"][0] - 20 for _, body, _ in server.requests)
-        for name, server in (("a", a), ("c", c))
-    }
-    # groups 0, 3 stay on a and 2, 5 on c; of the failed engine's groups 1 and 4, the (g % 2)-th
-    # engine still up takes each: 1 -> c, 4 -> a
-    assert served == {"a": [0, 0, 3, 3, 4, 4], "c": [1, 1, 2, 2, 5, 5]}
-    assert len(rollouts.trajectories) == 12 and rollouts.stats.engines_out == 1
-
-
-async def test_all_engines_down_is_one_clear_error():
-    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as b:
-        for server in (a, b):
-            server.script.extend([Status(503, "down")] * 1000)
-        with (
-            pytest.warns(RuntimeWarning, match="is out for step 7"),
-            pytest.raises(
-                EnginesUnavailableError, match=r"all 2 rollout engine\(s\) failed at step 7"
-            ) as info,
-        ):
-            await collect([a.url, b.url], PROMPTS, 7)
-    assert set(info.value.errors) == {a.url, b.url}
-    assert "HTTP 503" in str(info.value)
-
-
-async def test_a_rejected_request_is_not_an_outage():
-    async with FaultServer(**SCHEMA) as a, FaultServer(**SCHEMA) as b:
-        a.script.append(Status(400, "unknown sampling key"))
-        with pytest.raises(GenerateRequestError, match="unknown sampling key"):
-            await collect([a.url, b.url], PROMPTS[:1], 0, max_in_flight=1)
-    assert b.hits == 0
-
-
 async def test_reward_forms_mapping_coroutine_thread_pool_and_bad_values():
     threads: list[str] = []
 
@@ -184,6 +105,43 @@ def test_text_reward_calls_a_verl_style_compute_score():
     assert seen[0] == ("gsm8k", "abc", "abc", {"split": "train"})
 
 
+async def test_each_sample_is_seeded_with_the_documented_sampling_seed():
+    """Group g, sample j of step s sends sampling_seed(seed, s, g, j): a blake2b hash of the four
+    numbers as little-endian int64s, modulo 2**31 - 1 (pinned for one value)."""
+    import hashlib
+    import struct
+
+    def reference(seed: int, step: int, group: int, sample: int) -> int:
+        digest = hashlib.blake2b(struct.pack("<4q", seed, step, group, sample), digest_size=8).digest()
+        return int.from_bytes(digest, "little") % (2**31 - 1)
+
+    assert sampling_seed(11, 3, 2, 1) == reference(11, 3, 2, 1) == 4056525
+    async with FaultServer(**SCHEMA) as server:
+        await collect(server.url, PROMPTS, 3, seed=11, max_in_flight=1)
+    sent = [body["sampling_params"]["seed"] for _, body, _ in server.requests]
+    assert sent == [reference(11, 3, g, j) for g in range(4) for j in range(2)]
+
+
+def test_route_schema_comes_from_a_model_config_of_each_family():
+    from transformers import DeepseekV3Config, OlmoeConfig, Qwen3Config, Qwen3MoeConfig
+
+    from r3lightning.rollout.config import route_schema
+
+    configs = {
+        (6, 4, 32): Qwen3MoeConfig(num_hidden_layers=6, num_experts=32, num_experts_per_tok=4),
+        (2, 2, 16): OlmoeConfig(num_hidden_layers=2, num_experts=16, num_experts_per_tok=2),
+        (3, 2, 8): DeepseekV3Config(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2),
+    }
+    for expected, config in configs.items():
+        name = config.model_type
+        assert route_schema(config) == RouteSchema(*expected), name
+        assert route_schema(config.to_dict()) == RouteSchema(*expected), name
+        collector = make("http://127.0.0.1:1", schema=config)
+        assert collector.schema == RouteSchema(*expected) and collector.clients[0].routes == collector.schema
+    with pytest.raises(ValueError, match=r"no MoE route schema: .*\['num_experts_per_tok', 'num_experts / "):
+        route_schema(Qwen3Config(num_hidden_layers=2))  # a dense model
+
+
 def test_group_assignment_partitions_the_step_evenly():
     blocks = [RolloutCollector.assigned_groups(12, r, 4) for r in range(4)]
     assert [list(b) for b in blocks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
@@ -192,12 +150,23 @@ def test_group_assignment_partitions_the_step_evenly():
 
 
 def test_bad_settings_name_the_field():
-    with pytest.raises(ValueError, match="group_size must be an integer >= 2"):
-        RolloutCollector("http://127.0.0.1:1", prompt_reward, group_size=1, **SCHEMA)
-    with pytest.raises(ValueError, match="request_routes=True needs num_layers and top_k"):
-        RolloutCollector("http://127.0.0.1:1", prompt_reward, group_size=2)
+    with pytest.raises(ValueError, match=r"^group_size must be an integer >= 2, got 1$"):
+        CollectorConfig(group_size=1)
+    for name, value, expected in [
+        ("max_in_flight", 0, "an integer >= 1"),
+        ("reward_threads", -1, "an integer >= 0"),
+        ("seed", 1.5, "an integer"),
+        ("progress", "yes", "true or false"),
+        ("protocol", "grpc", r"one of \['skyrl', 'vllm', 'sglang', 'openai'\]"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name} must be {expected}, got"):
+            CollectorConfig(group_size=2, **{name: value})
+    with pytest.raises(ValueError, match=r"request_routes=True needs the route schema: schema=RouteSchema"):
+        RolloutCollector("http://127.0.0.1:1", prompt_reward, CollectorConfig(group_size=2))
     with pytest.raises(ValueError, match="each URL at most once"):
-        RolloutCollector(["http://a:1", "http://a:1/"], prompt_reward, group_size=2, **SCHEMA)
+        make(["http://a:1", "http://a:1/"])
+    with pytest.raises(TypeError, match="config must be a CollectorConfig, got dict"):
+        RolloutCollector("http://a:1", prompt_reward, {"group_size": 2})
     with pytest.raises(ValueError, match="token_ids must be a non-empty sequence"):
         RolloutPrompt([1, -2])
 
@@ -225,7 +194,7 @@ def _serve_in_thread(server: FaultServer):
 def _rank_worker(rank: int, url: str, out: dict) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # run_ranks sets the launcher environment
     try:
         from r3lightning import R3DataModule
 
@@ -287,6 +256,7 @@ def test_two_ranks_collect_disjoint_groups_and_share_only_statistics():
 def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
     """The embedded engine (tiny Qwen3-MoE in bf16): varied samples per group, so advantages are
     the group-normalised rewards, and the same (seed, step) samples the same rollouts again."""
+    from r3lightning.serve.config import EngineConfig
     from r3lightning.serve.server import RolloutServer
     from r3lightning.testing.tiny import build_tiny_moe
 
@@ -297,18 +267,12 @@ def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
     schema = {"num_layers": 4, "top_k": 2, "num_experts": 8}
 
     def collector(request_routes: bool) -> RolloutCollector:
-        return RolloutCollector(
-            server.url,
-            reward,
-            group_size=4,
-            sampling=SamplingConfig(max_new_tokens=4, ignore_eos=True),
-            request_routes=request_routes,
-            seed=7,
-            progress=False,
-            **schema,
-        )
+        config = CollectorConfig(group_size=4, request_routes=request_routes, seed=7, progress=False)
+        sampling = SamplingConfig(max_new_tokens=4, ignore_eos=True)
+        return RolloutCollector(server.url, reward, config, schema=RouteSchema(**schema), sampling=sampling)
 
-    with RolloutServer(build_tiny_moe(seed=0), max_batch_size=1, copy_model=False) as server:
+    engine = EngineConfig(max_batch_size=1, copy_model=False)
+    with RolloutServer(build_tiny_moe(seed=0), engine=engine) as server:
         first = collector(True).collect(prompts, step=3)
         again = collector(True).collect(prompts, step=3)
         no_routes = collector(False).collect(prompts, step=3)
@@ -355,49 +319,3 @@ def test_readme_loop_snippet_runs_as_written(capsys):
         assert t.reward == hits / t.response_length
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in printed] == ["0", "1"]
-
-
-# ---------------------------------------------------------------------------- the job's engines
-
-
-async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
-    from aiohttp import web
-    from safetensors.torch import load
-
-    from r3lightning.job.common import JobError
-    from r3lightning.job.engine import embedded_server
-    from r3lightning.job.main import compose_config
-    from r3lightning.job.setup import check_config
-
-    received: dict[int, dict] = {}
-
-    def app(index: int) -> web.Application:
-        async def update(request: web.Request) -> web.Response:
-            received[index] = load(await request.read())
-            return web.json_response({"ok": True})
-
-        application = web.Application(client_max_size=1 << 24)
-        application.router.add_post("/update_weights", update)
-        return application
-
-    runners = [web.AppRunner(app(i)) for i in range(2)]
-    urls = []
-    for runner in runners:
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
-    try:
-        cfg = compose_config([f"rollout.url=[{urls[0]}/,{urls[1]}]", "rollout=skyrl"])
-        check_config(cfg)
-        with embedded_server(cfg) as engine:
-            assert engine.urls == urls and engine.gather
-            state = {"w": torch.arange(6.0).reshape(2, 3)}
-            await asyncio.to_thread(engine.push, state)
-    finally:
-        for runner in runners:
-            await runner.cleanup()
-    for index in range(2):
-        assert received[index]["w"].dtype == torch.bfloat16
-        assert torch.equal(received[index]["w"], state["w"].to(torch.bfloat16))
-    with pytest.raises(JobError, match=r"rollout.url must be null .* or a list of them, got .*ftp://b"):
-        check_config(compose_config(["rollout.url=[http://a:1,ftp://b]"]))

@@ -15,17 +15,20 @@ from engine_server import EngineServer
 from fault_server import FaultServer, Raw, expected_generation
 
 from r3lightning import MalformedResponseError, RemoteGenerateClient, engine_sampling_params
-from r3lightning.wire.codec import decode_npy_routes, validate_routes
+from r3lightning.rollout.config import RetryPolicy
+from r3lightning.wire.codec import decode_npy_routes
 from r3lightning.wire.request import RouteSchema
 from r3lightning.wire.response import parse_response
+from r3lightning.wire.route_check import check_routes
 
 PROMPT = [5, 6, 7, 8]
 SCHEMA = {"num_layers": 3, "top_k": 2}
 
 
 def client_for(server: EngineServer, protocol: str, **kwargs) -> RemoteGenerateClient:
-    options = {"max_attempts": 1, "timeout_s": 5.0, **SCHEMA, "num_experts": server.num_experts, **kwargs}
-    return RemoteGenerateClient(server.url, protocol=protocol, **options)
+    schema = RouteSchema(**SCHEMA, num_experts=server.num_experts)
+    retry = RetryPolicy(max_attempts=1, timeout_s=5.0)
+    return RemoteGenerateClient(server.url, protocol=protocol, schema=schema, retry=retry, **kwargs)
 
 
 def reference(server: EngineServer, n: int, start: int = 0) -> tuple[list[int], list[float], np.ndarray]:
@@ -208,7 +211,8 @@ async def test_skyrl_absent_routes_are_refused(state):
         choice["routed_experts"] = None
     async with FaultServer() as server:
         server.script.append(Raw(json.dumps({"choices": [choice]}).encode()))
-        async with RemoteGenerateClient(server.url, max_attempts=1, **SCHEMA) as client:
+        retry = RetryPolicy(max_attempts=1)
+        async with RemoteGenerateClient(server.url, schema=RouteSchema(**SCHEMA), retry=retry) as client:
             with pytest.raises(
                 MalformedResponseError, match=f"choices\\[0\\].routed_experts: .* is {state}.*--enable"
             ):
@@ -323,7 +327,7 @@ def test_dense_zero_rows_pass_the_wire_check_but_not_on_an_moe_layer_at_install(
     scores = torch.rand(2, 5, backend.num_layers, backend.num_experts, generator=g)
     routes = scores.argsort(dim=-1)[..., : backend.top_k].to(torch.uint8)  # [B, S, L, K]
     routes[..., 0, :] = 0
-    validate_routes(routes.reshape(10, backend.num_layers, backend.top_k).numpy())
+    check_routes(routes.reshape(10, backend.num_layers, backend.top_k).numpy())
     validate_routes_for_install(backend, routes, None)
     backend.install(routes)  # validate=True by default
     with torch.no_grad():

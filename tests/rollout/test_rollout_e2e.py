@@ -19,12 +19,15 @@ import pytest
 import torch
 
 from r3lightning.rollout.client import RemoteGenerateClient
+from r3lightning.rollout.config import RetryPolicy
+from r3lightning.serve.config import EngineConfig, ServerLimits
 from r3lightning.serve.engine import GenerationRequest
 from r3lightning.serve.sampling import SamplingParams
 from r3lightning.serve.server import RolloutServer
 from r3lightning.testing.tiny import build_tiny_moe
 from r3lightning.trace import RoutedExpertTrace
 from r3lightning.wire.errors import GenerateRequestError
+from r3lightning.wire.request import RouteSchema
 
 SCHEMA = {"num_layers": 4, "top_k": 2, "num_experts": 8}
 
@@ -36,18 +39,22 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server():
-    with RolloutServer(seed=0, api_key="key") as srv:  # bf16 tiny MoE, as the main job serves it
+    with RolloutServer(
+        engine=EngineConfig(seed=0), api_key="key"
+    ) as srv:  # bf16 tiny MoE, as the main job serves it
         yield srv
 
 
 @pytest.fixture(scope="module")
 def fp32_server():
-    with RolloutServer(build_tiny_moe(seed=0), dtype=torch.float32) as srv:
+    with RolloutServer(build_tiny_moe(seed=0), engine=EngineConfig(dtype=torch.float32)) as srv:
         yield srv
 
 
 def _client(url: str, protocol: str, **kwargs) -> RemoteGenerateClient:
-    return RemoteGenerateClient(url, protocol=protocol, max_attempts=1, **SCHEMA, **kwargs)
+    return RemoteGenerateClient(
+        url, protocol=protocol, schema=RouteSchema(**SCHEMA), retry=RetryPolicy(max_attempts=1), **kwargs
+    )
 
 
 @pytest.mark.parametrize("protocol", ["skyrl", "sglang"])
@@ -113,7 +120,9 @@ async def test_multi_turn_prompt_starts_equal_one_full_conversation_capture(fp32
 
 async def test_errors_surface_as_typed_client_errors(server):
     async with _client(server.url, "skyrl", api_key="key") as client:
-        with pytest.raises(GenerateRequestError, match=r"sampling_params\.top_p must be in") as info:
+        with pytest.raises(
+            GenerateRequestError, match=r"sampling_params\.top_p must be a number > 0 and <= 1"
+        ) as info:
             await client.generate([5, 6], {"top_p": 7})
         assert info.value.status == 400
         with pytest.raises(GenerateRequestError, match=r"token_ids holds token id 400 at index 0") as info:
@@ -125,7 +134,7 @@ async def test_errors_surface_as_typed_client_errors(server):
             await client.generate([5, 6])
         assert info.value.status == 401
     async with (
-        RolloutServer(build_tiny_moe(seed=0), max_request_bytes=512) as small,
+        RolloutServer(build_tiny_moe(seed=0), limits=ServerLimits(max_request_bytes=512)) as small,
         _client(small.url, "sglang") as client,
     ):
         with pytest.raises(GenerateRequestError, match="exceeds the cap of 512 bytes") as info:

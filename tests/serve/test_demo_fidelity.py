@@ -22,6 +22,7 @@ from r3lightning.job.module import GRPOModule
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
+from r3lightning.serve.config import EngineConfig
 from r3lightning.serve.engine import GenerationEngine, GenerationRequest
 from r3lightning.serve.invariance import RowTiledLinear
 from r3lightning.serve.sampling import SamplingParams
@@ -57,7 +58,7 @@ def _same(a, b) -> bool:
 def test_engine_is_batch_invariant_concurrent_vs_one_by_one():
     """16 seeded requests of 3..25 prompt tokens: served concurrently (threads, one shared
     batching worker), as one batch in two orders, and one by one: bitwise the same answers."""
-    engine = GenerationEngine(build_tiny_moe(seed=0), max_batch_size=16, batch_wait_s=0.05)
+    engine = GenerationEngine(build_tiny_moe(seed=0), EngineConfig(max_batch_size=16, batch_wait_s=0.05))
     assert engine.batch_invariant
     requests = _requests()
     alone = [engine.generate([r])[0] for r in requests]
@@ -73,7 +74,7 @@ def test_engine_is_batch_invariant_concurrent_vs_one_by_one():
 
 def test_engine_without_batch_invariance_depends_on_the_batch():
     """The check above is sensitive: the plain padded batch forward gives other numbers."""
-    engine = GenerationEngine(build_tiny_moe(seed=0), batch_invariant=False)
+    engine = GenerationEngine(build_tiny_moe(seed=0), EngineConfig(batch_invariant=False))
     requests = _requests()
     alone = [engine.generate([r])[0] for r in requests]
     assert not all(_same(a, b) for a, b in zip(alone, engine.generate(requests), strict=True))
@@ -83,7 +84,7 @@ def test_batch_invariance_is_refused_where_unsupported():
     model = build_tiny_moe(tiny_family_config("gpt_oss"), seed=0)  # sliding window and sinks
     assert not GenerationEngine(model).batch_invariant  # default: only where supported
     with pytest.raises(ValueError, match="sliding-window attention"):
-        GenerationEngine(model, batch_invariant=True)
+        GenerationEngine(model, EngineConfig(batch_invariant=True))
 
 
 def _poisoned(params: SamplingParams) -> SamplingParams:
@@ -94,7 +95,7 @@ def _poisoned(params: SamplingParams) -> SamplingParams:
 
 
 def test_a_request_whose_sampling_fails_fails_alone():
-    engine = GenerationEngine(build_tiny_moe(seed=0), max_batch_size=8, batch_wait_s=0.2)
+    engine = GenerationEngine(build_tiny_moe(seed=0), EngineConfig(max_batch_size=8, batch_wait_s=0.2))
     requests = _requests(8)
     expected = [engine.generate([r])[0] for r in requests]
     poison = replace(requests[3], params=_poisoned(replace(requests[3].params)))
@@ -118,7 +119,7 @@ def test_a_batch_whose_forward_fails_is_rerun_request_by_request():
     """A fault injected into the serving model (a forward hook raising on a prefill wider than 30
     tokens): only the request with the 40-token prompt fails; its batch-mates (prompts of at most
     25 tokens) get exactly their answers alone."""
-    engine = GenerationEngine(build_tiny_moe(seed=0), max_batch_size=8, batch_wait_s=0.2)
+    engine = GenerationEngine(build_tiny_moe(seed=0), EngineConfig(max_batch_size=8, batch_wait_s=0.2))
     requests = _requests(6)
     expected = [engine.generate([r])[0] for r in requests]
 
@@ -179,7 +180,7 @@ def _prefill_routes(engine: GenerationEngine, prompts: list[list[int]]) -> np.nd
 def test_simulated_disagreement_hits_its_target_on_unseen_prompts(target):
     model = build_tiny_moe(seed=0)
     plain = GenerationEngine(model)
-    knob = GenerationEngine(model, simulated_disagreement=target)
+    knob = GenerationEngine(model, EngineConfig(simulated_disagreement=target))
     assert knob.perturbation.measured == pytest.approx(target, abs=0.01)  # on its probe batch
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 96, (12,), generator=g).tolist() for _ in range(12)]
@@ -193,7 +194,7 @@ def test_simulated_disagreement_hits_its_target_on_unseen_prompts(target):
     assert knob.perturbation.measured == pytest.approx(target, abs=0.01)
     assert measured == pytest.approx(target, abs=0.35 * target)
     # the scale depends on the weights only, not on what the engine was calibrated for before
-    fresh = GenerationEngine(build_tiny_moe(seed=5), simulated_disagreement=target)
+    fresh = GenerationEngine(build_tiny_moe(seed=5), EngineConfig(simulated_disagreement=target))
     assert fresh.perturbation.scale == knob.perturbation.scale
 
 
@@ -201,15 +202,18 @@ def test_simulated_disagreement_zero_is_exact_and_bad_values_are_refused():
     model = build_tiny_moe(seed=0)
     prompts = [[4, 5, 6, 7, 8], [9, 10, 11]]
     assert (
-        _prefill_routes(GenerationEngine(model, simulated_disagreement=0.0), prompts)
+        _prefill_routes(GenerationEngine(model, EngineConfig(simulated_disagreement=0.0)), prompts)
         == _prefill_routes(GenerationEngine(model), prompts)
     ).all()
     for bad in (0.7, -0.1, "0.1", True):
-        with pytest.raises(ValueError, match="simulated_disagreement must be a number in"):
-            GenerationEngine(model, simulated_disagreement=bad)
+        with pytest.raises(
+            ValueError, match=r"^simulated_disagreement must be None or a number >= 0 and <= 0.5, got"
+        ):
+            GenerationEngine(model, EngineConfig(simulated_disagreement=bad))
     with pytest.raises(ValueError, match="does not select the top-k of its logits"):
         GenerationEngine(
-            build_tiny_moe(tiny_family_config("deepseek_v3"), seed=0), simulated_disagreement=0.1
+            build_tiny_moe(tiny_family_config("deepseek_v3"), seed=0),
+            EngineConfig(simulated_disagreement=0.1),
         )
 
 
@@ -238,7 +242,7 @@ def test_paired_mismatch_matches_a_hand_computation_on_one_batch():
     """Engine rollouts at 15% simulated disagreement; each trajectory rescored alone, unpadded,
     natively and with its routes installed by hand; k3, band and agreement in Python floats."""
     model = build_tiny_moe(seed=0)
-    engine = GenerationEngine(model, simulated_disagreement=0.15)
+    engine = GenerationEngine(model, EngineConfig(simulated_disagreement=0.15))
     requests = _requests(6)
     outs = engine.generate(requests)
     trajectories = [
@@ -335,7 +339,11 @@ def test_same_seed_gives_identical_metrics_rows_under_load(tmp_path):
         for burner in burners:
             burner.start()
         try:
-            batching = [] if attempt == 0 else ["rollout.server.max_batch_size=5", "rollout.max_in_flight=3"]
+            batching = (
+                []
+                if attempt == 0
+                else ["rollout.server.max_batch_size=5", "rollout.collector.max_in_flight=3"]
+            )
             histories.append(run(compose_config([*overrides, *batching]), tmp_path / f"run{attempt}"))
         finally:
             stop.set()
@@ -367,7 +375,8 @@ def test_job_passes_the_engine_settings_and_names_a_bad_one(tmp_path):
     cfg = compose_config(["experiment=compare_realistic"])
     assert cfg.rollout.server.simulated_disagreement == 0.1 and list(cfg.compare) == ["r3", "off"]
     with pytest.raises(
-        JobError, match=r"rollout.server: simulated_disagreement must be a number in \[0, 0.5\]"
+        JobError,
+        match=r"^rollout.server.simulated_disagreement must be None or a number >= 0 and <= 0.5, got 0.7$",
     ):
         run(compose_config(["rollout.server.simulated_disagreement=0.7"]), tmp_path)
     with pytest.raises(JobError, match=r"rollout\.server: batch-invariant serving is not supported"):

@@ -32,11 +32,8 @@ def make_trajectory(
     route_rows = None
     if schema is not None and routes != "none":
         rows = n - 1 if routes == "captured" else rng.randint(0, n)
-        route_rows = torch.tensor(
-            [
-                [[rng.randint(0, max_expert) for _ in range(schema[1])] for _ in range(schema[0])]
-                for _ in range(rows)
-            ],
+        route_rows = torch.tensor(  # distinct experts per row, as the route check requires
+            [[rng.sample(range(max_expert + 1), schema[1]) for _ in range(schema[0])] for _ in range(rows)],
             dtype=torch.int64,
         ).reshape(rows, *schema)
     reward = round(rng.uniform(-1, 1), 3)

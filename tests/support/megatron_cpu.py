@@ -2,7 +2,8 @@
 
 The shims themselves are the package's :func:`r3lightning.testing.megatron_cpu.megatron_device_shims`.
 
-Used in-process by test_megatron_replay and by the spawned ranks of megatron_tp_worker.
+Used in-process by the megatron replay tests (their ``megatron_cpu`` fixture, models and route
+helpers) and by the spawned ranks of megatron_tp_worker.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 import torch.distributed as dist
 from gloo_ranks import free_port
 from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -76,3 +79,62 @@ def make_moe_layer(config: TransformerConfig, layer_number: int | None):
     if layer_number is not None:
         layer.set_layer_number(layer_number)
     return layer
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """The megatron world for a test module: import it and name it in
+    ``pytestmark = pytest.mark.usefixtures("megatron_cpu")``."""
+    with megatron_world():
+        yield
+
+
+def distinct_routes(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """[rows, LAYERS, TOP_K] uint8, distinct experts per row."""
+    scores = torch.rand(rows, LAYERS, EXPERTS, generator=generator)
+    return scores.topk(TOP_K, dim=-1).indices.to(torch.uint8)
+
+
+def stage_routes(rows: int, layers: int, seed: int) -> torch.Tensor:
+    """[1, rows, layers, TOP_K] uint8, distinct random experts per row."""
+    scores = torch.rand(rows, layers, EXPERTS, generator=torch.Generator().manual_seed(seed))
+    return scores.topk(TOP_K, dim=-1).indices.to(torch.uint8)[None]
+
+
+class UsedExperts:
+    """Hooks every router: the experts each call (forward or recompute) used, as sorted lists."""
+
+    def __init__(self, routers: list[TopKRouter]) -> None:
+        self.calls: list[tuple[int, list[list[int]]]] = []  # (decoder layer, experts per token)
+        self.handles = [r.register_forward_hook(self._hook) for r in routers]
+
+    def _hook(self, router, args, output) -> None:
+        _, routing_map = output  # [N, E] bool
+        experts = [row.nonzero().flatten().tolist() for row in routing_map]
+        self.calls.append((router.layer_number - 1, experts))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def sorted_rows(routes: torch.Tensor, layer: int) -> list[list[int]]:
+    """Installed routes [1, N, L, K] of one layer as sorted expert lists per token."""
+    return [sorted(row) for row in routes[0, :, layer].tolist()]
+
+
+class TokenMoE(torch.nn.Module):
+    """Embedding -> two megatron MoELayers (decoder layers 1 and 3, residual) -> LM head."""
+
+    def __init__(self, vocab: int = 32) -> None:
+        super().__init__()
+        config = make_config()
+        self.embed = torch.nn.Embedding(vocab, HIDDEN)
+        self.moe = torch.nn.ModuleList([make_moe_layer(config, 2), make_moe_layer(config, 4)])
+        self.head = torch.nn.Linear(HIDDEN, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, S] -> [B, S, vocab]
+        hidden = self.embed(tokens).transpose(0, 1)  # megatron's [s, b, h]
+        for layer in self.moe:
+            hidden = hidden + layer(hidden)[0]
+        return self.head(hidden).transpose(0, 1)

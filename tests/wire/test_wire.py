@@ -1,8 +1,9 @@
-"""Route wire codec: envelopes, SGLang flat routes, and whole-body parsing vs a naive reference."""
+"""Route wire codec: envelopes, SGLang flat routes and vLLM .npy routes vs naive references."""
 
 from __future__ import annotations
 
 import base64
+import io
 import json
 
 import numpy as np
@@ -16,8 +17,8 @@ from r3lightning.wire.codec import (
     compact_dtype,
     decode_array,
     decode_flat_routes,
+    decode_npy_routes,
     encode_flat_routes,
-    validate_routes,
 )
 
 NAMES = {np.uint8: "uint8", np.int16: "int16", np.int32: "int32"}
@@ -133,37 +134,47 @@ def test_size_cap_is_checked_before_allocating():
         decode_routes(envelope, max_bytes=31)
 
 
-def test_route_validation():
+def raw_envelope(routes: np.ndarray, dtype: str) -> dict:
+    """An envelope of ``routes`` as given, negative or repeated ids included (the encoder refuses
+    negative ones)."""
+    data = base64.b64encode(routes.astype(np.dtype(dtype).newbyteorder("<")).tobytes()).decode()
+    return {"data": data, "shape": list(routes.shape), "dtype": dtype}
+
+
+def test_decoders_run_the_route_check():
     routes = np.array([[[0, 1], [2, 3]], [[0, 0], [3, 1]]], dtype=np.int16)  # row 1 layer 0: dense filler
-    validate_routes(routes, num_experts=4, num_layers=2, top_k=2)
+
+    def decode(array, **kwargs):
+        return decode_routes(raw_envelope(array, "int16"), **kwargs)
+
+    np.testing.assert_array_equal(decode(routes, num_experts=4, num_layers=2, top_k=2), routes)
     with pytest.raises(MalformedResponseError, match="expert id 3 is out of range for num_experts=3"):
-        validate_routes(routes, num_experts=3)
+        decode(routes, num_experts=3)
     with pytest.raises(MalformedResponseError, match="num_layers=3"):
-        validate_routes(routes, num_layers=3)
+        decode(routes, num_layers=3)
     with pytest.raises(MalformedResponseError, match="top_k=1"):
-        validate_routes(routes, top_k=1)
+        decode(routes, top_k=1)
     repeated = routes.copy()
     repeated[1, 1] = [2, 2]
-    with pytest.raises(MalformedResponseError, match=r"row 1 layer 1 repeats an expert: \[2, 2\]"):
-        validate_routes(repeated)
-    validate_routes(repeated, check_unique=False)
-    partial_zero = routes.copy()
-    partial_zero[0, 1] = [0, 0]
-    partial_zero[1, 0] = [5, 0]
-    validate_routes(partial_zero)  # [5, 0] is distinct, [0, 0] is filler
+    with pytest.raises(
+        MalformedResponseError, match=r"^routed_experts: row 1 layer 1 repeats an expert: \[2, 2\]$"
+    ):
+        decode(repeated)
+    np.testing.assert_array_equal(decode(repeated, check_unique=False), repeated)
     negative = routes.copy()
     negative[0, 0, 1] = -2
     with pytest.raises(MalformedResponseError, match="expert id -2 is negative"):
-        validate_routes(negative)
+        decode(negative)
 
 
-def test_repeated_experts_match_a_naive_check():
-    rng = np.random.default_rng(3)
-    routes = rng.integers(1, 6, size=(50, 3, 3))
-    naive = [(r, l) for r in range(50) for l in range(3) if len(set(routes[r, l].tolist())) < 3]  # noqa: E741
-    assert naive  # the sample has repeats
-    with pytest.raises(MalformedResponseError, match=f"row {naive[0][0]} layer {naive[0][1]} "):
-        validate_routes(routes)
+@pytest.mark.parametrize(
+    "shape", [[2**63, 2, 0], [0, 2**40, 8], [2**31, 0]], ids=["2**63 rows", "2**40 layers", "2-d"]
+)
+def test_absurd_shapes_of_zero_size_are_malformed(shape):
+    with pytest.raises(MalformedResponseError, match=r"\.shape|shape .* has a dimension above max_bytes="):
+        decode_routes({"data": "", "shape": shape, "dtype": "uint8"})
+    with pytest.raises(MalformedResponseError, match="has a dimension above max_bytes=1024"):
+        decode_array({"data": "", "shape": shape, "dtype": "int32"}, max_bytes=1024)
 
 
 # ------------------------------------------------------------------ SGLang flat routes
@@ -196,9 +207,9 @@ def test_flat_route_errors():
         decode_flat_routes(data, num_layers=3, top_k=2, num_experts=11)
     with pytest.raises(MalformedResponseError, match="expected a base64 string, got NoneType"):
         decode_flat_routes(None, num_layers=3, top_k=2)
-    with pytest.raises(ValueError, match="num_layers must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="num_layers must be a positive integer or None, got 0"):
         decode_flat_routes(data, num_layers=0, top_k=2)
-    with pytest.raises(ValueError, match="top_k must be a positive integer, got True"):
+    with pytest.raises(ValueError, match="top_k must be a positive integer or None, got True"):
         decode_flat_routes(data, num_layers=3, top_k=True)
 
 
@@ -213,3 +224,63 @@ def test_uint16_envelopes_decode_to_int16_or_int32():
     decoded = decode_routes(encode_routes(wide, dtype="uint16"))
     assert decoded.dtype == np.int32 and decoded.tolist() == [[[40000, 7]]]
     assert compact_dtype(40000) == np.int32  # never compacted to uint16 on the host
+
+
+# ------------------------------------------------------------------ vLLM .npy routes
+
+
+def npy_b64(array: np.ndarray, version: tuple[int, int] | None = None) -> str:
+    buffer = io.BytesIO()
+    if version is None:
+        np.save(buffer, array, allow_pickle=False)
+    else:
+        np.lib.format.write_array(buffer, array, version=version, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(0, 9),
+    layers=st.integers(1, 3),
+    top_k=st.integers(1, 4),
+    num_experts=st.sampled_from([8, 256, 300, 40_000, 65_535]),
+    version=st.sampled_from([None, (1, 0), (2, 0), (3, 0)]),
+    seed=st.integers(0, 999),
+)
+def test_npy_routes_round_trip_against_np_load(rows, layers, top_k, num_experts, version, seed):
+    routes = distinct_routes(rows, layers, top_k, num_experts, seed)
+    dtype = "<u1" if num_experts <= 256 else "<u2"  # vLLM's RoutedExpertsCapturer.output_dtype
+    data = npy_b64(routes.astype(dtype), version)
+    reference = np.load(io.BytesIO(base64.b64decode(data)), allow_pickle=False)
+    decoded = decode_npy_routes(data, num_experts=num_experts, num_layers=layers, top_k=top_k)
+    np.testing.assert_array_equal(decoded, reference)
+    if dtype == "<u1":
+        assert decoded.dtype == np.uint8
+    else:  # int16 while every id fits, else int32: torch has few uint16 operations
+        assert decoded.dtype == (np.int32 if routes.size and routes.max() >= 32768 else np.int16)
+    view = decode_npy_routes(memoryview(data.encode()), num_experts=num_experts)  # what the body parser gives
+    np.testing.assert_array_equal(view, reference)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("{'descr': '|u1', 'fortran_order': False, 'shape': (2**70, 0, 8), }", "unreadable .npy header"),
+        (
+            "{'descr': '|u1', 'fortran_order': False, 'shape': (1180591620717411303424, 0, 8), }",
+            "has a dimension above",
+        ),
+        ("{'descr': '|u1', 'fortran_order': False, 'shape': (4, 2**3, 1), }", "unreadable"),
+        (
+            "{'descr': '|u1', 'fortran_order': False, 'shape': (-1, 2, 8), }",
+            "shape must be a tuple of non-negative",
+        ),
+        ("{'descr': '|u1', 'fortran_order': False, 'shape': (4, 2, 8), 'x': 1}", "must hold exactly"),
+        ("{'descr': '<f4', 'fortran_order': False, 'shape': (4, 2, 8), }", "is not a route dtype"),
+    ],
+)
+def test_npy_headers_are_checked_before_the_payload_is_decoded(header, message):
+    text = header.encode() + b" " * (-(len(header) + 11) % 64) + b"\n"
+    raw = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text
+    with pytest.raises(MalformedResponseError, match=f"^choices\\[0\\]\\.routed_experts: .*{message}"):
+        decode_npy_routes(base64.b64encode(raw).decode())

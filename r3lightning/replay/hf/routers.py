@@ -1,18 +1,31 @@
-"""Which Hugging Face router module types can be replayed, and how: the router adapter registry.
+"""Which Hugging Face router types can be replayed, and how: the router adapter registry.
 
-A :class:`RouterAdapter` tells :class:`~r3lightning.replay.hf.replay.HFRouterReplay` where a router's
-forward returns its logits, gate weights and expert indices, and how the family turns live logits
-into gate weights for given experts. The built-in families are registered lazily from the
-installed transformers; :func:`register_router` adds others. :func:`find_routers` maps every
-registered router of a model to its absolute decoder-layer index.
+A :class:`RouterAdapter` says where a router's output holds its logits, gate weights and expert
+indices, and how its family turns live logits into gate weights for given experts. Built-in
+families are registered lazily from the installed transformers (``_BUILTIN`` lists the router
+classes per formula); :func:`register_router` adds others. The gate-weight functions ``(router,
+logits [N, E], experts [N, K] int64) -> [N, K]`` are named for the family they were written from:
+
+======================= ===========================================================================
+``qwen3_moe_weights``   fp32 softmax over all experts, top-k renormalised if ``norm_topk_prob``,
+                        in the logits' dtype (Qwen2-MoE, OLMoE, Qwen3-Next, FlexOlmo, Mellum)
+``qwen3_5_moe_weights`` as above, always renormalised (Qwen3-VL-MoE, Qwen3-Omni, Hunyuan-MoE)
+``mixtral_weights``     fp32 softmax over all experts, renormalised, kept in fp32 (MiniMax)
+``deepseek_v3_weights`` sigmoid, optional renormalisation, ``routed_scaling_factor`` (GLM-4 MoE, ...)
+``deepseek_v2_weights`` fp32 softmax over all experts times ``routed_scaling_factor``
+``ernie_weights``       ERNIE-4.5-MoE: softmax renormalised with the sum clamped at ``norm_min``
+``gpt_oss_weights``     softmax over the selected logits only (Aria, GraniteMoE)
+``phimoe_weights``      PhiMoE's sparsemixer, slot by slot
+======================= ===========================================================================
 """
-
-from __future__ import annotations
 
 import importlib
 import re
+import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +37,9 @@ GateWeightsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 @dataclass(frozen=True)
 class RouterAdapter:
-    """How to replay one router module type.
-
-    The router's forward must return a tuple holding the logits, the gate weights and the expert
-    indices at ``output_positions`` (in that order); ``gate_weights`` recomputes the weights for
-    given indices exactly as the router itself does after its top-k selection.
-    """
+    """How to replay one router type: its forward's tuple holds the logits, gate weights and expert
+    indices at ``output_positions``; ``gate_weights`` recomputes the weights for given indices as
+    the router itself does after its top-k."""
 
     gate_weights: GateWeightsFn
     top_k_attr: str = "top_k"
@@ -37,114 +47,109 @@ class RouterAdapter:
     output_positions: tuple[int, int, int] = (0, 1, 2)
 
 
-def softmax_then_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Qwen3-MoE, Qwen2-MoE, OLMoE, Qwen3-Next, FlexOlmo: fp32 softmax over all experts, top-k
-    renormalisation when ``router.norm_topk_prob``, cast back to the logits' dtype."""
+def qwen3_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     if router.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype)
 
 
-def softmax_renormalised_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Qwen3.5-MoE, Qwen3-VL-MoE, Hunyuan-MoE: as :func:`softmax_then_topk_weights`, always
-    renormalised over the top-k (these routers have no ``norm_topk_prob`` switch)."""
+def qwen3_5_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     return (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
 
 
 def mixtral_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Mixtral, MiniMax: fp32 softmax over all experts, always renormalised over the top-k, kept
-    in fp32."""
     weights = F.softmax(logits.float(), dim=-1).gather(-1, indices)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
-def sigmoid_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """DeepSeek-V3 and its router copies (GLM-4 MoE, dots1, EXAONE-MoE, ...): sigmoid scores; the
-    selection-only ``e_score_correction_bias`` and group limit play no part in the weights;
-    optional renormalisation, then ``routed_scaling_factor``."""
+def deepseek_v3_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    # the selection-only e_score_correction_bias and group limit play no part in the weights
     weights = logits.sigmoid().gather(1, indices)
     if router.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * router.routed_scaling_factor
 
 
-def softmax_scaled_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """DeepSeek-V2 (and the DeepSeek-OCR-2 / Unlimited-OCR text routers): fp32 softmax over all experts (the group limit only selects), times
-    ``routed_scaling_factor``, no renormalisation."""
+def deepseek_v2_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     weights = logits.softmax(dim=-1, dtype=torch.float32).gather(-1, indices)
     return weights * router.routed_scaling_factor
 
 
 def ernie_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """ERNIE-4.5-MoE: fp32 softmax over all experts (the ``moe_statics`` bias only selects),
-    renormalised with the sum clamped at ``router.norm_min``.
-
-    Returned in fp32, the router's logits dtype; the replay hook rounds it to the dtype of the
-    weights the router returned (its input's), as the router itself does.
-    """
+    # fp32, as the router computes (moe_statics only selects); the hook rounds to its output dtype
     weights = F.softmax(logits.float(), dim=1, dtype=torch.float).gather(-1, indices)
     return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=router.norm_min)
 
 
-def softmax_over_topk_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """gpt-oss, Aria: softmax over the selected logits only."""
+def gpt_oss_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     top = logits.gather(-1, indices)
     return F.softmax(top, dim=1, dtype=top.dtype)
 
 
+def phimoe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """PhiMoE's sparsemixer for given experts: slot ``k`` weighs its expert by the softmax over the
+    experts no earlier slot took, leaving out those whose logit lies more than ``2 *
+    router_jitter_noise`` (relative) below the best of them. In training PhiMoE samples its experts
+    and scales the weights by Heun's estimator; replay uses the given experts and these weights
+    (what inference computes), with their exact gradient."""
+    scores, band = logits, 2 * router.router_jitter_noise
+    columns = []
+    for k in range(indices.shape[-1]):
+        chosen = indices[:, k : k + 1]  # [N, 1]
+        with torch.no_grad():
+            best = scores.max(dim=-1, keepdim=True).values
+            outside = (best - logits) / logits.abs().clamp(min=best) > band
+        columns.append(scores.masked_fill(outside, float("-inf")).softmax(dim=-1).gather(-1, chosen))
+        scores = scores.scatter(-1, chosen, float("-inf"))
+    return torch.cat(columns, dim=-1)
+
+
+# names before this release: importable, with a DeprecationWarning, until the next minor release
+_RENAMED = {"softmax_then_topk_weights": "qwen3_moe_weights", "softmax_over_topk_weights": "gpt_oss_weights"}
+_RENAMED |= {"softmax_renormalised_weights": "qwen3_5_moe_weights"}
+_RENAMED |= {"sigmoid_scaled_weights": "deepseek_v3_weights", "softmax_scaled_weights": "deepseek_v2_weights"}
+
+
+def __getattr__(name: str) -> Any:
+    new = _RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    message = f"{__name__}.{name} is deprecated (removed in the next minor release); use {__name__}.{new}"
+    warnings.warn(message, DeprecationWarning, stacklevel=2)
+    value = globals()[name] = globals()[new]  # warned once, as the other moved names
+    return value
+
+
 _ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
 
-_SOFTMAX = RouterAdapter(softmax_then_topk_weights)
-_RENORMALISED = RouterAdapter(softmax_renormalised_weights)
-_SIGMOID = RouterAdapter(sigmoid_scaled_weights)
-
-# (transformers model package, router class, adapter) of the built-in families, each checked
-# against the router's own forward; imported lazily so that a transformers build without one of
-# them still serves the others.
-_BUILTIN: tuple[tuple[str, str, RouterAdapter], ...] = (
-    ("qwen3_moe", "Qwen3MoeTopKRouter", _SOFTMAX),
-    ("qwen2_moe", "Qwen2MoeTopKRouter", _SOFTMAX),
-    ("olmoe", "OlmoeTopKRouter", _SOFTMAX),
-    ("qwen3_next", "Qwen3NextTopKRouter", _SOFTMAX),
-    ("flex_olmo", "FlexOlmoTopKRouter", _SOFTMAX),
-    ("qwen3_5_moe", "Qwen3_5MoeTopKRouter", _RENORMALISED),
-    ("qwen3_vl_moe", "Qwen3VLMoeTextTopKRouter", _RENORMALISED),
-    ("qwen3_omni_moe", "Qwen3OmniMoeTextTopKRouter", _RENORMALISED),
-    ("qwen3_omni_moe", "Qwen3OmniMoeThinkerTextTopKRouter", _SOFTMAX),
-    ("qwen3_omni_moe", "Qwen3OmniMoeTalkerTextTopKRouter", _SOFTMAX),
-    ("qwen4_exp", "Qwen4ExpTextTopKRouter", _SOFTMAX),
-    ("mellum", "MellumTopKRouter", _SOFTMAX),
-    ("hunyuan_v1_moe", "HunYuanMoEV1Gate", _RENORMALISED),
-    ("mixtral", "MixtralTopKRouter", RouterAdapter(mixtral_weights)),
-    ("minimax", "MiniMaxTopKRouter", RouterAdapter(mixtral_weights)),
-    ("deepseek_v3", "DeepseekV3TopkRouter", _SIGMOID),
-    ("glm4_moe", "Glm4MoeTopkRouter", _SIGMOID),
-    ("glm4_moe_lite", "Glm4MoeLiteTopkRouter", _SIGMOID),
-    ("dots1", "Dots1TopkRouter", _SIGMOID),
-    ("exaone_moe", "ExaoneMoeTopkRouter", _SIGMOID),
-    ("solar_open", "SolarOpenTopkRouter", _SIGMOID),
-    ("deepseek_v32", "DeepseekV32TopkRouter", _SIGMOID),
-    ("glm4v_moe", "Glm4vMoeTextTopkRouter", _SIGMOID),
-    ("glm5_next", "Glm5NextTextTopkRouter", _SIGMOID),
-    ("glm_moe_dsa", "GlmMoeDsaTopkRouter", _SIGMOID),
-    ("kimi_linear", "KimiLinearTopkRouter", _SIGMOID),
-    ("mimo_v2_flash", "MiMoV2FlashTopkRouter", _SIGMOID),
-    ("nemotron_h", "NemotronHTopkRouter", _SIGMOID),
-    ("bailing_hybrid", "BailingHybridTopkRouter", _SIGMOID),
-    ("dots3_note", "Dots3NoteTextTopkRouter", _SIGMOID),
-    ("hy_v4", "HYV4TopkRouter", _SIGMOID),
-    ("hy_v4_vl", "HYV4VLTopkRouter", _SIGMOID),
-    ("axk1", "AXK1TopkRouter", _SIGMOID),
-    ("axk2", "AXK2TopkRouter", _SIGMOID),
-    ("deepseek_v2", "DeepseekV2TopkRouter", RouterAdapter(softmax_scaled_weights)),
-    ("deepseek_ocr2", "DeepseekOcr2TextTopkRouter", RouterAdapter(softmax_scaled_weights)),
-    ("unlimited_ocr", "UnlimitedOcrTextTopkRouter", RouterAdapter(softmax_scaled_weights)),
-    ("ernie4_5_moe", "Ernie4_5_MoeTopKRouter", RouterAdapter(ernie_weights)),
-    ("gpt_oss", "GptOssTopKRouter", RouterAdapter(softmax_over_topk_weights)),
-    ("aria", "AriaTextTopKRouter", RouterAdapter(softmax_over_topk_weights)),
-)
+# "<transformers model package>.<router class>" per formula, each checked against the router's own
+# forward; imported lazily, so a transformers build without one of them still serves the others
+_BUILTIN: dict[GateWeightsFn, str] = {
+    qwen3_moe_weights: """qwen3_moe.Qwen3MoeTopKRouter qwen2_moe.Qwen2MoeTopKRouter olmoe.OlmoeTopKRouter
+        qwen3_next.Qwen3NextTopKRouter flex_olmo.FlexOlmoTopKRouter mellum.MellumTopKRouter
+        qwen3_omni_moe.Qwen3OmniMoeThinkerTextTopKRouter qwen3_omni_moe.Qwen3OmniMoeTalkerTextTopKRouter
+        qwen4_exp.Qwen4ExpTextTopKRouter""",
+    qwen3_5_moe_weights: """qwen3_5_moe.Qwen3_5MoeTopKRouter qwen3_vl_moe.Qwen3VLMoeTextTopKRouter
+        qwen3_omni_moe.Qwen3OmniMoeTextTopKRouter hunyuan_v1_moe.HunYuanMoEV1Gate""",
+    mixtral_weights: "mixtral.MixtralTopKRouter minimax.MiniMaxTopKRouter",
+    deepseek_v3_weights: """deepseek_v3.DeepseekV3TopkRouter glm4_moe.Glm4MoeTopkRouter
+        glm4_moe_lite.Glm4MoeLiteTopkRouter dots1.Dots1TopkRouter exaone_moe.ExaoneMoeTopkRouter
+        solar_open.SolarOpenTopkRouter deepseek_v32.DeepseekV32TopkRouter
+        glm4v_moe.Glm4vMoeTextTopkRouter glm5_next.Glm5NextTextTopkRouter glm_moe_dsa.GlmMoeDsaTopkRouter
+        kimi_linear.KimiLinearTopkRouter mimo_v2_flash.MiMoV2FlashTopkRouter
+        nemotron_h.NemotronHTopkRouter bailing_hybrid.BailingHybridTopkRouter
+        dots3_note.Dots3NoteTextTopkRouter hy_v4.HYV4TopkRouter hy_v4_vl.HYV4VLTopkRouter
+        axk1.AXK1TopkRouter axk2.AXK2TopkRouter""",
+    deepseek_v2_weights: """deepseek_v2.DeepseekV2TopkRouter deepseek_ocr2.DeepseekOcr2TextTopkRouter
+        unlimited_ocr.UnlimitedOcrTextTopkRouter""",
+    ernie_weights: "ernie4_5_moe.Ernie4_5_MoeTopKRouter",
+    gpt_oss_weights: """gpt_oss.GptOssTopKRouter aria.AriaTextTopKRouter granitemoe.GraniteMoeTopKRouter
+        granitemoeshared.GraniteMoeSharedTopKRouter granitemoehybrid.GraniteMoeHybridTopKRouter
+        granitemoe_swa.GraniteMoeSWATopKRouter""",
+    phimoe_weights: "phimoe.PhimoeTopKRouter",
+}
 
 # Router types whose forward does not return (logits, weights, indices): no adapter can replay
 # them through the output hook; the error says why instead of suggesting register_router.
@@ -152,7 +157,7 @@ _INCOMPATIBLE: dict[str, str] = {
     "Llama4Router": "its forward returns (dense scores [N, E], logits) without expert indices",
     "DbrxRouter": "its forward returns only the logits; the top-k is taken in the experts module",
 }
-_builtins_loaded = False
+_builtins_loaded: set[str] = set()  # 'family.RouterClass' names already looked up
 
 
 def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> None:
@@ -164,24 +169,29 @@ def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> Non
     _ADAPTERS[module_type] = adapter
 
 
-def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    for family, class_name, adapter in _BUILTIN:
-        try:
-            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        except ImportError:
-            continue
-        router_cls = getattr(module, class_name, None)
-        if router_cls is not None:
-            _ADAPTERS.setdefault(router_cls, adapter)
-    _builtins_loaded = True
+def _load_builtins(*, imported_only: bool = False) -> None:
+    """Register the built-in families' routers. ``imported_only``: only families whose modeling
+    module is imported already (as it is for every router of a model that exists), so finding a
+    model's routers never imports the ~40 other families (a second or more at startup)."""
+    for gate_weights, names in _BUILTIN.items():
+        adapter = RouterAdapter(gate_weights)
+        for name in names.split():
+            family, class_name = name.split(".")
+            module_name = f"transformers.models.{family}.modeling_{family}"
+            if name in _builtins_loaded or (imported_only and module_name not in sys.modules):
+                continue
+            _builtins_loaded.add(name)
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            router_cls = getattr(module, class_name, None)
+            if router_cls is not None:
+                _ADAPTERS.setdefault(router_cls, adapter)
 
 
 def registered_router_types() -> list[type[nn.Module]]:
-    """Every router type replay knows: the built-in families found in the installed
-    transformers, then those added with :func:`register_router`."""
+    """Every router type replay knows: built-in ones of the installed transformers, then registered."""
     _load_builtins()
     return list(_ADAPTERS)
 
@@ -197,13 +207,10 @@ _LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
 
 
 def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdapter]]:
-    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer.
-
-    The layer is the ``<i>`` of the innermost ``layers.<i>.`` in the router's qualified name (the
-    Hugging Face decoder-layer list); routers outside such a list, several routers on one layer,
-    or none at all raise ``ValueError`` naming the model class.
-    """
-    _load_builtins()
+    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer: the
+    ``<i>`` of the innermost ``layers.<i>.`` in its name. A router outside such a list, several on
+    one layer, or none at all is a ``ValueError`` naming the model class."""
+    _load_builtins(imported_only=True)
     found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
     for name, module in model.named_modules():
         adapter = _adapter_for(module)
@@ -211,10 +218,8 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
             continue
         match = _LAYER_RE.search(f".{name}.")
         if match is None:
-            raise ValueError(
-                f"router {name!r} ({type(module).__name__}) is not inside a 'layers.<i>' module list; "
-                "cannot tell its decoder-layer index"
-            )
+            where = f"router {name!r} ({type(module).__name__})"
+            raise ValueError(f"{where} is not inside a 'layers.<i>' module list: no decoder-layer index")
         found.append((int(match.group(1)), name, module, adapter))
     if not found:
         raise ValueError(_no_router_message(model))
@@ -229,40 +234,28 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
 
 
 _ROUTER_NAME_RE = re.compile(r"(Router|Gate|Gating)$|Top[Kk](Router|Gating)")
+_OUTPUT = "(router_logits [N, E], gate_weights [N, K], expert_indices [N, K])"
 
 
 def _no_router_message(model: nn.Module) -> str:
     """Why ``model`` has nothing to replay, naming the router-like module found and the fix."""
     model_name = type(model).__name__
-    candidate = next(
-        ((name, type(m)) for name, m in model.named_modules() if _ROUTER_NAME_RE.search(type(m).__name__)),
-        None,
+    found = [(name, type(m)) for name, m in model.named_modules() if _ROUTER_NAME_RE.search(type(m).__name__)]
+    name, cls = found[0] if found else ("", None)
+    fix = (
+        "    from r3lightning.replay.hf.routers import RouterAdapter, qwen3_moe_weights, register_router\n"
+        f"    register_router({cls.__name__ if cls else 'MyRouter'}, RouterAdapter(gate_weights=qwen3_moe_weights))"
     )
-    if candidate is None:
-        known = sorted(cls.__name__ for cls in _ADAPTERS)
-        return (
-            f"no MoE router found in {model_name}; supported router types: {known}. A router type of "
-            "your own is replayed once registered:\n" + _register_fix("MyRouter")
-        )
-    name, cls = candidate
-    reason = _INCOMPATIBLE.get(cls.__name__)
-    if reason is not None:
-        return (
-            f"{model_name}'s router {name!r} ({cls.__module__}.{cls.__name__}) cannot be replayed: "
-            f"{reason}, while replay rewrites a router output (router_logits [N, E], gate_weights "
-            "[N, K], expert_indices [N, K])"
-        )
+    if cls is None:
+        known = sorted(c.__name__ for c in _ADAPTERS)
+        return f"no MoE router found in {model_name}; supported router types: {known}. Yours replays once registered:\n{fix}"
+    where = f"{name!r} ({cls.__module__}.{cls.__name__})"
+    if cls.__name__ in _INCOMPATIBLE:
+        reason = _INCOMPATIBLE[cls.__name__]
+        return f"{model_name}'s router {where} cannot be replayed: {reason}, while replay rewrites {_OUTPUT}"
     return (
-        f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}, a "
-        "router type r3lightning does not know. If its forward returns (router_logits [N, E], "
-        "gate_weights [N, K], expert_indices [N, K]), register it with the function that turns logits "
-        "into its gate weights for given experts (or one of your own):\n" + _register_fix(cls.__name__)
-    )
-
-
-def _register_fix(class_name: str) -> str:
-    return (
-        "    from r3lightning.replay.hf.routers import RouterAdapter, register_router, "
-        "softmax_then_topk_weights\n"
-        f"    register_router({class_name}, RouterAdapter(gate_weights=softmax_then_topk_weights))"
+        f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}, a router "
+        "type r3lightning does not know. If its "
+        f"forward returns {_OUTPUT}, register it with the function that turns logits into its gate weights "
+        f"for given experts (or one of your own):\n{fix}"
     )

@@ -1,42 +1,6 @@
-"""Router replay for megatron-core MoE models, through megatron's own ``RouterReplay``.
-
-With ``TransformerConfig(moe_enable_routing_replay=True)`` every ``TopKRouter`` carries a
-``RouterReplay`` its routing function consults for the top-k, while the gate weights are still
-gathered from the router's *live* scores (so the router keeps getting gradients).
-:class:`MegatronRouterReplay` drives those instances for one pipeline stage:
-
-* layers come from each router's global ``layer_number`` (megatron applies the pipeline-stage
-  and virtual-stage offsets and dense-first layouts), so ``moe_layers`` are absolute
-  decoder-layer indices and routes keep the full ``num_layers`` axis;
-* routes ``[B, S, num_layers, top_k]`` (``[1, T_local]``: this context-parallel rank's packed
-  shard, see :func:`megatron_token_layout`; or an unpacked ``[B, S]`` batch) are split for
-  sequence parallelism (each TP rank keeps its contiguous ``1/TP`` of the sequence), put in
-  megatron's ``[s, b]`` token order and widened to int64, the router's index dtype, at install;
-* each layer's rows go to that router's :class:`MaskedRouterReplay` (megatron's ``RouterReplay``
-  plus a replay mask), which replays them with ``REPLAY_FORWARD`` in the forward and
-  ``REPLAY_BACKWARD`` in activation recomputation, one queued entry per forward.
-
-Micro-batches (``forward_backward_func``): install each micro-batch's routes in the
-``forward_step_func`` right before its forward. Every router queues one entry per forward, and
-megatron recomputes (in the backward) the micro-batches of a model chunk in the order it ran their
-forwards, so each recomputation replays its own micro-batch, under any pipeline schedule.
-
-Virtual pipeline parallelism: a rank holds one model chunk per virtual stage and the interleaved
-schedule runs ``(micro-batch, chunk)`` forwards in an order of its own. Build the backend over the
-list of chunks and install with ``vp_stage=backend.vp_stage_of(model)`` in the
-``forward_step_func``: only that chunk's routers take the micro-batch, so every chunk replays its
-micro-batches in the order megatron runs them.
-
-Fused routers (``moe_router_fusion=True``): Transformer Engine's fused top-k never consults
-``RouterReplay`` (megatron-core 0.16 up to at least 0.20). While routes are installed or recorded,
-a router routes through megatron's unfused top-k (same selection and gate formula) via a copy of
-its config; forwards with nothing installed keep the fused kernel.
-
-Sinkhorn routing and token dropping are refused: with them the experts used would not be the
-installed ones.
-"""
-
-from __future__ import annotations
+"""Router replay for megatron-core MoE models (``moe_enable_routing_replay=True``), through megatron's
+own ``RouterReplay``: install each micro-batch's routes in the ``forward_step_func`` before its
+forward (VPP: with ``vp_stage``); recompute replays them in megatron's order under any schedule."""
 
 from collections.abc import Iterable
 from typing import Any
@@ -69,63 +33,46 @@ def _refuse_unsupported(config: Any) -> None:
         )
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         raise ValueError(
-            f"router replay needs dropless MoE, got moe_expert_capacity_factor="
-            f"{config.moe_expert_capacity_factor}: token dropping after routing would drop replayed "
-            "experts, so the experts used would differ from the rollout's"
+            f"router replay needs dropless MoE, got moe_expert_capacity_factor={config.moe_expert_capacity_factor}: "
+            "token dropping would drop replayed experts, so the experts used would differ from the rollout's"
         )
 
 
 def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRouter]) -> list[int | None]:
-    """The virtual pipeline stage of each router (all None without virtual pipeline parallelism).
-
-    A router's stage is the ``vp_stage`` of the module holding it (megatron's ``GPTModel`` /
-    ``TransformerBlock`` chunks carry it), else the index of its chunk in ``modules`` when that is
-    the list of one chunk per virtual stage.
-    """
+    """Each router's virtual pipeline stage (None without VPP): the ``vp_stage`` of a module holding
+    it (megatron's chunks carry one), else its chunk's index when ``modules`` are one per stage."""
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
-    if (vpp is None or vpp <= 1) and parallel_state.model_parallel_is_initialized():
+    if not (vpp and vpp > 1) and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    stage_of: dict[int, int] = {}
-    chunk_of: dict[int, int] = {}
+    stage_of: dict[int, int] = {}  # router id -> vp_stage of a module holding it
+    chunk_of: dict[int, int] = {}  # router id -> index of its chunk in modules
     for index, root in enumerate(modules):
         for module in root.modules():
-            stage = getattr(module, "vp_stage", None)
-            for sub in module.modules() if stage is not None else ():
-                if isinstance(sub, TopKRouter):
-                    stage_of.setdefault(id(sub), int(stage))
             if isinstance(module, TopKRouter):
                 chunk_of.setdefault(id(module), index)
-    virtual = (vpp is not None and vpp > 1) or len(set(stage_of.values())) > 1
-    if not virtual:
+            for sub in module.modules() if getattr(module, "vp_stage", None) is not None else ():
+                if isinstance(sub, TopKRouter):
+                    stage_of.setdefault(id(sub), int(module.vp_stage))
+    if not (vpp and vpp > 1) and len(set(stage_of.values())) <= 1:
         return [None] * len(routers)
-    stages: list[int | None] = []
-    for router in routers:
-        stage = stage_of.get(id(router))
-        if stage is None and vpp is not None and len(modules) == vpp:
-            stage = chunk_of[id(router)]
-        if stage is None:
-            raise ValueError(
-                f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell "
-                f"the virtual stage of the router at decoder layer {router.layer_number - 1}; pass the "
-                "list of model chunks megatron builds (one per virtual stage, in stage order) or "
-                "modules carrying vp_stage"
-            )
-        stages.append(stage)
+    stages = [stage_of.get(id(r), chunk_of[id(r)] if len(modules) == vpp else None) for r in routers]
+    if None in stages:
+        raise ValueError(
+            f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell the virtual "
+            f"stage of the router at decoder layer {routers[stages.index(None)].layer_number - 1}; pass the "
+            "list of model chunks megatron builds (one per virtual stage, in stage order) or modules carrying vp_stage"
+        )
     return stages
 
 
 class MegatronRouterReplay:
     """Replay / record backend for the MoE routers of one megatron-core pipeline stage.
 
-    ``model_or_modules``: the stage's model (``GPTModel``, ``TransformerBlock``, a DDP/Float16
-    wrapper) or a list of modules holding its ``TopKRouter``s (with virtual pipeline parallelism:
-    megatron's list of model chunks), built with ``moe_enable_routing_replay=True``. ``config`` defaults to the routers' ``TransformerConfig``.
-    TP/CP sizes and ranks come from ``parallel_state`` unless given; ``tp_group`` (default: megatron's
-    TP group) is only used by :meth:`stop_recording` under sequence parallelism. ``validate``
-    checks expert ids on install (range, distinct per row): a device->host sync for device routes.
-
-    Installed routes are queued per forward (see :class:`MaskedRouterReplay`) and stay until
-    :meth:`clear`; call it after every step. Several backends over the same routers share their state.
+    ``model_or_modules``: the stage's model (or a DDP/Float16 wrapper) or modules holding its
+    ``TopKRouter`` s (with VPP: megatron's model chunks). ``parallelism`` defaults to
+    :meth:`MegatronParallelism.resolve` with ``config.sequence_parallel``; ``tp_group`` (default:
+    megatron's) serves :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on
+    install (a host sync). Routes stay until :meth:`clear`; backends over one model share state.
     """
 
     def __init__(
@@ -133,31 +80,21 @@ class MegatronRouterReplay:
         model_or_modules: nn.Module | Iterable[nn.Module],
         config: Any = None,
         *,
-        tp_size: int | None = None,
-        tp_rank: int | None = None,
-        cp_size: int | None = None,
-        cp_rank: int | None = None,
-        sequence_parallel: bool | None = None,
+        parallelism: MegatronParallelism | None = None,
         tp_group: Any = None,
         validate: bool = True,
     ) -> None:
         modules = [model_or_modules] if isinstance(model_or_modules, nn.Module) else list(model_or_modules)
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError("model_or_modules must be an nn.Module or a non-empty list of nn.Modules")
-        routers: dict[int, TopKRouter] = {}
-        for root in modules:
-            for module in root.modules():
-                if isinstance(module, TopKRouter):
-                    routers.setdefault(id(module), module)
-        if not routers:
+        found = {id(m): m for root in modules for m in root.modules() if isinstance(m, TopKRouter)}.values()
+        if not found:
             raise ValueError(
                 f"no megatron TopKRouter found in {[type(m).__name__ for m in modules]}; "
                 "is it an MoE model (TransformerConfig.num_moe_experts set)?"
             )
-        found = list(routers.values())
-        self.config = config if config is not None else found[0].config
+        self.config = config if config is not None else next(iter(found)).config
         _refuse_unsupported(self.config)
-        layered: list[tuple[int, TopKRouter]] = []
         for router in found:
             if router.router_replay is None:
                 raise ValueError(
@@ -170,29 +107,19 @@ class MegatronRouterReplay:
                     "a TopKRouter has no layer_number (an MoELayer built outside a TransformerLayer): "
                     "call moe_layer.set_layer_number(n) with its 1-based global decoder-layer number"
                 )
-            layered.append((router.layer_number - 1, router))
-        layered.sort(key=lambda item: item[0])
-        layers = [layer for layer, _ in layered]
+        self._routers = sorted(found, key=lambda router: router.layer_number)
+        layers = [router.layer_number - 1 for router in self._routers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
-        self.num_layers: int = int(self.config.num_layers)
+        cfg = self.config
+        self.num_layers, self.top_k = int(cfg.num_layers), int(cfg.moe_router_topk)
+        self.num_experts: int = int(cfg.num_moe_experts)
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at decoder layer {layers[-1]} but config.num_layers={self.num_layers}")
-        self.top_k: int = int(self.config.moe_router_topk)
-        self.num_experts: int = int(self.config.num_moe_experts)
         self.moe_layers: tuple[int, ...] = tuple(layers)
-        if sequence_parallel is None:
-            sequence_parallel = bool(getattr(self.config, "sequence_parallel", False))
-        self.parallelism = MegatronParallelism.resolve(
-            tp_size=tp_size,
-            tp_rank=tp_rank,
-            cp_size=cp_size,
-            cp_rank=cp_rank,
-            sequence_parallel=sequence_parallel,
-        )
-        self.validate = validate
-        self._tp_group = tp_group
-        self._routers = [router for _, router in layered]
+        sequence_parallel = bool(getattr(cfg, "sequence_parallel", False))
+        self.parallelism = parallelism or MegatronParallelism.resolve(sequence_parallel=sequence_parallel)
+        self.validate, self._tp_group = validate, tp_group
         self._replays = [MaskedRouterReplay.attach(router) for router in self._routers]
         # per router (moe_layers order); None everywhere without virtual pipeline parallelism
         self.vp_stages: tuple[int | None, ...] = tuple(_virtual_stages(self.config, modules, self._routers))
@@ -202,16 +129,11 @@ class MegatronRouterReplay:
         """This stage's ``TopKRouter`` modules, in ``moe_layers`` order."""
         return list(self._routers)
 
-    # ----------------------------------------------------------------------------- layout
     def build_layout(
         self, batch: Any, *, packed: bool = True, fp8: bool | None = None
     ) -> TokenMetadataLayout:
-        """:func:`megatron_token_layout` for this backend's TP/CP position (packed by default).
-
-        ``fp8`` (packed only) defaults to whether the model trains in fp8 (``config.fp8`` set).
-        """
-        if fp8 is None:
-            fp8 = packed and bool(getattr(self.config, "fp8", None))
+        """:func:`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8`` being set."""
+        fp8 = packed and bool(getattr(self.config, "fp8", None)) if fp8 is None else fp8
         return megatron_token_layout(batch, packed=packed, parallelism=self.parallelism, fp8=fp8)
 
     def _split_sequence(self, tensor: Tensor) -> Tensor:
@@ -221,66 +143,42 @@ class MegatronRouterReplay:
             tensor = split_for_sequence_parallel(tensor, par.tp_size, par.tp_rank, dim=1)
         return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
 
-    # ----------------------------------------------------------------------------- replay
     def install(
         self, routes: Tensor, replay_mask: Tensor | None = None, *, vp_stage: int | None = None
     ) -> None:
-        """Replay ``routes`` ``[B, S, num_layers, top_k]`` in the next forward (and its recompute).
-
-        ``[B, S]`` is the token shape this rank's model sees before the sequence-parallel split:
-        ``[1, T_local]`` packed (this CP rank's shard) or the unpacked batch. ``replay_mask`` bool
-        ``[B, S]``: False -> native routing. With virtual pipeline parallelism ``vp_stage`` (the
-        ``vp_stage`` of the chunk megatron hands the ``forward_step_func``) is required and only
-        that chunk's routers take the routes. Cost: one copy of this rank's rows of the installed
-        MoE layers, widened to int64 on the routers' device (``non_blocking``: pin host routes to
-        overlap it); no device->host sync unless ``validate``.
-        """
+        """Replay ``routes [B, S, L, K]`` (before the sequence-parallel split; mask False: native) in
+        the next forward and its recompute; with VPP only chunk ``vp_stage``'s routers take them. One
+        int64 copy of this rank's rows per layer (``non_blocking``); no host sync unless ``validate``."""
         targets = self._stage_positions(vp_stage)
         validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
         device = self._routers[0].weight.device
         local = self._split_sequence(routes)  # [N, L, K] compact dtype
-        # one widening copy per installed MoE layer (no device index tensor to build)
-        per_layer = torch.empty((len(targets), local.shape[0], self.top_k), dtype=torch.int64, device=device)
-        for row, position in enumerate(targets):  # [L_installed, N, K]
-            per_layer[row].copy_(local[:, self.moe_layers[position]], non_blocking=True)
-        mask = None
         if replay_mask is not None:
-            mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)  # [N]
-        for position, layer_routes in zip(targets, per_layer, strict=True):
-            replay = self._replays[position]
-            if replay.fresh:  # replaced before any forward used it: no recompute will pop its entry
-                replay.replay_backward_list.pop()
-                replay.replay_backward_masks.pop()
-            replay.set_target_indices(layer_routes, mask)
-            replay.fresh = True
-            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            replay_mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)
+        for position in targets:  # one widening copy per layer (no device index tensor to build)
+            rows = torch.empty((local.shape[0], self.top_k), dtype=torch.int64, device=device)
+            layer_rows = local[:, self.moe_layers[position]]  # [N, K] compact
+            self._replays[position].install(rows.copy_(layer_rows, non_blocking=True), replay_mask)
 
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
-        """The virtual stage of the routers inside ``chunk`` (a model chunk or any wrapper of it,
-        as megatron hands it to the ``forward_step_func``): the ``vp_stage`` to install with.
-        None without virtual pipeline parallelism."""
+        """The ``vp_stage`` to install with for ``chunk`` (a model chunk or a wrapper of it, as the
+        ``forward_step_func`` gets it); None without virtual pipeline parallelism."""
         inside = {id(module) for module in chunk.modules()}
         stages = {s for r, s in zip(self._routers, self.vp_stages, strict=True) if id(r) in inside}
         if len(stages) != 1:
-            raise ValueError(
-                f"{type(chunk).__name__} holds routers of virtual stages {sorted(stages, key=str)}; "
-                "expected the routers of exactly one model chunk of this backend"
-            )
+            found = sorted(stages, key=str)
+            raise ValueError(f"{type(chunk).__name__} holds routers of virtual stages {found}, not one")
         return stages.pop()
 
-    def _stage_positions(self, vp_stage: int | None) -> list[int]:
-        """Indices (into ``moe_layers``) of the routers an install with ``vp_stage`` feeds."""
+    def _stage_positions(self, vp_stage: int | None) -> list[int]:  # into moe_layers
         stages = sorted({s for s in self.vp_stages if s is not None})
         if not stages:
             if vp_stage not in (None, 0):
                 raise ValueError(f"vp_stage={vp_stage!r} given, but the model has no virtual pipeline stages")
             return list(range(len(self.moe_layers)))
         if vp_stage is None:
-            raise ValueError(
-                f"virtual pipeline parallelism (model chunks of stages {stages}): install(..., vp_stage=) "
-                "is required, the vp_stage of the chunk megatron's forward_step_func runs, so each "
-                "chunk replays its own micro-batches in the order megatron runs them"
-            )
+            chunks = f"virtual pipeline parallelism (model chunks of stages {stages})"
+            raise ValueError(f"{chunks}: install(..., vp_stage=) is required, the forward_step_func's")
         positions = [i for i, s in enumerate(self.vp_stages) if s == vp_stage]
         if not positions:
             raise ValueError(f"vp_stage must be one of {stages} (this rank's MoE chunks), got {vp_stage!r}")
@@ -301,7 +199,6 @@ class MegatronRouterReplay:
             if replay.fused_config is not None:
                 router.config = replay.fused_config
 
-    # ----------------------------------------------------------------------------- recording
     def start_recording(self) -> None:
         """Capture the experts used (after any replay) in the following forwards (megatron's RECORD)."""
         for replay in self._replays:
@@ -311,12 +208,9 @@ class MegatronRouterReplay:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
 
     def stop_recording(self) -> Tensor:
-        """Experts used in the last forward, int32 ``[B, S, num_layers, top_k]`` on the routers' device.
-
-        ``[B, S]`` is the token shape before the sequence-parallel split: under sequence
-        parallelism the TP ranks' rows are all-gathered over the TP group (a collective every TP
-        rank must join). Layers not routed here (dense, other pipeline stages) hold 0.
-        """
+        """Experts the last forward used, int32 ``[B, S, num_layers, top_k]`` (the token shape before
+        the sequence-parallel split: TP ranks all-gather their rows, a collective) on the routers'
+        device; 0 on layers not routed here (dense, other pipeline stages)."""
         recorded = [replay.recorded_topk_idx for replay in self._replays]
         batch = self._replays[0].token_batch
         for replay in self._replays:
@@ -328,14 +222,12 @@ class MegatronRouterReplay:
         local = torch.stack(recorded, dim=1)  # [S_local * B, L_moe, K]
         par = self.parallelism
         if par.sequence_parallel and par.tp_size > 1:
-            group = self._tp_group
-            if group is None:
-                if not parallel_state.model_parallel_is_initialized():
-                    raise RuntimeError(
-                        f"stop_recording with tp_size={par.tp_size} gathers over the TP group: pass "
-                        "tp_group= or initialise megatron.core.parallel_state"
-                    )
-                group = parallel_state.get_tensor_model_parallel_group()
+            if self._tp_group is None and not parallel_state.model_parallel_is_initialized():
+                raise RuntimeError(
+                    f"stop_recording with tp_size={par.tp_size} gathers over the TP group: pass "
+                    "tp_group= or initialise megatron.core.parallel_state"
+                )
+            group = self._tp_group or parallel_state.get_tensor_model_parallel_group()
             pieces = [torch.empty_like(local) for _ in range(par.tp_size)]
             dist.all_gather(pieces, local.contiguous(), group=group)
             local = torch.cat(pieces)  # [S * B, L_moe, K], TP ranks in sequence order
@@ -343,26 +235,9 @@ class MegatronRouterReplay:
         rows = ((layer, tokens[:, :, column]) for column, layer in enumerate(self.moe_layers))
         return routes_on_all_layers(rows, tokens.shape[:2], self.num_layers, self.top_k)
 
-    # ----------------------------------------------------------------------------- stats
     def routing_stats(self) -> dict:
-        """Per local MoE layer, over this rank's replayed rows since :meth:`clear` (on device, no sync).
-
-        ``agreeing_slots[i] / (replayed_rows[i] * top_k)``: fraction of replayed experts the
-        router would also have chosen natively at layer ``layers[i]``. Recomputation is not counted.
-        """
-        counts = [c for r in self._replays for c in (r.replayed_rows, r.agreeing_slots) if c is not None]
-        device = counts[0].device if counts else torch.device("cpu")
-        zero = torch.zeros((), dtype=torch.int64, device=device)
-        table = torch.stack(  # [2, L_moe] on device
-            [
-                torch.stack([zero if r.replayed_rows is None else r.replayed_rows for r in self._replays]),
-                torch.stack([zero if r.agreeing_slots is None else r.agreeing_slots for r in self._replays]),
-            ]
-        )
-        rows, slots = table.to(torch.int64)
-        return {
-            "layers": self.moe_layers,
-            "top_k": self.top_k,
-            "replayed_rows": rows,
-            "agreeing_slots": slots,
-        }
+        """:meth:`RouterReplayBackend.routing_stats` of this rank's local MoE layers (on device)."""
+        known = [r.counts for r in self._replays if r.counts is not None]
+        zero = torch.zeros(3, dtype=torch.int64, device=known[0].device if known else "cpu")
+        rows, slots, _ = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)
+        return dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)

@@ -1,27 +1,6 @@
-"""megatron-core's ``RouterReplay`` with a per-token replay mask, agreement counts and recording.
-
-megatron's ``RouterReplay`` replays whole batches: ``REPLAY_FORWARD`` returns the target indices,
-``REPLAY_BACKWARD`` pops a FIFO (one entry per forward) during activation recomputation, ``RECORD``
-keeps the native choice; both replay actions gather the gate weights from the router's live
-scores. :class:`MaskedRouterReplay` is a drop-in subclass that takes the place of a router's own
-instance (also in megatron's global instance list) and adds what replaying rollout routes needs:
-
-* a replay mask travelling with each target through the FIFO (False rows keep native routing),
-* per-forward counts of replayed rows and of replayed experts the router would have chosen itself,
-* recording of the experts used under replay,
-* a forward pre-hook choosing ``REPLAY_FORWARD`` for forwards and ``REPLAY_BACKWARD`` for
-  recomputation (detected as running inside autograd's backward), and queuing one FIFO entry
-  per forward, so checkpointed layers and pipelined microbatches replay what their forward did;
-* megatron-core 0.16-0.19 mask the expert-bias token counts with the router padding mask
-  broadcast against the expert axis (``[N, E] & [N]``: an error, or wrong counts when
-  ``N == E``); a router whose megatron has that bug gets the per-token broadcast instead, so the
-  padding mask leaves padding out of those counts as it does of the aux losses;
-* for a fused router (``moe_router_fusion=True``, whose Transformer Engine top-k never consults
-  ``RouterReplay``) the same pre-hook points ``router.config`` at an unfused copy of its config
-  while it replays or records, and back at the shared config otherwise.
-
-Without a mask it returns exactly what megatron's ``REPLAY_*`` actions return.
-"""
+"""megatron-core's ``RouterReplay`` with a per-token replay mask (carried through the recompute FIFO),
+agreement counts and recording; it also fixes megatron-core 0.16-0.19's expert-bias padding mask and
+replays fused routers through the unfused top-k. Without a mask: exactly megatron's ``REPLAY_*``."""
 
 from __future__ import annotations
 
@@ -35,7 +14,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from torch import Tensor, nn
 
-from r3lightning.replay.backend import agreement_hits, in_recompute
+from r3lightning.replay.backend import agreement_counts, in_recompute
 
 __all__ = ["MaskedRouterReplay"]
 
@@ -47,11 +26,8 @@ _BACKWARD = RouterReplayAction.REPLAY_BACKWARD
 
 
 class MaskedRouterReplay(RouterReplay):
-    """megatron's ``RouterReplay`` plus a per-token replay mask, agreement counts and recording.
-
-    State of one router. A pending ``target_mask`` travels with each ``target_topk_idx`` through
-    megatron's backward FIFO (``replay_backward_masks`` mirrors ``replay_backward_list``).
-    """
+    """One router's replay state: ``target_mask`` travels with each ``target_topk_idx`` through the
+    recompute FIFO (``replay_backward_masks`` mirrors ``replay_backward_list``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,8 +36,7 @@ class MaskedRouterReplay(RouterReplay):
         self.fresh = False  # installed routes not yet consumed by a forward (already queued)
         self.recording = False
         self.token_batch: int | None = None  # b of the last forward's [s, b, h] input
-        self.replayed_rows: Tensor | None = None  # int64 scalar on device
-        self.agreeing_slots: Tensor | None = None
+        self.counts: Tensor | None = None  # agreement_counts [3] int64 of the forwards, on device
         self.hook: Any = None
         self.fused_config: Any = None  # the router's own config when it uses the fused top-k
         self.unfused_config: Any = None  # its copy with moe_router_fusion=False, used to replay
@@ -87,8 +62,7 @@ class MaskedRouterReplay(RouterReplay):
         if _EXPERT_BIAS_MASK_BUG and getattr(router, "enable_expert_bias", False):
             router._apply_expert_bias = types.MethodType(_count_expert_tokens, router)
         if replay.fused_config is None and getattr(router.config, "moe_router_fusion", False):
-            replay.fused_config = router.config
-            replay.unfused_config = copy.copy(router.config)
+            replay.fused_config, replay.unfused_config = router.config, copy.copy(router.config)
             replay.unfused_config.moe_router_fusion = False
         return replay
 
@@ -98,6 +72,16 @@ class MaskedRouterReplay(RouterReplay):
             active = self.target_topk_idx is not None or self.recording
             router.config = self.unfused_config if active else self.fused_config
 
+    def install(self, indices: Tensor, mask: Tensor | None) -> None:
+        """Replay ``indices [N, K]`` int64 (``mask [N]`` False: native) in the next forward; an install
+        no forward used yet is replaced, with its recompute entry."""
+        if self.fresh:
+            self.replay_backward_list.pop()
+            self.replay_backward_masks.pop()
+        self.set_target_indices(indices, mask)
+        self.fresh = True
+        self.set_router_replay_action(_FORWARD)
+
     def set_target_indices(self, topk_indices: Tensor, replay_mask: Tensor | None = None) -> None:
         super().set_target_indices(topk_indices)
         self.target_mask = replay_mask
@@ -105,17 +89,12 @@ class MaskedRouterReplay(RouterReplay):
 
     def clear_indices(self) -> None:
         super().clear_indices()
-        self.target_mask = None
-        self.replay_backward_masks = []
-        self.fresh = False
+        self.target_mask, self.replay_backward_masks, self.fresh = None, [], False
 
     def reset(self) -> None:
         self.clear_indices()
         self.clear_router_replay_action()
-        self.recording = False
-        self.recorded_topk_idx = None
-        self.token_batch = None
-        self.replayed_rows = self.agreeing_slots = None
+        self.recording, self.recorded_topk_idx, self.token_batch, self.counts = False, None, None, None
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
         self._select_top_k(router)
@@ -130,12 +109,9 @@ class MaskedRouterReplay(RouterReplay):
             if self.recording:
                 self.set_router_replay_action(RouterReplayAction.RECORD)
             return
-        if hidden is not None and hidden.shape[0] * hidden.shape[1] != self.target_topk_idx.shape[0]:
-            raise ValueError(
-                f"router at layer {router.layer_number - 1} routes {hidden.shape[0] * hidden.shape[1]} "
-                f"tokens ([s, b] = {list(hidden.shape[:2])}) but the installed routes hold "
-                f"{self.target_topk_idx.shape[0]} rows for this rank"
-            )
+        if hidden is not None and (tokens := hidden.shape[0] * hidden.shape[1]) != len(self.target_topk_idx):
+            where = f"router at layer {router.layer_number - 1} routes {tokens} tokens ([s, b] = {list(hidden.shape[:2])})"
+            raise ValueError(f"{where} but the installed routes hold {len(self.target_topk_idx)} rows")
         if not self.fresh:  # a further forward with the same routes gets its own FIFO entry
             self.replay_backward_list.append(self.target_topk_idx)
             self.replay_backward_masks.append(self.target_mask)
@@ -148,56 +124,33 @@ class MaskedRouterReplay(RouterReplay):
             return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         if action is _BACKWARD:
             if not self.replay_backward_list:
-                raise RuntimeError(
-                    "activation recomputation found no queued routes: routes were cleared between a "
-                    "forward and its backward"
-                )
+                raise RuntimeError("activation recompute found no queued routes: cleared after its forward")
             mask = self.replay_backward_masks.pop(0)
         else:
             mask = self.target_mask
         probs, replayed = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         if mask is None and action is _BACKWARD:
             return probs, replayed
-        indices = replayed
+        indices, groups = replayed, dict(num_groups=num_groups, group_topk=group_topk)
         if mask is None:
             with torch.no_grad():  # only for the agreement counts
-                _, native = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                _, native = default_compute_topk(scores, topk, **groups)
         else:
-            native_probs, native = default_compute_topk(
-                scores, topk, num_groups=num_groups, group_topk=group_topk
-            )
+            native_probs, native = default_compute_topk(scores, topk, **groups)
             keep = mask.to(scores.device, non_blocking=True).unsqueeze(-1)  # [N, 1]
             indices = torch.where(keep, replayed, native)
             probs = torch.where(keep, probs, native_probs)
         if action is _FORWARD:
-            self._count(replayed, native, mask)
+            counts = agreement_counts(replayed, native, None if mask is None else mask.to(replayed.device))
+            self.counts = counts if self.counts is None else self.counts + counts
             if self.recording:
                 self.record_indices(indices.detach())
         return probs, indices
 
-    def _count(self, replayed: Tensor, native: Tensor, mask: Tensor | None) -> None:
-        with torch.no_grad():
-            hits = agreement_hits(replayed, native)  # [N, K]
-            if mask is None:
-                rows = torch.full((), replayed.shape[0], dtype=torch.int64, device=replayed.device)
-            else:
-                keep = mask.to(replayed.device)
-                rows = keep.sum()
-                hits &= keep.unsqueeze(-1)
-            slots = hits.sum()
-            if self.replayed_rows is None:
-                self.replayed_rows, self.agreeing_slots = rows, slots
-            else:
-                self.replayed_rows = self.replayed_rows + rows
-                self.agreeing_slots = self.agreeing_slots + slots
-
 
 def _count_expert_tokens(router: TopKRouter, routing_map: Tensor, padding_mask: Tensor | None = None) -> None:
-    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token.
-
-    Counts the tokens routed to each expert for the expert-bias update, padding excluded; neither
-    in evaluation nor in activation recomputation (no grad there), as megatron does.
-    """
+    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token; nothing in
+    evaluation or recompute (no grad there), as megatron does."""
     if router.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():
             if padding_mask is not None:

@@ -1,0 +1,178 @@
+"""What each mode does with the active routes: :class:`Replaying` (r3; r2 once recorded) installs
+them, :class:`Comparing` (off) measures native routing against them, :class:`OldPolicyRecorder` (r2)
+records the old-policy forward per row, :class:`MissingRoutes` handles steps without routes."""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
+from r3lightning.align.dummy import dummy_routes
+from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.packed import PackedTensor
+from r3lightning.ragged import to_device_async
+from r3lightning.replay.backend import RouterReplayBackend
+from r3lightning.replay.batch_fields import batch_field, set_batch_field
+from r3lightning.replay.metrics import ReplayMetrics, comparison_counts
+from r3lightning.wire.request import ENGINE_ROUTES_FLAG
+
+
+@dataclass(frozen=True)
+class Install:
+    """Routes that the forwards of one (micro-)batch replay or are compared with."""
+
+    layout: TokenMetadataLayout
+    routes: Tensor  # [*token_shape, L, K], dummy rows where uncaptured
+    mask: Tensor  # [*token_shape] bool on the routes' device: True where a route row was captured
+
+
+def align_routes(
+    routes: PackedTensor, layout: TokenMetadataLayout, backend: RouterReplayBackend
+) -> tuple[Tensor, Tensor]:
+    """Dense routes ``[*token_shape, L, K]`` (``dummy_routes`` where nothing was captured) and the
+    replay mask ``[*token_shape]``, both on the routes' device. Host work only; no host sync."""
+    L, K, E = backend.num_layers, backend.top_k, backend.num_experts
+    if tuple(routes.row_shape) != (L, K):
+        raise ValueError(f"route rows must be [num_layers={L}, top_k={K}], got {list(routes.row_shape)}")
+    pad = lambda n: dummy_routes(n, L, K, E, device=routes.device)  # noqa: E731
+    dense = align_packed_token_metadata(routes, layout, pad=pad)
+    mask = build_replay_mask(routes.lengths, layout)  # host
+    return dense, to_device_async(mask, dense.device)  # staged through page-locked memory
+
+
+class Replaying:
+    """r3 / r2: the forwards replay the active install, or route natively without one. The backend
+    counts across installs; going native clears it, so its counts are folded into ``metrics`` first."""
+
+    def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
+        self.backend, self.metrics, self.installed_any = backend, metrics, False
+
+    def use(self, install: Install | None) -> None:
+        if install is not None:
+            self.backend.install(install.routes, install.mask)
+            self.installed_any = True
+            return
+        if self.metrics is not None:
+            self.metrics.add(self.metrics.backend_counts())
+        self.backend.clear()
+
+    def table(self, *, reopen: bool = True) -> Tensor | None:
+        return None if self.metrics is None else self.metrics.table(with_backend=True)
+
+
+class Comparing:
+    """off: native routing; what the forwards used while an install is active is recorded and
+    compared with its routes when it ends. A recording that cannot be compared (no forward, or a
+    probe of another token shape) is dropped: off mode only measures. No metrics: nothing done."""
+
+    def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
+        self.backend, self.metrics, self.installed_any = backend, metrics, False
+        self._open: Install | None = None
+
+    def use(self, install: Install | None) -> None:
+        if self.metrics is None:
+            return
+        opened, self._open = self._open, install
+        if opened is not None:
+            try:
+                used = self.backend.stop_recording()  # [*token_shape', L, K]
+            except (RuntimeError, ValueError):  # no forward, or forwards that cannot be joined
+                used = None
+            index = None if used is None else self.metrics.layer_index(used.device)
+            table = None if used is None else comparison_counts(opened.routes, opened.mask, used, index)
+            if table is not None:
+                self.metrics.add(table)
+        if install is not None:
+            self.backend.start_recording()
+
+    def table(self, *, reopen: bool = True) -> Tensor | None:
+        """Compare the forwards recorded so far; ``reopen``: the recording goes on for later ones."""
+        if self.metrics is None:
+            return None
+        self.use(self._open if reopen else None)
+        return self.metrics.table(with_backend=False)
+
+
+class OldPolicyRecorder:
+    """r2: the routes the old-policy forwards of one step recorded, kept per row of the step's batch
+    (``step_batch``), so every later pass over those rows (re-cut, shuffled, trimmed) finds them."""
+
+    def __init__(self, step_batch: Any = None) -> None:
+        self.step_batch = step_batch
+        self.rows: dict[int, Tensor] = {}  # step-batch row -> recorded rows [n, L, K]
+        self.recording = False
+
+    def rows_in_step(self, batch: Any) -> Tensor | None:
+        """Host positions of ``batch``'s rows in the step's batch (None: not a cut of it)."""
+        if batch is self.step_batch:
+            return torch.arange(len(batch_field(batch, "attention_mask")))
+        rows_in = getattr(batch, "rows_in", None)
+        return rows_in(self.step_batch) if callable(rows_in) and self.step_batch is not None else None
+
+    def routes_of(self, batch: Any) -> PackedTensor | None:
+        """``batch.routed_experts``, else the routes recorded for all its rows (then set on it)."""
+        routes = batch_field(batch, "routed_experts")
+        rows = None if routes is not None or not self.rows else self.rows_in_step(batch)
+        if rows is None or not all(int(r) in self.rows for r in rows):
+            return routes
+        routes = PackedTensor.from_segments([self.rows[int(r)] for r in rows])
+        set_batch_field(batch, "routed_experts", routes)
+        return routes
+
+    def keep(self, recorded: Tensor, layout: TokenMetadataLayout, batch: Any) -> PackedTensor:
+        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory (real tokens, in
+        order), set it on ``batch`` and keep it for its rows of the step's batch."""
+        if tuple(recorded.shape[:-2]) != layout.token_shape:
+            raise ValueError(
+                f"old_policy_forward recorded token shape {tuple(recorded.shape[:-2])}, expected one forward "
+                f"over the batch with token shape {layout.token_shape}"
+            )
+        if layout.cp_size != 1:
+            raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
+        real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
+        index = to_device_async(real, recorded.device)
+        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, index)
+        packed = PackedTensor.from_lengths(rows, layout.sequence_lengths)
+        set_batch_field(batch, "routed_experts", packed)
+        positions = self.rows_in_step(batch)
+        for i, row in enumerate([] if positions is None else positions.tolist()):
+            self.rows[row] = packed[i]
+        return packed
+
+
+class MissingRoutes:
+    """Steps with routes expected but none replayed: counted once per step, warned once per run and
+    mode (rank zero), an error under ``strict``. Count and warnings are checkpointed."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict, self.count, self.counted_step = strict, 0, False
+        self.warned: set[str] = set()
+
+    def __call__(self, mode: str, reason: str) -> None:
+        if self.strict:
+            flag = f"; start the rollout engine with {ENGINE_ROUTES_FLAG}" if mode == "r3" else ""
+            raise ValueError(f"RouterReplayCallback(mode={mode!r}, strict=True): {reason}{flag}")
+        self.count += not self.counted_step
+        self.counted_step = True
+        if mode not in self.warned:
+            self.warned.add(mode)
+            hint = f", so it routes natively. Is the engine run with {ENGINE_ROUTES_FLAG}, asked for routes?"
+            hint += " Counted in router_replay/batches_without_routes (warned once; strict=True raises)."
+            hint = hint if mode == "r3" else "; nothing was replayed"
+            rank_zero_warn(f"RouterReplayCallback(mode={mode!r}): {reason}{hint}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"batches_without_routes": self.count, "warned": sorted(self.warned)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`; a bad field is a ``ValueError`` naming it (nothing changes)."""
+        count, warned = state.get("batches_without_routes", 0), state.get("warned", [])
+        prefix = "RouterReplayCallback state:"
+        if type(count) is not int or count < 0:
+            raise ValueError(f"{prefix} batches_without_routes must be an int >= 0, got {count!r}")
+        if not isinstance(warned, list | tuple) or not set(warned) <= {"r3", "r2"}:
+            raise ValueError(f"{prefix} warned must be a list of 'r3' / 'r2', got {warned!r}")
+        self.count, self.warned = count, set(warned)

@@ -1,0 +1,77 @@
+"""Settings of the embedded engine and server, checked when built (a bad value is a ``ValueError``
+starting with the field name). The job's ``rollout.server.*`` (but ``host`` and ``port``) and
+``rollout.limits.*`` map to them field for field; ``r3lightning-serve`` has a flag per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from r3lightning.rollout.config import check_setting
+
+__all__ = ["EngineConfig", "ServerLimits"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a :class:`~r3lightning.serve.engine.GenerationEngine` serves: ``dtype`` (or its name)
+    and ``device`` (default: the model's) of its weights; ``max_batch_size`` requests per forward,
+    gathered for ``batch_wait_s`` after the first; ``seed`` of requests that send none (and of the
+    default model); ``copy_model`` (False: serve the model itself, cast in place);
+    ``batch_invariant`` (None: whenever the model allows); ``simulated_disagreement``: a
+    SIMULATION knob (None: off), the share of expert slots the router logits are perturbed to flip.
+    """
+
+    dtype: torch.dtype | str = torch.bfloat16
+    device: torch.device | str | None = None
+    max_batch_size: int = 8
+    batch_wait_s: float = 0.002
+    seed: int = 0
+    copy_model: bool = True
+    batch_invariant: bool | None = None
+    simulated_disagreement: float | None = None
+
+    def __post_init__(self) -> None:
+        dtype = _DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        check_setting("max_batch_size", self.max_batch_size, low=1, integer=True)
+        check_setting("batch_wait_s", self.batch_wait_s, low=0)
+        check_setting("seed", self.seed, low=0, high=2**63 - 1, integer=True)
+        if not isinstance(self.copy_model, bool):
+            raise ValueError(f"copy_model must be true or false, got {self.copy_model!r}")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be None or a bool, got {self.batch_invariant!r}")
+        check_setting("simulated_disagreement", self.simulated_disagreement, low=0, high=0.5, optional=True)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a :class:`~r3lightning.serve.server.RolloutServer` accepts: ``max_queue`` generate
+    requests waiting beyond one batch (then 429, ``Retry-After: retry_after_s``); requests up to
+    ``max_new_tokens_cap`` tokens under any name (None: the context); generate bodies up to
+    ``max_request_bytes`` (None: a full-context prompt's 24 bytes a token + 64 KiB) and uploads up
+    to ``max_weights_bytes``; a request head within ``header_timeout_s`` (idle keep-alive
+    connections close then too), at most ``body_timeout_s`` between body reads (then 408).
+    """
+
+    max_queue: int = 256
+    max_new_tokens_cap: int | None = 4096
+    max_request_bytes: int | None = None
+    max_weights_bytes: int = 8 << 30
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        check_setting("max_queue", self.max_queue, low=0, integer=True)
+        for name in ("max_new_tokens_cap", "max_request_bytes"):
+            check_setting(name, getattr(self, name), low=1, integer=True, optional=True)
+        check_setting("max_weights_bytes", self.max_weights_bytes, low=1, integer=True)
+        check_setting("retry_after_s", self.retry_after_s, low=1, integer=True)
+        for name in ("header_timeout_s", "body_timeout_s"):
+            check_setting(name, getattr(self, name), low=0, above=True)

@@ -1,0 +1,164 @@
+"""``r3lightning-serve``: one-line startup errors, serving until a signal, readiness time."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from runif import run_if
+
+# --------------------------------------------------------------------------- command line
+
+
+def _free_port() -> tuple[socket.socket, int]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, sock.getsockname()[1]
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    from r3lightning.serve.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("r3lightning-serve: error: "), err
+    return err
+
+
+def test_cli_model_that_is_not_a_local_directory_fails_in_one_line_without_network(
+    capsys, monkeypatch, tmp_path
+):
+    def no_network(*args, **kwargs):
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    err = _cli_error(capsys, ["--model", "/nonexistent"])
+    assert (
+        "--model /nonexistent is not a directory; expected a local Hugging Face checkpoint directory" in err
+    )
+    err = _cli_error(capsys, ["--model", "Qwen/Qwen3-30B-A3B"])  # a hub name is not downloaded
+    assert "is not a directory" in err
+    err = _cli_error(capsys, ["--model", str(tmp_path)])
+    assert "has no config.json" in err
+    (tmp_path / "config.json").write_text("{not json")
+    err = _cli_error(capsys, ["--model", str(tmp_path)])
+    assert f"--model {tmp_path}: cannot load the checkpoint" in err
+
+
+@run_if(cuda=False)  # checks the error on a machine without CUDA
+def test_cli_cuda_device_without_cuda(capsys):
+    err = _cli_error(capsys, ["--device", "cuda"])
+    assert "--device cuda: CUDA is not available on this machine; use --device cpu" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "99999"], "argument --port: expected an integer in [0, 65535], got 99999"),
+        (["--port", "x"], "argument --port: expected an integer in [0, 65535], got 'x'"),
+        (["--device", "tpu:0"], "--device tpu:0: "),
+        (["--host", "0.0.0.0"], "host '0.0.0.0' is reachable from other machines but no api_key is set"),
+        (["--max-queue", "-1"], "max_queue must be an integer >= 0, got -1"),
+        (["--max-weights-bytes", "0"], "max_weights_bytes must be an integer >= 1, got 0"),
+        (["--header-timeout-s", "0"], "header_timeout_s must be a number > 0, got 0"),
+        (["--max-batch-size", "two"], "max_batch_size must be an integer >= 1, got 'two'"),
+        (["--batch-invariant", "maybe"], "batch_invariant must be None or a bool, got 'maybe'"),
+        (["--dtype", "int8"], "dtype must be one of ['bfloat16', 'float16', 'float32'], got 'int8'"),
+        (["--nope"], "unrecognized arguments: --nope"),
+    ],
+)
+def test_cli_bad_arguments_fail_in_one_line(capsys, argv, message):
+    assert message in _cli_error(capsys, argv)
+
+
+def test_cli_has_a_flag_per_engine_and_limit_setting():
+    import dataclasses
+
+    from r3lightning.serve import cli
+    from r3lightning.serve.config import EngineConfig, ServerLimits
+
+    limit_flags = ["--max-queue", "3", "--max-request-bytes", "none", "--header-timeout", "2.5"]
+    engine_flags = [
+        "--dtype",
+        "float32",
+        "--batch-invariant",
+        "false",
+        "--batch-wait-s",
+        "0.01",
+        "--seed",
+        "7",
+    ]
+    args = cli._parse_args([*limit_flags, "--body-timeout", "4", *engine_flags])
+    limits = ServerLimits(**{name: getattr(args, name) for name in cli._LIMIT_FLAGS})
+    assert limits == ServerLimits(max_queue=3, max_request_bytes=None, header_timeout_s=2.5, body_timeout_s=4)
+    engine = {name: getattr(args, name) for name in cli._ENGINE_FLAGS}
+    assert engine == {
+        "dtype": "float32",
+        "device": None,
+        "max_batch_size": 8,
+        "batch_wait_s": 0.01,
+        "seed": 7,
+        "batch_invariant": False,
+    }
+    assert set(cli._LIMIT_FLAGS) == {f.name for f in dataclasses.fields(ServerLimits)}
+    # the rest are the job's and the library's: a private copy, and a simulation knob
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - set(cli._ENGINE_FLAGS) == {
+        "copy_model",
+        "simulated_disagreement",
+    }
+
+
+def test_cli_port_in_use_fails_in_one_line(capsys):
+    sock, port = _free_port()
+    with sock:
+        err = _cli_error(capsys, ["--port", str(port), "--device", "cpu"])
+    assert f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_cli_entry_point_exits_2_with_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "r3lightning.serve.server", "--port", "99999"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        "r3lightning-serve: error: argument --port: expected an integer in [0, 65535], got 99999\n"
+    )
+
+
+def test_cli_serves_until_sigint_and_exits_0():
+    import os
+    import signal
+
+    command = [sys.executable, "-m", "r3lightning.serve.server", "--port", "0", "--device", "cpu"]
+    command += ["--max-new-tokens-cap", "8"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("r3lightning rollout server listening on http://127.0.0.1:"), line
+        url = line.split()[-1]
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+            assert json.load(r)["status"] == "ok"
+        request = urllib.request.Request(
+            f"{url}/skyrl/v1/generate",
+            data=json.dumps({"token_ids": [5, 6], "sampling_params": {"max_tokens": 9}}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == 400 and b"must be <= 8 (this server's cap)" in info.value.read()
+        os.kill(child.pid, signal.SIGINT)
+        assert child.wait(timeout=60) == 0
+        assert "Traceback" not in child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
