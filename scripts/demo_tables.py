@@ -36,9 +36,9 @@ def table(experiment: str, out: Path, overrides: list[str], reuse: bool) -> str:
     if not (reuse and (run_dir / "summary.txt").is_file()):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         start = time.perf_counter()
-        subprocess.run(
-            [*command, "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"], check=True, env=env
-        )
+        job_args = ["trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
+        # the job's own output goes to stderr: stdout is only the Markdown
+        subprocess.run([*command, *job_args], check=True, env=env, stdout=sys.stderr)
         seconds = time.perf_counter() - start
     shown = " ".join(["python -m r3lightning.job.main", *command[3:]])
     took = "" if seconds is None else f" ({seconds:.0f} s)"

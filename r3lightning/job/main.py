@@ -47,10 +47,8 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
     check_config(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):
-        where, spec = (
-            f"compare[{index}]",
-            OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry},
-        )
+        spec = OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry}
+        where = f"compare[{index}]"
         mode, overrides = spec.pop("replay", None), spec.pop("overrides", None) or {}
         name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
         if spec:
@@ -137,13 +135,12 @@ def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
             return path.name == ".hydra" or all(disposable(p) for p in path.iterdir())
         return path.suffix == ".log" or (path.parent == run_dir and path.name == "config.yaml")
 
-    if run_dir not in new_dirs or not run_dir.is_dir() or not all(disposable(p) for p in run_dir.iterdir()):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    for parent in new_dirs[new_dirs.index(run_dir) + 1 :]:
-        if not parent.is_dir() or any(parent.iterdir()):
-            break
-        parent.rmdir()
+    if run_dir in new_dirs and run_dir.is_dir() and all(disposable(p) for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in new_dirs[new_dirs.index(run_dir) + 1 :]:
+            if not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dirs: list[Path]) -> int:
@@ -183,26 +180,21 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
 def _hydra_message(exc: BaseException) -> str:
     """Hydra's multi-line composition error as one line (the search-path dump dropped)."""
     text = str(exc).split("Config search path")[0].split("full_key:")[0]
-    text = text.replace(":\n\t", ": ").replace("\n\t", ", ")
-    return _one_line(text)
+    return _one_line(text.replace(":\n\t", ": ").replace("\n\t", ", "))
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str, str]]:
-    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides,
-    whether every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra
-    as they are), and the ``config_dir`` / ``config_name`` the flags give (for ``compose_config``)."""
-    flags: list[str] = []
-    overrides: list[str] = []
-    where: dict[str, str] = {}
-    understood = True
+    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides, whether
+    the pre-check understands every flag (others, like ``--cfg``, go to Hydra as they are), and the
+    ``config_dir`` / ``config_name`` they give."""
+    flags, overrides, where, understood = [], [], {}, True
     items = iter(args)
     for arg in items:
         name, eq, value = arg.partition("=")
         if name in _VALUE_FLAGS:
             value = value if eq else next(items, "")
             flags += [arg] if eq else [arg, value]
-            if name in _WHERE:
-                where[_WHERE[name]] = value
+            where |= {_WHERE[name]: value} if name in _WHERE else {}
         elif arg.startswith("-"):
             flags.append(arg)
             understood = False
@@ -222,13 +214,9 @@ def compose_config(
     ``config_dir`` / ``config_name`` as ``--config-dir`` / ``--config-name``."""
     from hydra import compose, initialize_config_dir
 
-    extra = []
-    if config_dir is not None:
-        extra.append(f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]")
+    where = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]"] if config_dir else []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(
-            config_name=config_name, overrides=[*extra, *(overrides or [])], return_hydra_config=hydra_config
-        )
+        return compose(config_name, [*where, *(overrides or [])], return_hydra_config=hydra_config)
 
 
 def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
@@ -332,8 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     # Lightning's banner lines (accelerator summary, logger tips) are noise here.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    code = _sweep(args) if any(a in _MULTIRUN_FLAGS for a in args) else _single(args)
-    sys.exit(code)
+    sys.exit(_sweep(args) if any(a in _MULTIRUN_FLAGS for a in args) else _single(args))
 
 
 if __name__ == "__main__":

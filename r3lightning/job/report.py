@@ -60,10 +60,8 @@ def environment() -> dict[str, str]:
 
 
 def environment_line(env: Mapping[str, str]) -> str:
-    return (
-        f"environment: torch {env['torch']}, transformers {env['transformers']}, lightning "
-        f"{env['lightning']}, {env['threads']} intra-op threads, CPU {env['cpu']}"
-    )
+    versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
+    return f"environment: {versions}, {env['threads']} intra-op threads, CPU {env['cpu']}"
 
 
 def simulated_share(runs: Mapping[str, History]) -> str | None:
@@ -96,9 +94,8 @@ def _ratio(a: float, b: float) -> float:
 
 
 def summarize(records: History, window: int = 3) -> dict[str, float]:
-    """Headline figures of one run: reward at the start and end (means over ``window`` steps), the
-    routing agreement (mean, lowest of any step and layer), means of the mismatch metrics, and the
-    paired mismatch (``mismatch/*``: mean over the measured steps, over the last ones, step 0's)."""
+    """Headline figures of one run: reward at the start and end (means over ``window`` steps), routing
+    agreement (mean, lowest), mismatch means, paired mismatch (mean, last ``window``, step 0)."""
     agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
     end = slice(-window, None)
     out = {"steps": float(len(records)), "reward_start": _mean(records, "reward", slice(window))}
@@ -116,10 +113,9 @@ def summarize(records: History, window: int = 3) -> dict[str, float]:
 
 
 def _fmt_table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
+    return [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
 
 
 # The summary's columns: header ({band}: the ratio band), summarize() keys (joined by "->"), format.
@@ -146,9 +142,7 @@ def _cell(spec: str, value: float) -> str:
     return "n/a" if math.isnan(value) else spec.format(value)
 
 
-def _rows(
-    name: str, summaries: list[dict[str, float]], columns: Sequence[tuple[str, ...]]
-) -> list[list[str]]:
+def _rows(name: str, summaries: list[dict[str, float]], columns: Sequence[tuple]) -> list[list[str]]:
     """``name``'s row (the median over ``summaries`` of each column) and, for several summaries,
     the row of their [min, max] under it."""
     stats = [([spread([s[k] for s in summaries]) for k in keys.split()], f) for _, keys, f in columns]
@@ -162,10 +156,9 @@ def _rows(
 def format_table(
     runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
 ) -> str:
-    """Fixed-width summary: a row per arm (for ``<arm>/seed=<s>`` runs, the median over seeds of each
-    figure, and their [min, max] under it), then step 0 of every run (same weights and rollouts in
-    every arm). Mismatch figures are paired: same weights and batch, the trainer's logprobs routed
-    natively and replayed, each against the engine's. A simulation heads the text, ``env`` ends it."""
+    """Fixed-width summary: a row per arm (``<arm>/seed=<s>`` runs: medians over seeds, their [min, max]
+    under it), then every run's step 0 (same weights and rollouts in every arm). Mismatch figures are
+    paired (same weights and batch, native vs replayed). A simulation heads it, ``env`` ends it."""
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
     corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
@@ -199,10 +192,9 @@ def format_table(
 
 
 def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float = 2.0) -> list[str]:
-    """Six panels over RL steps, one colour per arm: mean reward, native routing agreement, paired
-    k3 KL and the share of tokens with ratio outside ``[1 / ratio_band, ratio_band]`` (solid: native
-    routing, dashed: replayed), k3 native / replayed, policy entropy; several seeds: the median in a
-    [min, max] band. Returns the titles (figure, panels), which name a simulated disagreement."""
+    """Six panels over RL steps, one colour per arm (several seeds: the median in a [min, max] band;
+    dashed: replayed routing): reward, native agreement, paired k3, k3 native / replayed, tokens out
+    of ``ratio_band``, entropy. Returns the titles (figure, panels); they name a simulation."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -38,14 +38,14 @@ def test_modes_and_mappings_become_named_arm_configs():
     out = arms(cfg)
     assert list(out) == ["replay=r3", "off+lr", "same-replay"]
     assert out["off+lr"].replay.mode == "off" and out["off+lr"].algorithm.optim.lr == 1e-3
-    assert out["replay=r3"].algorithm.optim.lr == cfg.algorithm.optim.lr == 1e-2  # others untouched
+    assert out["replay=r3"].algorithm.optim.lr == cfg.algorithm.optim.lr == 5e-3  # others untouched
     assert out["same-replay"].replay.mode == "r3" and out["same-replay"].algorithm.clip_low == 0.1
     assert out["same-replay"].algorithm.clip_high == cfg.algorithm.clip_high  # a mapping merges
     assert all(list(c.compare) == [] for c in out.values())
     # the command-line form, dotted keys included
     cli = compose_config(["compare=[r3,{name:lr,replay:off,overrides:{algorithm.optim.lr:0.001}}]"])
     assert {n: (c.replay.mode, c.algorithm.optim.lr) for n, c in arms(cli).items()} == {
-        "replay=r3": ("r3", 1e-2),
+        "replay=r3": ("r3", 5e-3),
         "lr": ("off", 1e-3),
     }
 
