@@ -89,6 +89,11 @@ def _type_name(tp: Any) -> str:
 
 def _check_value(key: str, value: Any, tp: Any) -> Any:
     """``value`` converted to ``tp`` (int -> float, list -> tuple), or a JobError naming ``key``."""
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested settings group
+        if not isinstance(value, Mapping):
+            fields = [f.name for f in dataclasses.fields(tp)]
+            raise JobError(f"{key} must be a mapping with keys among {fields}, got {value!r}")
+        return dataclass_from(tp, value, key)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -133,7 +138,9 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
 def dataclass_from(cls: type, node: DictConfig | Mapping[str, Any], key: str, *, skip: tuple[str, ...] = ()):
     """``cls(**node)`` with every value checked against its field's type; unknown keys rejected.
 
-    ``skip``: keys of ``node`` that belong to something else (a nested group).
+    ``skip``: keys of ``node`` that belong to something else (a nested group). A field typed as a
+    dataclass is built the same way from its sub-mapping; the class's own ``ValueError`` becomes a
+    :class:`JobError` naming the key.
     """
     values = {k: v for k, v in (plain(node) or {}).items() if k not in skip}
     hints = typing.get_type_hints(cls)
@@ -141,7 +148,12 @@ def dataclass_from(cls: type, node: DictConfig | Mapping[str, Any], key: str, *,
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise JobError(f"{key}.{unknown[0]} is not a setting here; expected one of {names}")
-    return cls(**{name: _check_value(f"{key}.{name}", value, hints[name]) for name, value in values.items()})
+    checked = {name: _check_value(f"{key}.{name}", value, hints[name]) for name, value in values.items()}
+    try:
+        return cls(**checked)
+    except (TypeError, ValueError) as exc:  # the class's own checks, e.g. "mode must be one of ..."
+        text = _one_line(exc)
+        raise JobError(f"{key}.{text}" if text.split(" ", 1)[0] in names else f"{key}: {text}") from None
 
 
 def tensorboard_if_installed(save_dir: str, name: str = "tensorboard", **kwargs: Any):

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
 from r3lightning.job.common import JobError
-from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
+from r3lightning.job.report import AGREEMENT_PREFIX, CORRECTION_PREFIX, MISMATCH_PREFIX, write_csv
 from r3lightning.job.rollout_settings import collector_config, retry_policy
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, sampling_seed
@@ -88,7 +88,8 @@ class OnPolicyLoop(pl.Callback):
     ``engine``: its URLs and weight sync: every rank joins the full-state-dict gather when
     ``engine.gather`` (a collective under FSDP2), rank 0 pushes it with ``engine.push``, and
     every rank waits at a barrier for that push before collecting. ``metrics_path``: CSV
-    rewritten after every step (rank 0).
+    rewritten after every step (rank 0). ``labels``: columns with the same value in every row
+    (``simulated_disagreement`` when the engine simulates one).
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class OnPolicyLoop(pl.Callback):
         engine: Engine,
         metrics_path: str | Path | None = None,
         full_state_dict: Callable[[pl.LightningModule], dict[str, Tensor]] | None = None,
+        labels: Mapping[str, float] | None = None,
     ) -> None:
         self.make_collector = make_collector
         self.prompts = prompts
@@ -107,6 +109,7 @@ class OnPolicyLoop(pl.Callback):
         self.engine = engine
         self.metrics_path = None if metrics_path is None else Path(metrics_path)
         self.full_state_dict = full_state_dict or _plain_state_dict
+        self.labels = dict(labels or {})
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
         self._pending: dict[str, float] = {}  # rollout stats of the step being trained
@@ -143,7 +146,7 @@ class OnPolicyLoop(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.current_epoch
-        record = {"step": float(step), **self._pending}
+        record = {"step": float(step), **self.labels, **self._pending}
         record["train_s"] = time.perf_counter() - self._epoch_start
         record.update(_epoch_metrics(trainer.callback_metrics))
         self.history.append(record)
@@ -225,6 +228,8 @@ class OnPolicyLoop(pl.Callback):
             "engine_errors": float(stats.engine_errors),
             **(self.prompts.pop_metrics() if hasattr(self.prompts, "pop_metrics") else {}),
         }
+        if self.collector.environments is not None:  # turns, dropped groups, per-turn rewards and bytes
+            self._pending.update(stats.turn_metrics())
 
 
 def on_policy_loop(
@@ -239,12 +244,14 @@ def on_policy_loop(
     if sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
         sampling.stop_token_ids = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
     config, retry = collector_config(rollout), retry_policy(rollout)
+    # a multi-turn task's environments give the reward
+    reward = getattr(task, "environments", lambda: None)() or prompts.reward
 
     def make_collector(urls: list[str]) -> RolloutCollector:
         options = {"api_key": rollout.api_key}
         return RolloutCollector(
             urls,
-            prompts.reward,
+            reward,
             config,
             schema=schema,
             sampling=sampling,
@@ -260,7 +267,11 @@ def on_policy_loop(
                 f"within {retry.health_timeout_s:g}s (rollout.retry.health_timeout_s); check rollout.url "
                 "or start the engine"
             )
-    return OnPolicyLoop(make_collector, prompts, buffer, engine=engine, metrics_path=metrics_path)
+    simulated = OmegaConf.select(rollout, "server.simulated_disagreement") if rollout.url is None else None
+    labels = {"simulated_disagreement": float(simulated)} if simulated else {}
+    return OnPolicyLoop(
+        make_collector, prompts, buffer, engine=engine, metrics_path=metrics_path, labels=labels
+    )
 
 
 def _plain_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
@@ -290,13 +301,14 @@ def _epoch_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Flatten the epoch-aggregated logged metrics into CSV columns.
 
     ``train/<name>`` -> ``<name>``; the module's per-layer routing agreement keeps its
-    ``used_agreement/layer_XX`` name, and its paired mismatch metrics their ``mismatch/<name>``.
+    ``used_agreement/layer_XX`` name, its paired mismatch metrics their ``mismatch/<name>`` and its
+    importance-sampling correction its ``correction/<name>``.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():
         v = float(value.item() if isinstance(value, Tensor) else value)
         if key.startswith("train/"):
             out[key[len("train/") :]] = v
-        elif key.startswith((AGREEMENT_PREFIX, MISMATCH_PREFIX)):
+        elif key.startswith((AGREEMENT_PREFIX, MISMATCH_PREFIX, CORRECTION_PREFIX)):
             out[key] = v
     return out

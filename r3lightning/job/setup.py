@@ -106,9 +106,6 @@ def check_config(cfg: DictConfig) -> None:
         _int(cfg, "algorithm.mismatch_every_n_steps", minimum=0)
     if str(cfg.replay.mode) not in _MODES:
         raise JobError(f"replay.mode must be one of {list(_MODES)}, got {cfg.replay.mode!r}")
-    for mode in cfg.compare:
-        if str(mode) not in _MODES:
-            raise JobError(f"compare entries must be replay modes {list(_MODES)}, got {mode!r}")
     if cfg.rollout.protocol not in _PROTOCOLS:
         raise JobError(f"rollout.protocol must be one of {list(_PROTOCOLS)}, got {cfg.rollout.protocol!r}")
     url = cfg.rollout.url

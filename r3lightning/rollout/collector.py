@@ -7,11 +7,12 @@ rollouts, routes included, from one or more engines over HTTP:
                                  CollectorConfig(group_size=8), schema=model.config)
     rollouts = collector.collect(prompts, step=step, buffer=buffer)   # or await collect_async(...)
 
-Many ranks: every rank passes the step's *global* prompt list and collects only its contiguous
-block of whole GRPO groups (:meth:`RolloutCollector.assigned_groups`); routes never cross ranks,
-a few scalars are all-reduced. Group placement and every sampling seed
-(:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step, group,
-sample)``: the same trajectories on 1, 2 or 4 ranks, whatever the timing.
+Many ranks: every rank passes the step's *global* prompt list and collects only the whole GRPO
+groups it will train on (:meth:`RolloutCollector.assigned_groups`: a contiguous block of
+``num_groups / world_size`` groups), so routes never cross ranks; only a few scalar statistics
+are all-reduced. Which group goes to which rank and every sampling seed
+(:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step,
+group, sample)``: a run samples the same trajectories on 1, 2 or 4 ranks, whatever the timing.
 
 Several engines: group ``g`` goes to engine ``g % n`` of the ``n`` engines (all samples of a
 group on one engine, which shares their prompt's KV cache) or, while that one is out, to the
@@ -21,31 +22,45 @@ out for the rest of the step (logged once, one line) and its requests go to the 
 every engine out the step fails with :class:`EnginesUnavailableError`. Other errors (a 4xx, a
 malformed body) are bugs, not outages, and fail the step at once. An SGLang router is one URL.
 
-Scoring: ``reward_fn(prompt, response_ids)`` -> a number or ``{"score": number}`` (verl's
-``compute_score``; :func:`~r3lightning.rollout.prompts.text_reward` adapts one), a coroutine
-function awaited, a plain one in a thread pool when ``reward_threads > 0``.
+Scoring: ``reward_fn(prompt, response_ids)`` -> a number, or a mapping with a ``"score"`` entry
+(what verl's ``compute_score`` may return); a coroutine function is awaited. With
+``reward_threads > 0`` a plain function runs in a thread pool, so slow rewards overlap with
+generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
+``compute_score(data_source, solution_str, ground_truth, extra_info=None)``.
+
+Multi-turn: with :class:`~r3lightning.rollout.environment.Environments` as ``reward_fn`` each trajectory
+is a :func:`~r3lightning.rollout.episode.run_episode`; a failing turn drops its group (not an outage).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from r3lightning.correction.grpo import group_advantages
 from r3lightning.data.trajectory import Trajectory
-from r3lightning.rollout.client import RemoteGenerateClient, RemoteGenerateResult
+from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy, route_schema
+from r3lightning.rollout.environment import Environments
+from r3lightning.rollout.episode import Episode, plain_call, run_episode, single_turn
 from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
-from r3lightning.rollout.stats import RolloutStats, StepCounters, reduce_step_stats
+from r3lightning.rollout.stats import (
+    CollectedRollouts,
+    EnginesUnavailableError,
+    StepCounters,
+    outage,
+    reduce_step_stats,
+)
 from r3lightning.trace import RoutedExpertTrace
-from r3lightning.wire.errors import RemoteGenerateError, RetriesExhaustedError
+from r3lightning.wire.errors import RetriesExhaustedError
 from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
@@ -56,63 +71,33 @@ __all__ = ["CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class CollectedRollouts:
-    """This rank's share of one step: ``trajectories`` group after group (``group_size`` each),
-    ``groups`` the global index of each, and the step's global ``stats``."""
-
-    trajectories: list[Trajectory]
-    groups: list[int]
-    stats: RolloutStats
-
-
-class EnginesUnavailableError(RemoteGenerateError):
-    """Every engine of the collector is out within one step. ``errors``: each engine's URL -> the
-    error that took it out; the message gives one short clause per engine."""
-
-    def __init__(self, step: int, errors: Mapping[str, BaseException]):
-        detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
-        super().__init__(f"all {len(errors)} rollout engine(s) failed at step {step}: {detail}")
-        self.errors = dict(errors)
-
-
-def outage(error: BaseException) -> str:
-    """A short clause for why an engine is out: ``HTTP 503 after 5 attempts``, ``connection
-    failed after 5 attempts``, ``timed out ...``, or the hung-engine message."""
-    last = getattr(error, "last_error", error)
-    cause = last.__cause__
-    if getattr(last, "status", None) is not None:
-        what = f"HTTP {last.status}"
-    elif isinstance(cause, TimeoutError):
-        what = "timed out"
-    elif isinstance(cause, OSError):
-        what = "connection failed"
-    elif cause is not None:
-        what = type(cause).__name__
-    else:
-        what = str(last)
-    attempts = getattr(error, "attempts", None)
-    return what if attempts is None else f"{what} after {attempts} attempt(s)"
-
-
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
-    ``engines``: URL(s) and/or :class:`RemoteGenerateClient` (s); a URL gets a client with
-    ``config.protocol``, ``schema``, ``retry`` and ``client_options`` (e.g. ``api_key``).
-    ``config``: :class:`CollectorConfig`. ``schema``: the route schema (every decoder layer), a
-    :class:`~r3lightning.wire.request.RouteSchema` or the model's config
-    (:func:`~r3lightning.rollout.config.route_schema`); needed to request routes, which are
-    checked against it. ``sampling``: the requests' :class:`SamplingConfig` (seeds are
-    :func:`sampling_seed`'s). ``process_group``: the data-parallel group the groups are spread
-    over (default: the default group when ``torch.distributed`` is initialised, else one rank).
-    Cost per step: host-side only, plus one all-reduce of a few scalars.
+    Args:
+        engines: engine URL(s) and/or configured :class:`RemoteGenerateClient` (s). A URL gets
+            a client with ``config.protocol``, ``schema``, ``retry`` and ``client_options``
+            (e.g. ``api_key``); each engine's requests use its own client's protocol.
+        reward_fn: ``(prompt: RolloutPrompt, response_ids: list[int]) -> float | {"score": float}``
+            (or a coroutine function); or :class:`Environments` for multi-turn trajectories.
+        config: group size, seed, protocol, concurrency (:class:`CollectorConfig`).
+        schema: the route schema (every decoder layer, dense included): a
+            :class:`~r3lightning.wire.request.RouteSchema` or the model's config
+            (:func:`~r3lightning.rollout.config.route_schema`); needed when
+            ``config.request_routes``, and routes are checked against it.
+        sampling: the requests' sampling settings (the seed is :func:`sampling_seed`'s).
+        retry: the URL-built clients' :class:`RetryPolicy`.
+        process_group: the data-parallel group the groups are spread over (default: the
+            default group when ``torch.distributed`` is initialised, else a single rank).
+
+    Cost per step: host-side only; each rank holds its own trajectories' routes in the
+    engine's compact dtype and exchanges one all-reduce of a few scalars.
     """
 
     def __init__(
         self,
         engines: str | RemoteGenerateClient | Sequence[str | RemoteGenerateClient],
-        reward_fn: RewardFn,
+        reward_fn: RewardFn | Environments,
         config: CollectorConfig,
         *,
         schema: RouteSchema | Mapping[str, Any] | Any = None,
@@ -123,8 +108,8 @@ class RolloutCollector:
     ) -> None:
         if not isinstance(config, CollectorConfig):
             raise TypeError(f"config must be a CollectorConfig, got {type(config).__name__}")
-        if not callable(reward_fn):
-            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        if not callable(reward_fn) and not isinstance(reward_fn, Environments):
+            raise TypeError(f"reward_fn must be callable or Environments, got {type(reward_fn).__name__}")
         self.schema = None if schema is None else route_schema(schema)
         if config.request_routes and (
             self.schema is None or None in (self.schema.num_layers, self.schema.top_k)
@@ -157,6 +142,7 @@ class RolloutCollector:
         if len(set(urls)) != len(urls):
             raise ValueError(f"engines: each URL at most once, got {urls}")
         self.reward_fn = reward_fn
+        self.environments = reward_fn if isinstance(reward_fn, Environments) else None
         self.config = config
         self.sampling = sampling if sampling is not None else SamplingConfig()
         self.process_group = process_group
@@ -187,7 +173,11 @@ class RolloutCollector:
     # ------------------------------------------------------------------ collection
 
     def collect(
-        self, prompts: Sequence[RolloutPrompt | Sequence[int]], *, step: int, buffer=None
+        self,
+        prompts: Sequence[RolloutPrompt | Sequence[int]],
+        *,
+        step: int,
+        buffer: ReplayBuffer | None = None,
     ) -> CollectedRollouts:
         """Synchronous :meth:`collect_async` (runs its own event loop; the clients' sessions are
         closed before it ends)."""
@@ -234,14 +224,13 @@ class RolloutCollector:
             if world == 1:
                 raise
             error = exc
-        seconds, failed = time.perf_counter() - start, error is not None
         stats = reduce_step_stats(
             step,
             len(items),
             trajectories,
             counters,
-            seconds,
-            failed,
+            time.perf_counter() - start,
+            error is not None,
             world_size=world,
             group=self.process_group,
         )
@@ -256,46 +245,79 @@ class RolloutCollector:
     ) -> list[Trajectory]:
         slots = asyncio.Semaphore(self.config.max_in_flight)
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
-        size = self.config.group_size
-        bar = _progress_bar(len(groups) * size, f"rollout step {step}", self.config.progress and show)
+        bar = _progress_bar(
+            len(groups) * self.config.group_size, f"rollout step {step}", self.config.progress and show
+        )
+        envs = self.environments
+        counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
 
-        async def sample(group: int, index: int) -> tuple[RemoteGenerateResult, float]:
-            prompt = prompts[group]
-            seed = sampling_seed(self.config.seed, step, group, index)
+        async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
+            seed = sampling_seed(self.config.seed, step, group, index, turn)
             while True:
                 async with slots:
                     engine = group % len(self.clients)
                     if engine in out:  # only the groups of an engine that is out move
                         up = [e for e in range(len(self.clients)) if e not in out]
                         if not up:
-                            errors = {self.clients[e].base_url: out[e] for e in sorted(out)}  # engine order
-                            raise EnginesUnavailableError(step, errors)
+                            raise EnginesUnavailableError(
+                                step, {self.clients[e].base_url: out[e] for e in sorted(out)}
+                            )
                         engine = up[group % len(up)]
                     client = self.clients[engine]
                     counters.requests += 1
                     try:
                         result = await client.generate(
-                            prompt.token_ids,
+                            tokens,
                             self.sampling.wire_params(client.protocol, seed),
                             return_routed_experts=self.config.request_routes,
-                            routed_experts_prompt_start=0 if self.config.request_routes else None,
+                            routed_experts_prompt_start=start,
                         )
                     except RetriesExhaustedError as exc:
                         counters.attempts += exc.attempts
                         counters.engine_errors += 1
                         if engine not in out:
                             out[engine] = exc
-                            note = "rollout engine %s is out for step %d: %s; its requests go to the other engines"
-                            logger.warning(note, client.base_url, step, outage(exc))
+                            logger.warning(
+                                "rollout engine %s is out for step %d: %s; its requests go to the other engines",
+                                client.base_url,
+                                step,
+                                outage(exc),
+                            )
                         continue
                 counters.attempts += result.attempts
-                bar.update(1)
-                where = f"group {group} sample {index} of step {step}"
-                return result, score_value(await self._score(prompt, result.response_ids), where)
+                return result
 
-        jobs = [asyncio.ensure_future(sample(g, j)) for g in groups for j in range(size)]
+        async def sample(group: int, index: int) -> Episode:
+            prompt, where = prompts[group], f"group {group} sample {index} of step {step}"
+            if envs is None:
+                start = 0 if self.config.request_routes else None
+                result = await generate(group, index, prompt.token_ids, 0, start)
+                reward = score_value(await self._call(self.reward_fn, prompt, result.response_ids), where)
+                episode = single_turn(prompt, result, reward, self._trace())
+            else:
+                settings = {"max_turns": envs.max_turns, "trace": self._trace(), "call": self._call}
+                run = functools.partial(generate, group, index)
+                episode = await run_episode(envs.make(), prompt, run, where=where, **settings)
+            bar.update(1)
+            return episode
+
+        async def whole_group(group: int) -> list[Episode]:
+            jobs = [asyncio.ensure_future(sample(group, j)) for j in range(self.config.group_size)]
+            try:
+                return await asyncio.gather(*jobs)
+            except Exception as exc:
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                if envs is None or isinstance(exc, EnginesUnavailableError):
+                    raise
+                counters.dropped_groups += 1  # one failed turn drops the whole group, never part of it
+                logger.warning("group %d of step %d dropped: %s", group, step, exc)
+                return []
+
+        jobs = [asyncio.ensure_future(whole_group(g)) for g in groups]
         try:
-            samples = await asyncio.gather(*jobs)
+            kept = await asyncio.gather(*jobs)
         except BaseException:
             for job in jobs:  # gather leaves the others running: stop them before raising
                 job.cancel()
@@ -303,51 +325,31 @@ class RolloutCollector:
             raise
         finally:
             bar.close()
+        if groups and not any(kept):
+            raise RuntimeError(f"every group of step {step} was dropped (the log has each group's error)")
         trajectories = []
-        for i, group in enumerate(groups):
-            trajectories += self._group_trajectories(prompts[group], samples[i * size : (i + 1) * size])
+        for episodes in filter(None, kept):  # dropped groups are empty
+            rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]
+            advantages = group_advantages(
+                rewards, self.config.group_size, normalize_std=self.config.normalize_std
+            )
+            for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
+                counters.add_turns(episode.turn_rewards, episode.route_bytes)
+                trajectories.append(episode.trajectory(advantage))
         counters.engines_out = len(out)
         return trajectories
 
-    async def _score(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
-        if inspect.iscoroutinefunction(self.reward_fn):
-            return await self.reward_fn(prompt, response_ids)
-        if self.config.reward_threads:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.config.reward_threads, thread_name_prefix="r3-reward")
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.reward_fn, prompt, response_ids
-            )
-        value = self.reward_fn(prompt, response_ids)
-        return await value if inspect.isawaitable(value) else value
+    def _trace(self) -> RoutedExpertTrace | None:
+        s = self.schema
+        return RoutedExpertTrace(s.num_layers, s.top_k, s.num_experts) if self.config.request_routes else None
 
-    def _group_trajectories(
-        self, prompt: RolloutPrompt, samples: list[tuple[RemoteGenerateResult, float]]
-    ) -> list[Trajectory]:
-        from r3lightning.correction.grpo import group_advantages
-
-        rewards = torch.tensor([reward for _, reward in samples], dtype=torch.float64)  # [group_size]
-        config = self.config
-        advantages = group_advantages(rewards, config.group_size, normalize_std=config.normalize_std).tolist()
-        out = []
-        for (result, reward), advantage in zip(samples, advantages, strict=True):
-            response = list(result.response_ids)
-            routes = None
-            if self.config.request_routes:
-                trace = RoutedExpertTrace(self.schema.num_layers, self.schema.top_k, self.schema.num_experts)
-                trace.record_generation(len(prompt.token_ids), len(response), result.routed_experts)
-                routes = trace.finalize(len(prompt.token_ids) + len(response))
-            out.append(
-                Trajectory(
-                    prompt.token_ids,
-                    response,
-                    rollout_logprobs=result.response_logprobs,
-                    reward=reward,
-                    advantage=float(advantage),
-                    routed_experts=routes,
-                )
-            )
-        return out
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A reward or environment method: in the ``reward_threads`` pool if plain, else awaited."""
+        if not self.config.reward_threads or inspect.iscoroutinefunction(fn):
+            return await plain_call(fn, *args)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.config.reward_threads, thread_name_prefix="r3-reward")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------ engines and lifecycle
 
@@ -388,7 +390,8 @@ class RolloutCollector:
         await self.aclose()
 
     def __repr__(self) -> str:
-        return f"RolloutCollector({[c.base_url for c in self.clients]}, {self.config})"
+        urls = [c.base_url for c in self.clients]
+        return f"RolloutCollector({urls}, {self.config})"
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):

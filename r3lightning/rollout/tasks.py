@@ -14,12 +14,14 @@ any callable ``reward(prompt_ids, response_ids) -> float``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
+from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.prompts import RolloutPrompt
 
 
@@ -67,6 +69,14 @@ class ScoredTask:
         if self.text_score is not None:
             return self.text_score(prompt, response_ids)
         return self.reward(prompt.token_ids, response_ids)
+
+    def environments(self) -> Environments | None:
+        """A multi-turn task's :class:`Environments` (its ``make_environment(score_prompt)`` and
+        ``max_turns``, 1 if it has none); None for a single-turn task."""
+        make = getattr(self.prompts, "make_environment", None)
+        if make is None:
+            return None
+        return Environments(functools.partial(make, self.score_prompt), getattr(self.prompts, "max_turns", 1))
 
     def pop_metrics(self) -> dict[str, float]:
         """The text reward's extra metrics and failure count since the last call (none otherwise)."""

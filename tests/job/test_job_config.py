@@ -119,7 +119,6 @@ def test_fsdp_trainer_instantiates_its_strategy():
         (["rollout=openai"], "rollout.protocol=openai needs rollout.url"),
         (["rollout.url=localhost:30000"], "rollout.url must be null .* got 'localhost:30000'"),
         (["algorithm.optim.lr=-1"], "algorithm.optim.lr must be a number > 0, got -1"),
-        (["compare=[r3,r5]"], "compare entries must be replay modes"),
         (
             ["callbacks.router_replay.pad_to_multiple=0"],
             "callbacks.router_replay.pad_to_multiple must be an integer >= 1, got 0",
