@@ -3,16 +3,18 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.r3lightning-installed
-# torch is installed first from its pinned CPU wheel so no dependency can pull a CUDA build.
+# torch is installed first from its pinned CPU wheel so no dependency can pull a CUDA build;
+# every install is held to constraints.txt, the exact versions the README's demo tables came from.
 TORCH_PIN ?= torch==2.13.0
+CONSTRAINTS ?= constraints.txt
 
 .PHONY: setup demo test lint docs format bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[hf,megatron,data,dev]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) "$(TORCH_PIN)"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[hf,megatron,data,dev]" "$(TORCH_PIN)"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -32,8 +32,9 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.replay.hf.replay import HFRouterReplay
     from r3lightning.replay.megatron.replay import MegatronRouterReplay
     from r3lightning.rollout.client import RemoteGenerateClient
-    from r3lightning.rollout.collector import CollectedRollouts, EnginesUnavailableError, RolloutCollector
+    from r3lightning.rollout.collector import RolloutCollector
     from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig
+    from r3lightning.rollout.stats import CollectedRollouts, EnginesUnavailableError
     from r3lightning.serve.server import RolloutServer
     from r3lightning.trace import RoutedExpertTrace
     from r3lightning.wire.errors import MalformedResponseError, RemoteGenerateError

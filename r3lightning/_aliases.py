@@ -66,18 +66,25 @@ _LEFT_TOP_LEVEL: dict[str, str] = {
     "r3lightning.rollout.prompts": "sampling_seed text_reward TextReward",
     "r3lightning.rollout.stats": "RolloutStats",
     "r3lightning.replay.hf.routers": "register_router RouterAdapter registered_router_types "
-    "softmax_then_topk_weights softmax_renormalised_weights mixtral_weights sigmoid_scaled_weights "
-    "softmax_scaled_weights ernie_weights softmax_over_topk_weights",
+    "mixtral_weights ernie_weights",
     "r3lightning.replay.megatron.layout": "MegatronParallelism megatron_token_layout megatron_padding_mask",
     "r3lightning.replay.expert_load": "ExpertLoadMonitor expert_load_stats",
     "r3lightning.testing.tiny": "tiny_moe_config build_tiny_moe",
     "r3lightning.job.sharded": "meta_model load_sharded_weights convert_checkpoint",
 }
+# gate-weight helpers that left the top level and were renamed for their router family
+_RENAMED_WEIGHTS = {
+    "softmax_then_topk_weights": "qwen3_moe_weights",
+    "softmax_renormalised_weights": "qwen3_5_moe_weights",
+    "sigmoid_scaled_weights": "deepseek_v3_weights",
+    "softmax_scaled_weights": "deepseek_v2_weights",
+    "softmax_over_topk_weights": "gpt_oss_weights",
+}
 NAMES: dict[str, str] = {  # old path -> new path
     f"r3lightning.{name}": f"{module}.{name}"
     for module, names in _LEFT_TOP_LEVEL.items()
     for name in names.split()
-}
+} | {f"r3lightning.{old}": f"r3lightning.replay.hf.routers.{new}" for old, new in _RENAMED_WEIGHTS.items()}
 
 
 def _warn(old: str, new: str, stacklevel: int) -> None:

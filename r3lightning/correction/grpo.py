@@ -8,13 +8,15 @@ are loss targets. Everything here is pure tensor math: no host<->device syncs un
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from r3lightning.correction.importance import CorrectionConfig
 
-@dataclass
+
+@dataclass(frozen=True)
 class GRPOConfig:
     group_size: int = 8  # responses sampled per prompt
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
@@ -25,6 +27,8 @@ class GRPOConfig:
     ratio_band: float = 2.0
     # Paired native-vs-replayed mismatch (mismatch/*) every n RL steps; 0 = never.
     mismatch_every_n_steps: int = 1
+    # Importance-sampling correction of the loss tokens (r3lightning.correction); none by default.
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
 
 
 def group_advantages(
@@ -36,9 +40,9 @@ def group_advantages(
     unbiased sample std; a group whose rewards are all equal gets advantage 0 (no signal).
     """
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
+        shape = tuple(rewards.shape)
         raise ValueError(
-            f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
-            f"got shape {tuple(rewards.shape)}"
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got shape {shape}"
         )
     grouped = rewards.float().view(-1, group_size)  # [groups, group_size]
     centred = grouped - grouped.mean(dim=1, keepdim=True)
@@ -60,9 +64,10 @@ def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` where ``mask`` is nonzero; 0 when the mask is empty (no sync)."""
+    """Mean of ``values`` weighted by ``mask``; what ``values`` hold where ``mask`` is 0 (even NaN)
+    never reaches the result or its gradient; 0 when the mask is empty (no sync)."""
     mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    return torch.where(mask != 0, values * mask, 0.0).sum() / mask.sum().clamp(min=1.0)
 
 
 def policy_loss(
@@ -73,19 +78,25 @@ def policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss, averaged over all loss tokens of the batch (token-mean).
+    """Clipped surrogate loss: the loss tokens' sum over their count (token-mean).
 
-    ``logprobs`` (trainer, with grad), ``old_logprobs`` (the behaviour policy: the rollout
-    engine's logprobs) and ``loss_mask`` are ``[B, S]``; ``advantages`` ``[B]`` is broadcast over
-    each trajectory's tokens. Returns the scalar loss and detached metrics (``clip_fraction``).
+    ``logprobs`` (trainer, with grad), ``old_logprobs`` (the behaviour policy: the engine's
+    logprobs), ``loss_mask`` and ``weights`` (a correction's, treated as constants) are
+    ``[B, S]``; ``advantages`` ``[B]``. A weight scales its token's term; the divisor stays the
+    loss-token count (a dropped token does not reweight the rest). Masked tokens add exactly 0 to
+    the loss and its gradient whatever their values; no loss token gives 0. Returns the loss and
+    detached metrics (``clip_fraction``).
     """
-    log_ratio = logprobs - old_logprobs  # [B, S]
+    log_ratio = torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0)  # [B, S]
     ratio = torch.exp(log_ratio)
     adv = advantages[:, None].to(ratio.dtype)  # [B, 1]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)  # [B, S]
+    if weights is not None:
+        per_token = per_token * torch.where(loss_mask != 0, weights.detach(), 0.0)
     loss = masked_mean(per_token, loss_mask)
     with torch.no_grad():
         clip_fraction = masked_mean((clipped < unclipped).float(), loss_mask)
@@ -102,35 +113,26 @@ def k3_terms(log_ratio: Tensor) -> Tensor:
     return torch.expm1(x) - x
 
 
-def _mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, ratio_band: float):
-    """(k3 mean, out-of-band fraction, mean |log r|) over ``mask``, float64, no host sync."""
-    log_r = trainer_logprobs.double() - rollout_logprobs.double()  # [B, S]
-    out_of_band = log_r.abs() > math.log(ratio_band)
-    return (
-        masked_mean(k3_terms(log_r), mask),
-        masked_mean(out_of_band.double(), mask),
-        masked_mean(log_r.abs(), mask),
-    )
-
-
 def mismatch_metrics(
     trainer_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, ratio_band: float = 2.0
 ) -> dict[str, Tensor]:
-    """How far the trainer's token probabilities are from the rollout engine's.
-
-    With ``r = p_trainer / p_rollout`` on tokens sampled by the rollout engine:
+    """How far the trainer's token probabilities are from the rollout engine's, with
+    ``r = p_trainer / p_rollout`` on the loss tokens (sampled by the engine):
 
     * ``k3_kl``: mean of ``r - 1 - log r`` (:func:`k3_terms`, float64), the unbiased,
       non-negative k3 estimator of KL(rollout || trainer);
-    * ``ratio_out_of_band``: fraction of loss tokens with ``r`` outside
-      ``[1 / ratio_band, ratio_band]`` (``[0.5, 2]`` by default);
+    * ``ratio_out_of_band``: fraction of loss tokens with ``r`` outside ``[1 / ratio_band, ratio_band]``;
     * ``abs_logprob_diff``: mean ``|log r|``.
 
     Detached float64 scalars; no host sync.
     """
     with torch.no_grad():
-        k3, out_of_band, abs_diff = _mismatch(trainer_logprobs, rollout_logprobs, loss_mask, ratio_band)
-        return {"k3_kl": k3, "ratio_out_of_band": out_of_band, "abs_logprob_diff": abs_diff}
+        log_r = trainer_logprobs.double() - rollout_logprobs.double()  # [B, S]
+        return {
+            "k3_kl": masked_mean(k3_terms(log_r), loss_mask),
+            "ratio_out_of_band": masked_mean((log_r.abs() > math.log(ratio_band)).double(), loss_mask),
+            "abs_logprob_diff": masked_mean(log_r.abs(), loss_mask),
+        }
 
 
 def paired_mismatch_metrics(
@@ -144,19 +146,19 @@ def paired_mismatch_metrics(
     """The mismatch R3 removes, measured on one batch and one set of weights.
 
     ``native_logprobs`` / ``replayed_logprobs`` ``[B, S]``: the trainer's logprobs of the batch
-    with its own routing and with the engine's routes replayed. Each is compared with the
-    engine's ``rollout_logprobs`` over ``loss_mask``: ``k3_native`` / ``k3_replayed`` (mean k3,
-    float64) and ``outside_band_native`` / ``outside_band_replayed`` (fraction of tokens with
-    ratio outside ``[1 / ratio_band, ratio_band]``). Detached float64 scalars; no host sync.
+    with its own routing and with the engine's routes replayed, each compared with the engine's
+    by :func:`mismatch_metrics`: ``k3_native`` / ``k3_replayed`` and ``outside_band_native`` /
+    ``outside_band_replayed``. Detached float64 scalars; no host sync.
     """
-    with torch.no_grad():
-        k3_native, band_native, _ = _mismatch(native_logprobs, rollout_logprobs, loss_mask, ratio_band)
-        k3_replayed, band_replayed, _ = _mismatch(replayed_logprobs, rollout_logprobs, loss_mask, ratio_band)
+    native, replayed = (
+        mismatch_metrics(lp, rollout_logprobs, loss_mask, ratio_band=ratio_band)
+        for lp in (native_logprobs, replayed_logprobs)
+    )
     return {
-        "k3_native": k3_native,
-        "k3_replayed": k3_replayed,
-        "outside_band_native": band_native,
-        "outside_band_replayed": band_replayed,
+        "k3_native": native["k3_kl"],
+        "k3_replayed": replayed["k3_kl"],
+        "outside_band_native": native["ratio_out_of_band"],
+        "outside_band_replayed": replayed["ratio_out_of_band"],
     }
 
 

@@ -6,29 +6,21 @@ Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right e
     attention_mask    [B, S] bool     True on real tokens
     loss_mask         [B, S] float32  the trajectory's loss mask on its response tokens, 0 elsewhere
     rollout_logprobs  [B, S] float32  engine logprob of each response token, 0 elsewhere
-    advantages        [B]    float32
-    rewards           [B]    float32
-    prompt_lengths    [B]    int64    real prompt tokens (the response is the rest)
-    sequence_lengths  [B]    int64    real tokens (prompt + response)
-    routed_experts    PackedTensor [sum(captured), num_layers, top_k] | None
-                      segment i = trajectory i's captured route rows, starting at its first real
-                      token; may be shorter than the trajectory (uncaptured rows route natively)
+    advantages, rewards [B] float32;  prompt_lengths, sequence_lengths [B] int64 (real tokens)
+    routed_experts    PackedTensor [sum(captured), num_layers, top_k] | None; segment i = row i's
+                      captured route rows from its first real token (uncaptured rows route natively)
 
-The batch behaves like one tensor: ``to``, ``pin_memory``, ``len``, indexing, ``split`` /
-``chunk`` / ``select``, ``cat``, ``repeat`` / ``repeat_interleave``, pickling, ``pad_to_multiple``. A CPU copy
-of the two length vectors is carried along (``lengths_host``), so layouts can be planned for a
-batch already on the GPU without a device->host sync. Step-1 slices and ``split`` / ``chunk``
-return views; every other reordering returns new storage. A batch cut from another one
-(``split`` / ``chunk`` / ``select`` / indexing / ``trim``) remembers which of its rows it holds
-(:meth:`rows_in`), so a replay callback can map a micro-batch onto the step's batch.
-
-Pooled memory: a batch collated into a :class:`~r3lightning.data.collate.RolloutCollator`'s
-pinned buffer pool holds a lease on those buffers. :meth:`release` hands them back (views taken
-from the batch must not be used after that); moved copies (``to``) hold no lease.
+The batch behaves like one tensor (``to``, ``pin_memory``, indexing, ``split`` / ``chunk`` /
+``select``, ``cat``, ``repeat`` / ``repeat_interleave``, pickling, ``pad_to_multiple``). A CPU copy
+of the two length vectors rides along (``lengths_host``), so layouts are planned without a
+device->host sync. Step-1 slices and ``split`` / ``chunk`` return views; other reorderings new
+storage. A cut batch remembers its rows in the batch it was cut from (:meth:`rows_in`). A batch
+collated into a pinned pool holds a lease: :meth:`release` hands the buffers back.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Sequence
@@ -40,7 +32,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.layout import check_int, position_ids_from_mask
-from r3lightning.data.fill import Buffers, collate_fields, plain_empty
+from r3lightning.data.fill import ROW_FIELDS, TOKEN_FIELDS, Buffers, collate_fields, plain_empty
 from r3lightning.data.trajectory import padding_trajectories
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import batch_index, repeat_counts, tensor_from_bytes, tensor_to_bytes, to_device_async
@@ -48,8 +40,6 @@ from r3lightning.routes import widest_route_dtype
 
 __all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "RolloutBatch"]
 
-TOKEN_FIELDS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")  # [B, S]
-ROW_FIELDS = ("advantages", "rewards", "prompt_lengths", "sequence_lengths")  # [B]
 _TOKEN_PAD = {"attention_mask": False, "loss_mask": 0.0, "rollout_logprobs": 0.0}  # input_ids: pad id
 
 
@@ -67,9 +57,7 @@ class RolloutBatch:
     # CPU (sequence_lengths, prompt_lengths); filled lazily (one sync) when not given
     _host_lengths: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
     _lease: Any = field(default=None, init=False, repr=False)
-    # Lineage of a sub-batch (``split`` / ``chunk`` / ``select`` / indexing / ``trim``): the batch
-    # it was cut from (the first ancestor that was not cut itself) and the host int64 ``[B]``
-    # positions of its rows there. Lets a replay callback find a sub-batch's rows in the step's batch.
+    # a cut's lineage: the first uncut ancestor and the host int64 [B] positions of its rows there
     _root: RolloutBatch | None = field(default=None, init=False, repr=False)
     _rows: Tensor | None = field(default=None, init=False, repr=False)
 
@@ -77,18 +65,10 @@ class RolloutBatch:
         shape = tuple(self.input_ids.shape)
         if len(shape) != 2:
             raise ValueError(f"RolloutBatch.input_ids must be [B, S], got shape {shape}")
-        for name in TOKEN_FIELDS:
-            value = getattr(self, name)
-            if tuple(value.shape) != shape:
-                raise ValueError(
-                    f"RolloutBatch.{name} must have shape {shape} like input_ids, got {tuple(value.shape)}"
-                )
-        for name in ROW_FIELDS:
-            value = getattr(self, name)
-            if tuple(value.shape) != shape[:1]:
-                raise ValueError(
-                    f"RolloutBatch.{name} must have shape ({shape[0]},), got {tuple(value.shape)}"
-                )
+        for names, want, like in ((TOKEN_FIELDS, shape, " like input_ids"), (ROW_FIELDS, shape[:1], "")):
+            for name in names:
+                if (got := tuple(getattr(self, name).shape)) != want:
+                    raise ValueError(f"RolloutBatch.{name} must have shape {want}{like}, got {got}")
         if self.attention_mask.dtype != torch.bool:
             raise ValueError(f"RolloutBatch.attention_mask must be bool, got {self.attention_mask.dtype}")
         routes = self.routed_experts
@@ -101,8 +81,6 @@ class RolloutBatch:
                 raise ValueError(
                     f"RolloutBatch.routed_experts must have one segment per row ({shape[0]}), got {len(routes)}"
                 )
-
-    # ------------------------------------------------------------------------ properties
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -137,14 +115,9 @@ class RolloutBatch:
         """Real tokens in the batch (host only)."""
         return int(self.lengths_host()[0].sum())
 
-    # ------------------------------------------------------------------------ generic plumbing
-
     def _replace(self, token: Any, row: Any, routes: Any, host: Any) -> RolloutBatch:
-        """New batch with ``token(name, t)`` / ``row(name, t)`` applied to the fields.
-
-        Skips ``__post_init__``: the transforms keep shapes consistent by construction. ``host``
-        is the new ``(sequence_lengths, prompt_lengths)`` host pair, ``None`` to keep this one's.
-        """
+        """New batch with ``token(name, t)`` / ``row(name, t)`` / ``routes(r)`` applied and ``host``
+        lengths (``None`` = keep); skips the shape checks, which the transforms keep by construction."""
         values = {name: token(name, getattr(self, name)) for name in TOKEN_FIELDS}
         values.update({name: row(name, getattr(self, name)) for name in ROW_FIELDS})
         values["routed_experts"] = None if self.routed_experts is None else routes(self.routed_experts)
@@ -171,8 +144,7 @@ class RolloutBatch:
         if self._root is batch:
             return self._rows
         if batch._root is not None and self._root is batch._root:
-            # both cut from one root: a cut of ``batch`` if all rows are among batch's rows
-            assert self._rows is not None and batch._rows is not None
+            assert self._rows is not None and batch._rows is not None  # a cut of batch: rows among its
             where = torch.full((len(batch._root),), -1, dtype=torch.int64)
             where[batch._rows] = torch.arange(len(batch))
             found = where[self._rows]
@@ -191,8 +163,6 @@ class RolloutBatch:
         )
         out._root = out._rows = None  # new rows (repeats); indexing records its cut itself
         return out
-
-    # ------------------------------------------------------------------------ indexing
 
     def __getitem__(
         self, index: int | slice | Sequence[int] | Sequence[bool] | Tensor | np.ndarray
@@ -234,11 +204,8 @@ class RolloutBatch:
             sections = [operator.index(s) for s in split_size_or_sections]
             if any(s < 0 for s in sections) or sum(sections) != count:
                 raise ValueError(f"split sections {sections} must be >= 0 and sum to the batch size {count}")
-        out, start = [], 0
-        for size in sections:
-            out.append(self[start : start + size])
-            start += size
-        return out
+        ends = list(itertools.accumulate(sections))
+        return [self[end - size : end] for end, size in zip(ends, sections, strict=True)]
 
     def chunk(self, chunks: int) -> list[RolloutBatch]:
         """At most ``chunks`` views of ``ceil(B / chunks)`` rows, like ``torch.chunk``."""
@@ -254,8 +221,6 @@ class RolloutBatch:
         start = self.width - keep
         trimmed = self._replace(lambda _, t: t[:, start:], lambda _, t: t, lambda r: r, None)
         return self._cut(trimmed, torch.arange(len(self)))
-
-    # ------------------------------------------------------------------------ combining
 
     @staticmethod
     def cat(batches: Sequence[RolloutBatch], *, pad_token_id: int = 0) -> RolloutBatch:
@@ -305,15 +270,11 @@ class RolloutBatch:
         num_experts: int | None = None,
         pad_token_id: int = 0,
     ) -> RolloutBatch:
-        """Append placeholder rows until ``len`` is a multiple of ``multiple`` (e.g. the
-        data-parallel size, so every rank gets equal work).
-
-        A placeholder is one real ``pad_token_id`` token with zero loss mask, reward and advantage
-        (see :func:`~r3lightning.data.trajectory.padding_trajectories`). When the batch has
-        routes, each placeholder gets one :func:`~r3lightning.align.dummy.dummy_routes` row
-        (``num_experts`` required; ``num_layers`` / ``top_k`` default to the routes' schema and
-        must match it). Returns ``self`` when nothing is missing, else new storage.
-        """
+        """Append placeholder rows (:func:`~r3lightning.data.trajectory.padding_trajectories`: one
+        pad token, zero loss) until ``len`` is a multiple of ``multiple`` (e.g. the data-parallel
+        size). With routes each placeholder gets one dummy route row (``num_experts`` required;
+        ``num_layers`` / ``top_k`` default to, and must match, the routes' schema). Returns
+        ``self`` when nothing is missing, else new storage."""
         check_int("multiple", multiple)
         missing = -len(self) % multiple
         if missing == 0:
@@ -334,19 +295,9 @@ class RolloutBatch:
         placeholders = padding_trajectories(
             missing, pad_token_id=pad_token_id, route_schema=schema, num_experts=num_experts
         )
-        padding = RolloutBatch(
-            **collate_fields(
-                placeholders,
-                Buffers(plain_empty),
-                pad_token_id=pad_token_id,
-                width_multiple=1,
-                executor=None,
-                tasks=1,
-            )
-        )
+        fields = collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
+        padding = RolloutBatch(**fields)
         return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
-
-    # ------------------------------------------------------------------------ device, memory
 
     def to(self, device: torch.device | str | int, non_blocking: bool = False) -> RolloutBatch:
         """Every field (routes included) on ``device``; ``self`` when already there.
@@ -377,17 +328,11 @@ class RolloutBatch:
         return pinned and (self.routed_experts is None or self.routed_experts.is_pinned())
 
     def release(self, after: Any = None) -> None:
-        """Hand pooled buffers back to the collator's pool (no-op for unpooled batches). The batch
-        and any view of it must not be used afterwards.
-
-        ``after``: an event (``torch.cuda.Event``) recorded after the last asynchronous copy out
-        of this batch; the pool waits on it before the buffers are written again.
-        """
+        """Hand pooled buffers back (no-op unpooled); the batch and its views are dead afterwards.
+        ``after``: an event recorded after the last async copy out of it, waited on before reuse."""
         lease, self._lease = self._lease, None
         if lease is not None:
             lease.release(after)
-
-    # ------------------------------------------------------------------------ equality, pickling
 
     def equal(self, other: object) -> bool:
         """Same fields: shapes, dtypes, devices and values (a sync for device batches)."""
@@ -412,12 +357,9 @@ class RolloutBatch:
         return f"RolloutBatch(B={len(self)}, S={self.width}, device={self.device}, routed_experts={routes})"
 
 
-# Opaque to collection walkers such as Lightning's ``apply_to_collection``, which recurse into
-# dataclasses: under ``precision="bf16-true"`` / ``"16-true"`` the precision plugin would cast the
-# float32 logprobs, masks and advantages to half precision (logprob error ~0.06 at -20) into new,
-# pageable tensors (so the pinned non_blocking copy turns blocking) after a deep copy that drops
-# the pool lease. The batch keeps its dtypes; modules cast on device where they choose. (Lightning
-# then cannot infer a batch size from it either: ``self.log(..., batch_size=len(batch))``.)
+# Opaque to Lightning's ``apply_to_collection``: under "bf16-true" / "16-true" it would cast the
+# float32 logprobs (error ~0.06 at -20) into pageable copies (blocking the pinned copy) and drop the
+# lease. Lightning then infers no batch size either: ``self.log(..., batch_size=len(batch))``.
 del RolloutBatch.__dataclass_fields__
 
 

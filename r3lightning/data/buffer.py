@@ -1,13 +1,10 @@
 """``ReplayBuffer``: validated FIFO store of trajectories with resumable state.
 
-Every trajectory gets a global sequence number when it is added (0, 1, 2, ... over the life of the
-buffer, never reused). Eviction is first-in-first-out, so the buffer always holds one contiguous
-range ``[start, stop)`` of sequence numbers: ``stop`` counts every trajectory ever added and
+Each trajectory gets a global sequence number when added (never reused). Eviction is FIFO, so the
+buffer holds one contiguous range ``[start, stop)``: ``stop`` counts every trajectory ever added,
 ``start`` every one evicted or cleared. The data module names an epoch's snapshot by such a range,
-which is what lets a checkpointed run find exactly the trajectories it was iterating.
-
-Insertion validates first and mutates after, so a rejected trajectory (or a rejected ``extend``
-batch, all-or-nothing) leaves the buffer unchanged.
+which lets a checkpointed run find exactly the trajectories it was iterating. Insertion validates
+first and mutates after: a rejected trajectory (or ``extend`` batch) leaves the buffer unchanged.
 """
 
 from __future__ import annotations
@@ -30,13 +27,10 @@ _STATE_VERSION = 1
 
 
 def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
-    """Trajectories -> a dict of a few flat tensors (checkpoint-friendly, ``weights_only`` safe).
-
-    Token fields are concatenated with per-trajectory lengths; routes are concatenated in the
-    widest dtype present with one row count per trajectory (-1 = no routes) and the sum of each
-    trajectory's ids (``route_sums``: a restore refuses rows that moved to a neighbour). One copy
-    of every field plus one pass over the routes; no per-trajectory Python objects in the result.
-    """
+    """Trajectories -> a dict of a few flat tensors (``weights_only`` safe): token fields
+    concatenated with per-trajectory lengths, routes in the widest dtype present with one row count
+    per trajectory (-1 = no routes) and each one's id sum (``route_sums``: a restore refuses rows
+    that moved to a neighbour). One copy of every field plus one pass over the routes."""
     count = len(trajectories)
     prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
     response_lengths = torch.tensor([t.response_length for t in trajectories], dtype=torch.int64)
@@ -78,19 +72,8 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     }
 
 
-_PACKED_KEYS = (
-    "count",
-    "prompt_lengths",
-    "response_lengths",
-    "prompt_ids",
-    "response_ids",
-    "loss_mask",
-    "rollout_logprobs",
-    "rewards",
-    "advantages",
-    "route_rows",
-    "routes",
-)
+_PACKED_KEYS = ("count", "prompt_lengths", "response_lengths", "prompt_ids", "response_ids", "loss_mask",
+                "rollout_logprobs", "rewards", "advantages", "route_rows", "routes")  # fmt: skip
 
 
 def _missing(state: Any, keys: Sequence[str], where: str) -> None:
@@ -122,14 +105,10 @@ def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str
 
 
 def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajectories") -> list[Trajectory]:
-    """Inverse of :func:`pack_trajectories`; each route tensor regains its own compact dtype.
-
-    Validates like building every :class:`Trajectory` anew (it does: one set of checks for
-    fresh and restored trajectories, the route check included), plus the packing itself (keys
-    present, lengths non-negative and summing to each field's size, each trajectory's routes
-    adding up to its ``route_sums`` entry when the state has them). Raises ``ValueError`` naming
-    ``where``, the field and the trajectory. Cost: one copy and one validation pass of every field.
-    """
+    """Inverse of :func:`pack_trajectories`; each route tensor regains its compact dtype. Builds
+    every :class:`Trajectory` anew (the same checks as fresh ones) and checks the packing (keys,
+    lengths, sizes, ``route_sums``); ``ValueError`` naming ``where``, the field and the trajectory.
+    Cost: one copy and one validation pass of every field."""
     _missing(packed, _PACKED_KEYS, where)
     count = packed["count"]
     if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
@@ -139,14 +118,9 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     prompt_lengths = _lengths(packed, "prompt_lengths", count, 1, where)
     response_lengths = _lengths(packed, "response_lengths", count, 0, where)
     route_rows = _lengths(packed, "route_rows", count, -1, where)
-    fields = {}
-    for name, lengths in (
-        ("prompt_ids", prompt_lengths),
-        ("response_ids", response_lengths),
-        ("loss_mask", response_lengths),
-        ("rollout_logprobs", response_lengths),
-    ):
-        fields[name] = _vector(packed, name, sum(lengths), where).split(lengths)
+    per_field = {"prompt_ids": prompt_lengths, "response_ids": response_lengths}
+    per_field |= {"loss_mask": response_lengths, "rollout_logprobs": response_lengths}
+    fields = {name: _vector(packed, name, sum(n), where).split(n) for name, n in per_field.items()}
     rewards = _vector(packed, "rewards", count, where).tolist()
     advantages = _vector(packed, "advantages", count, where).tolist()
     sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
@@ -157,16 +131,9 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
             raise ValueError(f"{where}: routes is None but route_rows counts {sum(kept_rows)} rows")
         routes_split: list[Tensor] = []
     else:
-        if (
-            not isinstance(routes_all, Tensor)
-            or routes_all.dim() != 3
-            or routes_all.shape[0] != sum(kept_rows)
-        ):
-            got = (
-                f"shape {tuple(routes_all.shape)}"
-                if isinstance(routes_all, Tensor)
-                else type(routes_all).__name__
-            )
+        is_tensor = isinstance(routes_all, Tensor)
+        if not is_tensor or routes_all.dim() != 3 or routes_all.shape[0] != sum(kept_rows):
+            got = f"shape {tuple(routes_all.shape)}" if is_tensor else type(routes_all).__name__
             raise ValueError(
                 f"{where}: routes must be a [rows, num_layers, top_k] tensor with the {sum(kept_rows)} rows "
                 f"route_rows counts, got {got}"
@@ -206,16 +173,13 @@ class ReplayBuffer:
     """FIFO buffer of :class:`Trajectory` with validation, eviction and checkpoint state.
 
     Args:
-        capacity: maximum number of trajectories; when full, adding one evicts the oldest
-            (first in, first out). ``None`` = unbounded. An ``extend`` larger than the capacity
-            keeps only its newest ``capacity`` trajectories.
+        capacity: most trajectories kept; adding one when full evicts the oldest (an oversized
+            ``extend`` keeps its newest ``capacity``). ``None`` = unbounded.
         vocab_size: when given, token ids must be ``< vocab_size``.
-        num_experts: when given, expert ids in routes must be ``< num_experts``; also used for
-            placeholder routes when batches are padded.
+        num_experts: when given, expert ids must be ``< num_experts``; also sizes placeholder routes.
 
-    The route schema ``(num_layers, top_k)`` is fixed by the first trajectory with routes and
-    kept until :meth:`clear`; later trajectories with another schema are rejected.
-    Iteration yields the stored trajectories oldest first.
+    The first routes fix the schema ``(num_layers, top_k)`` until :meth:`clear`; other schemas are
+    rejected. Iteration yields the stored trajectories oldest first.
     """
 
     def __init__(
@@ -224,14 +188,10 @@ class ReplayBuffer:
         for name, value in (("capacity", capacity), ("vocab_size", vocab_size), ("num_experts", num_experts)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"ReplayBuffer {name} must be a positive int or None, got {value!r}")
-        self.capacity = capacity
-        self.vocab_size = vocab_size
-        self.num_experts = num_experts
+        self.capacity, self.vocab_size, self.num_experts = capacity, vocab_size, num_experts
         self._items: deque[Trajectory] = deque()
         self._start = 0  # sequence number of the oldest stored trajectory
         self._route_schema: tuple[int, int] | None = None
-
-    # ------------------------------------------------------------------------ inspection
 
     def __len__(self) -> int:
         return len(self._items)
@@ -269,26 +229,21 @@ class ReplayBuffer:
     def covers(self, start: int, stop: int) -> bool:
         return self._start <= start <= stop <= self.stop
 
-    # ------------------------------------------------------------------------ mutation
-
     def add(self, trajectory: Trajectory) -> None:
         """Validate and append one trajectory (evicting the oldest when full)."""
         self.extend([trajectory])
 
     def extend(self, trajectories: Iterable[Trajectory]) -> None:
         """Validate all, then append all (all-or-nothing); oldest evicted beyond ``capacity``.
-
-        Costs one pass over every new trajectory's ids and routes (range checks).
-        """
+        One pass over every new trajectory's ids and routes (range checks)."""
         batch = list(trajectories)
         where = "trajectory {i} of the batch" if len(batch) > 1 else "trajectory"
         self._route_schema = self._validated(batch, self._route_schema, where)
         self._items.extend(batch)
-        if self.capacity is not None:
-            overflow = len(self._items) - self.capacity
-            for _ in range(max(overflow, 0)):
-                self._items.popleft()
-            self._start += max(overflow, 0)
+        overflow = 0 if self.capacity is None else max(len(self._items) - self.capacity, 0)
+        for _ in range(overflow):
+            self._items.popleft()
+        self._start += overflow
 
     def _validated(
         self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, where: str
@@ -312,11 +267,8 @@ class ReplayBuffer:
 
     def clear(self) -> None:
         """Drop every trajectory (their sequence numbers are not reused) and the route schema."""
-        self._start = self.stop
+        self._start, self._route_schema = self.stop, None
         self._items.clear()
-        self._route_schema = None
-
-    # ------------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict[str, Any]:
         """Contents and position: a few flat tensors plus ints (``torch.load(weights_only=True)``
@@ -349,9 +301,7 @@ class ReplayBuffer:
                 or len(saved) != 2
                 or not all(type(n) is int and n >= 1 for n in saved)
             ):
-                raise ValueError(
-                    f"{where} route_schema must be None or [num_layers, top_k] >= 1, got {saved!r}"
-                )
+                raise ValueError(f"{where} route_schema must be None or [num_layers, top_k] >= 1, got {saved!r}")  # fmt: skip
             saved = tuple(saved)
         items = unpack_trajectories(state["trajectories"], where=f"{where} trajectories")
         if self.capacity is not None and len(items) > self.capacity:
@@ -360,9 +310,7 @@ class ReplayBuffer:
                 f"{self.capacity}; loading it would lose samples"
             )
         schema = self._validated(items, saved, where + ": trajectory {i}")
-        self._items = deque(items)
-        self._start = start
-        self._route_schema = schema
+        self._items, self._start, self._route_schema = deque(items), start, schema
 
     def __repr__(self) -> str:
         return (

@@ -1,33 +1,20 @@
 """Threaded collation of trajectories into a :class:`RolloutBatch`, optionally into pinned buffers.
 
-Collation plans the batch on the host and fills its rows from a thread pool
-(:func:`~r3lightning.data.fill.collate_fields`: disjoint rows per task, identical to a serial fill).
+Rows are filled from a thread pool (:func:`~r3lightning.data.fill.collate_fields`). Routes stay
+packed (segment ``i`` = trajectory ``i``'s captured rows, in the batch's widest route dtype).
 
-Routes stay packed: segment ``i`` holds trajectory ``i``'s captured rows (none for ``None``
-routes), in the widest route dtype of the batch; no padded route rectangle is ever built.
+Pinned buffer pool (``pin_memory=True``): pinning fresh memory every step is slow, so outputs are
+carved out of a few reusable buffer sets ("slots"):
 
-Pinned buffer pool (``pin_memory=True``, for batches headed to a GPU)
---------------------------------------------------------------------------
-Pinning fresh memory every step is slow (page-locking, first-touch faults), so outputs are carved
-out of a small pool of reusable buffer sets ("slots"). The lifetime rules:
+1. Collating a batch leases a free slot to it (``batch._lease``).
+2. The slot is free again when the lease returns: ``batch.release(after=event)`` (as
+   ``R3DataModule.transfer_batch_to_device`` does right after issuing the GPU copy), or, with
+   ``recycle_after=N``, once ``N`` further batches were collated.
+3. Before a slot is written again the pool waits on that event, so an in-flight copy completes.
+4. With no free slot the batch gets fresh buffers outside the pool (``misses`` counts it).
+5. The slot released longest ago is leased: its copy most likely finished a step ago.
 
-1. Collating a batch leases one free slot to it; the batch holds the lease (``batch._lease``).
-2. The slot is free again only when the lease is returned: ``batch.release(after=event)``
-   (``R3DataModule.transfer_batch_to_device`` does this right after issuing the copy to the
-   GPU, with an event recorded behind the copy), or, only if ``recycle_after=N`` is set, once
-   ``N`` further batches were collated (the caller promises not to hold a batch that long).
-3. Before a slot is written again the pool waits on the event given at release, so an
-   asynchronous host->device copy still reading the buffers always completes first.
-4. When no slot is free the batch gets freshly allocated buffers outside the pool (slower,
-   never unsafe) and ``PinnedBufferPool.misses`` counts it.
-5. Of the free slots, the one released longest ago is leased. Lightning does not prefetch sized
-   loaders, so a batch is collated right after the previous one was released: always taking the
-   first free slot would reuse that one and wait on the copy just issued from it, while the
-   least recently released slot's copy finished a whole step ago.
-
-So a pinned buffer is never rewritten while a batch (or an in-flight copy) still uses it, as long
-as nobody keeps using a batch or a view of it after releasing it. The allocation function is
-injectable, so the pool logic also runs (unpinned) on machines without a GPU.
+The allocator is injectable, so the pool logic also runs (unpinned) without a GPU.
 """
 
 from __future__ import annotations
@@ -66,14 +53,9 @@ class _Lease:
 
 
 class PinnedBufferPool:
-    """A few reusable output buffer sets; see the module docstring for the lifetime rules.
-
-    Args:
-        slots: buffer sets kept (2 covers the batch in training plus the one being prefetched).
-        allocator: ``(shape, dtype) -> Tensor``; defaults to :func:`pinned_empty`.
-        recycle_after: also free a slot once this many further batches were collated, even if
-            its batch was never released; ``None`` (default) = only explicit release.
-    """
+    """A few reusable output buffer sets (lifetime rules: module docs). ``slots``: 2 covers the
+    batch in training plus the next; ``allocator``: ``(shape, dtype) -> Tensor``, default
+    :func:`pinned_empty`; ``recycle_after``: also free a slot after that many further batches."""
 
     def __init__(
         self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
@@ -86,8 +68,7 @@ class PinnedBufferPool:
         self.recycle_after = recycle_after
         self._slots = [_Slot() for _ in range(slots)]
         self._lock = threading.Lock()
-        self._step = 0
-        self._releases = 0
+        self._step = self._releases = 0
         self.hits = 0  # batches served from a slot
         self.misses = 0  # batches that found no free slot (fresh allocation)
 
@@ -132,15 +113,8 @@ def collate_trajectories(
     """Serial collation into fresh (unpinned) memory; see :class:`RolloutCollator`."""
     check_int("width_multiple", width_multiple)
     check_int("pad_token_id", pad_token_id, 0)
-    fields = collate_fields(
-        trajectories,
-        Buffers(plain_empty),
-        pad_token_id=pad_token_id,
-        width_multiple=width_multiple,
-        executor=None,
-        tasks=1,
-    )
-    return RolloutBatch(**fields)
+    return RolloutBatch(**collate_fields(trajectories, Buffers(plain_empty), pad_token_id=pad_token_id,
+                                         width_multiple=width_multiple))  # fmt: skip
 
 
 class RolloutCollator:
@@ -153,12 +127,11 @@ class RolloutCollator:
         width_multiple: round the padded width ``S`` up to a multiple of this.
         num_experts: expert count for placeholder routes of ``None`` entries (see below).
         pin_memory: carve outputs out of a :class:`PinnedBufferPool` (for GPU training).
-        pool_slots, recycle_after, allocator: the pool's settings (``allocator`` replaces the
-            pinned allocation, e.g. to exercise the pool on a CPU-only machine).
+        pool_slots, recycle_after, allocator: the pool's settings.
 
-    ``None`` entries in the input (a sampler evening out shards across ranks) become placeholder
-    trajectories (:func:`~r3lightning.data.trajectory.padding_trajectories`): one pad token, zero
-    loss; with routes in the batch and ``num_experts`` known they get one dummy route row.
+    ``None`` entries (shards evened out) become placeholders
+    (:func:`~r3lightning.data.trajectory.padding_trajectories`), with a dummy route row when the
+    batch has routes and ``num_experts`` is known.
 
     Cost: one host pass over the trajectories to plan, then ``O(B * S + route bytes)`` copies
     spread over the threads. No device work.
@@ -183,15 +156,11 @@ class RolloutCollator:
         check_int("width_multiple", width_multiple)
         check_int("pad_token_id", pad_token_id, 0)
         self.num_threads = collate_pool_size() if num_threads is None else num_threads
-        self.pad_token_id = pad_token_id
-        self.width_multiple = width_multiple
-        self.num_experts = num_experts
-        self.pin_memory = pin_memory
-        self.pool = (
-            PinnedBufferPool(pool_slots, allocator=allocator, recycle_after=recycle_after)
-            if pin_memory
-            else None
-        )
+        self.pad_token_id, self.width_multiple = pad_token_id, width_multiple
+        self.num_experts, self.pin_memory = num_experts, pin_memory
+        self.pool = None
+        if pin_memory:
+            self.pool = PinnedBufferPool(pool_slots, allocator=allocator, recycle_after=recycle_after)
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._executor_users: dict[ThreadPoolExecutor, int] = {}  # collations running on each pool
@@ -225,29 +194,14 @@ class RolloutCollator:
         if missing:
             schemas = {t.route_schema for t in items if t is not None and t.routed_experts is not None}
             schema = next(iter(schemas)) if len(schemas) == 1 else None
-            fillers = iter(
-                padding_trajectories(
-                    len(missing),
-                    pad_token_id=self.pad_token_id,
-                    route_schema=schema,
-                    num_experts=self.num_experts,
-                )
-            )
+            fillers = iter(padding_trajectories(len(missing), pad_token_id=self.pad_token_id,
+                                                route_schema=schema, num_experts=self.num_experts))  # fmt: skip
             items = [next(fillers) if t is None else t for t in items]
-        if self.pool is None:
-            buffers, lease = Buffers(plain_empty), None
-        else:
-            buffers, lease = self.pool.acquire()
+        buffers, lease = (Buffers(plain_empty), None) if self.pool is None else self.pool.acquire()
         executor = self._enter_executor()
         try:
-            fields = collate_fields(
-                items,
-                buffers,
-                pad_token_id=self.pad_token_id,
-                width_multiple=self.width_multiple,
-                executor=executor,
-                tasks=self.num_threads,
-            )
+            fields = collate_fields(items, buffers, pad_token_id=self.pad_token_id, executor=executor,
+                                    width_multiple=self.width_multiple, tasks=self.num_threads)  # fmt: skip
             batch = RolloutBatch(**fields)
         except BaseException:
             if lease is not None:
@@ -259,10 +213,8 @@ class RolloutCollator:
         return batch
 
     def close(self) -> None:
-        """Stop the fill threads (collation still works afterwards, restarting them).
-
-        Safe while other threads collate: a pool still in use is shut down by its last user.
-        """
+        """Stop the fill threads (a later collation restarts them). Safe while other threads
+        collate: a pool still in use is shut down by its last user."""
         with self._executor_lock:
             executor, self._executor = self._executor, None
             busy = executor is not None and executor in self._executor_users

@@ -1,17 +1,11 @@
 """How many CPUs this process may really use, for sizing the collation thread pool.
 
-``os.cpu_count()`` reports the machine, not the process: a container limited by a CPU affinity
-mask or by a cgroup CPU quota gets far less. Oversizing a pool there makes threads fight over a
-few cores (and the quota throttles the whole process). The usable count is
-
-    min(len(sched_getaffinity), ceil(cgroup quota / period))
-
-where the quota is the tightest one on the path from this process's cgroup up to the root
-(cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``). Every file is read
-defensively: a missing, unreadable or malformed file means "no quota", never an error. The
-quota is rounded up: 1.5 CPUs of quota still keeps two threads partly busy.
-
-Reads a handful of small files; call once at startup, not per batch.
+``os.cpu_count()`` reports the machine; a container limited by an affinity mask or a cgroup CPU
+quota gets far less, and an oversized pool fights over those cores. Usable count:
+``min(len(sched_getaffinity), ceil(tightest cgroup quota / period))`` on the path from this
+process's cgroup to the root (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``;
+rounded up: 1.5 CPUs keeps two threads partly busy). A missing, unreadable or malformed file
+means "no quota", never an error. Reads a handful of small files: call once, not per batch.
 """
 
 from __future__ import annotations
@@ -73,27 +67,22 @@ def _ancestors(mount: Path, cgroup_path: str | None) -> list[Path]:
     return seen
 
 
-def _v2_quota(directory: Path) -> float | None:
-    text = _read(directory / "cpu.max")
-    if text is None:
-        return None
-    fields = text.split()
-    if len(fields) != 2 or fields[0] == "max":
-        return None
+def _quota(quota: str | None, period: str | None) -> float | None:
+    """CPUs of a quota / period pair of texts; ``None`` when unlimited ("max", -1) or malformed."""
     try:
-        quota, period = int(fields[0]), int(fields[1])
+        q, p = int(quota or ""), int(period or "")
     except ValueError:
         return None
-    return quota / period if quota > 0 and period > 0 else None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _v2_quota(directory: Path) -> float | None:
+    fields = (_read(directory / "cpu.max") or "").split()
+    return _quota(*fields) if len(fields) == 2 else None
 
 
 def _v1_quota(directory: Path) -> float | None:
-    quota_text, period_text = _read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us")
-    try:
-        quota, period = int(quota_text or ""), int(period_text or "")
-    except ValueError:
-        return None
-    return quota / period if quota > 0 and period > 0 else None  # quota -1 = unlimited
+    return _quota(_read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us"))
 
 
 def cgroup_cpu_limit(

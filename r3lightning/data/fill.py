@@ -1,14 +1,10 @@
 """Filling a batch's fields from trajectories: the collation core, below ``RolloutBatch``.
 
-``collate_fields`` plans a batch on the host (lengths, width, route offsets and dtype: a few small
-tensors), takes every output buffer once, and fills rows, optionally from a thread pool. Each task
-owns a contiguous range of rows and writes every position of them (padding included), so tasks never
-touch the same memory and the output is identical to a serial fill. The copies are torch ops, which
-release the GIL, so long sequences and large route blocks fill in parallel.
-
-It returns the ``RolloutBatch`` keyword arguments rather than a batch, so that ``RolloutBatch``
-(which collates its own placeholder rows) and the collator (which wraps pooled buffers into batches)
-both build on it without importing each other.
+``collate_fields`` plans a batch on the host (lengths, width, route offsets and dtype), takes every
+output buffer once and fills rows, optionally from a thread pool. Each task owns a contiguous row
+range and writes all of it (padding included), so the output equals a serial fill; the copies are
+torch ops, which release the GIL. It returns ``RolloutBatch`` keyword arguments, so ``RolloutBatch``
+(placeholder rows) and the collator (pooled buffers) both build on it without importing each other.
 """
 
 from __future__ import annotations
@@ -26,7 +22,18 @@ from r3lightning.packed import PackedTensor
 from r3lightning.ragged import offsets_from_lengths
 from r3lightning.routes import widest_route_dtype
 
-__all__ = ["Allocator", "Buffers", "collate_fields", "pinned_empty", "plain_empty"]
+__all__ = [
+    "ROW_FIELDS",
+    "TOKEN_FIELDS",
+    "Allocator",
+    "Buffers",
+    "collate_fields",
+    "pinned_empty",
+    "plain_empty",
+]
+
+TOKEN_FIELDS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")  # [B, S]
+ROW_FIELDS = ("advantages", "rewards", "prompt_lengths", "sequence_lengths")  # [B]
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 
@@ -98,15 +105,13 @@ def collate_fields(
     buffers: Buffers,
     *,
     pad_token_id: int,
-    width_multiple: int,
-    executor: ThreadPoolExecutor | None,
-    tasks: int,
+    width_multiple: int = 1,
+    executor: ThreadPoolExecutor | None = None,
+    tasks: int = 1,
 ) -> dict[str, Any]:
-    """Plan and fill one batch's fields (``RolloutBatch`` keyword arguments) from ``trajectories``.
-
-    Output tensors come from ``buffers``; rows are filled by ``tasks`` tasks on ``executor`` (serially
-    without one). Raises ``ValueError`` when the trajectories' route schemas differ.
-    """
+    """One batch's ``RolloutBatch`` keyword arguments, in tensors from ``buffers``, rows filled by
+    ``tasks`` tasks on ``executor`` (serially without one). ``ValueError`` when route schemas differ.
+    Cost: one host pass to plan, then ``O(B * S + route bytes)`` copies; no device work."""
     count = len(trajectories)
     prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
     sequence_lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)
@@ -118,12 +123,8 @@ def collate_fields(
         raise ValueError(
             f"trajectories in one batch have different route schemas (num_layers, top_k): {sorted(schemas)}"
         )
-    out: dict[str, Tensor] = {
-        "input_ids": buffers.take("input_ids", (count, width), torch.int64),
-        "attention_mask": buffers.take("attention_mask", (count, width), torch.bool),
-        "loss_mask": buffers.take("loss_mask", (count, width), torch.float32),
-        "rollout_logprobs": buffers.take("rollout_logprobs", (count, width), torch.float32),
-    }
+    token_dtypes = {"input_ids": torch.int64, "attention_mask": torch.bool}
+    out = {n: buffers.take(n, (count, width), token_dtypes.get(n, torch.float32)) for n in TOKEN_FIELDS}
     offsets: list[int] = []
     cu_host: Tensor | None = None
     if schemas:

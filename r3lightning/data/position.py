@@ -1,15 +1,23 @@
-"""Where an ``R3DataModule`` is in its data: the cursor and the plan of the epoch in progress.
+"""Where an ``R3DataModule`` is in its data: the cursor and plan of the epoch in progress, and the
+sampler and loader that walk and report them.
 
-Both are saved in the data module's ``state_dict`` as plain dicts and checked field by field
-when a state is restored, before anything changes (:func:`restore_position`).
+Cursor and plan are saved in the data module's ``state_dict`` as plain dicts and checked field by
+field on restore, before anything changes (:func:`restore_position`).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Cursor", "Plan", "restore_position"]
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from r3lightning.data.trajectory import Trajectory
+
+__all__ = ["Cursor", "EpochShardSampler", "Plan", "PositionedLoader", "Snapshot", "restore_position"]
 
 
 @dataclass
@@ -63,12 +71,99 @@ def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan |
     """The saved ``cursor`` and ``plan`` (dicts, ``plan`` may be None) as objects, each field
     checked: types, bounds, ``consumed <= batches`` (a count past the epoch would skip batches)
     and ``start <= stop``. Raises ``ValueError`` naming ``where`` and the field."""
-    restored = Cursor(**_fields(cursor, _CURSOR, f"{where} cursor"))
-    if restored.consumed > restored.batches:
+    c = Cursor(**_fields(cursor, _CURSOR, f"{where} cursor"))
+    if c.consumed > c.batches:
         raise ValueError(
-            f"{where} cursor.consumed = {restored.consumed} is past the epoch's "
-            f"cursor.batches = {restored.batches}"
+            f"{where} cursor.consumed = {c.consumed} is past the epoch's cursor.batches = {c.batches}"
         )
-    if restored.start > restored.stop:
-        raise ValueError(f"{where} cursor.start = {restored.start} is after cursor.stop = {restored.stop}")
-    return restored, None if plan is None else Plan(**_fields(plan, _PLAN, f"{where} plan"))
+    if c.start > c.stop:
+        raise ValueError(f"{where} cursor.start = {c.start} is after cursor.stop = {c.stop}")
+    return c, None if plan is None else Plan(**_fields(plan, _PLAN, f"{where} plan"))
+
+
+class Snapshot(Dataset):
+    """One epoch's trajectories; index -1 is a placeholder that evens out the shards."""
+
+    def __init__(self, trajectories: tuple[Trajectory, ...]) -> None:
+        self.trajectories = trajectories
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __getitem__(self, index: int) -> Trajectory | None:
+        return None if index < 0 else self.trajectories[index]
+
+
+class EpochShardSampler(DistributedSampler):
+    """This rank's indices for the cursor's epoch, starting after the consumed batches.
+
+    ``refresh`` gives the buffer's current contents for an epoch nothing was drawn from yet
+    (``None`` = unchanged). Lightning's ``set_epoch`` is ignored: the cursor drives the order.
+    """
+
+    def __init__(
+        self,
+        dataset: Snapshot,
+        cursor: Cursor,
+        plan: Plan,
+        rank: int,
+        refresh: Callable[[], tuple[Trajectory, ...] | None] | None = None,
+    ) -> None:
+        super().__init__(dataset, plan.num_replicas, rank, plan.shuffle, plan.seed, plan.drop_last)
+        self.cursor, self.plan, self.refresh = cursor, plan, refresh
+        self._size()
+
+    def _size(self) -> None:
+        count, world, plan = len(self.dataset), self.plan.num_replicas, self.plan  # type: ignore[arg-type]
+        self.per_rank = count // world if plan.drop_last else math.ceil(count / world)
+        b = plan.batch_size
+        self.num_batches = self.per_rank // b if plan.drop_last else math.ceil(self.per_rank / b)
+        self.cursor.batches = self.num_batches
+
+    def shard(self, epoch: int) -> list[int]:
+        """This rank's full index list for ``epoch`` (-1 = placeholder)."""
+        count, world = len(self.dataset), self.plan.num_replicas  # type: ignore[arg-type]
+        if self.plan.shuffle:
+            order = torch.randperm(count, generator=torch.Generator().manual_seed(self.plan.seed + epoch))
+            order = order.tolist()
+        else:
+            order = list(range(count))
+        total = self.per_rank * world
+        mine = (order[:total] + [-1] * (total - count))[self.rank :: world]
+        return mine[: self.num_batches * self.plan.batch_size]
+
+    def __iter__(self):  # type: ignore[override]
+        cursor = self.cursor
+        if cursor.exhausted or (cursor.batches > 0 and cursor.consumed >= cursor.batches):
+            # another epoch over the same snapshot (no reload in between)
+            cursor.epoch, cursor.consumed, cursor.exhausted = cursor.epoch + 1, 0, False
+        elif cursor.consumed == 0 and self.refresh is not None:
+            # nothing drawn yet: the epoch covers what the buffer holds now, later rows included
+            fresh = self.refresh()
+            if fresh is not None:
+                self.dataset.trajectories = fresh  # type: ignore[attr-defined]
+                self._size()
+        yield from self.shard(cursor.epoch)[cursor.consumed * self.plan.batch_size :]
+        cursor.exhausted = True
+
+    def __len__(self) -> int:
+        # the full epoch, also when resuming: Lightning counts batches from the epoch start
+        return min(self.per_rank, self.num_batches * self.plan.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the data module's own epoch counter drives the order."""
+
+
+class PositionedLoader(DataLoader):
+    """DataLoader that reports its position into Lightning's loop state. Being stateful tells
+    Lightning a mid-epoch checkpoint resumes exactly; the data module's own state restores it."""
+
+    def __init__(self, *args: Any, cursor: Cursor, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cursor = cursor
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.cursor.epoch, "consumed": self.cursor.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Nothing to do: ``R3DataModule.load_state_dict`` already restored the position."""

@@ -1,19 +1,12 @@
 """``Trajectory``: one rollout (prompt + response tokens, per-token RL fields, captured routes).
 
-A trajectory holds ``n = len(prompt_ids) + len(response_ids)`` real tokens. Per response token it
-carries a loss mask (1 = the token is a loss target) and the logprob the rollout engine sampled it
-with. ``routed_experts`` are the route rows the engine captured, ``[captured, num_layers, top_k]``
-with ``captured <= n``: row ``t`` is the experts used when token ``t`` was an input (the final
-token is never forwarded, so engines usually return ``n - 1`` rows). Rows past ``captured`` are
-routed natively by the trainer.
-
-Everything is normalised once, at construction, to CPU tensors the trajectory owns (inputs are
-copied, never aliased): ids int64, masks and logprobs float32, routes in the compact dtype of
-their largest expert id (uint8 / int16 / int32). Routes go through the route check
-(:func:`~r3lightning.wire.route_check.check_routes`: at most one row per token, ids below 2**31,
-``top_k`` distinct experts per row except all-zero dense-layer rows; about 10 ms for 32k x 48 x 8
-ids). Checks against a model (vocabulary size, expert count, route schema) run in
-:meth:`Trajectory.validate`, which the replay buffer calls on insert.
+``n = len(prompt_ids) + len(response_ids)`` real tokens; per response token a loss mask (1 = loss
+target) and the engine's sampling logprob. ``routed_experts`` ``[captured, num_layers, top_k]``,
+``captured <= n``: row ``t`` = the experts token ``t`` used as an input (engines usually return
+``n - 1`` rows; later rows route natively). Normalised once, at construction, to CPU tensors the
+trajectory owns: ids int64, masks and logprobs float32, routes in the compact dtype of their largest
+id, after :func:`~r3lightning.wire.route_check.check_routes` (about 10 ms for 32k x 48 x 8 ids).
+Checks against a model run in :meth:`Trajectory.validate`, which the replay buffer calls on insert.
 """
 
 from __future__ import annotations
@@ -68,23 +61,23 @@ def _per_response_token(name: str, data: Any, count: int, *, unit: bool = False)
     """``[count]`` finite float32 values (``unit``: each in [0, 1])."""
     values = _as_host_tensor(name, data)
     if values.dim() != 1 or values.numel() != count:
+        got = tuple(values.shape)
         raise ValueError(
-            f"Trajectory.{name} must have one entry per response token ({count}), "
-            f"got shape {tuple(values.shape)}"
+            f"Trajectory.{name} must have one entry per response token ({count}), got shape {got}"
         )
     if values.is_complex():
         raise TypeError(f"Trajectory.{name} must be real, got dtype {values.dtype}")
     values = values.to(torch.float32)
-    finite = torch.isfinite(values)
-    if not bool(finite.all()):
-        bad = int(torch.nonzero(~finite)[0, 0])
-        raise ValueError(f"Trajectory.{name} must be finite, got {name}[{bad}] = {float(values[bad])}")
-    if unit and values.numel() and not bool(((values >= 0) & (values <= 1)).all()):
-        bad = int(torch.nonzero((values < 0) | (values > 1))[0, 0])
-        raise ValueError(
-            f"Trajectory.{name} must hold values in [0, 1], got {name}[{bad}] = {float(values[bad])}"
-        )
+    rules = [("be finite", torch.isfinite)] + ([("hold values in [0, 1]", _in_unit)] if unit else [])
+    for rule, ok in rules:
+        if not bool((good := ok(values)).all()):
+            bad = int(torch.nonzero(~good)[0, 0])
+            raise ValueError(f"Trajectory.{name} must {rule}, got {name}[{bad}] = {float(values[bad])}")
     return values
+
+
+def _in_unit(values: Tensor) -> Tensor:
+    return (values >= 0) & (values <= 1)
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -120,39 +113,21 @@ class Trajectory:
     """One rollout, validated and normalised to compact CPU tensors.
 
     Args:
-        prompt_ids: ``[P]`` token ids, ``P >= 1`` (the first response token is predicted from
-            the prompt's last position).
-        response_ids: ``[R]`` sampled token ids, ``R >= 0``.
-        loss_mask: ``[R]`` per response token in [0, 1], 1 = loss target; defaults to all ones.
-        rollout_logprobs: ``[R]`` logprob of each response token under the rollout engine;
-            defaults to zeros (no engine logprobs).
+        prompt_ids: ``[P]`` int64 token ids, ``P >= 1`` (the prompt's last position predicts the
+            first response token).
+        response_ids: ``[R]`` int64 sampled token ids, ``R >= 0``.
+        loss_mask: ``[R]`` float32 in [0, 1], 1 = loss target; default all ones.
+        rollout_logprobs: ``[R]`` float32 engine logprob per response token; default zeros.
         reward: scalar reward of the whole trajectory.
-        advantage: scalar advantage; defaults to ``reward`` (a baseline-free estimate). GRPO
-            callers pass the group-normalised value.
-        routed_experts: ``[captured, num_layers, top_k]`` captured route rows, ``captured <= n``,
-            or ``None`` when the engine returned no routes (native routing for every token).
+        advantage: scalar advantage; default ``reward`` (GRPO passes the group-normalised value).
+        routed_experts: ``[captured, L, K]`` uint8 / int16 / int32 captured route rows,
+            ``captured <= n``, or ``None`` (native routing for every token).
 
-    Raises:
-        TypeError / ValueError naming the field and the expected value.
+    Raises ``TypeError`` / ``ValueError`` naming the field and the expected value.
     """
 
-    __slots__ = (
-        "advantage",
-        "loss_mask",
-        "prompt_ids",
-        "response_ids",
-        "reward",
-        "rollout_logprobs",
-        "routed_experts",
-    )
-
-    prompt_ids: Tensor  # [P] int64
-    response_ids: Tensor  # [R] int64
-    loss_mask: Tensor  # [R] float32
-    rollout_logprobs: Tensor  # [R] float32
-    reward: float
-    advantage: float
-    routed_experts: Tensor | None  # [captured, L, K] uint8 / int16 / int32
+    __slots__ = ("advantage", "loss_mask", "prompt_ids", "response_ids", "reward", "rollout_logprobs",
+                 "routed_experts")  # fmt: skip
 
     def __init__(
         self,
@@ -184,8 +159,6 @@ class Trajectory:
         self.advantage = self.reward if advantage is None else _scalar("advantage", advantage)
         self.routed_experts = None if routed_experts is None else _routes(routed_experts, self.num_tokens)
 
-    # ------------------------------------------------------------------------ properties
-
     @property
     def prompt_length(self) -> int:
         return self.prompt_ids.numel()
@@ -211,8 +184,6 @@ class Trajectory:
             return None
         return (self.routed_experts.shape[1], self.routed_experts.shape[2])
 
-    # ------------------------------------------------------------------------ validation
-
     def validate(
         self,
         *,
@@ -220,13 +191,9 @@ class Trajectory:
         num_experts: int | None = None,
         route_schema: tuple[int, int] | None = None,
     ) -> None:
-        """Check the trajectory against a model; ``ValueError`` naming the field otherwise.
-
-        Token ids must be ``< vocab_size``, expert ids ``< num_experts``, and the routes'
-        ``(num_layers, top_k)`` equal ``route_schema`` (each check only when the bound is given;
-        the routes go through :func:`~r3lightning.wire.route_check.check_routes`). One pass over
-        the ids and routes (a ``max`` each).
-        """
+        """Check against a model (each bound only when given): token ids ``< vocab_size``, expert
+        ids ``< num_experts``, routes' ``(num_layers, top_k) == route_schema``; ``ValueError``
+        naming the field otherwise. One pass over the ids and routes (a ``max`` each)."""
         if vocab_size is not None:
             for name in ("prompt_ids", "response_ids"):
                 ids = getattr(self, name)
@@ -246,8 +213,6 @@ class Trajectory:
                 distinct=False,  # checked when the trajectory was built
                 where="Trajectory.routed_experts",
             )
-
-    # ------------------------------------------------------------------------ equality, repr
 
     def equal(self, other: object) -> bool:
         """Same values and dtypes in every field."""
@@ -272,11 +237,8 @@ class Trajectory:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        routes = (
-            "None"
-            if self.routed_experts is None
-            else f"{tuple(self.routed_experts.shape)} {self.routed_experts.dtype}"
-        )
+        r = self.routed_experts
+        routes = "None" if r is None else f"{tuple(r.shape)} {r.dtype}"
         return (
             f"Trajectory(prompt={self.prompt_length}, response={self.response_length}, "
             f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes})"
@@ -308,14 +270,10 @@ def padding_trajectories(
     route_schema: tuple[int, int] | None = None,
     num_experts: int | None = None,
 ) -> list[Trajectory]:
-    """``count`` placeholder trajectories that add work but no loss.
-
-    Each is one ``pad_token_id`` prompt token with an empty response (so a zero loss mask), reward
-    and advantage 0. With a ``route_schema`` and ``num_experts`` each gets one route row from
-    :func:`~r3lightning.align.dummy.dummy_routes`; consecutive placeholders take consecutive rows,
-    so they spread over all experts instead of piling onto the first ``top_k``. With a schema but
-    no ``num_experts`` each gets zero route rows (routed natively by the trainer).
-    """
+    """``count`` placeholders that add work but no loss: one ``pad_token_id`` prompt token, empty
+    response, reward and advantage 0. With ``route_schema`` and ``num_experts`` each gets one
+    :func:`~r3lightning.align.dummy.dummy_routes` row (consecutive rows, spreading over all
+    experts); with a schema but no ``num_experts``, zero rows (routed natively)."""
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     routes: list[Tensor | None]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -103,28 +104,82 @@ def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
         raise JobError(f"{key}: {one_line(exc)}") from None
 
 
-def dataclass_from(cls: type, node: Any, key: str, *, skip: tuple[str, ...] = ()) -> Any:
-    """``cls(**node)`` with unknown keys rejected, lists given to tuple fields as tuples, ints to
-    float fields as floats, and a
-    ``ValueError`` of the class's own checks (``"<field> must be ..."``) reported under ``key``.
-    Value types and ranges are checked by ``check_config``. ``skip``: keys of ``node`` that belong
-    to something else (a nested group)."""
+# ---------------------------------------------------------------------------- typed settings
+
+
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _check_value(key: str, value: Any, tp: Any) -> Any:
+    """``value`` converted to ``tp`` (int -> float, list -> tuple), or a JobError naming ``key``."""
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested settings group
+        if not isinstance(value, Mapping):
+            fields = [f.name for f in dataclasses.fields(tp)]
+            raise JobError(f"{key} must be a mapping with keys among {fields}, got {value!r}")
+        return dataclass_from(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _check_value(key, value, option)
+            except JobError as exc:
+                errors.append(exc)
+        expected = " or ".join(_type_name(o) for o in options if o is not type(None))
+        if type(None) in options:
+            expected += " or null"
+        raise JobError(f"{key} must be {expected}, got {value!r}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, list | tuple) or (args and len(value) != len(args)):
+            raise JobError(f"{key} must be a list of {len(args)} values, got {value!r}")
+        return tuple(
+            _check_value(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise JobError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise JobError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise JobError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise JobError(f"{key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def dataclass_from(cls: type, node: DictConfig | Mapping[str, Any], key: str, *, skip: tuple[str, ...] = ()):
+    """``cls(**node)`` with every value checked against its field's type; unknown keys rejected.
+
+    ``skip``: keys of ``node`` that belong to something else (a nested group). A field typed as a
+    dataclass is built the same way from its sub-mapping; the class's own ``ValueError`` becomes a
+    :class:`JobError` naming the key.
+    """
     values = {k: v for k, v in (plain(node) or {}).items() if k not in skip}
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        raise JobError(f"{key}.{unknown[0]} is not a setting here; expected one of {list(fields)}")
     hints = typing.get_type_hints(cls)
-    for name, value in values.items():
-        options = typing.get_args(hints[name]) or (hints[name],)
-        if isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
-            values[name] = tuple(value)
-        elif type(value) is int and float in options and int not in options:
-            values[name] = float(value)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise JobError(f"{key}.{unknown[0]} is not a setting here; expected one of {names}")
+    checked = {name: _check_value(f"{key}.{name}", value, hints[name]) for name, value in values.items()}
     try:
-        return cls(**values)
-    except ValueError as exc:
-        raise JobError(f"{key}.{one_line(exc)}") from None
+        return cls(**checked)
+    except (TypeError, ValueError) as exc:  # the class's own checks, e.g. "mode must be one of ..."
+        text = one_line(exc)
+        raise JobError(f"{key}.{text}" if text.split(" ", 1)[0] in names else f"{key}: {text}") from None
 
 
 def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.build import JobError, one_line, plain
 
@@ -34,8 +34,10 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
-    """``{dotted key: value}`` of the resolved ``task``, ``reward`` and ``model`` settings, plus
+    """``{dotted key: value}`` of the resolved ``task``, ``reward`` and ``model`` settings (with
+    ``seed`` at 0: the seed is a run's dimension, ``seeds=3`` runs live side by side), plus
     ``data.task.<key>``: the size and blake2b of each file a ``task.<key>`` names (read once)."""
+    cfg = OmegaConf.merge(cfg, {"seed": 0})
     out = _flat({key: plain(cfg[key]) for key in ("task", "reward", "model")})
     for key, value in plain(cfg.task).items():
         if isinstance(value, str) and Path(value).expanduser().is_file():
@@ -46,11 +48,10 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
-    """Refuse (:class:`JobError`) to resume into ``run_dir`` when one of its runs with a checkpoint
-    was made for another task, dataset or model; ``resume=false`` skips the check."""
-    saved_runs = [
-        p for p in sorted(Path(run_dir).glob(f"*/{FINGERPRINT}")) if (p.parent / "checkpoints").is_dir()
-    ]
+    """Refuse (:class:`JobError`) to resume into ``run_dir`` (an arm's folder, its seeds' folders
+    included) when one of its runs with a checkpoint was made for another task, dataset or model;
+    ``resume=false`` skips the check."""
+    saved_runs = [p for p in sorted(Path(run_dir).rglob(FINGERPRINT)) if (p.parent / "checkpoints").is_dir()]
     current = fingerprint(cfg) if cfg.resume and saved_runs else {}
     for path in saved_runs if current else []:
         try:

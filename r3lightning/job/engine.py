@@ -16,24 +16,15 @@ import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig
 from torch import Tensor
 
 from r3lightning.job.common import JobError, is_global_zero
-from r3lightning.job.rollout_loop import Engine, WeightSync, collector_config, retry_policy, settings_from
+from r3lightning.job.rollout_loop import Engine, WeightSync
+from r3lightning.job.rollout_settings import retry_policy, server_settings
 from r3lightning.job.setup import build_model
-
-if TYPE_CHECKING:
-    from r3lightning.serve.config import EngineConfig, ServerLimits
-
-# keys that moved into a settings group: old -> new
-_MOVED = {
-    "rollout.request_timeout_s": "rollout.retry.timeout_s",
-    "rollout.max_in_flight": "rollout.collector.max_in_flight",
-}
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -115,30 +106,6 @@ def engine_urls(rollout: DictConfig) -> list[str] | None:
         return None
     urls = list(url) if isinstance(url, ListConfig) else [url]
     return [str(u).rstrip("/") for u in urls]
-
-
-def check_rollout(cfg: DictConfig) -> None:
-    """Refuse a moved key or a bad value of ``rollout.retry`` / ``collector`` / ``server`` /
-    ``limits`` (a one-line ``JobError`` naming the key) before anything is built."""
-    for old, new in _MOVED.items():
-        if OmegaConf.select(cfg, old) is not None:
-            raise JobError(f"{old} moved to {new}; set {new}={OmegaConf.select(cfg, old)} instead")
-    retry_policy(cfg.rollout)
-    collector_config(cfg.rollout)
-    server_settings(cfg.rollout)
-
-
-def server_settings(rollout: DictConfig) -> tuple[EngineConfig, ServerLimits]:
-    """The embedded server's :class:`EngineConfig` (``rollout.server`` but ``host`` and
-    ``port``) and :class:`ServerLimits` (``rollout.limits``)."""
-    from r3lightning.serve.config import EngineConfig, ServerLimits
-
-    engine = settings_from(EngineConfig, _without(rollout.server, "host", "port"), "rollout.server")
-    return engine, settings_from(ServerLimits, rollout.limits, "rollout.limits")
-
-
-def _without(node: DictConfig, *keys: str) -> dict:
-    return {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k not in keys}  # type: ignore[union-attr]
 
 
 def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:

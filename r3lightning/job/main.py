@@ -1,36 +1,24 @@
 """The main job: GRPO training of a causal MoE with Rollout Routing Replay, configured by Hydra.
 
-    r3lightning-train                                       # tiny Qwen3-MoE, embedded engine, R3
-    r3lightning-train experiment=compare                    # replay on and off, side by side
-    r3lightning-train replay=off steps=10
+    r3lightning-train                                   # tiny Qwen3-MoE, embedded engine, R3
+    r3lightning-train experiment=compare                # replay on and off, 3 seeds each
     r3lightning-train rollout.url=http://host:30000 rollout.protocol=sglang
-    r3lightning-train --config-dir my_conf reward=mine      # your own YAML files next to the package's
-    r3lightning-train -m replay=r3,off seed=0,1             # a sweep: one job after the other
-    r3lightning-train --help                                # config groups, options and keys
-    python -m r3lightning.job.main ...                      # the same
+    r3lightning-train --config-dir my_conf reward=mine  # your YAML files next to the package's
+    r3lightning-train -m replay=r3,off seed=0,1         # a sweep: one job after the other
+    r3lightning-train --help                            # config groups, options and keys
 
-The configs (top-level ``conf/``) ship inside the wheel as ``r3lightning/conf``, so the job runs from a wheel in any
-directory. Every swappable piece is built from its ``_target_`` (see ``setup.py`` for what the
-job passes itself).
-
-Per RL step (one Lightning epoch): the rollout engine (bf16, the embedded ``RolloutServer`` by
-default) samples a group of responses per prompt and returns the experts it routed every token
-to; trajectories go through ``RoutedExpertTrace`` into the ``ReplayBuffer``; the data module
-collates them with packed routes; ``RouterReplayCallback`` installs the routes so the fp32
-training forward uses the engine's experts; the updated weights go back to the engine.
-
-Outputs land in Hydra's run directory: ``config.yaml`` (resolved), per run ``<name>/metrics.csv``
-and ``<name>/checkpoints/last.ckpt`` (a rerun with the same ``hydra.run.dir`` resumes from it),
-``summary.txt`` (the final table) and ``metrics.png``. A run that fails before training leaves
-no folder behind.
-
-Exit status: 0 done; 2 a configuration, checkpoint or engine-address problem (one line naming the
-key or file; in a sweep: any job failed); 3 the rollout engine failed; 130 interrupted (Ctrl-C).
+Outputs in Hydra's run folder: ``config.yaml`` (under a line naming the environment), per run
+``metrics.csv`` and ``checkpoints/last.ckpt`` (rerun into the folder to resume), ``summary.txt``,
+``metrics.png``; a run that fails before training leaves no folder. Exit status: 0 done; 2 a bad
+config, checkpoint or engine address (one line naming it; a sweep: any job failed); 3 the rollout
+engine failed; 130 interrupted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -44,32 +32,86 @@ PROG = "r3lightning-train"
 # Hydra flags that take a value, and those the pre-check understands
 _VALUE_FLAGS = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp")
 _MULTIRUN_FLAGS = ("-m", "--multirun")
+_WHERE = dict.fromkeys(("--config-dir", "-cd"), "config_dir") | dict.fromkeys(
+    ("--config-name", "-cn"), "config_name"
+)
+_ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
+
+
+def arms(cfg: DictConfig) -> dict[str, DictConfig]:
+    """``{arm name: its checked config}`` from ``compare`` (``[]``: the arm ``replay=<replay.mode>``).
+    An entry is a replay mode (the arm ``replay=<mode>``) or ``{name, replay, overrides}``: ``replay``
+    swaps the ``replay`` group (default: kept), then ``overrides`` sets dotted keys of the config."""
+    from r3lightning.job.setup import check_config, replay_settings
+
+    check_config(cfg)
+    out: dict[str, DictConfig] = {}
+    for index, entry in enumerate(cfg.compare or [None]):
+        spec = OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry}
+        where = f"compare[{index}]"
+        mode, overrides = spec.pop("replay", None), spec.pop("overrides", None) or {}
+        name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
+        if spec:
+            raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
+        if mode is not None and str(mode) not in ("r3", "r2", "off"):
+            raise JobError(f"{where}.replay must be one of ['r3', 'r2', 'off'], got {mode!r}")
+        if not _ARM_NAME.fullmatch(name) or name in out:
+            problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
+            raise JobError(f"{where}.name {name!r} {problem}")
+        if not isinstance(overrides, dict):
+            raise JobError(f"{where}.overrides must map dotted config keys to values, got {overrides!r}")
+        arm = OmegaConf.merge(cfg if mode is None else replay_settings(cfg, str(mode)), {"compare": []})
+        for key, value in overrides.items():
+            if OmegaConf.select(arm, str(key), default=KeyError) is KeyError:
+                raise JobError(f"{where}.overrides: {key!r} is not a key of the config")
+            OmegaConf.update(arm, str(key), value, merge=True)
+        try:
+            check_config(arm)
+        except JobError as exc:
+            raise JobError(f"{where} ({name}): {exc}") from None
+        out[name] = arm
+    return out
+
+
+def run_seeds(cfg: DictConfig) -> list[int]:
+    """``seed``, ``seed + 1``, ... (``seeds`` of them): every arm runs each."""
+    count = cfg.get("seeds", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise JobError(f"seeds must be an integer >= 1, got {count!r}")
+    return [int(cfg.seed) + i for i in range(count)]
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
-    """Run the job described by ``cfg`` into ``run_dir``; returns ``{run name: history}``."""
+    """Run every arm for every seed into ``run_dir``; returns ``{run name: history}``, named ``<arm>``
+    (one seed) or ``<arm>/seed=<s>`` (folder ``<arm>/seed_<s>``, ``=`` written ``_``)."""
     from r3lightning.job.checkpoint import check_run_dir
     from r3lightning.job.engine import embedded_server
-    from r3lightning.job.report import format_table, plot_runs
-    from r3lightning.job.setup import check_config, model_runtime, replay_settings, train_one
+    from r3lightning.job.report import environment, environment_line, format_table, plot_runs
+    from r3lightning.job.setup import model_runtime, train_one
 
-    check_config(cfg)
-    check_run_dir(cfg, run_dir)  # before config.yaml is rewritten
+    configs, seeds = arms(cfg), run_seeds(cfg)
+    for arm, arm_cfg in configs.items():  # before config.yaml is rewritten
+        check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    modes = [str(m) for m in cfg.compare] or [str(cfg.replay.mode)]
     if is_global_zero():
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        env = f"# {environment_line(environment())}\n"
+        (run_dir / "config.yaml").write_text(env + OmegaConf.to_yaml(cfg, resolve=True))
     runs: dict[str, list[dict[str, float]]] = {}
-    with model_runtime(cfg.model), embedded_server(cfg) as engine:
-        for mode in modes:
-            run_cfg = cfg if not cfg.compare else replay_settings(cfg, mode)
-            name = f"replay={mode}"
-            runs[name] = train_one(run_cfg, run_dir / name.replace("=", "_"), engine)
+    with model_runtime(cfg.model), contextlib.ExitStack() as stack:
+        engines = {}  # one engine per distinct rollout and model settings
+        for seed in seeds:
+            for arm, arm_cfg in configs.items():
+                key = OmegaConf.to_yaml({"rollout": arm_cfg.rollout, "model": arm_cfg.model})
+                if key not in engines:
+                    engines[key] = stack.enter_context(embedded_server(arm_cfg))
+                name = arm if len(seeds) == 1 else f"{arm}/seed={seed}"
+                seeded = OmegaConf.merge(arm_cfg, {"seed": seed})
+                runs[name] = train_one(seeded, run_dir / name.replace("=", "_"), engines[key])
     if is_global_zero():
         band = float(cfg.algorithm.ratio_band)
-        table = format_table(runs, band)
-        (run_dir / "summary.txt").write_text(table + "\n")
-        print("\n" + table)
+        report = format_table(runs, band, env=environment())
+        (run_dir / "summary.txt").write_text(report + "\n")
+        print("\n" + report)
         if cfg.plot:
             plot_runs(run_dir / "metrics.png", runs, band)
             print(f"\nplot: {run_dir / 'metrics.png'}\nrun directory: {run_dir}")
@@ -86,10 +128,9 @@ def _error(message: str, label: str = "") -> None:
 
 
 def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
-    """Remove ``run_dir`` when this run made it (it is in ``new_dirs``, the folders that did not
-    exist before the run, deepest first) and it holds only what a run that never trained writes
-    (Hydra's ``.hydra/`` and log, ``config.yaml``, empty folders); then the other new folders
-    that are left empty. A folder that existed before is never touched."""
+    """Remove ``run_dir`` if this run made it (``new_dirs``: folders new to this run, deepest first)
+    and it holds only what a run that never trained writes (``.hydra/``, logs, ``config.yaml``,
+    empty folders); then the other new folders left empty. Older folders are never touched."""
     run_dir = run_dir.absolute()
 
     def disposable(path: Path) -> bool:
@@ -97,13 +138,12 @@ def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
             return path.name == ".hydra" or all(disposable(p) for p in path.iterdir())
         return path.suffix == ".log" or (path.parent == run_dir and path.name == "config.yaml")
 
-    if run_dir not in new_dirs or not run_dir.is_dir() or not all(disposable(p) for p in run_dir.iterdir()):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    for parent in new_dirs[new_dirs.index(run_dir) + 1 :]:
-        if not parent.is_dir() or any(parent.iterdir()):
-            break
-        parent.rmdir()
+    if run_dir in new_dirs and run_dir.is_dir() and all(disposable(p) for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in new_dirs[new_dirs.index(run_dir) + 1 :]:
+            if not parent.is_dir() or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dirs: list[Path]) -> int:
@@ -130,14 +170,10 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         print(f"{PROG}: {label}rollout engine error: {_one_line(exc)}", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
-        again = " ".join(
-            [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
-        )
-        if any(run_dir.glob("*/checkpoints/last.ckpt")):
-            state = f"the checkpoint keeps the last finished step, resume with: {again}"
-        else:
-            state = f"no step had finished, start again with: {again}"
-        print(f"{PROG}: {label}interrupted; {state}", file=sys.stderr)
+        again = [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
+        done = any(run_dir.glob("**/checkpoints/last.ckpt"))
+        state = ["no step had finished, start again", "the checkpoint keeps the last finished step, resume"]
+        print(f"{PROG}: {label}interrupted; {state[done]} with: {' '.join(again)}", file=sys.stderr)
         return 130
     finally:
         if is_global_zero():
@@ -147,37 +183,27 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
 def _hydra_message(exc: BaseException) -> str:
     """Hydra's multi-line composition error as one line (the search-path dump dropped)."""
     text = str(exc).split("Config search path")[0].split("full_key:")[0]
-    text = text.replace(":\n\t", ": ").replace("\n\t", ", ")
-    return _one_line(text)
+    return _one_line(text.replace(":\n\t", ": ").replace("\n\t", ", "))
 
 
-def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool]:
-    """``(flags, overrides, understood)``: Hydra flags with their values, the overrides, and whether
-    every flag is one the pre-check can compose with (others, like ``--cfg``, go to Hydra as they are)."""
-    flags: list[str] = []
-    overrides: list[str] = []
-    understood = True
+def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str, str]]:
+    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides, whether
+    the pre-check understands every flag (others, like ``--cfg``, go to Hydra as they are), and the
+    ``config_dir`` / ``config_name`` they give."""
+    flags, overrides, where, understood = [], [], {}, True
     items = iter(args)
     for arg in items:
-        if arg in _VALUE_FLAGS:
-            flags += [arg, next(items, "")]
-        elif arg.split("=", 1)[0] in _VALUE_FLAGS:
-            flags.append(arg)
+        name, eq, value = arg.partition("=")
+        if name in _VALUE_FLAGS:
+            value = value if eq else next(items, "")
+            flags += [arg] if eq else [arg, value]
+            where |= {_WHERE[name]: value} if name in _WHERE else {}
         elif arg.startswith("-"):
             flags.append(arg)
             understood = False
         else:
             overrides.append(arg)
-    return flags, overrides, understood
-
-
-def _flag_value(flags: list[str], long: str, short: str) -> str | None:
-    for i, flag in enumerate(flags):
-        if flag in (long, short) and i + 1 < len(flags):
-            return flags[i + 1]
-        if flag.startswith((f"{long}=", f"{short}=")):
-            return flag.split("=", 1)[1]
-    return None
+    return flags, overrides, understood, where
 
 
 def compose_config(
@@ -187,62 +213,44 @@ def compose_config(
     config_name: str = "config",
     hydra_config: bool = False,
 ) -> DictConfig:
-    """The job's config with ``overrides`` applied, without running it (tests, notebooks).
-
-    ``config_dir``: a folder of your own YAML files searched before the package's (as
-    ``--config-dir``); ``config_name``: the primary config (as ``--config-name``).
-    """
+    """The job's config with ``overrides`` applied, without running it (tests, notebooks);
+    ``config_dir`` / ``config_name`` as ``--config-dir`` / ``--config-name``."""
     from hydra import compose, initialize_config_dir
 
-    extra = []
-    if config_dir is not None:
-        extra.append(f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]")
+    where = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]"] if config_dir else []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(
-            config_name=config_name, overrides=[*extra, *(overrides or [])], return_hydra_config=hydra_config
-        )
+        return compose(config_name, [*where, *(overrides or [])], return_hydra_config=hydra_config)
 
 
-def _precheck(flags: list[str], overrides: list[str], run_dir: Path | None) -> str | None:
-    """Compose the config once before Hydra does and check its values (and that ``run_dir`` holds
-    no run of another task, dataset or model), so a bad override or value is one line and no run
-    folder is made or rewritten. ``hydra.*`` overrides are left to Hydra."""
+def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
+    """``(problem, run folder)``: compose the config before Hydra does and check its values (and the
+    run folder's fingerprints), so a bad override or value is one line and no run folder is made or
+    rewritten; else the absolute ``hydra.run.dir``
+    (resolved now; None if unknown). Other ``hydra.*`` overrides are left to Hydra."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from r3lightning.job.checkpoint import check_run_dir
-    from r3lightning.job.setup import check_config
 
-    plain = [a for a in overrides if not a.lstrip("+~").startswith(("hydra.", "hydra/", "hydra="))]
-    try:
-        cfg = compose_config(
-            plain,
-            config_dir=_flag_value(flags, "--config-dir", "-cd"),
-            config_name=_flag_value(flags, "--config-name", "-cn") or "config",
-        )
-        check_config(cfg)
-        if run_dir is not None:
-            check_run_dir(cfg, run_dir)
-    except JobError as exc:
-        return str(exc)
-    except (HydraException, OmegaConfBaseException) as exc:
-        return _hydra_message(exc)
-    return None
-
-
-def _planned_run_dir(flags: list[str], overrides: list[str]) -> Path | None:
-    """The absolute run folder Hydra will use (``hydra.run.dir``, resolved now); None if unknown."""
     keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
     try:
-        cfg = compose_config(
-            keep,
-            config_dir=_flag_value(flags, "--config-dir", "-cd"),
-            config_name=_flag_value(flags, "--config-name", "-cn") or "config",
-            hydra_config=True,
-        )
-        return Path(str(cfg.hydra.run.dir)).absolute()
+        cfg = compose_config(keep, **where, hydra_config=True)
+        configs = arms(cfg)
+        run_seeds(cfg)
+    except JobError as exc:
+        return str(exc), None
+    except (HydraException, OmegaConfBaseException) as exc:
+        return _hydra_message(exc), None
+    try:
+        run_dir = Path(str(cfg.hydra.run.dir)).absolute()
     except Exception:
-        return None
+        return None, None
+    try:  # a run folder of another task, dataset or model is refused before Hydra writes to it
+        for arm, arm_cfg in configs.items():
+            check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))
+    except JobError as exc:
+        return str(exc), None
+    return None, run_dir
 
 
 def _single(args: list[str], label: str = "") -> int:
@@ -250,11 +258,10 @@ def _single(args: list[str], label: str = "") -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    flags, overrides, understood = _split_flags(args)
+    _, overrides, understood, where = _split_flags(args)
     new_dirs: list[Path] = []
     if understood:
-        run_dir = _planned_run_dir(flags, overrides)
-        problem = _precheck(flags, overrides, run_dir)
+        problem, run_dir = _precheck(where, overrides)
         if problem is not None:
             _error(problem, label)
             return 2
@@ -285,7 +292,7 @@ def _sweep(args: list[str]) -> int:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    flags, overrides, _ = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
+    flags, overrides, _, where = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
@@ -298,13 +305,8 @@ def _sweep(args: list[str]) -> int:
         label = f"job #{number} ({' '.join(job)}): "
         if sweep_dir is None:
             try:
-                cfg = compose_config(
-                    [a for a in job if not a.startswith("hydra.run.dir=")],
-                    config_dir=_flag_value(flags, "--config-dir", "-cd"),
-                    config_name=_flag_value(flags, "--config-name", "-cn") or "config",
-                    hydra_config=True,
-                )
-                sweep_dir = str(cfg.hydra.sweep.dir)
+                job_overrides = [a for a in job if not a.startswith("hydra.run.dir=")]
+                sweep_dir = str(compose_config(job_overrides, **where, hydra_config=True).hydra.sweep.dir)
             except Exception:
                 pass  # reported by the job's own run below
         print(f"[{PROG}] {label.rstrip(': ')}", file=sys.stderr)
@@ -330,8 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     # Lightning's banner lines (accelerator summary, logger tips) are noise here.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
-    code = _sweep(args) if any(a in _MULTIRUN_FLAGS for a in args) else _single(args)
-    sys.exit(code)
+    sys.exit(_sweep(args) if any(a in _MULTIRUN_FLAGS for a in args) else _single(args))
 
 
 if __name__ == "__main__":

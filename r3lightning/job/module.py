@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from r3lightning.align.layout import TokenMetadataLayout, position_ids_from_mask
+from r3lightning.correction import CorrectionMetrics, correction_weights
 from r3lightning.correction.grpo import (
     GRPOConfig,
     masked_mean,
@@ -51,6 +52,11 @@ class GRPOModule(pl.LightningModule):
     against the rollout engine's logprobs (the behaviour policy), and logs the
     training/inference mismatch (``train/k3_kl``, ``train/ratio_out_of_band``, ...), averaged over
     the epoch. One epoch is one RL step.
+
+    ``grpo.correction`` weights each loss token by an importance-sampling correction
+    (:mod:`r3lightning.correction`) of ``log p_trainer - log p_engine`` from this same forward
+    (replayed under r3); unless it is ``none``, ``correction/*`` are exact ratios of sums over the
+    epoch's batches so far and over ranks, logged every step (the epoch's last covers the RL step).
 
     Paired mismatch, every ``grpo.mismatch_every_n_steps`` RL steps (on the step's first batch,
     whose weights are the ones the engine sampled with): two extra no-grad forwards of the batch,
@@ -85,6 +91,7 @@ class GRPOModule(pl.LightningModule):
         self.sharded_weights = sharded_weights
         self._paired: dict[str, Tensor] = {}  # measured at batch transfer, logged by training_step
         self._paired_epoch = -1
+        self._correction = CorrectionMetrics(self.grpo.correction)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of a left-padded batch."""
@@ -117,6 +124,7 @@ class GRPOModule(pl.LightningModule):
     # ------------------------------------------------------------------ paired mismatch
 
     def on_train_epoch_start(self) -> None:
+        self._correction.reset()
         # trainer.callback_metrics keeps the last value of every metric; a step that does not
         # measure the paired mismatch must not show the previous measurement as its own
         metrics = self.trainer.callback_metrics
@@ -194,6 +202,10 @@ class GRPOModule(pl.LightningModule):
         if self.measure_agreement and callback is not None and callback.mode != "r2":
             self._log_agreement(callback, len(batch))
         loss_mask = batch.loss_mask.to(logprobs.dtype)
+        weights, correction = None, self.grpo.correction
+        if correction.mode != "none":
+            weights = correction_weights(logprobs.detach() - batch.rollout_logprobs, loss_mask, correction)
+            self._correction.update(weights, loss_mask)
         loss, stats = policy_loss(
             logprobs,
             old_logprobs,
@@ -201,7 +213,13 @@ class GRPOModule(pl.LightningModule):
             loss_mask,
             clip_low=self.grpo.clip_low,
             clip_high=self.grpo.clip_high,
+            weights=weights,
         )
+        if weights is not None:
+            totals = self._correction.compute(sync_dist=self._distributed)
+            self.log_dict(
+                {k: v.float() for k, v in totals.items()}, on_step=True, on_epoch=False, batch_size=1
+            )
         stats.update(
             mismatch_metrics(
                 logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band

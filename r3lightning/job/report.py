@@ -1,27 +1,33 @@
-"""Run outputs: per-step metrics CSV, the final summary table, and the PNG plot.
+"""Run outputs: per-step metrics CSV, the summary table, the plot (matplotlib Agg), the environment.
 
-A run's history is a list of flat ``{metric: float}`` records, one per RL step. Per-layer
-routing agreement is stored as ``used_agreement/layer_<i>`` columns, the GRPO module's paired
-mismatch as ``mismatch/<name>`` columns (present on the steps it was measured). Plotting uses
-matplotlib's Agg backend (no display needed).
+A run's history: one flat ``{metric: float}`` record per RL step (``used_agreement/layer_<i>``,
+``mismatch/<name>`` on the steps measured, ``correction/<name>`` when a correction is applied,
+``simulated_disagreement`` when simulated). Runs named ``<arm>/seed=<s>`` are seeds of one arm:
+table and plot show the median over seeds and its range.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import platform
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 AGREEMENT_PREFIX = "used_agreement/layer_"
 MISMATCH_PREFIX = "mismatch/"
+CORRECTION_PREFIX = "correction/"  # the GRPO module's importance-sampling correction (when applied)
+CORRECTED = ("ess", "truncated_fraction", "masked_fraction")
+SEED_SEP = "/seed="
+SIMULATED = "simulated_disagreement"
+PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed")
+History = Sequence[Mapping[str, float]]
 
 
-def write_csv(path: str | Path, records: Sequence[Mapping[str, float]]) -> None:
+def write_csv(path: str | Path, records: History) -> None:
     """(Re)write ``path`` with one row per record; columns are the union of keys, in order."""
-    columns: list[str] = []
-    for record in records:
-        columns.extend(k for k in record if k not in columns)
+    columns = list(dict.fromkeys(k for record in records for k in record))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
@@ -40,133 +46,133 @@ def agreement_keys(record: Mapping[str, float]) -> list[str]:
     return sorted(keys, key=lambda k: int(k[len(AGREEMENT_PREFIX) :]))
 
 
-def mean_agreement(record: Mapping[str, float]) -> float:
-    """Mean routing agreement over layers (NaN when the step has none)."""
-    values = [record[k] for k in agreement_keys(record)]
-    return sum(values) / len(values) if values else math.nan
+def environment() -> dict[str, str]:
+    """What a run's rows depend on besides its config: library versions, intra-op threads, CPU."""
+    import lightning
+    import torch
+    import transformers
+
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    model = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    cpu = next(model, platform.processor() or platform.machine())
+    versions = {m.__name__: m.__version__ for m in (torch, transformers, lightning)}
+    return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu}
 
 
-def _window_mean(records: Sequence[Mapping[str, float]], key: str, first: bool, window: int) -> float:
-    values = [r[key] for r in records if key in r and not math.isnan(r[key])]
-    if not values:
-        return math.nan
-    part = values[:window] if first else values[-window:]
-    return sum(part) / len(part)
+def environment_line(env: Mapping[str, str]) -> str:
+    versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
+    return f"environment: {versions}, {env['threads']} intra-op threads, CPU {env['cpu']}"
 
 
-def summarize(records: Sequence[Mapping[str, float]], window: int = 3) -> dict[str, float]:
-    """Headline figures of one run: reward at the start and end (means over ``window`` steps),
-    mean mismatch metrics, the lowest per-layer routing agreement seen in any step, and the
-    paired mismatch (``mismatch/*``: means over the steps it was measured, and step 0's)."""
-    agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
-    n = len(records)
-    out = {
-        "steps": float(n),
-        "reward_start": _window_mean(records, "reward", True, window),
-        "reward_end": _window_mean(records, "reward", False, window),
-        "k3_kl": _window_mean(records, "k3_kl", True, n),
-        "ratio_out_of_band": _window_mean(records, "ratio_out_of_band", True, n),
-        "agreement_mean": sum(agreements) / len(agreements) if agreements else math.nan,
-        "agreement_min": min(agreements) if agreements else math.nan,
-    }
-    for name in PAIRED:
-        key = MISMATCH_PREFIX + name
-        out[name] = _window_mean(records, key, True, n)
-        out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
-        out[f"{name}_end"] = _window_mean(records, key, False, window)
-    for suffix in ("", "_step0"):
-        out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
+def simulated_share(runs: Mapping[str, History]) -> str | None:
+    """The simulated engine disagreement of ``runs`` as a share (``"10%"``; None: not simulated)."""
+    values = sorted({r[SIMULATED] for h in runs.values() for r in h if r.get(SIMULATED)})
+    return ", ".join(f"{100 * v:g}%" for v in values) if values else None
+
+
+def seed_groups(runs: Mapping[str, History]) -> dict[str, list[History]]:
+    """``{arm: [history of each seed]}`` from run names ``<arm>`` or ``<arm>/seed=<s>``."""
+    out: dict[str, list[History]] = {}
+    for name, history in runs.items():
+        out.setdefault(name.split(SEED_SEP)[0], []).append(history)
     return out
 
 
-PAIRED = (
-    "native_agreement",
-    "k3_native",
-    "k3_replayed",
-    "outside_band_native",
-    "outside_band_replayed",
-    "policy_entropy",
-)
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """``(median, min, max)`` of the values that are not NaN (NaNs when none is)."""
+    kept = sorted(v for v in values if not math.isnan(v))
+    return (statistics.median(kept), kept[0], kept[-1]) if kept else (math.nan,) * 3
+
+
+def _mean(records: History, key: str, part: slice = slice(None)) -> float:
+    values = [r[key] for r in records if key in r and not math.isnan(r[key])][part]
+    return sum(values) / len(values) if values else math.nan
 
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else math.nan
 
 
-def _band(ratio_band: float) -> str:
-    return f"[{1 / ratio_band:g}, {ratio_band:g}]"
+def summarize(records: History, window: int = 3) -> dict[str, float]:
+    """Headline figures of one run: reward at the start and end (means over ``window`` steps), routing
+    agreement (mean, lowest), mismatch means, paired mismatch (mean, last ``window``, step 0)."""
+    agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
+    end = slice(-window, None)
+    out = {"steps": float(len(records)), "reward_start": _mean(records, "reward", slice(window))}
+    out |= {"reward_end": _mean(records, "reward", end), "agreement_min": min(agreements, default=math.nan)}
+    out |= {k: _mean(records, k) for k in ("k3_kl", "ratio_out_of_band")}
+    out["agreement_mean"] = sum(agreements) / len(agreements) if agreements else math.nan
+    for name in (*PAIRED, "policy_entropy"):
+        key = MISMATCH_PREFIX + name
+        out[name], out[f"{name}_end"] = _mean(records, key), _mean(records, key, end)
+        out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
+    out |= {name: _mean(records, CORRECTION_PREFIX + name) for name in CORRECTED}
+    for suffix in ("", "_step0"):
+        out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
+    return out
 
 
 def _fmt_table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
+    return [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
 
 
-def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: float = 2.0) -> str:
-    """Fixed-width summary, one row per run (e.g. ``{"replay=r3": ..., "replay=off": ...}``);
-    ``ratio_band`` is the one the out-of-band metrics were measured with.
+# The summary's columns: header ({band}: the ratio band), summarize() keys (joined by "->"), format.
+COLUMNS = (
+    ("steps", "steps", "{:.0f}"),
+    ("reward start->end", "reward_start reward_end", "{:.3f}"),
+    ("native agreement", "native_agreement", "{:.2%}"),
+    ("k3 native", "k3_native", "{:.2e}"),
+    ("k3 replayed", "k3_replayed", "{:.2e}"),
+    ("native/replayed", "k3_ratio", "{:.1f}x"),
+    ("outside {band} native", "outside_band_native", "{:.3%}"),
+    ("replayed", "outside_band_replayed", "{:.3%}"),
+    ("entropy start->end", "policy_entropy_step0 policy_entropy_end", "{:.3f}"),
+)
+CORRECTED_COLUMNS = (  # shown when a run applied an importance-sampling correction
+    ("IS ESS", "ess", "{:.4f}"),
+    ("truncated", "truncated_fraction", "{:.2%}"),
+    ("masked", "masked_fraction", "{:.2%}"),
+)
+STEP0 = tuple((h.replace(" {band}", ""), f"{k}_step0", f) for h, k, f in COLUMNS[3:8])
 
-    Every mismatch figure is paired: on the same weights and batch, the trainer's logprobs routed
-    natively and with the engine's routes replayed, each against the engine's, so the native and
-    replayed columns compare like with like in every arm. A second table shows step 0, where
-    every arm has the same weights and rollouts."""
 
-    def pct(value: float, digits: int) -> str:
-        return "n/a" if math.isnan(value) else f"{100 * value:.{digits}f}%"
+def _cell(spec: str, value: float) -> str:
+    return "n/a" if math.isnan(value) else spec.format(value)
 
-    def sci(value: float) -> str:
-        return "n/a" if math.isnan(value) else f"{value:.2e}"
 
-    def times(value: float) -> str:
-        return "n/a" if math.isnan(value) else f"{value:.1f}x"
+def _rows(name: str, summaries: list[dict[str, float]], columns: Sequence[tuple]) -> list[list[str]]:
+    """``name``'s row (the median over ``summaries`` of each column) and, for several summaries,
+    the row of their [min, max] under it."""
+    stats = [([spread([s[k] for s in summaries]) for k in keys.split()], f) for _, keys, f in columns]
+    rows = [[name, *(" -> ".join(_cell(f, m) for m, _, _ in values) for values, f in stats)]]
+    if len(summaries) > 1:
+        ranges = (" -> ".join(f"[{_cell(f, lo)}, {_cell(f, hi)}]" for _, lo, hi in v) for v, f in stats)
+        rows.append([f"  [min, max] of {len(summaries)}", *ranges])
+    return rows
 
-    band = _band(ratio_band)
-    header = [
-        "run",
-        "steps",
-        "reward start->end",
-        "native agreement",
-        "k3 native",
-        "k3 replayed",
-        "native/replayed",
-        f"outside {band} native",
-        "replayed",
-        "entropy start->end",
-    ]
-    rows, first = (
-        [header],
-        [["run", "k3 native", "k3 replayed", "native/replayed", "outside native", "replayed"]],
-    )
-    for name, records in runs.items():
-        s = summarize(records)
-        rows.append(
-            [
-                name,
-                f"{int(s['steps'])}",
-                f"{s['reward_start']:.3f} -> {s['reward_end']:.3f}",
-                pct(s["native_agreement"], 2),
-                sci(s["k3_native"]),
-                sci(s["k3_replayed"]),
-                times(s["k3_ratio"]),
-                pct(s["outside_band_native"], 3),
-                pct(s["outside_band_replayed"], 3),
-                f"{s['policy_entropy_step0']:.3f} -> {s['policy_entropy_end']:.3f}",
-            ]
-        )
-        first.append(
-            [
-                name,
-                sci(s["k3_native_step0"]),
-                sci(s["k3_replayed_step0"]),
-                times(s["k3_ratio_step0"]),
-                pct(s["outside_band_native_step0"], 3),
-                pct(s["outside_band_replayed_step0"], 3),
-            ]
-        )
-    lines = _fmt_table(rows)
-    lines += ["", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
+
+def format_table(
+    runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
+) -> str:
+    """Fixed-width summary: a row per arm (``<arm>/seed=<s>`` runs: medians over seeds, their [min, max]
+    under it), then every run's step 0 (same weights and rollouts in every arm). Mismatch figures are
+    paired (same weights and batch, native vs replayed). A simulation heads it, ``env`` ends it."""
+    band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
+    corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
+    columns = COLUMNS + CORRECTED_COLUMNS if corrected else COLUMNS
+    table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
+    table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
+    first = [["run", *(h for h, _, _ in STEP0)]]
+    first += [_rows(name, [summarize(h)], STEP0)[0] for name, h in runs.items()]
+    share = simulated_share(runs)
+    sim = f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})"
+    lines = [sim, ""] if share else []
+    if any(len(s) > 1 for s in groups.values()):
+        lines += ["median over seeds per arm; the row under each arm: [min, max] over its seeds", ""]
+    lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
     lines += [
         "",
         "reward: mean of the first / last 3 steps; entropy (nats) of the policy on response tokens: "
@@ -176,74 +182,69 @@ def format_table(runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: 
         f"{band}; native / replayed: the trainer's own routing / the engine's routes replayed, "
         "same weights and batch; means over the measured steps",
     ]
-    return "\n".join(lines)
+    if corrected:
+        lines.append(
+            "IS ESS, truncated, masked: the loss's importance-sampling correction (algorithm.correction; "
+            "n/a: none), effective sample size (sum w)^2 / (n sum w^2) and shares of loss tokens, "
+            "means over steps"
+        )
+    return "\n".join(lines + ([environment_line(env)] if env else []))
 
 
-def plot_runs(
-    path: str | Path, runs: Mapping[str, Sequence[Mapping[str, float]]], ratio_band: float = 2.0
-) -> None:
-    """Six panels over RL steps, one colour per run: mean reward, native routing agreement, paired
-    k3 KL (solid: native routing, dashed: replayed), its native/replayed ratio, the fraction of
-    tokens with ratio outside ``[1 / ratio_band, ratio_band]`` (native / replayed) and the policy
-    entropy."""
+def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float = 2.0) -> list[str]:
+    """Six panels over RL steps, one colour per arm (several seeds: the median in a [min, max] band;
+    dashed: replayed routing): reward, native agreement, paired k3, k3 native / replayed, tokens out
+    of ``ratio_band``, entropy. Returns the titles (figure, panels); they name a simulation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    m, band = MISMATCH_PREFIX, f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    panels = {  # title: columns (the second one, replayed, dashed), scale
+        "mean reward": (["reward"], 1),
+        "native routing agreement with the engine (%)": ([m + "native_agreement"], 100),
+        "paired k3 KL(engine || trainer)": ([m + "k3_native", m + "k3_replayed"], 1),
+        "k3 native / k3 replayed (same weights)": (["k3_ratio"], 1),
+        f"tokens with ratio outside {band} (%)": (
+            [m + "outside_band_native", m + "outside_band_replayed"],
+            100,
+        ),
+        "policy entropy (nats)": ([m + "policy_entropy"], 1),
+    }
+    share = simulated_share(runs)
+    titles = [f"{t}, simulated {share}" if share else t for t in panels]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-
-    def series(records, key: str, scale: float = 1.0) -> tuple[list[float], list[float]]:
-        points = [(r["step"], scale * r[key]) for r in records if key in r and not math.isnan(r[key])]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    for (name, records), color in zip(runs.items(), colors, strict=False):
-        axes[0, 0].plot(*series(records, "reward"), color=color, marker=".", label=name)
-        axes[0, 1].plot(
-            *series(records, MISMATCH_PREFIX + "native_agreement", 100), color=color, marker=".", label=name
-        )
-        for col, key, scale in ((2, "k3", 1.0), (1, "outside_band", 100.0)):
-            ax = axes[0, 2] if col == 2 else axes[1, 1]
-            ax.plot(
-                *series(records, f"{MISMATCH_PREFIX}{key}_native", scale),
-                color=color,
-                marker=".",
-                label=f"{name} native",
-            )
-            ax.plot(
-                *series(records, f"{MISMATCH_PREFIX}{key}_replayed", scale),
-                color=color,
-                ls="--",
-                marker="x",
-                label=f"{name} replayed",
-            )
-        ratios = [
-            (r["step"], _ratio(r[MISMATCH_PREFIX + "k3_native"], r[MISMATCH_PREFIX + "k3_replayed"]))
-            for r in records
-            if MISMATCH_PREFIX + "k3_native" in r and MISMATCH_PREFIX + "k3_replayed" in r
+    for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
+        name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
+        ratio = {m + "k3_native", m + "k3_replayed"}
+        records = [
+            {**r, "k3_ratio": _ratio(r[m + "k3_native"], r[m + "k3_replayed"])} if ratio <= set(r) else r
+            for h in histories
+            for r in h
         ]
-        axes[1, 0].plot([p[0] for p in ratios], [p[1] for p in ratios], color=color, marker=".", label=name)
-        axes[1, 2].plot(
-            *series(records, MISMATCH_PREFIX + "policy_entropy"), color=color, marker=".", label=name
-        )
-    titles = {
-        (0, 0): "mean reward",
-        (0, 1): "native routing agreement with the engine (%)",
-        (0, 2): "paired k3 KL(engine || trainer)",
-        (1, 0): "k3 native / k3 replayed (same weights)",
-        (1, 1): f"tokens with ratio outside {_band(ratio_band)} (%)",
-        (1, 2): "policy entropy (nats)",
-    }
-    for (i, j), title in titles.items():
-        axes[i, j].set_title(title)
-    axes[0, 2].set_yscale("log")
-    axes[1, 0].axhline(1.0, color="grey", lw=0.8)
-    axes[1, 0].set_ylim(bottom=0)
-    axes[1, 1].set_ylim(bottom=0)
-    for ax in axes.flat:
-        ax.set_xlabel("RL step")
+        for ax, (keys, scale) in zip(axes.flat, panels.values(), strict=True):
+            for dashed, key in enumerate(keys):
+                steps = sorted({r["step"] for r in records if key in r})
+                stats = [
+                    spread([scale * r[key] for r in records if r["step"] == s and key in r]) for s in steps
+                ]
+                med, low, high = zip(*stats, strict=True) if stats else [()] * 3
+                label = f"{name} {key.rsplit('_', 1)[1]}" if len(keys) > 1 else name
+                ax.plot(steps, med, color=color, label=label, ls="--" if dashed else "-", marker=".x"[dashed])
+                if len(histories) > 1:
+                    ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
+    for ax, title in zip(axes.flat, titles, strict=True):
+        ax.set(title=title, xlabel="RL step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    axes[0, 2].set_yscale("log")
+    axes[1, 0].axhline(1.0, color="grey", lw=0.8)
+    for ax in (axes[1, 0], axes[1, 1]):
+        ax.set_ylim(bottom=0)
+    suptitle = f"SIMULATED engine disagreement {share} (rollout.server.{SIMULATED})" if share else ""
+    fig.suptitle(suptitle)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return [suptitle, *titles]

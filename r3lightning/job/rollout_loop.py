@@ -12,29 +12,27 @@ rank 0's buffer only) the resumed run collects that step again, same seeds, rest
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
-from r3lightning.job.build import dataclass_from, plain
+from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
-from r3lightning.job.report import AGREEMENT_PREFIX, MISMATCH_PREFIX, write_csv
+from r3lightning.job.report import AGREEMENT_PREFIX, CORRECTION_PREFIX, MISMATCH_PREFIX, write_csv
+from r3lightning.job.rollout_settings import collector_config, retry_policy
 from r3lightning.rollout.collector import RolloutCollector
-from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.rollout.tasks import ScoredTask
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
-T = TypeVar("T")
 
 
 @dataclass
@@ -51,8 +49,10 @@ class Engine:
 
 class OnPolicyLoop(pl.Callback):
     """Rollout -> this rank's ``buffer`` -> train, once per epoch, with weight pushes in between:
-    ``task``'s prompts (``prompts_per_step`` of them per step) scored by its reward, collected
-    from ``engine`` as ``cfg.rollout`` says; one row per step in ``metrics_path`` (rank 0)."""
+    ``task``'s prompts (``prompts_per_step`` of them per step) scored by its reward (or played
+    out by its environments), collected from ``engine`` as ``cfg.rollout`` says; one row per step
+    in ``metrics_path`` (rank 0), with ``simulated_disagreement`` in every row when the embedded
+    engine simulates one."""
 
     def __init__(
         self,
@@ -69,6 +69,12 @@ class OnPolicyLoop(pl.Callback):
         if self.sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
             stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
             self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)
+        simulated = (
+            OmegaConf.select(cfg, "rollout.server.simulated_disagreement")
+            if cfg.rollout.url is None
+            else None
+        )
+        self.labels = {"simulated_disagreement": float(simulated)} if simulated else {}
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
         self._pending: dict[str, float] = {}  # rollout stats of the step being trained
@@ -80,13 +86,16 @@ class OnPolicyLoop(pl.Callback):
         rollout = self.cfg.rollout
         return RolloutCollector(
             urls,
-            lambda prompt, response_ids: self.task.score_prompt(prompt, response_ids),
+            self.task.environments() or self._reward,  # a multi-turn task's environments score
             collector_config(rollout),
             schema=self.schema,
             sampling=self.sampling,
             retry=retry_policy(rollout),
             client_options={"api_key": rollout.api_key},
         )
+
+    def _reward(self, prompt, response_ids):  # the task looked up when scoring
+        return self.task.score_prompt(prompt, response_ids)
 
     def check_engines(self) -> None:
         """A ``JobError`` unless every engine of ``engine.urls`` answers ``GET /health``."""
@@ -136,9 +145,10 @@ class OnPolicyLoop(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.current_epoch
-        record = {"step": float(step), **self._pending, "train_s": time.perf_counter() - self._epoch_start}
+        record = {"step": float(step), **self.labels, **self._pending}
+        record["train_s"] = time.perf_counter() - self._epoch_start
         for key, value in trainer.callback_metrics.items():  # train/<name> as <name>
-            if key.startswith(("train/", AGREEMENT_PREFIX, MISMATCH_PREFIX)):
+            if key.startswith(("train/", AGREEMENT_PREFIX, MISMATCH_PREFIX, CORRECTION_PREFIX)):
                 record[key.removeprefix("train/")] = float(value)
         self.history.append(record)
         if trainer.is_global_zero:
@@ -164,11 +174,10 @@ class OnPolicyLoop(pl.Callback):
         urls = self.engine.urls
         if self.collector is None and trainer.world_size > 1:
             urls = trainer.strategy.broadcast(urls, src=0)  # a few short strings, once per fit
-            if (
-                trainer.num_nodes > 1
-                and self.engine.urls is None
-                and _is_loopback(urlsplit(urls[0]).hostname)
-            ):
+            from r3lightning.serve.server import is_loopback
+
+            host = urlsplit(urls[0]).hostname or ""
+            if trainer.num_nodes > 1 and self.engine.urls is None and is_loopback(host):
                 raise JobError(
                     f"the embedded engine listens on loopback ({urls[0]}), which other nodes cannot "
                     "reach: set rollout.server.host to this node's address, or rollout.url"
@@ -199,24 +208,8 @@ class OnPolicyLoop(pl.Callback):
             "engine_errors": float(stats.engine_errors),
             **self.task.pop_metrics(),
         }
-
-
-def retry_policy(rollout: DictConfig) -> RetryPolicy:
-    """``rollout.retry`` (with its ``backoff``) as a :class:`RetryPolicy`; a bad value is a
-    ``JobError`` naming the key."""
-    backoff = settings_from(Backoff, rollout.retry.backoff, "rollout.retry.backoff")
-    return settings_from(RetryPolicy, rollout.retry, "rollout.retry", backoff=backoff)
-
-
-def collector_config(rollout: DictConfig) -> CollectorConfig:
-    """``rollout.collector`` as a :class:`CollectorConfig`."""
-    return settings_from(CollectorConfig, rollout.collector, "rollout.collector")
-
-
-def settings_from(cls: type[T], node: DictConfig, key: str, **fixed: Any) -> T:
-    """``cls`` from ``node`` (unknown keys refused, the class's own checks named under ``key``)
-    with ``fixed`` fields set."""
-    return dataclass_from(cls, {**{k: v for k, v in plain(node).items() if k not in fixed}, **fixed}, key)
+        if self.collector.environments is not None:  # turns, dropped groups, per-turn rewards and bytes
+            self._pending.update(stats.turn_metrics())
 
 
 def on_policy_loop(
@@ -228,13 +221,6 @@ def on_policy_loop(
     if engine.urls is not None:
         loop.check_engines()
     return loop
-
-
-def _is_loopback(host: str | None) -> bool:
-    try:
-        return ipaddress.ip_address(host or "").is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def full_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:

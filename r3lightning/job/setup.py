@@ -93,7 +93,7 @@ _URLS: Rule = (
     lambda v: v is None or (v != [] and all(str(u).startswith(("http://", "https://")) for u in _as_list(v))),
 )
 # Every value the job reads itself, checked (where present) before anything is built; rollout.retry,
-# collector, server and limits are checked by their settings classes (engine.check_rollout), the
+# collector, server and limits are checked by their settings classes (rollout_settings), the
 # data module's keys by building it once here.
 _RULES: dict[str, Rule] = {
     "seed": _integer(0, 2**32 - 1),  # Lightning's seed_everything range
@@ -102,7 +102,6 @@ _RULES: dict[str, Rule] = {
     "reward_threads": _integer(0),
     "resume": _BOOL,
     "plot": _BOOL,
-    "compare": (f"a list of replay modes {list(_MODES)}", lambda v: all(m in _MODES for m in v)),
     "reward.timeout_s": _null(_number(0)),
     "task.vocab_size": _null(_integer(1)),
     "task.num_classes": _integer(2),
@@ -169,6 +168,7 @@ def check_config(cfg: DictConfig) -> None:
     from r3lightning.correction.grpo import GRPOConfig
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.job.module import OptimConfig
+    from r3lightning.job.rollout_settings import check_rollout
     from r3lightning.rollout.prompts import SamplingConfig
 
     _check_rules(cfg, _RULES)
@@ -191,9 +191,7 @@ def check_config(cfg: DictConfig) -> None:
     path = OmegaConf.select(cfg, "task.path")
     if path is not None and not Path(str(path)).expanduser().is_file():
         raise JobError(f"task.path: no such file: {path}")
-    from r3lightning.job.engine import check_rollout  # rollout.retry / collector / server / limits
-
-    check_rollout(cfg)
+    check_rollout(cfg)  # rollout.retry / collector / server / limits (after algorithm.*: interpolated)
     # before a checkpoint is loaded: Lightning would only find out when building the Trainer
     if cfg.trainer.get("accelerator") == "gpu" and not (
         torch.cuda.is_available() or torch.backends.mps.is_available()

@@ -44,11 +44,9 @@ def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -
     ``layers``, ``native_agreement/layer_XX`` (NaN without route rows: nothing to compare)."""
     route_rows, replayed_rows, native_hits, used_hits = table
     rows = route_rows.sum()
-    metrics = {
-        "replayed_fraction": torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0),
-        "native_agreement": native_hits.sum() / (rows * top_k),
-        "used_agreement": used_hits.sum() / (rows * top_k),
-    }
+    replayed, slots = torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0), rows * top_k
+    metrics = {"replayed_fraction": replayed, "native_agreement": native_hits.sum() / slots}
+    metrics["used_agreement"] = used_hits.sum() / slots
     if layers:
         per_layer = native_hits / (route_rows * top_k)  # [num_layers]
         for layer in layers:

@@ -1,16 +1,12 @@
 """Async HTTP client for one generation request, with routed experts, against a rollout engine.
 
-:class:`RemoteGenerateClient` sends a ``skyrl``, ``vllm``, ``sglang`` or ``openai`` generate
-request (formats, and where each field comes from, in :mod:`r3lightning.wire.request`)
-and returns a :class:`RemoteGenerateResult` whose
-routes were decoded straight from the body bytes into a numpy array (bodies over
-``decode_in_thread_bytes`` are decoded off the event loop). Attempts that fail transiently
-(connection refused/reset, timeouts, a cut-off body, 408/429/5xx) are retried with capped
-exponential backoff and jitter, honouring ``Retry-After``; other 4xx answers and malformed
-payloads raise at once. While requests wait, the engine's ``/health`` is probed, so one that
-accepts connections but never answers is given up on in seconds, not after ``timeout_s``
-(:class:`~r3lightning.rollout.config.RetryPolicy`). See :mod:`r3lightning.wire.errors` for
-what is raised.
+:class:`RemoteGenerateClient` sends a ``skyrl``, ``vllm``, ``sglang`` or ``openai`` request
+(formats in :mod:`r3lightning.wire.request`) and returns a :class:`RemoteGenerateResult` whose
+routes are decoded from the body bytes (off the event loop above ``decode_in_thread_bytes``).
+Transient failures (connection errors, timeouts, cut-off bodies, 408/429/5xx) are retried with
+capped exponential backoff and jitter, honouring ``Retry-After``; an engine that stops answering
+``/health`` is given up on at once (:mod:`r3lightning.rollout.health`); other 4xx answers and
+malformed payloads raise at once (:mod:`r3lightning.wire.errors`).
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import aiohttp
 import orjson
 
 from r3lightning.rollout.config import Backoff, RetryPolicy, check_setting, route_schema
+from r3lightning.rollout.health import EngineHungError, HealthWatch
 from r3lightning.wire.errors import (
     GenerateRequestError,
     MalformedResponseError,
@@ -58,17 +55,14 @@ class ClientStats:
 
 def _retry_after(value: str | None) -> float | None:
     """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date); None if absent/bad."""
-    if not value:
-        return None
     try:
-        return max(0.0, float(value))
+        return max(0.0, float(value)) if value else None
     except ValueError:
         pass
     try:
-        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def _server_message(text: str) -> str:
@@ -79,11 +73,12 @@ def _server_message(text: str) -> str:
         return text.strip()[:_MAX_ERROR_TEXT]
     if isinstance(body, dict):
         error = body.get("error")
-        for candidate in (
+        candidates = (
             error.get("message") if isinstance(error, dict) else error,
             body.get("detail"),
             body.get("message"),
-        ):
+        )
+        for candidate in candidates:
             if isinstance(candidate, str):
                 return candidate[:_MAX_ERROR_TEXT]
     return text.strip()[:_MAX_ERROR_TEXT]
@@ -101,29 +96,17 @@ def _as_int_list(values: Sequence[int] | Any, name: str) -> list[int]:
     return ids
 
 
-class _EngineHung(RetryableGenerateError):
-    """The engine stopped answering ``GET /health`` while a request waited: not retried there."""
-
-
 class RemoteGenerateClient:
     """Client for one rollout engine; safe to share between concurrent tasks of one event loop.
 
-    A client serves one event loop at a time: used from a second loop (another thread) while
-    the first still runs, it raises ``RuntimeError`` saying so (give each thread its own client,
-    e.g. a pickled copy); a loop that has finished is simply replaced.
-    ``schema``: the route schema, a :class:`~r3lightning.wire.request.RouteSchema` or a model
-    config (:func:`~r3lightning.rollout.config.route_schema`): ``num_layers`` / ``top_k``
-    reshape SGLang's flat routes and are checked for the others, ids are range-checked with
-    ``num_experts`` (repeated experts are refused when the routes become a ``Trajectory``, or in
-    the parse with ``RouteSchema(check_unique=True)``); it lives in :attr:`routes`. ``retry``:
-    attempts, backoff, timeouts and health probing (:class:`~r3lightning.rollout.config.RetryPolicy`). ``model`` is sent as
-    the request's model name; ``engine`` (``"vllm"`` / ``"sglang"``) narrows the ``openai``
-    request's route fields to that engine's (default: both, which either engine accepts).
-    ``max_response_bytes`` caps a body. Set :attr:`max_connections` (requests in flight; more
-    wait) and :attr:`decode_in_thread_bytes` on the instance before its first request.
-    The aiohttp session is created on first use, recreated when the running event loop changes,
-    and closed by :meth:`close` / ``async with``. Pickling drops it, so a client can be sent to
-    another process.
+    One event loop at a time (a second, running one: ``RuntimeError``; give each thread its own,
+    e.g. a pickled copy). ``schema``: a ``RouteSchema`` or a model config (:attr:`routes`; SGLang
+    needs ``num_layers``, ``top_k``; ``check_unique=True`` refuses repeated experts in the parse,
+    ``Trajectory`` always). ``retry``: a :class:`~r3lightning.rollout.config.RetryPolicy`;
+    ``model``: the request's model name; ``engine``: ``openai``'s route fields of vLLM or SGLang
+    only. ``max_response_bytes`` caps a body; set :attr:`max_connections` and
+    :attr:`decode_in_thread_bytes` before the first request. The aiohttp session opens on first
+    use, follows the running loop, closes with :meth:`close` / ``async with``; pickling drops it.
     """
 
     max_connections: int = 256
@@ -167,21 +150,19 @@ class RemoteGenerateClient:
         self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: str | None = None  # name of the thread whose loop owns the session
-        self._waiting = 0  # attempts in flight on this loop: the health monitor runs while > 0
-        self._monitor: asyncio.Task | None = None
-        self._hung: asyncio.Future | None = None  # resolved by the monitor when the engine hangs
+        self._watch = HealthWatch(self._probe, self.retry)
 
     # ----------------------------------------------------------------- lifecycle
 
     def _session_for_running_loop(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            other = self._loop
+            other, session = self._loop, self._session
             if (
                 other is not None
                 and other is not loop
-                and self._session is not None
-                and not self._session.closed
+                and session
+                and not session.closed
                 and other.is_running()
             ):
                 raise RuntimeError(
@@ -202,15 +183,11 @@ class RemoteGenerateClient:
         return self._session, self._slots
 
     def _abandon_session(self) -> None:
-        """Let go of a session bound to another event loop.
-
-        A loop running in another thread closes it there; the sockets of a loop that stopped
-        cannot be closed from here (asyncio would warn when they are collected): close the client
-        with ``await client.close()`` / ``async with`` before its loop ends.
-        """
+        """Let go of a session bound to another event loop: a running one closes it; a stopped one's
+        sockets cannot be closed from here (close the client before its loop ends)."""
         session, loop = self._session, self._loop
-        self._session = self._slots = self._loop = self._monitor = self._hung = None
-        self._waiting = 0
+        self._session = self._slots = self._loop = None
+        self._watch.reset()
         if session is None or session.closed or loop is None:
             return
         if loop.is_running():
@@ -221,10 +198,8 @@ class RemoteGenerateClient:
     async def close(self) -> None:
         """Close the HTTP session (a later call opens a new one)."""
         if self._session is not None and self._loop is asyncio.get_running_loop():
-            session, monitor = self._session, self._monitor
-            self._session = self._slots = self._loop = self._monitor = self._hung = None
-            if monitor is not None:
-                monitor.cancel()
+            session, self._session, self._slots, self._loop = self._session, None, None, None
+            self._watch.cancel()
             await session.close()
         else:
             self._abandon_session()
@@ -237,13 +212,12 @@ class RemoteGenerateClient:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for name in ("_session", "_slots", "_loop", "_thread", "_monitor", "_hung"):
-            state[name] = None
-        state["_waiting"] = 0
+        state["_session"] = state["_slots"] = state["_loop"] = state["_thread"] = state["_watch"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._watch = HealthWatch(self._probe, self.retry)
 
     def __repr__(self) -> str:
         return f"RemoteGenerateClient({self.base_url!r}, protocol={self.protocol!r}, stats={self.stats})"
@@ -285,12 +259,9 @@ class RemoteGenerateClient:
             and (self.routes.num_layers is None or self.routes.top_k is None)
         ):
             raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
-        if routed_experts_prompt_start is not None and (
-            type(routed_experts_prompt_start) is not int or routed_experts_prompt_start < 0
-        ):
-            raise ValueError(
-                f"routed_experts_prompt_start must be an int >= 0, got {routed_experts_prompt_start!r}"
-            )
+        check_setting(
+            "routed_experts_prompt_start", routed_experts_prompt_start, low=0, integer=True, optional=True
+        )
         prompt_ids = _as_int_list(prompt_token_ids, "prompt_token_ids")
         if routed_experts_prompt_start is not None and routed_experts_prompt_start > len(prompt_ids):
             raise ValueError(  # an engine answers 400 (or fewer rows than asked); fail before sending
@@ -337,29 +308,15 @@ class RemoteGenerateClient:
     async def _probe(self) -> int | None:
         """The status ``GET /health`` answers within ``retry.health_timeout_s``; None if none."""
         session, _ = self._session_for_running_loop()
+        timeout = aiohttp.ClientTimeout(total=self.retry.health_timeout_s)
         try:
             async with session.get(
-                f"{self.base_url}/health",
-                headers=self._headers(None),
-                timeout=aiohttp.ClientTimeout(total=self.retry.health_timeout_s),
+                f"{self.base_url}/health", headers=self._headers(None), timeout=timeout
             ) as response:
                 await response.read()
                 return response.status
         except (aiohttp.ClientError, TimeoutError):
             return None
-
-    async def _watch_health(self, hung: asyncio.Future) -> None:
-        """Probe ``/health`` while attempts wait; resolve ``hung`` after ``health_failures``
-        probes in a row without any answer (an answer of any status means the engine is alive)."""
-        failures = 0
-        while self._waiting:
-            await asyncio.sleep(self.retry.health_interval_s)
-            if not self._waiting:
-                return
-            failures = 0 if await self._probe() is not None else failures + 1
-            if failures >= self.retry.health_failures:
-                hung.set_result(None)
-                return
 
     async def _call(
         self, method: str, path: str, data: bytes, headers: dict[str, str], parse: Callable[[bytes], T]
@@ -374,7 +331,7 @@ class RemoteGenerateClient:
                 try:
                     raw = await self._watched_attempt(method, url, data, headers)
                 except RetryableGenerateError as error:
-                    if attempt == retry.max_attempts or isinstance(error, _EngineHung):
+                    if attempt == retry.max_attempts or isinstance(error, EngineHungError):
                         raise RetriesExhaustedError(attempt, error, url=url) from error
                     self.stats.retries += 1
                     if error.retry_after is not None:
@@ -392,32 +349,10 @@ class RemoteGenerateClient:
             raise
 
     async def _watched_attempt(self, method: str, url: str, data: bytes, headers: dict[str, str]) -> bytes:
-        """:meth:`_attempt`, abandoned with :class:`_EngineHung` if the health monitor gives up."""
+        """:meth:`_attempt` under the health watch (:mod:`r3lightning.rollout.health`)."""
         session, slots = self._session_for_running_loop()
         async with slots:  # waiting for a free connection does not eat into timeout_s
-            if self.retry.health_interval_s is None:
-                return await self._attempt(session, method, url, data, headers)
-            if self._hung is None or self._hung.done():
-                self._hung = asyncio.get_running_loop().create_future()
-            hung = self._hung
-            self._waiting += 1
-            if self._monitor is None or self._monitor.done():
-                self._monitor = asyncio.ensure_future(self._watch_health(hung))
-            send = asyncio.ensure_future(self._attempt(session, method, url, data, headers))
-            try:
-                await asyncio.wait((send, hung), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                self._waiting -= 1
-                if not send.done():
-                    send.cancel()
-                    await asyncio.wait((send,))
-            if not send.cancelled():
-                return send.result()
-            retry = self.retry
-            raise _EngineHung(
-                f"stopped answering GET /health ({retry.health_failures} probes in a row got no "
-                f"answer within {retry.health_timeout_s:g} s)"
-            )
+            return await self._watch.run(self._attempt(session, method, url, data, headers))
 
     async def _attempt(
         self, session: aiohttp.ClientSession, method: str, url: str, data: bytes, headers: dict[str, str]

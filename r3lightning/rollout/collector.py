@@ -27,28 +27,40 @@ Scoring: ``reward_fn(prompt, response_ids)`` -> a number, or a mapping with a ``
 ``reward_threads > 0`` a plain function runs in a thread pool, so slow rewards overlap with
 generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
 ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``.
+
+Multi-turn: with :class:`~r3lightning.rollout.environment.Environments` as ``reward_fn`` each trajectory
+is a :func:`~r3lightning.rollout.episode.run_episode`; a failing turn drops its group (not an outage).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from r3lightning.correction.grpo import group_advantages
 from r3lightning.data.trajectory import Trajectory
-from r3lightning.rollout.client import RemoteGenerateClient, RemoteGenerateResult
+from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy, route_schema
+from r3lightning.rollout.environment import Environments
+from r3lightning.rollout.episode import Episode, plain_call, run_episode, single_turn
 from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
-from r3lightning.rollout.stats import RolloutStats, StepCounters, reduce_step_stats
+from r3lightning.rollout.stats import (
+    CollectedRollouts,
+    EnginesUnavailableError,
+    StepCounters,
+    outage,
+    reduce_step_stats,
+)
 from r3lightning.trace import RoutedExpertTrace
-from r3lightning.wire.errors import RemoteGenerateError, RetriesExhaustedError
+from r3lightning.wire.errors import RetriesExhaustedError
 from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
@@ -59,48 +71,6 @@ __all__ = ["CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class CollectedRollouts:
-    """This rank's share of one step: ``trajectories`` group after group (``group_size`` each),
-    ``groups`` the global index of each, and the step's global ``stats``."""
-
-    trajectories: list[Trajectory]
-    groups: list[int]
-    stats: RolloutStats
-
-
-class EnginesUnavailableError(RemoteGenerateError):
-    """Every engine of the collector exhausted its retries within one step.
-
-    ``errors`` maps each engine's URL to the error that took it out; the message gives one
-    short clause per engine.
-    """
-
-    def __init__(self, step: int, errors: Mapping[str, BaseException]):
-        detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
-        super().__init__(f"all {len(errors)} rollout engine(s) failed at step {step}: {detail}")
-        self.errors = dict(errors)
-
-
-def outage(error: BaseException) -> str:
-    """A short clause for why an engine is out: ``HTTP 503 after 5 attempts``, ``connection
-    failed after 5 attempts``, ``timed out ...``, or the hung-engine message."""
-    last = getattr(error, "last_error", error)
-    cause = last.__cause__
-    if getattr(last, "status", None) is not None:
-        what = f"HTTP {last.status}"
-    elif isinstance(cause, TimeoutError):
-        what = "timed out"
-    elif isinstance(cause, OSError):
-        what = "connection failed"
-    elif cause is not None:
-        what = type(cause).__name__
-    else:
-        what = str(last)
-    attempts = getattr(error, "attempts", None)
-    return what if attempts is None else f"{what} after {attempts} attempt(s)"
-
-
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
@@ -109,7 +79,7 @@ class RolloutCollector:
             a client with ``config.protocol``, ``schema``, ``retry`` and ``client_options``
             (e.g. ``api_key``); each engine's requests use its own client's protocol.
         reward_fn: ``(prompt: RolloutPrompt, response_ids: list[int]) -> float | {"score": float}``
-            (or a coroutine function).
+            (or a coroutine function); or :class:`Environments` for multi-turn trajectories.
         config: group size, seed, protocol, concurrency (:class:`CollectorConfig`).
         schema: the route schema (every decoder layer, dense included): a
             :class:`~r3lightning.wire.request.RouteSchema` or the model's config
@@ -127,7 +97,7 @@ class RolloutCollector:
     def __init__(
         self,
         engines: str | RemoteGenerateClient | Sequence[str | RemoteGenerateClient],
-        reward_fn: RewardFn,
+        reward_fn: RewardFn | Environments,
         config: CollectorConfig,
         *,
         schema: RouteSchema | Mapping[str, Any] | Any = None,
@@ -138,8 +108,8 @@ class RolloutCollector:
     ) -> None:
         if not isinstance(config, CollectorConfig):
             raise TypeError(f"config must be a CollectorConfig, got {type(config).__name__}")
-        if not callable(reward_fn):
-            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        if not callable(reward_fn) and not isinstance(reward_fn, Environments):
+            raise TypeError(f"reward_fn must be callable or Environments, got {type(reward_fn).__name__}")
         self.schema = None if schema is None else route_schema(schema)
         if config.request_routes and (
             self.schema is None or None in (self.schema.num_layers, self.schema.top_k)
@@ -172,6 +142,7 @@ class RolloutCollector:
         if len(set(urls)) != len(urls):
             raise ValueError(f"engines: each URL at most once, got {urls}")
         self.reward_fn = reward_fn
+        self.environments = reward_fn if isinstance(reward_fn, Environments) else None
         self.config = config
         self.sampling = sampling if sampling is not None else SamplingConfig()
         self.process_group = process_group
@@ -277,10 +248,11 @@ class RolloutCollector:
         bar = _progress_bar(
             len(groups) * self.config.group_size, f"rollout step {step}", self.config.progress and show
         )
+        envs = self.environments
+        counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
 
-        async def sample(group: int, index: int) -> tuple[RemoteGenerateResult, float]:
-            prompt = prompts[group]
-            seed = sampling_seed(self.config.seed, step, group, index)
+        async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
+            seed = sampling_seed(self.config.seed, step, group, index, turn)
             while True:
                 async with slots:
                     engine = group % len(self.clients)
@@ -288,17 +260,17 @@ class RolloutCollector:
                         up = [e for e in range(len(self.clients)) if e not in out]
                         if not up:
                             raise EnginesUnavailableError(
-                                step, {self.clients[e].base_url: out[e] for e in out}
+                                step, {self.clients[e].base_url: out[e] for e in sorted(out)}
                             )
                         engine = up[group % len(up)]
                     client = self.clients[engine]
                     counters.requests += 1
                     try:
                         result = await client.generate(
-                            prompt.token_ids,
+                            tokens,
                             self.sampling.wire_params(client.protocol, seed),
                             return_routed_experts=self.config.request_routes,
-                            routed_experts_prompt_start=0 if self.config.request_routes else None,
+                            routed_experts_prompt_start=start,
                         )
                     except RetriesExhaustedError as exc:
                         counters.attempts += exc.attempts
@@ -313,13 +285,39 @@ class RolloutCollector:
                             )
                         continue
                 counters.attempts += result.attempts
-                bar.update(1)
-                where = f"group {group} sample {index} of step {step}"
-                return result, score_value(await self._score(prompt, result.response_ids), where)
+                return result
 
-        jobs = [asyncio.ensure_future(sample(g, j)) for g in groups for j in range(self.config.group_size)]
+        async def sample(group: int, index: int) -> Episode:
+            prompt, where = prompts[group], f"group {group} sample {index} of step {step}"
+            if envs is None:
+                start = 0 if self.config.request_routes else None
+                result = await generate(group, index, prompt.token_ids, 0, start)
+                reward = score_value(await self._call(self.reward_fn, prompt, result.response_ids), where)
+                episode = single_turn(prompt, result, reward, self._trace())
+            else:
+                settings = {"max_turns": envs.max_turns, "trace": self._trace(), "call": self._call}
+                run = functools.partial(generate, group, index)
+                episode = await run_episode(envs.make(), prompt, run, where=where, **settings)
+            bar.update(1)
+            return episode
+
+        async def whole_group(group: int) -> list[Episode]:
+            jobs = [asyncio.ensure_future(sample(group, j)) for j in range(self.config.group_size)]
+            try:
+                return await asyncio.gather(*jobs)
+            except Exception as exc:
+                for job in jobs:
+                    job.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                if envs is None or isinstance(exc, EnginesUnavailableError):
+                    raise
+                counters.dropped_groups += 1  # one failed turn drops the whole group, never part of it
+                logger.warning("group %d of step %d dropped: %s", group, step, exc)
+                return []
+
+        jobs = [asyncio.ensure_future(whole_group(g)) for g in groups]
         try:
-            samples = await asyncio.gather(*jobs)
+            kept = await asyncio.gather(*jobs)
         except BaseException:
             for job in jobs:  # gather leaves the others running: stop them before raising
                 job.cancel()
@@ -327,57 +325,31 @@ class RolloutCollector:
             raise
         finally:
             bar.close()
+        if groups and not any(kept):
+            raise RuntimeError(f"every group of step {step} was dropped (the log has each group's error)")
         trajectories = []
-        for i, group in enumerate(groups):
-            first = i * self.config.group_size
-            trajectories += self._group_trajectories(
-                prompts[group], samples[first : first + self.config.group_size]
+        for episodes in filter(None, kept):  # dropped groups are empty
+            rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]
+            advantages = group_advantages(
+                rewards, self.config.group_size, normalize_std=self.config.normalize_std
             )
+            for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
+                counters.add_turns(episode.turn_rewards, episode.route_bytes)
+                trajectories.append(episode.trajectory(advantage))
         counters.engines_out = len(out)
         return trajectories
 
-    async def _score(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:
-        if inspect.iscoroutinefunction(self.reward_fn):
-            return await self.reward_fn(prompt, response_ids)
-        if self.config.reward_threads:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.config.reward_threads, thread_name_prefix="r3-reward")
-            return await asyncio.get_running_loop().run_in_executor(
-                self._pool, self.reward_fn, prompt, response_ids
-            )
-        value = self.reward_fn(prompt, response_ids)
-        return await value if inspect.isawaitable(value) else value
+    def _trace(self) -> RoutedExpertTrace | None:
+        s = self.schema
+        return RoutedExpertTrace(s.num_layers, s.top_k, s.num_experts) if self.config.request_routes else None
 
-    def _group_trajectories(
-        self, prompt: RolloutPrompt, samples: list[tuple[RemoteGenerateResult, float]]
-    ) -> list[Trajectory]:
-        from r3lightning.correction.grpo import group_advantages
-
-        rewards = torch.tensor([reward for _, reward in samples], dtype=torch.float64)  # [group_size]
-        advantages = group_advantages(
-            rewards, self.config.group_size, normalize_std=self.config.normalize_std
-        ).tolist()
-        out = []
-        for (result, reward), advantage in zip(samples, advantages, strict=True):
-            response = list(result.response_ids)
-            routes = None
-            if self.config.request_routes:
-                trace = RoutedExpertTrace(self.schema.num_layers, self.schema.top_k, self.schema.num_experts)
-                trace.record_generation(len(prompt.token_ids), len(response), result.routed_experts)
-                routes = trace.finalize(len(prompt.token_ids) + len(response))
-            out.append(
-                Trajectory(
-                    prompt.token_ids,
-                    response,
-                    rollout_logprobs=result.response_logprobs,
-                    reward=reward,
-                    advantage=float(advantage),
-                    routed_experts=routes,
-                )
-            )
-        return out
-
-    # ------------------------------------------------------------------ statistics
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """A reward or environment method: in the ``reward_threads`` pool if plain, else awaited."""
+        if not self.config.reward_threads or inspect.iscoroutinefunction(fn):
+            return await plain_call(fn, *args)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.config.reward_threads, thread_name_prefix="r3-reward")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------------ engines and lifecycle
 

@@ -43,10 +43,12 @@ log = logging.getLogger(__name__)
 _MAX_SEED = 2**31 - 1  # what every engine accepts as a sampling seed
 
 
-def sampling_seed(seed: int, step: int, group: int, sample: int = 0) -> int:
-    """The sampling seed of sample ``sample`` of group ``group`` at RL step ``step``, in
-    ``[0, 2**31 - 1)``: a hash, so seeds of different steps or groups never collide in a pattern."""
-    digest = hashlib.blake2b(struct.pack("<4q", seed, step, group, sample), digest_size=8).digest()
+def sampling_seed(seed: int, step: int, group: int, sample: int = 0, turn: int = 0) -> int:
+    """The sampling seed of turn ``turn`` of sample ``sample`` of group ``group`` at RL step
+    ``step``, in ``[0, 2**31 - 1)``: a hash, so seeds of different steps or groups never collide
+    in a pattern. Turn 0 hashes the first four alone (single-turn seeds predate turns)."""
+    fields = (seed, step, group, sample) if turn == 0 else (seed, step, group, sample, turn)
+    digest = hashlib.blake2b(struct.pack(f"<{len(fields)}q", *fields), digest_size=8).digest()
     return int.from_bytes(digest, "little") % _MAX_SEED
 
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from r3lightning.rollout.prompts import RolloutPrompt
+from r3lightning.rollout.prompts import RolloutPrompt, TextReward
 
 log = logging.getLogger(__name__)
 
@@ -259,3 +259,8 @@ class PromptsFileTask:
     def decode(self, response_ids: Sequence[int]) -> str:
         """The response's text as the reward sees it (special tokens skipped)."""
         return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+
+    def text_reward(self, compute_score: Any, *, timeout_s: float | None = 60.0) -> TextReward:
+        """verl's ``compute_score`` on this tokenizer's decoded responses (what the job's
+        :class:`~r3lightning.rollout.tasks.ScoredTask` builds for a task with ``decode``)."""
+        return TextReward(compute_score, self.decode, timeout_s=timeout_s)

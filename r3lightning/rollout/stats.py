@@ -1,23 +1,34 @@
-"""One rollout step's statistics, reduced over the ranks that collected it.
+"""One rollout step's outcome: its trajectories and statistics, or why it failed.
 
 Each rank counts its own requests, attempts and engine errors and sums its trajectories'
 rewards and lengths; :func:`reduce_step_stats` all-reduces those few scalars (one SUM and one MAX
 of float64s: the only thing collection exchanges between ranks) into :class:`RolloutStats`. A
 rank whose collection failed says so in the same reduction, so every rank raises instead of
-waiting for it.
+waiting for it. :class:`CollectedRollouts` is what a step returns; :class:`EnginesUnavailableError`
+what it raises when every engine is out.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from r3lightning.data.trajectory import Trajectory
+from r3lightning.wire.errors import RemoteGenerateError
 
-__all__ = ["OtherRankFailedError", "RolloutStats", "StepCounters", "reduce_step_stats"]
+__all__ = [
+    "CollectedRollouts",
+    "EnginesUnavailableError",
+    "OtherRankFailedError",
+    "RolloutStats",
+    "StepCounters",
+    "outage",
+    "reduce_step_stats",
+]
 
 
 @dataclass
@@ -27,7 +38,10 @@ class RolloutStats:
 
     ``attempts``: HTTP attempts, first tries and retries; ``engine_errors``: requests that
     exhausted an engine's retries and went to another engine; ``engines_out``: engines taken out
-    of the step.
+    of the step. Per turn ``k`` of the kept trajectories (index 0 = first turn):
+    ``turn_rewards[k]`` and ``turn_route_bytes[k]`` are the means over the trajectories that
+    reached it; ``turns`` is the mean number of turns; ``dropped_groups`` counts the GRPO groups
+    an environment's failing turn took out of the step.
     """
 
     step: int
@@ -42,13 +56,71 @@ class RolloutStats:
     engine_errors: int
     engines_out: int
     rollout_s: float
+    dropped_groups: int = 0
+    turns: float = 0.0
+    turn_rewards: tuple[float, ...] = ()
+    turn_route_bytes: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+        """Every field as a float, the per-turn ones as in :meth:`turn_metrics`."""
+        return {
+            **{k: float(v) for k, v in asdict(self).items() if not isinstance(v, tuple)},
+            **self.turn_metrics(),
+        }
+
+    def turn_metrics(self) -> dict[str, float]:
+        """``turns``, ``dropped_groups``, and ``turn_reward/turn_{k}`` and ``route_bytes/turn_{k}``
+        of turn ``k`` (from 1)."""
+        out = {"turns": self.turns, "dropped_groups": float(self.dropped_groups)}
+        for k, (reward, size) in enumerate(zip(self.turn_rewards, self.turn_route_bytes, strict=True), 1):
+            out[f"turn_reward/turn_{k}"], out[f"route_bytes/turn_{k}"] = reward, size
+        return out
 
 
 class OtherRankFailedError(RuntimeError):
     """Collection failed on another rank of the step (that rank raises its own error)."""
+
+
+@dataclass
+class CollectedRollouts:
+    """This rank's share of one step: ``trajectories`` group after group (``group_size`` each),
+    ``groups`` the global index of each, and the step's global ``stats``."""
+
+    trajectories: list[Trajectory]
+    groups: list[int]
+    stats: RolloutStats
+
+
+class EnginesUnavailableError(RemoteGenerateError):
+    """Every engine of the collector exhausted its retries within one step.
+
+    ``errors`` maps each engine's URL to the error that took it out; the message gives one
+    short clause per engine.
+    """
+
+    def __init__(self, step: int, errors: Mapping[str, BaseException]):
+        detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
+        super().__init__(f"all {len(errors)} rollout engine(s) failed at step {step}: {detail}")
+        self.errors = dict(errors)
+
+
+def outage(error: BaseException) -> str:
+    """A short clause for why an engine is out: ``HTTP 503 after 5 attempts``, ``connection
+    failed after 5 attempts``, ``timed out ...``, or the hung-engine message."""
+    last = getattr(error, "last_error", error)
+    cause = last.__cause__
+    if getattr(last, "status", None) is not None:
+        what = f"HTTP {last.status}"
+    elif isinstance(cause, TimeoutError):
+        what = "timed out"
+    elif isinstance(cause, OSError):
+        what = "connection failed"
+    elif cause is not None:
+        what = type(cause).__name__
+    else:
+        what = str(last)
+    attempts = getattr(error, "attempts", None)
+    return what if attempts is None else f"{what} after {attempts} attempt(s)"
 
 
 @dataclass
@@ -59,6 +131,16 @@ class StepCounters:
     attempts: int = 0
     engine_errors: int = 0
     engines_out: int = 0
+    dropped_groups: int = 0
+    # per turn index of the kept trajectories: [trajectories, reward sum, route bytes sum]
+    turns: list[list[float]] = field(default_factory=list)
+
+    def add_turns(self, rewards: list[float], route_bytes: list[int]) -> None:
+        """Count one kept trajectory's turns (``turns`` must already hold ``max_turns`` entries)."""
+        for k, (reward, size) in enumerate(zip(rewards, route_bytes, strict=True)):
+            self.turns[k][0] += 1
+            self.turns[k][1] += reward
+            self.turns[k][2] += size
 
 
 def reduce_step_stats(
@@ -87,6 +169,8 @@ def reduce_step_stats(
             counters.attempts,
             counters.engine_errors,
             failed,
+            counters.dropped_groups,
+            *(value for turn in counters.turns for value in turn),
         ],
         dtype=torch.float64,
     )
@@ -99,7 +183,10 @@ def reduce_step_stats(
         dist.all_reduce(sums, dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxima, dist.ReduceOp.MAX, group=group)
         sums, maxima = sums.cpu(), maxima.cpu()
-    count, reward_sum, reward_sq, length_sum, requests, attempts, engine_errors, failures = sums.tolist()
+    count, reward_sum, reward_sq, length_sum, requests, attempts, engine_errors, failures, dropped, *turns = (
+        sums.tolist()
+    )
+    reached = turns[0::3]  # per turn: trajectories that reached it, reward sum, route bytes sum
     if failures and not failed:
         raise OtherRankFailedError(
             f"rollout collection failed on {int(failures)} other rank(s) at step {step}; see their errors"
@@ -119,6 +206,10 @@ def reduce_step_stats(
         engine_errors=int(engine_errors),
         engines_out=int(maxima[0]),
         rollout_s=float(maxima[1]),
+        dropped_groups=int(dropped),
+        turns=sum(reached) / count if count else 0.0,
+        turn_rewards=tuple(r / max(n, 1) for n, r in zip(reached, turns[1::3], strict=True)),
+        turn_route_bytes=tuple(b / max(n, 1) for n, b in zip(reached, turns[2::3], strict=True)),
     )
 
 

@@ -14,11 +14,13 @@ any callable ``reward(prompt_ids, response_ids) -> float``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
+from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.prompts import (
     GuardedReward,
     RolloutPrompt,
@@ -90,6 +92,14 @@ class ScoredTask:
     def score_prompt(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
         """The reward of one response to ``prompt`` (0 for a timeout, or a text scorer's failure)."""
         return self.guarded(prompt, response_ids)
+
+    def environments(self) -> Environments | None:
+        """A multi-turn task's :class:`Environments` (its ``make_environment(score_prompt)`` and
+        ``max_turns``, 1 if it has none); None for a single-turn task."""
+        make = getattr(self.prompts, "make_environment", None)
+        if make is None:
+            return None
+        return Environments(functools.partial(make, self.score_prompt), getattr(self.prompts, "max_turns", 1))
 
     def pop_metrics(self) -> dict[str, float]:
         """``reward/failures``, ``reward/timeouts`` and the scorer's extra entries since the last call."""

@@ -331,9 +331,3 @@ class RolloutServer:
         self._thread.join()
         self._loop.close()
         self._thread = self._loop = None
-
-
-if __name__ == "__main__":  # python -m r3lightning.serve.server: the r3lightning-serve command
-    from r3lightning.serve.cli import main
-
-    raise SystemExit(main())

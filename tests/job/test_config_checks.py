@@ -28,7 +28,6 @@ BAD_VALUES = [
     ("reward_threads=-1", "reward_threads must be an integer >= 0, got -1"),
     ("resume=maybe", "resume must be true or false, got 'maybe'"),
     ("plot=1", "plot must be true or false, got 1"),
-    ("compare=[r3,r5]", f"compare must be a list of replay modes {MODES}, got ['r3', 'r5']"),
     ("rollout.sampling.max_new_tokens=-5", "rollout.sampling.max_new_tokens must be an integer >= 1, got -5"),
     (
         "rollout.sampling.temperature=-1",

@@ -14,7 +14,7 @@ import pytest
 from runif import run_if
 
 from r3lightning.job.main import compose_config, main, run
-from r3lightning.job.report import agreement_keys, read_csv, summarize
+from r3lightning.job.report import agreement_keys, environment, environment_line, read_csv, summarize
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -50,8 +50,11 @@ def test_main_job_learns_with_full_agreement_under_replay(tmp_path):
     assert read_csv(tmp_path / "replay_r3" / "metrics.csv") == history  # repr round-trips floats
     assert (tmp_path / "replay_r3" / "checkpoints" / "last.ckpt").is_file()
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
-    assert "replay=r3" in (tmp_path / "summary.txt").read_text()
-    assert "steps: 18" in (tmp_path / "config.yaml").read_text()
+    table = (tmp_path / "summary.txt").read_text().splitlines()
+    env = environment_line(environment())  # versions, threads and CPU of the run, in both files
+    assert table[0].startswith("run") and table[2].startswith("replay=r3") and table[-1] == env
+    config = (tmp_path / "config.yaml").read_text()
+    assert config.splitlines()[0] == f"# {env}" and "steps: 18" in config and "seeds: 1" in config
 
 
 def test_replay_off_measures_the_mismatch_and_resumes_exactly(tmp_path):

@@ -121,6 +121,6 @@ def test_job_from_the_wheel_with_user_module_reward_and_callback(installed_wheel
     # the callback added by _target_ logged the learning rate (algorithm.optim.lr)
     with open(out / "replay_r3" / "lightning_logs" / "version_0" / "metrics.csv") as f:
         rates = [float(r["lr-AdamW"]) for r in csv.DictReader(f) if r.get("lr-AdamW")]
-    assert rates and all(r == pytest.approx(1e-2) for r in rates)
+    assert rates and all(r == pytest.approx(5e-3) for r in rates)
     config = (out / "config.yaml").read_text()
     assert "_target_: userpkg.MarkedModule" in config and "_target_: userpkg.length_reward" in config

@@ -74,9 +74,11 @@ def test_the_job_runs_strict_against_an_external_engine(tmp_path):
     import csv
 
     from r3lightning.job.main import compose_config, run
+    from r3lightning.serve.config import EngineConfig
     from r3lightning.serve.server import RolloutServer
 
-    with RolloutServer(build_tiny_moe(seed=0), max_batch_size=64, copy_model=False) as server:
+    engine = EngineConfig(max_batch_size=64, copy_model=False)
+    with RolloutServer(build_tiny_moe(seed=0), engine=engine) as server:
         base = [
             f"rollout.url={server.url}",
             "rollout.protocol=sglang",

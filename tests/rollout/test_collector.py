@@ -302,20 +302,20 @@ def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
 
 
 @pytest.mark.slow
-def test_readme_loop_snippet_runs_as_written(capsys):
+def test_the_docs_loop_recipe_runs_as_written(capsys):
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    body = readme.split("\n## Collecting rollouts in your own loop\n", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "recipes" / "data-and-scorer.md").read_text()
+    body = page.split("\n## In your own loop: `RolloutCollector`\n", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", body, flags=re.S)
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "data-and-scorer.md", "exec"), scope)
     buffer, rollouts = scope["buffer"], scope["rollouts"]
-    assert len(buffer) == 32 and rollouts.groups == list(range(8))
+    assert len(buffer) == 8 and rollouts.groups == list(range(4))
     for t in buffer:
         assert t.routed_experts.shape == (t.prompt_length + t.response_length - 1, 4, 2)
-        hits = sum(x % 2 == (t.prompt_ids[-1].item() - 8) % 2 for x in t.response_ids.tolist())
-        assert t.reward == hits / t.response_length
+        parity = (t.prompt_ids[-1].item() - 8) % 2  # the prompt's ground truth
+        assert t.reward == sum(x % 2 == parity for x in t.response_ids.tolist()) / t.response_length
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in printed] == ["0", "1"]

@@ -212,9 +212,8 @@ def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
     is a field of its dataclass, and an override reaches it."""
     import dataclasses
 
-    from r3lightning.job.engine import server_settings
     from r3lightning.job.main import compose_config
-    from r3lightning.job.rollout_loop import collector_config, retry_policy
+    from r3lightning.job.rollout_settings import collector_config, retry_policy, server_settings
     from r3lightning.rollout.config import Backoff, CollectorConfig
     from r3lightning.serve.config import EngineConfig, ServerLimits
 
@@ -245,7 +244,10 @@ def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
     retry, collector = retry_policy(cfg.rollout), collector_config(cfg.rollout)
     engine, limits = server_settings(cfg.rollout)
     assert retry.health_interval_s is None and retry.backoff.cap_s == 2.0 and retry.timeout_s == 120.0
-    assert collector == CollectorConfig(group_size=4, seed=3, max_in_flight=7, reward_threads=0)
+    # the job passes algorithm.normalize_std (Dr. GRPO by default) to the collector
+    assert collector == CollectorConfig(
+        group_size=4, seed=3, max_in_flight=7, reward_threads=0, normalize_std=False
+    )
     assert limits == ServerLimits(max_new_tokens_cap=99)
     assert engine == EngineConfig(max_batch_size=64, batch_wait_s=0.5, seed=3, copy_model=False)
 

@@ -339,9 +339,9 @@ def test_dense_zero_rows_pass_the_wire_check_but_not_on_an_moe_layer_at_install(
         backend.install(routes)
 
 
-async def test_readme_engine_snippet_runs_against_a_vllm_layout():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("\n## Rollout engines: vLLM and SGLang\n", 1)[1].split("\n## ", 1)[0]
+async def test_the_docs_client_snippet_runs_against_a_vllm_layout():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "protocols.md").read_text()
+    section = page.split("\n## The client\n", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     async with EngineServer("vllm", num_layers=48, top_k=8, num_experts=128) as server:
         scope: dict = {}

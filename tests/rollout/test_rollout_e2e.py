@@ -178,7 +178,7 @@ def test_command_line_server_serves_and_stops_on_sigterm():
         [
             sys.executable,
             "-m",
-            "r3lightning.serve.server",
+            "r3lightning.serve.cli",
             "--port",
             "0",
             "--api-key",

@@ -326,6 +326,7 @@ def test_same_seed_gives_identical_metrics_rows_under_load(tmp_path):
 
     overrides = [
         "experiment=compare",
+        "seeds=1",
         "steps=2",
         "prompts_per_step=4",
         "plot=false",

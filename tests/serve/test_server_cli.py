@@ -123,7 +123,7 @@ def test_cli_port_in_use_fails_in_one_line(capsys):
 
 def test_cli_entry_point_exits_2_with_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "r3lightning.serve.server", "--port", "99999"],
+        [sys.executable, "-m", "r3lightning.serve.cli", "--port", "99999"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -138,7 +138,7 @@ def test_cli_serves_until_sigint_and_exits_0():
     import os
     import signal
 
-    command = [sys.executable, "-m", "r3lightning.serve.server", "--port", "0", "--device", "cpu"]
+    command = [sys.executable, "-m", "r3lightning.serve.cli", "--port", "0", "--device", "cpu"]
     command += ["--max-new-tokens-cap", "8"]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

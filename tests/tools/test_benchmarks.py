@@ -26,6 +26,12 @@ CASES = {
         "| pybase64.b64decode of the payload (floor)",
         "target:",
     ],
+    "bench_multiturn.py": [
+        "### Multi-turn route bytes per turn",
+        "| 4    | 192              | 97              | 959             | 480            | 4.97x",
+        "| incremental | 959                 | 0.47",
+        "resending every row sends 2.80x the rows",
+    ],
     "bench_align.py": [
         "### Alignment into model-facing layouts",
         "| padded [B, S]",
@@ -43,6 +49,15 @@ CASES = {
         "| decode on the event loop",
         "| RolloutServer, decoder thread",
         "| RolloutServer, default cap",
+    ],
+    "bench_step.py": [
+        "SIMULATED engine disagreement 10% of expert slots",
+        "### R3 step vs off step: tiny",
+        "### R3 step vs off step: mid",
+        "| r3 (replay=r3: routes aligned, installed, replayed)",
+        "### Route work, each piece alone: mid",
+        "| layout + align",
+        "target: r3 step <= 1.02x the off step on the CPU: tiny ",
     ],
     "bench_collate.py": [
         "### U[max/16, max] typical RL",

@@ -22,7 +22,7 @@ from runif import run_if
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
-CHECKS = ("transfer", "hf", "hf-fsdp", "hf-fsdp2", "grpo", "grpo-bf16", "grpo-fsdp2", "megatron")
+CHECKS = ("transfer", "hf", "hf-fsdp", "hf-fsdp2", "grpo", "grpo-bf16", "grpo-fsdp2", "megatron", "step")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_without_cuda_every_check_skips_and_the_script_exits_0(tmp_path):
     lines = proc.stdout.splitlines()
     for name in CHECKS:
         assert f"[{name}] SKIP: no CUDA (0.0 s)" in lines
-    assert re.fullmatch(r"SUMMARY: 0 PASS, 0 FAIL, 8 SKIP in [\d.]+ s", lines[-1])
+    assert re.fullmatch(r"SUMMARY: 0 PASS, 0 FAIL, 9 SKIP in [\d.]+ s", lines[-1])
     assert payload["device"] is None
     assert [(r["name"], r["status"], r["detail"]) for r in payload["results"]] == [
         (name, "SKIP", "no CUDA") for name in CHECKS
@@ -96,6 +96,7 @@ def test_on_the_cpu_every_check_that_keeps_its_meaning_passes(tmp_path):
         "grpo-bf16": "PASS",
         "grpo-fsdp2": "PASS",
         "megatron": "PASS",
+        "step": "PASS",
     }
     assert results["hf-fsdp"]["detail"] == "Lightning's fsdp strategy needs CUDA"
     for name in ("transfer", "hf", "hf-fsdp2", "grpo", "grpo-bf16", "grpo-fsdp2"):
@@ -110,9 +111,13 @@ def test_on_the_cpu_every_check_that_keeps_its_meaning_passes(tmp_path):
     assert megatron["tokens"] == 24 and megatron["replayed_rows"] == 6 + 3 + 4
     assert megatron["max_out_err"] < 1e-5 and megatron["max_router_grad_err"] < 1e-5
     assert megatron["native_agreement"] < 1.0
+    step = results["step"]["figures"]
+    assert set(step) == {"tiny_off_ms", "tiny_r3_ms", "tiny_ratio", "tiny_route_work_share"}  # CPU: tiny only
+    assert step["tiny_ratio"] == pytest.approx(step["tiny_r3_ms"] / step["tiny_off_ms"])
     lines = proc.stdout.splitlines()
-    assert re.fullmatch(r"\[megatron\] PASS \([\d.]+ s\) \| tokens=24, replayed_rows=13, .*", lines[-2])
-    assert re.fullmatch(r"SUMMARY: 7 PASS, 0 FAIL, 1 SKIP in [\d.]+ s \| transfer\.batches=4 .*", lines[-1])
+    assert re.fullmatch(r"\[megatron\] PASS \([\d.]+ s\) \| tokens=24, replayed_rows=13, .*", lines[-3])
+    assert re.fullmatch(r"\[step\] PASS \([\d.]+ s\) \| tiny_off_ms=[\d.]+, tiny_r3_ms=.*", lines[-2])
+    assert re.fullmatch(r"SUMMARY: 8 PASS, 0 FAIL, 1 SKIP in [\d.]+ s \| transfer\.batches=4 .*", lines[-1])
 
 
 def test_a_broken_replay_is_a_fail_line_and_exit_status_1(gpu_check, monkeypatch, capsys, tmp_path):

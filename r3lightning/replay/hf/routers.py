@@ -170,9 +170,8 @@ def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> Non
 
 
 def _load_builtins(*, imported_only: bool = False) -> None:
-    """Register the built-in families' routers. ``imported_only``: only families whose modeling
-    module is imported already (as it is for every router of a model that exists), so finding a
-    model's routers never imports the ~40 other families (a second or more at startup)."""
+    """Register the built-in families' routers; ``imported_only``: only those whose modeling module is
+    imported already (as a model's own is), so finding routers never imports the ~40 others."""
     for gate_weights, names in _BUILTIN.items():
         adapter = RouterAdapter(gate_weights)
         for name in names.split():

@@ -28,8 +28,7 @@ __all__ = ["MegatronParallelism", "MegatronRouterReplay", "megatron_padding_mask
 def _refuse_unsupported(config: Any) -> None:
     if getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
         raise ValueError(
-            "router replay does not support moe_router_load_balancing_type='sinkhorn': sinkhorn "
-            "routing selects experts without consulting RouterReplay"
+            "router replay cannot replay sinkhorn routing (it selects experts without RouterReplay)"
         )
     if getattr(config, "moe_expert_capacity_factor", None) is not None:
         raise ValueError(

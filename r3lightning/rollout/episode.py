@@ -1,0 +1,163 @@
+"""One multi-turn trajectory: environment observations and engine turns, routes turn by turn.
+
+Each turn sends the whole token prefix with ``routed_experts_prompt_start`` = the rows the trace
+holds, so only new rows travel: the previous turn's last sampled token (first an input now), the
+observation and the response. Row ``t`` is thus what the engine computed when token ``t`` was an
+input, boundary tokens included; a finished trajectory has ``n - 1`` rows. Observation tokens
+get loss mask 0 and logprob 0 (their rows are still replayed). The trajectory ends at ``done`` or
+after ``max_turns`` generations (a last observation is dropped: nothing predicts from it). A
+failure (engine, environment, routes) raises and leaves the trace unfinished.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.client import RemoteGenerateResult
+from r3lightning.rollout.environment import Environment
+from r3lightning.rollout.prompts import RolloutPrompt, score_value
+from r3lightning.trace import RoutedExpertTrace
+
+__all__ = ["Episode", "plain_call", "run_episode", "single_turn"]
+
+# (token ids of the whole prefix, turn index, first route row wanted or None) -> the engine's answer
+Generate = Callable[[list[int], int, "int | None"], Awaitable[RemoteGenerateResult]]
+Call = Callable[..., Awaitable[Any]]
+
+
+@dataclass
+class Episode:
+    """A finished trajectory before its group's advantages."""
+
+    prompt_ids: list[int]  # the first observation
+    response_ids: list[int] = field(default_factory=list)  # [R] responses and later observations
+    loss_mask: list[float] = field(default_factory=list)  # [R] 1 sampled, 0 observed
+    logprobs: list[float] = field(default_factory=list)  # [R] the engine's (0 if none); 0 observed
+    turn_rewards: list[float] = field(default_factory=list)  # [turns]
+    route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
+    routes: Tensor | None = None  # [n - 1, L, K]
+
+    @property
+    def reward(self) -> float:
+        return sum(self.turn_rewards)
+
+    def trajectory(self, advantage: float) -> Trajectory:
+        return Trajectory(
+            self.prompt_ids,
+            self.response_ids,
+            loss_mask=self.loss_mask,
+            rollout_logprobs=self.logprobs,
+            reward=self.reward,
+            advantage=advantage,
+            routed_experts=self.routes,
+        )
+
+
+async def plain_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, awaited when it returns an awaitable."""
+    value = fn(*args)
+    return await value if inspect.isawaitable(value) else value
+
+
+async def run_episode(
+    env: Environment,
+    prompt: RolloutPrompt,
+    generate: Generate,
+    *,
+    max_turns: int,
+    trace: RoutedExpertTrace | None,
+    call: Call = plain_call,
+    where: str = "trajectory",
+) -> Episode:
+    """Run one trajectory of ``env`` from ``prompt`` (``trace`` None: no routes requested).
+
+    ``call(method, *args)`` runs an environment method (awaiting coroutines; the collector's
+    runs plain ones in its thread pool). Host-side only; one request per turn.
+    """
+    episode = Episode(_token_ids(env, await call(env.reset, prompt), f"{where}: reset()"))
+    if not episode.prompt_ids:
+        raise ValueError(f"{where}: reset() must return a first observation of at least one token")
+    tokens = list(episode.prompt_ids)
+    for turn in range(max_turns):
+        result = await generate(tokens, turn, None if trace is None else trace.prompt_start)
+        response = _record(episode, trace, len(tokens), result)
+        text = getattr(env, "response_format", "ids") == "text"
+        answer = _tokenizer(env, where).decode(response, skip_special_tokens=True) if text else response
+        step = await call(env.step, answer)
+        if not isinstance(step, Sequence) or len(step) != 4:
+            raise ValueError(
+                f"{where}: step() must return (observation, reward, done, info), got {step!r:.120}"
+            )
+        observation, reward, done, _ = step
+        episode.turn_rewards.append(score_value(reward, f"{where} turn {turn}"))
+        if done or turn == max_turns - 1:
+            break
+        observed = _token_ids(env, observation, f"{where}: step() observation of turn {turn}")
+        _extend(episode, observed, 0.0, [0.0] * len(observed))
+        tokens += response + observed
+    return _finish(episode, trace)
+
+
+def single_turn(
+    prompt: RolloutPrompt, result: RemoteGenerateResult, reward: float, trace: RoutedExpertTrace | None
+) -> Episode:
+    """The episode of a single-turn rollout: one generation, already scored."""
+    episode = Episode(prompt.token_ids, turn_rewards=[reward])
+    _record(episode, trace, len(prompt.token_ids), result)
+    return _finish(episode, trace)
+
+
+def _record(episode: Episode, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult):
+    """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""
+    response, routes, logprobs = (
+        [int(t) for t in result.response_ids],
+        result.routed_experts,
+        result.response_logprobs,
+    )
+    if trace is not None:
+        trace.record_generation(prefix, len(response), routes)
+    episode.route_bytes.append(0 if routes is None else int(routes.nbytes))
+    _extend(episode, response, 1.0, [0.0] * len(response) if logprobs is None else logprobs)
+    return response
+
+
+def _finish(episode: Episode, trace: RoutedExpertTrace | None) -> Episode:
+    if trace is not None:
+        episode.routes = trace.finalize(len(episode.prompt_ids) + len(episode.response_ids))
+    return episode
+
+
+def _extend(episode: Episode, ids: list[int], mask: float, logprobs: Sequence[float]) -> None:
+    episode.response_ids += ids
+    episode.loss_mask += [mask] * len(ids)
+    episode.logprobs += list(logprobs)
+
+
+def _tokenizer(env: Any, where: str) -> Any:
+    tokenizer = getattr(env, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError(
+            f"{where}: chat messages and response_format='text' need the environment's tokenizer "
+            f"attribute, but {type(env).__name__} has none"
+        )
+    return tokenizer
+
+
+def _token_ids(env: Any, observation: Any, where: str) -> list[int]:
+    """Token ids of an observation: ids as they are, chat messages through the chat template."""
+    if isinstance(observation, Sequence) and observation and isinstance(observation[0], Mapping):
+        from r3lightning.rollout.prompts_file import as_messages, chat_prompt_ids
+
+        return chat_prompt_ids(_tokenizer(env, where), as_messages(observation, where=where))
+    ids = observation.tolist() if hasattr(observation, "tolist") else observation
+    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
+        raise ValueError(f"{where} must be token ids or chat messages, got {observation!r:.80}")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{where} must hold token ids >= 0, got {list(ids)!r:.80}")
+    return list(ids)

@@ -1,0 +1,85 @@
+"""Noticing an engine that accepts connections but never answers, while requests wait on it.
+
+A hung engine looks like a slow one from a request's side: only ``timeout_s`` (minutes, for
+long generations) would end the wait. :class:`HealthWatch` probes the engine's ``/health`` every
+``health_interval_s`` while at least one attempt is in flight; ``health_failures`` probes in a row
+without any answer (a status of any kind, even 404, means alive) end every waiting attempt with
+:class:`EngineHungError`, which the client does not retry on that engine. A slow but healthy
+engine answers its probes and keeps its long generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from r3lightning.rollout.config import RetryPolicy
+from r3lightning.wire.errors import RetryableGenerateError
+
+__all__ = ["EngineHungError", "HealthWatch"]
+
+T = TypeVar("T")
+
+
+class EngineHungError(RetryableGenerateError):
+    """The engine stopped answering ``GET /health`` while a request waited: not retried there."""
+
+
+class HealthWatch:
+    """Runs attempts while ``probe()`` (the ``/health`` status within the probe timeout, or None)
+    is polled per ``policy``; bound to the event loop it first runs on (:meth:`reset` forgets it).
+    Cost: one small request per interval per engine, only while attempts wait."""
+
+    def __init__(self, probe: Callable[[], Awaitable[int | None]], policy: RetryPolicy) -> None:
+        self.probe, self.policy = probe, policy
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the state bound to an event loop (a new loop, a pickled copy, a closed client)."""
+        self._waiting = 0  # attempts in flight: the monitor runs while > 0
+        self._monitor: asyncio.Task | None = None
+        self._hung: asyncio.Future | None = None  # resolved by the monitor when the engine hangs
+
+    def cancel(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+        self.reset()
+
+    async def run(self, attempt: Awaitable[T]) -> T:
+        """``attempt``'s result, or :class:`EngineHungError` once the probes declare the engine hung
+        (the attempt is then cancelled)."""
+        if self.policy.health_interval_s is None:
+            return await attempt
+        if self._hung is None or self._hung.done():
+            self._hung = asyncio.get_running_loop().create_future()
+        hung = self._hung
+        self._waiting += 1
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.ensure_future(self._watch(hung))
+        send = asyncio.ensure_future(attempt)
+        try:
+            await asyncio.wait((send, hung), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._waiting -= 1
+            if not send.done():
+                send.cancel()
+                await asyncio.wait((send,))
+        if not send.cancelled():
+            return send.result()
+        policy = self.policy
+        raise EngineHungError(
+            f"stopped answering GET /health ({policy.health_failures} probes in a row got no answer "
+            f"within {policy.health_timeout_s:g} s)"
+        )
+
+    async def _watch(self, hung: asyncio.Future) -> None:
+        failures = 0
+        while self._waiting:
+            await asyncio.sleep(self.policy.health_interval_s)
+            if not self._waiting:
+                return
+            failures = 0 if await self.probe() is not None else failures + 1
+            if failures >= self.policy.health_failures:
+                hung.set_result(None)
+                return

@@ -1,0 +1,1 @@
+"""The checks of ``scripts/gpu_check.py``, one module per concept."""

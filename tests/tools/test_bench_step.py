@@ -1,0 +1,92 @@
+"""benchmarks/bench_step.py times what it claims: r3 steps replay the engine's routes, off steps none.
+
+A bench whose r3 arm silently stopped replaying (or whose off arm replayed) would report a ratio of
+the wrong thing; its own checks must turn either into a failure.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import bench_step
+
+        yield bench_step
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(scope="module")
+def batch(bench):
+    case = bench.cases(quick=True)["tiny"]
+    trajectories, disagreement = bench.engine_trajectories(case)
+    return case, trajectories, disagreement
+
+
+def tiny_model(bench, case):
+    return bench.build_tiny_moe(bench.tiny_moe_config(**case.config), seed=0)
+
+
+def test_arms_alternate_evenly_each_going_first_in_every_other_pair(bench):
+    assert [bench.arm_of(i) for i in range(8)] == ["r3", "off", "off", "r3", "r3", "off", "off", "r3"]
+
+
+def test_engine_routes_disagree_with_the_trainer_on_the_simulated_share(bench, batch):
+    case, trajectories, disagreement = batch
+    assert [t.num_tokens for t in trajectories] == list(case.lengths)
+    assert sum(case.lengths) == 128
+    for t in trajectories:  # every forwarded token has a route row: n - 1 rows, distinct experts
+        assert t.routed_experts.shape == (t.num_tokens - 1, 4, 2)
+        assert (t.routed_experts[:, 1:, 0] != t.routed_experts[:, 1:, 1]).all()
+    assert abs(disagreement - bench.DISAGREEMENT) < 0.03
+
+
+@pytest.mark.slow
+def test_timed_r3_steps_replay_and_off_steps_route_natively(bench, batch):
+    case, trajectories, _ = batch
+    result = bench.time_steps(tiny_model(bench, case), trajectories, torch.device("cpu"), repeats=1)
+    assert result["steps"] == 4 and result["r3"] > 0 and result["off"] > 0
+    # the off steps compared native routing with the engine's: the simulated ~10% disagreement
+    assert 0.8 < result["native_agreement"] < 0.97
+
+
+@pytest.mark.slow
+def test_an_r3_arm_that_replays_nothing_fails_the_bench(bench, batch, monkeypatch):
+    from r3lightning.replay.hf.replay import HFRouterReplay
+
+    monkeypatch.setattr(HFRouterReplay, "install", lambda self, routes, replay_mask=None: None)
+    case, trajectories, _ = batch
+    with pytest.raises(
+        bench.CheckFailed, match=r"step 0 \(r3\): replayed_fraction, used_agreement = \(0\.0, "
+    ):
+        bench.time_steps(tiny_model(bench, case), trajectories, torch.device("cpu"), repeats=1)
+
+
+@pytest.mark.slow
+def test_an_off_arm_that_replays_fails_the_bench(bench, batch, monkeypatch):
+    callback = bench.RouterReplayCallback
+    monkeypatch.setattr(bench, "RouterReplayCallback", lambda mode: callback(mode="r3"))
+    case, trajectories, _ = batch
+    with pytest.raises(
+        bench.CheckFailed, match=r"step 1 \(off\): replayed_fraction, used_agreement = \(1\.0, 1\.0\)"
+    ):
+        bench.time_steps(tiny_model(bench, case), trajectories, torch.device("cpu"), repeats=1)
+
+
+@pytest.mark.slow
+def test_a_wrong_reference_loss_fails_the_bench(bench, batch, monkeypatch):
+    reference = bench.reference_losses
+    monkeypatch.setattr(bench, "reference_losses", lambda *a: {**reference(*a), "r3": reference(*a)["off"]})
+    case, trajectories, _ = batch
+    with pytest.raises(bench.CheckFailed, match=r"step 0 \(r3\): loss .*, the r3 reference gives"):
+        bench.time_steps(tiny_model(bench, case), trajectories, torch.device("cpu"), repeats=1)
