@@ -86,7 +86,8 @@ class OnPolicyLoop(pl.Callback):
         rollout = self.cfg.rollout
         return RolloutCollector(
             urls,
-            self.task.environments() or self._reward,  # a multi-turn task's environments score
+            getattr(self.task, "environments", lambda: None)()
+            or self._reward,  # multi-turn: its environments
             collector_config(rollout),
             schema=self.schema,
             sampling=self.sampling,

@@ -172,7 +172,8 @@ def check_config(cfg: DictConfig) -> None:
     from r3lightning.rollout.prompts import SamplingConfig
 
     _check_rules(cfg, _RULES)
-    missing = _missing_key(OmegaConf.to_container(cfg, resolve=False))
+    values = OmegaConf.to_container(cfg, resolve=False)
+    missing = _missing_key({k: v for k, v in values.items() if k != "hydra"})  # type: ignore[union-attr]
     if missing is not None:
         raise JobError(f"{missing} must be set (add {missing}=... to the command line)")
     for key in _JOB_TRAINER_KEYS:
