@@ -162,7 +162,7 @@ def score_value(value: Any, where: str) -> float:
     number = _real(value)
     if number is None:
         raise ValueError(
-            f"reward_fn returned {value!r} for {where}; expected a finite number (or {{'score': number}})"
+            f"reward_fn must return a finite number (or {{'score': number}}) for {where}, got {value!r}"
         )
     return number
 

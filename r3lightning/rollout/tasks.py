@@ -70,7 +70,7 @@ class ScoredTask:
             self.guarded: GuardedReward = TextReward(reward, decode, timeout_s=timeout_s)
         else:
             self.guarded = GuardedReward(
-                lambda p, ids: self.score(p.token_ids, ids),
+                lambda p, ids: self.reward(p.token_ids, ids),
                 timeout_s=timeout_s,
                 errors_score_zero=False,
                 name=callable_name(reward),
@@ -107,7 +107,13 @@ class ScoredTask:
 
     def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
         """The id reward of one response, unguarded: a ``ValueError`` unless a real number."""
-        return score_value(self.score(prompt_ids, response_ids), f"reward {callable_name(self.score)}")
+        value = self.score(prompt_ids, response_ids)
+        try:
+            return score_value(value, "")
+        except ValueError:
+            raise ValueError(
+                f"reward {callable_name(self.score)} returned {value!r}; expected a finite number"
+            ) from None
 
 
 class TokenClassReward:
