@@ -105,7 +105,8 @@ _SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
 
 
 def _check_value(key: str, value: Any, tp: Any) -> Any:
-    """``value`` as ``tp`` (int -> float, list -> tuple, mapping -> dataclass), or a JobError naming ``key``."""
+    """``value`` as ``tp`` (int -> float, list -> tuple, mapping -> dataclass), else a JobError
+    naming ``key``."""
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested settings group
         if not isinstance(value, Mapping):
             fields = [f.name for f in dataclasses.fields(tp)]
