@@ -38,7 +38,7 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
     """``{arm name: its checked config}`` from ``compare`` (``[]``: the arm ``replay=<replay.mode>``).
     An entry is a replay mode (the arm ``replay=<mode>``) or ``{name, replay, overrides}``: ``replay``
     swaps the ``replay`` group (default: kept), then ``overrides`` sets dotted keys of the config."""
-    from r3lightning.job.setup import check_config, replay_settings
+    from r3lightning.job.setup import MODES, check_config, replay_settings
 
     check_config(cfg)
     out: dict[str, DictConfig] = {}
@@ -49,8 +49,8 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
         name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
         if spec:
             raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
-        if mode is not None and str(mode) not in ("r3", "r2", "off"):
-            raise JobError(f"{where}.replay must be one of ['r3', 'r2', 'off'], got {mode!r}")
+        if mode is not None and str(mode) not in MODES:
+            raise JobError(f"{where}.replay must be one of {list(MODES)}, got {mode!r}")
         if not _ARM_NAME.fullmatch(name) or name in out:
             problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
             raise JobError(f"{where}.name {name!r} {problem}")

@@ -26,7 +26,7 @@ from r3lightning.correction.grpo import (
     token_logprobs,
 )
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import agreement_hits
+from r3lightning.replay.backend import agreement_counts
 from r3lightning.replay.batch_fields import host_attention_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
@@ -148,16 +148,15 @@ class GRPOModule(pl.LightningModule):
             with replay_routes(backend, aligned, mask):
                 replayed = self.batch_logprobs(batch)
             layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
-            engine = aligned.index_select(-2, layers)  # [B, S, moe_layers, K]
-            used = native_routes.routes.to(aligned.device).index_select(-2, layers)
-            top_k = engine.shape[-1]
-            hits = agreement_hits(engine.reshape(-1, top_k).long(), used.reshape(-1, top_k).long())
-            hits = hits.view(engine.shape) & mask[..., None, None]  # only rows the engine routed
-            slots = mask.sum() * (engine.shape[-2] * top_k)
+            top_k = aligned.shape[-1]
+            engine = aligned.index_select(-2, layers).reshape(-1, top_k).long()  # [B * S * moe_layers, K]
+            used = native_routes.routes.to(aligned.device).index_select(-2, layers).reshape(-1, top_k).long()
+            routed = mask[..., None].expand(*mask.shape, len(layers)).reshape(-1)  # rows the engine routed
+            rows, hits, _ = agreement_counts(engine, used, routed)
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )
-            out["native_agreement"] = hits.sum().double() / slots.clamp(min=1)
+            out["native_agreement"] = hits.double() / (rows * top_k).clamp(min=1)
             out["policy_entropy"] = entropy.double()
         return out
 

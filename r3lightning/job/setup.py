@@ -27,7 +27,7 @@ __all__ = ["CONF_DIR", "JobError", "build_model", "check_config", "is_global_zer
 # checkout or an editable install reads the repository's top-level conf/.
 _PACKAGED_CONF = Path(__file__).resolve().parents[1] / "conf"
 CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[2] / "conf"
-_MODES = ("r3", "r2", "off")
+MODES = ("r3", "r2", "off")  # replay modes
 _EMBEDDED_PROTOCOLS = ("skyrl", "sglang")  # what the embedded engine speaks
 _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use instead
     "max_epochs": "steps (one epoch is one RL step)",
@@ -45,16 +45,11 @@ def _integer(low: int, high: int | None = None) -> Rule:
     return text, lambda v: type(v) is int and low <= v <= (v if high is None else high)
 
 
-def _number(low: float, *, above: bool = True, high: float | None = None) -> Rule:
-    text = (
-        f"a number {'>' if above else '>='} {low:g}" if high is None else f"a number in [{low:g}, {high:g}]"
-    )
-    real = lambda v: type(v) in (int, float) and math.isfinite(v)  # noqa: E731
-    return text, lambda v: real(v) and (v > low if above else v >= low) and v <= (v if high is None else high)
+def _number(low: float, *, above: bool = True) -> Rule:
+    def ok(v: Any) -> bool:
+        return type(v) in (int, float) and math.isfinite(v) and (v > low if above else v >= low)
 
-
-def _as_list(value: Any) -> list:
-    return value if isinstance(value, list) else [value]
+    return f"a number {'>' if above else '>='} {low:g}", ok
 
 
 def _null(rule: Rule) -> Rule:
@@ -65,15 +60,17 @@ def _one_of(*options: str) -> Rule:
     return f"one of {list(options)}", lambda v: v in options
 
 
+def _urls_ok(value: Any) -> bool:
+    urls = value if isinstance(value, list) else [value]
+    return value is None or (urls != [] and all(str(u).startswith(("http://", "https://")) for u in urls))
+
+
 _BOOL: Rule = ("true or false", lambda v: isinstance(v, bool))
 _DTYPE: Rule = (
     "a floating torch dtype name (float32, bfloat16, float16)",
     lambda v: getattr(getattr(torch, str(v), None), "is_floating_point", False) is True,
 )
-_URLS: Rule = (
-    "null (embedded engine), http(s)://host:port or a list of them",
-    lambda v: v is None or (v != [] and all(str(u).startswith(("http://", "https://")) for u in _as_list(v))),
-)
+_URLS: Rule = ("null (embedded engine), http(s)://host:port or a list of them", _urls_ok)
 # Every value the job reads itself, checked (where present) before anything is built; the settings
 # groups are checked by their dataclasses, the data module's keys by building it once.
 _RULES: dict[str, Rule] = {
@@ -93,7 +90,7 @@ _RULES: dict[str, Rule] = {
     "task.overlong": _one_of("drop", "truncate_left", "truncate_right"),
     "task.shuffle": _BOOL,
     "model.dtype": _DTYPE,
-    "replay.mode": _one_of(*_MODES),
+    "replay.mode": _one_of(*MODES),
     "replay.request_routes": _BOOL,
     "replay.strict": _null(_BOOL),
     "rollout.protocol": _one_of("skyrl", "vllm", "sglang", "openai"),
