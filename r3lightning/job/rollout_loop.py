@@ -92,16 +92,6 @@ class OnPolicyLoop(pl.Callback):
     def _reward(self, prompt, response_ids):  # the task looked up when scoring
         return self.task.score_prompt(prompt, response_ids)
 
-    def check_engines(self) -> None:
-        """A ``JobError`` unless every engine of ``engine.urls`` answers ``GET /health``."""
-        down = [u for u, ok in self.new_collector(self.engine.urls or []).check_engines().items() if not ok]
-        if down:
-            raise JobError(
-                f"cannot reach the rollout engine at {', '.join(down)}: GET /health did not answer 200 "
-                f"within {retry_policy(self.cfg.rollout).health_timeout_s:g}s (rollout.retry.health_timeout_s); "
-                "check rollout.url or start the engine"
-            )
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1 and getattr(trainer.datamodule, "shard", False):
             raise JobError(
@@ -210,10 +200,17 @@ class OnPolicyLoop(pl.Callback):
 def on_policy_loop(
     cfg: DictConfig, engine: Engine, task: ScoredTask, schema: RouteSchema, buffer, *, metrics_path: Path
 ) -> OnPolicyLoop:
-    """The job's :class:`OnPolicyLoop`, once the engines known here answered ``GET /health``."""
+    """The job's :class:`OnPolicyLoop`, once the engines known here answered ``GET /health`` (else a
+    ``JobError``; the embedded engine's URL reaches ranks > 0 only at fit start)."""
     loop = OnPolicyLoop(cfg, engine, task, schema, buffer, metrics_path)
-    if engine.urls is not None:
-        loop.check_engines()
+    health = loop.new_collector(engine.urls).check_engines() if engine.urls is not None else {}
+    down = [url for url, ok in health.items() if not ok]
+    if down:
+        raise JobError(
+            f"cannot reach the rollout engine at {', '.join(down)}: GET /health did not answer 200 "
+            f"within {retry_policy(cfg.rollout).health_timeout_s:g}s (rollout.retry.health_timeout_s); "
+            "check rollout.url or start the engine"
+        )
     return loop
 
 
