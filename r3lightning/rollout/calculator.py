@@ -1,11 +1,9 @@
 """A toy tool-use task that the tiny model learns: call the calculator, then answer with its result.
 
-Token level, like the token-class task. A prompt is fillers, operands ``first_token + a``,
-``first_token + b`` and ``ASK``; the answer is ``c = (a + b) % num_classes``. A turn holding
-``CALL`` gets the tool's observation ``[RESULT, first_token + c]`` (the first call earns
-``call_reward``); a turn without ``CALL`` answers, ends the trajectory and scores
-:class:`CalculatorReward`, or 0 without a call. GRPO learns ``CALL`` after ``ASK`` and the class
-after ``RESULT`` within the demo's 30 steps.
+A prompt is fillers, operands ``first_token + a``, ``first_token + b`` and ``ASK``. A turn holding
+``CALL`` gets the observation ``[RESULT, first_token + c]``, ``c = (a + b) % num_classes`` (the
+first call earns ``call_reward``); a turn without it answers and scores :class:`CalculatorReward`
+(0 before any call).
 """
 
 from __future__ import annotations

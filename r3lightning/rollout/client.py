@@ -1,10 +1,8 @@
 """Async HTTP client for one generation request, with routed experts, against a rollout engine.
 
-Request formats are in :mod:`r3lightning.wire.request`, parsing in :mod:`r3lightning.wire.response`.
 Transient failures (connection errors, timeouts, cut-off bodies, 408/429/5xx) are retried with
 capped exponential backoff and jitter, honouring ``Retry-After``; an engine that stops answering
-``/health`` is given up on at once (:mod:`r3lightning.rollout.health`); other 4xx answers and
-malformed payloads raise at once (:mod:`r3lightning.wire.errors`).
+``/health`` is given up on at once; other 4xx answers and malformed payloads raise at once.
 """
 
 from __future__ import annotations

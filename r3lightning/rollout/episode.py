@@ -1,12 +1,8 @@
-"""One multi-turn trajectory: environment observations and engine turns, routes turn by turn.
+"""One trajectory: engine turns and environment observations, routes captured turn by turn.
 
-Each turn sends the whole token prefix with ``routed_experts_prompt_start`` = the rows the trace
-holds, so only new rows travel: the previous turn's last sampled token (first an input now), the
-observation and the response. Row ``t`` is what the engine computed when token ``t`` was an
-input; a finished trajectory has ``n - 1`` rows. Observation tokens get loss mask 0 and logprob
-0 (their rows are still replayed). The trajectory ends at ``done`` or after ``max_turns``
-generations (a last observation is dropped: nothing predicts from it). A failure (engine,
-environment, routes) raises and leaves the trace unfinished.
+Each turn sends the whole prefix with ``routed_experts_prompt_start`` = the rows the trace holds,
+so only new rows travel. Observation tokens get loss mask 0 and logprob 0 (their rows are still
+replayed). A failure (engine, environment, routes) raises and leaves the trace unfinished.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""What a rollout request carries and how its answer is scored.
+"""What a rollout request carries (prompt, sampling settings, seed) and how its answer is scored.
 
-:class:`RolloutPrompt` is one prompt with verl's per-prompt fields; :class:`SamplingConfig` the
-sampling settings of every request; :func:`sampling_seed` the seed of every sample. A reward is
-any ``reward_fn(prompt, response_ids)`` returning a real number or ``{"score": number, ...}``;
-:class:`GuardedReward` bounds its time and scores its failures 0, and :class:`TextReward` adapts
-a verl-style ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``.
+A reward is any ``reward_fn(prompt, response_ids)`` returning a real number or
+``{"score": number, ...}``; :class:`GuardedReward` bounds its time and scores its failures 0.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import numbers
 import operator
 import struct
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -118,16 +116,8 @@ class SamplingConfig:
 
     def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
         """The request's ``sampling_params`` in ``protocol``'s field names."""
-        params = engine_sampling_params(
-            protocol,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=seed,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-        )
+        fields = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")
+        params = engine_sampling_params(protocol, seed=seed, **{f: getattr(self, f) for f in fields})
         return {**params, **self.extra}
 
 
@@ -197,9 +187,9 @@ class GuardedReward:
     """``score(prompt, response_ids)`` made safe inside a collection: a result that is not a real
     number (or ``{"score": number}``), or a scorer that raises (when ``errors_score_zero``), scores
     0 and counts in ``reward/failures``; one still running after ``timeout_s`` seconds scores 0
-    and counts in ``reward/timeouts``. The first failure and the first timeout of the run are
-    logged once. A mapping's other real entries are averaged per key into ``reward/<key>``.
-    Thread-safe (the collector's ``reward_threads``).
+    and counts in ``reward/timeouts``. Each kind is logged once per run. A mapping's other real
+    entries are averaged per key into ``reward/<key>``. Thread-safe (the collector's
+    ``reward_threads``).
     """
 
     def __init__(
@@ -217,20 +207,19 @@ class GuardedReward:
         self.score, self.timeout_s, self.errors_score_zero = score, timeout_s, errors_score_zero
         self.name = name or callable_name(score)
         self._lock = threading.Lock()
-        self._sums: dict[str, float] = {}
-        self._count = self.failures = self.timeouts = 0
-        self._logged: set[str] = set()  # "failure" / "timeout": once per run, never reset
+        self._count, self._sums, self._zeros = 0, {}, Counter()  # since pop_metrics: responses, extras, 0s
+        self._logged: set[str] = set()  # "failures" / "timeouts" already logged: once per run
 
     def __call__(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
         try:
             value = _bounded_call(self.score, self.timeout_s, prompt, response_ids)
             if value is _TIMED_OUT:
-                return self._zero("timeout", f"did not return within {self.timeout_s:g} s", None)
+                return self._zero("timeouts", f"did not return within {self.timeout_s:g} s", None)
             reward = score_value(value, self.name)
         except Exception as exc:
             if not self.errors_score_zero:
                 raise
-            return self._zero("failure", f"raised {type(exc).__name__}: {' '.join(str(exc).split())}", exc)
+            return self._zero("failures", f"raised {type(exc).__name__}: {' '.join(str(exc).split())}", exc)
         extra = (
             {str(k): _real(v) for k, v in value.items() if k != "score"} if isinstance(value, Mapping) else {}
         )
@@ -244,17 +233,12 @@ class GuardedReward:
     def _zero(self, kind: str, what: str, exc: BaseException | None) -> float:
         with self._lock:
             self._count += 1
-            setattr(self, f"{kind}s", getattr(self, f"{kind}s") + 1)
+            self._zeros[kind] += 1
             first = kind not in self._logged
             self._logged.add(kind)
         if first:
-            log.warning(
-                "reward %s %s; the response scored 0 (counted in reward/%ss; logged once per run)",
-                self.name,
-                what,
-                kind,
-                exc_info=exc,
-            )
+            message = "reward %s %s; the response scored 0 (counted in reward/%s; logged once per run)"
+            log.warning(message, self.name, what, kind, exc_info=exc)
         return 0.0
 
     def pop_metrics(self) -> dict[str, float]:
@@ -262,10 +246,14 @@ class GuardedReward:
         call; a response without it counts as 0), ``reward/failures`` and ``reward/timeouts``;
         then resets them."""
         with self._lock:
-            count, sums, failures, timeouts = self._count, self._sums, self.failures, self.timeouts
-            self._count, self._sums, self.failures, self.timeouts = 0, {}, 0, 0
+            count, sums, zeros = self._count, self._sums, self._zeros
+            self._count, self._sums, self._zeros = 0, {}, Counter()
         metrics = {f"reward/{k}": v / max(count, 1) for k, v in sums.items()}
-        return {**metrics, "reward/failures": float(failures), "reward/timeouts": float(timeouts)}
+        return {
+            **metrics,
+            "reward/failures": float(zeros["failures"]),
+            "reward/timeouts": float(zeros["timeouts"]),
+        }
 
 
 class TextReward(GuardedReward):

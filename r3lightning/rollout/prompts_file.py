@@ -1,14 +1,9 @@
 """Prompts from a dataset file (parquet or JSONL) in verl's column layout, tokenised with a chat template.
 
-A verl RL dataset row holds ``prompt`` (chat messages ``[{"role", "content"}, ...]``),
-``data_source``, ``reward_model: {"ground_truth": ...}`` and ``extra_info``, so an existing verl
-dataset trains here unchanged; other layouts name their columns (:class:`Columns`). Parquet is
-read with pyarrow (the ``data`` extra), JSONL line by line with orjson.
-
-The whole file is tokenised once, at construction. RL step ``s`` takes positions
-``[s * n, (s + 1) * n)`` of an endless sequence of epochs, each a permutation drawn from
-``(seed, epoch)``: the prompts of a step are a pure function of ``(seed, step)``, so a resumed
-run neither repeats nor skips a prompt, on any number of ranks, with no cursor to save.
+A verl row holds ``prompt`` (chat messages), ``data_source``, ``reward_model: {"ground_truth"}``
+and ``extra_info``, so a verl dataset trains here unchanged; other layouts name their
+:class:`Columns`. The prompts of RL step ``s`` are a pure function of ``(seed, s)``: a resumed run
+neither repeats nor skips one, on any number of ranks, with no cursor to save.
 """
 
 from __future__ import annotations
@@ -82,21 +77,18 @@ class Columns:
     extra_info: str | None = "extra_info"
 
 
-_MISSING = object()
-
-
 def lookup(row: Mapping[str, Any], key: str, *, where: str, field: str | None = None) -> Any:
-    """``row[a][b]`` for ``key="a.b"``. A missing column is ``None`` when ``field`` is None, else a
-    ``ValueError`` naming the row, the column, the setting ``task.columns.<field>`` and the row's columns."""
+    """``row[a][b]`` for ``key="a.b"``; a missing column is None, or for a required ``field`` of
+    :class:`Columns` a ``ValueError`` naming the row, the column, the setting and the row's columns."""
     value: Any = row
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:
             if field is None:
                 return None
             raise ValueError(
-                f"{where}: no column {key!r} for task.columns.{field} (the row has: {', '.join(map(str, row))}); "
-                "name your file's columns with task.columns.prompt, task.columns.data_source and "
-                "task.columns.ground_truth (dotted paths reach into nested columns)"
+                f"{where}: no column {key!r} for task.columns.{field} (the row has: "
+                f"{', '.join(map(str, row))}); name your file's columns with task.columns.prompt, "
+                "task.columns.data_source and task.columns.ground_truth (dotted paths reach into nested columns)"
             )
         value = value[part]
     return value

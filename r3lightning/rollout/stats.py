@@ -1,10 +1,4 @@
-"""One rollout step's outcome: its trajectories and statistics, or why it failed.
-
-Each rank counts its own requests and sums its trajectories' rewards and lengths;
-:func:`reduce_step_stats` all-reduces those few scalars (the only thing collection exchanges
-between ranks) into :class:`RolloutStats`. A rank whose collection failed says so in the same
-reduction, so every rank raises instead of waiting for it.
-"""
+"""One rollout step's outcome: its trajectories and statistics (reduced over ranks), or why it failed."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Tasks and their rewards as the job uses them, and a small verifiable task.
+"""A task joined with its reward (:class:`ScoredTask`), and the token-class task.
 
-:class:`ScoredTask` joins a task (anything with ``sample_prompts(num_prompts, generator) ->
-list[list[int]]``, or ``prompts_for_step(step, num_prompts)``) and its reward. The token-class
-task: a prompt is random filler tokens followed by an *instruction* token naming a class ``c`` in
-``[0, num_classes)`` (token id ``first_token + c``); the class of token ``t`` is
-``t % num_classes``, and the reward is the fraction of response tokens in class ``c``: exact,
-cheap, ``1 / num_classes`` for a uniform policy and 1.0 at best. A randomly initialised tiny
-model learns it in a few tens of GRPO steps.
+Token class: a prompt is filler tokens then an *instruction* token ``first_token + c`` naming a
+class ``c``; the class of token ``t`` is ``t % num_classes`` and the reward the fraction of
+response tokens in class ``c``: exact, cheap, learnt by a tiny random model in tens of steps.
 """
 
 from __future__ import annotations
