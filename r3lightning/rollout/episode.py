@@ -104,10 +104,10 @@ async def run_episode(
     for turn in range(max_turns):
         result = await generate(tokens, turn, None if trace is None else trace.prompt_start)
         response = episode.record(trace, len(tokens), result)
-        text = getattr(env, "response_format", "ids") == "text"
-        step = await call(
-            env.step, _tokenizer(env, where).decode(response, skip_special_tokens=True) if text else response
-        )
+        answer = response
+        if getattr(env, "response_format", "ids") == "text":
+            answer = _tokenizer(env, where).decode(response, skip_special_tokens=True)
+        step = await call(env.step, answer)
         if not isinstance(step, Sequence) or len(step) != 4:
             raise ValueError(
                 f"{where}: step() must return (observation, reward, done, info), got {step!r:.120}"
