@@ -19,6 +19,7 @@ CORRECTION_PREFIX = "correction/"
 CORRECTED = ("ess", "truncated_fraction", "masked_fraction")
 SEED_SEP = "/seed="
 SIMULATED = "simulated_disagreement"
+TURN_REWARD = "turn_reward/turn_2"
 PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed")
 History = Sequence[Mapping[str, float]]
 
@@ -106,6 +107,8 @@ def summarize(records: History, window: int = 3) -> dict[str, float]:
         out[name], out[f"{name}_end"] = _mean(records, key), _mean(records, key, end)
         out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
     out |= {name: _mean(records, CORRECTION_PREFIX + name) for name in CORRECTED}
+    out |= {"turns_end": _mean(records, "turns", end), "turn_2_reward_end": _mean(records, TURN_REWARD, end)}
+    out |= {f"route_bytes_{k}": _mean(records, f"route_bytes/turn_{k}") for k in (1, 2)}
     for suffix in ("", "_step0"):
         out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
     return out
@@ -134,6 +137,12 @@ CORRECTED_COLUMNS = (  # shown when a run applied an importance-sampling correct
     ("truncated", "truncated_fraction", "{:.2%}"),
     ("masked", "masked_fraction", "{:.2%}"),
 )
+MULTITURN_COLUMNS = (  # shown when a run's trajectories had turns (task=<an environment>)
+    ("turns end", "turns_end", "{:.2f}"),
+    ("turn 2 reward end", "turn_2_reward_end", "{:.3f}"),
+    ("route B turn 1->2", "route_bytes_1 route_bytes_2", "{:.0f}"),
+    ("used agreement", "agreement_mean", "{:.2%}"),
+)
 STEP0 = tuple((h.replace(" {band}", ""), f"{k}_step0", f) for h, k, f in COLUMNS[3:8])
 
 
@@ -161,7 +170,8 @@ def format_table(
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
     corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
-    columns = COLUMNS + CORRECTED_COLUMNS if corrected else COLUMNS
+    multiturn = any(TURN_REWARD in r for h in runs.values() for r in h)
+    columns = COLUMNS + (CORRECTED_COLUMNS if corrected else ()) + (MULTITURN_COLUMNS if multiturn else ())
     table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
     table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
     first = [["run", *(h for h, _, _ in STEP0)]]
@@ -186,6 +196,12 @@ def format_table(
             "IS ESS, truncated, masked: the loss's importance-sampling correction (algorithm.correction; "
             "n/a: none), effective sample size (sum w)^2 / (n sum w^2) and shares of loss tokens, "
             "means over steps"
+        )
+    if multiturn:
+        lines.append(
+            "turns end, turn 2 reward end: means over the last 3 steps; route B: route bytes a "
+            "trajectory's turn 1 / turn 2 received (means over steps; only new rows travel); used "
+            "agreement: share of the engine's expert slots the training forward used, every turn's rows"
         )
     return "\n".join(lines + ([environment_line(env)] if env else []))
 
