@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -48,10 +49,8 @@ def _setting(text: str) -> Any:
     if text.lower() in words:
         return words[text.lower()]
     for kind in (int, float):
-        try:
+        with contextlib.suppress(ValueError):
             return kind(text)
-        except ValueError:
-            pass
     return text
 
 
@@ -108,9 +107,8 @@ def _load_model(path: str, dtype):
     try:
         return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     except Exception as exc:  # any loader failure is a startup error of this one argument
-        raise _StartupError(
-            f"--model {path}: cannot load the checkpoint: {type(exc).__name__}: {exc}"
-        ) from None
+        reason = f"{type(exc).__name__}: {exc}"
+        raise _StartupError(f"--model {path}: cannot load the checkpoint: {reason}") from None
 
 
 async def _serve_until_signalled(server) -> None:

@@ -1,13 +1,4 @@
-"""Token generation with route recording for the embedded rollout server.
-
-:class:`GenerationEngine` runs a KV-cached sampling loop (a prefill of the left-padded prompts,
-then one forward per decode step for the rows still generating) under
-:func:`~r3lightning.replay.context.record_routes`: a ``P``-token prompt generating ``G`` tokens
-yields ``P - prompt_start + G - 1`` route rows (the last sampled token is never forwarded). One
-worker thread batches what :meth:`~GenerationEngine.submit` queues from any thread; a failed batch
-is rerun one request at a time, so only its cause fails (the others get the same results, by batch
-invariance).
-"""
+"""Token generation with route recording for the embedded rollout server (:class:`GenerationEngine`)."""
 
 from __future__ import annotations
 
@@ -65,10 +56,9 @@ class GenerationOutput:
 
 
 def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A fresh instance of ``model``'s class with a copy of its weights and configs, built from the
-    config so it carries none of the source's hooks (a training model's replay backend must not
-    see serving forwards), gradients or wrappers; init draws from a forked RNG. Cost: one init and
-    one copy of every tensor."""
+    """A fresh instance of ``model``'s class from its config, with a copy of its weights: none of
+    the source's hooks (a training model's replay backend must not see serving forwards),
+    gradients or wrappers. Cost: one init (from a forked RNG) and one copy of every tensor."""
     if getattr(model, "config", None) is None:
         raise TypeError(f"expected a Hugging Face causal LM with a .config, got {type(model).__name__}")
     with torch.random.fork_rng(devices=[]):
@@ -80,12 +70,16 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerationEngine:
-    """A KV-cached, route-recording sampling loop over a causal MoE model (the module docstring),
-    set up by :class:`~r3lightning.serve.config.EngineConfig` (``batch_invariant=None``: on unless
-    the model has sliding-window attention or sinks, e.g. gpt-oss). Cost: two host syncs per row
-    and decode step (token, logprob), a host copy of each forward's routes when asked for, and ~12
-    probe forwards per weight update with a simulated disagreement. :attr:`invariant_tile_rows`:
-    the row tile of the batch-invariant GEMMs."""
+    """A KV-cached sampling loop over a causal MoE ``model`` (a prefill of the left-padded prompts,
+    then one forward per decode step for the rows still generating) under
+    :func:`~r3lightning.replay.context.record_routes`: a ``P``-token prompt generating ``G`` tokens
+    yields ``P - prompt_start + G - 1`` route rows (the last sampled token is never forwarded).
+    ``config``: :class:`~r3lightning.serve.config.EngineConfig` (``batch_invariant=None``: on unless
+    the model has sliding-window attention or sinks, e.g. gpt-oss). One worker thread batches what
+    :meth:`submit` queues from any thread; a failed batch is rerun one request at a time, so only
+    its cause fails. Cost: two host syncs per row and decode step (token, logprob), a host copy of
+    each forward's routes when asked for, ~12 probe forwards per weight update with a simulated
+    disagreement. :attr:`invariant_tile_rows`: the row tile of the batch-invariant GEMMs."""
 
     invariant_tile_rows: int = 64
 
@@ -132,8 +126,7 @@ class GenerationEngine:
         """``ValueError`` naming the field if ``request`` cannot run on this model (``prompt_field``:
         what the wire protocol calls the prompt). Cost: two C-speed passes over the prompt."""
         prompt, start, vocab = request.prompt_ids, request.routed_experts_prompt_start, self.vocab_size
-        length = len(prompt)
-        if length == 0:
+        if not (n := len(prompt)):
             raise ValueError(f"{prompt_field} must not be empty")
         bad = next((token for token in prompt if type(token) is not int), None)
         if bad is not None:
@@ -142,17 +135,15 @@ class GenerationEngine:
         if bad is not None:
             where = f"at index {list(prompt).index(bad)}"
             raise ValueError(f"{prompt_field} holds token id {bad} {where}; expected ids in [0, {vocab})")
-        if length >= self.max_context:
+        if n >= self.max_context:
             room = f"leaving no room in the model context of {self.max_context}"
-            raise ValueError(f"{prompt_field} has {length} tokens, {room}")
+            raise ValueError(f"{prompt_field} has {n} tokens, {room}")
         bad = next((t for t in request.params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"sampling_params.stop_token_ids must be in [0, {vocab}), got {bad}")
         check_setting("routed_experts_prompt_start", start, low=0, integer=True)
-        if start > length:
-            raise ValueError(
-                f"routed_experts_prompt_start must be <= the prompt length {length}, got {start}"
-            )
+        if start > n:
+            raise ValueError(f"routed_experts_prompt_start must be <= the prompt length {n}, got {start}")
 
     def generate(
         self, requests: Sequence[GenerationRequest], *, return_exceptions: bool = False
@@ -188,7 +179,7 @@ class GenerationEngine:
         version = self.weight_version
         outputs: list = [GenerationOutput([], [], "length", None, n, weight_version=version) for n in lengths]
         cache = DynamicCache(config=self.model.config)
-        logits, routes = self._forward(ids, mask, positions, cache, record, starts)  # [B, V], [B, S, L, K]
+        logits, routes = self._forward(ids, mask, positions, starts, cache, record)  # [B, V], [B, S, L, K]
         for row in range(batch) if routes is not None else ():
             route_rows[row].append(routes[row, starts[row] :])
         active = list(range(batch))  # request index of each row still in the cache
@@ -219,7 +210,7 @@ class GenerationEngine:
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             positions = positions[:, -1:] + 1
             step_ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)[:, None]
-            logits, routes = self._forward(step_ids, mask, positions, cache, record, starts)
+            logits, routes = self._forward(step_ids, mask, positions, starts, cache, record)
             for cache_row, index in enumerate(active) if routes is not None else ():
                 route_rows[index].append(routes[cache_row])
         for request, out, rows in zip(requests, outputs, route_rows, strict=True):
@@ -227,52 +218,39 @@ class GenerationEngine:
                 out.routed_experts = torch.cat(rows)[request.routed_experts_prompt_start :].numpy()
         return outputs
 
-    def _invariant(self, starts: list[int]):
-        """The batch-invariance block for rows whose first real keys are ``starts`` (or none)."""
-        if not self.batch_invariant:
-            return contextlib.nullcontext()
-        return batch_invariant(starts, self.invariant_tile_rows)
-
     def _forward(
-        self, ids: Tensor, mask: Tensor, positions: Tensor, cache, record: bool, starts: list[int]
+        self, ids: Tensor, mask: Tensor, positions: Tensor, starts: list[int], cache=None, record: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One forward: last-position float32 logits ``[B, V]`` and host routes ``[B, S, L, K]``."""
+        """One forward (``cache`` None: none kept): last-position float32 logits ``[B, V]`` and, if
+        ``record``, host routes ``[B, S, L, K]``. ``starts``: each row's first real key."""
         kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, self._cache_arg: cache}
-        with (
-            self._invariant(starts),
-            record_routes(self.model) if record else contextlib.nullcontext() as recorder,
-        ):
-            logits = self.model(**kwargs, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        tile = self.invariant_tile_rows
+        invariant = batch_invariant(starts, tile) if self.batch_invariant else contextlib.nullcontext()
+        with invariant, record_routes(self.model) if record else contextlib.nullcontext() as recorder:
+            logits = self.model(**kwargs, use_cache=cache is not None, logits_to_keep=1).logits[:, -1].float()
         return logits, recorder.routes.cpu() if record else None
 
     @torch.inference_mode()
     def _calibrate_perturbation(self) -> None:
         """Fit the simulated disagreement's scale to the current weights (caller holds the lock)."""
-        assert self.perturbation is not None
         probe = self.perturbation.probe.to(self.device)  # [n, length]
         mask = torch.ones_like(probe, dtype=torch.bool)
-        forward = {"input_ids": probe, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+        positions, starts = position_ids_from_mask(mask), [0] * probe.shape[0]
 
-        def routes() -> Tensor:
-            with self._invariant([0] * probe.shape[0]), record_routes(self.model) as recorder:
-                self.model(**forward, use_cache=False)
-            return recorder.routes[..., self._moe_layers, :]  # [n, length, moe_layers, K]
+        def routes() -> Tensor:  # [n, length, moe_layers, K]
+            return self._forward(probe, mask, positions, starts)[1][..., self._moe_layers, :]
 
         scale, knob = self.perturbation.calibrate(routes), self.perturbation
-        logger.info(
-            "simulated router disagreement: target %.4f, measured %.4f (scale %.4g)",
-            knob.target,
-            knob.measured,
-            scale,
-        )
+        measured = f"target {knob.target:.4f}, measured {knob.measured:.4f}"
+        logger.info("simulated router disagreement: %s (scale %.4g)", measured, scale)
 
     def _generator(self, seed: int | None) -> torch.Generator:
         seed = int(torch.randint(MAX_SEED, (1,), generator=self._seed_generator)) if seed is None else seed
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def submit(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> Future:
-        """Queue ``request`` for the worker thread; the future resolves to a :class:`GenerationOutput`.
-        Validates first (:meth:`check_request`'s ``ValueError`` is raised here)."""
+        """Queue ``request`` for the worker thread (after :meth:`check_request`, whose ``ValueError``
+        is raised here); the future resolves to a :class:`GenerationOutput`."""
         self.check_request(request, prompt_field=prompt_field)
         future: Future = Future()
         # under the lock close() takes: nothing queued behind the worker's stop sentinel (its

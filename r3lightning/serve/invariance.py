@@ -54,18 +54,14 @@ def row_invariant_attention(
     if q_len != 1 and q_len != kv_len:
         raise RuntimeError(f"{ATTENTION_NAME} supports prefill from an empty cache or one-token decode steps")
     out = query.new_zeros(query.shape[0], q_len, query.shape[1], query.shape[3])
+    gqa = query.shape[1] != key.shape[1]
     for start in dict.fromkeys(starts):  # rows with the same padding share one call
         q_start = start if q_len > 1 else 0
         index = torch.tensor([row for row, s in enumerate(starts) if s == start], device=query.device)
         # gathered copies: each row computed by its own (batch, head) program, as when alone
-        attended = F.scaled_dot_product_attention(
-            query.index_select(0, index)[:, :, q_start:],
-            key.index_select(0, index)[:, :, start:],
-            value.index_select(0, index)[:, :, start:],
-            is_causal=q_len > 1,
-            scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # [rows, H, Q - q_start, D]
+        q = query.index_select(0, index)[:, :, q_start:]
+        k, v = (t.index_select(0, index)[:, :, start:] for t in (key, value))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
         out[index, q_start:] = attended.transpose(1, 2)
     return out, None
 

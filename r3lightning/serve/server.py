@@ -149,10 +149,8 @@ class RolloutServer:
     def make_app(self) -> web.Application:
         """The aiohttp application (routes + error/auth middleware), unstarted."""
         app = web.Application(middlewares=[self._middleware])
-        for protocol in PROTOCOLS:
-            app.router.add_post(
-                PROTOCOL_PATHS[protocol], functools.partial(self._generate, protocol=protocol)
-            )
+        for name in PROTOCOLS:
+            app.router.add_post(PROTOCOL_PATHS[name], functools.partial(self._generate, protocol=name))
         app.router.add_get("/health", self._health)
         app.router.add_post("/update_weights", self._update_weights)
         return app
@@ -307,7 +305,7 @@ class RolloutServer:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        if self._loop is None or self._thread is None:
+        if self._loop is None:
             return
         asyncio.run_coroutine_threadsafe(self.stop(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
