@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.replay.context import as_backend, record_routes
@@ -178,6 +177,8 @@ class GenerationEngine:
         route_rows: list[list[Tensor]] = [[] for _ in requests]
         version = self.weight_version
         outputs: list = [GenerationOutput([], [], "length", None, n, weight_version=version) for n in lengths]
+        from transformers import DynamicCache  # imported only here: transformers is an optional extra
+
         cache = DynamicCache(config=self.model.config)
         logits, routes = self._forward(ids, mask, positions, starts, cache, record)  # [B, V], [B, S, L, K]
         for row in range(batch) if routes is not None else ():

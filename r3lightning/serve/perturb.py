@@ -95,13 +95,9 @@ class RouterLogitPerturbation:
 
             # always the same bracket: the scale depends on the weights alone, never on what the
             # engine calibrated (served) before
-            low, high = 0.0, 1.0
-            measured_high = measure(high)
-            for _ in range(40):  # the disagreement grows with the scale: bracket the target
-                if measured_high >= self.target:
-                    break
+            low, high = 0.0, 1.0  # the disagreement grows with the scale: bracket the target
+            while (measured_high := measure(high)) < self.target and high < 4.0**40:
                 low, high = high, high * 4
-                measured_high = measure(high)
             best = (abs(measured_high - self.target), high, measured_high)
             for _ in range(_BISECTIONS):
                 mid = (low + high) / 2 if low == 0.0 else (low * high) ** 0.5
