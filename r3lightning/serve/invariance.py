@@ -131,9 +131,8 @@ class RowTiledLinear(TorchFunctionMode):
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         tile = self.tile_rows
         num_tiles = max(1, math.ceil(rows.shape[0] / tile))
-        padded = rows.new_zeros(num_tiles * tile, rows.shape[1])
-        padded[: rows.shape[0]] = rows
-        out = torch.cat([F.linear(padded[i * tile : (i + 1) * tile], weight, bias) for i in range(num_tiles)])
+        padded = F.pad(rows, (0, 0, 0, num_tiles * tile - rows.shape[0]))  # zero rows up to whole tiles
+        out = torch.cat([F.linear(rows_tile, weight, bias) for rows_tile in padded.split(tile)])
         return out[: rows.shape[0]].reshape(*x.shape[:-1], weight.shape[0])
 
 
