@@ -1,9 +1,7 @@
 """Run outputs: per-step metrics CSV, the summary table, the plot (matplotlib Agg), the environment.
 
-A run's history: one flat ``{metric: float}`` record per RL step (``used_agreement/layer_<i>``,
-``mismatch/<name>`` on the steps measured, ``correction/<name>`` when a correction is applied,
-``simulated_disagreement`` when simulated). Runs named ``<arm>/seed=<s>`` are seeds of one arm:
-table and plot show the median over seeds and its range.
+A run's history is one flat ``{metric: float}`` record per RL step. Runs named ``<arm>/seed=<s>``
+are seeds of one arm: table and plot show the median over seeds and its range.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from pathlib import Path
 
 AGREEMENT_PREFIX = "used_agreement/layer_"
 MISMATCH_PREFIX = "mismatch/"
-CORRECTION_PREFIX = "correction/"  # the GRPO module's importance-sampling correction (when applied)
+CORRECTION_PREFIX = "correction/"
 CORRECTED = ("ess", "truncated_fraction", "masked_fraction")
 SEED_SEP = "/seed="
 SIMULATED = "simulated_disagreement"
@@ -60,6 +58,7 @@ def environment() -> dict[str, str]:
 
 
 def environment_line(env: Mapping[str, str]) -> str:
+    """:func:`environment` as the line that ends ``summary.txt`` and heads ``config.yaml``."""
     versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
     return f"environment: {versions}, {env['threads']} intra-op threads, CPU {env['cpu']}"
 
@@ -84,7 +83,7 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
     return (statistics.median(kept), kept[0], kept[-1]) if kept else (math.nan,) * 3
 
 
-def _mean(records: History, key: str, part: slice = slice(None)) -> float:
+def _mean(records: History, key: str, part: slice = slice(None)) -> float:  # NaNs left out
     values = [r[key] for r in records if key in r and not math.isnan(r[key])][part]
     return sum(values) / len(values) if values else math.nan
 
@@ -216,11 +215,11 @@ def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float =
     titles = [f"{t}, simulated {share}" if share else t for t in panels]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    pair = (m + "k3_native", m + "k3_replayed")
     for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
         name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
-        ratio = {m + "k3_native", m + "k3_replayed"}
         records = [
-            {**r, "k3_ratio": _ratio(r[m + "k3_native"], r[m + "k3_replayed"])} if ratio <= set(r) else r
+            {**r, "k3_ratio": _ratio(r[pair[0]], r[pair[1]])} if set(pair) <= set(r) else r
             for h in histories
             for r in h
         ]
