@@ -121,8 +121,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     count = packed["count"]
     if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
         count = count.item()
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"{where}: count must be an int >= 0, got {count!r}")
+    count = check_int(f"{where}: count", count, 0)
     prompt_lengths = _lengths(packed, "prompt_lengths", count, 1, where)
     response_lengths = _lengths(packed, "response_lengths", count, 0, where)
     route_rows = _lengths(packed, "route_rows", count, -1, where)
