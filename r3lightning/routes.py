@@ -1,4 +1,4 @@
-"""Route dtypes: the compact integer types of expert ids, shared by every stage.
+"""Route dtypes (the compact integer types of expert ids) and route layer ids, shared by every stage.
 
 Routes live on the host and the wire in the smallest of uint8 / int16 / int32 that holds the
 largest expert id (a 128-expert model's routes are a quarter of int32), and are widened to what a
@@ -50,3 +50,14 @@ def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
 def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The dtype that holds routes of all ``dtypes`` (at least one): uint8 and int16 -> int16."""
     return functools.reduce(torch.promote_types, dtypes)
+
+
+def check_layers(name: str, layers: Iterable[int] | None) -> tuple[int, ...] | None:
+    """``layers`` as a tuple of absolute decoder-layer ids (sorted, unique, ``>= 0``, at least one)
+    or None (every layer); else ``ValueError`` naming ``name``."""
+    if layers is None:
+        return None
+    ids = tuple(layers) if isinstance(layers, Iterable) and not isinstance(layers, str | bytes) else ()
+    if not ids or any(type(i) is not int or i < 0 for i in ids) or list(ids) != sorted(set(ids)):
+        raise ValueError(f"{name} must be None or sorted, unique decoder-layer ids >= 0, got {layers!r}")
+    return ids

@@ -137,7 +137,7 @@ class GRPOModule(pl.LightningModule):
             return {}
         backend = callback.backend
         layout = TokenMetadataLayout.padded(host_attention_mask(batch))  # what self.forward feeds
-        aligned, mask = callback.align_routes(routes, layout)  # [B, S, L, K], [B, S] on device
+        aligned, mask = callback.align_routes(routes, layout, batch.route_layers)  # [B, S, L, K], [B, S]
         loss_mask = batch.loss_mask.to(rollout_logprobs.dtype)
         with torch.no_grad():
             with record_routes(backend) as native_routes:

@@ -96,7 +96,7 @@ class OnPolicyLoop(pl.Callback):
         if trainer.world_size > 1 and getattr(trainer.datamodule, "shard", False):
             raise JobError(
                 "every rank collects only its own groups, so the data module must not shard its "
-                "buffer again: set data.shard=false"
+                "buffer again: set data.options.shard=false"
             )
         if int(self.cfg.prompts_per_step) % trainer.world_size:
             raise JobError(

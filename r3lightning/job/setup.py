@@ -192,8 +192,10 @@ def check_config(cfg: DictConfig) -> None:
         raise JobError(
             f"callbacks.{replay[0]}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
         )
-    if replay is not None:  # the callback reads it only at the first training batch, far from here
-        _check_rules(cfg, {f"callbacks.{replay[0]}.pad_to_multiple": _integer(1)})
+    if replay is not None:  # the callback's own checks (its backend is the job's, built later)
+        instantiate_node(
+            {k: v for k, v in plain(replay[1]).items() if k != "backend"}, f"callbacks.{replay[0]}"
+        )
     instantiate_node(cfg.data, "data", buffer=ReplayBuffer())  # the data module's own checks
 
 

@@ -29,11 +29,13 @@ def check_routes(
     distinct: bool = True,
     where: str = "routed_experts",
     error: type[ValueError] = ValueError,
+    layers: tuple[int, ...] | None = None,
 ) -> int:
     """Check routes ``[rows, num_layers, top_k]`` and return their largest id (0 when empty).
 
     ``num_layers`` / ``top_k`` / ``num_experts``: the model's, None where unknown; ``rows``: the
-    row counts allowed, ``rows_rule`` says which in the message. Raises ``error`` (a ``ValueError``
+    row counts allowed, ``rows_rule`` says which in the message; ``layers``: the decoder layer of
+    each column, for messages (None: column ``j`` is layer ``j``). Raises ``error`` (a ``ValueError``
     class) naming ``where``. Cost: an unsigned ``max`` over the ids (signed ones are viewed as
     unsigned of their width, so a negative id is at least ``2**(bits-1)``), one more pass with
     ``distinct``; a host array: no device syncs; ``routes`` is never modified.
@@ -54,13 +56,18 @@ def check_routes(
         bound = f"num_experts={num_experts}" if num_experts is not None else "int32 (ids < 2**31)"
         raise error(f"{where}: expert id {high} is out of range for {bound}")
     if distinct:
-        check_distinct(routes, where, error)
+        check_distinct(routes, where, error, layers)
     if rows is not None and shape[0] not in rows:  # after the ids: a bad id is the likelier story
         raise error(f"{where}: {shape[0]} route rows, expected {rows_rule or rows}")
     return high
 
 
-def check_distinct(routes: np.ndarray, where: str, error: type[ValueError] = ValueError) -> None:
+def check_distinct(
+    routes: np.ndarray,
+    where: str,
+    error: type[ValueError] = ValueError,
+    layers: tuple[int, ...] | None = None,
+) -> None:
     """Raise ``error`` for the first ``[top_k]`` row of ``routes`` ``[rows, L, K]`` that repeats an
     expert, all-zero rows exempt. Cost: per block of rows one transposing copy and
     ``K*(K-1)/2`` comparisons of contiguous columns (about 10 ms for 32k x 48 x 8 uint8 ids)."""
@@ -74,5 +81,6 @@ def check_distinct(routes: np.ndarray, where: str, error: type[ValueError] = Val
         for i in range(k - 1):
             repeated |= (columns[i + 1 :] == columns[i]).any(axis=0)
         if repeated.any() and (repeated := repeated & columns.any(axis=0)).any():
-            row, layer = divmod(first + int(np.flatnonzero(repeated)[0]), routes.shape[1])
-            raise error(f"{where}: row {row} layer {layer} repeats an expert: {routes[row, layer].tolist()}")
+            row, column = divmod(first + int(np.flatnonzero(repeated)[0]), routes.shape[1])
+            layer = column if layers is None else layers[column]
+            raise error(f"{where}: row {row} layer {layer} repeats an expert: {routes[row, column].tolist()}")

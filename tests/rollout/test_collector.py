@@ -23,6 +23,7 @@ from r3lightning import (
     sampling_seed,
     text_reward,
 )
+from r3lightning.data.datamodule import DataOptions
 from r3lightning.rollout.config import CollectorConfig
 from r3lightning.wire.request import RouteSchema
 
@@ -189,7 +190,8 @@ def _rank_worker(rank: int, url: str, out: dict) -> None:
         # the data module draws this rank's whole buffer with shard=False, half of it by default
         drawn = {}
         for shard in (False, True):
-            datamodule = R3DataModule(buffer, batch_size=8, shuffle=False, collate_threads=1, shard=shard)
+            options = DataOptions(shard=shard)
+            datamodule = R3DataModule(buffer, batch_size=8, shuffle=False, collate_threads=1, options=options)
             drawn[shard] = [int((b.loss_mask.sum(1) > 0).sum()) for b in datamodule.train_dataloader()]
 
         def failing(prompt: RolloutPrompt, response: list[int]) -> float:
