@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.layout import check_int
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.data.trajectory import Trajectory, route_signature
 from r3lightning.routes import check_layers, widest_route_dtype
 
 __all__ = ["ReplayBuffer", "pack_trajectories", "unpack_trajectories"]
@@ -32,40 +32,22 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     per trajectory (-1 = no routes), each one's id sum (``route_sums``: a restore refuses rows
     that moved to a neighbour) and their one ``route_layers``. One copy of every field plus one
     pass over the routes."""
-    count = len(trajectories)
-    layer_sets = {t.route_layers for t in trajectories if t.routed_experts is not None}
-    if len(layer_sets) > 1:
-        raise ValueError(
-            f"trajectories to pack hold routes on different layers: {sorted(layer_sets, key=str)}"
-        )
-    (layers,) = layer_sets or {None}
-    prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
-    response_lengths = torch.tensor([t.response_length for t in trajectories], dtype=torch.int64)
-    route_rows = torch.tensor(
-        [-1 if t.routed_experts is None else t.route_rows for t in trajectories], dtype=torch.int64
-    )
-    with_routes = [t.routed_experts for t in trajectories if t.routed_experts is not None]
-    routes: Tensor | None = None
-    route_sums = torch.zeros(count, dtype=torch.int64)
-    if with_routes:
-        dtype = widest_route_dtype(r.dtype for r in with_routes)
-        routes = torch.cat([r.to(dtype) for r in with_routes])  # [sum rows, L, K]
-        rows = route_rows.clamp(min=0)  # [count]
-        running = torch.cat(
-            [torch.zeros(1, dtype=torch.int64), routes.flatten(1).sum(1, dtype=torch.int64).cumsum(0)]
-        )
-        ends = rows.cumsum(0)  # one past each trajectory's last row
-        route_sums = running[ends] - running[ends - rows]
+    _, layers = route_signature(trajectories, "trajectories to pack")
+    per_trajectory = [t.routed_experts for t in trajectories]  # None: no routes
+    routed = [r for r in per_trajectory if r is not None]
+    routes = None
+    if routed:
+        dtype = widest_route_dtype(r.dtype for r in routed)
+        routes = torch.cat([r.to(dtype) for r in routed])  # [sum rows, L, K]
 
     def cat(name: str, dtype: torch.dtype) -> Tensor:
-        if not count:
-            return torch.empty(0, dtype=dtype)
-        return torch.cat([getattr(t, name) for t in trajectories])
+        parts = [getattr(t, name) for t in trajectories]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
 
     return {
-        "count": count,
-        "prompt_lengths": prompt_lengths,
-        "response_lengths": response_lengths,
+        "count": len(trajectories),
+        "prompt_lengths": torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64),
+        "response_lengths": torch.tensor([t.response_length for t in trajectories], dtype=torch.int64),
         "prompt_ids": cat("prompt_ids", torch.int64),
         "response_ids": cat("response_ids", torch.int64),
         "loss_mask": cat("loss_mask", torch.float32),
@@ -73,8 +55,10 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         # float64 keeps Python float rewards and advantages exact through a round trip
         "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float64),
         "advantages": torch.tensor([t.advantage for t in trajectories], dtype=torch.float64),
-        "route_rows": route_rows,
-        "route_sums": route_sums,
+        "route_rows": torch.tensor([-1 if r is None else len(r) for r in per_trajectory], dtype=torch.int64),
+        "route_sums": torch.tensor(
+            [0 if r is None else int(r.sum(dtype=torch.int64)) for r in per_trajectory], dtype=torch.int64
+        ),
         "routes": routes,
         "route_layers": None if layers is None else list(layers),
     }
@@ -132,24 +116,19 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     advantages = _vector(packed, "advantages", count, where).tolist()
     sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
     layers = packed.get("route_layers")  # absent from states of earlier releases: every layer
-    kept_rows = [r for r in route_rows if r >= 0]
-    routes_all = packed["routes"]
-    if routes_all is None:
-        if kept_rows:
-            raise ValueError(f"{where}: routes is None but route_rows counts {sum(kept_rows)} rows")
-        routes_split: list[Tensor] = []
-    else:
-        is_tensor = isinstance(routes_all, Tensor)
-        if not is_tensor or routes_all.dim() != 3 or routes_all.shape[0] != sum(kept_rows):
-            got = f"shape {tuple(routes_all.shape)}" if is_tensor else type(routes_all).__name__
-            raise ValueError(
-                f"{where}: routes must be a [rows, num_layers, top_k] tensor with the {sum(kept_rows)} rows "
-                f"route_rows counts, got {got}"
-            )
-        routes_split = list(routes_all.split(kept_rows))
-    routes_iter = iter(routes_split)
+    kept = [r for r in route_rows if r >= 0]
+    routes = packed["routes"]
+    fits = isinstance(routes, Tensor) and routes.dim() == 3 and routes.shape[0] == sum(kept)
+    if not fits and (routes is not None or kept):
+        got = f"shape {tuple(routes.shape)}" if isinstance(routes, Tensor) else type(routes).__name__
+        raise ValueError(
+            f"{where}: routes must be a [rows, num_layers, top_k] tensor with the {sum(kept)} rows "
+            f"route_rows counts, got {got}"
+        )
+    parts = iter(() if routes is None else routes.split(kept))
     out = []
     for i in range(count):
+        mine = next(parts) if route_rows[i] >= 0 else None
         try:
             out.append(
                 Trajectory(
@@ -159,22 +138,21 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
                     rollout_logprobs=fields["rollout_logprobs"][i],
                     reward=rewards[i],
                     advantage=advantages[i],
-                    routed_experts=next(routes_iter) if route_rows[i] >= 0 else None,
-                    route_layers=layers if route_rows[i] >= 0 else None,
+                    routed_experts=mine,
+                    route_layers=None if mine is None else layers,
                 )
             )
+            if (
+                sums is not None
+                and mine is not None
+                and (total := int(mine.sum(dtype=torch.int64))) != sums[i]
+            ):
+                raise ValueError(
+                    f"its {len(mine)} route rows add up to {total}, not to route_sums[{i}] = {sums[i]} "
+                    "(route_rows out of step with routes)"
+                )
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: trajectory {i} rejected: {err}") from None
-        routes = out[-1].routed_experts
-        if (
-            sums is not None
-            and routes is not None
-            and (total := int(routes.sum(dtype=torch.int64))) != sums[i]
-        ):
-            raise ValueError(
-                f"{where}: trajectory {i} rejected: its {len(routes)} route rows add up to {total}, "
-                f"not to route_sums[{i}] = {sums[i]} (route_rows out of step with routes)"
-            )
     return out
 
 
@@ -203,11 +181,11 @@ class ReplayBuffer:
         layers: Sequence[int] | None = None,
     ) -> None:
         for name, value in (("capacity", capacity), ("vocab_size", vocab_size), ("num_experts", num_experts)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"ReplayBuffer {name} must be a positive int or None, got {value!r}")
+            if value is not None:
+                check_int(f"ReplayBuffer {name}", value)
         self.capacity, self.vocab_size, self.num_experts = capacity, vocab_size, num_experts
         self.layers = check_layers("ReplayBuffer layers", layers)
-        self._items: deque[Trajectory] = deque()
+        self._items: deque[Trajectory] = deque(maxlen=capacity)  # evicts the oldest when full
         self._start = 0  # sequence number of the oldest stored trajectory
         self._fixed: tuple[Any, Any] = (None, None)  # the stored routes' (num_layers, top_k), route_layers
 
@@ -257,11 +235,9 @@ class ReplayBuffer:
         batch = list(trajectories)
         where = "trajectory {i} of the batch" if len(batch) > 1 else "trajectory"
         batch, self._fixed = self._validated(batch, *self._fixed, where)
+        added = len(self._items) + len(batch)
         self._items.extend(batch)
-        overflow = 0 if self.capacity is None else max(len(self._items) - self.capacity, 0)
-        for _ in range(overflow):
-            self._items.popleft()
-        self._start += overflow
+        self._start += added - len(self._items)  # evicted
 
     def _validated(
         self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, layers: Any, where: str
@@ -335,7 +311,7 @@ class ReplayBuffer:
                 f"{self.capacity}; loading it would lose samples"
             )
         items, fixed = self._validated(items, saved, layers, where + ": trajectory {i}")
-        self._items, self._start, self._fixed = deque(items), start, fixed
+        self._items, self._start, self._fixed = deque(items, maxlen=self.capacity), start, fixed
 
     def __repr__(self) -> str:
         return (

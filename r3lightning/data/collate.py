@@ -20,8 +20,9 @@ The allocator is injectable, so the pool logic also runs (unpinned) without a GP
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from torch import Tensor
@@ -30,7 +31,7 @@ from r3lightning.align.layout import check_int
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.cpus import collate_pool_size
 from r3lightning.data.fill import Allocator, Buffers, collate_fields, pinned_empty, plain_empty
-from r3lightning.data.trajectory import Trajectory, padding_trajectories
+from r3lightning.data.trajectory import Trajectory, padding_trajectories, route_signature
 from r3lightning.routes import check_layers
 
 __all__ = ["PinnedBufferPool", "RolloutCollator", "collate_trajectories", "pinned_empty"]
@@ -61,10 +62,9 @@ class PinnedBufferPool:
     def __init__(
         self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
     ) -> None:
-        if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
-        if recycle_after is not None and recycle_after < 1:
-            raise ValueError(f"recycle_after must be >= 1 or None, got {recycle_after}")
+        check_int("slots", slots)
+        if recycle_after is not None:
+            check_int("recycle_after", recycle_after)
         self.allocator = allocator or pinned_empty
         self.recycle_after = recycle_after
         self._slots = [_Slot() for _ in range(slots)]
@@ -112,10 +112,8 @@ def collate_trajectories(
     trajectories: Sequence[Trajectory], *, pad_token_id: int = 0, width_multiple: int = 1
 ) -> RolloutBatch:
     """Serial collation into fresh (unpinned) memory; see :class:`RolloutCollator`."""
-    check_int("width_multiple", width_multiple)
-    check_int("pad_token_id", pad_token_id, 0)
-    return RolloutBatch(**collate_fields(trajectories, Buffers(plain_empty), pad_token_id=pad_token_id,
-                                         width_multiple=width_multiple))  # fmt: skip
+    collator = RolloutCollator(num_threads=1, pad_token_id=pad_token_id, width_multiple=width_multiple)
+    return collator(trajectories)
 
 
 class RolloutCollator:
@@ -152,12 +150,11 @@ class RolloutCollator:
         pin_memory: bool | PinnedBufferPool = False,
         layers: Sequence[int] | None = None,
     ) -> None:
-        if num_threads is not None:
-            check_int("num_threads", num_threads)
-        check_int("width_multiple", width_multiple)
-        check_int("pad_token_id", pad_token_id, 0)
-        self.num_threads = collate_pool_size() if num_threads is None else num_threads
-        self.pad_token_id, self.width_multiple = pad_token_id, width_multiple
+        self.num_threads = (
+            collate_pool_size() if num_threads is None else check_int("num_threads", num_threads)
+        )
+        self.width_multiple = check_int("width_multiple", width_multiple)
+        self.pad_token_id = check_int("pad_token_id", pad_token_id, 0)
         self.num_experts, self.pin_memory = num_experts, bool(pin_memory)
         self.layers = check_layers("layers", layers)
         self.pool = PinnedBufferPool() if pin_memory is True else pin_memory or None
@@ -165,52 +162,48 @@ class RolloutCollator:
         self._executor_lock = threading.Lock()
         self._executor_users: dict[ThreadPoolExecutor, int] = {}  # collations running on each pool
 
-    def _enter_executor(self) -> ThreadPoolExecutor | None:
-        """The fill pool for one collation; :meth:`close` never shuts it down under a user."""
+    @contextmanager
+    def _fill_pool(self) -> Iterator[ThreadPoolExecutor | None]:
+        """The fill threads of one collation (None: serial); :meth:`close` never shuts them down
+        under a collation, the last one out of a closed pool does."""
         if self.num_threads <= 1:
-            return None
+            yield None
+            return
         with self._executor_lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.num_threads, thread_name_prefix="r3-collate")
             executor = self._executor
             self._executor_users[executor] = self._executor_users.get(executor, 0) + 1
-        return executor
-
-    def _exit_executor(self, executor: ThreadPoolExecutor | None) -> None:
-        if executor is None:
-            return
-        with self._executor_lock:
-            self._executor_users[executor] -= 1
-            idle = self._executor_users[executor] == 0
-            if idle:
-                del self._executor_users[executor]
-            retired = idle and executor is not self._executor  # closed while this one ran
-        if retired:
-            executor.shutdown(wait=False)  # its tasks are done: the collation waited for them
+        try:
+            yield executor
+        finally:
+            with self._executor_lock:
+                self._executor_users[executor] -= 1
+                idle = self._executor_users[executor] == 0
+                if idle:
+                    del self._executor_users[executor]
+            if idle and executor is not self._executor:  # closed while this one ran
+                executor.shutdown(wait=False)  # its tasks are done: the collation waited for them
 
     def __call__(self, trajectories: Sequence[Trajectory | None]) -> RolloutBatch:
         where = "trajectory {} of the batch".format
         items = [t if t is None else t.on_layers(self.layers, where(i)) for i, t in enumerate(trajectories)]
-        missing = [i for i, t in enumerate(items) if t is None]
-        if missing:
-            routed = [t for t in items if t is not None and t.routed_experts is not None]
-            schemas = {(t.route_schema, t.route_layers) for t in routed}
-            schema, layers = next(iter(schemas)) if len(schemas) == 1 else (None, None)
-            fillers = iter(padding_trajectories(len(missing), pad_token_id=self.pad_token_id, route_schema=schema,
+        if missing := sum(t is None for t in items):
+            real = (t for t in items if t is not None)
+            schema, layers = route_signature(real, "trajectories in one batch")
+            fillers = iter(padding_trajectories(missing, pad_token_id=self.pad_token_id, route_schema=schema,
                                                 num_experts=self.num_experts, route_layers=layers))  # fmt: skip
             items = [next(fillers) if t is None else t for t in items]
         buffers, lease = (Buffers(plain_empty), None) if self.pool is None else self.pool.acquire()
-        executor = self._enter_executor()
         try:
-            fields = collate_fields(items, buffers, pad_token_id=self.pad_token_id, executor=executor,
-                                    width_multiple=self.width_multiple, tasks=self.num_threads)  # fmt: skip
+            with self._fill_pool() as executor:
+                fields = collate_fields(items, buffers, pad_token_id=self.pad_token_id, executor=executor,
+                                        width_multiple=self.width_multiple, tasks=self.num_threads)  # fmt: skip
             batch = RolloutBatch(**fields)
         except BaseException:
             if lease is not None:
                 lease.release()
             raise
-        finally:
-            self._exit_executor(executor)
         batch._lease = lease
         return batch
 

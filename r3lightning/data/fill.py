@@ -9,6 +9,7 @@ torch ops, which release the GIL. It returns ``RolloutBatch`` keyword arguments,
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,20 +18,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.data.trajectory import Trajectory, route_signature
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import offsets_from_lengths
 from r3lightning.routes import widest_route_dtype
 
-__all__ = [
-    "ROW_FIELDS",
-    "TOKEN_FIELDS",
-    "Allocator",
-    "Buffers",
-    "collate_fields",
-    "pinned_empty",
-    "plain_empty",
-]
+__all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "Allocator", "Buffers", "collate_fields", "pinned_empty",
+           "plain_empty"]  # fmt: skip
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")  # [B, S]
 ROW_FIELDS = ("advantages", "rewards", "prompt_lengths", "sequence_lengths")  # [B]
@@ -71,11 +65,11 @@ class Buffers:
 
 
 def _fill_rows(
-    rows: range,
     trajectories: Sequence[Trajectory],
     out: dict[str, Tensor],
     offsets: list[int],
     pad_token_id: int,
+    rows: range,
 ) -> None:
     """Write every position of ``rows`` (padding included); tasks own disjoint rows."""
     width = out["input_ids"].shape[1]
@@ -119,19 +113,12 @@ def collate_fields(
     width = int(sequence_lengths.max()) if count else 0
     width = -(-width // width_multiple) * width_multiple
 
-    schemas = {t.route_schema for t in trajectories if t.routed_experts is not None}
-    layer_sets = {t.route_layers for t in trajectories if t.routed_experts is not None}
-    if len(schemas) > 1 or len(layer_sets) > 1:
-        raise ValueError(
-            f"trajectories in one batch have different route schemas (num_layers, top_k) or route_layers: "
-            f"{sorted(schemas)}, {sorted(layer_sets, key=str)}"
-        )
+    schema, layers = route_signature(trajectories, "trajectories in one batch")
     token_dtypes = {"input_ids": torch.int64, "attention_mask": torch.bool}
     out = {n: buffers.take(n, (count, width), token_dtypes.get(n, torch.float32)) for n in TOKEN_FIELDS}
     offsets: list[int] = []
     cu_host: Tensor | None = None
-    if schemas:
-        (schema,) = schemas
+    if schema is not None:
         dtype = widest_route_dtype(
             t.routed_experts.dtype for t in trajectories if t.routed_experts is not None
         )
@@ -150,19 +137,14 @@ def collate_fields(
     }
     fields = {name: buffers.take(name, (count,), v.dtype).copy_(v) for name, v in scalars.items()}
 
-    tasks = max(1, min(tasks, count))
-    bounds = [count * k // tasks for k in range(tasks + 1)]
-    chunks = [range(bounds[k], bounds[k + 1]) for k in range(tasks)]
-    if executor is None or tasks == 1:
-        for rows_range in chunks:
-            _fill_rows(rows_range, trajectories, out, offsets, pad_token_id)
+    tasks = 1 if executor is None else max(1, min(tasks, count))
+    if tasks == 1:
+        _fill_rows(trajectories, out, offsets, pad_token_id, range(count))
     else:
-        futures = [executor.submit(_fill_rows, r, trajectories, out, offsets, pad_token_id) for r in chunks]
-        for future in futures:
-            future.result()  # re-raises a worker's exception here
+        bounds = [count * k // tasks for k in range(tasks + 1)]
+        fill = functools.partial(_fill_rows, trajectories, out, offsets, pad_token_id)
+        list(executor.map(fill, map(range, bounds[:-1], bounds[1:])))  # re-raises a worker's exception
 
-    routed, (layers,) = None, layer_sets or {None}
-    if cu_host is not None:
-        routed = PackedTensor(out.pop("routes"), cu_host, cu_seqlens_host=cu_host)
+    routed = None if cu_host is None else PackedTensor(out.pop("routes"), cu_host, cu_seqlens_host=cu_host)
     hosts = (sequence_lengths, prompt_lengths)
     return {**out, **fields, "routed_experts": routed, "route_layers": layers, "_host_lengths": hosts}

@@ -1,20 +1,19 @@
 """``Trajectory``: one rollout (prompt + response tokens, per-token RL fields, captured routes).
 
 ``n = len(prompt_ids) + len(response_ids)`` real tokens; per response token a loss mask (1 = loss
-target) and the engine's sampling logprob. ``routed_experts`` ``[captured, num_layers, top_k]``,
-``captured <= n``: row ``t`` = the experts token ``t`` used as an input (engines usually return
-``n - 1`` rows; later rows route natively); column ``j`` is decoder layer ``route_layers[j]`` (None:
-layer ``j``, every layer present). Normalised once, at construction, to CPU tensors the
-trajectory owns: ids int64, masks and logprobs float32, routes in the compact dtype of their largest
-id, after :func:`~r3lightning.wire.route_check.check_routes` (about 10 ms for 32k x 48 x 8 ids).
-Checks against a model run in :meth:`Trajectory.validate`, which the replay buffer calls on insert.
+target) and the engine's sampling logprob. ``routed_experts [captured, L, top_k]``, ``captured <=
+n``: row ``t`` = the experts token ``t`` used as an input (later rows route natively); column ``j``
+is decoder layer ``route_layers[j]`` (None: layer ``j``). Normalised once, at construction, to CPU
+tensors the trajectory owns: ids int64, masks and logprobs float32, routes in the compact dtype of
+their largest id, after :func:`~r3lightning.wire.route_check.check_routes` (about 10 ms for 32k x
+48 x 8 ids). Checks against a model run in :meth:`Trajectory.validate` (the buffer's insert).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,10 +21,11 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.dummy import dummy_routes
+from r3lightning.align.layout import check_int
 from r3lightning.routes import check_layers, compact_route_dtype
 from r3lightning.wire.route_check import check_routes
 
-__all__ = ["Trajectory", "padding_trajectories"]
+__all__ = ["Trajectory", "padding_trajectories", "route_signature"]
 
 ArrayLike = Tensor | np.ndarray | Sequence[int] | Sequence[float]
 
@@ -70,16 +70,18 @@ def _per_response_token(name: str, data: Any, count: int, *, unit: bool = False)
     if values.is_complex():
         raise TypeError(f"Trajectory.{name} must be real, got dtype {values.dtype}")
     values = values.to(torch.float32)
-    rules = [("be finite", torch.isfinite)] + ([("hold values in [0, 1]", _in_unit)] if unit else [])
-    for rule, ok in rules:
-        if not bool((good := ok(values)).all()):
-            bad = int(torch.nonzero(~good)[0, 0])
-            raise ValueError(f"Trajectory.{name} must {rule}, got {name}[{bad}] = {float(values[bad])}")
+    rules = {"be finite": ~values.isfinite()}
+    if unit:
+        rules["hold values in [0, 1]"] = (values < 0) | (values > 1)
+    for rule, bad in rules.items():
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"Trajectory.{name} must {rule}, got {name}[{i}] = {float(values[i])}")
     return values
 
 
-def _in_unit(values: Tensor) -> Tensor:
-    return (values >= 0) & (values <= 1)
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    return a is b if a is None or b is None else a.dtype == b.dtype and torch.equal(a, b)
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -192,9 +194,7 @@ class Trajectory:
     @property
     def route_schema(self) -> tuple[int, int] | None:
         """``(num_layers, top_k)`` of the routes, ``None`` without routes."""
-        if self.routed_experts is None:
-            return None
-        return (self.routed_experts.shape[1], self.routed_experts.shape[2])
+        return None if self.routed_experts is None else tuple(self.routed_experts.shape[1:])
 
     def on_layers(self, layers: tuple[int, ...] | None, where: str = "Trajectory") -> Trajectory:
         """This trajectory with routes on decoder layers ``layers`` only (None: as it is): itself
@@ -248,21 +248,12 @@ class Trajectory:
         """Same values and dtypes in every field."""
         if not isinstance(other, Trajectory):
             return False
-        if (self.reward, self.advantage) != (other.reward, other.advantage):
-            return False
-        for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if mine.dtype != theirs.dtype or not torch.equal(mine, theirs):
-                return False
-        a, b = self.routed_experts, other.routed_experts
-        if a is None or b is None:
-            return a is b
-        return a.dtype == b.dtype and self.route_layers == other.route_layers and torch.equal(a, b)
+        same = [getattr(self, n) == getattr(other, n) for n in ("reward", "advantage", "route_layers")]
+        fields = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "routed_experts")
+        return all(same) and all(_same(getattr(self, n), getattr(other, n)) for n in fields)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Trajectory):
-            return NotImplemented
-        return self.equal(other)
+        return self.equal(other) if isinstance(other, Trajectory) else NotImplemented
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -275,25 +266,20 @@ class Trajectory:
             f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes})"
         )
 
-    @classmethod
-    def _trusted(
-        cls,
-        prompt_ids: Tensor,
-        response_ids: Tensor,
-        loss_mask: Tensor,
-        rollout_logprobs: Tensor,
-        reward: float,
-        advantage: float,
-        routed_experts: Tensor | None,
-        route_layers: tuple[int, ...] | None = None,
-    ) -> Trajectory:
-        """Build from fields already normalised by this class (placeholders): no checks."""
-        out = cls.__new__(cls)
-        out.prompt_ids, out.response_ids = prompt_ids, response_ids
-        out.loss_mask, out.rollout_logprobs = loss_mask, rollout_logprobs
-        out.reward, out.advantage = reward, advantage
-        out.routed_experts, out.route_layers = routed_experts, route_layers
-        return out
+
+def route_signature(
+    trajectories: Iterable[Trajectory], where: str
+) -> tuple[tuple[int, int] | None, tuple[int, ...] | None]:
+    """The one ``(route_schema, route_layers)`` of the trajectories with routes, ``(None, None)``
+    without any; ``ValueError`` naming ``where`` when they differ."""
+    routed = [t for t in trajectories if t.routed_experts is not None]
+    schemas, layer_sets = {t.route_schema for t in routed}, {t.route_layers for t in routed}
+    if len(schemas) > 1 or len(layer_sets) > 1:
+        raise ValueError(
+            f"{where} have different route schemas (num_layers, top_k) or route_layers: "
+            f"{sorted(schemas)}, {sorted(layer_sets, key=str)}"
+        )
+    return next(iter(schemas), None), next(iter(layer_sets), None)
 
 
 def padding_trajectories(
@@ -308,18 +294,13 @@ def padding_trajectories(
     response, reward and advantage 0. With ``route_schema`` and ``num_experts`` each gets one
     :func:`~r3lightning.align.dummy.dummy_routes` row (consecutive rows, spreading over all
     experts) on ``route_layers``; with a schema but no ``num_experts``, zero rows (routed natively)."""
-    if count < 0:
-        raise ValueError(f"count must be >= 0, got {count}")
-    routes: list[Tensor | None]
-    if route_schema is None:
-        routes = [None] * count
-    elif num_experts is None:
+    routes: list[Tensor | None] = [None] * check_int("count", count, 0)
+    if route_schema is not None and num_experts is None:
         routes = [torch.empty((0, *route_schema), dtype=torch.uint8)] * count
-    else:
+    elif route_schema is not None:
         rows = dummy_routes(count, route_schema[0], route_schema[1], num_experts)  # [count, L, K]
         routes = [rows[i : i + 1] for i in range(count)]
-    prompt = torch.tensor([pad_token_id], dtype=torch.int64)
-    nothing_i = torch.empty(0, dtype=torch.int64)
-    nothing_f = torch.empty(0, dtype=torch.float32)
-    fields = (prompt, nothing_i, nothing_f, nothing_f, 0.0, 0.0)
-    return [Trajectory._trusted(*fields, r, route_layers) for r in routes]
+    return [
+        Trajectory([pad_token_id], [], routed_experts=r, route_layers=None if r is None else route_layers)
+        for r in routes
+    ]

@@ -268,9 +268,9 @@ def test_failed_collation_returns_its_slot():
 
 
 def test_pool_rejects_bad_settings():
-    with pytest.raises(ValueError, match=r"slots must be >= 1"):
+    with pytest.raises(ValueError, match=r"slots must be an int >= 1, got 0"):
         PinnedBufferPool(0)
-    with pytest.raises(ValueError, match=r"recycle_after must be >= 1 or None"):
+    with pytest.raises(ValueError, match=r"recycle_after must be an int >= 1, got 0"):
         PinnedBufferPool(2, recycle_after=0)
     with pytest.raises(ValueError, match=r"num_threads must be an int >= 1, got 0"):
         RolloutCollator(num_threads=0)

@@ -129,7 +129,11 @@ CORRUPTIONS = [
         _set("route_rows", 0, 2),
         r"routes must be a \[rows, num_layers, top_k\] tensor with the 4 rows route_rows counts",
     ),
-    ("routes gone", _replace("routes", None), r"routes is None but route_rows counts 5 rows"),
+    (
+        "routes gone",
+        _replace("routes", None),
+        r"routes must be a \[rows, num_layers, top_k\] tensor with the 5 rows route_rows counts, got NoneType",
+    ),
     (
         "lengths disagree with ids",
         _set("prompt_lengths", 2, 4),

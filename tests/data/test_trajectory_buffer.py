@@ -194,7 +194,7 @@ def test_first_schema_within_one_extend_must_agree():
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_buffer_rejects_bad_bounds(bad):
-    with pytest.raises(ValueError, match=r"capacity must be a positive int or None"):
+    with pytest.raises(ValueError, match=r"ReplayBuffer capacity must be an int >= 1, got "):
         ReplayBuffer(capacity=bad)
 
 
