@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,16 +118,21 @@ class RolloutBatch:
         """Real tokens in the batch (host only)."""
         return int(self.lengths_host()[0].sum())
 
-    def _replace(self, token: Any, row: Any, routes: Any, host: Any) -> RolloutBatch:
-        """New batch with ``token(name, t)`` / ``row(name, t)`` / ``routes(r)`` applied and ``host``
-        lengths (``None`` = keep); skips the shape checks, which the transforms keep by construction."""
-        values = {name: token(name, getattr(self, name)) for name in TOKEN_FIELDS}
-        values.update({name: row(name, getattr(self, name)) for name in ROW_FIELDS})
-        values["routed_experts"] = None if self.routed_experts is None else routes(self.routed_experts)
-        values["route_layers"] = self.route_layers
+    def _replace(
+        self, each: Callable[[Any], Any], host: Any = None, *, routes: Any = None, tokens_only: bool = False
+    ) -> RolloutBatch:
+        """New batch with ``each`` applied to every field (``routes`` instead on the packed routes,
+        when given; ``tokens_only``: on the ``[B, S]`` fields alone) and ``host`` lengths (None =
+        keep); skips the shape checks, which the transforms keep by construction."""
+        names = TOKEN_FIELDS if tokens_only else (*TOKEN_FIELDS, *ROW_FIELDS)
+        values = {name: getattr(self, name) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
+        values.update({name: each(values[name]) for name in names})
+        r = self.routed_experts
+        values["routed_experts"] = r if r is None or tokens_only else (routes or each)(r)
         hosts = self._host_lengths if host is None else host
         out = object.__new__(RolloutBatch)
-        out.__dict__.update(values, _host_lengths=hosts, _lease=None, _root=self._root, _rows=self._rows)
+        values.update(route_layers=self.route_layers, _host_lengths=hosts, _root=self._root, _rows=self._rows)
+        out.__dict__.update(values, _lease=None)
         return out
 
     def _cut(self, out: RolloutBatch, rows: Tensor) -> RolloutBatch:
@@ -160,10 +165,7 @@ class RolloutBatch:
         device_index = to_device_async(index, self.device)
         seq, prompt = self.lengths_host()
         out = self._replace(
-            lambda _, t: t.index_select(0, device_index),
-            lambda _, t: t.index_select(0, device_index),
-            lambda r: r[index],
-            (seq[index], prompt[index]),
+            lambda t: t.index_select(0, device_index), (seq[index], prompt[index]), routes=lambda r: r[index]
         )
         out._root = out._rows = None  # new rows (repeats); indexing records its cut itself
         return out
@@ -179,12 +181,7 @@ class RolloutBatch:
         if isinstance(picked, slice):
             start, stop = picked.start, picked.stop
             seq, prompt = self.lengths_host()
-            view = self._replace(
-                lambda _, t: t[start:stop],
-                lambda _, t: t[start:stop],
-                lambda r: r[start:stop],
-                (seq[start:stop], prompt[start:stop]),
-            )
+            view = self._replace(lambda t: t[start:stop], (seq[start:stop], prompt[start:stop]))
             return self._cut(view, torch.arange(start, stop))
         return self._cut(self._gather(picked), picked)
 
@@ -223,7 +220,7 @@ class RolloutBatch:
         if keep == self.width:
             return self
         start = self.width - keep
-        trimmed = self._replace(lambda _, t: t[:, start:], lambda _, t: t, lambda r: r, None)
+        trimmed = self._replace(lambda t: t[:, start:], tokens_only=True)
         return self._cut(trimmed, torch.arange(len(self)))
 
     @staticmethod
@@ -255,10 +252,7 @@ class RolloutBatch:
 
     def repeat(self, repeats: int) -> RolloutBatch:
         """The whole batch ``repeats`` times (``[a, b, a, b]``), new storage."""
-        repeats = operator.index(repeats)
-        if repeats < 0:
-            raise ValueError(f"repeats must be >= 0, got {repeats}")
-        return self._gather(torch.arange(len(self)).repeat(repeats))
+        return self._gather(torch.arange(len(self)).repeat(check_int("repeats", repeats, 0)))
 
     def repeat_interleave(self, repeats: int | Sequence[int] | Tensor) -> RolloutBatch:
         """Each row ``repeats`` times in place (``[a, a, b, b]``, e.g. GRPO samples per prompt);
@@ -310,11 +304,9 @@ class RolloutBatch:
         moved = self.input_ids.to(device, non_blocking=non_blocking)
         if moved is self.input_ids:
             return self
-
-        def move(name: str, t: Tensor) -> Tensor:
-            return moved if name == "input_ids" else t.to(device, non_blocking=non_blocking)
-
-        return self._replace(move, move, lambda r: r.to(device, non_blocking=non_blocking), None)
+        return self._replace(
+            lambda t: moved if t is self.input_ids else t.to(device, non_blocking=non_blocking)
+        )
 
     def cpu(self) -> RolloutBatch:
         return self.to("cpu")
@@ -323,9 +315,7 @@ class RolloutBatch:
         """Page-locked copy (``self`` when already pinned); CPU only."""
         if self.is_pinned():
             return self
-        return self._replace(
-            lambda _, t: t.pin_memory(), lambda _, t: t.pin_memory(), lambda r: r.pin_memory(), None
-        )
+        return self._replace(lambda t: t.pin_memory())
 
     def is_pinned(self) -> bool:
         tensors = [getattr(self, n) for n in (*TOKEN_FIELDS, *ROW_FIELDS)]

@@ -68,11 +68,14 @@ _PACKED_KEYS = ("count", "prompt_lengths", "response_lengths", "prompt_ids", "re
                 "rollout_logprobs", "rewards", "advantages", "route_rows", "routes")  # fmt: skip
 
 
-def _missing(state: Any, keys: Sequence[str], where: str) -> None:
+def check_state(state: Any, keys: Sequence[str], where: str, *, version: int | None = None) -> None:
+    """``ValueError`` naming ``where`` unless ``state`` is a dict of ``version`` (when given)
+    holding ``keys``."""
     if not isinstance(state, dict):
         raise ValueError(f"{where} must be a dict, got {type(state).__name__}")
-    missing = [key for key in keys if key not in state]
-    if missing:
+    if version is not None and state.get("version") != version:
+        raise ValueError(f"{where} version {state.get('version')!r} is not {version}")
+    if missing := [key for key in keys if key not in state]:
         raise ValueError(f"{where} lacks {missing}")
 
 
@@ -101,7 +104,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     every :class:`Trajectory` anew (the same checks as fresh ones) and checks the packing (keys,
     lengths, sizes, ``route_sums``); ``ValueError`` naming ``where``, the field and the trajectory.
     Cost: one copy and one validation pass of every field."""
-    _missing(packed, _PACKED_KEYS, where)
+    check_state(packed, _PACKED_KEYS, where)
     count = packed["count"]
     if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
         count = count.item()
@@ -286,9 +289,7 @@ class ReplayBuffer:
         against this buffer's bounds); on any ``ValueError`` (naming the field) the buffer is
         unchanged."""
         where = "ReplayBuffer state"
-        _missing(state, ("version", "start", "route_schema", "trajectories"), where)
-        if state["version"] != _STATE_VERSION:
-            raise ValueError(f"{where} version {state['version']!r} is not {_STATE_VERSION}")
+        check_state(state, ("start", "route_schema", "trajectories"), where, version=_STATE_VERSION)
         start = check_int(f"{where} start", state["start"], 0)
         saved = state["route_schema"]
         if saved is not None:

@@ -44,14 +44,10 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 
 from r3lightning.align.layout import check_int
+from r3lightning.data import position
 from r3lightning.data.batch import RolloutBatch
-from r3lightning.data.buffer import ReplayBuffer, pack_trajectories, unpack_trajectories
+from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories
 from r3lightning.data.collate import RolloutCollator
-from r3lightning.data.position import Cursor as _Cursor
-from r3lightning.data.position import EpochShardSampler as _EpochShardSampler
-from r3lightning.data.position import Plan as _Plan
-from r3lightning.data.position import PositionedLoader, restore_position
-from r3lightning.data.position import Snapshot as _Snapshot
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.routes import check_layers
 
@@ -131,22 +127,20 @@ class R3DataModule(pl.LightningDataModule):
             raise TypeError(f"buffer must be a ReplayBuffer, got {type(buffer).__name__}")
         if not isinstance(options := options or DataOptions(), DataOptions):
             raise TypeError(f"options must be a DataOptions or None, got {type(options).__name__}")
-        check_int("batch_size", batch_size)
         # checked here, not at the first train_dataloader, so a bad config fails at construction
+        plan = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, num_replicas=1)
+        position.check_fields(plan, position.PLAN_FIELDS)
         if collate_threads is not None:
             check_int("collate_threads", collate_threads)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        for name, flag in {"shuffle": shuffle, "drop_last": drop_last, "pin_memory": pin_memory}.items():
-            if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
-                raise ValueError(f"{name} must be a bool{' or None' * (name == 'pin_memory')}, got {flag!r}")
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise ValueError(f"pin_memory must be a bool or None, got {pin_memory!r}")
         self.save_hyperparameters(ignore=["buffer", "options"])
         self.save_hyperparameters({k: v for k, v in vars(options).items() if k != "eval_buffer"})
         self.buffer, self.eval_buffer, self.batch_size = buffer, options.eval_buffer, batch_size
         self.shuffle, self.seed, self.drop_last, self.options = shuffle, seed, drop_last, options
         self.collate_threads, self.pin_memory, self.shard = collate_threads, pin_memory, options.shard
-        self._cursor = _Cursor()
-        self._plan: _Plan | None = None  # the plan of the epoch in progress
+        self._cursor = position.Cursor()
+        self._plan: position.Plan | None = None  # the plan of the epoch in progress
         self._snapshot: tuple[Trajectory, ...] | None = None
         self._snapshot_restored = False  # snapshot came with a checkpoint, not from the buffer
         self._collator: RolloutCollator | None = None
@@ -163,9 +157,6 @@ class R3DataModule(pl.LightningDataModule):
     def batches_consumed(self) -> int:
         """Batches of the current epoch already moved to the device for training."""
         return self._cursor.consumed
-
-    def setup(self, stage: str) -> None:
-        """Nothing to prepare: the buffer is filled by the caller, and read per dataloader."""
 
     def _data_parallel(self) -> tuple[int, int]:
         """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``;
@@ -197,7 +188,7 @@ class R3DataModule(pl.LightningDataModule):
         """This rank's loader over the current epoch's snapshot (continued or new: see module
         docs). O(len(buffer)) to snapshot."""
         world, rank = self._data_parallel()
-        plan = _Plan(self.batch_size, self.shuffle, self.seed, self.drop_last, world)
+        plan = position.Plan(self.batch_size, self.shuffle, self.seed, self.drop_last, world)
         cursor, snapshot = self._cursor, None
         available = self._snapshot_restored or self.buffer.covers(cursor.start, cursor.stop)
         if cursor.in_progress and available:
@@ -217,9 +208,11 @@ class R3DataModule(pl.LightningDataModule):
             cursor.consumed, cursor.exhausted = 0, False
             self._snapshot_restored = False
         self._snapshot, self._plan = snapshot, plan
-        sampler = _EpochShardSampler(_Snapshot(snapshot), cursor, plan, rank, refresh=self._fresh_snapshot)
+        sampler = position.EpochShardSampler(
+            position.Snapshot(snapshot), cursor, plan, rank, refresh=self._fresh_snapshot
+        )
         # num_workers=0: collation is already threaded, and pinned pools live in this process
-        return PositionedLoader(
+        return position.PositionedLoader(
             sampler.dataset,
             batch_size=self.batch_size,
             sampler=sampler,
@@ -241,9 +234,11 @@ class R3DataModule(pl.LightningDataModule):
         """This rank's loader over the whole ``eval_buffer`` in order (val / test / predict)."""
         assert self.eval_buffer is not None
         world, rank = self._data_parallel()
-        plan = _Plan(self.batch_size, False, self.seed, False, world)
-        snapshot = _Snapshot(self.eval_buffer.window(self.eval_buffer.start, self.eval_buffer.stop))
-        sampler = _EpochShardSampler(snapshot, _Cursor(), plan, rank)  # its own cursor: no resume state
+        plan = position.Plan(self.batch_size, False, self.seed, False, world)
+        snapshot = position.Snapshot(self.eval_buffer.window(self.eval_buffer.start, self.eval_buffer.stop))
+        sampler = position.EpochShardSampler(
+            snapshot, position.Cursor(), plan, rank
+        )  # its own cursor: no resume state
         return DataLoader(
             snapshot, batch_size=self.batch_size, sampler=sampler, collate_fn=self._get_collator()
         )
@@ -302,13 +297,8 @@ class R3DataModule(pl.LightningDataModule):
         continues the saved epoch after its consumed batches. Checks everything first: a bad
         state leaves buffer and position unchanged."""
         where = "R3DataModule state"
-        if not isinstance(state, dict):
-            raise ValueError(f"{where} must be a dict, got {type(state).__name__}")
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"{where} version {state.get('version')!r} is not {_STATE_VERSION}")
-        if missing := [key for key in ("buffer", "cursor", "plan", "snapshot") if key not in state]:
-            raise ValueError(f"{where} lacks {missing}")
-        cursor, plan = restore_position(state["cursor"], state["plan"], where)
+        check_state(state, ("buffer", "cursor", "plan", "snapshot"), where, version=_STATE_VERSION)
+        cursor, plan = position.restore_position(state["cursor"], state["plan"], where)
         snapshot = None
         if state["snapshot"] is not None:
             snapshot = tuple(unpack_trajectories(state["snapshot"], where=f"{where} snapshot"))

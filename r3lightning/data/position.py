@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from r3lightning.align.layout import check_int
 from r3lightning.data.trajectory import Trajectory
 
 __all__ = ["Cursor", "EpochShardSampler", "Plan", "PositionedLoader", "Snapshot", "restore_position"]
@@ -47,23 +48,25 @@ class Plan:
     num_replicas: int
 
 
-# field -> (expected type, lower bound or None)
-_CURSOR = {"epoch": (int, -1), "consumed": (int, 0), "batches": (int, 0), "exhausted": (bool, None),
-           "start": (int, 0), "stop": (int, 0)}  # fmt: skip
-_PLAN = {"batch_size": (int, 1), "shuffle": (bool, None), "seed": (int, None), "drop_last": (bool, None),
-         "num_replicas": (int, 1)}  # fmt: skip
+# field -> (type, lower bound of an int field or None)
+CURSOR_FIELDS = {"epoch": (int, -1), "consumed": (int, 0), "batches": (int, 0), "exhausted": (bool, None),
+                 "start": (int, 0), "stop": (int, 0)}  # fmt: skip
+PLAN_FIELDS = {"batch_size": (int, 1), "shuffle": (bool, None), "seed": (int, None), "drop_last": (bool, None),
+               "num_replicas": (int, 1)}  # fmt: skip
 
 
-def _fields(state: Any, rules: dict[str, tuple[type, int | None]], where: str) -> dict[str, Any]:
+def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: str = "") -> dict[str, Any]:
+    """``state`` when it is a dict with exactly the keys of ``rules``, each of its type (an int
+    field takes no bool, a bool field no int) and bound; else ``ValueError`` naming the field."""
     if not isinstance(state, dict) or set(state) != set(rules):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{where} must be a dict with the keys {sorted(rules)}, got {got}")
     for name, (kind, low) in rules.items():
-        value = state[name]
-        # bool is an int subclass: an int field takes no bool, a bool field no int
-        if type(value) is not kind or (low is not None and value < low):
-            expected = ("an int" if kind is int else "a bool") + ("" if low is None else f" >= {low}")
-            raise ValueError(f"{where}.{name} must be {expected}, got {value!r}")
+        label, value = f"{where}.{name}" if where else name, state[name]
+        if low is not None:
+            check_int(label, value, low)
+        elif type(value) is not kind:
+            raise ValueError(f"{label} must be {'an int' if kind is int else 'a bool'}, got {value!r}")
     return state
 
 
@@ -71,14 +74,14 @@ def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan |
     """The saved ``cursor`` and ``plan`` (dicts, ``plan`` may be None) as objects, each field
     checked: types, bounds, ``consumed <= batches`` (a count past the epoch would skip batches)
     and ``start <= stop``. Raises ``ValueError`` naming ``where`` and the field."""
-    c = Cursor(**_fields(cursor, _CURSOR, f"{where} cursor"))
+    c = Cursor(**check_fields(cursor, CURSOR_FIELDS, f"{where} cursor"))
     if c.consumed > c.batches:
         raise ValueError(
             f"{where} cursor.consumed = {c.consumed} is past the epoch's cursor.batches = {c.batches}"
         )
     if c.start > c.stop:
         raise ValueError(f"{where} cursor.start = {c.start} is after cursor.stop = {c.stop}")
-    return c, None if plan is None else Plan(**_fields(plan, _PLAN, f"{where} plan"))
+    return c, None if plan is None else Plan(**check_fields(plan, PLAN_FIELDS, f"{where} plan"))
 
 
 class Snapshot(Dataset):

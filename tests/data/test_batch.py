@@ -108,7 +108,7 @@ def test_cat_widens_route_dtypes_and_requires_consistent_routes(trajectories):
 def test_repeat_and_repeat_interleave(batch, trajectories):
     check_rows(batch.repeat(2), trajectories, list(range(6)) * 2)
     assert len(batch.repeat(0)) == 0
-    with pytest.raises(ValueError, match="repeats must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="repeats must be an int >= 0, got -1"):
         batch.repeat(-1)
     check_rows(batch.repeat_interleave(3), trajectories, [r for r in range(6) for _ in range(3)])
     check_rows(batch.repeat_interleave([0, 1, 2, 0, 0, 1]), trajectories, [1, 2, 2, 5])

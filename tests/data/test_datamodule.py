@@ -10,14 +10,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from runif import run_if
 
 from r3lightning.data.buffer import ReplayBuffer
-from r3lightning.data.datamodule import (
-    DataOptions,
-    R3DataModule,
-    _Cursor,
-    _EpochShardSampler,
-    _Plan,
-    _Snapshot,
-)
+from r3lightning.data.datamodule import DataOptions, R3DataModule
+from r3lightning.data.position import Cursor, EpochShardSampler, Plan, Snapshot
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -25,9 +19,9 @@ from r3lightning.data.datamodule import (
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_rank_shards_are_disjoint_and_cover_the_epoch(world, count, drop_last):
     batch_size = 2
-    dataset = _Snapshot(tuple(range(count)))  # type: ignore[arg-type]
-    plan = _Plan(batch_size, shuffle=True, seed=3, drop_last=drop_last, num_replicas=world)
-    shards = [_EpochShardSampler(dataset, _Cursor(), plan, rank).shard(0) for rank in range(world)]
+    dataset = Snapshot(tuple(range(count)))  # type: ignore[arg-type]
+    plan = Plan(batch_size, shuffle=True, seed=3, drop_last=drop_last, num_replicas=world)
+    shards = [EpochShardSampler(dataset, Cursor(), plan, rank).shard(0) for rank in range(world)]
     real = [i for shard in shards for i in shard if i >= 0]
     assert len(real) == len(set(real))  # disjoint
     assert len({len(s) for s in shards}) == 1  # every rank runs the same number of samples
@@ -40,10 +34,10 @@ def test_rank_shards_are_disjoint_and_cover_the_epoch(world, count, drop_last):
 
 
 def test_each_epoch_has_a_new_order():
-    dataset = _Snapshot(tuple(range(20)))  # type: ignore[arg-type]
-    sampler = _EpochShardSampler(dataset, _Cursor(), _Plan(4, True, 0, False, 1), 0)
+    dataset = Snapshot(tuple(range(20)))  # type: ignore[arg-type]
+    sampler = EpochShardSampler(dataset, Cursor(), Plan(4, True, 0, False, 1), 0)
     assert sorted(sampler.shard(0)) == sorted(sampler.shard(1)) and sampler.shard(0) != sampler.shard(1)
-    unshuffled = _EpochShardSampler(dataset, _Cursor(), _Plan(4, False, 0, False, 1), 0)
+    unshuffled = EpochShardSampler(dataset, Cursor(), Plan(4, False, 0, False, 1), 0)
     assert unshuffled.shard(5) == list(range(20))
 
 
