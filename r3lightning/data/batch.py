@@ -327,7 +327,7 @@ class RolloutBatch:
         ``after``: an event recorded after the last async copy out of it, waited on before reuse."""
         lease, self._lease = self._lease, None
         if lease is not None:
-            lease.release(after)
+            lease(after)
 
     def equal(self, other: object) -> bool:
         """Same fields: shapes, dtypes, devices and values (a sync for device batches)."""

@@ -19,10 +19,12 @@ The allocator is injectable, so the pool logic also runs (unpinned) without a GP
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -37,21 +39,13 @@ from r3lightning.routes import check_layers
 __all__ = ["PinnedBufferPool", "RolloutCollator", "collate_trajectories", "pinned_empty"]
 
 
+@dataclass(eq=False)
 class _Slot:
-    def __init__(self) -> None:
-        self.storage: dict[str, Tensor] = {}
-        self.generation = 0  # bumped on every lease; stale leases cannot return the slot
-        self.leased_at: int | None = None  # pool step of the current lease, None = free
-        self.released_at = 0  # release counter value at the last release (0 = never leased)
-        self.fence: Any = None  # event to wait on before the next write
-
-
-class _Lease:
-    def __init__(self, pool: PinnedBufferPool, slot: _Slot, generation: int) -> None:
-        self._pool, self._slot, self._generation = pool, slot, generation
-
-    def release(self, after: Any = None) -> None:
-        self._pool._give_back(self._slot, self._generation, after)
+    storage: dict[str, Tensor] = field(default_factory=dict)
+    generation: int = 0  # bumped on every lease; stale leases cannot return the slot
+    leased_at: int | None = None  # pool step of the current lease, None = free
+    released_at: int = 0  # release counter value at the last release (0 = never leased)
+    fence: Any = None  # event to wait on before the next write
 
 
 class PinnedBufferPool:
@@ -73,8 +67,9 @@ class PinnedBufferPool:
         self.hits = 0  # batches served from a slot
         self.misses = 0  # batches that found no free slot (fresh allocation)
 
-    def acquire(self) -> tuple[Buffers, _Lease | None]:
-        """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""
+    def acquire(self) -> tuple[Buffers, Callable[..., None] | None]:
+        """Buffers for one batch and the lease that returns them, ``lease(after=None)``
+        (``None`` on a pool miss)."""
         with self._lock:
             self._step += 1
             free = [
@@ -94,9 +89,11 @@ class PinnedBufferPool:
             self.hits += 1
         if fence is not None:
             fence.synchronize()  # an async copy out of this slot may still be reading it
-        return Buffers(self.allocator, slot.storage), _Lease(self, slot, slot.generation)
+        return Buffers(self.allocator, slot.storage), functools.partial(
+            self._give_back, slot, slot.generation
+        )
 
-    def _give_back(self, slot: _Slot, generation: int, fence: Any) -> None:
+    def _give_back(self, slot: _Slot, generation: int, fence: Any = None) -> None:
         with self._lock:
             if slot.generation == generation and slot.leased_at is not None:
                 self._releases += 1
@@ -202,7 +199,7 @@ class RolloutCollator:
             batch = RolloutBatch(**fields)
         except BaseException:
             if lease is not None:
-                lease.release()
+                lease()
             raise
         batch._lease = lease
         return batch

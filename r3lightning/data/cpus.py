@@ -14,41 +14,29 @@ import math
 import os
 from pathlib import Path
 
+from r3lightning.align.layout import check_int
+
 __all__ = ["collate_pool_size", "usable_cpu_count"]
 
 DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEFAULT_PROC_CGROUP = Path("/proc/self/cgroup")
 
 
-def _read(path: Path) -> str | None:
+def _read(path: Path) -> str:
     try:
         return path.read_text().strip()
     except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _affinity_count() -> int:
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except (AttributeError, OSError):  # not on Linux
-        return max(os.cpu_count() or 1, 1)
+        return ""
 
 
 def _own_cgroups(proc_cgroup: Path) -> tuple[str | None, str | None]:
     """This process's (v2 path, v1 cpu-controller path) from ``/proc/self/cgroup``."""
-    text = _read(proc_cgroup)
-    if not text:
-        return None, None
     v2 = v1 = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            v2 = path
-        elif "cpu" in controllers.split(","):
-            v1 = path
+    for parts in (line.split(":", 2) for line in _read(proc_cgroup).splitlines()):
+        if len(parts) == 3 and parts[:2] == ["0", ""]:
+            v2 = parts[2]
+        elif len(parts) == 3 and "cpu" in parts[1].split(","):
+            v1 = parts[2]
     return v2, v1
 
 
@@ -60,29 +48,20 @@ def _ancestors(mount: Path, cgroup_path: str | None) -> list[Path]:
     """
     relative = Path((cgroup_path or "/").lstrip("/"))
     chain = [mount / relative, *[mount / parent for parent in relative.parents]]
-    seen: list[Path] = []
-    for directory in chain:
-        if directory.is_dir() and directory not in seen:
-            seen.append(directory)
-    return seen
+    return [directory for directory in dict.fromkeys(chain) if directory.is_dir()]
 
 
-def _quota(quota: str | None, period: str | None) -> float | None:
-    """CPUs of a quota / period pair of texts; ``None`` when unlimited ("max", -1) or malformed."""
+def _quota(directory: Path, *, v2: bool) -> float | None:
+    """CPUs of ``directory``'s quota; ``None`` when unlimited ("max", -1), missing or malformed."""
+    if v2:
+        fields = _read(directory / "cpu.max").split()
+    else:
+        fields = [_read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us")]
     try:
-        q, p = int(quota or ""), int(period or "")
-    except ValueError:
+        quota, period = (int(text) for text in fields)
+    except ValueError:  # not two integers
         return None
-    return q / p if q > 0 and p > 0 else None
-
-
-def _v2_quota(directory: Path) -> float | None:
-    fields = (_read(directory / "cpu.max") or "").split()
-    return _quota(*fields) if len(fields) == 2 else None
-
-
-def _v1_quota(directory: Path) -> float | None:
-    return _quota(_read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us"))
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def cgroup_cpu_limit(
@@ -99,13 +78,11 @@ def cgroup_cpu_limit(
     v2_path, v1_path = _own_cgroups(Path(proc_cgroup))
     quotas: list[float] = []
     if (root / "cgroup.controllers").exists() or (v2_path is not None and v1_path is None):
-        quotas += [q for d in _ancestors(root, v2_path) if (q := _v2_quota(d)) is not None]
-    if not quotas:
-        for mount in (root / "cpu,cpuacct", root / "cpuacct,cpu", root / "cpu"):
-            if mount.is_dir():
-                quotas += [q for d in _ancestors(mount, v1_path) if (q := _v1_quota(d)) is not None]
-                break
-    return min(quotas) if quotas else None
+        quotas = [q for d in _ancestors(root, v2_path) if (q := _quota(d, v2=True)) is not None]
+    mounts = [m for m in (root / "cpu,cpuacct", root / "cpuacct,cpu", root / "cpu") if m.is_dir()]
+    if not quotas and mounts:
+        quotas = [q for d in _ancestors(mounts[0], v1_path) if (q := _quota(d, v2=False)) is not None]
+    return min(quotas, default=None)
 
 
 def usable_cpu_count(
@@ -114,27 +91,21 @@ def usable_cpu_count(
     proc_cgroup: str | os.PathLike[str] = DEFAULT_PROC_CGROUP,
     affinity: int | None = None,
 ) -> int:
-    """CPUs this process may use: ``min(affinity, ceil(cgroup quota))``, at least 1.
-
-    ``affinity`` overrides ``len(os.sched_getaffinity(0))`` (for tests); the cgroup paths are
-    injectable so tests can point them at fake files.
-    """
-    count = _affinity_count() if affinity is None else affinity
+    """CPUs this process may use: ``min(affinity, ceil(cgroup quota))``, at least 1. ``affinity``
+    overrides ``len(os.sched_getaffinity(0))`` and the cgroup paths are injectable (for tests)."""
+    if affinity is None:
+        try:
+            affinity = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # not on Linux
+            affinity = os.cpu_count() or 1
     limit = cgroup_cpu_limit(cgroup_root=cgroup_root, proc_cgroup=proc_cgroup)
-    if limit is not None:
-        count = min(count, math.ceil(limit))
-    return max(count, 1)
+    return max(affinity if limit is None else min(affinity, math.ceil(limit)), 1)
 
 
 def collate_pool_size(cap: int = 8, reserved: int = 1, *, usable: int | None = None) -> int:
-    """Threads for collation: ``min(cap, usable - reserved)``, at least 1.
-
-    ``reserved`` CPUs are left to the training loop's own thread; ``usable`` defaults to
-    :func:`usable_cpu_count`.
-    """
-    if cap < 1:
-        raise ValueError(f"cap must be >= 1, got {cap}")
-    if reserved < 0:
-        raise ValueError(f"reserved must be >= 0, got {reserved}")
+    """Threads for collation: ``min(cap, usable - reserved)``, at least 1; ``reserved`` CPUs are
+    left to the training loop's own thread; ``usable`` defaults to :func:`usable_cpu_count`."""
+    check_int("cap", cap)
+    check_int("reserved", reserved, 0)
     usable = usable_cpu_count() if usable is None else usable
     return max(1, min(cap, usable - reserved))

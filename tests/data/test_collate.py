@@ -220,7 +220,7 @@ def test_release_is_idempotent_and_stale_leases_cannot_free_a_reused_slot():
     assert collator(batch_of(10, 2))._lease is None  # first may still be in use: a miss
     second = collator(batch_of(10, 2))  # one more batch later the slot is recycled
     assert second._lease is not None and storage_ptr(second) == storage_ptr(first)
-    lease.release()  # stale: must not free the slot second holds
+    lease()  # stale: must not free the slot second holds
     assert collator.pool.free_slots == 0
     second.release()
     second.release()

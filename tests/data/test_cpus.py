@@ -109,8 +109,8 @@ def test_collate_pool_size(usable, cap, reserved, expected):
 
 
 def test_collate_pool_size_rejects_bad_arguments():
-    with pytest.raises(ValueError, match=r"cap must be >= 1"):
+    with pytest.raises(ValueError, match=r"cap must be an int >= 1, got 0"):
         collate_pool_size(0, usable=4)
-    with pytest.raises(ValueError, match=r"reserved must be >= 0"):
+    with pytest.raises(ValueError, match=r"reserved must be an int >= 0, got -1"):
         collate_pool_size(4, -1, usable=4)
     assert 1 <= collate_pool_size() <= 8
