@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from r3lightning.align.layout import check_int, position_ids_from_mask
@@ -135,30 +136,27 @@ class RolloutBatch:
         out.__dict__.update(values, _lease=None)
         return out
 
+    def _lineage(self) -> tuple[RolloutBatch, Tensor]:
+        """The first uncut ancestor and the host int64 ``[B]`` positions of this batch's rows there."""
+        return (self, torch.arange(len(self))) if self._root is None else (self._root, self._rows)
+
     def _cut(self, out: RolloutBatch, rows: Tensor) -> RolloutBatch:
         """Record that ``out`` holds this batch's rows ``rows`` (host int64 ``[n]``)."""
-        if self._root is None:
-            out._root, out._rows = self, rows
-        else:
-            assert self._rows is not None
-            out._root, out._rows = self._root, self._rows[rows]
+        out._root, mine = self._lineage()
+        out._rows = mine[rows]
         return out
 
     def rows_in(self, batch: RolloutBatch) -> Tensor | None:
         """Host int64 ``[B]``: where this batch's rows sit in ``batch`` (``arange(B)`` for ``batch``
         itself), when this batch was cut from it by ``split`` / ``chunk`` / ``select`` / indexing /
         ``trim`` (directly or through other cuts); ``None`` otherwise."""
-        if self is batch:
-            return torch.arange(len(self))
-        if self._root is batch:
-            return self._rows
-        if batch._root is not None and self._root is batch._root:
-            assert self._rows is not None and batch._rows is not None  # a cut of batch: rows among its
-            where = torch.full((len(batch._root),), -1, dtype=torch.int64)
-            where[batch._rows] = torch.arange(len(batch))
-            found = where[self._rows]
-            return found if bool((found >= 0).all()) else None  # host tensors
-        return None
+        (root, mine), (other_root, theirs) = self._lineage(), batch._lineage()
+        if root is not other_root:
+            return None
+        where = torch.full((len(root),), -1, dtype=torch.int64)
+        where[theirs] = torch.arange(len(batch))
+        found = where[mine]
+        return found if bool((found >= 0).all()) else None  # host tensors
 
     def _gather(self, index: Tensor) -> RolloutBatch:
         """Rows ``index`` (host int64 ``[n]`` in ``[0, B)``) into new storage."""
@@ -239,15 +237,15 @@ class RolloutBatch:
         values: dict[str, Any] = {}
         for name in TOKEN_FIELDS:
             pad = _TOKEN_PAD.get(name, pad_token_id)
-            values[name] = torch.cat([_left_pad(getattr(b, name), width, pad) for b in batches])
+            parts = [getattr(b, name) for b in batches]  # [B_i, S_i] -> [B_i, width], padded on the left
+            values[name] = torch.cat([F.pad(t, (width - t.shape[1], 0), value=pad) for t in parts])
         for name in ROW_FIELDS:
             values[name] = torch.cat([getattr(b, name) for b in batches])
         if has_routes == {True}:
             routes = [b.routed_experts for b in batches]
             dtype = widest_route_dtype(r.dtype for r in routes)  # type: ignore[union-attr]
             values["routed_experts"] = PackedTensor.cat([r.to(dtype=dtype) for r in routes])  # type: ignore[union-attr]
-        hosts = [b.lengths_host() for b in batches]
-        host = (torch.cat([h[0] for h in hosts]), torch.cat([h[1] for h in hosts]))
+        host = tuple(torch.cat(parts) for parts in zip(*(b.lengths_host() for b in batches), strict=True))
         return RolloutBatch(**values, route_layers=layer_sets.pop(), _host_lengths=host)
 
     def repeat(self, repeats: int) -> RolloutBatch:
@@ -282,9 +280,8 @@ class RolloutBatch:
         schema = None
         if self.routed_experts is not None:
             schema = self.routed_experts.row_shape
-            wanted = (
-                num_layers if num_layers is not None else schema[0],
-                top_k if top_k is not None else schema[1],
+            wanted = tuple(
+                have if want is None else want for want, have in zip((num_layers, top_k), schema, strict=True)
             )
             if wanted != schema:
                 raise ValueError(
@@ -294,8 +291,9 @@ class RolloutBatch:
                 raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
         placeholders = padding_trajectories(missing, pad_token_id=pad_token_id, route_schema=schema,
                                             num_experts=num_experts, route_layers=self.route_layers)  # fmt: skip
-        fields = collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
-        padding = RolloutBatch(**fields)
+        padding = RolloutBatch(
+            **collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
+        )
         return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
 
     def to(self, device: torch.device | str | int, non_blocking: bool = False) -> RolloutBatch:
@@ -358,15 +356,6 @@ class RolloutBatch:
 # float32 logprobs (error ~0.06 at -20) into pageable copies (blocking the pinned copy) and drop the
 # lease. Lightning then infers no batch size either: ``self.log(..., batch_size=len(batch))``.
 del RolloutBatch.__dataclass_fields__
-
-
-def _left_pad(tensor: Tensor, width: int, pad: float | bool | int) -> Tensor:
-    """``[B, s]`` -> ``[B, width]`` with ``pad`` in the new leading columns."""
-    if tensor.shape[1] == width:
-        return tensor
-    out = tensor.new_full((tensor.shape[0], width), pad)
-    out[:, width - tensor.shape[1] :] = tensor
-    return out
 
 
 def _rebuild(

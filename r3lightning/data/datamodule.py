@@ -3,25 +3,20 @@
 Epochs: the buffer changes between RL steps, so an epoch is one pass over a *snapshot*, taken at
 each :meth:`R3DataModule.train_dataloader` call (every ``trainer.fit``, or every epoch with
 ``reload_dataloaders_every_n_epochs=1`` and rollouts collected in ``on_train_epoch_end``). The
-module keeps its own epoch counter (shuffle seed ``seed + epoch``; Lightning's ``set_epoch`` is
-ignored), advanced when a new snapshot is taken after an epoch was drawn from, or when a loader is
-iterated again after its epoch. An epoch cut short (``max_steps``, ``limit_train_batches``, a
-crash) is *continued* by the next iteration or ``train_dataloader`` while its trajectories are
-still in the buffer, else a fresh epoch starts. An epoch nothing was drawn from takes the buffer's
-contents when its loader starts iterating (rows added in ``on_train_start`` are in it).
-
-Evaluation (``DataOptions(eval_buffer=)``): ``val_dataloader`` / ``test_dataloader`` / ``predict_dataloader``
-read the whole eval buffer in order, sharded per rank; they never move the training position.
+module's own epoch counter (shuffle seed ``seed + epoch``; Lightning's ``set_epoch`` is ignored)
+advances when a new snapshot follows an epoch that was drawn from, or a loader is iterated again
+after its epoch. An epoch cut short (``max_steps``, ``limit_train_batches``, a crash) is
+*continued* by the next iteration or ``train_dataloader`` while its trajectories are still in the
+buffer, else a fresh epoch starts. An epoch nothing was drawn from takes the buffer's contents
+when its loader starts iterating (rows added in ``on_train_start`` are in it).
 
 Sharding: rank ``r`` takes every ``world``-th index of the epoch's permutation (world and rank
-from the Trainer's strategy or ``torch.distributed``) and collates only its own batches. Shards
-are disjoint; with ``drop_last=False`` they are evened out with zero-loss placeholders, never
-repeated samples. ``DataOptions(shard=False)``: each rank reads its buffer whole (per-rank collection).
-
-Routes of a rank that holds some decoder layers (``DataOptions(layers=...)``, e.g. a pipeline
-stage's ``backend.moe_layers``): batches carry only those columns and their ids
-(``RolloutBatch.route_layers``), so host-to-device route bytes are ``layers held / num_layers``
-of the full routes'.
+from the Trainer's strategy or ``torch.distributed``) and collates only its own batches; with
+``drop_last=False`` shards are evened out with zero-loss placeholders, never repeated samples.
+:class:`DataOptions` adds per-rank buffers (``shard=False``), routes cut to the decoder layers a
+rank holds (``layers``: host-to-device route bytes ``layers held / num_layers`` of the full
+routes') and evaluation data (``eval_buffer``: val / test / predict loaders read it whole, in
+order, sharded; they never move the training position).
 
 Resuming: a batch is consumed when ``transfer_batch_to_device`` moves it for a training step
 (not for validation, test, predict, the sanity check, nor a prefetch; a hand-iterated loader
@@ -194,15 +189,15 @@ class R3DataModule(pl.LightningDataModule):
         if cursor.in_progress and available:
             snapshot = self._snapshot or self.buffer.window(cursor.start, cursor.stop)
             if self._plan is not None and self._plan != plan:
-                old = asdict(self._plan)
-                changed = {k: (v, getattr(plan, k)) for k, v in old.items() if getattr(plan, k) != v}
+                changed = {
+                    k: (v, getattr(plan, k)) for k, v in asdict(self._plan).items() if getattr(plan, k) != v
+                }
                 raise ValueError(
                     f"cannot continue epoch {cursor.epoch} mid-way with changed settings "
                     f"(saved, now): {changed}; restore the original settings"
                 )
         if snapshot is None:
-            cursor.start, cursor.stop = self.buffer.start, self.buffer.stop
-            snapshot = self.buffer.window(cursor.start, cursor.stop)
+            cursor.start, cursor.stop, snapshot = self.buffer.start, self.buffer.stop, tuple(self.buffer)
             if cursor.epoch < 0 or cursor.consumed > 0 or cursor.exhausted:
                 cursor.epoch += 1  # an epoch nothing was drawn from keeps its number
             cursor.consumed, cursor.exhausted = 0, False
@@ -235,10 +230,8 @@ class R3DataModule(pl.LightningDataModule):
         assert self.eval_buffer is not None
         world, rank = self._data_parallel()
         plan = position.Plan(self.batch_size, False, self.seed, False, world)
-        snapshot = position.Snapshot(self.eval_buffer.window(self.eval_buffer.start, self.eval_buffer.stop))
-        sampler = position.EpochShardSampler(
-            snapshot, position.Cursor(), plan, rank
-        )  # its own cursor: no resume state
+        snapshot = position.Snapshot(tuple(self.eval_buffer))
+        sampler = position.EpochShardSampler(snapshot, position.Cursor(), plan, rank)  # no resume state
         return DataLoader(
             snapshot, batch_size=self.batch_size, sampler=sampler, collate_fn=self._get_collator()
         )
