@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from r3lightning.align.layout import check_int
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.batch_fields import batch_field
 
@@ -33,23 +34,19 @@ def expert_load_stats(
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
         got = f"{values.dtype} {tuple(values.shape)}"
         raise ValueError(f"routes must be an integer [rows, num_layers, top_k] tensor, got {got}")
-    if type(num_experts) is not int or num_experts < 1:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    (_, num_layers, top_k), device = values.shape, values.device
-    held = list(range(num_layers)) if route_layers is None else list(route_layers)  # of each column
+    check_int("num_experts", num_experts)
+    (_, n, top_k), device = values.shape, values.device
+    held = list(range(n)) if route_layers is None else list(route_layers)  # of each column
     chosen = held if moe_layers is None else [int(layer) for layer in moe_layers]
     if any(layer not in held for layer in chosen):
-        raise ValueError(f"moe_layers {chosen} out of range for {num_layers} layers {held}")
+        raise ValueError(f"moe_layers {chosen} out of range for {n} layers {held}")
     ids = values.long()  # [rows, L_all, K]
     # a slot counts unless its row is all zeros (a dense layer's filler)
-    counted = values.ne(0).any(-1, keepdim=True).expand_as(ids)  # [rows, L_all, K]
-    n = num_layers
+    counted = values.ne(0).any(-1, keepdim=True).expand_as(ids).reshape(-1).float()  # [rows * L_all * K]
     flat = (ids + torch.arange(n, device=device).view(1, n, 1) * num_experts).reshape(-1)
-    weights = counted.reshape(-1).to(torch.float32)
     # ids out of range would land in another layer's bins: clamp them into a dropped bin
-    flat = torch.where((ids >= 0).reshape(-1) & (ids < num_experts).reshape(-1), flat, n * num_experts)
-    counts = torch.zeros(n * num_experts + 1, dtype=torch.float32, device=device)
-    counts.index_add_(0, flat, weights)
+    flat = torch.where(((ids >= 0) & (ids < num_experts)).reshape(-1), flat, n * num_experts)
+    counts = torch.zeros(n * num_experts + 1, dtype=torch.float32, device=device).index_add_(0, flat, counted)
     counts = counts[:-1].view(n, num_experts)  # [L_all, E]
     if moe_layers is not None:
         # views stacked, not an index tensor: a host index would be copied to the device (a sync)
@@ -84,10 +81,9 @@ class ExpertLoadMonitor(Callback):
         prefix: str = "expert_load",
         sync_dist: bool = False,
     ) -> None:
-        if type(every_n_steps) is not int or every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
-        if num_experts is not None and (type(num_experts) is not int or num_experts < 1):
-            raise ValueError(f"num_experts must be a positive int or None, got {num_experts!r}")
+        check_int("every_n_steps", every_n_steps)
+        if num_experts is not None:
+            check_int("num_experts", num_experts)
         self.num_experts, self.every_n_steps, self.log_per_layer = num_experts, every_n_steps, log_per_layer
         self.moe_layers = None if moe_layers is None else tuple(int(layer) for layer in moe_layers)
         self.prefix, self.sync_dist = prefix, sync_dist

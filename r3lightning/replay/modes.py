@@ -11,7 +11,7 @@ from torch import Tensor
 
 from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.align.layout import TokenMetadataLayout, check_int
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import RouterReplayBackend
@@ -193,9 +193,9 @@ class MissingRoutes:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`; a bad field is a ``ValueError`` naming it (nothing changes)."""
         count, warned = state.get("batches_without_routes", 0), state.get("warned", [])
-        prefix = "RouterReplayCallback state:"
-        if type(count) is not int or count < 0:
-            raise ValueError(f"{prefix} batches_without_routes must be an int >= 0, got {count!r}")
+        check_int("RouterReplayCallback state: batches_without_routes", count, 0)
         if not isinstance(warned, list | tuple) or not set(warned) <= {"r3", "r2"}:
-            raise ValueError(f"{prefix} warned must be a list of 'r3' / 'r2', got {warned!r}")
+            raise ValueError(
+                f"RouterReplayCallback state: warned must be a list of 'r3' / 'r2', got {warned!r}"
+            )
         self.count, self.warned = count, set(warned)

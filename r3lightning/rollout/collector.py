@@ -1,7 +1,7 @@
 """``RolloutCollector``: prompts -> rollout engines -> scored GRPO groups -> a ``ReplayBuffer``.
 
-The public way a training loop (the main job's, or a user's own) collects one RL step of
-rollouts, routes included, from one or more engines over HTTP:
+How a training loop (the main job's or a user's) collects one RL step of rollouts, routes
+included, from one or more engines over HTTP:
 
     collector = RolloutCollector(["http://engine-a:30000", "http://engine-b:30000"], reward_fn,
                                  CollectorConfig(group_size=8), schema=model.config)
@@ -26,10 +26,9 @@ Scoring: ``reward_fn(prompt, response_ids)`` -> a number, or a mapping with a ``
 (what verl's ``compute_score`` may return); a coroutine function is awaited. With
 ``reward_threads > 0`` a plain function runs in a thread pool, so slow rewards overlap with
 generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
-``compute_score(data_source, solution_str, ground_truth, extra_info=None)``.
-
-Multi-turn: with :class:`~r3lightning.rollout.environment.Environments` as ``reward_fn`` each trajectory
-is a :func:`~r3lightning.rollout.episode.run_episode`; a failing turn drops its group (not an outage).
+``compute_score(data_source, solution_str, ground_truth, extra_info=None)``. Multi-turn: with
+:class:`~r3lightning.rollout.environment.Environments` as ``reward_fn`` each trajectory is a
+:func:`~r3lightning.rollout.episode.run_episode`; a failing turn drops its group (not an outage).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ import torch
 from r3lightning.correction.grpo import group_advantages
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateClient
-from r3lightning.rollout.config import CollectorConfig, RetryPolicy, route_schema
+from r3lightning.rollout.config import CollectorConfig, RetryPolicy, check_setting, route_schema
 from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.episode import Episode, plain_call, run_episode, single_turn
 from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
@@ -127,13 +126,10 @@ class RolloutCollector:
         self.clients: list[RemoteGenerateClient] = []
         for engine in engines:
             if isinstance(engine, str):
-                engine = RemoteGenerateClient(
-                    engine,
-                    protocol=config.protocol,
-                    schema=self.schema,
-                    retry=retry,
-                    **(client_options or {}),
+                options = dict(protocol=config.protocol, schema=self.schema, retry=retry) | dict(
+                    client_options or {}
                 )
+                engine = RemoteGenerateClient(engine, **options)
                 engine.max_connections = config.max_in_flight
             elif not isinstance(engine, RemoteGenerateClient):
                 raise TypeError(
@@ -211,8 +207,7 @@ class RolloutCollector:
         :class:`RolloutPrompt`); group ``g`` is ``group_size`` samples of ``prompts[g]``. A
         failure on any rank raises on every rank (after the statistics' all-reduce).
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")
+        check_setting("step", step, low=0, integer=True)
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
         rank, world = self._ranks()
         mine = self.assigned_groups(len(items), rank, world)
@@ -226,13 +221,14 @@ class RolloutCollector:
             if world == 1:
                 raise
             error = exc
+        seconds, failed = time.perf_counter() - start, error is not None
         stats = reduce_step_stats(
             step,
             len(items),
             trajectories,
             counters,
-            time.perf_counter() - start,
-            error is not None,
+            seconds,
+            failed,
             world_size=world,
             group=self.process_group,
         )
@@ -247,8 +243,11 @@ class RolloutCollector:
     ) -> list[Trajectory]:
         slots = asyncio.Semaphore(self.config.max_in_flight)
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
-        bar = _progress_bar(
-            len(groups) * self.config.group_size, f"rollout step {step}", self.config.progress and show
+        from tqdm.auto import tqdm  # a transitive dependency, slow to import: only when collecting
+
+        total, shown = len(groups) * self.config.group_size, self.config.progress and show
+        bar = tqdm(
+            total=total, desc=f"rollout step {step}", leave=False, disable=not shown, dynamic_ncols=True
         )
         envs = self.environments
         counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
@@ -396,9 +395,3 @@ class RolloutCollector:
     def __repr__(self) -> str:
         urls = [c.base_url for c in self.clients]
         return f"RolloutCollector({urls}, {self.config})"
-
-
-def _progress_bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, leave=False, disable=not enabled, dynamic_ncols=True)

@@ -117,7 +117,7 @@ def test_out_of_range_ids_never_count_for_another_layer():
 def test_bad_arguments():
     with pytest.raises(ValueError, match=r"integer \[rows, num_layers, top_k\]"):
         expert_load_stats(torch.zeros(3, 2), 4)
-    with pytest.raises(ValueError, match="num_experts must be a positive int"):
+    with pytest.raises(ValueError, match="num_experts must be an int >= 1, got 0"):
         expert_load_stats(torch.zeros(3, 2, 2, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="out of range for 2 layers"):
         expert_load_stats(torch.zeros(3, 2, 2, dtype=torch.long), 4, moe_layers=[2])

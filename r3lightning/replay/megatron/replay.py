@@ -25,18 +25,6 @@ from r3lightning.replay.megatron.router import MaskedRouterReplay
 __all__ = ["MegatronParallelism", "MegatronRouterReplay", "megatron_padding_mask", "megatron_token_layout"]
 
 
-def _refuse_unsupported(config: Any) -> None:
-    if getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
-        raise ValueError(
-            "router replay cannot replay sinkhorn routing (it selects experts without RouterReplay)"
-        )
-    if getattr(config, "moe_expert_capacity_factor", None) is not None:
-        raise ValueError(
-            f"router replay needs dropless MoE, got moe_expert_capacity_factor={config.moe_expert_capacity_factor}: "
-            "token dropping would drop replayed experts, so the experts used would differ from the rollout's"
-        )
-
-
 def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRouter]) -> list[int | None]:
     """Each router's virtual pipeline stage (None without VPP): the ``vp_stage`` of a module holding
     it (megatron's chunks carry one), else its chunk's index when ``modules`` are one per stage."""
@@ -92,8 +80,16 @@ class MegatronRouterReplay:
                 f"no megatron TopKRouter found in {[type(m).__name__ for m in modules]}; "
                 "is it an MoE model (TransformerConfig.num_moe_experts set)?"
             )
-        self.config = config if config is not None else next(iter(found)).config
-        _refuse_unsupported(self.config)
+        self.config = cfg = config if config is not None else next(iter(found)).config
+        if getattr(cfg, "moe_router_load_balancing_type", None) == "sinkhorn":
+            raise ValueError(
+                "router replay cannot replay sinkhorn routing: it picks experts without RouterReplay"
+            )
+        if getattr(cfg, "moe_expert_capacity_factor", None) is not None:
+            raise ValueError(
+                f"router replay needs dropless MoE, got moe_expert_capacity_factor={cfg.moe_expert_capacity_factor}: "
+                "token dropping would drop replayed experts, so the experts used would differ from the rollout's"
+            )
         for router in found:
             if router.router_replay is None:
                 raise ValueError(
@@ -110,14 +106,13 @@ class MegatronRouterReplay:
         layers = [router.layer_number - 1 for router in self._routers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
-        cfg = self.config
         self.num_layers, self.top_k = int(cfg.num_layers), int(cfg.moe_router_topk)
         self.num_experts: int = int(cfg.num_moe_experts)
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at decoder layer {layers[-1]} but config.num_layers={self.num_layers}")
         self.moe_layers: tuple[int, ...] = tuple(layers)
-        sequence_parallel = bool(getattr(cfg, "sequence_parallel", False))
-        self.parallelism = parallelism or MegatronParallelism.resolve(sequence_parallel=sequence_parallel)
+        sp = bool(getattr(cfg, "sequence_parallel", False))
+        self.parallelism = parallelism or MegatronParallelism.resolve(sequence_parallel=sp)
         self.validate, self._tp_group = validate, tp_group
         self._replays = [MaskedRouterReplay.attach(router) for router in self._routers]
         # per router (moe_layers order); None everywhere without virtual pipeline parallelism
