@@ -93,8 +93,7 @@ def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str
     if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
         raise ValueError(f"{where}: {name} must hold integers, got dtype {value.dtype}")
     lengths = value.tolist()
-    bad = next((i for i, n in enumerate(lengths) if n < low), None)
-    if bad is not None:
+    if (bad := next((i for i, n in enumerate(lengths) if n < low), None)) is not None:
         raise ValueError(f"{where}: {name}[{bad}] must be >= {low}, got {lengths[bad]}")
     return lengths
 
@@ -114,9 +113,11 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     route_rows = _lengths(packed, "route_rows", count, -1, where)
     per_field = {"prompt_ids": prompt_lengths, "response_ids": response_lengths}
     per_field |= {"loss_mask": response_lengths, "rollout_logprobs": response_lengths}
-    fields = {name: _vector(packed, name, sum(n), where).split(n) for name, n in per_field.items()}
-    rewards = _vector(packed, "rewards", count, where).tolist()
-    advantages = _vector(packed, "advantages", count, where).tolist()
+    fields: dict[str, Any] = {
+        name: _vector(packed, name, sum(n), where).split(n) for name, n in per_field.items()
+    }
+    fields["reward"] = _vector(packed, "rewards", count, where).tolist()
+    fields["advantage"] = _vector(packed, "advantages", count, where).tolist()
     sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
     layers = packed.get("route_layers")  # absent from states of earlier releases: every layer
     kept = [r for r in route_rows if r >= 0]
@@ -133,23 +134,12 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     for i in range(count):
         mine = next(parts) if route_rows[i] >= 0 else None
         try:
+            values = {name: column[i] for name, column in fields.items()}
             out.append(
-                Trajectory(
-                    fields["prompt_ids"][i],
-                    fields["response_ids"][i],
-                    loss_mask=fields["loss_mask"][i],
-                    rollout_logprobs=fields["rollout_logprobs"][i],
-                    reward=rewards[i],
-                    advantage=advantages[i],
-                    routed_experts=mine,
-                    route_layers=None if mine is None else layers,
-                )
+                Trajectory(**values, routed_experts=mine, route_layers=None if mine is None else layers)
             )
-            if (
-                sums is not None
-                and mine is not None
-                and (total := int(mine.sum(dtype=torch.int64))) != sums[i]
-            ):
+            total = None if sums is None or mine is None else int(mine.sum(dtype=torch.int64))
+            if total is not None and total != sums[i]:
                 raise ValueError(
                     f"its {len(mine)} route rows add up to {total}, not to route_sums[{i}] = {sums[i]} "
                     "(route_rows out of step with routes)"
