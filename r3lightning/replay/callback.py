@@ -18,7 +18,8 @@ from r3lightning.packed import PackedTensor
 from r3lightning.replay import modes
 from r3lightning.replay.backend import RouterReplayBackend
 from r3lightning.replay.batch_fields import batch_field, host_attention_mask
-from r3lightning.replay.context import build_backend
+from r3lightning.replay.context import record_routes
+from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.replay.metrics import COUNT_KEYS, ReplayMetrics
 from r3lightning.replay.modes import Install
 
@@ -100,9 +101,15 @@ class RouterReplayCallback(Callback):
         return pl_module if self.model_attr is None else pl_module.get_submodule(self.model_attr)
 
     def _ensure_backend(self, pl_module: pl.LightningModule) -> RouterReplayBackend:
-        if self.backend is None:  # for_model: maybe a backend attached earlier (record_routes)
+        if self.backend is None:
             module, validate = self._routed_module(pl_module), bool(self.validate_routes)
-            self.backend = build_backend(self._backend_spec == "megatron", module, validate=validate)
+            if self._backend_spec == "megatron":
+                from r3lightning.replay.megatron.replay import MegatronRouterReplay
+
+                self.backend = MegatronRouterReplay(module, validate=validate)
+            else:  # for_model: maybe a backend attached earlier (record_routes)
+                self.backend = HFRouterReplay.for_model(module)
+                self.backend.validate = validate
         if self.strict and not self._strict_hooks:
             # on the routers themselves: the module may call its model without its own forward
             targets = getattr(self.backend, "routers", None) or [self._routed_module(pl_module)]
@@ -244,18 +251,14 @@ class RouterReplayCallback(Callback):
         if not active or (routes is not None and routes.num_rows > 0):  # r3 / off, or recorded already
             yield
             return
-        self.backend.start_recording()  # type: ignore[union-attr]
         self._r2.recording = True
         try:
-            yield
-        except BaseException:
-            self.backend.clear()  # type: ignore[union-attr]
-            raise
+            with record_routes(self.backend) as recording:
+                yield
         finally:
             self._r2.recording = False
-        recorded = self.backend.stop_recording()  # type: ignore[union-attr]
         layout = self.build_layout(host_attention_mask(batch))
-        packed = self._r2.keep(recorded, layout, batch, self.backend)  # on the layers it routes
+        packed = self._r2.keep(recording.routes, layout, batch, self.backend)  # on the layers it routes
         install = Install(layout, *self.align_routes(packed, layout, self._r2.layers))
         if self._in_micro:
             self._micro = install

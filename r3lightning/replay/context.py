@@ -32,20 +32,6 @@ def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterRepla
     raise TypeError(f"expected an nn.Module MoE model or a RouterReplayBackend, got {got}")
 
 
-def build_backend(megatron: bool, model: nn.Module, *, validate: bool) -> RouterReplayBackend:
-    """A new megatron backend of ``model``, or its Hugging Face one (the one attached already, if
-    any), with its ``validate`` flag set."""
-    if megatron:
-        from r3lightning.replay.megatron.replay import MegatronRouterReplay
-
-        return MegatronRouterReplay(model, validate=validate)
-    from r3lightning.replay.hf.replay import HFRouterReplay
-
-    backend = HFRouterReplay.for_model(model)
-    backend.validate = validate
-    return backend
-
-
 @dataclass
 class RouteRecording:
     """Filled when the ``record_routes`` block exits normally."""
