@@ -74,10 +74,8 @@ class DataOptions:
     eval_buffer: ReplayBuffer | None = None
 
     def __post_init__(self) -> None:
-        check_int("width_multiple", self.width_multiple)
-        check_int("pad_token_id", self.pad_token_id, 0)
-        if not isinstance(self.shard, bool):
-            raise ValueError(f"shard must be a bool, got {self.shard!r}")
+        rules = {"pad_token_id": (int, 0), "width_multiple": (int, 1), "shard": (bool, None)}
+        position.check_fields({name: getattr(self, name) for name in rules}, rules)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
         if self.eval_buffer is not None and not isinstance(self.eval_buffer, ReplayBuffer):
             raise TypeError(

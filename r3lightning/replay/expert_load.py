@@ -91,12 +91,11 @@ class ExpertLoadMonitor(Callback):
         self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
 
     def _schema(self, trainer: pl.Trainer) -> tuple[int, tuple[int, ...] | None]:
-        backends = [getattr(callback, "backend", None) for callback in trainer.callbacks]
+        """``(num_experts, moe_layers)``: this monitor's, else those of a replay callback's backend."""
+        backends = (getattr(callback, "backend", None) for callback in trainer.callbacks)
         backend = next((b for b in backends if hasattr(b, "moe_layers") and hasattr(b, "num_experts")), None)
-        num_experts, moe_layers = self.num_experts, self.moe_layers
-        if backend is not None:
-            num_experts = int(backend.num_experts) if num_experts is None else num_experts
-            moe_layers = tuple(backend.moe_layers) if moe_layers is None else moe_layers
+        num_experts = self.num_experts or getattr(backend, "num_experts", None)
+        moe_layers = self.moe_layers if self.moe_layers is not None else getattr(backend, "moe_layers", None)
         if num_experts is None:
             raise ValueError("ExpertLoadMonitor needs num_experts: pass it, or add a RouterReplayCallback")
         return num_experts, moe_layers
@@ -116,12 +115,11 @@ class ExpertLoadMonitor(Callback):
         stats = expert_load_stats(routes, num_experts, moe_layers=moe_layers, route_layers=held)
         measured = stats["tokens"] > 0  # [L]: dense layers (all-zero rows) drop out
         count = measured.sum().clamp(min=1)
-        zero = torch.zeros_like(stats["entropy"])
-        values = {
-            "max_over_mean": torch.where(measured, stats["max_over_mean"], zero).sum() / count,
-            "max_over_mean_worst": torch.where(measured, stats["max_over_mean"], zero).amax(),
-            "entropy": torch.where(measured, stats["entropy"], zero).sum() / count,
-            "entropy_min": torch.where(measured, stats["entropy"], torch.ones_like(zero)).amin(),
+        peak, entropy = (torch.where(measured, stats[key], 0.0) for key in ("max_over_mean", "entropy"))
+        values = {"max_over_mean": peak.sum() / count, "max_over_mean_worst": peak.amax()}
+        values |= {
+            "entropy": entropy.sum() / count,
+            "entropy_min": torch.where(measured, entropy, 1.0).amin(),
         }
         if self.log_per_layer:
             for i, layer in enumerate(stats["layers"].tolist()):  # host tensor: no device sync

@@ -66,15 +66,15 @@ class HFRouterReplay:
                     f"router {name!r} already has a replay backend; use HFRouterReplay.for_model(model) "
                     "to share it, or call .remove() on the old one"
                 )
-        self._handles = []
-        for position, (layer, _, module, adapter) in enumerate(found):
-            _OWNERS[module] = self
-            self._handles.append(module.register_forward_hook(self._router_hook(layer, position, adapter)))
-        # the first MoE block's input gives the token shape of each recorded forward
-        first_parent = model.get_submodule(found[0][1].rpartition(".")[0]) if "." in found[0][1] else model
-        first_hook = first_parent.register_forward_pre_hook(self._on_first_moe_block, with_kwargs=True)
-        self._handles.append(first_hook)
         self.routers: tuple[nn.Module, ...] = tuple(module for _, _, module, _ in found)
+        _OWNERS.update(dict.fromkeys(self.routers, self))
+        hooks = [self._router_hook(layer, i, adapter) for i, (layer, _, _, adapter) in enumerate(found)]
+        self._handles = [m.register_forward_hook(hook) for m, hook in zip(self.routers, hooks, strict=True)]
+        # the first MoE block's input gives the token shape of each recorded forward ("": the model)
+        first_parent = model.get_submodule(found[0][1].rpartition(".")[0])
+        self._handles.append(
+            first_parent.register_forward_pre_hook(self._on_first_moe_block, with_kwargs=True)
+        )
 
     @classmethod
     def for_model(cls, model: nn.Module, **kwargs) -> HFRouterReplay:
@@ -91,7 +91,7 @@ class HFRouterReplay:
         self.clear()
         for handle in self._handles:
             handle.remove()
-        self._handles.clear()
+        self._handles = []
         for module in self.routers:
             if _OWNERS.get(module) is self:
                 del _OWNERS[module]

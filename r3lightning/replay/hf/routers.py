@@ -196,10 +196,8 @@ def registered_router_types() -> list[type[nn.Module]]:
 
 
 def _adapter_for(module: nn.Module) -> RouterAdapter | None:
-    for cls in type(module).__mro__:  # FSDP2 swaps in a subclass of the router's own class
-        if cls in _ADAPTERS:
-            return _ADAPTERS[cls]
-    return None
+    # by the class or a base: FSDP2 swaps in a subclass of the router's own class
+    return next((_ADAPTERS[cls] for cls in type(module).__mro__ if cls in _ADAPTERS), None)
 
 
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
@@ -212,8 +210,7 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
     _load_builtins(imported_only=True)
     found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
     for name, module in model.named_modules():
-        adapter = _adapter_for(module)
-        if adapter is None:
+        if (adapter := _adapter_for(module)) is None:
             continue
         match = _LAYER_RE.search(f".{name}.")
         if match is None:
@@ -254,7 +251,6 @@ def _no_router_message(model: nn.Module) -> str:
         return f"{model_name}'s router {where} cannot be replayed: {reason}, while replay rewrites {_OUTPUT}"
     return (
         f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}, a router "
-        "type r3lightning does not know. If its "
-        f"forward returns {_OUTPUT}, register it with the function that turns logits into its gate weights "
-        f"for given experts (or one of your own):\n{fix}"
+        f"type r3lightning does not know. If its forward returns {_OUTPUT}, register it with the function "
+        f"that turns logits into its gate weights for given experts (or one of your own):\n{fix}"
     )
