@@ -76,15 +76,14 @@ class RolloutBatch:
         if self.attention_mask.dtype != torch.bool:
             raise ValueError(f"RolloutBatch.attention_mask must be bool, got {self.attention_mask.dtype}")
         routes = self.routed_experts
-        if routes is not None:
-            if not isinstance(routes, PackedTensor):
-                raise TypeError(
-                    f"RolloutBatch.routed_experts must be a PackedTensor, got {type(routes).__name__}"
-                )
-            if len(routes) != shape[0]:
-                raise ValueError(
-                    f"RolloutBatch.routed_experts must have one segment per row ({shape[0]}), got {len(routes)}"
-                )
+        if routes is not None and not isinstance(routes, PackedTensor):
+            raise TypeError(
+                f"RolloutBatch.routed_experts must be a PackedTensor, got {type(routes).__name__}"
+            )
+        if routes is not None and len(routes) != shape[0]:
+            raise ValueError(
+                f"RolloutBatch.routed_experts must have one segment per row ({shape[0]}), got {len(routes)}"
+            )
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -316,9 +315,8 @@ class RolloutBatch:
         return self._replace(lambda t: t.pin_memory())
 
     def is_pinned(self) -> bool:
-        tensors = [getattr(self, n) for n in (*TOKEN_FIELDS, *ROW_FIELDS)]
-        pinned = all(t.is_pinned() for t in tensors)
-        return pinned and (self.routed_experts is None or self.routed_experts.is_pinned())
+        tensors = [getattr(self, n) for n in (*TOKEN_FIELDS, *ROW_FIELDS, "routed_experts")]
+        return all(t.is_pinned() for t in tensors if t is not None)
 
     def release(self, after: Any = None) -> None:
         """Hand pooled buffers back (no-op unpooled); the batch and its views are dead afterwards.

@@ -4,17 +4,13 @@ Rows are filled from a thread pool (:func:`~r3lightning.data.fill.collate_fields
 packed (segment ``i`` = trajectory ``i``'s captured rows, in the batch's widest route dtype).
 
 Pinned buffer pool (``pin_memory=True``): pinning fresh memory every step is slow, so outputs are
-carved out of a few reusable buffer sets ("slots"):
-
-1. Collating a batch leases a free slot to it (``batch._lease``).
-2. The slot is free again when the lease returns: ``batch.release(after=event)`` (as
-   ``R3DataModule.transfer_batch_to_device`` does right after issuing the GPU copy), or, with
-   ``recycle_after=N``, once ``N`` further batches were collated.
-3. Before a slot is written again the pool waits on that event, so an in-flight copy completes.
-4. With no free slot the batch gets fresh buffers outside the pool (``misses`` counts it).
-5. The slot released longest ago is leased: its copy most likely finished a step ago.
-
-The allocator is injectable, so the pool logic also runs (unpinned) without a GPU.
+carved out of a few reusable buffer sets ("slots"). Collating a batch leases it the free slot
+released longest ago (its copy most likely finished a step ago), or fresh buffers outside the pool
+when none is free (``misses``). The slot is free again when the lease returns,
+``batch.release(after=event)`` as ``R3DataModule.transfer_batch_to_device`` does right after
+issuing the GPU copy, or with ``recycle_after=N`` once ``N`` further batches were collated; the
+pool waits on that event before writing the slot again. The allocator is injectable, so the pool
+logic also runs (unpinned) without a GPU.
 """
 
 from __future__ import annotations
@@ -124,17 +120,14 @@ class RolloutCollator:
         num_experts: expert count for placeholder routes of ``None`` entries (see below).
         pin_memory: carve outputs out of a :class:`PinnedBufferPool` (for GPU training): ``True``
             for a default one, or the pool itself (its slots, allocator, recycling).
-        layers: keep routes only on these decoder layers
-            (:meth:`~r3lightning.data.trajectory.Trajectory.on_layers`: routes on every layer are
-            cut, others refused naming the trajectory); ``None``: as they come.
+        layers: keep routes only on these decoder layers (routes on every layer are cut, others
+            refused naming the trajectory: :meth:`~r3lightning.data.trajectory.Trajectory.on_layers`).
 
     ``None`` entries (shards evened out) become placeholders
     (:func:`~r3lightning.data.trajectory.padding_trajectories`), with a dummy route row when the
-    batch has routes and ``num_experts`` is known.
-
-    Cost: one host pass over the trajectories to plan, then ``O(B * S + route bytes)`` copies
-    spread over the threads (routes on every layer cut to ``layers`` cost one more copy of the
-    kept columns). No device work.
+    batch has routes and ``num_experts`` is known. Cost: one host pass to plan, then ``O(B * S +
+    route bytes)`` copies over the threads (one more copy of the kept columns of routes cut to
+    ``layers``). No device work.
     """
 
     def __init__(

@@ -104,13 +104,12 @@ def routes_on_all_layers(
     """int32 ``[*token_shape, num_layers, top_k]`` from ``(absolute layer, experts [*token_shape,
     top_k])`` of each routed layer (at least one), 0 on every other layer: what ``stop_recording``
     returns."""
-    out: Tensor | None = None
-    for layer, rows in layer_rows:
-        if out is None:
-            out = torch.zeros((*token_shape, num_layers, top_k), dtype=torch.int32, device=rows.device)
-        out[..., layer, :] = rows
-    if out is None:
+    pairs = list(layer_rows)
+    if not pairs:
         raise ValueError("routes_on_all_layers needs the rows of at least one routed layer")
+    out = torch.zeros((*token_shape, num_layers, top_k), dtype=torch.int32, device=pairs[0][1].device)
+    for layer, rows in pairs:
+        out[..., layer, :] = rows
     return out
 
 

@@ -15,21 +15,18 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from r3lightning.replay.backend import RouterReplayBackend
+from r3lightning.replay.hf.replay import HFRouterReplay
 
 
 def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
     """The backend itself, the model's own, or the Hugging Face one attached to it (made once)."""
     if isinstance(model_or_backend, RouterReplayBackend):
         return model_or_backend
+    if not isinstance(model_or_backend, nn.Module):
+        got = type(model_or_backend).__name__
+        raise TypeError(f"expected an nn.Module MoE model or a RouterReplayBackend, got {got}")
     own = getattr(model_or_backend, "router_replay_backend", None)
-    if isinstance(model_or_backend, nn.Module) and callable(own):
-        return own()
-    if isinstance(model_or_backend, nn.Module):
-        from r3lightning.replay.hf.replay import HFRouterReplay
-
-        return HFRouterReplay.for_model(model_or_backend)
-    got = type(model_or_backend).__name__
-    raise TypeError(f"expected an nn.Module MoE model or a RouterReplayBackend, got {got}")
+    return own() if callable(own) else HFRouterReplay.for_model(model_or_backend)
 
 
 @dataclass

@@ -50,12 +50,9 @@ class MaskedRouterReplay(RouterReplay):
         else:
             replay = cls()
             instances = RouterReplay.global_router_replay_instances
-            instances.pop()  # the entry __init__ just appended; take over the old one's slot
-            slot = next((i for i, item in enumerate(instances) if item is current), None)
-            if slot is None:
-                instances.append(replay)
-            else:
-                instances[slot] = replay
+            instances.pop()  # the entry __init__ just appended; take over the old one's slot (or append)
+            slot = next((i for i, item in enumerate(instances) if item is current), len(instances))
+            instances[slot : slot + 1] = [replay]
             router.router_replay = replay
         if replay.hook is None:
             replay.hook = router.register_forward_pre_hook(replay._before_forward)
@@ -65,12 +62,6 @@ class MaskedRouterReplay(RouterReplay):
             replay.fused_config, replay.unfused_config = router.config, copy.copy(router.config)
             replay.unfused_config.moe_router_fusion = False
         return replay
-
-    def _select_top_k(self, router: nn.Module) -> None:
-        """Fused routers: megatron's unfused top-k while replaying or recording, the fused one otherwise."""
-        if self.fused_config is not None:
-            active = self.target_topk_idx is not None or self.recording
-            router.config = self.unfused_config if active else self.fused_config
 
     def install(self, indices: Tensor, mask: Tensor | None) -> None:
         """Replay ``indices [N, K]`` int64 (``mask [N]`` False: native) in the next forward; an install
@@ -97,7 +88,9 @@ class MaskedRouterReplay(RouterReplay):
         self.recording, self.recorded_topk_idx, self.token_batch, self.counts = False, None, None, None
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
-        self._select_top_k(router)
+        if self.fused_config is not None:  # megatron's unfused top-k while replaying or recording
+            active = self.target_topk_idx is not None or self.recording
+            router.config = self.unfused_config if active else self.fused_config
         hidden = args[0] if args else None  # [s, b, h]
         if in_recompute():  # activation recomputation: replay what the forward replayed
             if self.target_topk_idx is not None:
@@ -122,12 +115,9 @@ class MaskedRouterReplay(RouterReplay):
         action = self.router_replay_action
         if action not in (_FORWARD, _BACKWARD):
             return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
-        if action is _BACKWARD:
-            if not self.replay_backward_list:
-                raise RuntimeError("activation recompute found no queued routes: cleared after its forward")
-            mask = self.replay_backward_masks.pop(0)
-        else:
-            mask = self.target_mask
+        if action is _BACKWARD and not self.replay_backward_list:
+            raise RuntimeError("activation recompute found no queued routes: cleared after its forward")
+        mask = self.replay_backward_masks.pop(0) if action is _BACKWARD else self.target_mask
         probs, replayed = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         if mask is None and action is _BACKWARD:
             return probs, replayed
