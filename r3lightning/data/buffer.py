@@ -19,6 +19,7 @@ from torch import Tensor
 
 from r3lightning.align.layout import check_int
 from r3lightning.data.trajectory import Trajectory, route_signature
+from r3lightning.ragged import host_int64
 from r3lightning.routes import check_layers, widest_route_dtype
 
 __all__ = ["ReplayBuffer", "pack_trajectories", "unpack_trajectories"]
@@ -89,10 +90,7 @@ def _vector(packed: dict[str, Any], name: str, size: int | None, where: str) -> 
 
 
 def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str) -> list[int]:
-    value = _vector(packed, name, count, where)
-    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-        raise ValueError(f"{where}: {name} must hold integers, got dtype {value.dtype}")
-    lengths = value.tolist()
+    lengths = host_int64(_vector(packed, name, count, where), f"{where}: {name}").tolist()
     if (bad := next((i for i, n in enumerate(lengths) if n < low), None)) is not None:
         raise ValueError(f"{where}: {name}[{bad}] must be >= {low}, got {lengths[bad]}")
     return lengths

@@ -126,11 +126,10 @@ class EpochShardSampler(DistributedSampler):
     def shard(self, epoch: int) -> list[int]:
         """This rank's full index list for ``epoch`` (-1 = placeholder)."""
         count, world = len(self.dataset), self.plan.num_replicas  # type: ignore[arg-type]
-        if self.plan.shuffle:
-            order = torch.randperm(count, generator=torch.Generator().manual_seed(self.plan.seed + epoch))
-            order = order.tolist()
-        else:
-            order = list(range(count))
+        generator = torch.Generator().manual_seed(self.plan.seed + epoch)
+        order = (
+            torch.randperm(count, generator=generator).tolist() if self.plan.shuffle else list(range(count))
+        )
         total = self.per_rank * world
         mine = (order[:total] + [-1] * (total - count))[self.rank :: world]
         return mine[: self.num_batches * self.plan.batch_size]

@@ -13,11 +13,13 @@ def batch_field(batch: Any, name: str) -> Any:
     return getattr(batch, name, None)
 
 
-def set_batch_field(batch: Any, name: str, value: Any) -> None:
-    if isinstance(batch, dict):
-        batch[name] = value
-    else:
-        setattr(batch, name, value)
+def set_batch_fields(batch: Any, **values: Any) -> None:
+    """``batch.name = value`` (``batch[name]`` for a mapping) for each of ``values``."""
+    for name, value in values.items():
+        if isinstance(batch, dict):
+            batch[name] = value
+        else:
+            setattr(batch, name, value)
 
 
 def host_attention_mask(batch: Any) -> Tensor:

@@ -15,7 +15,7 @@ from r3lightning.align.layout import TokenMetadataLayout, check_int
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import RouterReplayBackend
-from r3lightning.replay.batch_fields import batch_field, set_batch_field
+from r3lightning.replay.batch_fields import batch_field, set_batch_fields
 from r3lightning.replay.metrics import ReplayMetrics, comparison_counts
 from r3lightning.wire.request import ENGINE_ROUTES_FLAG
 
@@ -134,8 +134,7 @@ class OldPolicyRecorder:
         if rows is None or not all(int(r) in self.rows for r in rows):
             return routes
         routes = PackedTensor.from_segments([self.rows[int(r)] for r in rows])
-        set_batch_field(batch, "routed_experts", routes)
-        set_batch_field(batch, "route_layers", self.layers)
+        set_batch_fields(batch, routed_experts=routes, route_layers=self.layers)
         return routes
 
     def keep(
@@ -158,8 +157,7 @@ class OldPolicyRecorder:
             self.layers = tuple(backend.moe_layers)
             rows = rows.index_select(1, to_device_async(torch.tensor(self.layers), rows.device))
         packed = PackedTensor.from_lengths(rows, layout.sequence_lengths)
-        set_batch_field(batch, "routed_experts", packed)
-        set_batch_field(batch, "route_layers", self.layers)
+        set_batch_fields(batch, routed_experts=packed, route_layers=self.layers)
         positions = self.rows_in_step(batch)
         for i, row in enumerate([] if positions is None else positions.tolist()):
             self.rows[row] = packed[i]
