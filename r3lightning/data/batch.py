@@ -237,9 +237,7 @@ class RolloutBatch:
         if len(has_routes) != 1:
             raise ValueError("RolloutBatch.cat: either every batch has routed_experts or none does")
         if len(layer_sets := {b.route_layers for b in batches}) != 1:
-            raise ValueError(
-                f"RolloutBatch.cat: batches with different route_layers {sorted(layer_sets, key=str)}"
-            )
+            raise ValueError(f"RolloutBatch.cat: different route_layers {sorted(layer_sets, key=str)}")
         width = max(b.width for b in batches)
         values: dict[str, Any] = {}
         for name in TOKEN_FIELDS:
@@ -357,8 +355,8 @@ class RolloutBatch:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Raw bytes through numpy: fast, and every dtype (bfloat16 included) survives the trip.
         tensors = {name: tensor_to_bytes(getattr(self, name)) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
-        routes = (self.routed_experts, self.route_layers)
-        return _rebuild, (tensors, routes, self.lengths_host(), str(self.device))
+        routes, layers = self.routed_experts, self.route_layers
+        return _rebuild, (tensors, routes, self.lengths_host(), str(self.device), layers)
 
     def __repr__(self) -> str:
         routes = "None" if self.routed_experts is None else repr(self.routed_experts)
@@ -383,16 +381,14 @@ def _left_pad(tensor: Tensor, width: int, pad: float | bool | int) -> Tensor:
 
 def _rebuild(
     tensors: dict[str, tuple[np.ndarray, str, tuple[int, ...]]],
-    routes: tuple[PackedTensor | None, tuple[int, ...] | None],
+    routes: PackedTensor | None,
     host: tuple[Tensor, Tensor],
     device: str,
+    route_layers: tuple[int, ...] | None = None,
 ) -> RolloutBatch:
     values = {name: tensor_from_bytes(*spec) for name, spec in tensors.items()}
-    packed, layers = routes
+    values["route_layers"] = route_layers
     batch = RolloutBatch(
-        **values,
-        routed_experts=None if packed is None else packed.to("cpu"),
-        route_layers=layers,
-        _host_lengths=host,
+        **values, routed_experts=None if routes is None else routes.to("cpu"), _host_lengths=host
     )
     return batch.to(device)

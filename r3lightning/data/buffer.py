@@ -10,7 +10,6 @@ first and mutates after: a rejected trajectory (or ``extend`` batch) leaves the 
 from __future__ import annotations
 
 import itertools
-import operator
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from r3lightning.align.layout import check_int
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.routes import check_layers, widest_route_dtype
 
@@ -121,8 +121,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     count = packed["count"]
     if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
         count = count.item()
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"{where}: count must be an int >= 0, got {count!r}")
+    count = check_int(f"{where}: count", count, 0)
     prompt_lengths = _lengths(packed, "prompt_lengths", count, 1, where)
     response_lengths = _lengths(packed, "response_lengths", count, 0, where)
     route_rows = _lengths(packed, "route_rows", count, -1, where)
@@ -210,8 +209,7 @@ class ReplayBuffer:
         self.layers = check_layers("ReplayBuffer layers", layers)
         self._items: deque[Trajectory] = deque()
         self._start = 0  # sequence number of the oldest stored trajectory
-        self._route_schema: tuple[int, int] | None = None
-        self._route_layers: tuple[int, ...] | None = None  # of the stored routes (None: every layer)
+        self._fixed: tuple[Any, Any] = (None, None)  # the stored routes' (num_layers, top_k), route_layers
 
     def __len__(self) -> int:
         return len(self._items)
@@ -235,7 +233,7 @@ class ReplayBuffer:
     @property
     def route_schema(self) -> tuple[int, int] | None:
         """``(num_layers, top_k)`` of the stored routes, ``None`` before any routes arrived."""
-        return self._route_schema
+        return self._fixed[0]
 
     def window(self, start: int, stop: int) -> tuple[Trajectory, ...]:
         """Trajectories with sequence numbers ``[start, stop)``; ``KeyError`` if any is gone."""
@@ -258,9 +256,7 @@ class ReplayBuffer:
         One pass over every new trajectory's ids and routes (range checks)."""
         batch = list(trajectories)
         where = "trajectory {i} of the batch" if len(batch) > 1 else "trajectory"
-        batch, self._route_schema, self._route_layers = self._validated(
-            batch, self._route_schema, self._route_layers, where
-        )
+        batch, self._fixed = self._validated(batch, *self._fixed, where)
         self._items.extend(batch)
         overflow = 0 if self.capacity is None else max(len(self._items) - self.capacity, 0)
         for _ in range(overflow):
@@ -269,7 +265,7 @@ class ReplayBuffer:
 
     def _validated(
         self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, layers: Any, where: str
-    ) -> tuple[list[Trajectory], tuple[int, int] | None, tuple[int, ...] | None]:
+    ) -> tuple[list[Trajectory], tuple[Any, Any]]:
         """``batch`` on :attr:`layers`, checked against the bounds, one route schema and one layer
         set (``schema`` / ``layers``, else the first routes'), with that schema and layer set.
         Changes nothing. ``where`` names a rejected item."""
@@ -291,11 +287,11 @@ class ReplayBuffer:
             if schema is None and t.routed_experts is not None:
                 schema, layers = t.route_schema, t.route_layers
             out.append(t)
-        return out, schema, layers
+        return out, (schema, layers)
 
     def clear(self) -> None:
         """Drop every trajectory (their sequence numbers are not reused) and the route schema."""
-        self._start, self._route_schema, self._route_layers = self.stop, None, None
+        self._start, self._fixed = self.stop, (None, None)
         self._items.clear()
 
     def state_dict(self) -> dict[str, Any]:
@@ -304,8 +300,8 @@ class ReplayBuffer:
         return {
             "version": _STATE_VERSION,
             "start": self._start,
-            "route_schema": None if self._route_schema is None else list(self._route_schema),
-            "route_layers": None if self._route_layers is None else list(self._route_layers),
+            "route_schema": None if self._fixed[0] is None else list(self._fixed[0]),
+            "route_layers": None if self._fixed[1] is None else list(self._fixed[1]),
             "trajectories": pack_trajectories(tuple(self._items)),
         }
 
@@ -317,12 +313,7 @@ class ReplayBuffer:
         _missing(state, ("version", "start", "route_schema", "trajectories"), where)
         if state["version"] != _STATE_VERSION:
             raise ValueError(f"{where} version {state['version']!r} is not {_STATE_VERSION}")
-        try:
-            start = None if isinstance(state["start"], bool) else operator.index(state["start"])
-        except TypeError:
-            start = None
-        if start is None or start < 0:
-            raise ValueError(f"{where} start must be an int >= 0, got {state['start']!r}")
+        start = check_int(f"{where} start", state["start"], 0)
         saved = state["route_schema"]
         if saved is not None:
             if (
@@ -343,11 +334,11 @@ class ReplayBuffer:
                 f"{where} holds {len(items)} trajectories, more than this buffer's capacity "
                 f"{self.capacity}; loading it would lose samples"
             )
-        items, schema, layers = self._validated(items, saved, layers, where + ": trajectory {i}")
-        self._items, self._start, self._route_schema, self._route_layers = deque(items), start, schema, layers
+        items, fixed = self._validated(items, saved, layers, where + ": trajectory {i}")
+        self._items, self._start, self._fixed = deque(items), start, fixed
 
     def __repr__(self) -> str:
         return (
             f"ReplayBuffer(len={len(self)}, capacity={self.capacity}, range=[{self._start}, {self.stop}), "
-            f"route_schema={self._route_schema}, route_layers={self._route_layers})"
+            f"route_schema={self._fixed[0]}, route_layers={self._fixed[1]})"
         )

@@ -152,10 +152,8 @@ class RolloutCollator:
         pin_memory: bool | PinnedBufferPool = False,
         layers: Sequence[int] | None = None,
     ) -> None:
-        if num_threads is not None and (
-            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
-        ):
-            raise ValueError(f"num_threads must be >= 1 or None, got {num_threads!r}")
+        if num_threads is not None:
+            check_int("num_threads", num_threads)
         check_int("width_multiple", width_multiple)
         check_int("pad_token_id", pad_token_id, 0)
         self.num_threads = collate_pool_size() if num_threads is None else num_threads

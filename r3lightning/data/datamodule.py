@@ -131,18 +131,15 @@ class R3DataModule(pl.LightningDataModule):
             raise TypeError(f"buffer must be a ReplayBuffer, got {type(buffer).__name__}")
         if not isinstance(options := options or DataOptions(), DataOptions):
             raise TypeError(f"options must be a DataOptions or None, got {type(options).__name__}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        check_int("batch_size", batch_size)
         # checked here, not at the first train_dataloader, so a bad config fails at construction
         if collate_threads is not None:
             check_int("collate_threads", collate_threads)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        flags = {"shuffle": shuffle, "drop_last": drop_last, "pin_memory": pin_memory}
-        for name, flag in flags.items():
+        for name, flag in {"shuffle": shuffle, "drop_last": drop_last, "pin_memory": pin_memory}.items():
             if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
-                expected = "a bool or None" if name == "pin_memory" else "a bool"
-                raise ValueError(f"{name} must be {expected}, got {flag!r}")
+                raise ValueError(f"{name} must be a bool{' or None' * (name == 'pin_memory')}, got {flag!r}")
         self.save_hyperparameters(ignore=["buffer", "options"])
         self.save_hyperparameters({k: v for k, v in vars(options).items() if k != "eval_buffer"})
         self.buffer, self.eval_buffer, self.batch_size = buffer, options.eval_buffer, batch_size

@@ -291,12 +291,8 @@ class Trajectory:
         out = cls.__new__(cls)
         out.prompt_ids, out.response_ids = prompt_ids, response_ids
         out.loss_mask, out.rollout_logprobs = loss_mask, rollout_logprobs
-        out.reward, out.advantage, out.routed_experts, out.route_layers = (
-            reward,
-            advantage,
-            routed_experts,
-            route_layers,
-        )
+        out.reward, out.advantage = reward, advantage
+        out.routed_experts, out.route_layers = routed_experts, route_layers
         return out
 
 
@@ -325,7 +321,5 @@ def padding_trajectories(
     prompt = torch.tensor([pad_token_id], dtype=torch.int64)
     nothing_i = torch.empty(0, dtype=torch.int64)
     nothing_f = torch.empty(0, dtype=torch.float32)
-    return [
-        Trajectory._trusted(prompt, nothing_i, nothing_f, nothing_f, 0.0, 0.0, r, route_layers)
-        for r in routes
-    ]
+    fields = (prompt, nothing_i, nothing_f, nothing_f, 0.0, 0.0)
+    return [Trajectory._trusted(*fields, r, route_layers) for r in routes]

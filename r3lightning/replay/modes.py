@@ -46,16 +46,12 @@ def align_routes(
             f"route rows must be [num_layers={columns}, top_k={K}], got {list(routes.row_shape)}"
         )
     if layers is not None and (missing := sorted(set(backend.moe_layers) - set(layers))):
-        raise ValueError(
-            f"routes on layers {list(layers)} lack MoE layers {missing} of the model: keep the routes of "
-            "backend.moe_layers (RouteSchema / ReplayBuffer / DataOptions layers=)"
-        )
+        raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
     pad = lambda n: dummy_routes(n, columns, K, E, device=routes.device)  # noqa: E731
     dense = align_packed_token_metadata(routes, layout, pad=pad)  # [*token_shape, columns, K]
     if layers is not None:  # each column to its absolute layer: what every backend installs
-        dense = dense.new_zeros((*dense.shape[:-2], L, K)).index_copy_(
-            -2, to_device_async(torch.tensor(layers), dense.device), dense
-        )
+        index = to_device_async(torch.tensor(layers), dense.device)
+        dense = dense.new_zeros((*dense.shape[:-2], L, K)).index_copy_(-2, index, dense)
     mask = build_replay_mask(routes.lengths, layout)  # host
     return dense, to_device_async(mask, dense.device)  # staged through page-locked memory
 

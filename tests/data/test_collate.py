@@ -272,7 +272,7 @@ def test_pool_rejects_bad_settings():
         PinnedBufferPool(0)
     with pytest.raises(ValueError, match=r"recycle_after must be >= 1 or None"):
         PinnedBufferPool(2, recycle_after=0)
-    with pytest.raises(ValueError, match=r"num_threads must be >= 1"):
+    with pytest.raises(ValueError, match=r"num_threads must be an int >= 1, got 0"):
         RolloutCollator(num_threads=0)
 
 
@@ -293,7 +293,7 @@ def test_real_pinned_pool_and_async_transfer():
 
 
 def test_bad_collator_settings_are_rejected_naming_the_field():
-    with pytest.raises(ValueError, match=r"num_threads must be >= 1 or None, got 2\.5"):
+    with pytest.raises(ValueError, match=r"num_threads must be an int >= 1, got 2\.5"):
         RolloutCollator(num_threads=2.5)
     trajectories = [make_trajectory(random.Random(1), tag=1)]
     for kwargs, match in (

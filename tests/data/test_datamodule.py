@@ -220,7 +220,7 @@ def test_resuming_mid_epoch_with_other_settings_is_refused():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
+        ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
         ({"collate_threads": 0}, "collate_threads must be an int >= 1, got 0"),
         ({"options": {"shard": False}}, "options must be a DataOptions or None, got dict"),
         ({"seed": 1.5}, r"seed must be an int, got 1\.5"),

@@ -158,7 +158,7 @@ def test_batches_hold_the_full_batchs_columns_at_the_kept_ids():
     assert type(batch).cat(parts).equal(batch) and pickle.loads(pickle.dumps(batch)).equal(batch)
     padded = batch.pad_to_multiple(4, num_experts=E)
     assert padded.route_layers == KEPT and padded.routed_experts.row_shape == (2, K)
-    with pytest.raises(ValueError, match=r"RolloutBatch.cat: batches with different route_layers"):
+    with pytest.raises(ValueError, match=r"RolloutBatch.cat: different route_layers \[\(1, 3\), None\]"):
         type(batch).cat([batch, full])
     evened = RolloutCollator(num_threads=1, num_experts=E, layers=KEPT)(
         [trajectories[0], None]

@@ -114,7 +114,7 @@ BAD_VALUES = [
         "callbacks.router_replay.log_agreement=layers",
         "callbacks.router_replay: log_agreement must be true, false or 'per_layer', got 'layers'",
     ),
-    ("data.batch_size=0", "data: batch_size must be a positive int, got 0"),
+    ("data.batch_size=0", "data: batch_size must be an int >= 1, got 0"),
     ("data.shuffle=maybe", "data: shuffle must be a bool, got 'maybe'"),
     ("+trainer.max_epochs=3", "trainer.max_epochs is set by the job; use steps (one epoch is one RL step)"),
 ]

@@ -118,7 +118,7 @@ def _ddp_fit(rank, shards, expected):
 
     dist.all_reduce = counting_all_reduce
     callback_vector_shape = torch.Size([4 * 4 + 2])  # [4 counts, num_layers] + 2 scalars
-    for sync_dist, log_agreement in ((True, True), (False, True), (True, False)):
+    for sync_dist, log_agreement in ((True, "per_layer"), (False, "per_layer"), (True, False)):
         logger = MemoryLogger()
         callback = RouterReplayCallback(sync_dist=sync_dist, log_agreement=log_agreement)
         trainer = pl.Trainer(
