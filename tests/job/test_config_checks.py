@@ -3,19 +3,17 @@ before the model or the engine is built."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from python_process import run_python
 
 from r3lightning.job.main import compose_config
 from r3lightning.job.setup import JobError, check_config
 
-REPO = Path(__file__).resolve().parents[2]
 MODES = "['r3', 'r2', 'off']"
 DTYPE = "a floating torch dtype name (float32, bfloat16, float16)"
 
@@ -265,20 +263,7 @@ def _job(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedP
     script = (
         f"import sys\n{textwrap.dedent(prelude)}\nfrom r3lightning.job.main import main\nmain(sys.argv[1:])\n"
     )
-    return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            script,
-            *args,
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
+    return run_python(tmp_path, "-c", script, *args, f"hydra.run.dir={tmp_path / 'run'}")
 
 
 @pytest.mark.slow
