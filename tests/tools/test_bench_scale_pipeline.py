@@ -4,17 +4,14 @@ route bytes equal ``global / DP x layers held / num_layers``, in the buffer and 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from python_process import REPO, run_python
 
-ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ROOT / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +71,7 @@ def test_projection_slices_to_the_busiest_stages_moe_layers(bench):
 
 @pytest.mark.slow
 def test_quick_run_meets_the_formula_on_every_rank_with_each_stages_layers(bench):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_scale_pipeline.py"), "--quick"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, check=False,
-    )  # fmt: skip
+    done = run_python(REPO, str(BENCHMARKS / "bench_scale_pipeline.py"), "--quick", OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     assert "stages of one DP rank hold the same trajectories: ok" in out
