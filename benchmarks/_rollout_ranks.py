@@ -133,6 +133,11 @@ def launch(fn: Callable[..., None], world: int, *args: Any) -> None:
     ``fn`` must be a module-level function (it is pickled by name)."""
     import socket
 
+    # glibc then returns every freed buffer of 64 KiB or more to the OS at once; otherwise it keeps
+    # some resident and a later step reuses them, so a rank's peak RSS growth reads low (set before
+    # the ranks start: they inherit it)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
+
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -238,10 +237,6 @@ def main() -> None:
     }
     if bad := [pp for pp in pps if world % pp or LAYERS % pp or args["groups"] % (world // pp)]:
         raise SystemExit(f"--pp {bad}: PP must divide --world, 48 layers and DP must divide --groups")
-    # glibc then returns every freed buffer of 64 KiB or more to the OS at once; otherwise it keeps
-    # some resident and a later step reuses them, so its peak RSS growth reads low (set before the
-    # ranks start: they inherit it)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 << 10))
     trajectories = args["groups"] * args["group_size"]
     global_bytes = trajectories * (args["tokens"] - 1) * ROUTE_BYTES_PER_TOKEN
     print(f"# Rollouts on many ranks, the pipeline axis ({_common.machine_line()})")
