@@ -38,6 +38,12 @@ def compact_route_dtype(max_expert_id: int) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id))).dtype
 
 
+def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """``routes`` (ids >= 0) in :func:`compact_route_dtype` of their largest id (uint8 when empty):
+    one ``max`` and the cast; ``routes`` itself when already compact unless ``copy=True``."""
+    return routes.to(compact_route_dtype(int(routes.max()) if routes.numel() else 0), copy=copy)
+
+
 def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The dtype that holds routes of all ``dtypes`` (at least one): uint8 and int16 -> int16."""
     return functools.reduce(torch.promote_types, dtypes)

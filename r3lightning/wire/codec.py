@@ -7,8 +7,8 @@ numpy views, and runs the route check; uint16 ids come back as int16 (int32 from
 
 from __future__ import annotations
 
-import ast
 import binascii
+import io
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -146,48 +146,37 @@ _NPY_MAX_HEADER = 10_000  # numpy's own default cap (np.load's max_header_size)
 
 def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
     """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3), decoding only the
-    characters a header can span; its dict is read by ``ast.literal_eval`` after a length cap."""
+    characters a header can span; numpy reads its dict as a literal after a length cap."""
     try:  # whole groups of 4 characters, at most the largest header's
         lead = pybase64.b64decode(
             data[: min(len(data), (12 + _NPY_MAX_HEADER) * 4 // 3 + 4) // 4 * 4], validate=True
         )
     except (binascii.Error, ValueError) as exc:
         raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
-    if lead[:6] != b"\x93NUMPY" or len(lead) < 12:
-        raise MalformedResponseError(f"{field}: not a .npy file (magic {lead[:6]!r})")
-    if (major := lead[6]) not in (1, 2, 3):
-        raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{lead[7]}")
-    start = 10 if major == 1 else 12
-    if (length := int.from_bytes(lead[8:start], "little")) > _NPY_MAX_HEADER or start + length > len(lead):
-        raise MalformedResponseError(
-            f"{field}: .npy header of {length} bytes (at most {_NPY_MAX_HEADER}) is cut off"
-        )
-    text = lead[start : start + length]
+    header = io.BytesIO(lead)
     try:
-        header = ast.literal_eval(text.decode("latin1" if major < 3 else "utf-8"))
-    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
-        raise MalformedResponseError(f"{field}: unreadable .npy header {text[:200]!r}") from None
-    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
-        raise MalformedResponseError(
-            f"{field}: .npy header must hold exactly 'descr', 'fortran_order' and 'shape', got {header!r}"
-        )
-    descr, shape = header["descr"], header["shape"]
+        major, minor = np.lib.format.read_magic(header)
+    except ValueError as exc:
+        raise MalformedResponseError(f"{field}: not a .npy file ({exc})") from None
+    if major not in (1, 2, 3):
+        raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{minor}")
+    read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
     try:
-        dtype = np.dtype(descr) if isinstance(descr, str) else None
-    except TypeError:
-        dtype = None
+        shape, fortran_order, dtype = read(header, max_header_size=_NPY_MAX_HEADER)
+    except (ValueError, MemoryError, RecursionError) as exc:
+        raise MalformedResponseError(f"{field}: unreadable .npy header ({exc})") from None
     if dtype not in WIRE_DTYPES.values():
         expected = f"one of {sorted(WIRE_DTYPES)} (little-endian)"
         raise MalformedResponseError(
-            f"{field}: .npy dtype {descr!r} is not a route dtype, expected {expected}"
+            f"{field}: .npy dtype {dtype.str!r} is not a route dtype, expected {expected}"
         )
-    if header["fortran_order"] is not False:
+    if fortran_order:
         raise MalformedResponseError(f"{field}: .npy array must be C-ordered (fortran_order=False)")
-    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+    if not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedResponseError(
             f"{field}: .npy shape must be a tuple of non-negative ints, got {shape!r}"
         )
-    return start + length, dtype, list(shape)
+    return header.tell(), dtype, list(shape)
 
 
 def decode_npy_array(data: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, field: str) -> np.ndarray:
