@@ -61,20 +61,18 @@ class PackedTensor:
         self.cu_seqlens = cu_seqlens
 
     @classmethod
-    def _trusted(
-        cls, values: Tensor, cu_seqlens_host: Tensor, cu_seqlens: Tensor | None = None
-    ) -> PackedTensor:
+    def _trusted(cls, values: Tensor, host: Tensor, cu_seqlens: Tensor | None = None) -> PackedTensor:
         """Build from offsets this module computed itself: no validation, no sync."""
         out = cls.__new__(cls)
         out.values = values
-        out.cu_seqlens = to_device_async(cu_seqlens_host, values.device) if cu_seqlens is None else cu_seqlens
-        out.cu_seqlens_host = cu_seqlens_host
+        out.cu_seqlens = to_device_async(host, values.device) if cu_seqlens is None else cu_seqlens
+        out.cu_seqlens_host = host
         return out
 
     @classmethod
     def from_lengths(cls, values: Tensor, lengths: LengthsLike) -> PackedTensor:
-        """``values [sum(lengths), *row]`` (no copy) as consecutive segments of ``lengths [B]``
-        (device ``lengths`` are read back: a sync)."""
+        """``values [sum(lengths), *row]`` (no copy) as consecutive segments (device ``lengths``:
+        a sync)."""
         check_rows(values)
         offsets = offsets_from_lengths(host_int64(lengths, "lengths"))
         if int(offsets[-1]) != values.shape[0]:
@@ -83,8 +81,8 @@ class PackedTensor:
 
     @classmethod
     def from_segments(cls, segments: Sequence[Tensor | np.ndarray]) -> PackedTensor:
-        """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row shape, dtype and device)
-        concatenated into new storage by one ``cat``."""
+        """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row schema and device) joined
+        into new storage by one ``cat``."""
         if len(segments) == 0:
             raise ValueError(f"from_segments needs a segment to infer row_shape and dtype; {_EMPTY}")
         bad = next((s for s in segments if not isinstance(s, (Tensor, np.ndarray))), None)
@@ -144,10 +142,9 @@ class PackedTensor:
         parts = list(parts)
         if not parts:
             raise ValueError(f"cat needs a PackedTensor to infer row_shape, dtype and device; {_EMPTY}")
-        if (
-            bad := next((i for i, p in enumerate(parts) if not isinstance(p, PackedTensor)), None)
-        ) is not None:
-            raise TypeError(f"cat takes PackedTensors, got {type(parts[bad]).__name__} at position {bad}")
+        for i, p in enumerate(parts):
+            if not isinstance(p, PackedTensor):
+                raise TypeError(f"cat takes PackedTensors, got {type(p).__name__} at position {i}")
         check_same_rows([(p.row_shape, p.dtype, p.device) for p in parts], "part")
         offsets = offsets_from_lengths(torch.cat([p.lengths for p in parts]), "cat lengths")
         return PackedTensor._trusted(torch.cat([p.values for p in parts], dim=0), offsets)
@@ -225,11 +222,9 @@ class PackedTensor:
 
     def repeat(self, repeats: int) -> PackedTensor:
         """The whole batch ``repeats`` times (like ``list * repeats``), new storage."""
-        repeats = operator.index(repeats)
-        if repeats < 0:
+        if (repeats := operator.index(repeats)) < 0:
             raise ValueError(f"repeats must be >= 0, got {repeats}")
-        offsets = offsets_from_lengths(self.lengths.repeat(repeats), "repeated lengths")
-        return PackedTensor._trusted(self.values.repeat(repeats, *([1] * (self.values.dim() - 1))), offsets)
+        return self._gather(torch.arange(len(self)).repeat(repeats))
 
     def repeat_interleave(self, repeats: int | LengthsLike) -> PackedTensor:
         """Each segment ``repeats`` times in place (``[a, a, b, b]``), an int or one count per
@@ -241,8 +236,8 @@ class PackedTensor:
         self, max_len: int | None = None, pad: float | bool | Tensor = 0, side: str = "left"
     ) -> Tensor:
         """Dense ``[B, max_len, *row_shape]``, real rows at the right end (``side="left"``) or the
-        left, elsewhere ``pad`` (a scalar the dtype holds exactly, or a row broadcasting to
-        ``row_shape``). One fill and one ``index_copy_``; no sync."""
+        left, elsewhere ``pad`` (a scalar the dtype holds, or a row). One fill and one
+        ``index_copy_``; no sync."""
         check_side(side)
         longest = self.max_length
         width = longest if max_len is None else operator.index(max_len)
