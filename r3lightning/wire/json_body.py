@@ -60,10 +60,9 @@ class JsonBody:
             raise MalformedResponseError(f"response body is not valid JSON: {exc}") from None
 
     def _index(self, value: Any) -> int | None:
-        if isinstance(value, str) and value.startswith(_MARK) and value[len(_MARK) :].isdecimal():
-            index = int(value[len(_MARK) :])
-            return index if index < len(self.spans) else None
-        return None
+        """The span a marker stands for (None for any other value)."""
+        digits = value.removeprefix(_MARK) if isinstance(value, str) and value.startswith(_MARK) else ""
+        return int(digits) if digits.isdecimal() and int(digits) < len(self.spans) else None
 
     def take(self, container: dict[str, Any], key: str) -> Any:
         """``container[key]``, left as None in ``value`` (a raw response never holds its route
