@@ -1,12 +1,9 @@
 """A toy tool-use task that the tiny model learns: call the calculator, then answer with its result.
 
-Token level, like the token-class task. A prompt is fillers, operands ``first_token + a``,
-``first_token + b`` and ``ASK``; the answer is ``c = (a + b) % num_classes``. A turn holding
-``CALL`` gets the tool's observation ``[RESULT, first_token + c]`` (the first call earns
-``call_reward``); a turn without ``CALL`` answers, ends the trajectory and scores
-:class:`CalculatorReward` (share of its tokens ``t`` with ``t % num_classes == c``), or 0 without a
-call. A random policy calls in ~``response_length / vocab_size`` of its first turns; GRPO then
-learns ``CALL`` after ``ASK`` and the class after ``RESULT`` within the demo's 30 steps.
+A prompt is fillers, operands ``first_token + a``, ``first_token + b`` and ``ASK``. A turn holding
+``CALL`` gets the observation ``[RESULT, first_token + c]``, ``c = (a + b) % num_classes`` (the
+first call earns ``call_reward``); a turn without it answers and scores :class:`CalculatorReward`
+(0 before any call).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ def _answer(prompt_ids: Sequence[int], first_token: int, num_classes: int) -> in
 
 class CalculatorReward(TokenClassReward):
     """The answer's score: the fraction of the expected ``response_length`` tokens in the class
-    of ``(a + b) % num_classes`` (the reward config of ``task=calculator``)."""
+    of ``(a + b) % num_classes`` (``reward=calculator``)."""
 
     def target_class(self, prompt_ids: Sequence[int]) -> int:
         return _answer(prompt_ids, self.first_token, self.num_classes)
@@ -44,8 +41,7 @@ class CalculatorTask:
     """Prompts of the calculator task and its environments (``make_environment``).
 
     Token ids: operands ``[first_token, first_token + num_classes)``, then ``ASK``, ``CALL``,
-    ``RESULT``, then fillers up to ``vocab_size``. ``max_turns``: the collector's bound on
-    generations per trajectory.
+    ``RESULT``, then fillers up to ``vocab_size``. ``max_turns``: generations per trajectory.
     """
 
     def __init__(
@@ -80,9 +76,8 @@ class CalculatorTask:
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         """``num_prompts`` prompts of ``prompt_length`` ids (host tensors only)."""
-        fillers = torch.randint(
-            self.result_token + 1, self.vocab_size, (num_prompts, self.prompt_length - 3), generator=generator
-        )  # [num_prompts, prompt_length - 3]
+        shape = (num_prompts, self.prompt_length - 3)
+        fillers = torch.randint(self.result_token + 1, self.vocab_size, shape, generator=generator)
         operands = (
             torch.randint(0, self.num_classes, (num_prompts, 2), generator=generator) + self.first_token
         )

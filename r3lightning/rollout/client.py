@@ -1,31 +1,27 @@
 """Async HTTP client for one generation request, with routed experts, against a rollout engine.
 
-:class:`RemoteGenerateClient` sends a ``skyrl``, ``vllm``, ``sglang`` or ``openai`` request
-(formats in :mod:`r3lightning.wire.request`) and returns a :class:`RemoteGenerateResult` whose
-routes are decoded from the body bytes (off the event loop above ``decode_in_thread_bytes``).
 Transient failures (connection errors, timeouts, cut-off bodies, 408/429/5xx) are retried with
 capped exponential backoff and jitter, honouring ``Retry-After``; an engine that stops answering
-``/health`` is given up on at once (:mod:`r3lightning.rollout.health`); other 4xx answers and
-malformed payloads raise at once (:mod:`r3lightning.wire.errors`).
+``/health`` is given up on at once; other 4xx answers and malformed payloads raise at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
-import operator
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import aiohttp
 import orjson
 
 from r3lightning.rollout.config import Backoff, RetryPolicy, check_setting, route_schema
 from r3lightning.rollout.health import EngineHungError, HealthWatch
+from r3lightning.rollout.prompts import token_id_list
 from r3lightning.wire.errors import (
     GenerateRequestError,
     MalformedResponseError,
@@ -38,7 +34,6 @@ from r3lightning.wire.response import parse_response
 
 __all__ = ["Backoff", "ClientStats", "RemoteGenerateClient", "RemoteGenerateResult", "RetryPolicy"]
 
-T = TypeVar("T")
 _RETRY_STATUSES = frozenset({408, 429})  # plus every 5xx
 _MAX_ERROR_TEXT = 2048
 
@@ -66,34 +61,20 @@ def _retry_after(value: str | None) -> float | None:
 
 
 def _server_message(text: str) -> str:
-    """The human part of an error body: ``error.message``, ``detail``, ``message``, or the text."""
+    """The human part of an error body: ``error.message``, ``error``, ``detail``, ``message``, or the text."""
     try:
         body = orjson.loads(text)
     except orjson.JSONDecodeError:
-        return text.strip()[:_MAX_ERROR_TEXT]
+        body = None
     if isinstance(body, dict):
         error = body.get("error")
-        candidates = (
+        for candidate in (
             error.get("message") if isinstance(error, dict) else error,
-            body.get("detail"),
-            body.get("message"),
-        )
-        for candidate in candidates:
+            *map(body.get, ("detail", "message")),
+        ):
             if isinstance(candidate, str):
                 return candidate[:_MAX_ERROR_TEXT]
     return text.strip()[:_MAX_ERROR_TEXT]
-
-
-def _as_int_list(values: Sequence[int] | Any, name: str) -> list[int]:
-    """Token ids from a list, ndarray or tensor as a list of Python ints (what JSON needs)."""
-    values = values.tolist() if hasattr(values, "tolist") else list(values)
-    try:
-        ids = [operator.index(v) for v in values if not isinstance(v, bool)]
-    except TypeError:
-        ids = []
-    if len(ids) != len(values) or not ids or min(ids) < 0:
-        raise ValueError(f"{name}: expected a non-empty sequence of non-negative integer token ids")
-    return ids
 
 
 class RemoteGenerateClient:
@@ -110,7 +91,7 @@ class RemoteGenerateClient:
     """
 
     max_connections: int = 256
-    decode_in_thread_bytes: int = 1 << 20
+    decode_in_thread_bytes: int = 1 << 20  # larger bodies are parsed off the event loop
 
     def __init__(
         self,
@@ -137,10 +118,7 @@ class RemoteGenerateClient:
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         self.base_url = base_url.rstrip("/")
-        self.protocol = protocol
-        self.model = model
-        self.api_key = api_key
-        self.engine = engine
+        self.protocol, self.model, self.api_key, self.engine = protocol, model, api_key, engine
         self.retry = retry if retry is not None else RetryPolicy()
         self.max_response_bytes = max_response_bytes
         self.routes = RouteSchema() if schema is None else route_schema(schema)
@@ -157,14 +135,7 @@ class RemoteGenerateClient:
     def _session_for_running_loop(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            other, session = self._loop, self._session
-            if (
-                other is not None
-                and other is not loop
-                and session
-                and not session.closed
-                and other.is_running()
-            ):
+            if self._loop is not None and self._loop.is_running() and not self._session.closed:
                 raise RuntimeError(
                     f"this RemoteGenerateClient is in use by another event loop (thread "
                     f"{self._thread!r}) and was now called from thread "
@@ -177,9 +148,7 @@ class RemoteGenerateClient:
             connector = aiohttp.TCPConnector(limit=self.max_connections + 1)
             self._session = aiohttp.ClientSession(connector=connector)
             self._slots = asyncio.Semaphore(self.max_connections)
-            self._loop = loop
-            self._thread = threading.current_thread().name
-        assert self._slots is not None
+            self._loop, self._thread = loop, threading.current_thread().name
         return self._session, self._slots
 
     def _abandon_session(self) -> None:
@@ -242,31 +211,28 @@ class RemoteGenerateClient:
         session_id: str | None = None,
         cache_salt: str | None = None,
     ) -> RemoteGenerateResult:
-        """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is).
+        """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is;
+        :func:`~r3lightning.wire.request.engine_sampling_params` spells them per protocol).
 
         With ``return_routed_experts`` the engine returns route rows from token
         ``routed_experts_prompt_start`` on (the rows an earlier turn did not capture): exactly
         ``P - start + G - 1`` of them, else :class:`MalformedResponseError` (also when they are
-        absent: the message names the engine flag ``--enable-return-routed-experts``).
-        :func:`~r3lightning.wire.request.engine_sampling_params` spells sampling and
-        stop parameters (``stop_token_ids``, ``ignore_eos``) in this protocol's names. Raises
+        absent: the message names the engine flag ``--enable-return-routed-experts``). Raises
         :class:`GenerateRequestError`, :class:`MalformedResponseError` or
         :class:`RetriesExhaustedError`; never retries a non-retryable failure.
         """
         if (
             return_routed_experts
-            and (self.protocol == "sglang" or self.engine == "sglang")
-            and (self.routes.num_layers is None or self.routes.top_k is None)
+            and "sglang" in (self.protocol, self.engine)
+            and None in (self.routes.num_layers, self.routes.top_k)
         ):
             raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
-        check_setting(
-            "routed_experts_prompt_start", routed_experts_prompt_start, low=0, integer=True, optional=True
-        )
-        prompt_ids = _as_int_list(prompt_token_ids, "prompt_token_ids")
-        if routed_experts_prompt_start is not None and routed_experts_prompt_start > len(prompt_ids):
+        start = routed_experts_prompt_start
+        check_setting("routed_experts_prompt_start", start, low=0, integer=True, optional=True)
+        prompt_ids = token_id_list(prompt_token_ids, "prompt_token_ids")
+        if start is not None and start > len(prompt_ids):
             raise ValueError(  # an engine answers 400 (or fewer rows than asked); fail before sending
-                f"routed_experts_prompt_start must be <= the prompt length {len(prompt_ids)}, "
-                f"got {routed_experts_prompt_start}"
+                f"routed_experts_prompt_start must be <= the prompt length {len(prompt_ids)}, got {start}"
             )
         body = build_request(
             self.protocol,
@@ -274,29 +240,32 @@ class RemoteGenerateClient:
             dict(sampling_params or {}),
             model=self.model,
             return_routed_experts=return_routed_experts,
-            routed_experts_prompt_start=routed_experts_prompt_start,
+            routed_experts_prompt_start=start,
             cache_salt=cache_salt,
             engine=self.engine,
         )
-        data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-        start = routed_experts_prompt_start or 0
         self._session_for_running_loop()  # another loop's client: raise before touching stats
         url = f"{self.base_url}{PROTOCOL_PATHS[self.protocol]}"
+        data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+        raw, attempts = await self._send(url, data, self._headers(session_id))
+        want, prompt_len = return_routed_experts, len(prompt_ids)
 
-        def parse(raw: bytes) -> RemoteGenerateResult:
+        def parse() -> RemoteGenerateResult:
             return parse_response(
                 raw,
                 self.protocol,
                 self.routes,
-                want_routes=return_routed_experts,
-                prompt_len=len(prompt_ids),
-                start=start,
+                want_routes=want,
+                prompt_len=prompt_len,
+                start=start or 0,
                 url=url,
             )
 
-        result, attempts = await self._call(
-            "POST", PROTOCOL_PATHS[self.protocol], data, self._headers(session_id), parse
-        )
+        try:
+            result = await asyncio.to_thread(parse) if len(raw) > self.decode_in_thread_bytes else parse()
+        except Exception:
+            self.stats.failures += 1
+            raise
         result.attempts = attempts
         return result
 
@@ -312,61 +281,44 @@ class RemoteGenerateClient:
         try:
             async with session.get(
                 f"{self.base_url}/health", headers=self._headers(None), timeout=timeout
-            ) as response:
-                await response.read()
-                return response.status
+            ) as answer:
+                await answer.read()
+                return answer.status
         except (aiohttp.ClientError, TimeoutError):
             return None
 
-    async def _call(
-        self, method: str, path: str, data: bytes, headers: dict[str, str], parse: Callable[[bytes], T]
-    ) -> tuple[T, int]:
-        """Send with retries; returns the parsed body and the number of attempts it took."""
-        url = f"{self.base_url}{path}"
+    async def _send(self, url: str, data: bytes, headers: dict[str, str]) -> tuple[bytes, int]:
+        """POST with retries, under the health watch; the body of the 2xx answer and the attempts."""
         self.stats.requests += 1
         retry = self.retry
-        try:
-            for attempt in range(1, retry.max_attempts + 1):
-                self.stats.attempts += 1
-                try:
-                    raw = await self._watched_attempt(method, url, data, headers)
-                except RetryableGenerateError as error:
-                    if attempt == retry.max_attempts or isinstance(error, EngineHungError):
-                        raise RetriesExhaustedError(attempt, error, url=url) from error
-                    self.stats.retries += 1
-                    if error.retry_after is not None:
-                        delay = min(error.retry_after, retry.backoff.max_retry_after_s)
-                    else:
-                        delay = retry.backoff.delay(attempt, self._rng)
-                    await asyncio.sleep(delay)
-                    continue
-                if len(raw) > self.decode_in_thread_bytes:
-                    return await asyncio.to_thread(parse, raw), attempt
-                return parse(raw), attempt
-            raise AssertionError("unreachable")
-        except Exception:
-            self.stats.failures += 1
-            raise
-
-    async def _watched_attempt(self, method: str, url: str, data: bytes, headers: dict[str, str]) -> bytes:
-        """:meth:`_attempt` under the health watch (:mod:`r3lightning.rollout.health`)."""
-        session, slots = self._session_for_running_loop()
-        async with slots:  # waiting for a free connection does not eat into timeout_s
-            return await self._watch.run(self._attempt(session, method, url, data, headers))
+        for attempt in range(1, retry.max_attempts + 1):
+            self.stats.attempts += 1
+            try:
+                session, slots = self._session_for_running_loop()
+                async with slots:  # waiting for a free connection does not eat into timeout_s
+                    return await self._watch.run(self._attempt(session, url, data, headers)), attempt
+            except RetryableGenerateError as error:
+                if attempt == retry.max_attempts or isinstance(error, EngineHungError):
+                    self.stats.failures += 1
+                    raise RetriesExhaustedError(attempt, error, url=url) from error
+                self.stats.retries += 1
+                if error.retry_after is not None:
+                    delay = min(error.retry_after, retry.backoff.max_retry_after_s)
+                else:
+                    delay = retry.backoff.delay(attempt, self._rng)
+                await asyncio.sleep(delay)
+            except Exception:
+                self.stats.failures += 1
+                raise
+        raise AssertionError("unreachable")
 
     async def _attempt(
-        self, session: aiohttp.ClientSession, method: str, url: str, data: bytes, headers: dict[str, str]
+        self, session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str]
     ) -> bytes:
         """One HTTP attempt -> the body of a 2xx answer; transient failures -> RetryableGenerateError."""
-        retry = self.retry
+        timeout = aiohttp.ClientTimeout(total=self.retry.timeout_s, sock_connect=self.retry.connect_timeout_s)
         try:
-            async with session.request(
-                method,
-                url,
-                data=data,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=retry.timeout_s, sock_connect=retry.connect_timeout_s),
-            ) as response:
+            async with session.post(url, data=data, headers=headers, timeout=timeout) as response:
                 if response.status >= 400:
                     text = (await response.content.read(_MAX_ERROR_TEXT)).decode("utf-8", "replace")
                     message = _server_message(text)
@@ -377,22 +329,18 @@ class RemoteGenerateClient:
                             retry_after=_retry_after(response.headers.get("Retry-After")),
                         )
                     raise GenerateRequestError(response.status, message, url=url)
-                return await self._read_body(response)
+                cap = self.max_response_bytes
+
+                def too_large(declared: int | None) -> MalformedResponseError:
+                    of = "" if declared is None else f" of {declared} bytes"
+                    return MalformedResponseError(f"response body{of} exceeds max_response_bytes={cap}")
+
+                return await read_capped(response.content.iter_any(), response.content_length, cap, too_large)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
-            raise RetryableGenerateError(f"{method} {url} {kind}: {type(exc).__name__}: {exc}") from exc
+            raise RetryableGenerateError(f"POST {url} {kind}: {type(exc).__name__}: {exc}") from exc
         except aiohttp.ClientResponseError as exc:
             # aiohttp could not parse the status line or headers: garbage, like a malformed body
             raise MalformedResponseError(
-                f"{method} {url}: the answer is not a valid HTTP response ({exc.message})"
+                f"POST {url}: the answer is not a valid HTTP response ({exc.message})"
             ) from exc
-
-    async def _read_body(self, response: aiohttp.ClientResponse) -> bytes:
-        """The whole body, refusing more than ``max_response_bytes`` before reading past it."""
-        cap = self.max_response_bytes
-
-        def too_large(declared: int | None) -> MalformedResponseError:
-            of = "" if declared is None else f" of {declared} bytes"
-            return MalformedResponseError(f"response body{of} exceeds max_response_bytes={cap}")
-
-        return await read_capped(response.content.iter_any(), response.content_length, cap, too_large)

@@ -1,19 +1,13 @@
-"""The environment interface of multi-turn rollouts, and the one-turn text adapter.
+"""The environment interface of multi-turn rollouts (the multi-turn page has the whole contract).
 
-An environment is any object with two methods, plain or ``async`` (a ``typing.Protocol``; no
-base class to inherit):
+An environment is any object with two methods, plain or ``async`` (a ``typing.Protocol``):
 
     reset(prompt: RolloutPrompt) -> observation           # the first prompt of the trajectory
     step(response) -> (observation, reward, done, info)   # after every generated turn
 
-An observation is token ids or chat messages (``[{"role", "content"}, ...]``, rendered with the
-environment's ``tokenizer`` chat template plus the generation prompt). ``response`` is the
-turn's sampled token ids, or their text when the environment sets ``response_format = "text"``
-(decoded with its ``tokenizer``). ``reward`` is this turn's reward (the trajectory's is their
-sum); ``done`` ends the trajectory; ``info`` is free-form and ignored by the collector. The
-collector builds one environment per trajectory from :class:`Environments` and calls a plain
-method in its ``reward_threads`` pool when it has one, so a slow tool does not stall the event
-loop.
+An observation is token ids or chat messages (rendered with the environment's ``tokenizer``);
+``response`` is the turn's token ids, or their text when the environment sets
+``response_format = "text"``. The trajectory's reward is the sum of the turns' rewards.
 """
 
 from __future__ import annotations
@@ -41,12 +35,7 @@ class Environment(Protocol):
 
 class TextEnvironment:
     """A single-turn task as a one-turn environment: ``reset`` gives the prompt's ids, ``step``
-    scores the response with ``score(prompt, response_ids)`` and ends the trajectory.
-
-    With a verl dataset (:class:`~r3lightning.rollout.prompts_file.PromptsFileTask` records) and
-    its ``compute_score``, :func:`text_environment` builds the factory; the trajectories equal
-    the collector's single-turn ones with the same reward.
-    """
+    scores the response with ``score(prompt, response_ids)`` and ends the trajectory."""
 
     def __init__(self, score: Callable[[RolloutPrompt, list[int]], float]) -> None:
         self.score = score
@@ -63,19 +52,18 @@ class TextEnvironment:
 
 
 def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> functools.partial[TextEnvironment]:
-    """The factory of one-turn environments scoring decoded responses with a verl-style
-    ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``. They share one
-    :class:`TextReward` (``factory.args[0]``: its ``pop_metrics()`` counts failures and extras)."""
-    reward = TextReward(compute_score, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    """Factory of one-turn environments scoring decoded responses with a verl-style
+    ``compute_score``: trajectories equal the collector's single-turn ones with that reward. They
+    share one :class:`TextReward` (``factory.args[0]``, whose ``pop_metrics()`` counts failures)."""
+    reward = TextReward(compute_score, functools.partial(tokenizer.decode, skip_special_tokens=True))
     return functools.partial(TextEnvironment, reward)
 
 
 @dataclass(frozen=True)
 class Environments:
-    """Multi-turn rollouts for a :class:`~r3lightning.rollout.collector.RolloutCollector`, given
+    """Multi-turn rollouts for a :class:`~r3lightning.rollout.collector.RolloutCollector`, passed
     where its ``reward_fn`` goes: ``make()`` builds one environment per trajectory (a class or a
-    ``functools.partial``), which runs at most ``max_turns`` generations; the sum of its step
-    rewards is the trajectory's reward."""
+    ``functools.partial``), which runs at most ``max_turns`` generations."""
 
     make: Callable[[], Environment]
     max_turns: int = 1

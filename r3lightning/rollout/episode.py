@@ -1,12 +1,8 @@
-"""One multi-turn trajectory: environment observations and engine turns, routes turn by turn.
+"""One trajectory: engine turns and environment observations, routes captured turn by turn.
 
-Each turn sends the whole token prefix with ``routed_experts_prompt_start`` = the rows the trace
-holds, so only new rows travel: the previous turn's last sampled token (first an input now), the
-observation and the response. Row ``t`` is thus what the engine computed when token ``t`` was an
-input, boundary tokens included; a finished trajectory has ``n - 1`` rows. Observation tokens
-get loss mask 0 and logprob 0 (their rows are still replayed). The trajectory ends at ``done`` or
-after ``max_turns`` generations (a last observation is dropped: nothing predicts from it). A
-failure (engine, environment, routes) raises and leaves the trace unfinished.
+Each turn sends the whole prefix with ``routed_experts_prompt_start`` = the rows the trace holds,
+so only new rows travel. Observation tokens get loss mask 0 and logprob 0 (their rows are still
+replayed). A failure (engine, environment, routes) raises and leaves the trace unfinished.
 """
 
 from __future__ import annotations
@@ -21,7 +17,8 @@ from torch import Tensor
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateResult
 from r3lightning.rollout.environment import Environment
-from r3lightning.rollout.prompts import RolloutPrompt, score_value
+from r3lightning.rollout.prompts import RolloutPrompt, score_value, token_id_list
+from r3lightning.rollout.prompts_file import as_messages, chat_prompt_ids
 from r3lightning.trace import RoutedExpertTrace
 
 __all__ = ["Episode", "plain_call", "run_episode", "single_turn"]
@@ -58,6 +55,26 @@ class Episode:
             routed_experts=self.routes,
         )
 
+    def extend(self, ids: list[int], mask: float, logprobs: Sequence[float] | None) -> None:
+        """Append tokens with one loss-mask value and their logprobs (None: zeros)."""
+        self.response_ids += ids
+        self.loss_mask += [mask] * len(ids)
+        self.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
+
+    def record(self, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult) -> list[int]:
+        """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""
+        response, routes = [int(t) for t in result.response_ids], result.routed_experts
+        if trace is not None:
+            trace.record_generation(prefix, len(response), routes)
+        self.route_bytes.append(0 if routes is None else int(routes.nbytes))
+        self.extend(response, 1.0, result.response_logprobs)
+        return response
+
+    def finish(self, trace: RoutedExpertTrace | None) -> Episode:
+        if trace is not None:
+            self.routes = trace.finalize(len(self.prompt_ids) + len(self.response_ids))
+        return self
+
 
 async def plain_call(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, awaited when it returns an awaitable."""
@@ -86,9 +103,10 @@ async def run_episode(
     tokens = list(episode.prompt_ids)
     for turn in range(max_turns):
         result = await generate(tokens, turn, None if trace is None else trace.prompt_start)
-        response = _record(episode, trace, len(tokens), result)
-        text = getattr(env, "response_format", "ids") == "text"
-        answer = _tokenizer(env, where).decode(response, skip_special_tokens=True) if text else response
+        response = episode.record(trace, len(tokens), result)
+        answer = response
+        if getattr(env, "response_format", "ids") == "text":
+            answer = _tokenizer(env, where).decode(response, skip_special_tokens=True)
         step = await call(env.step, answer)
         if not isinstance(step, Sequence) or len(step) != 4:
             raise ValueError(
@@ -99,9 +117,9 @@ async def run_episode(
         if done or turn == max_turns - 1:
             break
         observed = _token_ids(env, observation, f"{where}: step() observation of turn {turn}")
-        _extend(episode, observed, 0.0, [0.0] * len(observed))
+        episode.extend(observed, 0.0, None)
         tokens += response + observed
-    return _finish(episode, trace)
+    return episode.finish(trace)
 
 
 def single_turn(
@@ -109,34 +127,8 @@ def single_turn(
 ) -> Episode:
     """The episode of a single-turn rollout: one generation, already scored."""
     episode = Episode(prompt.token_ids, turn_rewards=[reward])
-    _record(episode, trace, len(prompt.token_ids), result)
-    return _finish(episode, trace)
-
-
-def _record(episode: Episode, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult):
-    """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""
-    response, routes, logprobs = (
-        [int(t) for t in result.response_ids],
-        result.routed_experts,
-        result.response_logprobs,
-    )
-    if trace is not None:
-        trace.record_generation(prefix, len(response), routes)
-    episode.route_bytes.append(0 if routes is None else int(routes.nbytes))
-    _extend(episode, response, 1.0, [0.0] * len(response) if logprobs is None else logprobs)
-    return response
-
-
-def _finish(episode: Episode, trace: RoutedExpertTrace | None) -> Episode:
-    if trace is not None:
-        episode.routes = trace.finalize(len(episode.prompt_ids) + len(episode.response_ids))
-    return episode
-
-
-def _extend(episode: Episode, ids: list[int], mask: float, logprobs: Sequence[float]) -> None:
-    episode.response_ids += ids
-    episode.loss_mask += [mask] * len(ids)
-    episode.logprobs += list(logprobs)
+    episode.record(trace, len(prompt.token_ids), result)
+    return episode.finish(trace)
 
 
 def _tokenizer(env: Any, where: str) -> Any:
@@ -152,12 +144,5 @@ def _tokenizer(env: Any, where: str) -> Any:
 def _token_ids(env: Any, observation: Any, where: str) -> list[int]:
     """Token ids of an observation: ids as they are, chat messages through the chat template."""
     if isinstance(observation, Sequence) and observation and isinstance(observation[0], Mapping):
-        from r3lightning.rollout.prompts_file import as_messages, chat_prompt_ids
-
         return chat_prompt_ids(_tokenizer(env, where), as_messages(observation, where=where))
-    ids = observation.tolist() if hasattr(observation, "tolist") else observation
-    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes):
-        raise ValueError(f"{where} must be token ids or chat messages, got {observation!r:.80}")
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise ValueError(f"{where} must hold token ids >= 0, got {list(ids)!r:.80}")
-    return list(ids)
+    return token_id_list(observation, where, allow_empty=True)

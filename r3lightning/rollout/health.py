@@ -1,11 +1,10 @@
 """Noticing an engine that accepts connections but never answers, while requests wait on it.
 
-A hung engine looks like a slow one from a request's side: only ``timeout_s`` (minutes, for
-long generations) would end the wait. :class:`HealthWatch` probes the engine's ``/health`` every
-``health_interval_s`` while at least one attempt is in flight; ``health_failures`` probes in a row
-without any answer (a status of any kind, even 404, means alive) end every waiting attempt with
-:class:`EngineHungError`, which the client does not retry on that engine. A slow but healthy
-engine answers its probes and keeps its long generations.
+From a request's side a hung engine looks like a slow one, and only ``timeout_s`` (minutes, for
+long generations) would end the wait. :class:`HealthWatch` probes ``/health`` every
+``health_interval_s`` while an attempt is in flight; ``health_failures`` probes in a row without
+any answer (any status, even 404, means alive) end every waiting attempt with
+:class:`EngineHungError`, which the client does not retry on that engine.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ class EngineHungError(RetryableGenerateError):
 
 
 class HealthWatch:
-    """Runs attempts while ``probe()`` (the ``/health`` status within the probe timeout, or None)
-    is polled per ``policy``; bound to the event loop it first runs on (:meth:`reset` forgets it).
+    """Runs attempts while ``probe()`` (the ``/health`` status, or None without an answer) is
+    polled per ``policy``; bound to the event loop it first runs on until :meth:`reset`.
     Cost: one small request per interval per engine, only while attempts wait."""
 
     def __init__(self, probe: Callable[[], Awaitable[int | None]], policy: RetryPolicy) -> None:
@@ -36,7 +35,7 @@ class HealthWatch:
         self.reset()
 
     def reset(self) -> None:
-        """Drop the state bound to an event loop (a new loop, a pickled copy, a closed client)."""
+        """Forget the event loop (a new loop, a pickled copy, a closed client)."""
         self._waiting = 0  # attempts in flight: the monitor runs while > 0
         self._monitor: asyncio.Task | None = None
         self._hung: asyncio.Future | None = None  # resolved by the monitor when the engine hangs
@@ -47,8 +46,8 @@ class HealthWatch:
         self.reset()
 
     async def run(self, attempt: Awaitable[T]) -> T:
-        """``attempt``'s result, or :class:`EngineHungError` once the probes declare the engine hung
-        (the attempt is then cancelled)."""
+        """``attempt``'s result, or :class:`EngineHungError` (the attempt cancelled) once the
+        probes declare the engine hung."""
         if self.policy.health_interval_s is None:
             return await attempt
         if self._hung is None or self._hung.done():

@@ -1,12 +1,7 @@
-"""What a rollout request carries and how its answer is scored.
+"""What a rollout request carries (prompt, sampling settings, seed) and how its answer is scored.
 
-:class:`RolloutPrompt` is one prompt plus the per-prompt metadata a reward needs (verl's dataset
-fields); :class:`SamplingConfig` the request's sampling settings in each protocol's names;
-:func:`sampling_seed` the seed of every sample, a pure function of ``(seed, step, group,
-sample)``. A reward is any ``reward_fn(prompt, response_ids)`` returning a real number or
-``{"score": number, ...}``; :class:`GuardedReward` bounds its time and turns its failures into a
-0 score, and :func:`text_reward` adapts a verl-style ``compute_score(data_source, solution_str,
-ground_truth, extra_info=None)``.
+A reward is any ``reward_fn(prompt, response_ids)`` returning a real number or
+``{"score": number, ...}``; :class:`GuardedReward` bounds its time and scores its failures 0.
 """
 
 from __future__ import annotations
@@ -15,8 +10,10 @@ import hashlib
 import logging
 import math
 import numbers
+import operator
 import struct
 import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -27,16 +24,8 @@ import torch
 
 from r3lightning.wire.request import engine_sampling_params
 
-__all__ = [
-    "GuardedReward",
-    "RewardFn",
-    "RolloutPrompt",
-    "SamplingConfig",
-    "TextReward",
-    "sampling_seed",
-    "score_value",
-    "text_reward",
-]
+__all__ = ["GuardedReward", "RewardFn", "RolloutPrompt", "SamplingConfig", "TextReward", "sampling_seed",
+           "score_value", "text_reward", "token_id_list"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +41,23 @@ def sampling_seed(seed: int, step: int, group: int, sample: int = 0, turn: int =
     return int.from_bytes(digest, "little") % _MAX_SEED
 
 
+def token_id_list(values: Any, what: str, *, allow_empty: bool = False) -> list[int]:
+    """``values`` (a sequence, ndarray or tensor of ids) as Python ints, what JSON needs; a
+    ``ValueError`` naming ``what`` unless each is an integer >= 0 (and, unless ``allow_empty``,
+    there is one)."""
+    ids = None
+    if not isinstance(values, str | bytes):
+        try:
+            values = values.tolist() if hasattr(values, "tolist") else list(values)
+            ids = [operator.index(v) for v in values if not isinstance(v, bool)]
+        except TypeError:
+            pass
+    if ids is None or len(ids) != len(values) or not (ids or allow_empty) or min(ids, default=0) < 0:
+        expected = "a sequence" if allow_empty else "a non-empty sequence"
+        raise ValueError(f"{what} must be {expected} of token ids >= 0, got {values!r:.80}")
+    return ids
+
+
 @dataclass
 class RolloutPrompt:
     """One prompt (``token_ids``) and what its reward needs: ``data_source``, ``ground_truth`` and
@@ -63,12 +69,7 @@ class RolloutPrompt:
     extra_info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        ids = self.token_ids.tolist() if hasattr(self.token_ids, "tolist") else list(self.token_ids)
-        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError(
-                f"RolloutPrompt.token_ids must be a non-empty sequence of token ids >= 0, got {ids!r:.80}"
-            )
-        self.token_ids = ids
+        self.token_ids = token_id_list(self.token_ids, "RolloutPrompt.token_ids")
 
 
 def _is_int(value: Any) -> bool:
@@ -79,9 +80,9 @@ def _is_int(value: Any) -> bool:
 class SamplingConfig:
     """Sampling settings of every request, spelled per protocol by
     :func:`~r3lightning.wire.request.engine_sampling_params`; ``extra`` is merged into the wire
-    parameters as is. Checked at construction (a ``ValueError`` naming the field), so a bad value
-    fails before any request rather than as an engine's 400. ``top_k`` -1 (or 0) and ``top_p`` 1
-    disable those filters; ``temperature`` 0 is greedy."""
+    parameters as is. A bad value is a ``ValueError`` naming the field at construction, before
+    any request. ``top_k`` -1 (or 0) and ``top_p`` 1 disable those filters; ``temperature`` 0 is
+    greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -95,51 +96,37 @@ class SamplingConfig:
         temperature, top_p = (
             None if isinstance(v, bool) else _real(v) for v in (self.temperature, self.top_p)
         )
-        problems = {
-            "temperature": ("a finite number >= 0", temperature is None or temperature < 0),
-            "top_p": ("a number in (0, 1]", top_p is None or not 0 < top_p <= 1),
-            "top_k": ("an integer >= -1 (-1 or 0: no filter)", not _is_int(self.top_k) or self.top_k < -1),
-            "max_new_tokens": (
-                "an integer >= 1",
-                not _is_int(self.max_new_tokens) or self.max_new_tokens < 1,
-            ),
-            "ignore_eos": ("true or false", not isinstance(self.ignore_eos, bool)),
-            "stop_token_ids": (
+        stop = self.stop_token_ids
+        checks = (
+            ("temperature", "a finite number >= 0", temperature is not None and temperature >= 0),
+            ("top_p", "a number in (0, 1]", top_p is not None and 0 < top_p <= 1),
+            ("top_k", "an integer >= -1 (-1 or 0: no filter)", _is_int(self.top_k) and self.top_k >= -1),
+            ("max_new_tokens", "an integer >= 1", _is_int(self.max_new_tokens) and self.max_new_tokens >= 1),
+            ("ignore_eos", "true or false", isinstance(self.ignore_eos, bool)),
+            (
+                "stop_token_ids",
                 "null or a list of token ids >= 0",
-                self.stop_token_ids is not None
-                and not (
-                    isinstance(self.stop_token_ids, list | tuple)
-                    and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
-                ),
+                stop is None or (isinstance(stop, list | tuple) and all(_is_int(t) and t >= 0 for t in stop)),
             ),
-            "extra": ("a mapping of extra sampling parameters", not isinstance(self.extra, Mapping)),
-        }
-        for name, (expected, bad) in problems.items():
-            if bad:
+            ("extra", "a mapping of extra sampling parameters", isinstance(self.extra, Mapping)),
+        )
+        for name, expected, ok in checks:
+            if not ok:
                 raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
 
     def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
         """The request's ``sampling_params`` in ``protocol``'s field names."""
-        params = engine_sampling_params(
-            protocol,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=seed,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-        )
-        params.update(self.extra)
-        return params
+        fields = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")
+        params = engine_sampling_params(protocol, seed=seed, **{f: getattr(self, f) for f in fields})
+        return {**params, **self.extra}
 
 
 RewardFn = Callable[[RolloutPrompt, list[int]], "float | Mapping[str, Any] | Awaitable[Any]"]
 
 
 def _real(value: Any) -> float | None:
-    """``value`` as a finite float when it is one real number (a Python or numpy number, a bool as
-    0 or 1, a one-element numpy array or tensor); else None."""
+    """``value`` as a finite float when it is one real number (a Python or numpy number, a bool,
+    a one-element ndarray or tensor); else None."""
     if isinstance(value, torch.Tensor):
         value = value.item() if value.numel() == 1 else None
     elif isinstance(value, np.ndarray | np.generic):
@@ -167,20 +154,19 @@ def score_value(value: Any, where: str) -> float:
     return number
 
 
-_TIMED_OUT = object()
-
-
 def callable_name(fn: Any) -> str:
     """``fn``'s qualified name, through a ``functools.partial`` (Hydra's ``_partial_: true``)."""
     target = getattr(fn, "func", fn)
     return getattr(target, "__qualname__", None) or type(target).__name__
 
 
+_TIMED_OUT = object()
+
+
 def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -> Any:
-    """``fn(*args)``, or ``_TIMED_OUT`` when it has not returned within ``timeout_s`` (None: no
-    bound, called inline). Bounded calls run in a fresh daemon thread (~0.1 ms to start): a Python
-    thread cannot be stopped, so a scorer that never returns is left behind, and being a daemon it
-    never holds up the interpreter's exit."""
+    """``fn(*args)``, or ``_TIMED_OUT`` after ``timeout_s`` (None: called inline). A bounded call
+    runs in a fresh daemon thread (~0.1 ms to start): a Python thread cannot be stopped, so a
+    scorer that never returns is left behind, and as a daemon never holds up the exit."""
     if timeout_s is None:
         return fn(*args)
     done: futures.Future = futures.Future()
@@ -200,10 +186,9 @@ def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -
 class GuardedReward:
     """``score(prompt, response_ids)`` made safe inside a collection: a result that is not a real
     number (or ``{"score": number}``), or a scorer that raises (when ``errors_score_zero``), scores
-    0 and counts in ``reward/failures``; one that has not returned after ``timeout_s`` seconds
-    scores 0 and counts in ``reward/timeouts``. The first failure and the first timeout of the run
-    are logged once, saying the response scored 0. A mapping's other real entries are averaged
-    per key into ``reward/<key>``. Safe to call from several threads (the collector's
+    0 and counts in ``reward/failures``; one still running after ``timeout_s`` seconds scores 0
+    and counts in ``reward/timeouts``. Each kind is logged once per run. A mapping's other real
+    entries are averaged per key into ``reward/<key>``. Thread-safe (the collector's
     ``reward_threads``).
     """
 
@@ -216,26 +201,25 @@ class GuardedReward:
         name: str | None = None,
     ) -> None:
         if timeout_s is not None and (
-            _real(timeout_s) is None or timeout_s <= 0 or isinstance(timeout_s, bool)
+            isinstance(timeout_s, bool) or _real(timeout_s) is None or timeout_s <= 0
         ):
             raise ValueError(f"timeout_s must be a number > 0 or None, got {timeout_s!r}")
         self.score, self.timeout_s, self.errors_score_zero = score, timeout_s, errors_score_zero
         self.name = name or callable_name(score)
         self._lock = threading.Lock()
-        self._sums: dict[str, float] = {}
-        self._count = self.failures = self.timeouts = 0
-        self._logged: set[str] = set()  # "failure" / "timeout": once per run, never reset
+        self._count, self._sums, self._zeros = 0, {}, Counter()  # since pop_metrics: responses, extras, 0s
+        self._logged: set[str] = set()  # "failures" / "timeouts" already logged: once per run
 
     def __call__(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
         try:
             value = _bounded_call(self.score, self.timeout_s, prompt, response_ids)
             if value is _TIMED_OUT:
-                return self._zero("timeout", f"did not return within {self.timeout_s:g} s", None)
+                return self._zero("timeouts", f"did not return within {self.timeout_s:g} s", None)
             reward = score_value(value, self.name)
         except Exception as exc:
             if not self.errors_score_zero:
                 raise
-            return self._zero("failure", f"raised {type(exc).__name__}: {' '.join(str(exc).split())}", exc)
+            return self._zero("failures", f"raised {type(exc).__name__}: {' '.join(str(exc).split())}", exc)
         extra = (
             {str(k): _real(v) for k, v in value.items() if k != "score"} if isinstance(value, Mapping) else {}
         )
@@ -249,17 +233,12 @@ class GuardedReward:
     def _zero(self, kind: str, what: str, exc: BaseException | None) -> float:
         with self._lock:
             self._count += 1
-            setattr(self, f"{kind}s", getattr(self, f"{kind}s") + 1)
+            self._zeros[kind] += 1
             first = kind not in self._logged
             self._logged.add(kind)
         if first:
-            log.warning(
-                "reward %s %s; the response scored 0 (counted in reward/%ss; logged once per run)",
-                self.name,
-                what,
-                kind,
-                exc_info=exc,
-            )
+            message = "reward %s %s; the response scored 0 (counted in reward/%s; logged once per run)"
+            log.warning(message, self.name, what, kind, exc_info=exc)
         return 0.0
 
     def pop_metrics(self) -> dict[str, float]:
@@ -267,17 +246,20 @@ class GuardedReward:
         call; a response without it counts as 0), ``reward/failures`` and ``reward/timeouts``;
         then resets them."""
         with self._lock:
-            count, sums, failures, timeouts = self._count, self._sums, self.failures, self.timeouts
-            self._count, self._sums, self.failures, self.timeouts = 0, {}, 0, 0
+            count, sums, zeros = self._count, self._sums, self._zeros
+            self._count, self._sums, self._zeros = 0, {}, Counter()
         metrics = {f"reward/{k}": v / max(count, 1) for k, v in sums.items()}
-        return {**metrics, "reward/failures": float(failures), "reward/timeouts": float(timeouts)}
+        return {
+            **metrics,
+            "reward/failures": float(zeros["failures"]),
+            "reward/timeouts": float(zeros["timeouts"]),
+        }
 
 
 class TextReward(GuardedReward):
-    """A guarded reward from a verl-style ``compute_score(data_source, solution_str,
-    ground_truth, extra_info=None)``; the response is decoded with ``decode`` (e.g. a tokenizer's
-    ``decode``). A scorer that raises, returns no number or hangs past ``timeout_s`` scores 0
-    (:class:`GuardedReward`), so one bad row never ends a run."""
+    """A :class:`GuardedReward` of a verl-style ``compute_score(data_source, solution_str,
+    ground_truth, extra_info=None)`` on the response decoded by ``decode`` (e.g. a tokenizer's):
+    one bad row never ends a run."""
 
     def __init__(
         self,
@@ -296,8 +278,6 @@ class TextReward(GuardedReward):
         return self.compute_score(prompt.data_source, text, prompt.ground_truth, extra_info=prompt.extra_info)
 
 
-def text_reward(
-    compute_score: Callable[..., Any], decode: Callable[[list[int]], str], *, timeout_s: float | None = 60.0
-) -> TextReward:
-    """:class:`TextReward` of ``compute_score`` and ``decode``."""
-    return TextReward(compute_score, decode, timeout_s=timeout_s)
+text_reward = (
+    TextReward  # the spelling of verl recipes: text_reward(compute_score, decode, *, timeout_s=60.0)
+)

@@ -1,34 +1,33 @@
 """Prompts from a dataset file (parquet or JSONL) in verl's column layout, tokenised with a chat template.
 
-A verl RL dataset row holds ``prompt`` (chat messages ``[{"role", "content"}, ...]``),
-``data_source``, ``reward_model: {"ground_truth": ...}`` and ``extra_info``; the reward function
-is ``compute_score(data_source, solution_str, ground_truth, extra_info=None)``. Reading that
-layout as it is lets an existing verl dataset train here unchanged; other layouts name their
-columns (dotted paths reach into nested columns).
-
-Parquet is read with pyarrow (the ``data`` extra): it is the reference parquet implementation,
-small next to Hugging Face ``datasets`` (which depends on it anyway) and needs no cache
-directory. JSONL is read line by line with orjson.
-
-The whole file is tokenised once, at construction (``apply_chat_template(...,
-add_generation_prompt=True)``); prompts over ``max_prompt_length`` ids are dropped or truncated
-and counted. Prompts are then served in epochs: each epoch is a permutation of the rows drawn
-from ``(seed, epoch)``, and RL step ``s`` takes positions ``[s * n, (s + 1) * n)`` of that
-endless sequence. The prompts of a step are a pure function of ``(seed, step)``: a run resumed
-from its checkpoint (which holds the step) neither repeats nor skips a prompt, on any number of
-ranks, with no cursor to save.
+A verl row holds ``prompt`` (chat messages), ``data_source``, ``reward_model: {"ground_truth"}``
+and ``extra_info``, so a verl dataset trains here unchanged; other layouts name their
+:class:`Columns`. The prompts of RL step ``s`` are a pure function of ``(seed, s)``: a resumed run
+neither repeats nor skips one, on any number of ranks, with no cursor to save.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import orjson
 import torch
 
-from r3lightning.rollout.prompts import RolloutPrompt, TextReward
+from r3lightning.rollout.prompts import RolloutPrompt
+
+__all__ = [
+    "Columns",
+    "PromptsFileTask",
+    "as_messages",
+    "chat_prompt_ids",
+    "load_tokenizer",
+    "lookup",
+    "read_rows",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,50 +48,49 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
                 "task.path: reading .parquet files needs pyarrow: pip install 'r3lightning[data]'"
             ) from None
         return pq.read_table(path).to_pylist()
-    if suffix in (".jsonl", ".json"):
-        import orjson
-
-        rows = []
-        with path.open("rb") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = orjson.loads(line)
-                except orjson.JSONDecodeError as exc:
-                    raise ValueError(f"task.path: {path}:{number} is not a JSON object: {exc}") from None
-                if not isinstance(row, dict):
-                    raise ValueError(
-                        f"task.path: {path}:{number} must be a JSON object, got {type(row).__name__}"
-                    )
-                rows.append(row)
-        return rows
-    raise ValueError(f"task.path must end in .parquet, .jsonl or .json, got {path.name!r}")
+    if suffix not in (".jsonl", ".json"):
+        raise ValueError(f"task.path must end in .parquet, .jsonl or .json, got {path.name!r}")
+    rows = []
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(orjson.loads(line))
+            except orjson.JSONDecodeError as exc:
+                raise ValueError(f"task.path: {path}:{number} is not a JSON object: {exc}") from None
+            if not isinstance(rows[-1], dict):
+                raise ValueError(
+                    f"task.path: {path}:{number} must be a JSON object, got {type(rows[-1]).__name__}"
+                )
+    return rows
 
 
-_MISSING = object()
+@dataclass(frozen=True)
+class Columns:
+    """Where a row keeps each field (``task.columns.*``); dotted paths reach into nested columns.
+    A missing ``data_source`` column gives ``""``; ``extra_info=None`` passes no extra info."""
+
+    prompt: str = "prompt"
+    data_source: str = "data_source"
+    ground_truth: str = "reward_model.ground_truth"
+    extra_info: str | None = "extra_info"
 
 
-def _get(row: Mapping[str, Any], key: str) -> Any:
-    """``row[a][b]`` for ``key="a.b"``, or ``_MISSING``."""
+def lookup(row: Mapping[str, Any], key: str, *, where: str, field: str | None = None) -> Any:
+    """``row[a][b]`` for ``key="a.b"``; a missing column is None, or for a required ``field`` of
+    :class:`Columns` a ``ValueError`` naming the row, the column, the setting and the row's columns."""
     value: Any = row
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:
-            return _MISSING
+            if field is None:
+                return None
+            raise ValueError(
+                f"{where}: no column {key!r} for task.columns.{field} (the row has: "
+                f"{', '.join(map(str, row))}); name your file's columns with task.columns.prompt, "
+                "task.columns.data_source and task.columns.ground_truth (dotted paths reach into nested columns)"
+            )
         value = value[part]
-    return value
-
-
-def lookup(row: Mapping[str, Any], key: str, *, where: str, setting: str = "task.prompt_key") -> Any:
-    """``row[a][b]`` for ``key="a.b"``; a missing column is a ``ValueError`` naming the row, the
-    column, the ``setting`` that names it, and the row's columns."""
-    value = _get(row, key)
-    if value is _MISSING:
-        raise ValueError(
-            f"{where}: no column {key!r} for {setting} (the row has: {', '.join(map(str, row))}); name "
-            "your file's columns with task.prompt_key, task.data_source_key and task.ground_truth_key "
-            "(dotted paths reach into nested columns)"
-        )
     return value
 
 
@@ -100,16 +98,14 @@ def as_messages(prompt: Any, *, where: str) -> list[dict[str, str]]:
     """verl's chat messages as they are; a plain string becomes one user message."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
-    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-        messages = []
-        for m in prompt:
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: each message needs string 'role' and 'content', got {dict(m)}")
-            messages.append({"role": m["role"], "content": m["content"]})
-        return messages
-    raise ValueError(
-        f"{where}: the prompt must be a string or a non-empty list of chat messages, got {prompt!r}"
-    )
+    if not (isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt)):
+        raise ValueError(
+            f"{where}: the prompt must be a string or a non-empty list of chat messages, got {prompt!r}"
+        )
+    for m in prompt:
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: each message needs string 'role' and 'content', got {dict(m)}")
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -137,14 +133,12 @@ class PromptsFileTask:
     Args:
         path: ``.parquet`` or ``.jsonl`` file.
         tokenizer: a tokenizer object, or the path of a local checkpoint directory holding one.
-        prompt_key, data_source_key, ground_truth_key, extra_info_key: column names (dotted
-            paths reach into nested columns); ``extra_info_key=None`` passes no extra info, and a
-            missing ``data_source`` column gives ``""``.
+        columns: the row's column names (:class:`Columns`, or a mapping of its fields).
         max_prompt_length: prompts with more ids are handled by ``overlong``.
         response_length: the generation budget per response (the job's
             ``rollout.sampling.max_new_tokens`` follows it).
         overlong: ``"drop"`` them, or keep the last (``"truncate_left"``) or first
-            (``"truncate_right"``) ``max_prompt_length`` ids.
+            (``"truncate_right"``) ``max_prompt_length`` ids; both counted and logged.
         shuffle: a fresh permutation per epoch from ``(seed, epoch)``; else file order.
     """
 
@@ -153,10 +147,7 @@ class PromptsFileTask:
         path: str | Path,
         tokenizer: Any,
         *,
-        prompt_key: str = "prompt",
-        data_source_key: str = "data_source",
-        ground_truth_key: str = "reward_model.ground_truth",
-        extra_info_key: str | None = "extra_info",
+        columns: Columns | Mapping[str, str | None] | None = None,
         max_prompt_length: int = 1024,
         response_length: int = 256,
         overlong: Overlong = "drop",
@@ -178,38 +169,29 @@ class PromptsFileTask:
                 "task.tokenizer: a prompts file needs the model's tokenizer; set model=hf_checkpoint "
                 "model.path=DIR (the default) or task.tokenizer=DIR"
             )
-        if isinstance(tokenizer, str | Path):
-            tokenizer = load_tokenizer(tokenizer)
+        columns = Columns(**columns) if isinstance(columns, Mapping) else columns or Columns()
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
         self.path = Path(path).expanduser()
-        self.tokenizer = tokenizer
-        self.response_length = int(response_length)
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
-        self.dropped = 0
-        self.truncated = 0
+        self.response_length, self.shuffle, self.seed = int(response_length), bool(shuffle), int(seed)
+        self.dropped = self.truncated = 0
         self.records: list[RolloutPrompt] = []
         self.rows: list[int] = []  # file row of each record (before any drop)
         rows = read_rows(self.path)
         for index, row in enumerate(rows):
             where = f"{self.path.name} row {index}"
-            prompt = lookup(row, prompt_key, where=where, setting="task.prompt_key")
-            ids = chat_prompt_ids(tokenizer, as_messages(prompt, where=where))
+            prompt = lookup(row, columns.prompt, where=where, field="prompt")
+            ids = chat_prompt_ids(self.tokenizer, as_messages(prompt, where=where))
             if len(ids) > max_prompt_length:
                 if overlong == "drop":
                     self.dropped += 1
                     continue
                 self.truncated += 1
                 ids = ids[-max_prompt_length:] if overlong == "truncate_left" else ids[:max_prompt_length]
-            source = _get(row, data_source_key)
-            extra = None if extra_info_key is None else _get(row, extra_info_key)
-            self.records.append(
-                RolloutPrompt(
-                    ids,
-                    data_source="" if source in (None, _MISSING) else str(source),
-                    ground_truth=lookup(row, ground_truth_key, where=where, setting="task.ground_truth_key"),
-                    extra_info=extra if isinstance(extra, dict) else {},
-                )
-            )
+            source = lookup(row, columns.data_source, where=where)
+            extra = None if columns.extra_info is None else lookup(row, columns.extra_info, where=where)
+            truth = lookup(row, columns.ground_truth, where=where, field="ground_truth")
+            extra = extra if isinstance(extra, dict) else {}
+            self.records.append(RolloutPrompt(ids, "" if source is None else str(source), truth, extra))
             self.rows.append(index)
         if not self.records:
             raise ValueError(
@@ -239,10 +221,9 @@ class PromptsFileTask:
     def prompts_for_step(self, step: int, num_prompts: int) -> list[RolloutPrompt]:
         """Positions ``[step * num_prompts, (step + 1) * num_prompts)`` of the epoch sequence; a step
         that crosses an epoch's end continues into the next permutation."""
-        size = len(self.records)
         out, orders = [], {}
         for position in range(step * num_prompts, (step + 1) * num_prompts):
-            epoch, index = divmod(position, size)
+            epoch, index = divmod(position, len(self.records))
             if epoch not in orders:
                 orders[epoch] = self.epoch_order(epoch)
             out.append(self.records[orders[epoch][index]])
@@ -252,15 +233,8 @@ class PromptsFileTask:
     def stop_token_ids(self) -> list[int]:
         """The tokenizer's end-of-sequence id(s): sent to the engine as stop conditions."""
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            return []
-        return [int(e) for e in eos] if isinstance(eos, list | tuple) else [int(eos)]
+        return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
 
     def decode(self, response_ids: Sequence[int]) -> str:
         """The response's text as the reward sees it (special tokens skipped)."""
         return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
-
-    def text_reward(self, compute_score: Any, *, timeout_s: float | None = 60.0) -> TextReward:
-        """verl's ``compute_score`` on this tokenizer's decoded responses (what the job's
-        :class:`~r3lightning.rollout.tasks.ScoredTask` builds for a task with ``decode``)."""
-        return TextReward(compute_score, self.decode, timeout_s=timeout_s)

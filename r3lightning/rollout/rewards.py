@@ -1,10 +1,9 @@
-"""Built-in text rewards with verl's ``compute_score`` signature, for prompt datasets.
+"""Built-in text rewards with verl's ``compute_score`` signature, for prompt datasets:
 
-    compute_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None)
-        -> float | dict   # a dict holds "score" plus extra numbers, logged as reward/<key>
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
 
-A team's own scorer is used the same way (``reward._target_=my.module.compute_score``); the job
-decodes responses and runs the scorer in the collector's reward threads through
+(a dict holds ``"score"`` plus extra numbers, logged as ``reward/<key>``). A team's own scorer is
+used the same way (``reward._target_=my.module.compute_score``), through
 :class:`~r3lightning.rollout.prompts.TextReward`.
 """
 
@@ -63,4 +62,4 @@ def math_answer(data_source: str, solution_str: str, ground_truth: Any, extra_in
     a, b = _as_number(answer), _as_number(str(ground_truth))
     if a is not None and b is not None:
         return float(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9))
-    return float(normalize_answer(answer) == normalize_answer(str(ground_truth)))
+    return exact_match(data_source, answer, ground_truth)

@@ -1,12 +1,4 @@
-"""One rollout step's outcome: its trajectories and statistics, or why it failed.
-
-Each rank counts its own requests, attempts and engine errors and sums its trajectories'
-rewards and lengths; :func:`reduce_step_stats` all-reduces those few scalars (one SUM and one MAX
-of float64s: the only thing collection exchanges between ranks) into :class:`RolloutStats`. A
-rank whose collection failed says so in the same reduction, so every rank raises instead of
-waiting for it. :class:`CollectedRollouts` is what a step returns; :class:`EnginesUnavailableError`
-what it raises when every engine is out.
-"""
+"""One rollout step's outcome: its trajectories and statistics (reduced over ranks), or why it failed."""
 
 from __future__ import annotations
 
@@ -20,37 +12,28 @@ import torch
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.wire.errors import RemoteGenerateError
 
-__all__ = [
-    "CollectedRollouts",
-    "EnginesUnavailableError",
-    "OtherRankFailedError",
-    "RolloutStats",
-    "StepCounters",
-    "outage",
-    "reduce_step_stats",
-]
+__all__ = ["CollectedRollouts", "EnginesUnavailableError", "OtherRankFailedError", "RolloutStats", "StepCounters",
+           "outage", "reduce_step_stats"]  # fmt: skip
 
 
 @dataclass
 class RolloutStats:
-    """One step's statistics over *all* ranks (sums all-reduced; ``engines_out`` and
-    ``rollout_s`` are the largest of any rank).
+    """One step's statistics over *all* ranks (sums; ``engines_out`` and ``rollout_s`` are the
+    largest of any rank).
 
-    ``attempts``: HTTP attempts, first tries and retries; ``engine_errors``: requests that
-    exhausted an engine's retries and went to another engine; ``engines_out``: engines taken out
-    of the step. Per turn ``k`` of the kept trajectories (index 0 = first turn):
-    ``turn_rewards[k]`` and ``turn_route_bytes[k]`` are the means over the trajectories that
-    reached it; ``turns`` is the mean number of turns; ``dropped_groups`` counts the GRPO groups
-    an environment's failing turn took out of the step.
+    ``attempts``: HTTP attempts, retries included; ``engine_errors``: requests that exhausted an
+    engine's retries and went to another engine; ``engines_out``: engines taken out of the step;
+    ``dropped_groups``: GRPO groups an environment's failing turn took out of the step. Per turn
+    ``k`` of the kept trajectories (index 0 = first turn), ``turn_rewards[k]`` and
+    ``turn_route_bytes[k]`` are means over the trajectories that reached it; ``turns`` is the mean
+    number of turns.
     """
 
-    step: int
     groups: int
     trajectories: int
     reward_mean: float
     reward_std: float  # unbiased, over every trajectory of the step
     response_length_mean: float
-    response_length_max: int
     requests: int
     attempts: int
     engine_errors: int
@@ -63,10 +46,8 @@ class RolloutStats:
 
     def as_dict(self) -> dict[str, float]:
         """Every field as a float, the per-turn ones as in :meth:`turn_metrics`."""
-        return {
-            **{k: float(v) for k, v in asdict(self).items() if not isinstance(v, tuple)},
-            **self.turn_metrics(),
-        }
+        scalars = {k: float(v) for k, v in asdict(self).items() if not isinstance(v, tuple)}
+        return {**scalars, **self.turn_metrics()}
 
     def turn_metrics(self) -> dict[str, float]:
         """``turns``, ``dropped_groups``, and ``turn_reward/turn_{k}`` and ``route_bytes/turn_{k}``
@@ -92,11 +73,8 @@ class CollectedRollouts:
 
 
 class EnginesUnavailableError(RemoteGenerateError):
-    """Every engine of the collector exhausted its retries within one step.
-
-    ``errors`` maps each engine's URL to the error that took it out; the message gives one
-    short clause per engine.
-    """
+    """Every engine of the collector exhausted its retries within one step; ``errors`` maps each
+    engine's URL to the error that took it out (one short clause each in the message)."""
 
     def __init__(self, step: int, errors: Mapping[str, BaseException]):
         detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
@@ -105,8 +83,8 @@ class EnginesUnavailableError(RemoteGenerateError):
 
 
 def outage(error: BaseException) -> str:
-    """A short clause for why an engine is out: ``HTTP 503 after 5 attempts``, ``connection
-    failed after 5 attempts``, ``timed out ...``, or the hung-engine message."""
+    """A short clause for why an engine is out: ``HTTP 503 after 5 attempt(s)``, ``connection
+    failed ...``, ``timed out ...``, or the hung-engine message."""
     last = getattr(error, "last_error", error)
     cause = last.__cause__
     if getattr(last, "status", None) is not None:
@@ -115,10 +93,8 @@ def outage(error: BaseException) -> str:
         what = "timed out"
     elif isinstance(cause, OSError):
         what = "connection failed"
-    elif cause is not None:
-        what = type(cause).__name__
     else:
-        what = str(last)
+        what = str(last) if cause is None else type(cause).__name__
     attempts = getattr(error, "attempts", None)
     return what if attempts is None else f"{what} after {attempts} attempt(s)"
 
@@ -157,66 +133,49 @@ def reduce_step_stats(
     """The step's statistics over every rank of ``group`` (one SUM and one MAX all-reduce of a
     few float64s when ``world_size > 1``). Raises :class:`OtherRankFailedError` when another
     rank reported ``failed`` and this one did not."""
-    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
-    lengths = [t.response_length for t in trajectories]
-    sums = torch.tensor(
-        [
-            len(trajectories),
-            float(rewards.sum()),
-            float((rewards * rewards).sum()),
-            sum(lengths),
-            counters.requests,
-            counters.attempts,
-            counters.engine_errors,
-            failed,
-            counters.dropped_groups,
-            *(value for turn in counters.turns for value in turn),
-        ],
-        dtype=torch.float64,
-    )
-    maxima = torch.tensor([counters.engines_out, seconds, max(lengths, default=0)], dtype=torch.float64)
+    c, rewards = counters, [t.reward for t in trajectories]
+    per_rank = [
+        len(rewards),
+        sum(rewards),
+        sum(r * r for r in rewards),
+        sum(t.response_length for t in trajectories),
+    ]
+    per_rank += [c.requests, c.attempts, c.engine_errors, failed, c.dropped_groups]
+    sums = torch.tensor(per_rank + [v for turn in c.turns for v in turn], dtype=torch.float64)
+    maxima = torch.tensor([c.engines_out, seconds], dtype=torch.float64)
     if world_size > 1:
         import torch.distributed as dist
 
-        device = _collective_device(group)
+        # NCCL reduces only GPU tensors
+        nccl = "nccl" in str(dist.get_backend(group)).lower()
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         sums, maxima = sums.to(device), maxima.to(device)
         dist.all_reduce(sums, dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxima, dist.ReduceOp.MAX, group=group)
-        sums, maxima = sums.cpu(), maxima.cpu()
-    count, reward_sum, reward_sq, length_sum, requests, attempts, engine_errors, failures, dropped, *turns = (
+    count, reward_sum, reward_sq, lengths, requests, attempts, errors, failures, dropped, *turns = (
         sums.tolist()
     )
-    reached = turns[0::3]  # per turn: trajectories that reached it, reward sum, route bytes sum
     if failures and not failed:
         raise OtherRankFailedError(
             f"rollout collection failed on {int(failures)} other rank(s) at step {step}; see their errors"
         )
+    engines_out, rollout_s = maxima.tolist()
     mean = reward_sum / count if count else 0.0
     var = (reward_sq - count * mean * mean) / (count - 1) if count > 1 else 0.0
+    reached = turns[0::3]  # per turn: trajectories that reached it, reward sum, route bytes sum
     return RolloutStats(
-        step=step,
         groups=num_groups,
         trajectories=int(count),
         reward_mean=mean,
         reward_std=math.sqrt(max(var, 0.0)),
-        response_length_mean=length_sum / count if count else 0.0,
-        response_length_max=int(maxima[2]),
+        response_length_mean=lengths / count if count else 0.0,
         requests=int(requests),
         attempts=int(attempts),
-        engine_errors=int(engine_errors),
-        engines_out=int(maxima[0]),
-        rollout_s=float(maxima[1]),
+        engine_errors=int(errors),
+        engines_out=int(engines_out),
+        rollout_s=rollout_s,
         dropped_groups=int(dropped),
         turns=sum(reached) / count if count else 0.0,
         turn_rewards=tuple(r / max(n, 1) for n, r in zip(reached, turns[1::3], strict=True)),
         turn_route_bytes=tuple(b / max(n, 1) for n, b in zip(reached, turns[2::3], strict=True)),
     )
-
-
-def _collective_device(group: Any) -> torch.device:
-    """Where a collective's tensor must live: the current GPU for NCCL, else the host."""
-    import torch.distributed as dist
-
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

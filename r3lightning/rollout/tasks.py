@@ -1,22 +1,15 @@
-"""A small verifiable task that a randomly initialised tiny model learns in a few RL steps.
+"""A task joined with its reward (:class:`ScoredTask`), and the token-class task.
 
-A prompt is a few random filler tokens followed by an *instruction* token naming a class
-``c`` in ``[0, num_classes)`` (token id ``first_token + c``); the class of token ``t`` is
-``t % num_classes``. The reward is the fraction of response tokens in class ``c``, so it is exact
-and cheap (no reward model). A uniform random policy scores ``1 / num_classes``, the optimum is
-1.0, and the answer depends on the prompt. The instruction sits right before the first response
-token, so a randomly initialised tiny model learns the rule in a few tens of GRPO steps.
-
-Your own task and reward replace these through the config (``task._target_``, ``reward._target_``):
-a task is anything with ``sample_prompts(num_prompts, generator) -> list[list[int]]``, a reward
-any callable ``reward(prompt_ids, response_ids) -> float``.
+Token class: a prompt is filler tokens then an *instruction* token ``first_token + c`` naming a
+class ``c``; the class of token ``t`` is ``t % num_classes`` and the reward the fraction of
+response tokens in class ``c``: exact, cheap, learnt by a tiny random model in tens of steps.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any
 
 import torch
 
@@ -30,12 +23,7 @@ from r3lightning.rollout.prompts import (
     score_value,
 )
 
-
-class PromptSource(Protocol):
-    """What the job asks of a task (``task._target_``): prompts for one RL step."""
-
-    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]: ...
-
+__all__ = ["Reward", "ScoredTask", "TokenClassReward", "TokenClassTask"]
 
 Reward = Callable[[Sequence[int], Sequence[int]], float]  # (prompt_ids, response_ids) -> reward
 
@@ -47,13 +35,11 @@ class ScoredTask:
     is scored by a verl-style ``compute_score`` on the decoded text (:class:`TextReward`: a scorer
     that raises scores 0); any other by ``reward(prompt_ids, response_ids)`` (an exception ends
     the run: it is the job's own code). Either way a scorer still running after ``timeout_s``
-    seconds scores 0 and counts in ``reward/timeouts`` (:class:`GuardedReward`).
+    seconds scores 0 and counts in ``reward/timeouts``.
     """
 
-    def __init__(self, prompts: PromptSource, reward: Reward, *, timeout_s: float | None = 60.0) -> None:
-        if not callable(getattr(prompts, "sample_prompts", None)) and not callable(
-            getattr(prompts, "prompts_for_step", None)
-        ):
+    def __init__(self, prompts: Any, reward: Reward, *, timeout_s: float | None = 60.0) -> None:
+        if not any(callable(getattr(prompts, name, None)) for name in ("sample_prompts", "prompts_for_step")):
             raise TypeError(
                 "task must have sample_prompts(num_prompts, generator) or prompts_for_step(step, "
                 f"num_prompts), got {type(prompts).__name__}"
@@ -63,18 +49,18 @@ class ScoredTask:
                 f"reward must be callable as reward(prompt_ids, response_ids) -> float, got "
                 f"{type(reward).__name__} (for a function that takes more keywords add _partial_: true)"
             )
-        self.prompts = prompts
-        self.score = reward
+        self.prompts, self.score = prompts, reward
         decode = getattr(prompts, "decode", None)
         if callable(decode):
             self.guarded: GuardedReward = TextReward(reward, decode, timeout_s=timeout_s)
         else:
+            name = callable_name(reward)
             self.guarded = GuardedReward(
-                lambda p, ids: self.reward(p.token_ids, ids),
-                timeout_s=timeout_s,
-                errors_score_zero=False,
-                name=callable_name(reward),
+                self._score_ids, timeout_s=timeout_s, errors_score_zero=False, name=name
             )
+
+    def _score_ids(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
+        return self.reward(prompt.token_ids, response_ids)
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         return self.prompts.sample_prompts(num_prompts, generator)
@@ -117,16 +103,11 @@ class ScoredTask:
 
 
 class TokenClassReward:
-    """Fraction of the expected ``response_length`` tokens in the prompt's target class.
-
-    Dividing by the expected length (not the actual one) means a response cut short cannot score
-    higher than a complete one.
-    """
+    """Fraction of the expected ``response_length`` tokens in the prompt's target class: a
+    response cut short cannot score higher than a complete one."""
 
     def __init__(self, num_classes: int = 2, first_token: int = 4, response_length: int = 4) -> None:
-        self.num_classes = num_classes
-        self.first_token = first_token
-        self.response_length = response_length
+        self.num_classes, self.first_token, self.response_length = num_classes, first_token, response_length
 
     def target_class(self, prompt_ids: Sequence[int]) -> int:
         """The class the prompt's final instruction token asks for."""
@@ -170,21 +151,16 @@ class TokenClassTask:
                 f"task.first_token must be in [0, vocab_size - 2 * num_classes) = "
                 f"[0, {vocab_size - 2 * num_classes}), got {first_token}"
             )
-        self.vocab_size = vocab_size
-        self.num_classes = num_classes
-        self.prompt_length = prompt_length
-        self.response_length = response_length
-        self.first_token = first_token
+        self.vocab_size, self.num_classes, self.prompt_length = vocab_size, num_classes, prompt_length
+        self.response_length, self.first_token = response_length, first_token
         self.reward = TokenClassReward(num_classes, first_token, response_length)
+        self.target_class = self.reward.target_class
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         """``num_prompts`` random prompts of ``prompt_length`` token ids (host tensors only)."""
-        filler_start = self.first_token + self.num_classes
+        shape = (num_prompts, self.prompt_length - 1)
         fillers = torch.randint(
-            filler_start, self.vocab_size, (num_prompts, self.prompt_length - 1), generator=generator
-        )  # [num_prompts, prompt_length - 1]
+            self.first_token + self.num_classes, self.vocab_size, shape, generator=generator
+        )
         classes = torch.randint(0, self.num_classes, (num_prompts, 1), generator=generator)
         return torch.cat([fillers, classes + self.first_token], dim=1).tolist()
-
-    def target_class(self, prompt_ids: Sequence[int]) -> int:
-        return self.reward.target_class(prompt_ids)

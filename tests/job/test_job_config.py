@@ -166,8 +166,8 @@ def test_help_shows_the_selected_groups_and_their_keys(capsys):
     assert "task (token_class):" not in text
     keys = [line.split("=")[0].strip() for line in _section(text, "task (prompts_file)")]
     assert keys == [
-        "task.path", "task.tokenizer", "task.prompt_key", "task.data_source_key", "task.ground_truth_key",
-        "task.extra_info_key", "task.max_prompt_length", "task.response_length", "task.overlong",
+        "task.path", "task.tokenizer", "task.columns.prompt", "task.columns.data_source",
+        "task.columns.ground_truth", "task.columns.extra_info", "task.max_prompt_length", "task.response_length", "task.overlong",
         "task.shuffle", "task.seed",
     ]  # fmt: skip
     assert not any(line.strip().startswith("task.num_classes") for line in text.splitlines())

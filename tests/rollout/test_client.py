@@ -285,7 +285,9 @@ async def test_prompt_validation_and_numpy_ids():
     async with FaultServer() as server, make_client(server) as client:
         check_result(await generate(client, prompt=[np.int64(t) for t in PROMPT]))
         for bad in ([], [1, -2], [1.0, 2], [True, 2]):
-            with pytest.raises(ValueError, match="prompt_token_ids: expected a non-empty sequence"):
+            with pytest.raises(
+                ValueError, match="prompt_token_ids must be a non-empty sequence of token ids >= 0"
+            ):
                 await client.generate(bad, {"max_tokens": 1})
         with pytest.raises(
             ValueError, match=r"routed_experts_prompt_start must be <= the prompt length 4, got 5"

@@ -56,10 +56,10 @@ async def test_collects_whole_groups_with_routes_rewards_and_distinct_seeds():
     assert not set(seeds_next) & set(seeds)
     stats = rollouts.stats
     rewards = [sum(p) % 3 for p in PROMPTS for _ in range(2)]
-    assert (stats.step, stats.groups, stats.trajectories) == (3, 4, 8)
+    assert (stats.groups, stats.trajectories) == (4, 8)
     assert stats.reward_mean == pytest.approx(np.mean(rewards))
     assert stats.reward_std == pytest.approx(np.std(rewards, ddof=1))
-    assert (stats.response_length_mean, stats.response_length_max) == (3.0, 3)
+    assert stats.response_length_mean == 3.0
     assert (stats.requests, stats.attempts, stats.engine_errors, stats.engines_out) == (8, 8, 0, 0)
     assert [t.response_ids.tolist() for t in again.trajectories] == [
         t.response_ids.tolist() for t in rollouts.trajectories

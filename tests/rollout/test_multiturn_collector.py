@@ -21,7 +21,7 @@ from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.rollout.collector import EnginesUnavailableError, RolloutCollector
 from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.rollout.environment import Environments, TextEnvironment, text_environment
-from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig
+from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, TextReward
 from r3lightning.wire.request import RouteSchema
 
 L, K, E, G = 3, 2, 16, 3
@@ -238,7 +238,7 @@ async def test_a_verl_dataset_and_its_compute_score_as_a_one_turn_environment(tm
     async with TurnEngine(**SCHEMA, vocab=len(tokenizer)) as engine:
         async with make(engine.url, env=factory, max_turns=1) as collector:
             env_path = await collector.collect_async(task.prompts_for_step(0, 3), step=0)
-        async with make(engine.url, reward=task.text_reward(compute_score)) as collector:
+        async with make(engine.url, reward=TextReward(compute_score, task.decode)) as collector:
             single = await collector.collect_async(task.prompts_for_step(0, 3), step=0)
     assert env_path.trajectories == single.trajectories
     responses = [

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from r3lightning.rollout.prompts_file import PromptsFileTask, read_rows
+from r3lightning.rollout.prompts_file import Columns, PromptsFileTask, read_rows
 from r3lightning.testing.tiny_tokenizer import CHARACTERS, build_tiny_tokenizer, save_tiny_checkpoint
 
 pa = pytest.importorskip("pyarrow")
@@ -92,10 +92,12 @@ def test_custom_columns_and_plain_string_prompts(tmp_path, tokenizer):
     prompts = PromptsFileTask(
         path,
         tokenizer,
-        prompt_key="question",
-        data_source_key="source",  # absent: empty data source
-        ground_truth_key="meta.answer",
-        extra_info_key=None,
+        columns=Columns(
+            prompt="question",
+            data_source="source",  # absent: empty data source
+            ground_truth="meta.answer",
+            extra_info=None,
+        ),
         shuffle=False,
     )
     first = prompts.prompts_for_step(0, 1)[0]
@@ -109,14 +111,14 @@ def test_missing_column_and_bad_files_name_what_is_wrong(tmp_path, tokenizer):
     with pytest.raises(ValueError) as info:
         PromptsFileTask(path, tokenizer)
     assert str(info.value) == (  # str(): no KeyError quotes around the message
-        "d.jsonl row 0: no column 'reward_model.ground_truth' for task.ground_truth_key (the row has: "
-        "prompt); name your file's columns with task.prompt_key, task.data_source_key and "
-        "task.ground_truth_key (dotted paths reach into nested columns)"
+        "d.jsonl row 0: no column 'reward_model.ground_truth' for task.columns.ground_truth (the row has: "
+        "prompt); name your file's columns with task.columns.prompt, task.columns.data_source and "
+        "task.columns.ground_truth (dotted paths reach into nested columns)"
     )
     with pytest.raises(
-        ValueError, match=r"^d.jsonl row 0: no column 'question' for task.prompt_key \(the row"
+        ValueError, match=r"^d.jsonl row 0: no column 'question' for task.columns.prompt \(the row"
     ):
-        PromptsFileTask(path, tokenizer, prompt_key="question")
+        PromptsFileTask(path, tokenizer, columns={"prompt": "question"})  # a mapping of Columns' fields
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2 is not a JSON object"):
