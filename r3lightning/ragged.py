@@ -148,7 +148,8 @@ def segment_ids_and_positions(lengths: Tensor) -> tuple[Tensor, Tensor]:
 def padded_flat_index(lengths: Tensor, width: int, side: str) -> Tensor:
     """Host int64 ``[sum(lengths)]``: each packed row's place in a flattened ``[B, width]`` grid,
     at the right end of its row for ``side="left"`` (left padding), at the start for ``"right"``.
-    The caller checks ``side`` and ``width >= max(lengths)``."""
+    The caller checks ``width >= max(lengths)``."""
+    check_side(side)
     segment, positions = segment_ids_and_positions(lengths)
     column = positions + (width - lengths[segment]) if side == "left" else positions
     return segment * width + column
