@@ -30,7 +30,7 @@ from pathlib import Path
 import _common
 import torch
 
-from r3lightning.data.collate import RolloutCollator
+from r3lightning.data.collate import PinnedBufferPool, RolloutCollator
 from r3lightning.data.cpus import usable_cpu_count
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.packed import PackedTensor
@@ -87,7 +87,7 @@ class Arms:
         self.executor = ThreadPoolExecutor(threads)
         self.fresh = RolloutCollator(num_threads=threads)
         self.pooled = RolloutCollator(
-            num_threads=threads, pin_memory=True, allocator=_plain_empty, pool_slots=1
+            num_threads=threads, pin_memory=PinnedBufferPool(1, allocator=_plain_empty)
         )
 
     def _chunks(self) -> list[range]:

@@ -1,7 +1,7 @@
-"""Route dtypes: routes live on the host and the wire in the smallest of uint8 / int16 / int32
-that holds the largest expert id, and are widened to what a router needs only at install time.
-The wire also carries uint16 (vLLM, over 256 experts), decoded to int16 (a free view below 32768)
-because torch's uint16 lacks most operations.
+"""Route dtypes and route layer ids: routes live on the host and the wire in the smallest of
+uint8 / int16 / int32 that holds the largest expert id, and are widened to what a router needs only
+at install time. The wire also carries uint16 (vLLM, over 256 experts), decoded to int16 (a free
+view below 32768) because torch's uint16 lacks most operations.
 """
 
 from __future__ import annotations
@@ -47,3 +47,14 @@ def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
 def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The dtype that holds routes of all ``dtypes`` (at least one): uint8 and int16 -> int16."""
     return functools.reduce(torch.promote_types, dtypes)
+
+
+def check_layers(name: str, layers: Iterable[int] | None) -> tuple[int, ...] | None:
+    """``layers`` as a tuple of absolute decoder-layer ids (sorted, unique, ``>= 0``, at least one)
+    or None (every layer); else ``ValueError`` naming ``name``."""
+    if layers is None:
+        return None
+    ids = tuple(layers) if isinstance(layers, Iterable) and not isinstance(layers, str | bytes) else ()
+    if not ids or any(type(i) is not int or i < 0 for i in ids) or list(ids) != sorted(set(ids)):
+        raise ValueError(f"{name} must be None or sorted, unique decoder-layer ids >= 0, got {layers!r}")
+    return ids

@@ -9,6 +9,8 @@ Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right e
     advantages, rewards [B] float32;  prompt_lengths, sequence_lengths [B] int64 (real tokens)
     routed_experts    PackedTensor [sum(captured), num_layers, top_k] | None; segment i = row i's
                       captured route rows from its first real token (uncaptured rows route natively)
+    route_layers      tuple[int, ...] | None: the absolute decoder layer of each route column
+                      (None: column j is layer j, every layer present)
 
 The batch behaves like one tensor (``to``, ``pin_memory``, indexing, ``split`` / ``chunk`` /
 ``select``, ``cat``, ``repeat`` / ``repeat_interleave``, pickling, ``pad_to_multiple``). A CPU copy
@@ -54,6 +56,7 @@ class RolloutBatch:
     prompt_lengths: Tensor  # [B] int64
     sequence_lengths: Tensor  # [B] int64
     routed_experts: PackedTensor | None = None  # [sum(captured), L, K], one segment per row
+    route_layers: tuple[int, ...] | None = None  # decoder layer of each of the L columns
     # CPU (sequence_lengths, prompt_lengths); filled lazily (one sync) when not given
     _host_lengths: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
     _lease: Any = field(default=None, init=False, repr=False)
@@ -121,6 +124,7 @@ class RolloutBatch:
         values = {name: token(name, getattr(self, name)) for name in TOKEN_FIELDS}
         values.update({name: row(name, getattr(self, name)) for name in ROW_FIELDS})
         values["routed_experts"] = None if self.routed_experts is None else routes(self.routed_experts)
+        values["route_layers"] = self.route_layers
         hosts = self._host_lengths if host is None else host
         out = object.__new__(RolloutBatch)
         out.__dict__.update(values, _host_lengths=hosts, _lease=None, _root=self._root, _rows=self._rows)
@@ -224,14 +228,16 @@ class RolloutBatch:
 
     @staticmethod
     def cat(batches: Sequence[RolloutBatch], *, pad_token_id: int = 0) -> RolloutBatch:
-        """Rows of all ``batches`` (same device; routes all present or all absent, same schema),
-        left-padded to the widest; new storage. Route dtypes widen to the widest part."""
+        """Rows of all ``batches`` (same device; routes all present or all absent, same schema and
+        ``route_layers``), left-padded to the widest; new storage. Route dtypes widen to the widest part."""
         batches = list(batches)
         if not batches:
             raise ValueError("RolloutBatch.cat needs at least one batch")
         has_routes = {b.routed_experts is not None for b in batches}
         if len(has_routes) != 1:
             raise ValueError("RolloutBatch.cat: either every batch has routed_experts or none does")
+        if len(layer_sets := {b.route_layers for b in batches}) != 1:
+            raise ValueError(f"RolloutBatch.cat: different route_layers {sorted(layer_sets, key=str)}")
         width = max(b.width for b in batches)
         values: dict[str, Any] = {}
         for name in TOKEN_FIELDS:
@@ -245,7 +251,7 @@ class RolloutBatch:
             values["routed_experts"] = PackedTensor.cat([r.to(dtype=dtype) for r in routes])  # type: ignore[union-attr]
         hosts = [b.lengths_host() for b in batches]
         host = (torch.cat([h[0] for h in hosts]), torch.cat([h[1] for h in hosts]))
-        return RolloutBatch(**values, _host_lengths=host)
+        return RolloutBatch(**values, route_layers=layer_sets.pop(), _host_lengths=host)
 
     def repeat(self, repeats: int) -> RolloutBatch:
         """The whole batch ``repeats`` times (``[a, b, a, b]``), new storage."""
@@ -292,9 +298,8 @@ class RolloutBatch:
                 )
             if num_experts is None:
                 raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
-        placeholders = padding_trajectories(
-            missing, pad_token_id=pad_token_id, route_schema=schema, num_experts=num_experts
-        )
+        placeholders = padding_trajectories(missing, pad_token_id=pad_token_id, route_schema=schema,
+                                            num_experts=num_experts, route_layers=self.route_layers)  # fmt: skip
         fields = collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
         padding = RolloutBatch(**fields)
         return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
@@ -345,15 +350,17 @@ class RolloutBatch:
         a, b = self.routed_experts, other.routed_experts
         if a is None or b is None:
             return a is b
-        return a.equal(b)
+        return self.route_layers == other.route_layers and a.equal(b)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Raw bytes through numpy: fast, and every dtype (bfloat16 included) survives the trip.
         tensors = {name: tensor_to_bytes(getattr(self, name)) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
-        return _rebuild, (tensors, self.routed_experts, self.lengths_host(), str(self.device))
+        routes, layers = self.routed_experts, self.route_layers
+        return _rebuild, (tensors, routes, self.lengths_host(), str(self.device), layers)
 
     def __repr__(self) -> str:
         routes = "None" if self.routed_experts is None else repr(self.routed_experts)
+        routes += "" if self.route_layers is None else f" on layers {list(self.route_layers)}"
         return f"RolloutBatch(B={len(self)}, S={self.width}, device={self.device}, routed_experts={routes})"
 
 
@@ -377,8 +384,10 @@ def _rebuild(
     routes: PackedTensor | None,
     host: tuple[Tensor, Tensor],
     device: str,
+    route_layers: tuple[int, ...] | None = None,
 ) -> RolloutBatch:
     values = {name: tensor_from_bytes(*spec) for name, spec in tensors.items()}
+    values["route_layers"] = route_layers
     batch = RolloutBatch(
         **values, routed_experts=None if routes is None else routes.to("cpu"), _host_lengths=host
     )

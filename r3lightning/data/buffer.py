@@ -10,7 +10,6 @@ first and mutates after: a rejected trajectory (or ``extend`` batch) leaves the 
 from __future__ import annotations
 
 import itertools
-import operator
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -18,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from r3lightning.align.layout import check_int
 from r3lightning.data.trajectory import Trajectory
-from r3lightning.routes import widest_route_dtype
+from r3lightning.routes import check_layers, widest_route_dtype
 
 __all__ = ["ReplayBuffer", "pack_trajectories", "unpack_trajectories"]
 
@@ -29,9 +29,16 @@ _STATE_VERSION = 1
 def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     """Trajectories -> a dict of a few flat tensors (``weights_only`` safe): token fields
     concatenated with per-trajectory lengths, routes in the widest dtype present with one row count
-    per trajectory (-1 = no routes) and each one's id sum (``route_sums``: a restore refuses rows
-    that moved to a neighbour). One copy of every field plus one pass over the routes."""
+    per trajectory (-1 = no routes), each one's id sum (``route_sums``: a restore refuses rows
+    that moved to a neighbour) and their one ``route_layers``. One copy of every field plus one
+    pass over the routes."""
     count = len(trajectories)
+    layer_sets = {t.route_layers for t in trajectories if t.routed_experts is not None}
+    if len(layer_sets) > 1:
+        raise ValueError(
+            f"trajectories to pack hold routes on different layers: {sorted(layer_sets, key=str)}"
+        )
+    (layers,) = layer_sets or {None}
     prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
     response_lengths = torch.tensor([t.response_length for t in trajectories], dtype=torch.int64)
     route_rows = torch.tensor(
@@ -69,6 +76,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         "route_rows": route_rows,
         "route_sums": route_sums,
         "routes": routes,
+        "route_layers": None if layers is None else list(layers),
     }
 
 
@@ -113,8 +121,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     count = packed["count"]
     if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
         count = count.item()
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"{where}: count must be an int >= 0, got {count!r}")
+    count = check_int(f"{where}: count", count, 0)
     prompt_lengths = _lengths(packed, "prompt_lengths", count, 1, where)
     response_lengths = _lengths(packed, "response_lengths", count, 0, where)
     route_rows = _lengths(packed, "route_rows", count, -1, where)
@@ -124,6 +131,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     rewards = _vector(packed, "rewards", count, where).tolist()
     advantages = _vector(packed, "advantages", count, where).tolist()
     sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
+    layers = packed.get("route_layers")  # absent from states of earlier releases: every layer
     kept_rows = [r for r in route_rows if r >= 0]
     routes_all = packed["routes"]
     if routes_all is None:
@@ -152,6 +160,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
                     reward=rewards[i],
                     advantage=advantages[i],
                     routed_experts=next(routes_iter) if route_rows[i] >= 0 else None,
+                    route_layers=layers if route_rows[i] >= 0 else None,
                 )
             )
         except (TypeError, ValueError) as err:
@@ -177,21 +186,30 @@ class ReplayBuffer:
             ``extend`` keeps its newest ``capacity``). ``None`` = unbounded.
         vocab_size: when given, token ids must be ``< vocab_size``.
         num_experts: when given, expert ids must be ``< num_experts``; also sizes placeholder routes.
+        layers: keep routes only on these absolute decoder layers (a pipeline stage's, a partial
+            model's): routes on every layer are cut to their columns on insert (one copy of them),
+            routes on another layer set are refused. ``None``: routes are kept as they come.
 
-    The first routes fix the schema ``(num_layers, top_k)`` until :meth:`clear`; other schemas are
-    rejected. Iteration yields the stored trajectories oldest first.
+    The first routes fix the schema ``(num_layers, top_k)`` and their ``route_layers`` until
+    :meth:`clear`; others are rejected. Iteration yields the stored trajectories oldest first.
     """
 
     def __init__(
-        self, capacity: int | None = None, *, vocab_size: int | None = None, num_experts: int | None = None
+        self,
+        capacity: int | None = None,
+        *,
+        vocab_size: int | None = None,
+        num_experts: int | None = None,
+        layers: Sequence[int] | None = None,
     ) -> None:
         for name, value in (("capacity", capacity), ("vocab_size", vocab_size), ("num_experts", num_experts)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"ReplayBuffer {name} must be a positive int or None, got {value!r}")
         self.capacity, self.vocab_size, self.num_experts = capacity, vocab_size, num_experts
+        self.layers = check_layers("ReplayBuffer layers", layers)
         self._items: deque[Trajectory] = deque()
         self._start = 0  # sequence number of the oldest stored trajectory
-        self._route_schema: tuple[int, int] | None = None
+        self._fixed: tuple[Any, Any] = (None, None)  # the stored routes' (num_layers, top_k), route_layers
 
     def __len__(self) -> int:
         return len(self._items)
@@ -215,7 +233,7 @@ class ReplayBuffer:
     @property
     def route_schema(self) -> tuple[int, int] | None:
         """``(num_layers, top_k)`` of the stored routes, ``None`` before any routes arrived."""
-        return self._route_schema
+        return self._fixed[0]
 
     def window(self, start: int, stop: int) -> tuple[Trajectory, ...]:
         """Trajectories with sequence numbers ``[start, stop)``; ``KeyError`` if any is gone."""
@@ -238,7 +256,7 @@ class ReplayBuffer:
         One pass over every new trajectory's ids and routes (range checks)."""
         batch = list(trajectories)
         where = "trajectory {i} of the batch" if len(batch) > 1 else "trajectory"
-        self._route_schema = self._validated(batch, self._route_schema, where)
+        batch, self._fixed = self._validated(batch, *self._fixed, where)
         self._items.extend(batch)
         overflow = 0 if self.capacity is None else max(len(self._items) - self.capacity, 0)
         for _ in range(overflow):
@@ -246,28 +264,34 @@ class ReplayBuffer:
         self._start += overflow
 
     def _validated(
-        self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, where: str
-    ) -> tuple[int, int] | None:
-        """Check ``batch`` against the bounds and one route schema (``schema``, else the first
-        routes' own); returns that schema. Changes nothing. ``where`` names a rejected item."""
-        for i, trajectory in enumerate(batch):
-            if not isinstance(trajectory, Trajectory):
+        self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, layers: Any, where: str
+    ) -> tuple[list[Trajectory], tuple[Any, Any]]:
+        """``batch`` on :attr:`layers`, checked against the bounds, one route schema and one layer
+        set (``schema`` / ``layers``, else the first routes'), with that schema and layer set.
+        Changes nothing. ``where`` names a rejected item."""
+        out = []
+        for i, t in enumerate(batch):
+            if not isinstance(t, Trajectory):
                 raise TypeError(
-                    f"ReplayBuffer takes Trajectory objects, got {type(trajectory).__name__} at position {i}"
+                    f"ReplayBuffer takes Trajectory objects, got {type(t).__name__} at position {i}"
                 )
             try:
-                trajectory.validate(
-                    vocab_size=self.vocab_size, num_experts=self.num_experts, route_schema=schema
-                )
+                t = t.on_layers(self.layers or layers)
+                t.validate(vocab_size=self.vocab_size, num_experts=self.num_experts, route_schema=schema)
+                if schema is not None and t.routed_experts is not None and t.route_layers != layers:
+                    raise ValueError(
+                        f"Trajectory.route_layers is {list(t.route_layers)}, expected routes on every layer"
+                    )
             except ValueError as err:
                 raise ValueError(f"{where.format(i=i)} rejected: {err}") from None
-            if schema is None:
-                schema = trajectory.route_schema
-        return schema
+            if schema is None and t.routed_experts is not None:
+                schema, layers = t.route_schema, t.route_layers
+            out.append(t)
+        return out, (schema, layers)
 
     def clear(self) -> None:
         """Drop every trajectory (their sequence numbers are not reused) and the route schema."""
-        self._start, self._route_schema = self.stop, None
+        self._start, self._fixed = self.stop, (None, None)
         self._items.clear()
 
     def state_dict(self) -> dict[str, Any]:
@@ -276,7 +300,8 @@ class ReplayBuffer:
         return {
             "version": _STATE_VERSION,
             "start": self._start,
-            "route_schema": None if self._route_schema is None else list(self._route_schema),
+            "route_schema": None if self._fixed[0] is None else list(self._fixed[0]),
+            "route_layers": None if self._fixed[1] is None else list(self._fixed[1]),
             "trajectories": pack_trajectories(tuple(self._items)),
         }
 
@@ -288,12 +313,7 @@ class ReplayBuffer:
         _missing(state, ("version", "start", "route_schema", "trajectories"), where)
         if state["version"] != _STATE_VERSION:
             raise ValueError(f"{where} version {state['version']!r} is not {_STATE_VERSION}")
-        try:
-            start = None if isinstance(state["start"], bool) else operator.index(state["start"])
-        except TypeError:
-            start = None
-        if start is None or start < 0:
-            raise ValueError(f"{where} start must be an int >= 0, got {state['start']!r}")
+        start = check_int(f"{where} start", state["start"], 0)
         saved = state["route_schema"]
         if saved is not None:
             if (
@@ -303,17 +323,22 @@ class ReplayBuffer:
             ):
                 raise ValueError(f"{where} route_schema must be None or [num_layers, top_k] >= 1, got {saved!r}")  # fmt: skip
             saved = tuple(saved)
+        layers = check_layers(f"{where} route_layers", state.get("route_layers"))  # absent in older states
+        if saved is not None and self.layers not in (None, layers):  # routes on every layer: cut
+            if layers is not None:
+                raise ValueError(f"{where} route_layers is {list(layers)}, expected {list(self.layers)}")
+            saved, layers = (len(self.layers), saved[1]), self.layers
         items = unpack_trajectories(state["trajectories"], where=f"{where} trajectories")
         if self.capacity is not None and len(items) > self.capacity:
             raise ValueError(
                 f"{where} holds {len(items)} trajectories, more than this buffer's capacity "
                 f"{self.capacity}; loading it would lose samples"
             )
-        schema = self._validated(items, saved, where + ": trajectory {i}")
-        self._items, self._start, self._route_schema = deque(items), start, schema
+        items, fixed = self._validated(items, saved, layers, where + ": trajectory {i}")
+        self._items, self._start, self._fixed = deque(items), start, fixed
 
     def __repr__(self) -> str:
         return (
             f"ReplayBuffer(len={len(self)}, capacity={self.capacity}, range=[{self._start}, {self.stop}), "
-            f"route_schema={self._route_schema})"
+            f"route_schema={self._fixed[0]}, route_layers={self._fixed[1]})"
         )

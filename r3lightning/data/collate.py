@@ -31,6 +31,7 @@ from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.cpus import collate_pool_size
 from r3lightning.data.fill import Allocator, Buffers, collate_fields, pinned_empty, plain_empty
 from r3lightning.data.trajectory import Trajectory, padding_trajectories
+from r3lightning.routes import check_layers
 
 __all__ = ["PinnedBufferPool", "RolloutCollator", "collate_trajectories", "pinned_empty"]
 
@@ -126,15 +127,19 @@ class RolloutCollator:
         pad_token_id: id written at padding positions of ``input_ids``.
         width_multiple: round the padded width ``S`` up to a multiple of this.
         num_experts: expert count for placeholder routes of ``None`` entries (see below).
-        pin_memory: carve outputs out of a :class:`PinnedBufferPool` (for GPU training).
-        pool_slots, recycle_after, allocator: the pool's settings.
+        pin_memory: carve outputs out of a :class:`PinnedBufferPool` (for GPU training): ``True``
+            for a default one, or the pool itself (its slots, allocator, recycling).
+        layers: keep routes only on these decoder layers
+            (:meth:`~r3lightning.data.trajectory.Trajectory.on_layers`: routes on every layer are
+            cut, others refused naming the trajectory); ``None``: as they come.
 
     ``None`` entries (shards evened out) become placeholders
     (:func:`~r3lightning.data.trajectory.padding_trajectories`), with a dummy route row when the
     batch has routes and ``num_experts`` is known.
 
     Cost: one host pass over the trajectories to plan, then ``O(B * S + route bytes)`` copies
-    spread over the threads. No device work.
+    spread over the threads (routes on every layer cut to ``layers`` cost one more copy of the
+    kept columns). No device work.
     """
 
     def __init__(
@@ -144,23 +149,18 @@ class RolloutCollator:
         pad_token_id: int = 0,
         width_multiple: int = 1,
         num_experts: int | None = None,
-        pin_memory: bool = False,
-        pool_slots: int = 2,
-        recycle_after: int | None = None,
-        allocator: Allocator | None = None,
+        pin_memory: bool | PinnedBufferPool = False,
+        layers: Sequence[int] | None = None,
     ) -> None:
-        if num_threads is not None and (
-            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
-        ):
-            raise ValueError(f"num_threads must be >= 1 or None, got {num_threads!r}")
+        if num_threads is not None:
+            check_int("num_threads", num_threads)
         check_int("width_multiple", width_multiple)
         check_int("pad_token_id", pad_token_id, 0)
         self.num_threads = collate_pool_size() if num_threads is None else num_threads
         self.pad_token_id, self.width_multiple = pad_token_id, width_multiple
-        self.num_experts, self.pin_memory = num_experts, pin_memory
-        self.pool = None
-        if pin_memory:
-            self.pool = PinnedBufferPool(pool_slots, allocator=allocator, recycle_after=recycle_after)
+        self.num_experts, self.pin_memory = num_experts, bool(pin_memory)
+        self.layers = check_layers("layers", layers)
+        self.pool = PinnedBufferPool() if pin_memory is True else pin_memory or None
         self._executor: ThreadPoolExecutor | None = None
         self._executor_lock = threading.Lock()
         self._executor_users: dict[ThreadPoolExecutor, int] = {}  # collations running on each pool
@@ -189,13 +189,15 @@ class RolloutCollator:
             executor.shutdown(wait=False)  # its tasks are done: the collation waited for them
 
     def __call__(self, trajectories: Sequence[Trajectory | None]) -> RolloutBatch:
-        items = list(trajectories)
+        where = "trajectory {} of the batch".format
+        items = [t if t is None else t.on_layers(self.layers, where(i)) for i, t in enumerate(trajectories)]
         missing = [i for i, t in enumerate(items) if t is None]
         if missing:
-            schemas = {t.route_schema for t in items if t is not None and t.routed_experts is not None}
-            schema = next(iter(schemas)) if len(schemas) == 1 else None
-            fillers = iter(padding_trajectories(len(missing), pad_token_id=self.pad_token_id,
-                                                route_schema=schema, num_experts=self.num_experts))  # fmt: skip
+            routed = [t for t in items if t is not None and t.routed_experts is not None]
+            schemas = {(t.route_schema, t.route_layers) for t in routed}
+            schema, layers = next(iter(schemas)) if len(schemas) == 1 else (None, None)
+            fillers = iter(padding_trajectories(len(missing), pad_token_id=self.pad_token_id, route_schema=schema,
+                                                num_experts=self.num_experts, route_layers=layers))  # fmt: skip
             items = [next(fillers) if t is None else t for t in items]
         buffers, lease = (Buffers(plain_empty), None) if self.pool is None else self.pool.acquire()
         executor = self._enter_executor()

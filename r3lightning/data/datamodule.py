@@ -10,13 +10,18 @@ crash) is *continued* by the next iteration or ``train_dataloader`` while its tr
 still in the buffer, else a fresh epoch starts. An epoch nothing was drawn from takes the buffer's
 contents when its loader starts iterating (rows added in ``on_train_start`` are in it).
 
-Evaluation (``eval_buffer=``): ``val_dataloader`` / ``test_dataloader`` / ``predict_dataloader``
+Evaluation (``DataOptions(eval_buffer=)``): ``val_dataloader`` / ``test_dataloader`` / ``predict_dataloader``
 read the whole eval buffer in order, sharded per rank; they never move the training position.
 
 Sharding: rank ``r`` takes every ``world``-th index of the epoch's permutation (world and rank
 from the Trainer's strategy or ``torch.distributed``) and collates only its own batches. Shards
 are disjoint; with ``drop_last=False`` they are evened out with zero-loss placeholders, never
-repeated samples. ``shard=False``: each rank reads its buffer whole (per-rank collection).
+repeated samples. ``DataOptions(shard=False)``: each rank reads its buffer whole (per-rank collection).
+
+Routes of a rank that holds some decoder layers (``DataOptions(layers=...)``, e.g. a pipeline
+stage's ``backend.moe_layers``): batches carry only those columns and their ids
+(``RolloutBatch.route_layers``), so host-to-device route bytes are ``layers held / num_layers``
+of the full routes'.
 
 Resuming: a batch is consumed when ``transfer_batch_to_device`` moves it for a training step
 (not for validation, test, predict, the sanity check, nor a prefetch; a hand-iterated loader
@@ -28,7 +33,8 @@ mid-epoch checkpoint yields exactly the batches an uninterrupted run would have.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -47,10 +53,45 @@ from r3lightning.data.position import Plan as _Plan
 from r3lightning.data.position import PositionedLoader, restore_position
 from r3lightning.data.position import Snapshot as _Snapshot
 from r3lightning.data.trajectory import Trajectory
+from r3lightning.routes import check_layers
 
-__all__ = ["R3DataModule"]
+__all__ = ["DataOptions", "R3DataModule"]
 
 _STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """The less common settings of an :class:`R3DataModule` (the data config's ``options``).
+
+    Args:
+        pad_token_id: id at ``input_ids`` padding positions and in placeholders.
+        width_multiple: round each batch's padded width up to a multiple of this.
+        shard: split the buffers among data-parallel ranks; ``False`` when each rank's buffers
+            hold only its own trajectories (per-rank rollout collection).
+        layers: the absolute decoder layers this rank's model holds (e.g. ``backend.moe_layers``
+            of its pipeline stage); batches keep only their route columns
+            (:class:`~r3lightning.data.collate.RolloutCollator`). ``None``: routes as they come.
+        eval_buffer: trajectories for the val / test / predict loaders (whole, in order, sharded
+            like training); ``None`` = those loaders are not defined.
+    """
+
+    pad_token_id: int = 0
+    width_multiple: int = 1
+    shard: bool = True
+    layers: Sequence[int] | None = None
+    eval_buffer: ReplayBuffer | None = None
+
+    def __post_init__(self) -> None:
+        check_int("width_multiple", self.width_multiple)
+        check_int("pad_token_id", self.pad_token_id, 0)
+        if not isinstance(self.shard, bool):
+            raise ValueError(f"shard must be a bool, got {self.shard!r}")
+        object.__setattr__(self, "layers", check_layers("layers", self.layers))
+        if self.eval_buffer is not None and not isinstance(self.eval_buffer, ReplayBuffer):
+            raise TypeError(
+                f"eval_buffer must be a ReplayBuffer or None, got {type(self.eval_buffer).__name__}"
+            )
 
 
 class R3DataModule(pl.LightningDataModule):
@@ -68,12 +109,7 @@ class R3DataModule(pl.LightningDataModule):
             forcing ``True`` only costs pool misses.
         drop_last: drop each rank's last incomplete batch (and the tail that does not divide
             among ranks) instead of evening shards out with placeholders.
-        shard: split the buffers among data-parallel ranks; ``False`` when each rank's buffers
-            hold only its own trajectories (per-rank rollout collection).
-        pad_token_id: id at ``input_ids`` padding positions and in placeholders.
-        width_multiple: round each batch's padded width up to a multiple of this.
-        eval_buffer: trajectories for the val / test / predict loaders (whole, in order, sharded
-            like training); ``None`` = those loaders are not defined.
+        options: :class:`DataOptions` (padding, sharding, route layers, evaluation data).
 
     The settings other than the buffers are saved as ``hparams`` (and in checkpoints).
     """
@@ -88,41 +124,33 @@ class R3DataModule(pl.LightningDataModule):
         collate_threads: int | None = None,
         pin_memory: bool | None = None,
         drop_last: bool = False,
-        pad_token_id: int = 0,
-        width_multiple: int = 1,
-        eval_buffer: ReplayBuffer | None = None,
-        shard: bool = True,
+        options: DataOptions | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(buffer, ReplayBuffer):
             raise TypeError(f"buffer must be a ReplayBuffer, got {type(buffer).__name__}")
-        if eval_buffer is not None and not isinstance(eval_buffer, ReplayBuffer):
-            raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(eval_buffer).__name__}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(options := options or DataOptions(), DataOptions):
+            raise TypeError(f"options must be a DataOptions or None, got {type(options).__name__}")
+        check_int("batch_size", batch_size)
         # checked here, not at the first train_dataloader, so a bad config fails at construction
         if collate_threads is not None:
             check_int("collate_threads", collate_threads)
-        check_int("width_multiple", width_multiple)
-        check_int("pad_token_id", pad_token_id, 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        flags = {"shuffle": shuffle, "drop_last": drop_last, "pin_memory": pin_memory, "shard": shard}
-        for name, flag in flags.items():
+        for name, flag in {"shuffle": shuffle, "drop_last": drop_last, "pin_memory": pin_memory}.items():
             if not isinstance(flag, bool) and not (name == "pin_memory" and flag is None):
-                expected = "a bool or None" if name == "pin_memory" else "a bool"
-                raise ValueError(f"{name} must be {expected}, got {flag!r}")
-        self.save_hyperparameters(ignore=["buffer", "eval_buffer"])
-        self.buffer, self.eval_buffer, self.batch_size = buffer, eval_buffer, batch_size
-        self.shuffle, self.seed, self.drop_last, self.shard = shuffle, seed, drop_last, shard
-        self.collate_threads, self.pin_memory = collate_threads, pin_memory
-        self.pad_token_id, self.width_multiple = pad_token_id, width_multiple
+                raise ValueError(f"{name} must be a bool{' or None' * (name == 'pin_memory')}, got {flag!r}")
+        self.save_hyperparameters(ignore=["buffer", "options"])
+        self.save_hyperparameters({k: v for k, v in vars(options).items() if k != "eval_buffer"})
+        self.buffer, self.eval_buffer, self.batch_size = buffer, options.eval_buffer, batch_size
+        self.shuffle, self.seed, self.drop_last, self.options = shuffle, seed, drop_last, options
+        self.collate_threads, self.pin_memory, self.shard = collate_threads, pin_memory, options.shard
         self._cursor = _Cursor()
         self._plan: _Plan | None = None  # the plan of the epoch in progress
         self._snapshot: tuple[Trajectory, ...] | None = None
         self._snapshot_restored = False  # snapshot came with a checkpoint, not from the buffer
         self._collator: RolloutCollator | None = None
-        if eval_buffer is not None:
+        if self.eval_buffer is not None:
             # only with evaluation data, so Lightning sees (and warns about) no validation loop
             self.val_dataloader = self.test_dataloader = self.predict_dataloader = self._eval_dataloader  # type: ignore[method-assign]
 
@@ -159,13 +187,10 @@ class R3DataModule(pl.LightningDataModule):
         if self._collator is None or self._collator.pin_memory != pin:
             if self._collator is not None:
                 self._collator.close()
-            self._collator = RolloutCollator(
-                num_threads=self.collate_threads,
-                pad_token_id=self.pad_token_id,
-                width_multiple=self.width_multiple,
-                num_experts=self.buffer.num_experts,
-                pin_memory=pin,
-            )
+            o = self.options
+            self._collator = RolloutCollator(num_threads=self.collate_threads, num_experts=self.buffer.num_experts,
+                                             pin_memory=pin, layers=o.layers, pad_token_id=o.pad_token_id,
+                                             width_multiple=o.width_multiple)  # fmt: skip
         return self._collator
 
     def train_dataloader(self) -> DataLoader:

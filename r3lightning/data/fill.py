@@ -110,7 +110,8 @@ def collate_fields(
     tasks: int = 1,
 ) -> dict[str, Any]:
     """One batch's ``RolloutBatch`` keyword arguments, in tensors from ``buffers``, rows filled by
-    ``tasks`` tasks on ``executor`` (serially without one). ``ValueError`` when route schemas differ.
+    ``tasks`` tasks on ``executor`` (serially without one). ``ValueError`` when route schemas or
+    ``route_layers`` differ.
     Cost: one host pass to plan, then ``O(B * S + route bytes)`` copies; no device work."""
     count = len(trajectories)
     prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
@@ -119,9 +120,11 @@ def collate_fields(
     width = -(-width // width_multiple) * width_multiple
 
     schemas = {t.route_schema for t in trajectories if t.routed_experts is not None}
-    if len(schemas) > 1:
+    layer_sets = {t.route_layers for t in trajectories if t.routed_experts is not None}
+    if len(schemas) > 1 or len(layer_sets) > 1:
         raise ValueError(
-            f"trajectories in one batch have different route schemas (num_layers, top_k): {sorted(schemas)}"
+            f"trajectories in one batch have different route schemas (num_layers, top_k) or route_layers: "
+            f"{sorted(schemas)}, {sorted(layer_sets, key=str)}"
         )
     token_dtypes = {"input_ids": torch.int64, "attention_mask": torch.bool}
     out = {n: buffers.take(n, (count, width), token_dtypes.get(n, torch.float32)) for n in TOKEN_FIELDS}
@@ -158,7 +161,8 @@ def collate_fields(
         for future in futures:
             future.result()  # re-raises a worker's exception here
 
-    routed = None
+    routed, (layers,) = None, layer_sets or {None}
     if cu_host is not None:
         routed = PackedTensor(out.pop("routes"), cu_host, cu_seqlens_host=cu_host)
-    return {**out, **fields, "routed_experts": routed, "_host_lengths": (sequence_lengths, prompt_lengths)}
+    hosts = (sequence_lengths, prompt_lengths)
+    return {**out, **fields, "routed_experts": routed, "route_layers": layers, "_host_lengths": hosts}

@@ -3,7 +3,8 @@
 ``n = len(prompt_ids) + len(response_ids)`` real tokens; per response token a loss mask (1 = loss
 target) and the engine's sampling logprob. ``routed_experts`` ``[captured, num_layers, top_k]``,
 ``captured <= n``: row ``t`` = the experts token ``t`` used as an input (engines usually return
-``n - 1`` rows; later rows route natively). Normalised once, at construction, to CPU tensors the
+``n - 1`` rows; later rows route natively); column ``j`` is decoder layer ``route_layers[j]`` (None:
+layer ``j``, every layer present). Normalised once, at construction, to CPU tensors the
 trajectory owns: ids int64, masks and logprobs float32, routes in the compact dtype of their largest
 id, after :func:`~r3lightning.wire.route_check.check_routes` (about 10 ms for 32k x 48 x 8 ids).
 Checks against a model run in :meth:`Trajectory.validate`, which the replay buffer calls on insert.
@@ -11,6 +12,7 @@ Checks against a model run in :meth:`Trajectory.validate`, which the replay buff
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.routes import compact_route_dtype
+from r3lightning.routes import check_layers, compact_route_dtype
 from r3lightning.wire.route_check import check_routes
 
 __all__ = ["Trajectory", "padding_trajectories"]
@@ -94,7 +96,7 @@ def _scalar(name: str, value: Any) -> float:
     return out
 
 
-def _routes(data: Any, num_tokens: int) -> Tensor:
+def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tensor:
     """``data`` through the route check (shape, at most one row per token, ids in int32 range,
     distinct experts per row), in the compact dtype of its largest id."""
     routes = _as_host_tensor("routed_experts", data)
@@ -102,9 +104,11 @@ def _routes(data: Any, num_tokens: int) -> Tensor:
         raise TypeError(f"Trajectory.routed_experts must hold integer expert ids, got dtype {routes.dtype}")
     high = check_routes(
         routes.numpy(),
+        num_layers=None if layers is None else len(layers),  # route_layers names every column
         rows=range(num_tokens + 1),
         rows_rule=f"at most one per token, {num_tokens} (len(prompt_ids) + len(response_ids))",
-        where="Trajectory.routed_experts",
+        where="Trajectory.routed_experts" + ("" if layers is None else f" on route_layers {list(layers)}"),
+        layers=layers,
     )
     return routes.to(compact_route_dtype(high)).contiguous()
 
@@ -122,12 +126,14 @@ class Trajectory:
         advantage: scalar advantage; default ``reward`` (GRPO passes the group-normalised value).
         routed_experts: ``[captured, L, K]`` uint8 / int16 / int32 captured route rows,
             ``captured <= n``, or ``None`` (native routing for every token).
+        route_layers: the absolute decoder-layer id of each of the ``L`` route columns (sorted),
+            for routes kept only on some layers; ``None``: column ``j`` is layer ``j``.
 
     Raises ``TypeError`` / ``ValueError`` naming the field and the expected value.
     """
 
     __slots__ = ("advantage", "loss_mask", "prompt_ids", "response_ids", "reward", "rollout_logprobs",
-                 "routed_experts")  # fmt: skip
+                 "route_layers", "routed_experts")  # fmt: skip
 
     def __init__(
         self,
@@ -139,6 +145,7 @@ class Trajectory:
         reward: float = 0.0,
         advantage: float | None = None,
         routed_experts: Tensor | np.ndarray | None = None,
+        route_layers: Sequence[int] | None = None,
     ) -> None:
         self.prompt_ids = _token_ids("prompt_ids", prompt_ids)
         if self.prompt_ids.numel() == 0:
@@ -157,7 +164,12 @@ class Trajectory:
         )
         self.reward = _scalar("reward", reward)
         self.advantage = self.reward if advantage is None else _scalar("advantage", advantage)
-        self.routed_experts = None if routed_experts is None else _routes(routed_experts, self.num_tokens)
+        self.route_layers = layers = check_layers("Trajectory.route_layers", route_layers)
+        if layers is not None and routed_experts is None:
+            raise ValueError(f"Trajectory.route_layers {list(layers)} given without routed_experts")
+        self.routed_experts = (
+            None if routed_experts is None else _routes(routed_experts, self.num_tokens, layers)
+        )
 
     @property
     def prompt_length(self) -> int:
@@ -183,6 +195,24 @@ class Trajectory:
         if self.routed_experts is None:
             return None
         return (self.routed_experts.shape[1], self.routed_experts.shape[2])
+
+    def on_layers(self, layers: tuple[int, ...] | None, where: str = "Trajectory") -> Trajectory:
+        """This trajectory with routes on decoder layers ``layers`` only (None: as it is): itself
+        when they are there already (or it has no routes), else a copy whose routes are those
+        columns of its routes on every layer (one copy of them). ``ValueError`` naming ``where``
+        for routes on another layer set or without one of ``layers``."""
+        routes, have = self.routed_experts, self.route_layers
+        if layers is None or routes is None or have == layers:
+            return self
+        if have is not None or layers[-1] >= routes.shape[1]:
+            held = f"routes on all {routes.shape[1]} layers" if have is None else f"route_layers {list(have)}"
+            raise ValueError(
+                f"{where}: {held}, expected route_layers {list(layers)} or routes on every layer"
+            )
+        out = copy.copy(self)
+        out.routed_experts = routes.index_select(1, torch.tensor(layers))  # [captured, len(layers), K]
+        out.route_layers = layers
+        return out
 
     def validate(
         self,
@@ -227,7 +257,7 @@ class Trajectory:
         a, b = self.routed_experts, other.routed_experts
         if a is None or b is None:
             return a is b
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return a.dtype == b.dtype and self.route_layers == other.route_layers and torch.equal(a, b)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Trajectory):
@@ -239,6 +269,7 @@ class Trajectory:
     def __repr__(self) -> str:
         r = self.routed_experts
         routes = "None" if r is None else f"{tuple(r.shape)} {r.dtype}"
+        routes += "" if self.route_layers is None else f" on layers {list(self.route_layers)}"
         return (
             f"Trajectory(prompt={self.prompt_length}, response={self.response_length}, "
             f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes})"
@@ -254,12 +285,14 @@ class Trajectory:
         reward: float,
         advantage: float,
         routed_experts: Tensor | None,
+        route_layers: tuple[int, ...] | None = None,
     ) -> Trajectory:
-        """Build from fields already normalised by this class (checkpoint restore): no checks."""
+        """Build from fields already normalised by this class (placeholders): no checks."""
         out = cls.__new__(cls)
         out.prompt_ids, out.response_ids = prompt_ids, response_ids
         out.loss_mask, out.rollout_logprobs = loss_mask, rollout_logprobs
-        out.reward, out.advantage, out.routed_experts = reward, advantage, routed_experts
+        out.reward, out.advantage = reward, advantage
+        out.routed_experts, out.route_layers = routed_experts, route_layers
         return out
 
 
@@ -269,11 +302,12 @@ def padding_trajectories(
     pad_token_id: int = 0,
     route_schema: tuple[int, int] | None = None,
     num_experts: int | None = None,
+    route_layers: tuple[int, ...] | None = None,
 ) -> list[Trajectory]:
     """``count`` placeholders that add work but no loss: one ``pad_token_id`` prompt token, empty
     response, reward and advantage 0. With ``route_schema`` and ``num_experts`` each gets one
     :func:`~r3lightning.align.dummy.dummy_routes` row (consecutive rows, spreading over all
-    experts); with a schema but no ``num_experts``, zero rows (routed natively)."""
+    experts) on ``route_layers``; with a schema but no ``num_experts``, zero rows (routed natively)."""
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
     routes: list[Tensor | None]
@@ -287,4 +321,5 @@ def padding_trajectories(
     prompt = torch.tensor([pad_token_id], dtype=torch.int64)
     nothing_i = torch.empty(0, dtype=torch.int64)
     nothing_f = torch.empty(0, dtype=torch.float32)
-    return [Trajectory._trusted(prompt, nothing_i, nothing_f, nothing_f, 0.0, 0.0, r) for r in routes]
+    fields = (prompt, nothing_i, nothing_f, nothing_f, 0.0, 0.0)
+    return [Trajectory._trusted(*fields, r, route_layers) for r in routes]

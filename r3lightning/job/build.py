@@ -1,23 +1,19 @@
 """From config nodes to objects, every failure a one-line :class:`JobError` naming the config key:
-``_target_`` nodes (:func:`instantiate_node`; a missing module, attribute or package is named),
-settings dataclasses (:func:`dataclass_from`), and the pieces of a run the job builds itself.
-
-The job passes on: the replay backend named by the replay callback's ``backend`` (``hf`` /
-``megatron``) with ``mode`` = ``replay.mode``; the model (on the meta device when
-``model.sharded_weights`` is set: the module then loads each FSDP2 rank's shards); and the
-``Trainer``'s ``max_epochs`` (= ``steps``), ``reload_dataloaders_every_n_epochs=1`` and
-``callbacks``. Any other ``trainer.*`` key goes to ``Trainer`` as it is, over the job's
-``logger`` (the ``loggers`` list), ``gradient_clip_val`` (``algorithm.optim.grad_clip``),
-``default_root_dir``, ``num_sanity_val_steps=0`` and ``enable_model_summary=false``."""
+``_target_`` nodes (:func:`instantiate_node`), settings dataclasses (:func:`dataclass_from`), and
+the pieces of a run the job builds itself: the model (on the meta device with
+``model.sharded_weights``), the replay backend the replay callback's ``backend`` names, the task,
+the callbacks and the ``Trainer`` (``max_epochs`` = ``steps``, ``reload_dataloaders_every_n_epochs=1``;
+any other ``trainer.*`` key goes to it as it is, over the job's defaults)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.common import JobError
 
-__all__ = ["JobError", "dataclass_from", "instantiate_node", "locate", "plain", "tensorboard_if_installed"]
+__all__ = ["JobError", "dataclass_from", "instantiate_node", "plain", "tensorboard_if_installed"]
 
 MEGATRON_HINT = 'pip install "r3lightning[megatron]"'
 
@@ -67,9 +63,13 @@ def import_problem(exc: BaseException) -> str:
     return one_line(exc) if missing is None else f"no module named {missing!r} (is its package installed?)"
 
 
-def locate(key: str, target: Any) -> Any:
-    """The object ``target`` (``"module.attr"``) names; a :class:`JobError` naming ``key`` and
-    what is missing (the module, the attribute, or a package it needs) otherwise."""
+def target_of(node: Any, key: str) -> Any:
+    """The object ``node._target_`` names; a :class:`JobError` naming ``key`` when ``node`` has no
+    ``_target_`` or it cannot be imported (the module, the attribute, or a package it needs)."""
+    values = plain(node)
+    if not isinstance(values, Mapping) or "_target_" not in values:
+        raise JobError(f"{key} must be a mapping with a _target_, got {values!r}")
+    target = values["_target_"]
     if not isinstance(target, str) or not target:
         raise JobError(f"{key}._target_ must be an importable 'module.attribute' string, got {target!r}")
     try:
@@ -78,19 +78,9 @@ def locate(key: str, target: Any) -> Any:
         raise JobError(f"{key}._target_: cannot import {target!r}: {import_problem(exc)}") from None
 
 
-def target_of(node: Any, key: str) -> Any:
-    """The object ``node._target_`` names; a :class:`JobError` naming ``key`` when ``node`` is no
-    mapping with a ``_target_`` or the target cannot be imported."""
-    values = plain(node)
-    if not isinstance(values, Mapping) or "_target_" not in values:
-        raise JobError(f"{key} must be a mapping with a _target_, got {values!r}")
-    return locate(key, values["_target_"])
-
-
 def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
-    """``hydra.utils.instantiate(node, **job_kwargs)``; every failure a :class:`JobError` naming
-    ``key``. ``job_kwargs`` (what the job passes itself) win over the node's keys; nested
-    ``_target_`` nodes are instantiated too."""
+    """``hydra.utils.instantiate(node, **job_kwargs)`` (nested ``_target_`` nodes too; the job's
+    keywords win over the node's); every failure a :class:`JobError` naming ``key``."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
@@ -106,80 +96,69 @@ def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
 
 # ---------------------------------------------------------------------------- typed settings
 
-
-def _type_name(tp: Any) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
-        tp, getattr(tp, "__name__", str(tp))
-    )
+_SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("an integer", lambda v: type(v) is int),
+    float: ("a number", lambda v: type(v) in (int, float)),
+    str: ("a string", lambda v: isinstance(v, str)),
+}
 
 
 def _check_value(key: str, value: Any, tp: Any) -> Any:
-    """``value`` converted to ``tp`` (int -> float, list -> tuple), or a JobError naming ``key``."""
+    """``value`` as ``tp`` (int -> float, list -> tuple, mapping -> dataclass), else a JobError
+    naming ``key``."""
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested settings group
         if not isinstance(value, Mapping):
             fields = [f.name for f in dataclasses.fields(tp)]
             raise JobError(f"{key} must be a mapping with keys among {fields}, got {value!r}")
         return dataclass_from(tp, value, key)
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(tp)
-        if value is None and type(None) in options:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        options = [o for o in typing.get_args(tp) if o is not type(None)]
+        optional = len(options) < len(typing.get_args(tp))
+        if value is None and optional:
             return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
+        for option in options:
+            with contextlib.suppress(JobError):
                 return _check_value(key, value, option)
-            except JobError as exc:
-                errors.append(exc)
-        expected = " or ".join(_type_name(o) for o in options if o is not type(None))
-        if type(None) in options:
-            expected += " or null"
-        raise JobError(f"{key} must be {expected}, got {value!r}")
-    if origin is tuple:
+        expected = " or ".join(_SCALARS.get(o, (getattr(o, "__name__", str(o)),))[0] for o in options)
+        raise JobError(f"{key} must be {expected}{' or null' if optional else ''}, got {value!r}")
+    if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, list | tuple) or (args and len(value) != len(args)):
             raise JobError(f"{key} must be a list of {len(args)} values, got {value!r}")
         return tuple(
             _check_value(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))
         )
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise JobError(f"{key} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise JobError(f"{key} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise JobError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise JobError(f"{key} must be a string, got {value!r}")
-        return value
-    return value
+    if tp in _SCALARS and not _SCALARS[tp][1](value):
+        raise JobError(f"{key} must be {_SCALARS[tp][0]}, got {value!r}")
+    return float(value) if tp is float else value
 
 
 def dataclass_from(cls: type, node: DictConfig | Mapping[str, Any], key: str, *, skip: tuple[str, ...] = ()):
-    """``cls(**node)`` with every value checked against its field's type; unknown keys rejected.
-
-    ``skip``: keys of ``node`` that belong to something else (a nested group). A field typed as a
-    dataclass is built the same way from its sub-mapping; the class's own ``ValueError`` becomes a
-    :class:`JobError` naming the key.
-    """
+    """``cls(**node)``, every value checked against its field's type (a dataclass-typed field built
+    the same way), unknown keys refused, ``skip`` (keys of another group) left out. A refused value,
+    the class's own ``ValueError`` included, is a :class:`JobError` naming ``key.<field>`` and, for an
+    interpolated one, where it comes from (``(set by ${reward_threads})``)."""
     values = {k: v for k, v in (plain(node) or {}).items() if k not in skip}
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
         raise JobError(f"{key}.{unknown[0]} is not a setting here; expected one of {names}")
-    checked = {name: _check_value(f"{key}.{name}", value, hints[name]) for name, value in values.items()}
     try:
-        return cls(**checked)
+        return cls(**{name: _check_value(f"{key}.{name}", v, hints[name]) for name, v in values.items()})
+    except JobError as exc:
+        message = str(exc)
     except (TypeError, ValueError) as exc:  # the class's own checks, e.g. "mode must be one of ..."
         text = one_line(exc)
-        raise JobError(f"{key}.{text}" if text.split(" ", 1)[0] in names else f"{key}: {text}") from None
+        message = f"{key}.{text}" if text.split(" ", 1)[0] in names else f"{key}: {text}"
+    raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else {}
+    raw = raw.get(message.removeprefix(f"{key}.").split()[0])  # type: ignore[union-attr]
+    source = f" (set by {raw})" if isinstance(raw, str) and raw.startswith("${") else ""
+    raise JobError(message + source) from None
+
+
+# ---------------------------------------------------------------------------- a run's pieces
 
 
 def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
@@ -194,9 +173,9 @@ def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
 
 
 def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Module:
-    """The policy from ``model._target_`` (its keys but ``runtime`` and ``sharded_weights`` are the
-    factory's). ``trainer=True`` with ``sharded_weights``: ``model.path``'s model with parameters
-    on the meta device, for FSDP2 ranks that read only their shards (an engine needs weights)."""
+    """The policy from ``model._target_`` (its keys but ``runtime`` and ``sharded_weights``).
+    ``trainer=True`` with ``sharded_weights``: ``model.path``'s model with parameters on the meta
+    device, for FSDP2 ranks that read only their shards (an engine needs the weights)."""
     values = {k: v for k, v in plain(model_cfg).items() if k not in ("runtime", "sharded_weights")}
     if trainer and model_cfg.get("sharded_weights") is not None:
         from r3lightning.job.models import torch_dtype
@@ -227,11 +206,9 @@ def replay_backend(cfg: DictConfig, model: torch.nn.Module):
         if kind == "megatron":
             from r3lightning.replay.megatron.replay import MegatronRouterReplay
 
-            return (
-                model.router_replay_backend()
-                if megatron_model
-                else MegatronRouterReplay(model, validate=False)
-            )
+            if megatron_model:
+                return model.router_replay_backend()
+            return MegatronRouterReplay(model, validate=False)
         if kind in ("hf", None):
             return HFRouterReplay.for_model(model)
     except (TypeError, ValueError, LookupError) as exc:
@@ -253,18 +230,15 @@ def build_task(cfg: DictConfig, vocab_size: int | None):
             raise JobError("task.vocab_size must be set: the model has no config.vocab_size")
         extra["vocab_size"] = vocab_size
     prompts = instantiate_node(cfg.task, "task", **extra)
-    reward = {k: v for k, v in plain(cfg.reward).items() if k != "timeout_s"}
+    reward = instantiate_node({k: v for k, v in plain(cfg.reward).items() if k != "timeout_s"}, "reward")
     try:
-        return ScoredTask(
-            prompts, instantiate_node(reward, "reward"), timeout_s=cfg.reward.get("timeout_s", 60.0)
-        )
+        return ScoredTask(prompts, reward, timeout_s=cfg.reward.get("timeout_s", 60.0))
     except TypeError as exc:
         raise JobError(str(exc)) from None
 
 
 def trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
-    """``trainer.*`` as ``Trainer`` keywords; values with a ``_target_`` (strategy, plugins, ...)
-    are instantiated."""
+    """``trainer.*`` as ``Trainer`` keywords, values with a ``_target_`` (strategy, ...) instantiated."""
     return {
         k: instantiate_node(v, f"trainer.{k}") if isinstance(v, dict) and "_target_" in v else v
         for k, v in plain(trainer_cfg).items()
@@ -277,6 +251,8 @@ def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
     with an external engine, which must return routes, else the callback's own ``strict``)."""
     replay, out = replay_callback_settings(cfg), []
     for name, node in cfg.callbacks.items():
+        if node is None:
+            continue
         extra: dict[str, Any] = {}
         if replay is not None and name == replay[0]:
             extra = {"backend": backend, "mode": mode}
@@ -285,21 +261,19 @@ def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
                 strict = True  # an external engine without routes is misconfigured: never train natively
             if strict is not None:
                 extra["strict"] = bool(strict)
-        if node is not None:  # the replay callback's backend key is built by the job
-            out.append(
-                instantiate_node(
-                    {k: v for k, v in plain(node).items() if k != "backend"}, f"callbacks.{name}", **extra
-                )
-            )
+        values = {k: v for k, v in plain(node).items() if k != "backend"}  # the job builds the backend
+        out.append(instantiate_node(values, f"callbacks.{name}", **extra))
     return out
 
 
 def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: float | None):
+    """The ``Trainer``: ``trainer.*`` over the job's defaults (the ``loggers`` list saving into
+    ``out_dir``, ``grad_clip``, no sanity steps, no model summary)."""
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     kwargs = trainer_kwargs(cfg.trainer)
-    if "logger" not in kwargs:  # the loggers list (save_dir: the run's folder; None entries dropped)
+    if "logger" not in kwargs:  # None entries (tensorboard_if_installed without it) are dropped
         logs = [
             instantiate_node(
                 node, f"loggers[{i}]", **({} if "save_dir" in node else {"save_dir": str(out_dir)})

@@ -1,9 +1,8 @@
 """A run's checkpoint and fingerprint, and resuming from them (refused in one line when it cannot work).
 
 Every run keeps ``<run>/checkpoints/last.ckpt`` (after every step) and, from its first checkpoint
-on, ``<run>/fingerprint.json``: its resolved ``task``, ``reward`` and ``model`` settings and the
-size and digest of every file a ``task.*`` setting names. A rerun into the same run directory
-resumes only a run of the same task, dataset and model; it is refused before anything is written.
+on, ``<run>/fingerprint.json``. A rerun into the same run directory resumes only a run of the same
+task, dataset and model; anything else is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -40,10 +39,11 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     cfg = OmegaConf.merge(cfg, {"seed": 0})
     out = _flat({key: plain(cfg[key]) for key in ("task", "reward", "model")})
     for key, value in plain(cfg.task).items():
-        if isinstance(value, str) and Path(value).expanduser().is_file():
-            with Path(value).expanduser().open("rb") as f:  # streamed
+        path = Path(value).expanduser() if isinstance(value, str) else None
+        if path is not None and path.is_file():
+            with path.open("rb") as f:  # streamed
                 digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
-            out[f"data.task.{key}"] = f"{Path(value).expanduser().stat().st_size} bytes, blake2b {digest}"
+            out[f"data.task.{key}"] = f"{path.stat().st_size} bytes, blake2b {digest}"
     return json.loads(json.dumps(out, default=str))
 
 
@@ -90,18 +90,16 @@ def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:
         from torch.distributed.checkpoint import FileSystemReader
 
         metadata = FileSystemReader(str(last)).read_metadata().state_dict_metadata
-        shapes = {
-            k.removeprefix("state_dict."): tuple(v.size)
-            for k, v in metadata.items()
-            if k.startswith("state_dict.") and hasattr(v, "size")
+        tensors = {
+            k.removeprefix("state_dict."): v for k, v in metadata.items() if k.startswith("state_dict.")
         }
+        shapes = {k: tuple(v.size) for k, v in tensors.items() if hasattr(v, "size")}
         return shapes, int(torch.load(last / "meta.pt", map_location="cpu", weights_only=False)["epoch"]) + 1
     state = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
     if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
         raise ValueError("not a Lightning checkpoint")
-    return {k: tuple(v.shape) for k, v in state["state_dict"].items() if isinstance(v, torch.Tensor)}, int(
-        state["epoch"]
-    ) + 1
+    shapes = {k: tuple(v.shape) for k, v in state["state_dict"].items() if isinstance(v, torch.Tensor)}
+    return shapes, int(state["epoch"]) + 1
 
 
 def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:

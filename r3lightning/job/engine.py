@@ -1,12 +1,9 @@
-"""Where the main job's rollouts come from, and how the engines get the trainer's new weights.
-
-Either the embedded ``RolloutServer`` (rank 0 serves a bf16 copy of the policy, loopback by
-default, takes weights in process, and every rank sends its own requests to it) or external
-engines at ``rollout.url`` (one URL or a list; the collector fails over between them): an
-``r3lightning-serve`` / SkyRL-compatible server (weights ``POST``ed as safetensors to each) or
-SGLang (weights saved to a directory all sides see, then ``POST /update_weights_from_disk`` to
-each).
-"""
+"""Where the job's rollouts come from, and how the engines get the trainer's new weights: the
+embedded ``RolloutServer`` (on rank 0, loopback by default, a bf16 copy of the policy taking
+weights in process; every rank sends its own requests to it) or the engines at ``rollout.url``
+(the collector fails over between them): ``r3lightning-serve`` / SkyRL-compatible (weights
+``POST``ed as safetensors) or SGLang (weights saved to a directory both sides see, then
+``POST /update_weights_from_disk``)."""
 
 from __future__ import annotations
 
@@ -14,8 +11,9 @@ import asyncio
 import contextlib
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -36,31 +34,38 @@ def _auth(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awaitable[None]]) -> None:
+    """``post(session, url)`` to every engine concurrently, in one ``aiohttp`` session."""
+    import aiohttp
+
+    async def post_all() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            await asyncio.gather(*(post(session, url) for url in urls))
+
+    asyncio.run(post_all())
+
+
 def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
     """Weight sync for external ``r3lightning-serve`` engines: ``POST /update_weights``
-    (safetensors, serialised once) to every engine concurrently."""
-    import aiohttp
+    (safetensors, serialised once) to every engine."""
     from safetensors.torch import save
 
-    async def post(session: aiohttp.ClientSession, url: str, body: bytes) -> None:
-        headers = {"Content-Type": "application/octet-stream", **_auth(api_key)}
-        async with session.post(f"{url}/update_weights", data=body, headers=headers) as response:
-            if response.status == 404:
-                raise JobError(
-                    f"the engine at {url} has no /update_weights endpoint; set rollout.sync_weights=false "
-                    "and sync weights through the deployment"
-                )
-            if response.status != 200:
-                raise JobError(
-                    f"weight update at {url} failed: HTTP {response.status}: {(await response.text())[:200]}"
-                )
-
-    async def post_all(body: bytes) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            await asyncio.gather(*(post(session, url, body) for url in urls))
-
     def push(state_dict: Mapping[str, Tensor]) -> None:
-        asyncio.run(post_all(save(_bf16_host(state_dict))))
+        body = save(_bf16_host(state_dict))
+        headers = {"Content-Type": "application/octet-stream", **_auth(api_key)}
+
+        async def post(session, url: str) -> None:
+            async with session.post(f"{url}/update_weights", data=body, headers=headers) as response:
+                if response.status == 404:
+                    raise JobError(
+                        f"the engine at {url} has no /update_weights endpoint; set "
+                        "rollout.sync_weights=false and sync weights through the deployment"
+                    )
+                if response.status != 200:
+                    text = (await response.text())[:200]
+                    raise JobError(f"weight update at {url} failed: HTTP {response.status}: {text}")
+
+        _post_all(urls, timeout_s, post)
 
     return push
 
@@ -70,22 +75,16 @@ def _sglang_disk_push(
 ) -> WeightSync:
     """Weight sync for SGLang: save a safetensors checkpoint into ``directory`` (shared with the
     engines) once and ask every engine to load it with ``POST /update_weights_from_disk``."""
-    import aiohttp
     from safetensors.torch import save_file
 
-    async def post(session: aiohttp.ClientSession, url: str) -> None:
-        async with session.post(
-            f"{url}/update_weights_from_disk", json={"model_path": str(directory)}, headers=_auth(api_key)
-        ) as response:
-            body = await response.json(content_type=None)
-            if response.status != 200 or not (isinstance(body, dict) and body.get("success", False)):
+    async def post(session, url: str) -> None:
+        body, headers = {"model_path": str(directory)}, _auth(api_key)
+        async with session.post(f"{url}/update_weights_from_disk", json=body, headers=headers) as response:
+            answer = await response.json(content_type=None)
+            if response.status != 200 or not (isinstance(answer, dict) and answer.get("success", False)):
                 raise JobError(
-                    f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(body)[:200]}"
+                    f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(answer)[:200]}"
                 )
-
-    async def post_all() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            await asyncio.gather(*(post(session, url) for url in urls))
 
     def push(state_dict: Mapping[str, Tensor]) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -93,23 +92,15 @@ def _sglang_disk_push(
         # SGLang loads a checkpoint directory: it needs the architecture next to the weights
         if model_path is not None and (Path(model_path) / "config.json").exists():
             shutil.copy(Path(model_path) / "config.json", directory / "config.json")
-        asyncio.run(post_all())
+        _post_all(urls, timeout_s, post)
 
     return push
 
 
-def engine_urls(rollout: DictConfig) -> list[str] | None:
-    """``rollout.url`` (one URL or a list, checked by ``check_config``) as a list of base URLs;
-    None: the embedded engine."""
-    url = rollout.url
-    if url is None:
-        return None
-    urls = list(url) if isinstance(url, ListConfig) else [url]
-    return [str(u).rstrip("/") for u in urls]
-
-
-def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
+def _external_engine(cfg: DictConfig) -> Engine:
     rollout = cfg.rollout
+    url = rollout.url
+    urls = [str(u).rstrip("/") for u in (url if isinstance(url, ListConfig) else [url])]
     if not rollout.sync_weights:
         return Engine(urls)
     if rollout.protocol == "sglang" and not rollout.get("weight_sync_dir"):
@@ -135,9 +126,8 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
     """The embedded ``RolloutServer`` (rank 0 only; the other ranks learn its URL at fit start)
     unless ``rollout.url`` names external engines."""
     rollout = cfg.rollout
-    urls = engine_urls(rollout)
-    if urls is not None:
-        yield _external_engine(cfg, urls)
+    if rollout.url is not None:
+        yield _external_engine(cfg)
         return
     if not is_global_zero():
         yield Engine(None, gather=bool(rollout.sync_weights))
@@ -145,26 +135,22 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
     from r3lightning.serve.server import RolloutServer
 
     engine, limits = server_settings(rollout)
-    model = build_model(cfg.model)
+    host, port = str(rollout.server.host), int(rollout.server.port)
     try:
         server = RolloutServer(
-            model,
+            build_model(cfg.model),
             engine=engine,
             limits=limits,
-            host=str(rollout.server.host),
-            port=int(rollout.server.port),
+            host=host,
+            port=port,
             api_key=rollout.api_key,
         )
     except (TypeError, ValueError) as exc:  # e.g. a non-loopback host without rollout.api_key
         raise JobError(f"rollout.server: {exc}") from None
-    try:
-        server.__enter__()  # serves from a daemon thread until __exit__
-    except OSError as exc:
-        raise JobError(
-            f"cannot start the embedded rollout server on {rollout.server.host}:{rollout.server.port}: {exc}"
-        ) from None
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(server)  # serves from a daemon thread until the runs end
+        except OSError as exc:
+            raise JobError(f"cannot start the embedded rollout server on {host}:{port}: {exc}") from None
         sync = bool(rollout.sync_weights)
         yield Engine([server.url], server.update_weights if sync else None, gather=sync)
-    finally:
-        server.__exit__(None, None, None)

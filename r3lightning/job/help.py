@@ -35,10 +35,8 @@ def _description(path: Path) -> str:
         if not line.startswith("#"):
             break
         text = line.lstrip("#").strip()
-        if not text.startswith(("@package", "r3lightning-train", "python -m")) and not line.startswith(
-            "#   "
-        ):
-            lines.append(text)
+        usage = line.startswith("#   ") or text.startswith(("@package", "r3lightning-train", "python -m"))
+        lines += [] if usage else [text]
     return " ".join(lines)
 
 

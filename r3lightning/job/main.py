@@ -7,11 +7,10 @@
     r3lightning-train -m replay=r3,off seed=0,1         # a sweep: one job after the other
     r3lightning-train --help                            # config groups, options and keys
 
-Outputs in Hydra's run folder: ``config.yaml`` (under a line naming the environment), per run
-``metrics.csv`` and ``checkpoints/last.ckpt`` (rerun into the folder to resume), ``summary.txt``,
-``metrics.png``; a run that fails before training leaves no folder. Exit status: 0 done; 2 a bad
-config, checkpoint or engine address (one line naming it; a sweep: any job failed); 3 the rollout
-engine failed; 130 interrupted.
+Outputs in Hydra's run folder: ``config.yaml`` (under the environment line), per run ``metrics.csv``
+and ``checkpoints/last.ckpt`` (rerun into the folder to resume), ``summary.txt``, ``metrics.png``;
+a run that fails before training leaves no folder. Exit status: 0 done; 2 a bad config, checkpoint
+or engine address (one line naming it; a sweep: any job failed); 3 the engine failed; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -25,16 +24,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from r3lightning.job.build import one_line
 from r3lightning.job.common import JobError, is_global_zero
 from r3lightning.job.setup import CONF_DIR
 
 PROG = "r3lightning-train"
-# Hydra flags that take a value, and those the pre-check understands
-_VALUE_FLAGS = ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp")
+_VALUE_FLAGS = {"--config-dir": "-cd", "--config-name": "-cn", "--config-path": "-cp"}  # Hydra's: long, short
 _MULTIRUN_FLAGS = ("-m", "--multirun")
-_WHERE = dict.fromkeys(("--config-dir", "-cd"), "config_dir") | dict.fromkeys(
-    ("--config-name", "-cn"), "config_name"
-)
 _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 
 
@@ -42,7 +38,7 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
     """``{arm name: its checked config}`` from ``compare`` (``[]``: the arm ``replay=<replay.mode>``).
     An entry is a replay mode (the arm ``replay=<mode>``) or ``{name, replay, overrides}``: ``replay``
     swaps the ``replay`` group (default: kept), then ``overrides`` sets dotted keys of the config."""
-    from r3lightning.job.setup import check_config, replay_settings
+    from r3lightning.job.setup import MODES, check_config, replay_settings
 
     check_config(cfg)
     out: dict[str, DictConfig] = {}
@@ -53,8 +49,8 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
         name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
         if spec:
             raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
-        if mode is not None and str(mode) not in ("r3", "r2", "off"):
-            raise JobError(f"{where}.replay must be one of ['r3', 'r2', 'off'], got {mode!r}")
+        if mode is not None and str(mode) not in MODES:
+            raise JobError(f"{where}.replay must be one of {list(MODES)}, got {mode!r}")
         if not _ARM_NAME.fullmatch(name) or name in out:
             problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
             raise JobError(f"{where}.name {name!r} {problem}")
@@ -119,12 +115,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
 
 
 def _one_line(exc: BaseException | str) -> str:
-    text = " ".join(str(exc).split())
+    text = one_line(exc)
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def _error(message: str, label: str = "") -> None:
+def _error(message: str, label: str = "") -> int:
+    """Print ``message`` as the one line of a failed run; returns its exit status, 2."""
     print(f"{PROG}: {label}error: {_one_line(message)}", file=sys.stderr)
+    return 2
 
 
 def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
@@ -156,16 +154,13 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         run(cfg, run_dir)
         return 0
     except JobError as exc:
-        _error(str(exc), label)
-        return 2
+        return _error(str(exc), label)
     except MissingMandatoryValue as exc:
         key = exc.full_key or "a required value"
-        _error(f"{key} must be set (add {key}=... to the command line)", label)
-        return 2
+        return _error(f"{key} must be set (add {key}=... to the command line)", label)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
-        _error(f"{key}: {str(exc).splitlines()[0]}" if key else str(exc).splitlines()[0], label)
-        return 2
+        return _error(f"{key}: {str(exc).splitlines()[0]}" if key else str(exc).splitlines()[0], label)
     except RemoteGenerateError as exc:
         print(f"{PROG}: {label}rollout engine error: {_one_line(exc)}", file=sys.stderr)
         return 3
@@ -194,10 +189,12 @@ def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str,
     items = iter(args)
     for arg in items:
         name, eq, value = arg.partition("=")
-        if name in _VALUE_FLAGS:
+        flag = next((f for f, short in _VALUE_FLAGS.items() if name in (f, short)), None)
+        if flag is not None:
             value = value if eq else next(items, "")
             flags += [arg] if eq else [arg, value]
-            where |= {_WHERE[name]: value} if name in _WHERE else {}
+            if flag != "--config-path":  # --config-dir / --config-name: config_dir / config_name
+                where[flag[2:].replace("-", "_")] = value
         elif arg.startswith("-"):
             flags.append(arg)
             understood = False
@@ -223,10 +220,10 @@ def compose_config(
 
 
 def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
-    """``(problem, run folder)``: compose the config before Hydra does and check its values (and the
-    run folder's fingerprints), so a bad override or value is one line and no run folder is made or
-    rewritten; else the absolute ``hydra.run.dir``
-    (resolved now; None if unknown). Other ``hydra.*`` overrides are left to Hydra."""
+    """``(problem, run folder)``: compose the config before Hydra does and check its values and the
+    run folder's fingerprints, so a bad override or value is one line and no run folder is made or
+    rewritten; else the absolute ``hydra.run.dir``, resolved now (None if unknown). Other
+    ``hydra.*`` overrides are left to Hydra."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -237,19 +234,16 @@ def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, 
         cfg = compose_config(keep, **where, hydra_config=True)
         configs = arms(cfg)
         run_seeds(cfg)
+        try:
+            run_dir = Path(str(cfg.hydra.run.dir)).absolute()
+        except Exception:
+            return None, None
+        for arm, arm_cfg in configs.items():  # another task, dataset or model: refused before Hydra writes
+            check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))
     except JobError as exc:
         return str(exc), None
     except (HydraException, OmegaConfBaseException) as exc:
         return _hydra_message(exc), None
-    try:
-        run_dir = Path(str(cfg.hydra.run.dir)).absolute()
-    except Exception:
-        return None, None
-    try:  # a run folder of another task, dataset or model is refused before Hydra writes to it
-        for arm, arm_cfg in configs.items():
-            check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))
-    except JobError as exc:
-        return str(exc), None
     return None, run_dir
 
 
@@ -263,8 +257,7 @@ def _single(args: list[str], label: str = "") -> int:
     if understood:
         problem, run_dir = _precheck(where, overrides)
         if problem is not None:
-            _error(problem, label)
-            return 2
+            return _error(problem, label)
         if run_dir is not None:
             # the folders this run will make (so a run that fails before training removes them),
             # with the run folder pinned, so Hydra's ${now:...} cannot name another one
@@ -296,8 +289,7 @@ def _sweep(args: list[str]) -> int:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
-        _error(_hydra_message(exc))
-        return 2
+        return _error(_hydra_message(exc))
     jobs = [list(job) for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     sweep_dir = None
     failed: list[str] = []

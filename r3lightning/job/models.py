@@ -1,7 +1,6 @@
-"""Model factories of the job's ``model`` group (``model._target_``; bring your own: any callable
-returning a Hugging Face-style causal MoE LM with ``.logits`` and ``config.vocab_size``). Each
-returns the trainer's policy in its ``dtype`` (fp32 by default); the embedded engine calls the
-same factory for its own copy, cast to ``rollout.server.dtype``."""
+"""Model factories of the job's ``model`` group (bring your own: any callable returning a Hugging
+Face-style causal MoE LM with ``.logits`` and ``config.vocab_size``), in their ``dtype`` (fp32 by
+default); the embedded engine calls the same factory for its copy, cast to ``rollout.server.dtype``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """The LightningModule that trains a Hugging Face causal (MoE) LM with the GRPO loss.
 
-It computes logprobs, the loss and the training/inference mismatch; routes reach the MoE
-routers through the ``RouterReplayCallback`` (which installs them before each training forward)
-and rollouts come from the data module. Batches are left-padded ``RolloutBatch`` es.
-
-Routing agreement is measured, not assumed: when the batch carries the rollout engine's routes,
-``used_agreement/layer_XX`` is the share of the engine's experts that each MoE layer *actually
-used* in the training forward, over the tokens that have a captured route (100% under R3),
-counted on device by the replay backend's router hooks (no second recording, no host sync).
+Batches are left-padded ``RolloutBatch`` es from the data module; the ``RouterReplayCallback``
+installs their routes before each training forward. The metrics are described in the docs'
+concepts/metrics and concepts/corrections pages.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from r3lightning.correction.grpo import (
     token_logprobs,
 )
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import agreement_hits
+from r3lightning.replay.backend import agreement_counts
 from r3lightning.replay.batch_fields import host_attention_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
@@ -46,26 +41,21 @@ class OptimConfig:
 
 
 class GRPOModule(pl.LightningModule):
-    """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``).
+    """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``); one epoch is one RL step.
 
-    ``training_step`` does one forward over the left-padded batch, the clipped surrogate loss
-    against the rollout engine's logprobs (the behaviour policy), and logs the
-    training/inference mismatch (``train/k3_kl``, ``train/ratio_out_of_band``, ...), averaged over
-    the epoch. One epoch is one RL step.
+    ``training_step``: one forward over the batch, the clipped surrogate loss against the rollout
+    engine's logprobs (or, with ``recompute_old_logprobs``, as ``replay=r2`` needs, the trainer's
+    own no-grad forward), weighted by ``grpo.correction`` (from the same forward); ``train/*``
+    mismatch metrics and ``used_agreement/layer_XX`` (the engine's experts each MoE layer used,
+    counted on device by the replay callback) are epoch means, ``correction/*`` exact ratios of
+    sums over the epoch's batches and ranks, logged every step.
 
-    ``grpo.correction`` weights each loss token by an importance-sampling correction
-    (:mod:`r3lightning.correction`) of ``log p_trainer - log p_engine`` from this same forward
-    (replayed under r3); unless it is ``none``, ``correction/*`` are exact ratios of sums over the
-    epoch's batches so far and over ranks, logged every step (the epoch's last covers the RL step).
-
-    Paired mismatch, every ``grpo.mismatch_every_n_steps`` RL steps (on the step's first batch,
-    whose weights are the ones the engine sampled with): two extra no-grad forwards of the batch,
-    routed natively and with the engine's routes replayed, each compared with the engine's
-    logprobs (``mismatch/k3_native``, ``mismatch/k3_replayed``, ``mismatch/outside_band_native``,
-    ``mismatch/outside_band_replayed``), plus ``mismatch/native_agreement`` (share of the engine's
-    expert slots the trainer's router picks natively) and ``mismatch/policy_entropy`` (mean
-    entropy of the natively routed policy on loss tokens). The same in every replay mode, so arms
-    compare like with like. They run before the replay callback installs the step's routes.
+    Every ``grpo.mismatch_every_n_steps`` RL steps, on the step's first batch (the weights the
+    engine sampled with) and before the replay callback installs anything: two extra no-grad
+    forwards, routed natively and with the engine's routes replayed, give the paired
+    ``mismatch/*`` metrics, the same in every replay mode so arms compare like with like.
+    ``sharded_weights``: the DCP directory each FSDP2 rank reads its shards from
+    (:mod:`r3lightning.job.sharded`) when the model arrives on the meta device.
     """
 
     def __init__(
@@ -82,12 +72,8 @@ class GRPOModule(pl.LightningModule):
         self.model = model.train()  # builders hand out eval-mode models
         self.grpo = grpo or GRPOConfig()
         self.optim = optim or OptimConfig()
-        # True: the behaviour policy is the trainer's own no-grad forward (required by r2 mode,
-        # whose routes are recorded there); False: the rollout engine's logprobs.
         self.recompute_old_logprobs = recompute_old_logprobs
         self.measure_agreement = measure_agreement
-        # DCP directory (r3lightning.job.sharded) each rank reads its shards from after
-        # sharding a meta-device model; None = the model arrives with its weights
         self.sharded_weights = sharded_weights
         self._paired: dict[str, Tensor] = {}  # measured at batch transfer, logged by training_step
         self._paired_epoch = -1
@@ -109,33 +95,30 @@ class GRPOModule(pl.LightningModule):
 
     @property
     def _distributed(self) -> bool:
-        # epoch metrics are averaged across ranks (one all-reduce per metric per epoch)
         return self._trainer is not None and self.trainer.world_size > 1
 
-    def _replay_callback(self) -> RouterReplayCallback | None:
-        trainer = self._trainer
-        if trainer is None:
-            return None
-        try:
-            return RouterReplayCallback.find(trainer)
-        except LookupError:
-            return None
+    def _log_epoch(self, metrics: dict[str, Tensor], batch_size: int) -> None:
+        # epoch means, averaged across ranks (one all-reduce per metric per epoch)
+        self.log_dict(
+            metrics, on_step=False, on_epoch=True, batch_size=batch_size, sync_dist=self._distributed
+        )
 
-    # ------------------------------------------------------------------ paired mismatch
+    def _replay_callback(self) -> RouterReplayCallback | None:
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        return next((c for c in callbacks if isinstance(c, RouterReplayCallback)), None)
 
     def on_train_epoch_start(self) -> None:
         self._correction.reset()
-        # trainer.callback_metrics keeps the last value of every metric; a step that does not
-        # measure the paired mismatch must not show the previous measurement as its own
+        # callback_metrics keeps every metric's last value: a step that does not measure the
+        # paired mismatch must not show the previous measurement as its own
         metrics = self.trainer.callback_metrics
         for key in [k for k in metrics if k.startswith("mismatch/")]:
             del metrics[key]
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        # Runs before the callbacks' on_train_batch_start, i.e. before the replay callback
-        # installs (r3) or records (off) anything, and after the previous optimizer step.
-        trainer = self._trainer
-        every = self.grpo.mismatch_every_n_steps
+        # before the callbacks' on_train_batch_start (nothing installed or recorded yet) and
+        # after the previous optimizer step
+        trainer, every = self._trainer, self.grpo.mismatch_every_n_steps
         if trainer is not None and trainer.training and every > 0:
             epoch = trainer.current_epoch
             if epoch % every == 0 and epoch != self._paired_epoch:
@@ -144,12 +127,9 @@ class GRPOModule(pl.LightningModule):
         return batch
 
     def measure_mismatch(self, batch) -> dict[str, Tensor]:
-        """Paired mismatch metrics of ``batch`` (names without the ``mismatch/`` prefix).
-
-        Empty when the batch has no engine routes or logprobs, or no replay callback (whose
-        backend routes the model) is attached. Must run with no routes installed. Cost: two
-        no-grad forwards; no device->host sync of its own.
-        """
+        """Paired mismatch metrics of ``batch`` (names without the ``mismatch/`` prefix); empty
+        without engine routes and logprobs or a replay callback with a backend. Must run with no
+        routes installed. Cost: two no-grad forwards; no device->host sync of its own."""
         callback = self._replay_callback()
         routes = getattr(batch, "routed_experts", None)
         rollout_logprobs = getattr(batch, "rollout_logprobs", None)
@@ -157,7 +137,7 @@ class GRPOModule(pl.LightningModule):
             return {}
         backend = callback.backend
         layout = TokenMetadataLayout.padded(host_attention_mask(batch))  # what self.forward feeds
-        aligned, mask = callback.align_routes(routes, layout)  # [B, S, L, K], [B, S] on device
+        aligned, mask = callback.align_routes(routes, layout, batch.route_layers)  # [B, S, L, K], [B, S]
         loss_mask = batch.loss_mask.to(rollout_logprobs.dtype)
         with torch.no_grad():
             with record_routes(backend) as native_routes:
@@ -168,29 +148,22 @@ class GRPOModule(pl.LightningModule):
             with replay_routes(backend, aligned, mask):
                 replayed = self.batch_logprobs(batch)
             layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
-            engine = aligned.index_select(-2, layers)  # [B, S, moe_layers, K]
-            used = native_routes.routes.to(aligned.device).index_select(-2, layers)
-            top_k = engine.shape[-1]
-            hits = agreement_hits(engine.reshape(-1, top_k).long(), used.reshape(-1, top_k).long())
-            hits = hits.view(engine.shape) & mask[..., None, None]  # only rows the engine routed
-            slots = mask.sum() * (engine.shape[-2] * top_k)
+            top_k = aligned.shape[-1]
+            engine = aligned.index_select(-2, layers).reshape(-1, top_k).long()  # [B * S * moe_layers, K]
+            used = native_routes.routes.to(aligned.device).index_select(-2, layers).reshape(-1, top_k).long()
+            routed = mask[..., None].expand(*mask.shape, len(layers)).reshape(-1)  # rows the engine routed
+            rows, hits, _ = agreement_counts(engine, used, routed)
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )
-            out["native_agreement"] = hits.sum().double() / slots.clamp(min=1)
+            out["native_agreement"] = hits.double() / (rows * top_k).clamp(min=1)
             out["policy_entropy"] = entropy.double()
         return out
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         paired, self._paired = self._paired, {}
         if paired:
-            self.log_dict(
-                {f"mismatch/{k}": v for k, v in paired.items()},
-                on_step=False,
-                on_epoch=True,
-                batch_size=1,
-                sync_dist=self._distributed,
-            )
+            self._log_epoch({f"mismatch/{k}": v for k, v in paired.items()}, batch_size=1)
         callback = self._replay_callback()
         old_logprobs = batch.rollout_logprobs
         if self.recompute_old_logprobs:
@@ -202,74 +175,46 @@ class GRPOModule(pl.LightningModule):
         if self.measure_agreement and callback is not None and callback.mode != "r2":
             self._log_agreement(callback, len(batch))
         loss_mask = batch.loss_mask.to(logprobs.dtype)
-        weights, correction = None, self.grpo.correction
-        if correction.mode != "none":
-            weights = correction_weights(logprobs.detach() - batch.rollout_logprobs, loss_mask, correction)
+        weights = None
+        if self.grpo.correction.mode != "none":
+            log_ratio = logprobs.detach() - batch.rollout_logprobs
+            weights = correction_weights(log_ratio, loss_mask, self.grpo.correction)
             self._correction.update(weights, loss_mask)
+        clip = {"clip_low": self.grpo.clip_low, "clip_high": self.grpo.clip_high}
         loss, stats = policy_loss(
-            logprobs,
-            old_logprobs,
-            batch.advantages,
-            loss_mask,
-            clip_low=self.grpo.clip_low,
-            clip_high=self.grpo.clip_high,
-            weights=weights,
+            logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights
         )
         if weights is not None:
             totals = self._correction.compute(sync_dist=self._distributed)
             self.log_dict(
                 {k: v.float() for k, v in totals.items()}, on_step=True, on_epoch=False, batch_size=1
             )
-        stats.update(
-            mismatch_metrics(
-                logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
-            )
-        )
+        band = self.grpo.ratio_band
+        stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
         stats["loss"] = loss.detach()
         rewards = getattr(batch, "rewards", None)
-        if rewards is not None:  # shown on the progress bar only; the CSV takes the rollout's
-            self.log(
-                "reward",
-                rewards.float().mean(),
-                prog_bar=True,
-                on_step=True,
-                on_epoch=False,
-                batch_size=len(rewards),
-            )
-        self.log_dict(
-            {f"train/{k}": v for k, v in stats.items()},
-            on_step=False,
-            on_epoch=True,
-            batch_size=batch.input_ids.shape[0],
-            sync_dist=self._distributed,
-        )
+        if rewards is not None:  # the progress bar's only; the CSV takes the rollout's
+            reward = rewards.float().mean()
+            self.log("reward", reward, prog_bar=True, on_step=True, on_epoch=False, batch_size=len(rewards))
+        self._log_epoch({f"train/{k}": v for k, v in stats.items()}, batch_size=batch.input_ids.shape[0])
         return loss
 
     def _log_agreement(self, callback: RouterReplayCallback, batch_size: int) -> None:
-        """Log ``used_agreement/layer_XX``: share of the rollout's expert slots that the training
-        forward used, per MoE layer, over the tokens with a captured route (0 without one), from
-        the callback's on-device counts. Every rank logs every layer; no host sync."""
-        counts = callback.routing_counts()
-        backend = callback.backend
+        """``used_agreement/layer_XX``: share of the rollout's expert slots the training forward
+        used, per MoE layer, over the tokens with a captured route, from the callback's on-device
+        counts. Every rank logs every layer; no host sync."""
+        counts, backend = callback.routing_counts(), callback.backend
         if counts is None or backend is None:
             return
         slots = (counts["route_rows"] * backend.top_k).clamp(min=1)
         fractions = counts["used_hits"].double() / slots  # [moe_layers]
-        for layer, value in zip(backend.moe_layers, fractions.unbind(0), strict=True):
-            self.log(
-                f"used_agreement/layer_{layer:02d}",
-                value.float(),
-                on_step=False,
-                on_epoch=True,
-                batch_size=batch_size,
-                sync_dist=self._distributed,
-            )
+        layers = zip(backend.moe_layers, fractions.unbind(0), strict=True)
+        self._log_epoch({f"used_agreement/layer_{i:02d}": v.float() for i, v in layers}, batch_size)
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root
-        (:func:`~r3lightning.job.sharded.shard_model`); a model built on the meta device then
-        reads this rank's shards from ``sharded_weights``. A no-op for other strategies.
-        """
+        (:func:`~r3lightning.job.sharded.shard_model`); a meta-device model then reads this
+        rank's shards from ``sharded_weights``. A no-op for other strategies."""
         mesh = self.device_mesh
         if mesh is None and self.sharded_weights is not None:
             raise ValueError(
@@ -280,18 +225,14 @@ class GRPOModule(pl.LightningModule):
             return
         from r3lightning.job.sharded import load_sharded_weights, shard_model
 
-        dp_mesh = (
-            mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
-        )
-        shard_model(self.model, dp_mesh)
+        names = mesh.mesh_dim_names or ()
+        shard_model(self.model, mesh["data_parallel"] if "data_parallel" in names else mesh)
         if self.sharded_weights is not None:
             load_sharded_weights(self.model, self.sharded_weights, self.device)
         self.model._r3_sharded = True
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        optim = self.optim
         return torch.optim.AdamW(
-            self.parameters(),
-            lr=self.optim.lr,
-            weight_decay=self.optim.weight_decay,
-            betas=tuple(self.optim.betas),
+            self.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
         )

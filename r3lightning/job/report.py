@@ -1,9 +1,7 @@
 """Run outputs: per-step metrics CSV, the summary table, the plot (matplotlib Agg), the environment.
 
-A run's history: one flat ``{metric: float}`` record per RL step (``used_agreement/layer_<i>``,
-``mismatch/<name>`` on the steps measured, ``correction/<name>`` when a correction is applied,
-``simulated_disagreement`` when simulated). Runs named ``<arm>/seed=<s>`` are seeds of one arm:
-table and plot show the median over seeds and its range.
+A run's history is one flat ``{metric: float}`` record per RL step. Runs named ``<arm>/seed=<s>``
+are seeds of one arm: table and plot show the median over seeds and its range.
 """
 
 from __future__ import annotations
@@ -17,10 +15,11 @@ from pathlib import Path
 
 AGREEMENT_PREFIX = "used_agreement/layer_"
 MISMATCH_PREFIX = "mismatch/"
-CORRECTION_PREFIX = "correction/"  # the GRPO module's importance-sampling correction (when applied)
+CORRECTION_PREFIX = "correction/"
 CORRECTED = ("ess", "truncated_fraction", "masked_fraction")
 SEED_SEP = "/seed="
 SIMULATED = "simulated_disagreement"
+TURN_REWARD = "turn_reward/turn_2"
 PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed")
 History = Sequence[Mapping[str, float]]
 
@@ -60,6 +59,7 @@ def environment() -> dict[str, str]:
 
 
 def environment_line(env: Mapping[str, str]) -> str:
+    """:func:`environment` as the line that ends ``summary.txt`` and heads ``config.yaml``."""
     versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
     return f"environment: {versions}, {env['threads']} intra-op threads, CPU {env['cpu']}"
 
@@ -84,7 +84,7 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
     return (statistics.median(kept), kept[0], kept[-1]) if kept else (math.nan,) * 3
 
 
-def _mean(records: History, key: str, part: slice = slice(None)) -> float:
+def _mean(records: History, key: str, part: slice = slice(None)) -> float:  # NaNs left out
     values = [r[key] for r in records if key in r and not math.isnan(r[key])][part]
     return sum(values) / len(values) if values else math.nan
 
@@ -107,6 +107,8 @@ def summarize(records: History, window: int = 3) -> dict[str, float]:
         out[name], out[f"{name}_end"] = _mean(records, key), _mean(records, key, end)
         out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
     out |= {name: _mean(records, CORRECTION_PREFIX + name) for name in CORRECTED}
+    out |= {"turns_end": _mean(records, "turns", end), "turn_2_reward_end": _mean(records, TURN_REWARD, end)}
+    out |= {f"route_bytes_{k}": _mean(records, f"route_bytes/turn_{k}") for k in (1, 2)}
     for suffix in ("", "_step0"):
         out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
     return out
@@ -135,6 +137,12 @@ CORRECTED_COLUMNS = (  # shown when a run applied an importance-sampling correct
     ("truncated", "truncated_fraction", "{:.2%}"),
     ("masked", "masked_fraction", "{:.2%}"),
 )
+MULTITURN_COLUMNS = (  # shown when a run's trajectories had turns (task=<an environment>)
+    ("turns end", "turns_end", "{:.2f}"),
+    ("turn 2 reward end", "turn_2_reward_end", "{:.3f}"),
+    ("route B turn 1->2", "route_bytes_1 route_bytes_2", "{:.0f}"),
+    ("used agreement", "agreement_mean", "{:.2%}"),
+)
 STEP0 = tuple((h.replace(" {band}", ""), f"{k}_step0", f) for h, k, f in COLUMNS[3:8])
 
 
@@ -162,7 +170,8 @@ def format_table(
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
     corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
-    columns = COLUMNS + CORRECTED_COLUMNS if corrected else COLUMNS
+    multiturn = any(TURN_REWARD in r for h in runs.values() for r in h)
+    columns = COLUMNS + (CORRECTED_COLUMNS if corrected else ()) + (MULTITURN_COLUMNS if multiturn else ())
     table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
     table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
     first = [["run", *(h for h, _, _ in STEP0)]]
@@ -187,6 +196,12 @@ def format_table(
             "IS ESS, truncated, masked: the loss's importance-sampling correction (algorithm.correction; "
             "n/a: none), effective sample size (sum w)^2 / (n sum w^2) and shares of loss tokens, "
             "means over steps"
+        )
+    if multiturn:
+        lines.append(
+            "turns end, turn 2 reward end: means over the last 3 steps; route B: route bytes a "
+            "trajectory's turn 1 / turn 2 received (means over steps; only new rows travel); used "
+            "agreement: share of the engine's expert slots the training forward used, every turn's rows"
         )
     return "\n".join(lines + ([environment_line(env)] if env else []))
 
@@ -216,11 +231,11 @@ def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float =
     titles = [f"{t}, simulated {share}" if share else t for t in panels]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    pair = (m + "k3_native", m + "k3_replayed")
     for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
         name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
-        ratio = {m + "k3_native", m + "k3_replayed"}
         records = [
-            {**r, "k3_ratio": _ratio(r[m + "k3_native"], r[m + "k3_replayed"])} if ratio <= set(r) else r
+            {**r, "k3_ratio": _ratio(r[pair[0]], r[pair[1]])} if set(pair) <= set(r) else r
             for h in histories
             for r in h
         ]

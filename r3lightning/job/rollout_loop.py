@@ -1,12 +1,11 @@
 """The on-policy RL loop around a Lightning fit: one epoch = one RL step.
 
-At fit start and after every step but the last, rank 0 pushes the trainer's weights to the
-engine, every rank waits for that push, then collects *its own* GRPO groups of the next step into
-its own ``ReplayBuffer`` (read unsharded by the data module, reloaded every epoch). No trajectory
-or route crosses ranks; only the collector's scalar statistics are all-reduced. No rollout
-follows the last step. A checkpoint holds the next step's rollouts when they were collected (an
-interrupted one-process run resumes exactly); otherwise (the last step, or several ranks: it holds
-rank 0's buffer only) the resumed run collects that step again, same seeds, restored weights.
+At fit start and after every step but the last, rank 0 pushes the trainer's weights to the engine,
+every rank waits for that push, then collects *its own* GRPO groups of the next step into its own
+``ReplayBuffer`` (no trajectory or route crosses ranks; the collector's scalar statistics are
+all-reduced). A checkpoint holds the next step's rollouts when they were collected (an interrupted
+one-process run resumes exactly); otherwise (the last step, or several ranks: it holds rank 0's
+buffer only) the resumed run collects that step again, same seeds, restored weights.
 """
 
 from __future__ import annotations
@@ -37,10 +36,9 @@ WeightSync = Callable[[Mapping[str, Tensor]], None]
 
 @dataclass
 class Engine:
-    """Where rollouts come from: ``urls`` (None on ranks that learn the embedded engine's URL
-    from rank 0); ``push``, rank 0's weight sync (None elsewhere, or when the deployment syncs
-    weights itself); ``gather``, whether every rank joins the per-step full-weight gather (a
-    collective under FSDP2, so the same on every rank)."""
+    """Where rollouts come from: ``urls`` (None on ranks that learn the embedded engine's URL from
+    rank 0); ``push``, rank 0's weight sync (None elsewhere, or when the deployment syncs weights);
+    ``gather``, whether every rank joins the per-step full-weight gather (a collective under FSDP2)."""
 
     urls: list[str] | None
     push: WeightSync | None = None
@@ -48,11 +46,10 @@ class Engine:
 
 
 class OnPolicyLoop(pl.Callback):
-    """Rollout -> this rank's ``buffer`` -> train, once per epoch, with weight pushes in between:
-    ``task``'s prompts (``prompts_per_step`` of them per step) scored by its reward (or played
-    out by its environments), collected from ``engine`` as ``cfg.rollout`` says; one row per step
-    in ``metrics_path`` (rank 0), with ``simulated_disagreement`` in every row when the embedded
-    engine simulates one."""
+    """Rollout -> this rank's ``buffer`` -> train, once per epoch, weights pushed in between:
+    ``prompts_per_step`` of ``task``'s prompts per step, scored by its reward (or played out by its
+    environments), collected from ``engine`` as ``cfg.rollout`` says; one row per step in
+    ``metrics_path`` (rank 0), labelled ``simulated_disagreement`` when the engine simulates one."""
 
     def __init__(
         self,
@@ -69,11 +66,8 @@ class OnPolicyLoop(pl.Callback):
         if self.sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
             stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
             self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)
-        simulated = (
-            OmegaConf.select(cfg, "rollout.server.simulated_disagreement")
-            if cfg.rollout.url is None
-            else None
-        )
+        embedded = cfg.rollout.url is None
+        simulated = OmegaConf.select(cfg, "rollout.server.simulated_disagreement") if embedded else None
         self.labels = {"simulated_disagreement": float(simulated)} if simulated else {}
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
@@ -84,10 +78,10 @@ class OnPolicyLoop(pl.Callback):
 
     def new_collector(self, urls: list[str]) -> RolloutCollector:
         rollout = self.cfg.rollout
+        environments = getattr(self.task, "environments", lambda: None)()  # multi-turn
         return RolloutCollector(
             urls,
-            getattr(self.task, "environments", lambda: None)()
-            or self._reward,  # multi-turn: its environments
+            environments or self._reward,
             collector_config(rollout),
             schema=self.schema,
             sampling=self.sampling,
@@ -98,21 +92,11 @@ class OnPolicyLoop(pl.Callback):
     def _reward(self, prompt, response_ids):  # the task looked up when scoring
         return self.task.score_prompt(prompt, response_ids)
 
-    def check_engines(self) -> None:
-        """A ``JobError`` unless every engine of ``engine.urls`` answers ``GET /health``."""
-        down = [u for u, ok in self.new_collector(self.engine.urls or []).check_engines().items() if not ok]
-        if down:
-            raise JobError(
-                f"cannot reach the rollout engine at {', '.join(down)}: GET /health did not answer 200 "
-                f"within {retry_policy(self.cfg.rollout).health_timeout_s:g}s (rollout.retry.health_timeout_s); "
-                "check rollout.url or start the engine"
-            )
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1 and getattr(trainer.datamodule, "shard", False):
             raise JobError(
                 "every rank collects only its own groups, so the data module must not shard its "
-                "buffer again: set data.shard=false"
+                "buffer again: set data.options.shard=false"
             )
         if int(self.cfg.prompts_per_step) % trainer.world_size:
             raise JobError(
@@ -137,8 +121,8 @@ class OnPolicyLoop(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.ckpt_path is not None and not self._pushed_on_restore:
-            # after the restore (which some strategies run after on_fit_start): the engine
-            # still serves its initial weights
+            # after the restore (some strategies run it after on_fit_start): the engine still
+            # serves its initial weights
             self._push_weights(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -216,19 +200,25 @@ class OnPolicyLoop(pl.Callback):
 def on_policy_loop(
     cfg: DictConfig, engine: Engine, task: ScoredTask, schema: RouteSchema, buffer, *, metrics_path: Path
 ) -> OnPolicyLoop:
-    """The job's :class:`OnPolicyLoop`, after the engines known here (not the embedded one on
-    ranks > 0) answered ``GET /health`` (else a ``JobError``)."""
+    """The job's :class:`OnPolicyLoop`, once the engines known here answered ``GET /health`` (else a
+    ``JobError``; the embedded engine's URL reaches ranks > 0 only at fit start)."""
     loop = OnPolicyLoop(cfg, engine, task, schema, buffer, metrics_path)
-    if engine.urls is not None:
-        loop.check_engines()
+    health = loop.new_collector(engine.urls).check_engines() if engine.urls is not None else {}
+    down = [url for url, ok in health.items() if not ok]
+    if down:
+        raise JobError(
+            f"cannot reach the rollout engine at {', '.join(down)}: GET /health did not answer 200 "
+            f"within {retry_policy(cfg.rollout).health_timeout_s:g}s (rollout.retry.health_timeout_s); "
+            "check rollout.url or start the engine"
+        )
     return loop
 
 
 def full_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
-    """The policy's full weights keyed as in the HF model (what the engine serves) on rank 0; an
-    empty dict elsewhere. FSDP2-sharded parameters (DTensors) are all-gathered one at a time (a
-    collective every rank joins) and moved to the host at once on rank 0, so no device ever holds
-    more than one unsharded tensor beside its shards; unsharded values come without a copy."""
+    """The policy's full weights keyed as in the HF model on rank 0 (an empty dict elsewhere).
+    FSDP2 DTensors are all-gathered one at a time (a collective every rank joins) and moved to the
+    host on rank 0 at once, so no device holds more than one unsharded tensor beside its shards;
+    unsharded values come without a copy."""
     from torch.distributed.tensor import DTensor
 
     keep = pl_module.trainer.is_global_zero

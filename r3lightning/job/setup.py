@@ -1,11 +1,5 @@
-"""Checks the main job's config when it is read, then trains one run from it.
-
-:func:`check_config` checks every value the job reads before anything is built; :func:`train_one`
-builds a run's pieces (:mod:`r3lightning.job.build`): the ``ReplayBuffer`` (the data module's
-``buffer``: it needs the model's vocabulary and expert count), the model, its replay backend, the
-task, the LightningModule (``model``, ``grpo`` / ``optim`` from ``algorithm``,
-``recompute_old_logprobs`` for ``replay=r2``), the rollout loop and the ``Trainer``, then fits.
-"""
+"""Checks the main job's config when it is read (:func:`check_config`), then trains one run from it
+(:func:`train_one`: buffer, model, replay backend, task, module, rollout loop, ``Trainer``, fit)."""
 
 from __future__ import annotations
 
@@ -21,17 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job import build
-from r3lightning.job.build import (
-    build_callbacks,
-    build_model,
-    build_task,
-    build_trainer,
-    dataclass_from,
-    instantiate_node,
-    plain,
-    replay_backend,
-    replay_callback_settings,
-)
+from r3lightning.job.build import build_model, dataclass_from, instantiate_node, plain
 from r3lightning.job.common import JobError, is_global_zero
 
 if TYPE_CHECKING:
@@ -43,7 +27,7 @@ __all__ = ["CONF_DIR", "JobError", "build_model", "check_config", "is_global_zer
 # checkout or an editable install reads the repository's top-level conf/.
 _PACKAGED_CONF = Path(__file__).resolve().parents[1] / "conf"
 CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[2] / "conf"
-_MODES = ("r3", "r2", "off")
+MODES = ("r3", "r2", "off")  # replay modes
 _EMBEDDED_PROTOCOLS = ("skyrl", "sglang")  # what the embedded engine speaks
 _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use instead
     "max_epochs": "steps (one epoch is one RL step)",
@@ -53,8 +37,6 @@ _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use i
 # ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
 OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace=True)
 
-# ---------------------------------------------------------------------------- validation
-
 Rule = tuple[str, Callable[[Any], bool]]  # (what the value must be, its check)
 
 
@@ -63,16 +45,11 @@ def _integer(low: int, high: int | None = None) -> Rule:
     return text, lambda v: type(v) is int and low <= v <= (v if high is None else high)
 
 
-def _number(low: float, *, above: bool = True, high: float | None = None) -> Rule:
-    text = (
-        f"a number {'>' if above else '>='} {low:g}" if high is None else f"a number in [{low:g}, {high:g}]"
-    )
-    real = lambda v: type(v) in (int, float) and math.isfinite(v)  # noqa: E731
-    return text, lambda v: real(v) and (v > low if above else v >= low) and v <= (v if high is None else high)
+def _number(low: float, *, above: bool = True) -> Rule:
+    def ok(v: Any) -> bool:
+        return type(v) in (int, float) and math.isfinite(v) and (v > low if above else v >= low)
 
-
-def _as_list(value: Any) -> list:
-    return value if isinstance(value, list) else [value]
+    return f"a number {'>' if above else '>='} {low:g}", ok
 
 
 def _null(rule: Rule) -> Rule:
@@ -83,18 +60,19 @@ def _one_of(*options: str) -> Rule:
     return f"one of {list(options)}", lambda v: v in options
 
 
+def _urls_ok(value: Any) -> bool:
+    urls = value if isinstance(value, list) else [value]
+    return value is None or (urls != [] and all(str(u).startswith(("http://", "https://")) for u in urls))
+
+
 _BOOL: Rule = ("true or false", lambda v: isinstance(v, bool))
 _DTYPE: Rule = (
     "a floating torch dtype name (float32, bfloat16, float16)",
     lambda v: getattr(getattr(torch, str(v), None), "is_floating_point", False) is True,
 )
-_URLS: Rule = (
-    "null (embedded engine), http(s)://host:port or a list of them",
-    lambda v: v is None or (v != [] and all(str(u).startswith(("http://", "https://")) for u in _as_list(v))),
-)
-# Every value the job reads itself, checked (where present) before anything is built; rollout.retry,
-# collector, server and limits are checked by their settings classes (rollout_settings), the
-# data module's keys by building it once here.
+_URLS: Rule = ("null (embedded engine), http(s)://host:port or a list of them", _urls_ok)
+# Every value the job reads itself, checked (where present) before anything is built; the settings
+# groups are checked by their dataclasses, the data module's keys by building it once.
 _RULES: dict[str, Rule] = {
     "seed": _integer(0, 2**32 - 1),  # Lightning's seed_everything range
     "steps": _integer(1),
@@ -112,7 +90,7 @@ _RULES: dict[str, Rule] = {
     "task.overlong": _one_of("drop", "truncate_left", "truncate_right"),
     "task.shuffle": _BOOL,
     "model.dtype": _DTYPE,
-    "replay.mode": _one_of(*_MODES),
+    "replay.mode": _one_of(*MODES),
     "replay.request_routes": _BOOL,
     "replay.strict": _null(_BOOL),
     "rollout.protocol": _one_of("skyrl", "vllm", "sglang", "openai"),
@@ -163,8 +141,8 @@ def _megatron_installed() -> bool:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Reject bad values before anything is built: one :class:`JobError` naming the key and what
-    it expects. Cost: imports the ``_target_`` modules and builds the data module once."""
+    """Reject bad values before anything is built: one :class:`JobError` naming the key and what it
+    expects. Cost: imports the ``_target_`` modules and builds the data module once."""
     from r3lightning.correction.grpo import GRPOConfig
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.job.module import OptimConfig
@@ -209,31 +187,28 @@ def check_config(cfg: DictConfig) -> None:
     targets += [(key, cfg[key]) for key in ("model", "task", "reward", "module", "data")]
     for key, node in targets + [(f"loggers[{i}]", node) for i, node in enumerate(cfg.loggers or [])]:
         build.target_of(node, key)
-    replay = replay_callback_settings(cfg)
+    replay = build.replay_callback_settings(cfg)
     if replay is not None and replay[1].get("backend") == "megatron" and not _megatron_installed():
         raise JobError(
             f"callbacks.{replay[0]}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
         )
-    if replay is not None:  # the callback reads it only at the first training batch, far from here
-        _check_rules(cfg, {f"callbacks.{replay[0]}.pad_to_multiple": _integer(1)})
+    if replay is not None:  # the callback's own checks (its backend is the job's, built later)
+        instantiate_node(
+            {k: v for k, v in plain(replay[1]).items() if k != "backend"}, f"callbacks.{replay[0]}"
+        )
     instantiate_node(cfg.data, "data", buffer=ReplayBuffer())  # the data module's own checks
 
 
 def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
     """``cfg`` with the ``replay`` group swapped for ``conf/replay/<mode>.yaml``."""
-    path = CONF_DIR / "replay" / f"{mode}.yaml"
-    if not path.exists():
-        raise JobError(f"no replay config for mode {mode!r} ({path})")
-    return OmegaConf.merge(cfg, {"replay": OmegaConf.load(path)})  # type: ignore[return-value]
-
-
-# ---------------------------------------------------------------------------- one run
+    replay = OmegaConf.load(CONF_DIR / "replay" / f"{mode}.yaml")
+    return OmegaConf.merge(cfg, {"replay": replay})  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
 def model_runtime(model_cfg: DictConfig) -> Iterator[None]:
-    """The process setup the model needs around the whole run (``model.runtime``: a ``_target_``
-    returning a context manager, e.g. megatron-core's process group and device shims)."""
+    """``model.runtime`` (a ``_target_`` returning a context manager, e.g. megatron-core's process
+    group and device shims) entered around the whole run."""
     node = model_cfg.get("runtime")
     with contextlib.ExitStack() as stack:
         try:
@@ -253,7 +228,7 @@ _EXPECTED_WARNINGS = (
 
 
 def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, float]]:
-    """Train one run (one replay mode) into ``out_dir``; returns its per-step history."""
+    """Train one run (one arm, one seed) into ``out_dir``; returns its per-step history."""
     import lightning.pytorch as pl
 
     from r3lightning.correction.grpo import GRPOConfig
@@ -266,25 +241,24 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model, trainer=True)
     mode = str(cfg.replay.mode)
-    backend = replay_backend(cfg, model)
+    backend = build.replay_backend(cfg, model)
     schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts)
     vocab_size = cfg.task.get("vocab_size") or getattr(getattr(model, "config", None), "vocab_size", None)
-    task = build_task(cfg, vocab_size)
+    task = build.build_task(cfg, vocab_size)
     grpo = dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim",))
     optim = dataclass_from(OptimConfig, cfg.algorithm.optim, "algorithm.optim")
     buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
     datamodule = instantiate_node(cfg.data, "data", buffer=buffer)
-    sharded = cfg.model.get("sharded_weights")  # a meta-device model: the module loads its shards
     extra = {"model": model, "grpo": grpo, "optim": optim, "recompute_old_logprobs": mode == "r2"}
-    module = instantiate_node(
-        cfg.module, "module", **extra, **({} if sharded is None else {"sharded_weights": str(sharded)})
-    )
+    if cfg.model.get("sharded_weights") is not None:  # a meta-device model: the module loads its shards
+        extra["sharded_weights"] = str(cfg.model.sharded_weights)
+    module = instantiate_node(cfg.module, "module", **extra)
     if not isinstance(module, pl.LightningModule):
         raise JobError(f"module._target_ must build a LightningModule, got {type(module).__name__}")
     out_dir.mkdir(parents=True, exist_ok=True)
     loop = on_policy_loop(cfg, engine, task, schema, buffer, metrics_path=out_dir / "metrics.csv")
-    callbacks = [*build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
-    trainer = build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
+    callbacks = [*build.build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
+    trainer = build.build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)
     if ckpt_path is not None and is_global_zero():
         print(f"resuming {out_dir.name} from {ckpt_path}")

@@ -86,9 +86,8 @@ def load_sharded_weights(model: nn.Module, checkpoint_dir: str | Path, device: t
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    device = torch.device(device)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    model.to_empty(device=device)  # this rank's shards only: the parameters are sharded already
+    model.to_empty(device=torch.device(device))  # this rank's shards only: the parameters are sharded already
     with torch.no_grad():
         for name, value in buffers.items():
             model.get_buffer(name).copy_(value)

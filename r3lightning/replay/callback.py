@@ -1,6 +1,7 @@
 """Lightning callback that makes every training forward of an MoE model use replayed routes: it
 aligns each step's (or micro-batch's) packed routes to the layout the model sees and hands them to
-the mode (:mod:`~r3lightning.replay.modes`); a ``RolloutBatch`` installs without a host sync."""
+the mode (:mod:`~r3lightning.replay.modes`); a ``RolloutBatch`` installs without a host sync.
+Routes kept on some decoder layers (``batch.route_layers``) go to each router by absolute layer."""
 
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ class RouterReplayCallback(Callback):
         mode: ``"r3"``, ``"r2"`` or ``"off"``.
         strict: raise instead of routing natively when routes are missing (r3: in the batch, r2:
             not recorded) or a routed forward runs with nothing installed.
-        log_agreement / log_per_layer: log the ``router_replay/`` metrics / also per layer.
+        log_agreement: log the ``router_replay/`` metrics (``True``), also per layer
+            (``"per_layer"``), or not (``False``).
         validate_routes: check ids on every install (host syncs). ``None``: off for a backend built
             here; a backend object keeps its own flag.
         layout_fn: ``attention_mask -> TokenMetadataLayout`` the model sees; default: the backend's
-            ``build_layout``, else ``TokenMetadataLayout.padded(mask, pad_to_multiple)``.
+            ``build_layout``, else ``TokenMetadataLayout.padded(mask)`` (for a padded width
+            multiple: ``functools.partial(TokenMetadataLayout.padded, pad_to_multiple=8)``).
         model_attr: submodule holding the MoE model, when the module holds several.
         sync_dist: sum the counts over ranks before the ratios (one ``all_reduce`` per step).
     """
@@ -49,23 +52,22 @@ class RouterReplayCallback(Callback):
         backend: str | RouterReplayBackend | None = None,
         mode: Mode = "r3",
         strict: bool = False,
-        log_agreement: bool = True,
+        log_agreement: bool | Literal["per_layer"] = "per_layer",
         *,
-        log_per_layer: bool = True,
         validate_routes: bool | None = None,
         layout_fn: LayoutFn | None = None,
-        pad_to_multiple: int = 1,
         model_attr: str | None = None,
         sync_dist: bool = False,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if log_agreement not in (True, False, "per_layer"):
+            raise ValueError(f"log_agreement must be true, false or 'per_layer', got {log_agreement!r}")
         if not (backend is None or backend in ("hf", "megatron") or isinstance(backend, RouterReplayBackend)):
             raise ValueError(f"backend must be None, 'hf', 'megatron' or a backend object, got {backend!r}")
         self.mode: Mode = mode
-        self.strict, self.log_agreement, self.log_per_layer = strict, log_agreement, log_per_layer
-        self.validate_routes, self.layout_fn = validate_routes, layout_fn
-        self.pad_to_multiple, self.model_attr, self.sync_dist = pad_to_multiple, model_attr, sync_dist
+        self.strict, self.log_agreement, self.validate_routes = strict, bool(log_agreement), validate_routes
+        self.layout_fn, self.model_attr, self.sync_dist = layout_fn, model_attr, sync_dist
         self._backend_spec = backend
         self.backend = backend if isinstance(backend, RouterReplayBackend) else None
         if self.backend is not None and validate_routes is not None:
@@ -75,7 +77,7 @@ class RouterReplayCallback(Callback):
             self.backend.validate = validate_routes
         self._strict_hooks: list = []
         self._missing = modes.MissingRoutes(strict)
-        self._metrics = ReplayMetrics(per_layer=log_per_layer, sync_dist=sync_dist)
+        self._metrics = ReplayMetrics(per_layer=log_agreement == "per_layer", sync_dist=sync_dist)
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -147,19 +149,19 @@ class RouterReplayCallback(Callback):
 
     def build_layout(self, attention_mask: Tensor) -> TokenMetadataLayout:
         """Layout of the tokens the routed model sees for a host left-padded ``[B, S]`` mask."""
-        build = self.layout_fn or getattr(self.backend, "build_layout", None)
-        if build is None:
-            return TokenMetadataLayout.padded(attention_mask, pad_to_multiple=self.pad_to_multiple)
+        build = self.layout_fn or getattr(self.backend, "build_layout", TokenMetadataLayout.padded)
         return build(attention_mask)
 
-    def align_routes(self, routes: PackedTensor, layout: TokenMetadataLayout) -> tuple[Tensor, Tensor]:
+    def align_routes(
+        self, routes: PackedTensor, layout: TokenMetadataLayout, layers: tuple[int, ...] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Dense routes ``[*token_shape, L, K]`` and replay mask (see :func:`align_routes`)."""
         assert self.backend is not None
-        return modes.align_routes(routes, layout, self.backend)
+        return modes.align_routes(routes, layout, self.backend, layers)
 
     def _prepare(self, routes: PackedTensor, batch: Any) -> Install:
         layout = self.build_layout(host_attention_mask(batch))
-        return Install(layout, *self.align_routes(routes, layout))
+        return Install(layout, *self.align_routes(routes, layout, batch_field(batch, "route_layers")))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -253,8 +255,8 @@ class RouterReplayCallback(Callback):
             self._r2.recording = False
         recorded = self.backend.stop_recording()  # type: ignore[union-attr]
         layout = self.build_layout(host_attention_mask(batch))
-        packed = self._r2.keep(recorded, layout, batch)
-        install = Install(layout, *self.align_routes(packed, layout))
+        packed = self._r2.keep(recorded, layout, batch, self.backend)  # on the layers it routes
+        install = Install(layout, *self.align_routes(packed, layout, self._r2.layers))
         if self._in_micro:
             self._micro = install
             self._mode.use(install)  # type: ignore[union-attr]

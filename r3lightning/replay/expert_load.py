@@ -18,12 +18,17 @@ __all__ = ["ExpertLoadMonitor", "expert_load_stats"]
 
 
 def expert_load_stats(
-    routes: Tensor | PackedTensor, num_experts: int, *, moe_layers: Sequence[int] | None = None
+    routes: Tensor | PackedTensor,
+    num_experts: int,
+    *,
+    moe_layers: Sequence[int] | None = None,
+    route_layers: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
     """Per-layer expert load of ``routes [rows, num_layers, top_k]`` (or a PackedTensor of them):
     float32 ``counts [L, E]``, ``tokens [L]``, ``max_over_mean [L]`` and ``entropy [L]`` (NaN for a
-    layer without rows) on the routes' device, and host int64 ``layers [L]`` (absolute indices).
-    One ``index_add_`` over the routes plus ``[L, E]`` arithmetic; no host sync."""
+    layer without rows) on the routes' device, and host int64 ``layers [L]`` (absolute indices:
+    ``route_layers[j]`` for column ``j`` when given). One ``index_add_`` over the routes plus
+    ``[L, E]`` arithmetic; no host sync."""
     values = routes.values if isinstance(routes, PackedTensor) else routes
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
         got = f"{values.dtype} {tuple(values.shape)}"
@@ -31,9 +36,10 @@ def expert_load_stats(
     if type(num_experts) is not int or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     (_, num_layers, top_k), device = values.shape, values.device
-    chosen = list(range(num_layers)) if moe_layers is None else [int(layer) for layer in moe_layers]
-    if any(not 0 <= layer < num_layers for layer in chosen):
-        raise ValueError(f"moe_layers {chosen} out of range for {num_layers} layers")
+    held = list(range(num_layers)) if route_layers is None else list(route_layers)  # of each column
+    chosen = held if moe_layers is None else [int(layer) for layer in moe_layers]
+    if any(layer not in held for layer in chosen):
+        raise ValueError(f"moe_layers {chosen} out of range for {num_layers} layers {held}")
     ids = values.long()  # [rows, L_all, K]
     # a slot counts unless its row is all zeros (a dense layer's filler)
     counted = values.ne(0).any(-1, keepdim=True).expand_as(ids)  # [rows, L_all, K]
@@ -47,7 +53,7 @@ def expert_load_stats(
     counts = counts[:-1].view(n, num_experts)  # [L_all, E]
     if moe_layers is not None:
         # views stacked, not an index tensor: a host index would be copied to the device (a sync)
-        counts = torch.stack([counts[layer] for layer in chosen]) if chosen else counts[:0]
+        counts = torch.stack([counts[held.index(layer)] for layer in chosen]) if chosen else counts[:0]
     layers = torch.tensor(chosen, dtype=torch.int64)  # host
     slots = counts.sum(-1)  # [L]
     tokens, max_over_mean = slots / top_k, counts.amax(-1) / (slots / num_experts)  # NaN without slots
@@ -110,7 +116,8 @@ class ExpertLoadMonitor(Callback):
             return
         self._last_step = step
         num_experts, moe_layers = self._schema(trainer)
-        stats = expert_load_stats(routes, num_experts, moe_layers=moe_layers)
+        held = batch_field(batch, "route_layers")
+        stats = expert_load_stats(routes, num_experts, moe_layers=moe_layers, route_layers=held)
         measured = stats["tokens"] > 0  # [L]: dense layers (all-zero rows) drop out
         count = measured.sum().clamp(min=1)
         zero = torch.zeros_like(stats["entropy"])

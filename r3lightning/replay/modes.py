@@ -30,15 +30,28 @@ class Install:
 
 
 def align_routes(
-    routes: PackedTensor, layout: TokenMetadataLayout, backend: RouterReplayBackend
+    routes: PackedTensor,
+    layout: TokenMetadataLayout,
+    backend: RouterReplayBackend,
+    layers: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Dense routes ``[*token_shape, L, K]`` (``dummy_routes`` where nothing was captured) and the
-    replay mask ``[*token_shape]``, both on the routes' device. Host work only; no host sync."""
+    replay mask ``[*token_shape]``, both on the routes' device. ``layers``: the absolute decoder
+    layer of each route column (None: all ``L``); they must cover ``backend.moe_layers`` and land
+    on their layers (0 elsewhere: never replayed). Host work only; no host sync."""
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
-    if tuple(routes.row_shape) != (L, K):
-        raise ValueError(f"route rows must be [num_layers={L}, top_k={K}], got {list(routes.row_shape)}")
-    pad = lambda n: dummy_routes(n, L, K, E, device=routes.device)  # noqa: E731
-    dense = align_packed_token_metadata(routes, layout, pad=pad)
+    columns = L if layers is None else len(layers)
+    if tuple(routes.row_shape) != (columns, K):
+        raise ValueError(
+            f"route rows must be [num_layers={columns}, top_k={K}], got {list(routes.row_shape)}"
+        )
+    if layers is not None and (missing := sorted(set(backend.moe_layers) - set(layers))):
+        raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
+    pad = lambda n: dummy_routes(n, columns, K, E, device=routes.device)  # noqa: E731
+    dense = align_packed_token_metadata(routes, layout, pad=pad)  # [*token_shape, columns, K]
+    if layers is not None:  # each column to its absolute layer: what every backend installs
+        index = to_device_async(torch.tensor(layers), dense.device)
+        dense = dense.new_zeros((*dense.shape[:-2], L, K)).index_copy_(-2, index, dense)
     mask = build_replay_mask(routes.lengths, layout)  # host
     return dense, to_device_async(mask, dense.device)  # staged through page-locked memory
 
@@ -98,11 +111,13 @@ class Comparing:
 
 class OldPolicyRecorder:
     """r2: the routes the old-policy forwards of one step recorded, kept per row of the step's batch
-    (``step_batch``), so every later pass over those rows (re-cut, shuffled, trimmed) finds them."""
+    (``step_batch``), so every later pass over those rows (re-cut, shuffled, trimmed) finds them.
+    Only the layers the backend routes are kept (``layers``; None: every layer is routed)."""
 
     def __init__(self, step_batch: Any = None) -> None:
         self.step_batch = step_batch
         self.rows: dict[int, Tensor] = {}  # step-batch row -> recorded rows [n, L, K]
+        self.layers: tuple[int, ...] | None = None
         self.recording = False
 
     def rows_in_step(self, batch: Any) -> Tensor | None:
@@ -120,11 +135,15 @@ class OldPolicyRecorder:
             return routes
         routes = PackedTensor.from_segments([self.rows[int(r)] for r in rows])
         set_batch_field(batch, "routed_experts", routes)
+        set_batch_field(batch, "route_layers", self.layers)
         return routes
 
-    def keep(self, recorded: Tensor, layout: TokenMetadataLayout, batch: Any) -> PackedTensor:
+    def keep(
+        self, recorded: Tensor, layout: TokenMetadataLayout, batch: Any, backend: RouterReplayBackend
+    ) -> PackedTensor:
         """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory (real tokens, in
-        order), set it on ``batch`` and keep it for its rows of the step's batch."""
+        order) on the layers ``backend`` routes, set it on ``batch`` and keep it for its rows of the
+        step's batch."""
         if tuple(recorded.shape[:-2]) != layout.token_shape:
             raise ValueError(
                 f"old_policy_forward recorded token shape {tuple(recorded.shape[:-2])}, expected one forward "
@@ -135,8 +154,12 @@ class OldPolicyRecorder:
         real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
         index = to_device_async(real, recorded.device)
         rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, index)
+        if len(backend.moe_layers) < backend.num_layers:  # dense layers, other stages: not kept
+            self.layers = tuple(backend.moe_layers)
+            rows = rows.index_select(1, to_device_async(torch.tensor(self.layers), rows.device))
         packed = PackedTensor.from_lengths(rows, layout.sequence_lengths)
         set_batch_field(batch, "routed_experts", packed)
+        set_batch_field(batch, "route_layers", self.layers)
         positions = self.rows_in_step(batch)
         for i, row in enumerate([] if positions is None else positions.tolist()):
             self.rows[row] = packed[i]

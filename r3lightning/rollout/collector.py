@@ -84,14 +84,16 @@ class RolloutCollector:
         schema: the route schema (every decoder layer, dense included): a
             :class:`~r3lightning.wire.request.RouteSchema` or the model's config
             (:func:`~r3lightning.rollout.config.route_schema`); needed when
-            ``config.request_routes``, and routes are checked against it.
+            ``config.request_routes``, and routes are checked against it. Its ``layers`` (e.g.
+            ``route_schema(config, layers=backend.moe_layers)``): keep only those decoder layers'
+            routes from the parse on (trajectories carry their ids as ``route_layers``).
         sampling: the requests' sampling settings (the seed is :func:`sampling_seed`'s).
         retry: the URL-built clients' :class:`RetryPolicy`.
         process_group: the data-parallel group the groups are spread over (default: the
             default group when ``torch.distributed`` is initialised, else a single rank).
 
-    Cost per step: host-side only; each rank holds its own trajectories' routes in the
-    engine's compact dtype and exchanges one all-reduce of a few scalars.
+    Cost per step: host-side only; each rank holds its own trajectories' routes (on its
+    ``schema.layers``) in the engine's compact dtype and exchanges one all-reduce of a few scalars.
     """
 
     def __init__(
@@ -335,13 +337,15 @@ class RolloutCollector:
             )
             for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
                 counters.add_turns(episode.turn_rewards, episode.route_bytes)
-                trajectories.append(episode.trajectory(advantage))
+                trajectories.append(episode.trajectory(advantage, self.schema and self.schema.layers))
         counters.engines_out = len(out)
         return trajectories
 
     def _trace(self) -> RoutedExpertTrace | None:
+        if not self.config.request_routes:
+            return None
         s = self.schema
-        return RoutedExpertTrace(s.num_layers, s.top_k, s.num_experts) if self.config.request_routes else None
+        return RoutedExpertTrace(s.num_layers if s.layers is None else len(s.layers), s.top_k, s.num_experts)
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """A reward or environment method: in the ``reward_threads`` pool if plain, else awaited."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from r3lightning.wire.request import PROTOCOL_PATHS, RouteSchema
@@ -153,8 +153,11 @@ class CollectorConfig:
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
-def route_schema(model_config: RouteSchema | Mapping[str, Any] | Any) -> RouteSchema:
-    """The route schema (``num_layers``, ``top_k``, ``num_experts``) of a model config.
+def route_schema(
+    model_config: RouteSchema | Mapping[str, Any] | Any, *, layers: Sequence[int] | None = None
+) -> RouteSchema:
+    """The route schema (``num_layers``, ``top_k``, ``num_experts``) of a model config, keeping
+    only decoder layers ``layers`` when given (a pipeline stage's, a partial model's).
 
     ``model_config``: a :class:`~r3lightning.wire.request.RouteSchema` (returned as is), a
     Hugging Face ``PretrainedConfig`` or its dict: ``num_hidden_layers`` (every decoder layer,
@@ -163,7 +166,7 @@ def route_schema(model_config: RouteSchema | Mapping[str, Any] | Any) -> RouteSc
     (DeepSeek-V3). A multimodal config is read through ``get_text_config()``.
     """
     if isinstance(model_config, RouteSchema):
-        return model_config
+        return model_config if layers is None else replace(model_config, layers=layers)
     if hasattr(model_config, "get_text_config"):
         model_config = model_config.get_text_config()
     if isinstance(model_config, Mapping):
@@ -184,5 +187,5 @@ def route_schema(model_config: RouteSchema | Mapping[str, Any] | Any) -> RouteSc
         raise ValueError(
             f"model config has no MoE route schema: missing or not a positive integer: {missing}"
         )
-    layers, top_k, _ = found.values()
-    return RouteSchema(layers, top_k, experts)
+    num_layers, top_k, _ = found.values()
+    return RouteSchema(num_layers, top_k, experts, layers=layers)

@@ -38,13 +38,13 @@ class Episode:
     logprobs: list[float] = field(default_factory=list)  # [R] the engine's (0 if none); 0 observed
     turn_rewards: list[float] = field(default_factory=list)  # [turns]
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
-    routes: Tensor | None = None  # [n - 1, L, K]
+    routes: Tensor | None = None  # [n - 1, L, K] (L: the layers kept)
 
     @property
     def reward(self) -> float:
         return sum(self.turn_rewards)
 
-    def trajectory(self, advantage: float) -> Trajectory:
+    def trajectory(self, advantage: float, route_layers: tuple[int, ...] | None = None) -> Trajectory:
         return Trajectory(
             self.prompt_ids,
             self.response_ids,
@@ -53,6 +53,7 @@ class Episode:
             reward=self.reward,
             advantage=advantage,
             routed_experts=self.routes,
+            route_layers=None if self.routes is None else route_layers,
         )
 
     def extend(self, ids: list[int], mask: float, logprobs: Sequence[float] | None) -> None:

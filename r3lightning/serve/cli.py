@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -22,7 +23,7 @@ from typing import Any
 _ENGINE_FLAGS = ("dtype", "device", "max_batch_size", "batch_wait_s", "seed", "batch_invariant")
 _LIMIT_FLAGS = ("max_queue", "max_new_tokens_cap", "max_request_bytes", "max_weights_bytes")
 _LIMIT_FLAGS += ("header_timeout_s", "body_timeout_s", "retry_after_s")
-_RENAMED = {"--header-timeout": "--header-timeout-s", "--body-timeout": "--body-timeout-s"}
+_RENAMED = {"--header-timeout": "--header-timeout-s", "--body-timeout": "--body-timeout-s"}  # 0.1 names
 
 
 class _StartupError(Exception):
@@ -48,10 +49,8 @@ def _setting(text: str) -> Any:
     if text.lower() in words:
         return words[text.lower()]
     for kind in (int, float):
-        try:
+        with contextlib.suppress(ValueError):
             return kind(text)
-        except ValueError:
-            pass
     return text
 
 
@@ -59,23 +58,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = _ArgumentParser(
         prog="r3lightning-serve", description="Serve a MoE model that returns its routes."
     )
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="not loopback: needs a key or --allow-unauthenticated"
-    )
-    parser.add_argument("--port", type=_port, default=30000, help="0 picks a free port (printed at start)")
-    parser.add_argument("--model", help="local Hugging Face checkpoint directory (default: the tiny MoE)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>'")
-    parser.add_argument(
-        "--allow-unauthenticated", action="store_true", help="serve a non-loopback host keyless"
-    )
-    parser.add_argument("--log-level", default="INFO")
+    add = parser.add_argument
+    add("--host", default="127.0.0.1", help="not loopback: needs a key or --allow-unauthenticated")
+    add("--port", type=_port, default=30000, help="0 picks a free port (printed at start)")
+    add("--model", help="local Hugging Face checkpoint directory (default: the tiny MoE)")
+    add("--api-key", help="require 'Authorization: Bearer <key>'")
+    add("--allow-unauthenticated", action="store_true", help="serve a non-loopback host keyless")
+    add("--log-level", default="INFO")
     from r3lightning.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
 
     for cls, names in ((EngineConfig, _ENGINE_FLAGS), (ServerLimits, _LIMIT_FLAGS)):
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         for name in names:
             flag, shown = f"--{name.replace('_', '-')}", str(defaults[name]).removeprefix("torch.")
-            parser.add_argument(flag, type=_setting, default=defaults[name], help=shown)
+            add(flag, type=_setting, default=defaults[name], help=shown)
     return parser.parse_args([_RENAMED.get(arg, arg) for arg in (sys.argv[1:] if argv is None else argv)])
 
 
@@ -89,12 +85,12 @@ def _device(name: str | None):
     except (RuntimeError, ValueError):
         raise _StartupError(f"--device {name}: not a device name (expected e.g. cpu, cuda, cuda:0)") from None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.type == "cuda" and count == 0:
-        raise _StartupError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
-    if device.type == "cuda" and device.index is not None and device.index >= count:
-        raise _StartupError(f"--device {name}: this machine has {count} CUDA device(s)")
     if device.type not in ("cpu", "cuda"):
         raise _StartupError(f"--device {name}: expected cpu or cuda[:N]")
+    if device.type == "cuda" and count == 0:
+        raise _StartupError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= count:
+        raise _StartupError(f"--device {name}: this machine has {count} CUDA device(s)")
     return device
 
 
@@ -111,9 +107,8 @@ def _load_model(path: str, dtype):
     try:
         return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     except Exception as exc:  # any loader failure is a startup error of this one argument
-        raise _StartupError(
-            f"--model {path}: cannot load the checkpoint: {type(exc).__name__}: {exc}"
-        ) from None
+        reason = f"{type(exc).__name__}: {exc}"
+        raise _StartupError(f"--model {path}: cannot load the checkpoint: {reason}") from None
 
 
 async def _serve_until_signalled(server) -> None:
@@ -145,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> None:
     from r3lightning.serve.config import EngineConfig, ServerLimits
-    from r3lightning.serve.server import check_exposure
+    from r3lightning.serve.server import RolloutServer, check_exposure
 
     try:
-        check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+        check_exposure(args.host, args.api_key, args.allow_unauthenticated)  # before a model loads
         settings = {name: getattr(args, name) for name in _ENGINE_FLAGS if name != "device"}
         engine = EngineConfig(**settings, device=_device(args.device), copy_model=False)
         limits = ServerLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
@@ -159,8 +154,6 @@ def _serve(args: argparse.Namespace) -> None:
         raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
-    from r3lightning.serve.server import RolloutServer
-
     try:
         exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}
         name = args.model or "r3lightning-tiny-moe"

@@ -22,8 +22,7 @@ class EngineConfig:
     gathered for ``batch_wait_s`` after the first; ``seed`` of requests that send none (and of the
     default model); ``copy_model`` (False: serve the model itself, cast in place);
     ``batch_invariant`` (None: whenever the model allows); ``simulated_disagreement``: a
-    SIMULATION knob (None: off), the share of expert slots the router logits are perturbed to flip.
-    """
+    SIMULATION knob (None: off), the share of expert slots the router logits are perturbed to flip."""
 
     dtype: torch.dtype | str = torch.bfloat16
     device: torch.device | str | None = None
@@ -56,8 +55,7 @@ class ServerLimits:
     ``max_new_tokens_cap`` tokens under any name (None: the context); generate bodies up to
     ``max_request_bytes`` (None: a full-context prompt's 24 bytes a token + 64 KiB) and uploads up
     to ``max_weights_bytes``; a request head within ``header_timeout_s`` (idle keep-alive
-    connections close then too), at most ``body_timeout_s`` between body reads (then 408).
-    """
+    connections close then too), at most ``body_timeout_s`` between body reads (then 408)."""
 
     max_queue: int = 256
     max_new_tokens_cap: int | None = 4096

@@ -1,13 +1,4 @@
-"""Token generation with route recording for the embedded rollout server.
-
-:class:`GenerationEngine` runs a KV-cached sampling loop (a prefill of the left-padded prompts,
-then one forward per decode step for the rows still generating), each forward inside
-:func:`~r3lightning.replay.context.record_routes`: a ``P``-token prompt generating ``G`` tokens
-yields ``P - prompt_start + G - 1`` route rows (the last sampled token is never forwarded). One
-worker thread batches the requests :meth:`~GenerationEngine.submit` queues from any thread; the
-model runs under a lock weight updates also take. A failed batch forward is rerun one request at
-a time, so only its cause fails (the others get the same results, by batch invariance).
-"""
+"""Token generation with route recording for the embedded rollout server (:class:`GenerationEngine`)."""
 
 from __future__ import annotations
 
@@ -64,10 +55,9 @@ class GenerationOutput:
 
 
 def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A fresh instance of ``model``'s class with a copy of its weights and configs, built from the
-    config so it carries none of the source's hooks (a training model's replay backend must not
-    see serving forwards), gradients or wrappers; init draws from a forked RNG. Cost: one init and
-    one copy of every tensor."""
+    """A fresh instance of ``model``'s class from its config, with a copy of its weights: none of
+    the source's hooks (a training model's replay backend must not see serving forwards),
+    gradients or wrappers. Cost: one init (from a forked RNG) and one copy of every tensor."""
     if getattr(model, "config", None) is None:
         raise TypeError(f"expected a Hugging Face causal LM with a .config, got {type(model).__name__}")
     with torch.random.fork_rng(devices=[]):
@@ -79,12 +69,16 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerationEngine:
-    """A KV-cached, route-recording sampling loop over a causal MoE model (the module docstring),
-    set up by :class:`~r3lightning.serve.config.EngineConfig` (``batch_invariant=None``: on unless
-    the model has sliding-window attention or sinks, e.g. gpt-oss). Cost: two host syncs per row
-    and decode step (token, logprob), a host copy of each forward's routes when asked for, and ~12
-    probe forwards per weight update with a simulated disagreement. :attr:`invariant_tile_rows`:
-    the row tile of the batch-invariant GEMMs."""
+    """A KV-cached sampling loop over a causal MoE ``model`` (a prefill of the left-padded prompts,
+    then one forward per decode step for the rows still generating) under
+    :func:`~r3lightning.replay.context.record_routes`: a ``P``-token prompt generating ``G`` tokens
+    yields ``P - prompt_start + G - 1`` route rows (the last sampled token is never forwarded).
+    ``config``: :class:`~r3lightning.serve.config.EngineConfig` (``batch_invariant=None``: on unless
+    the model has sliding-window attention or sinks, e.g. gpt-oss). One worker thread batches what
+    :meth:`submit` queues from any thread; a failed batch is rerun one request at a time, so only
+    its cause fails. Cost: two host syncs per row and decode step (token, logprob), a host copy of
+    each forward's routes when asked for, ~12 probe forwards per weight update with a simulated
+    disagreement. :attr:`invariant_tile_rows`: the row tile of the batch-invariant GEMMs."""
 
     invariant_tile_rows: int = 64
 
@@ -93,31 +87,28 @@ class GenerationEngine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         device = config.device if config.device is not None else next(model.parameters()).device
+        self.device = torch.device(device)
         served = serving_copy(model) if config.copy_model else model
-        self.model = served.to(device=device, dtype=config.dtype).eval().requires_grad_(False)
+        self.model = served.to(device=self.device, dtype=config.dtype).eval().requires_grad_(False)
         # transformers >= 5.20 renamed past_key_values to cache (the old name warns)
-        self._cache_arg = (
-            "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        )
-        invariant = batch_invariance_problem(self.model) is None
-        self.batch_invariant = invariant if config.batch_invariant is None else config.batch_invariant
+        arguments = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in arguments else "past_key_values"
+        self.batch_invariant = config.batch_invariant
+        if self.batch_invariant is None:
+            self.batch_invariant = batch_invariance_problem(self.model) is None
         if self.batch_invariant:
             make_batch_invariant(self.model)
-        self.device, self.dtype = torch.device(device), config.dtype
         routers = as_backend(self.model)  # the route schema record_routes produces
         self.num_layers, self.top_k, self.num_experts = routers.num_layers, routers.top_k, routers.num_experts
         self._moe_layers = list(routers.moe_layers)
         settings = self.model.config
         self.vocab_size, self.max_context = settings.vocab_size, settings.max_position_embeddings
         self.pad_token_id = getattr(settings, "pad_token_id", None) or 0
-        eos = [
-            getattr(source, "eos_token_id", None)
-            for source in (getattr(model, "generation_config", None), settings)
-        ]
-        self.eos_token_ids = frozenset(
-            int(e) for ids in eos for e in ([ids] if isinstance(ids, int) else ids or ())
-        )
-        self.max_batch_size, self.batch_wait_s = config.max_batch_size, config.batch_wait_s
+        eos: set[int] = set()
+        for source in (getattr(model, "generation_config", None), settings):
+            ids = getattr(source, "eos_token_id", None)
+            eos.update(int(e) for e in ([ids] if isinstance(ids, int) else ids or ()))
+        self.eos_token_ids = frozenset(eos)
         self.weight_version = 0
         self._seed_generator = torch.Generator().manual_seed(config.seed)
         self._lock = threading.Lock()  # held while the model runs or its weights change
@@ -134,28 +125,24 @@ class GenerationEngine:
         """``ValueError`` naming the field if ``request`` cannot run on this model (``prompt_field``:
         what the wire protocol calls the prompt). Cost: two C-speed passes over the prompt."""
         prompt, start, vocab = request.prompt_ids, request.routed_experts_prompt_start, self.vocab_size
-        if len(prompt) == 0:
+        if not (n := len(prompt)):
             raise ValueError(f"{prompt_field} must not be empty")
         bad = next((token for token in prompt if type(token) is not int), None)
         if bad is not None:
             raise ValueError(f"{prompt_field} must hold integer token ids, got {bad!r}")
         bad = next((t for t in (min(prompt), max(prompt)) if not 0 <= t < vocab), None)
         if bad is not None:
-            where = list(prompt).index(bad)
-            raise ValueError(
-                f"{prompt_field} holds token id {bad} at index {where}; expected ids in [0, {vocab})"
-            )
-        if len(prompt) >= self.max_context:
+            where = f"at index {list(prompt).index(bad)}"
+            raise ValueError(f"{prompt_field} holds token id {bad} {where}; expected ids in [0, {vocab})")
+        if n >= self.max_context:
             room = f"leaving no room in the model context of {self.max_context}"
-            raise ValueError(f"{prompt_field} has {len(prompt)} tokens, {room}")
+            raise ValueError(f"{prompt_field} has {n} tokens, {room}")
         bad = next((t for t in request.params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"sampling_params.stop_token_ids must be in [0, {vocab}), got {bad}")
         check_setting("routed_experts_prompt_start", start, low=0, integer=True)
-        if start > len(prompt):
-            raise ValueError(
-                f"routed_experts_prompt_start must be <= the prompt length {len(prompt)}, got {start}"
-            )
+        if start > n:
+            raise ValueError(f"routed_experts_prompt_start must be <= the prompt length {n}, got {start}")
 
     def generate(
         self, requests: Sequence[GenerationRequest], *, return_exceptions: bool = False
@@ -190,8 +177,10 @@ class GenerationEngine:
         route_rows: list[list[Tensor]] = [[] for _ in requests]
         version = self.weight_version
         outputs: list = [GenerationOutput([], [], "length", None, n, weight_version=version) for n in lengths]
-        cache = self._new_cache()
-        logits, routes = self._forward(ids, mask, positions, cache, record, starts)  # [B, V], [B, S, L, K]
+        from transformers import DynamicCache  # imported only here: transformers is an optional extra
+
+        cache = DynamicCache(config=self.model.config)
+        logits, routes = self._forward(ids, mask, positions, starts, cache, record)  # [B, V], [B, S, L, K]
         for row in range(batch) if routes is not None else ():
             route_rows[row].append(routes[row, starts[row] :])
         active = list(range(batch))  # request index of each row still in the cache
@@ -222,67 +211,47 @@ class GenerationEngine:
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             positions = positions[:, -1:] + 1
             step_ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)[:, None]
-            logits, routes = self._forward(step_ids, mask, positions, cache, record, starts)
+            logits, routes = self._forward(step_ids, mask, positions, starts, cache, record)
             for cache_row, index in enumerate(active) if routes is not None else ():
                 route_rows[index].append(routes[cache_row])
         for request, out, rows in zip(requests, outputs, route_rows, strict=True):
             if request.return_routed_experts and isinstance(out, GenerationOutput):
-                out.routed_experts = torch.cat(rows)[
-                    request.routed_experts_prompt_start :
-                ].numpy()  # [rows, L, K]
+                out.routed_experts = torch.cat(rows)[request.routed_experts_prompt_start :].numpy()
         return outputs
 
-    def _invariant(self, starts: list[int]):
-        """The batch-invariance block for rows whose first real keys are ``starts`` (or none)."""
-        return (
-            batch_invariant(starts, self.invariant_tile_rows)
-            if self.batch_invariant
-            else contextlib.nullcontext()
-        )
-
     def _forward(
-        self, ids: Tensor, mask: Tensor, positions: Tensor, cache, record: bool, starts: list[int]
+        self, ids: Tensor, mask: Tensor, positions: Tensor, starts: list[int], cache=None, record: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One forward: last-position float32 logits ``[B, V]`` and host routes ``[B, S, L, K]``."""
+        """One forward (``cache`` None: none kept): last-position float32 logits ``[B, V]`` and, if
+        ``record``, host routes ``[B, S, L, K]``. ``starts``: each row's first real key."""
         kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, self._cache_arg: cache}
-        with (
-            self._invariant(starts),
-            record_routes(self.model) if record else contextlib.nullcontext() as recorder,
-        ):
-            logits = self.model(**kwargs, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+        tile = self.invariant_tile_rows
+        invariant = batch_invariant(starts, tile) if self.batch_invariant else contextlib.nullcontext()
+        with invariant, record_routes(self.model) if record else contextlib.nullcontext() as recorder:
+            logits = self.model(**kwargs, use_cache=cache is not None, logits_to_keep=1).logits[:, -1].float()
         return logits, recorder.routes.cpu() if record else None
 
     @torch.inference_mode()
     def _calibrate_perturbation(self) -> None:
         """Fit the simulated disagreement's scale to the current weights (caller holds the lock)."""
-        assert self.perturbation is not None
         probe = self.perturbation.probe.to(self.device)  # [n, length]
         mask = torch.ones_like(probe, dtype=torch.bool)
-        forward = {"input_ids": probe, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+        positions, starts = position_ids_from_mask(mask), [0] * probe.shape[0]
 
-        def routes() -> Tensor:
-            with self._invariant([0] * probe.shape[0]), record_routes(self.model) as recorder:
-                self.model(**forward, use_cache=False)
-            return recorder.routes[..., self._moe_layers, :]  # [n, length, moe_layers, K]
+        def routes() -> Tensor:  # [n, length, moe_layers, K]
+            return self._forward(probe, mask, positions, starts)[1][..., self._moe_layers, :]
 
-        scale = self.perturbation.calibrate(routes)
-        target, measured = self.perturbation.target, self.perturbation.measured
-        logger.info(
-            "simulated router disagreement: target %.4f, measured %.4f (scale %.4g)", target, measured, scale
-        )
-
-    def _new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+        scale, knob = self.perturbation.calibrate(routes), self.perturbation
+        measured = f"target {knob.target:.4f}, measured {knob.measured:.4f}"
+        logger.info("simulated router disagreement: %s (scale %.4g)", measured, scale)
 
     def _generator(self, seed: int | None) -> torch.Generator:
         seed = int(torch.randint(MAX_SEED, (1,), generator=self._seed_generator)) if seed is None else seed
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def submit(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> Future:
-        """Queue ``request`` for the worker thread; the future resolves to a :class:`GenerationOutput`.
-        Validates first (:meth:`check_request`'s ``ValueError`` is raised here)."""
+        """Queue ``request`` for the worker thread (after :meth:`check_request`, whose ``ValueError``
+        is raised here); the future resolves to a :class:`GenerationOutput`."""
         self.check_request(request, prompt_field=prompt_field)
         future: Future = Future()
         # under the lock close() takes: nothing queued behind the worker's stop sentinel (its
@@ -302,10 +271,10 @@ class GenerationEngine:
             item, pending = self._queue.get(), []
             while item is not None:
                 pending.append(item)
-                if len(pending) == self.max_batch_size:
+                if len(pending) == self.config.max_batch_size:
                     break
                 try:
-                    item = self._queue.get(timeout=self.batch_wait_s)
+                    item = self._queue.get(timeout=self.config.batch_wait_s)
                 except queue.Empty:
                     break
             stop = item is None
@@ -324,9 +293,7 @@ class GenerationEngine:
             if len(requests) == 1:
                 logger.warning("generation request failed: %s", exc)
                 return [exc]
-            logger.warning(
-                "generation batch of %d failed (%s); running its requests one by one", len(requests), exc
-            )
+            logger.warning("generation batch of %d failed (%s); rerunning one by one", len(requests), exc)
             return [self._run_isolated([request])[0] for request in requests]
 
     def close(self) -> None:

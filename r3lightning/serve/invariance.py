@@ -54,21 +54,14 @@ def row_invariant_attention(
     if q_len != 1 and q_len != kv_len:
         raise RuntimeError(f"{ATTENTION_NAME} supports prefill from an empty cache or one-token decode steps")
     out = query.new_zeros(query.shape[0], q_len, query.shape[1], query.shape[3])
-    groups: dict[int, list[int]] = {}  # rows with the same padding share one call
-    for row, start in enumerate(starts):
-        groups.setdefault(start, []).append(row)
-    for start, rows in groups.items():
+    gqa = query.shape[1] != key.shape[1]
+    for start in dict.fromkeys(starts):  # rows with the same padding share one call
         q_start = start if q_len > 1 else 0
-        index = torch.tensor(rows, device=query.device)
+        index = torch.tensor([row for row, s in enumerate(starts) if s == start], device=query.device)
         # gathered copies: each row computed by its own (batch, head) program, as when alone
-        attended = F.scaled_dot_product_attention(
-            query.index_select(0, index)[:, :, q_start:],
-            key.index_select(0, index)[:, :, start:],
-            value.index_select(0, index)[:, :, start:],
-            is_causal=q_len > 1,
-            scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # [rows, H, Q - q_start, D]
+        q = query.index_select(0, index)[:, :, q_start:]
+        k, v = (t.index_select(0, index)[:, :, start:] for t in (key, value))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
         out[index, q_start:] = attended.transpose(1, 2)
     return out, None
 
@@ -100,12 +93,9 @@ def make_batch_invariant(model: nn.Module) -> None:
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.set_experts_implementation("eager")
     for module in model.modules():  # the modules that multiply by their own weights
-        owns_weights = any(p.dim() >= 2 for p in module.parameters(recurse=False))
-        if (
-            owns_weights
-            and not isinstance(module, nn.Embedding)
-            and not getattr(module, "_r3_row_tiled", False)
-        ):
+        if isinstance(module, nn.Embedding) or getattr(module, "_r3_row_tiled", False):
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
             module.register_forward_pre_hook(_start_tiling)
             module.register_forward_hook(_stop_tiling, always_call=True)
             module._r3_row_tiled = True
@@ -135,15 +125,14 @@ class RowTiledLinear(TorchFunctionMode):
         self.tile_rows = tile_rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        return self._linear(*args, **(kwargs or {})) if func is F.linear else func(*args, **(kwargs or {}))
+        return (self._linear if func is F.linear else func)(*args, **(kwargs or {}))
 
     def _linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [M, K]
         tile = self.tile_rows
         num_tiles = max(1, math.ceil(rows.shape[0] / tile))
-        padded = rows.new_zeros(num_tiles * tile, rows.shape[1])
-        padded[: rows.shape[0]] = rows
-        out = torch.cat([F.linear(padded[i * tile : (i + 1) * tile], weight, bias) for i in range(num_tiles)])
+        padded = F.pad(rows, (0, 0, 0, num_tiles * tile - rows.shape[0]))  # zero rows up to whole tiles
+        out = torch.cat([F.linear(rows_tile, weight, bias) for rows_tile in padded.split(tile)])
         return out[: rows.shape[0]].reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -151,7 +140,6 @@ class RowTiledLinear(TorchFunctionMode):
 def batch_invariant(row_starts: Sequence[int], tile_rows: int) -> Iterator[None]:
     """Forwards of a :func:`make_batch_invariant` model in this block compute each row as it would
     be computed alone. ``row_starts``: per batch row, its first real key (left padding width)."""
-    check_setting("tile_rows", tile_rows, low=1, integer=True)
     starts, tile = _ROW_STARTS.set(list(row_starts)), _TILE_ROWS.set(tile_rows)
     try:
         yield

@@ -29,17 +29,16 @@ from r3lightning.rollout.config import check_setting
 # families whose experts are the top-k of the raw logits (softmax and top-k commute)
 _TOPK_OF_LOGITS = {softmax_then_topk_weights, softmax_renormalised_weights, mixtral_weights}
 _TOPK_OF_LOGITS.add(softmax_over_topk_weights)
+_PROBE_SHAPE, _BISECTIONS = (8, 16), 8  # probe [sequences, length]; steps after the bracket
 
 
 class RouterLogitPerturbation:
     """Forward hooks on every router of ``model`` that perturb its logits (the module docstring):
-    ``target`` in ``[0, 0.5]``; ``seed`` fixes ``R`` and the probe batch (random tokens of
-    ``probe_shape``). They run before the routers' other hooks (a route recorder records the
-    perturbed experts). :meth:`calibrate` after every weight change; :meth:`remove` detaches."""
+    ``target`` in ``[0, 0.5]``; ``seed`` fixes ``R`` and the probe batch of random tokens. They
+    run before the routers' other hooks (a route recorder records the perturbed experts).
+    :meth:`calibrate` after every weight change; :meth:`remove` detaches."""
 
-    def __init__(
-        self, model: nn.Module, target: float, *, seed: int = 0, probe_shape: tuple[int, int] = (8, 16)
-    ):
+    def __init__(self, model: nn.Module, target: float, *, seed: int = 0):
         check_setting("simulated_disagreement", target, low=0, high=0.5)
         self.target, self.scale = float(target), 0.0
         self.measured = 0.0  # disagreement on the probe batch at the calibrated scale
@@ -53,12 +52,11 @@ class RouterLogitPerturbation:
                     "simulated disagreement supports those that do (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, gpt-oss)"
                 )
             weight = next(p for p in router.parameters() if p.dim() == 2)  # [experts, hidden]
-            experts, hidden = weight.shape
-            direction = torch.randn(experts, hidden, generator=generator) / hidden**0.5
+            direction = torch.randn(*weight.shape, generator=generator) / weight.shape[1] ** 0.5
             self._directions[router] = direction.to(weight.device, weight.dtype)
             self._handles.append(router.register_forward_hook(self._make_hook(adapter), prepend=True))
         vocab = int(getattr(getattr(model, "config", None), "vocab_size", 2))
-        self.probe = torch.randint(vocab, probe_shape, generator=generator)  # [sequences, length]
+        self.probe = torch.randint(vocab, _PROBE_SHAPE, generator=generator)  # [sequences, length]
 
     def _make_hook(self, adapter) -> Callable:
         p_logits, p_weights, p_indices = adapter.output_positions
@@ -76,13 +74,13 @@ class RouterLogitPerturbation:
 
         return hook
 
-    def calibrate(self, routes: Callable[[], Tensor], *, iterations: int = 8) -> float:
+    def calibrate(self, routes: Callable[[], Tensor]) -> float:
         """Set :attr:`scale` so that the probe's slot disagreement is closest to the target;
         ``routes()`` runs the probe and returns the experts of the MoE layers ``[..., K]``.
-        Bracketing from a fixed start, then log-scale bisection: about ``iterations + 3`` probe
-        forwards, all deterministic. Returns the scale."""
+        Bracketing from a fixed start, then log-scale bisection: about 11 probe forwards, all
+        deterministic. Returns the scale."""
         if self.target == 0.0:
-            self.scale, self.measured = 0.0, 0.0
+            self.scale = self.measured = 0.0
             return 0.0
         previous, self.scale = self.scale, 0.0
         try:
@@ -92,21 +90,16 @@ class RouterLogitPerturbation:
             def measure(scale: float) -> float:
                 self.scale = scale
                 perturbed = routes()
-                return 1.0 - float(
-                    agreement_hits(perturbed.reshape(-1, perturbed.shape[-1]), native).float().mean()
-                )
+                hits = agreement_hits(perturbed.reshape(-1, perturbed.shape[-1]), native)
+                return 1.0 - float(hits.float().mean())
 
             # always the same bracket: the scale depends on the weights alone, never on what the
             # engine calibrated (served) before
-            low, high = 0.0, 1.0
-            measured_high = measure(high)
-            for _ in range(40):  # the disagreement grows with the scale: bracket the target
-                if measured_high >= self.target:
-                    break
+            low, high = 0.0, 1.0  # the disagreement grows with the scale: bracket the target
+            while (measured_high := measure(high)) < self.target and high < 4.0**40:
                 low, high = high, high * 4
-                measured_high = measure(high)
             best = (abs(measured_high - self.target), high, measured_high)
-            for _ in range(iterations):
+            for _ in range(_BISECTIONS):
                 mid = (low + high) / 2 if low == 0.0 else (low * high) ** 0.5
                 measured = measure(mid)
                 best = min(best, (abs(measured - self.target), mid, measured))

@@ -1,10 +1,9 @@
 """Server side of the two generate protocols: request bodies -> requests, outputs -> response bodies.
 
 ``skyrl`` (``POST /skyrl/v1/generate``, vLLM sampling names) and ``sglang`` (``POST /generate``)
-differ in names and layout only; both map onto one
-:class:`~r3lightning.serve.engine.GenerationRequest` (the client side:
-:mod:`r3lightning.wire.request`). Every parse error is a :class:`RequestFieldError` naming the
-field, whatever the JSON value (a list where a number belongs, an unknown key at any level).
+differ in names and layout only (the client side: :mod:`r3lightning.wire.request`). Every parse
+error is a :class:`RequestFieldError` naming the field, whatever the JSON value (a list where a
+number belongs, an unknown key at any level).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from r3lightning.serve.sampling import MAX_SEED, SamplingParams
 from r3lightning.wire.codec import encode_flat_routes, encode_routes
 
 PROTOCOLS = ("skyrl", "sglang")  # what the embedded server speaks (clients speak more)
+PROMPT_FIELDS = {"skyrl": "token_ids", "sglang": "input_ids"}  # what each calls the prompt
 
 
 class RequestFieldError(ValueError):
@@ -30,22 +30,13 @@ _ALIASES = {
 }
 _PLAIN = ("temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")  # same name everywhere
 # keys that only shape text output (never produced here): any bool is accepted
-_TEXT_ONLY_KEYS = {
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "detokenize",
-}
+_TEXT_ONLY_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
+_TEXT_ONLY_KEYS.add("detokenize")
 # keys accepted only at the value that leaves sampling unchanged (n: one request per sample;
 # logprobs: the sampled token's is always returned): any other asks for what this engine lacks
-_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "min_p": (0, 0.0),
-    "min_tokens": (0,),
-    "n": (1,),
-    "stop": ([],),
-}
-_NEUTRAL_VALUES |= {"repetition_penalty": (1, 1.0), "logprobs": (0, 1)}
-_NEUTRAL_VALUES |= {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
+_NEUTRAL_VALUES: dict[str, tuple] = {"min_p": (0, 0.0), "min_tokens": (0,), "n": (1,), "stop": ([],)}
+_NEUTRAL_VALUES |= {"repetition_penalty": (1, 1.0), "logprobs": (0, 1), "presence_penalty": (0, 0.0)}
+_NEUTRAL_VALUES["frequency_penalty"] = (0, 0.0)
 _SAMPLING_KEYS = {name for aliases in _ALIASES.values() for names in aliases.values() for name in names}
 _SAMPLING_KEYS |= set(_PLAIN) | _TEXT_ONLY_KEYS | set(_NEUTRAL_VALUES)
 # top-level keys per protocol (skyrl also reads the route fields inside sampling_params)
@@ -73,9 +64,7 @@ def _bool(value: Any, field: str) -> bool:
 def _token_ids(value: Any, field: str) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise RequestFieldError(f"{field} must be a list of token ids, got {type(value).__name__}")
-    bad = next(
-        (i for i, t in enumerate(value) if isinstance(t, bool) or not isinstance(t, int) or t < 0), None
-    )
+    bad = next((i for i, t in enumerate(value) if type(t) is not int or t < 0), None)
     if bad is not None:
         raise RequestFieldError(f"{field}[{bad}] must be a non-negative integer token id, got {value[bad]!r}")
     return tuple(value)
@@ -96,7 +85,7 @@ def parse_sampling_params(
     shape text are accepted; penalties and the like only at their neutral value."""
     known = _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set())
     _check_keys(params, known, "sampling_params")
-    for key in (_TEXT_ONLY_KEYS & params.keys()) - {k for k, v in params.items() if v is None}:
+    for key in _TEXT_ONLY_KEYS & {k for k, v in params.items() if v is not None}:
         _bool(params[key], f"sampling_params.{key}")
     for key, neutral in _NEUTRAL_VALUES.items():
         value = params.get(key)
@@ -139,7 +128,7 @@ def parse_generate_request(
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if not isinstance(body, dict):
         raise RequestFieldError(f"request body must be a JSON object, got {type(body).__name__}")
-    prompt_field = "token_ids" if protocol == "skyrl" else "input_ids"
+    prompt_field = PROMPT_FIELDS[protocol]
     if prompt_field not in body:
         hint = " (text prompts are not supported)" if "text" in body else ""
         raise RequestFieldError(f"{prompt_field} is required (the prompt as a list of token ids){hint}")
@@ -186,32 +175,21 @@ def build_response(
     output: GenerationOutput, protocol: str, *, request_id: str, model_name: str, logprobs: bool
 ) -> dict:
     """The JSON-ready response body of one generation in ``protocol``'s layout."""
-    routes, ids, version = (
-        output.routed_experts,
-        output.token_ids,
-        output.weight_version,
-    )  # routes: [rows, L, K]
-    pairs, counts = zip(ids, output.logprobs, strict=True), {"prompt_tokens": output.prompt_tokens}
-    counts["completion_tokens"] = len(ids)
+    ids, routes, version = output.token_ids, output.routed_experts, output.weight_version
+    pairs = list(zip(ids, output.logprobs, strict=True))
+    usage = {"prompt_tokens": output.prompt_tokens, "completion_tokens": len(ids)}
     if protocol == "skyrl":
+        content = [{"logprob": lp, "token_id": t} for t, lp in pairs]
         choice = {"index": 0, "token_ids": ids, "finish_reason": output.finish_reason}
         choice["stop_reason"] = output.stop_token_id
-        choice["logprobs"] = (
-            {"content": [{"logprob": lp, "token_id": t} for t, lp in pairs]} if logprobs else None
-        )
-        choice["routed_experts"] = None if routes is None else encode_routes(routes)
-        return {
-            "id": request_id,
-            "model": model_name,
-            "choices": [choice],
-            "usage": counts,
-            "weight_version": version,
-        }
-    stop = output.finish_reason == "stop"
-    finish = (
-        {"type": "stop", "matched": output.stop_token_id} if stop else {"type": "length", "length": len(ids)}
-    )
-    meta: dict[str, Any] = {"id": request_id, "finish_reason": finish, **counts, "weight_version": version}
+        choice["logprobs"] = {"content": content} if logprobs else None
+        choice["routed_experts"] = None if routes is None else encode_routes(routes)  # [rows, L, K]
+        response = {"id": request_id, "model": model_name, "choices": [choice], "usage": usage}
+        return response | {"weight_version": version}
+    finish = {"type": "length", "length": len(ids)}
+    if output.finish_reason == "stop":
+        finish = {"type": "stop", "matched": output.stop_token_id}
+    meta: dict[str, Any] = {"id": request_id, "finish_reason": finish, **usage, "weight_version": version}
     if logprobs:
         meta["output_token_logprobs"] = [[lp, t, None] for t, lp in pairs]
     if routes is not None:

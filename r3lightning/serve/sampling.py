@@ -12,21 +12,18 @@ from torch import Tensor
 from r3lightning.rollout.config import check_setting
 
 MAX_SEED = 2**63 - 1
-# A temperature > 0 divides float32 logits: below 1e-3 a large logit overflows to inf (and
-# 1e-300 becomes 0 in float32), so softmax turns NaN. 0 means greedy.
+# float32 logits divided by a temperature under 1e-3 overflow to inf (1e-300 is 0 in float32)
 TEMPERATURE_RANGE = (1e-3, 1e3)
-# top_k beyond any vocabulary size only disables the filter; the bound keeps it a C int.
-MAX_TOP_K = 2**31 - 1
+MAX_TOP_K = 2**31 - 1  # beyond any vocabulary only disables the filter; the bound keeps a C int
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature`` 0 is greedy, else in :data:`TEMPERATURE_RANGE`
-    (dividing float32 logits cannot overflow); ``top_k <= 0`` and ``top_p == 1`` disable those
-    filters. Generation stops after ``max_new_tokens`` (``"length"``) or at the first sampled token
-    in ``stop_token_ids`` or, unless ``ignore_eos``, the model's EOS ids (``"stop"``, the token
-    kept). ``seed``: reproducible per request; None draws one from the engine's seeded generator.
-    """
+    """How one request samples. ``temperature`` 0 is greedy, else in :data:`TEMPERATURE_RANGE`;
+    ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops after
+    ``max_new_tokens`` (``"length"``) or at the first sampled token in ``stop_token_ids`` or, unless
+    ``ignore_eos``, the model's EOS ids (``"stop"``, the token kept). ``seed``: reproducible per
+    request; None draws one from the engine's seeded generator."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0

@@ -1,11 +1,10 @@
 """Embedded rollout server: an aiohttp app serving a causal MoE model that returns its routes.
 
-``POST /skyrl/v1/generate`` and ``POST /generate`` (sglang, :mod:`r3lightning.serve.protocol`),
-decoded in one decoder thread and batched by the engine's worker (``/health`` never stalls);
-``GET /health``: liveness, route schema, ``weight_version`` (never behind the key); ``POST
-/update_weights[?strict=true]``: safetensors, checked from its header, all or nothing. Errors are
-JSON ``{"error": {"message", "type", "code"}}``: 400 (field named), 401, 408 stalled body, 409
-concurrent upload, 413 over a cap, 429 queue full (``Retry-After``), 500; it serves on after each.
+``POST /skyrl/v1/generate`` and ``POST /generate`` (:mod:`r3lightning.serve.protocol`), decoded
+in one thread and batched by the engine's worker; ``GET /health`` (route schema,
+``weight_version``; never behind the key); ``POST /update_weights[?strict=true]`` (safetensors).
+Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 (field named), 401, 408 stalled
+body, 409 concurrent upload, 413 over a cap, 429 queue full (``Retry-After``), 500.
 """
 
 from __future__ import annotations
@@ -27,7 +26,13 @@ from aiohttp import web
 
 from r3lightning.serve.config import EngineConfig, ServerLimits
 from r3lightning.serve.engine import GenerationEngine
-from r3lightning.serve.protocol import PROTOCOLS, build_response, parse_generate_request, wants_logprobs
+from r3lightning.serve.protocol import (
+    PROMPT_FIELDS,
+    PROTOCOLS,
+    build_response,
+    parse_generate_request,
+    wants_logprobs,
+)
 from r3lightning.serve.weights import check_weights, loadable_targets
 from r3lightning.wire.json_body import read_capped
 from r3lightning.wire.request import PROTOCOL_PATHS
@@ -35,8 +40,6 @@ from r3lightning.wire.safetensors import read_safetensors
 
 logger = logging.getLogger(__name__)
 
-# a full-context prompt in JSON: up to 24 bytes per token id plus room for the sampling parameters
-_REQUEST_BYTES_PER_TOKEN, _REQUEST_BYTES_SLACK = 24, 64 << 10
 _ERROR_TYPES = {400: "BadRequest", 401: "Unauthorized", 408: "RequestTimeout", 409: "Conflict"}
 _ERROR_TYPES |= {413: "PayloadTooLarge", 429: "TooManyRequests", 500: "InternalError"}
 
@@ -49,11 +52,8 @@ class _HTTPError(Exception):
         self.status, self.message, self.retry_after = status, message, retry_after
 
     def response(self) -> web.Response:
-        error = {
-            "message": self.message,
-            "type": _ERROR_TYPES.get(self.status, "HTTPError"),
-            "code": self.status,
-        }
+        kind = _ERROR_TYPES.get(self.status, "HTTPError")
+        error = {"message": self.message, "type": kind, "code": self.status}
         response = _json_response({"error": error}, self.status)
         if self.retry_after is not None:
             response.headers["Retry-After"] = str(self.retry_after)
@@ -64,12 +64,9 @@ def _json_response(payload: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
 
 
-def _too_large(cap: int):
-    def error(declared: int | None) -> _HTTPError:
-        of = "" if declared is None else f" of {declared} bytes"
-        return _HTTPError(413, f"request body{of} exceeds the cap of {cap} bytes")
-
-    return error
+def _too_large(cap: int, declared: int | None) -> _HTTPError:
+    of = "" if declared is None else f" of {declared} bytes"
+    return _HTTPError(413, f"request body{of} exceeds the cap of {cap} bytes")
 
 
 def is_loopback(host: str) -> bool:
@@ -91,14 +88,11 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
 
 
 class RolloutServer:
-    """Serve ``model`` (default: ``build_tiny_moe(seed=engine.seed)``) over HTTP on ``host:port``.
-
-    ``engine``: :class:`~r3lightning.serve.config.EngineConfig` (default: a bf16 private copy);
-    ``limits``: :class:`~r3lightning.serve.config.ServerLimits`; ``port=0``: a free one (see
-    :attr:`url`). With ``api_key`` every route but ``/health`` needs ``Authorization: Bearer
+    """Serve ``model`` (default: ``build_tiny_moe(seed=engine.seed)``) over HTTP on ``host:port``
+    (``port=0``: a free one, see :attr:`url`) with an ``engine`` config (default: a bf16 private
+    copy) and ``limits``. With ``api_key`` every route but ``/health`` needs ``Authorization: Bearer
     <api_key>``; a non-loopback host needs one unless ``allow_unauthenticated``. Use as ``async
-    with`` in a running loop, or as ``with`` (its own loop in a daemon thread). It runs once.
-    """
+    with`` in a running loop, or as ``with`` (its own loop in a daemon thread). It runs once."""
 
     def __init__(
         self,
@@ -126,9 +120,8 @@ class RolloutServer:
         self.model_name = model_name or getattr(model.config, "name_or_path", None) or type(model).__name__
         self.host, self.port, self.api_key = host, port, api_key
         self._api_key_bytes = None if api_key is None else api_key.encode()
-        if limits.max_request_bytes is None:
-            needed = _REQUEST_BYTES_SLACK + _REQUEST_BYTES_PER_TOKEN * self.engine.max_context
-            limits = replace(limits, max_request_bytes=needed)
+        if limits.max_request_bytes is None:  # a full-context prompt: 24 bytes a token id + 64 KiB
+            limits = replace(limits, max_request_bytes=(64 << 10) + 24 * self.engine.max_context)
         self.limits = limits
         self._generating = 0  # generate requests admitted and not yet answered
         self._uploading = False  # one weight upload at a time
@@ -138,8 +131,8 @@ class RolloutServer:
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self._started = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # with the thread serving it under ``with``
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def url(self) -> str:
@@ -156,10 +149,8 @@ class RolloutServer:
     def make_app(self) -> web.Application:
         """The aiohttp application (routes + error/auth middleware), unstarted."""
         app = web.Application(middlewares=[self._middleware])
-        for protocol in PROTOCOLS:
-            app.router.add_post(
-                PROTOCOL_PATHS[protocol], functools.partial(self._generate, protocol=protocol)
-            )
+        for name in PROTOCOLS:
+            app.router.add_post(PROTOCOL_PATHS[name], functools.partial(self._generate, protocol=name))
         app.router.add_get("/health", self._health)
         app.router.add_post("/update_weights", self._update_weights)
         return app
@@ -186,14 +177,13 @@ class RolloutServer:
     async def _body_chunks(self, request: web.Request) -> AsyncIterator[bytes]:
         """The body as it arrives; 408 when no byte comes for ``body_timeout_s``."""
         wait = self.limits.body_timeout_s
+        stalled = f"request body stalled: no data for {wait:g} s (body_timeout_s)"
         while True:
             try:
                 async with asyncio.timeout(wait):
                     chunk = await request.content.readany()
             except TimeoutError:
-                raise _HTTPError(
-                    408, f"request body stalled: no data for {wait:g} s (body_timeout_s)"
-                ) from None
+                raise _HTTPError(408, stalled) from None
             if not chunk:
                 return
             yield chunk
@@ -201,33 +191,29 @@ class RolloutServer:
     def _admit(self, raw: bytes, protocol: str):
         """Decode, check and queue one generate body (in the decoder thread: the prompt check is a
         Python pass over its ids); the engine's future and whether logprobs are wanted."""
+        cap = self.limits.max_new_tokens_cap
         try:
             body = orjson.loads(raw)
-            limits = {
-                "max_prompt_tokens": self.engine.max_context - 1,
-                "max_new_tokens_cap": self.limits.max_new_tokens_cap,
-            }
-            request, logprobs = (
-                parse_generate_request(body, protocol, **limits),
-                wants_logprobs(body, protocol),
+            request = parse_generate_request(
+                body, protocol, max_prompt_tokens=self.engine.max_context - 1, max_new_tokens_cap=cap
             )
-            return self.engine.submit(
-                request, prompt_field="token_ids" if protocol == "skyrl" else "input_ids"
-            ), logprobs
+            logprobs = wants_logprobs(body, protocol)
+            return self.engine.submit(request, prompt_field=PROMPT_FIELDS[protocol]), logprobs
         except orjson.JSONDecodeError as exc:
             raise _HTTPError(400, f"request body is not valid JSON: {exc}") from None
         except ValueError as exc:  # RequestFieldError, or the engine's check naming the field
             raise _HTTPError(400, str(exc)) from None
 
     async def _generate(self, request: web.Request, protocol: str) -> web.Response:
-        batch, queued = self.engine.max_batch_size, self.limits.max_queue
+        batch, queued = self.engine.config.max_batch_size, self.limits.max_queue
         if self._generating >= batch + queued:
             busy = f"{self._generating} generate requests in flight (max_batch_size {batch} + max_queue {queued})"
             raise _HTTPError(429, f"the server is busy: {busy}", retry_after=self.limits.retry_after_s)
         self._generating += 1
         try:
             cap = self.limits.max_request_bytes
-            raw = await read_capped(self._body_chunks(request), request.content_length, cap, _too_large(cap))
+            too_large = functools.partial(_too_large, cap)
+            raw = await read_capped(self._body_chunks(request), request.content_length, cap, too_large)
             loop = asyncio.get_running_loop()
             future, logprobs = await loop.run_in_executor(self._decoder, self._admit, raw, protocol)
             del raw
@@ -246,17 +232,14 @@ class RolloutServer:
 
     async def _update_weights(self, request: web.Request) -> web.Response:
         strict_arg = request.query.get("strict", "false").lower()
-        if strict_arg not in ("true", "false", "1", "0"):
+        if strict_arg not in ("true", "1", "false", "0"):
             raise _HTTPError(400, f"query parameter strict must be true or false, got {strict_arg!r}")
         if self._uploading:
             raise _HTTPError(409, "another weight upload is in progress; send one at a time")
-        cap, length, strict = (
-            self.limits.max_weights_bytes,
-            request.content_length,
-            strict_arg in ("true", "1"),
-        )
+        strict = strict_arg in ("true", "1")
+        cap, length = self.limits.max_weights_bytes, request.content_length
         if length is not None and length > cap:
-            raise _too_large(cap)(length)
+            raise _too_large(cap, length)
         self._uploading = True
         try:
             targets = loadable_targets(self.engine.model)
@@ -275,8 +258,6 @@ class RolloutServer:
         count. Thread-safe and blocking: waits for the running batch. From a coroutine on the
         server's loop use ``await asyncio.to_thread(server.update_weights, sd)``."""
         return self.engine.update_weights(state_dict, strict=strict)
-
-    # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> RolloutServer:
         """Bind and start serving on the running loop; :attr:`port` holds the bound port after."""
@@ -324,7 +305,7 @@ class RolloutServer:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        if self._loop is None or self._thread is None:
+        if self._loop is None:
             return
         asyncio.run_coroutine_threadsafe(self.stop(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -1,9 +1,9 @@
-"""What a serving model may load, for :meth:`GenerationEngine.update_weights` and ``POST
-/update_weights`` alike: the model's parameters and persistent buffers (``rotary_emb.inv_freq``
-is derived, never loaded), their shapes; floating tensors only from floating sources of 16 bits
-or more (fp8, ints or bools would be cast silently), other buffers only from their own dtype;
-values finite in the serving dtype (one NaN or inf makes every later sample token 0); ``strict``:
-every name."""
+"""What a serving model may load, in process (:meth:`GenerationEngine.update_weights`) and over HTTP
+(``POST /update_weights``): its parameters and persistent buffers (``rotary_emb.inv_freq`` is
+derived, never loaded) in their shapes; floating tensors only from floating sources of 16 bits or
+more (fp8, ints or bools would be cast silently), other buffers only from their own dtype; values
+finite in the serving dtype (one NaN or inf makes every later sample token 0); ``strict``: every
+name."""
 
 from __future__ import annotations
 
@@ -24,11 +24,7 @@ def loadable_targets(model: torch.nn.Module) -> dict[str, Tensor]:
 
 
 def check_weights(
-    targets: Mapping[str, Tensor],
-    specs: Mapping[str, tuple[torch.dtype, tuple]],
-    *,
-    strict: bool,
-    where="state_dict",
+    targets: Mapping[str, Tensor], specs: Mapping[str, tuple], *, strict: bool, where: str = "state_dict"
 ) -> None:
     """``ValueError`` naming the tensor unless ``specs`` (name -> dtype, shape) may load into
     ``targets``: the metadata half of the rules (:func:`check_finite` is the values half)."""
@@ -49,13 +45,11 @@ def check_weights(
             raise ValueError(f"{at} has dtype {dtype}, the model's buffer is {target.dtype}")
 
 
-def check_finite(
-    state_dict: Mapping[str, Tensor], targets: Mapping[str, Tensor], *, where: str = "state_dict"
-) -> None:
+def check_finite(state_dict: Mapping[str, Tensor], targets: Mapping[str, Tensor]) -> None:
     """``ValueError`` naming the first floating tensor that is not finite once cast to its
-    target's dtype: NaN, inf, or a finite value beyond that dtype's range (float64 ``1e300`` into
-    float32, float32 ``3.4e38`` into bfloat16 would install ``inf``). One cast and finiteness pass
-    per tensor, one tensor at a time (no second copy of the weights); one host sync per device."""
+    target's dtype: NaN, inf, or beyond that dtype's range (float64 ``1e300`` into float32, float32
+    ``3.4e38`` into bfloat16 would install ``inf``). One cast and finiteness pass per tensor, one
+    tensor at a time (no second copy of the weights); one host sync per device."""
     by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
     for name, value in state_dict.items():
         if value.is_floating_point():
@@ -67,5 +61,5 @@ def check_finite(
             dtype = targets[name].dtype
             bad = f"{int((~torch.isfinite(value.to(dtype))).sum())} values that are not finite"
             raise ValueError(
-                f"{where}[{name!r}] holds {bad} in the serving dtype {dtype} (NaN, inf, or beyond its range)"
+                f"state_dict[{name!r}] holds {bad} in the serving dtype {dtype} (NaN, inf, or beyond its range)"
             )

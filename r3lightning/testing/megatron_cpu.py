@@ -1,18 +1,11 @@
-"""The few patches megatron-core 0.16 needs to run MoE layers off its usual CUDA + Transformer Engine setup.
+"""The patches megatron-core 0.16 needs to run MoE layers off CUDA + Transformer Engine, undone on
+exit (tests, ``scripts/gpu_check.py``, the megatron example, the job's CPU rehearsal):
 
-Used by the tests, ``scripts/gpu_check.py``, the megatron example and the main job's CPU rehearsal,
-always as a context manager so every patch is undone on exit:
-
-* without Transformer Engine, ``moe_utils`` never defines ``te_general_gemm`` and router gating
-  raises ``NameError``; ``None`` selects megatron's own ``torch.mm`` path (any device);
-* on the CPU, ``Router.gating`` moves router weights to ``torch.cuda.current_device()`` (and
-  ``TopKRouter`` builds expert-bias buffers there): that device becomes ``"cpu"``;
-* on the CPU, megatron's activation checkpoint saves and restores the CUDA RNG state: both calls
-  become no-ops (megatron still saves and restores the CPU RNG state);
-* on the CPU, the pipeline schedules (``forward_backward_func``) count tokens in a tensor made on
-  ``"cuda"``: the schedules module sees a ``torch`` whose ``zeros`` puts it on the CPU.
-
-On a CUDA device only the Transformer Engine patch applies: the others would be wrong there.
+* without Transformer Engine, router gating raises ``NameError`` on ``moe_utils.te_general_gemm``:
+  ``None`` selects megatron's own ``torch.mm`` path (any device);
+* on the CPU, ``torch.cuda.current_device()`` (router weights, expert-bias buffers) is ``"cpu"``,
+  the activation checkpoint's CUDA RNG save/restore are no-ops, and the pipeline schedules' token
+  count tensor made on ``"cuda"`` is made on the CPU.
 """
 
 from __future__ import annotations
@@ -31,10 +24,7 @@ _MISSING = object()
 @contextmanager
 def megatron_device_shims(device: torch.device | str = "cpu") -> Iterator[None]:
     """Patch megatron-core for MoE forward, backward and recompute on ``device``; undone on exit.
-
-    Not thread-safe (it patches module attributes): enter it once per process, around the whole
-    run that builds and uses megatron modules.
-    """
+    Not thread-safe (it patches module attributes): enter it once, around the whole run."""
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils

@@ -1,12 +1,9 @@
 """Tiny randomly initialised Hugging Face MoE models for tests, examples and the embedded server.
 
-Every builder is deterministic for a given seed, downloads nothing and runs on CPU in
-milliseconds. The default model is a real ``Qwen3MoeForCausalLM`` with one dense decoder layer
-(``mlp_only_layers``), so the dense-layer handling of routes (an absolute layer axis with unused
-rows) is exercised wherever it is used.
-
-``tiny_family_config`` builds equally small configs for the other router families the Hugging
-Face replay backend supports (Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3, gpt-oss).
+Deterministic for a given seed, offline, milliseconds on a CPU. The default is a real
+``Qwen3MoeForCausalLM`` whose layer 0 is dense (``mlp_only_layers``), so the dense-layer rows of
+routes are exercised wherever it is used; :func:`tiny_family_config` builds equally small configs
+of the other router families the Hugging Face replay backend supports.
 """
 
 from __future__ import annotations
@@ -26,74 +23,29 @@ from transformers import (
 )
 
 # Shared by every family: a 64-wide model small enough for a 1-thread CPU test.
-_COMMON: dict[str, Any] = {
-    "vocab_size": 96,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "num_experts_per_tok": 2,
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+_COMMON: dict[str, Any] = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96}
+_COMMON |= {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+_COMMON |= {"max_position_embeddings": 256, "num_experts_per_tok": 2, "initializer_range": 0.1}
+_COMMON |= {"tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_QWEN = {"num_experts": 8, "moe_intermediate_size": 32}
+_DEEPSEEK = {"num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2}
+_DEEPSEEK |= {"moe_intermediate_size": 32, "topk_group": 1, "first_k_dense_replace": 1}
+_DEEPSEEK |= {"norm_topk_prob": True, "routed_scaling_factor": 2.5, "kv_lora_rank": 16, "q_lora_rank": 32}
+_DEEPSEEK |= {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
+# gpt-oss with plain RoPE: the YaRN defaults assume a 4k original context
+_GPT_OSS = {"num_local_experts": 8, "head_dim": 16, "sliding_window": 8}
+_GPT_OSS["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
 
 _FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
-    "qwen3_moe": (
-        Qwen3MoeConfig,
-        {
-            "head_dim": 16,
-            "num_experts": 8,
-            "moe_intermediate_size": 32,
-            "norm_topk_prob": True,
-            "mlp_only_layers": [0],
-        },
-    ),
+    "qwen3_moe": (Qwen3MoeConfig, {**_QWEN, "head_dim": 16, "norm_topk_prob": True, "mlp_only_layers": [0]}),
     "qwen2_moe": (
         Qwen2MoeConfig,
-        {
-            "num_experts": 8,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 48,
-            "norm_topk_prob": False,
-            "mlp_only_layers": [1],
-        },
+        {**_QWEN, "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]},
     ),
     "olmoe": (OlmoeConfig, {"num_experts": 8, "norm_topk_prob": False}),
     "mixtral": (MixtralConfig, {"num_local_experts": 8, "head_dim": 16}),
-    "deepseek_v3": (
-        DeepseekV3Config,
-        {
-            "num_key_value_heads": 4,
-            "n_routed_experts": 8,
-            "n_shared_experts": 1,
-            "moe_intermediate_size": 32,
-            "n_group": 2,
-            "topk_group": 1,
-            "first_k_dense_replace": 1,
-            "norm_topk_prob": True,
-            "routed_scaling_factor": 2.5,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 32,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 16,
-        },
-    ),
-    "gpt_oss": (
-        GptOssConfig,
-        {
-            "num_local_experts": 8,
-            "head_dim": 16,
-            "sliding_window": 8,
-            # plain RoPE: the YaRN defaults assume a 4k original context
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-    ),
+    "deepseek_v3": (DeepseekV3Config, _DEEPSEEK),
+    "gpt_oss": (GptOssConfig, _GPT_OSS),
 }
 
 TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
@@ -105,18 +57,15 @@ def tiny_family_config(family: str, **overrides: Any) -> PretrainedConfig:
         raise ValueError(f"family must be one of {TINY_FAMILIES}, got {family!r}")
     config_cls, family_kwargs = _FAMILIES[family]
     kwargs = {**_COMMON, **family_kwargs, **overrides}
-    if family == "gpt_oss" and "layer_types" not in overrides:
-        # one entry per layer, so it follows a num_hidden_layers override
-        n = kwargs["num_hidden_layers"]
-        kwargs["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(n)]
+    if family == "gpt_oss" and "layer_types" not in overrides:  # one per layer: follows num_hidden_layers
+        kinds = ("sliding_attention", "full_attention")
+        kwargs["layer_types"] = [kinds[i % 2] for i in range(kwargs["num_hidden_layers"])]
     return config_cls(**kwargs)
 
 
 def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
-    """Tiny Qwen3-MoE config: vocab 96, hidden 64, 4 layers (layer 0 dense), 8 experts, top-2.
-
-    ``norm_topk_prob=True`` as in the released Qwen3 MoE checkpoints.
-    """
+    """Tiny Qwen3-MoE config: vocab 96, hidden 64, 4 layers (layer 0 dense), 8 experts, top-2,
+    ``norm_topk_prob=True`` as in the released Qwen3 MoE checkpoints."""
     return tiny_family_config("qwen3_moe", **overrides)
 
 
@@ -124,13 +73,10 @@ def build_tiny_moe(
     config: PretrainedConfig | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """A randomly initialised causal MoE LM (``tiny_moe_config()`` by default), in eval mode.
-
-    Initialisation draws from a forked RNG seeded with ``seed``, so the global torch RNG is left
-    untouched and two calls with the same arguments give identical weights.
-    """
+    Init draws from a forked RNG seeded with ``seed`` (the global RNG is untouched; same
+    arguments, same weights) in fp32, then casts to ``dtype``."""
     config = tiny_moe_config() if config is None else config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # Cast after init so that every dtype starts from the same fp32 weights.
     return model.to(dtype).eval()

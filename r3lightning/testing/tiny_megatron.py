@@ -1,23 +1,12 @@
 """A tiny megatron-core MoE language model for the main job (``model=tiny_megatron_moe``).
 
-The MoE layers, routers and ``RouterReplay`` are megatron-core's own; around them sits the least a
-language model needs (embedding, RMSNorm + residual per layer, LM head), token-wise, with no
-attention, so it runs on a CPU and its logits at a position depend only on that position's token.
-It speaks the Hugging Face causal-LM calling convention the job's other pieces use
-(``model(input_ids=..., attention_mask=..., position_ids=...).logits``, a ``config`` with
-``vocab_size``), so the embedded rollout engine serves it and ``GRPOModule`` trains it unchanged.
-A KV cache is accepted and left empty: a token-wise model needs no past.
-
-Routes go through megatron's ``RouterReplay``: :meth:`TinyMegatronMoE.router_replay_backend` is
-the :class:`MegatronRouterReplay` of the model's routers (the rollout engine records with it; the
-job's ``callbacks=router_replay_megatron`` replays with it). The model sees the padded ``[B, S]``
-batch, so the callback aligns routes to that layout (``layout_fn``); megatron's packed THD layout
-is :meth:`MegatronRouterReplay.build_layout`'s, for models that take packed tokens.
-
-:func:`megatron_runtime` is the process setup megatron-core needs: a world-size-1 process group,
-``parallel_state`` (TP = CP = PP = 1) and, off CUDA + Transformer Engine, the documented device
-shims (:func:`r3lightning.testing.megatron_cpu.megatron_device_shims`). The job enters it around
-the whole run (``model.runtime``) and undoes what it set up on exit.
+Megatron-core's own MoE layers, routers and ``RouterReplay``, inside the least a language model
+needs (embedding, RMSNorm + residual per layer, LM head), token-wise and without attention, so it
+runs on a CPU. It speaks the Hugging Face causal-LM calling convention (``model(input_ids=...,
+attention_mask=..., position_ids=...).logits``, a ``config`` with ``vocab_size``), so the embedded
+engine serves it and ``GRPOModule`` trains it unchanged; its routes go through
+:meth:`TinyMegatronMoE.router_replay_backend`. The model sees the padded ``[B, S]`` batch (the
+callback's ``layout_fn``). :func:`megatron_runtime` is the process setup megatron-core needs.
 """
 
 from __future__ import annotations
@@ -41,11 +30,8 @@ class _Output:
 
 class TinyMegatronMoE(nn.Module):
     """Embedding -> [RMSNorm -> megatron MLP or ``MoELayer``, + residual] x layers -> LM head.
-
-    ``transformer_config``: megatron's ``TransformerConfig`` (``moe_enable_routing_replay=True``);
-    ``config``: the Hugging Face-style description the job and the rollout engine read
-    (``vocab_size``, ``num_hidden_layers``, ``max_position_embeddings``).
-    """
+    ``transformer_config``: megatron's (``moe_enable_routing_replay=True``); ``config``: what the
+    job and the engine read (``vocab_size``, ``num_hidden_layers``, ``max_position_embeddings``)."""
 
     def __init__(self, transformer_config: Any, config: Any) -> None:
         super().__init__()
@@ -94,9 +80,8 @@ class TinyMegatronMoE(nn.Module):
         use_cache: bool = False,
         logits_to_keep: int = 0,
     ) -> _Output:
-        """``input_ids [B, S]`` -> ``.logits [B, S or logits_to_keep, V]``; megatron layers run on
-        ``[S, B, H]``. Masks, positions and the cache are accepted for the calling convention:
-        a token-wise model needs none of them."""
+        """``input_ids [B, S]`` -> ``.logits [B, S or logits_to_keep, V]`` (layers run on ``[S, B, H]``).
+        Masks, positions and a cache are accepted and unused: the model is token-wise."""
         hidden = self.embed(input_ids).transpose(0, 1)  # [S, B, H]
         for norm, mlp in zip(self.norms, self.mlps, strict=True):
             out, _ = mlp(norm(hidden))
@@ -118,12 +103,9 @@ def tiny_megatron_moe(
     max_position_embeddings: int = 256,
     seed: int = 0,
 ) -> TinyMegatronMoE:
-    """A randomly initialised :class:`TinyMegatronMoE` in fp32 (dropless, routing replay on).
-
-    ``moe_layer_freq``: one 0/1 per layer (default: the first layer dense, the rest MoE). Init draws
-    from a forked RNG seeded with ``seed``: two calls give identical weights. Needs
-    :func:`megatron_runtime` to be active.
-    """
+    """A randomly initialised :class:`TinyMegatronMoE` in fp32 (dropless, routing replay on);
+    ``moe_layer_freq``: one 0/1 per layer (default: layer 0 dense). Init draws from a forked RNG
+    seeded with ``seed``. Needs :func:`megatron_runtime`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers import PretrainedConfig
 
@@ -165,8 +147,8 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def megatron_runtime(device: str = "cpu") -> Iterator[None]:
-    """A world-size-1 process group, megatron's ``parallel_state`` and the device shims, for one
-    process; what this call set up is torn down on exit (an existing group is left alone)."""
+    """A world-size-1 process group, megatron's ``parallel_state`` (TP = CP = PP = 1) and the
+    device shims; what this call set up is torn down on exit (an existing group is left alone)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pybase64
 
-from r3lightning.routes import WIRE_DTYPES, compact_dtype
+from r3lightning.routes import WIRE_DTYPES, check_layers, compact_dtype
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.route_check import check_routes
 
@@ -33,19 +33,25 @@ class RouteSchema:
     """Decoded routes: ``[rows, num_layers, top_k]`` ids below ``num_experts`` (None: unchecked;
     SGLang's flat routes need ``num_layers`` and ``top_k``), at most ``max_bytes`` per array.
     ``check_unique`` refuses repeated experts in the parse (several times the decode's cost; off
-    by default: every route is checked for repeats when it becomes a ``Trajectory``)."""
+    by default: every route is checked for repeats when it becomes a ``Trajectory``). ``layers``:
+    the decoder layers this rank holds (absolute ids ``< num_layers``; None: all); the parse keeps
+    only their columns, ``[rows, len(layers), top_k]``, one copy of those bytes."""
 
     num_layers: int | None = None
     top_k: int | None = None
     num_experts: int | None = None
     check_unique: bool = False
     max_bytes: int = DEFAULT_MAX_BYTES
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "top_k", "num_experts"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        object.__setattr__(self, "layers", layers := check_layers("layers", self.layers))
+        if layers is not None and (self.num_layers is None or layers[-1] >= self.num_layers):
+            raise ValueError(f"layers {layers} must be ids below num_layers={self.num_layers}")
 
 
 def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
@@ -199,11 +205,14 @@ def checked_routes(
     compact: bool = False,
     field: str = "routed_experts",
 ) -> np.ndarray:
-    """Decoded ``routes`` after the route check, in their host dtype: uint16 as int16 (int32 from
-    32768 on); with ``compact`` (SGLang's int32) the smallest dtype holding the largest id."""
+    """Decoded ``routes`` after the route check, on ``schema.layers`` only, in their host dtype:
+    uint16 as int16 (int32 from 32768 on); with ``compact`` (SGLang's int32) the smallest dtype
+    holding the largest id."""
     bounds = {"num_experts": schema.num_experts, "num_layers": schema.num_layers, "top_k": schema.top_k}
     check = {"rows": rows, "rows_rule": rows_rule, "where": field, "error": MalformedResponseError}
     high = check_routes(routes, distinct=schema.check_unique, **bounds, **check)
+    if schema.layers is not None:  # a copy of the kept columns: the whole payload is freed
+        routes = routes[:, list(schema.layers)]
     if compact:
         return routes.astype(compact_dtype(high), copy=False)
     if routes.dtype == WIRE_DTYPES["uint16"]:  # torch has few uint16 operations

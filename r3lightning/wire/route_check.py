@@ -26,10 +26,12 @@ def check_routes(
     distinct: bool = True,
     where: str = "routed_experts",
     error: type[ValueError] = ValueError,
+    layers: tuple[int, ...] | None = None,
 ) -> int:
     """Check routes ``[rows, num_layers, top_k]`` against the model's sizes (None where unknown)
     and the allowed row counts ``rows`` (``rows_rule`` says which); return their largest id (0 when
-    empty). Raises ``error`` naming ``where``. Cost: one unsigned ``max`` over the ids (a negative
+    empty). ``layers``: each column's decoder layer, for messages (None: column ``j`` is layer
+    ``j``). Raises ``error`` naming ``where``. Cost: one unsigned ``max`` over the ids (a negative
     id viewed unsigned is at least ``2**(bits-1)``, 0.2 ms for 32k x 48 x 8 uint8 ids), one more
     pass with ``distinct`` (about 10 ms).
     """
@@ -49,13 +51,18 @@ def check_routes(
         bound = f"num_experts={num_experts}" if num_experts is not None else "int32 (ids < 2**31)"
         raise error(f"{where}: expert id {high} is out of range for {bound}")
     if distinct:
-        check_distinct(routes, where, error)
+        check_distinct(routes, where, error, layers)
     if rows is not None and shape[0] not in rows:  # after the ids: a bad id is the likelier story
         raise error(f"{where}: {shape[0]} route rows, expected {rows_rule or rows}")
     return high
 
 
-def check_distinct(routes: np.ndarray, where: str, error: type[ValueError] = ValueError) -> None:
+def check_distinct(
+    routes: np.ndarray,
+    where: str,
+    error: type[ValueError] = ValueError,
+    layers: tuple[int, ...] | None = None,
+) -> None:
     """Raise ``error`` for the first ``[top_k]`` row of ``routes`` ``[rows, L, K]`` that repeats an
     expert, all-zero rows exempt. Cost: per block of rows one transposing copy and
     ``K*(K-1)/2`` comparisons of contiguous columns (about 10 ms for 32k x 48 x 8 uint8 ids)."""
@@ -69,5 +76,6 @@ def check_distinct(routes: np.ndarray, where: str, error: type[ValueError] = Val
         for i in range(k - 1):
             repeated |= (columns[i + 1 :] == columns[i]).any(axis=0)
         if repeated.any() and (repeated := repeated & columns.any(axis=0)).any():
-            row, layer = divmod(first + int(np.flatnonzero(repeated)[0]), routes.shape[1])
-            raise error(f"{where}: row {row} layer {layer} repeats an expert: {routes[row, layer].tolist()}")
+            row, column = divmod(first + int(np.flatnonzero(repeated)[0]), routes.shape[1])
+            layer = column if layers is None else layers[column]
+            raise error(f"{where}: row {row} layer {layer} repeats an expert: {routes[row, column].tolist()}")

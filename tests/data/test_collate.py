@@ -150,11 +150,13 @@ def storage_ptr(batch):
 
 def pooled_collator(**kwargs):
     allocator = CountingAllocator()
-    return RolloutCollator(num_threads=2, pin_memory=True, allocator=allocator, **kwargs), allocator
+    return RolloutCollator(
+        num_threads=2, pin_memory=PinnedBufferPool(allocator=allocator, **kwargs)
+    ), allocator
 
 
 def test_pool_reuses_released_buffers_and_never_rewrites_leased_ones():
-    collator, allocator = pooled_collator(pool_slots=2)
+    collator, allocator = pooled_collator(slots=2)
     trajectories = batch_of(6, 4)
     first = collator(trajectories)
     second = collator(batch_of(7, 4))
@@ -181,7 +183,7 @@ def test_pool_leases_the_least_recently_released_slot():
     """Released one at a time right after their batch (Lightning's pattern without prefetch), the
     slots alternate: a new batch takes the slot whose copy was issued a step earlier, never the
     one just released (whose fence is the copy still running)."""
-    collator, _ = pooled_collator(pool_slots=3)
+    collator, _ = pooled_collator(slots=3)
     trajectories = batch_of(6, 4)  # one size: a slot keeps its buffers
     pointers, fences = [], []
     for _ in range(7):
@@ -198,7 +200,7 @@ def test_pool_leases_the_least_recently_released_slot():
 
 
 def test_moved_copies_share_nothing_with_the_pool():
-    collator, _ = pooled_collator(pool_slots=1)
+    collator, _ = pooled_collator(slots=1)
     batch = collator(batch_of(19, 3))
     offsets = batch.routed_experts.cu_seqlens_host.clone()
     lengths = [t.clone() for t in batch.lengths_host()]
@@ -212,7 +214,7 @@ def test_moved_copies_share_nothing_with_the_pool():
 
 
 def test_release_is_idempotent_and_stale_leases_cannot_free_a_reused_slot():
-    collator, _ = pooled_collator(pool_slots=1, recycle_after=1)
+    collator, _ = pooled_collator(slots=1, recycle_after=1)
     first = collator(batch_of(9, 2))
     lease = first._lease
     assert collator(batch_of(10, 2))._lease is None  # first may still be in use: a miss
@@ -227,7 +229,7 @@ def test_release_is_idempotent_and_stale_leases_cannot_free_a_reused_slot():
 
 
 def test_recycle_after_frees_unreleased_slots_after_n_batches():
-    collator, _ = pooled_collator(pool_slots=2, recycle_after=2)
+    collator, _ = pooled_collator(slots=2, recycle_after=2)
     a = collator(batch_of(11, 2))
     b = collator(batch_of(12, 2))
     c = collator(batch_of(13, 2))  # a is only 2 batches old: not yet recycled
@@ -238,7 +240,7 @@ def test_recycle_after_frees_unreleased_slots_after_n_batches():
 
 
 def test_pool_buffers_grow_with_headroom_and_shrink_as_views():
-    collator, allocator = pooled_collator(pool_slots=1)
+    collator, allocator = pooled_collator(slots=1)
     small = batch_of(15, 2, max_prompt=2, max_response=2)
     big = batch_of(16, 5, max_prompt=6, max_response=6)
     a = collator(small)
@@ -256,7 +258,7 @@ def test_pool_buffers_grow_with_headroom_and_shrink_as_views():
 
 
 def test_failed_collation_returns_its_slot():
-    collator, _ = pooled_collator(pool_slots=1)
+    collator, _ = pooled_collator(slots=1)
     a = Trajectory([1], [2], routed_experts=torch.zeros(1, 3, 2, dtype=torch.int64))
     b = Trajectory([1], [2], routed_experts=torch.zeros(1, 4, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"different route schemas"):
@@ -270,13 +272,13 @@ def test_pool_rejects_bad_settings():
         PinnedBufferPool(0)
     with pytest.raises(ValueError, match=r"recycle_after must be >= 1 or None"):
         PinnedBufferPool(2, recycle_after=0)
-    with pytest.raises(ValueError, match=r"num_threads must be >= 1"):
+    with pytest.raises(ValueError, match=r"num_threads must be an int >= 1, got 0"):
         RolloutCollator(num_threads=0)
 
 
 @run_if(cuda=True)  # pinned memory
 def test_real_pinned_pool_and_async_transfer():
-    collator = RolloutCollator(num_threads=2, pin_memory=True, pool_slots=2)
+    collator = RolloutCollator(num_threads=2, pin_memory=PinnedBufferPool(2))
     trajectories = batch_of(17, 4)
     batch = collator(trajectories)
     assert batch.is_pinned()
@@ -291,7 +293,7 @@ def test_real_pinned_pool_and_async_transfer():
 
 
 def test_bad_collator_settings_are_rejected_naming_the_field():
-    with pytest.raises(ValueError, match=r"num_threads must be >= 1 or None, got 2\.5"):
+    with pytest.raises(ValueError, match=r"num_threads must be an int >= 1, got 2\.5"):
         RolloutCollator(num_threads=2.5)
     trajectories = [make_trajectory(random.Random(1), tag=1)]
     for kwargs, match in (

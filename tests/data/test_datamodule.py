@@ -10,7 +10,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from runif import run_if
 
 from r3lightning.data.buffer import ReplayBuffer
-from r3lightning.data.datamodule import R3DataModule, _Cursor, _EpochShardSampler, _Plan, _Snapshot
+from r3lightning.data.datamodule import (
+    DataOptions,
+    R3DataModule,
+    _Cursor,
+    _EpochShardSampler,
+    _Plan,
+    _Snapshot,
+)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -82,11 +89,10 @@ def test_transfer_passes_other_inputs_through():
 
 
 def test_transfer_to_another_device_returns_pooled_buffers():
-    from r3lightning.data.collate import RolloutCollator
+    from r3lightning.data.collate import PinnedBufferPool, RolloutCollator
 
-    collator = RolloutCollator(
-        num_threads=1, pin_memory=True, allocator=lambda shape, dtype: torch.empty(shape, dtype=dtype)
-    )
+    pool = PinnedBufferPool(allocator=lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    collator = RolloutCollator(num_threads=1, pin_memory=pool)
     batch = collator([tagged(100), tagged(101)])
     assert collator.pool.free_slots == 1
     datamodule = R3DataModule(filled(1), 2, collate_threads=1)
@@ -214,10 +220,9 @@ def test_resuming_mid_epoch_with_other_settings_is_refused():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"batch_size": 0}, "batch_size must be a positive int, got 0"),
+        ({"batch_size": 0}, "batch_size must be an int >= 1, got 0"),
         ({"collate_threads": 0}, "collate_threads must be an int >= 1, got 0"),
-        ({"width_multiple": 0}, "width_multiple must be an int >= 1, got 0"),
-        ({"pad_token_id": -1}, "pad_token_id must be an int >= 0, got -1"),
+        ({"options": {"shard": False}}, "options must be a DataOptions or None, got dict"),
         ({"seed": 1.5}, r"seed must be an int, got 1\.5"),
         ({"shuffle": "yes"}, "shuffle must be a bool, got 'yes'"),
         ({"drop_last": 1}, "drop_last must be a bool, got 1"),
@@ -226,8 +231,25 @@ def test_resuming_mid_epoch_with_other_settings_is_refused():
 )
 def test_bad_settings_fail_at_construction_naming_the_field(kwargs, match):
     settings = {"batch_size": 2, **kwargs}
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         R3DataModule(ReplayBuffer(), settings.pop("batch_size"), **settings)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"width_multiple": 0}, "width_multiple must be an int >= 1, got 0"),
+        ({"pad_token_id": -1}, "pad_token_id must be an int >= 0, got -1"),
+        ({"shard": 1}, "shard must be a bool, got 1"),
+        ({"layers": [3, 1]}, r"layers must be None or sorted, unique decoder-layer ids >= 0, got \[3, 1\]"),
+        ({"layers": [-1]}, "layers must be None or sorted"),
+    ],
+)
+def test_bad_data_options_fail_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DataOptions(**kwargs)
+    with pytest.raises(TypeError, match="eval_buffer must be a ReplayBuffer or None, got list"):
+        DataOptions(eval_buffer=[])
 
 
 def test_hydra_config_instantiates_the_data_module():
@@ -238,6 +260,7 @@ def test_hydra_config_instantiates_the_data_module():
     datamodule = instantiate(cfg, buffer=filled(3))
     assert isinstance(datamodule, R3DataModule) and datamodule.batch_size == cfg.batch_size
     assert (datamodule.shuffle, datamodule.pin_memory, datamodule.drop_last) == (True, None, False)
+    assert datamodule.options == DataOptions(shard=False) and datamodule.shard is False
 
 
 # ---------------------------------------------------------------------------- ddp (2 processes, gloo)

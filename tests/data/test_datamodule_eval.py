@@ -5,7 +5,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from r3lightning.data.buffer import ReplayBuffer
-from r3lightning.data.datamodule import R3DataModule
+from r3lightning.data.datamodule import DataOptions, R3DataModule
 from r3lightning.data.trajectory import Trajectory
 
 
@@ -37,7 +37,7 @@ class ConsumedAtValidation(Callback):
 
 def test_eval_loaders_read_the_eval_buffer_in_order_and_never_move_the_training_position():
     eval_buffer = filled(5, first=300)
-    datamodule = R3DataModule(filled(6), 3, eval_buffer=eval_buffer, collate_threads=1)
+    datamodule = R3DataModule(filled(6), 3, collate_threads=1, options=DataOptions(eval_buffer=eval_buffer))
     module = Evaluator()
     for run in ("validate", "test", "predict"):
         getattr(trainer(), run)(module, datamodule=datamodule)
@@ -60,11 +60,12 @@ def test_without_an_eval_buffer_there_is_no_validation():
     trainer(max_epochs=1).fit(module, datamodule=datamodule)
     assert module.evaluated["validate"] == [] and len(module.seen) == 2
     with pytest.raises(TypeError, match="eval_buffer must be a ReplayBuffer or None, got list"):
-        R3DataModule(filled(4), 2, eval_buffer=[])
+        R3DataModule(filled(4), 2, options=DataOptions(eval_buffer=[]))
 
 
 def test_settings_are_saved_as_hparams_and_in_checkpoints(tmp_path):
-    datamodule = R3DataModule(filled(4), 2, shuffle=False, seed=7, collate_threads=1, eval_buffer=filled(2))
+    options = DataOptions(layers=[1], eval_buffer=filled(2))
+    datamodule = R3DataModule(filled(4), 2, shuffle=False, seed=7, collate_threads=1, options=options)
     expected = {
         "batch_size": 2,
         "shuffle": False,
@@ -75,6 +76,7 @@ def test_settings_are_saved_as_hparams_and_in_checkpoints(tmp_path):
         "pad_token_id": 0,
         "width_multiple": 1,
         "shard": True,
+        "layers": (1,),
     }
     assert dict(datamodule.hparams) == expected
     fit = trainer(max_epochs=1, enable_checkpointing=True, default_root_dir=tmp_path)

@@ -3,19 +3,17 @@ before the model or the engine is built."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from python_process import run_python
 
 from r3lightning.job.main import compose_config
 from r3lightning.job.setup import JobError, check_config
 
-REPO = Path(__file__).resolve().parents[2]
 MODES = "['r3', 'r2', 'off']"
 DTYPE = "a floating torch dtype name (float32, bfloat16, float16)"
 
@@ -111,10 +109,10 @@ BAD_VALUES = [
     ),
     ("algorithm.optim.grad_clip=abc", "algorithm.optim.grad_clip must be a number > 0 or null, got 'abc'"),
     (
-        "callbacks.router_replay.pad_to_multiple=0",
-        "callbacks.router_replay.pad_to_multiple must be an integer >= 1, got 0",
+        "callbacks.router_replay.log_agreement=layers",
+        "callbacks.router_replay: log_agreement must be true, false or 'per_layer', got 'layers'",
     ),
-    ("data.batch_size=0", "data: batch_size must be a positive int, got 0"),
+    ("data.batch_size=0", "data: batch_size must be an int >= 1, got 0"),
     ("data.shuffle=maybe", "data: shuffle must be a bool, got 'maybe'"),
     ("+trainer.max_epochs=3", "trainer.max_epochs is set by the job; use steps (one epoch is one RL step)"),
 ]
@@ -265,20 +263,7 @@ def _job(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedP
     script = (
         f"import sys\n{textwrap.dedent(prelude)}\nfrom r3lightning.job.main import main\nmain(sys.argv[1:])\n"
     )
-    return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            script,
-            *args,
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
+    return run_python(tmp_path, "-c", script, *args, f"hydra.run.dir={tmp_path / 'run'}")
 
 
 @pytest.mark.slow

@@ -3,12 +3,8 @@ directory, and a separately started engine reached over HTTP, with weights pushe
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from python_process import run_python
 
 from r3lightning.job.report import agreement_keys, read_csv
 from r3lightning.job.sharded import convert_checkpoint
@@ -17,7 +13,6 @@ from r3lightning.serve.server import RolloutServer
 from r3lightning.testing.tiny import build_tiny_moe
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_fsdp2_two_processes_with_external_engine(tmp_path):
@@ -26,34 +21,27 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
     # meta-device init: each rank reads only its shards of the converted checkpoint
     sharded = convert_checkpoint(checkpoint, tmp_path / "tiny-moe-dcp")
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     with RolloutServer(
         build_tiny_moe(seed=0), engine=EngineConfig(max_batch_size=64, copy_model=False)
     ) as server:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "r3lightning.job.main",
-                "experiment=fsdp_moe",
-                "trainer=cpu_fsdp",
-                f"model.path={checkpoint}",
-                f"model.sharded_weights={sharded}",
-                "rollout=skyrl",
-                f"rollout.url={server.url}",
-                "steps=2",
-                "prompts_per_step=4",
-                "task.response_length=4",
-                "data.batch_size=16",  # per rank: one update per step, so step 1 measures only the engine mismatch
-                "algorithm.optim.lr=0.02",
-                "trainer.enable_progress_bar=false",
-                f"hydra.run.dir={run_dir}",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env=env,
-            timeout=300,
+        proc = run_python(
+            tmp_path,
+            "-m",
+            "r3lightning.job.main",
+            "experiment=fsdp_moe",
+            "trainer=cpu_fsdp",
+            f"model.path={checkpoint}",
+            f"model.sharded_weights={sharded}",
+            "rollout=skyrl",
+            f"rollout.url={server.url}",
+            "steps=2",
+            "prompts_per_step=4",
+            "task.response_length=4",
+            "data.batch_size=16",  # per rank: one update per step, so step 1 measures only the engine mismatch
+            "algorithm.optim.lr=0.02",
+            "trainer.enable_progress_bar=false",
+            f"hydra.run.dir={run_dir}",
+            OMP_NUM_THREADS="1",
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         weight_version = server.engine.weight_version

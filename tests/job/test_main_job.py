@@ -8,16 +8,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from python_process import REPO, run_python
 from runif import run_if
 
 from r3lightning.job.main import compose_config, main, run
 from r3lightning.job.report import agreement_keys, environment, environment_line, read_csv, summarize
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 QUIET = ["trainer.enable_progress_bar=false"]
 
 
@@ -147,21 +146,15 @@ def test_trainer_the_machine_cannot_run_is_one_line(tmp_path, capsys):
 
 
 def test_unreachable_engine_is_one_line_without_traceback(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HYDRA_FULL_ERROR": "0"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "r3lightning.job.main",
-            "rollout.url=http://127.0.0.1:9",
-            "rollout.retry.health_timeout_s=5",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
+    proc = run_python(
+        tmp_path,
+        "-m",
+        "r3lightning.job.main",
+        "rollout.url=http://127.0.0.1:9",
+        "rollout.retry.health_timeout_s=5",
+        f"hydra.run.dir={tmp_path}",
         timeout=120,
+        HYDRA_FULL_ERROR="0",
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

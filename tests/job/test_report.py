@@ -82,6 +82,28 @@ def test_table_shows_median_and_range_over_seeds_and_every_seeds_step0_ratio():
     assert single[0].startswith("run") and not any("[min, max]" in line for line in single)
 
 
+def test_multiturn_runs_add_turns_per_turn_route_bytes_and_used_agreement_columns():
+    def history(turns_end: float, turn2: float, agreement: float):
+        steps = [{"step": float(s), "reward": 1.0, "turns": 1.0 + s / 3} for s in range(6)]
+        for record in steps:  # turn 2 reward only on the last steps; route bytes on every step
+            record |= {"route_bytes/turn_1": 72.0, "route_bytes/turn_2": 48.0, "turn_reward/turn_2": turn2}
+            record |= {"used_agreement/layer_01": agreement, "used_agreement/layer_02": agreement}
+        steps[-1]["turns"] = turns_end
+        return steps
+
+    runs = {"r3/seed=0": history(2.0, 0.5, 1.0), "r3/seed=1": history(3.0, 0.9, 0.8)}
+    lines = format_table(runs).splitlines()
+    header = _row(lines, "run")
+    assert header[-4:] == ["turns end", "turn 2 reward end", "route B turn 1->2", "used agreement"]
+    # turns end: mean of the last 3 steps (2 + 7/3 + end) / 3 per seed, then the median of both
+    ends = [(2.0 + 7 / 3 + end) / 3 for end in (2.0, 3.0)]
+    assert _row(lines, "r3 ")[-4:] == [f"{sum(ends) / 2:.2f}", "0.700", "72 -> 48", "90.00%"]
+    assert any(line.startswith("turns end, turn 2 reward end") for line in lines)
+    # a single-turn run (no turn 2 anywhere) keeps the table without those columns
+    single = format_table({"a": _seed(1e-3, 1e-4, 0.5)}).splitlines()
+    assert "turns end" not in _row(single, "run")
+
+
 def test_environment_line_names_versions_threads_and_cpu():
     import lightning
     import transformers

@@ -4,18 +4,15 @@ rollouts a resumed run collects (none after a run's last step)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from python_process import run_python
 
 from r3lightning.job.checkpoint import FINGERPRINT, check_run_dir, fingerprint
 from r3lightning.job.main import compose_config
 from r3lightning.job.setup import JobError
 
-REPO = Path(__file__).resolve().parents[2]
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 
 
@@ -140,21 +137,14 @@ def test_no_rollout_after_the_last_step_and_a_foreign_resume_leaves_the_run_unto
     saved = {p: p.read_bytes() for p in [tmp_path / "config.yaml", *(tmp_path / ".hydra").iterdir()]}
     checkpoint = (tmp_path / "replay_r3" / "checkpoints" / "last.ckpt").read_bytes()
     assert len(saved) == 4  # config.yaml and Hydra's three files
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "r3lightning.job.main",
-            *tiny,
-            "steps=3",
-            "task.num_classes=3",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
+    proc = run_python(
+        tmp_path,
+        "-m",
+        "r3lightning.job.main",
+        *tiny,
+        "steps=3",
+        "task.num_classes=3",
+        f"hydra.run.dir={tmp_path}",
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert (

@@ -1,7 +1,8 @@
-"""RouterReplayCallback options: the layout routes follow (``layout_fn``, ``pad_to_multiple``), what
-is logged (``log_agreement``, ``log_per_layer``), ``model_attr``, and ``sync_dist`` over 3 ranks."""
+"""RouterReplayCallback options: the layout routes follow (``layout_fn``), what is logged
+(``log_agreement``: per layer or not), ``model_attr``, and ``sync_dist`` over 3 ranks."""
 
 import copy
+import functools
 
 import lightning.pytorch as pl
 import pytest
@@ -27,14 +28,14 @@ def seven():
     return seven_batch()
 
 
-def test_layout_fn_and_pad_to_multiple_change_the_layout_routes_follow(seven):
+def test_layout_fn_changes_the_layout_routes_follow(seven):
     right = RouterReplayCallback(layout_fn=lambda mask: TokenMetadataLayout.padded(mask, side="right"))
     module = Whole()
     fit(module, [copy.deepcopy(seven)], right)
     layout, used = module.whole[0]
     assert layout.side == "right" and replayed_in_layout(layout, used, seven)
 
-    padded = RouterReplayCallback(pad_to_multiple=4)
+    padded = RouterReplayCallback(layout_fn=functools.partial(TokenMetadataLayout.padded, pad_to_multiple=4))
     module = Whole()
     fit(module, [copy.deepcopy(seven)], padded)
     layout, used = module.whole[0]
@@ -46,10 +47,12 @@ def test_log_options_and_model_attr(seven):
     _, logger = fit(Whole(), [copy.deepcopy(seven)], quiet)
     assert not [k for row in logger.rows for k in row if k.startswith("router_replay/")]
 
-    flat = RouterReplayCallback(log_per_layer=False)
+    flat = RouterReplayCallback(log_agreement=True)
     _, logger = fit(Whole(), [copy.deepcopy(seven)], flat)
     keys = {k for row in logger.rows for k in row if k.startswith("router_replay/")}
     assert "router_replay/native_agreement" in keys and not [k for k in keys if "/layer_" in k]
+    with pytest.raises(ValueError, match=r"log_agreement must be true, false or 'per_layer', got 'layers'"):
+        RouterReplayCallback(log_agreement="layers")
 
     class WithReference(Whole):
         def __init__(self):
@@ -115,7 +118,7 @@ def _ddp_fit(rank, shards, expected):
 
     dist.all_reduce = counting_all_reduce
     callback_vector_shape = torch.Size([4 * 4 + 2])  # [4 counts, num_layers] + 2 scalars
-    for sync_dist, log_agreement in ((True, True), (False, True), (True, False)):
+    for sync_dist, log_agreement in ((True, "per_layer"), (False, "per_layer"), (True, False)):
         logger = MemoryLogger()
         callback = RouterReplayCallback(sync_dist=sync_dist, log_agreement=log_agreement)
         trainer = pl.Trainer(

@@ -86,6 +86,12 @@ def test_stats_match_plain_loops(moe_layers):
         assert stats["tokens"][i].item() == sum(counts) / 3
     if moe_layers is None:
         assert math.isnan(stats["entropy"][0]) and stats["tokens"][0] == 0  # the dense layer
+    # the same routes kept on layers 1 and 3 only: the same figures under the same absolute layers
+    kept = PackedTensor.from_lengths(routes[:, [1, 3]], [20, 30])
+    sliced = expert_load_stats(kept, 12, moe_layers=moe_layers, route_layers=(1, 3))
+    assert sliced["layers"].tolist() == [1, 3]
+    rows = [layers.index(layer) for layer in (1, 3)]
+    assert torch.equal(sliced["counts"], stats["counts"][rows])
 
 
 def test_balanced_and_collapsed_extremes():

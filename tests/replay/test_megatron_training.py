@@ -76,7 +76,8 @@ class PackedPolicy(pl.LightningModule):
         backend = callback.backend
         backend.start_recording()
         loss = self.logprob_loss(batch, callback.layout)
-        self.used.append((backend.stop_recording(), callback.layout, batch.get("routed_experts")))
+        replayed = (batch.get("routed_experts"), batch.get("route_layers"))
+        self.used.append((backend.stop_recording(), callback.layout, replayed))
         return loss
 
     def configure_optimizers(self):
@@ -114,16 +115,22 @@ def test_lightning_callback_replays_rollout_routes(mode, tmp_path):
     loader = torch.utils.data.DataLoader([batch], batch_size=None)
     trainer.fit(module, loader)
     assert len(module.used) == 2
-    for used, layout, replayed_routes in module.used:
+    for used, layout, (replayed_routes, route_layers) in module.used:
         assert used.shape == (*layout.token_shape, LAYERS, TOP_K)
         expected = rollout if mode == "r3" else [replayed_routes[i] for i in range(len(lengths))]
+        # r2 records only the layers the model routes (layer 0 is dense), each column by its layer
+        assert route_layers == (None if mode == "r3" else (1, 3))
+        column = {
+            layer: layer if route_layers is None else route_layers.index(layer)
+            for layer in backend.moe_layers
+        }
         checked = 0
         for position in range(layout.num_positions):
             i, j = int(layout.position_sequence[position]), int(layout.position_offset[position])
             if i < 0 or j >= len(expected[i]):
                 continue
             for layer in backend.moe_layers:
-                assert used[0, position, layer].tolist() == expected[i][j, layer].tolist()
+                assert used[0, position, layer].tolist() == expected[i][j, column[layer]].tolist()
                 checked += 1
         assert checked == sum(len(e) for e in expected) * len(backend.moe_layers)
     replayed = trainer.callback_metrics["router_replay/replayed_fraction"]

@@ -93,14 +93,16 @@ def test_r2_records_per_micro_batch_and_replays_in_later_passes():
     batch = make_batch(12, [5, 9, 4, 7, 6, 8, 3], with_routes=False)
     module = MicroPolicy(PLANS, old_policy=True)
     fit(module, [batch], RouterReplayCallback(mode="r2", strict=True))
-    # the old-policy forward recorded every row: stored on the step's batch, in trajectory order
+    # the old-policy forward recorded every row: stored on the step's batch, in trajectory order,
+    # on the MoE layers only (the dense layer 0 has no router)
     recorded = batch.routed_experts
     assert recorded is not None and recorded.lengths.tolist() == [5, 9, 4, 7, 6, 8, 3]
+    assert batch.route_layers == tuple(LAYERS) and recorded.row_shape == (len(LAYERS), 2)
     for mb, used, _ in module.forwards:  # re-cut, shuffled and trimmed sub-batches included
         rows = mb.rows_in(batch)
         for i, row in enumerate(rows.tolist()):
             n = int(mb.attention_mask[i].sum())
-            assert torch.equal(used[i, mb.width - n :, LAYERS], recorded[row][:, LAYERS].int())
+            assert torch.equal(used[i, mb.width - n :, LAYERS], recorded[row].int())
     # SGD with lr=1 moves the routers: natively, the last pass would route differently
     _, last_used, snapshot = module.forwards[-1]
     mb = module.forwards[-1][0]
@@ -145,9 +147,7 @@ def test_r2_old_policy_forward_inside_a_micro_batch_block_replays_for_the_rest_o
     reversed_batch = batch.select([6, 5, 4, 3, 2, 1, 0])
     for i, row in enumerate([6, 5, 4, 3, 2, 1, 0]):
         n = int(batch.sequence_lengths[row])
-        assert torch.equal(
-            used[i, reversed_batch.width - n :, LAYERS], batch.routed_experts[row][:, LAYERS].int()
-        )
+        assert torch.equal(used[i, reversed_batch.width - n :, LAYERS], batch.routed_experts[row].int())
 
 
 def test_micro_batch_blocks_cannot_nest_or_overlap_or_run_outside_a_step(seven):

@@ -93,8 +93,8 @@ def test_r2_stores_routes_on_the_batch_for_later_passes():
     batch = make_batch(3, [4, 6], with_routes=False)
     fit(module, [batch], callback)
     assert isinstance(batch.routed_experts, PackedTensor)
-    assert batch.routed_experts.lengths.tolist() == [4, 6]
-    assert torch.equal(batch.routed_experts.values, module.old_routes[0][batch.attention_mask])
+    assert batch.routed_experts.lengths.tolist() == [4, 6] and batch.route_layers == tuple(LAYERS)
+    assert torch.equal(batch.routed_experts.values, module.old_routes[0][batch.attention_mask][:, LAYERS])
 
 
 def hand_hits(batch, experts):

@@ -36,7 +36,7 @@ from route_checks import (
 from route_reference import MOE_LAYERS, SPECS, VOCAB, E, K, L, Rollouts
 
 from r3lightning.data.buffer import ReplayBuffer
-from r3lightning.data.datamodule import R3DataModule
+from r3lightning.data.datamodule import DataOptions, R3DataModule
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def test_checkpointed_data_module(rollouts: Rollouts, buffer: ReplayBuffer, mode
         batch_size=4,
         seed=5,
         collate_threads=1,
-        width_multiple=16,
+        options=DataOptions(width_multiple=16),
     )
     restored.load_state_dict(torch.load(saved, weights_only=True))
     batches = list(restored.train_dataloader())

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 from fault_server import CLOSE, DROP_MID_BODY, FaultServer, Slow, Status
 from gloo_ranks import free_port
+from loopback import hung_engine
 from rollout_support import FAST, PROMPT, check_result, generate, make_client
 
 from r3lightning import (
@@ -151,20 +152,14 @@ async def test_health():
 
 
 async def test_health_of_a_hung_engine_fails_fast_despite_a_long_generate_timeout():
-    async def never_answer(reader, writer):
-        await asyncio.sleep(60)
-
-    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
-    port = hung.sockets[0].getsockname()[1]
-    client = RemoteGenerateClient(f"http://127.0.0.1:{port}", retry=RetryPolicy(health_timeout_s=0.2))
-    assert (client.retry.timeout_s, client.retry.connect_timeout_s) == (600.0, 10.0)
-    try:
+    async with (
+        hung_engine() as url,
+        RemoteGenerateClient(url, retry=RetryPolicy(health_timeout_s=0.2)) as client,
+    ):
+        assert (client.retry.timeout_s, client.retry.connect_timeout_s) == (600.0, 10.0)
         began = time.perf_counter()
         assert not await asyncio.wait_for(client.health(), timeout=5.0)
         assert time.perf_counter() - began < 2.0
-    finally:
-        await client.close()
-        hung.close()
 
 
 async def test_a_connection_that_never_completes_fails_after_the_connect_timeout():
@@ -193,25 +188,6 @@ async def test_a_connection_that_never_completes_fails_after_the_connect_timeout
         await client.close()
         for sock in (*fillers, listener):
             sock.close()
-
-
-@contextlib.asynccontextmanager
-async def hung_engine():
-    """A loopback engine that accepts connections and never answers (requests or /health)."""
-    connections = []
-
-    async def never_answer(reader, writer):
-        connections.append(writer)
-        await reader.read()  # until the client gives up and closes
-
-    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        for writer in connections:
-            writer.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def _give_up_after(url: str, retry: RetryPolicy, requests: int = 3) -> tuple[float, list]:

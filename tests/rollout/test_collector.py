@@ -11,6 +11,7 @@ import pytest
 import torch
 from fault_server import FaultServer, expected_generation
 from gloo_ranks import run_ranks
+from loopback import served_in_thread
 from rollout_support import PROMPTS, SCHEMA, collect, prompt_reward
 from rollout_support import make_collector as make
 
@@ -22,6 +23,7 @@ from r3lightning import (
     sampling_seed,
     text_reward,
 )
+from r3lightning.data.datamodule import DataOptions
 from r3lightning.rollout.config import CollectorConfig
 from r3lightning.wire.request import RouteSchema
 
@@ -174,23 +176,6 @@ def test_bad_settings_name_the_field():
 # ---------------------------------------------------------------------------- several ranks
 
 
-def _serve_in_thread(server: FaultServer):
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-
-    async def main():
-        async with server:
-            started.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-
-    stop = threading.Event()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(main()), daemon=True)
-    thread.start()
-    started.wait(10)
-    return stop, thread
-
-
 def _rank_worker(rank: int, url: str, out: dict) -> None:
     import torch.distributed as dist
 
@@ -205,7 +190,8 @@ def _rank_worker(rank: int, url: str, out: dict) -> None:
         # the data module draws this rank's whole buffer with shard=False, half of it by default
         drawn = {}
         for shard in (False, True):
-            datamodule = R3DataModule(buffer, batch_size=8, shuffle=False, collate_threads=1, shard=shard)
+            options = DataOptions(shard=shard)
+            datamodule = R3DataModule(buffer, batch_size=8, shuffle=False, collate_threads=1, options=options)
             drawn[shard] = [int((b.loss_mask.sum(1) > 0).sum()) for b in datamodule.train_dataloader()]
 
         def failing(prompt: RolloutPrompt, response: list[int]) -> float:
@@ -228,15 +214,10 @@ def test_two_ranks_collect_disjoint_groups_and_share_only_statistics():
     import torch.multiprocessing as mp
 
     server = FaultServer(**SCHEMA)
-    stop, thread = _serve_in_thread(server)
-    try:
-        with mp.Manager() as manager:
-            out = manager.dict()
-            run_ranks(_rank_worker, server.url, out, nprocs=2)
-            result = dict(out)
-    finally:
-        stop.set()
-        thread.join(10)
+    with served_in_thread(server), mp.Manager() as manager:
+        out = manager.dict()
+        run_ranks(_rank_worker, server.url, out, nprocs=2)
+        result = dict(out)
     prompts = [[i + 1] * (i % 3 + 1) for i in range(4)]
     for rank, groups in ((0, [0, 1]), (1, [2, 3])):
         got_groups, mine, stats, _, drawn = result[rank]

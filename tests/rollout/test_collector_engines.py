@@ -4,12 +4,12 @@ for the step and only its groups move; every engine out is one clear error; the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import pytest
 import torch
 from fault_server import FaultServer, Slow, Status
+from loopback import hung_engine
 from rollout_support import PROMPTS, SCHEMA, collect
 
 from r3lightning import EnginesUnavailableError, GenerateRequestError
@@ -80,25 +80,6 @@ async def test_a_rejected_request_is_not_an_outage():
         with pytest.raises(GenerateRequestError, match="unknown sampling key"):
             await collect([a.url, b.url], PROMPTS[:1], 0, max_in_flight=1)
     assert b.hits == 0
-
-
-@contextlib.asynccontextmanager
-async def hung_engine():
-    """Accepts connections, never answers."""
-    connections = []
-
-    async def never_answer(reader, writer):
-        connections.append(writer)
-        await reader.read()
-
-    server = await asyncio.start_server(never_answer, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        for writer in connections:
-            writer.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_hung_engine_is_detected_and_its_groups_move_while_a_slow_one_keeps_its_own(caplog):

@@ -3,12 +3,10 @@ statistics and dropped groups are reduced over both; the trajectories are those 
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import numpy as np
 import pytest
 from gloo_ranks import run_ranks
+from loopback import served_in_thread
 from turn_engine import TurnEngine
 
 from r3lightning.rollout.collector import RolloutCollector
@@ -73,26 +71,12 @@ def test_two_ranks_collect_their_own_episodes_and_reduce_the_turn_statistics():
     import torch.multiprocessing as mp
 
     engine = TurnEngine(num_layers=3, top_k=2, num_experts=16)
-    loop, started, stop = asyncio.new_event_loop(), threading.Event(), threading.Event()
-
-    async def serve():
-        async with engine:
-            started.set()
-            while not stop.is_set():
-                await asyncio.sleep(0.01)
-
-    thread = threading.Thread(target=lambda: loop.run_until_complete(serve()), daemon=True)
-    thread.start()
-    started.wait(10)
-    try:
+    with served_in_thread(engine):
         alone = summary(collect(engine.url, TwoCalls))  # one rank: every group
         with mp.Manager() as manager:
             out = manager.dict()
             run_ranks(_rank_worker, engine.url, out, nprocs=2)
             result = dict(out)
-    finally:
-        stop.set()
-        thread.join(10)
     _, trajectories, stats = alone
     for rank, mine in ((0, [0, 1]), (1, [2, 3])):
         (got_groups, got, got_stats), _ = result[rank]

@@ -16,21 +16,11 @@ import time
 import aiohttp
 import numpy as np
 import pytest
-import torch
 from server_support import GOOD, post, raw_request, status_line, still_serving
 
 from r3lightning.serve.config import EngineConfig, ServerLimits
 from r3lightning.serve.server import RolloutServer
 from r3lightning.testing.tiny import build_tiny_moe
-
-
-@pytest.fixture
-async def srv():
-    async with RolloutServer(
-        build_tiny_moe(seed=0), engine=EngineConfig(dtype=torch.float32, max_batch_size=8)
-    ) as server:
-        yield server
-
 
 # --------------------------------------------------------------------------- sampling
 

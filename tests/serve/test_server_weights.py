@@ -19,15 +19,6 @@ from r3lightning.serve.config import EngineConfig, ServerLimits
 from r3lightning.serve.server import RolloutServer
 from r3lightning.testing.tiny import build_tiny_moe
 
-
-@pytest.fixture
-async def srv():
-    async with RolloutServer(
-        build_tiny_moe(seed=0), engine=EngineConfig(dtype=torch.float32, max_batch_size=8)
-    ) as server:
-        yield server
-
-
 # --------------------------------------------------------------------------- weight uploads
 
 

@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 from fault_server import expected_generation
+from loopback import LoopbackServer
 
 
-class EngineServer:
+class EngineServer(LoopbackServer):
     def __init__(
         self,
         engine: str,
@@ -49,25 +50,13 @@ class EngineServer:
         self.extra_rows = extra_rows
         self.eos_id = eos_id
         self.requests: list[tuple[str, dict]] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
 
-    async def __aenter__(self) -> EngineServer:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         if self.engine == "vllm":
             app.router.add_post("/inference/v1/generate", self._vllm_generate)
         else:
             app.router.add_post("/generate", self._sglang_generate)
         app.router.add_post("/v1/completions", self._completions)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
     # ------------------------------------------------------------------ generation
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from loopback import LoopbackServer
 
 OK = "ok"
 
@@ -60,7 +61,7 @@ def expected_generation(
     return response, logprobs, routes.astype(np.int64)
 
 
-class FaultServer:
+class FaultServer(LoopbackServer):
     def __init__(
         self, *, num_layers: int = 3, top_k: int = 2, num_experts: int = 300, extra: dict | None = None
     ):
@@ -70,25 +71,11 @@ class FaultServer:
         self.requests: list[tuple[str, dict, dict[str, str]]] = []  # (path, json body, headers)
         self.in_flight = 0
         self.max_in_flight = 0
-        self._runner: web.AppRunner | None = None
-        self.url = ""
 
-    async def __aenter__(self) -> FaultServer:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/skyrl/v1/generate", self._skyrl)
         app.router.add_post("/generate", self._sglang)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
     @property
     def hits(self) -> int:

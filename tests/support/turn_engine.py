@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 from fault_server import Status
+from loopback import LoopbackServer
 
 
 def route_row(
@@ -36,7 +37,7 @@ def response_ids(prompt: list[int], seed: int, count: int, vocab: int) -> list[i
     return [(sum(prompt) * 31 + seed * 17 + 13 * i) % (vocab - 10) + 10 for i in range(count)]
 
 
-class TurnEngine:
+class TurnEngine(LoopbackServer):
     def __init__(
         self, *, num_layers: int = 3, top_k: int = 2, num_experts: int = 16, vocab: int = 96, salt: int = 0
     ):
@@ -46,22 +47,10 @@ class TurnEngine:
         self.script: deque[Any] = deque()
         self.served: list[tuple[list[int], int, list[int], np.ndarray]] = []
         self.requests: list[dict] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
 
-    async def __aenter__(self) -> TurnEngine:
-        app = web.Application()
+    def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/skyrl/v1/generate", self._generate)
         app.router.add_get("/health", lambda request: web.json_response({"ok": True}))
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
     def rows(self, tokens: list[int], prompt_len: int, start: int, stop: int) -> np.ndarray:
         rows = [route_row(tokens[p], p, prompt_len, *self.schema, self.salt) for p in range(start, stop)]

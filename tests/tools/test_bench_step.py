@@ -33,8 +33,11 @@ def batch(bench):
     return case, trajectories, disagreement
 
 
-def tiny_model(bench, case):
-    return bench.build_tiny_moe(bench.tiny_moe_config(**case.config), seed=0)
+def time_one_repeat_on_cpu(bench, batch) -> dict:
+    """The bench's ``time_steps`` of a fresh seed-0 tiny model over ``batch``: one repeat, CPU."""
+    case, trajectories, _ = batch
+    model = bench.build_tiny_moe(bench.tiny_moe_config(**case.config), seed=0)
+    return bench.time_steps(model, trajectories, torch.device("cpu"), repeats=1)
 
 
 def test_arms_alternate_evenly_each_going_first_in_every_other_pair(bench):
@@ -53,8 +56,7 @@ def test_engine_routes_disagree_with_the_trainer_on_the_simulated_share(bench, b
 
 @pytest.mark.slow
 def test_timed_r3_steps_replay_and_off_steps_route_natively(bench, batch):
-    case, trajectories, _ = batch
-    result = bench.time_steps(tiny_model(bench, case), trajectories, torch.device("cpu"), repeats=1)
+    result = time_one_repeat_on_cpu(bench, batch)
     assert result["steps"] == 4 and result["r3"] > 0 and result["off"] > 0
     # the off steps compared native routing with the engine's: the simulated ~10% disagreement
     assert 0.8 < result["native_agreement"] < 0.97
@@ -65,28 +67,25 @@ def test_an_r3_arm_that_replays_nothing_fails_the_bench(bench, batch, monkeypatc
     from r3lightning.replay.hf.replay import HFRouterReplay
 
     monkeypatch.setattr(HFRouterReplay, "install", lambda self, routes, replay_mask=None: None)
-    case, trajectories, _ = batch
     with pytest.raises(
         bench.CheckFailed, match=r"step 0 \(r3\): replayed_fraction, used_agreement = \(0\.0, "
     ):
-        bench.time_steps(tiny_model(bench, case), trajectories, torch.device("cpu"), repeats=1)
+        time_one_repeat_on_cpu(bench, batch)
 
 
 @pytest.mark.slow
 def test_an_off_arm_that_replays_fails_the_bench(bench, batch, monkeypatch):
     callback = bench.RouterReplayCallback
     monkeypatch.setattr(bench, "RouterReplayCallback", lambda mode: callback(mode="r3"))
-    case, trajectories, _ = batch
     with pytest.raises(
         bench.CheckFailed, match=r"step 1 \(off\): replayed_fraction, used_agreement = \(1\.0, 1\.0\)"
     ):
-        bench.time_steps(tiny_model(bench, case), trajectories, torch.device("cpu"), repeats=1)
+        time_one_repeat_on_cpu(bench, batch)
 
 
 @pytest.mark.slow
 def test_a_wrong_reference_loss_fails_the_bench(bench, batch, monkeypatch):
     reference = bench.reference_losses
     monkeypatch.setattr(bench, "reference_losses", lambda *a: {**reference(*a), "r3": reference(*a)["off"]})
-    case, trajectories, _ = batch
     with pytest.raises(bench.CheckFailed, match=r"step 0 \(r3\): loss .*, the r3 reference gives"):
-        bench.time_steps(tiny_model(bench, case), trajectories, torch.device("cpu"), repeats=1)
+        time_one_repeat_on_cpu(bench, batch)

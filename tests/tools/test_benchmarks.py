@@ -6,14 +6,8 @@ the values before timing them, so a zero exit also means the arms computed the s
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from python_process import REPO, run_python
 
 CASES = {
     "bench_engine.py": [
@@ -72,16 +66,7 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_benchmark_quick_run_prints_its_table(script):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-        check=False,
-    )
+    done = run_python(REPO, str(REPO / "benchmarks" / script), "--quick", OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     for expected in CASES[script]:
         assert expected in done.stdout, f"{expected!r} missing from:\n{done.stdout}"

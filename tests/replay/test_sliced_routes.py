@@ -1,0 +1,158 @@
+"""Routes kept on the layers a Hugging Face model holds, replayed by absolute layer id: a model whose
+dense layers have no router and a partial model (the layers of a later pipeline stage), fed by an
+R3DataModule with ``DataOptions(layers=backend.moe_layers)`` in micro-batches; r2 records only the
+held layers; routes on other layers are clear errors."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from replay_policy import MemoryLogger, position_ids
+
+from r3lightning.data.buffer import ReplayBuffer
+from r3lightning.data.datamodule import DataOptions, R3DataModule
+from r3lightning.data.trajectory import Trajectory
+from r3lightning.replay.callback import RouterReplayCallback
+from r3lightning.replay.context import record_routes
+from r3lightning.replay.hf.replay import HFRouterReplay
+from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
+
+L, K, E = 4, 2, 8
+LENGTHS = [5, 9, 4, 7, 6]
+
+
+class Skip(torch.nn.Module):
+    """A decoder layer another rank holds: the hidden states pass through."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def dense_layers_model():
+    """Routers on layers 1 and 3 only (0 and 2 are dense)."""
+    return build_tiny_moe(tiny_moe_config(mlp_only_layers=[0, 2]), seed=0)
+
+
+def partial_model():
+    """A later pipeline stage: decoder layers 2 and 3 (both MoE); 0 and 1 live elsewhere."""
+    model = build_tiny_moe(seed=0)
+    model.model.layers[0], model.model.layers[1] = Skip(), Skip()
+    return model
+
+
+def engine_routes(rows: int, seed: int) -> torch.Tensor:
+    """[rows, L, K] uint8, distinct experts per row on every layer (as an engine sends them)."""
+    scores = torch.rand(rows, L, E, generator=torch.Generator().manual_seed(seed))
+    return scores.topk(K, dim=-1).indices.to(torch.uint8)
+
+
+def rollouts(with_routes: bool = True) -> list[Trajectory]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, n in enumerate(LENGTHS):
+        tokens = torch.randint(3, 96, (n,), generator=g).tolist()
+        routes = engine_routes(n - 1, i) if with_routes else None  # r2: an engine without routes
+        out.append(Trajectory(tokens[:2], tokens[2:], routed_experts=routes))
+    return out
+
+
+class Policy(pl.LightningModule):
+    """Micro-batches of 2 rows, each replayed in its own block; r2: an old-policy forward first."""
+
+    def __init__(self, model, old_policy=False):
+        super().__init__()
+        self.model, self.old_policy, self.automatic_optimization = model, old_policy, False
+        self.batches, self.passes = [], []
+
+    def forward(self, batch):
+        mask = batch.attention_mask
+        return self.model(
+            input_ids=batch.input_ids, attention_mask=mask.long(), position_ids=position_ids(mask)
+        ).logits
+
+    def training_step(self, batch, batch_idx):
+        callback = RouterReplayCallback.find(self.trainer)
+        if self.old_policy:
+            with callback.old_policy_forward(batch), torch.no_grad():
+                self(batch)
+        self.batches.append(batch)
+        for mb in batch.split(2):
+            with callback.micro_batch(mb), record_routes(self.model) as used:
+                self.manual_backward(self(mb).float().logsumexp(-1).mean())
+            self.passes.append((mb, used.routes))
+        self.optimizers().step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def train(model, layers, mode="r3", buffer_layers=None):
+    buffer = ReplayBuffer(num_experts=E, layers=buffer_layers)
+    buffer.extend(rollouts(with_routes=mode == "r3"))
+    data = R3DataModule(
+        buffer, len(LENGTHS), shuffle=False, collate_threads=1, options=DataOptions(layers=layers)
+    )
+    module, logger = Policy(model, old_policy=mode == "r2"), MemoryLogger()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RouterReplayCallback(mode=mode, strict=True)],
+    )
+    trainer.fit(module, datamodule=data)
+    return module, logger
+
+
+@pytest.mark.parametrize("build", [dense_layers_model, partial_model])
+def test_routes_on_the_held_layers_replay_by_absolute_layer_with_full_agreement(build):
+    model = build()
+    held = HFRouterReplay.for_model(model).moe_layers
+    assert held == ((1, 3) if build is dense_layers_model else (2, 3))
+    module, logger = train(model, held)
+    (batch,) = module.batches
+    assert batch.route_layers == held and batch.routed_experts.row_shape == (2, K)
+    full = rollouts()
+    assert batch.routed_experts.values.nbytes * L == sum(t.routed_experts.nbytes for t in full) * len(held)
+    checked = 0
+    for mb, used in module.passes:  # every captured row of every held layer used the engine's experts
+        for i, row in enumerate(mb.rows_in(batch).tolist()):
+            n, captured = int(mb.sequence_lengths[i]), full[row].route_rows
+            start = mb.width - n
+            for layer in held:
+                assert torch.equal(
+                    used[i, start : start + captured, layer], full[row].routed_experts[:, layer].int()
+                )
+                checked += captured
+            assert not used[i, :, [x for x in range(L) if x not in held]].any()  # no router there
+    assert checked == sum(n - 1 for n in LENGTHS) * len(held)
+    assert logger.series("router_replay/used_agreement") == [1.0]
+    assert logger.series("router_replay/replayed_fraction") == [1.0]
+    per_layer = {k for row in logger.rows for k in row if "native_agreement/layer_" in k}
+    assert per_layer == {f"router_replay/native_agreement/layer_{x:02d}" for x in held}
+
+
+def test_r2_records_only_the_layers_a_partial_model_holds():
+    module, logger = train(partial_model(), None, mode="r2")
+    (batch,) = module.batches
+    recorded = batch.routed_experts  # the old-policy forward's, set on the batch
+    assert batch.route_layers == (2, 3) and recorded.row_shape == (2, K)
+    assert recorded.lengths.tolist() == LENGTHS  # every real token
+    for mb, used in module.passes:  # later passes (the policy moved) replay the recorded experts
+        for i, row in enumerate(mb.rows_in(batch).tolist()):
+            n = int(mb.sequence_lengths[i])
+            assert torch.equal(used[i, mb.width - n :, 2:], recorded[row].int())
+    assert logger.series("router_replay/used_agreement") == [1.0]
+
+
+def test_routes_without_a_layer_the_model_routes_are_refused():
+    with pytest.raises(ValueError, match=r"routes on layers \[1, 2\] lack MoE layers \[3\] of the model"):
+        train(partial_model(), (1, 2))
+    with pytest.raises(
+        ValueError, match=r"trajectory 0 of the batch: route_layers \[1, 3\], expected route_layers \[2, 3\]"
+    ):
+        train(partial_model(), (2, 3), buffer_layers=(1, 3))
