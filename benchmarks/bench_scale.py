@@ -25,80 +25,28 @@ Usage: ``python benchmarks/bench_scale.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import itertools
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import _common
-
-LAYERS, TOP_K, EXPERTS = 48, 8, 128
-ROUTE_BYTES_PER_TOKEN = LAYERS * TOP_K  # uint8
-PROMPT_TOKENS = 256
-
-
-# ---------------------------------------------------------------------------- the engine
-
-
-def serve(port_file: str, tokens: int) -> None:
-    """A loopback ``skyrl`` engine: response ids from the request's seed, one pre-encoded route
-    envelope ``[tokens - 1, 48, 8]`` uint8 for every answer."""
-    import orjson
-    from aiohttp import web
-
-    from r3lightning.align.dummy import dummy_routes
-    from r3lightning.wire.codec import encode_routes
-
-    routes = encode_routes(dummy_routes(tokens - 1, LAYERS, TOP_K, EXPERTS).numpy(), dtype="uint8")
-
-    async def generate(request: web.Request) -> web.Response:
-        body = await request.json()
-        seed = int(body["sampling_params"]["seed"])
-        count = int(body["sampling_params"]["max_tokens"])
-        ids = [(seed + 31 * i) % 50_000 for i in range(count)]
-        choice = {
-            "token_ids": ids,
-            "finish_reason": "length",
-            "logprobs": {"content": [{"logprob": -0.5} for _ in ids]},
-            "routed_experts": routes,
-        }
-        return web.Response(body=orjson.dumps({"choices": [choice]}), content_type="application/json")
-
-    async def main() -> None:
-        app = web.Application(client_max_size=1 << 20)
-        app.router.add_post("/skyrl/v1/generate", generate)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        Path(port_file).write_text(str(runner.addresses[0][1]))
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
-
+import _rollout_ranks
+from _rollout_ranks import LAYERS, ROUTE_BYTES_PER_TOKEN, TOP_K
 
 # ---------------------------------------------------------------------------- one rank
 
 
-def rank_main(rank: int, world: int, port: int, url: str, arms: list[str], args: dict, out_dir: str) -> None:
-    import torch
+def rank_main(rank: int, world: int, url: str, arms: list[str], args: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     root_only = dist.new_group([0])  # every rank must join new_group
     for arm in arms:
         result = run_steps(rank, world, url, arm, args, root_only)
         Path(out_dir, f"{arm}_{world}_{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def run_steps(rank: int, world: int, url: str, arm: str, args: dict, root_only) -> dict:
@@ -106,20 +54,11 @@ def run_steps(rank: int, world: int, url: str, arm: str, args: dict, root_only) 
     import torch
     import torch.distributed as dist
 
-    from r3lightning import ReplayBuffer, RolloutCollector, SamplingConfig
-    from r3lightning.rollout.config import CollectorConfig
-    from r3lightning.wire.request import RouteSchema
+    from r3lightning import ReplayBuffer
 
-    collector = RolloutCollector(
-        url,
-        lambda prompt, response: float(response[0] % 2),
-        CollectorConfig(group_size=args["group_size"], max_in_flight=8, progress=False),
-        schema=RouteSchema(LAYERS, TOP_K, EXPERTS),
-        sampling=SamplingConfig(max_new_tokens=args["tokens"] - PROMPT_TOKENS, ignore_eos=True),
-        process_group=root_only if arm == "broadcast" else None,
-    )
-    prompts = [[1000 + g] * PROMPT_TOKENS for g in range(args["groups"])]
-    buffer = ReplayBuffer(num_experts=EXPERTS)
+    collector = _rollout_ranks.collector(url, args, process_group=root_only if arm == "broadcast" else None)
+    prompts = _rollout_ranks.prompts(args["groups"])
+    buffer = ReplayBuffer(num_experts=_rollout_ranks.EXPERTS)
     times, growths, sends = [], [], []
     for step in range(args["steps"] + 1):  # step 0 warms up
         buffer.clear()
@@ -152,7 +91,6 @@ def run_steps(rank: int, world: int, url: str, arm: str, args: dict, root_only) 
             if arm == "broadcast":
                 sends.append(float(send))
     route_bytes = sum(t.routed_experts.nbytes for t in buffer)
-    held = [(t.prompt_ids[0].item(), tuple(t.response_ids[:4].tolist())) for t in buffer]
     return {
         "rank": rank,
         "route_bytes": route_bytes,
@@ -160,7 +98,7 @@ def run_steps(rank: int, world: int, url: str, arm: str, args: dict, root_only) 
         "rss_growth": max(growths),
         "step_s": statistics.median(times),
         "send_s": statistics.median(sends) if sends else 0.0,  # the broadcast phase
-        "held": held,  # which trajectories this rank holds, for the cross-design check
+        "held": _rollout_ranks.held(buffer),  # which trajectories this rank holds, for the cross-design check
     }
 
 
@@ -168,12 +106,7 @@ def run_arms(
     arms: list[str], world: int, url: str, args: dict, out_dir: str
 ) -> dict[tuple[str, int], list[dict]]:
     """``arms`` one after the other in one set of ``world`` fresh processes."""
-    import torch.multiprocessing as mp
-
-    port = _free_port()
-    mp.start_processes(
-        _spawned, args=(world, port, url, arms, args, out_dir), nprocs=world, join=True, start_method="spawn"
-    )
+    _rollout_ranks.launch(rank_main, world, url, arms, args, out_dir)
     return {
         (arm, world): [json.loads(Path(out_dir, f"{arm}_{world}_{r}.json").read_text()) for r in range(world)]
         for arm in arms
@@ -182,19 +115,6 @@ def run_arms(
 
 def _step_s(ranks: list[dict]) -> float:
     return max(r["step_s"] for r in ranks)
-
-
-def _spawned(rank: int, *args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    rank_main(rank, *args)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- report
@@ -243,35 +163,20 @@ def main() -> None:
         f"{global_bytes / _common.MiB:.1f} MiB per step; {args['steps']} timed steps after a warm-up"
         + ("" if quick else f", the fastest of {args['rounds']} alternating rounds per design")
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        port_file = Path(tmp, "port")
-        engine = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(port_file), str(args["tokens"])],
-            env={**os.environ, "PYTHONPATH": str(_common.ROOT)},
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not port_file.exists() or not port_file.read_text():
-                if engine.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the benchmark engine did not start")
-                time.sleep(0.1)
-            url = f"http://127.0.0.1:{port_file.read_text()}"
-            rows: dict[tuple[str, int], list[dict]] = {}
-            for w in worlds:
-                if quick:  # one set of processes: the second design's RSS growth is then only indicative
-                    rows.update(run_arms(["broadcast", "per-rank"], w, url, args, tmp))
-                    continue
-                # each design in fresh processes, so neither inherits the other's heap; the
-                # designs alternate for --rounds rounds and each keeps its fastest round, so
-                # load drift on a shared host hits both alike
-                for _ in range(args["rounds"]):
-                    for arm in ("broadcast", "per-rank"):
-                        for key, ranks in run_arms([arm], w, url, args, tmp).items():
-                            if key not in rows or _step_s(ranks) < _step_s(rows[key]):
-                                rows[key] = ranks
-        finally:
-            engine.terminate()
-            engine.wait(30)
+    with tempfile.TemporaryDirectory() as tmp, _rollout_ranks.engine(args["tokens"]) as url:
+        rows: dict[tuple[str, int], list[dict]] = {}
+        for w in worlds:
+            if quick:  # one set of processes: the second design's RSS growth is then only indicative
+                rows.update(run_arms(["broadcast", "per-rank"], w, url, args, tmp))
+                continue
+            # each design in fresh processes, so neither inherits the other's heap; the
+            # designs alternate for --rounds rounds and each keeps its fastest round, so
+            # load drift on a shared host hits both alike
+            for _ in range(args["rounds"]):
+                for arm in ("broadcast", "per-rank"):
+                    for key, ranks in run_arms([arm], w, url, args, tmp).items():
+                        if key not in rows or _step_s(ranks) < _step_s(rows[key]):
+                            rows[key] = ranks
 
     for w in worlds:
         everything = sorted(h for r in rows[("broadcast", w)][:1] for h in map(tuple, r["held"]))
@@ -375,7 +280,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], int(sys.argv[3]))
-    else:
-        main()
+    main()

@@ -1,10 +1,8 @@
 """r3lightning: Rollout Routing Replay (R3) for Mixture-of-Experts RL in PyTorch Lightning.
 
-Layers, each importing only from those before it: core (``packed``, ``ragged``, ``routes``, ``trace``)
-< wire < align < data < correction < rollout < replay < testing < serve < job. ``__all__`` is what a
-user of the data module, the callback, the client, the collector and the server needs; the rest is
-imported from its module. Names resolve on first use: ``import r3lightning`` imports no Lightning,
-transformers or megatron-core.
+``__all__`` is what a user of the data module, the callback, the client, the collector and the
+server needs; the rest is imported from its module. Names resolve on first use: ``import
+r3lightning`` imports no Lightning, transformers or megatron-core.
 """
 
 from __future__ import annotations

@@ -14,38 +14,31 @@ from typing import Any
 
 REMOVED_IN = "0.3"
 
-# old module -> new module
-MODULES: dict[str, str] = {
-    "r3lightning.expert_load": "r3lightning.replay.expert_load",
-    "r3lightning.models": "r3lightning.testing",
-    "r3lightning.models.tiny": "r3lightning.testing.tiny",
-    "r3lightning.models.tiny_tokenizer": "r3lightning.testing.tiny_tokenizer",
-    "r3lightning.models.sharded": "r3lightning.job.sharded",
-    "r3lightning.job.grpo": "r3lightning.correction.grpo",
-    "r3lightning.job.megatron": "r3lightning.testing.tiny_megatron",
-    "r3lightning.job.prompts_file": "r3lightning.rollout.prompts_file",
-    "r3lightning.job.rewards": "r3lightning.rollout.rewards",
-    "r3lightning.job.task": "r3lightning.rollout.tasks",
-    "r3lightning.replay.hf_routers": "r3lightning.replay.hf.routers",
-    "r3lightning.replay.megatron_cpu": "r3lightning.testing.megatron_cpu",
-    "r3lightning.replay.megatron_layout": "r3lightning.replay.megatron.layout",
-    "r3lightning.replay.megatron_router": "r3lightning.replay.megatron.router",
-    "r3lightning.replay.replay_metrics": "r3lightning.replay.metrics",
-    "r3lightning.rollout.cli": "r3lightning.serve.cli",
-    "r3lightning.rollout.client_protocol": "r3lightning.wire.request",
-    "r3lightning.rollout.client_response": "r3lightning.wire.response",
-    "r3lightning.rollout.engine": "r3lightning.serve.engine",
-    "r3lightning.rollout.errors": "r3lightning.wire.errors",
-    "r3lightning.rollout.invariance": "r3lightning.serve.invariance",
-    "r3lightning.rollout.json_body": "r3lightning.wire.json_body",
-    "r3lightning.rollout.perturb": "r3lightning.serve.perturb",
-    "r3lightning.rollout.route_check": "r3lightning.wire.route_check",
-    "r3lightning.rollout.sampling": "r3lightning.serve.sampling",
-    "r3lightning.rollout.server": "r3lightning.serve.server",
-    "r3lightning.rollout.server_protocol": "r3lightning.serve.protocol",
-    "r3lightning.rollout.weights": "r3lightning.serve.weights",
-    "r3lightning.rollout.wire": "r3lightning.wire.codec",
+
+def _table(groups: dict[str, str]) -> dict[str, str]:
+    """``{"old.package": "old:new ..."}`` (``old`` alone: the same name) as old path -> new path."""
+    return {
+        f"r3lightning.{old}": f"{package}.{new or old}"
+        for package, pairs in groups.items()
+        for old, _, new in (pair.partition(":") for pair in pairs.split())
+    }
+
+
+# moved modules, by the package holding them now: "old:new" paths (old below r3lightning)
+_MOVED_MODULES = {
+    "r3lightning": "expert_load:replay.expert_load models:testing models.tiny:testing.tiny "
+    "models.tiny_tokenizer:testing.tiny_tokenizer models.sharded:job.sharded job.grpo:correction.grpo "
+    "job.megatron:testing.tiny_megatron job.prompts_file:rollout.prompts_file "
+    "job.rewards:rollout.rewards job.task:rollout.tasks replay.hf_routers:replay.hf.routers "
+    "replay.megatron_cpu:testing.megatron_cpu replay.megatron_layout:replay.megatron.layout "
+    "replay.megatron_router:replay.megatron.router replay.replay_metrics:replay.metrics",
+    "r3lightning.serve": "rollout.cli:cli rollout.engine:engine rollout.invariance:invariance "
+    "rollout.perturb:perturb rollout.sampling:sampling rollout.server:server "
+    "rollout.server_protocol:protocol rollout.weights:weights",
+    "r3lightning.wire": "rollout.client_protocol:request rollout.client_response:response "
+    "rollout.errors:errors rollout.json_body:json_body rollout.route_check:route_check rollout.wire:codec",
 }
+MODULES = _table(_MOVED_MODULES)
 
 # flat modules that became packages: the package serves the old names from the module they are in now
 FLAT_MODULES: dict[str, str] = {
@@ -53,8 +46,8 @@ FLAT_MODULES: dict[str, str] = {
     "r3lightning.replay.megatron": "r3lightning.replay.megatron.replay",
 }
 
-# names that left the top level, by the module they are imported from now
-_LEFT_TOP_LEVEL: dict[str, str] = {
+# names that left the top level, by the module holding them now ("old:new" where renamed)
+_MOVED_NAMES = {
     "r3lightning.trace": "TokenMetadataTrace",
     "r3lightning.routes": "compact_route_dtype",
     "r3lightning.wire.codec": "encode_routes decode_routes",
@@ -66,25 +59,15 @@ _LEFT_TOP_LEVEL: dict[str, str] = {
     "r3lightning.rollout.prompts": "sampling_seed text_reward TextReward",
     "r3lightning.rollout.stats": "RolloutStats",
     "r3lightning.replay.hf.routers": "register_router RouterAdapter registered_router_types "
-    "mixtral_weights ernie_weights",
+    "mixtral_weights ernie_weights softmax_then_topk_weights:qwen3_moe_weights "
+    "softmax_renormalised_weights:qwen3_5_moe_weights sigmoid_scaled_weights:deepseek_v3_weights "
+    "softmax_scaled_weights:deepseek_v2_weights softmax_over_topk_weights:gpt_oss_weights",
     "r3lightning.replay.megatron.layout": "MegatronParallelism megatron_token_layout megatron_padding_mask",
     "r3lightning.replay.expert_load": "ExpertLoadMonitor expert_load_stats",
     "r3lightning.testing.tiny": "tiny_moe_config build_tiny_moe",
     "r3lightning.job.sharded": "meta_model load_sharded_weights convert_checkpoint",
 }
-# gate-weight helpers that left the top level and were renamed for their router family
-_RENAMED_WEIGHTS = {
-    "softmax_then_topk_weights": "qwen3_moe_weights",
-    "softmax_renormalised_weights": "qwen3_5_moe_weights",
-    "sigmoid_scaled_weights": "deepseek_v3_weights",
-    "softmax_scaled_weights": "deepseek_v2_weights",
-    "softmax_over_topk_weights": "gpt_oss_weights",
-}
-NAMES: dict[str, str] = {  # old path -> new path
-    f"r3lightning.{name}": f"{module}.{name}"
-    for module, names in _LEFT_TOP_LEVEL.items()
-    for name in names.split()
-} | {f"r3lightning.{old}": f"r3lightning.replay.hf.routers.{new}" for old, new in _RENAMED_WEIGHTS.items()}
+NAMES = _table(_MOVED_NAMES)
 
 
 def _warn(old: str, new: str, stacklevel: int) -> None:

@@ -1,12 +1,9 @@
 """``PackedTensor``: a ragged batch as one dense buffer plus int32 offsets.
 
-    values      [sum(lengths), *row_shape]   every real row, segment after segment
-    cu_seqlens  [B + 1] int32                on ``values``' device (what varlen kernels take)
-
-A CPU copy of the offsets (``cu_seqlens_host``) travels alongside and plans every operation, so
-slicing, gathering, padding and moving a GPU ``PackedTensor`` never sync with the device, unless
-the caller hands in device-resident indices, lengths or offsets (said per method). Segment views
-(``pt[i]``, ``pt[a:b]``) alias ``values``; every reordering returns new storage.
+A CPU copy of the offsets travels alongside and plans every operation, so slicing, gathering,
+padding and moving a GPU ``PackedTensor`` never sync with the device, unless the caller hands in
+device-resident indices, lengths or offsets (said per method). Segment views (``pt[i]``,
+``pt[a:b]``) alias ``values``; every reordering returns new storage.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from r3lightning.ragged import (
     check_fill_value,
     check_pad_row,
     check_rows,
-    check_segment_schema,
+    check_same_rows,
     check_side,
     checked_offsets,
     host_int64,
@@ -45,11 +42,11 @@ _EMPTY = "use PackedTensor.empty(row_shape, dtype=..., device=...) for a batch o
 
 
 class PackedTensor:
-    """Ragged batch: ``values [rows, *row_shape]`` (any dtype, device) and int32 ``cu_seqlens [B + 1]``
-    on their device (from 0, non-decreasing, ending at ``rows``; segment ``i`` is
-    ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``). ``cu_seqlens_host``, a CPU copy trusted to equal
-    device offsets, spares validation its one sync. ``ValueError`` names the bad field. Pickling
-    sends the referenced rows and offsets as raw bytes (device values: a sync) and keeps the device.
+    """Ragged batch: ``values [sum(lengths), *row_shape]`` (any dtype, device) and int32
+    ``cu_seqlens [B + 1]`` on their device (from 0, non-decreasing, ending at the row count; segment
+    ``i`` is ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``). ``cu_seqlens_host``, a CPU copy trusted
+    to equal them, spares validation its one sync. Pickling sends the referenced rows and offsets
+    as raw bytes (device values: a sync) and keeps the device.
     """
 
     values: Tensor  # [rows, *row_shape]
@@ -64,20 +61,18 @@ class PackedTensor:
         self.cu_seqlens = cu_seqlens
 
     @classmethod
-    def _trusted(
-        cls, values: Tensor, cu_seqlens_host: Tensor, cu_seqlens: Tensor | None = None
-    ) -> PackedTensor:
+    def _trusted(cls, values: Tensor, host: Tensor, cu_seqlens: Tensor | None = None) -> PackedTensor:
         """Build from offsets this module computed itself: no validation, no sync."""
         out = cls.__new__(cls)
         out.values = values
-        out.cu_seqlens = to_device_async(cu_seqlens_host, values.device) if cu_seqlens is None else cu_seqlens
-        out.cu_seqlens_host = cu_seqlens_host
+        out.cu_seqlens = to_device_async(host, values.device) if cu_seqlens is None else cu_seqlens
+        out.cu_seqlens_host = host
         return out
 
     @classmethod
     def from_lengths(cls, values: Tensor, lengths: LengthsLike) -> PackedTensor:
-        """``values [sum(lengths), *row]`` (no copy) as consecutive segments of ``lengths [B]``
-        (device ``lengths`` are read back: a sync)."""
+        """``values [sum(lengths), *row]`` (no copy) as consecutive segments (device ``lengths``:
+        a sync)."""
         check_rows(values)
         offsets = offsets_from_lengths(host_int64(lengths, "lengths"))
         if int(offsets[-1]) != values.shape[0]:
@@ -86,29 +81,24 @@ class PackedTensor:
 
     @classmethod
     def from_segments(cls, segments: Sequence[Tensor | np.ndarray]) -> PackedTensor:
-        """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row shape, dtype and device)
-        concatenated into new storage by one ``cat``."""
+        """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row schema and device) joined
+        into new storage by one ``cat``."""
         if len(segments) == 0:
-            raise ValueError(
-                f"from_segments needs at least one segment to infer row_shape and dtype; {_EMPTY}"
-            )
+            raise ValueError(f"from_segments needs a segment to infer row_shape and dtype; {_EMPTY}")
         bad = next((s for s in segments if not isinstance(s, (Tensor, np.ndarray))), None)
         if bad is not None:
             raise TypeError(f"segments must be tensors or ndarrays, got {type(bad).__name__}")
-        if all(isinstance(s, np.ndarray) for s in segments):  # numpy also joins dtypes torch cannot
-            check_segment_schema([(a.shape, a.dtype, "cpu") for a in segments])
-            values = torch.from_numpy(np.concatenate(segments, axis=0))
-        else:
-            with warnings.catch_warnings():  # read-only arrays are only read by the cat
-                warnings.filterwarnings("ignore", message=".*not writable.*")
-                parts = [
-                    torch.from_numpy(np.ascontiguousarray(s)) if isinstance(s, np.ndarray) else s
-                    for s in segments
-                ]
-            check_segment_schema([(t.shape, t.dtype, t.device) for t in parts])
-            values = torch.cat(parts, dim=0)
-        lengths = torch.tensor([s.shape[0] for s in segments], dtype=torch.int64)
-        return cls._trusted(values, offsets_from_lengths(lengths, "segment lengths"))
+        with warnings.catch_warnings():  # read-only arrays are only read by the cat
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            parts = [
+                torch.from_numpy(np.ascontiguousarray(s)) if isinstance(s, np.ndarray) else s
+                for s in segments
+            ]
+        if (bad := next((i for i, t in enumerate(parts) if t.dim() == 0), None)) is not None:
+            raise ValueError(f"segment {bad} is 0-d; segments must be [n_i, *row_shape]")
+        check_same_rows([(tuple(t.shape[1:]), t.dtype, t.device) for t in parts], "segment")
+        lengths = torch.tensor([t.shape[0] for t in parts], dtype=torch.int64)
+        return cls._trusted(torch.cat(parts), offsets_from_lengths(lengths, "segment lengths"))
 
     @classmethod
     def from_padded(cls, padded: Tensor, lengths: LengthsLike, side: str = "left") -> PackedTensor:
@@ -120,16 +110,14 @@ class PackedTensor:
             shape = tuple(padded.shape) if isinstance(padded, Tensor) else type(padded).__name__
             raise ValueError(f"padded must be a tensor [B, S, *row_shape], got {shape}")
         batch, width = padded.shape[0], padded.shape[1]
-        host_lengths = host_int64(lengths, "lengths")
-        if host_lengths.numel() != batch:
-            raise ValueError(
-                f"lengths must have one entry per row of padded ({batch}), got {host_lengths.numel()}"
-            )
-        offsets = offsets_from_lengths(host_lengths)
-        if batch and int(host_lengths.max()) > width:
-            bad = int(torch.argmax(host_lengths))
-            raise ValueError(f"lengths[{bad}] = {int(host_lengths[bad])} exceeds the padded width {width}")
-        flat = padded_flat_index(host_lengths, width, side)
+        counts = host_int64(lengths, "lengths")
+        if counts.numel() != batch:
+            raise ValueError(f"lengths must have one entry per row of padded ({batch}), got {counts.numel()}")
+        offsets = offsets_from_lengths(counts)
+        if batch and int(counts.max()) > width:
+            bad = int(torch.argmax(counts))
+            raise ValueError(f"lengths[{bad}] = {int(counts[bad])} exceeds the padded width {width}")
+        flat = padded_flat_index(counts, width, side)
         values = padded.flatten(0, 1).index_select(0, to_device_async(flat, padded.device))
         return cls._trusted(values, offsets)
 
@@ -153,17 +141,11 @@ class PackedTensor:
         """Concatenate the segments of ``parts`` (same row_shape, dtype, device) into new storage."""
         parts = list(parts)
         if not parts:
-            raise ValueError(
-                f"cat needs at least one PackedTensor to infer row_shape, dtype and device; {_EMPTY}"
-            )
+            raise ValueError(f"cat needs a PackedTensor to infer row_shape, dtype and device; {_EMPTY}")
         for i, p in enumerate(parts):
             if not isinstance(p, PackedTensor):
                 raise TypeError(f"cat takes PackedTensors, got {type(p).__name__} at position {i}")
-            if (p.row_shape, p.dtype, p.device) != (parts[0].row_shape, parts[0].dtype, parts[0].device):
-                raise ValueError(
-                    f"cat needs equal row_shape, dtype and device; part 0 has {parts[0].row_shape} "
-                    f"{parts[0].dtype} {parts[0].device}, part {i} has {p.row_shape} {p.dtype} {p.device}"
-                )
+        check_same_rows([(p.row_shape, p.dtype, p.device) for p in parts], "part")
         offsets = offsets_from_lengths(torch.cat([p.lengths for p in parts]), "cat lengths")
         return PackedTensor._trusted(torch.cat([p.values for p in parts], dim=0), offsets)
 
@@ -240,11 +222,9 @@ class PackedTensor:
 
     def repeat(self, repeats: int) -> PackedTensor:
         """The whole batch ``repeats`` times (like ``list * repeats``), new storage."""
-        repeats = operator.index(repeats)
-        if repeats < 0:
+        if (repeats := operator.index(repeats)) < 0:
             raise ValueError(f"repeats must be >= 0, got {repeats}")
-        offsets = offsets_from_lengths(self.lengths.repeat(repeats), "repeated lengths")
-        return PackedTensor._trusted(self.values.repeat(repeats, *([1] * (self.values.dim() - 1))), offsets)
+        return self._gather(torch.arange(len(self)).repeat(repeats))
 
     def repeat_interleave(self, repeats: int | LengthsLike) -> PackedTensor:
         """Each segment ``repeats`` times in place (``[a, a, b, b]``), an int or one count per
@@ -256,8 +236,8 @@ class PackedTensor:
         self, max_len: int | None = None, pad: float | bool | Tensor = 0, side: str = "left"
     ) -> Tensor:
         """Dense ``[B, max_len, *row_shape]``, real rows at the right end (``side="left"``) or the
-        left, elsewhere ``pad`` (a scalar the dtype holds exactly, or a row broadcasting to
-        ``row_shape``). One fill and one ``index_copy_``; no sync."""
+        left, elsewhere ``pad`` (a scalar the dtype holds, or a row). One fill and one
+        ``index_copy_``; no sync."""
         check_side(side)
         longest = self.max_length
         width = longest if max_len is None else operator.index(max_len)

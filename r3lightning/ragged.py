@@ -1,6 +1,5 @@
-"""Host index maths and checks for ragged batches, shared by ``PackedTensor``, ``RolloutBatch``
-and the alignment. It runs on small CPU int64 tensors (one entry per segment or row), so the device
-work it plans (an ``index_select``, an ``index_copy_``) never reads anything back."""
+"""Host index maths and checks for ragged batches (``PackedTensor``, ``RolloutBatch``, alignment),
+on small CPU int64 tensors, so the device work they plan never reads anything back."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def _as_tensor(data: Any) -> Tensor:
 
 
 def host_int64(data: LengthsLike, name: str) -> Tensor:
-    """``data`` as a 1-D int64 CPU tensor (a host int64 tensor is returned as is; a device one is
-    copied: a sync). ``ValueError`` naming ``name`` for non-1-D or non-integer data (bools too)."""
+    """``data`` as a 1-D int64 CPU tensor (device data: a sync); ``ValueError`` naming ``name`` for
+    other shapes and non-integers (bools too)."""
     tensor = _as_tensor(data if isinstance(data, (Tensor, np.ndarray)) else list(data))
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
@@ -39,8 +38,7 @@ def host_int64(data: LengthsLike, name: str) -> Tensor:
 
 
 def host_lengths(data: LengthsLike, name: str) -> Tensor:
-    """:func:`host_int64` of non-negative counts; a Python sequence must hold Python ints (no
-    bools, floats or numpy scalars). ``ValueError`` naming ``name``."""
+    """:func:`host_int64` of counts >= 0; a Python sequence must hold Python ints (no bools)."""
     if not isinstance(data, (Tensor, np.ndarray)):
         data = list(data)
         if any(isinstance(v, bool) or not isinstance(v, int) for v in data):
@@ -52,17 +50,15 @@ def host_lengths(data: LengthsLike, name: str) -> Tensor:
 
 
 def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
-    """Host int64 ``lengths [B]`` -> host int32 offsets ``[B + 1]`` (``cu_seqlens``); ``ValueError``
-    for a negative length or a total that int32 offsets cannot address."""
+    """Host int64 ``lengths [B]`` -> host int32 ``cu_seqlens [B + 1]``; ``ValueError`` for a negative
+    length or a total that int32 offsets cannot address."""
     if lengths.numel() and int(lengths.min()) < 0:
         bad = int(torch.nonzero(lengths < 0)[0, 0])
         raise ValueError(f"{name} must be >= 0, got {name}[{bad}] = {int(lengths[bad])}")
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths, dim=0, out=offsets[1:])
-    if int(offsets[-1]) > INT32_MAX:
-        raise ValueError(
-            f"{name} sum to {int(offsets[-1])} rows, more than int32 offsets can address ({INT32_MAX})"
-        )
+    if (total := int(offsets[-1])) > INT32_MAX:
+        raise ValueError(f"{name} sum to {total} rows, more than int32 offsets can address ({INT32_MAX})")
     return offsets.to(torch.int32)
 
 
@@ -74,8 +70,8 @@ def check_rows(values: Any) -> None:
 
 
 def checked_offsets(values: Tensor, cu_seqlens: Tensor, host: Tensor | None) -> Tensor:
-    """The host copy of ``cu_seqlens`` (copied from the device when ``host`` is None: a sync), after
-    checking both against ``values [rows, ...]``: int32, 1-D, from 0, non-decreasing, ending at ``rows``."""
+    """The host copy of ``cu_seqlens`` (from the device when ``host`` is None: a sync), both checked
+    against ``values [rows, ...]``: int32, 1-D, from 0, non-decreasing, ending at ``rows``."""
     check_rows(values)
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -110,22 +106,19 @@ def checked_offsets(values: Tensor, cu_seqlens: Tensor, host: Tensor | None) -> 
     return host
 
 
-def check_segment_schema(schemas: list[tuple[Any, Any, Any]]) -> None:
-    """``ValueError`` unless every ``(shape, dtype, device)`` has a row axis and the first's row schema."""
-    shape0, dtype0, device0 = schemas[0]
-    for i, (shape, dtype, device) in enumerate(schemas):
-        if len(shape) == 0:
-            raise ValueError(f"segment {i} is 0-d; segments must be [n_i, *row_shape]")
-        if tuple(shape[1:]) != tuple(shape0[1:]) or dtype != dtype0 or str(device) != str(device0):
+def check_same_rows(schemas: list[tuple[tuple[int, ...], torch.dtype, torch.device]], unit: str) -> None:
+    """``ValueError`` unless every ``unit``'s ``(row_shape, dtype, device)`` is the first's."""
+    for i, schema in enumerate(schemas):
+        if schema != schemas[0]:
+            first, other = (" ".join(map(str, s)) for s in (schemas[0], schema))
             raise ValueError(
-                f"segments must share row_shape, dtype and device; segment 0 has {tuple(shape0[1:])} "
-                f"{dtype0} {device0}, segment {i} has {tuple(shape[1:])} {dtype} {device}"
+                f"{unit}s must share row_shape, dtype, device; {unit} 0 has {first}, {unit} {i} has {other}"
             )
 
 
 def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
-    """Host int64 ``[count]`` from an int >= 0 (every ``unit`` alike) or one per unit; floats and
-    bools are refused, not truncated. Device ``repeats`` are read back once (a sync)."""
+    """Host int64 ``[count]`` from an int >= 0 or one per ``unit``; floats and bools are refused,
+    not truncated. Device ``repeats`` are read back (a sync)."""
     if isinstance(repeats, (Tensor, np.ndarray)) and repeats.ndim == 0:
         repeats = repeats.item()
     if isinstance(repeats, (int, np.integer)) and not isinstance(repeats, (bool, np.bool_)):
@@ -144,8 +137,7 @@ def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
 
 
 def segment_ids_and_positions(lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """For host int64 ``lengths [B]``: each packed row's segment and its position in it, both host
-    int64 ``[sum(lengths)]``."""
+    """Host int64 ``[sum(lengths)]`` each: every packed row's segment and its position in it."""
     total = int(lengths.sum())
     starts = torch.zeros_like(lengths)
     torch.cumsum(lengths[:-1], dim=0, out=starts[1:])
@@ -171,9 +163,9 @@ def check_side(side: str) -> None:
 def check_fill_value(
     value: Any, dtype: torch.dtype, name: str = "pad", what: str = "dtype"
 ) -> int | float | bool:
-    """``value`` as a Python scalar that ``dtype`` stores faithfully, else ``ValueError`` naming
-    ``name``: exactly for integer and bool dtypes (``torch.full`` wraps -1 to 255 in uint8), finite
-    values staying finite for floating ones (0.1 rounded to float32 is fine)."""
+    """``value`` as a Python scalar that ``dtype`` stores faithfully (exactly for integer and bool
+    dtypes: ``torch.full`` wraps -1 to 255 in uint8; finite stays finite for floating ones), else
+    ``ValueError`` naming ``name``."""
     if isinstance(value, (np.integer, np.floating, np.bool_)):
         value = value.item()
     if not isinstance(value, (bool, int, float)):
@@ -205,8 +197,8 @@ def check_pad_row(pad: Tensor, row_shape: tuple[int, ...], name: str = "pad") ->
 
 def to_device_async(host: Tensor, device: torch.device) -> Tensor:
     """Host tensor -> ``device`` without blocking or syncing (``host`` itself for the CPU): pageable
-    memory (a small index map or mask) is staged through torch's pinned caching allocator, which
-    fences the block by the copy; a ``non_blocking`` copy from pageable memory may sync."""
+    memory is staged through torch's pinned caching allocator (a ``non_blocking`` copy from
+    pageable memory may sync)."""
     if device.type == "cpu":
         return host
     if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
@@ -215,10 +207,9 @@ def to_device_async(host: Tensor, device: torch.device) -> Tensor:
 
 
 def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice | Tensor:
-    """An index along the batch axis of a ``count``-long ``owner`` (``PackedTensor`` segments,
-    ``RolloutBatch`` rows) as an int in ``[0, count)``, a ``slice(start, stop >= start)`` for a step-1
-    slice, or host int64 positions for anything else (device indices: a sync). ``TypeError`` for a
-    bool scalar or another type, ``IndexError`` for a bad position, mask length or dtype."""
+    """An index along the batch axis of a ``count``-long ``owner`` as an int in ``[0, count)``, a
+    ``slice(start, stop >= start)`` for a step-1 slice, or host int64 positions (device indices: a
+    sync). ``TypeError`` for a bool scalar or another type, ``IndexError`` for a bad index."""
     if (
         isinstance(index, (Tensor, np.ndarray))
         and index.ndim == 0
@@ -256,8 +247,8 @@ def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice
 
 
 def tensor_to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    """``(raw uint8 bytes, dtype name, shape)`` for pickling any dtype (bfloat16, float8) without
-    the rest of a view's storage. A sync for device tensors."""
+    """``(raw uint8 bytes, dtype name, shape)`` for pickling any dtype without the rest of a view's
+    storage. A sync for device tensors."""
     host = tensor.detach().cpu().contiguous()
     # (an empty tensor may carry a zero stride, which a dtype view refuses)
     raw = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)

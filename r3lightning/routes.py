@@ -1,9 +1,7 @@
-"""Route dtypes (the compact integer types of expert ids) and route layer ids, shared by every stage.
-
-Routes live on the host and the wire in the smallest of uint8 / int16 / int32 that holds the
-largest expert id (a 128-expert model's routes are a quarter of int32), and are widened to what a
-router needs only at install time. The wire also carries uint16 (vLLM, over 256 experts), decoded
-to int16 (a free view below 32768) because torch's uint16 lacks most operations.
+"""Route dtypes and route layer ids: routes live on the host and the wire in the smallest of
+uint8 / int16 / int32 that holds the largest expert id, and are widened to what a router needs only
+at install time. The wire also carries uint16 (vLLM, over 256 experts), decoded to int16 (a free
+view below 32768) because torch's uint16 lacks most operations.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ def compact_route_dtype(max_expert_id: int) -> torch.dtype:
 def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
     """``routes`` (ids >= 0) in :func:`compact_route_dtype` of their largest id (uint8 when empty):
     one ``max`` and the cast; ``routes`` itself when already compact unless ``copy=True``."""
-    high = int(routes.max()) if routes.numel() else 0
-    return routes.to(compact_route_dtype(high), copy=copy)
+    return routes.to(compact_route_dtype(int(routes.max()) if routes.numel() else 0), copy=copy)
 
 
 def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:

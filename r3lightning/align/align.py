@@ -1,14 +1,9 @@
 """Align packed per-token metadata (routes) with the tokens the model sees, and back.
 
-Routes travel packed, ``[sum(rows), L, K]`` plus offsets, from the rollout to the trainer. Only
-here, right before the forward, are they expanded into the model-facing shape of a
-:class:`TokenMetadataLayout`: ``[B, S', L, K]`` or this context-parallel rank's ``[1, T_local, L, K]``.
-The inverse, :func:`scatter_to_padded_batch`, brings model outputs (per-token logprobs from every
-CP rank) back to the canonical left-padded ``[B, S]`` batch.
-
-Cost model: the index maps are computed on the host from host offsets (O(positions), vectorised),
-copied to the data's device, and used by one ``index_select`` (plus one indexed write for the
-padding); there is no device->host sync anywhere.
+Routes travel packed, ``[sum(rows), L, K]`` plus offsets, until right before the forward, where
+they are expanded into a :class:`TokenMetadataLayout`'s model-facing shape. The index maps are
+computed on the host from host offsets (vectorised), copied to the data's device and used by one
+``index_select`` (plus one indexed write for the padding): no device->host sync anywhere.
 """
 
 from __future__ import annotations
@@ -34,13 +29,10 @@ def _segment_starts(
             f"packed metadata has {counts.numel()} segments but the layout has {batch} trajectories"
         )
     if segment_starts is None:
-        starts = torch.zeros(batch, dtype=torch.int64)
-    else:
-        starts = host_lengths(segment_starts, "segment_starts")
-        if starts.numel() != batch:
-            raise ValueError(
-                f"segment_starts must have one entry per trajectory ({batch}), got {starts.numel()}"
-            )
+        segment_starts = torch.zeros(batch, dtype=torch.int64)
+    starts = host_lengths(segment_starts, "segment_starts")
+    if starts.numel() != batch:
+        raise ValueError(f"segment_starts must have one entry per trajectory ({batch}), got {starts.numel()}")
     overrun = (starts + counts > layout.sequence_lengths).nonzero()
     if overrun.numel():
         i = int(overrun[0, 0])
@@ -62,15 +54,11 @@ def align_packed_token_metadata(
 ) -> torch.Tensor:
     """Dense ``[*layout.token_shape, *packed.row_shape]`` metadata on ``packed``'s device.
 
-    Segment ``i`` of ``packed`` lands on trajectory ``i``'s real tokens ``segment_starts[i]``
-    (default 0) onwards, one row per token; it may be shorter than the trajectory (an uncaptured
-    suffix) but never longer (``ValueError`` naming the trajectory). Every position without a row,
-    including the layout's padding, gets ``pad``: a scalar, a row broadcast to ``row_shape``, or a
-    callable ``pad(n) -> [n, *row_shape]`` filling the ``n`` uncovered positions in order (e.g.
-    ``lambda n: dummy_routes(n, L, K, E)``). A tensor pad of a wider dtype widens the result.
-    With ``next_token=True`` the position of token ``j`` gets token ``j + 1``'s row (labels-style
-    shift within each sequence; the last token gets ``pad``). CP ranks get only their shard.
-
+    Segment ``i`` lands on trajectory ``i``'s real tokens from ``segment_starts[i]`` (default 0),
+    one row per token; it may be shorter than the trajectory (an uncaptured suffix), never longer.
+    Every other position gets ``pad``: a scalar, a row, or ``pad(n) -> [n, *row_shape]`` for the
+    ``n`` uncovered positions in order (e.g. ``lambda n: dummy_routes(n, L, K, E)``); a wider
+    tensor pad widens the result. ``next_token=True`` gives token ``j`` token ``j + 1``'s row.
     Host work O(positions + B); one host->device index copy; no device->host sync.
     """
     if not isinstance(packed, PackedTensor):
@@ -89,12 +77,9 @@ def build_replay_mask(
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """bool ``[*layout.token_shape]``: True where a captured row lands (False -> native routing).
-
-    Takes the packed routes or just their segment lengths; the same placement as
-    :func:`align_packed_token_metadata`. On ``device`` (default: the packed values' device, else
-    the CPU); one host->device copy, no sync.
-    """
+    """bool ``[*layout.token_shape]``: True where a row of the packed routes (or of segments of
+    these lengths) lands in :func:`align_packed_token_metadata`, False -> native routing. On
+    ``device`` (default: the packed values', else the CPU); one host->device copy, no sync."""
     if isinstance(packed_or_lengths, PackedTensor):
         counts = packed_or_lengths.lengths
         if device is None:
@@ -117,17 +102,11 @@ def scatter_to_padded_batch(
     next_token: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scatter model-facing ``[*token_shape, *row]`` values back to a left-padded ``[B, width, *row]``.
-
-    The inverse of :meth:`TokenMetadataLayout.from_batch` on real tokens: the value at the
-    position of trajectory ``i``'s token ``j`` goes to ``[i, width - len_i + j]`` (with
-    ``next_token=True``, to token ``j + 1``'s column, e.g. logprobs computed at row ``j`` for
-    target ``j + 1``). ``width`` defaults to ``layout.batch_width``. A new batch is filled with
-    ``pad`` (a scalar ``tensor``'s dtype can hold, else ``ValueError``); pass ``out`` to write
-    into an existing batch instead, which lets every context-parallel rank's shard land in one
-    batch (only this layout's real tokens are written).
-
-    One host->device index copy and one indexed write on ``tensor``'s device; no sync.
+    """Model-facing ``[*token_shape, *row]`` values back in a left-padded ``[B, width, *row]`` batch
+    (width: ``layout.batch_width``), the inverse of :meth:`TokenMetadataLayout.from_batch` on real
+    tokens; ``next_token=True`` puts position ``j``'s value on token ``j + 1`` (logprobs). A new
+    batch is filled with ``pad``; ``out`` writes this layout's real tokens into an existing one
+    (every context-parallel rank's shard into one batch). One index copy and one indexed write.
     """
     expected = layout.token_shape
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected)]) != expected:
@@ -137,21 +116,16 @@ def scatter_to_padded_batch(
     width = layout.batch_width if width is None else width
     index = layout.source_index(layout.batch_row_offsets(width), next_token=next_token)
     shape = (layout.batch_size, width, *row_shape)
+    wanted = (shape, tensor.dtype, tensor.device)
     if out is None:
         out = torch.full(shape, check_fill_value(pad, tensor.dtype), dtype=tensor.dtype, device=tensor.device)
-    elif (
-        tuple(out.shape) != shape
-        or out.dtype != tensor.dtype
-        or out.device != tensor.device
-        or not out.is_contiguous()
-    ):
+    elif (tuple(out.shape), out.dtype, out.device) != wanted or not out.is_contiguous():
         raise ValueError(
             f"out must be a contiguous {tensor.dtype} tensor of shape {shape} on {tensor.device}, got "
             f"{out.dtype} {tuple(out.shape)} on {out.device}"
         )
     positions = (index >= 0).nonzero().reshape(-1)  # host
     if positions.numel():
-        device = tensor.device
-        flat_values = tensor.reshape(-1, *row_shape).index_select(0, to_device_async(positions, device))
-        out.view(-1, *row_shape)[to_device_async(index[positions], device)] = flat_values
+        values = tensor.reshape(-1, *row_shape).index_select(0, to_device_async(positions, tensor.device))
+        out.view(-1, *row_shape)[to_device_async(index[positions], tensor.device)] = values
     return out

@@ -1,12 +1,5 @@
-"""Placeholder routes for token positions that carry no captured route.
-
-Padding tokens and uncaptured suffix tokens still pass through every MoE layer. Under replay they
-need *some* valid route, and the choice matters: Megatron's dropless token dispatcher assumes the
-``top_k`` experts of a token are distinct (it derives split sizes from them), and a constant
-placeholder (say expert 0 for every padding token) would pile all padding onto one expert and one
-expert-parallel rank. :func:`dummy_routes` therefore gives each row ``top_k`` distinct experts and
-rotates consecutive rows through all experts.
-"""
+"""Placeholder routes for token positions that carry no captured route (padding, uncaptured
+suffixes), which still pass through every MoE layer and under replay need *some* valid route."""
 
 from __future__ import annotations
 
@@ -27,16 +20,14 @@ def dummy_routes(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Placeholder routes ``[num_rows, num_layers, top_k]`` with distinct experts per row.
+    """Placeholder routes ``[num_rows, num_layers, top_k]``: row ``r`` uses experts
+    ``(r * top_k + k) % num_experts`` in every layer.
 
-    Row ``r`` uses experts ``(r * top_k + k) % num_experts`` for ``k < top_k`` in every layer: the
-    ``top_k`` ids of a row are distinct (``top_k <= num_experts``), and consecutive rows continue
-    where the previous one stopped, so any ``ceil(num_experts / top_k)`` consecutive rows cover all
-    experts and a long run of padding spreads evenly over experts and expert-parallel ranks.
-
-    ``dtype`` defaults to the compact route dtype for ``num_experts - 1`` (see
-    :func:`compact_route_dtype`), so aligning these rows next to captured routes never widens them
-    unnecessarily. Built directly on ``device``; no host<->device transfer.
+    The ``top_k`` ids of a row are distinct (Megatron's dropless dispatcher derives split sizes
+    from them), and consecutive rows continue where the previous one stopped, so a long run of
+    padding spreads evenly over experts and expert-parallel ranks instead of piling onto one.
+    ``dtype`` defaults to the compact route dtype of ``num_experts - 1``, so these rows never widen
+    captured routes. Built on ``device``; no host<->device transfer.
     """
     check_int("num_rows", num_rows, 0)
     check_int("num_layers", num_layers, 1)
@@ -53,6 +44,5 @@ def dummy_routes(
     elif num_experts - 1 > torch.iinfo(dtype).max:
         raise ValueError(f"dtype {dtype} cannot hold expert id {num_experts - 1}")
     rows = torch.arange(num_rows, device=device, dtype=torch.int64)
-    slots = torch.arange(top_k, device=device, dtype=torch.int64)
-    experts = (rows[:, None] * top_k + slots[None, :]) % num_experts  # [rows, top_k]
+    experts = (rows[:, None] * top_k + torch.arange(top_k, device=device)) % num_experts  # [rows, top_k]
     return experts[:, None, :].expand(num_rows, num_layers, top_k).to(dtype).contiguous()

@@ -1,17 +1,11 @@
 """Where each real token of a batch sits in the tensor the model actually sees.
 
-A batch of ``B`` trajectories is canonically a left-padded ``[B, S]`` tensor (real tokens at the
-right end). Models see other arrangements: the same rectangle widened to a multiple (HF, Megatron's
-unpacked path, possibly right-padded), or one packed ``[1, T]`` row ``[seq0, pad0, seq1, pad1, ...]``
-whose sequences are each padded to a multiple and, under context parallelism, cut into ``2 * cp``
-chunks of which rank ``r`` keeps ``r`` and ``2 * cp - 1 - r``.
-
-:class:`TokenMetadataLayout` records, for every model-facing position, which real token it holds
-(trajectory ``i``, real-token offset ``j``) or that it is padding. Every per-token quantity is moved
-with that one map: routes (``align_packed_token_metadata``), batch tensors (:meth:`from_batch`),
-and model outputs going back to the batch (``scatter_to_padded_batch``). The map is built on the
-host, vectorised, when the layout is built; moving data with it costs one host->device copy of an
-int64 index per call (staged through page-locked memory) and never a device->host sync.
+The canonical batch is left-padded ``[B, S]``. Models see the same rectangle widened to a multiple
+(possibly right-padded), or one packed ``[1, T]`` row ``[seq0, pad0, seq1, pad1, ...]``, sharded
+under context parallelism. :class:`TokenMetadataLayout` maps every model-facing position to the
+real token it holds (or padding); routes, batch tensors and model outputs all move with that one
+map, built on the host when the layout is built: moving data costs one host->device copy of an
+int64 index per call and never a device->host sync.
 """
 
 from __future__ import annotations
@@ -37,8 +31,6 @@ __all__ = ["Pad", "TokenMetadataLayout", "position_ids_from_mask", "split_for_se
 # a scalar, one row broadcast to every uncovered position, or ``pad(n) -> [n, *row_shape]``
 Pad = int | float | bool | torch.Tensor | Callable[[int], torch.Tensor]
 
-_CPU = torch.device("cpu")
-
 
 def _round_up(value: torch.Tensor | int, multiple: int) -> torch.Tensor | int:
     return (value + multiple - 1) // multiple * multiple
@@ -51,6 +43,16 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
     return value
 
 
+def _width(name: str, width: int | None, lengths: torch.Tensor) -> int:
+    """``width`` (default: the longest of ``lengths``), refused below the longest."""
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if width is None:
+        return longest
+    if isinstance(width, bool) or not isinstance(width, int) or width < longest:
+        raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {width!r}")
+    return width
+
+
 def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
     """``rank`` when it is an ``int`` in ``[0, size)``; else ``ValueError`` naming both fields."""
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
@@ -60,23 +62,16 @@ def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class TokenMetadataLayout:
-    """Map from the real tokens of a batch to the positions of the model-facing token tensor.
+    """Map from the real tokens of a batch to the positions of the model-facing token tensor; build
+    it with :meth:`padded` (``kind="padded"``, ``[B, S']``) or :meth:`packed` (``[1, T_local]``).
 
-    Build it with :meth:`padded` or :meth:`packed`; the fields are host tensors.
-
-    - ``kind``: ``"padded"`` (model sees ``[B, S']``) or ``"packed"`` (model sees ``[1, T_local]``).
-    - ``token_shape``: the model-facing token shape.
-    - ``sequence_lengths``: int64 host ``[B]``, real tokens per trajectory.
-    - ``batch_width``: ``S`` of the canonical left-padded batch (default width for
-      ``scatter_to_padded_batch``).
-    - ``cu_seqlens`` / ``cu_seqlens_padded``: int32 host ``[B+1]`` global offsets of the real and of
-      the padded sequences in the unsharded packed row (``None`` for padded layouts).
-    - ``position_ids``: int64 host ``[*token_shape]``; real token ``j`` of a sequence has id ``j``.
-      Packed padding keeps counting within its sequence's padded span (ids restart at 0 for each
-      sequence, as packed attention and RoPE expect); padded-layout padding has id 0.
-    - ``cp_size`` / ``cp_rank``: context-parallel sharding of a packed layout.
-    - ``position_sequence`` / ``position_offset``: int64 host ``[num_positions]`` (flattened
-      ``token_shape``): trajectory index and real-token offset held by each position, -1 for padding.
+    Host tensors: ``sequence_lengths`` int64 ``[B]``; ``position_sequence`` / ``position_offset``
+    int64 ``[num_positions]`` (flattened ``token_shape``), the trajectory and real-token offset of
+    each position, -1 for padding; ``position_ids`` int64 ``[*token_shape]``, ``j`` for real token
+    ``j`` (packed padding keeps counting within its sequence's span, padded-layout padding is 0);
+    ``cu_seqlens`` / ``cu_seqlens_padded`` int32 ``[B + 1]`` offsets of the real and the padded
+    sequences in the unsharded packed row (None when padded). ``batch_width``: ``S`` of the
+    canonical batch.
     """
 
     kind: Literal["padded", "packed"]
@@ -93,7 +88,6 @@ class TokenMetadataLayout:
     cp_size: int = 1
     cp_rank: int = 0
 
-    # ----------------------------------------------------------------------------- constructors
     @classmethod
     def padded(
         cls,
@@ -102,28 +96,22 @@ class TokenMetadataLayout:
         side: Literal["left", "right"] = "left",
         pad_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
-        """Layout of a model that sees the batch as a ``[B, S']`` rectangle.
-
-        ``attention_mask`` is the canonical batch's ``[B, S]`` mask and must be left-padded (each
-        row ``0...0 1...1``). ``S' = S`` rounded up to ``pad_to_multiple``. ``side="left"`` keeps real
-        tokens at the right end (extra columns go on the left); ``side="right"`` moves them to the
-        front (Megatron's unpacked path). Cost: O(B * S') host ops; one device->host copy if the
-        mask lives on a GPU (pass the host mask at collate time to avoid it).
-        """
+        """The batch as a ``[B, S']`` rectangle, ``S'`` the left-padded ``[B, S]`` mask's width
+        rounded up to ``pad_to_multiple``; ``side="right"`` moves real tokens to the front
+        (Megatron's unpacked path). O(B * S') host ops; a GPU mask is copied back (a sync)."""
         check_side(side)
         multiple = check_int("pad_to_multiple", pad_to_multiple)
         mask = torch.as_tensor(attention_mask)
         if mask.dim() != 2:
             raise ValueError(f"attention_mask must be 2-D [batch, seq], got shape {tuple(mask.shape)}")
-        mask = mask.detach().to(_CPU)
+        mask = mask.detach().cpu()
         if mask.dtype != torch.bool:
             if mask.dtype.is_complex or bool(((mask != 0) & (mask != 1)).any()):
                 raise ValueError("attention_mask must be bool or hold only 0/1")
             mask = mask != 0
         batch, width = mask.shape
         lengths = mask.sum(1, dtype=torch.int64)  # [B]
-        columns = torch.arange(width)
-        expected = columns[None, :] >= (width - lengths)[:, None]  # [B, S] left-padded
+        expected = torch.arange(width) >= (width - lengths)[:, None]  # [B, S] left-padded
         bad = (expected != mask).any(1).nonzero()
         if bad.numel():
             row = int(bad[0, 0])
@@ -133,11 +121,9 @@ class TokenMetadataLayout:
                 f"side={side!r} only chooses how the model sees it"
             )
         model_width = int(_round_up(width, multiple))
-        columns = torch.arange(model_width).expand(batch, model_width)  # [B, S']
+        offset = torch.arange(model_width).expand(batch, model_width)  # [B, S']
         if side == "left":
-            offset = columns - (model_width - lengths)[:, None]
-        else:
-            offset = columns
+            offset = offset - (model_width - lengths)[:, None]
         real = (offset >= 0) & (offset < lengths[:, None])  # [B, S']
         sequence = torch.arange(batch)[:, None].expand(batch, model_width)
         return cls(
@@ -163,18 +149,13 @@ class TokenMetadataLayout:
         batch_width: int | None = None,
         pad_total_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
-        """Layout of a model that sees the batch packed into one ``[1, T_local]`` row.
-
-        Sequences are concatenated ``[seq0, pad0, seq1, pad1, ...]``, each padded to a multiple of
-        ``pad_to_multiple`` (Megatron: TP, or ``2 * TP * CP`` with context parallelism). With
-        ``cp_size > 1`` each padded sequence is cut into ``2 * cp_size`` equal chunks and this rank
-        keeps chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` (load-balanced causal CP), so
-        ``T_local = T / cp_size``. ``pad_total_to_multiple`` pads the whole unsharded row ``T`` to a
-        multiple by extending the last sequence's padding (fp8 GEMMs need aligned token counts; see
-        ``megatron_token_layout(fp8=True)``). ``batch_width`` is the width of the canonical
-        left-padded batch (default: the longest sequence). Cost: O(T_local) host ops, no Python
-        loop; device-resident ``sequence_lengths`` are read back once (a sync: pass host lengths).
-        """
+        """The batch packed into one ``[1, T_local]`` row ``[seq0, pad0, seq1, pad1, ...]``, each
+        sequence padded to a multiple of ``pad_to_multiple`` (Megatron: TP, or ``2 * TP * CP``). With
+        ``cp_size > 1`` each padded sequence is cut into ``2 * cp_size`` chunks and this rank keeps
+        ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` (load-balanced causal CP): ``T_local = T /
+        cp_size``. ``pad_total_to_multiple`` extends the last sequence's padding to align ``T``
+        (fp8 GEMMs); ``batch_width`` defaults to the longest sequence. O(T_local) host ops;
+        device ``sequence_lengths`` are read back (a sync)."""
         multiple = check_int("pad_to_multiple", pad_to_multiple)
         total_multiple = check_int("pad_total_to_multiple", pad_total_to_multiple)
         cp = check_int("cp_size", cp_size)
@@ -190,29 +171,16 @@ class TokenMetadataLayout:
                 f"({multiple}): the extra padding goes to the last sequence, which stays aligned"
             )
         lengths = host_lengths(sequence_lengths, "sequence_lengths")
-        longest = int(lengths.max()) if lengths.numel() else 0
-        if batch_width is None:
-            batch_width = longest
-        elif isinstance(batch_width, bool) or not isinstance(batch_width, int) or batch_width < longest:
-            raise ValueError(
-                f"batch_width must be an int >= the longest sequence ({longest}), got {batch_width!r}"
-            )
+        batch_width = _width("batch_width", batch_width, lengths)
         padded = _round_up(lengths, multiple)  # [B]
         if total_multiple > 1 and padded.numel():
             padded[-1] += (-int(padded.sum())) % total_multiple
-        cu_padded = offsets_from_lengths(padded, "padded sequence_lengths")  # [B + 1] int32
-        cu_real = offsets_from_lengths(lengths, "sequence_lengths")  # [B + 1] int32
-
-        chunk = padded // (2 * cp)  # [B] chunk length (cp == 1: half a sequence, two halves kept)
-        local_lengths = padded // cp  # [B]
-        sequence, local = segment_ids_and_positions(local_lengths)  # [T_local] each
-        chunk_of = chunk[sequence]
-        # offset inside the sequence's padded span: first kept chunk is cp_rank, second 2cp-1-cp_rank
-        span_offset = torch.where(
-            local < chunk_of,
-            cp_rank * chunk_of + local,
-            (2 * cp - 1 - cp_rank) * chunk_of + (local - chunk_of),
-        )
+        cu_padded = offsets_from_lengths(padded, "padded sequence_lengths")  # [B + 1] int32, T < 2**31
+        sequence, local = segment_ids_and_positions(padded // cp)  # [T_local] each
+        chunk = (padded // (2 * cp))[sequence]  # [T_local] (cp == 1: half a sequence, both kept)
+        # offset in the sequence's padded span: the kept chunks are cp_rank and 2cp-1-cp_rank, so
+        # the second one's local positions (from chunk on) shift by (2cp-1-cp_rank-1) chunks
+        span_offset = local + torch.where(local < chunk, cp_rank, 2 * cp - 2 - cp_rank) * chunk
         real = span_offset < lengths[sequence]
         return cls(
             kind="packed",
@@ -223,7 +191,7 @@ class TokenMetadataLayout:
             position_offset=torch.where(real, span_offset, -1),
             position_ids=span_offset.reshape(1, -1),
             pad_to_multiple=multiple,
-            cu_seqlens=cu_real,
+            cu_seqlens=offsets_from_lengths(lengths, "sequence_lengths"),
             cu_seqlens_padded=cu_padded,
             cp_size=cp,
             cp_rank=cp_rank,
@@ -237,7 +205,6 @@ class TokenMetadataLayout:
             f"pad_to_multiple={self.pad_to_multiple}{extra})"
         )
 
-    # ----------------------------------------------------------------------------- properties
     @property
     def batch_size(self) -> int:
         return self.sequence_lengths.numel()
@@ -259,7 +226,6 @@ class TokenMetadataLayout:
             raise ValueError("max_seqlen_padded is defined for packed layouts only")
         return int((self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).max()) if self.batch_size else 0
 
-    # ----------------------------------------------------------------------------- index maps
     def source_index(
         self,
         row_offsets: torch.Tensor,
@@ -268,13 +234,10 @@ class TokenMetadataLayout:
         counts: torch.Tensor | None = None,
         next_token: bool = False,
     ) -> torch.Tensor:
-        """int64 host ``[num_positions]``: source row for each position, -1 where none.
-
-        A source stores trajectory ``i``'s real tokens ``starts[i] .. starts[i] + counts[i] - 1``
-        as consecutive rows beginning at ``row_offsets[i]`` (defaults: start 0, all real tokens).
-        With ``next_token`` the position of token ``j`` takes token ``j + 1``'s row (the last token
-        of each sequence takes none). All arguments are host int64 ``[B]``; O(num_positions).
-        """
+        """int64 host ``[num_positions]``: source row of each position, -1 where none, for a source
+        holding trajectory ``i``'s real tokens ``starts[i]`` onwards (default 0; ``counts[i]`` of
+        them, default all) as rows from ``row_offsets[i]``; arguments are host int64 ``[B]``. With
+        ``next_token`` token ``j``'s position takes token ``j + 1``'s row. O(num_positions)."""
         sequence = self.position_sequence
         offset = self.position_offset + int(next_token)
         if self.batch_size == 0:
@@ -289,19 +252,13 @@ class TokenMetadataLayout:
     def batch_row_offsets(self, width: int) -> torch.Tensor:
         """int64 host ``[B]``: flat row of each trajectory's first real token in a left-padded
         ``[B, width]`` batch."""
-        longest = int(self.sequence_lengths.max()) if self.batch_size else 0
-        if isinstance(width, bool) or not isinstance(width, int) or width < longest:
-            raise ValueError(f"batch width must be an int >= the longest sequence ({longest}), got {width!r}")
+        width = _width("batch width", width, self.sequence_lengths)
         return torch.arange(self.batch_size) * width + width - self.sequence_lengths
 
-    # ----------------------------------------------------------------------------- moving data
     def from_batch(self, tensor: torch.Tensor, *, pad: Pad = 0, next_token: bool = False) -> torch.Tensor:
-        """Lay a canonical left-padded ``[B, S, *row]`` tensor out as ``[*token_shape, *row]``.
-
-        For example ``input_ids``, ``attention_mask`` or ``loss_mask`` for the model; with
-        ``next_token=True`` each position gets the *next* token's value (labels). Padding gets
-        ``pad``. One index_select on the tensor's device after a host->device index copy.
-        """
+        """A canonical left-padded ``[B, S, *row]`` tensor (``input_ids``, ``loss_mask``, ...) laid
+        out as ``[*token_shape, *row]``, ``pad`` on padding; ``next_token=True`` gives each position
+        the next token's value (labels). One host->device index copy and one ``index_select``."""
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.shape[0] != self.batch_size:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"tensor must be a [B={self.batch_size}, S, ...] batch tensor, got {shape}")
@@ -310,75 +267,56 @@ class TokenMetadataLayout:
         return take_rows(tensor.reshape(-1, *tensor.shape[2:]), index, pad, self.token_shape)
 
 
-def _pad_rows(
-    pad: Pad, count: int, like: torch.Tensor
-) -> tuple[torch.Tensor | int | float | bool, torch.dtype]:
-    """Normalise ``pad`` for ``count`` uncovered positions of rows shaped like ``like[0]``."""
-    row_shape = tuple(like.shape[1:])
-    if isinstance(pad, (bool, int, float)):
-        return check_fill_value(pad, like.dtype, what="metadata dtype"), like.dtype
-    if callable(pad) and not isinstance(pad, torch.Tensor):
-        rows = pad(count)
-        if not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (count, *row_shape):
-            got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
-            raise ValueError(f"pad({count}) must return a tensor of shape {(count, *row_shape)}, got {got}")
-    elif isinstance(pad, torch.Tensor):
-        check_pad_row(pad, row_shape)
-        rows = pad
-    else:
-        raise ValueError(f"pad must be a scalar, a row tensor or a callable, got {type(pad).__name__}")
-    dtype = torch.promote_types(like.dtype, rows.dtype)
-    return to_device_async(rows, like.device).to(dtype), dtype
-
-
 def take_rows(
     source: torch.Tensor, index: torch.Tensor, pad: Pad, token_shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """``[*token_shape, *row]``: ``source[index[p]]`` at each position, ``pad`` where ``index < 0``.
-
-    ``index`` is an int64 host ``[num_positions]`` map (from :meth:`TokenMetadataLayout.source_index`).
-    Tensor pads may widen the result (``torch.promote_types``); callable pads receive the number of
-    uncovered positions and fill them in position order. Runs on ``source``'s device: host->device
-    index copies only, no device->host sync.
-    """
+    """``[*token_shape, *row]``: ``source[index[p]]`` at each position ``p`` of the int64 host map
+    ``index`` (:meth:`TokenMetadataLayout.source_index`), ``pad`` where ``index < 0``: a tensor pad
+    may widen the dtype, a callable one fills the uncovered positions in order. Host->device index
+    copies only, no sync."""
     uncovered = (index < 0).nonzero().reshape(-1)  # host
-    pad_value, dtype = _pad_rows(pad, uncovered.numel(), source)
+    row_shape, count = tuple(source.shape[1:]), uncovered.numel()
+    if isinstance(pad, (bool, int, float)):
+        fill = check_fill_value(pad, source.dtype, what="metadata dtype")
+    elif callable(pad) and not isinstance(pad, torch.Tensor):
+        fill = pad(count)
+        if not isinstance(fill, torch.Tensor) or tuple(fill.shape) != (count, *row_shape):
+            got = tuple(fill.shape) if isinstance(fill, torch.Tensor) else type(fill).__name__
+            raise ValueError(f"pad({count}) must return a tensor of shape {(count, *row_shape)}, got {got}")
+    elif isinstance(pad, torch.Tensor):
+        check_pad_row(pad, row_shape)
+        fill = pad
+    else:
+        raise ValueError(f"pad must be a scalar, a row tensor or a callable, got {type(pad).__name__}")
     device = source.device
     if source.shape[0]:
         # padding positions gather row 0 and are overwritten below: one kernel, no masked gather
         out = source.index_select(0, to_device_async(index.clamp(min=0), device))
     else:  # nothing to gather: every position is padding
-        out = source.new_empty((index.numel(), *source.shape[1:]))
-    if out.dtype != dtype:
-        out = out.to(dtype)
-    if uncovered.numel():
+        out = source.new_empty((index.numel(), *row_shape))
+    if isinstance(fill, torch.Tensor):
+        out = out.to(torch.promote_types(out.dtype, fill.dtype))
+        fill = to_device_async(fill, device).to(out.dtype)
+    if count:
         positions = to_device_async(uncovered, device)
-        if isinstance(pad_value, torch.Tensor):
-            out[positions] = pad_value
+        if isinstance(fill, torch.Tensor):
+            out[positions] = fill
         else:  # a Scalar argument, not a CPU tensor that indexing would copy to the device
-            out.index_fill_(0, positions, pad_value)
-    return out.reshape(*token_shape, *source.shape[1:])
+            out.index_fill_(0, positions, fill)
+    return out.reshape(*token_shape, *row_shape)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Rotary positions of a left-padded batch: ``[B, S]`` int64, 0 on the padding.
-
-    A row ``[pad, pad, a, b]`` gets ``[0, 0, 0, 1]``, so every sequence sees the positions it
-    had when it was generated unpadded (engine and trainer must agree on them). Runs on the
-    mask's device; no host sync.
-    """
+    """Rotary positions of a left-padded batch, ``[B, S]`` int64: ``[pad, pad, a, b]`` gets
+    ``[0, 0, 0, 1]``, the positions the engine saw. On the mask's device; no sync."""
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def split_for_sequence_parallel(
     tensor: torch.Tensor, tp_size: int, tp_rank: int, *, dim: int = 1
 ) -> torch.Tensor:
-    """This tensor-parallel rank's contiguous ``1/tp_size`` of the token dimension (a view).
-
-    With sequence parallelism each TP rank's router sees only its slice of the sequence, e.g.
-    routes ``[1, T_local, L, K] -> [1, T_local / TP, L, K]`` (``dim=1`` is the sequence dimension
-    of ``[*token_shape, ...]`` tensors). No copy, no sync.
-    """
+    """This tensor-parallel rank's contiguous ``1/tp_size`` of the token dimension ``dim`` (a view):
+    with sequence parallelism a router sees ``[1, T_local / TP, L, K]`` of ``[1, T_local, L, K]``."""
     tp = check_int("tp_size", tp_size)
     check_rank("tp_rank", tp_rank, "tp_size", tp)
     if not -tensor.dim() <= dim < tensor.dim():

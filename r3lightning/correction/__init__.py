@@ -11,13 +11,5 @@ from r3lightning.correction.importance import (
 )
 from r3lightning.correction.metrics import CorrectionMetrics
 
-__all__ = [
-    "MODES",
-    "CorrectionConfig",
-    "CorrectionMetrics",
-    "correction_weights",
-    "geometric_mask",
-    "sequence_tis",
-    "token_mask",
-    "token_tis",
-]
+__all__ = ["MODES", "CorrectionConfig", "CorrectionMetrics", "correction_weights", "geometric_mask",
+           "sequence_tis", "token_mask", "token_tis"]  # fmt: skip

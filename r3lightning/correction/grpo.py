@@ -1,8 +1,7 @@
 """GRPO-style advantages, the clipped policy loss, and training/inference mismatch metrics.
 
-All token tensors are left-padded ``[B, S]`` and aligned to token ``t`` (the logprob of token
-``t`` comes from the forward at position ``t - 1``); ``loss_mask`` is 1 on the tokens that
-are loss targets. Everything here is pure tensor math: no host<->device syncs unless stated.
+Token tensors are left-padded ``[B, S]`` and aligned to token ``t`` (its logprob comes from the
+forward at position ``t - 1``); ``loss_mask`` is 1 on loss targets. Pure tensor math: no syncs.
 """
 
 from __future__ import annotations
@@ -23,22 +22,16 @@ class GRPOConfig:
     clip_high: float = 0.28
     normalize_std: bool = True  # divide by the group's reward std (GRPO); False = Dr. GRPO
     std_eps: float = 1e-6
-    # Probability ratios outside [1 / ratio_band, ratio_band] count as "far off" in the metrics.
-    ratio_band: float = 2.0
-    # Paired native-vs-replayed mismatch (mismatch/*) every n RL steps; 0 = never.
-    mismatch_every_n_steps: int = 1
-    # Importance-sampling correction of the loss tokens (r3lightning.correction); none by default.
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    ratio_band: float = 2.0  # ratios outside [1 / ratio_band, ratio_band] are "far off" in metrics
+    mismatch_every_n_steps: int = 1  # paired native-vs-replayed mismatch/* every n steps; 0 = never
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # none by default
 
 
 def group_advantages(
     rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """Per-trajectory advantage: reward minus its group's mean (over ``std + eps`` if normalising).
-
-    ``rewards`` ``[num_groups * group_size]``, consecutive entries form a group. The std is the
-    unbiased sample std; a group whose rewards are all equal gets advantage 0 (no signal).
-    """
+    """Per-trajectory advantage ``[num_groups * group_size]``: reward minus its group's mean (over
+    the unbiased ``std + eps`` if normalising); consecutive ``rewards`` form a group."""
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
         shape = tuple(rewards.shape)
         raise ValueError(
@@ -52,15 +45,14 @@ def group_advantages(
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """Logprob of each token under the logits of the previous position.
-
-    ``logits`` ``[B, S, V]``, ``input_ids`` ``[B, S]`` -> ``[B, S]`` float32 where entry ``t``
-    is ``log softmax(logits[:, t - 1])[input_ids[:, t]]`` and entry 0 is 0 (no predecessor).
-    Computed in float32 whatever the logits' dtype. Memory: one ``[B, S - 1, V]`` float32 buffer.
-    """
-    shifted = logits[:, :-1].float().log_softmax(dim=-1)  # [B, S-1, V]
-    picked = shifted.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, S-1]
+    """``[B, S]`` float32: entry ``t`` is ``log softmax(logits[:, t - 1])[input_ids[:, t]]`` for
+    ``logits [B, S, V]``, entry 0 is 0. Memory: one ``[B, S - 1, V]`` float32 buffer."""
+    picked = _shifted_log_softmax(logits).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, S-1]
     return torch.nn.functional.pad(picked, (1, 0))
+
+
+def _shifted_log_softmax(logits: Tensor) -> Tensor:
+    return logits[:, :-1].float().log_softmax(dim=-1)  # [B, S-1, V] float32: predicts tokens 1..S-1
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -80,14 +72,12 @@ def policy_loss(
     clip_high: float = 0.28,
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss: the loss tokens' sum over their count (token-mean).
+    """Clipped surrogate loss, token-mean over the loss tokens, and detached ``clip_fraction``.
 
-    ``logprobs`` (trainer, with grad), ``old_logprobs`` (the behaviour policy: the engine's
-    logprobs), ``loss_mask`` and ``weights`` (a correction's, treated as constants) are
-    ``[B, S]``; ``advantages`` ``[B]``. A weight scales its token's term; the divisor stays the
-    loss-token count (a dropped token does not reweight the rest). Masked tokens add exactly 0 to
-    the loss and its gradient whatever their values; no loss token gives 0. Returns the loss and
-    detached metrics (``clip_fraction``).
+    ``logprobs`` (trainer, with grad), ``old_logprobs`` (the engine's), ``loss_mask`` and
+    ``weights`` (a correction's, constants) are ``[B, S]``, ``advantages`` ``[B]``. A weight scales
+    its token's term; the divisor stays the loss-token count. Masked tokens add exactly 0 to the
+    loss and its gradient whatever their values; no loss token gives 0.
     """
     log_ratio = torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0)  # [B, S]
     ratio = torch.exp(log_ratio)
@@ -104,11 +94,8 @@ def policy_loss(
 
 
 def k3_terms(log_ratio: Tensor) -> Tensor:
-    """Per-token k3 estimator ``r - 1 - log r`` of ``log_ratio = log r``, in float64.
-
-    Computed as ``expm1(x) - x``: non-negative and accurate down to tiny ratios (float32
-    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4`` and can go negative).
-    """
+    """Per-token k3 estimator ``r - 1 - log r`` of ``log_ratio = log r`` in float64, as
+    ``expm1(x) - x``: float32 ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``."""
     x = log_ratio.double()
     return torch.expm1(x) - x
 
@@ -116,16 +103,9 @@ def k3_terms(log_ratio: Tensor) -> Tensor:
 def mismatch_metrics(
     trainer_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, ratio_band: float = 2.0
 ) -> dict[str, Tensor]:
-    """How far the trainer's token probabilities are from the rollout engine's, with
-    ``r = p_trainer / p_rollout`` on the loss tokens (sampled by the engine):
-
-    * ``k3_kl``: mean of ``r - 1 - log r`` (:func:`k3_terms`, float64), the unbiased,
-      non-negative k3 estimator of KL(rollout || trainer);
-    * ``ratio_out_of_band``: fraction of loss tokens with ``r`` outside ``[1 / ratio_band, ratio_band]``;
-    * ``abs_logprob_diff``: mean ``|log r|``.
-
-    Detached float64 scalars; no host sync.
-    """
+    """With ``r = p_trainer / p_rollout`` on the loss tokens, detached float64 scalars: ``k3_kl``
+    (mean :func:`k3_terms`, the k3 estimator of KL(rollout || trainer)), ``ratio_out_of_band``
+    (share with ``r`` outside ``[1 / ratio_band, ratio_band]``) and ``abs_logprob_diff``."""
     with torch.no_grad():
         log_r = trainer_logprobs.double() - rollout_logprobs.double()  # [B, S]
         return {
@@ -143,13 +123,10 @@ def paired_mismatch_metrics(
     *,
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
-    """The mismatch R3 removes, measured on one batch and one set of weights.
-
-    ``native_logprobs`` / ``replayed_logprobs`` ``[B, S]``: the trainer's logprobs of the batch
-    with its own routing and with the engine's routes replayed, each compared with the engine's
-    by :func:`mismatch_metrics`: ``k3_native`` / ``k3_replayed`` and ``outside_band_native`` /
-    ``outside_band_replayed``. Detached float64 scalars; no host sync.
-    """
+    """The mismatch R3 removes, on one batch and one set of weights: the trainer's ``[B, S]``
+    logprobs with its own routing and with the engine's routes replayed, each against the engine's
+    (:func:`mismatch_metrics`): ``k3_native`` / ``k3_replayed``, ``outside_band_native`` /
+    ``outside_band_replayed``. Detached float64 scalars."""
     native, replayed = (
         mismatch_metrics(lp, rollout_logprobs, loss_mask, ratio_band=ratio_band)
         for lp in (native_logprobs, replayed_logprobs)
@@ -164,8 +141,7 @@ def paired_mismatch_metrics(
 
 def token_entropy(logits: Tensor) -> Tensor:
     """Entropy (nats) of the distribution each token was predicted from, aligned like
-    :func:`token_logprobs`: ``logits [B, S, V]`` -> ``[B, S]`` float32, entry 0 is 0.
-    Memory: one ``[B, S - 1, V]`` float32 buffer."""
-    logp = logits[:, :-1].float().log_softmax(dim=-1)  # [B, S-1, V]
+    :func:`token_logprobs`: ``[B, S]`` float32, entry 0 is 0."""
+    logp = _shifted_log_softmax(logits)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))

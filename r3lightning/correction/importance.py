@@ -1,15 +1,12 @@
-"""Importance-sampling corrections for the engine/trainer mismatch that replay leaves behind.
+"""Importance-sampling corrections for the engine/trainer mismatch that replay leaves behind
+(kernels, precision).
 
-Replay removes the routing part of the mismatch; kernels and precision still make the trainer's
-``p_trainer`` differ from the engine's ``p_engine``. Each function takes the per-token
-``log_ratio = log p_trainer - log p_engine`` of the forward the loss uses and the loss ``mask``
-(nonzero on loss tokens) as a padded ``[B, T]`` tensor (sequence = row) or a ``PackedTensor`` of
-per-token values ``[rows]`` (sequence = segment; ``mask`` a ``PackedTensor`` with the same offsets
-or a ``[rows]`` tensor). The result has ``log_ratio``'s shape (and offsets) and dtype, is
-detached and is 0 wherever ``mask`` is 0, whatever ``log_ratio`` holds there.
-
-Cost: a few elementwise kernels over the tokens on their device (sequence sums in float64); no
-host sync, no atomics (packed sums are a cumsum difference), so results are deterministic.
+Each function takes the per-token ``log_ratio = log p_trainer - log p_engine`` of the forward the
+loss uses and the loss ``mask`` (nonzero on loss tokens), as padded ``[B, T]`` tensors (sequence =
+row) or as a ``PackedTensor`` of per-token values (sequence = segment; ``mask`` packed alike or a
+``[rows]`` tensor). The result has ``log_ratio``'s form and dtype, is detached and is 0 wherever
+``mask`` is 0. Cost: a few elementwise kernels (sequence sums in float64 as cumsum differences):
+no host sync, no atomics, deterministic.
 """
 
 from __future__ import annotations
@@ -47,11 +44,9 @@ def _check(threshold: float = 2.0, lower: float = 0.5, upper: float = 2.0) -> No
 
 @dataclass(frozen=True)
 class CorrectionConfig:
-    """Which correction the loss applies (``algorithm.correction`` in the job).
-
-    ``mode``: one of :data:`MODES` (``none``: every loss token weighs 1); ``threshold``: the cap
-    ``C`` of the TIS modes; ``lower`` / ``upper``: the ratio band the mask modes keep.
-    """
+    """Which correction the loss applies (``algorithm.correction`` in the job): ``mode`` one of
+    :data:`MODES` (``none``: every loss token weighs 1), ``threshold`` the cap ``C`` of the TIS
+    modes, ``lower`` / ``upper`` the ratio band the mask modes keep."""
 
     mode: str = "none"
     threshold: float = 2.0
@@ -115,15 +110,11 @@ def _ratio(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio.to(torch.promote_types(log_ratio.dtype, torch.float32)))
 
 
-def zero_off(keep: Tensor, values: Tensor) -> Tensor:
-    return torch.where(keep, values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
 def token_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
     """Truncated IS: per-token weight ``min(exp(log_ratio), threshold)`` on loss tokens."""
     _check(threshold=threshold)
     lr, keep, _ = tokens_of(log_ratio, mask)
-    return _like(log_ratio, zero_off(keep, _ratio(lr).clamp(max=threshold)))
+    return _like(log_ratio, torch.where(keep, _ratio(lr).clamp(max=threshold), 0.0))
 
 
 def sequence_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
@@ -131,8 +122,8 @@ def sequence_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> 
     repeated on its loss tokens."""
     _check(threshold=threshold)
     lr, keep, cu = tokens_of(log_ratio, mask)
-    total = _sequence_sum(zero_off(keep, lr), cu)
-    return _like(log_ratio, zero_off(keep, torch.exp(total).clamp(max=threshold)))
+    total = _sequence_sum(torch.where(keep, lr, 0.0), cu)
+    return _like(log_ratio, torch.where(keep, torch.exp(total).clamp(max=threshold), 0.0))
 
 
 def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
@@ -140,7 +131,7 @@ def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper
     their loss tokens lies in ``[lower, upper]``; whole sequences outside are dropped (0)."""
     _check(lower=lower, upper=upper)
     lr, keep, cu = tokens_of(log_ratio, mask)
-    mean = _sequence_sum(zero_off(keep, lr), cu) / _sequence_sum(keep, cu).clamp(min=1)
+    mean = _sequence_sum(torch.where(keep, lr, 0.0), cu) / _sequence_sum(keep, cu).clamp(min=1)
     ratio = torch.exp(mean)
     return _like(log_ratio, keep & (ratio >= lower) & (ratio <= upper))
 

@@ -1,9 +1,5 @@
-"""``correction/*`` metrics: exact ratios of sums over micro-batches and ranks, never means of ratios.
-
-``update`` adds one micro-batch's sums (loss tokens, sum w, sum w^2, truncated and masked tokens)
-and its largest weight to on-device accumulators; ``compute`` reduces them over ranks (one float64
-``all_reduce`` SUM and one MAX) and divides. No host sync anywhere.
-"""
+"""``correction/*`` metrics: exact ratios of sums over micro-batches and ranks, never means of
+ratios, accumulated on device with no host sync."""
 
 from __future__ import annotations
 
@@ -17,19 +13,14 @@ from r3lightning.correction.importance import (
     CorrectionConfig,
     Tokens,
     tokens_of,
-    zero_off,
 )
 
 __all__ = ["CorrectionMetrics", "correction_sums"]
 
 
 def correction_sums(weights: Tokens, mask: Tokens, config: CorrectionConfig) -> tuple[Tensor, Tensor]:
-    """``([5] float64 sums, [] float64 max weight)`` of one micro-batch's ``weights`` (from
-    :func:`~r3lightning.correction.importance.correction_weights` with ``config``) over ``mask``.
-
-    Sums: loss tokens, sum of weights, sum of squared weights, tokens whose weight sits at the cap
-    (TIS modes), loss tokens the mask modes dropped.
-    """
+    """float64 ``[5]`` sums (loss tokens, sum w, sum w^2, tokens at the TIS cap, tokens a mask
+    mode dropped) and ``[]`` max weight of one micro-batch's ``weights`` over ``mask``."""
     w, keep, _ = tokens_of(weights, mask)
     zero = torch.zeros((), dtype=torch.float64, device=w.device)
     truncated = masked = zero
@@ -37,18 +28,15 @@ def correction_sums(weights: Tokens, mask: Tokens, config: CorrectionConfig) -> 
         truncated = (keep & (w >= torch.tensor(config.threshold, dtype=w.dtype))).sum().double()
     if config.mode in MASK_MODES:
         masked = (keep & (w == 0)).sum().double()
-    w = zero_off(keep, w.double())
+    w = torch.where(keep, w.double(), 0.0)
     sums = torch.stack([keep.sum().double(), w.sum(), (w * w).sum(), truncated, masked])
     return sums, (w.amax() if w.numel() else zero)
 
 
 class CorrectionMetrics:
-    """Accumulates the ``correction/*`` metrics of one step over its micro-batches.
-
-    ``compute()`` gives ``weight_mean`` (sum w / n), ``weight_max``, ``ess`` (the normalised
-    effective sample size ``(sum w)^2 / (n sum w^2)``), ``truncated_fraction`` and
-    ``masked_fraction`` (shares of the ``n`` loss tokens) and ``loss_tokens`` (``n``: 0 says the
-    step had no loss token, and then every ratio is 0). ``mode=none`` gives weights 1: mean 1, ESS 1.
+    """Accumulates the ``correction/*`` metrics of one step over its micro-batches: ``weight_mean``
+    (sum w / n), ``weight_max``, ``ess`` (``(sum w)^2 / (n sum w^2)``), ``truncated_fraction`` and
+    ``masked_fraction`` (of the ``n`` loss tokens), ``loss_tokens`` (``n``; 0 makes every ratio 0).
     """
 
     def __init__(self, config: CorrectionConfig | None = None) -> None:
@@ -61,15 +49,15 @@ class CorrectionMetrics:
 
     def update(self, weights: Tokens, mask: Tokens) -> None:
         sums, top = correction_sums(weights, mask, self.config)
-        if self._sums is None or self._max is None:
+        if self._sums is None or self._max is None:  # the first micro-batch
             self._sums, self._max = sums, top
         else:
             self._sums = self._sums + sums.to(self._sums.device)
             self._max = torch.maximum(self._max, top.to(self._max.device))
 
-    def compute(self, *, sync_dist: bool = False, prefix: str = "correction/") -> dict[str, Tensor]:
-        """Float64 scalars named ``prefix + name``. ``sync_dist``: sum (and max) over the ranks of
-        the default process group first; every rank must call it (two small collectives)."""
+    def compute(self, *, sync_dist: bool = False) -> dict[str, Tensor]:
+        """Float64 scalars named ``correction/<name>``. ``sync_dist``: sum (and max) over the ranks
+        of the default process group first; every rank must call it (two small collectives)."""
         sums = torch.zeros(5, dtype=torch.float64) if self._sums is None else self._sums.clone()
         top = torch.zeros((), dtype=torch.float64) if self._max is None else self._max.clone()
         if sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -86,4 +74,4 @@ class CorrectionMetrics:
             "masked_fraction": masked / tokens,
             "loss_tokens": n,
         }
-        return {prefix + name: value for name, value in out.items()}
+        return {f"correction/{name}": value for name, value in out.items()}

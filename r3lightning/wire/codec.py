@@ -1,15 +1,14 @@
 """Route wire codec: ndarray envelopes ``{"data": base64 of C-order little-endian bytes, "shape",
-"dtype": "uint8" | "int16" | "uint16" | "int32"}``, SGLang's base64 flat int32 ids (reshaped with
-the model's ``(num_layers, top_k)``) and vLLM's base64 ``.npy`` file (uint8 or uint16; its header
-is read as a literal, never executed or unpickled). Each decoder checks the declared size against
-``max_bytes`` before it allocates, decodes with pybase64 into one buffer that numpy views, and
-runs the route check; uint16 ids come back as int16 (int32 from 32768 on).
+"dtype": "uint8" | "int16" | "uint16" | "int32"}``, SGLang's base64 flat int32 ids and vLLM's base64
+``.npy`` file (its header read as a literal, never executed or unpickled). Each decoder checks the
+declared size against ``max_bytes`` before it allocates, decodes with pybase64 into one buffer that
+numpy views, and runs the route check; uint16 ids come back as int16 (int32 from 32768 on).
 """
 
 from __future__ import annotations
 
-import ast
 import binascii
+import io
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,22 +55,20 @@ class RouteSchema:
 
 
 def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
-    """Non-negative integer routes ``[rows, L, K]`` (any shape) as a JSON-ready ndarray envelope in
-    ``dtype``, by default the smallest that holds the largest id. Cost: a min/max, a cast when
-    the dtype changes and a SIMD base64 encode."""
+    """Non-negative integer routes (any shape) as a JSON-ready ndarray envelope in ``dtype``, by
+    default the smallest that holds the largest id. Cost: a min/max, a cast and a base64 encode."""
     a = np.asarray(array)  # a CPU torch tensor converts without a copy
     if a.dtype.kind not in "iu":
         raise ValueError(f"routes: expected an integer array, got dtype {a.dtype}")
     if a.size and a.dtype.kind == "i" and int(a.min()) < 0:
         raise ValueError(f"routes: expert ids must be non-negative, got {int(a.min())}")
-    max_id = int(a.max()) if a.size else 0
     if dtype is not None and dtype not in WIRE_DTYPES:
         raise ValueError(f"routes: unknown dtype {dtype!r}, expected one of {sorted(WIRE_DTYPES)}")
-    target = compact_dtype(max_id) if dtype is None else WIRE_DTYPES[dtype]
-    if max_id > np.iinfo(target).max:
+    max_id = int(a.max()) if a.size else 0
+    name = dtype or next(n for n, d in WIRE_DTYPES.items() if d == compact_dtype(max_id))
+    if max_id > np.iinfo(WIRE_DTYPES[name]).max:
         raise ValueError(f"routes: id {max_id} does not fit in dtype {dtype!r}")
-    data = np.ascontiguousarray(a, dtype=target).reshape(-1).view(np.uint8)
-    name = next(n for n, d in WIRE_DTYPES.items() if d == target)
+    data = np.ascontiguousarray(a, dtype=WIRE_DTYPES[name]).reshape(-1).view(np.uint8)
     return {"data": pybase64.b64encode_as_string(data), "shape": list(a.shape), "dtype": name}
 
 
@@ -92,8 +89,8 @@ def _check_size(shape: list[int], itemsize: int, max_bytes: int, field: str) -> 
 
 
 def _b64decode(data: Any, field: str, expected: int | None, max_bytes: int) -> bytearray:
-    """Strictly decode base64 ``data``, whose decoded size (from its length and padding) must be
-    ``expected`` and at most ``max_bytes``: both checked before decoding. Cost: one SIMD pass."""
+    """Strictly decode base64 ``data`` after checking its decoded size (from its length and
+    padding) against ``expected`` and ``max_bytes``. Cost: one SIMD pass."""
     if not isinstance(data, Base64Text):
         raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
     if (n := len(data)) % 4:
@@ -130,10 +127,9 @@ def decode_array(
         )
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedResponseError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
-    dtype = WIRE_DTYPES[name]
-    nbytes = _check_size(shape, dtype.itemsize, max_bytes, field)
+    nbytes = _check_size(shape, WIRE_DTYPES[name].itemsize, max_bytes, field)
     raw = _b64decode(envelope["data"], f"{field}.data", nbytes, max_bytes)
-    return np.frombuffer(raw, dtype).reshape(shape)
+    return np.frombuffer(raw, WIRE_DTYPES[name]).reshape(shape)
 
 
 def decode_flat_array(
@@ -151,54 +147,42 @@ def decode_flat_array(
     return np.frombuffer(raw, "<i4").reshape(-1, num_layers, top_k)
 
 
-_NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAX_HEADER = 10_000  # numpy's own default cap (np.load's max_header_size)
 
 
 def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
     """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3), decoding only the
-    characters a header can span; its dict is read by ``ast.literal_eval`` after a length cap."""
+    characters a header can span; numpy reads its dict as a literal after a length cap."""
     try:  # whole groups of 4 characters, at most the largest header's
         lead = pybase64.b64decode(
             data[: min(len(data), (12 + _NPY_MAX_HEADER) * 4 // 3 + 4) // 4 * 4], validate=True
         )
     except (binascii.Error, ValueError) as exc:
         raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
-    if lead[:6] != _NPY_MAGIC or len(lead) < 12:
-        raise MalformedResponseError(f"{field}: not a .npy file (magic {lead[:6]!r})")
-    if (major := lead[6]) not in (1, 2, 3):
-        raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{lead[7]}")
-    start = 10 if major == 1 else 12
-    if (length := int.from_bytes(lead[8:start], "little")) > _NPY_MAX_HEADER or start + length > len(lead):
-        raise MalformedResponseError(
-            f"{field}: .npy header of {length} bytes (at most {_NPY_MAX_HEADER}) is cut off"
-        )
-    text = lead[start : start + length]
+    header = io.BytesIO(lead)
     try:
-        header = ast.literal_eval(text.decode("latin1" if major < 3 else "utf-8"))
-    except (ValueError, SyntaxError, UnicodeDecodeError, MemoryError, RecursionError):
-        raise MalformedResponseError(f"{field}: unreadable .npy header {text[:200]!r}") from None
-    if not isinstance(header, dict) or set(header) != {"descr", "fortran_order", "shape"}:
-        raise MalformedResponseError(
-            f"{field}: .npy header must hold exactly 'descr', 'fortran_order' and 'shape', got {header!r}"
-        )
-    descr, shape = header["descr"], header["shape"]
+        major, minor = np.lib.format.read_magic(header)
+    except ValueError as exc:
+        raise MalformedResponseError(f"{field}: not a .npy file ({exc})") from None
+    if major not in (1, 2, 3):
+        raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{minor}")
+    read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
     try:
-        dtype = np.dtype(descr) if isinstance(descr, str) else None
-    except TypeError:
-        dtype = None
+        shape, fortran_order, dtype = read(header, max_header_size=_NPY_MAX_HEADER)
+    except (ValueError, MemoryError, RecursionError) as exc:
+        raise MalformedResponseError(f"{field}: unreadable .npy header ({exc})") from None
     if dtype not in WIRE_DTYPES.values():
-        expected = f"{sorted(WIRE_DTYPES)} (little-endian)"
+        expected = f"one of {sorted(WIRE_DTYPES)} (little-endian)"
         raise MalformedResponseError(
-            f"{field}: .npy dtype {descr!r} is not a route dtype, expected one of {expected}"
+            f"{field}: .npy dtype {dtype.str!r} is not a route dtype, expected {expected}"
         )
-    if header["fortran_order"] is not False:
+    if fortran_order:
         raise MalformedResponseError(f"{field}: .npy array must be C-ordered (fortran_order=False)")
-    if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+    if not all(type(d) is int and d >= 0 for d in shape):
         raise MalformedResponseError(
             f"{field}: .npy shape must be a tuple of non-negative ints, got {shape!r}"
         )
-    return start + length, dtype, list(shape)
+    return header.tell(), dtype, list(shape)
 
 
 def decode_npy_array(data: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, field: str) -> np.ndarray:

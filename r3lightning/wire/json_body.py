@@ -1,8 +1,5 @@
-"""HTTP JSON bodies: a capped read, and a parse that leaves long route payloads in the raw bytes.
-
-A generate response is mostly one base64 string (16 MiB for 32k x 48 x 8 uint8 routes); making
-it a ``str`` alone costs many times its decode. :class:`JsonBody` cuts such strings out of the
-body, orjson parses the rest, and pybase64 later decodes a ``memoryview`` of the body.
+"""HTTP JSON bodies: a capped read, and a parse that leaves long route payloads in the raw bytes
+(a 16 MiB base64 string costs many times its decode just to become a ``str``).
 """
 
 from __future__ import annotations
@@ -33,13 +30,10 @@ def _escaped(raw: bytes, index: int) -> bool:  # after an odd run of backslashes
 
 
 class JsonBody:
-    """A JSON body parsed with its long payload strings left in ``raw``.
-
-    ``value`` is the parsed JSON with a short marker for each cut string; :meth:`take` turns one
-    into a ``memoryview`` of its text, :meth:`finish` the others into None. Cost: a ``memchr``
-    pass over each long string (its end), a copy of the rest of the body and an orjson parse of
-    it. Invalid JSON raises :class:`MalformedResponseError`.
-    """
+    """A JSON body parsed with its long payload strings left in ``raw``: ``value`` holds a marker
+    for each, :meth:`take` turns one into a ``memoryview`` of its text, :meth:`finish` the others
+    into None. Cost: a ``memchr`` pass over each long string, a copy of the rest of the body and an
+    orjson parse of it. Invalid JSON raises :class:`MalformedResponseError`."""
 
     def __init__(self, raw: bytes) -> None:
         self.raw = raw
@@ -66,10 +60,9 @@ class JsonBody:
             raise MalformedResponseError(f"response body is not valid JSON: {exc}") from None
 
     def _index(self, value: Any) -> int | None:
-        if isinstance(value, str) and value.startswith(_MARK) and value[len(_MARK) :].isdecimal():
-            index = int(value[len(_MARK) :])
-            return index if index < len(self.spans) else None
-        return None
+        """The span a marker stands for (None for any other value)."""
+        digits = value.removeprefix(_MARK) if isinstance(value, str) and value.startswith(_MARK) else ""
+        return int(digits) if digits.isdecimal() and int(digits) < len(self.spans) else None
 
     def take(self, container: dict[str, Any], key: str) -> Any:
         """``container[key]``, left as None in ``value`` (a raw response never holds its route

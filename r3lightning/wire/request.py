@@ -1,12 +1,5 @@
-"""Client side of the generate protocols: request bodies, sampling parameters, the result.
-
-``skyrl`` (``POST /skyrl/v1/generate``) and ``vllm`` (vLLM's token-in ``/inference/v1/generate``)
-send ``{"token_ids", "sampling_params"}`` with ``sampling_params.routed_experts_prompt_start``;
-routes come back in ``choices[0].routed_experts`` (an ndarray envelope, or vLLM's base64 ``.npy``
-file, ``null`` without ``--enable-return-routed-experts``). ``sglang`` (``POST /generate``) sends
-``return_routed_experts`` / ``routed_experts_start_len`` and answers in ``meta_info.routed_experts``
-(flat int32). ``openai`` (``POST /v1/completions``) carries both engines' fields unless ``engine``
-names one; vLLM answers per choice, SGLang in ``sglext.routed_experts``. Rows cover token
+"""Client side of the generate protocols (``skyrl``, ``vllm``, ``sglang``, ``openai``; see the
+protocols page): request bodies, sampling parameters, the result. Route rows cover token
 positions ``[start, P + G - 1)``; dense layers come back as all-zero rows.
 """
 
@@ -58,10 +51,9 @@ def engine_sampling_params(
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool = False,
 ) -> dict[str, Any]:
-    """Sampling parameters in ``protocol``'s own names (``generate``'s ``sampling_params``), with
-    the tokenizer's stop conditions (``stop_token_ids``, e.g. a chat template's end-of-turn ids, and
-    ``ignore_eos``). SGLang's ``/generate`` takes ``max_new_tokens`` / ``sampling_seed``, the others
-    ``max_tokens`` / ``seed``."""
+    """Sampling parameters in ``protocol``'s own names (SGLang's ``/generate``: ``max_new_tokens`` /
+    ``sampling_seed``, the others ``max_tokens`` / ``seed``), with the tokenizer's stop conditions
+    (``stop_token_ids``, e.g. a chat template's end-of-turn ids, and ``ignore_eos``)."""
     if protocol not in PROTOCOL_PATHS:
         raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
     if type(max_new_tokens) is not int or max_new_tokens < 1:

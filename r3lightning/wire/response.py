@@ -1,8 +1,7 @@
 """Client side of the generate protocols, responses: a 2xx body in, a checked result out.
 
-Fields are read where each engine writes them (:mod:`r3lightning.wire.request`). The route payload
-stays in the body's bytes (:class:`~r3lightning.wire.json_body.JsonBody`), pybase64 decodes it
-straight into the route array, and the route check runs with the row count ``P - start + G - 1``.
+Fields are read where each engine writes them (:mod:`r3lightning.wire.request`); the route payload
+stays in the body's bytes (:class:`~r3lightning.wire.json_body.JsonBody`) until pybase64 decodes it.
 Every deviation raises :class:`MalformedResponseError` naming the field and the engine URL.
 """
 
@@ -44,8 +43,9 @@ def parse_response(
             raise MalformedResponseError(
                 f"response body: expected a JSON object, got {type(body.value).__name__}"
             )
-        read = _read_sglang(body) if protocol == "sglang" else _read_choices(body, protocol == "openai")
-        result = read[0]
+        result, where, routes, flat = (
+            _read_sglang(body) if protocol == "sglang" else _read_choices(body, protocol == "openai")
+        )
         if want_routes:
             rows, rule = None, ""
             if prompt_len is not None:
@@ -53,7 +53,7 @@ def parse_response(
                 rows = range(n := max(0, prompt_len - start + g - 1), n + 1)
                 rule = f"P - start + G - 1 = {prompt_len} - {start} + {g} - 1 = {n}"
                 rule += " (rows cover positions [start, P + G - 1))"
-            result.routed_experts = _decode(*read[1:], schema, rows, rule)
+            result.routed_experts = _decode(where, routes, flat, schema, rows, rule)
         result.raw_response = body.finish()
         return result
     except MalformedResponseError as exc:
@@ -65,8 +65,8 @@ def parse_response(
 def _decode(
     where: str, value: Any, flat: bool, schema: RouteSchema, rows: range | None, rule: str
 ) -> np.ndarray:
-    """The routes ``value`` (from :func:`_take_routes`) decoded in its wire format and checked;
-    a payload with JSON escapes is decoded again once they are resolved."""
+    """The routes ``value`` decoded in its wire format and checked; a payload with JSON escapes is
+    decoded again once they are resolved."""
     if value is None or value is _MISSING:
         raise MalformedResponseError(
             f"{where}: routes were requested but the field is {'null' if value is None else 'missing'}; "
@@ -90,10 +90,8 @@ def _decoded(where: str, value: Any, flat: bool, schema: RouteSchema) -> np.ndar
         return decode_array(value, **limits)
     if isinstance(value, str | memoryview):  # vLLM's base64 .npy file
         return decode_npy_array(value, **limits)
-    kind = type(value).__name__
-    raise MalformedResponseError(
-        f"{where}: expected an ndarray envelope (SkyRL) or a .npy string (vLLM), got {kind}"
-    )
+    expected = "an ndarray envelope (SkyRL) or a .npy string (vLLM)"
+    raise MalformedResponseError(f"{where}: expected {expected}, got {type(value).__name__}")
 
 
 def _take_routes(body: JsonBody, container: Any, key: str) -> Any:
@@ -121,7 +119,7 @@ def _logprobs(values: Any, ids: list[int], field: str, expected: str) -> list[fl
         raise MalformedResponseError(f"{field}: expected {expected}")
     if len(values) != len(ids):
         raise MalformedResponseError(f"{field}: {len(values)} logprobs for {len(ids)} tokens")
-    if not all(type(v) is float or type(v) is int for v in values):
+    if not all(type(v) in (float, int) for v in values):
         raise MalformedResponseError(f"{field}: expected numeric logprobs")
     return list(map(float, values))
 
@@ -152,15 +150,17 @@ def _read_choices(body: JsonBody, openai: bool = False) -> Read:
             "(needs vLLM or SGLang's /v1/completions with token-id support)"
         )
     ids = _int_list(choice.get("token_ids"), "choices[0].token_ids")
-    content = choice.get("logprobs")  # {"content": [{"logprob": x}, ...]}, or OpenAI's token_logprobs
-    values = content.get("token_logprobs" if openai else "content") if isinstance(content, dict) else None
-    values = None if content is None else _BAD if values is None else values
-    if openai:
-        logprobs = _logprobs(values, ids, "choices[0].logprobs.token_logprobs", "a list of floats")
-    else:
-        if isinstance(values, list):  # a malformed entry fails the numeric check below
-            values = [e.get("logprob") if isinstance(e, dict) else None for e in values]
-        logprobs = _logprobs(values, ids, "choices[0].logprobs.content", "a list of {'logprob': x} objects")
+    # {"content": [{"logprob": x}, ...]}, or OpenAI's {"token_logprobs": [x, ...]}
+    key, expected = (
+        ("token_logprobs", "a list of floats") if openai else ("content", "a list of {'logprob': x} objects")
+    )
+    content = choice.get("logprobs")
+    values = content.get(key) if isinstance(content, dict) else None
+    if values is None and content is not None:
+        values = _BAD
+    elif not openai and isinstance(values, list):  # a malformed entry fails the numeric check
+        values = [e.get("logprob") if isinstance(e, dict) else None for e in values]
+    logprobs = _logprobs(values, ids, f"choices[0].logprobs.{key}", expected)
     stop = _stop_reason(choice.get("finish_reason"), "choices[0].finish_reason")
     result = RemoteGenerateResult(ids, logprobs, stop, None, {})
     sglang = _take_routes(body, body.value.get("sglext"), "routed_experts") if openai else _MISSING

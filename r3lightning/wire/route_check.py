@@ -1,10 +1,7 @@
 """The route check that every path creating routes goes through: a parsed response, a
-``Trajectory`` built by a user, a restored buffer or data-module state.
-
-For 32k x 48 x 8 uint8 ids the range costs one ``max`` (0.2 ms) and the distinct-experts check
-about 10 ms, several base64 decodes of the same ids: the client's parse runs it only on request
-(``RouteSchema.check_unique``), and every route is checked for repeats when it becomes a
-``Trajectory``, before it can reach a buffer.
+``Trajectory`` built by a user, a restored buffer or data-module state. The distinct-experts part
+costs several base64 decodes of the same ids, so the client's parse runs it only on request
+(``RouteSchema.check_unique``); every route is checked for repeats when it becomes a ``Trajectory``.
 """
 
 from __future__ import annotations
@@ -31,14 +28,12 @@ def check_routes(
     error: type[ValueError] = ValueError,
     layers: tuple[int, ...] | None = None,
 ) -> int:
-    """Check routes ``[rows, num_layers, top_k]`` and return their largest id (0 when empty).
-
-    ``num_layers`` / ``top_k`` / ``num_experts``: the model's, None where unknown; ``rows``: the
-    row counts allowed, ``rows_rule`` says which in the message; ``layers``: the decoder layer of
-    each column, for messages (None: column ``j`` is layer ``j``). Raises ``error`` (a ``ValueError``
-    class) naming ``where``. Cost: an unsigned ``max`` over the ids (signed ones are viewed as
-    unsigned of their width, so a negative id is at least ``2**(bits-1)``), one more pass with
-    ``distinct``; a host array: no device syncs; ``routes`` is never modified.
+    """Check routes ``[rows, num_layers, top_k]`` against the model's sizes (None where unknown)
+    and the allowed row counts ``rows`` (``rows_rule`` says which); return their largest id (0 when
+    empty). ``layers``: each column's decoder layer, for messages (None: column ``j`` is layer
+    ``j``). Raises ``error`` naming ``where``. Cost: one unsigned ``max`` over the ids (a negative
+    id viewed unsigned is at least ``2**(bits-1)``, 0.2 ms for 32k x 48 x 8 uint8 ids), one more
+    pass with ``distinct`` (about 10 ms).
     """
     shape = list(routes.shape)
     if routes.ndim != 3:

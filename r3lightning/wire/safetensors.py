@@ -1,17 +1,11 @@
-"""Safetensors bodies read from a stream: checked from their header before any tensor data is read.
-
-:func:`read_safetensors` reads the 8-byte header length and the JSON header, refuses anything
-that is not a well-formed safetensors file (unknown dtype, offsets that do not tile the data,
-a size that disagrees with ``Content-Length``) and lets the caller refuse the tensors' names,
-dtypes and shapes, all before the data arrives; it then streams the data into one flat host
-buffer that the returned tensors view. Used by the embedded server's ``POST /update_weights``.
+"""Safetensors bodies read from a stream (the embedded server's ``POST /update_weights``), checked
+from their header before any tensor data is read, then streamed into one flat host buffer.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import torch
@@ -25,6 +19,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, dtype) for name, dtype in (pair.split(":") for pair in _DTYPE_NAMES.split())
 }
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own reader refuses larger headers
+_NOT_SAFETENSORS = "request body is not a safetensors file"
 
 
 class UploadError(ValueError):
@@ -41,9 +36,9 @@ def _parse_header(header: bytes) -> list[tuple[str, torch.dtype, tuple[int, ...]
     try:
         meta = json.loads(header)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UploadError(f"request body is not a safetensors file: header is not JSON ({exc})") from None
+        raise UploadError(f"{_NOT_SAFETENSORS}: header is not JSON ({exc})") from None
     if not isinstance(meta, dict):
-        raise UploadError("request body is not a safetensors file: header is not a JSON object")
+        raise UploadError(f"{_NOT_SAFETENSORS}: header is not a JSON object")
     entries = []
     for name, info in meta.items():
         if name == "__metadata__":
@@ -57,9 +52,8 @@ def _parse_header(header: bytes) -> list[tuple[str, torch.dtype, tuple[int, ...]
         shape, offsets = info["shape"], info["data_offsets"]
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise UploadError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
-        if not (
-            isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-        ) or not (0 <= offsets[0] <= offsets[1]):
+        pair = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        if not pair or not 0 <= offsets[0] <= offsets[1]:
             raise UploadError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end")
         size = math.prod(shape) * dtype.itemsize
         if offsets[1] - offsets[0] != size:
@@ -107,29 +101,22 @@ async def read_safetensors(
     max_bytes: int,
     check: Callable[[Mapping[str, tuple[torch.dtype, tuple[int, ...]]]], None],
 ) -> dict[str, Tensor]:
-    """A safetensors body as host tensors, refused from its header when it cannot load.
-
-    ``check(specs)`` (name -> dtype, shape; raises ``ValueError``) runs before any tensor data is
-    read; the size the header implies must equal ``content_length`` (when given) and stay within
-    ``max_bytes`` (else a 413 :class:`UploadError`). The tensors view one flat buffer (a copy only where
-    an offset is not a multiple of the element size). Raises :class:`UploadError`.
-    """
-    stream, not_safetensors = _Stream(chunks), "request body is not a safetensors file"
-    prefix = bytearray(8)
+    """A safetensors body as host tensors viewing one flat buffer, refused with an
+    :class:`UploadError` from its header (malformed, a size other than ``content_length`` or above
+    ``max_bytes``: 413) or by ``check(name -> (dtype, shape))``, before any tensor data is read."""
+    stream, prefix = _Stream(chunks), bytearray(8)
     if await stream.read_into(memoryview(prefix)) < 8:
-        raise UploadError(f"{not_safetensors}: shorter than its 8-byte header length")
-    (header_len,) = struct.unpack("<Q", prefix)
-    if header_len > min(MAX_HEADER_BYTES, max_bytes):
-        raise UploadError(
-            f"{not_safetensors}: header length {header_len} exceeds {min(MAX_HEADER_BYTES, max_bytes)} bytes"
-        )
+        raise UploadError(f"{_NOT_SAFETENSORS}: shorter than its 8-byte header length")
+    header_len, limit = int.from_bytes(prefix, "little"), min(MAX_HEADER_BYTES, max_bytes)
+    if header_len > limit:
+        raise UploadError(f"{_NOT_SAFETENSORS}: header length {header_len} exceeds {limit} bytes")
     if content_length is not None and 8 + header_len > content_length:
         raise UploadError(
-            f"{not_safetensors}: header of {header_len} bytes does not fit in the body of {content_length} bytes"
+            f"{_NOT_SAFETENSORS}: its {header_len}-byte header exceeds the {content_length}-byte body"
         )
     header = bytearray(header_len)
     if await stream.read_into(memoryview(header)) < header_len:
-        raise UploadError(f"{not_safetensors}: the body ends inside its header")
+        raise UploadError(f"{_NOT_SAFETENSORS}: the body ends inside its header")
     entries = _parse_header(bytes(header))
     data_bytes = entries[-1][4] if entries else 0
     total = 8 + header_len + data_bytes
@@ -148,8 +135,6 @@ async def read_safetensors(
         raise UploadError(f"request body continues past the {total} bytes its safetensors header describes")
     tensors = {}
     for name, dtype, shape, begin, end in entries:
-        raw = (
-            flat[begin:end] if begin % dtype.itemsize == 0 else flat[begin:end].clone()
-        )  # views need alignment
+        raw = flat[begin:end] if begin % dtype.itemsize == 0 else flat[begin:end].clone()  # aligned views
         tensors[name] = raw.view(dtype).reshape(shape)
     return tensors

@@ -245,7 +245,9 @@ def test_factory_validation_errors():
         PackedTensor.from_segments([])
     with pytest.raises(ValueError, match=r"segment 0 has \(3,\) torch.float32 cpu, segment 1 has \(4,\)"):
         PackedTensor.from_segments([torch.zeros(2, 3), torch.zeros(2, 4)])
-    with pytest.raises(ValueError, match=r"segment 0 has \(3,\) float32 cpu, segment 1 has \(3,\) int64 cpu"):
+    with pytest.raises(
+        ValueError, match=r"segment 0 has \(3,\) torch.float32 cpu, segment 1 has \(3,\) torch.int64 cpu"
+    ):
         PackedTensor.from_segments([np.zeros((2, 3), np.float32), np.zeros((1, 3), np.int64)])
     with pytest.raises(ValueError, match="segment 0 is 0-d"):
         PackedTensor.from_segments([torch.tensor(1.0)])
