@@ -11,6 +11,7 @@ from gloo_ranks import run_ranks
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from replay_policy import LAYERS, TinyPolicy, engine_dense, fit, loader, make_batch, real_rows
+from trainers import cpu_trainer
 
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
@@ -103,13 +104,9 @@ def test_exception_in_a_step_clears_the_routes(batches):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.seen.append(callback.backend.installed)
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         max_epochs=1,
         logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback, spy := InstallSpy()],
     )
     with pytest.raises(KeyError, match="boom"):
@@ -258,15 +255,11 @@ def _fsdp_fit(rank, batches):
 
     module = ShardedPolicy()
     callback = RouterReplayCallback(mode="r3")
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
         max_epochs=1,
         logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback],
         use_distributed_sampler=False,
     )

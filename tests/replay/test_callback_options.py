@@ -4,7 +4,6 @@
 import copy
 import functools
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from gloo_ranks import run_ranks
@@ -16,6 +15,7 @@ from micro_policy import (
     seven_batch,
 )
 from replay_policy import LAYERS, MemoryLogger, fit, loader, make_batch, position_ids
+from trainers import cpu_trainer
 
 from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.replay.callback import RouterReplayCallback
@@ -121,16 +121,11 @@ def _ddp_fit(rank, shards, expected):
     for sync_dist, log_agreement in ((True, "per_layer"), (False, "per_layer"), (True, False)):
         logger = MemoryLogger()
         callback = RouterReplayCallback(sync_dist=sync_dist, log_agreement=log_agreement)
-        trainer = pl.Trainer(
-            accelerator="cpu",
+        trainer = cpu_trainer(
             devices=3,
             strategy="ddp",
             max_epochs=1,
             logger=logger,
-            log_every_n_steps=1,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             callbacks=[callback],
             use_distributed_sampler=False,
         )

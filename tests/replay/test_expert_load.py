@@ -11,6 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from replay_policy import MemoryLogger, TinyPolicy, loader, make_batch
+from trainers import cpu_trainer
 
 from r3lightning import ExpertLoadMonitor, PackedTensor, RouterReplayCallback, expert_load_stats
 
@@ -24,14 +25,10 @@ class StepLogger(MemoryLogger):
 
 def fit(module, batches, callbacks, log_every_n_steps=1):
     logger = StepLogger()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         max_epochs=1,
         logger=logger,
         log_every_n_steps=log_every_n_steps,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
     )
     trainer.fit(module, loader(batches))
@@ -193,16 +190,11 @@ def _ddp_fit(rank, out):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
     logger = StepLogger()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=2,
         strategy="ddp",
         max_epochs=1,
         logger=logger,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[ExpertLoadMonitor(8, every_n_steps=1, sync_dist=True)],
     )

@@ -12,6 +12,7 @@ import torch
 from megatron_cpu import TokenMoE, distinct_routes, make_config, make_moe_layer, megatron_cpu  # noqa: F401
 from replay_policy import MemoryLogger, loader, make_batch
 from sync_detector import ArmDetector, DisarmDetector, SyncDetector
+from trainers import cpu_trainer
 
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.job.module import GRPOModule
@@ -27,14 +28,9 @@ pytestmark = pytest.mark.usefixtures("megatron_cpu")
 def fit_one_step(module, batch, callback):
     detector = SyncDetector()
     logger = MemoryLogger()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         max_steps=1,
         logger=logger,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[ArmDetector(detector), callback, DisarmDetector(detector)],
     )
     with detector:

@@ -140,10 +140,10 @@ def _stage_worker(rank: int, out_dir: str) -> None:
     dist.init_process_group("gloo")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"):  # one Lightning process per stage
         os.environ.pop(key)
-    import lightning.pytorch as pl
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as tp_random
     from megatron_cpu import cpu_shims
+    from trainers import cpu_trainer
 
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.data.datamodule import DataOptions, R3DataModule
@@ -163,14 +163,10 @@ def _stage_worker(rank: int, out_dir: str) -> None:
             options = DataOptions(layers=backend.moe_layers)  # the stage keeps its own columns
             data = R3DataModule(buffer, len(LENGTHS), shuffle=False, collate_threads=1, options=options)
             callback = RouterReplayCallback(backend=backend, strict=True, sync_dist=sync_dist)
-            trainer = pl.Trainer(
-                accelerator="cpu",
+            trainer = cpu_trainer(
                 devices=1,
                 max_steps=1,
                 logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
                 callbacks=[callback],
             )
             trainer.fit(module, datamodule=data)

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from replay_policy import MemoryLogger, position_ids
+from trainers import cpu_trainer
 
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.datamodule import DataOptions, R3DataModule
@@ -94,14 +95,9 @@ def train(model, layers, mode="r3", buffer_layers=None):
         buffer, len(LENGTHS), shuffle=False, collate_threads=1, options=DataOptions(layers=layers)
     )
     module, logger = Policy(model, old_policy=mode == "r2"), MemoryLogger()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         max_steps=1,
         logger=logger,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[RouterReplayCallback(mode=mode, strict=True)],
     )
     trainer.fit(module, datamodule=data)

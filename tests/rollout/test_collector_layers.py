@@ -13,6 +13,7 @@ import torch
 from aiohttp import web
 from engine_server import EngineServer
 from fault_server import expected_generation
+from loopback import LoopbackServer
 from turn_engine import TurnEngine, route_row
 
 from r3lightning.data.buffer import ReplayBuffer
@@ -32,12 +33,15 @@ def shifted(routes: np.ndarray, num_experts: int) -> np.ndarray:
     return (routes + num_experts - 32) % num_experts
 
 
-class EnvelopeEngine:
+class EnvelopeEngine(LoopbackServer):
     """A SkyRL engine on 127.0.0.1 sending ``expected_generation``'s routes, :func:`shifted`, in one
     envelope dtype."""
 
     def __init__(self, dtype: str, num_experts: int) -> None:
-        self.dtype, self.num_experts, self.url = dtype, num_experts, ""
+        self.dtype, self.num_experts = dtype, num_experts
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/skyrl/v1/generate", self._generate)
 
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -49,18 +53,6 @@ class EnvelopeEngine:
         envelope = {"data": data, "shape": list(routes.shape), "dtype": self.dtype}
         choice = {"token_ids": ids, "finish_reason": "length", "logprobs": None, "routed_experts": envelope}
         return web.Response(body=json.dumps({"choices": [choice]}).encode(), content_type="application/json")
-
-    async def __aenter__(self) -> EnvelopeEngine:
-        app = web.Application()
-        app.router.add_post("/skyrl/v1/generate", self._generate)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._runner.cleanup()
 
 
 # (protocol, wire dtype, num_experts, the client's dtype): every route dtype the wire carries

@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
+from trainers import cpu_trainer
 
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.packed import PackedTensor
@@ -144,15 +145,10 @@ def loader(batches):
 
 def fit(module, batches, callback, val_batches=None, **trainer_kwargs):
     logger = MemoryLogger()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = cpu_trainer(
         devices=1,
         max_epochs=1,
         logger=logger,
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[callback],
         **trainer_kwargs,
     )
