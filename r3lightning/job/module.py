@@ -152,7 +152,7 @@ class GRPOModule(pl.LightningModule):
             engine = aligned.index_select(-2, layers).reshape(-1, top_k).long()  # [B * S * moe_layers, K]
             used = native_routes.routes.to(aligned.device).index_select(-2, layers).reshape(-1, top_k).long()
             routed = mask[..., None].expand(*mask.shape, len(layers)).reshape(-1)  # rows the engine routed
-            rows, hits, _ = agreement_counts(engine, used, routed)
+            rows, hits = agreement_counts(engine, used, routed)
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )

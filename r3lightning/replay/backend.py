@@ -86,16 +86,13 @@ def agreement_hits(replayed: Tensor, native: Tensor) -> Tensor:
     return (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)
 
 
-def agreement_counts(
-    replayed: Tensor, native: Tensor, mask: Tensor | None, *, used: Tensor | None = None
-) -> Tensor:
-    """int64 ``[3]`` over the rows ``mask`` keeps (all when None), on device without a sync: rows,
-    replayed slots in the ``native`` top-k set, and in ``used``'s (0 without ``used``); ``[N, K]``."""
+def agreement_counts(replayed: Tensor, native: Tensor, mask: Tensor | None) -> Tensor:
+    """int64 ``[2]`` over the rows ``mask`` keeps (all when None), on device without a sync: rows,
+    and replayed slots in the ``native`` top-k set; ``[N, K]`` ids each."""
     with torch.no_grad():
         keep = torch.ones_like(replayed[:, :1], dtype=torch.bool) if mask is None else mask[:, None]
         hits = agreement_hits(replayed, native) & keep
-        used_hits = hits.new_zeros(()) if used is None else (agreement_hits(replayed, used) & keep).sum()
-        return torch.stack([keep.sum(), hits.sum(), used_hits.sum()])
+        return torch.stack([keep.sum(), hits.sum()])
 
 
 def routes_on_all_layers(

@@ -110,7 +110,7 @@ class HFRouterReplay:
         self._routes: Tensor | None = None  # [N, num_layers, top_k], compact dtype as installed
         self._mask: Tensor | None = None  # [N] bool
         self._token_shape: tuple[int, ...] | None = None
-        self._stats: Tensor | None = None  # [3, moe_layers] int64 on device: agreement_counts
+        self._stats: Tensor | None = None  # [2, moe_layers] int64 on device: agreement_counts
         # per open recording (they nest), per forward: (token shape, {layer: experts [N, K] int32})
         self._sessions: list[list[tuple[tuple[int, ...], dict[int, Tensor]]]] = []
 
@@ -149,11 +149,12 @@ class HFRouterReplay:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
 
     def routing_stats(self) -> dict:
-        """:meth:`RouterReplayBackend.routing_stats`, with ``used_slots`` (replayed experts the forward
-        used); int64 ``[len(moe_layers)]`` on the logits' device, no sync."""
+        """:meth:`RouterReplayBackend.routing_stats`; int64 ``[len(moe_layers)]`` on the logits'
+        device, no sync. No ``used_slots``: the hook returns the replayed experts, so the forward
+        uses every one it replays."""
         if (stats := self._stats) is None:
-            stats = torch.zeros((3, len(self.moe_layers)), dtype=torch.int64)
-        keys = ("replayed_rows", "agreeing_slots", "used_slots")
+            stats = torch.zeros((2, len(self.moe_layers)), dtype=torch.int64)
+        keys = ("replayed_rows", "agreeing_slots")
         return dict(layers=self.moe_layers, top_k=self.top_k) | dict(zip(keys, stats.unbind(0), strict=True))
 
     def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -193,8 +194,8 @@ class HFRouterReplay:
             replaced[p_weights], replaced[p_indices] = weights, indices
             if not recompute:
                 if self._stats is None:
-                    self._stats = native.new_zeros((3, len(self.moe_layers)), dtype=torch.int64)
-                self._stats[:, position] += agreement_counts(installed, native, mask, used=indices)
+                    self._stats = native.new_zeros((2, len(self.moe_layers)), dtype=torch.int64)
+                self._stats[:, position] += agreement_counts(installed, native, mask)
         if self._sessions and not recompute:
             used = indices.detach().to(torch.int32)
             for session in self._sessions:

@@ -232,6 +232,6 @@ class MegatronRouterReplay:
     def routing_stats(self) -> dict:
         """:meth:`RouterReplayBackend.routing_stats` of this rank's local MoE layers (on device)."""
         known = [r.counts for r in self._replays if r.counts is not None]
-        zero = torch.zeros(3, dtype=torch.int64, device=known[0].device if known else "cpu")
-        rows, slots, _ = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)
+        zero = torch.zeros(2, dtype=torch.int64, device=known[0].device if known else "cpu")
+        rows, slots = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)
         return dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)
