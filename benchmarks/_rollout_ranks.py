@@ -11,6 +11,7 @@ the engine: ``python _rollout_ranks.py PORT_FILE TOKENS``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -126,6 +127,17 @@ def held(trajectories: Any) -> list[tuple[int, ...]]:
     """A key per trajectory (its group's prompt token, its first response ids), for checking
     which ranks hold which trajectories."""
     return [(t.prompt_ids[0].item(), *t.response_ids[:4].tolist()) for t in trajectories]
+
+
+def start_step(buffer: Any) -> tuple[int, float]:
+    """Empty ``buffer``, collect garbage and line the ranks up before a timed step; returns the
+    peak-RSS base and the start time."""
+    import torch.distributed as dist
+
+    buffer.clear()
+    gc.collect()
+    dist.barrier()
+    return _common.reset_peak_rss(), time.perf_counter()
 
 
 def launch(fn: Callable[..., None], world: int, *args: Any) -> None:

@@ -25,7 +25,6 @@ Usage: ``python benchmarks/bench_scale.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import statistics
@@ -61,11 +60,7 @@ def run_steps(rank: int, world: int, url: str, arm: str, args: dict, root_only) 
     buffer = ReplayBuffer(num_experts=_rollout_ranks.EXPERTS)
     times, growths, sends = [], [], []
     for step in range(args["steps"] + 1):  # step 0 warms up
-        buffer.clear()
-        gc.collect()
-        dist.barrier()
-        base = _common.reset_peak_rss()
-        start = time.perf_counter()
+        base, start = _rollout_ranks.start_step(buffer)
         if arm == "broadcast":
             payload = [None]
             if rank == 0:

@@ -30,7 +30,6 @@ Usage: ``python benchmarks/bench_scale_pipeline.py [--quick]``.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import tempfile
@@ -82,7 +81,6 @@ def rank_main(rank: int, world: int, url: str, pps: list[int], args: dict, out_d
 def run_steps(rank: int, pp: int, dp: int, url: str, args: dict, dp_group) -> dict:
     """This rank's steps at ``pp`` stages x ``dp`` data-parallel ranks; its figures."""
     import torch
-    import torch.distributed as dist
 
     from r3lightning import ReplayBuffer
     from r3lightning.data.datamodule import DataOptions, R3DataModule
@@ -97,11 +95,7 @@ def run_steps(rank: int, pp: int, dp: int, url: str, args: dict, dp_group) -> di
     prompts = _rollout_ranks.prompts(args["groups"])
     growths, times = [], []
     for step in range(args["steps"] + 1):  # step 0 warms up
-        buffer.clear()
-        gc.collect()
-        dist.barrier()
-        base = _common.reset_peak_rss()
-        start = time.perf_counter()
+        base, start = _rollout_ranks.start_step(buffer)
         collector.collect(prompts, step=step, buffer=buffer)
         elapsed = time.perf_counter() - start
         h2d, batches = 0, 0
