@@ -31,15 +31,14 @@ def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterRepla
 
 @dataclass
 class RouteRecording:
-    """Filled when the ``record_routes`` block exits normally."""
+    """``routes [*token_shape, num_layers, top_k]``, set when the ``record_routes`` block exits."""
 
-    routes: Tensor | None = None  # [*token_shape, num_layers, top_k]
+    routes: Tensor | None = None
 
 
 @contextmanager
 def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator[RouteRecording]:
-    """Record the experts every MoE layer uses in the block's forwards into ``rec.routes`` (several
-    forwards, e.g. ``generate``, joined along the last token axis). Installed routes stay; an
+    """Record the experts the block's forwards use into ``rec.routes`` (installed routes stay); an
     exception drops the recording and clears everything."""
     backend = as_backend(model_or_backend)
     recording = RouteRecording()
@@ -56,8 +55,8 @@ def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator
 def replay_routes(
     model_or_backend: nn.Module | RouterReplayBackend, routes: Tensor, replay_mask: Tensor | None = None
 ) -> Iterator[RouterReplayBackend]:
-    """Replay ``routes [*token_shape, num_layers, top_k]`` in the block's forwards (``replay_mask
-    [*token_shape]`` False: native routing); cleared on exit. Yields the backend (``routing_stats()``)."""
+    """Replay ``routes`` in the block's forwards (``replay_mask`` False: native), cleared on exit;
+    yields the backend (``routing_stats()``)."""
     backend = as_backend(model_or_backend)
     backend.install(routes, replay_mask)
     try:

@@ -25,11 +25,9 @@ def expert_load_stats(
     moe_layers: Sequence[int] | None = None,
     route_layers: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
-    """Per-layer expert load of ``routes [rows, num_layers, top_k]`` (or a PackedTensor of them):
-    float32 ``counts [L, E]``, ``tokens [L]``, ``max_over_mean [L]`` and ``entropy [L]`` (NaN for a
-    layer without rows) on the routes' device, and host int64 ``layers [L]`` (absolute indices:
-    ``route_layers[j]`` for column ``j`` when given). One ``index_add_`` over the routes plus
-    ``[L, E]`` arithmetic; no host sync."""
+    """Per-layer expert load of ``routes [rows, num_layers, top_k]`` (or packed): float32 ``counts
+    [L, E]``, ``tokens``, ``max_over_mean`` and ``entropy [L]`` (NaN without rows) on the routes'
+    device, and host int64 absolute ``layers [L]`` (``route_layers[j]`` for column ``j``)."""
     values = routes.values if isinstance(routes, PackedTensor) else routes
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
         got = f"{values.dtype} {tuple(values.shape)}"
@@ -61,15 +59,9 @@ def expert_load_stats(
 
 
 class ExpertLoadMonitor(Callback):
-    """Log the rollout engine's per-layer expert load of the training batch every N steps.
-
-    Computed on device at ``on_train_batch_start`` of steps 0, N, 2N, ...; written to the loggers at
-    ``on_train_batch_end`` with one read-back (``self.log`` would repeat it on later steps):
-    ``{prefix}/max_over_mean``, ``/entropy`` (means over MoE layers), ``/max_over_mean_worst``,
-    ``/entropy_min``; with ``log_per_layer`` also ``{prefix}/layer_XX/max_over_mean`` and ``/entropy``.
-    ``num_experts`` / ``moe_layers``: default from a ``RouterReplayCallback``'s backend (else non-zero
-    rows); ``sync_dist``: average over ranks (a collective on the measured steps).
-    """
+    """Log the rollout engine's per-layer expert load of the training batch every N steps, with
+    one read-back per measured step. ``num_experts`` / ``moe_layers`` default to a
+    ``RouterReplayCallback``'s backend's; ``sync_dist``: averaged over ranks (a collective)."""
 
     def __init__(
         self,
@@ -91,7 +83,6 @@ class ExpertLoadMonitor(Callback):
         self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
 
     def _schema(self, trainer: pl.Trainer) -> tuple[int, tuple[int, ...] | None]:
-        """``(num_experts, moe_layers)``: this monitor's, else those of a replay callback's backend."""
         backends = (getattr(callback, "backend", None) for callback in trainer.callbacks)
         backend = next((b for b in backends if hasattr(b, "moe_layers") and hasattr(b, "num_experts")), None)
         num_experts = self.num_experts or getattr(backend, "num_experts", None)

@@ -1,6 +1,5 @@
-"""The ``router_replay/...`` metrics from int64 counts ``[4, layers]`` (:data:`COUNT_KEYS`) kept on
-device and summed over forwards, micro-batches and ranks before any ratio: each metric is an exact
-ratio of sums (<= 1). Nothing here syncs with the host."""
+"""The ``router_replay/...`` metrics: ratios of int64 counts ``[4, layers]`` (:data:`COUNT_KEYS`) summed
+on device over forwards, micro-batches and ranks. Nothing here syncs with the host."""
 
 from typing import Any
 
@@ -20,9 +19,8 @@ COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
 
 
 def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
-    """``[4, len(layers)]`` counts comparing ``used [*shape, L, K]`` (``stop_recording``: forwards
-    joined along the last token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None
-    unless ``used`` is whole forwards of ``token_shape``. ``layers`` on ``used``'s device."""
+    """``[4, len(layers)]`` counts comparing ``used [*shape, L, K]`` (forwards joined along the last
+    token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None unless the shapes fit."""
     token_shape = tuple(routes.shape[:-2])
     lead, width = token_shape[:-1], token_shape[-1]
     shape = tuple(used.shape[:-2])
@@ -39,9 +37,8 @@ def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor
 
 
 def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -> dict[str, Tensor]:
-    """Ratios from counts ``[4, num_layers]`` by absolute layer (float64, on device):
-    ``replayed_fraction`` (0 without route rows), ``native_agreement``, ``used_agreement`` and, for
-    ``layers``, ``native_agreement/layer_XX`` (NaN without route rows: nothing to compare)."""
+    """The ratios of counts ``[4, num_layers]`` by absolute layer, also ``native_agreement/layer_XX`` of
+    ``layers`` (NaN without route rows)."""
     route_rows, replayed_rows, native_hits, used_hits = table
     rows = route_rows.sum()
     replayed, slots = torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0), rows * top_k
@@ -55,9 +52,8 @@ def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -
 
 
 class ReplayMetrics:
-    """One training step's counts on device, and their logging as ``router_replay/...``: forwards
-    :meth:`add` counts (off mode's, or a replaying backend's before it is cleared); :meth:`log`
-    sums over ranks (``sync_dist``: one ``all_reduce`` of ``4 * num_layers + 2`` int64)."""
+    """One training step's counts on device and their logging; ``sync_dist``: one ``all_reduce`` of
+    ``4 * num_layers + 2`` int64 per step."""
 
     def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
         self.per_layer, self.sync_dist = per_layer, sync_dist
@@ -89,8 +85,7 @@ class ReplayMetrics:
         self._table = table if self._table is None else self._table + table.to(self._table.device)
 
     def backend_counts(self) -> Tensor:
-        """The replaying backend's stats since its last clear as counts (every route row it saw
-        was replayed; without ``used_slots`` it used all it installed). Host zeros are staged."""
+        """The replaying backend's stats since its last clear as counts ``[4, moe_layers]``."""
         assert self.backend is not None
         stats = self.backend.routing_stats()
         replayed, native, used = stats["replayed_rows"], stats["agreeing_slots"], stats.get("used_slots")
@@ -99,8 +94,8 @@ class ReplayMetrics:
         return torch.stack([to_device_async(t, self.device).long() for t in counts])
 
     def table(self, *, with_backend: bool) -> Tensor:
-        """``[4, len(moe_layers)]``: the counts so far (zeros if none, so every rank logs the same
-        keys), plus the backend's own since its last clear when ``with_backend``."""
+        """``[4, len(moe_layers)]``: the counts so far (zeros if none: every rank logs the same keys),
+        plus the backend's own when ``with_backend``."""
         assert self.backend is not None
         table = self._table
         if with_backend:
@@ -111,16 +106,15 @@ class ReplayMetrics:
         return table
 
     def count_native_loss_tokens(self, layout: TokenMetadataLayout, mask: Tensor, batch: Any) -> None:
-        """Loss targets of the step's batch whose logprob row (``t - 1``) has no route (``mask``
-        False: native routing), once per step, on device."""
+        """Loss targets of the step's batch whose logprob row (``t - 1``) is routed natively."""
         loss_mask = batch_field(batch, "loss_mask")
         if loss_mask is not None:
             target_next = layout.from_batch(loss_mask, next_token=True) > 0
             self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
 
     def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
-        """Log the ratios of ``local`` (:meth:`table`); ``missing``: the run's batches without
-        routes, logged with ``native_loss_tokens`` unless None (off mode)."""
+        """Log the ratios of ``local`` (:meth:`table`), and unless None (off mode) ``missing`` (the
+        run's batches without routes) with ``native_loss_tokens``."""
         backend, device = self.backend, self.device
         assert backend is not None
         # [4, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars

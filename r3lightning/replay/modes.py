@@ -35,10 +35,9 @@ def align_routes(
     backend: RouterReplayBackend,
     layers: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Dense routes ``[*token_shape, L, K]`` (``dummy_routes`` where nothing was captured) and the
-    replay mask ``[*token_shape]``, both on the routes' device. ``layers``: the absolute decoder
-    layer of each route column (None: all ``L``); they must cover ``backend.moe_layers`` and land
-    on their layers (0 elsewhere: never replayed). Host work only; no host sync."""
+    """Dense routes ``[*token_shape, L, K]`` (``dummy_routes`` where uncaptured) and replay mask
+    ``[*token_shape]`` on the routes' device; ``layers``: each route column's absolute decoder layer
+    (None: all ``L``), covering ``backend.moe_layers``. Host work only; no host sync."""
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
     columns = L if layers is None else len(layers)
     if tuple(routes.row_shape) != (columns, K):
@@ -57,8 +56,8 @@ def align_routes(
 
 
 class Replaying:
-    """r3 / r2: the forwards replay the active install, or route natively without one. The backend
-    counts across installs; going native clears it, so its counts are folded into ``metrics`` first."""
+    """r3 / r2: the forwards replay the active install, or route natively without one (the backend's
+    counts are folded into ``metrics`` before going native clears them)."""
 
     def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
         self.backend, self.metrics, self.installed_any = backend, metrics, False
@@ -76,14 +75,11 @@ class Replaying:
         return None if self.metrics is None else self.metrics.table(with_backend=True)
 
 
-class Comparing:
+class Comparing(Replaying):
     """off: native routing; what the forwards used while an install is active is recorded and
-    compared with its routes when it ends. A recording that cannot be compared (no forward, or a
-    probe of another token shape) is dropped: off mode only measures. No metrics: nothing done."""
+    compared with its routes when it ends (dropped when it cannot be: no forward, another shape)."""
 
-    def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
-        self.backend, self.metrics, self.installed_any = backend, metrics, False
-        self._open: Install | None = None
+    _open: Install | None = None  # the install the forwards are recorded against
 
     def use(self, install: Install | None) -> None:
         if self.metrics is None:
@@ -110,14 +106,13 @@ class Comparing:
 
 
 class OldPolicyRecorder:
-    """r2: the routes the old-policy forwards of one step recorded, kept per row of the step's batch
-    (``step_batch``), so every later pass over those rows (re-cut, shuffled, trimmed) finds them.
-    Only the layers the backend routes are kept (``layers``; None: every layer is routed)."""
+    """r2: the routes the old-policy forwards of one step recorded, kept per row of ``step_batch`` so
+    that every later pass over those rows (re-cut, shuffled, trimmed) finds them."""
 
     def __init__(self, step_batch: Any = None) -> None:
         self.step_batch = step_batch
         self.rows: dict[int, Tensor] = {}  # step-batch row -> recorded rows [n, L, K]
-        self.layers: tuple[int, ...] | None = None
+        self.layers: tuple[int, ...] | None = None  # those the backend routes (None: all)
         self.recording = False
 
     def rows_in_step(self, batch: Any) -> Tensor | None:
@@ -140,9 +135,8 @@ class OldPolicyRecorder:
     def keep(
         self, recorded: Tensor, layout: TokenMetadataLayout, batch: Any, backend: RouterReplayBackend
     ) -> PackedTensor:
-        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory (real tokens, in
-        order) on the layers ``backend`` routes, set it on ``batch`` and keep it for its rows of the
-        step's batch."""
+        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory on the layers ``backend``
+        routes, set it on ``batch`` and keep it for its rows of the step's batch."""
         if tuple(recorded.shape[:-2]) != layout.token_shape:
             raise ValueError(
                 f"old_policy_forward recorded token shape {tuple(recorded.shape[:-2])}, expected one forward "
@@ -166,7 +160,7 @@ class OldPolicyRecorder:
 
 class MissingRoutes:
     """Steps with routes expected but none replayed: counted once per step, warned once per run and
-    mode (rank zero), an error under ``strict``. Count and warnings are checkpointed."""
+    mode (rank zero), an error under ``strict``."""
 
     def __init__(self, strict: bool) -> None:
         self.strict, self.count, self.counted_step = strict, 0, False
@@ -189,7 +183,6 @@ class MissingRoutes:
         return {"batches_without_routes": self.count, "warned": sorted(self.warned)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; a bad field is a ``ValueError`` naming it (nothing changes)."""
         count, warned = state.get("batches_without_routes", 0), state.get("warned", [])
         check_int("RouterReplayCallback state: batches_without_routes", count, 0)
         if not isinstance(warned, list | tuple) or not set(warned) <= {"r3", "r2"}:

@@ -1,12 +1,7 @@
-"""Router replay for Hugging Face transformers 5.x MoE models (concepts: the docs' "Router replay").
-
-A forward hook on each router (whose forward returns ``(logits [N, E], weights [N, K], indices
-[N, K])``) swaps in the installed experts of its layer (mask False: native) and recomputes the
-weights from the live logits with the family's formula (:mod:`~r3lightning.replay.hf.routers`).
-The router's own forward still picks its own experts: a user hook registered before the backend
-(or with ``prepend=True``) sees that choice, one registered after it sees the replayed output.
-Keyed per router module, so recompute and FSDP2 need nothing special.
-"""
+"""Router replay for Hugging Face transformers 5.x MoE models: a forward hook on each router swaps in
+its layer's installed experts and recomputes the gate weights from the live logits with the family's
+formula (:mod:`~r3lightning.replay.hf.routers`). Keyed per router module: recompute and FSDP2 need
+nothing special."""
 
 from __future__ import annotations
 
@@ -36,15 +31,11 @@ _OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyD
 
 
 class HFRouterReplay:
-    """Replay / record backend for the MoE routers of a Hugging Face model (``RouterReplayBackend``).
-
-    ``model``: any module holding the routers (a ``*ForCausalLM``, its backbone, a LightningModule);
-    routers map to decoder layers by name (``...layers.<i>....``). :meth:`for_model` shares one
-    backend per model. ``validate``: check installed ids (host syncs for device routes). Per router
-    call with routes installed: that layer widened to int64, a ``where``, the weight formula and two
-    ``[N, K, K]`` comparisons, on device without a sync; idle hooks return at once (``torch.compile``
-    sees nothing). Recording keeps an int32 ``[N, K]`` per MoE layer and forward.
-    """
+    """``RouterReplayBackend`` for the routers inside ``model`` (any module holding them), mapped to
+    decoder layers by name (``...layers.<i>....``); ``validate``: check installed ids (host syncs).
+    Per router call with routes installed: that layer widened to int64, a ``where``, the weight
+    formula and two ``[N, K, K]`` comparisons on device, no sync; idle hooks return at once
+    (``torch.compile`` sees nothing). Recording keeps an int32 ``[N, K]`` per MoE layer and forward."""
 
     def __init__(self, model: nn.Module, *, validate: bool = True) -> None:
         self.validate = validate
@@ -60,12 +51,11 @@ class HFRouterReplay:
             raise ValueError(f"router at layer {layers[-1]} but num_hidden_layers={self.num_layers}")
         self.model_name = type(model).__name__
         self.clear()
-        for _, name, module, _ in found:
-            if module in _OWNERS:
-                raise RuntimeError(
-                    f"router {name!r} already has a replay backend; use HFRouterReplay.for_model(model) "
-                    "to share it, or call .remove() on the old one"
-                )
+        if owned := [name for _, name, module, _ in found if module in _OWNERS]:
+            raise RuntimeError(
+                f"router {owned[0]!r} already has a replay backend; use HFRouterReplay.for_model(model) "
+                "to share it, or call .remove() on the old one"
+            )
         self.routers: tuple[nn.Module, ...] = tuple(module for _, _, module, _ in found)
         _OWNERS.update(dict.fromkeys(self.routers, self))
         hooks = [self._router_hook(layer, i, adapter) for i, (layer, _, _, adapter) in enumerate(found)]
@@ -78,8 +68,7 @@ class HFRouterReplay:
 
     @classmethod
     def for_model(cls, model: nn.Module, **kwargs) -> HFRouterReplay:
-        """The backend already attached to ``model``'s routers (as it is: ``kwargs`` only apply to
-        a new one), or a new one built with ``kwargs``."""
+        """The backend already attached to ``model``'s routers (as it is), else a new one."""
         _load_builtins(imported_only=True)
         for module in model.modules():
             if _adapter_for(module) is not None and module in _OWNERS:
@@ -97,8 +86,8 @@ class HFRouterReplay:
                 del _OWNERS[module]
 
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
-        """Replay ``routes [*token_shape, L, K]`` (mask False: native) until :meth:`clear`, kept as
-        given; the first router call moves them to its device (``non_blocking``: pin host routes)."""
+        """Replay ``routes [*token_shape, L, K]`` until :meth:`clear`; the first router call moves
+        them to its device (``non_blocking``: pin host routes)."""
         token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
         n = routes[..., 0, 0].numel()
         self._routes = routes.reshape(n, self.num_layers, self.top_k)
@@ -123,14 +112,12 @@ class HFRouterReplay:
         return bool(self._sessions)
 
     def start_recording(self) -> None:
-        """Capture the experts used (after replay) by every forward until :meth:`stop_recording`.
-        Recordings nest: each sees every later forward; ``stop_recording`` closes the innermost."""
+        """Capture the experts used (after replay) until :meth:`stop_recording`; recordings nest."""
         self._sessions.append([])
 
     def stop_recording(self) -> Tensor:
-        """Routes of the recorded forwards, int32 ``[*token_shape, num_layers, top_k]`` on device, 0
-        on dense layers, no host sync. Several forwards (KV-cache generation) are joined along the
-        last token axis: ``generate`` yields one row per forwarded token."""
+        """Routes of the innermost recording, int32 ``[*token_shape, num_layers, top_k]`` on device,
+        no host sync; several forwards (``generate``) are joined along the last token axis."""
         if not self._sessions:
             raise RuntimeError("stop_recording() without a matching start_recording()")
         captures = self._sessions.pop()
@@ -149,13 +136,11 @@ class HFRouterReplay:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
 
     def routing_stats(self) -> dict:
-        """:meth:`RouterReplayBackend.routing_stats`; int64 ``[len(moe_layers)]`` on the logits'
-        device, no sync. No ``used_slots``: the hook returns the replayed experts, so the forward
-        uses every one it replays."""
-        if (stats := self._stats) is None:
-            stats = torch.zeros((2, len(self.moe_layers)), dtype=torch.int64)
-        keys = ("replayed_rows", "agreeing_slots")
-        return dict(layers=self.moe_layers, top_k=self.top_k) | dict(zip(keys, stats.unbind(0), strict=True))
+        """:meth:`RouterReplayBackend.routing_stats`; no ``used_slots``: the forward uses every
+        expert the hook replays."""
+        empty = self._stats is None
+        rows, slots = torch.zeros((2, len(self.moe_layers)), dtype=torch.int64) if empty else self._stats
+        return dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)
 
     def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._sessions or in_recompute():

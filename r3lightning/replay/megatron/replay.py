@@ -1,6 +1,5 @@
-"""Router replay for megatron-core MoE models (``moe_enable_routing_replay=True``), through megatron's
-own ``RouterReplay``: install each micro-batch's routes in the ``forward_step_func`` before its
-forward (VPP: with ``vp_stage``); recompute replays them in megatron's order under any schedule."""
+"""Router replay for megatron-core MoE models through megatron's own ``RouterReplay`` (the docs'
+recipe "megatron-core")."""
 
 from collections.abc import Iterable
 from typing import Any
@@ -26,8 +25,8 @@ __all__ = ["MegatronParallelism", "MegatronRouterReplay", "megatron_padding_mask
 
 
 def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRouter]) -> list[int | None]:
-    """Each router's virtual pipeline stage (None without VPP): the ``vp_stage`` of a module holding
-    it (megatron's chunks carry one), else its chunk's index when ``modules`` are one per stage."""
+    """Each router's virtual pipeline stage (None without VPP): a holding module's ``vp_stage``, else
+    its chunk's index when ``modules`` are one per stage."""
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     if not (vpp and vpp > 1) and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -53,14 +52,10 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRou
 
 
 class MegatronRouterReplay:
-    """Replay / record backend for the MoE routers of one megatron-core pipeline stage.
-
-    ``model_or_modules``: the stage's model (or a DDP/Float16 wrapper) or modules holding its
-    ``TopKRouter`` s (with VPP: megatron's model chunks). ``parallelism`` defaults to
-    :meth:`MegatronParallelism.resolve` with ``config.sequence_parallel``; ``tp_group`` (default:
-    megatron's) serves :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on
-    install (a host sync). Routes stay until :meth:`clear`; backends over one model share state.
-    """
+    """``RouterReplayBackend`` for the ``TopKRouter`` s of one pipeline stage: its model (or a wrapper)
+    or modules holding them (with VPP: megatron's model chunks). ``parallelism``: default
+    :meth:`MegatronParallelism.resolve`; ``tp_group`` (default: megatron's) serves
+    :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on install (a sync)."""
 
     def __init__(
         self,
@@ -126,7 +121,7 @@ class MegatronRouterReplay:
     def build_layout(
         self, batch: Any, *, packed: bool = True, fp8: bool | None = None
     ) -> TokenMetadataLayout:
-        """:func:`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8`` being set."""
+        """:func:`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8``."""
         fp8 = packed and bool(getattr(self.config, "fp8", None)) if fp8 is None else fp8
         return megatron_token_layout(batch, packed=packed, parallelism=self.parallelism, fp8=fp8)
 
@@ -140,9 +135,9 @@ class MegatronRouterReplay:
     def install(
         self, routes: Tensor, replay_mask: Tensor | None = None, *, vp_stage: int | None = None
     ) -> None:
-        """Replay ``routes [B, S, L, K]`` (before the sequence-parallel split; mask False: native) in
-        the next forward and its recompute; with VPP only chunk ``vp_stage``'s routers take them. One
-        int64 copy of this rank's rows per layer (``non_blocking``); no host sync unless ``validate``."""
+        """Replay ``routes [B, S, L, K]`` (before the sequence-parallel split) in the next forward and
+        its recompute, on chunk ``vp_stage``'s routers with VPP. One int64 copy of this rank's rows
+        per layer (``non_blocking``); no host sync unless ``validate``."""
         targets = self._stage_positions(vp_stage)
         validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
         device = self._routers[0].weight.device
@@ -155,8 +150,7 @@ class MegatronRouterReplay:
             self._replays[position].install(rows.copy_(layer_rows, non_blocking=True), replay_mask)
 
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
-        """The ``vp_stage`` to install with for ``chunk`` (a model chunk or a wrapper of it, as the
-        ``forward_step_func`` gets it); None without virtual pipeline parallelism."""
+        """The ``vp_stage`` to install with for the ``forward_step_func``'s ``chunk`` (None without VPP)."""
         inside = {id(module) for module in chunk.modules()}
         stages = {s for r, s in zip(self._routers, self.vp_stages, strict=True) if id(r) in inside}
         if len(stages) != 1:
@@ -179,7 +173,7 @@ class MegatronRouterReplay:
         return positions
 
     def clear(self) -> None:
-        """Drop installed routes, queued recompute entries, recording and stats; route natively."""
+        """Drop installed routes, queued recompute entries, recording and stats."""
         for replay in self._replays:
             replay.reset()
 
@@ -194,7 +188,7 @@ class MegatronRouterReplay:
                 router.config = replay.fused_config
 
     def start_recording(self) -> None:
-        """Capture the experts used (after any replay) in the following forwards (megatron's RECORD)."""
+        """Capture the experts used (after any replay) in the following forwards."""
         for replay in self._replays:
             replay.recording = True
             replay.recorded_topk_idx = None
@@ -202,9 +196,8 @@ class MegatronRouterReplay:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
 
     def stop_recording(self) -> Tensor:
-        """Experts the last forward used, int32 ``[B, S, num_layers, top_k]`` (the token shape before
-        the sequence-parallel split: TP ranks all-gather their rows, a collective) on the routers'
-        device; 0 on layers not routed here (dense, other pipeline stages)."""
+        """Experts the last forward used, int32 ``[B, S, num_layers, top_k]`` (before the SP split: TP
+        ranks all-gather their rows, a collective), 0 on layers not routed here."""
         recorded = [replay.recorded_topk_idx for replay in self._replays]
         batch = self._replays[0].token_batch
         for replay in self._replays:
@@ -230,7 +223,7 @@ class MegatronRouterReplay:
         return routes_on_all_layers(rows, tokens.shape[:2], self.num_layers, self.top_k)
 
     def routing_stats(self) -> dict:
-        """:meth:`RouterReplayBackend.routing_stats` of this rank's local MoE layers (on device)."""
+        """:meth:`RouterReplayBackend.routing_stats` of this rank's MoE layers."""
         known = [r.counts for r in self._replays if r.counts is not None]
         zero = torch.zeros(2, dtype=torch.int64, device=known[0].device if known else "cpu")
         rows, slots = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)
