@@ -1,5 +1,4 @@
-"""The ``RouterReplayBackend`` protocol and what its backends share. Routes ``[*token_shape, num_layers,
-top_k]`` lie on the absolute decoder-layer axis, ``token_shape`` as the model sees it."""
+"""The ``RouterReplayBackend`` protocol (the docs' "Modes") and what its backends share."""
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
@@ -28,8 +27,7 @@ class RouterReplayBackend(Protocol):
         """Capture the experts every router uses in the following forwards."""
 
     def stop_recording(self) -> Tensor:
-        """The experts the recorded forward(s) used, ``[*token_shape, num_layers, top_k]``, 0 on
-        dense layers."""
+        """The experts the recorded forward(s) used, ``[*token_shape, num_layers, top_k]``."""
 
     def routing_stats(self) -> dict:
         """Since :meth:`clear` (recompute not counted): ``layers``, ``top_k`` and int64 ``[len(layers)]``

@@ -1,8 +1,6 @@
 """Lightning callback that aligns each step's (or micro-batch's) routes to the layout the model sees
 and hands them to the mode (:mod:`~r3lightning.replay.modes`); no host sync for a ``RolloutBatch``."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -80,7 +78,7 @@ class RouterReplayCallback(Callback):
         self._r2 = modes.OldPolicyRecorder()
 
     @staticmethod
-    def find(trainer: pl.Trainer) -> RouterReplayCallback:
+    def find(trainer: pl.Trainer) -> "RouterReplayCallback":
         """The trainer's ``RouterReplayCallback`` (for ``micro_batch`` / ``old_policy_forward``)."""
         for callback in trainer.callbacks:
             if isinstance(callback, RouterReplayCallback):
@@ -138,8 +136,7 @@ class RouterReplayCallback(Callback):
 
     @property
     def layout(self) -> TokenMetadataLayout | None:
-        """Layout of the active routes (the micro-batch's, else the step's; None without routes):
-        a packed / sharded model must be fed its tokens in it."""
+        """Layout of the active routes (None without): a packed / sharded model is fed its tokens in it."""
         active = self._micro if self._in_micro else self._step
         return None if active is None else active.layout
 

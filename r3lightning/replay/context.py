@@ -1,12 +1,4 @@
-"""Record and replay routes in custom loops (no Lightning needed)::
-
-    with record_routes(model) as rec:  # rec.routes: [B, S, num_layers, top_k], the experts used
-        model(input_ids, attention_mask=attention_mask)
-    with replay_routes(model, routes, replay_mask):
-        model(input_ids, attention_mask=attention_mask).logits.sum().backward()  # recompute too
-
-``model``: a Hugging Face MoE, a model with ``router_replay_backend()``, or a ``RouterReplayBackend``.
-"""
+"""Record and replay routes in custom loops, no Lightning needed (the docs' "Getting started")."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +11,8 @@ from r3lightning.replay.hf.replay import HFRouterReplay
 
 
 def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
-    """The backend itself, the model's own, or the Hugging Face one attached to it (made once)."""
+    """The backend itself, the model's own (``router_replay_backend()``), or the Hugging Face one
+    attached to it (made once)."""
     if isinstance(model_or_backend, RouterReplayBackend):
         return model_or_backend
     if not isinstance(model_or_backend, nn.Module):

@@ -1,6 +1,5 @@
-"""How evenly the rollout engine spread a step's tokens over the experts, per MoE layer, from the
-routes in hand (one scatter-add, no host sync): ``max_over_mean`` (1 balanced, up to ``num_experts /
-top_k``) and normalised ``entropy`` (1 uniform). All-zero rows (dense layers) are skipped."""
+"""How evenly the rollout engine spread a step's tokens over the experts, per MoE layer: ``max_over_mean``
+(1 balanced, up to ``num_experts / top_k``) and normalised ``entropy`` (1 uniform); dense rows skipped."""
 
 import math
 from collections.abc import Sequence

@@ -118,13 +118,12 @@ class ReplayMetrics:
         backend, device = self.backend, self.device
         assert backend is not None
         # [4, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars
-        table = torch.zeros((4, backend.num_layers), dtype=torch.int64, device=device)
-        table.index_copy_(1, self.layer_index(device), local.to(device))
-        extra = torch.zeros(2, dtype=torch.int64, device=device)
+        size = 4 * backend.num_layers
+        vector = torch.zeros(size + 2, dtype=torch.int64, device=device)
+        vector[:size].view(4, -1).index_copy_(1, self.layer_index(device), local.to(device))
         if self._native_loss_tokens is not None:
-            extra[0] += self._native_loss_tokens.to(device)
-        extra[1] += missing or 0
-        vector = torch.cat([table.reshape(-1), extra])
+            vector[size] += self._native_loss_tokens.to(device)
+        vector[size + 1] += missing or 0
         distributed = self.sync_dist and dist.is_available() and dist.is_initialized()
         if self._layers is None:  # MoE layers any rank routes (pipeline stages differ), once per fit
             gathered: list[Any] = [tuple(backend.moe_layers)] * (dist.get_world_size() if distributed else 1)
@@ -133,9 +132,9 @@ class ReplayMetrics:
             self._layers = tuple(sorted({layer for layers in gathered for layer in layers}))
         if distributed:
             dist.all_reduce(vector)  # exact ratios over all ranks; no host sync
-        totals = vector[: table.numel()].reshape(table.shape).double()
+        totals = vector[:size].view(4, -1).double()
         metrics = step_metrics(totals, top_k=backend.top_k, layers=self._layers if self.per_layer else None)
         if missing is not None:
-            metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[table.numel() :]
+            metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[size:]
         for name, value in metrics.items():  # sync_dist=False: summed over ranks above
             pl_module.log(f"router_replay/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)

@@ -41,9 +41,7 @@ def align_routes(
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
     columns = L if layers is None else len(layers)
     if tuple(routes.row_shape) != (columns, K):
-        raise ValueError(
-            f"route rows must be [num_layers={columns}, top_k={K}], got {list(routes.row_shape)}"
-        )
+        raise ValueError(f"route rows must be [num_layers={columns}, top_k={K}], got {[*routes.row_shape]}")
     if layers is not None and (missing := sorted(set(backend.moe_layers) - set(layers))):
         raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
     pad = lambda n: dummy_routes(n, columns, K, E, device=routes.device)  # noqa: E731
@@ -138,10 +136,8 @@ class OldPolicyRecorder:
         """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory on the layers ``backend``
         routes, set it on ``batch`` and keep it for its rows of the step's batch."""
         if tuple(recorded.shape[:-2]) != layout.token_shape:
-            raise ValueError(
-                f"old_policy_forward recorded token shape {tuple(recorded.shape[:-2])}, expected one forward "
-                f"over the batch with token shape {layout.token_shape}"
-            )
+            got, expected = tuple(recorded.shape[:-2]), layout.token_shape
+            raise ValueError(f"old_policy_forward recorded token shape {got}, expected {expected}")
         if layout.cp_size != 1:
             raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
         real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order

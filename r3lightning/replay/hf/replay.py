@@ -1,12 +1,9 @@
 """Router replay for Hugging Face transformers 5.x MoE models: a forward hook on each router swaps in
-its layer's installed experts and recomputes the gate weights from the live logits with the family's
-formula (:mod:`~r3lightning.replay.hf.routers`). Keyed per router module: recompute and FSDP2 need
-nothing special."""
-
-from __future__ import annotations
+its layer's experts and recomputes the gate weights (:mod:`~r3lightning.replay.hf.routers`)."""
 
 import importlib
 import weakref
+from typing import Self
 
 import torch
 from torch import Tensor, nn
@@ -20,14 +17,12 @@ from r3lightning.replay.backend import (
 from r3lightning.replay.hf.routers import RouterAdapter, _adapter_for, _load_builtins, find_routers
 
 __all__ = ["HFRouterReplay"]
+# router module -> owning backend; one backend per router so hooks never stack
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, HFRouterReplay]" = weakref.WeakKeyDictionary()
 
 
 def __getattr__(name: str) -> object:  # the old flat r3lightning.replay.hf served the registry's names
     return getattr(importlib.import_module("r3lightning.replay.hf.routers"), name)
-
-
-# router module -> owning backend; one backend per router so hooks never stack
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyDictionary()
 
 
 class HFRouterReplay:
@@ -67,7 +62,7 @@ class HFRouterReplay:
         )
 
     @classmethod
-    def for_model(cls, model: nn.Module, **kwargs) -> HFRouterReplay:
+    def for_model(cls, model: nn.Module, **kwargs) -> Self:
         """The backend already attached to ``model``'s routers (as it is), else a new one."""
         _load_builtins(imported_only=True)
         for module in model.modules():
@@ -136,8 +131,7 @@ class HFRouterReplay:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
 
     def routing_stats(self) -> dict:
-        """:meth:`RouterReplayBackend.routing_stats`; no ``used_slots``: the forward uses every
-        expert the hook replays."""
+        """:meth:`RouterReplayBackend.routing_stats` (the forward uses every expert it replays)."""
         empty = self._stats is None
         rows, slots = torch.zeros((2, len(self.moe_layers)), dtype=torch.int64) if empty else self._stats
         return dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)
@@ -150,41 +144,39 @@ class HFRouterReplay:
             session.append((tuple(hidden.shape[:-1]), {}))
 
     def _router_hook(self, layer: int, position: int, adapter: RouterAdapter):
+        p_logits, p_weights, p_indices = adapter.output_positions
+
         def hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
             if self._routes is None and not self._sessions:
                 return None  # idle: no tensor work and nothing torch.compile cannot trace
-            return self._route(layer, position, adapter, module, output)
+            native = output[p_indices]  # [N, K]
+            recompute = in_recompute()
+            indices, replaced = native, None
+            if self._routes is not None:
+                if (n := native.shape[0]) != len(self._routes):
+                    routed = f"{self.model_name} routed {n} tokens at layer {layer}"
+                    shape = f"token shape {self._token_shape} ({len(self._routes)} tokens)"
+                    raise ValueError(f"{routed} but routes were installed for {shape}")
+                if self._routes.device != native.device:  # once per install: to the router's device
+                    self._routes = self._routes.to(native.device, non_blocking=True)
+                    if self._mask is not None:
+                        self._mask = self._mask.to(native.device, non_blocking=True)
+                installed, mask = self._routes[:, layer].long(), self._mask  # [N, K]: only this layer widened
+                indices = installed if mask is None else torch.where(mask[:, None], installed, native)
+                # in the dtype the router returns: ERNIE computes in fp32 and rounds to its input's
+                weights = adapter.gate_weights(module, output[p_logits], indices).to(output[p_weights].dtype)
+                replaced = list(output)
+                replaced[p_weights], replaced[p_indices] = weights, indices
+                if not recompute:
+                    if self._stats is None:
+                        self._stats = native.new_zeros((2, len(self.moe_layers)), dtype=torch.int64)
+                    self._stats[:, position] += agreement_counts(installed, native, mask)
+            if self._sessions and not recompute:
+                used = indices.detach().to(torch.int32)
+                for session in self._sessions:
+                    if not session:
+                        raise RuntimeError("recording started in the middle of a forward pass")
+                    session[-1][1][layer] = used
+            return None if replaced is None else type(output)(replaced)
 
         return hook
-
-    def _route(
-        self, layer: int, position: int, adapter: RouterAdapter, module: nn.Module, output: tuple
-    ) -> tuple | None:
-        p_logits, p_weights, p_indices = adapter.output_positions
-        native = output[p_indices]  # [N, K]
-        recompute = in_recompute()
-        indices, replaced = native, None
-        if self._routes is not None:
-            if (n := native.shape[0]) != len(self._routes):
-                where = f"{self.model_name} routed {n} tokens at layer {layer} but routes were installed"
-                raise ValueError(f"{where} for token shape {self._token_shape} ({len(self._routes)} tokens)")
-            if self._routes.device != native.device:  # once per install: to the router's device
-                self._routes = self._routes.to(native.device, non_blocking=True)
-                self._mask = None if self._mask is None else self._mask.to(native.device, non_blocking=True)
-            installed, mask = self._routes[:, layer].long(), self._mask  # [N, K]: only this layer widened
-            indices = installed if mask is None else torch.where(mask[:, None], installed, native)
-            # in the dtype the router returns: ERNIE computes in fp32 and rounds to its input's
-            weights = adapter.gate_weights(module, output[p_logits], indices).to(output[p_weights].dtype)
-            replaced = list(output)
-            replaced[p_weights], replaced[p_indices] = weights, indices
-            if not recompute:
-                if self._stats is None:
-                    self._stats = native.new_zeros((2, len(self.moe_layers)), dtype=torch.int64)
-                self._stats[:, position] += agreement_counts(installed, native, mask)
-        if self._sessions and not recompute:
-            used = indices.detach().to(torch.int32)
-            for session in self._sessions:
-                if not session:
-                    raise RuntimeError("recording started in the middle of a forward pass")
-                session[-1][1][layer] = used
-        return None if replaced is None else type(output)(replaced)

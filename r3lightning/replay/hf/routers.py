@@ -145,6 +145,9 @@ _INCOMPATIBLE: dict[str, str] = {
     "DbrxRouter": "its forward returns only the logits; the top-k is taken in the experts module",
 }
 _builtins_loaded: set[str] = set()  # 'family.RouterClass' names already looked up
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")  # the innermost layers.<i>.
+_ROUTER_NAME_RE = re.compile(r"(Router|Gate|Gating)$|Top[Kk](Router|Gating)")
+_OUTPUT = "(router_logits [N, E], gate_weights [N, K], expert_indices [N, K])"
 
 
 def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> None:
@@ -187,9 +190,6 @@ def _adapter_for(module: nn.Module) -> RouterAdapter | None:
     return next((_ADAPTERS[cls] for cls in type(module).__mro__ if cls in _ADAPTERS), None)
 
 
-_LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
-
-
 def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdapter]]:
     """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer (the
     innermost ``layers.<i>.`` in its name); none, or two on one layer, is a ``ValueError``."""
@@ -213,10 +213,6 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
             f"({[name for _, name, *_ in found]}); pass the single MoE model whose routes are replayed"
         )
     return found
-
-
-_ROUTER_NAME_RE = re.compile(r"(Router|Gate|Gating)$|Top[Kk](Router|Gating)")
-_OUTPUT = "(router_logits [N, E], gate_weights [N, K], expert_indices [N, K])"
 
 
 def _no_router_message(model: nn.Module) -> str:

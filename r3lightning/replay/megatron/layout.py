@@ -1,11 +1,8 @@
-"""A megatron-core rank's TP/CP position and the token layout its routers see (the docs' recipe
-"megatron-core")."""
-
-from __future__ import annotations
+"""A megatron-core rank's TP/CP position and the token layout its routers see."""
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 from megatron.core import parallel_state
@@ -16,7 +13,6 @@ from r3lightning.ragged import to_device_async
 from r3lightning.replay.batch_fields import host_attention_mask
 
 __all__ = ["MegatronParallelism", "megatron_padding_mask", "megatron_token_layout"]
-
 FP8_SEQUENCE_MULTIPLE = 16  # fp8 GEMMs need token counts that are multiples of 16
 FP8_BLOCK = 128  # block-scaled fp8 quantises the packed row in blocks of 128 per alignment unit
 
@@ -37,7 +33,7 @@ class MegatronParallelism:
         check_rank("cp_rank", self.cp_rank, "cp_size", check_int("cp_size", self.cp_size))
 
     @classmethod
-    def resolve(cls, *, sequence_parallel: bool | None = None) -> MegatronParallelism:
+    def resolve(cls, *, sequence_parallel: bool | None = None) -> Self:
         """From ``megatron.core.parallel_state`` (TP = CP = 1 before it is initialised)."""
         if not parallel_state.model_parallel_is_initialized():
             return cls(sequence_parallel=bool(sequence_parallel))

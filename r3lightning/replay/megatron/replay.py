@@ -1,5 +1,4 @@
-"""Router replay for megatron-core MoE models through megatron's own ``RouterReplay`` (the docs'
-recipe "megatron-core")."""
+"""Router replay for megatron-core MoE models through megatron's own ``RouterReplay``."""
 
 from collections.abc import Iterable
 from typing import Any
@@ -43,10 +42,10 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRou
         return [None] * len(routers)
     stages = [stage_of.get(id(r), chunk_of[id(r)] if len(modules) == vpp else None) for r in routers]
     if None in stages:
+        layer = routers[stages.index(None)].layer_number - 1
         raise ValueError(
-            f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell the virtual "
-            f"stage of the router at decoder layer {routers[stages.index(None)].layer_number - 1}; pass the "
-            "list of model chunks megatron builds (one per virtual stage, in stage order) or modules carrying vp_stage"
+            f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell the virtual stage "
+            f"of the router at decoder layer {layer}; pass megatron's model chunks (one per virtual stage, in order)"
         )
     return stages
 
@@ -77,9 +76,7 @@ class MegatronRouterReplay:
             )
         self.config = cfg = config if config is not None else next(iter(found)).config
         if getattr(cfg, "moe_router_load_balancing_type", None) == "sinkhorn":
-            raise ValueError(
-                "router replay cannot replay sinkhorn routing: it picks experts without RouterReplay"
-            )
+            raise ValueError("sinkhorn routing (moe_router_load_balancing_type) bypasses RouterReplay")
         if getattr(cfg, "moe_expert_capacity_factor", None) is not None:
             raise ValueError(
                 f"router replay needs dropless MoE, got moe_expert_capacity_factor={cfg.moe_expert_capacity_factor}: "
@@ -88,9 +85,8 @@ class MegatronRouterReplay:
         for router in found:
             if router.router_replay is None:
                 raise ValueError(
-                    "the MoE routers were built with moe_enable_routing_replay=False: TopKRouter "
-                    "creates its RouterReplay only at construction, so build the model with "
-                    "TransformerConfig(moe_enable_routing_replay=True)"
+                    "the MoE routers were built with moe_enable_routing_replay=False (TopKRouter creates its "
+                    "RouterReplay at construction): build with TransformerConfig(moe_enable_routing_replay=True)"
                 )
             if router.layer_number is None:
                 raise ValueError(

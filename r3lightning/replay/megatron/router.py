@@ -1,12 +1,9 @@
-"""megatron-core's ``RouterReplay`` with a per-token replay mask (carried through the recompute FIFO),
-agreement counts and recording; it also fixes megatron-core 0.16-0.19's expert-bias padding mask and
-replays fused routers through the unfused top-k. Without a mask: exactly megatron's ``REPLAY_*``."""
-
-from __future__ import annotations
+"""megatron-core's ``RouterReplay`` with a per-token replay mask (through the recompute FIFO), agreement
+counts and recording, fused routers replayed through the unfused top-k."""
 
 import copy
 import types
-from typing import Any
+from typing import Any, Self
 
 import torch
 from megatron.core import package_info
@@ -17,10 +14,8 @@ from torch import Tensor, nn
 from r3lightning.replay.backend import agreement_counts, in_recompute
 
 __all__ = ["MaskedRouterReplay"]
-
 # megatron-core versions whose TopKRouter._apply_expert_bias broadcasts the padding mask wrongly
 _EXPERT_BIAS_MASK_BUG = (package_info.MAJOR, package_info.MINOR) < (0, 20)
-
 _FORWARD = RouterReplayAction.REPLAY_FORWARD
 _BACKWARD = RouterReplayAction.REPLAY_BACKWARD
 
@@ -42,7 +37,7 @@ class MaskedRouterReplay(RouterReplay):
         self.unfused_config: Any = None  # its copy with moe_router_fusion=False, used to replay
 
     @classmethod
-    def attach(cls, router: TopKRouter) -> MaskedRouterReplay:
+    def attach(cls, router: TopKRouter) -> Self:
         """Swap ``router.router_replay`` for this class (same slot in megatron's global list)."""
         current = router.router_replay
         if isinstance(current, cls):
