@@ -1,5 +1,4 @@
-"""Lightning callback that aligns each step's (or micro-batch's) routes to the layout the model sees
-and hands them to the mode (:mod:`~r3lightning.replay.modes`); no host sync for a ``RolloutBatch``."""
+"""The Lightning callback: each (micro-)batch's routes aligned to the model's layout, given to the mode."""
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager

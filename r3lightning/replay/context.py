@@ -11,8 +11,7 @@ from r3lightning.replay.hf.replay import HFRouterReplay
 
 
 def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
-    """The backend itself, the model's own (``router_replay_backend()``), or the Hugging Face one
-    attached to it (made once)."""
+    """The backend itself, the model's own ``router_replay_backend()`` or its Hugging Face one (made once)."""
     if isinstance(model_or_backend, RouterReplayBackend):
         return model_or_backend
     if not isinstance(model_or_backend, nn.Module):
@@ -48,8 +47,7 @@ def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator
 def replay_routes(
     model_or_backend: nn.Module | RouterReplayBackend, routes: Tensor, replay_mask: Tensor | None = None
 ) -> Iterator[RouterReplayBackend]:
-    """Replay ``routes`` in the block's forwards (``replay_mask`` False: native), cleared on exit;
-    yields the backend (``routing_stats()``)."""
+    """Replay ``routes`` in the block's forwards (``replay_mask`` False: native); yields the backend."""
     backend = as_backend(model_or_backend)
     backend.install(routes, replay_mask)
     try:

@@ -94,8 +94,7 @@ class ReplayMetrics:
         return torch.stack([to_device_async(t, self.device).long() for t in counts])
 
     def table(self, *, with_backend: bool) -> Tensor:
-        """``[4, len(moe_layers)]``: the counts so far (zeros if none: every rank logs the same keys),
-        plus the backend's own when ``with_backend``."""
+        """``[4, len(moe_layers)]``: the counts so far (or zeros), plus the backend's if ``with_backend``."""
         assert self.backend is not None
         table = self._table
         if with_backend:
@@ -113,8 +112,7 @@ class ReplayMetrics:
             self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
 
     def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
-        """Log the ratios of ``local`` (:meth:`table`), and unless None (off mode) ``missing`` (the
-        run's batches without routes) with ``native_loss_tokens``."""
+        """Log the ratios of ``local``, and ``missing`` with ``native_loss_tokens`` unless None (off mode)."""
         backend, device = self.backend, self.device
         assert backend is not None
         # [4, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars

@@ -1,6 +1,5 @@
-"""What each mode does with the active routes: :class:`Replaying` (r3; r2 once recorded) installs
-them, :class:`Comparing` (off) measures native routing against them, :class:`OldPolicyRecorder` (r2)
-records the old-policy forward per row, :class:`MissingRoutes` handles steps without routes."""
+"""What each mode does with the active routes: :class:`Replaying` (r3, r2) installs them, :class:`Comparing`
+(off) measures native routing against them; r2 records with :class:`OldPolicyRecorder`."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -140,9 +139,8 @@ class OldPolicyRecorder:
             raise ValueError(f"old_policy_forward recorded token shape {got}, expected {expected}")
         if layout.cp_size != 1:
             raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
-        real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
-        index = to_device_async(real, recorded.device)
-        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, index)
+        real = to_device_async(layout.token_mask.reshape(-1).nonzero().reshape(-1), recorded.device)
+        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, real)  # sequence-major order
         if len(backend.moe_layers) < backend.num_layers:  # dense layers, other stages: not kept
             self.layers = tuple(backend.moe_layers)
             rows = rows.index_select(1, to_device_async(torch.tensor(self.layers), rows.device))
@@ -155,8 +153,7 @@ class OldPolicyRecorder:
 
 
 class MissingRoutes:
-    """Steps with routes expected but none replayed: counted once per step, warned once per run and
-    mode (rank zero), an error under ``strict``."""
+    """Steps with routes expected but none replayed: counted per step, warned once per mode or raised."""
 
     def __init__(self, strict: bool) -> None:
         self.strict, self.count, self.counted_step = strict, 0, False

@@ -1,5 +1,4 @@
-"""Router replay for Hugging Face transformers 5.x MoE models: a forward hook on each router swaps in
-its layer's experts and recomputes the gate weights (:mod:`~r3lightning.replay.hf.routers`)."""
+"""Router replay for Hugging Face transformers 5.x MoE models, by a forward hook on each router."""
 
 import importlib
 import weakref
@@ -40,8 +39,7 @@ class HFRouterReplay:
         if len(shapes) != 1:
             raise ValueError(f"routers disagree on (top_k, num_experts): {sorted(shapes)}")
         (self.top_k, self.num_experts), self.moe_layers = shapes.pop(), tuple(layers)
-        config = getattr(model, "config", None)
-        self.num_layers: int = int(getattr(config, "num_hidden_layers", layers[-1] + 1))
+        self.num_layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", layers[-1] + 1))
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at layer {layers[-1]} but num_hidden_layers={self.num_layers}")
         self.model_name = type(model).__name__
@@ -81,8 +79,7 @@ class HFRouterReplay:
                 del _OWNERS[module]
 
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
-        """Replay ``routes [*token_shape, L, K]`` until :meth:`clear`; the first router call moves
-        them to its device (``non_blocking``: pin host routes)."""
+        """Replay ``routes [*token_shape, L, K]`` until :meth:`clear`; moved (non-blocking) on first use."""
         token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
         n = routes[..., 0, 0].numel()
         self._routes = routes.reshape(n, self.num_layers, self.top_k)

@@ -1,6 +1,6 @@
 """Router replay for megatron-core MoE models through megatron's own ``RouterReplay``."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from r3lightning.replay.megatron.router import MaskedRouterReplay
 __all__ = ["MegatronParallelism", "MegatronRouterReplay", "megatron_padding_mask", "megatron_token_layout"]
 
 
-def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRouter]) -> list[int | None]:
+def _virtual_stages(config: Any, modules: list[nn.Module], routers: Sequence[TopKRouter]) -> list[int | None]:
     """Each router's virtual pipeline stage (None without VPP): a holding module's ``vp_stage``, else
     its chunk's index when ``modules`` are one per stage."""
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
@@ -44,8 +44,8 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRou
     if None in stages:
         layer = routers[stages.index(None)].layer_number - 1
         raise ValueError(
-            f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell the virtual stage "
-            f"of the router at decoder layer {layer}; pass megatron's model chunks (one per virtual stage, in order)"
+            f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell the "
+            f"virtual stage of the router at decoder layer {layer}; pass the model chunks in stage order"
         )
     return stages
 
@@ -85,16 +85,17 @@ class MegatronRouterReplay:
         for router in found:
             if router.router_replay is None:
                 raise ValueError(
-                    "the MoE routers were built with moe_enable_routing_replay=False (TopKRouter creates its "
-                    "RouterReplay at construction): build with TransformerConfig(moe_enable_routing_replay=True)"
+                    "the routers were built with moe_enable_routing_replay=False (RouterReplay is made at "
+                    "construction): build with TransformerConfig(moe_enable_routing_replay=True)"
                 )
             if router.layer_number is None:
                 raise ValueError(
                     "a TopKRouter has no layer_number (an MoELayer built outside a TransformerLayer): "
                     "call moe_layer.set_layer_number(n) with its 1-based global decoder-layer number"
                 )
-        self._routers = sorted(found, key=lambda router: router.layer_number)
-        layers = [router.layer_number - 1 for router in self._routers]
+        # this stage's TopKRouter modules, in moe_layers order
+        self.routers: tuple[TopKRouter, ...] = tuple(sorted(found, key=lambda router: router.layer_number))
+        layers = [router.layer_number - 1 for router in self.routers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
         self.num_layers, self.top_k = int(cfg.num_layers), int(cfg.moe_router_topk)
@@ -105,14 +106,9 @@ class MegatronRouterReplay:
         sp = bool(getattr(cfg, "sequence_parallel", False))
         self.parallelism = parallelism or MegatronParallelism.resolve(sequence_parallel=sp)
         self.validate, self._tp_group = validate, tp_group
-        self._replays = [MaskedRouterReplay.attach(router) for router in self._routers]
+        self._replays = [MaskedRouterReplay.attach(router) for router in self.routers]
         # per router (moe_layers order); None everywhere without virtual pipeline parallelism
-        self.vp_stages: tuple[int | None, ...] = tuple(_virtual_stages(self.config, modules, self._routers))
-
-    @property
-    def routers(self) -> list[TopKRouter]:
-        """This stage's ``TopKRouter`` modules, in ``moe_layers`` order."""
-        return list(self._routers)
+        self.vp_stages: tuple[int | None, ...] = tuple(_virtual_stages(self.config, modules, self.routers))
 
     def build_layout(
         self, batch: Any, *, packed: bool = True, fp8: bool | None = None
@@ -131,12 +127,11 @@ class MegatronRouterReplay:
     def install(
         self, routes: Tensor, replay_mask: Tensor | None = None, *, vp_stage: int | None = None
     ) -> None:
-        """Replay ``routes [B, S, L, K]`` (before the sequence-parallel split) in the next forward and
-        its recompute, on chunk ``vp_stage``'s routers with VPP. One int64 copy of this rank's rows
-        per layer (``non_blocking``); no host sync unless ``validate``."""
+        """Replay ``routes [B, S, L, K]`` (pre-SP-split) in the next forward and its recompute, on chunk
+        ``vp_stage``'s routers with VPP; one int64 copy per layer, no host sync unless ``validate``."""
         targets = self._stage_positions(vp_stage)
         validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
-        device = self._routers[0].weight.device
+        device = self.routers[0].weight.device
         local = self._split_sequence(routes)  # [N, L, K] compact dtype
         if replay_mask is not None:
             replay_mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)
@@ -148,7 +143,7 @@ class MegatronRouterReplay:
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
         """The ``vp_stage`` to install with for the ``forward_step_func``'s ``chunk`` (None without VPP)."""
         inside = {id(module) for module in chunk.modules()}
-        stages = {s for r, s in zip(self._routers, self.vp_stages, strict=True) if id(r) in inside}
+        stages = {s for r, s in zip(self.routers, self.vp_stages, strict=True) if id(r) in inside}
         if len(stages) != 1:
             found = sorted(stages, key=str)
             raise ValueError(f"{type(chunk).__name__} holds routers of virtual stages {found}, not one")
@@ -176,7 +171,7 @@ class MegatronRouterReplay:
     def remove(self) -> None:
         """:meth:`clear` and unhook the routers (they keep the mask-aware ``RouterReplay``)."""
         self.clear()
-        for router, replay in zip(self._routers, self._replays, strict=True):
+        for router, replay in zip(self.routers, self._replays, strict=True):
             if replay.hook is not None:
                 replay.hook.remove()
                 replay.hook = None

@@ -1,5 +1,4 @@
-"""megatron-core's ``RouterReplay`` with a per-token replay mask (through the recompute FIFO), agreement
-counts and recording, fused routers replayed through the unfused top-k."""
+"""megatron-core's ``RouterReplay`` with a per-token replay mask, agreement counts and recording."""
 
 import copy
 import types
