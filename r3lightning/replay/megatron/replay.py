@@ -94,7 +94,7 @@ class MegatronRouterReplay:
                     "call moe_layer.set_layer_number(n) with its 1-based global decoder-layer number"
                 )
         # this stage's TopKRouter modules, in moe_layers order
-        self.routers: tuple[TopKRouter, ...] = tuple(sorted(found, key=lambda router: router.layer_number))
+        self.routers: list[TopKRouter] = sorted(found, key=lambda router: router.layer_number)
         layers = [router.layer_number - 1 for router in self.routers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
