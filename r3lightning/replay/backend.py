@@ -30,9 +30,8 @@ class RouterReplayBackend(Protocol):
         """The experts the recorded forward(s) used, ``[*token_shape, num_layers, top_k]``."""
 
     def routing_stats(self) -> dict:
-        """Since :meth:`clear` (recompute not counted): ``layers``, ``top_k`` and int64 ``[len(layers)]``
-        ``replayed_rows``, ``agreeing_slots`` (replayed ids in the native top-k), optionally
-        ``used_slots`` (default: all replayed), on the routers' device without a host sync."""
+        """``layers``, ``top_k`` and int64 ``[len(layers)]`` ``replayed_rows``, ``agreeing_slots`` (optionally
+        ``used_slots``) since :meth:`clear` (recompute not counted), on device, no host sync."""
 
 
 def validate_routes_for_install(

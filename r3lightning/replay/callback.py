@@ -16,7 +16,6 @@ from r3lightning.replay.batch_fields import batch_field, host_attention_mask
 from r3lightning.replay.context import record_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.replay.metrics import COUNT_KEYS, ReplayMetrics
-from r3lightning.replay.modes import Install
 
 Mode = Literal["r3", "r2", "off"]
 LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> layout
@@ -24,16 +23,8 @@ _MODES = ("r3", "r2", "off")
 
 
 class RouterReplayCallback(Callback):
-    """Install aligned routes before each training forward; clear them after (the docs' "Modes").
-
-    ``backend``: ``"hf"`` / ``None`` (the Hugging Face routers of the module or its ``model_attr``),
-    ``"megatron"`` (both built at each ``on_fit_start``) or a ``RouterReplayBackend``. ``strict``:
-    raise instead of routing natively when routes are missing or a routed forward runs with nothing
-    installed. ``log_agreement``: the ``router_replay/`` metrics, also per layer (``"per_layer"``).
-    ``validate_routes``: check ids on every install (host syncs; ``None``: a backend object keeps its
-    flag). ``layout_fn``: ``attention_mask -> TokenMetadataLayout`` the model sees (default: the
-    backend's ``build_layout``, else padded). ``sync_dist``: sum the counts over ranks (an ``all_reduce``).
-    """
+    """Install aligned routes before each training forward; clear them after. The options: the docs'
+    "Modes" page; ``validate_routes`` costs host syncs, ``sync_dist`` one ``all_reduce`` per step."""
 
     def __init__(
         self,
@@ -71,8 +62,8 @@ class RouterReplayCallback(Callback):
     def _reset_step(self) -> None:
         self._in_step = self._in_micro = self._missing.counted_step = False
         self._batch: Any = None
-        self._step: Install | None = None  # the whole batch's routes
-        self._micro: Install | None = None  # the active micro-batch's (None: native)
+        self._step: modes.Install | None = None  # the whole batch's routes
+        self._micro: modes.Install | None = None  # the active micro-batch's (None: native)
         self._mode: modes.Replaying | None = None  # Comparing in off mode
         self._r2 = modes.OldPolicyRecorder()
 
@@ -151,9 +142,9 @@ class RouterReplayCallback(Callback):
         assert self.backend is not None
         return modes.align_routes(routes, layout, self.backend, layers)
 
-    def _prepare(self, routes: PackedTensor, batch: Any) -> Install:
+    def _prepare(self, routes: PackedTensor, batch: Any) -> modes.Install:
         layout = self.build_layout(host_attention_mask(batch))
-        return Install(layout, *self.align_routes(routes, layout, batch_field(batch, "route_layers")))
+        return modes.Install(layout, *self.align_routes(routes, layout, batch_field(batch, "route_layers")))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -172,7 +163,7 @@ class RouterReplayCallback(Callback):
             return
         self._set_step(self._prepare(routes, batch))
 
-    def _set_step(self, install: Install) -> None:
+    def _set_step(self, install: modes.Install) -> None:
         self._step = install
         if not self._in_micro:
             self._mode.use(install)  # type: ignore[union-attr]
@@ -238,7 +229,7 @@ class RouterReplayCallback(Callback):
             self._r2.recording = False
         layout = self.build_layout(host_attention_mask(batch))
         packed = self._r2.keep(recording.routes, layout, batch, self.backend)  # on the layers it routes
-        install = Install(layout, *self.align_routes(packed, layout, self._r2.layers))
+        install = modes.Install(layout, *self.align_routes(packed, layout, self._r2.layers))
         if self._in_micro:
             self._micro = install
             self._mode.use(install)  # type: ignore[union-attr]

@@ -58,9 +58,8 @@ def expert_load_stats(
 
 
 class ExpertLoadMonitor(Callback):
-    """Log the rollout engine's per-layer expert load of the training batch every N steps, with
-    one read-back per measured step. ``num_experts`` / ``moe_layers`` default to a
-    ``RouterReplayCallback``'s backend's; ``sync_dist``: averaged over ranks (a collective)."""
+    """Log the engine's expert load of the training batch every N steps (one read-back; ``sync_dist``: a
+    collective); ``num_experts`` / ``moe_layers`` default to a ``RouterReplayCallback``'s backend's."""
 
     def __init__(
         self,
@@ -106,11 +105,9 @@ class ExpertLoadMonitor(Callback):
         measured = stats["tokens"] > 0  # [L]: dense layers (all-zero rows) drop out
         count = measured.sum().clamp(min=1)
         peak, entropy = (torch.where(measured, stats[key], 0.0) for key in ("max_over_mean", "entropy"))
+        lowest = torch.where(measured, entropy, 1.0).amin()
         values = {"max_over_mean": peak.sum() / count, "max_over_mean_worst": peak.amax()}
-        values |= {
-            "entropy": entropy.sum() / count,
-            "entropy_min": torch.where(measured, entropy, 1.0).amin(),
-        }
+        values |= {"entropy": entropy.sum() / count, "entropy_min": lowest}
         if self.log_per_layer:
             for i, layer in enumerate(stats["layers"].tolist()):  # host tensor: no device sync
                 values[f"layer_{layer:02d}/max_over_mean"] = stats["max_over_mean"][i]

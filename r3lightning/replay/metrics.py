@@ -21,12 +21,11 @@ COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
 def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
     """``[4, len(layers)]`` counts comparing ``used [*shape, L, K]`` (forwards joined along the last
     token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None unless the shapes fit."""
-    token_shape = tuple(routes.shape[:-2])
-    lead, width = token_shape[:-1], token_shape[-1]
-    shape = tuple(used.shape[:-2])
-    if shape[:-1] != lead or width == 0 or shape[-1] % width:
+    *lead, width = routes.shape[:-2]
+    *used_lead, joined = used.shape[:-2]  # forwards joined along the last token axis
+    if used_lead != lead or width == 0 or joined % width:
         return None
-    forwards = shape[-1] // width
+    forwards = joined // width
     used = used.reshape(*lead, forwards, width, *used.shape[-2:]).movedim(len(lead), 0)
     routes = routes.to(used.device).index_select(-2, layers)  # [*token_shape, L_moe, K]
     keep = mask.to(used.device)[..., None, None]

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# (router module, live logits [N, E], expert ids [N, K] int64) -> gate weights [N, K]
 GateWeightsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
@@ -123,12 +122,11 @@ _BUILTIN: dict[GateWeightsFn, str] = {
     mixtral_weights: "mixtral.MixtralTopKRouter minimax.MiniMaxTopKRouter",
     deepseek_v3_weights: """deepseek_v3.DeepseekV3TopkRouter glm4_moe.Glm4MoeTopkRouter
         glm4_moe_lite.Glm4MoeLiteTopkRouter dots1.Dots1TopkRouter exaone_moe.ExaoneMoeTopkRouter
-        solar_open.SolarOpenTopkRouter deepseek_v32.DeepseekV32TopkRouter
-        glm4v_moe.Glm4vMoeTextTopkRouter glm5_next.Glm5NextTextTopkRouter glm_moe_dsa.GlmMoeDsaTopkRouter
-        kimi_linear.KimiLinearTopkRouter mimo_v2_flash.MiMoV2FlashTopkRouter
-        nemotron_h.NemotronHTopkRouter bailing_hybrid.BailingHybridTopkRouter
-        dots3_note.Dots3NoteTextTopkRouter hy_v4.HYV4TopkRouter hy_v4_vl.HYV4VLTopkRouter
-        axk1.AXK1TopkRouter axk2.AXK2TopkRouter""",
+        solar_open.SolarOpenTopkRouter deepseek_v32.DeepseekV32TopkRouter glm4v_moe.Glm4vMoeTextTopkRouter
+        glm5_next.Glm5NextTextTopkRouter glm_moe_dsa.GlmMoeDsaTopkRouter kimi_linear.KimiLinearTopkRouter
+        mimo_v2_flash.MiMoV2FlashTopkRouter nemotron_h.NemotronHTopkRouter
+        bailing_hybrid.BailingHybridTopkRouter dots3_note.Dots3NoteTextTopkRouter hy_v4.HYV4TopkRouter
+        hy_v4_vl.HYV4VLTopkRouter axk1.AXK1TopkRouter axk2.AXK2TopkRouter""",
     deepseek_v2_weights: """deepseek_v2.DeepseekV2TopkRouter deepseek_ocr2.DeepseekOcr2TextTopkRouter
         unlimited_ocr.UnlimitedOcrTextTopkRouter""",
     ernie_weights: "ernie4_5_moe.Ernie4_5_MoeTopKRouter",
@@ -174,8 +172,7 @@ def _load_builtins(*, imported_only: bool = False) -> None:
                 module = importlib.import_module(module_name)
             except ImportError:
                 continue
-            router_cls = getattr(module, class_name, None)
-            if router_cls is not None:
+            if (router_cls := getattr(module, class_name, None)) is not None:
                 _ADAPTERS.setdefault(router_cls, adapter)
 
 

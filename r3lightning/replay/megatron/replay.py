@@ -151,14 +151,12 @@ class MegatronRouterReplay:
 
     def _stage_positions(self, vp_stage: int | None) -> list[int]:  # into moe_layers
         stages = sorted({s for s in self.vp_stages if s is not None})
-        if not stages:
-            if vp_stage not in (None, 0):
-                raise ValueError(f"vp_stage={vp_stage!r} given, but the model has no virtual pipeline stages")
-            return list(range(len(self.moe_layers)))
-        if vp_stage is None:
+        if not stages and vp_stage not in (None, 0):
+            raise ValueError(f"vp_stage={vp_stage!r} given, but the model has no virtual pipeline stages")
+        if stages and vp_stage is None:
             chunks = f"virtual pipeline parallelism (model chunks of stages {stages})"
             raise ValueError(f"{chunks}: install(..., vp_stage=) is required, the forward_step_func's")
-        positions = [i for i, s in enumerate(self.vp_stages) if s == vp_stage]
+        positions = [i for i, s in enumerate(self.vp_stages) if s == vp_stage or not stages]
         if not positions:
             raise ValueError(f"vp_stage must be one of {stages} (this rank's MoE chunks), got {vp_stage!r}")
         return positions

@@ -25,12 +25,7 @@ class MaskedRouterReplay(RouterReplay):
 
     def __init__(self) -> None:
         super().__init__()
-        self.target_mask: Tensor | None = None  # [N] bool on the routes' device, or None
-        self.replay_backward_masks: list[Tensor | None] = []
-        self.fresh = False  # installed routes not yet consumed by a forward (already queued)
-        self.recording = False
-        self.token_batch: int | None = None  # b of the last forward's [s, b, h] input
-        self.counts: Tensor | None = None  # agreement_counts [3] int64 of the forwards, on device
+        self.reset()
         self.hook: Any = None
         self.fused_config: Any = None  # the router's own config when it uses the fused top-k
         self.unfused_config: Any = None  # its copy with moe_router_fusion=False, used to replay
@@ -74,11 +69,13 @@ class MaskedRouterReplay(RouterReplay):
 
     def clear_indices(self) -> None:
         super().clear_indices()
+        # target_mask: [N] bool or None; fresh: installed routes no forward used yet (already queued)
         self.target_mask, self.replay_backward_masks, self.fresh = None, [], False
 
     def reset(self) -> None:
         self.clear_indices()
         self.clear_router_replay_action()
+        # token_batch: b of the last forward's [s, b, h] input; counts: agreement_counts [2] of the forwards
         self.recording, self.recorded_topk_idx, self.token_batch, self.counts = False, None, None, None
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
