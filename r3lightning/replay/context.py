@@ -30,8 +30,7 @@ class RouteRecording:
 
 @contextmanager
 def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator[RouteRecording]:
-    """Record the experts the block's forwards use into ``rec.routes`` (installed routes stay); an
-    exception drops the recording and clears everything."""
+    """Record the experts the block's forwards use into ``rec.routes``; an exception clears everything."""
     backend = as_backend(model_or_backend)
     recording = RouteRecording()
     backend.start_recording()

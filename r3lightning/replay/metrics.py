@@ -1,5 +1,4 @@
-"""The ``router_replay/...`` metrics: ratios of int64 counts ``[4, layers]`` (:data:`COUNT_KEYS`) summed
-on device over forwards, micro-batches and ranks. Nothing here syncs with the host."""
+"""The ``router_replay/...`` metrics: ratios of int64 counts summed on device, without host syncs."""
 
 from typing import Any
 
@@ -36,8 +35,7 @@ def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor
 
 
 def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -> dict[str, Tensor]:
-    """The ratios of counts ``[4, num_layers]`` by absolute layer, also ``native_agreement/layer_XX`` of
-    ``layers`` (NaN without route rows)."""
+    """The ratios of counts ``[4, num_layers]``, per layer for ``layers`` (NaN without route rows)."""
     route_rows, replayed_rows, native_hits, used_hits = table
     rows = route_rows.sum()
     replayed, slots = torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0), rows * top_k
@@ -51,8 +49,7 @@ def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -
 
 
 class ReplayMetrics:
-    """One training step's counts on device and their logging; ``sync_dist``: one ``all_reduce`` of
-    ``4 * num_layers + 2`` int64 per step."""
+    """One training step's counts on device and their logging (``sync_dist``: one ``all_reduce``)."""
 
     def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
         self.per_layer, self.sync_dist = per_layer, sync_dist
@@ -96,12 +93,9 @@ class ReplayMetrics:
         """``[4, len(moe_layers)]``: the counts so far (or zeros), plus the backend's if ``with_backend``."""
         assert self.backend is not None
         table = self._table
-        if with_backend:
-            stats = self.backend_counts()
-            table = stats if table is None else stats + table.to(stats.device)
         if table is None:
             table = torch.zeros((4, len(self.backend.moe_layers)), dtype=torch.int64, device=self.device)
-        return table
+        return self.backend_counts() + table.to(self.device) if with_backend else table
 
     def count_native_loss_tokens(self, layout: TokenMetadataLayout, mask: Tensor, batch: Any) -> None:
         """Loss targets of the step's batch whose logprob row (``t - 1``) is routed natively."""

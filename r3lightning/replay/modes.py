@@ -53,8 +53,7 @@ def align_routes(
 
 
 class Replaying:
-    """r3 / r2: the forwards replay the active install, or route natively without one (the backend's
-    counts are folded into ``metrics`` before going native clears them)."""
+    """r3 / r2: the forwards replay the active install, or route natively without one."""
 
     def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
         self.backend, self.metrics, self.installed_any = backend, metrics, False
@@ -64,7 +63,7 @@ class Replaying:
             self.backend.install(install.routes, install.mask)
             self.installed_any = True
             return
-        if self.metrics is not None:
+        if self.metrics is not None:  # clearing drops the backend's counts
             self.metrics.add(self.metrics.backend_counts())
         self.backend.clear()
 
@@ -96,15 +95,12 @@ class Comparing(Replaying):
 
     def table(self, *, reopen: bool = True) -> Tensor | None:
         """Compare the forwards recorded so far; ``reopen``: the recording goes on for later ones."""
-        if self.metrics is None:
-            return None
         self.use(self._open if reopen else None)
-        return self.metrics.table(with_backend=False)
+        return None if self.metrics is None else self.metrics.table(with_backend=False)
 
 
 class OldPolicyRecorder:
-    """r2: the routes the old-policy forwards of one step recorded, kept per row of ``step_batch`` so
-    that every later pass over those rows (re-cut, shuffled, trimmed) finds them."""
+    """r2: the routes one step's old-policy forwards recorded, kept per row of ``step_batch``."""
 
     def __init__(self, step_batch: Any = None) -> None:
         self.step_batch = step_batch
@@ -132,8 +128,7 @@ class OldPolicyRecorder:
     def keep(
         self, recorded: Tensor, layout: TokenMetadataLayout, batch: Any, backend: RouterReplayBackend
     ) -> PackedTensor:
-        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory on the layers ``backend``
-        routes, set it on ``batch`` and keep it for its rows of the step's batch."""
+        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory; set on ``batch``, kept."""
         if tuple(recorded.shape[:-2]) != layout.token_shape:
             got, expected = tuple(recorded.shape[:-2]), layout.token_shape
             raise ValueError(f"old_policy_forward recorded token shape {got}, expected {expected}")

@@ -13,7 +13,7 @@ from r3lightning.replay.backend import (
     routes_on_all_layers,
     validate_routes_for_install,
 )
-from r3lightning.replay.hf.routers import RouterAdapter, _adapter_for, _load_builtins, find_routers
+from r3lightning.replay.hf.routers import RouterAdapter, find_routers
 
 __all__ = ["HFRouterReplay"]
 # router module -> owning backend; one backend per router so hooks never stack
@@ -62,11 +62,8 @@ class HFRouterReplay:
     @classmethod
     def for_model(cls, model: nn.Module, **kwargs) -> Self:
         """The backend already attached to ``model``'s routers (as it is), else a new one."""
-        _load_builtins(imported_only=True)
-        for module in model.modules():
-            if _adapter_for(module) is not None and module in _OWNERS:
-                return _OWNERS[module]
-        return cls(model, **kwargs)
+        owner = next((_OWNERS[module] for module in model.modules() if module in _OWNERS), None)
+        return owner if owner is not None else cls(model, **kwargs)
 
     def remove(self) -> None:
         """Unregister all hooks; the model routes natively and can get a new backend."""
@@ -80,11 +77,9 @@ class HFRouterReplay:
 
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
         """Replay ``routes [*token_shape, L, K]`` until :meth:`clear`; moved (non-blocking) on first use."""
-        token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
-        n = routes[..., 0, 0].numel()
-        self._routes = routes.reshape(n, self.num_layers, self.top_k)
-        self._mask = None if replay_mask is None else replay_mask.reshape(n)
-        self._token_shape = token_shape
+        self._token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
+        self._routes = routes.reshape(-1, self.num_layers, self.top_k)  # [N, L, K]
+        self._mask = None if replay_mask is None else replay_mask.reshape(-1)
 
     def clear(self) -> None:
         """Drop installed routes, recording and stats (no device work)."""

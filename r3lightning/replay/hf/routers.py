@@ -158,8 +158,7 @@ def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> Non
 
 
 def _load_builtins(*, imported_only: bool = False) -> None:
-    """Register the built-in routers; ``imported_only``: only of modeling modules imported already (a
-    model's own is), so finding routers never imports the ~40 others."""
+    """Register the built-in routers; ``imported_only``: of imported families only (not all ~40)."""
     for gate_weights, names in _BUILTIN.items():
         adapter = RouterAdapter(gate_weights)
         for name in names.split():
@@ -195,8 +194,7 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
     for name, module in model.named_modules():
         if (adapter := _adapter_for(module)) is None:
             continue
-        match = _LAYER_RE.search(f".{name}.")
-        if match is None:
+        if (match := _LAYER_RE.search(f".{name}.")) is None:
             where = f"router {name!r} ({type(module).__name__})"
             raise ValueError(f"{where} is not inside a 'layers.<i>' module list: no decoder-layer index")
         found.append((int(match.group(1)), name, module, adapter))

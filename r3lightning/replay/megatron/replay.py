@@ -24,8 +24,7 @@ __all__ = ["MegatronParallelism", "MegatronRouterReplay", "megatron_padding_mask
 
 
 def _virtual_stages(config: Any, modules: list[nn.Module], routers: Sequence[TopKRouter]) -> list[int | None]:
-    """Each router's virtual pipeline stage (None without VPP): a holding module's ``vp_stage``, else
-    its chunk's index when ``modules`` are one per stage."""
+    """Each router's virtual pipeline stage (None without VPP): its module's ``vp_stage`` or chunk index."""
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     if not (vpp and vpp > 1) and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()

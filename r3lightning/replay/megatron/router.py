@@ -20,8 +20,7 @@ _BACKWARD = RouterReplayAction.REPLAY_BACKWARD
 
 
 class MaskedRouterReplay(RouterReplay):
-    """One router's replay state: ``target_mask`` travels with each ``target_topk_idx`` through the
-    recompute FIFO (``replay_backward_masks`` mirrors ``replay_backward_list``)."""
+    """One router's replay state; ``replay_backward_masks`` mirrors the FIFO ``replay_backward_list``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,10 +32,8 @@ class MaskedRouterReplay(RouterReplay):
     @classmethod
     def attach(cls, router: TopKRouter) -> Self:
         """Swap ``router.router_replay`` for this class (same slot in megatron's global list)."""
-        current = router.router_replay
-        if isinstance(current, cls):
-            replay = current
-        else:
+        replay = current = router.router_replay
+        if not isinstance(current, cls):
             replay = cls()
             instances = RouterReplay.global_router_replay_instances
             instances.pop()  # the entry __init__ just appended; take over the old one's slot (or append)
@@ -130,8 +127,7 @@ class MaskedRouterReplay(RouterReplay):
 
 
 def _count_expert_tokens(router: TopKRouter, routing_map: Tensor, padding_mask: Tensor | None = None) -> None:
-    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token; nothing in
-    evaluation or recompute (no grad there), as megatron does."""
+    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token."""
     if router.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():
             if padding_mask is not None:
