@@ -44,10 +44,9 @@ class RouterReplayCallback(Callback):
             raise ValueError(f"log_agreement must be true, false or 'per_layer', got {log_agreement!r}")
         if not (backend is None or backend in ("hf", "megatron") or isinstance(backend, RouterReplayBackend)):
             raise ValueError(f"backend must be None, 'hf', 'megatron' or a backend object, got {backend!r}")
-        self.mode: Mode = mode
+        self.mode, self._backend_spec = mode, backend
         self.strict, self.log_agreement, self.validate_routes = strict, bool(log_agreement), validate_routes
         self.layout_fn, self.model_attr, self.sync_dist = layout_fn, model_attr, sync_dist
-        self._backend_spec = backend
         self.backend = backend if isinstance(backend, RouterReplayBackend) else None
         if self.backend is not None and validate_routes is not None:
             if not hasattr(self.backend, "validate"):

@@ -24,9 +24,8 @@ def expert_load_stats(
     moe_layers: Sequence[int] | None = None,
     route_layers: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
-    """Per-layer expert load of ``routes [rows, num_layers, top_k]`` (or packed): float32 ``counts
-    [L, E]``, ``tokens``, ``max_over_mean`` and ``entropy [L]`` (NaN without rows) on the routes'
-    device, and host int64 absolute ``layers [L]`` (``route_layers[j]`` for column ``j``)."""
+    """Load of ``routes [rows, num_layers, top_k]`` (or packed) on their device: float32 ``counts [L, E]``,
+    ``tokens``, ``max_over_mean``, ``entropy [L]`` (NaN without rows); host int64 absolute ``layers``."""
     values = routes.values if isinstance(routes, PackedTensor) else routes
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
         got = f"{values.dtype} {tuple(values.shape)}"

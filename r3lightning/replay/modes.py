@@ -34,9 +34,8 @@ def align_routes(
     backend: RouterReplayBackend,
     layers: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Dense routes ``[*token_shape, L, K]`` (``dummy_routes`` where uncaptured) and replay mask
-    ``[*token_shape]`` on the routes' device; ``layers``: each route column's absolute decoder layer
-    (None: all ``L``), covering ``backend.moe_layers``. Host work only; no host sync."""
+    """Dense routes ``[*token_shape, L, K]`` and replay mask ``[*token_shape]`` on the routes' device (no
+    host sync); ``layers``: each route column's decoder layer (None: all), covering ``moe_layers``."""
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
     columns = L if layers is None else len(layers)
     if tuple(routes.row_shape) != (columns, K):
@@ -174,7 +173,6 @@ class MissingRoutes:
         count, warned = state.get("batches_without_routes", 0), state.get("warned", [])
         check_int("RouterReplayCallback state: batches_without_routes", count, 0)
         if not isinstance(warned, list | tuple) or not set(warned) <= {"r3", "r2"}:
-            raise ValueError(
-                f"RouterReplayCallback state: warned must be a list of 'r3' / 'r2', got {warned!r}"
-            )
+            expected = "warned must be a list of 'r3' / 'r2'"
+            raise ValueError(f"RouterReplayCallback state: {expected}, got {warned!r}")
         self.count, self.warned = count, set(warned)

@@ -25,11 +25,10 @@ def __getattr__(name: str) -> object:  # the old flat r3lightning.replay.hf serv
 
 
 class HFRouterReplay:
-    """``RouterReplayBackend`` for the routers inside ``model`` (any module holding them), mapped to
-    decoder layers by name (``...layers.<i>....``); ``validate``: check installed ids (host syncs).
-    Per router call with routes installed: that layer widened to int64, a ``where``, the weight
-    formula and two ``[N, K, K]`` comparisons on device, no sync; idle hooks return at once
-    (``torch.compile`` sees nothing). Recording keeps an int32 ``[N, K]`` per MoE layer and forward."""
+    """``RouterReplayBackend`` for the routers inside ``model``, by layer name (``...layers.<i>....``);
+    ``validate``: check installed ids (host syncs). Per router call with routes: an int64 widening, a
+    ``where``, the weight formula and two ``[N, K, K]`` comparisons on device, no sync; idle hooks
+    return at once. Recording keeps an int32 ``[N, K]`` per MoE layer and forward."""
 
     def __init__(self, model: nn.Module, *, validate: bool = True) -> None:
         self.validate = validate
@@ -45,10 +44,8 @@ class HFRouterReplay:
         self.model_name = type(model).__name__
         self.clear()
         if owned := [name for _, name, module, _ in found if module in _OWNERS]:
-            raise RuntimeError(
-                f"router {owned[0]!r} already has a replay backend; use HFRouterReplay.for_model(model) "
-                "to share it, or call .remove() on the old one"
-            )
+            fix = "use HFRouterReplay.for_model(model) to share it, or call .remove() on the old one"
+            raise RuntimeError(f"router {owned[0]!r} already has a replay backend; {fix}")
         self.routers: tuple[nn.Module, ...] = tuple(module for _, _, module, _ in found)
         _OWNERS.update(dict.fromkeys(self.routers, self))
         hooks = [self._router_hook(layer, i, adapter) for i, (layer, _, _, adapter) in enumerate(found)]

@@ -224,8 +224,6 @@ def _no_router_message(model: nn.Module) -> str:
     where = f"{name!r} ({cls.__module__}.{cls.__name__})"
     if reason := _INCOMPATIBLE.get(cls.__name__):
         return f"{model_name}'s router {where} cannot be replayed: {reason}, while replay rewrites {_OUTPUT}"
-    return (
-        f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}, a router "
-        f"type r3lightning does not know. If its forward returns {_OUTPUT}, register it with the function "
-        f"that turns logits into its gate weights for given experts (or one of your own):\n{fix}"
-    )
+    unknown = f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}"
+    register = f"If its forward returns {_OUTPUT}, register it with its gate-weight function"
+    return f"{unknown}, a router type r3lightning does not know. {register} (or one of your own):\n{fix}"

@@ -51,8 +51,7 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: Sequence[Top
 
 class MegatronRouterReplay:
     """``RouterReplayBackend`` for the ``TopKRouter`` s of one pipeline stage: its model (or a wrapper)
-    or modules holding them (with VPP: megatron's model chunks). ``parallelism``: default
-    :meth:`MegatronParallelism.resolve`; ``tp_group`` (default: megatron's) serves
+    or modules holding them (VPP: the model chunks). ``tp_group`` (default: megatron's) serves
     :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on install (a sync)."""
 
     def __init__(
@@ -92,7 +91,6 @@ class MegatronRouterReplay:
                     "a TopKRouter has no layer_number (an MoELayer built outside a TransformerLayer): "
                     "call moe_layer.set_layer_number(n) with its 1-based global decoder-layer number"
                 )
-        # this stage's TopKRouter modules, in moe_layers order
         self.routers: list[TopKRouter] = sorted(found, key=lambda router: router.layer_number)
         layers = [router.layer_number - 1 for router in self.routers]
         if len(set(layers)) != len(layers):
@@ -178,8 +176,7 @@ class MegatronRouterReplay:
     def start_recording(self) -> None:
         """Capture the experts used (after any replay) in the following forwards."""
         for replay in self._replays:
-            replay.recording = True
-            replay.recorded_topk_idx = None
+            replay.recording, replay.recorded_topk_idx = True, None
             if replay.target_topk_idx is None:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
 
@@ -198,10 +195,8 @@ class MegatronRouterReplay:
         par = self.parallelism
         if par.sequence_parallel and par.tp_size > 1:
             if self._tp_group is None and not parallel_state.model_parallel_is_initialized():
-                raise RuntimeError(
-                    f"stop_recording with tp_size={par.tp_size} gathers over the TP group: pass "
-                    "tp_group= or initialise megatron.core.parallel_state"
-                )
+                fix = "pass tp_group= or initialise megatron.core.parallel_state"
+                raise RuntimeError(f"stop_recording with tp_size={par.tp_size} gathers over TP ranks: {fix}")
             group = self._tp_group or parallel_state.get_tensor_model_parallel_group()
             pieces = [torch.empty_like(local) for _ in range(par.tp_size)]
             dist.all_gather(pieces, local.contiguous(), group=group)

@@ -50,8 +50,7 @@ class MaskedRouterReplay(RouterReplay):
         return replay
 
     def install(self, indices: Tensor, mask: Tensor | None) -> None:
-        """Replay ``indices [N, K]`` int64 (``mask [N]`` False: native) in the next forward; an install
-        no forward used yet is replaced, with its recompute entry."""
+        """Replay ``indices [N, K]`` (``mask [N]`` False: native) next forward; replaces an unused install."""
         if self.fresh:
             self.replay_backward_list.pop()
             self.replay_backward_masks.pop()
