@@ -1,8 +1,6 @@
 """Route dtypes and route layer ids: routes live on the host and the wire in the smallest of
-uint8 / int16 / int32 that holds the largest expert id, and are widened to what a router needs only
-at install time. The wire also carries uint16 (vLLM, over 256 experts), decoded to int16 (a free
-view below 32768) because torch's uint16 lacks most operations.
-"""
+uint8 / int16 / int32 that holds the largest expert id, widened to what a router needs at install.
+The wire also carries vLLM's uint16, decoded to int16 as torch's uint16 lacks most operations."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """HTTP JSON bodies: a capped read, and a parse that leaves long route payloads in the raw bytes
-(a 16 MiB base64 string costs many times its decode just to become a ``str``).
-"""
+(a 16 MiB base64 string costs many times its decode just to become a ``str``)."""
 
 from __future__ import annotations
 

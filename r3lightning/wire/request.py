@@ -1,7 +1,5 @@
 """Client side of the generate protocols (``skyrl``, ``vllm``, ``sglang``, ``openai``; see the
-protocols page): request bodies, sampling parameters, the result. Route rows cover token
-positions ``[start, P + G - 1)``; dense layers come back as all-zero rows.
-"""
+protocols page): request bodies, sampling parameters, the result."""
 
 from __future__ import annotations
 

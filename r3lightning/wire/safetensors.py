@@ -1,6 +1,5 @@
 """Safetensors bodies read from a stream (the embedded server's ``POST /update_weights``), checked
-from their header before any tensor data is read, then streamed into one flat host buffer.
-"""
+from their header before any tensor data is read, then streamed into one flat host buffer."""
 
 from __future__ import annotations
 
