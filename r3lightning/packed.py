@@ -131,9 +131,8 @@ class PackedTensor:
         parts = list(parts)
         if not parts:
             raise ValueError(f"cat needs a PackedTensor to infer row_shape, dtype and device; {_EMPTY}")
-        for i, p in enumerate(parts):
-            if not isinstance(p, PackedTensor):
-                raise TypeError(f"cat takes PackedTensors, got {type(p).__name__} at position {i}")
+        if (i := next((i for i, p in enumerate(parts) if not isinstance(p, PackedTensor)), None)) is not None:
+            raise TypeError(f"cat takes PackedTensors, got {type(parts[i]).__name__} at position {i}")
         check_same_rows([(p.row_shape, p.dtype, p.device) for p in parts], "part")
         offsets = offsets_from_lengths(torch.cat([p.lengths for p in parts]), "cat lengths")
         return PackedTensor._trusted(torch.cat([p.values for p in parts], dim=0), offsets)
@@ -263,7 +262,7 @@ class PackedTensor:
             raise ValueError(f"pin_memory needs CPU values, got device {self.device}")
         if self.is_pinned():
             return self
-        host = self.cu_seqlens_host if self.cu_seqlens_host.is_pinned() else self.cu_seqlens_host.pin_memory()
+        host = self.cu_seqlens_host.pin_memory()  # (itself when already pinned)
         return PackedTensor._trusted(self.values.pin_memory(), host, host)
 
     def is_pinned(self) -> bool:

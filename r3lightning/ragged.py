@@ -49,8 +49,7 @@ def host_lengths(data: LengthsLike, name: str) -> Tensor:
 
 
 def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
-    """Host int64 ``lengths [B]`` -> host int32 ``cu_seqlens [B + 1]``; ``ValueError`` for a negative
-    length or a total that int32 offsets cannot address."""
+    """Host int64 ``lengths [B]`` (>= 0, an int32-addressable total) -> host int32 ``cu_seqlens [B + 1]``."""
     if lengths.numel() and int(lengths.min()) < 0:
         bad = int(torch.nonzero(lengths < 0)[0, 0])
         raise ValueError(f"{name} must be >= 0, got {name}[{bad}] = {int(lengths[bad])}")
@@ -198,9 +197,8 @@ def to_device_async(host: Tensor, device: torch.device) -> Tensor:
 
 
 def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice | Tensor:
-    """An index along the batch axis of a ``count``-long ``owner`` as an int in ``[0, count)``, a
-    ``slice(start, stop >= start)`` for a step-1 slice, or host int64 positions (device indices: a
-    sync). ``TypeError`` for a bool scalar or another type, ``IndexError`` for a bad index."""
+    """A batch index of a ``count``-long ``owner`` as an int in ``[0, count)``, a step-1 ``slice(start,
+    stop >= start)`` or host int64 positions (device indices: a sync); else ``TypeError``/``IndexError``."""
     if isinstance(index, (Tensor, np.ndarray)) and index.ndim == 0:
         index = index.item()  # a bool stays a bool, refused below
     if isinstance(index, (bool, np.bool_)):
@@ -234,8 +232,7 @@ def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice
 
 
 def tensor_to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    """``(raw uint8 bytes, dtype name, shape)`` for pickling any dtype without the rest of a view's
-    storage. A sync for device tensors."""
+    """``(raw uint8 bytes, dtype name, shape)`` of ``tensor`` alone, to pickle any dtype (device: a sync)."""
     host = tensor.detach().cpu().contiguous()
     # (an empty tensor may carry a zero stride, which a dtype view refuses)
     raw = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)

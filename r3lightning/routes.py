@@ -37,8 +37,7 @@ def compact_route_dtype(max_expert_id: int) -> torch.dtype:
 
 
 def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
-    """``routes`` (ids >= 0) in :func:`compact_route_dtype` of their largest id (uint8 when empty):
-    one ``max`` and the cast; ``routes`` itself when already compact unless ``copy=True``."""
+    """``routes`` (ids >= 0) in :func:`compact_route_dtype` of their largest id: a ``max``, a cast."""
     return routes.to(compact_route_dtype(int(routes.max()) if routes.numel() else 0), copy=copy)
 
 

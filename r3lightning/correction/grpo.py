@@ -30,8 +30,8 @@ class GRPOConfig:
 def group_advantages(
     rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """Reward minus its group's mean (over the unbiased ``std + eps`` if normalising), for
-    consecutive groups of ``rewards [num_groups * group_size]``."""
+    """Each reward minus its group's mean (over the unbiased ``std + eps`` if normalising); a group
+    is ``group_size`` consecutive rewards."""
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
         shape = tuple(rewards.shape)
         raise ValueError(f"rewards must be 1-D with a multiple of {group_size=} entries, got shape {shape}")
@@ -116,9 +116,8 @@ def paired_mismatch_metrics(
     *,
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
-    """The mismatch R3 removes: :func:`mismatch_metrics` of the trainer's logprobs with its own
-    routing and with the engine's replayed, as ``k3_{native,replayed}`` and
-    ``outside_band_{native,replayed}``."""
+    """The mismatch R3 removes: :func:`mismatch_metrics` of the trainer's native and replayed
+    logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``)."""
     native, replayed = (
         mismatch_metrics(lp, rollout_logprobs, loss_mask, ratio_band=ratio_band)
         for lp in (native_logprobs, replayed_logprobs)
@@ -132,8 +131,7 @@ def paired_mismatch_metrics(
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy (nats) of the distribution each token was predicted from, aligned like
-    :func:`token_logprobs`: ``[B, S]`` float32, entry 0 is 0."""
+    """Entropy (nats) of each token's predicting distribution, ``[B, S]`` like :func:`token_logprobs`."""
     logp = _shifted_log_softmax(logits)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))

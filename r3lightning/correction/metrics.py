@@ -34,8 +34,7 @@ def correction_sums(weights: Tokens, mask: Tokens, config: CorrectionConfig) -> 
 
 
 class CorrectionMetrics:
-    """The ``correction/*`` metrics of one step, accumulated over its micro-batches (the
-    corrections page lists them)."""
+    """The ``correction/*`` metrics of one step, accumulated over its micro-batches."""
 
     def __init__(self, config: CorrectionConfig | None = None) -> None:
         self.config = config or CorrectionConfig()

@@ -108,8 +108,7 @@ def _b64decode(data: Any, field: str, expected: int | None, max_bytes: int) -> b
 def decode_array(
     envelope: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES, field: str = "array"
 ) -> np.ndarray:
-    """An ndarray envelope (``data``: base64 text, bytes or ``memoryview``) as a writable array,
-    unchecked. Cost: one base64 decode into the array's buffer."""
+    """An ndarray envelope as a writable array, unchecked. Cost: one base64 decode into its buffer."""
     if not isinstance(envelope, Mapping):
         raise _bad(field, f"expected an ndarray envelope object, got {type(envelope).__name__}")
     if missing := [key for key in ("data", "shape", "dtype") if key not in envelope]:
@@ -142,8 +141,7 @@ _NPY_LEAD = ((12 + _NPY_MAX_HEADER) * 4 // 3 + 4) // 4 * 4  # base64 characters 
 
 
 def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
-    """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3), decoding only the
-    characters a header can span."""
+    """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3), from its header."""
     try:  # whole groups of 4 characters
         lead = pybase64.b64decode(data[: min(len(data) // 4 * 4, _NPY_LEAD)], validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -171,8 +169,7 @@ def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
 
 
 def decode_npy_array(data: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, field: str) -> np.ndarray:
-    """vLLM's base64 ``.npy`` routes as an array, unchecked: the header is read and the size
-    checked first, then one decode into a buffer that the array views."""
+    """vLLM's base64 ``.npy`` routes as an array, unchecked; the size is checked before the decode."""
     if not isinstance(data, Base64Text):
         raise _bad(field, f"expected a base64 string, got {type(data).__name__}")
     offset, dtype, shape = _npy_header(data, field)

@@ -30,8 +30,7 @@ class UploadError(ValueError):
 
 
 def _parse_header(header: bytes) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
-    """``(name, dtype, shape, begin, end)`` of each tensor of a safetensors header, sorted by
-    offset and tiling the data exactly."""
+    """``(name, dtype, shape, begin, end)`` per tensor, sorted by offset, tiling the data exactly."""
     try:
         meta = json.loads(header)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
