@@ -126,8 +126,7 @@ async def read_safetensors(
         )
     check({name: (dtype, shape) for name, dtype, shape, _, _ in entries})
     flat = torch.empty(data_bytes, dtype=torch.uint8)  # [data_bytes]
-    got = await stream.read_into(memoryview(flat.numpy()))
-    if got < data_bytes:
+    if (got := await stream.read_into(memoryview(flat.numpy()))) < data_bytes:
         raise UploadError(f"request body ended after {8 + header_len + got} of {total} bytes")
     if await stream.read_into(memoryview(bytearray(1))):
         raise UploadError(f"request body continues past the {total} bytes its safetensors header describes")
