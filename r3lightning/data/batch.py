@@ -12,12 +12,8 @@ Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right e
     route_layers      tuple[int, ...] | None: the absolute decoder layer of each route column
                       (None: column j is layer j, every layer present)
 
-The batch behaves like one tensor (``to``, ``pin_memory``, indexing, ``split`` / ``chunk`` /
-``select``, ``cat``, ``repeat`` / ``repeat_interleave``, pickling, ``pad_to_multiple``). A CPU copy
-of the two length vectors rides along (``lengths_host``), so layouts are planned without a
-device->host sync. Step-1 slices and ``split`` / ``chunk`` return views; other reorderings new
-storage. A cut batch remembers its rows in the batch it was cut from (:meth:`rows_in`). A batch
-collated into a pinned pool holds a lease: :meth:`release` hands the buffers back.
+The batch moves, pins, slices, joins and pickles like one tensor. A CPU copy of the two length
+vectors rides along (``lengths_host``), so layouts are planned without a device->host sync.
 """
 
 from __future__ import annotations
@@ -121,9 +117,8 @@ class RolloutBatch:
     def _replace(
         self, each: Callable[[Any], Any], host: Any = None, *, routes: Any = None, tokens_only: bool = False
     ) -> RolloutBatch:
-        """New batch with ``each`` applied to every field (``routes`` instead on the packed routes,
-        when given; ``tokens_only``: on the ``[B, S]`` fields alone) and ``host`` lengths (None =
-        keep); skips the shape checks, which the transforms keep by construction."""
+        """New batch with ``each`` applied to every field (``routes`` to the packed routes when given;
+        ``tokens_only``: to the ``[B, S]`` fields alone) and ``host`` lengths (None = keep), unchecked."""
         names = TOKEN_FIELDS if tokens_only else (*TOKEN_FIELDS, *ROW_FIELDS)
         values = {name: getattr(self, name) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
         values.update({name: each(values[name]) for name in names})
@@ -146,9 +141,8 @@ class RolloutBatch:
         return out
 
     def rows_in(self, batch: RolloutBatch) -> Tensor | None:
-        """Host int64 ``[B]``: where this batch's rows sit in ``batch`` (``arange(B)`` for ``batch``
-        itself), when this batch was cut from it by ``split`` / ``chunk`` / ``select`` / indexing /
-        ``trim`` (directly or through other cuts); ``None`` otherwise."""
+        """Host int64 ``[B]``: where this batch's rows sit in ``batch`` when it was cut from it (by
+        ``split`` / ``chunk`` / ``select`` / indexing / ``trim``, at any depth); else ``None``."""
         (root, mine), (other_root, theirs) = self._lineage(), batch._lineage()
         if root is not other_root:
             return None
@@ -170,8 +164,8 @@ class RolloutBatch:
     def __getitem__(
         self, index: int | slice | Sequence[int] | Sequence[bool] | Tensor | np.ndarray
     ) -> RolloutBatch:
-        """``int`` -> batch of that one row; step-1 slice -> view; strided slice, list, index
-        tensor or bool mask -> gathered copy. Device-resident index tensors are read back once."""
+        """``int`` -> that one row; step-1 slice -> view; strided slice, list, index tensor or bool
+        mask -> gathered copy (a device index is read back: a sync)."""
         picked = batch_index(index, len(self), owner="RolloutBatch", unit="row")
         if isinstance(picked, int):
             return self[picked : picked + 1]
@@ -183,9 +177,8 @@ class RolloutBatch:
         return self._cut(self._gather(picked), picked)
 
     def select(self, rows: Sequence[int] | Sequence[bool] | Tensor | np.ndarray) -> RolloutBatch:
-        """Rows ``rows`` (positions in any order, or a bool mask of length ``B``) as a new batch,
-        e.g. a shuffled PPO mini-batch: new storage, routes kept with their trajectories.
-        Device-resident ``rows`` are read back once (a sync)."""
+        """Rows ``rows`` (positions in any order, or a bool mask) in new storage, e.g. a shuffled
+        mini-batch; device-resident ``rows`` are read back (a sync)."""
         if isinstance(rows, (int, slice)):
             raise TypeError(
                 "RolloutBatch.select takes row positions or a bool mask; use batch[i] / batch[a:b]"
@@ -222,8 +215,8 @@ class RolloutBatch:
 
     @staticmethod
     def cat(batches: Sequence[RolloutBatch], *, pad_token_id: int = 0) -> RolloutBatch:
-        """Rows of all ``batches`` (same device; routes all present or all absent, same schema and
-        ``route_layers``), left-padded to the widest; new storage. Route dtypes widen to the widest part."""
+        """Rows of all ``batches`` (same device, routes in all or none, one ``route_layers``),
+        left-padded to the widest, routes in the widest dtype; new storage."""
         batches = list(batches)
         if not batches:
             raise ValueError("RolloutBatch.cat needs at least one batch")
@@ -252,9 +245,8 @@ class RolloutBatch:
         return self._gather(torch.arange(len(self)).repeat(check_int("repeats", repeats, 0)))
 
     def repeat_interleave(self, repeats: int | Sequence[int] | Tensor) -> RolloutBatch:
-        """Each row ``repeats`` times in place (``[a, a, b, b]``, e.g. GRPO samples per prompt);
-        ``repeats`` is an int or one count per row (floats and bools are rejected). New storage;
-        device-resident ``repeats`` are read back once (a sync)."""
+        """Each row ``repeats`` times (``[a, a, b, b]``); an int or one count per row. New storage;
+        device-resident ``repeats`` are read back (a sync)."""
         per_row = repeat_counts(repeats, len(self), unit="row")
         return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_row))
 
@@ -267,11 +259,9 @@ class RolloutBatch:
         num_experts: int | None = None,
         pad_token_id: int = 0,
     ) -> RolloutBatch:
-        """Append placeholder rows (:func:`~r3lightning.data.trajectory.padding_trajectories`: one
-        pad token, zero loss) until ``len`` is a multiple of ``multiple`` (e.g. the data-parallel
-        size). With routes each placeholder gets one dummy route row (``num_experts`` required;
-        ``num_layers`` / ``top_k`` default to, and must match, the routes' schema). Returns
-        ``self`` when nothing is missing, else new storage."""
+        """Append zero-loss placeholder rows until ``len`` is a multiple of ``multiple``; with
+        routes each gets a dummy route row (``num_experts`` required; ``num_layers`` / ``top_k``
+        must match the routes). ``self`` when nothing is missing, else new storage."""
         check_int("multiple", multiple)
         missing = -len(self) % multiple
         if missing == 0:
@@ -279,9 +269,7 @@ class RolloutBatch:
         schema = None
         if self.routed_experts is not None:
             schema = self.routed_experts.row_shape
-            wanted = tuple(
-                have if want is None else want for want, have in zip((num_layers, top_k), schema, strict=True)
-            )
+            wanted = (schema[0] if num_layers is None else num_layers, schema[1] if top_k is None else top_k)
             if wanted != schema:
                 raise ValueError(
                     f"pad_to_multiple: (num_layers, top_k) = {wanted} does not match the routes' schema {schema}"
@@ -296,8 +284,7 @@ class RolloutBatch:
         return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
 
     def to(self, device: torch.device | str | int, non_blocking: bool = False) -> RolloutBatch:
-        """Every field (routes included) on ``device``; ``self`` when already there.
-        ``non_blocking`` is asynchronous only from pinned memory to an accelerator."""
+        """Every field on ``device`` (``self`` when already there); ``non_blocking`` from pinned memory."""
         moved = self.input_ids.to(device, non_blocking=non_blocking)
         if moved is self.input_ids:
             return self
@@ -319,8 +306,8 @@ class RolloutBatch:
         return all(t.is_pinned() for t in tensors if t is not None)
 
     def release(self, after: Any = None) -> None:
-        """Hand pooled buffers back (no-op unpooled); the batch and its views are dead afterwards.
-        ``after``: an event recorded after the last async copy out of it, waited on before reuse."""
+        """Hand pooled buffers back (no-op unpooled), reused after the event ``after``; the batch
+        and its views are dead afterwards."""
         lease, self._lease = self._lease, None
         if lease is not None:
             lease(after)
