@@ -1,16 +1,11 @@
 """Threaded collation of trajectories into a :class:`RolloutBatch`, optionally into pinned buffers.
 
-Rows are filled from a thread pool (:func:`~r3lightning.data.fill.collate_fields`). Routes stay
-packed (segment ``i`` = trajectory ``i``'s captured rows, in the batch's widest route dtype).
-
-Pinned buffer pool (``pin_memory=True``): pinning fresh memory every step is slow, so outputs are
-carved out of a few reusable buffer sets ("slots"). Collating a batch leases it the free slot
-released longest ago (its copy most likely finished a step ago), or fresh buffers outside the pool
-when none is free (``misses``). The slot is free again when the lease returns,
-``batch.release(after=event)`` as ``R3DataModule.transfer_batch_to_device`` does right after
-issuing the GPU copy, or with ``recycle_after=N`` once ``N`` further batches were collated; the
-pool waits on that event before writing the slot again. The allocator is injectable, so the pool
-logic also runs (unpinned) without a GPU.
+Pinning fresh memory every step is slow, so with ``pin_memory=True`` outputs are carved out of a
+few reusable buffer sets ("slots"). A batch leases the free slot released longest ago, or fresh
+buffers when none is free (``misses``). The slot is free again when ``batch.release(after=event)``
+returns it (``R3DataModule.transfer_batch_to_device`` does, right after issuing the GPU copy;
+the next write waits on the event), or with ``recycle_after=N`` once ``N`` further batches were
+collated. The allocator is injectable, so the pool also runs (unpinned) without a GPU.
 """
 
 from __future__ import annotations
@@ -45,9 +40,8 @@ class _Slot:
 
 
 class PinnedBufferPool:
-    """A few reusable output buffer sets (lifetime rules: module docs). ``slots``: 2 covers the
-    batch in training plus the next; ``allocator``: ``(shape, dtype) -> Tensor``, default
-    :func:`pinned_empty`; ``recycle_after``: also free a slot after that many further batches."""
+    """A few reusable output buffer sets (module docs); 2 ``slots`` cover the batch in training
+    plus the next; ``allocator``: ``(shape, dtype) -> Tensor``, default :func:`pinned_empty`."""
 
     def __init__(
         self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
@@ -64,8 +58,7 @@ class PinnedBufferPool:
         self.misses = 0  # batches that found no free slot (fresh allocation)
 
     def acquire(self) -> tuple[Buffers, Callable[..., None] | None]:
-        """Buffers for one batch and the lease that returns them, ``lease(after=None)``
-        (``None`` on a pool miss)."""
+        """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""
         with self._lock:
             self._step += 1
             free = [
@@ -113,21 +106,14 @@ class RolloutCollator:
     """``collate_fn``: a list of trajectories -> one left-padded :class:`RolloutBatch`.
 
     Args:
-        num_threads: fill threads; ``None`` = :func:`~r3lightning.data.cpus.collate_pool_size`.
-            1 fills serially in the calling thread.
-        pad_token_id: id written at padding positions of ``input_ids``.
-        width_multiple: round the padded width ``S`` up to a multiple of this.
-        num_experts: expert count for placeholder routes of ``None`` entries (see below).
-        pin_memory: carve outputs out of a :class:`PinnedBufferPool` (for GPU training): ``True``
-            for a default one, or the pool itself (its slots, allocator, recycling).
-        layers: keep routes only on these decoder layers (routes on every layer are cut, others
-            refused naming the trajectory: :meth:`~r3lightning.data.trajectory.Trajectory.on_layers`).
+        num_threads: fill threads (1: serial); ``None``: :func:`~r3lightning.data.cpus.collate_pool_size`.
+        pad_token_id, width_multiple: the padding id, and a multiple the padded width rounds up to.
+        num_experts: sizes the dummy route row of a placeholder (a ``None`` entry).
+        pin_memory: collate into a :class:`PinnedBufferPool` (``True``: a default one).
+        layers: keep routes only on these decoder layers (``Trajectory.on_layers``).
 
-    ``None`` entries (shards evened out) become placeholders
-    (:func:`~r3lightning.data.trajectory.padding_trajectories`), with a dummy route row when the
-    batch has routes and ``num_experts`` is known. Cost: one host pass to plan, then ``O(B * S +
-    route bytes)`` copies over the threads (one more copy of the kept columns of routes cut to
-    ``layers``). No device work.
+    Cost: one host pass to plan, then ``O(B * S + route bytes)`` copies over the threads; no
+    device work.
     """
 
     def __init__(
@@ -154,8 +140,8 @@ class RolloutCollator:
 
     @contextmanager
     def _fill_pool(self) -> Iterator[ThreadPoolExecutor | None]:
-        """The fill threads of one collation (None: serial); :meth:`close` never shuts them down
-        under a collation, the last one out of a closed pool does."""
+        """The fill threads of one collation (None: serial); the last collation out of a closed
+        pool shuts it down."""
         if self.num_threads <= 1:
             yield None
             return
@@ -198,8 +184,7 @@ class RolloutCollator:
         return batch
 
     def close(self) -> None:
-        """Stop the fill threads (a later collation restarts them). Safe while other threads
-        collate: a pool still in use is shut down by its last user."""
+        """Stop the fill threads (a later collation restarts them); safe while others collate."""
         with self._executor_lock:
             executor, self._executor = self._executor, None
             busy = executor is not None and executor in self._executor_users
@@ -207,17 +192,13 @@ class RolloutCollator:
             executor.shutdown(wait=True)
 
     def __getstate__(self) -> dict[str, Any]:
-        # threads and pinned pages do not travel between processes
-        state = self.__dict__.copy()
-        state["_executor"] = None
-        del state["_executor_lock"], state["_executor_users"]
-        if self.pool is not None:
+        # threads, locks and pinned pages do not travel between processes
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_executor")}
+        if (pool := self.pool) is not None:
             state["pool"] = PinnedBufferPool(
-                len(self.pool._slots), allocator=self.pool.allocator, recycle_after=self.pool.recycle_after
+                len(pool._slots), allocator=pool.allocator, recycle_after=pool.recycle_after
             )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._executor_lock = threading.Lock()
-        self._executor_users = {}
+        self.__dict__.update(state, _executor=None, _executor_lock=threading.Lock(), _executor_users={})

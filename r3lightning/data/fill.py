@@ -1,10 +1,7 @@
-"""Filling a batch's fields from trajectories: the collation core, below ``RolloutBatch``.
+"""The collation core below ``RolloutBatch`` and the collator: a batch's fields from trajectories.
 
-``collate_fields`` plans a batch on the host (lengths, width, route offsets and dtype), takes every
-output buffer once and fills rows, optionally from a thread pool. Each task owns a contiguous row
-range and writes all of it (padding included), so the output equals a serial fill; the copies are
-torch ops, which release the GIL. It returns ``RolloutBatch`` keyword arguments, so ``RolloutBatch``
-(placeholder rows) and the collator (pooled buffers) both build on it without importing each other.
+Each fill task owns a contiguous row range and writes all of it (padding included), so the output
+equals a serial fill; the copies are torch ops, which release the GIL.
 """
 
 from __future__ import annotations
@@ -103,10 +100,9 @@ def collate_fields(
     executor: ThreadPoolExecutor | None = None,
     tasks: int = 1,
 ) -> dict[str, Any]:
-    """One batch's ``RolloutBatch`` keyword arguments, in tensors from ``buffers``, rows filled by
-    ``tasks`` tasks on ``executor`` (serially without one). ``ValueError`` when route schemas or
-    ``route_layers`` differ.
-    Cost: one host pass to plan, then ``O(B * S + route bytes)`` copies; no device work."""
+    """One batch's ``RolloutBatch`` keyword arguments in tensors from ``buffers``, rows filled by
+    ``tasks`` tasks on ``executor`` (serially without one); ``ValueError`` for mixed route schemas.
+    One host pass to plan, then ``O(B * S + route bytes)`` copies; no device work."""
     count = len(trajectories)
     prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
     sequence_lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)

@@ -1,9 +1,5 @@
-"""Where an ``R3DataModule`` is in its data: the cursor and plan of the epoch in progress, and the
-sampler and loader that walk and report them.
-
-Cursor and plan are saved in the data module's ``state_dict`` as plain dicts and checked field by
-field on restore, before anything changes (:func:`restore_position`).
-"""
+"""Where an ``R3DataModule`` is in its data: the cursor and plan of the epoch in progress (saved as
+plain dicts), and the sampler and loader that walk and report them."""
 
 from __future__ import annotations
 
@@ -56,8 +52,8 @@ PLAN_FIELDS = {"batch_size": (int, 1), "shuffle": (bool, None), "seed": (int, No
 
 
 def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: str = "") -> dict[str, Any]:
-    """``state`` when it is a dict with exactly the keys of ``rules``, each of its type (an int
-    field takes no bool, a bool field no int) and bound; else ``ValueError`` naming the field."""
+    """``state`` when it is a dict with exactly the keys of ``rules``, each of its type (no bool
+    for an int, no int for a bool) and bound; else ``ValueError`` naming the field."""
     if not isinstance(state, dict) or set(state) != set(rules):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{where} must be a dict with the keys {sorted(rules)}, got {got}")
@@ -71,9 +67,8 @@ def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: s
 
 
 def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan | None]:
-    """The saved ``cursor`` and ``plan`` (dicts, ``plan`` may be None) as objects, each field
-    checked: types, bounds, ``consumed <= batches`` (a count past the epoch would skip batches)
-    and ``start <= stop``. Raises ``ValueError`` naming ``where`` and the field."""
+    """The saved ``cursor`` and ``plan`` dicts (``plan`` may be None) as objects, every field
+    checked; ``ValueError`` naming ``where`` and the field."""
     c = Cursor(**check_fields(cursor, CURSOR_FIELDS, f"{where} cursor"))
     if c.consumed > c.batches:
         raise ValueError(
@@ -98,11 +93,8 @@ class Snapshot(Dataset):
 
 
 class EpochShardSampler(DistributedSampler):
-    """This rank's indices for the cursor's epoch, starting after the consumed batches.
-
-    ``refresh`` gives the buffer's current contents for an epoch nothing was drawn from yet
-    (``None`` = unchanged). Lightning's ``set_epoch`` is ignored: the cursor drives the order.
-    """
+    """This rank's indices for the cursor's epoch after the consumed batches; ``refresh`` gives
+    the buffer's contents for an epoch nothing was drawn from yet (``None`` = unchanged)."""
 
     def __init__(
         self,
@@ -157,8 +149,8 @@ class EpochShardSampler(DistributedSampler):
 
 
 class PositionedLoader(DataLoader):
-    """DataLoader that reports its position into Lightning's loop state. Being stateful tells
-    Lightning a mid-epoch checkpoint resumes exactly; the data module's own state restores it."""
+    """DataLoader that reports its position into Lightning's loop state (being stateful tells
+    Lightning a mid-epoch checkpoint resumes exactly; the data module's state restores it)."""
 
     def __init__(self, *args: Any, cursor: Cursor, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
