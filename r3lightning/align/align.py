@@ -1,10 +1,5 @@
-"""Align packed per-token metadata (routes) with the tokens the model sees, and back.
-
-Routes travel packed, ``[sum(rows), L, K]`` plus offsets, until right before the forward, where
-they are expanded into a :class:`TokenMetadataLayout`'s model-facing shape. The index maps are
-computed on the host from host offsets (vectorised), copied to the data's device and used by one
-``index_select`` (plus one indexed write for the padding): no device->host sync anywhere.
-"""
+"""Align packed per-token metadata (routes) with the tokens the model sees, and back: host index
+maps, one ``index_select`` (plus one indexed write for the padding), no device->host sync."""
 
 from __future__ import annotations
 
@@ -55,11 +50,9 @@ def align_packed_token_metadata(
     """Dense ``[*layout.token_shape, *packed.row_shape]`` metadata on ``packed``'s device.
 
     Segment ``i`` lands on trajectory ``i``'s real tokens from ``segment_starts[i]`` (default 0),
-    one row per token; it may be shorter than the trajectory (an uncaptured suffix), never longer.
-    Every other position gets ``pad``: a scalar, a row, or ``pad(n) -> [n, *row_shape]`` for the
-    ``n`` uncovered positions in order (e.g. ``lambda n: dummy_routes(n, L, K, E)``); a wider
-    tensor pad widens the result. ``next_token=True`` gives token ``j`` token ``j + 1``'s row.
-    Host work O(positions + B); one host->device index copy; no device->host sync.
+    never past its end. Other positions get ``pad``: a scalar, a row, or ``pad(n) -> [n, *row]``
+    for the ``n`` uncovered positions in order. ``next_token``: token ``j`` gets token ``j + 1``'s
+    row. Host work O(positions + B); one host->device index copy; no sync.
     """
     if not isinstance(packed, PackedTensor):
         raise TypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
@@ -78,8 +71,7 @@ def build_replay_mask(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """bool ``[*layout.token_shape]``: True where a row of the packed routes (or of segments of
-    these lengths) lands in :func:`align_packed_token_metadata`, False -> native routing. On
-    ``device`` (default: the packed values', else the CPU); one host->device copy, no sync."""
+    these lengths) lands, on ``device`` (default: the packed values', else the CPU); no sync."""
     if isinstance(packed_or_lengths, PackedTensor):
         counts = packed_or_lengths.lengths
         if device is None:
@@ -102,11 +94,11 @@ def scatter_to_padded_batch(
     next_token: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Model-facing ``[*token_shape, *row]`` values back in a left-padded ``[B, width, *row]`` batch
-    (width: ``layout.batch_width``), the inverse of :meth:`TokenMetadataLayout.from_batch` on real
-    tokens; ``next_token=True`` puts position ``j``'s value on token ``j + 1`` (logprobs). A new
-    batch is filled with ``pad``; ``out`` writes this layout's real tokens into an existing one
-    (every context-parallel rank's shard into one batch). One index copy and one indexed write.
+    """Model-facing ``[*token_shape, *row]`` values back in a left-padded ``[B, width, *row]``
+    batch (default width ``layout.batch_width``), the inverse of ``layout.from_batch``
+    (``next_token``: position ``j``'s value on token ``j + 1``). A new batch is filled with
+    ``pad``; ``out`` takes this layout's real tokens into an existing one (each CP rank's shard).
+    One index copy, one indexed write.
     """
     expected = layout.token_shape
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected)]) != expected:
