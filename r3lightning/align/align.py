@@ -1,5 +1,4 @@
-"""Align packed per-token metadata (routes) with the tokens the model sees, and back: host index
-maps, one ``index_select`` (plus one indexed write for the padding), no device->host sync."""
+"""Align packed per-token metadata (routes) with the tokens the model sees, and back; no syncs."""
 
 from __future__ import annotations
 
@@ -47,13 +46,10 @@ def align_packed_token_metadata(
     segment_starts: Sequence[int] | torch.Tensor | None = None,
     next_token: bool = False,
 ) -> torch.Tensor:
-    """Dense ``[*layout.token_shape, *packed.row_shape]`` metadata on ``packed``'s device.
-
-    Segment ``i`` lands on trajectory ``i``'s real tokens from ``segment_starts[i]`` (default 0),
-    never past its end. Other positions get ``pad``: a scalar, a row, or ``pad(n) -> [n, *row]``
-    for the ``n`` uncovered positions in order. ``next_token``: token ``j`` gets token ``j + 1``'s
-    row. Host work O(positions + B); one host->device index copy; no sync.
-    """
+    """Dense ``[*layout.token_shape, *packed.row_shape]`` metadata on ``packed``'s device: segment
+    ``i`` on trajectory ``i``'s real tokens from ``segment_starts[i]`` (never past its end), ``pad``
+    elsewhere (a scalar, a row, or ``pad(n) -> [n, *row]``); ``next_token``: token ``j`` gets token
+    ``j + 1``'s row. One host->device index copy, one ``index_select``."""
     if not isinstance(packed, PackedTensor):
         raise TypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     counts = packed.lengths
@@ -70,8 +66,7 @@ def build_replay_mask(
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """bool ``[*layout.token_shape]``: True where a row of the packed routes (or of segments of
-    these lengths) lands, on ``device`` (default: the packed values', else the CPU); no sync."""
+    """bool ``[*layout.token_shape]``: True where a packed row (or a segment row of these lengths) lands."""
     if isinstance(packed_or_lengths, PackedTensor):
         counts = packed_or_lengths.lengths
         if device is None:
@@ -94,12 +89,9 @@ def scatter_to_padded_batch(
     next_token: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Model-facing ``[*token_shape, *row]`` values back in a left-padded ``[B, width, *row]``
-    batch (default width ``layout.batch_width``), the inverse of ``layout.from_batch``
-    (``next_token``: position ``j``'s value on token ``j + 1``). A new batch is filled with
-    ``pad``; ``out`` takes this layout's real tokens into an existing one (each CP rank's shard).
-    One index copy, one indexed write.
-    """
+    """Model-facing ``[*token_shape, *row]`` values back in a left-padded ``[B, width, *row]`` batch,
+    the inverse of ``layout.from_batch``: a new one filled with ``pad``, or ``out`` (each CP rank's
+    shard into one batch). One index copy, one indexed write."""
     expected = layout.token_shape
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected)]) != expected:
         got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__

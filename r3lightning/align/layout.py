@@ -1,8 +1,5 @@
-"""Where each real token of a left-padded ``[B, S]`` batch sits in the tensor the model sees.
-
-The map is built on the host with the layout; moving data with it costs one host->device copy of
-an int64 index per call and never a device->host sync.
-"""
+"""Where each real token of a left-padded ``[B, S]`` batch sits in the tensor the model sees: a
+host map, so moving data costs one host->device index copy per call and never a sync."""
 
 from __future__ import annotations
 
@@ -58,8 +55,7 @@ def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class TokenMetadataLayout:
-    """Map from the real tokens of a batch to the model-facing positions; build it with
-    :meth:`padded` (``[B, S']``) or :meth:`packed` (``[1, T_local]``).
+    """Map from a batch's real tokens to the model-facing positions, from :meth:`padded` or :meth:`packed`.
 
     Host tensors: ``sequence_lengths`` int64 ``[B]``; ``position_sequence`` / ``position_offset``
     int64 ``[num_positions]``, each position's trajectory and real-token offset (-1: padding);
@@ -90,8 +86,7 @@ class TokenMetadataLayout:
         side: Literal["left", "right"] = "left",
         pad_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
-        """The batch as ``[B, S']``, ``S`` rounded up to ``pad_to_multiple``; ``side="right"`` puts
-        real tokens first. O(B * S') host ops; a GPU mask is copied back (a sync)."""
+        """The batch as ``[B, S']`` (``S`` rounded up to ``pad_to_multiple``); a GPU mask: one sync."""
         check_side(side)
         multiple = check_int("pad_to_multiple", pad_to_multiple)
         mask = torch.as_tensor(attention_mask)
@@ -142,11 +137,9 @@ class TokenMetadataLayout:
         batch_width: int | None = None,
         pad_total_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
-        """The batch packed into one ``[1, T_local]`` row ``[seq0, pad0, seq1, pad1, ...]`` (each
-        sequence padded to a multiple of ``pad_to_multiple``), this rank's load-balanced causal CP
-        share (``T_local = T / cp_size``). ``pad_total_to_multiple`` extends the last sequence's
-        padding to align ``T`` (fp8 GEMMs); ``batch_width`` defaults to the longest sequence.
-        O(T_local) host ops; device ``sequence_lengths`` are read back (a sync)."""
+        """The batch packed into one ``[1, T_local]`` row ``[seq0, pad0, seq1, pad1, ...]``, this CP
+        rank's share; ``pad_total_to_multiple`` extends the last sequence's padding to align ``T``
+        (fp8 GEMMs). O(T_local) host ops; device ``sequence_lengths``: one sync."""
         multiple = check_int("pad_to_multiple", pad_to_multiple)
         total_multiple = check_int("pad_total_to_multiple", pad_total_to_multiple)
         cp = check_int("cp_size", cp_size)
@@ -225,10 +218,9 @@ class TokenMetadataLayout:
         counts: torch.Tensor | None = None,
         next_token: bool = False,
     ) -> torch.Tensor:
-        """int64 host ``[num_positions]``: each position's source row (-1: none) in a source holding
-        trajectory ``i``'s real tokens from ``starts[i]`` (default 0; ``counts[i]`` of them, default
-        all) as rows from ``row_offsets[i]`` (host int64 ``[B]`` each); ``next_token``: token ``j``
-        takes token ``j + 1``'s row. O(num_positions)."""
+        """int64 host ``[num_positions]``: each position's row (-1: none) in a source holding ``counts[i]``
+        (default all) real tokens of trajectory ``i`` from ``starts[i]`` (default 0) as rows from
+        ``row_offsets[i]``; ``next_token``: token ``j`` takes token ``j + 1``'s row."""
         sequence = self.position_sequence
         offset = self.position_offset + int(next_token)
         if self.batch_size == 0:
@@ -246,8 +238,7 @@ class TokenMetadataLayout:
         return torch.arange(self.batch_size) * width + width - self.sequence_lengths
 
     def from_batch(self, tensor: torch.Tensor, *, pad: Pad = 0, next_token: bool = False) -> torch.Tensor:
-        """A left-padded ``[B, S, *row]`` batch tensor as ``[*token_shape, *row]``, ``pad`` on padding;
-        ``next_token``: each position gets the next token's value (labels). One index copy."""
+        """A left-padded ``[B, S, *row]`` tensor as ``[*token_shape, *row]`` (``next_token``: labels)."""
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.shape[0] != self.batch_size:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"tensor must be a [B={self.batch_size}, S, ...] batch tensor, got {shape}")
@@ -259,8 +250,7 @@ class TokenMetadataLayout:
 def take_rows(
     source: torch.Tensor, index: torch.Tensor, pad: Pad, token_shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """``[*token_shape, *row]``: ``source[index[p]]`` at each position ``p`` of the host map
-    ``index``, ``pad`` where ``index < 0`` (a tensor pad may widen the dtype). No sync."""
+    """``[*token_shape, *row]``: ``source[index]``, ``pad`` where ``index < 0`` (may widen the dtype)."""
     uncovered = (index < 0).nonzero().reshape(-1)  # host
     row_shape, count = tuple(source.shape[1:]), uncovered.numel()
     if isinstance(pad, (bool, int, float)):
@@ -294,16 +284,14 @@ def take_rows(
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` int64 rotary positions of a left-padded batch: ``[pad, pad, a, b]`` -> ``[0, 0, 0,
-    1]``, as the engine saw. No sync."""
+    """``[B, S]`` int64 rotary positions of a left-padded batch: ``[pad, pad, a, b]`` -> ``[0, 0, 0, 1]``."""
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def split_for_sequence_parallel(
     tensor: torch.Tensor, tp_size: int, tp_rank: int, *, dim: int = 1
 ) -> torch.Tensor:
-    """This tensor-parallel rank's contiguous ``1/tp_size`` of the token dimension ``dim`` (a view),
-    what a router sees under sequence parallelism."""
+    """This TP rank's ``1/tp_size`` of token dimension ``dim`` (a view), for sequence parallelism."""
     tp = check_int("tp_size", tp_size)
     check_rank("tp_rank", tp_rank, "tp_size", tp)
     if not -tensor.dim() <= dim < tensor.dim():

@@ -117,8 +117,7 @@ class RolloutBatch:
     def _replace(
         self, each: Callable[[Any], Any], host: Any = None, *, routes: Any = None, tokens_only: bool = False
     ) -> RolloutBatch:
-        """New batch with ``each`` applied to every field (``routes`` to the packed routes when given;
-        ``tokens_only``: to the ``[B, S]`` fields alone) and ``host`` lengths (None = keep), unchecked."""
+        """Unchecked new batch: ``each`` on every field (or ``routes`` on the routes; ``tokens_only``)."""
         names = TOKEN_FIELDS if tokens_only else (*TOKEN_FIELDS, *ROW_FIELDS)
         values = {name: getattr(self, name) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
         values.update({name: each(values[name]) for name in names})
@@ -141,8 +140,7 @@ class RolloutBatch:
         return out
 
     def rows_in(self, batch: RolloutBatch) -> Tensor | None:
-        """Host int64 ``[B]``: where this batch's rows sit in ``batch`` when it was cut from it (by
-        ``split`` / ``chunk`` / ``select`` / indexing / ``trim``, at any depth); else ``None``."""
+        """Host int64 ``[B]``: this batch's rows in ``batch`` when cut from it (at any depth), else None."""
         (root, mine), (other_root, theirs) = self._lineage(), batch._lineage()
         if root is not other_root:
             return None
@@ -164,8 +162,7 @@ class RolloutBatch:
     def __getitem__(
         self, index: int | slice | Sequence[int] | Sequence[bool] | Tensor | np.ndarray
     ) -> RolloutBatch:
-        """``int`` -> that one row; step-1 slice -> view; strided slice, list, index tensor or bool
-        mask -> gathered copy (a device index is read back: a sync)."""
+        """int -> one row; step-1 slice -> view; else a gathered copy (a device index: one sync)."""
         picked = batch_index(index, len(self), owner="RolloutBatch", unit="row")
         if isinstance(picked, int):
             return self[picked : picked + 1]
@@ -177,8 +174,7 @@ class RolloutBatch:
         return self._cut(self._gather(picked), picked)
 
     def select(self, rows: Sequence[int] | Sequence[bool] | Tensor | np.ndarray) -> RolloutBatch:
-        """Rows ``rows`` (positions in any order, or a bool mask) in new storage, e.g. a shuffled
-        mini-batch; device-resident ``rows`` are read back (a sync)."""
+        """Rows ``rows`` (positions in any order, or a bool mask) in new storage (device ``rows``: a sync)."""
         if isinstance(rows, (int, slice)):
             raise TypeError(
                 "RolloutBatch.select takes row positions or a bool mask; use batch[i] / batch[a:b]"
@@ -215,8 +211,7 @@ class RolloutBatch:
 
     @staticmethod
     def cat(batches: Sequence[RolloutBatch], *, pad_token_id: int = 0) -> RolloutBatch:
-        """Rows of all ``batches`` (same device, routes in all or none, one ``route_layers``),
-        left-padded to the widest, routes in the widest dtype; new storage."""
+        """Rows of all ``batches`` (one device, one ``route_layers``), left-padded to the widest."""
         batches = list(batches)
         if not batches:
             raise ValueError("RolloutBatch.cat needs at least one batch")
@@ -245,8 +240,7 @@ class RolloutBatch:
         return self._gather(torch.arange(len(self)).repeat(check_int("repeats", repeats, 0)))
 
     def repeat_interleave(self, repeats: int | Sequence[int] | Tensor) -> RolloutBatch:
-        """Each row ``repeats`` times (``[a, a, b, b]``); an int or one count per row. New storage;
-        device-resident ``repeats`` are read back (a sync)."""
+        """Each row ``repeats`` times (``[a, a, b, b]``), new storage (device ``repeats``: a sync)."""
         per_row = repeat_counts(repeats, len(self), unit="row")
         return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_row))
 
@@ -259,9 +253,8 @@ class RolloutBatch:
         num_experts: int | None = None,
         pad_token_id: int = 0,
     ) -> RolloutBatch:
-        """Append zero-loss placeholder rows until ``len`` is a multiple of ``multiple``; with
-        routes each gets a dummy route row (``num_experts`` required; ``num_layers`` / ``top_k``
-        must match the routes). ``self`` when nothing is missing, else new storage."""
+        """Append zero-loss placeholder rows (with a dummy route row each) until ``len`` is a multiple
+        of ``multiple``; ``self`` when nothing is missing, else new storage."""
         check_int("multiple", multiple)
         missing = -len(self) % multiple
         if missing == 0:
@@ -306,8 +299,7 @@ class RolloutBatch:
         return all(t.is_pinned() for t in tensors if t is not None)
 
     def release(self, after: Any = None) -> None:
-        """Hand pooled buffers back (no-op unpooled), reused after the event ``after``; the batch
-        and its views are dead afterwards."""
+        """Hand pooled buffers back, reused after the event ``after``; the batch and its views die."""
         lease, self._lease = self._lease, None
         if lease is not None:
             lease(after)

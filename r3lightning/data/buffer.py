@@ -26,9 +26,8 @@ _STATE_VERSION = 1
 
 
 def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
-    """Trajectories -> a dict of a few flat tensors (``weights_only`` safe): fields concatenated,
-    with lengths, route row counts (-1 = no routes) and route id sums (a restore refuses rows that
-    moved to a neighbour). One copy of every field plus one pass over the routes."""
+    """Trajectories -> a dict of flat tensors (``weights_only`` safe), with route id sums so that a
+    restore refuses rows moved to a neighbour. One copy of every field, one pass over the routes."""
     _, layers = route_signature(trajectories, "trajectories to pack")
     per_trajectory = [t.routed_experts for t in trajectories]  # None: no routes
     routed = [r for r in per_trajectory if r is not None]
@@ -91,9 +90,8 @@ def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str
 
 
 def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajectories") -> list[Trajectory]:
-    """Inverse of :func:`pack_trajectories`: every :class:`Trajectory` built anew (checked as fresh
-    ones are) and the packing checked; ``ValueError`` naming ``where``, the field and the
-    trajectory. One copy and one validation pass of every field."""
+    """Inverse of :func:`pack_trajectories`, every trajectory checked as a fresh one; ``ValueError``
+    naming ``where``, the field and the trajectory. One copy and one check of every field."""
     check_state(packed, _PACKED_KEYS, where)
     count = packed["count"]
     if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
@@ -223,8 +221,7 @@ class ReplayBuffer:
     def _validated(
         self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, layers: Any, where: str
     ) -> tuple[list[Trajectory], tuple[Any, Any]]:
-        """``batch`` on :attr:`layers`, checked against the bounds and one route schema and layer
-        set (``schema`` / ``layers``, else the first routes'), and those. Changes nothing."""
+        """``batch`` on :attr:`layers`, checked, with its one route schema and layer set."""
         out = []
         for i, t in enumerate(batch):
             if not isinstance(t, Trajectory):
@@ -261,8 +258,7 @@ class ReplayBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace contents and position, validated as fresh trajectories are; on a ``ValueError``
-        (naming the field) the buffer is unchanged."""
+        """Replace contents and position, checked first: a ``ValueError`` changes nothing."""
         where = "ReplayBuffer state"
         check_state(state, ("start", "route_schema", "trajectories"), where, version=_STATE_VERSION)
         start = check_int(f"{where} start", state["start"], 0)

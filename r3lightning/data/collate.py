@@ -40,8 +40,7 @@ class _Slot:
 
 
 class PinnedBufferPool:
-    """A few reusable output buffer sets (module docs); 2 ``slots`` cover the batch in training
-    plus the next; ``allocator``: ``(shape, dtype) -> Tensor``, default :func:`pinned_empty`."""
+    """A few reusable output buffer sets (module docs); 2 ``slots`` cover one batch and the next."""
 
     def __init__(
         self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
@@ -140,8 +139,7 @@ class RolloutCollator:
 
     @contextmanager
     def _fill_pool(self) -> Iterator[ThreadPoolExecutor | None]:
-        """The fill threads of one collation (None: serial); the last collation out of a closed
-        pool shuts it down."""
+        """The fill threads of one collation (None: serial); the last user shuts a closed pool down."""
         if self.num_threads <= 1:
             yield None
             return

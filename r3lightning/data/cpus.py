@@ -36,8 +36,8 @@ def _own_cgroups(proc_cgroup: Path) -> tuple[str | None, str | None]:
 
 
 def _ancestors(mount: Path, cgroup_path: str | None) -> list[Path]:
-    """Existing directories from the process's cgroup up to the mount root (in a container the
-    recorded path may be the host's, and only the root exists)."""
+    """Existing directories from the process's cgroup up to the mount root."""
+    # in a container the recorded path may be the host's: then only the mount root exists
     relative = Path((cgroup_path or "/").lstrip("/"))
     chain = [mount / relative, *[mount / parent for parent in relative.parents]]
     return [directory for directory in dict.fromkeys(chain) if directory.is_dir()]
@@ -79,8 +79,7 @@ def usable_cpu_count(
     proc_cgroup: str | os.PathLike[str] = DEFAULT_PROC_CGROUP,
     affinity: int | None = None,
 ) -> int:
-    """CPUs this process may use: ``min(affinity, ceil(cgroup quota))``, at least 1; ``affinity``
-    defaults to ``len(os.sched_getaffinity(0))``."""
+    """CPUs this process may use: ``min(len(os.sched_getaffinity(0)), ceil(cgroup quota))``, >= 1."""
     if affinity is None:
         try:
             affinity = len(os.sched_getaffinity(0))
@@ -91,8 +90,7 @@ def usable_cpu_count(
 
 
 def collate_pool_size(cap: int = 8, reserved: int = 1, *, usable: int | None = None) -> int:
-    """Threads for collation: ``min(cap, usable - reserved)`` (``reserved`` for the training loop),
-    at least 1; ``usable`` defaults to :func:`usable_cpu_count`."""
+    """Threads for collation: ``min(cap, usable_cpu_count() - reserved)``, at least 1."""
     check_int("cap", cap)
     check_int("reserved", reserved, 0)
     usable = usable_cpu_count() if usable is None else usable

@@ -219,9 +219,8 @@ class R3DataModule(pl.LightningDataModule):
         )
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move a ``RolloutBatch`` to ``device``, ``non_blocking`` from pinned memory to CUDA, and
-        hand its pooled buffers back behind an event recorded after the copies (a pooled batch
-        already on ``device`` is copied out of the pool). A training batch moved here is consumed."""
+        """Move a ``RolloutBatch`` (``non_blocking`` from pinned memory) and hand its pooled buffers
+        back behind an event recorded after the copies; a training batch moved here is consumed."""
         if not isinstance(batch, RolloutBatch):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
         device = torch.device(device)
@@ -245,8 +244,7 @@ class R3DataModule(pl.LightningDataModule):
             self._collator.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Buffer, position and the snapshot's trajectories when some left the buffer
-        (``weights_only`` safe); packs every stored trajectory once."""
+        """Buffer, position and (when some left the buffer) the snapshot; ``weights_only`` safe."""
         cursor, snapshot = self._cursor, self._snapshot
         gone = self._snapshot_restored or not self.buffer.covers(cursor.start, cursor.stop)
         packed = pack_trajectories(snapshot) if cursor.in_progress and snapshot and gone else None
@@ -259,8 +257,7 @@ class R3DataModule(pl.LightningDataModule):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the buffer (in place) and the position, to continue the saved epoch. Checks
-        everything first: a bad state changes nothing."""
+        """Restore the buffer (in place) and the position, checked first: a bad state changes nothing."""
         where = "R3DataModule state"
         check_state(state, ("buffer", "cursor", "plan", "snapshot"), where, version=_STATE_VERSION)
         cursor, plan = position.restore_position(state["cursor"], state["plan"], where)

@@ -100,9 +100,8 @@ def collate_fields(
     executor: ThreadPoolExecutor | None = None,
     tasks: int = 1,
 ) -> dict[str, Any]:
-    """One batch's ``RolloutBatch`` keyword arguments in tensors from ``buffers``, rows filled by
-    ``tasks`` tasks on ``executor`` (serially without one); ``ValueError`` for mixed route schemas.
-    One host pass to plan, then ``O(B * S + route bytes)`` copies; no device work."""
+    """``RolloutBatch`` keyword arguments in ``buffers``, rows filled by ``tasks`` tasks on ``executor``
+    (serially without one). One host pass to plan, ``O(B * S + route bytes)`` copies."""
     count = len(trajectories)
     prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
     sequence_lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)

@@ -52,8 +52,7 @@ PLAN_FIELDS = {"batch_size": (int, 1), "shuffle": (bool, None), "seed": (int, No
 
 
 def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: str = "") -> dict[str, Any]:
-    """``state`` when it is a dict with exactly the keys of ``rules``, each of its type (no bool
-    for an int, no int for a bool) and bound; else ``ValueError`` naming the field."""
+    """``state`` when it holds exactly the ``rules`` keys, typed and bounded; else a ``ValueError``."""
     if not isinstance(state, dict) or set(state) != set(rules):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{where} must be a dict with the keys {sorted(rules)}, got {got}")
@@ -67,8 +66,7 @@ def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: s
 
 
 def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan | None]:
-    """The saved ``cursor`` and ``plan`` dicts (``plan`` may be None) as objects, every field
-    checked; ``ValueError`` naming ``where`` and the field."""
+    """The saved ``cursor`` and ``plan`` dicts as objects, every field checked (``ValueError``)."""
     c = Cursor(**check_fields(cursor, CURSOR_FIELDS, f"{where} cursor"))
     if c.consumed > c.batches:
         raise ValueError(
@@ -93,8 +91,8 @@ class Snapshot(Dataset):
 
 
 class EpochShardSampler(DistributedSampler):
-    """This rank's indices for the cursor's epoch after the consumed batches; ``refresh`` gives
-    the buffer's contents for an epoch nothing was drawn from yet (``None`` = unchanged)."""
+    """This rank's indices for the cursor's epoch after its consumed batches; ``refresh`` renews an
+    epoch nothing was drawn from (``None``: unchanged)."""
 
     def __init__(
         self,
@@ -149,8 +147,7 @@ class EpochShardSampler(DistributedSampler):
 
 
 class PositionedLoader(DataLoader):
-    """DataLoader that reports its position into Lightning's loop state (being stateful tells
-    Lightning a mid-epoch checkpoint resumes exactly; the data module's state restores it)."""
+    """DataLoader whose state tells Lightning that a mid-epoch checkpoint resumes exactly."""
 
     def __init__(self, *args: Any, cursor: Cursor, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -30,8 +30,7 @@ ArrayLike = Tensor | np.ndarray | Sequence[int] | Sequence[float]
 def _as_host_tensor(name: str, data: Any) -> Tensor:
     """``data`` as a detached CPU tensor of its own, or ``TypeError`` naming the field."""
     if isinstance(data, Tensor):
-        # never a view: callers reuse their tensors for the next rollout, which must not rewrite
-        # a trajectory already in the buffer
+        # a copy: callers reuse their tensors for the next rollout, which must not rewrite this one
         return data.detach().to("cpu", copy=True)
     if isinstance(data, np.ndarray):
         return torch.from_numpy(np.array(data, copy=True))
@@ -62,10 +61,8 @@ def _per_response_token(name: str, data: Any, count: int, default: float) -> Ten
         return torch.full((count,), default, dtype=torch.float32)
     values = _as_host_tensor(name, data)
     if values.dim() != 1 or values.numel() != count:
-        got = tuple(values.shape)
-        raise ValueError(
-            f"Trajectory.{name} must have one entry per response token ({count}), got shape {got}"
-        )
+        got = f"shape {tuple(values.shape)}"
+        raise ValueError(f"Trajectory.{name} must have one entry per response token ({count}), got {got}")
     if values.is_complex():
         raise TypeError(f"Trajectory.{name} must be real, got dtype {values.dtype}")
     values = values.to(torch.float32)
@@ -98,8 +95,7 @@ def _scalar(name: str, value: Any) -> float:
 
 
 def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tensor:
-    """``data`` through the route check (shape, at most one row per token, ids in int32 range,
-    distinct experts per row), in the compact dtype of its largest id."""
+    """``data`` through the route check, in the compact dtype of its largest id."""
     routes = _as_host_tensor("routed_experts", data)
     if routes.dtype == torch.bool or routes.is_floating_point() or routes.is_complex():
         raise TypeError(f"Trajectory.routed_experts must hold integer expert ids, got dtype {routes.dtype}")
@@ -185,9 +181,8 @@ class Trajectory:
         return None if self.routed_experts is None else tuple(self.routed_experts.shape[1:])
 
     def on_layers(self, layers: tuple[int, ...] | None, where: str = "Trajectory") -> Trajectory:
-        """This trajectory with routes on decoder layers ``layers`` only (None: as it is): itself, or
-        a copy with those columns of its routes on every layer; ``ValueError`` naming ``where`` for
-        routes on another layer set."""
+        """Itself, or a copy with routes cut to decoder layers ``layers`` (None: as it is);
+        ``ValueError`` naming ``where`` for routes on another layer set."""
         routes, have = self.routed_experts, self.route_layers
         if layers is None or routes is None or have == layers:
             return self
@@ -208,9 +203,8 @@ class Trajectory:
         num_experts: int | None = None,
         route_schema: tuple[int, int] | None = None,
     ) -> None:
-        """Check token ids ``< vocab_size``, expert ids ``< num_experts`` and the routes'
-        ``(num_layers, top_k) == route_schema`` where given; ``ValueError`` naming the field. One
-        pass over the ids and routes."""
+        """Check ids ``< vocab_size``, expert ids ``< num_experts`` and ``route_schema`` where given;
+        ``ValueError`` naming the field. One pass over the ids and routes."""
         if vocab_size is not None:
             for name in ("prompt_ids", "response_ids"):
                 ids = getattr(self, name)
@@ -257,8 +251,7 @@ class Trajectory:
 def route_signature(
     trajectories: Iterable[Trajectory], where: str
 ) -> tuple[tuple[int, int] | None, tuple[int, ...] | None]:
-    """The one ``(route_schema, route_layers)`` of the trajectories with routes, ``(None, None)``
-    without any; ``ValueError`` naming ``where`` when they differ."""
+    """The one ``(route_schema, route_layers)`` of routed trajectories (``ValueError`` naming ``where``)."""
     routed = [t for t in trajectories if t.routed_experts is not None]
     schemas, layer_sets = {t.route_schema for t in routed}, {t.route_layers for t in routed}
     if len(schemas) > 1 or len(layer_sets) > 1:
@@ -277,9 +270,8 @@ def padding_trajectories(
     num_experts: int | None = None,
     route_layers: tuple[int, ...] | None = None,
 ) -> list[Trajectory]:
-    """``count`` zero-loss placeholders (one ``pad_token_id`` prompt token, empty response). With
-    ``route_schema`` each gets one :func:`~r3lightning.align.dummy.dummy_routes` row on
-    ``route_layers`` (no rows, routed natively, without ``num_experts``)."""
+    """``count`` zero-loss placeholders (one ``pad_token_id`` prompt token, empty response), with one
+    ``dummy_routes`` row each given a ``route_schema`` and ``num_experts`` (zero rows without)."""
     routes: list[Tensor | None] = [None] * check_int("count", count, 0)
     if route_schema is not None and num_experts is None:
         routes = [torch.empty((0, *route_schema), dtype=torch.uint8)] * count
