@@ -115,15 +115,16 @@ class RolloutBatch:
         return int(self.lengths_host()[0].sum())
 
     def _replace(
-        self, each: Callable[[Any], Any], host: Any = None, *, routes: Any = None, tokens_only: bool = False
+        self, each: Callable[[Any], Any], rows: Any = None, *, routes: Any = None, tokens_only: bool = False
     ) -> RolloutBatch:
-        """Unchecked new batch: ``each`` on every field (or ``routes`` on the routes; ``tokens_only``)."""
+        """Unchecked new batch: ``each`` on every field (or ``routes`` on the routes; ``tokens_only``),
+        host lengths of the ``rows`` (a slice or host index; None: all)."""
         names = TOKEN_FIELDS if tokens_only else (*TOKEN_FIELDS, *ROW_FIELDS)
         values = {name: getattr(self, name) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
         values.update({name: each(values[name]) for name in names})
         r = self.routed_experts
         values["routed_experts"] = r if r is None or tokens_only else (routes or each)(r)
-        hosts = self._host_lengths if host is None else host
+        hosts = self._host_lengths if rows is None else tuple(h[rows] for h in self.lengths_host())
         out = object.__new__(RolloutBatch)
         values.update(route_layers=self.route_layers, _host_lengths=hosts, _root=self._root, _rows=self._rows)
         out.__dict__.update(values, _lease=None)
@@ -152,10 +153,7 @@ class RolloutBatch:
     def _gather(self, index: Tensor) -> RolloutBatch:
         """Rows ``index`` (host int64 ``[n]`` in ``[0, B)``) into new storage."""
         device_index = to_device_async(index, self.device)
-        seq, prompt = self.lengths_host()
-        out = self._replace(
-            lambda t: t.index_select(0, device_index), (seq[index], prompt[index]), routes=lambda r: r[index]
-        )
+        out = self._replace(lambda t: t.index_select(0, device_index), index, routes=lambda r: r[index])
         out._root = out._rows = None  # new rows (repeats); indexing records its cut itself
         return out
 
@@ -167,10 +165,8 @@ class RolloutBatch:
         if isinstance(picked, int):
             return self[picked : picked + 1]
         if isinstance(picked, slice):
-            start, stop = picked.start, picked.stop
-            seq, prompt = self.lengths_host()
-            view = self._replace(lambda t: t[start:stop], (seq[start:stop], prompt[start:stop]))
-            return self._cut(view, torch.arange(start, stop))
+            view = self._replace(lambda t: t[picked], picked)
+            return self._cut(view, torch.arange(picked.start, picked.stop))
         return self._cut(self._gather(picked), picked)
 
     def select(self, rows: Sequence[int] | Sequence[bool] | Tensor | np.ndarray) -> RolloutBatch:

@@ -31,14 +31,11 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     _, layers = route_signature(trajectories, "trajectories to pack")
     per_trajectory = [t.routed_experts for t in trajectories]  # None: no routes
     routed = [r for r in per_trajectory if r is not None]
-    routes = None
-    if routed:
-        dtype = widest_route_dtype(r.dtype for r in routed)
-        routes = torch.cat([r.to(dtype) for r in routed])  # [sum rows, L, K]
+    dtype = widest_route_dtype(r.dtype for r in routed) if routed else None
+    routes = torch.cat([r.to(dtype) for r in routed]) if routed else None  # [sum rows, L, K]
 
     def cat(name: str, dtype: torch.dtype) -> Tensor:
-        parts = [getattr(t, name) for t in trajectories]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+        return torch.cat([torch.empty(0, dtype=dtype), *(getattr(t, name) for t in trajectories)])
 
     return {
         "count": len(trajectories),

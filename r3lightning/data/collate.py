@@ -11,6 +11,7 @@ collated. The allocator is injectable, so the pool also runs (unpinned) without 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,26 +61,20 @@ class PinnedBufferPool:
         """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""
         with self._lock:
             self._step += 1
-            free = [
-                slot
-                for slot in self._slots
-                if slot.leased_at is None
-                or (self.recycle_after is not None and self._step - slot.leased_at > self.recycle_after)
-            ]
+            limit = math.inf if self.recycle_after is None else self.recycle_after
+            free = [s for s in self._slots if s.leased_at is None or self._step - s.leased_at > limit]
             if not free:
                 self.misses += 1
                 return Buffers(self.allocator), None
             # least recently released: its fence is the oldest copy, most likely finished already
             slot = min(free, key=lambda s: s.released_at)
             fence, slot.fence = slot.fence, None
-            slot.generation += 1
-            slot.leased_at = self._step
+            slot.generation, slot.leased_at = slot.generation + 1, self._step
+            lease = functools.partial(self._give_back, slot, slot.generation)
             self.hits += 1
         if fence is not None:
             fence.synchronize()  # an async copy out of this slot may still be reading it
-        return Buffers(self.allocator, slot.storage), functools.partial(
-            self._give_back, slot, slot.generation
-        )
+        return Buffers(self.allocator, slot.storage), lease
 
     def _give_back(self, slot: _Slot, generation: int, fence: Any = None) -> None:
         with self._lock:

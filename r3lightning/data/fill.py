@@ -10,6 +10,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,27 +39,23 @@ def plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+@dataclass(eq=False)
 class Buffers:
     """Named output buffers: fresh per batch, or views of one pool slot's reusable storage."""
 
-    def __init__(self, allocator: Allocator, storage: dict[str, Tensor] | None = None) -> None:
-        self._allocator = allocator
-        self._storage = storage  # name -> flat [capacity] tensor, grown on demand; None = unpooled
+    allocator: Allocator
+    storage: dict[str, Tensor] | None = None  # name -> flat [capacity], grown on demand; None: unpooled
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         numel = math.prod(shape)
-        if self._storage is None:
-            return self._allocator(shape, dtype)
-        flat = self._storage.get(name)
+        if self.storage is None:
+            return self.allocator(shape, dtype)
+        flat = self.storage.get(name)
         if flat is None or flat.dtype != dtype or flat.numel() < numel:
             # 25% headroom so slowly growing batches do not re-pin every step
-            flat = self._allocator((max(numel + numel // 4, 1),), dtype)
-            self._storage[name] = flat
+            flat = self.allocator((max(numel + numel // 4, 1),), dtype)
+            self.storage[name] = flat
         return flat[:numel].view(shape)
-
-    def fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """A buffer outside the pool, for data that outlives the batch's lease."""
-        return self._allocator(shape, dtype)
 
 
 def _fill_rows(
@@ -120,7 +117,7 @@ def collate_fields(
         rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
         # not pooled: B + 1 ints are cheap to allocate, and routes derived without a device move
         # (dtype casts, pinning) keep these host offsets, which must outlive the batch's lease
-        cu_host = buffers.fresh((count + 1,), torch.int32).copy_(offsets_from_lengths(rows, "route rows"))
+        cu_host = buffers.allocator((count + 1,), torch.int32).copy_(offsets_from_lengths(rows, "route rows"))
         offsets = cu_host.tolist()
         out["routes"] = buffers.take("routes", (offsets[-1], *schema), dtype)
 

@@ -91,8 +91,8 @@ class Snapshot(Dataset):
 
 
 class EpochShardSampler(DistributedSampler):
-    """This rank's indices for the cursor's epoch after its consumed batches; ``refresh`` renews an
-    epoch nothing was drawn from (``None``: unchanged)."""
+    """This rank's indices for the cursor's epoch (not Lightning's ``set_epoch``) after its consumed
+    batches; ``refresh`` renews an epoch nothing was drawn from (``None``: unchanged)."""
 
     def __init__(
         self,
@@ -141,9 +141,6 @@ class EpochShardSampler(DistributedSampler):
     def __len__(self) -> int:
         # the full epoch, also when resuming: Lightning counts batches from the epoch start
         return min(self.per_rank, self.num_batches * self.plan.batch_size)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Ignored: the data module's own epoch counter drives the order."""
 
 
 class PositionedLoader(DataLoader):

@@ -76,8 +76,10 @@ def _per_response_token(name: str, data: Any, count: int, default: float) -> Ten
     return values
 
 
-def _same(a: Tensor | None, b: Tensor | None) -> bool:
-    return a is b if a is None or b is None else a.dtype == b.dtype and torch.equal(a, b)
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return not isinstance(a, Tensor) and not isinstance(b, Tensor) and a == b
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -227,11 +229,10 @@ class Trajectory:
 
     def equal(self, other: object) -> bool:
         """Same values and dtypes in every field."""
-        if not isinstance(other, Trajectory):
-            return False
-        same = [getattr(self, n) == getattr(other, n) for n in ("reward", "advantage", "route_layers")]
-        fields = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "routed_experts")
-        return all(same) and all(_same(getattr(self, n), getattr(other, n)) for n in fields)
+        fields = self.__slots__
+        return isinstance(other, Trajectory) and all(
+            _same(getattr(self, n), getattr(other, n)) for n in fields
+        )
 
     def __eq__(self, other: object) -> bool:
         return self.equal(other) if isinstance(other, Trajectory) else NotImplemented
