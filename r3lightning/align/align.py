@@ -22,9 +22,7 @@ def _segment_starts(
         raise ValueError(
             f"packed metadata has {counts.numel()} segments but the layout has {batch} trajectories"
         )
-    if segment_starts is None:
-        segment_starts = torch.zeros(batch, dtype=torch.int64)
-    starts = host_lengths(segment_starts, "segment_starts")
+    starts = host_lengths([0] * batch if segment_starts is None else segment_starts, "segment_starts")
     if starts.numel() != batch:
         raise ValueError(f"segment_starts must have one entry per trajectory ({batch}), got {starts.numel()}")
     overrun = (starts + counts > layout.sequence_lengths).nonzero()
@@ -67,12 +65,9 @@ def build_replay_mask(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """bool ``[*layout.token_shape]``: True where a packed row (or a segment row of these lengths) lands."""
-    if isinstance(packed_or_lengths, PackedTensor):
-        counts = packed_or_lengths.lengths
-        if device is None:
-            device = packed_or_lengths.device
-    else:
-        counts = host_lengths(packed_or_lengths, "lengths")
+    packed = isinstance(packed_or_lengths, PackedTensor)
+    counts = packed_or_lengths.lengths if packed else host_lengths(packed_or_lengths, "lengths")
+    device = packed_or_lengths.device if packed and device is None else device
     starts = _segment_starts(segment_starts, counts, layout)
     offsets = torch.cumsum(counts, 0) - counts
     index = layout.source_index(offsets, starts=starts, counts=counts)

@@ -25,10 +25,6 @@ __all__ = ["Pad", "TokenMetadataLayout", "position_ids_from_mask", "split_for_se
 Pad = int | float | bool | torch.Tensor | Callable[[int], torch.Tensor]
 
 
-def _round_up(value: torch.Tensor | int, multiple: int) -> torch.Tensor | int:
-    return (value + multiple - 1) // multiple * multiple
-
-
 def check_int(name: str, value: object, minimum: int = 1) -> int:
     """``value`` when it is an ``int`` (not a bool) ``>= minimum``; else ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -39,11 +35,9 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
 def _width(name: str, width: int | None, lengths: torch.Tensor) -> int:
     """``width`` (default: the longest of ``lengths``), refused below the longest."""
     longest = int(lengths.max()) if lengths.numel() else 0
-    if width is None:
-        return longest
-    if isinstance(width, bool) or not isinstance(width, int) or width < longest:
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < longest):
         raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {width!r}")
-    return width
+    return longest if width is None else width
 
 
 def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
@@ -89,10 +83,9 @@ class TokenMetadataLayout:
         """The batch as ``[B, S']`` (``S`` rounded up to ``pad_to_multiple``); a GPU mask: one sync."""
         check_side(side)
         multiple = check_int("pad_to_multiple", pad_to_multiple)
-        mask = torch.as_tensor(attention_mask)
+        mask = torch.as_tensor(attention_mask).detach().cpu()
         if mask.dim() != 2:
             raise ValueError(f"attention_mask must be 2-D [batch, seq], got shape {tuple(mask.shape)}")
-        mask = mask.detach().cpu()
         if mask.dtype != torch.bool:
             if mask.dtype.is_complex or bool(((mask != 0) & (mask != 1)).any()):
                 raise ValueError("attention_mask must be bool or hold only 0/1")
@@ -108,7 +101,7 @@ class TokenMetadataLayout:
                 f"at the right end), got {mask[row].int().tolist()}; the mask is the canonical batch's, "
                 f"side={side!r} only chooses how the model sees it"
             )
-        model_width = int(_round_up(width, multiple))
+        model_width = -(-width // multiple) * multiple
         offset = torch.arange(model_width).expand(batch, model_width)  # [B, S']
         if side == "left":
             offset = offset - (model_width - lengths)[:, None]
@@ -156,7 +149,7 @@ class TokenMetadataLayout:
             )
         lengths = host_lengths(sequence_lengths, "sequence_lengths")
         batch_width = _width("batch_width", batch_width, lengths)
-        padded = _round_up(lengths, multiple)  # [B]
+        padded = -(-lengths // multiple) * multiple  # [B]
         if total_multiple > 1 and padded.numel():
             padded[-1] += (-int(padded.sum())) % total_multiple
         cu_padded = offsets_from_lengths(padded, "padded sequence_lengths")  # [B + 1] int32, T < 2**31
