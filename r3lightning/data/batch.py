@@ -251,8 +251,7 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """Append zero-loss placeholder rows (with a dummy route row each) until ``len`` is a multiple
         of ``multiple``; ``self`` when nothing is missing, else new storage."""
-        check_int("multiple", multiple)
-        missing = -len(self) % multiple
+        missing = -len(self) % check_int("multiple", multiple)
         if missing == 0:
             return self
         schema = None
@@ -339,8 +338,6 @@ def _rebuild(
     route_layers: tuple[int, ...] | None = None,
 ) -> RolloutBatch:
     values = {name: tensor_from_bytes(*spec) for name, spec in tensors.items()}
-    values["route_layers"] = route_layers
-    batch = RolloutBatch(
-        **values, routed_experts=None if routes is None else routes.to("cpu"), _host_lengths=host
-    )
+    routes = None if routes is None else routes.to("cpu")
+    batch = RolloutBatch(**values, routed_experts=routes, route_layers=route_layers, _host_lengths=host)
     return batch.to(device)

@@ -67,10 +67,8 @@ class DataOptions:
         rules = {"pad_token_id": (int, 0), "width_multiple": (int, 1), "shard": (bool, None)}
         position.check_fields({name: getattr(self, name) for name in rules}, rules)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
-        if self.eval_buffer is not None and not isinstance(self.eval_buffer, ReplayBuffer):
-            raise TypeError(
-                f"eval_buffer must be a ReplayBuffer or None, got {type(self.eval_buffer).__name__}"
-            )
+        if not isinstance(buffer := self.eval_buffer, ReplayBuffer | None):
+            raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(buffer).__name__}")
 
 
 class R3DataModule(pl.LightningDataModule):
@@ -172,9 +170,8 @@ class R3DataModule(pl.LightningDataModule):
         if cursor.in_progress and available:
             snapshot = self._snapshot or self.buffer.window(cursor.start, cursor.stop)
             if self._plan is not None and self._plan != plan:
-                changed = {
-                    k: (v, getattr(plan, k)) for k, v in asdict(self._plan).items() if getattr(plan, k) != v
-                }
+                now = asdict(plan)
+                changed = {k: (v, now[k]) for k, v in asdict(self._plan).items() if v != now[k]}
                 raise ValueError(
                     f"cannot continue epoch {cursor.epoch} mid-way with changed settings "
                     f"(saved, now): {changed}; restore the original settings"

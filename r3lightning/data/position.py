@@ -3,7 +3,7 @@ plain dicts), and the sampler and loader that walk and report them."""
 
 from __future__ import annotations
 
-import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,21 +107,17 @@ class EpochShardSampler(DistributedSampler):
         self._size()
 
     def _size(self) -> None:
-        count, world, plan = len(self.dataset), self.plan.num_replicas, self.plan  # type: ignore[arg-type]
-        self.per_rank = count // world if plan.drop_last else math.ceil(count / world)
-        b = plan.batch_size
-        self.num_batches = self.per_rank // b if plan.drop_last else math.ceil(self.per_rank / b)
-        self.cursor.batches = self.num_batches
+        divide = operator.floordiv if self.plan.drop_last else lambda a, b: -(-a // b)  # else round up
+        self.per_rank = divide(len(self.dataset), self.plan.num_replicas)  # type: ignore[arg-type]
+        self.num_batches = self.cursor.batches = divide(self.per_rank, self.plan.batch_size)
 
     def shard(self, epoch: int) -> list[int]:
         """This rank's full index list for ``epoch`` (-1 = placeholder)."""
         count, world = len(self.dataset), self.plan.num_replicas  # type: ignore[arg-type]
         generator = torch.Generator().manual_seed(self.plan.seed + epoch)
-        order = (
-            torch.randperm(count, generator=generator).tolist() if self.plan.shuffle else list(range(count))
-        )
+        order = torch.randperm(count, generator=generator) if self.plan.shuffle else torch.arange(count)
         total = self.per_rank * world
-        mine = (order[:total] + [-1] * (total - count))[self.rank :: world]
+        mine = (order.tolist()[:total] + [-1] * (total - count))[self.rank :: world]
         return mine[: self.num_batches * self.plan.batch_size]
 
     def __iter__(self):  # type: ignore[override]
