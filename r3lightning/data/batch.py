@@ -266,10 +266,8 @@ class RolloutBatch:
                 raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
         placeholders = padding_trajectories(missing, pad_token_id=pad_token_id, route_schema=schema,
                                             num_experts=num_experts, route_layers=self.route_layers)  # fmt: skip
-        padding = RolloutBatch(
-            **collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
-        )
-        return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
+        fields = collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
+        return RolloutBatch.cat([self, RolloutBatch(**fields).to(self.device)], pad_token_id=pad_token_id)
 
     def to(self, device: torch.device | str | int, non_blocking: bool = False) -> RolloutBatch:
         """Every field on ``device`` (``self`` when already there); ``non_blocking`` from pinned memory."""

@@ -99,9 +99,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     route_rows = _lengths(packed, "route_rows", count, -1, where)
     per_field = {"prompt_ids": prompt_lengths, "response_ids": response_lengths}
     per_field |= {"loss_mask": response_lengths, "rollout_logprobs": response_lengths}
-    fields: dict[str, Any] = {
-        name: _vector(packed, name, sum(n), where).split(n) for name, n in per_field.items()
-    }
+    fields: dict[str, Any] = {k: _vector(packed, k, sum(n), where).split(n) for k, n in per_field.items()}
     fields["reward"] = _vector(packed, "rewards", count, where).tolist()
     fields["advantage"] = _vector(packed, "advantages", count, where).tolist()
     sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
@@ -136,7 +134,8 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
 
 
 class ReplayBuffer:
-    """FIFO buffer of :class:`Trajectory` with validation, eviction and checkpoint state.
+    """FIFO buffer of :class:`Trajectory` with validation, eviction and checkpoint state; the first
+    routes fix the schema ``(num_layers, top_k)`` and ``route_layers`` until :meth:`clear`.
 
     Args:
         capacity: most trajectories kept (the oldest are evicted); ``None`` = unbounded.
@@ -144,9 +143,6 @@ class ReplayBuffer:
             also sizes the data module's placeholder routes).
         layers: keep routes only on these absolute decoder layers: routes on every layer are cut
             on insert, others refused. ``None``: routes as they come.
-
-    The first routes fix the schema ``(num_layers, top_k)`` and ``route_layers`` until
-    :meth:`clear`. Iteration yields the trajectories oldest first.
     """
 
     def __init__(

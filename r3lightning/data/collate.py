@@ -1,11 +1,9 @@
 """Threaded collation of trajectories into a :class:`RolloutBatch`, optionally into pinned buffers.
 
-Pinning fresh memory every step is slow, so with ``pin_memory=True`` outputs are carved out of a
-few reusable buffer sets ("slots"). A batch leases the free slot released longest ago, or fresh
-buffers when none is free (``misses``). The slot is free again when ``batch.release(after=event)``
-returns it (``R3DataModule.transfer_batch_to_device`` does, right after issuing the GPU copy;
-the next write waits on the event), or with ``recycle_after=N`` once ``N`` further batches were
-collated. The allocator is injectable, so the pool also runs (unpinned) without a GPU.
+With ``pin_memory=True`` outputs are carved out of a few reusable buffer sets ("slots"): a batch
+leases the free slot released longest ago (fresh buffers when none is free: ``misses``), given
+back by ``batch.release(after=event)`` (the next write waits on the event) or after
+``recycle_after`` further batches. The allocator is injectable, so the pool runs without a GPU.
 """
 
 from __future__ import annotations
@@ -97,7 +95,8 @@ def collate_trajectories(
 
 
 class RolloutCollator:
-    """``collate_fn``: a list of trajectories -> one left-padded :class:`RolloutBatch`.
+    """``collate_fn``: a list of trajectories -> one left-padded :class:`RolloutBatch`; one host pass
+    to plan, then ``O(B * S + route bytes)`` copies over the threads, no device work.
 
     Args:
         num_threads: fill threads (1: serial); ``None``: :func:`~r3lightning.data.cpus.collate_pool_size`.
@@ -105,9 +104,6 @@ class RolloutCollator:
         num_experts: sizes the dummy route row of a placeholder (a ``None`` entry).
         pin_memory: collate into a :class:`PinnedBufferPool` (``True``: a default one).
         layers: keep routes only on these decoder layers (``Trajectory.on_layers``).
-
-    Cost: one host pass to plan, then ``O(B * S + route bytes)`` copies over the threads; no
-    device work.
     """
 
     def __init__(

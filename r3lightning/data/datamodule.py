@@ -1,20 +1,15 @@
 """``R3DataModule``: replay buffer -> sharded, threaded, pinned ``RolloutBatch`` es for Lightning.
 
-Epochs: an epoch is one pass over a *snapshot* of the buffer, taken at each
-:meth:`R3DataModule.train_dataloader` call (every ``trainer.fit``, or every epoch with
-``reload_dataloaders_every_n_epochs=1``); an epoch nothing was drawn from yet takes the buffer's
-contents when its loader starts iterating. The module's own epoch counter (shuffle seed ``seed +
-epoch``) advances when a new snapshot follows an epoch that was drawn from, or a loader is
-iterated again. An epoch cut short (``max_steps``, a crash) is *continued* while its trajectories
-are still in the buffer (or in the restored state).
+An epoch is one pass over a *snapshot* of the buffer, taken at each ``train_dataloader`` call
+(every ``trainer.fit``, or every epoch with ``reload_dataloaders_every_n_epochs=1``) or, for an
+epoch nothing was drawn from yet, when its loader starts iterating. The module's own epoch counter
+(shuffle seed ``seed + epoch``) advances when a new snapshot follows an epoch that was drawn from,
+or a loader is iterated again. Rank ``r`` takes every ``world``-th index of the epoch's order.
 
-Sharding: rank ``r`` takes every ``world``-th index of the epoch's order and collates only its own
-batches; with ``drop_last=False`` shards are evened out with zero-loss placeholders.
-
-Resuming: a batch is consumed when ``transfer_batch_to_device`` moves it for a training step
-(not for evaluation, the sanity check or a prefetch). ``state_dict`` stores the buffer, the epoch,
-the consumed count and the snapshot's range (plus its trajectories if some were evicted), so a
-run restored mid-epoch yields exactly the batches an uninterrupted run would have.
+A batch is consumed when ``transfer_batch_to_device`` moves it for a training step (not for
+evaluation, the sanity check or a prefetch). An epoch cut short is continued while its
+trajectories are still in the buffer or in the restored ``state_dict``, so a run restored
+mid-epoch yields exactly the batches an uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -72,20 +67,18 @@ class DataOptions:
 
 
 class R3DataModule(pl.LightningDataModule):
-    """LightningDataModule over a :class:`ReplayBuffer` yielding :class:`RolloutBatch` es.
+    """LightningDataModule over a :class:`ReplayBuffer` yielding :class:`RolloutBatch` es; the
+    settings other than the buffers are saved as ``hparams``.
 
     Args:
         buffer: the replay buffer, read at every ``train_dataloader`` call.
         batch_size: trajectories per batch on each data-parallel rank.
         shuffle, seed: permute each epoch with seed ``seed + epoch``; else buffer order.
-        collate_threads: fill threads per collation; ``None``:
-            :func:`~r3lightning.data.cpus.collate_pool_size`.
+        collate_threads: fill threads per collation; ``None``: ``cpus.collate_pool_size()``.
         pin_memory: collate into a pinned buffer pool; ``None``: when training on a CUDA device.
-        drop_last: drop each rank's incomplete last batch (and the tail that does not divide
-            among ranks) instead of evening shards out with placeholders.
+        drop_last: drop each rank's incomplete last batch instead of evening shards out with
+            zero-loss placeholders.
         options: :class:`DataOptions`.
-
-    The settings other than the buffers are saved as ``hparams``.
     """
 
     def __init__(
@@ -187,12 +180,9 @@ class R3DataModule(pl.LightningDataModule):
             position.Snapshot(snapshot), cursor, plan, rank, refresh=self._fresh_snapshot
         )
         # num_workers=0: collation is already threaded, and pinned pools live in this process
+        collate = self._get_collator()
         return position.PositionedLoader(
-            sampler.dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            collate_fn=self._get_collator(),
-            cursor=cursor,
+            sampler.dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=collate, cursor=cursor
         )
 
     def _fresh_snapshot(self) -> tuple[Trajectory, ...] | None:

@@ -111,9 +111,8 @@ def collate_fields(
     offsets: list[int] = []
     cu_host: Tensor | None = None
     if schema is not None:
-        dtype = widest_route_dtype(
-            t.routed_experts.dtype for t in trajectories if t.routed_experts is not None
-        )
+        routed = [t.routed_experts for t in trajectories if t.routed_experts is not None]
+        dtype = widest_route_dtype(r.dtype for r in routed)
         rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
         # not pooled: B + 1 ints are cheap to allocate, and routes derived without a device move
         # (dtype casts, pinning) keep these host offsets, which must outlive the batch's lease

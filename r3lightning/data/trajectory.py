@@ -229,10 +229,9 @@ class Trajectory:
 
     def equal(self, other: object) -> bool:
         """Same values and dtypes in every field."""
-        fields = self.__slots__
-        return isinstance(other, Trajectory) and all(
-            _same(getattr(self, n), getattr(other, n)) for n in fields
-        )
+        if not isinstance(other, Trajectory):
+            return False
+        return all(_same(getattr(self, n), getattr(other, n)) for n in self.__slots__)
 
     def __eq__(self, other: object) -> bool:
         return self.equal(other) if isinstance(other, Trajectory) else NotImplemented
