@@ -235,8 +235,7 @@ class TokenMetadataLayout:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.shape[0] != self.batch_size:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"tensor must be a [B={self.batch_size}, S, ...] batch tensor, got {shape}")
-        width = tensor.shape[1]
-        index = self.source_index(self.batch_row_offsets(width), next_token=next_token)
+        index = self.source_index(self.batch_row_offsets(tensor.shape[1]), next_token=next_token)
         return take_rows(tensor.reshape(-1, *tensor.shape[2:]), index, pad, self.token_shape)
 
 

@@ -9,8 +9,7 @@ Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right e
     advantages, rewards [B] float32;  prompt_lengths, sequence_lengths [B] int64 (real tokens)
     routed_experts    PackedTensor [sum(captured), num_layers, top_k] | None; segment i = row i's
                       captured route rows from its first real token (uncaptured rows route natively)
-    route_layers      tuple[int, ...] | None: the absolute decoder layer of each route column
-                      (None: column j is layer j, every layer present)
+    route_layers      tuple[int, ...] | None: the decoder layer of each route column (None: j is j)
 
 The batch moves, pins, slices, joins and pickles like one tensor. A CPU copy of the two length
 vectors rides along (``lengths_host``), so layouts are planned without a device->host sync.
@@ -197,11 +196,9 @@ class RolloutBatch:
 
     def trim(self) -> RolloutBatch:
         """View without the leading columns that are padding in every row (host lengths, no sync)."""
-        seq, _ = self.lengths_host()
-        keep = int(seq.max()) if len(self) else 0
-        if keep == self.width:
+        start = self.width - (int(self.lengths_host()[0].max()) if len(self) else 0)
+        if start == 0:
             return self
-        start = self.width - keep
         trimmed = self._replace(lambda t: t[:, start:], tokens_only=True)
         return self._cut(trimmed, torch.arange(len(self)))
 

@@ -1,9 +1,6 @@
-"""``ReplayBuffer``: validated FIFO store of trajectories with resumable state.
-
-Each trajectory gets a sequence number when added (never reused), so the buffer holds one range
-``[start, stop)``, by which the data module names an epoch's snapshot in a checkpoint. A rejected
-trajectory (or ``extend`` batch) leaves the buffer unchanged.
-"""
+"""``ReplayBuffer``: validated FIFO store of trajectories with resumable state. Each trajectory gets
+a sequence number when added (never reused), so the buffer holds one range ``[start, stop)``; a
+rejected trajectory (or ``extend`` batch) leaves it unchanged."""
 
 from __future__ import annotations
 

@@ -143,11 +143,9 @@ class RolloutCollator:
             yield executor
         finally:
             with self._executor_lock:
-                self._executor_users[executor] -= 1
-                idle = self._executor_users[executor] == 0
-                if idle:
-                    del self._executor_users[executor]
-            if idle and executor is not self._executor:  # closed while this one ran
+                if left := self._executor_users.pop(executor) - 1:
+                    self._executor_users[executor] = left
+            if not left and executor is not self._executor:  # closed while this one ran
                 executor.shutdown(wait=False)  # its tasks are done: the collation waited for them
 
     def __call__(self, trajectories: Sequence[Trajectory | None]) -> RolloutBatch:

@@ -43,13 +43,11 @@ class DataOptions:
     """The less common settings of an :class:`R3DataModule` (the data config's ``options``).
 
     Args:
-        pad_token_id: id at padding positions and in placeholders.
-        width_multiple: round each batch's padded width up to a multiple of this.
+        pad_token_id, width_multiple: the padding id, and a multiple the padded width rounds up to.
         shard: split the buffers among data-parallel ranks; ``False`` for per-rank buffers.
         layers: the absolute decoder layers this rank's model holds (``backend.moe_layers``);
             batches keep only their route columns. ``None``: routes as they come.
-        eval_buffer: data of the val / test / predict loaders (whole, in order, sharded);
-            ``None``: no such loaders.
+        eval_buffer: data of the val / test / predict loaders (whole, in order, sharded).
     """
 
     pad_token_id: int = 0

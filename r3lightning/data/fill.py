@@ -1,8 +1,5 @@
 """The collation core below ``RolloutBatch`` and the collator: a batch's fields from trajectories.
-
-Each fill task owns a contiguous row range and writes all of it (padding included), so the output
-equals a serial fill; the copies are torch ops, which release the GIL.
-"""
+Each fill task writes all of its own rows (padding included) with torch ops, which release the GIL."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""``Trajectory``: one rollout (prompt + response tokens, per-token RL fields, captured routes).
-
-Normalised once, at construction, to CPU tensors the trajectory owns: ids int64, masks and
-logprobs float32, routes in the compact dtype of their largest id, after
-:func:`~r3lightning.wire.route_check.check_routes` (about 10 ms for 32k x 48 x 8 ids). Checks
-against a model run in :meth:`Trajectory.validate` (the buffer's insert).
+"""``Trajectory``: one rollout (prompt + response tokens, per-token RL fields, captured routes),
+normalised once to CPU tensors it owns: ids int64, masks and logprobs float32, routes in the
+compact dtype of their largest id after the route check (about 10 ms for 32k x 48 x 8 ids).
 """
 
 from __future__ import annotations
