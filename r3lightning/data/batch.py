@@ -70,14 +70,12 @@ class RolloutBatch:
                     raise ValueError(f"RolloutBatch.{name} must have shape {want}{like}, got {got}")
         if self.attention_mask.dtype != torch.bool:
             raise ValueError(f"RolloutBatch.attention_mask must be bool, got {self.attention_mask.dtype}")
-        routes = self.routed_experts
-        if routes is not None and not isinstance(routes, PackedTensor):
-            raise TypeError(
-                f"RolloutBatch.routed_experts must be a PackedTensor, got {type(routes).__name__}"
-            )
-        if routes is not None and len(routes) != shape[0]:
+        r = self.routed_experts
+        if r is not None and not isinstance(r, PackedTensor):
+            raise TypeError(f"RolloutBatch.routed_experts must be a PackedTensor, got {type(r).__name__}")
+        if r is not None and len(r) != shape[0]:
             raise ValueError(
-                f"RolloutBatch.routed_experts must have one segment per row ({shape[0]}), got {len(routes)}"
+                f"RolloutBatch.routed_experts must have one segment per row ({shape[0]}), got {len(r)}"
             )
 
     def __len__(self) -> int:

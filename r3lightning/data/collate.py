@@ -44,16 +44,13 @@ class PinnedBufferPool:
     def __init__(
         self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
     ) -> None:
-        check_int("slots", slots)
         if recycle_after is not None:
             check_int("recycle_after", recycle_after)
-        self.allocator = allocator or pinned_empty
-        self.recycle_after = recycle_after
-        self._slots = [_Slot() for _ in range(slots)]
+        self.allocator, self.recycle_after = allocator or pinned_empty, recycle_after
+        self._slots = [_Slot() for _ in range(check_int("slots", slots))]
         self._lock = threading.Lock()
         self._step = self._releases = 0
-        self.hits = 0  # batches served from a slot
-        self.misses = 0  # batches that found no free slot (fresh allocation)
+        self.hits = self.misses = 0  # batches served from a slot / that found none (fresh buffers)
 
     def acquire(self) -> tuple[Buffers, Callable[..., None] | None]:
         """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""

@@ -1,7 +1,5 @@
-"""How many CPUs this process may really use (affinity mask, cgroup v1 / v2 quota on the path to the
-root), for sizing the collation thread pool. A missing, unreadable or malformed file means "no
-quota", never an error. Reads a handful of small files: call once, not per batch.
-"""
+"""How many CPUs this process may really use (affinity mask, cgroup v1 / v2 quotas up to the root),
+for sizing the collation threads; an unreadable or malformed file means "no quota". Call once."""
 
 from __future__ import annotations
 

@@ -74,8 +74,7 @@ class R3DataModule(pl.LightningDataModule):
         shuffle, seed: permute each epoch with seed ``seed + epoch``; else buffer order.
         collate_threads: fill threads per collation; ``None``: ``cpus.collate_pool_size()``.
         pin_memory: collate into a pinned buffer pool; ``None``: when training on a CUDA device.
-        drop_last: drop each rank's incomplete last batch instead of evening shards out with
-            zero-loss placeholders.
+        drop_last: drop each rank's incomplete last batch instead of adding zero-loss placeholders.
         options: :class:`DataOptions`.
     """
 
@@ -199,9 +198,8 @@ class R3DataModule(pl.LightningDataModule):
         plan = position.Plan(self.batch_size, False, self.seed, False, world)
         snapshot = position.Snapshot(tuple(self.eval_buffer))
         sampler = position.EpochShardSampler(snapshot, position.Cursor(), plan, rank)  # no resume state
-        return DataLoader(
-            snapshot, batch_size=self.batch_size, sampler=sampler, collate_fn=self._get_collator()
-        )
+        collate = self._get_collator()
+        return DataLoader(snapshot, batch_size=self.batch_size, sampler=sampler, collate_fn=collate)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a ``RolloutBatch`` (``non_blocking`` from pinned memory) and hand its pooled buffers

@@ -110,7 +110,8 @@ def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tenso
 
 
 class Trajectory:
-    """One rollout, validated and normalised to compact CPU tensors.
+    """One rollout, validated (``TypeError`` / ``ValueError`` naming the field and the expected
+    value) and normalised to compact CPU tensors.
 
     Args:
         prompt_ids, response_ids: ``[P >= 1]`` and ``[R >= 0]`` token ids (``n = P + R``).
@@ -119,10 +120,7 @@ class Trajectory:
         reward, advantage: scalars; ``advantage`` defaults to ``reward``.
         routed_experts: ``[captured <= n, L, K]`` route rows: row ``t`` = the experts token
             ``t`` used as an input (later tokens route natively); ``None``: all native.
-        route_layers: the sorted absolute decoder layer of each route column; ``None``: column
-            ``j`` is layer ``j``.
-
-    Raises ``TypeError`` / ``ValueError`` naming the field and the expected value.
+        route_layers: the sorted absolute decoder layer of each route column (None: ``j`` is ``j``).
     """
 
     __slots__ = ("advantage", "loss_mask", "prompt_ids", "response_ids", "reward", "rollout_logprobs",
