@@ -54,6 +54,10 @@ class Buffers:
             self.storage[name] = flat
         return flat[:numel].view(shape)
 
+    def fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A buffer outside the pool, for data that outlives the batch's lease."""
+        return self.allocator(shape, dtype)
+
 
 def _fill_rows(
     trajectories: Sequence[Trajectory],
@@ -113,7 +117,7 @@ def collate_fields(
         rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
         # not pooled: B + 1 ints are cheap to allocate, and routes derived without a device move
         # (dtype casts, pinning) keep these host offsets, which must outlive the batch's lease
-        cu_host = buffers.allocator((count + 1,), torch.int32).copy_(offsets_from_lengths(rows, "route rows"))
+        cu_host = buffers.fresh((count + 1,), torch.int32).copy_(offsets_from_lengths(rows, "route rows"))
         offsets = cu_host.tolist()
         out["routes"] = buffers.take("routes", (offsets[-1], *schema), dtype)
 
