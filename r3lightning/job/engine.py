@@ -1,9 +1,5 @@
-"""Where the job's rollouts come from, and how the engines get the trainer's new weights: the
-embedded ``RolloutServer`` (on rank 0, loopback by default, a bf16 copy of the policy taking
-weights in process; every rank sends its own requests to it) or the engines at ``rollout.url``
-(the collector fails over between them): ``r3lightning-serve`` / SkyRL-compatible (weights
-``POST``ed as safetensors) or SGLang (weights saved to a directory both sides see, then
-``POST /update_weights_from_disk``)."""
+"""Where the job's rollouts come from: the embedded ``RolloutServer`` (rank 0, a bf16 copy of the
+policy) or the engines at ``rollout.url``, and how they get the trainer's weights (docs/protocols.md)."""
 
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awai
 
 
 def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
-    """Weight sync for external ``r3lightning-serve`` engines: ``POST /update_weights``
-    (safetensors, serialised once) to every engine."""
+    """Weight sync for ``r3lightning-serve`` / SkyRL engines: one safetensors body, ``POST``ed to each."""
     from safetensors.torch import save
 
     def push(state_dict: Mapping[str, Tensor]) -> None:
@@ -73,8 +68,7 @@ def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> Weight
 def _sglang_disk_push(
     urls: list[str], api_key: str | None, timeout_s: float, directory: Path, model_path: str | None
 ) -> WeightSync:
-    """Weight sync for SGLang: save a safetensors checkpoint into ``directory`` (shared with the
-    engines) once and ask every engine to load it with ``POST /update_weights_from_disk``."""
+    """Weight sync for SGLang: one safetensors checkpoint in ``directory``, loaded by every engine."""
     from safetensors.torch import save_file
 
     async def post(session, url: str) -> None:
@@ -98,8 +92,7 @@ def _sglang_disk_push(
 
 
 def _external_engine(cfg: DictConfig) -> Engine:
-    rollout = cfg.rollout
-    url = rollout.url
+    rollout, url = cfg.rollout, cfg.rollout.url
     urls = [str(u).rstrip("/") for u in (url if isinstance(url, ListConfig) else [url])]
     if not rollout.sync_weights:
         return Engine(urls)
@@ -123,8 +116,8 @@ def _external_engine(cfg: DictConfig) -> Engine:
 
 @contextlib.contextmanager
 def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
-    """The embedded ``RolloutServer`` (rank 0 only; the other ranks learn its URL at fit start)
-    unless ``rollout.url`` names external engines."""
+    """The embedded ``RolloutServer`` (rank 0 only; the others learn its URL at fit start), or the
+    engines ``rollout.url`` names."""
     rollout = cfg.rollout
     if rollout.url is not None:
         yield _external_engine(cfg)
@@ -136,15 +129,9 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
 
     engine, limits = server_settings(rollout)
     host, port = str(rollout.server.host), int(rollout.server.port)
+    options = {"engine": engine, "limits": limits, "host": host, "port": port, "api_key": rollout.api_key}
     try:
-        server = RolloutServer(
-            build_model(cfg.model),
-            engine=engine,
-            limits=limits,
-            host=host,
-            port=port,
-            api_key=rollout.api_key,
-        )
+        server = RolloutServer(build_model(cfg.model), **options)
     except (TypeError, ValueError) as exc:  # e.g. a non-loopback host without rollout.api_key
         raise JobError(f"rollout.server: {exc}") from None
     with contextlib.ExitStack() as stack:

@@ -1,6 +1,5 @@
-"""``r3lightning-train [group=option ...] --help``: the config groups with the selected option of
-each marked, and the keys of the selected options, explained by the comments in the YAML files
-themselves (the one place they are written down)."""
+"""``r3lightning-train [group=option ...] --help``: the config groups, options and keys, explained by
+the comments of the YAML files themselves (the one place they are written down)."""
 
 from __future__ import annotations
 
@@ -41,9 +40,8 @@ def _description(path: Path) -> str:
 
 
 def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
-    """``(dotted key, value, comment)`` of every key line of ``path`` (nesting by indentation; a
-    comment continued on the next comment-only lines at the same column is joined; the items of
-    lists and the ``defaults`` / ``hydra`` blocks are not options)."""
+    """``(dotted key, value, comment)`` of every key line of ``path`` (a comment continued on comment
+    lines at its column joined; list items and the ``defaults`` / ``hydra`` blocks left out)."""
     out: list[tuple[str, str, str]] = []
     stack: list[tuple[int, str]] = []
     skip_block, comment_column, list_indent = False, -1, None
@@ -79,9 +77,8 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
 
 
 def _selected(conf_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, str | None], str | None]:
-    """``({group: selected option}, problem)``: Hydra's own choices after ``overrides`` (an
-    experiment's ``override /group: ...`` included); the defaults and a note when they do not
-    compose."""
+    """``({group: selected option}, problem)``: Hydra's choices after ``overrides``; the defaults and
+    a note when they do not compose."""
     from hydra import compose, initialize_config_dir
 
     def choices(items: list[str]) -> dict[str, str | None]:
@@ -97,9 +94,8 @@ def _selected(conf_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, str |
 
 
 def format_help(conf_dir: Path, args: Sequence[str] = ()) -> str:
-    """The help text: usage, every config group with its options (the selected one marked), the
-    top-level keys, then the keys of each selected option, each with its explanation. ``args``:
-    the command line; its ``group=option`` and ``key=value`` overrides select the options."""
+    """The help text: usage, the config groups and options (the ones ``args`` select marked), the
+    top-level keys and those of each selected option, each with its explanation."""
     overrides = [a for a in args if "=" in a and not a.lstrip("+~").startswith(("-", "hydra"))]
     selected, problem = _selected(conf_dir, overrides)
     lines = [_USAGE.format(conf_dir=conf_dir), "", "Config groups (* = selected):", problem]

@@ -1,16 +1,7 @@
-"""The main job: GRPO training of a causal MoE with Rollout Routing Replay, configured by Hydra.
-
-    r3lightning-train                                   # tiny Qwen3-MoE, embedded engine, R3
-    r3lightning-train experiment=compare                # replay on and off, 3 seeds each
-    r3lightning-train rollout.url=http://host:30000 rollout.protocol=sglang
-    r3lightning-train --config-dir my_conf reward=mine  # your YAML files next to the package's
-    r3lightning-train -m replay=r3,off seed=0,1         # a sweep: one job after the other
-    r3lightning-train --help                            # config groups, options and keys
-
-Outputs in Hydra's run folder: ``config.yaml`` (under the environment line), per run ``metrics.csv``
-and ``checkpoints/last.ckpt`` (rerun into the folder to resume), ``summary.txt``, ``metrics.png``;
-a run that fails before training leaves no folder. Exit status: 0 done; 2 a bad config, checkpoint
-or engine address (one line naming it; a sweep: any job failed); 3 the engine failed; 130 interrupted.
+"""The main job's entry point, ``r3lightning-train`` (= ``python -m r3lightning.job.main``): arms and
+seeds, a folder per run, each failure the user can act on one line and an exit status (docs/job.md):
+0 done; 2 a bad config, checkpoint or engine address (a sweep: any job failed); 3 the engine failed;
+130 interrupted. A run that fails before training leaves no folder.
 """
 
 from __future__ import annotations
@@ -35,9 +26,8 @@ _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 
 
 def arms(cfg: DictConfig) -> dict[str, DictConfig]:
-    """``{arm name: its checked config}`` from ``compare`` (``[]``: the arm ``replay=<replay.mode>``).
-    An entry is a replay mode (the arm ``replay=<mode>``) or ``{name, replay, overrides}``: ``replay``
-    swaps the ``replay`` group (default: kept), then ``overrides`` sets dotted keys of the config."""
+    """``{arm name: its checked config}`` from ``compare`` (docs/demo.md, "Arms and seeds"); an
+    empty ``compare`` is the one arm ``replay=<replay.mode>``."""
     from r3lightning.job.setup import MODES, check_config, replay_settings
 
     check_config(cfg)
@@ -114,21 +104,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     return runs
 
 
-def _one_line(exc: BaseException | str) -> str:
-    text = one_line(exc)
-    return text if len(text) <= 400 else text[:397] + "..."
-
-
-def _error(message: str, label: str = "") -> int:
-    """Print ``message`` as the one line of a failed run; returns its exit status, 2."""
-    print(f"{PROG}: {label}error: {_one_line(message)}", file=sys.stderr)
-    return 2
+def _error(message: BaseException | str, label: str = "", kind: str = "error", status: int = 2) -> int:
+    """Print ``message`` as the one line (at most 400 characters) of a failed run; returns ``status``."""
+    text = one_line(message)
+    print(f"{PROG}: {label}{kind}: {text if len(text) <= 400 else text[:397] + '...'}", file=sys.stderr)
+    return status
 
 
 def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
-    """Remove ``run_dir`` if this run made it (``new_dirs``: folders new to this run, deepest first)
-    and it holds only what a run that never trained writes (``.hydra/``, logs, ``config.yaml``,
-    empty folders); then the other new folders left empty. Older folders are never touched."""
+    """Remove ``run_dir`` if it is in ``new_dirs`` (deepest first) and holds only what a run that never
+    trained writes (``.hydra/``, logs, ``config.yaml``), then the other new folders left empty."""
     run_dir = run_dir.absolute()
 
     def disposable(path: Path) -> bool:
@@ -154,7 +139,7 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         run(cfg, run_dir)
         return 0
     except JobError as exc:
-        return _error(str(exc), label)
+        return _error(exc, label)
     except MissingMandatoryValue as exc:
         key = exc.full_key or "a required value"
         return _error(f"{key} must be set (add {key}=... to the command line)", label)
@@ -162,8 +147,7 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         key = getattr(exc, "full_key", None)
         return _error(f"{key}: {str(exc).splitlines()[0]}" if key else str(exc).splitlines()[0], label)
     except RemoteGenerateError as exc:
-        print(f"{PROG}: {label}rollout engine error: {_one_line(exc)}", file=sys.stderr)
-        return 3
+        return _error(exc, label, "rollout engine error", status=3)
     except KeyboardInterrupt:
         again = [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
         done = any(run_dir.glob("**/checkpoints/last.ckpt"))
@@ -176,15 +160,14 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
 
 
 def _hydra_message(exc: BaseException) -> str:
-    """Hydra's multi-line composition error as one line (the search-path dump dropped)."""
+    """Hydra's multi-line composition error, the search-path dump dropped (:func:`_error` joins it)."""
     text = str(exc).split("Config search path")[0].split("full_key:")[0]
-    return _one_line(text.replace(":\n\t", ": ").replace("\n\t", ", "))
+    return text.replace(":\n\t", ": ").replace("\n\t", ", ")
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str, str]]:
-    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides, whether
-    the pre-check understands every flag (others, like ``--cfg``, go to Hydra as they are), and the
-    ``config_dir`` / ``config_name`` they give."""
+    """``(flags, overrides, understood, where)``: Hydra flags with their values, overrides, whether the
+    pre-check understands every flag (``--cfg`` ...: not), and the ``config_dir`` / ``config_name``."""
     flags, overrides, where, understood = [], [], {}, True
     items = iter(args)
     for arg in items:
@@ -210,8 +193,7 @@ def compose_config(
     config_name: str = "config",
     hydra_config: bool = False,
 ) -> DictConfig:
-    """The job's config with ``overrides`` applied, without running it (tests, notebooks);
-    ``config_dir`` / ``config_name`` as ``--config-dir`` / ``--config-name``."""
+    """The job's config with ``overrides`` applied, without running it; ``--config-dir`` as ``config_dir``."""
     from hydra import compose, initialize_config_dir
 
     where = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]"] if config_dir else []
@@ -220,10 +202,9 @@ def compose_config(
 
 
 def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
-    """``(problem, run folder)``: compose the config before Hydra does and check its values and the
-    run folder's fingerprints, so a bad override or value is one line and no run folder is made or
-    rewritten; else the absolute ``hydra.run.dir``, resolved now (None if unknown). Other
-    ``hydra.*`` overrides are left to Hydra."""
+    """``(problem, absolute hydra.run.dir or None)``: the config composed and checked (values, the
+    run folder's fingerprints) before Hydra makes or rewrites a folder; other ``hydra.*`` overrides
+    are left to Hydra."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -279,8 +260,7 @@ def _single(args: list[str], label: str = "") -> int:
 
 
 def _sweep(args: list[str]) -> int:
-    """``-m``: expand the sweep (Hydra's syntax) and run its jobs one after the other in this
-    process; a failed job is reported in one line and the sweep goes on. Status 2 if any failed."""
+    """``-m``: the sweep's jobs one after the other; a failed one is one line and the sweep goes on."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException

@@ -44,8 +44,7 @@ def tiny_moe(
 def from_pretrained(
     path: str, *, dtype: str = "float32", attn_implementation: str | None = None, **kwargs: Any
 ) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` of a local checkpoint directory (never a hub name:
-    nothing is downloaded); ``kwargs`` go to it as they are."""
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` of a local directory (no download)."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(str(path)).expanduser()

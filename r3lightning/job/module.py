@@ -1,9 +1,5 @@
-"""The LightningModule that trains a Hugging Face causal (MoE) LM with the GRPO loss.
-
-Batches are left-padded ``RolloutBatch`` es from the data module; the ``RouterReplayCallback``
-installs their routes before each training forward. The metrics are described in the docs'
-concepts/metrics and concepts/corrections pages.
-"""
+"""The job's LightningModule: GRPO on a Hugging Face causal (MoE) LM, fed left-padded
+``RolloutBatch`` es whose routes the ``RouterReplayCallback`` installs (metrics: docs/concepts)."""
 
 from __future__ import annotations
 
@@ -43,19 +39,13 @@ class OptimConfig:
 class GRPOModule(pl.LightningModule):
     """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``); one epoch is one RL step.
 
-    ``training_step``: one forward over the batch, the clipped surrogate loss against the rollout
-    engine's logprobs (or, with ``recompute_old_logprobs``, as ``replay=r2`` needs, the trainer's
-    own no-grad forward), weighted by ``grpo.correction`` (from the same forward); ``train/*``
-    mismatch metrics and ``used_agreement/layer_XX`` (the engine's experts each MoE layer used,
-    counted on device by the replay callback) are epoch means, ``correction/*`` exact ratios of
-    sums over the epoch's batches and ranks, logged every step.
-
-    Every ``grpo.mismatch_every_n_steps`` RL steps, on the step's first batch (the weights the
-    engine sampled with) and before the replay callback installs anything: two extra no-grad
-    forwards, routed natively and with the engine's routes replayed, give the paired
-    ``mismatch/*`` metrics, the same in every replay mode so arms compare like with like.
-    ``sharded_weights``: the DCP directory each FSDP2 rank reads its shards from
-    (:mod:`r3lightning.job.sharded`) when the model arrives on the meta device.
+    ``training_step``: one forward, the clipped surrogate loss against the engine's logprobs (with
+    ``recompute_old_logprobs``, as ``replay=r2`` needs: the trainer's own no-grad forward's),
+    weighted by ``grpo.correction``; ``train/*`` and ``used_agreement/layer_XX`` are epoch means,
+    ``correction/*`` ratios of sums over the epoch's batches and ranks. Every
+    ``grpo.mismatch_every_n_steps`` steps, two extra no-grad forwards on the step's first batch give
+    the paired ``mismatch/*`` metrics. ``sharded_weights``: the DCP directory FSDP2 ranks read their
+    shards from (:mod:`r3lightning.job.sharded`) when ``model`` is on the meta device.
     """
 
     def __init__(
@@ -127,9 +117,8 @@ class GRPOModule(pl.LightningModule):
         return batch
 
     def measure_mismatch(self, batch) -> dict[str, Tensor]:
-        """Paired mismatch metrics of ``batch`` (names without the ``mismatch/`` prefix); empty
-        without engine routes and logprobs or a replay callback with a backend. Must run with no
-        routes installed. Cost: two no-grad forwards; no device->host sync of its own."""
+        """Paired ``mismatch/*`` metrics of ``batch`` (unprefixed; empty without engine routes, logprobs or
+        replay backend), with no routes installed. Cost: two no-grad forwards; no host sync."""
         callback = self._replay_callback()
         routes = getattr(batch, "routed_experts", None)
         rollout_logprobs = getattr(batch, "rollout_logprobs", None)
@@ -200,9 +189,7 @@ class GRPOModule(pl.LightningModule):
         return loss
 
     def _log_agreement(self, callback: RouterReplayCallback, batch_size: int) -> None:
-        """``used_agreement/layer_XX``: share of the rollout's expert slots the training forward
-        used, per MoE layer, over the tokens with a captured route, from the callback's on-device
-        counts. Every rank logs every layer; no host sync."""
+        """``used_agreement/layer_XX`` from the replay callback's on-device counts; no host sync."""
         counts, backend = callback.routing_counts(), callback.backend
         if counts is None or backend is None:
             return
@@ -212,9 +199,8 @@ class GRPOModule(pl.LightningModule):
         self._log_epoch({f"used_agreement/layer_{i:02d}": v.float() for i, v in layers}, batch_size)
 
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root
-        (:func:`~r3lightning.job.sharded.shard_model`); a meta-device model then reads this
-        rank's shards from ``sharded_weights``. A no-op for other strategies."""
+        """Under ``ModelParallelStrategy`` (FSDP2): :func:`~r3lightning.job.sharded.shard_model`, then
+        a meta-device model reads this rank's shards from ``sharded_weights``; else a no-op."""
         mesh = self.device_mesh
         if mesh is None and self.sharded_weights is not None:
             raise ValueError(

@@ -1,11 +1,6 @@
-"""The on-policy RL loop around a Lightning fit: one epoch = one RL step.
-
-At fit start and after every step but the last, rank 0 pushes the trainer's weights to the engine,
-every rank waits for that push, then collects *its own* GRPO groups of the next step into its own
-``ReplayBuffer`` (no trajectory or route crosses ranks; the collector's scalar statistics are
-all-reduced). A checkpoint holds the next step's rollouts when they were collected (an interrupted
-one-process run resumes exactly); otherwise (the last step, or several ranks: it holds rank 0's
-buffer only) the resumed run collects that step again, same seeds, restored weights.
+"""The on-policy RL loop around a Lightning fit, one epoch per RL step: at fit start and after every
+step but the last, the trainer's weights go to the engine, every rank waits for that push, then
+collects its own GRPO groups of the next step into its own ``ReplayBuffer`` (no route crosses ranks).
 """
 
 from __future__ import annotations
@@ -36,9 +31,8 @@ WeightSync = Callable[[Mapping[str, Tensor]], None]
 
 @dataclass
 class Engine:
-    """Where rollouts come from: ``urls`` (None on ranks that learn the embedded engine's URL from
-    rank 0); ``push``, rank 0's weight sync (None elsewhere, or when the deployment syncs weights);
-    ``gather``, whether every rank joins the per-step full-weight gather (a collective under FSDP2)."""
+    """Where rollouts come from: ``urls`` (None where rank 0 broadcasts the embedded engine's);
+    ``push``, rank 0's weight sync (or None); ``gather``: every rank joins the full-weight gather."""
 
     urls: list[str] | None
     push: WeightSync | None = None
@@ -47,9 +41,8 @@ class Engine:
 
 class OnPolicyLoop(pl.Callback):
     """Rollout -> this rank's ``buffer`` -> train, once per epoch, weights pushed in between:
-    ``prompts_per_step`` of ``task``'s prompts per step, scored by its reward (or played out by its
-    environments), collected from ``engine`` as ``cfg.rollout`` says; one row per step in
-    ``metrics_path`` (rank 0), labelled ``simulated_disagreement`` when the engine simulates one."""
+    ``prompts_per_step`` of ``task``'s prompts per step from ``engine`` as ``cfg.rollout`` says; one
+    row per step in ``metrics_path`` (rank 0), labelled ``simulated_disagreement`` if simulated."""
 
     def __init__(
         self,
@@ -200,8 +193,7 @@ class OnPolicyLoop(pl.Callback):
 def on_policy_loop(
     cfg: DictConfig, engine: Engine, task: ScoredTask, schema: RouteSchema, buffer, *, metrics_path: Path
 ) -> OnPolicyLoop:
-    """The job's :class:`OnPolicyLoop`, once the engines known here answered ``GET /health`` (else a
-    ``JobError``; the embedded engine's URL reaches ranks > 0 only at fit start)."""
+    """The job's :class:`OnPolicyLoop`, once the engines known here answered ``GET /health``."""
     loop = OnPolicyLoop(cfg, engine, task, schema, buffer, metrics_path)
     health = loop.new_collector(engine.urls).check_engines() if engine.urls is not None else {}
     down = [url for url, ok in health.items() if not ok]
@@ -215,18 +207,15 @@ def on_policy_loop(
 
 
 def full_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
-    """The policy's full weights keyed as in the HF model on rank 0 (an empty dict elsewhere).
-    FSDP2 DTensors are all-gathered one at a time (a collective every rank joins) and moved to the
-    host on rank 0 at once, so no device holds more than one unsharded tensor beside its shards;
-    unsharded values come without a copy."""
+    """The policy's full weights keyed as in the HF model on rank 0 (an empty dict elsewhere). FSDP2
+    DTensors are all-gathered one at a time (every rank joins) and moved to rank 0's host at once."""
     from torch.distributed.tensor import DTensor
 
-    keep = pl_module.trainer.is_global_zero
-    out = {}
+    keep, out = pl_module.trainer.is_global_zero, {}
     for name, value in pl_module.model.state_dict().items():
-        if isinstance(value, DTensor):
+        if isinstance(value, DTensor):  # at most one unsharded tensor on the device beside the shards
             value = value.full_tensor()  # a collective: every rank joins
             value = value.cpu() if keep else value
-        if keep:
+        if keep:  # unsharded values without a copy
             out[name] = value.detach()
     return out

@@ -207,8 +207,7 @@ def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
 
 @contextlib.contextmanager
 def model_runtime(model_cfg: DictConfig) -> Iterator[None]:
-    """``model.runtime`` (a ``_target_`` returning a context manager, e.g. megatron-core's process
-    group and device shims) entered around the whole run."""
+    """``model.runtime`` (a context manager, e.g. megatron-core's process group) around the run."""
     node = model_cfg.get("runtime")
     with contextlib.ExitStack() as stack:
         try:
