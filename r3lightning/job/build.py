@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
+import importlib.util
 import inspect
 import types
 import typing
@@ -14,9 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.common import JobError
+from r3lightning.job.models import torch_dtype
+from r3lightning.job.sharded import meta_model
+from r3lightning.replay.hf.replay import HFRouterReplay
+from r3lightning.rollout.tasks import ScoredTask
 
 __all__ = ["JobError", "dataclass_from", "instantiate_node", "plain", "tensorboard_if_installed"]
 
@@ -75,9 +81,6 @@ def target_of(node: Any, key: str) -> Any:
 
 def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
     """``hydra.utils.instantiate(node, **job_kwargs)``; every failure a :class:`JobError` naming ``key``."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
     target_of(node, key)
     try:
         return instantiate(plain(node), **job_kwargs)
@@ -169,9 +172,6 @@ def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Mod
     meta device, for FSDP2 ranks that read only their shards."""
     values = {k: v for k, v in plain(model_cfg).items() if k not in ("runtime", "sharded_weights")}
     if trainer and model_cfg.get("sharded_weights") is not None:
-        from r3lightning.job.models import torch_dtype
-        from r3lightning.job.sharded import meta_model
-
         path = Path(str(values.get("path"))).expanduser()
         if values.get("path") is None or not (path / "config.json").is_file():
             raise JobError(
@@ -188,8 +188,6 @@ def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Mod
 
 def replay_backend(cfg: DictConfig, model: torch.nn.Module):
     """The router replay backend of ``model`` named by the replay callback's ``backend`` key."""
-    from r3lightning.replay.hf.replay import HFRouterReplay
-
     replay = replay_callback_settings(cfg)
     kind = "hf" if replay is None else replay[1].get("backend", "hf")
     if kind not in ("hf", "megatron", None):
@@ -212,8 +210,6 @@ def replay_backend(cfg: DictConfig, model: torch.nn.Module):
 
 def build_task(cfg: DictConfig, vocab_size: int | None):
     """The task and its reward (``reward.timeout_s`` bounds each scorer call) as a ``ScoredTask``."""
-    from r3lightning.rollout.tasks import ScoredTask
-
     extra = {}
     if "vocab_size" in cfg.task and cfg.task.vocab_size is None:
         if vocab_size is None:
@@ -281,8 +277,6 @@ def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: fl
 
 def tensorboard_if_installed(save_dir: str, name: str = "tensorboard", **kwargs: Any):
     """A ``TensorBoardLogger`` if ``tensorboard`` or ``tensorboardX`` is installed, else None (not logged)."""
-    import importlib.util
-
     if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
         return None
     from lightning.pytorch.loggers import TensorBoardLogger

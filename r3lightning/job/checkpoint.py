@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
 
 from r3lightning.job.build import JobError, one_line, plain
 
@@ -76,8 +77,6 @@ def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:
     """``({parameter: shape}, steps done)`` of a ``torch.save``d file (memory-mapped) or a
     ``ModelParallelStrategy`` checkpoint folder (``.metadata``, ``meta.pt``), tensors unread."""
     if last.is_dir():
-        from torch.distributed.checkpoint import FileSystemReader
-
         metadata = FileSystemReader(str(last)).read_metadata().state_dict_metadata
         tensors = {
             k.removeprefix("state_dict."): v for k, v in metadata.items() if k.startswith("state_dict.")

@@ -11,14 +11,17 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import torch
 from omegaconf import DictConfig, ListConfig
+from safetensors.torch import save, save_file
 from torch import Tensor
 
 from r3lightning.job.common import JobError, is_global_zero
 from r3lightning.job.rollout_loop import Engine, WeightSync
 from r3lightning.job.rollout_settings import retry_policy, server_settings
 from r3lightning.job.setup import build_model
+from r3lightning.serve.server import RolloutServer
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -32,7 +35,6 @@ def _auth(api_key: str | None) -> dict[str, str]:
 
 def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awaitable[None]]) -> None:
     """``post(session, url)`` to every engine concurrently, in one ``aiohttp`` session."""
-    import aiohttp
 
     async def post_all() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
@@ -43,7 +45,6 @@ def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awai
 
 def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
     """Weight sync for ``r3lightning-serve`` / SkyRL engines: one safetensors body, ``POST``ed to each."""
-    from safetensors.torch import save
 
     def push(state_dict: Mapping[str, Tensor]) -> None:
         body = save(_bf16_host(state_dict))
@@ -69,7 +70,6 @@ def _sglang_disk_push(
     urls: list[str], api_key: str | None, timeout_s: float, directory: Path, model_path: str | None
 ) -> WeightSync:
     """Weight sync for SGLang: one safetensors checkpoint in ``directory``, loaded by every engine."""
-    from safetensors.torch import save_file
 
     async def post(session, url: str) -> None:
         body, headers = {"model_path": str(directory)}, _auth(api_key)
@@ -125,8 +125,6 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
     if not is_global_zero():
         yield Engine(None, gather=bool(rollout.sync_weights))
         return
-    from r3lightning.serve.server import RolloutServer
-
     engine, limits = server_settings(rollout)
     host, port = str(rollout.server.host), int(rollout.server.port)
     options = {"engine": engine, "limits": limits, "host": host, "port": port, "api_key": rollout.api_key}

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 _KEY_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$")
@@ -79,7 +80,6 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
 def _selected(conf_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, str | None], str | None]:
     """``({group: selected option}, problem)``: Hydra's choices after ``overrides``; the defaults and
     a note when they do not compose."""
-    from hydra import compose, initialize_config_dir
 
     def choices(items: list[str]) -> dict[str, str | None]:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):

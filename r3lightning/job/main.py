@@ -13,11 +13,20 @@ import shutil
 import sys
 from pathlib import Path
 
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from r3lightning.job.build import one_line
 from r3lightning.job.common import JobError, is_global_zero
-from r3lightning.job.setup import CONF_DIR
+from r3lightning.job.report import environment, environment_line, format_table, plot_runs
+from r3lightning.job.setup import CONF_DIR, MODES, check_config, model_runtime, replay_settings, train_one
+from r3lightning.wire.errors import RemoteGenerateError
 
 PROG = "r3lightning-train"
 _VALUE_FLAGS = {"--config-dir": "-cd", "--config-name": "-cn", "--config-path": "-cp"}  # Hydra's: long, short
@@ -28,8 +37,6 @@ _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 def arms(cfg: DictConfig) -> dict[str, DictConfig]:
     """``{arm name: its checked config}`` from ``compare`` (docs/demo.md, "Arms and seeds"); an
     empty ``compare`` is the one arm ``replay=<replay.mode>``."""
-    from r3lightning.job.setup import MODES, check_config, replay_settings
-
     check_config(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):
@@ -72,8 +79,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     (one seed) or ``<arm>/seed=<s>`` (folder ``<arm>/seed_<s>``, ``=`` written ``_``)."""
     from r3lightning.job.checkpoint import check_run_dir
     from r3lightning.job.engine import embedded_server
-    from r3lightning.job.report import environment, environment_line, format_table, plot_runs
-    from r3lightning.job.setup import model_runtime, train_one
 
     configs, seeds = arms(cfg), run_seeds(cfg)
     for arm, arm_cfg in configs.items():  # before config.yaml is rewritten
@@ -131,10 +136,6 @@ def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
 
 def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dirs: list[Path]) -> int:
     """Run ``cfg`` into ``run_dir``; every failure the user can act on is one line and a status."""
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-
-    from r3lightning.wire.errors import RemoteGenerateError
-
     try:
         run(cfg, run_dir)
         return 0
@@ -194,8 +195,6 @@ def compose_config(
     hydra_config: bool = False,
 ) -> DictConfig:
     """The job's config with ``overrides`` applied, without running it; ``--config-dir`` as ``config_dir``."""
-    from hydra import compose, initialize_config_dir
-
     where = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]"] if config_dir else []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name, [*where, *(overrides or [])], return_hydra_config=hydra_config)
@@ -205,9 +204,6 @@ def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, 
     """``(problem, absolute hydra.run.dir or None)``: the config composed and checked (values, the
     run folder's fingerprints) before Hydra makes or rewrites a folder; other ``hydra.*`` overrides
     are left to Hydra."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     from r3lightning.job.checkpoint import check_run_dir
 
     keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
@@ -230,9 +226,6 @@ def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, 
 
 def _single(args: list[str], label: str = "") -> int:
     """One run through Hydra; returns the exit status."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
     _, overrides, understood, where = _split_flags(args)
     new_dirs: list[Path] = []
     if understood:
@@ -261,10 +254,6 @@ def _single(args: list[str], label: str = "") -> int:
 
 def _sweep(args: list[str]) -> int:
     """``-m``: the sweep's jobs one after the other; a failed one is one line and the sweep goes on."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     flags, overrides, _, where = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -276,11 +265,9 @@ def _sweep(args: list[str]) -> int:
     for number, job in enumerate(jobs):
         label = f"job #{number} ({' '.join(job)}): "
         if sweep_dir is None:
-            try:
+            with contextlib.suppress(Exception):  # a job that does not compose reports it when run
                 job_overrides = [a for a in job if not a.startswith("hydra.run.dir=")]
                 sweep_dir = str(compose_config(job_overrides, **where, hydra_config=True).hydra.sweep.dir)
-            except Exception:
-                pass  # reported by the job's own run below
         print(f"[{PROG}] {label.rstrip(': ')}", file=sys.stderr)
         run_dir = [f"hydra.run.dir={sweep_dir}/{number}"] if sweep_dir is not None else []
         code = _single([*flags, *job, *run_dir], label)

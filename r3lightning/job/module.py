@@ -21,6 +21,7 @@ from r3lightning.correction.grpo import (
     token_entropy,
     token_logprobs,
 )
+from r3lightning.job.sharded import load_sharded_weights, shard_model
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import agreement_counts
 from r3lightning.replay.batch_fields import host_attention_mask
@@ -169,15 +170,14 @@ class GRPOModule(pl.LightningModule):
             log_ratio = logprobs.detach() - batch.rollout_logprobs
             weights = correction_weights(log_ratio, loss_mask, self.grpo.correction)
             self._correction.update(weights, loss_mask)
-        clip = {"clip_low": self.grpo.clip_low, "clip_high": self.grpo.clip_high}
-        loss, stats = policy_loss(
-            logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights
-        )
-        if weights is not None:
             totals = self._correction.compute(sync_dist=self._distributed)
             self.log_dict(
                 {k: v.float() for k, v in totals.items()}, on_step=True, on_epoch=False, batch_size=1
             )
+        clip = {"clip_low": self.grpo.clip_low, "clip_high": self.grpo.clip_high}
+        loss, stats = policy_loss(
+            logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights
+        )
         band = self.grpo.ratio_band
         stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
         stats["loss"] = loss.detach()
@@ -209,8 +209,6 @@ class GRPOModule(pl.LightningModule):
             )
         if mesh is None or getattr(self.model, "_r3_sharded", False):
             return
-        from r3lightning.job.sharded import load_sharded_weights, shard_model
-
         names = mesh.mesh_dim_names or ()
         shard_model(self.model, mesh["data_parallel"] if "data_parallel" in names else mesh)
         if self.sharded_weights is not None:

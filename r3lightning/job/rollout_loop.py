@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
@@ -24,6 +25,7 @@ from r3lightning.job.rollout_settings import collector_config, retry_policy
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.rollout.tasks import ScoredTask
+from r3lightning.serve.server import is_loopback
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
@@ -152,8 +154,6 @@ class OnPolicyLoop(pl.Callback):
         urls = self.engine.urls
         if self.collector is None and trainer.world_size > 1:
             urls = trainer.strategy.broadcast(urls, src=0)  # a few short strings, once per fit
-            from r3lightning.serve.server import is_loopback
-
             host = urlsplit(urls[0]).hostname or ""
             if trainer.num_nodes > 1 and self.engine.urls is None and is_loopback(host):
                 raise JobError(
@@ -209,8 +209,6 @@ def on_policy_loop(
 def full_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
     """The policy's full weights keyed as in the HF model on rank 0 (an empty dict elsewhere). FSDP2
     DTensors are all-gathered one at a time (every rank joins) and moved to rank 0's host at once."""
-    from torch.distributed.tensor import DTensor
-
     keep, out = pl_module.trainer.is_global_zero, {}
     for name, value in pl_module.model.state_dict().items():
         if isinstance(value, DTensor):  # at most one unsharded tensor on the device beside the shards

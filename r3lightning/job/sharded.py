@@ -8,6 +8,7 @@ while loading, about twice the largest saved tensor.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,8 +99,6 @@ def load_sharded_weights(model: nn.Module, checkpoint_dir: str | Path, device: t
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m r3lightning.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``."""
-    import argparse
-
     parser = argparse.ArgumentParser(description="Convert a Hugging Face checkpoint for shard loading.")
     parser.add_argument("hf_dir", type=Path, help="Hugging Face checkpoint directory")
     parser.add_argument("out_dir", type=Path, help="DCP directory to write")
