@@ -168,8 +168,7 @@ def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
 
 
 def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Module:
-    """The policy from ``model._target_``; ``trainer=True`` with ``model.sharded_weights``: on the
-    meta device, for FSDP2 ranks that read only their shards."""
+    """The policy from ``model._target_`` (a trainer's with ``model.sharded_weights``: on the meta device)."""
     values = {k: v for k, v in plain(model_cfg).items() if k not in ("runtime", "sharded_weights")}
     if trainer and model_cfg.get("sharded_weights") is not None:
         path = Path(str(values.get("path"))).expanduser()

@@ -1,5 +1,4 @@
-"""A run's ``checkpoints/last.ckpt`` (after every step) and ``fingerprint.json`` (task, dataset and
-model), and resuming from them: refused in one line when it cannot work (docs/job.md, Outputs)."""
+"""A run's ``last.ckpt`` and ``fingerprint.json``, and resuming from them (docs/job.md, Outputs)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
-    """A :class:`JobError` when a run with a checkpoint under ``run_dir`` was made for another task,
-    dataset or model (:func:`fingerprint`); ``resume=false`` skips the check."""
+    """Unless ``resume=false``, a :class:`JobError` if a run in ``run_dir`` has another fingerprint."""
     saved_runs = [p for p in sorted(Path(run_dir).rglob(FINGERPRINT)) if (p.parent / "checkpoints").is_dir()]
     current = fingerprint(cfg) if cfg.resume and saved_runs else {}
     for path in saved_runs if current else []:

@@ -116,8 +116,7 @@ def _external_engine(cfg: DictConfig) -> Engine:
 
 @contextlib.contextmanager
 def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
-    """The embedded ``RolloutServer`` (rank 0 only; the others learn its URL at fit start), or the
-    engines ``rollout.url`` names."""
+    """The engines at ``rollout.url``, or the embedded ``RolloutServer`` (rank 0; the others get its URL)."""
     rollout = cfg.rollout
     if rollout.url is not None:
         yield _external_engine(cfg)

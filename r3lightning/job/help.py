@@ -78,8 +78,7 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
 
 
 def _selected(conf_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, str | None], str | None]:
-    """``({group: selected option}, problem)``: Hydra's choices after ``overrides``; the defaults and
-    a note when they do not compose."""
+    """``({group: selected option}, problem)`` after ``overrides`` (the defaults and a note if they fail)."""
 
     def choices(items: list[str]) -> dict[str, str | None]:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):

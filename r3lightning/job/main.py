@@ -1,8 +1,7 @@
 """The main job's entry point, ``r3lightning-train`` (= ``python -m r3lightning.job.main``): arms and
 seeds, a folder per run, each failure the user can act on one line and an exit status (docs/job.md):
 0 done; 2 a bad config, checkpoint or engine address (a sweep: any job failed); 3 the engine failed;
-130 interrupted. A run that fails before training leaves no folder.
-"""
+130 interrupted. A run that fails before training leaves no folder."""
 
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from r3lightning.job.build import one_line
 from r3lightning.job.common import JobError, is_global_zero
+from r3lightning.job.help import format_help
 from r3lightning.job.report import environment, environment_line, format_table, plot_runs
 from r3lightning.job.setup import CONF_DIR, MODES, check_config, model_runtime, replay_settings, train_one
 from r3lightning.wire.errors import RemoteGenerateError
@@ -35,8 +35,7 @@ _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 
 
 def arms(cfg: DictConfig) -> dict[str, DictConfig]:
-    """``{arm name: its checked config}`` from ``compare`` (docs/demo.md, "Arms and seeds"); an
-    empty ``compare`` is the one arm ``replay=<replay.mode>``."""
+    """``{arm name: its checked config}`` from ``compare`` (docs/demo.md); none: the arm ``replay=<mode>``."""
     check_config(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):
@@ -201,9 +200,8 @@ def compose_config(
 
 
 def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
-    """``(problem, absolute hydra.run.dir or None)``: the config composed and checked (values, the
-    run folder's fingerprints) before Hydra makes or rewrites a folder; other ``hydra.*`` overrides
-    are left to Hydra."""
+    """``(problem, absolute hydra.run.dir or None)``: the config composed and checked (values, the run
+    folder's fingerprints) before Hydra makes or rewrites a folder; other ``hydra.*`` keys: Hydra's."""
     from r3lightning.job.checkpoint import check_run_dir
 
     keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
@@ -285,8 +283,6 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point (``r3lightning-train``): Hydra parses the command-line overrides."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:
-        from r3lightning.job.help import format_help
-
         print(format_help(CONF_DIR, args))
         sys.exit(0)
     # Lightning's banner lines (accelerator summary, logger tips) are noise here.

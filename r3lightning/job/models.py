@@ -1,6 +1,5 @@
-"""Model factories of the job's ``model`` group (bring your own: any callable returning a Hugging
-Face-style causal MoE LM with ``.logits`` and ``config.vocab_size``), in their ``dtype`` (fp32 by
-default); the embedded engine calls the same factory for its copy, cast to ``rollout.server.dtype``."""
+"""Model factories of the job's ``model`` group (yours: any callable returning a Hugging Face-style
+causal MoE LM), in their ``dtype``; the embedded engine builds its copy with the same factory."""
 
 from __future__ import annotations
 

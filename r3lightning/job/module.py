@@ -23,10 +23,10 @@ from r3lightning.correction.grpo import (
 )
 from r3lightning.job.sharded import load_sharded_weights, shard_model
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import agreement_counts
 from r3lightning.replay.batch_fields import host_attention_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
+from r3lightning.replay.metrics import comparison_counts
 
 
 @dataclass
@@ -138,15 +138,12 @@ class GRPOModule(pl.LightningModule):
             with replay_routes(backend, aligned, mask):
                 replayed = self.batch_logprobs(batch)
             layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
-            top_k = aligned.shape[-1]
-            engine = aligned.index_select(-2, layers).reshape(-1, top_k).long()  # [B * S * moe_layers, K]
-            used = native_routes.routes.to(aligned.device).index_select(-2, layers).reshape(-1, top_k).long()
-            routed = mask[..., None].expand(*mask.shape, len(layers)).reshape(-1)  # rows the engine routed
-            rows, hits = agreement_counts(engine, used, routed)
+            used = native_routes.routes.to(aligned.device)  # [B, S, L, K]: one forward
+            rows, _, hits, _ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )
-            out["native_agreement"] = hits.double() / (rows * top_k).clamp(min=1)
+            out["native_agreement"] = hits.double() / (rows * aligned.shape[-1]).clamp(min=1)
             out["policy_entropy"] = entropy.double()
         return out
 

@@ -1,6 +1,5 @@
-"""Run outputs: per-step metrics CSV, summary table, plot (matplotlib Agg), environment line. A run's
-history is one ``{metric: float}`` record per RL step; runs named ``<arm>/seed=<s>`` are seeds of one
-arm, shown as the median over seeds and its [min, max]."""
+"""Run outputs: metrics CSV, summary table, plot, environment line. A history is one ``{metric: float}``
+record per RL step; runs ``<arm>/seed=<s>`` are seeds of one arm (shown: median and [min, max])."""
 
 from __future__ import annotations
 

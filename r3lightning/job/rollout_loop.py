@@ -1,7 +1,6 @@
 """The on-policy RL loop around a Lightning fit, one epoch per RL step: at fit start and after every
 step but the last, the trainer's weights go to the engine, every rank waits for that push, then
-collects its own GRPO groups of the next step into its own ``ReplayBuffer`` (no route crosses ranks).
-"""
+collects its own GRPO groups of the next step into its own ``ReplayBuffer`` (no route crosses ranks)."""
 
 from __future__ import annotations
 
@@ -42,9 +41,8 @@ class Engine:
 
 
 class OnPolicyLoop(pl.Callback):
-    """Rollout -> this rank's ``buffer`` -> train, once per epoch, weights pushed in between:
-    ``prompts_per_step`` of ``task``'s prompts per step from ``engine`` as ``cfg.rollout`` says; one
-    row per step in ``metrics_path`` (rank 0), labelled ``simulated_disagreement`` if simulated."""
+    """Rollout (``prompts_per_step`` prompts from ``engine``) -> this rank's ``buffer`` -> train, once per
+    epoch, weights pushed in between; one row per step in ``metrics_path`` (rank 0)."""
 
     def __init__(
         self,
@@ -61,8 +59,7 @@ class OnPolicyLoop(pl.Callback):
         if self.sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
             stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
             self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)
-        embedded = cfg.rollout.url is None
-        simulated = OmegaConf.select(cfg, "rollout.server.simulated_disagreement") if embedded else None
+        simulated = cfg.rollout.url is None and OmegaConf.select(cfg, "rollout.server.simulated_disagreement")
         self.labels = {"simulated_disagreement": float(simulated)} if simulated else {}
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
@@ -76,16 +73,13 @@ class OnPolicyLoop(pl.Callback):
         environments = getattr(self.task, "environments", lambda: None)()  # multi-turn
         return RolloutCollector(
             urls,
-            environments or self._reward,
+            environments or self.task.score_prompt,
             collector_config(rollout),
             schema=self.schema,
             sampling=self.sampling,
             retry=retry_policy(rollout),
             client_options={"api_key": rollout.api_key},
         )
-
-    def _reward(self, prompt, response_ids):  # the task looked up when scoring
-        return self.task.score_prompt(prompt, response_ids)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1 and getattr(trainer.datamodule, "shard", False):

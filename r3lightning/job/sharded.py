@@ -1,10 +1,8 @@
-"""Loading a large Hugging Face MoE policy under FSDP2 without a full copy per rank
-(examples/fsdp_moe/README.md): :func:`convert_checkpoint` (``python -m r3lightning.job.sharded
-HF_DIR OUT_DIR [--dtype bfloat16]``) writes the checkpoint once as a DCP directory; every rank then
-builds the model on the meta device (:func:`meta_model`), shards it (:func:`shard_model`) and reads
-only its own shards (:func:`load_sharded_weights`). Memory per rank: ``1 / world`` of the model plus,
-while loading, about twice the largest saved tensor.
-"""
+"""Loading a large Hugging Face MoE under FSDP2 without a full copy per rank (examples/fsdp_moe):
+:func:`convert_checkpoint` (``python -m r3lightning.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``)
+writes it once as a DCP directory; every rank builds the model on the meta device, shards it and
+reads only its own shards. Memory per rank: ``1 / world`` of the model plus, while loading, about
+twice the largest saved tensor."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The causal LM of the HF checkpoint directory ``path`` (its config only) with parameters on
-    the meta device: shard it, then :func:`load_sharded_weights`."""
+    """The causal LM of the HF checkpoint directory ``path`` (config only), parameters on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(path))
