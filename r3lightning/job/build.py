@@ -91,8 +91,6 @@ def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
         raise JobError(f"{key}: {one_line(exc)}") from None
 
 
-# ---------------------------------------------------------------------------- typed settings
-
 _SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
     bool: ("true or false", lambda v: isinstance(v, bool)),
     int: ("an integer", lambda v: type(v) is int),
@@ -122,9 +120,8 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
         args = typing.get_args(tp)
         if not isinstance(value, list | tuple) or (args and len(value) != len(args)):
             raise JobError(f"{key} must be a list of {len(args)} values, got {value!r}")
-        return tuple(
-            _check_value(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))
-        )
+        pairs = enumerate(zip(value, args, strict=True))
+        return tuple(_check_value(f"{key}[{i}]", v, a) for i, (v, a) in pairs)
     if tp in _SCALARS and not _SCALARS[tp][1](value):
         raise JobError(f"{key} must be {_SCALARS[tp][0]}, got {value!r}")
     return float(value) if tp is float else value
@@ -151,9 +148,6 @@ def dataclass_from(cls: type, node: DictConfig | Mapping[str, Any], key: str, *,
     raw = raw.get(message.removeprefix(f"{key}.").split()[0])  # type: ignore[union-attr]
     source = f" (set by {raw})" if isinstance(raw, str) and raw.startswith("${") else ""
     raise JobError(message + source) from None
-
-
-# ---------------------------------------------------------------------------- a run's pieces
 
 
 def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:

@@ -30,8 +30,7 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
     cfg = OmegaConf.merge(cfg, {"seed": 0})
     out = _flat({key: plain(cfg[key]) for key in ("task", "reward", "model")})
     for key, value in plain(cfg.task).items():
-        path = Path(value).expanduser() if isinstance(value, str) else None
-        if path is not None and path.is_file():
+        if isinstance(value, str) and (path := Path(value).expanduser()).is_file():
             with path.open("rb") as f:  # streamed
                 digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
             out[f"data.task.{key}"] = f"{path.stat().st_size} bytes, blake2b {digest}"

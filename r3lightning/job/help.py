@@ -3,6 +3,7 @@ the comments of the YAML files themselves (the one place they are written down).
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,14 +31,9 @@ the job sets max_epochs (= steps), reload_dataloaders_every_n_epochs and callbac
 
 def _description(path: Path) -> str:
     """The leading comment block of a YAML file as one paragraph (usage lines dropped)."""
-    lines = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        text = line.lstrip("#").strip()
-        usage = line.startswith("#   ") or text.startswith(("@package", "r3lightning-train", "python -m"))
-        lines += [] if usage else [text]
-    return " ".join(lines)
+    header = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines())
+    texts = [line.lstrip("#").strip() for line in header if not line.startswith("#   ")]  # "#   ": usage
+    return " ".join(t for t in texts if not t.startswith(("@package", "r3lightning-train", "python -m")))
 
 
 def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:

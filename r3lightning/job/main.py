@@ -1,7 +1,5 @@
 """The main job's entry point, ``r3lightning-train`` (= ``python -m r3lightning.job.main``): arms and
-seeds, a folder per run, each failure the user can act on one line and an exit status (docs/job.md):
-0 done; 2 a bad config, checkpoint or engine address (a sweep: any job failed); 3 the engine failed;
-130 interrupted. A run that fails before training leaves no folder."""
+seeds, a folder per run, each failure one line and an exit status (docs/job.md)."""
 
 from __future__ import annotations
 
@@ -199,9 +197,9 @@ def compose_config(
         return compose(config_name, [*where, *(overrides or [])], return_hydra_config=hydra_config)
 
 
-def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
-    """``(problem, absolute hydra.run.dir or None)``: the config composed and checked (values, the run
-    folder's fingerprints) before Hydra makes or rewrites a folder; other ``hydra.*`` keys: Hydra's."""
+def _precheck(where: dict[str, str], overrides: list[str]) -> Path | None:
+    """The absolute ``hydra.run.dir`` (None if unknown) of the config composed and checked (values, the
+    run folder's fingerprints) before Hydra makes or rewrites a folder; a problem is a JobError."""
     from r3lightning.job.checkpoint import check_run_dir
 
     keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
@@ -212,14 +210,12 @@ def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, 
         try:
             run_dir = Path(str(cfg.hydra.run.dir)).absolute()
         except Exception:
-            return None, None
+            return None
         for arm, arm_cfg in configs.items():  # another task, dataset or model: refused before Hydra writes
             check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))
-    except JobError as exc:
-        return str(exc), None
     except (HydraException, OmegaConfBaseException) as exc:
-        return _hydra_message(exc), None
-    return None, run_dir
+        raise JobError(_hydra_message(exc)) from None
+    return run_dir
 
 
 def _single(args: list[str], label: str = "") -> int:
@@ -227,9 +223,10 @@ def _single(args: list[str], label: str = "") -> int:
     _, overrides, understood, where = _split_flags(args)
     new_dirs: list[Path] = []
     if understood:
-        problem, run_dir = _precheck(where, overrides)
-        if problem is not None:
-            return _error(problem, label)
+        try:
+            run_dir = _precheck(where, overrides)
+        except JobError as exc:
+            return _error(exc, label)
         if run_dir is not None:
             # the folders this run will make (so a run that fails before training removes them),
             # with the run folder pinned, so Hydra's ${now:...} cannot name another one

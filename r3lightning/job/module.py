@@ -40,13 +40,10 @@ class OptimConfig:
 class GRPOModule(pl.LightningModule):
     """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``); one epoch is one RL step.
 
-    ``training_step``: one forward, the clipped surrogate loss against the engine's logprobs (with
-    ``recompute_old_logprobs``, as ``replay=r2`` needs: the trainer's own no-grad forward's),
-    weighted by ``grpo.correction``; ``train/*`` and ``used_agreement/layer_XX`` are epoch means,
-    ``correction/*`` ratios of sums over the epoch's batches and ranks. Every
-    ``grpo.mismatch_every_n_steps`` steps, two extra no-grad forwards on the step's first batch give
-    the paired ``mismatch/*`` metrics. ``sharded_weights``: the DCP directory FSDP2 ranks read their
-    shards from (:mod:`r3lightning.job.sharded`) when ``model`` is on the meta device.
+    The clipped loss is against the engine's logprobs (``recompute_old_logprobs``, as ``replay=r2``
+    needs: the trainer's own no-grad forward's), weighted by ``grpo.correction``; every
+    ``grpo.mismatch_every_n_steps`` steps two more no-grad forwards give the paired ``mismatch/*``
+    (docs/concepts/metrics.md). ``sharded_weights``: a meta-device ``model``'s DCP shards directory.
     """
 
     def __init__(
@@ -72,13 +69,12 @@ class GRPOModule(pl.LightningModule):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of a left-padded batch."""
-        out = self.model(
+        return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask.long(),
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
-        )
-        return out.logits
+        ).logits
 
     def batch_logprobs(self, batch) -> Tensor:
         """Trainer logprob of every token of ``batch`` ``[B, S]`` (0 where undefined)."""

@@ -1,8 +1,7 @@
 """Loading a large Hugging Face MoE under FSDP2 without a full copy per rank (examples/fsdp_moe):
 :func:`convert_checkpoint` (``python -m r3lightning.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``)
 writes it once as a DCP directory; every rank builds the model on the meta device, shards it and
-reads only its own shards. Memory per rank: ``1 / world`` of the model plus, while loading, about
-twice the largest saved tensor."""
+reads only its own shards."""
 
 from __future__ import annotations
 
