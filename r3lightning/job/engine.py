@@ -1,5 +1,4 @@
-"""Where the job's rollouts come from: the embedded ``RolloutServer`` (rank 0, a bf16 copy of the
-policy) or the engines at ``rollout.url``, and how they get the trainer's weights (docs/protocols.md)."""
+"""Where rollouts come from (the embedded ``RolloutServer`` or ``rollout.url``), and weight pushes to them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``r3lightning-train [group=option ...] --help``: the config groups, options and keys, explained by
-the comments of the YAML files themselves (the one place they are written down)."""
+"""``r3lightning-train --help``: config groups, options and keys, explained by the YAML files' comments."""
 
 from __future__ import annotations
 
@@ -105,9 +104,8 @@ def format_help(conf_dir: Path, args: Sequence[str] = ()) -> str:
         path = conf_dir / group / f"{selected.get(group)}.yaml"
         if group and path.is_file():
             prefix = "" if path.read_text().startswith("# @package _global_") else f"{group}."
-            bases = [
-                b for b in OmegaConf.load(path).get("defaults", []) if isinstance(b, str) and b != "_self_"
-            ]
+            defaults = OmegaConf.load(path).get("defaults", [])
+            bases = [b for b in defaults if isinstance(b, str) and b != "_self_"]
             keys = [k for base in [*bases, path.stem] for k in _keys(path.with_name(f"{base}.yaml"), prefix)]
             sections.append((f"{group} ({selected[group]})", keys))
     for title, keys in sections:

@@ -272,8 +272,7 @@ def _sweep(args: list[str]) -> int:
             failed.append(f"#{number} ({' '.join(job)})")
     if failed:
         print(f"{PROG}: {len(failed)} of {len(jobs)} jobs failed: {', '.join(failed)}", file=sys.stderr)
-        return 2
-    return 0
+    return 2 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,8 +27,7 @@ def tiny_moe(
     overrides: dict[str, Any] | None = None,
     dtype: str = "float32",
 ) -> nn.Module:
-    """A tiny randomly initialised MoE of one family (``r3lightning.testing.tiny.TINY_FAMILIES``);
-    ``overrides``: fields of its Hugging Face config, e.g. ``{num_hidden_layers: 6}``."""
+    """A tiny random MoE of one ``testing.tiny.TINY_FAMILIES`` family; ``overrides``: its HF config's."""
     from r3lightning.testing.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 
     if family not in TINY_FAMILIES:

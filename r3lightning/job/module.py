@@ -1,5 +1,4 @@
-"""The job's LightningModule: GRPO on a Hugging Face causal (MoE) LM, fed left-padded
-``RolloutBatch`` es whose routes the ``RouterReplayCallback`` installs (metrics: docs/concepts)."""
+"""The job's LightningModule: GRPO on a causal (MoE) LM whose routes the replay callback installs."""
 
 from __future__ import annotations
 
@@ -192,8 +191,7 @@ class GRPOModule(pl.LightningModule):
         self._log_epoch({f"used_agreement/layer_{i:02d}": v.float() for i, v in layers}, batch_size)
 
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (FSDP2): :func:`~r3lightning.job.sharded.shard_model`, then
-        a meta-device model reads this rank's shards from ``sharded_weights``; else a no-op."""
+        """Under FSDP2 (``ModelParallelStrategy``): shard, then read a meta model's ``sharded_weights``."""
         mesh = self.device_mesh
         if mesh is None and self.sharded_weights is not None:
             raise ValueError(

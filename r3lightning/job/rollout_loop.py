@@ -1,6 +1,5 @@
-"""The on-policy RL loop around a Lightning fit, one epoch per RL step: at fit start and after every
-step but the last, the trainer's weights go to the engine, every rank waits for that push, then
-collects its own GRPO groups of the next step into its own ``ReplayBuffer`` (no route crosses ranks)."""
+"""The on-policy RL loop around a Lightning fit, one epoch per RL step: the trainer's weights go to the
+engine, then every rank collects its own GRPO groups of the next step into its own ``ReplayBuffer``."""
 
 from __future__ import annotations
 

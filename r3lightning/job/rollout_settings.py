@@ -1,5 +1,4 @@
-"""The job's rollout settings groups as their dataclasses, field for field; a bad value is a one-line
-``JobError`` naming the key (a moved key: its new place)."""
+"""The job's rollout settings groups as their dataclasses; a bad or moved key is a one-line JobError."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Checks the main job's config when it is read (:func:`check_config`), then trains one run from it
-(:func:`train_one`: buffer, model, replay backend, task, module, rollout loop, ``Trainer``, fit)."""
+"""Checks the job's config (:func:`check_config`), then trains one run from it (:func:`train_one`)."""
 
 from __future__ import annotations
 
