@@ -1,9 +1,8 @@
 """A toy tool-use task that the tiny model learns: call the calculator, then answer with its result.
 
-A prompt is fillers, operands ``first_token + a``, ``first_token + b`` and ``ASK``. A turn holding
-``CALL`` gets the observation ``[RESULT, first_token + c]``, ``c = (a + b) % num_classes`` (the
-first call earns ``call_reward``); a turn without it answers and scores :class:`CalculatorReward`
-(0 before any call).
+A prompt ends in operands ``first_token + a``, ``first_token + b`` and ``ASK``. A turn holding
+``CALL`` gets ``[RESULT, first_token + (a + b) % num_classes]`` (the first call earns
+``call_reward``); a turn without it is the answer (:class:`CalculatorReward`, 0 before any call).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from r3lightning.rollout.prompts import RolloutPrompt
-from r3lightning.rollout.tasks import TokenClassReward
+from r3lightning.rollout.tasks import TokenClassReward, check_task_sizes
 
 __all__ = ["CalculatorEnvironment", "CalculatorReward", "CalculatorTask"]
 
@@ -54,20 +53,10 @@ class CalculatorTask:
         call_reward: float = 0.2,
         max_turns: int = 3,
     ) -> None:
-        if num_classes < 2:
-            raise ValueError(f"task.num_classes must be >= 2, got {num_classes}")
-        if prompt_length < 3 or response_length < 1:
-            raise ValueError(
-                "task.prompt_length must be >= 3 (two operands and ASK) and task.response_length >= 1, "
-                f"got {prompt_length} and {response_length}"
-            )
+        free = ("vocab_size - num_classes - 4", vocab_size - num_classes - 4)
+        check_task_sizes(num_classes, (prompt_length, 3), response_length, first_token, free)
         if max_turns < 1:
             raise ValueError(f"task.max_turns must be >= 1, got {max_turns}")
-        if not 0 <= first_token < vocab_size - num_classes - 4:
-            raise ValueError(
-                f"task.first_token must be in [0, vocab_size - num_classes - 4) = "
-                f"[0, {vocab_size - num_classes - 4}), got {first_token}"
-            )
         self.vocab_size, self.num_classes = vocab_size, num_classes
         self.prompt_length, self.response_length = prompt_length, response_length
         self.first_token, self.call_reward, self.max_turns = first_token, float(call_reward), max_turns

@@ -1,14 +1,14 @@
-"""Async HTTP client for one generation request, with routed experts, against a rollout engine.
+"""Async HTTP client for generation requests, with routed experts, against one rollout engine.
 
-Transient failures (connection errors, timeouts, cut-off bodies, 408/429/5xx) are retried with
-capped exponential backoff and jitter, honouring ``Retry-After``; an engine that stops answering
-``/health`` is given up on at once; other 4xx answers and malformed payloads raise at once.
+Transient failures are retried per :class:`RetryPolicy`; other 4xx answers and malformed bodies
+raise at once (the protocols page, "The client", has which is which).
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import random
 import threading
 import time
@@ -78,16 +78,14 @@ def _server_message(text: str) -> str:
 
 
 class RemoteGenerateClient:
-    """Client for one rollout engine; safe to share between concurrent tasks of one event loop.
+    """Client for one rollout engine, shared by the tasks of one event loop at a time (a second,
+    running loop: ``RuntimeError``; give each thread its own, e.g. a pickled copy).
 
-    One event loop at a time (a second, running one: ``RuntimeError``; give each thread its own,
-    e.g. a pickled copy). ``schema``: a ``RouteSchema`` or a model config (:attr:`routes`; SGLang
-    needs ``num_layers``, ``top_k``; ``check_unique=True`` refuses repeated experts in the parse,
-    ``Trajectory`` always). ``retry``: a :class:`~r3lightning.rollout.config.RetryPolicy`;
-    ``model``: the request's model name; ``engine``: ``openai``'s route fields of vLLM or SGLang
-    only. ``max_response_bytes`` caps a body; set :attr:`max_connections` and
+    ``schema``: a ``RouteSchema`` or a model config (:attr:`routes`; SGLang needs ``num_layers``
+    and ``top_k``; ``check_unique=True`` refuses repeated experts in the parse). ``engine``:
+    ``openai``'s route fields of vLLM or SGLang only. Set :attr:`max_connections` and
     :attr:`decode_in_thread_bytes` before the first request. The aiohttp session opens on first
-    use, follows the running loop, closes with :meth:`close` / ``async with``; pickling drops it.
+    use and closes with :meth:`close` / ``async with``; pickling drops it.
     """
 
     max_connections: int = 256
@@ -129,8 +127,6 @@ class RemoteGenerateClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: str | None = None  # name of the thread whose loop owns the session
         self._watch = HealthWatch(self._probe, self.retry)
-
-    # ----------------------------------------------------------------- lifecycle
 
     def _session_for_running_loop(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
@@ -191,8 +187,6 @@ class RemoteGenerateClient:
     def __repr__(self) -> str:
         return f"RemoteGenerateClient({self.base_url!r}, protocol={self.protocol!r}, stats={self.stats})"
 
-    # ----------------------------------------------------------------- requests
-
     def _headers(self, session_id: str | None) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self.api_key is not None:
@@ -211,15 +205,12 @@ class RemoteGenerateClient:
         session_id: str | None = None,
         cache_salt: str | None = None,
     ) -> RemoteGenerateResult:
-        """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is;
-        :func:`~r3lightning.wire.request.engine_sampling_params` spells them per protocol).
+        """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is).
 
-        With ``return_routed_experts`` the engine returns route rows from token
-        ``routed_experts_prompt_start`` on (the rows an earlier turn did not capture): exactly
-        ``P - start + G - 1`` of them, else :class:`MalformedResponseError` (also when they are
-        absent: the message names the engine flag ``--enable-return-routed-experts``). Raises
-        :class:`GenerateRequestError`, :class:`MalformedResponseError` or
-        :class:`RetriesExhaustedError`; never retries a non-retryable failure.
+        With ``return_routed_experts``: exactly ``P - start + G - 1`` route rows from token
+        ``start = routed_experts_prompt_start`` on, else :class:`MalformedResponseError` (absent
+        rows: it names the engine flag ``--enable-return-routed-experts``). Raises
+        :class:`GenerateRequestError`, :class:`MalformedResponseError` or :class:`RetriesExhaustedError`.
         """
         if (
             return_routed_experts
@@ -248,19 +239,16 @@ class RemoteGenerateClient:
         url = f"{self.base_url}{PROTOCOL_PATHS[self.protocol]}"
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
         raw, attempts = await self._send(url, data, self._headers(session_id))
-        want, prompt_len = return_routed_experts, len(prompt_ids)
-
-        def parse() -> RemoteGenerateResult:
-            return parse_response(
-                raw,
-                self.protocol,
-                self.routes,
-                want_routes=want,
-                prompt_len=prompt_len,
-                start=start or 0,
-                url=url,
-            )
-
+        parse = functools.partial(
+            parse_response,
+            raw,
+            self.protocol,
+            self.routes,
+            want_routes=return_routed_experts,
+            prompt_len=len(prompt_ids),
+            start=start or 0,
+            url=url,
+        )
         try:
             result = await asyncio.to_thread(parse) if len(raw) > self.decode_in_thread_bytes else parse()
         except Exception:

@@ -1,9 +1,5 @@
-"""One trajectory: engine turns and environment observations, routes captured turn by turn.
-
-Each turn sends the whole prefix with ``routed_experts_prompt_start`` = the rows the trace holds,
-so only new rows travel. Observation tokens get loss mask 0 and logprob 0 (their rows are still
-replayed). A failure (engine, environment, routes) raises and leaves the trace unfinished.
-"""
+"""One trajectory: engine turns and environment observations, routes captured turn by turn (the
+multi-turn page has the row arithmetic). Observation tokens get loss mask 0 and logprob 0."""
 
 from __future__ import annotations
 
