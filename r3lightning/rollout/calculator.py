@@ -29,8 +29,7 @@ def _answer(prompt_ids: Sequence[int], first_token: int, num_classes: int) -> in
 
 
 class CalculatorReward(TokenClassReward):
-    """The answer's score: the fraction of the expected ``response_length`` tokens in the class
-    of ``(a + b) % num_classes`` (``reward=calculator``)."""
+    """The answer's score (``reward=calculator``): :class:`TokenClassReward` of ``(a + b) % num_classes``."""
 
     def target_class(self, prompt_ids: Sequence[int]) -> int:
         return _answer(prompt_ids, self.first_token, self.num_classes)

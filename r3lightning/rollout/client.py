@@ -66,27 +66,19 @@ def _server_message(text: str) -> str:
         body = orjson.loads(text)
     except orjson.JSONDecodeError:
         body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        for candidate in (
-            error.get("message") if isinstance(error, dict) else error,
-            *map(body.get, ("detail", "message")),
-        ):
-            if isinstance(candidate, str):
-                return candidate[:_MAX_ERROR_TEXT]
-    return text.strip()[:_MAX_ERROR_TEXT]
+    body = body if isinstance(body, dict) else {}
+    error = body.get("error")
+    error = error.get("message") if isinstance(error, dict) else error
+    candidates = (error, body.get("detail"), body.get("message"))
+    return next((c for c in candidates if isinstance(c, str)), text.strip())[:_MAX_ERROR_TEXT]
 
 
 class RemoteGenerateClient:
     """Client for one rollout engine, shared by the tasks of one event loop at a time (a second,
-    running loop: ``RuntimeError``; give each thread its own, e.g. a pickled copy).
-
-    ``schema``: a ``RouteSchema`` or a model config (:attr:`routes`; SGLang needs ``num_layers``
-    and ``top_k``; ``check_unique=True`` refuses repeated experts in the parse). ``engine``:
-    ``openai``'s route fields of vLLM or SGLang only. Set :attr:`max_connections` and
-    :attr:`decode_in_thread_bytes` before the first request. The aiohttp session opens on first
-    use and closes with :meth:`close` / ``async with``; pickling drops it.
-    """
+    running loop: ``RuntimeError``; give each thread its own, e.g. a pickled copy, as pickling
+    drops the aiohttp session). ``schema``: a ``RouteSchema`` or a model config (SGLang needs
+    ``num_layers`` and ``top_k``). ``engine``: ``openai``'s route fields of vLLM or SGLang only.
+    Set :attr:`max_connections` and :attr:`decode_in_thread_bytes` before the first request."""
 
     max_connections: int = 256
     decode_in_thread_bytes: int = 1 << 20  # larger bodies are parsed off the event loop

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from r3lightning.correction.grpo import group_advantages
 from r3lightning.data.trajectory import Trajectory
@@ -60,19 +61,12 @@ async def _gather_or_cancel(work: Iterable[Awaitable[T]]) -> list[T]:
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
-    Args:
-        engines: engine URL(s) and/or configured :class:`RemoteGenerateClient` (s). A URL gets
-            a client with ``config.protocol``, ``schema``, ``retry`` and ``client_options``.
-        reward_fn: ``(prompt, response_ids) -> float | {"score": float}`` (or a coroutine
-            function); or :class:`Environments` for multi-turn trajectories.
-        schema: a :class:`~r3lightning.wire.request.RouteSchema` or the model's config (every
-            decoder layer, dense included); needed when ``config.request_routes``. With
-            ``layers`` (``route_schema(config, layers=...)``) only those layers' routes are kept.
-        process_group: the data-parallel group (default: the default group when
-            ``torch.distributed`` is initialised, else a single rank).
-
-    Cost per step: host-side only; each rank holds its own trajectories' routes and exchanges one
-    all-reduce of a few scalars.
+    ``engines``: URLs (each gets a client with ``config.protocol``, ``schema``, ``retry`` and
+    ``client_options``) and/or configured clients. ``reward_fn``: ``(prompt, response_ids) ->
+    float | {"score": float}``, or :class:`Environments`. ``schema``: a ``RouteSchema`` (with
+    ``layers``: only those decoder layers' routes are kept) or the model's config; needed when
+    ``config.request_routes``. ``process_group``: the data-parallel group (default: the world).
+    Cost per step: host-side only, and one all-reduce of a few scalars.
     """
 
     def __init__(
@@ -123,14 +117,6 @@ class RolloutCollector:
         self.sampling = sampling if sampling is not None else SamplingConfig()
         self.process_group = process_group
         self._pool: ThreadPoolExecutor | None = None
-
-    def _ranks(self) -> tuple[int, int]:
-        """(rank, world size) in the collector's process group."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0, 1
-        return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
 
     @staticmethod
     def assigned_groups(num_groups: int, rank: int, world_size: int) -> range:
@@ -183,7 +169,9 @@ class RolloutCollector:
         ``prompts[g]``. A failure on any rank raises on every rank (after the stats' all-reduce)."""
         check_setting("step", step, low=0, integer=True)
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
-        rank, world = self._ranks()
+        distributed = dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank(self.process_group) if distributed else 0
+        world = dist.get_world_size(self.process_group) if distributed else 1
         mine = self.assigned_groups(len(items), rank, world)
         start = time.perf_counter()
         counters = StepCounters()

@@ -46,11 +46,6 @@ def check_setting(
         raise ValueError(f"{name} must be {' '.join([kind, ' and '.join(bounds)]).strip()}, got {value!r}")
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-
-
 @dataclass(frozen=True)
 class Backoff:
     """Delay before retry ``r`` (1-based): ``min(cap_s, base_s * 2**(r-1))``, less a random
@@ -127,7 +122,8 @@ class CollectorConfig:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
         for name in ("request_routes", "normalize_std", "progress"):
-            _check_bool(name, getattr(self, name))
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_setting("max_in_flight", self.max_in_flight, low=1, integer=True)
         check_setting("reward_threads", self.reward_threads, low=0, integer=True)
 

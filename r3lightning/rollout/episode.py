@@ -89,11 +89,9 @@ async def run_episode(
     call: Call = plain_call,
     where: str = "trajectory",
 ) -> Episode:
-    """Run one trajectory of ``env`` from ``prompt`` (``trace`` None: no routes requested).
-
-    ``call(method, *args)`` runs an environment method (awaiting coroutines; the collector's
-    runs plain ones in its thread pool). Host-side only; one request per turn.
-    """
+    """Run one trajectory of ``env`` from ``prompt`` (``trace`` None: no routes requested);
+    ``call(method, *args)`` runs an environment method. Host-side only; one request per turn; a
+    failure (engine, environment, routes) raises and leaves the trace unfinished."""
     episode = Episode(_token_ids(env, await call(env.reset, prompt), f"{where}: reset()"))
     if not episode.prompt_ids:
         raise ValueError(f"{where}: reset() must return a first observation of at least one token")

@@ -1,5 +1,4 @@
-"""Noticing an engine that accepts connections but never answers, while requests wait on it
-(where only ``timeout_s``, minutes for long generations, would end the wait)."""
+"""Noticing an engine that accepts connections but never answers, sooner than ``timeout_s`` would."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class HealthWatch:
         self.reset()
 
     async def run(self, attempt: Awaitable[T]) -> T:
-        """``attempt``'s result, or :class:`EngineHungError` (the attempt cancelled) once the
-        probes declare the engine hung."""
+        """``attempt``'s result, or :class:`EngineHungError` once the probes declare the engine hung."""
         if self.policy.health_interval_s is None:
             return await attempt
         if self._hung is None or self._hung.done():

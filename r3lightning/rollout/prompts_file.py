@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import orjson
 import torch
@@ -133,10 +133,8 @@ class PromptsFileTask:
         seed: int = 0,
     ) -> None:
         check_setting("task.max_prompt_length", max_prompt_length, low=1, integer=True)
-        if overlong not in ("drop", "truncate_left", "truncate_right"):
-            raise ValueError(
-                f"task.overlong must be 'drop', 'truncate_left' or 'truncate_right', got {overlong!r}"
-            )
+        if overlong not in get_args(Overlong):
+            raise ValueError(f"task.overlong must be one of {list(get_args(Overlong))}, got {overlong!r}")
         if tokenizer is None:
             raise ValueError(
                 "task.tokenizer: a prompts file needs the model's tokenizer; set model=hf_checkpoint "

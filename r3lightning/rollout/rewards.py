@@ -1,5 +1,4 @@
-"""Built-in text rewards with verl's ``compute_score(data_source, solution_str, ground_truth,
-extra_info=None)`` signature, for prompt datasets (the job page, "Real data", has the contract)."""
+"""Built-in verl-style ``compute_score`` text rewards for prompt datasets (see the job page, "Real data")."""
 
 from __future__ import annotations
 

@@ -47,8 +47,7 @@ class RolloutStats:
         return {**scalars, **self.turn_metrics()}
 
     def turn_metrics(self) -> dict[str, float]:
-        """``turns``, ``dropped_groups``, and ``turn_reward/turn_{k}`` and ``route_bytes/turn_{k}``
-        of turn ``k`` (from 1)."""
+        """``turns``, ``dropped_groups``, ``turn_reward/turn_{k}`` and ``route_bytes/turn_{k}`` (k from 1)."""
         out = {"turns": self.turns, "dropped_groups": float(self.dropped_groups)}
         for k, (reward, size) in enumerate(zip(self.turn_rewards, self.turn_route_bytes, strict=True), 1):
             out[f"turn_reward/turn_{k}"], out[f"route_bytes/turn_{k}"] = reward, size
@@ -80,8 +79,7 @@ class EnginesUnavailableError(RemoteGenerateError):
 
 
 def outage(error: BaseException) -> str:
-    """A short clause for why an engine is out: ``HTTP 503 after 5 attempt(s)``, ``connection
-    failed ...``, ``timed out ...``, or the hung-engine message."""
+    """Why an engine is out, in a clause: ``HTTP 503 after 5 attempt(s)``, ``timed out ...``, etc."""
     last = getattr(error, "last_error", error)
     cause = last.__cause__
     if getattr(last, "status", None) is not None:

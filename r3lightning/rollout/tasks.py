@@ -142,8 +142,7 @@ class TokenClassReward:
 
 
 class TokenClassTask:
-    """Prompts of the token-class task (deterministic given the generator); its reward is
-    :class:`TokenClassReward` (also as ``task.reward``)."""
+    """Prompts of the token-class task (deterministic given the generator): :class:`TokenClassReward`'s."""
 
     def __init__(
         self,
