@@ -168,9 +168,7 @@ class RemoteGenerateClient:
         await self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_session"] = state["_slots"] = state["_loop"] = state["_thread"] = state["_watch"] = None
-        return state
+        return self.__dict__ | dict.fromkeys(("_session", "_slots", "_loop", "_thread", "_watch"))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -204,11 +202,8 @@ class RemoteGenerateClient:
         rows: it names the engine flag ``--enable-return-routed-experts``). Raises
         :class:`GenerateRequestError`, :class:`MalformedResponseError` or :class:`RetriesExhaustedError`.
         """
-        if (
-            return_routed_experts
-            and "sglang" in (self.protocol, self.engine)
-            and None in (self.routes.num_layers, self.routes.top_k)
-        ):
+        sglang = "sglang" in (self.protocol, self.engine)
+        if return_routed_experts and sglang and None in (self.routes.num_layers, self.routes.top_k):
             raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
         start = routed_experts_prompt_start
         check_setting("routed_experts_prompt_start", start, low=0, integer=True, optional=True)
@@ -230,18 +225,19 @@ class RemoteGenerateClient:
         self._session_for_running_loop()  # another loop's client: raise before touching stats
         url = f"{self.base_url}{PROTOCOL_PATHS[self.protocol]}"
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-        raw, attempts = await self._send(url, data, self._headers(session_id))
-        parse = functools.partial(
-            parse_response,
-            raw,
-            self.protocol,
-            self.routes,
-            want_routes=return_routed_experts,
-            prompt_len=len(prompt_ids),
-            start=start or 0,
-            url=url,
-        )
+        self.stats.requests += 1
         try:
+            raw, attempts = await self._send(url, data, self._headers(session_id))
+            parse = functools.partial(
+                parse_response,
+                raw,
+                self.protocol,
+                self.routes,
+                want_routes=return_routed_experts,
+                prompt_len=len(prompt_ids),
+                start=start or 0,
+                url=url,
+            )
             result = await asyncio.to_thread(parse) if len(raw) > self.decode_in_thread_bytes else parse()
         except Exception:
             self.stats.failures += 1
@@ -257,11 +253,9 @@ class RemoteGenerateClient:
     async def _probe(self) -> int | None:
         """The status ``GET /health`` answers within ``retry.health_timeout_s``; None if none."""
         session, _ = self._session_for_running_loop()
-        timeout = aiohttp.ClientTimeout(total=self.retry.health_timeout_s)
+        url, timeout = f"{self.base_url}/health", aiohttp.ClientTimeout(total=self.retry.health_timeout_s)
         try:
-            async with session.get(
-                f"{self.base_url}/health", headers=self._headers(None), timeout=timeout
-            ) as answer:
+            async with session.get(url, headers=self._headers(None), timeout=timeout) as answer:
                 await answer.read()
                 return answer.status
         except (aiohttp.ClientError, TimeoutError):
@@ -269,7 +263,6 @@ class RemoteGenerateClient:
 
     async def _send(self, url: str, data: bytes, headers: dict[str, str]) -> tuple[bytes, int]:
         """POST with retries, under the health watch; the body of the 2xx answer and the attempts."""
-        self.stats.requests += 1
         retry = self.retry
         for attempt in range(1, retry.max_attempts + 1):
             self.stats.attempts += 1
@@ -279,7 +272,6 @@ class RemoteGenerateClient:
                     return await self._watch.run(self._attempt(session, url, data, headers)), attempt
             except RetryableGenerateError as error:
                 if attempt == retry.max_attempts or isinstance(error, EngineHungError):
-                    self.stats.failures += 1
                     raise RetriesExhaustedError(attempt, error, url=url) from error
                 self.stats.retries += 1
                 if error.retry_after is not None:
@@ -287,9 +279,6 @@ class RemoteGenerateClient:
                 else:
                     delay = retry.backoff.delay(attempt, self._rng)
                 await asyncio.sleep(delay)
-            except Exception:
-                self.stats.failures += 1
-                raise
         raise AssertionError("unreachable")
 
     async def _attempt(

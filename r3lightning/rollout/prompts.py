@@ -192,14 +192,13 @@ class GuardedReward:
         errors_score_zero: bool = True,
         name: str | None = None,
     ) -> None:
-        if timeout_s is not None and (
-            isinstance(timeout_s, bool) or _real(timeout_s) is None or timeout_s <= 0
-        ):
+        if timeout_s is not None and (isinstance(timeout_s, bool) or (_real(timeout_s) or 0) <= 0):
             raise ValueError(f"timeout_s must be a number > 0 or None, got {timeout_s!r}")
         self.score, self.timeout_s, self.errors_score_zero = score, timeout_s, errors_score_zero
         self.name = name or callable_name(score)
         self._lock = threading.Lock()
-        self._count, self._sums, self._zeros = 0, {}, Counter()  # since pop_metrics: responses, extras, 0s
+        # since pop_metrics: responses scored, sums of their extra entries, zeros of each kind
+        self._count, self._sums, self._zeros = 0, Counter(), Counter()
         self._logged: set[str] = set()  # "failures" / "timeouts" already logged: once per run
 
     def __call__(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
@@ -212,14 +211,11 @@ class GuardedReward:
             if not self.errors_score_zero:
                 raise
             return self._zero("failures", f"raised {type(exc).__name__}: {' '.join(str(exc).split())}", exc)
-        extra = (
-            {str(k): _real(v) for k, v in value.items() if k != "score"} if isinstance(value, Mapping) else {}
-        )
+        pairs = value.items() if isinstance(value, Mapping) else ()
+        extra = {str(k): _real(v) for k, v in pairs if k != "score"}
         with self._lock:
             self._count += 1
-            for key, v in extra.items():
-                if v is not None:
-                    self._sums[key] = self._sums.get(key, 0.0) + v
+            self._sums.update({k: v for k, v in extra.items() if v is not None})  # a Counter: adds
         return reward
 
     def _zero(self, kind: str, what: str, exc: BaseException | None) -> float:
@@ -239,7 +235,7 @@ class GuardedReward:
         then resets them."""
         with self._lock:
             count, sums, zeros = self._count, self._sums, self._zeros
-            self._count, self._sums, self._zeros = 0, {}, Counter()
+            self._count, self._sums, self._zeros = 0, Counter(), Counter()
         metrics = {f"reward/{k}": v / max(count, 1) for k, v in sums.items()}
         return metrics | {f"reward/{kind}": float(zeros[kind]) for kind in ("failures", "timeouts")}
 

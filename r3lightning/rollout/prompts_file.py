@@ -4,6 +4,7 @@ of ``(seed, s)``: a resumed run neither repeats nor skips one, with no cursor to
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -188,13 +189,9 @@ class PromptsFileTask:
     def prompts_for_step(self, step: int, num_prompts: int) -> list[RolloutPrompt]:
         """Positions ``[step * num_prompts, (step + 1) * num_prompts)`` of the epoch sequence; a step
         that crosses an epoch's end continues into the next permutation."""
-        out, orders = [], {}
-        for position in range(step * num_prompts, (step + 1) * num_prompts):
-            epoch, index = divmod(position, len(self.records))
-            if epoch not in orders:
-                orders[epoch] = self.epoch_order(epoch)
-            out.append(self.records[orders[epoch][index]])
-        return out
+        order, n = functools.cache(self.epoch_order), len(self.records)  # one permutation per epoch
+        positions = range(step * num_prompts, (step + 1) * num_prompts)
+        return [self.records[order(p // n)[p % n]] for p in positions]
 
     @property
     def stop_token_ids(self) -> list[int]:
