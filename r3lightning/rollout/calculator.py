@@ -66,11 +66,9 @@ class CalculatorTask:
         """``num_prompts`` prompts of ``prompt_length`` ids (host tensors only)."""
         shape = (num_prompts, self.prompt_length - 3)
         fillers = torch.randint(self.result_token + 1, self.vocab_size, shape, generator=generator)
-        operands = (
-            torch.randint(0, self.num_classes, (num_prompts, 2), generator=generator) + self.first_token
-        )
+        operands = torch.randint(0, self.num_classes, (num_prompts, 2), generator=generator)
         ask = torch.full((num_prompts, 1), self.ask_token)
-        return torch.cat([fillers, operands, ask], dim=1).tolist()
+        return torch.cat([fillers, operands + self.first_token, ask], dim=1).tolist()
 
     def make_environment(self, score: Callable[[RolloutPrompt, list[int]], float]) -> CalculatorEnvironment:
         """One trajectory's environment; ``score(prompt, answer_ids)`` rates the final answer."""

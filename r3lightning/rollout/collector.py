@@ -169,30 +169,24 @@ class RolloutCollector:
         ``prompts[g]``. A failure on any rank raises on every rank (after the stats' all-reduce)."""
         check_setting("step", step, low=0, integer=True)
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
-        distributed = dist.is_available() and dist.is_initialized()
-        rank = dist.get_rank(self.process_group) if distributed else 0
-        world = dist.get_world_size(self.process_group) if distributed else 1
+        group, distributed = self.process_group, dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank(group) if distributed else 0
+        world = dist.get_world_size(group) if distributed else 1
         mine = self.assigned_groups(len(items), rank, world)
         start = time.perf_counter()
         counters = StepCounters()
         error: BaseException | None = None
         trajectories: list[Trajectory] = []
+        show = rank == 0 and self.config.progress
         try:
-            trajectories = await self._collect_groups(items, mine, step, counters, show=rank == 0)
+            trajectories = await self._collect_groups(items, mine, step, counters, show=show)
         except Exception as exc:
             if world == 1:
                 raise
             error = exc
         seconds, failed = time.perf_counter() - start, error is not None
         stats = reduce_step_stats(
-            step,
-            len(items),
-            trajectories,
-            counters,
-            seconds,
-            failed,
-            world_size=world,
-            group=self.process_group,
+            step, len(items), trajectories, counters, seconds, failed, world_size=world, group=group
         )
         if error is not None:
             raise error
@@ -207,9 +201,9 @@ class RolloutCollector:
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
         from tqdm.auto import tqdm  # a transitive dependency, slow to import: only when collecting
 
-        total, shown = len(groups) * self.config.group_size, self.config.progress and show
+        total = len(groups) * self.config.group_size
         bar = tqdm(
-            total=total, desc=f"rollout step {step}", leave=False, disable=not shown, dynamic_ncols=True
+            total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
         counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
@@ -281,9 +275,7 @@ class RolloutCollector:
         trajectories = []
         for episodes in filter(None, kept):  # dropped groups are empty
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]
-            advantages = group_advantages(
-                rewards, self.config.group_size, normalize_std=self.config.normalize_std
-            )
+            advantages = group_advantages(rewards, len(episodes), normalize_std=self.config.normalize_std)
             for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
                 counters.add_turns(episode.turn_rewards, episode.route_bytes)
                 trajectories.append(episode.trajectory(advantage, self.schema and self.schema.layers))

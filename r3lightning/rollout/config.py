@@ -48,9 +48,8 @@ def check_setting(
 
 @dataclass(frozen=True)
 class Backoff:
-    """Delay before retry ``r`` (1-based): ``min(cap_s, base_s * 2**(r-1))``, less a random
-    fraction up to ``jitter`` of it (1: full jitter, 0: none). A ``Retry-After`` header replaces
-    the computed delay, clipped to ``max_retry_after_s``."""
+    """Delay before retry ``r`` (1-based): ``min(cap_s, base_s * 2**(r-1))`` less a random fraction
+    up to ``jitter`` of it; a ``Retry-After`` header replaces it, clipped to ``max_retry_after_s``."""
 
     base_s: float = 0.5
     cap_s: float = 8.0
@@ -69,11 +68,9 @@ class Backoff:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How a client retries one engine (``max_attempts`` per ``generate`` call, spaced by
-    ``backoff``; ``timeout_s`` per attempt, not counting the wait for a free connection) and
-    notices that it hung: ``health_failures`` failed ``/health`` probes in a row, one every
-    ``health_interval_s`` (None: never) while requests wait, end them with
-    :class:`~r3lightning.wire.errors.RetriesExhaustedError` at once."""
+    """How a client retries one engine and notices that it hung (the configuration page has each
+    field): ``health_failures`` failed ``/health`` probes in a row, one every ``health_interval_s``
+    (None: never) while requests wait, end them with ``RetriesExhaustedError`` at once."""
 
     max_attempts: int = 5
     backoff: Backoff = field(default_factory=Backoff)
@@ -102,10 +99,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class CollectorConfig:
-    """How a :class:`~r3lightning.rollout.collector.RolloutCollector` gathers one RL step:
-    ``group_size`` samples per prompt (a GRPO group), ``protocol`` of engines given as URLs,
-    ``normalize_std`` (False: Dr. GRPO advantages), ``max_in_flight`` requests of this rank,
-    ``reward_threads`` (> 0: plain rewards run in a pool of that size), ``progress`` (rank 0's bar)."""
+    """How a :class:`~r3lightning.rollout.collector.RolloutCollector` gathers one RL step (the
+    configuration page has each field): ``group_size`` samples per prompt, a GRPO group."""
 
     group_size: int
     seed: int = 0

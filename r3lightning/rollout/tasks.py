@@ -163,9 +163,7 @@ class TokenClassTask:
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         """``num_prompts`` random prompts of ``prompt_length`` token ids (host tensors only)."""
-        shape = (num_prompts, self.prompt_length - 1)
-        fillers = torch.randint(
-            self.first_token + self.num_classes, self.vocab_size, shape, generator=generator
-        )
+        shape, low = (num_prompts, self.prompt_length - 1), self.first_token + self.num_classes
+        fillers = torch.randint(low, self.vocab_size, shape, generator=generator)
         classes = torch.randint(0, self.num_classes, (num_prompts, 1), generator=generator)
         return torch.cat([fillers, classes + self.first_token], dim=1).tolist()
