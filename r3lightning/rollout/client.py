@@ -1,8 +1,5 @@
-"""Async HTTP client for generation requests, with routed experts, against one rollout engine.
-
-Transient failures are retried per :class:`RetryPolicy`; other 4xx answers and malformed bodies
-raise at once (the protocols page, "The client", has which is which).
-"""
+"""Async HTTP client for generation requests, with routed experts, against one rollout engine:
+transient failures are retried per :class:`RetryPolicy`, other 4xx and malformed bodies raise."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""``RolloutCollector``: prompts -> rollout engines -> scored GRPO groups -> a ``ReplayBuffer``.
-
-Every rank passes the step's global prompt list and collects only its own block of whole groups
-(:meth:`RolloutCollector.assigned_groups`); group ``g`` goes to engine ``g % n`` while it is up.
-The recipes page "Several engines and many ranks" has the outage and multi-rank rules.
-"""
+"""``RolloutCollector``: prompts -> rollout engines -> scored GRPO groups -> a ``ReplayBuffer``
+(the recipes page "Several engines and many ranks" has how groups meet engines and ranks)."""
 
 from __future__ import annotations
 
@@ -326,5 +322,4 @@ class RolloutCollector:
         await self.aclose()
 
     def __repr__(self) -> str:
-        urls = [c.base_url for c in self.clients]
-        return f"RolloutCollector({urls}, {self.config})"
+        return f"RolloutCollector({[c.base_url for c in self.clients]}, {self.config})"

@@ -15,8 +15,6 @@ from r3lightning.wire.request import PROTOCOL_PATHS, RouteSchema
 
 __all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "check_setting", "route_schema"]
 
-PROTOCOLS = tuple(PROTOCOL_PATHS)
-
 
 def check_setting(
     name: str,
@@ -114,8 +112,8 @@ class CollectorConfig:
     def __post_init__(self) -> None:
         check_setting("group_size", self.group_size, low=2, integer=True)
         check_setting("seed", self.seed, integer=True)
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
+        if self.protocol not in PROTOCOL_PATHS:
+            raise ValueError(f"protocol must be one of {list(PROTOCOL_PATHS)}, got {self.protocol!r}")
         for name in ("request_routes", "normalize_std", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

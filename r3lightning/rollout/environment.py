@@ -45,9 +45,8 @@ class TextEnvironment:
 
 
 def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> functools.partial[TextEnvironment]:
-    """Factory of one-turn environments scoring decoded responses with a verl-style
-    ``compute_score``: trajectories equal the collector's single-turn ones with that reward. They
-    share one :class:`TextReward` (``factory.args[0]``, whose ``pop_metrics()`` counts failures)."""
+    """Factory of one-turn environments scoring decoded responses with a verl-style ``compute_score``
+    (as the collector's single turns would), sharing one :class:`TextReward` (``factory.args[0]``)."""
     reward = TextReward(compute_score, functools.partial(tokenizer.decode, skip_special_tokens=True))
     return functools.partial(TextEnvironment, reward)
 

@@ -1,8 +1,5 @@
-"""What a rollout request carries (prompt, sampling settings, seed) and how its answer is scored.
-
-A reward is any ``reward_fn(prompt, response_ids)`` returning a real number or
-``{"score": number, ...}``; :class:`GuardedReward` bounds its time and scores its failures 0.
-"""
+"""What a rollout request carries (prompt, sampling settings, seed) and how its answer is scored:
+``reward_fn(prompt, response_ids)`` returns a real number or ``{"score": number, ...}``."""
 
 from __future__ import annotations
 
