@@ -1,9 +1,6 @@
-"""Tiny randomly initialised Hugging Face MoE models for tests, examples and the embedded server.
-
-Deterministic for a given seed, offline, milliseconds on a CPU. The default is a real
-``Qwen3MoeForCausalLM`` whose layer 0 is dense (``mlp_only_layers``), so the dense-layer rows of
-routes are exercised wherever it is used; :func:`tiny_family_config` builds equally small configs
-of the other router families the Hugging Face replay backend supports.
+"""Tiny randomly initialised Hugging Face MoE models for tests, examples and the embedded server:
+deterministic for a seed, offline, milliseconds on a CPU. The default ``Qwen3MoeForCausalLM`` has
+a dense layer 0 (``mlp_only_layers``), so dense-layer route rows are exercised wherever it is used.
 """
 
 from __future__ import annotations
@@ -72,9 +69,8 @@ def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
 def build_tiny_moe(
     config: PretrainedConfig | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """A randomly initialised causal MoE LM (``tiny_moe_config()`` by default), in eval mode.
-    Init draws from a forked RNG seeded with ``seed`` (the global RNG is untouched; same
-    arguments, same weights) in fp32, then casts to ``dtype``."""
+    """A causal MoE LM (``tiny_moe_config()`` by default) in eval mode, initialised in fp32 from a
+    forked RNG seeded with ``seed`` (the global RNG untouched), then cast to ``dtype``."""
     config = tiny_moe_config() if config is None else config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,31 +1,21 @@
 """A tiny megatron-core MoE language model for the main job (``model=tiny_megatron_moe``).
 
-Megatron-core's own MoE layers, routers and ``RouterReplay``, inside the least a language model
-needs (embedding, RMSNorm + residual per layer, LM head), token-wise and without attention, so it
-runs on a CPU. It speaks the Hugging Face causal-LM calling convention (``model(input_ids=...,
-attention_mask=..., position_ids=...).logits``, a ``config`` with ``vocab_size``), so the embedded
-engine serves it and ``GRPOModule`` trains it unchanged; its routes go through
-:meth:`TinyMegatronMoE.router_replay_backend`. The model sees the padded ``[B, S]`` batch (the
-callback's ``layout_fn``). :func:`megatron_runtime` is the process setup megatron-core needs.
+Megatron-core's own MoE layers, routers and ``RouterReplay`` between an embedding and an LM head,
+token-wise (no attention, so it runs on a CPU), called as a Hugging Face causal LM on the padded
+``[B, S]`` batch: the embedded engine serves it and ``GRPOModule`` trains it unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 __all__ = ["TinyMegatronMoE", "megatron_runtime", "tiny_megatron_moe"]
-
-
-@dataclass
-class _Output:
-    logits: Tensor  # [B, S, V] float32
 
 
 class TinyMegatronMoE(nn.Module):
@@ -44,14 +34,12 @@ class TinyMegatronMoE(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, hidden)
         moe_spec = get_gpt_layer_local_spec(num_experts=transformer_config.num_moe_experts).submodules.mlp
         dense_spec = get_gpt_layer_local_spec().submodules.mlp
-        self.norms = nn.ModuleList()
+        self.norms = nn.ModuleList(nn.RMSNorm(hidden) for _ in transformer_config.moe_layer_freq)
         self.mlps = nn.ModuleList()
         for index, is_moe in enumerate(transformer_config.moe_layer_freq):
-            mlp = build_module(moe_spec if is_moe else dense_spec, config=transformer_config)
+            self.mlps.append(build_module(moe_spec if is_moe else dense_spec, config=transformer_config))
             if is_moe:
-                mlp.set_layer_number(index + 1)  # megatron's 1-based global layer number
-            self.norms.append(nn.RMSNorm(hidden))
-            self.mlps.append(mlp)
+                self.mlps[-1].set_layer_number(index + 1)  # megatron's 1-based global layer number
         self.head = nn.Linear(hidden, config.vocab_size, bias=False)
         self._backend = None
 
@@ -64,8 +52,8 @@ class TinyMegatronMoE(nn.Module):
         return self._backend
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The weights, without megatron's empty ``_extra_state`` entries (``None`` off Transformer
-        Engine): what the rollout engine loads. Checkpoints of a parent module keep them."""
+        """The weights without megatron's ``None`` ``_extra_state`` entries (no Transformer Engine):
+        what the rollout engine loads."""
         out = super().state_dict(*args, **kwargs)
         for key in [k for k, v in out.items() if k.endswith("._extra_state") and v is None]:
             del out[key]
@@ -79,16 +67,16 @@ class TinyMegatronMoE(nn.Module):
         past_key_values: Any = None,
         use_cache: bool = False,
         logits_to_keep: int = 0,
-    ) -> _Output:
-        """``input_ids [B, S]`` -> ``.logits [B, S or logits_to_keep, V]`` (layers run on ``[S, B, H]``).
-        Masks, positions and a cache are accepted and unused: the model is token-wise."""
+    ) -> SimpleNamespace:
+        """``input_ids [B, S]`` -> ``.logits [B, S or logits_to_keep, V]`` float32; masks, positions
+        and a cache are accepted and unused (the model is token-wise)."""
         hidden = self.embed(input_ids).transpose(0, 1)  # [S, B, H]
         for norm, mlp in zip(self.norms, self.mlps, strict=True):
             out, _ = mlp(norm(hidden))
             hidden = hidden + out
         if logits_to_keep:
             hidden = hidden[-logits_to_keep:]
-        return _Output(self.head(hidden).transpose(0, 1).float())
+        return SimpleNamespace(logits=self.head(hidden).transpose(0, 1).float())
 
 
 def tiny_megatron_moe(
@@ -103,9 +91,9 @@ def tiny_megatron_moe(
     max_position_embeddings: int = 256,
     seed: int = 0,
 ) -> TinyMegatronMoE:
-    """A randomly initialised :class:`TinyMegatronMoE` in fp32 (dropless, routing replay on);
-    ``moe_layer_freq``: one 0/1 per layer (default: layer 0 dense). Init draws from a forked RNG
-    seeded with ``seed``. Needs :func:`megatron_runtime`."""
+    """A :class:`TinyMegatronMoE` in fp32 (dropless, routing replay on), initialised from a forked
+    RNG seeded with ``seed``; ``moe_layer_freq``: one 0/1 per layer (default: layer 0 dense). Needs
+    :func:`megatron_runtime`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers import PretrainedConfig
 
@@ -139,12 +127,6 @@ def tiny_megatron_moe(
     return model.eval()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def megatron_runtime(device: str = "cpu") -> Iterator[None]:
     """A world-size-1 process group, megatron's ``parallel_state`` (TP = CP = PP = 1) and the
@@ -158,9 +140,7 @@ def megatron_runtime(device: str = "cpu") -> Iterator[None]:
         own_group = not dist.is_initialized()
         if own_group:
             backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-            )
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         own_state = not parallel_state.model_parallel_is_initialized()
         if own_state:
             parallel_state.initialize_model_parallel()

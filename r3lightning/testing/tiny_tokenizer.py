@@ -1,24 +1,16 @@
 """A tiny character-level tokenizer with a chat template, and a tiny checkpoint directory to go with it.
 
-Real-data runs need what a real checkpoint ships: a tokenizer whose chat template turns messages
-into prompt ids, an EOS id to stop on, and ``decode`` for text rewards. This module builds one
-locally with the ``tokenizers`` library (no hub download), small enough for the tiny models'
-96-id vocabulary: ids 0-2 are ``<pad>``, ``<bos>``, ``<eos>`` as in ``tiny_moe_config``, then the
-chat markers, then one id per character of digits, lower-case letters, space and arithmetic
-punctuation; anything else is ``<unk>``.
-
-    python -m r3lightning.testing.tiny_tokenizer /tmp/tiny-ckpt   # model + tokenizer, offline
-
-writes a directory that ``AutoTokenizer.from_pretrained`` and ``AutoModelForCausalLM.from_pretrained``
-both load, i.e. what ``model=hf_checkpoint model.path=/tmp/tiny-ckpt`` expects.
+Built offline with the ``tokenizers`` library for the tiny models' 96-id vocabulary: ids 0-2 are
+``<pad>``, ``<bos>``, ``<eos>`` as in ``tiny_moe_config``, then ``<unk>``, the chat markers and one
+id per character of :data:`CHARACTERS` (text is lower-cased first; anything else is ``<unk>``).
+``python -m r3lightning.testing.tiny_tokenizer /tmp/tiny-ckpt`` writes a checkpoint that
+``model=hf_checkpoint model.path=/tmp/tiny-ckpt`` loads.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
-import torch
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -32,11 +24,7 @@ CHAT_TEMPLATE = (
 
 
 def build_tiny_tokenizer():
-    """A ``PreTrainedTokenizerFast`` of ``len(SPECIAL_TOKENS + CHAT_MARKERS) + len(CHARACTERS)`` ids.
-
-    Text is lower-cased before it is split into characters, so "What is 2+3?" round-trips as
-    "what is 2+3?".
-    """
+    """A ``PreTrainedTokenizerFast`` of ``len(SPECIAL_TOKENS + CHAT_MARKERS) + len(CHARACTERS)`` ids."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,10 +45,8 @@ def build_tiny_tokenizer():
 
 
 def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", seed: int = 0) -> Path:
-    """Write a tiny randomly initialised MoE model and :func:`build_tiny_tokenizer` to ``directory``.
-
-    The model's config carries the tokenizer's pad / bos / eos ids; weights are saved in fp32.
-    """
+    """Write a tiny MoE model (fp32, the tokenizer's pad / bos / eos ids in its config) and
+    :func:`build_tiny_tokenizer` to ``directory``."""
     from r3lightning.testing.tiny import build_tiny_moe, tiny_family_config
 
     directory = Path(directory)
@@ -71,20 +57,13 @@ def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", se
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    if len(tokenizer) > config.vocab_size:
-        raise ValueError(
-            f"the tiny tokenizer has {len(tokenizer)} ids, more than vocab_size={config.vocab_size}"
-        )
-    model = build_tiny_moe(config, seed=seed, dtype=torch.float32)
-    model.save_pretrained(directory)
+    build_tiny_moe(config, seed=seed).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="Write a tiny MoE checkpoint with a chat tokenizer (offline)."
-    )
+    parser = argparse.ArgumentParser(description="Write a tiny MoE checkpoint with a chat tokenizer.")
     parser.add_argument("directory", type=Path)
     parser.add_argument("--family", default="qwen3_moe")
     parser.add_argument("--seed", type=int, default=0)
