@@ -69,33 +69,30 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerationEngine:
-    """A KV-cached sampling loop over a causal MoE ``model`` (a prefill of the left-padded prompts,
-    then one forward per decode step for the rows still generating) under
-    :func:`~r3lightning.replay.context.record_routes`: a ``P``-token prompt generating ``G`` tokens
-    yields ``P - prompt_start + G - 1`` route rows (the last sampled token is never forwarded).
-    ``config``: :class:`~r3lightning.serve.config.EngineConfig` (``batch_invariant=None``: on unless
-    the model has sliding-window attention or sinks, e.g. gpt-oss). One worker thread batches what
-    :meth:`submit` queues from any thread; a failed batch is rerun one request at a time, so only
-    its cause fails. Cost: two host syncs per row and decode step (token, logprob), a host copy of
-    each forward's routes when asked for, ~12 probe forwards per weight update with a simulated
-    disagreement. :attr:`invariant_tile_rows`: the row tile of the batch-invariant GEMMs."""
+    """A KV-cached sampling loop (prefill of the left-padded prompts, then one forward per decode
+    step for the rows still generating) under :func:`~r3lightning.replay.context.record_routes`: a
+    ``P``-token prompt generating ``G`` tokens yields ``P - prompt_start + G - 1`` route rows. One
+    worker thread batches what :meth:`submit` queues; a failed batch is rerun one request at a
+    time. Cost: two host syncs per row and decode step (token, logprob), a host copy of each
+    forward's routes when asked for, ~12 probe forwards per weight update with a simulated
+    disagreement."""
 
-    invariant_tile_rows: int = 64
+    invariant_tile_rows: int = 64  # the row tile of the batch-invariant GEMMs
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
         self.config = config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        device = config.device if config.device is not None else next(model.parameters()).device
-        self.device = torch.device(device)
+        self.device = torch.device(config.device or next(model.parameters()).device)
         served = serving_copy(model) if config.copy_model else model
-        self.model = served.to(device=self.device, dtype=config.dtype).eval().requires_grad_(False)
+        self.model = served.to(self.device, config.dtype).eval().requires_grad_(False)
         # transformers >= 5.20 renamed past_key_values to cache (the old name warns)
         arguments = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in arguments else "past_key_values"
-        self.batch_invariant = config.batch_invariant
-        if self.batch_invariant is None:
-            self.batch_invariant = batch_invariance_problem(self.model) is None
+        invariant = config.batch_invariant  # None: whenever the model allows
+        self.batch_invariant = (
+            batch_invariance_problem(self.model) is None if invariant is None else invariant
+        )
         if self.batch_invariant:
             make_batch_invariant(self.model)
         routers = as_backend(self.model)  # the route schema record_routes produces
@@ -122,8 +119,8 @@ class GenerationEngine:
             self._calibrate_perturbation()
 
     def check_request(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> None:
-        """``ValueError`` naming the field if ``request`` cannot run on this model (``prompt_field``:
-        what the wire protocol calls the prompt). Cost: two C-speed passes over the prompt."""
+        """``ValueError`` naming the field (the prompt's as ``prompt_field``) if ``request`` cannot
+        run on this model. Cost: two C-speed passes over the prompt."""
         prompt, start, vocab = request.prompt_ids, request.routed_experts_prompt_start, self.vocab_size
         if not (n := len(prompt)):
             raise ValueError(f"{prompt_field} must not be empty")
@@ -147,9 +144,9 @@ class GenerationEngine:
     def generate(
         self, requests: Sequence[GenerationRequest], *, return_exceptions: bool = False
     ) -> list[GenerationOutput]:
-        """Run ``requests`` as one batch on the calling thread (blocks while the model is busy).
-        A request whose sampling fails does not stop the others: with ``return_exceptions`` its
-        entry is the exception, otherwise the first such exception is raised after the batch."""
+        """Run ``requests`` as one batch on the calling thread (blocks while the model is busy). A
+        request whose sampling fails does not stop the others: its entry is the exception with
+        ``return_exceptions``, else the first one is raised after the batch."""
         for request in requests:
             self.check_request(request)
         with self._lock:
@@ -250,8 +247,8 @@ class GenerationEngine:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def submit(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> Future:
-        """Queue ``request`` for the worker thread (after :meth:`check_request`, whose ``ValueError``
-        is raised here); the future resolves to a :class:`GenerationOutput`."""
+        """Queue ``request`` for the worker thread after :meth:`check_request`; the future resolves to
+        a :class:`GenerationOutput`."""
         self.check_request(request, prompt_field=prompt_field)
         future: Future = Future()
         # under the lock close() takes: nothing queued behind the worker's stop sentinel (its
@@ -306,10 +303,9 @@ class GenerationEngine:
             worker.join()
 
     def update_weights(self, state_dict: Mapping[str, Tensor], *, strict: bool = False) -> int:
-        """Copy ``state_dict`` (floating tensors from fp16 up, any device) into the serving model;
-        returns the count. All or nothing: names, shapes, dtypes and values finite in the serving
-        dtype are checked first (:mod:`r3lightning.serve.weights`), then the copy waits for the
-        running batch. Cost: one cast, finiteness pass and copy per tensor."""
+        """Copy ``state_dict`` (any device) into the serving model after the checks of
+        :mod:`r3lightning.serve.weights` (all or nothing), waiting for the running batch; returns the
+        count. Thread-safe. Cost: one cast, finiteness pass and copy per tensor."""
         targets = loadable_targets(self.model)
         bad = next((name for name, value in state_dict.items() if not isinstance(value, Tensor)), None)
         if bad is not None:

@@ -1,9 +1,8 @@
 """Server side of the two generate protocols: request bodies -> requests, outputs -> response bodies.
 
 ``skyrl`` (``POST /skyrl/v1/generate``, vLLM sampling names) and ``sglang`` (``POST /generate``)
-differ in names and layout only (the client side: :mod:`r3lightning.wire.request`). Every parse
-error is a :class:`RequestFieldError` naming the field, whatever the JSON value (a list where a
-number belongs, an unknown key at any level).
+differ in names and layout only (client side: :mod:`r3lightning.wire.request`). Every parse error
+is a :class:`RequestFieldError` naming the field, whatever the JSON value.
 """
 
 from __future__ import annotations
@@ -79,10 +78,10 @@ def _check_keys(values: dict, known: set[str], where: str) -> None:
 def parse_sampling_params(
     params: dict, protocol: str, *, max_new_tokens_cap: int | None = None
 ) -> SamplingParams:
-    """``sampling_params`` -> :class:`SamplingParams`; unknown keys are refused. Names follow the
-    protocol (skyrl ``max_tokens`` / ``seed``, sglang ``max_new_tokens`` / ``sampling_seed``), the
-    other's accepted as aliases, and ``max_new_tokens_cap`` holds under every name. Keys that only
-    shape text are accepted; penalties and the like only at their neutral value."""
+    """``sampling_params`` -> :class:`SamplingParams`. Names follow the protocol (skyrl
+    ``max_tokens`` / ``seed``, sglang ``max_new_tokens`` / ``sampling_seed``; the other's are
+    aliases, all under ``max_new_tokens_cap``); unknown keys are refused, keys that only shape text
+    accepted, penalties and the like only at their neutral value."""
     known = _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set())
     _check_keys(params, known, "sampling_params")
     for key in _TEXT_ONLY_KEYS & {k for k, v in params.items() if v is not None}:
@@ -98,20 +97,16 @@ def parse_sampling_params(
     if "stop_token_ids" in kwargs:
         kwargs["stop_token_ids"] = _token_ids(kwargs["stop_token_ids"], "sampling_params.stop_token_ids")
     for target, names in _ALIASES[protocol].items():
-        given = [name for name in names if params.get(name) is not None]
+        given = [name for name in names if params.get(name) is not None]  # at most two names
+        if len(given) == 2 and params[given[0]] != params[given[1]]:
+            raise RequestFieldError(f"sampling_params sets both {given[0]} and {given[1]} differently")
         if not given:
             continue
-        if any(params[name] != params[given[0]] for name in given[1:]):
-            raise RequestFieldError(f"sampling_params sets both {given[0]} and {given[1]} differently")
-        field = f"sampling_params.{given[0]}"
-        if target == "seed":
-            kwargs[target] = _int(params[given[0]], field, low=0, high=MAX_SEED)
-        else:
-            kwargs[target] = _int(params[given[0]], field, low=1)
-            if max_new_tokens_cap is not None and kwargs[target] > max_new_tokens_cap:
-                raise RequestFieldError(
-                    f"{field} must be <= {max_new_tokens_cap} (this server's cap), got {kwargs[target]}"
-                )
+        field, cap = f"sampling_params.{given[0]}", max_new_tokens_cap
+        bounds = {"low": 0, "high": MAX_SEED} if target == "seed" else {"low": 1}
+        kwargs[target] = value = _int(params[given[0]], field, **bounds)
+        if target == "max_new_tokens" and cap is not None and value > cap:
+            raise RequestFieldError(f"{field} must be <= {cap} (this server's cap), got {value}")
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:  # SamplingParams names its field; on the wire it is sampling_params.<field>
@@ -121,9 +116,9 @@ def parse_sampling_params(
 def parse_generate_request(
     body: Any, protocol: str, *, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None
 ) -> GenerationRequest:
-    """A decoded JSON request body of ``protocol`` -> :class:`GenerationRequest`. Longer prompts
-    than ``max_prompt_tokens`` are refused from their length alone. skyrl returns routes unless
-    ``return_routed_experts`` is false (as SkyRL's server does); the prompt start only narrows them."""
+    """A decoded JSON request body of ``protocol`` -> :class:`GenerationRequest`; a prompt longer
+    than ``max_prompt_tokens`` is refused from its length alone. skyrl returns routes unless
+    ``return_routed_experts`` is false (as SkyRL's server does)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if not isinstance(body, dict):
