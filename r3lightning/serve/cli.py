@@ -1,6 +1,5 @@
 """``r3lightning-serve``: serve a causal MoE model that returns its routes (docs: protocols.md).
-A bad argument or start-up is one line and exit 2; heavy imports wait for the arguments.
-"""
+A bad argument or start-up is one line and exit 2; heavy imports wait for the arguments."""
 
 from __future__ import annotations
 
@@ -134,25 +133,22 @@ def _serve(args: argparse.Namespace) -> None:
     from r3lightning.serve.config import EngineConfig, ServerLimits
     from r3lightning.serve.server import RolloutServer, check_exposure
 
+    level = logging.getLevelName(args.log_level.upper())
+    if not isinstance(level, int):
+        raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         check_exposure(args.host, args.api_key, args.allow_unauthenticated)  # before a model loads
         settings = {name: getattr(args, name) for name in _ENGINE_FLAGS if name != "device"}
         engine = EngineConfig(**settings, device=_device(args.device), copy_model=False)
         limits = ServerLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
-    except ValueError as exc:
-        raise _StartupError(str(exc)) from None
-    level = logging.getLevelName(args.log_level.upper())
-    if not isinstance(level, int):
-        raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
-    try:
+        model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
         exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}
         name = args.model or "r3lightning-tiny-moe"
         server = RolloutServer(
             model, engine=engine, limits=limits, host=args.host, port=args.port, **exposure, model_name=name
         )
-    except ValueError as exc:  # a model the engine cannot serve
+    except ValueError as exc:  # a bad setting, or a model the engine cannot serve
         raise _StartupError(str(exc)) from None
     asyncio.run(_serve_until_signalled(server))
 

@@ -1,5 +1,4 @@
-"""Settings of the embedded engine and server (docs: configuration.md), checked when built; the
-job's ``rollout.server.*`` / ``rollout.limits.*`` and ``r3lightning-serve``'s flags map to fields."""
+"""Settings of the embedded engine and server, checked when built (docs: configuration.md)."""
 
 from __future__ import annotations
 

@@ -69,13 +69,11 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerationEngine:
-    """A KV-cached sampling loop (prefill of the left-padded prompts, then one forward per decode
-    step for the rows still generating) under :func:`~r3lightning.replay.context.record_routes`: a
-    ``P``-token prompt generating ``G`` tokens yields ``P - prompt_start + G - 1`` route rows. One
-    worker thread batches what :meth:`submit` queues; a failed batch is rerun one request at a
-    time. Cost: two host syncs per row and decode step (token, logprob), a host copy of each
-    forward's routes when asked for, ~12 probe forwards per weight update with a simulated
-    disagreement."""
+    """A KV-cached sampling loop under :func:`~r3lightning.replay.context.record_routes` (a
+    ``P``-token prompt generating ``G`` tokens yields ``P - prompt_start + G - 1`` route rows); one
+    worker thread batches what :meth:`submit` queues. Cost: two host syncs per row and decode step,
+    a host copy of each forward's routes when asked for, ~12 probe forwards per weight update with
+    a simulated disagreement."""
 
     invariant_tile_rows: int = 64  # the row tile of the batch-invariant GEMMs
 
@@ -168,8 +166,7 @@ class GenerationEngine:
         params = [r.params for r in requests]
         budgets = [min(p.max_new_tokens, self.max_context - n) for p, n in zip(params, lengths, strict=True)]
         generators = [self._generator(p.seed) for p in params]
-        eos = self.eos_token_ids
-        stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else eos) for p in params]
+        stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
         record = any(r.return_routed_experts for r in requests)
         route_rows: list[list[Tensor]] = [[] for _ in requests]
         version = self.weight_version
@@ -280,8 +277,7 @@ class GenerationEngine:
                 (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
 
     def _run_isolated(self, requests: list[GenerationRequest]) -> list[GenerationOutput | Exception]:
-        """Each request's output or its own exception; the worker lives on whatever fails. A
-        failing batch forward is rerun one request at a time, so only its cause fails."""
+        """Each request's output or its own exception: a failing batch is rerun one at a time."""
         if not requests:
             return []
         try:

@@ -1,7 +1,6 @@
 """Batch-invariant serving: a request's tokens, logprobs and routes do not depend on its batch
 (attention over each row's real keys, the eager expert loop, ``F.linear`` on fixed row tiles; the
-docs' protocols page says why and what it costs). No host syncs.
-"""
+docs' protocols page says why and what it costs). No host syncs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """SIMULATION ONLY: perturb a serving model's router logits to a target routing disagreement
-(docs/demo.md, "Simulated engine disagreement"). Never part of a real deployment.
-"""
+(docs/demo.md, "Simulated engine disagreement"). Never part of a real deployment."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Server side of the two generate protocols: request bodies -> requests, outputs -> response bodies.
-
-``skyrl`` (``POST /skyrl/v1/generate``, vLLM sampling names) and ``sglang`` (``POST /generate``)
-differ in names and layout only (client side: :mod:`r3lightning.wire.request`). Every parse error
-is a :class:`RequestFieldError` naming the field, whatever the JSON value.
-"""
+"""Server side of the ``skyrl`` and ``sglang`` generate protocols (client side:
+:mod:`r3lightning.wire.request`): request bodies -> requests, outputs -> response bodies. Every
+parse error is a :class:`RequestFieldError` naming the field, whatever the JSON value."""
 
 from __future__ import annotations
 
@@ -128,10 +125,8 @@ def parse_generate_request(
         hint = " (text prompts are not supported)" if "text" in body else ""
         raise RequestFieldError(f"{prompt_field} is required (the prompt as a list of token ids){hint}")
     _check_keys(body, _BODY_KEYS[protocol], "the request body")
-    if body.get("stream") not in (None, False):
-        raise RequestFieldError(
-            f"stream = {body['stream']!r} is not supported by this server (accepted: false)"
-        )
+    if (stream := body.get("stream")) not in (None, False):
+        raise RequestFieldError(f"stream = {stream!r} is not supported by this server (accepted: false)")
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise RequestFieldError(f"sampling_params must be a JSON object, got {type(sampling).__name__}")

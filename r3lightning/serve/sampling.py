@@ -1,5 +1,4 @@
-"""Per-request sampling: parameters and the choice of one token from a row of logits. Each row
-of a batch samples with its request's own parameters and seeded ``torch.Generator``."""
+"""Per-request sampling: each row of a batch with its request's parameters and seeded generator."""
 
 from __future__ import annotations
 

@@ -46,14 +46,13 @@ class _HTTPError(Exception):
     def response(self) -> web.Response:
         kind = _ERROR_TYPES.get(self.status, "HTTPError")
         error = {"message": self.message, "type": kind, "code": self.status}
-        response = _json_response({"error": error}, self.status)
-        if self.retry_after is not None:
-            response.headers["Retry-After"] = str(self.retry_after)
-        return response
+        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return _json_response({"error": error}, self.status, headers)
 
 
-def _json_response(payload: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+def _json_response(payload: object, status: int = 200, headers: dict | None = None) -> web.Response:
+    body = orjson.dumps(payload)
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
 
 
 def _too_large(cap: int, declared: int | None) -> _HTTPError:
@@ -180,8 +179,7 @@ class RolloutServer:
             yield chunk
 
     def _admit(self, raw: bytes, protocol: str):
-        """Decode, check and queue one generate body in the decoder thread (the prompt check is a
-        Python pass over its ids): the engine's future and whether logprobs are wanted."""
+        """Decode, check and queue one generate body: the engine's future, whether logprobs are wanted."""
         caps = {"max_prompt_tokens": self.engine.max_context - 1}
         caps["max_new_tokens_cap"] = self.limits.max_new_tokens_cap
         try:

@@ -17,6 +17,12 @@ from torch import Tensor, nn
 
 __all__ = ["TinyMegatronMoE", "megatron_runtime", "tiny_megatron_moe"]
 
+# fixed for the tiny model: one head, no biases, dropless, fp32 on the CPU, routing replay on (it
+# gives every TopKRouter megatron's RouterReplay)
+_MEGATRON_SETTINGS = {"num_attention_heads": 1, "add_bias_linear": False, "moe_enable_routing_replay": True}
+_MEGATRON_SETTINGS |= {"moe_router_load_balancing_type": "none", "moe_token_dispatcher_type": "allgather"}
+_MEGATRON_SETTINGS |= {"use_cpu_initialization": True, "params_dtype": torch.float32}
+
 
 class TinyMegatronMoE(nn.Module):
     """Embedding -> [RMSNorm -> megatron MLP or ``MoELayer``, + residual] x layers -> LM head.
@@ -59,15 +65,7 @@ class TinyMegatronMoE(nn.Module):
             del out[key]
         return out
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool = False,
-        logits_to_keep: int = 0,
-    ) -> SimpleNamespace:
+    def forward(self, input_ids: Tensor, logits_to_keep: int = 0, **unused: Any) -> SimpleNamespace:
         """``input_ids [B, S]`` -> ``.logits [B, S or logits_to_keep, V]`` float32; masks, positions
         and a cache are accepted and unused (the model is token-wise)."""
         hidden = self.embed(input_ids).transpose(0, 1)  # [S, B, H]
@@ -104,23 +102,13 @@ def tiny_megatron_moe(
         num_layers=num_layers,
         hidden_size=hidden_size,
         ffn_hidden_size=ffn_hidden_size,
-        num_attention_heads=1,
         num_moe_experts=num_experts,
         moe_router_topk=top_k,
         moe_layer_freq=freq,
-        moe_enable_routing_replay=True,  # gives every TopKRouter megatron's RouterReplay
-        moe_router_load_balancing_type="none",
-        moe_token_dispatcher_type="allgather",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
+        **_MEGATRON_SETTINGS,
     )
-    config = PretrainedConfig(
-        vocab_size=vocab_size,
-        num_hidden_layers=num_layers,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=0,
-    )
+    sizes = {"vocab_size": vocab_size, "max_position_embeddings": max_position_embeddings}
+    config = PretrainedConfig(**sizes, num_hidden_layers=num_layers, pad_token_id=0)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = TinyMegatronMoE(transformer_config, config)

@@ -33,15 +33,9 @@ def build_tiny_tokenizer():
     core.normalizer = normalizers.Lowercase()
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()  # characters join back without separators
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        additional_special_tokens=list(CHAT_MARKERS),
-        chat_template=CHAT_TEMPLATE,
-    )
+    specials = dict(zip(("pad_token", "bos_token", "eos_token", "unk_token"), SPECIAL_TOKENS, strict=True))
+    markers = {"additional_special_tokens": list(CHAT_MARKERS), "chat_template": CHAT_TEMPLATE}
+    return PreTrainedTokenizerFast(tokenizer_object=core, **specials, **markers)
 
 
 def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", seed: int = 0) -> Path:
@@ -51,13 +45,8 @@ def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", se
 
     directory = Path(directory)
     tokenizer = build_tiny_tokenizer()
-    config = tiny_family_config(
-        family,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    build_tiny_moe(config, seed=seed).save_pretrained(directory)
+    ids = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("pad", "bos", "eos")}
+    build_tiny_moe(tiny_family_config(family, **ids), seed=seed).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
