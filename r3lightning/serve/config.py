@@ -16,9 +16,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 @dataclass(frozen=True)
 class EngineConfig:
     """How a :class:`~r3lightning.serve.engine.GenerationEngine` serves. ``device`` None: the
-    model's; ``seed``: of requests that send none (and of the default model); ``copy_model=False``
-    serves the model itself, cast in place; ``simulated_disagreement``: SIMULATION, the share of
-    expert slots the router logits are perturbed to flip (None: off)."""
+    model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
+    (SIMULATION): the share of expert slots flipped by perturbed router logits."""
 
     dtype: torch.dtype | str = torch.bfloat16
     device: torch.device | str | None = None
@@ -47,8 +46,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class ServerLimits:
     """What a :class:`~r3lightning.serve.server.RolloutServer` accepts. ``max_new_tokens_cap`` None:
-    the context; ``max_request_bytes`` None: a full-context prompt's 24 bytes a token + 64 KiB;
-    idle keep-alive connections also close after ``header_timeout_s``."""
+    the context; ``max_request_bytes`` None: 24 bytes a context token + 64 KiB."""
 
     max_queue: int = 256
     max_new_tokens_cap: int | None = 4096

@@ -30,8 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt to continue; ``routed_experts_prompt_start``: the first route row to return
-    (the rows the caller already holds for this conversation; 0 = all)."""
+    """One prompt to continue; ``routed_experts_prompt_start``: the first route row to return."""
 
     prompt_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -55,9 +54,8 @@ class GenerationOutput:
 
 
 def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A fresh instance of ``model``'s class from its config, with a copy of its weights: none of
-    the source's hooks (a training model's replay backend must not see serving forwards),
-    gradients or wrappers. Cost: one init (from a forked RNG) and one copy of every tensor."""
+    """A fresh ``type(model)(config)`` with a copy of the weights, without the source's hooks (its
+    replay backend must not see serving forwards): one init (forked RNG) and one tensor copy."""
     if getattr(model, "config", None) is None:
         raise TypeError(f"expected a Hugging Face causal LM with a .config, got {type(model).__name__}")
     with torch.random.fork_rng(devices=[]):
@@ -142,9 +140,8 @@ class GenerationEngine:
     def generate(
         self, requests: Sequence[GenerationRequest], *, return_exceptions: bool = False
     ) -> list[GenerationOutput]:
-        """Run ``requests`` as one batch on the calling thread (blocks while the model is busy). A
-        request whose sampling fails does not stop the others: its entry is the exception with
-        ``return_exceptions``, else the first one is raised after the batch."""
+        """Run ``requests`` as one batch on the calling thread; a request whose sampling fails gets
+        its exception as its entry with ``return_exceptions``, else the first is raised after."""
         for request in requests:
             self.check_request(request)
         with self._lock:
@@ -248,8 +245,7 @@ class GenerationEngine:
         a :class:`GenerationOutput`."""
         self.check_request(request, prompt_field=prompt_field)
         future: Future = Future()
-        # under the lock close() takes: nothing queued behind the worker's stop sentinel (its
-        # future would never resolve), no worker started after close()
+        # under close()'s lock: nothing queued behind the stop sentinel, no worker after close()
         with self._worker_lock:
             if self._closed:
                 raise RuntimeError("the generation engine is closed")
@@ -299,9 +295,8 @@ class GenerationEngine:
             worker.join()
 
     def update_weights(self, state_dict: Mapping[str, Tensor], *, strict: bool = False) -> int:
-        """Copy ``state_dict`` (any device) into the serving model after the checks of
-        :mod:`r3lightning.serve.weights` (all or nothing), waiting for the running batch; returns the
-        count. Thread-safe. Cost: one cast, finiteness pass and copy per tensor."""
+        """Copy ``state_dict`` into the serving model after the checks of :mod:`~r3lightning.serve.weights`
+        (all or nothing) and the running batch; returns the count. One cast, check and copy a tensor."""
         targets = loadable_targets(self.model)
         bad = next((name for name, value in state_dict.items() if not isinstance(value, Tensor)), None)
         if bad is not None:

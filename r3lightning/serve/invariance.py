@@ -71,8 +71,7 @@ def batch_invariance_problem(model: nn.Module) -> str | None:
 
 
 def make_batch_invariant(model: nn.Module) -> None:
-    """Switch ``model`` to what :func:`batch_invariant` covers: its attention, the eager experts and
-    the row-tiling hooks. ``ValueError`` if :func:`batch_invariance_problem` finds a problem."""
+    """Switch ``model`` to row-invariant attention, eager experts and row-tiled weight modules."""
     problem = batch_invariance_problem(model)
     if problem is not None:
         raise ValueError(f"batch-invariant serving is not supported: {problem}")

@@ -26,11 +26,9 @@ _PROBE_SHAPE, _BISECTIONS = (8, 16), 8  # probe [sequences, length]; steps after
 
 
 class RouterLogitPerturbation:
-    """Forward hooks, ahead of the routers' others (a route recorder sees the perturbed experts),
-    that add ``scale * hidden @ R.T`` to every router's logits (``R``: ``N(0, 1/hidden)``
-    ``[experts, hidden]``; a function of each token alone, so serving stays batch invariant) and
-    recompute its experts and gate weights. ``target`` in ``[0, 0.5]``; ``seed`` fixes ``R`` and
-    the probe batch. :meth:`calibrate` after every weight change; :meth:`remove` detaches."""
+    """Forward hooks, ahead of the routers' others, adding ``scale * hidden @ R.T`` to every router's
+    logits (``R``: ``N(0, 1/hidden) [experts, hidden]``, fixed by ``seed`` with the probe batch) and
+    recomputing its experts and gate weights; ``target`` in ``[0, 0.5]``."""
 
     def __init__(self, model: nn.Module, target: float, *, seed: int = 0):
         check_setting("simulated_disagreement", target, low=0, high=0.5)
@@ -69,9 +67,8 @@ class RouterLogitPerturbation:
         return hook
 
     def calibrate(self, routes: Callable[[], Tensor]) -> float:
-        """Set and return :attr:`scale`, the one whose probe slot disagreement is closest to the
-        target (``routes()``: the probe's MoE-layer experts ``[..., K]``). A bracket from a fixed
-        start, then log-scale bisection: about 11 deterministic probe forwards."""
+        """Set and return the :attr:`scale` whose probe disagreement is closest to the target
+        (``routes()``: the probe's MoE-layer experts ``[..., K]``); about 11 probe forwards."""
         if self.target == 0.0:
             self.scale = self.measured = 0.0
             return 0.0
@@ -83,8 +80,7 @@ class RouterLogitPerturbation:
                 self.scale = scale
                 return 1.0 - float(agreement_hits(routes().flatten(0, -2), native).float().mean())
 
-            # the disagreement grows with the scale; always the same bracket, so the scale depends
-            # on the weights alone, never on what the engine calibrated before
+            # a fixed bracket, then log-scale bisection: the scale depends on the weights alone
             low, high = 0.0, 1.0
             while (measured_high := measure(high)) < self.target and high < 4.0**40:
                 low, high = high, high * 4

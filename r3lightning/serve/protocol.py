@@ -28,8 +28,7 @@ _PLAIN = ("temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")  # sa
 # keys that only shape text output (never produced here): any bool is accepted
 _TEXT_ONLY_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
 _TEXT_ONLY_KEYS.add("detokenize")
-# keys accepted only at the value that leaves sampling unchanged (n: one request per sample;
-# logprobs: the sampled token's is always returned): any other asks for what this engine lacks
+# keys accepted only at their no-op value (n: one request per sample; logprobs: always returned)
 _NEUTRAL_VALUES: dict[str, tuple] = {"min_p": (0, 0.0), "min_tokens": (0,), "n": (1,), "stop": ([],)}
 _NEUTRAL_VALUES |= {"repetition_penalty": (1, 1.0), "logprobs": (0, 1), "presence_penalty": (0, 0.0)}
 _NEUTRAL_VALUES["frequency_penalty"] = (0, 0.0)
@@ -75,10 +74,8 @@ def _check_keys(values: dict, known: set[str], where: str) -> None:
 def parse_sampling_params(
     params: dict, protocol: str, *, max_new_tokens_cap: int | None = None
 ) -> SamplingParams:
-    """``sampling_params`` -> :class:`SamplingParams`. Names follow the protocol (skyrl
-    ``max_tokens`` / ``seed``, sglang ``max_new_tokens`` / ``sampling_seed``; the other's are
-    aliases, all under ``max_new_tokens_cap``); unknown keys are refused, keys that only shape text
-    accepted, penalties and the like only at their neutral value."""
+    """``sampling_params`` -> :class:`SamplingParams`: the other protocol's names are aliases, all
+    under ``max_new_tokens_cap``; unknown keys refused, penalties only at their neutral value."""
     known = _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set())
     _check_keys(params, known, "sampling_params")
     for key in _TEXT_ONLY_KEYS & {k for k, v in params.items() if v is not None}:
@@ -113,9 +110,8 @@ def parse_sampling_params(
 def parse_generate_request(
     body: Any, protocol: str, *, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None
 ) -> GenerationRequest:
-    """A decoded JSON request body of ``protocol`` -> :class:`GenerationRequest`; a prompt longer
-    than ``max_prompt_tokens`` is refused from its length alone. skyrl returns routes unless
-    ``return_routed_experts`` is false (as SkyRL's server does)."""
+    """A decoded JSON body of ``protocol`` -> :class:`GenerationRequest` (skyrl: routes unless
+    ``return_routed_experts`` is false, as SkyRL's server does)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if not isinstance(body, dict):

@@ -18,10 +18,9 @@ MAX_TOP_K = 2**31 - 1  # beyond any vocabulary only disables the filter; the bou
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples: ``temperature`` 0 is greedy, else in :data:`TEMPERATURE_RANGE`;
-    ``top_k <= 0`` and ``top_p == 1`` are off. It stops after ``max_new_tokens`` (``"length"``) or at
-    a sampled token of ``stop_token_ids`` or, unless ``ignore_eos``, EOS (``"stop"``, token kept).
-    ``seed`` None: one from the engine's seeded generator."""
+    """How one request samples: ``temperature`` 0 is greedy; ``top_k <= 0`` and ``top_p == 1`` are
+    off; it stops after ``max_new_tokens`` (``"length"``) or at a sampled token of ``stop_token_ids``
+    or, unless ``ignore_eos``, EOS (``"stop"``, token kept); ``seed`` None: the engine's."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0

@@ -79,10 +79,9 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
 
 
 class RolloutServer:
-    """Serve ``model`` (default: ``build_tiny_moe(seed=engine.seed)``) on ``host:port`` (0: a free
-    one, see :attr:`url`). With ``api_key`` every route but ``/health`` needs ``Authorization:
-    Bearer <api_key>``, which a non-loopback host requires unless ``allow_unauthenticated``. Use as
-    ``async with`` in a running loop, or as ``with`` (its own loop in a daemon thread); it runs once."""
+    """Serve ``model`` (default: the tiny MoE) on ``host:port`` (0: a free one); with ``api_key``
+    every route but ``/health`` needs ``Authorization: Bearer <api_key>``. Use as ``async with`` in a
+    running loop, or as ``with`` (its own loop in a daemon thread); it runs once."""
 
     def __init__(
         self,
@@ -213,10 +212,9 @@ class RolloutServer:
         return _json_response(build_response(output, protocol, **names, logprobs=logprobs))
 
     async def _health(self, request: web.Request) -> web.Response:
-        e = self.engine
-        health = {"status": "ok", "model": self.model_name, "num_layers": e.num_layers, "top_k": e.top_k}
-        health |= {"num_experts": e.num_experts, "vocab_size": e.vocab_size, "max_context": e.max_context}
-        return _json_response(health | {"weight_version": e.weight_version})
+        fields = ("num_layers", "top_k", "num_experts", "vocab_size", "max_context", "weight_version")
+        health = {name: getattr(self.engine, name) for name in fields}
+        return _json_response({"status": "ok", "model": self.model_name} | health)
 
     async def _update_weights(self, request: web.Request) -> web.Response:
         strict_arg = request.query.get("strict", "false").lower()

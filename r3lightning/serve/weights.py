@@ -1,7 +1,6 @@
-"""What a serving model may load, in process and over HTTP: its parameters and persistent buffers
-in their shapes (``strict``: every name); floating tensors only from floating sources of 16 bits
-or more (fp8, ints or bools would be cast silently), other buffers only from their own dtype;
-values finite in the serving dtype (one NaN or inf makes every later sample token 0)."""
+"""What a serving model may load: its parameters and persistent buffers in their shapes, floating
+ones only from floats of 16 bits or more (fp8, ints, bools would be cast silently), the others
+from their own dtype, values finite in the serving dtype (a NaN makes every later token 0)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def check_weights(
 
 def check_finite(state_dict: Mapping[str, Tensor], targets: Mapping[str, Tensor]) -> None:
     """``ValueError`` naming the first floating tensor not finite once cast to its target's dtype
-    (NaN, inf, or beyond its range: float32 ``3.4e38`` into bfloat16). One cast and finiteness pass
-    per tensor, one tensor at a time (no second copy of the weights); one host sync per device."""
+    (``3.4e38`` into bfloat16 too). One cast and check a tensor at a time; one host sync a device."""
     by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
     for name, value in state_dict.items():
         if value.is_floating_point():

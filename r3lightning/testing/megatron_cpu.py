@@ -1,9 +1,6 @@
-"""The patches megatron-core 0.16 needs to run MoE layers without CUDA or Transformer Engine
-(tests, ``scripts/gpu_check.py``, the megatron example, the job's CPU rehearsal), undone on exit:
-``moe_utils.te_general_gemm = None`` selects megatron's own ``torch.mm`` gating (no Transformer
-Engine); on the CPU, ``torch.cuda.current_device()`` is ``"cpu"``, the activation checkpoint's
-CUDA RNG save/restore are no-ops and the pipeline schedules' ``"cuda"`` tensors are made on the CPU.
-"""
+"""The patches megatron-core 0.16 needs to run MoE layers without Transformer Engine (torch.mm
+gating) or CUDA (``current_device()`` is ``"cpu"``, no CUDA RNG state, the pipeline schedules'
+``"cuda"`` tensors on the CPU): tests, ``scripts/gpu_check.py``, the megatron example."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Tiny randomly initialised Hugging Face MoE models for tests, examples and the embedded server:
-deterministic for a seed, offline, milliseconds on a CPU. The default ``Qwen3MoeForCausalLM`` has
-a dense layer 0 (``mlp_only_layers``), so dense-layer route rows are exercised wherever it is used.
-"""
+"""Tiny randomly initialised Hugging Face MoE models (deterministic, offline, milliseconds on a
+CPU); the default ``Qwen3MoeForCausalLM`` has a dense layer 0, so dense route rows are exercised."""
 
 from __future__ import annotations
 

@@ -17,25 +17,22 @@ from torch import Tensor, nn
 
 __all__ = ["TinyMegatronMoE", "megatron_runtime", "tiny_megatron_moe"]
 
-# fixed for the tiny model: one head, no biases, dropless, fp32 on the CPU, routing replay on (it
-# gives every TopKRouter megatron's RouterReplay)
+# one head, no biases, dropless, fp32 on the CPU, a RouterReplay in every TopKRouter
 _MEGATRON_SETTINGS = {"num_attention_heads": 1, "add_bias_linear": False, "moe_enable_routing_replay": True}
 _MEGATRON_SETTINGS |= {"moe_router_load_balancing_type": "none", "moe_token_dispatcher_type": "allgather"}
 _MEGATRON_SETTINGS |= {"use_cpu_initialization": True, "params_dtype": torch.float32}
 
 
 class TinyMegatronMoE(nn.Module):
-    """Embedding -> [RMSNorm -> megatron MLP or ``MoELayer``, + residual] x layers -> LM head.
-    ``transformer_config``: megatron's (``moe_enable_routing_replay=True``); ``config``: what the
-    job and the engine read (``vocab_size``, ``num_hidden_layers``, ``max_position_embeddings``)."""
+    """Embedding -> [RMSNorm -> megatron MLP or ``MoELayer``, + residual] x layers -> LM head;
+    ``config``: what the job and the engine read (vocabulary, layers, context)."""
 
     def __init__(self, transformer_config: Any, config: Any) -> None:
         super().__init__()
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.spec_utils import build_module
 
-        self.transformer_config = transformer_config
-        self.config = config
+        self.transformer_config, self.config = transformer_config, config
         hidden = transformer_config.hidden_size
         self.embed = nn.Embedding(config.vocab_size, hidden)
         moe_spec = get_gpt_layer_local_spec(num_experts=transformer_config.num_moe_experts).submodules.mlp
@@ -124,18 +121,12 @@ def megatron_runtime(device: str = "cpu") -> Iterator[None]:
 
     from r3lightning.testing.megatron_cpu import megatron_device_shims
 
-    with megatron_device_shims(device):
-        own_group = not dist.is_initialized()
-        if own_group:
+    with megatron_device_shims(device), contextlib.ExitStack() as undo:
+        if not dist.is_initialized():
             backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        own_state = not parallel_state.model_parallel_is_initialized()
-        if own_state:
+            undo.callback(dist.destroy_process_group)
+        if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel()
-        try:
-            yield
-        finally:
-            if own_state:
-                parallel_state.destroy_model_parallel()
-            if own_group:
-                dist.destroy_process_group()
+            undo.callback(parallel_state.destroy_model_parallel)  # runs first
+        yield

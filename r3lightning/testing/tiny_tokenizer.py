@@ -1,11 +1,7 @@
-"""A tiny character-level tokenizer with a chat template, and a tiny checkpoint directory to go with it.
-
-Built offline with the ``tokenizers`` library for the tiny models' 96-id vocabulary: ids 0-2 are
-``<pad>``, ``<bos>``, ``<eos>`` as in ``tiny_moe_config``, then ``<unk>``, the chat markers and one
-id per character of :data:`CHARACTERS` (text is lower-cased first; anything else is ``<unk>``).
-``python -m r3lightning.testing.tiny_tokenizer /tmp/tiny-ckpt`` writes a checkpoint that
-``model=hf_checkpoint model.path=/tmp/tiny-ckpt`` loads.
-"""
+"""A tiny character-level tokenizer with a chat template (ids 0-2 ``<pad>``, ``<bos>``, ``<eos>``
+as in ``tiny_moe_config``, then ``<unk>``, the chat markers and one id per lower-cased character
+of :data:`CHARACTERS`), and ``python -m r3lightning.testing.tiny_tokenizer DIR`` writing a tiny
+checkpoint with it that ``model=hf_checkpoint model.path=DIR`` loads (offline)."""
 
 from __future__ import annotations
 
