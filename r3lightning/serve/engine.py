@@ -67,11 +67,9 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerationEngine:
-    """A KV-cached sampling loop under :func:`~r3lightning.replay.context.record_routes` (a
-    ``P``-token prompt generating ``G`` tokens yields ``P - prompt_start + G - 1`` route rows); one
-    worker thread batches what :meth:`submit` queues. Cost: two host syncs per row and decode step,
-    a host copy of each forward's routes when asked for, ~12 probe forwards per weight update with
-    a simulated disagreement."""
+    """A KV-cached sampling loop recording routes (``P`` prompt and ``G`` sampled tokens: ``P -
+    prompt_start + G - 1`` rows); one worker thread batches what :meth:`submit` queues. Cost: two
+    host syncs per row and step, a host copy of each forward's routes when asked for."""
 
     invariant_tile_rows: int = 64  # the row tile of the batch-invariant GEMMs
 
@@ -213,8 +211,7 @@ class GenerationEngine:
     def _forward(
         self, ids: Tensor, mask: Tensor, positions: Tensor, starts: list[int], cache=None, record: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One forward (``cache`` None: none kept): last-position float32 logits ``[B, V]`` and, if
-        ``record``, host routes ``[B, S, L, K]``. ``starts``: each row's first real key."""
+        """One forward: last-position fp32 logits ``[B, V]``, host routes ``[B, S, L, K]`` if ``record``."""
         kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, self._cache_arg: cache}
         tile = self.invariant_tile_rows
         invariant = batch_invariant(starts, tile) if self.batch_invariant else contextlib.nullcontext()

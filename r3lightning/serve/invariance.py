@@ -60,8 +60,7 @@ def row_invariant_attention(
 
 
 def batch_invariance_problem(model: nn.Module) -> str | None:
-    """Why :func:`row_invariant_attention` cannot stand in for ``model``'s attention, or None:
-    not a transformers model, sliding-window layers or attention sinks (gpt-oss)."""
+    """Why ``model`` cannot be batch invariant (not transformers, sliding windows, sinks), or None."""
     name = type(model).__name__
     if not hasattr(model, "set_attn_implementation"):
         return f"{name} is not a transformers model"

@@ -50,8 +50,7 @@ class SamplingParams:
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Sample one token from float32 ``logits [V]``: ``(token, logprob)``. Two device->host syncs
-    (token and logprob); a ``[V]`` sort only when ``top_p < 1``."""
+    """``(token, logprob)`` from float32 ``logits [V]``: two host syncs, a ``[V]`` sort if ``top_p < 1``."""
     if params.temperature == 0.0:
         token = int(logits.argmax())
         return token, float(logits.log_softmax(-1)[token])

@@ -240,8 +240,7 @@ class RolloutServer:
         return _json_response({"updated": updated, "weight_version": self.engine.weight_version})
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> int:
-        """:meth:`GenerationEngine.update_weights`: blocks until the running batch ends (from the
-        server's loop: ``await asyncio.to_thread(server.update_weights, sd)``)."""
+        """:meth:`GenerationEngine.update_weights`, blocking (on the server's loop: ``asyncio.to_thread``)."""
         return self.engine.update_weights(state_dict, strict=strict)
 
     async def start(self) -> RolloutServer:

@@ -23,8 +23,7 @@ def loadable_targets(model: torch.nn.Module) -> dict[str, Tensor]:
 def check_weights(
     targets: Mapping[str, Tensor], specs: Mapping[str, tuple], *, strict: bool, where: str = "state_dict"
 ) -> None:
-    """``ValueError`` naming the tensor unless ``specs`` (name -> (dtype, shape)) may load into
-    ``targets`` (the values are :func:`check_finite`'s)."""
+    """``ValueError`` naming the tensor unless ``specs`` (name -> (dtype, shape)) fit ``targets``."""
     unknown, missing = sorted(set(specs) - set(targets)), sorted(set(targets) - set(specs))
     if unknown:
         odd = "names that are not parameters or persistent buffers of the model"

@@ -59,8 +59,7 @@ def tiny_family_config(family: str, **overrides: Any) -> PretrainedConfig:
 
 
 def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
-    """Tiny Qwen3-MoE config: vocab 96, hidden 64, 4 layers (layer 0 dense), 8 experts, top-2,
-    ``norm_topk_prob=True`` as in the released Qwen3 MoE checkpoints."""
+    """Tiny Qwen3-MoE config: vocab 96, hidden 64, 4 layers (layer 0 dense), 8 experts, top-2."""
     return tiny_family_config("qwen3_moe", **overrides)
 
 

@@ -2,8 +2,7 @@
 
 Megatron-core's own MoE layers, routers and ``RouterReplay`` between an embedding and an LM head,
 token-wise (no attention, so it runs on a CPU), called as a Hugging Face causal LM on the padded
-``[B, S]`` batch: the embedded engine serves it and ``GRPOModule`` trains it unchanged.
-"""
+``[B, S]`` batch: the embedded engine serves it and ``GRPOModule`` trains it unchanged."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class TinyMegatronMoE(nn.Module):
         return self._backend
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The weights without megatron's ``None`` ``_extra_state`` entries (no Transformer Engine):
-        what the rollout engine loads."""
+        """The weights without megatron's ``None`` ``_extra_state`` entries: what the engine loads."""
         out = super().state_dict(*args, **kwargs)
         for key in [k for k, v in out.items() if k.endswith("._extra_state") and v is None]:
             del out[key]
@@ -86,9 +84,8 @@ def tiny_megatron_moe(
     max_position_embeddings: int = 256,
     seed: int = 0,
 ) -> TinyMegatronMoE:
-    """A :class:`TinyMegatronMoE` in fp32 (dropless, routing replay on), initialised from a forked
-    RNG seeded with ``seed``; ``moe_layer_freq``: one 0/1 per layer (default: layer 0 dense). Needs
-    :func:`megatron_runtime`."""
+    """A :class:`TinyMegatronMoE` in fp32 from a forked RNG seeded with ``seed``; ``moe_layer_freq``:
+    one 0/1 per layer (default: layer 0 dense). Needs :func:`megatron_runtime`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers import PretrainedConfig
 
@@ -114,8 +111,8 @@ def tiny_megatron_moe(
 
 @contextlib.contextmanager
 def megatron_runtime(device: str = "cpu") -> Iterator[None]:
-    """A world-size-1 process group, megatron's ``parallel_state`` (TP = CP = PP = 1) and the
-    device shims; what this call set up is torn down on exit (an existing group is left alone)."""
+    """A one-rank process group and megatron's ``parallel_state`` unless set up, the device shims;
+    what it set up is undone on exit."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -35,8 +35,7 @@ def build_tiny_tokenizer():
 
 
 def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", seed: int = 0) -> Path:
-    """Write a tiny MoE model (fp32, the tokenizer's pad / bos / eos ids in its config) and
-    :func:`build_tiny_tokenizer` to ``directory``."""
+    """Write a tiny fp32 MoE model and :func:`build_tiny_tokenizer` (ids in sync) to ``directory``."""
     from r3lightning.testing.tiny import build_tiny_moe, tiny_family_config
 
     directory = Path(directory)
@@ -52,8 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--family", default="qwen3_moe")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(save_tiny_checkpoint(args.directory, family=args.family, seed=args.seed))
+    print(save_tiny_checkpoint(**vars(parser.parse_args(argv))))
 
 
 if __name__ == "__main__":
