@@ -83,10 +83,9 @@ class GenerationEngine:
         # transformers >= 5.20 renamed past_key_values to cache (the old name warns)
         arguments = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in arguments else "past_key_values"
-        invariant = config.batch_invariant  # None: whenever the model allows
-        self.batch_invariant = (
-            batch_invariance_problem(self.model) is None if invariant is None else invariant
-        )
+        self.batch_invariant = config.batch_invariant
+        if self.batch_invariant is None:  # whenever the model allows
+            self.batch_invariant = batch_invariance_problem(self.model) is None
         if self.batch_invariant:
             make_batch_invariant(self.model)
         routers = as_backend(self.model)  # the route schema record_routes produces
