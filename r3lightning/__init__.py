@@ -1,9 +1,8 @@
 """r3lightning: Rollout Routing Replay (R3) for Mixture-of-Experts RL in PyTorch Lightning.
 
-``__all__`` is what a user of the data module, the callback, the client, the collector and the
-server needs; the rest is imported from its module. Names resolve on first use: ``import
-r3lightning`` imports no Lightning, transformers or megatron-core.
-"""
+``__all__`` is what users of the data module, callback, client, collector and server need; the rest
+is imported from its module. Names resolve on first use: ``import r3lightning`` imports no
+Lightning, transformers or megatron-core."""
 
 from __future__ import annotations
 

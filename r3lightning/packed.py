@@ -1,10 +1,6 @@
-"""``PackedTensor``: a ragged batch as one dense buffer plus int32 offsets.
-
-A CPU copy of the offsets travels alongside and plans every operation, so slicing, gathering,
-padding and moving a GPU ``PackedTensor`` never sync with the device, unless the caller hands in
-device-resident indices, lengths or offsets (said per method). Segment views (``pt[i]``,
-``pt[a:b]``) alias ``values``; every reordering returns new storage.
-"""
+"""``PackedTensor``: a ragged batch as one dense buffer plus int32 offsets, whose CPU copy plans
+every operation: no method syncs with the device unless handed device-resident indices, lengths or
+offsets (said per method). Views (``pt[i]``, ``pt[a:b]``) alias ``values``; reorderings copy."""
 
 from __future__ import annotations
 
@@ -42,12 +38,10 @@ _EMPTY = "use PackedTensor.empty(row_shape, dtype=..., device=...) for a batch o
 
 
 class PackedTensor:
-    """Ragged batch: ``values [sum(lengths), *row_shape]`` (any dtype, device) and int32
-    ``cu_seqlens [B + 1]`` on their device (from 0, non-decreasing, ending at the row count; segment
-    ``i`` is ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``). ``cu_seqlens_host``, a CPU copy trusted
-    to equal them, spares validation its one sync. Pickling sends the referenced rows and offsets
-    as raw bytes (device values: a sync) and keeps the device.
-    """
+    """Ragged batch: ``values [sum(lengths), *row_shape]`` and int32 ``cu_seqlens [B + 1]`` on
+    their device (segment ``i`` is ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``); ``cu_seqlens_host``,
+    a CPU copy trusted to equal them, spares validation its one sync. Pickling sends the referenced
+    rows as raw bytes (device values: a sync) and keeps the device."""
 
     values: Tensor  # [rows, *row_shape]
     cu_seqlens: Tensor  # [B + 1] int32, on values.device
@@ -71,8 +65,7 @@ class PackedTensor:
 
     @classmethod
     def from_lengths(cls, values: Tensor, lengths: LengthsLike) -> PackedTensor:
-        """``values [sum(lengths), *row]`` (no copy) as consecutive segments (device ``lengths``:
-        a sync)."""
+        """``values [sum(lengths), *row]`` (no copy) as consecutive segments; device ``lengths``: a sync."""
         check_rows(values)
         offsets = offsets_from_lengths(host_int64(lengths, "lengths"))
         if int(offsets[-1]) != values.shape[0]:
@@ -81,12 +74,10 @@ class PackedTensor:
 
     @classmethod
     def from_segments(cls, segments: Sequence[Tensor | np.ndarray]) -> PackedTensor:
-        """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row schema and device) joined
-        into new storage by one ``cat``."""
+        """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row schema) joined by one ``cat``."""
         if len(segments) == 0:
             raise ValueError(f"from_segments needs a segment to infer row_shape and dtype; {_EMPTY}")
-        bad = next((s for s in segments if not isinstance(s, (Tensor, np.ndarray))), None)
-        if bad is not None:
+        if (bad := next((s for s in segments if not isinstance(s, (Tensor, np.ndarray))), None)) is not None:
             raise TypeError(f"segments must be tensors or ndarrays, got {type(bad).__name__}")
         with warnings.catch_warnings():  # read-only arrays are only read by the cat
             warnings.filterwarnings("ignore", message=".*not writable.*")
@@ -102,9 +93,8 @@ class PackedTensor:
 
     @classmethod
     def from_padded(cls, padded: Tensor, lengths: LengthsLike, side: str = "left") -> PackedTensor:
-        """The real rows of ``padded [B, S, *row]``, new storage (one ``index_select``): segment
-        ``i`` is ``padded[i, S - lengths[i]:]`` for ``side="left"``, ``padded[i, :lengths[i]]`` for
-        ``"right"``. Device ``lengths`` are read back (a sync)."""
+        """The real rows of ``padded [B, S, *row]`` by one ``index_select``: ``padded[i, S - lengths[i]:]``
+        for ``side="left"``, ``padded[i, :lengths[i]]`` for ``"right"``; device ``lengths``: a sync."""
         check_side(side)
         if not isinstance(padded, Tensor) or padded.dim() < 2:
             shape = tuple(padded.shape) if isinstance(padded, Tensor) else type(padded).__name__
@@ -117,9 +107,8 @@ class PackedTensor:
         if batch and int(counts.max()) > width:
             bad = int(torch.argmax(counts))
             raise ValueError(f"lengths[{bad}] = {int(counts[bad])} exceeds the padded width {width}")
-        flat = padded_flat_index(counts, width, side)
-        values = padded.flatten(0, 1).index_select(0, to_device_async(flat, padded.device))
-        return cls._trusted(values, offsets)
+        flat = to_device_async(padded_flat_index(counts, width, side), padded.device)
+        return cls._trusted(padded.flatten(0, 1).index_select(0, flat), offsets)
 
     @classmethod
     def empty(
@@ -138,13 +127,12 @@ class PackedTensor:
 
     @staticmethod
     def cat(parts: Sequence[PackedTensor]) -> PackedTensor:
-        """Concatenate the segments of ``parts`` (same row_shape, dtype, device) into new storage."""
+        """The segments of ``parts`` (same row_shape, dtype, device) in new storage."""
         parts = list(parts)
         if not parts:
             raise ValueError(f"cat needs a PackedTensor to infer row_shape, dtype and device; {_EMPTY}")
-        for i, p in enumerate(parts):
-            if not isinstance(p, PackedTensor):
-                raise TypeError(f"cat takes PackedTensors, got {type(p).__name__} at position {i}")
+        if (i := next((i for i, p in enumerate(parts) if not isinstance(p, PackedTensor)), None)) is not None:
+            raise TypeError(f"cat takes PackedTensors, got {type(parts[i]).__name__} at position {i}")
         check_same_rows([(p.row_shape, p.dtype, p.device) for p in parts], "part")
         offsets = offsets_from_lengths(torch.cat([p.lengths for p in parts]), "cat lengths")
         return PackedTensor._trusted(torch.cat([p.values for p in parts], dim=0), offsets)
@@ -152,8 +140,7 @@ class PackedTensor:
     @property
     def lengths(self) -> Tensor:
         """Host int64 ``[B]`` (from the host offsets, no sync)."""
-        host = self.cu_seqlens_host
-        return (host[1:] - host[:-1]).to(torch.int64)
+        return self.cu_seqlens_host.diff().to(torch.int64)
 
     @property
     def num_rows(self) -> int:
@@ -188,12 +175,10 @@ class PackedTensor:
         return segment_ids_and_positions(self.lengths)[1]
 
     def __getitem__(self, index: IndexLike) -> Tensor | PackedTensor:
-        """``int`` -> segment view ``[len_i, *row]``; step-1 slice -> ``PackedTensor`` view; strided
-        slice, list, index tensor / array or bool mask -> gathered copy (device indices: a sync)."""
+        """``int``: segment view ``[len_i, *row]``; step-1 slice: ``PackedTensor`` view; anything
+        else (strided slice, indices, bool mask): gathered copy (device indices: a sync)."""
         if isinstance(index, tuple):
-            raise TypeError(
-                "a PackedTensor is indexed along segments only; index the segment's tensor for rows"
-            )
+            raise TypeError("a PackedTensor is indexed along segments only; index a segment for rows")
         picked = batch_index(index, len(self), owner="PackedTensor", unit="segment")
         host = self.cu_seqlens_host
         if isinstance(picked, int):
@@ -201,10 +186,9 @@ class PackedTensor:
         if isinstance(picked, slice):
             start, stop = picked.start, picked.stop
             first, last = int(host[start]), int(host[stop])
-            cu_host = host[start : stop + 1] - first
             # the same tiny kernel on every device (no sync): the CPU runs the path a GPU takes
             cu = self.cu_seqlens[start : stop + 1] - first
-            return PackedTensor._trusted(self.values[first:last], cu_host, cu)
+            return PackedTensor._trusted(self.values[first:last], host[start : stop + 1] - first, cu)
         return self._gather(picked)
 
     def _gather(self, segments: Tensor) -> PackedTensor:
@@ -228,16 +212,15 @@ class PackedTensor:
 
     def repeat_interleave(self, repeats: int | LengthsLike) -> PackedTensor:
         """Each segment ``repeats`` times in place (``[a, a, b, b]``), an int or one count per
-        segment (device counts: a sync). New storage."""
+        segment (device counts: a sync), in new storage."""
         per_segment = repeat_counts(repeats, len(self), unit="segment")
         return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_segment))
 
     def to_padded(
         self, max_len: int | None = None, pad: float | bool | Tensor = 0, side: str = "left"
     ) -> Tensor:
-        """Dense ``[B, max_len, *row_shape]``, real rows at the right end (``side="left"``) or the
-        left, elsewhere ``pad`` (a scalar the dtype holds, or a row). One fill and one
-        ``index_copy_``; no sync."""
+        """Dense ``[B, max_len, *row_shape]``: real rows at the right end (``side="left"``) or the left,
+        elsewhere ``pad`` (a scalar the dtype holds, or a row). One fill and one ``index_copy_``."""
         check_side(side)
         longest = self.max_length
         width = longest if max_len is None else operator.index(max_len)
@@ -259,8 +242,7 @@ class PackedTensor:
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> PackedTensor:
-        """Values moved and/or cast (a dtype first is ``dtype``; ``self`` when nothing changes); offsets
-        stay int32, from the host copy. ``non_blocking`` applies to the values, as for tensors."""
+        """Values moved and/or cast, as for tensors (``self`` when nothing changes); offsets stay int32."""
         if isinstance(device, torch.dtype):
             device, dtype = None, device
         values = self.values.to(device=device, dtype=dtype, non_blocking=non_blocking)
@@ -275,13 +257,12 @@ class PackedTensor:
         return self.to("cpu")
 
     def pin_memory(self) -> PackedTensor:
-        """Page-locked copy of CPU values and offsets (``self`` when pinned); the DataLoader's pinning
-        calls it wherever a PackedTensor sits in a batch."""
+        """Page-locked copy of CPU values and offsets (``self`` when pinned), for the DataLoader."""
         if self.device.type != "cpu":
             raise ValueError(f"pin_memory needs CPU values, got device {self.device}")
         if self.is_pinned():
             return self
-        host = self.cu_seqlens_host if self.cu_seqlens_host.is_pinned() else self.cu_seqlens_host.pin_memory()
+        host = self.cu_seqlens_host.pin_memory()  # (itself when already pinned)
         return PackedTensor._trusted(self.values.pin_memory(), host, host)
 
     def is_pinned(self) -> bool:

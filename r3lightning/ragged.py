@@ -27,8 +27,7 @@ def _as_tensor(data: Any) -> Tensor:
 
 
 def host_int64(data: LengthsLike, name: str) -> Tensor:
-    """``data`` as a 1-D int64 CPU tensor (device data: a sync); ``ValueError`` naming ``name`` for
-    other shapes and non-integers (bools too)."""
+    """``data`` as a 1-D int64 CPU tensor (device data: a sync); else ``ValueError`` naming ``name``."""
     tensor = _as_tensor(data if isinstance(data, (Tensor, np.ndarray)) else list(data))
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
@@ -50,13 +49,11 @@ def host_lengths(data: LengthsLike, name: str) -> Tensor:
 
 
 def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
-    """Host int64 ``lengths [B]`` -> host int32 ``cu_seqlens [B + 1]``; ``ValueError`` for a negative
-    length or a total that int32 offsets cannot address."""
+    """Host int64 ``lengths [B]`` (>= 0, an int32-addressable total) -> host int32 ``cu_seqlens [B + 1]``."""
     if lengths.numel() and int(lengths.min()) < 0:
         bad = int(torch.nonzero(lengths < 0)[0, 0])
         raise ValueError(f"{name} must be >= 0, got {name}[{bad}] = {int(lengths[bad])}")
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths, dim=0, out=offsets[1:])
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))  # [B + 1] int64
     if (total := int(offsets[-1])) > INT32_MAX:
         raise ValueError(f"{name} sum to {total} rows, more than int32 offsets can address ({INT32_MAX})")
     return offsets.to(torch.int32)
@@ -78,9 +75,7 @@ def checked_offsets(values: Tensor, cu_seqlens: Tensor, host: Tensor | None) -> 
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
-        raise ValueError(
-            f"cu_seqlens must be 1-D with B + 1 >= 1 entries, got shape {tuple(cu_seqlens.shape)}"
-        )
+        raise ValueError(f"cu_seqlens must be 1-D [B + 1 >= 1], got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != values.device:
         raise ValueError(f"cu_seqlens must be on values' device {values.device}, got {cu_seqlens.device}")
     rows = values.shape[0]
@@ -94,9 +89,8 @@ def checked_offsets(values: Tensor, cu_seqlens: Tensor, host: Tensor | None) -> 
         )
     if int(host[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(host[0])}")
-    steps = host[1:] - host[:-1]
-    if steps.numel() and int(steps.min()) < 0:
-        bad = int(torch.nonzero(steps < 0)[0, 0])
+    if (drops := torch.nonzero(host.diff() < 0)).numel():
+        bad = int(drops[0, 0])
         raise ValueError(
             f"cu_seqlens must be non-decreasing, got cu_seqlens[{bad}] = {int(host[bad])} > "
             f"cu_seqlens[{bad + 1}] = {int(host[bad + 1])}"
@@ -139,17 +133,14 @@ def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
 def segment_ids_and_positions(lengths: Tensor) -> tuple[Tensor, Tensor]:
     """Host int64 ``[sum(lengths)]`` each: every packed row's segment and its position in it."""
     total = int(lengths.sum())
-    starts = torch.zeros_like(lengths)
-    torch.cumsum(lengths[:-1], dim=0, out=starts[1:])
+    starts = lengths.cumsum(0) - lengths
     segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
     return segment, torch.arange(total) - starts[segment]
 
 
 def padded_flat_index(lengths: Tensor, width: int, side: str) -> Tensor:
-    """Host int64 ``[sum(lengths)]``: each packed row's place in a flattened ``[B, width]`` grid,
-    at the right end of its row for ``side="left"`` (left padding), at the start for ``"right"``.
-    The caller checks ``width >= max(lengths)``."""
-    check_side(side)
+    """Host int64 ``[sum(lengths)]``: each packed row's place in a flattened ``[B, width]`` grid, at
+    the end of its row for ``side="left"``, at the start for ``"right"`` (the caller checks both)."""
     segment, positions = segment_ids_and_positions(lengths)
     column = positions + (width - lengths[segment]) if side == "left" else positions
     return segment * width + column
@@ -196,9 +187,8 @@ def check_pad_row(pad: Tensor, row_shape: tuple[int, ...], name: str = "pad") ->
 
 
 def to_device_async(host: Tensor, device: torch.device) -> Tensor:
-    """Host tensor -> ``device`` without blocking or syncing (``host`` itself for the CPU): pageable
-    memory is staged through torch's pinned caching allocator (a ``non_blocking`` copy from
-    pageable memory may sync)."""
+    """Host tensor -> ``device`` with no sync (``host`` itself for the CPU): pageable memory is staged
+    through torch's pinned caching allocator, as a ``non_blocking`` copy from it may sync."""
     if device.type == "cpu":
         return host
     if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
@@ -207,15 +197,10 @@ def to_device_async(host: Tensor, device: torch.device) -> Tensor:
 
 
 def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice | Tensor:
-    """An index along the batch axis of a ``count``-long ``owner`` as an int in ``[0, count)``, a
-    ``slice(start, stop >= start)`` for a step-1 slice, or host int64 positions (device indices: a
-    sync). ``TypeError`` for a bool scalar or another type, ``IndexError`` for a bad index."""
-    if (
-        isinstance(index, (Tensor, np.ndarray))
-        and index.ndim == 0
-        and index.dtype not in (torch.bool, np.bool_)
-    ):
-        index = int(index)
+    """A batch index of a ``count``-long ``owner`` as an int in ``[0, count)``, a step-1 ``slice(start,
+    stop >= start)`` or host int64 positions (device indices: a sync); else ``TypeError``/``IndexError``."""
+    if isinstance(index, (Tensor, np.ndarray)) and index.ndim == 0:
+        index = index.item()  # a bool stays a bool, refused below
     if isinstance(index, (bool, np.bool_)):
         raise TypeError(f"a {owner} cannot be indexed by a bool scalar; use a mask of length B")
     if isinstance(index, (int, np.integer)):
@@ -247,8 +232,7 @@ def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice
 
 
 def tensor_to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    """``(raw uint8 bytes, dtype name, shape)`` for pickling any dtype without the rest of a view's
-    storage. A sync for device tensors."""
+    """``(raw uint8 bytes, dtype name, shape)`` of ``tensor`` alone, to pickle any dtype (device: a sync)."""
     host = tensor.detach().cpu().contiguous()
     # (an empty tensor may carry a zero stride, which a dtype view refuses)
     raw = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)

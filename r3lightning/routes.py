@@ -1,8 +1,6 @@
 """Route dtypes and route layer ids: routes live on the host and the wire in the smallest of
-uint8 / int16 / int32 that holds the largest expert id, and are widened to what a router needs only
-at install time. The wire also carries uint16 (vLLM, over 256 experts), decoded to int16 (a free
-view below 32768) because torch's uint16 lacks most operations.
-"""
+uint8 / int16 / int32 that holds the largest expert id, widened to what a router needs at install.
+The wire also carries vLLM's uint16, decoded to int16 as torch's uint16 lacks most operations."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def compact_route_dtype(max_expert_id: int) -> torch.dtype:
 
 
 def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
-    """``routes`` (ids >= 0) in :func:`compact_route_dtype` of their largest id (uint8 when empty):
-    one ``max`` and the cast; ``routes`` itself when already compact unless ``copy=True``."""
+    """``routes`` (ids >= 0) in :func:`compact_route_dtype` of their largest id: a ``max``, a cast."""
     return routes.to(compact_route_dtype(int(routes.max()) if routes.numel() else 0), copy=copy)
 
 

@@ -1,10 +1,6 @@
 """One trajectory's routes (token-aligned metadata), accumulated across the turns of a rollout.
-
-Row ``t`` belongs to token ``t`` as an *input*: the forward at ``t``, which the trainer replays to
-predict token ``t + 1``. Each turn the engine is told where the capture stops (``prompt_start``) and
-sends only new rows. Tokens without a row (the last sampled token; a synthetic EOS after a stop) are
-routed natively by the trainer and counted; ``strict=True`` refuses a loss target without its row.
-"""
+Row ``t`` is the forward at token ``t``, which predicts token ``t + 1``; tokens without a row (the
+last sampled token, a synthetic EOS) are routed natively by the trainer and counted."""
 
 from __future__ import annotations
 
@@ -34,11 +30,9 @@ def _as_host_array(name: str, rows: object) -> np.ndarray:
 
 
 class TokenMetadataTrace:
-    """Rows ``[rows, *row_shape]`` of one trajectory's per-token metadata, appended in token order.
-
-    ``row_shape`` is fixed by the constructor or the first append. Chunks are kept by reference; integer
-    chunks of several widths are widened to the widest by :meth:`finalize`, the one copy.
-    """
+    """Rows ``[rows, *row_shape]`` of one trajectory's per-token metadata, appended in token order
+    (``row_shape`` from the constructor or the first append) by reference; :meth:`finalize` makes
+    the one copy, in the widest integer width appended."""
 
     def __init__(self, row_shape: Sequence[int] | None = None, *, name: str = "rows") -> None:
         self.name = name
@@ -87,10 +81,9 @@ class TokenMetadataTrace:
         loss_mask: Sequence[float] | np.ndarray | torch.Tensor | None = None,
         strict: bool = False,
     ) -> torch.Tensor:
-        """The captured rows as one host tensor ``[num_rows <= token_count, *row_shape]`` (one copy), once
-        (``RuntimeError`` after; a ``ValueError`` leaves the trace open). Sets ``uncaptured_rows`` and,
-        from ``loss_mask`` (per token, nonzero = target), ``uncaptured_loss_targets``: targets ``t``
-        whose row ``t - 1`` is missing, a ``ValueError`` with ``strict=True``."""
+        """The rows as one host tensor ``[num_rows <= token_count, *row_shape]``, once (a ``ValueError``
+        leaves the trace open). Sets ``uncaptured_rows`` and, from ``loss_mask`` (nonzero = target),
+        ``uncaptured_loss_targets``: targets whose row ``t - 1`` is missing (``strict``: an error)."""
         self._check_open()
         token_count = _count("token_count", token_count)
         if self.num_rows > token_count:
@@ -128,12 +121,9 @@ class TokenMetadataTrace:
 
 
 class RoutedExpertTrace(TokenMetadataTrace):
-    """Routes ``[rows, num_layers, top_k]`` of one trajectory, recorded generation by generation.
-
-    Send ``prompt_start`` with each request so the engine returns rows from there on;
-    :meth:`record_generation` checks their count. ``num_layers`` / ``top_k`` fix the schema up front
-    (else the first rows do; they also shape an empty result); ``num_experts`` bounds the ids.
-    """
+    """Routes ``[rows, num_layers, top_k]`` of one trajectory, recorded generation by generation;
+    send ``prompt_start`` with each request so the engine returns rows from there on. ``num_layers``
+    / ``top_k`` fix the schema (else the first rows do); ``num_experts`` bounds the ids."""
 
     def __init__(
         self, num_layers: int | None = None, top_k: int | None = None, num_experts: int | None = None
@@ -155,10 +145,9 @@ class RoutedExpertTrace(TokenMetadataTrace):
     def record_generation(
         self, prompt_token_count: int, generated_token_count: int, routed_experts: ArrayLike | None
     ) -> None:
-        """One generation over a prompt of ``P`` tokens (the whole trajectory so far) giving ``G``: the
-        engine forwarded tokens ``prompt_start .. P + G - 2``, so ``routed_experts`` has exactly
-        ``P - prompt_start + G - 1`` rows (None or empty when ``G == 0``) of ids in
-        ``[0, num_experts)``. On error the trace is unchanged."""
+        """One generation over a prompt of ``P`` tokens (the whole trajectory so far) giving ``G``:
+        ``routed_experts`` has exactly ``P - prompt_start + G - 1`` rows (None or empty when ``G == 0``)
+        of ids in ``[0, num_experts)``. On error the trace is unchanged."""
         self._check_open()
         prompt = _count("prompt_token_count", prompt_token_count)
         generated = _count("generated_token_count", generated_token_count)
@@ -169,28 +158,21 @@ class RoutedExpertTrace(TokenMetadataTrace):
             )
         expected = prompt - self.prompt_start + generated - 1 if generated else 0
         where = f"(P={prompt} - prompt_start={self.prompt_start} + G={generated} - 1)"
-        if (
-            routed_experts is not None
-            and not generated
-            and _as_host_array("routed_experts", routed_experts).size == 0
+        if not generated:
+            where = "(G=0: nothing was forwarded)"
+        # an engine may send an empty array when nothing was forwarded
+        if routed_experts is None or (
+            not generated and _as_host_array("routed_experts", routed_experts).size == 0
         ):
-            routed_experts = None  # an engine may send an empty array when nothing was forwarded
-        if routed_experts is None:
             if expected:
                 raise ValueError(f"routed_experts is missing: expected {expected} rows {where}")
             self._token_count = prompt + generated
             return
         array = self._validated(routed_experts)
         if array.ndim != 3:
-            raise ValueError(
-                f"routed_experts must be [rows, num_layers, top_k], got shape {tuple(array.shape)}"
-            )
+            raise ValueError(f"routed_experts must be [rows, num_layers, top_k], got {tuple(array.shape)}")
         if array.shape[0] != expected:
-            raise ValueError(
-                f"routed_experts has {array.shape[0]} rows, expected {expected} {where}"
-                if generated
-                else f"routed_experts has {array.shape[0]} rows, expected 0 (G=0: nothing was forwarded)"
-            )
+            raise ValueError(f"routed_experts has {array.shape[0]} rows, expected {expected} {where}")
         if array.dtype.kind not in "iu":
             raise ValueError(f"routed_experts must hold integer expert ids, got dtype {array.dtype}")
         if array.size:
@@ -198,8 +180,6 @@ class RoutedExpertTrace(TokenMetadataTrace):
             if low < 0:
                 raise ValueError(f"routed_experts holds a negative expert id ({low})")
             if self.num_experts is not None and high >= self.num_experts:
-                raise ValueError(
-                    f"routed_experts holds expert id {high}, but num_experts is {self.num_experts}"
-                )
+                raise ValueError(f"routed_experts: expert id {high}, but num_experts is {self.num_experts}")
         self._store(array)
         self._token_count = prompt + generated

@@ -1,10 +1,4 @@
-"""Align packed per-token metadata (routes) with the tokens the model sees, and back.
-
-Routes travel packed, ``[sum(rows), L, K]`` plus offsets, until right before the forward, where
-they are expanded into a :class:`TokenMetadataLayout`'s model-facing shape. The index maps are
-computed on the host from host offsets (vectorised), copied to the data's device and used by one
-``index_select`` (plus one indexed write for the padding): no device->host sync anywhere.
-"""
+"""Align packed per-token metadata (routes) with the tokens the model sees, and back; no syncs."""
 
 from __future__ import annotations
 
@@ -28,9 +22,7 @@ def _segment_starts(
         raise ValueError(
             f"packed metadata has {counts.numel()} segments but the layout has {batch} trajectories"
         )
-    if segment_starts is None:
-        segment_starts = torch.zeros(batch, dtype=torch.int64)
-    starts = host_lengths(segment_starts, "segment_starts")
+    starts = host_lengths([0] * batch if segment_starts is None else segment_starts, "segment_starts")
     if starts.numel() != batch:
         raise ValueError(f"segment_starts must have one entry per trajectory ({batch}), got {starts.numel()}")
     overrun = (starts + counts > layout.sequence_lengths).nonzero()
@@ -52,15 +44,10 @@ def align_packed_token_metadata(
     segment_starts: Sequence[int] | torch.Tensor | None = None,
     next_token: bool = False,
 ) -> torch.Tensor:
-    """Dense ``[*layout.token_shape, *packed.row_shape]`` metadata on ``packed``'s device.
-
-    Segment ``i`` lands on trajectory ``i``'s real tokens from ``segment_starts[i]`` (default 0),
-    one row per token; it may be shorter than the trajectory (an uncaptured suffix), never longer.
-    Every other position gets ``pad``: a scalar, a row, or ``pad(n) -> [n, *row_shape]`` for the
-    ``n`` uncovered positions in order (e.g. ``lambda n: dummy_routes(n, L, K, E)``); a wider
-    tensor pad widens the result. ``next_token=True`` gives token ``j`` token ``j + 1``'s row.
-    Host work O(positions + B); one host->device index copy; no device->host sync.
-    """
+    """Dense ``[*layout.token_shape, *packed.row_shape]`` metadata on ``packed``'s device: segment
+    ``i`` on trajectory ``i``'s real tokens from ``segment_starts[i]`` (never past its end), ``pad``
+    elsewhere (a scalar, a row, or ``pad(n) -> [n, *row]``); ``next_token``: token ``j`` gets token
+    ``j + 1``'s row. One host->device index copy, one ``index_select``."""
     if not isinstance(packed, PackedTensor):
         raise TypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     counts = packed.lengths
@@ -77,15 +64,10 @@ def build_replay_mask(
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """bool ``[*layout.token_shape]``: True where a row of the packed routes (or of segments of
-    these lengths) lands in :func:`align_packed_token_metadata`, False -> native routing. On
-    ``device`` (default: the packed values', else the CPU); one host->device copy, no sync."""
-    if isinstance(packed_or_lengths, PackedTensor):
-        counts = packed_or_lengths.lengths
-        if device is None:
-            device = packed_or_lengths.device
-    else:
-        counts = host_lengths(packed_or_lengths, "lengths")
+    """bool ``[*layout.token_shape]``: True where a packed row (or a segment row of these lengths) lands."""
+    packed = isinstance(packed_or_lengths, PackedTensor)
+    counts = packed_or_lengths.lengths if packed else host_lengths(packed_or_lengths, "lengths")
+    device = packed_or_lengths.device if packed and device is None else device
     starts = _segment_starts(segment_starts, counts, layout)
     offsets = torch.cumsum(counts, 0) - counts
     index = layout.source_index(offsets, starts=starts, counts=counts)
@@ -102,12 +84,9 @@ def scatter_to_padded_batch(
     next_token: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Model-facing ``[*token_shape, *row]`` values back in a left-padded ``[B, width, *row]`` batch
-    (width: ``layout.batch_width``), the inverse of :meth:`TokenMetadataLayout.from_batch` on real
-    tokens; ``next_token=True`` puts position ``j``'s value on token ``j + 1`` (logprobs). A new
-    batch is filled with ``pad``; ``out`` writes this layout's real tokens into an existing one
-    (every context-parallel rank's shard into one batch). One index copy and one indexed write.
-    """
+    """Model-facing ``[*token_shape, *row]`` values back in a left-padded ``[B, width, *row]`` batch,
+    the inverse of ``layout.from_batch``: a new one filled with ``pad``, or ``out`` (each CP rank's
+    shard into one batch). One index copy, one indexed write."""
     expected = layout.token_shape
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected)]) != expected:
         got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__

@@ -1,5 +1,4 @@
-"""Placeholder routes for token positions that carry no captured route (padding, uncaptured
-suffixes), which still pass through every MoE layer and under replay need *some* valid route."""
+"""Placeholder routes for token positions without a captured route, which still need a valid one."""
 
 from __future__ import annotations
 
@@ -20,15 +19,8 @@ def dummy_routes(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Placeholder routes ``[num_rows, num_layers, top_k]``: row ``r`` uses experts
-    ``(r * top_k + k) % num_experts`` in every layer.
-
-    The ``top_k`` ids of a row are distinct (Megatron's dropless dispatcher derives split sizes
-    from them), and consecutive rows continue where the previous one stopped, so a long run of
-    padding spreads evenly over experts and expert-parallel ranks instead of piling onto one.
-    ``dtype`` defaults to the compact route dtype of ``num_experts - 1``, so these rows never widen
-    captured routes. Built on ``device``; no host<->device transfer.
-    """
+    """``[num_rows, num_layers, top_k]``: row ``r`` uses experts ``(r * top_k + k) % num_experts`` in
+    every layer, in ``dtype`` (default: the compact one) on ``device``."""
     check_int("num_rows", num_rows, 0)
     check_int("num_layers", num_layers, 1)
     check_int("top_k", top_k, 1)

@@ -1,12 +1,5 @@
-"""Where each real token of a batch sits in the tensor the model actually sees.
-
-The canonical batch is left-padded ``[B, S]``. Models see the same rectangle widened to a multiple
-(possibly right-padded), or one packed ``[1, T]`` row ``[seq0, pad0, seq1, pad1, ...]``, sharded
-under context parallelism. :class:`TokenMetadataLayout` maps every model-facing position to the
-real token it holds (or padding); routes, batch tensors and model outputs all move with that one
-map, built on the host when the layout is built: moving data costs one host->device copy of an
-int64 index per call and never a device->host sync.
-"""
+"""Where each real token of a left-padded ``[B, S]`` batch sits in the tensor the model sees: a
+host map, so moving data costs one host->device index copy per call and never a sync."""
 
 from __future__ import annotations
 
@@ -32,10 +25,6 @@ __all__ = ["Pad", "TokenMetadataLayout", "position_ids_from_mask", "split_for_se
 Pad = int | float | bool | torch.Tensor | Callable[[int], torch.Tensor]
 
 
-def _round_up(value: torch.Tensor | int, multiple: int) -> torch.Tensor | int:
-    return (value + multiple - 1) // multiple * multiple
-
-
 def check_int(name: str, value: object, minimum: int = 1) -> int:
     """``value`` when it is an ``int`` (not a bool) ``>= minimum``; else ``ValueError`` naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -46,11 +35,9 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
 def _width(name: str, width: int | None, lengths: torch.Tensor) -> int:
     """``width`` (default: the longest of ``lengths``), refused below the longest."""
     longest = int(lengths.max()) if lengths.numel() else 0
-    if width is None:
-        return longest
-    if isinstance(width, bool) or not isinstance(width, int) or width < longest:
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < longest):
         raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {width!r}")
-    return width
+    return longest if width is None else width
 
 
 def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
@@ -62,16 +49,13 @@ def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class TokenMetadataLayout:
-    """Map from the real tokens of a batch to the positions of the model-facing token tensor; build
-    it with :meth:`padded` (``kind="padded"``, ``[B, S']``) or :meth:`packed` (``[1, T_local]``).
+    """Map from a batch's real tokens to the model-facing positions, from :meth:`padded` or :meth:`packed`.
 
     Host tensors: ``sequence_lengths`` int64 ``[B]``; ``position_sequence`` / ``position_offset``
-    int64 ``[num_positions]`` (flattened ``token_shape``), the trajectory and real-token offset of
-    each position, -1 for padding; ``position_ids`` int64 ``[*token_shape]``, ``j`` for real token
-    ``j`` (packed padding keeps counting within its sequence's span, padded-layout padding is 0);
-    ``cu_seqlens`` / ``cu_seqlens_padded`` int32 ``[B + 1]`` offsets of the real and the padded
-    sequences in the unsharded packed row (None when padded). ``batch_width``: ``S`` of the
-    canonical batch.
+    int64 ``[num_positions]``, each position's trajectory and real-token offset (-1: padding);
+    ``position_ids`` int64 ``[*token_shape]`` (packed padding keeps counting, padded padding is 0);
+    ``cu_seqlens`` / ``cu_seqlens_padded`` int32 ``[B + 1]`` in the unsharded packed row (None
+    when padded). ``batch_width``: ``S`` of the canonical batch.
     """
 
     kind: Literal["padded", "packed"]
@@ -96,15 +80,12 @@ class TokenMetadataLayout:
         side: Literal["left", "right"] = "left",
         pad_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
-        """The batch as a ``[B, S']`` rectangle, ``S'`` the left-padded ``[B, S]`` mask's width
-        rounded up to ``pad_to_multiple``; ``side="right"`` moves real tokens to the front
-        (Megatron's unpacked path). O(B * S') host ops; a GPU mask is copied back (a sync)."""
+        """The batch as ``[B, S']`` (``S`` rounded up to ``pad_to_multiple``); a GPU mask: one sync."""
         check_side(side)
         multiple = check_int("pad_to_multiple", pad_to_multiple)
-        mask = torch.as_tensor(attention_mask)
+        mask = torch.as_tensor(attention_mask).detach().cpu()
         if mask.dim() != 2:
             raise ValueError(f"attention_mask must be 2-D [batch, seq], got shape {tuple(mask.shape)}")
-        mask = mask.detach().cpu()
         if mask.dtype != torch.bool:
             if mask.dtype.is_complex or bool(((mask != 0) & (mask != 1)).any()):
                 raise ValueError("attention_mask must be bool or hold only 0/1")
@@ -120,7 +101,7 @@ class TokenMetadataLayout:
                 f"at the right end), got {mask[row].int().tolist()}; the mask is the canonical batch's, "
                 f"side={side!r} only chooses how the model sees it"
             )
-        model_width = int(_round_up(width, multiple))
+        model_width = -(-width // multiple) * multiple
         offset = torch.arange(model_width).expand(batch, model_width)  # [B, S']
         if side == "left":
             offset = offset - (model_width - lengths)[:, None]
@@ -149,13 +130,9 @@ class TokenMetadataLayout:
         batch_width: int | None = None,
         pad_total_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
-        """The batch packed into one ``[1, T_local]`` row ``[seq0, pad0, seq1, pad1, ...]``, each
-        sequence padded to a multiple of ``pad_to_multiple`` (Megatron: TP, or ``2 * TP * CP``). With
-        ``cp_size > 1`` each padded sequence is cut into ``2 * cp_size`` chunks and this rank keeps
-        ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` (load-balanced causal CP): ``T_local = T /
-        cp_size``. ``pad_total_to_multiple`` extends the last sequence's padding to align ``T``
-        (fp8 GEMMs); ``batch_width`` defaults to the longest sequence. O(T_local) host ops;
-        device ``sequence_lengths`` are read back (a sync)."""
+        """The batch packed into one ``[1, T_local]`` row ``[seq0, pad0, seq1, pad1, ...]``, this CP
+        rank's share; ``pad_total_to_multiple`` extends the last sequence's padding to align ``T``
+        (fp8 GEMMs). O(T_local) host ops; device ``sequence_lengths``: one sync."""
         multiple = check_int("pad_to_multiple", pad_to_multiple)
         total_multiple = check_int("pad_total_to_multiple", pad_total_to_multiple)
         cp = check_int("cp_size", cp_size)
@@ -172,7 +149,7 @@ class TokenMetadataLayout:
             )
         lengths = host_lengths(sequence_lengths, "sequence_lengths")
         batch_width = _width("batch_width", batch_width, lengths)
-        padded = _round_up(lengths, multiple)  # [B]
+        padded = -(-lengths // multiple) * multiple  # [B]
         if total_multiple > 1 and padded.numel():
             padded[-1] += (-int(padded.sum())) % total_multiple
         cu_padded = offsets_from_lengths(padded, "padded sequence_lengths")  # [B + 1] int32, T < 2**31
@@ -211,7 +188,7 @@ class TokenMetadataLayout:
 
     @property
     def num_positions(self) -> int:
-        """Number of model-facing token positions, ``prod(token_shape)``."""
+        """``prod(token_shape)``."""
         return self.position_sequence.numel()
 
     @property
@@ -221,7 +198,7 @@ class TokenMetadataLayout:
 
     @property
     def max_seqlen_padded(self) -> int:
-        """Longest padded sequence of a packed layout (what varlen attention kernels take)."""
+        """Longest padded sequence of a packed layout (for varlen attention)."""
         if self.cu_seqlens_padded is None:
             raise ValueError("max_seqlen_padded is defined for packed layouts only")
         return int((self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]).max()) if self.batch_size else 0
@@ -234,10 +211,9 @@ class TokenMetadataLayout:
         counts: torch.Tensor | None = None,
         next_token: bool = False,
     ) -> torch.Tensor:
-        """int64 host ``[num_positions]``: source row of each position, -1 where none, for a source
-        holding trajectory ``i``'s real tokens ``starts[i]`` onwards (default 0; ``counts[i]`` of
-        them, default all) as rows from ``row_offsets[i]``; arguments are host int64 ``[B]``. With
-        ``next_token`` token ``j``'s position takes token ``j + 1``'s row. O(num_positions)."""
+        """int64 host ``[num_positions]``: each position's row (-1: none) in a source holding ``counts[i]``
+        (default all) real tokens of trajectory ``i`` from ``starts[i]`` (default 0) as rows from
+        ``row_offsets[i]``; ``next_token``: token ``j`` takes token ``j + 1``'s row."""
         sequence = self.position_sequence
         offset = self.position_offset + int(next_token)
         if self.batch_size == 0:
@@ -250,30 +226,23 @@ class TokenMetadataLayout:
         return torch.where(covered, row_offsets[index] + offset - start, -1)
 
     def batch_row_offsets(self, width: int) -> torch.Tensor:
-        """int64 host ``[B]``: flat row of each trajectory's first real token in a left-padded
-        ``[B, width]`` batch."""
+        """int64 host ``[B]``: flat row of each first real token in a left-padded ``[B, width]``."""
         width = _width("batch width", width, self.sequence_lengths)
         return torch.arange(self.batch_size) * width + width - self.sequence_lengths
 
     def from_batch(self, tensor: torch.Tensor, *, pad: Pad = 0, next_token: bool = False) -> torch.Tensor:
-        """A canonical left-padded ``[B, S, *row]`` tensor (``input_ids``, ``loss_mask``, ...) laid
-        out as ``[*token_shape, *row]``, ``pad`` on padding; ``next_token=True`` gives each position
-        the next token's value (labels). One host->device index copy and one ``index_select``."""
+        """A left-padded ``[B, S, *row]`` tensor as ``[*token_shape, *row]`` (``next_token``: labels)."""
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.shape[0] != self.batch_size:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"tensor must be a [B={self.batch_size}, S, ...] batch tensor, got {shape}")
-        width = tensor.shape[1]
-        index = self.source_index(self.batch_row_offsets(width), next_token=next_token)
+        index = self.source_index(self.batch_row_offsets(tensor.shape[1]), next_token=next_token)
         return take_rows(tensor.reshape(-1, *tensor.shape[2:]), index, pad, self.token_shape)
 
 
 def take_rows(
     source: torch.Tensor, index: torch.Tensor, pad: Pad, token_shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """``[*token_shape, *row]``: ``source[index[p]]`` at each position ``p`` of the int64 host map
-    ``index`` (:meth:`TokenMetadataLayout.source_index`), ``pad`` where ``index < 0``: a tensor pad
-    may widen the dtype, a callable one fills the uncovered positions in order. Host->device index
-    copies only, no sync."""
+    """``[*token_shape, *row]``: ``source[index]``, ``pad`` where ``index < 0`` (may widen the dtype)."""
     uncovered = (index < 0).nonzero().reshape(-1)  # host
     row_shape, count = tuple(source.shape[1:]), uncovered.numel()
     if isinstance(pad, (bool, int, float)):
@@ -307,16 +276,14 @@ def take_rows(
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Rotary positions of a left-padded batch, ``[B, S]`` int64: ``[pad, pad, a, b]`` gets
-    ``[0, 0, 0, 1]``, the positions the engine saw. On the mask's device; no sync."""
+    """``[B, S]`` int64 rotary positions of a left-padded batch: ``[pad, pad, a, b]`` -> ``[0, 0, 0, 1]``."""
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def split_for_sequence_parallel(
     tensor: torch.Tensor, tp_size: int, tp_rank: int, *, dim: int = 1
 ) -> torch.Tensor:
-    """This tensor-parallel rank's contiguous ``1/tp_size`` of the token dimension ``dim`` (a view):
-    with sequence parallelism a router sees ``[1, T_local / TP, L, K]`` of ``[1, T_local, L, K]``."""
+    """This TP rank's ``1/tp_size`` of token dimension ``dim`` (a view), for sequence parallelism."""
     tp = check_int("tp_size", tp_size)
     check_rank("tp_rank", tp_rank, "tp_size", tp)
     if not -tensor.dim() <= dim < tensor.dim():

@@ -1,8 +1,6 @@
-"""GRPO-style advantages, the clipped policy loss, and training/inference mismatch metrics.
-
-Token tensors are left-padded ``[B, S]`` and aligned to token ``t`` (its logprob comes from the
-forward at position ``t - 1``); ``loss_mask`` is 1 on loss targets. Pure tensor math: no syncs.
-"""
+"""GRPO advantages, the clipped policy loss and mismatch metrics, on left-padded ``[B, S]`` token
+tensors aligned to token ``t`` (the forward at ``t - 1``); ``loss_mask`` is 1 on loss targets. No
+syncs."""
 
 from __future__ import annotations
 
@@ -17,6 +15,8 @@ from r3lightning.correction.importance import CorrectionConfig
 
 @dataclass(frozen=True)
 class GRPOConfig:
+    """The job's ``algorithm`` settings."""
+
     group_size: int = 8  # responses sampled per prompt
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28
@@ -30,13 +30,11 @@ class GRPOConfig:
 def group_advantages(
     rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """Per-trajectory advantage ``[num_groups * group_size]``: reward minus its group's mean (over
-    the unbiased ``std + eps`` if normalising); consecutive ``rewards`` form a group."""
+    """Each reward minus its group's mean (over the unbiased ``std + eps`` if normalising); a group
+    is ``group_size`` consecutive rewards."""
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
         shape = tuple(rewards.shape)
-        raise ValueError(
-            f"rewards must be 1-D with a multiple of group_size={group_size} entries, got shape {shape}"
-        )
+        raise ValueError(f"rewards must be 1-D with a multiple of {group_size=} entries, got shape {shape}")
     grouped = rewards.float().view(-1, group_size)  # [groups, group_size]
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
@@ -56,8 +54,8 @@ def _shifted_log_softmax(logits: Tensor) -> Tensor:
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` weighted by ``mask``; what ``values`` hold where ``mask`` is 0 (even NaN)
-    never reaches the result or its gradient; 0 when the mask is empty (no sync)."""
+    """Mean of ``values`` weighted by ``mask``, 0 for an empty mask; values off the mask (even NaN)
+    never reach the result or its gradient."""
     mask = mask.to(values.dtype)
     return torch.where(mask != 0, values * mask, 0.0).sum() / mask.sum().clamp(min=1.0)
 
@@ -72,15 +70,10 @@ def policy_loss(
     clip_high: float = 0.28,
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss, token-mean over the loss tokens, and detached ``clip_fraction``.
-
-    ``logprobs`` (trainer, with grad), ``old_logprobs`` (the engine's), ``loss_mask`` and
-    ``weights`` (a correction's, constants) are ``[B, S]``, ``advantages`` ``[B]``. A weight scales
-    its token's term; the divisor stays the loss-token count. Masked tokens add exactly 0 to the
-    loss and its gradient whatever their values; no loss token gives 0.
-    """
-    log_ratio = torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0)  # [B, S]
-    ratio = torch.exp(log_ratio)
+    """Clipped surrogate loss, the mean over the loss tokens (each term scaled by its constant
+    ``weights``), and detached ``clip_fraction``. ``advantages [B]``, the rest ``[B, S]``; masked
+    tokens add exactly 0 to the loss and its gradient."""
+    ratio = torch.exp(torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0))  # [B, S]
     adv = advantages[:, None].to(ratio.dtype)  # [B, 1]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
@@ -94,8 +87,8 @@ def policy_loss(
 
 
 def k3_terms(log_ratio: Tensor) -> Tensor:
-    """Per-token k3 estimator ``r - 1 - log r`` of ``log_ratio = log r`` in float64, as
-    ``expm1(x) - x``: float32 ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``."""
+    """Per-token k3 ``r - 1 - log r`` of ``log_ratio = log r`` as float64 ``expm1(x) - x`` (float32
+    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``)."""
     x = log_ratio.double()
     return torch.expm1(x) - x
 
@@ -123,10 +116,8 @@ def paired_mismatch_metrics(
     *,
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
-    """The mismatch R3 removes, on one batch and one set of weights: the trainer's ``[B, S]``
-    logprobs with its own routing and with the engine's routes replayed, each against the engine's
-    (:func:`mismatch_metrics`): ``k3_native`` / ``k3_replayed``, ``outside_band_native`` /
-    ``outside_band_replayed``. Detached float64 scalars."""
+    """The mismatch R3 removes: :func:`mismatch_metrics` of the trainer's native and replayed
+    logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``)."""
     native, replayed = (
         mismatch_metrics(lp, rollout_logprobs, loss_mask, ratio_band=ratio_band)
         for lp in (native_logprobs, replayed_logprobs)
@@ -140,8 +131,7 @@ def paired_mismatch_metrics(
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy (nats) of the distribution each token was predicted from, aligned like
-    :func:`token_logprobs`: ``[B, S]`` float32, entry 0 is 0."""
+    """Entropy (nats) of each token's predicting distribution, ``[B, S]`` like :func:`token_logprobs`."""
     logp = _shifted_log_softmax(logits)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))

@@ -1,13 +1,7 @@
-"""Importance-sampling corrections for the engine/trainer mismatch that replay leaves behind
-(kernels, precision).
-
-Each function takes the per-token ``log_ratio = log p_trainer - log p_engine`` of the forward the
-loss uses and the loss ``mask`` (nonzero on loss tokens), as padded ``[B, T]`` tensors (sequence =
-row) or as a ``PackedTensor`` of per-token values (sequence = segment; ``mask`` packed alike or a
-``[rows]`` tensor). The result has ``log_ratio``'s form and dtype, is detached and is 0 wherever
-``mask`` is 0. Cost: a few elementwise kernels (sequence sums in float64 as cumsum differences):
-no host sync, no atomics, deterministic.
-"""
+"""Importance-sampling corrections of ``log_ratio = log p_trainer - log p_engine`` over the loss
+``mask``: padded ``[B, T]`` tensors or a ``PackedTensor`` of per-token values (``mask`` packed alike
+or ``[rows]``). Results have ``log_ratio``'s form and dtype, detached, 0 off the mask. Cost: a few
+elementwise kernels, sequence sums in float64 as cumsum differences; no host sync, deterministic."""
 
 from __future__ import annotations
 
@@ -33,20 +27,16 @@ def _number(name: str, value: object) -> float:
 
 
 def _check(threshold: float = 2.0, lower: float = 0.5, upper: float = 2.0) -> None:
-    """The settings' ranges, each error naming its field: ``threshold > 0``, ``0 <= lower < upper``."""
     if not _number("threshold", threshold) > 0:
         raise ValueError(f"threshold must be a number > 0 (the truncation cap C), got {threshold!r}")
     if not 0 <= _number("lower", lower) < _number("upper", upper):
-        raise ValueError(
-            f"lower and upper must satisfy 0 <= lower < upper, got lower={lower!r}, upper={upper!r}"
-        )
+        raise ValueError(f"lower and upper must satisfy 0 <= lower < upper, got {lower=}, {upper=}")
 
 
 @dataclass(frozen=True)
 class CorrectionConfig:
-    """Which correction the loss applies (``algorithm.correction`` in the job): ``mode`` one of
-    :data:`MODES` (``none``: every loss token weighs 1), ``threshold`` the cap ``C`` of the TIS
-    modes, ``lower`` / ``upper`` the ratio band the mask modes keep."""
+    """``algorithm.correction``: ``mode`` one of :data:`MODES`, ``threshold`` the cap ``C`` of the
+    TIS modes, ``lower`` / ``upper`` the ratio band the mask modes keep."""
 
     mode: str = "none"
     threshold: float = 2.0
@@ -60,13 +50,11 @@ class CorrectionConfig:
 
 
 def tokens_of(log_ratio: Tokens, mask: Tokens) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(values, bool keep, cu_seqlens or None)`` of a padded or packed input; checks shapes."""
+    """``(values, bool keep, cu_seqlens or None)`` of a padded or packed input, shapes checked."""
     cu = None
     if isinstance(log_ratio, PackedTensor):
         if log_ratio.row_shape != ():
-            raise ValueError(
-                f"log_ratio must hold per-token values (row_shape ()), got {log_ratio.row_shape}"
-            )
+            raise ValueError(f"log_ratio must be per-token values (row_shape ()), got {log_ratio.row_shape}")
         if isinstance(mask, PackedTensor):
             if not torch.equal(mask.cu_seqlens_host, log_ratio.cu_seqlens_host):
                 raise ValueError("mask must be a PackedTensor with log_ratio's cu_seqlens")
@@ -118,8 +106,7 @@ def token_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tok
 
 
 def sequence_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
-    """One weight per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)``,
-    repeated on its loss tokens."""
+    """Per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)`` on its loss tokens."""
     _check(threshold=threshold)
     lr, keep, cu = tokens_of(log_ratio, mask)
     total = _sequence_sum(torch.where(keep, lr, 0.0), cu)
@@ -127,8 +114,7 @@ def sequence_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> 
 
 
 def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
-    """1 on the loss tokens of sequences whose geometric-mean ratio ``exp(mean log_ratio)`` over
-    their loss tokens lies in ``[lower, upper]``; whole sequences outside are dropped (0)."""
+    """1 on the loss tokens of sequences whose ``exp(mean log_ratio)`` lies in ``[lower, upper]``."""
     _check(lower=lower, upper=upper)
     lr, keep, cu = tokens_of(log_ratio, mask)
     mean = _sequence_sum(torch.where(keep, lr, 0.0), cu) / _sequence_sum(keep, cu).clamp(min=1)

@@ -19,8 +19,8 @@ __all__ = ["CorrectionMetrics", "correction_sums"]
 
 
 def correction_sums(weights: Tokens, mask: Tokens, config: CorrectionConfig) -> tuple[Tensor, Tensor]:
-    """float64 ``[5]`` sums (loss tokens, sum w, sum w^2, tokens at the TIS cap, tokens a mask
-    mode dropped) and ``[]`` max weight of one micro-batch's ``weights`` over ``mask``."""
+    """float64 ``[5]`` sums (loss tokens, sum w, sum w^2, tokens at the TIS cap, tokens dropped) and
+    ``[]`` max weight of one micro-batch."""
     w, keep, _ = tokens_of(weights, mask)
     zero = torch.zeros((), dtype=torch.float64, device=w.device)
     truncated = masked = zero
@@ -34,10 +34,7 @@ def correction_sums(weights: Tokens, mask: Tokens, config: CorrectionConfig) -> 
 
 
 class CorrectionMetrics:
-    """Accumulates the ``correction/*`` metrics of one step over its micro-batches: ``weight_mean``
-    (sum w / n), ``weight_max``, ``ess`` (``(sum w)^2 / (n sum w^2)``), ``truncated_fraction`` and
-    ``masked_fraction`` (of the ``n`` loss tokens), ``loss_tokens`` (``n``; 0 makes every ratio 0).
-    """
+    """The ``correction/*`` metrics of one step, accumulated over its micro-batches."""
 
     def __init__(self, config: CorrectionConfig | None = None) -> None:
         self.config = config or CorrectionConfig()
@@ -56,8 +53,8 @@ class CorrectionMetrics:
             self._max = torch.maximum(self._max, top.to(self._max.device))
 
     def compute(self, *, sync_dist: bool = False) -> dict[str, Tensor]:
-        """Float64 scalars named ``correction/<name>``. ``sync_dist``: sum (and max) over the ranks
-        of the default process group first; every rank must call it (two small collectives)."""
+        """Float64 scalars ``correction/<name>``; ``sync_dist``: reduced over the default process
+        group first (two small collectives every rank must join)."""
         sums = torch.zeros(5, dtype=torch.float64) if self._sums is None else self._sums.clone()
         top = torch.zeros((), dtype=torch.float64) if self._max is None else self._max.clone()
         if sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

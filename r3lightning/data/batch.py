@@ -9,15 +9,10 @@ Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right e
     advantages, rewards [B] float32;  prompt_lengths, sequence_lengths [B] int64 (real tokens)
     routed_experts    PackedTensor [sum(captured), num_layers, top_k] | None; segment i = row i's
                       captured route rows from its first real token (uncaptured rows route natively)
-    route_layers      tuple[int, ...] | None: the absolute decoder layer of each route column
-                      (None: column j is layer j, every layer present)
+    route_layers      tuple[int, ...] | None: the decoder layer of each route column (None: j is j)
 
-The batch behaves like one tensor (``to``, ``pin_memory``, indexing, ``split`` / ``chunk`` /
-``select``, ``cat``, ``repeat`` / ``repeat_interleave``, pickling, ``pad_to_multiple``). A CPU copy
-of the two length vectors rides along (``lengths_host``), so layouts are planned without a
-device->host sync. Step-1 slices and ``split`` / ``chunk`` return views; other reorderings new
-storage. A cut batch remembers its rows in the batch it was cut from (:meth:`rows_in`). A batch
-collated into a pinned pool holds a lease: :meth:`release` hands the buffers back.
+The batch moves, pins, slices, joins and pickles like one tensor. A CPU copy of the two length
+vectors rides along (``lengths_host``), so layouts are planned without a device->host sync.
 """
 
 from __future__ import annotations
@@ -75,14 +70,12 @@ class RolloutBatch:
                     raise ValueError(f"RolloutBatch.{name} must have shape {want}{like}, got {got}")
         if self.attention_mask.dtype != torch.bool:
             raise ValueError(f"RolloutBatch.attention_mask must be bool, got {self.attention_mask.dtype}")
-        routes = self.routed_experts
-        if routes is not None and not isinstance(routes, PackedTensor):
-            raise TypeError(
-                f"RolloutBatch.routed_experts must be a PackedTensor, got {type(routes).__name__}"
-            )
-        if routes is not None and len(routes) != shape[0]:
+        r = self.routed_experts
+        if r is not None and not isinstance(r, PackedTensor):
+            raise TypeError(f"RolloutBatch.routed_experts must be a PackedTensor, got {type(r).__name__}")
+        if r is not None and len(r) != shape[0]:
             raise ValueError(
-                f"RolloutBatch.routed_experts must have one segment per row ({shape[0]}), got {len(routes)}"
+                f"RolloutBatch.routed_experts must have one segment per row ({shape[0]}), got {len(r)}"
             )
 
     def __len__(self) -> int:
@@ -119,17 +112,16 @@ class RolloutBatch:
         return int(self.lengths_host()[0].sum())
 
     def _replace(
-        self, each: Callable[[Any], Any], host: Any = None, *, routes: Any = None, tokens_only: bool = False
+        self, each: Callable[[Any], Any], rows: Any = None, *, routes: Any = None, tokens_only: bool = False
     ) -> RolloutBatch:
-        """New batch with ``each`` applied to every field (``routes`` instead on the packed routes,
-        when given; ``tokens_only``: on the ``[B, S]`` fields alone) and ``host`` lengths (None =
-        keep); skips the shape checks, which the transforms keep by construction."""
+        """Unchecked new batch: ``each`` on every field (or ``routes`` on the routes; ``tokens_only``),
+        host lengths of the ``rows`` (a slice or host index; None: all)."""
         names = TOKEN_FIELDS if tokens_only else (*TOKEN_FIELDS, *ROW_FIELDS)
         values = {name: getattr(self, name) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
         values.update({name: each(values[name]) for name in names})
         r = self.routed_experts
         values["routed_experts"] = r if r is None or tokens_only else (routes or each)(r)
-        hosts = self._host_lengths if host is None else host
+        hosts = self._host_lengths if rows is None else tuple(h[rows] for h in self.lengths_host())
         out = object.__new__(RolloutBatch)
         values.update(route_layers=self.route_layers, _host_lengths=hosts, _root=self._root, _rows=self._rows)
         out.__dict__.update(values, _lease=None)
@@ -146,9 +138,7 @@ class RolloutBatch:
         return out
 
     def rows_in(self, batch: RolloutBatch) -> Tensor | None:
-        """Host int64 ``[B]``: where this batch's rows sit in ``batch`` (``arange(B)`` for ``batch``
-        itself), when this batch was cut from it by ``split`` / ``chunk`` / ``select`` / indexing /
-        ``trim`` (directly or through other cuts); ``None`` otherwise."""
+        """Host int64 ``[B]``: this batch's rows in ``batch`` when cut from it (at any depth), else None."""
         (root, mine), (other_root, theirs) = self._lineage(), batch._lineage()
         if root is not other_root:
             return None
@@ -160,32 +150,24 @@ class RolloutBatch:
     def _gather(self, index: Tensor) -> RolloutBatch:
         """Rows ``index`` (host int64 ``[n]`` in ``[0, B)``) into new storage."""
         device_index = to_device_async(index, self.device)
-        seq, prompt = self.lengths_host()
-        out = self._replace(
-            lambda t: t.index_select(0, device_index), (seq[index], prompt[index]), routes=lambda r: r[index]
-        )
+        out = self._replace(lambda t: t.index_select(0, device_index), index, routes=lambda r: r[index])
         out._root = out._rows = None  # new rows (repeats); indexing records its cut itself
         return out
 
     def __getitem__(
         self, index: int | slice | Sequence[int] | Sequence[bool] | Tensor | np.ndarray
     ) -> RolloutBatch:
-        """``int`` -> batch of that one row; step-1 slice -> view; strided slice, list, index
-        tensor or bool mask -> gathered copy. Device-resident index tensors are read back once."""
+        """int -> one row; step-1 slice -> view; else a gathered copy (a device index: one sync)."""
         picked = batch_index(index, len(self), owner="RolloutBatch", unit="row")
         if isinstance(picked, int):
             return self[picked : picked + 1]
         if isinstance(picked, slice):
-            start, stop = picked.start, picked.stop
-            seq, prompt = self.lengths_host()
-            view = self._replace(lambda t: t[start:stop], (seq[start:stop], prompt[start:stop]))
-            return self._cut(view, torch.arange(start, stop))
+            view = self._replace(lambda t: t[picked], picked)
+            return self._cut(view, torch.arange(picked.start, picked.stop))
         return self._cut(self._gather(picked), picked)
 
     def select(self, rows: Sequence[int] | Sequence[bool] | Tensor | np.ndarray) -> RolloutBatch:
-        """Rows ``rows`` (positions in any order, or a bool mask of length ``B``) as a new batch,
-        e.g. a shuffled PPO mini-batch: new storage, routes kept with their trajectories.
-        Device-resident ``rows`` are read back once (a sync)."""
+        """Rows ``rows`` (positions in any order, or a bool mask) in new storage (device ``rows``: a sync)."""
         if isinstance(rows, (int, slice)):
             raise TypeError(
                 "RolloutBatch.select takes row positions or a bool mask; use batch[i] / batch[a:b]"
@@ -212,18 +194,15 @@ class RolloutBatch:
 
     def trim(self) -> RolloutBatch:
         """View without the leading columns that are padding in every row (host lengths, no sync)."""
-        seq, _ = self.lengths_host()
-        keep = int(seq.max()) if len(self) else 0
-        if keep == self.width:
+        start = self.width - (int(self.lengths_host()[0].max()) if len(self) else 0)
+        if start == 0:
             return self
-        start = self.width - keep
         trimmed = self._replace(lambda t: t[:, start:], tokens_only=True)
         return self._cut(trimmed, torch.arange(len(self)))
 
     @staticmethod
     def cat(batches: Sequence[RolloutBatch], *, pad_token_id: int = 0) -> RolloutBatch:
-        """Rows of all ``batches`` (same device; routes all present or all absent, same schema and
-        ``route_layers``), left-padded to the widest; new storage. Route dtypes widen to the widest part."""
+        """Rows of all ``batches`` (one device, one ``route_layers``), left-padded to the widest."""
         batches = list(batches)
         if not batches:
             raise ValueError("RolloutBatch.cat needs at least one batch")
@@ -252,9 +231,7 @@ class RolloutBatch:
         return self._gather(torch.arange(len(self)).repeat(check_int("repeats", repeats, 0)))
 
     def repeat_interleave(self, repeats: int | Sequence[int] | Tensor) -> RolloutBatch:
-        """Each row ``repeats`` times in place (``[a, a, b, b]``, e.g. GRPO samples per prompt);
-        ``repeats`` is an int or one count per row (floats and bools are rejected). New storage;
-        device-resident ``repeats`` are read back once (a sync)."""
+        """Each row ``repeats`` times (``[a, a, b, b]``), new storage (device ``repeats``: a sync)."""
         per_row = repeat_counts(repeats, len(self), unit="row")
         return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_row))
 
@@ -267,21 +244,15 @@ class RolloutBatch:
         num_experts: int | None = None,
         pad_token_id: int = 0,
     ) -> RolloutBatch:
-        """Append placeholder rows (:func:`~r3lightning.data.trajectory.padding_trajectories`: one
-        pad token, zero loss) until ``len`` is a multiple of ``multiple`` (e.g. the data-parallel
-        size). With routes each placeholder gets one dummy route row (``num_experts`` required;
-        ``num_layers`` / ``top_k`` default to, and must match, the routes' schema). Returns
-        ``self`` when nothing is missing, else new storage."""
-        check_int("multiple", multiple)
-        missing = -len(self) % multiple
+        """Append zero-loss placeholder rows (with a dummy route row each) until ``len`` is a multiple
+        of ``multiple``; ``self`` when nothing is missing, else new storage."""
+        missing = -len(self) % check_int("multiple", multiple)
         if missing == 0:
             return self
         schema = None
         if self.routed_experts is not None:
             schema = self.routed_experts.row_shape
-            wanted = tuple(
-                have if want is None else want for want, have in zip((num_layers, top_k), schema, strict=True)
-            )
+            wanted = (schema[0] if num_layers is None else num_layers, schema[1] if top_k is None else top_k)
             if wanted != schema:
                 raise ValueError(
                     f"pad_to_multiple: (num_layers, top_k) = {wanted} does not match the routes' schema {schema}"
@@ -290,14 +261,11 @@ class RolloutBatch:
                 raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
         placeholders = padding_trajectories(missing, pad_token_id=pad_token_id, route_schema=schema,
                                             num_experts=num_experts, route_layers=self.route_layers)  # fmt: skip
-        padding = RolloutBatch(
-            **collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
-        )
-        return RolloutBatch.cat([self, padding.to(self.device)], pad_token_id=pad_token_id)
+        fields = collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
+        return RolloutBatch.cat([self, RolloutBatch(**fields).to(self.device)], pad_token_id=pad_token_id)
 
     def to(self, device: torch.device | str | int, non_blocking: bool = False) -> RolloutBatch:
-        """Every field (routes included) on ``device``; ``self`` when already there.
-        ``non_blocking`` is asynchronous only from pinned memory to an accelerator."""
+        """Every field on ``device`` (``self`` when already there); ``non_blocking`` from pinned memory."""
         moved = self.input_ids.to(device, non_blocking=non_blocking)
         if moved is self.input_ids:
             return self
@@ -319,8 +287,7 @@ class RolloutBatch:
         return all(t.is_pinned() for t in tensors if t is not None)
 
     def release(self, after: Any = None) -> None:
-        """Hand pooled buffers back (no-op unpooled); the batch and its views are dead afterwards.
-        ``after``: an event recorded after the last async copy out of it, waited on before reuse."""
+        """Hand pooled buffers back, reused after the event ``after``; the batch and its views die."""
         lease, self._lease = self._lease, None
         if lease is not None:
             lease(after)
@@ -364,8 +331,6 @@ def _rebuild(
     route_layers: tuple[int, ...] | None = None,
 ) -> RolloutBatch:
     values = {name: tensor_from_bytes(*spec) for name, spec in tensors.items()}
-    values["route_layers"] = route_layers
-    batch = RolloutBatch(
-        **values, routed_experts=None if routes is None else routes.to("cpu"), _host_lengths=host
-    )
+    routes = None if routes is None else routes.to("cpu")
+    batch = RolloutBatch(**values, routed_experts=routes, route_layers=route_layers, _host_lengths=host)
     return batch.to(device)

@@ -1,11 +1,6 @@
-"""``ReplayBuffer``: validated FIFO store of trajectories with resumable state.
-
-Each trajectory gets a global sequence number when added (never reused). Eviction is FIFO, so the
-buffer holds one contiguous range ``[start, stop)``: ``stop`` counts every trajectory ever added,
-``start`` every one evicted or cleared. The data module names an epoch's snapshot by such a range,
-which lets a checkpointed run find exactly the trajectories it was iterating. Insertion validates
-first and mutates after: a rejected trajectory (or ``extend`` batch) leaves the buffer unchanged.
-"""
+"""``ReplayBuffer``: validated FIFO store of trajectories with resumable state. Each trajectory gets
+a sequence number when added (never reused), so the buffer holds one range ``[start, stop)``; a
+rejected trajectory (or ``extend`` batch) leaves it unchanged."""
 
 from __future__ import annotations
 
@@ -28,22 +23,16 @@ _STATE_VERSION = 1
 
 
 def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
-    """Trajectories -> a dict of a few flat tensors (``weights_only`` safe): token fields
-    concatenated with per-trajectory lengths, routes in the widest dtype present with one row count
-    per trajectory (-1 = no routes), each one's id sum (``route_sums``: a restore refuses rows
-    that moved to a neighbour) and their one ``route_layers``. One copy of every field plus one
-    pass over the routes."""
+    """Trajectories -> a dict of flat tensors (``weights_only`` safe), with route id sums so that a
+    restore refuses rows moved to a neighbour. One copy of every field, one pass over the routes."""
     _, layers = route_signature(trajectories, "trajectories to pack")
     per_trajectory = [t.routed_experts for t in trajectories]  # None: no routes
     routed = [r for r in per_trajectory if r is not None]
-    routes = None
-    if routed:
-        dtype = widest_route_dtype(r.dtype for r in routed)
-        routes = torch.cat([r.to(dtype) for r in routed])  # [sum rows, L, K]
+    dtype = widest_route_dtype(r.dtype for r in routed) if routed else None
+    routes = torch.cat([r.to(dtype) for r in routed]) if routed else None  # [sum rows, L, K]
 
     def cat(name: str, dtype: torch.dtype) -> Tensor:
-        parts = [getattr(t, name) for t in trajectories]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+        return torch.cat([torch.empty(0, dtype=dtype), *(getattr(t, name) for t in trajectories)])
 
     return {
         "count": len(trajectories),
@@ -70,8 +59,7 @@ _PACKED_KEYS = ("count", "prompt_lengths", "response_lengths", "prompt_ids", "re
 
 
 def check_state(state: Any, keys: Sequence[str], where: str, *, version: int | None = None) -> None:
-    """``ValueError`` naming ``where`` unless ``state`` is a dict of ``version`` (when given)
-    holding ``keys``."""
+    """``ValueError`` naming ``where`` unless ``state`` is a dict (of ``version``) with ``keys``."""
     if not isinstance(state, dict):
         raise ValueError(f"{where} must be a dict, got {type(state).__name__}")
     if version is not None and state.get("version") != version:
@@ -80,12 +68,11 @@ def check_state(state: Any, keys: Sequence[str], where: str, *, version: int | N
         raise ValueError(f"{where} lacks {missing}")
 
 
-def _vector(packed: dict[str, Any], name: str, size: int | None, where: str) -> Tensor:
+def _vector(packed: dict[str, Any], name: str, size: int, where: str) -> Tensor:
     value = packed[name]
-    if not isinstance(value, Tensor) or value.dim() != 1 or (size is not None and value.numel() != size):
+    if not isinstance(value, Tensor) or value.dim() != 1 or value.numel() != size:
         got = f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
-        expected = "a 1-D tensor" + ("" if size is None else f" of {size} entries")
-        raise ValueError(f"{where}: {name} must be {expected}, got {got}")
+        raise ValueError(f"{where}: {name} must be a 1-D tensor of {size} entries, got {got}")
     return value
 
 
@@ -97,10 +84,8 @@ def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str
 
 
 def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajectories") -> list[Trajectory]:
-    """Inverse of :func:`pack_trajectories`; each route tensor regains its compact dtype. Builds
-    every :class:`Trajectory` anew (the same checks as fresh ones) and checks the packing (keys,
-    lengths, sizes, ``route_sums``); ``ValueError`` naming ``where``, the field and the trajectory.
-    Cost: one copy and one validation pass of every field."""
+    """Inverse of :func:`pack_trajectories`, every trajectory checked as a fresh one; ``ValueError``
+    naming ``where``, the field and the trajectory. One copy and one check of every field."""
     check_state(packed, _PACKED_KEYS, where)
     count = packed["count"]
     if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
@@ -111,9 +96,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     route_rows = _lengths(packed, "route_rows", count, -1, where)
     per_field = {"prompt_ids": prompt_lengths, "response_ids": response_lengths}
     per_field |= {"loss_mask": response_lengths, "rollout_logprobs": response_lengths}
-    fields: dict[str, Any] = {
-        name: _vector(packed, name, sum(n), where).split(n) for name, n in per_field.items()
-    }
+    fields: dict[str, Any] = {k: _vector(packed, k, sum(n), where).split(n) for k, n in per_field.items()}
     fields["reward"] = _vector(packed, "rewards", count, where).tolist()
     fields["advantage"] = _vector(packed, "advantages", count, where).tolist()
     sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
@@ -148,19 +131,15 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
 
 
 class ReplayBuffer:
-    """FIFO buffer of :class:`Trajectory` with validation, eviction and checkpoint state.
+    """FIFO buffer of :class:`Trajectory` with validation, eviction and checkpoint state; the first
+    routes fix the schema ``(num_layers, top_k)`` and ``route_layers`` until :meth:`clear`.
 
     Args:
-        capacity: most trajectories kept; adding one when full evicts the oldest (an oversized
-            ``extend`` keeps its newest ``capacity``). ``None`` = unbounded.
-        vocab_size: when given, token ids must be ``< vocab_size``.
-        num_experts: when given, expert ids must be ``< num_experts``; also sizes placeholder routes.
-        layers: keep routes only on these absolute decoder layers (a pipeline stage's, a partial
-            model's): routes on every layer are cut to their columns on insert (one copy of them),
-            routes on another layer set are refused. ``None``: routes are kept as they come.
-
-    The first routes fix the schema ``(num_layers, top_k)`` and their ``route_layers`` until
-    :meth:`clear`; others are rejected. Iteration yields the stored trajectories oldest first.
+        capacity: most trajectories kept (the oldest are evicted); ``None`` = unbounded.
+        vocab_size, num_experts: bounds of token and expert ids, when given (``num_experts``
+            also sizes the data module's placeholder routes).
+        layers: keep routes only on these absolute decoder layers: routes on every layer are cut
+            on insert, others refused. ``None``: routes as they come.
     """
 
     def __init__(
@@ -191,12 +170,12 @@ class ReplayBuffer:
 
     @property
     def start(self) -> int:
-        """Sequence number of the oldest stored trajectory (= trajectories evicted or cleared)."""
+        """Sequence number of the oldest stored trajectory."""
         return self._start
 
     @property
     def stop(self) -> int:
-        """One past the newest sequence number (= trajectories ever added)."""
+        """One past the newest sequence number."""
         return self._start + len(self._items)
 
     @property
@@ -221,8 +200,7 @@ class ReplayBuffer:
         self.extend([trajectory])
 
     def extend(self, trajectories: Iterable[Trajectory]) -> None:
-        """Validate all, then append all (all-or-nothing); oldest evicted beyond ``capacity``.
-        One pass over every new trajectory's ids and routes (range checks)."""
+        """Validate all, then append all; one pass over their ids and routes."""
         batch = list(trajectories)
         where = "trajectory {i} of the batch" if len(batch) > 1 else "trajectory"
         batch, self._fixed = self._validated(batch, *self._fixed, where)
@@ -233,9 +211,7 @@ class ReplayBuffer:
     def _validated(
         self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, layers: Any, where: str
     ) -> tuple[list[Trajectory], tuple[Any, Any]]:
-        """``batch`` on :attr:`layers`, checked against the bounds, one route schema and one layer
-        set (``schema`` / ``layers``, else the first routes'), with that schema and layer set.
-        Changes nothing. ``where`` names a rejected item."""
+        """``batch`` on :attr:`layers`, checked, with its one route schema and layer set."""
         out = []
         for i, t in enumerate(batch):
             if not isinstance(t, Trajectory):
@@ -262,8 +238,7 @@ class ReplayBuffer:
         self._items.clear()
 
     def state_dict(self) -> dict[str, Any]:
-        """Contents and position: a few flat tensors plus ints (``torch.load(weights_only=True)``
-        safe). Copies every stored trajectory once."""
+        """Contents and position (``weights_only`` safe); copies every stored trajectory once."""
         return {
             "version": _STATE_VERSION,
             "start": self._start,
@@ -273,21 +248,15 @@ class ReplayBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace contents and position with ``state``, validated as fresh trajectories are (and
-        against this buffer's bounds); on any ``ValueError`` (naming the field) the buffer is
-        unchanged."""
+        """Replace contents and position, checked first: a ``ValueError`` changes nothing."""
         where = "ReplayBuffer state"
         check_state(state, ("start", "route_schema", "trajectories"), where, version=_STATE_VERSION)
         start = check_int(f"{where} start", state["start"], 0)
         saved = state["route_schema"]
-        if saved is not None:
-            if (
-                not isinstance(saved, list | tuple)
-                or len(saved) != 2
-                or not all(type(n) is int and n >= 1 for n in saved)
-            ):
-                raise ValueError(f"{where} route_schema must be None or [num_layers, top_k] >= 1, got {saved!r}")  # fmt: skip
-            saved = tuple(saved)
+        pair = isinstance(saved, list | tuple) and len(saved) == 2
+        if saved is not None and not (pair and all(type(n) is int and n >= 1 for n in saved)):
+            raise ValueError(f"{where} route_schema must be None or [num_layers, top_k] >= 1, got {saved!r}")
+        saved = None if saved is None else tuple(saved)
         layers = check_layers(f"{where} route_layers", state.get("route_layers"))  # absent in older states
         if saved is not None and self.layers not in (None, layers):  # routes on every layer: cut
             if layers is not None:

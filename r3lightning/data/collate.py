@@ -1,21 +1,15 @@
 """Threaded collation of trajectories into a :class:`RolloutBatch`, optionally into pinned buffers.
 
-Rows are filled from a thread pool (:func:`~r3lightning.data.fill.collate_fields`). Routes stay
-packed (segment ``i`` = trajectory ``i``'s captured rows, in the batch's widest route dtype).
-
-Pinned buffer pool (``pin_memory=True``): pinning fresh memory every step is slow, so outputs are
-carved out of a few reusable buffer sets ("slots"). Collating a batch leases it the free slot
-released longest ago (its copy most likely finished a step ago), or fresh buffers outside the pool
-when none is free (``misses``). The slot is free again when the lease returns,
-``batch.release(after=event)`` as ``R3DataModule.transfer_batch_to_device`` does right after
-issuing the GPU copy, or with ``recycle_after=N`` once ``N`` further batches were collated; the
-pool waits on that event before writing the slot again. The allocator is injectable, so the pool
-logic also runs (unpinned) without a GPU.
+With ``pin_memory=True`` outputs are carved out of a few reusable buffer sets ("slots"): a batch
+leases the free slot released longest ago (fresh buffers when none is free: ``misses``), given
+back by ``batch.release(after=event)`` (the next write waits on the event) or after
+``recycle_after`` further batches. The allocator is injectable, so the pool runs without a GPU.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,49 +39,37 @@ class _Slot:
 
 
 class PinnedBufferPool:
-    """A few reusable output buffer sets (lifetime rules: module docs). ``slots``: 2 covers the
-    batch in training plus the next; ``allocator``: ``(shape, dtype) -> Tensor``, default
-    :func:`pinned_empty`; ``recycle_after``: also free a slot after that many further batches."""
+    """A few reusable output buffer sets (module docs); 2 ``slots`` cover one batch and the next."""
 
     def __init__(
         self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
     ) -> None:
-        check_int("slots", slots)
         if recycle_after is not None:
             check_int("recycle_after", recycle_after)
-        self.allocator = allocator or pinned_empty
-        self.recycle_after = recycle_after
-        self._slots = [_Slot() for _ in range(slots)]
+        self.allocator, self.recycle_after = allocator or pinned_empty, recycle_after
+        self._slots = [_Slot() for _ in range(check_int("slots", slots))]
         self._lock = threading.Lock()
         self._step = self._releases = 0
-        self.hits = 0  # batches served from a slot
-        self.misses = 0  # batches that found no free slot (fresh allocation)
+        self.hits = self.misses = 0  # batches served from a slot / that found none (fresh buffers)
 
     def acquire(self) -> tuple[Buffers, Callable[..., None] | None]:
-        """Buffers for one batch and the lease that returns them, ``lease(after=None)``
-        (``None`` on a pool miss)."""
+        """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""
         with self._lock:
             self._step += 1
-            free = [
-                slot
-                for slot in self._slots
-                if slot.leased_at is None
-                or (self.recycle_after is not None and self._step - slot.leased_at > self.recycle_after)
-            ]
+            limit = math.inf if self.recycle_after is None else self.recycle_after
+            free = [s for s in self._slots if s.leased_at is None or self._step - s.leased_at > limit]
             if not free:
                 self.misses += 1
                 return Buffers(self.allocator), None
             # least recently released: its fence is the oldest copy, most likely finished already
             slot = min(free, key=lambda s: s.released_at)
             fence, slot.fence = slot.fence, None
-            slot.generation += 1
-            slot.leased_at = self._step
+            slot.generation, slot.leased_at = slot.generation + 1, self._step
+            lease = functools.partial(self._give_back, slot, slot.generation)
             self.hits += 1
         if fence is not None:
             fence.synchronize()  # an async copy out of this slot may still be reading it
-        return Buffers(self.allocator, slot.storage), functools.partial(
-            self._give_back, slot, slot.generation
-        )
+        return Buffers(self.allocator, slot.storage), lease
 
     def _give_back(self, slot: _Slot, generation: int, fence: Any = None) -> None:
         with self._lock:
@@ -110,24 +92,15 @@ def collate_trajectories(
 
 
 class RolloutCollator:
-    """``collate_fn``: a list of trajectories -> one left-padded :class:`RolloutBatch`.
+    """``collate_fn``: a list of trajectories -> one left-padded :class:`RolloutBatch`; one host pass
+    to plan, then ``O(B * S + route bytes)`` copies over the threads, no device work.
 
     Args:
-        num_threads: fill threads; ``None`` = :func:`~r3lightning.data.cpus.collate_pool_size`.
-            1 fills serially in the calling thread.
-        pad_token_id: id written at padding positions of ``input_ids``.
-        width_multiple: round the padded width ``S`` up to a multiple of this.
-        num_experts: expert count for placeholder routes of ``None`` entries (see below).
-        pin_memory: carve outputs out of a :class:`PinnedBufferPool` (for GPU training): ``True``
-            for a default one, or the pool itself (its slots, allocator, recycling).
-        layers: keep routes only on these decoder layers (routes on every layer are cut, others
-            refused naming the trajectory: :meth:`~r3lightning.data.trajectory.Trajectory.on_layers`).
-
-    ``None`` entries (shards evened out) become placeholders
-    (:func:`~r3lightning.data.trajectory.padding_trajectories`), with a dummy route row when the
-    batch has routes and ``num_experts`` is known. Cost: one host pass to plan, then ``O(B * S +
-    route bytes)`` copies over the threads (one more copy of the kept columns of routes cut to
-    ``layers``). No device work.
+        num_threads: fill threads (1: serial); ``None``: :func:`~r3lightning.data.cpus.collate_pool_size`.
+        pad_token_id, width_multiple: the padding id, and a multiple the padded width rounds up to.
+        num_experts: sizes the dummy route row of a placeholder (a ``None`` entry).
+        pin_memory: collate into a :class:`PinnedBufferPool` (``True``: a default one).
+        layers: keep routes only on these decoder layers (``Trajectory.on_layers``).
     """
 
     def __init__(
@@ -154,8 +127,7 @@ class RolloutCollator:
 
     @contextmanager
     def _fill_pool(self) -> Iterator[ThreadPoolExecutor | None]:
-        """The fill threads of one collation (None: serial); :meth:`close` never shuts them down
-        under a collation, the last one out of a closed pool does."""
+        """The fill threads of one collation (None: serial); the last user shuts a closed pool down."""
         if self.num_threads <= 1:
             yield None
             return
@@ -168,11 +140,9 @@ class RolloutCollator:
             yield executor
         finally:
             with self._executor_lock:
-                self._executor_users[executor] -= 1
-                idle = self._executor_users[executor] == 0
-                if idle:
-                    del self._executor_users[executor]
-            if idle and executor is not self._executor:  # closed while this one ran
+                if left := self._executor_users.pop(executor) - 1:
+                    self._executor_users[executor] = left
+            if not left and executor is not self._executor:  # closed while this one ran
                 executor.shutdown(wait=False)  # its tasks are done: the collation waited for them
 
     def __call__(self, trajectories: Sequence[Trajectory | None]) -> RolloutBatch:
@@ -198,8 +168,7 @@ class RolloutCollator:
         return batch
 
     def close(self) -> None:
-        """Stop the fill threads (a later collation restarts them). Safe while other threads
-        collate: a pool still in use is shut down by its last user."""
+        """Stop the fill threads (a later collation restarts them); safe while others collate."""
         with self._executor_lock:
             executor, self._executor = self._executor, None
             busy = executor is not None and executor in self._executor_users
@@ -207,17 +176,13 @@ class RolloutCollator:
             executor.shutdown(wait=True)
 
     def __getstate__(self) -> dict[str, Any]:
-        # threads and pinned pages do not travel between processes
-        state = self.__dict__.copy()
-        state["_executor"] = None
-        del state["_executor_lock"], state["_executor_users"]
-        if self.pool is not None:
+        # threads, locks and pinned pages do not travel between processes
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_executor")}
+        if (pool := self.pool) is not None:
             state["pool"] = PinnedBufferPool(
-                len(self.pool._slots), allocator=self.pool.allocator, recycle_after=self.pool.recycle_after
+                len(pool._slots), allocator=pool.allocator, recycle_after=pool.recycle_after
             )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._executor_lock = threading.Lock()
-        self._executor_users = {}
+        self.__dict__.update(state, _executor=None, _executor_lock=threading.Lock(), _executor_users={})

@@ -1,12 +1,5 @@
-"""How many CPUs this process may really use, for sizing the collation thread pool.
-
-``os.cpu_count()`` reports the machine; a container limited by an affinity mask or a cgroup CPU
-quota gets far less, and an oversized pool fights over those cores. Usable count:
-``min(len(sched_getaffinity), ceil(tightest cgroup quota / period))`` on the path from this
-process's cgroup to the root (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``;
-rounded up: 1.5 CPUs keeps two threads partly busy). A missing, unreadable or malformed file
-means "no quota", never an error. Reads a handful of small files: call once, not per batch.
-"""
+"""How many CPUs this process may really use (affinity mask, cgroup v1 / v2 quotas up to the root),
+for sizing the collation threads; an unreadable or malformed file means "no quota". Call once."""
 
 from __future__ import annotations
 
@@ -41,11 +34,8 @@ def _own_cgroups(proc_cgroup: Path) -> tuple[str | None, str | None]:
 
 
 def _ancestors(mount: Path, cgroup_path: str | None) -> list[Path]:
-    """Directories from the process's cgroup up to the mount root (root last), existing only.
-
-    Inside a container the recorded path may be the host's (``/docker/<id>``) while the mount
-    shows the container's own cgroup at its root: then only the root exists and is used.
-    """
+    """Existing directories from the process's cgroup up to the mount root."""
+    # in a container the recorded path may be the host's: then only the mount root exists
     relative = Path((cgroup_path or "/").lstrip("/"))
     chain = [mount / relative, *[mount / parent for parent in relative.parents]]
     return [directory for directory in dict.fromkeys(chain) if directory.is_dir()]
@@ -69,11 +59,7 @@ def cgroup_cpu_limit(
     cgroup_root: str | os.PathLike[str] = DEFAULT_CGROUP_ROOT,
     proc_cgroup: str | os.PathLike[str] = DEFAULT_PROC_CGROUP,
 ) -> float | None:
-    """Tightest cgroup CPU quota in CPUs (e.g. 1.5), or ``None`` when there is none.
-
-    cgroup v2 (unified hierarchy mounted at ``cgroup_root``) is tried first, then v1 (the ``cpu``
-    controller at ``cgroup_root/cpu,cpuacct`` or ``cgroup_root/cpu``).
-    """
+    """Tightest cgroup CPU quota in CPUs (e.g. 1.5; v2 ``cpu.max`` first, then v1), or ``None``."""
     root = Path(cgroup_root)
     v2_path, v1_path = _own_cgroups(Path(proc_cgroup))
     quotas: list[float] = []
@@ -91,8 +77,7 @@ def usable_cpu_count(
     proc_cgroup: str | os.PathLike[str] = DEFAULT_PROC_CGROUP,
     affinity: int | None = None,
 ) -> int:
-    """CPUs this process may use: ``min(affinity, ceil(cgroup quota))``, at least 1. ``affinity``
-    overrides ``len(os.sched_getaffinity(0))`` and the cgroup paths are injectable (for tests)."""
+    """CPUs this process may use: ``min(len(os.sched_getaffinity(0)), ceil(cgroup quota))``, >= 1."""
     if affinity is None:
         try:
             affinity = len(os.sched_getaffinity(0))
@@ -103,8 +88,7 @@ def usable_cpu_count(
 
 
 def collate_pool_size(cap: int = 8, reserved: int = 1, *, usable: int | None = None) -> int:
-    """Threads for collation: ``min(cap, usable - reserved)``, at least 1; ``reserved`` CPUs are
-    left to the training loop's own thread; ``usable`` defaults to :func:`usable_cpu_count`."""
+    """Threads for collation: ``min(cap, usable_cpu_count() - reserved)``, at least 1."""
     check_int("cap", cap)
     check_int("reserved", reserved, 0)
     usable = usable_cpu_count() if usable is None else usable

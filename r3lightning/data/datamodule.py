@@ -1,28 +1,15 @@
 """``R3DataModule``: replay buffer -> sharded, threaded, pinned ``RolloutBatch`` es for Lightning.
 
-Epochs: the buffer changes between RL steps, so an epoch is one pass over a *snapshot*, taken at
-each :meth:`R3DataModule.train_dataloader` call (every ``trainer.fit``, or every epoch with
-``reload_dataloaders_every_n_epochs=1`` and rollouts collected in ``on_train_epoch_end``). The
-module's own epoch counter (shuffle seed ``seed + epoch``; Lightning's ``set_epoch`` is ignored)
-advances when a new snapshot follows an epoch that was drawn from, or a loader is iterated again
-after its epoch. An epoch cut short (``max_steps``, ``limit_train_batches``, a crash) is
-*continued* by the next iteration or ``train_dataloader`` while its trajectories are still in the
-buffer, else a fresh epoch starts. An epoch nothing was drawn from takes the buffer's contents
-when its loader starts iterating (rows added in ``on_train_start`` are in it).
+An epoch is one pass over a *snapshot* of the buffer, taken at each ``train_dataloader`` call
+(every ``trainer.fit``, or every epoch with ``reload_dataloaders_every_n_epochs=1``) or, for an
+epoch nothing was drawn from yet, when its loader starts iterating. The module's own epoch counter
+(shuffle seed ``seed + epoch``) advances when a new snapshot follows an epoch that was drawn from,
+or a loader is iterated again. Rank ``r`` takes every ``world``-th index of the epoch's order.
 
-Sharding: rank ``r`` takes every ``world``-th index of the epoch's permutation (world and rank
-from the Trainer's strategy or ``torch.distributed``) and collates only its own batches; with
-``drop_last=False`` shards are evened out with zero-loss placeholders, never repeated samples.
-:class:`DataOptions` adds per-rank buffers (``shard=False``), routes cut to the decoder layers a
-rank holds (``layers``: host-to-device route bytes ``layers held / num_layers`` of the full
-routes') and evaluation data (``eval_buffer``: val / test / predict loaders read it whole, in
-order, sharded; they never move the training position).
-
-Resuming: a batch is consumed when ``transfer_batch_to_device`` moves it for a training step
-(not for validation, test, predict, the sanity check, nor a prefetch; a hand-iterated loader
-consumes nothing). ``state_dict`` stores the buffer, the epoch, the consumed count and the
-snapshot's sequence range (plus its trajectories if some were evicted), so a run restored from a
-mid-epoch checkpoint yields exactly the batches an uninterrupted run would have.
+A batch is consumed when ``transfer_batch_to_device`` moves it for a training step (not for
+evaluation, the sanity check or a prefetch). An epoch cut short is continued while its
+trajectories are still in the buffer or in the restored ``state_dict``, so a run restored
+mid-epoch yields exactly the batches an uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -56,15 +43,11 @@ class DataOptions:
     """The less common settings of an :class:`R3DataModule` (the data config's ``options``).
 
     Args:
-        pad_token_id: id at ``input_ids`` padding positions and in placeholders.
-        width_multiple: round each batch's padded width up to a multiple of this.
-        shard: split the buffers among data-parallel ranks; ``False`` when each rank's buffers
-            hold only its own trajectories (per-rank rollout collection).
-        layers: the absolute decoder layers this rank's model holds (e.g. ``backend.moe_layers``
-            of its pipeline stage); batches keep only their route columns
-            (:class:`~r3lightning.data.collate.RolloutCollator`). ``None``: routes as they come.
-        eval_buffer: trajectories for the val / test / predict loaders (whole, in order, sharded
-            like training); ``None`` = those loaders are not defined.
+        pad_token_id, width_multiple: the padding id, and a multiple the padded width rounds up to.
+        shard: split the buffers among data-parallel ranks; ``False`` for per-rank buffers.
+        layers: the absolute decoder layers this rank's model holds (``backend.moe_layers``);
+            batches keep only their route columns. ``None``: routes as they come.
+        eval_buffer: data of the val / test / predict loaders (whole, in order, sharded).
     """
 
     pad_token_id: int = 0
@@ -77,30 +60,22 @@ class DataOptions:
         rules = {"pad_token_id": (int, 0), "width_multiple": (int, 1), "shard": (bool, None)}
         position.check_fields({name: getattr(self, name) for name in rules}, rules)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
-        if self.eval_buffer is not None and not isinstance(self.eval_buffer, ReplayBuffer):
-            raise TypeError(
-                f"eval_buffer must be a ReplayBuffer or None, got {type(self.eval_buffer).__name__}"
-            )
+        if not isinstance(buffer := self.eval_buffer, ReplayBuffer | None):
+            raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(buffer).__name__}")
 
 
 class R3DataModule(pl.LightningDataModule):
-    """LightningDataModule over a :class:`ReplayBuffer` yielding :class:`RolloutBatch` es.
+    """LightningDataModule over a :class:`ReplayBuffer` yielding :class:`RolloutBatch` es; the
+    settings other than the buffers are saved as ``hparams``.
 
     Args:
-        buffer: the replay buffer to draw from (read at every ``train_dataloader`` call).
+        buffer: the replay buffer, read at every ``train_dataloader`` call.
         batch_size: trajectories per batch on each data-parallel rank.
-        shuffle: permute each epoch (seed ``seed + epoch``); else buffer order.
-        seed: base shuffle seed.
-        collate_threads: fill threads per collation; ``None`` =
-            :func:`~r3lightning.data.cpus.collate_pool_size` (affinity and cgroup quota aware).
-        pin_memory: collate into a pinned buffer pool; ``None`` = only when training on a CUDA
-            device. Pooled buffers go back when a batch is moved to the GPU; with a CPU target
-            forcing ``True`` only costs pool misses.
-        drop_last: drop each rank's last incomplete batch (and the tail that does not divide
-            among ranks) instead of evening shards out with placeholders.
-        options: :class:`DataOptions` (padding, sharding, route layers, evaluation data).
-
-    The settings other than the buffers are saved as ``hparams`` (and in checkpoints).
+        shuffle, seed: permute each epoch with seed ``seed + epoch``; else buffer order.
+        collate_threads: fill threads per collation; ``None``: ``cpus.collate_pool_size()``.
+        pin_memory: collate into a pinned buffer pool; ``None``: when training on a CUDA device.
+        drop_last: drop each rank's incomplete last batch instead of adding zero-loss placeholders.
+        options: :class:`DataOptions`.
     """
 
     def __init__(
@@ -152,8 +127,7 @@ class R3DataModule(pl.LightningDataModule):
         return self._cursor.consumed
 
     def _data_parallel(self) -> tuple[int, int]:
-        """(data-parallel size, rank) from the Trainer's strategy, else ``torch.distributed``;
-        (1, 0) when the buffer is this rank's own (``shard=False``)."""
+        """(size, rank) from the Trainer's strategy, else ``torch.distributed``; (1, 0) unsharded."""
         if not self.shard:
             return 1, 0
         if self.trainer is not None:
@@ -178,8 +152,7 @@ class R3DataModule(pl.LightningDataModule):
         return self._collator
 
     def train_dataloader(self) -> DataLoader:
-        """This rank's loader over the current epoch's snapshot (continued or new: see module
-        docs). O(len(buffer)) to snapshot."""
+        """This rank's loader over the epoch's snapshot (continued or new). O(len(buffer))."""
         world, rank = self._data_parallel()
         plan = position.Plan(self.batch_size, self.shuffle, self.seed, self.drop_last, world)
         cursor, snapshot = self._cursor, None
@@ -187,9 +160,8 @@ class R3DataModule(pl.LightningDataModule):
         if cursor.in_progress and available:
             snapshot = self._snapshot or self.buffer.window(cursor.start, cursor.stop)
             if self._plan is not None and self._plan != plan:
-                changed = {
-                    k: (v, getattr(plan, k)) for k, v in asdict(self._plan).items() if getattr(plan, k) != v
-                }
+                now = asdict(plan)
+                changed = {k: (v, now[k]) for k, v in asdict(self._plan).items() if v != now[k]}
                 raise ValueError(
                     f"cannot continue epoch {cursor.epoch} mid-way with changed settings "
                     f"(saved, now): {changed}; restore the original settings"
@@ -205,17 +177,13 @@ class R3DataModule(pl.LightningDataModule):
             position.Snapshot(snapshot), cursor, plan, rank, refresh=self._fresh_snapshot
         )
         # num_workers=0: collation is already threaded, and pinned pools live in this process
+        collate = self._get_collator()
         return position.PositionedLoader(
-            sampler.dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            collate_fn=self._get_collator(),
-            cursor=cursor,
+            sampler.dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=collate, cursor=cursor
         )
 
     def _fresh_snapshot(self) -> tuple[Trajectory, ...] | None:
-        """The buffer's contents as the snapshot of an epoch nothing was drawn from yet, or
-        ``None`` when the buffer still holds exactly the current snapshot."""
+        """The buffer's contents as a new snapshot, ``None`` when they are the current one."""
         cursor, (start, stop) = self._cursor, (self.buffer.start, self.buffer.stop)
         if not self._snapshot_restored and (start, stop) == (cursor.start, cursor.stop):
             return None
@@ -230,18 +198,12 @@ class R3DataModule(pl.LightningDataModule):
         plan = position.Plan(self.batch_size, False, self.seed, False, world)
         snapshot = position.Snapshot(tuple(self.eval_buffer))
         sampler = position.EpochShardSampler(snapshot, position.Cursor(), plan, rank)  # no resume state
-        return DataLoader(
-            snapshot, batch_size=self.batch_size, sampler=sampler, collate_fn=self._get_collator()
-        )
+        collate = self._get_collator()
+        return DataLoader(snapshot, batch_size=self.batch_size, sampler=sampler, collate_fn=collate)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move a ``RolloutBatch`` (every field and the packed routes) to ``device``.
-
-        From pinned memory to CUDA the copies are ``non_blocking`` and the pooled host buffers go
-        back behind an event recorded after them; otherwise a plain ``.to`` (a pooled batch
-        already on ``device`` is copied out of the pool so its buffers go back). Anything else
-        takes Lightning's default path. During training each batch moved here is consumed.
-        """
+        """Move a ``RolloutBatch`` (``non_blocking`` from pinned memory) and hand its pooled buffers
+        back behind an event recorded after the copies; a training batch moved here is consumed."""
         if not isinstance(batch, RolloutBatch):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
         device = torch.device(device)
@@ -265,28 +227,20 @@ class R3DataModule(pl.LightningDataModule):
             self._collator.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Buffer contents, data epoch, consumed batches and the epoch's snapshot range (plus its
-        trajectories when some left the buffer). Tensors and ints only (``weights_only`` safe);
-        packs every stored trajectory once."""
-        cursor, snapshot = self._cursor, None
-        if (
-            cursor.in_progress
-            and self._snapshot is not None
-            and (self._snapshot_restored or not self.buffer.covers(cursor.start, cursor.stop))
-        ):
-            snapshot = pack_trajectories(self._snapshot)
+        """Buffer, position and (when some left the buffer) the snapshot; ``weights_only`` safe."""
+        cursor, snapshot = self._cursor, self._snapshot
+        gone = self._snapshot_restored or not self.buffer.covers(cursor.start, cursor.stop)
+        packed = pack_trajectories(snapshot) if cursor.in_progress and snapshot and gone else None
         return {
             "version": _STATE_VERSION,
             "buffer": self.buffer.state_dict(),
             "cursor": asdict(cursor),
             "plan": None if self._plan is None else asdict(self._plan),
-            "snapshot": snapshot,
+            "snapshot": packed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the buffer (in place) and the position; the next ``train_dataloader``
-        continues the saved epoch after its consumed batches. Checks everything first: a bad
-        state leaves buffer and position unchanged."""
+        """Restore the buffer (in place) and the position, checked first: a bad state changes nothing."""
         where = "R3DataModule state"
         check_state(state, ("buffer", "cursor", "plan", "snapshot"), where, version=_STATE_VERSION)
         cursor, plan = position.restore_position(state["cursor"], state["plan"], where)

@@ -1,11 +1,5 @@
-"""Filling a batch's fields from trajectories: the collation core, below ``RolloutBatch``.
-
-``collate_fields`` plans a batch on the host (lengths, width, route offsets and dtype), takes every
-output buffer once and fills rows, optionally from a thread pool. Each task owns a contiguous row
-range and writes all of it (padding included), so the output equals a serial fill; the copies are
-torch ops, which release the GIL. It returns ``RolloutBatch`` keyword arguments, so ``RolloutBatch``
-(placeholder rows) and the collator (pooled buffers) both build on it without importing each other.
-"""
+"""The collation core below ``RolloutBatch`` and the collator: a batch's fields from trajectories.
+Each fill task writes all of its own rows (padding included) with torch ops, which release the GIL."""
 
 from __future__ import annotations
 
@@ -13,6 +7,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,27 +36,27 @@ def plain_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+@dataclass(eq=False)
 class Buffers:
     """Named output buffers: fresh per batch, or views of one pool slot's reusable storage."""
 
-    def __init__(self, allocator: Allocator, storage: dict[str, Tensor] | None = None) -> None:
-        self._allocator = allocator
-        self._storage = storage  # name -> flat [capacity] tensor, grown on demand; None = unpooled
+    allocator: Allocator
+    storage: dict[str, Tensor] | None = None  # name -> flat [capacity], grown on demand; None: unpooled
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         numel = math.prod(shape)
-        if self._storage is None:
-            return self._allocator(shape, dtype)
-        flat = self._storage.get(name)
+        if self.storage is None:
+            return self.allocator(shape, dtype)
+        flat = self.storage.get(name)
         if flat is None or flat.dtype != dtype or flat.numel() < numel:
             # 25% headroom so slowly growing batches do not re-pin every step
-            flat = self._allocator((max(numel + numel // 4, 1),), dtype)
-            self._storage[name] = flat
+            flat = self.allocator((max(numel + numel // 4, 1),), dtype)
+            self.storage[name] = flat
         return flat[:numel].view(shape)
 
     def fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """A buffer outside the pool, for data that outlives the batch's lease."""
-        return self._allocator(shape, dtype)
+        return self.allocator(shape, dtype)
 
 
 def _fill_rows(
@@ -103,10 +98,8 @@ def collate_fields(
     executor: ThreadPoolExecutor | None = None,
     tasks: int = 1,
 ) -> dict[str, Any]:
-    """One batch's ``RolloutBatch`` keyword arguments, in tensors from ``buffers``, rows filled by
-    ``tasks`` tasks on ``executor`` (serially without one). ``ValueError`` when route schemas or
-    ``route_layers`` differ.
-    Cost: one host pass to plan, then ``O(B * S + route bytes)`` copies; no device work."""
+    """``RolloutBatch`` keyword arguments in ``buffers``, rows filled by ``tasks`` tasks on ``executor``
+    (serially without one). One host pass to plan, ``O(B * S + route bytes)`` copies."""
     count = len(trajectories)
     prompt_lengths = torch.tensor([t.prompt_length for t in trajectories], dtype=torch.int64)
     sequence_lengths = torch.tensor([t.num_tokens for t in trajectories], dtype=torch.int64)
@@ -119,9 +112,8 @@ def collate_fields(
     offsets: list[int] = []
     cu_host: Tensor | None = None
     if schema is not None:
-        dtype = widest_route_dtype(
-            t.routed_experts.dtype for t in trajectories if t.routed_experts is not None
-        )
+        routed = [t.routed_experts for t in trajectories if t.routed_experts is not None]
+        dtype = widest_route_dtype(r.dtype for r in routed)
         rows = torch.tensor([t.route_rows for t in trajectories], dtype=torch.int64)
         # not pooled: B + 1 ints are cheap to allocate, and routes derived without a device move
         # (dtype casts, pinning) keep these host offsets, which must outlive the batch's lease

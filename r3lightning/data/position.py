@@ -1,13 +1,9 @@
-"""Where an ``R3DataModule`` is in its data: the cursor and plan of the epoch in progress, and the
-sampler and loader that walk and report them.
-
-Cursor and plan are saved in the data module's ``state_dict`` as plain dicts and checked field by
-field on restore, before anything changes (:func:`restore_position`).
-"""
+"""Where an ``R3DataModule`` is in its data: the cursor and plan of the epoch in progress (saved as
+plain dicts), and the sampler and loader that walk and report them."""
 
 from __future__ import annotations
 
-import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,8 +52,7 @@ PLAN_FIELDS = {"batch_size": (int, 1), "shuffle": (bool, None), "seed": (int, No
 
 
 def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: str = "") -> dict[str, Any]:
-    """``state`` when it is a dict with exactly the keys of ``rules``, each of its type (an int
-    field takes no bool, a bool field no int) and bound; else ``ValueError`` naming the field."""
+    """``state`` when it holds exactly the ``rules`` keys, typed and bounded; else a ``ValueError``."""
     if not isinstance(state, dict) or set(state) != set(rules):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{where} must be a dict with the keys {sorted(rules)}, got {got}")
@@ -71,9 +66,7 @@ def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: s
 
 
 def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan | None]:
-    """The saved ``cursor`` and ``plan`` (dicts, ``plan`` may be None) as objects, each field
-    checked: types, bounds, ``consumed <= batches`` (a count past the epoch would skip batches)
-    and ``start <= stop``. Raises ``ValueError`` naming ``where`` and the field."""
+    """The saved ``cursor`` and ``plan`` dicts as objects, every field checked (``ValueError``)."""
     c = Cursor(**check_fields(cursor, CURSOR_FIELDS, f"{where} cursor"))
     if c.consumed > c.batches:
         raise ValueError(
@@ -98,11 +91,8 @@ class Snapshot(Dataset):
 
 
 class EpochShardSampler(DistributedSampler):
-    """This rank's indices for the cursor's epoch, starting after the consumed batches.
-
-    ``refresh`` gives the buffer's current contents for an epoch nothing was drawn from yet
-    (``None`` = unchanged). Lightning's ``set_epoch`` is ignored: the cursor drives the order.
-    """
+    """This rank's indices for the cursor's epoch (not Lightning's ``set_epoch``) after its consumed
+    batches; ``refresh`` renews an epoch nothing was drawn from (``None``: unchanged)."""
 
     def __init__(
         self,
@@ -117,21 +107,17 @@ class EpochShardSampler(DistributedSampler):
         self._size()
 
     def _size(self) -> None:
-        count, world, plan = len(self.dataset), self.plan.num_replicas, self.plan  # type: ignore[arg-type]
-        self.per_rank = count // world if plan.drop_last else math.ceil(count / world)
-        b = plan.batch_size
-        self.num_batches = self.per_rank // b if plan.drop_last else math.ceil(self.per_rank / b)
-        self.cursor.batches = self.num_batches
+        divide = operator.floordiv if self.plan.drop_last else lambda a, b: -(-a // b)  # else round up
+        self.per_rank = divide(len(self.dataset), self.plan.num_replicas)  # type: ignore[arg-type]
+        self.num_batches = self.cursor.batches = divide(self.per_rank, self.plan.batch_size)
 
     def shard(self, epoch: int) -> list[int]:
         """This rank's full index list for ``epoch`` (-1 = placeholder)."""
         count, world = len(self.dataset), self.plan.num_replicas  # type: ignore[arg-type]
         generator = torch.Generator().manual_seed(self.plan.seed + epoch)
-        order = (
-            torch.randperm(count, generator=generator).tolist() if self.plan.shuffle else list(range(count))
-        )
+        order = torch.randperm(count, generator=generator) if self.plan.shuffle else torch.arange(count)
         total = self.per_rank * world
-        mine = (order[:total] + [-1] * (total - count))[self.rank :: world]
+        mine = (order.tolist()[:total] + [-1] * (total - count))[self.rank :: world]
         return mine[: self.num_batches * self.plan.batch_size]
 
     def __iter__(self):  # type: ignore[override]
@@ -152,13 +138,9 @@ class EpochShardSampler(DistributedSampler):
         # the full epoch, also when resuming: Lightning counts batches from the epoch start
         return min(self.per_rank, self.num_batches * self.plan.batch_size)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Ignored: the data module's own epoch counter drives the order."""
-
 
 class PositionedLoader(DataLoader):
-    """DataLoader that reports its position into Lightning's loop state. Being stateful tells
-    Lightning a mid-epoch checkpoint resumes exactly; the data module's own state restores it."""
+    """DataLoader whose state tells Lightning that a mid-epoch checkpoint resumes exactly."""
 
     def __init__(self, *args: Any, cursor: Cursor, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,12 +1,6 @@
-"""``Trajectory``: one rollout (prompt + response tokens, per-token RL fields, captured routes).
-
-``n = len(prompt_ids) + len(response_ids)`` real tokens; per response token a loss mask (1 = loss
-target) and the engine's sampling logprob. ``routed_experts [captured, L, top_k]``, ``captured <=
-n``: row ``t`` = the experts token ``t`` used as an input (later rows route natively); column ``j``
-is decoder layer ``route_layers[j]`` (None: layer ``j``). Normalised once, at construction, to CPU
-tensors the trajectory owns: ids int64, masks and logprobs float32, routes in the compact dtype of
-their largest id, after :func:`~r3lightning.wire.route_check.check_routes` (about 10 ms for 32k x
-48 x 8 ids). Checks against a model run in :meth:`Trajectory.validate` (the buffer's insert).
+"""``Trajectory``: one rollout (prompt + response tokens, per-token RL fields, captured routes),
+normalised once to CPU tensors it owns: ids int64, masks and logprobs float32, routes in the
+compact dtype of their largest id after the route check (about 10 ms for 32k x 48 x 8 ids).
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ ArrayLike = Tensor | np.ndarray | Sequence[int] | Sequence[float]
 def _as_host_tensor(name: str, data: Any) -> Tensor:
     """``data`` as a detached CPU tensor of its own, or ``TypeError`` naming the field."""
     if isinstance(data, Tensor):
-        # never a view: callers reuse their tensors for the next rollout, which must not rewrite
-        # a trajectory already in the buffer
+        # a copy: callers reuse their tensors for the next rollout, which must not rewrite this one
         return data.detach().to("cpu", copy=True)
     if isinstance(data, np.ndarray):
         return torch.from_numpy(np.array(data, copy=True))
@@ -59,19 +52,19 @@ def _token_ids(name: str, data: Any) -> Tensor:
     return ids
 
 
-def _per_response_token(name: str, data: Any, count: int, *, unit: bool = False) -> Tensor:
-    """``[count]`` finite float32 values (``unit``: each in [0, 1])."""
+def _per_response_token(name: str, data: Any, count: int, default: float) -> Tensor:
+    """``[count]`` finite float32 values (a loss mask: in [0, 1]), all ``default`` when ``data`` is None."""
+    if data is None:
+        return torch.full((count,), default, dtype=torch.float32)
     values = _as_host_tensor(name, data)
     if values.dim() != 1 or values.numel() != count:
-        got = tuple(values.shape)
-        raise ValueError(
-            f"Trajectory.{name} must have one entry per response token ({count}), got shape {got}"
-        )
+        got = f"shape {tuple(values.shape)}"
+        raise ValueError(f"Trajectory.{name} must have one entry per response token ({count}), got {got}")
     if values.is_complex():
         raise TypeError(f"Trajectory.{name} must be real, got dtype {values.dtype}")
     values = values.to(torch.float32)
     rules = {"be finite": ~values.isfinite()}
-    if unit:
+    if name == "loss_mask":
         rules["hold values in [0, 1]"] = (values < 0) | (values > 1)
     for rule, bad in rules.items():
         if bool(bad.any()):
@@ -80,8 +73,10 @@ def _per_response_token(name: str, data: Any, count: int, *, unit: bool = False)
     return values
 
 
-def _same(a: Tensor | None, b: Tensor | None) -> bool:
-    return a is b if a is None or b is None else a.dtype == b.dtype and torch.equal(a, b)
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return not isinstance(a, Tensor) and not isinstance(b, Tensor) and a == b
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -99,8 +94,7 @@ def _scalar(name: str, value: Any) -> float:
 
 
 def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tensor:
-    """``data`` through the route check (shape, at most one row per token, ids in int32 range,
-    distinct experts per row), in the compact dtype of its largest id."""
+    """``data`` through the route check, in the compact dtype of its largest id."""
     routes = _as_host_tensor("routed_experts", data)
     if routes.dtype == torch.bool or routes.is_floating_point() or routes.is_complex():
         raise TypeError(f"Trajectory.routed_experts must hold integer expert ids, got dtype {routes.dtype}")
@@ -116,22 +110,17 @@ def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tenso
 
 
 class Trajectory:
-    """One rollout, validated and normalised to compact CPU tensors.
+    """One rollout, validated (``TypeError`` / ``ValueError`` naming the field and the expected
+    value) and normalised to compact CPU tensors.
 
     Args:
-        prompt_ids: ``[P]`` int64 token ids, ``P >= 1`` (the prompt's last position predicts the
-            first response token).
-        response_ids: ``[R]`` int64 sampled token ids, ``R >= 0``.
-        loss_mask: ``[R]`` float32 in [0, 1], 1 = loss target; default all ones.
-        rollout_logprobs: ``[R]`` float32 engine logprob per response token; default zeros.
-        reward: scalar reward of the whole trajectory.
-        advantage: scalar advantage; default ``reward`` (GRPO passes the group-normalised value).
-        routed_experts: ``[captured, L, K]`` uint8 / int16 / int32 captured route rows,
-            ``captured <= n``, or ``None`` (native routing for every token).
-        route_layers: the absolute decoder-layer id of each of the ``L`` route columns (sorted),
-            for routes kept only on some layers; ``None``: column ``j`` is layer ``j``.
-
-    Raises ``TypeError`` / ``ValueError`` naming the field and the expected value.
+        prompt_ids, response_ids: ``[P >= 1]`` and ``[R >= 0]`` token ids (``n = P + R``).
+        loss_mask: ``[R]`` in [0, 1], 1 = loss target; default all ones.
+        rollout_logprobs: ``[R]`` engine logprob per response token; default zeros.
+        reward, advantage: scalars; ``advantage`` defaults to ``reward``.
+        routed_experts: ``[captured <= n, L, K]`` route rows: row ``t`` = the experts token
+            ``t`` used as an input (later tokens route natively); ``None``: all native.
+        route_layers: the sorted absolute decoder layer of each route column (None: ``j`` is ``j``).
     """
 
     __slots__ = ("advantage", "loss_mask", "prompt_ids", "response_ids", "reward", "rollout_logprobs",
@@ -154,16 +143,8 @@ class Trajectory:
             raise ValueError("Trajectory.prompt_ids must hold at least one token, got 0")
         self.response_ids = _token_ids("response_ids", response_ids)
         count = self.response_ids.numel()
-        self.loss_mask = (
-            torch.ones(count, dtype=torch.float32)
-            if loss_mask is None
-            else _per_response_token("loss_mask", loss_mask, count, unit=True)
-        )
-        self.rollout_logprobs = (
-            torch.zeros(count, dtype=torch.float32)
-            if rollout_logprobs is None
-            else _per_response_token("rollout_logprobs", rollout_logprobs, count)
-        )
+        self.loss_mask = _per_response_token("loss_mask", loss_mask, count, 1.0)
+        self.rollout_logprobs = _per_response_token("rollout_logprobs", rollout_logprobs, count, 0.0)
         self.reward = _scalar("reward", reward)
         self.advantage = self.reward if advantage is None else _scalar("advantage", advantage)
         self.route_layers = layers = check_layers("Trajectory.route_layers", route_layers)
@@ -197,10 +178,8 @@ class Trajectory:
         return None if self.routed_experts is None else tuple(self.routed_experts.shape[1:])
 
     def on_layers(self, layers: tuple[int, ...] | None, where: str = "Trajectory") -> Trajectory:
-        """This trajectory with routes on decoder layers ``layers`` only (None: as it is): itself
-        when they are there already (or it has no routes), else a copy whose routes are those
-        columns of its routes on every layer (one copy of them). ``ValueError`` naming ``where``
-        for routes on another layer set or without one of ``layers``."""
+        """Itself, or a copy with routes cut to decoder layers ``layers`` (None: as it is);
+        ``ValueError`` naming ``where`` for routes on another layer set."""
         routes, have = self.routed_experts, self.route_layers
         if layers is None or routes is None or have == layers:
             return self
@@ -221,9 +200,8 @@ class Trajectory:
         num_experts: int | None = None,
         route_schema: tuple[int, int] | None = None,
     ) -> None:
-        """Check against a model (each bound only when given): token ids ``< vocab_size``, expert
-        ids ``< num_experts``, routes' ``(num_layers, top_k) == route_schema``; ``ValueError``
-        naming the field otherwise. One pass over the ids and routes (a ``max`` each)."""
+        """Check ids ``< vocab_size``, expert ids ``< num_experts`` and ``route_schema`` where given;
+        ``ValueError`` naming the field. One pass over the ids and routes."""
         if vocab_size is not None:
             for name in ("prompt_ids", "response_ids"):
                 ids = getattr(self, name)
@@ -248,9 +226,7 @@ class Trajectory:
         """Same values and dtypes in every field."""
         if not isinstance(other, Trajectory):
             return False
-        same = [getattr(self, n) == getattr(other, n) for n in ("reward", "advantage", "route_layers")]
-        fields = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "routed_experts")
-        return all(same) and all(_same(getattr(self, n), getattr(other, n)) for n in fields)
+        return all(_same(getattr(self, n), getattr(other, n)) for n in self.__slots__)
 
     def __eq__(self, other: object) -> bool:
         return self.equal(other) if isinstance(other, Trajectory) else NotImplemented
@@ -270,8 +246,7 @@ class Trajectory:
 def route_signature(
     trajectories: Iterable[Trajectory], where: str
 ) -> tuple[tuple[int, int] | None, tuple[int, ...] | None]:
-    """The one ``(route_schema, route_layers)`` of the trajectories with routes, ``(None, None)``
-    without any; ``ValueError`` naming ``where`` when they differ."""
+    """The one ``(route_schema, route_layers)`` of routed trajectories (``ValueError`` naming ``where``)."""
     routed = [t for t in trajectories if t.routed_experts is not None]
     schemas, layer_sets = {t.route_schema for t in routed}, {t.route_layers for t in routed}
     if len(schemas) > 1 or len(layer_sets) > 1:
@@ -290,10 +265,8 @@ def padding_trajectories(
     num_experts: int | None = None,
     route_layers: tuple[int, ...] | None = None,
 ) -> list[Trajectory]:
-    """``count`` placeholders that add work but no loss: one ``pad_token_id`` prompt token, empty
-    response, reward and advantage 0. With ``route_schema`` and ``num_experts`` each gets one
-    :func:`~r3lightning.align.dummy.dummy_routes` row (consecutive rows, spreading over all
-    experts) on ``route_layers``; with a schema but no ``num_experts``, zero rows (routed natively)."""
+    """``count`` zero-loss placeholders (one ``pad_token_id`` prompt token, empty response), with one
+    ``dummy_routes`` row each given a ``route_schema`` and ``num_experts`` (zero rows without)."""
     routes: list[Tensor | None] = [None] * check_int("count", count, 0)
     if route_schema is not None and num_experts is None:
         routes = [torch.empty((0, *route_schema), dtype=torch.uint8)] * count

@@ -1,15 +1,11 @@
-"""From config nodes to objects, every failure a one-line :class:`JobError` naming the config key:
-``_target_`` nodes (:func:`instantiate_node`), settings dataclasses (:func:`dataclass_from`), and
-the pieces of a run the job builds itself: the model (on the meta device with
-``model.sharded_weights``), the replay backend the replay callback's ``backend`` names, the task,
-the callbacks and the ``Trainer`` (``max_epochs`` = ``steps``, ``reload_dataloaders_every_n_epochs=1``;
-any other ``trainer.*`` key goes to it as it is, over the job's defaults)."""
+"""From config nodes to objects (``_target_`` nodes, settings dataclasses, the model, replay backend,
+task, callbacks and ``Trainer``), every failure a one-line :class:`JobError` naming the config key."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
+import importlib.util
 import inspect
 import types
 import typing
@@ -18,9 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.common import JobError
+from r3lightning.job.models import torch_dtype
+from r3lightning.job.sharded import meta_model
+from r3lightning.replay.hf.replay import HFRouterReplay
+from r3lightning.rollout.tasks import ScoredTask
 
 __all__ = ["JobError", "dataclass_from", "instantiate_node", "plain", "tensorboard_if_installed"]
 
@@ -64,8 +66,7 @@ def import_problem(exc: BaseException) -> str:
 
 
 def target_of(node: Any, key: str) -> Any:
-    """The object ``node._target_`` names; a :class:`JobError` naming ``key`` when ``node`` has no
-    ``_target_`` or it cannot be imported (the module, the attribute, or a package it needs)."""
+    """The object ``node._target_`` names; a :class:`JobError` naming ``key`` when it cannot be."""
     values = plain(node)
     if not isinstance(values, Mapping) or "_target_" not in values:
         raise JobError(f"{key} must be a mapping with a _target_, got {values!r}")
@@ -79,11 +80,7 @@ def target_of(node: Any, key: str) -> Any:
 
 
 def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
-    """``hydra.utils.instantiate(node, **job_kwargs)`` (nested ``_target_`` nodes too; the job's
-    keywords win over the node's); every failure a :class:`JobError` naming ``key``."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
+    """``hydra.utils.instantiate(node, **job_kwargs)``; every failure a :class:`JobError` naming ``key``."""
     target_of(node, key)
     try:
         return instantiate(plain(node), **job_kwargs)
@@ -94,8 +91,6 @@ def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
         raise JobError(f"{key}: {one_line(exc)}") from None
 
 
-# ---------------------------------------------------------------------------- typed settings
-
 _SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
     bool: ("true or false", lambda v: isinstance(v, bool)),
     int: ("an integer", lambda v: type(v) is int),
@@ -105,8 +100,7 @@ _SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
 
 
 def _check_value(key: str, value: Any, tp: Any) -> Any:
-    """``value`` as ``tp`` (int -> float, list -> tuple, mapping -> dataclass), else a JobError
-    naming ``key``."""
+    """``value`` as ``tp`` (int -> float, list -> tuple, mapping -> dataclass), else a JobError."""
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested settings group
         if not isinstance(value, Mapping):
             fields = [f.name for f in dataclasses.fields(tp)]
@@ -126,19 +120,17 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
         args = typing.get_args(tp)
         if not isinstance(value, list | tuple) or (args and len(value) != len(args)):
             raise JobError(f"{key} must be a list of {len(args)} values, got {value!r}")
-        return tuple(
-            _check_value(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))
-        )
+        pairs = enumerate(zip(value, args, strict=True))
+        return tuple(_check_value(f"{key}[{i}]", v, a) for i, (v, a) in pairs)
     if tp in _SCALARS and not _SCALARS[tp][1](value):
         raise JobError(f"{key} must be {_SCALARS[tp][0]}, got {value!r}")
     return float(value) if tp is float else value
 
 
 def dataclass_from(cls: type, node: DictConfig | Mapping[str, Any], key: str, *, skip: tuple[str, ...] = ()):
-    """``cls(**node)``, every value checked against its field's type (a dataclass-typed field built
-    the same way), unknown keys refused, ``skip`` (keys of another group) left out. A refused value,
-    the class's own ``ValueError`` included, is a :class:`JobError` naming ``key.<field>`` and, for an
-    interpolated one, where it comes from (``(set by ${reward_threads})``)."""
+    """``cls(**node)``, each value checked against its field's type (nested dataclasses too), unknown
+    keys refused, ``skip`` keys left out. A refused value (the class's own ``ValueError`` included) is
+    a :class:`JobError` naming ``key.<field>`` and, when interpolated, its source (``(set by ${x})``)."""
     values = {k: v for k, v in (plain(node) or {}).items() if k not in skip}
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -158,9 +150,6 @@ def dataclass_from(cls: type, node: DictConfig | Mapping[str, Any], key: str, *,
     raise JobError(message + source) from None
 
 
-# ---------------------------------------------------------------------------- a run's pieces
-
-
 def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
     """``(name, node)`` of the ``callbacks`` entry building a ``RouterReplayCallback`` (None if removed)."""
     from r3lightning.replay.callback import RouterReplayCallback
@@ -173,14 +162,9 @@ def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
 
 
 def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Module:
-    """The policy from ``model._target_`` (its keys but ``runtime`` and ``sharded_weights``).
-    ``trainer=True`` with ``sharded_weights``: ``model.path``'s model with parameters on the meta
-    device, for FSDP2 ranks that read only their shards (an engine needs the weights)."""
+    """The policy from ``model._target_`` (a trainer's with ``model.sharded_weights``: on the meta device)."""
     values = {k: v for k, v in plain(model_cfg).items() if k not in ("runtime", "sharded_weights")}
     if trainer and model_cfg.get("sharded_weights") is not None:
-        from r3lightning.job.models import torch_dtype
-        from r3lightning.job.sharded import meta_model
-
         path = Path(str(values.get("path"))).expanduser()
         if values.get("path") is None or not (path / "config.json").is_file():
             raise JobError(
@@ -197,33 +181,28 @@ def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Mod
 
 def replay_backend(cfg: DictConfig, model: torch.nn.Module):
     """The router replay backend of ``model`` named by the replay callback's ``backend`` key."""
-    from r3lightning.replay.hf.replay import HFRouterReplay
-
     replay = replay_callback_settings(cfg)
     kind = "hf" if replay is None else replay[1].get("backend", "hf")
+    if kind not in ("hf", "megatron", None):
+        raise JobError(f"callbacks.router_replay.backend must be hf or megatron, got {kind!r}")
     megatron_model = callable(getattr(model, "router_replay_backend", None))
     try:
-        if kind == "megatron":
-            from r3lightning.replay.megatron.replay import MegatronRouterReplay
-
-            if megatron_model:
-                return model.router_replay_backend()
-            return MegatronRouterReplay(model, validate=False)
-        if kind in ("hf", None):
+        if kind != "megatron":
             return HFRouterReplay.for_model(model)
+        if megatron_model:
+            return model.router_replay_backend()
+        from r3lightning.replay.megatron.replay import MegatronRouterReplay
+
+        return MegatronRouterReplay(model, validate=False)
     except (TypeError, ValueError, LookupError) as exc:
         hint = " (a Hugging Face model: use callbacks=router_replay)" if kind == "megatron" else ""
         if megatron_model and kind != "megatron":
             hint = " (this model routes with megatron-core: use callbacks=router_replay_megatron)"
         raise JobError(f"callbacks.router_replay.backend={kind}: {one_line(exc)}{hint}") from None
-    raise JobError(f"callbacks.router_replay.backend must be hf or megatron, got {kind!r}")
 
 
 def build_task(cfg: DictConfig, vocab_size: int | None):
-    """The task (``task._target_``) and its reward (``reward._target_``; ``reward.timeout_s``
-    bounds each scorer call)."""
-    from r3lightning.rollout.tasks import ScoredTask
-
+    """The task and its reward (``reward.timeout_s`` bounds each scorer call) as a ``ScoredTask``."""
     extra = {}
     if "vocab_size" in cfg.task and cfg.task.vocab_size is None:
         if vocab_size is None:
@@ -246,9 +225,8 @@ def trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
 
 
 def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
-    """The ``callbacks`` dict, in order (``null`` drops an entry); the replay callback gets the
-    job's backend and mode, and ``strict`` from ``replay.strict`` when set (null: strict for r3
-    with an external engine, which must return routes, else the callback's own ``strict``)."""
+    """The ``callbacks`` dict, in order (``null`` drops an entry); the replay callback gets the job's
+    backend, mode and ``replay.strict`` (null: strict for r3 with an external engine)."""
     replay, out = replay_callback_settings(cfg), []
     for name, node in cfg.callbacks.items():
         if node is None:
@@ -267,17 +245,14 @@ def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
 
 
 def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: float | None):
-    """The ``Trainer``: ``trainer.*`` over the job's defaults (the ``loggers`` list saving into
-    ``out_dir``, ``grad_clip``, no sanity steps, no model summary)."""
+    """The ``Trainer``: ``trainer.*`` over the job's defaults (``loggers`` saving into ``out_dir``)."""
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     kwargs = trainer_kwargs(cfg.trainer)
     if "logger" not in kwargs:  # None entries (tensorboard_if_installed without it) are dropped
-        logs = [
-            instantiate_node(
-                node, f"loggers[{i}]", **({} if "save_dir" in node else {"save_dir": str(out_dir)})
-            )
+        logs = [  # checked by check_config: mappings with a _target_; their own save_dir wins
+            instantiate_node({"save_dir": str(out_dir), **plain(node)}, f"loggers[{i}]")
             for i, node in enumerate(cfg.loggers or [])
         ]
         kwargs["logger"] = [logger for logger in logs if logger is not None] or False
@@ -294,10 +269,7 @@ def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: fl
 
 
 def tensorboard_if_installed(save_dir: str, name: str = "tensorboard", **kwargs: Any):
-    """A ``TensorBoardLogger`` when ``tensorboard`` (or ``tensorboardX``) is installed, else None
-    (the job then logs without it): ``pip install r3lightning[tensorboard]``."""
-    import importlib.util
-
+    """A ``TensorBoardLogger`` if ``tensorboard`` or ``tensorboardX`` is installed, else None (not logged)."""
     if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
         return None
     from lightning.pytorch.loggers import TensorBoardLogger

@@ -1,9 +1,4 @@
-"""A run's checkpoint and fingerprint, and resuming from them (refused in one line when it cannot work).
-
-Every run keeps ``<run>/checkpoints/last.ckpt`` (after every step) and, from its first checkpoint
-on, ``<run>/fingerprint.json``. A rerun into the same run directory resumes only a run of the same
-task, dataset and model; anything else is refused before anything is written.
-"""
+"""A run's ``last.ckpt`` and ``fingerprint.json``, and resuming from them (docs/job.md, Outputs)."""
 
 from __future__ import annotations
 
@@ -15,6 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
 
 from r3lightning.job.build import JobError, one_line, plain
 
@@ -24,23 +20,17 @@ _FIX = "delete it to start this run over, or set resume=false or another hydra.r
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(value, dict) or not value:
-        return {prefix: value}
-    return {
-        k: v
-        for key, item in value.items()
-        for k, v in _flat(item, f"{prefix}{key}" if not prefix else f"{prefix}.{key}").items()
-    }
+        return {prefix.removesuffix("."): value}
+    return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
 
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
-    """``{dotted key: value}`` of the resolved ``task``, ``reward`` and ``model`` settings (with
-    ``seed`` at 0: the seed is a run's dimension, ``seeds=3`` runs live side by side), plus
-    ``data.task.<key>``: the size and blake2b of each file a ``task.<key>`` names (read once)."""
+    """``{dotted key: value}`` of the resolved ``task``, ``reward`` and ``model`` (``seed`` at 0: seeds
+    live side by side), plus ``data.task.<key>``: size and blake2b of each file a ``task.<key>`` names."""
     cfg = OmegaConf.merge(cfg, {"seed": 0})
     out = _flat({key: plain(cfg[key]) for key in ("task", "reward", "model")})
     for key, value in plain(cfg.task).items():
-        path = Path(value).expanduser() if isinstance(value, str) else None
-        if path is not None and path.is_file():
+        if isinstance(value, str) and (path := Path(value).expanduser()).is_file():
             with path.open("rb") as f:  # streamed
                 digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
             out[f"data.task.{key}"] = f"{path.stat().st_size} bytes, blake2b {digest}"
@@ -48,9 +38,7 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
-    """Refuse (:class:`JobError`) to resume into ``run_dir`` (an arm's folder, its seeds' folders
-    included) when one of its runs with a checkpoint was made for another task, dataset or model;
-    ``resume=false`` skips the check."""
+    """Unless ``resume=false``, a :class:`JobError` if a run in ``run_dir`` has another fingerprint."""
     saved_runs = [p for p in sorted(Path(run_dir).rglob(FINGERPRINT)) if (p.parent / "checkpoints").is_dir()]
     current = fingerprint(cfg) if cfg.resume and saved_runs else {}
     for path in saved_runs if current else []:
@@ -83,12 +71,9 @@ class RunCheckpoint(ModelCheckpoint):
 
 
 def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:
-    """``({parameter: shape}, steps done)`` of a checkpoint, without reading its tensors: a
-    ``torch.save``d file (memory-mapped), or the distributed checkpoint folder of
-    ``ModelParallelStrategy`` (shapes from ``.metadata``, the epoch from ``meta.pt``)."""
+    """``({parameter: shape}, steps done)`` of a ``torch.save``d file (memory-mapped) or a
+    ``ModelParallelStrategy`` checkpoint folder (``.metadata``, ``meta.pt``), tensors unread."""
     if last.is_dir():
-        from torch.distributed.checkpoint import FileSystemReader
-
         metadata = FileSystemReader(str(last)).read_metadata().state_dict_metadata
         tensors = {
             k.removeprefix("state_dict."): v for k, v in metadata.items() if k.startswith("state_dict.")
@@ -103,9 +88,8 @@ def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:
 
 
 def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
-    """``<run>/checkpoints/last.ckpt`` when ``resume`` and it exists, after checking that it can be
-    read, was saved for this model and has no more steps done than ``steps``. Cost: its metadata
-    is read (tensors are not) before Lightning loads it."""
+    """``<run>/checkpoints/last.ckpt`` if ``resume`` and it exists, once checked to be readable, saved
+    for this model and no further than ``steps``. Cost: its metadata is read, not its tensors."""
     last = out_dir / "checkpoints" / "last.ckpt"
     if not cfg.resume or not last.exists():
         return None

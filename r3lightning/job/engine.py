@@ -1,9 +1,4 @@
-"""Where the job's rollouts come from, and how the engines get the trainer's new weights: the
-embedded ``RolloutServer`` (on rank 0, loopback by default, a bf16 copy of the policy taking
-weights in process; every rank sends its own requests to it) or the engines at ``rollout.url``
-(the collector fails over between them): ``r3lightning-serve`` / SkyRL-compatible (weights
-``POST``ed as safetensors) or SGLang (weights saved to a directory both sides see, then
-``POST /update_weights_from_disk``)."""
+"""Where rollouts come from (the embedded ``RolloutServer`` or ``rollout.url``), and weight pushes to them."""
 
 from __future__ import annotations
 
@@ -15,14 +10,17 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import torch
 from omegaconf import DictConfig, ListConfig
+from safetensors.torch import save, save_file
 from torch import Tensor
 
 from r3lightning.job.common import JobError, is_global_zero
 from r3lightning.job.rollout_loop import Engine, WeightSync
 from r3lightning.job.rollout_settings import retry_policy, server_settings
 from r3lightning.job.setup import build_model
+from r3lightning.serve.server import RolloutServer
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -36,7 +34,6 @@ def _auth(api_key: str | None) -> dict[str, str]:
 
 def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awaitable[None]]) -> None:
     """``post(session, url)`` to every engine concurrently, in one ``aiohttp`` session."""
-    import aiohttp
 
     async def post_all() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
@@ -46,9 +43,7 @@ def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awai
 
 
 def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
-    """Weight sync for external ``r3lightning-serve`` engines: ``POST /update_weights``
-    (safetensors, serialised once) to every engine."""
-    from safetensors.torch import save
+    """Weight sync for ``r3lightning-serve`` / SkyRL engines: one safetensors body, ``POST``ed to each."""
 
     def push(state_dict: Mapping[str, Tensor]) -> None:
         body = save(_bf16_host(state_dict))
@@ -73,9 +68,7 @@ def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> Weight
 def _sglang_disk_push(
     urls: list[str], api_key: str | None, timeout_s: float, directory: Path, model_path: str | None
 ) -> WeightSync:
-    """Weight sync for SGLang: save a safetensors checkpoint into ``directory`` (shared with the
-    engines) once and ask every engine to load it with ``POST /update_weights_from_disk``."""
-    from safetensors.torch import save_file
+    """Weight sync for SGLang: one safetensors checkpoint in ``directory``, loaded by every engine."""
 
     async def post(session, url: str) -> None:
         body, headers = {"model_path": str(directory)}, _auth(api_key)
@@ -98,8 +91,7 @@ def _sglang_disk_push(
 
 
 def _external_engine(cfg: DictConfig) -> Engine:
-    rollout = cfg.rollout
-    url = rollout.url
+    rollout, url = cfg.rollout, cfg.rollout.url
     urls = [str(u).rstrip("/") for u in (url if isinstance(url, ListConfig) else [url])]
     if not rollout.sync_weights:
         return Engine(urls)
@@ -123,8 +115,7 @@ def _external_engine(cfg: DictConfig) -> Engine:
 
 @contextlib.contextmanager
 def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
-    """The embedded ``RolloutServer`` (rank 0 only; the other ranks learn its URL at fit start)
-    unless ``rollout.url`` names external engines."""
+    """The engines at ``rollout.url``, or the embedded ``RolloutServer`` (rank 0; the others get its URL)."""
     rollout = cfg.rollout
     if rollout.url is not None:
         yield _external_engine(cfg)
@@ -132,19 +123,11 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
     if not is_global_zero():
         yield Engine(None, gather=bool(rollout.sync_weights))
         return
-    from r3lightning.serve.server import RolloutServer
-
     engine, limits = server_settings(rollout)
     host, port = str(rollout.server.host), int(rollout.server.port)
+    options = {"engine": engine, "limits": limits, "host": host, "port": port, "api_key": rollout.api_key}
     try:
-        server = RolloutServer(
-            build_model(cfg.model),
-            engine=engine,
-            limits=limits,
-            host=host,
-            port=port,
-            api_key=rollout.api_key,
-        )
+        server = RolloutServer(build_model(cfg.model), **options)
     except (TypeError, ValueError) as exc:  # e.g. a non-loopback host without rollout.api_key
         raise JobError(f"rollout.server: {exc}") from None
     with contextlib.ExitStack() as stack:

@@ -1,13 +1,13 @@
-"""``r3lightning-train [group=option ...] --help``: the config groups with the selected option of
-each marked, and the keys of the selected options, explained by the comments in the YAML files
-themselves (the one place they are written down)."""
+"""``r3lightning-train --help``: config groups, options and keys, explained by the YAML files' comments."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 _KEY_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$")
@@ -30,20 +30,14 @@ the job sets max_epochs (= steps), reload_dataloaders_every_n_epochs and callbac
 
 def _description(path: Path) -> str:
     """The leading comment block of a YAML file as one paragraph (usage lines dropped)."""
-    lines = []
-    for line in path.read_text().splitlines():
-        if not line.startswith("#"):
-            break
-        text = line.lstrip("#").strip()
-        usage = line.startswith("#   ") or text.startswith(("@package", "r3lightning-train", "python -m"))
-        lines += [] if usage else [text]
-    return " ".join(lines)
+    header = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines())
+    texts = [line.lstrip("#").strip() for line in header if not line.startswith("#   ")]  # "#   ": usage
+    return " ".join(t for t in texts if not t.startswith(("@package", "r3lightning-train", "python -m")))
 
 
 def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
-    """``(dotted key, value, comment)`` of every key line of ``path`` (nesting by indentation; a
-    comment continued on the next comment-only lines at the same column is joined; the items of
-    lists and the ``defaults`` / ``hydra`` blocks are not options)."""
+    """``(dotted key, value, comment)`` of every key line of ``path`` (a comment continued on comment
+    lines at its column joined; list items and the ``defaults`` / ``hydra`` blocks left out)."""
     out: list[tuple[str, str, str]] = []
     stack: list[tuple[int, str]] = []
     skip_block, comment_column, list_indent = False, -1, None
@@ -79,10 +73,7 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
 
 
 def _selected(conf_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, str | None], str | None]:
-    """``({group: selected option}, problem)``: Hydra's own choices after ``overrides`` (an
-    experiment's ``override /group: ...`` included); the defaults and a note when they do not
-    compose."""
-    from hydra import compose, initialize_config_dir
+    """``({group: selected option}, problem)`` after ``overrides`` (the defaults and a note if they fail)."""
 
     def choices(items: list[str]) -> dict[str, str | None]:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
@@ -97,9 +88,8 @@ def _selected(conf_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, str |
 
 
 def format_help(conf_dir: Path, args: Sequence[str] = ()) -> str:
-    """The help text: usage, every config group with its options (the selected one marked), the
-    top-level keys, then the keys of each selected option, each with its explanation. ``args``:
-    the command line; its ``group=option`` and ``key=value`` overrides select the options."""
+    """The help text: usage, the config groups and options (the ones ``args`` select marked), the
+    top-level keys and those of each selected option, each with its explanation."""
     overrides = [a for a in args if "=" in a and not a.lstrip("+~").startswith(("-", "hydra"))]
     selected, problem = _selected(conf_dir, overrides)
     lines = [_USAGE.format(conf_dir=conf_dir), "", "Config groups (* = selected):", problem]
@@ -114,9 +104,8 @@ def format_help(conf_dir: Path, args: Sequence[str] = ()) -> str:
         path = conf_dir / group / f"{selected.get(group)}.yaml"
         if group and path.is_file():
             prefix = "" if path.read_text().startswith("# @package _global_") else f"{group}."
-            bases = [
-                b for b in OmegaConf.load(path).get("defaults", []) if isinstance(b, str) and b != "_self_"
-            ]
+            defaults = OmegaConf.load(path).get("defaults", [])
+            bases = [b for b in defaults if isinstance(b, str) and b != "_self_"]
             keys = [k for base in [*bases, path.stem] for k in _keys(path.with_name(f"{base}.yaml"), prefix)]
             sections.append((f"{group} ({selected[group]})", keys))
     for title, keys in sections:

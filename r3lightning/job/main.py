@@ -1,17 +1,5 @@
-"""The main job: GRPO training of a causal MoE with Rollout Routing Replay, configured by Hydra.
-
-    r3lightning-train                                   # tiny Qwen3-MoE, embedded engine, R3
-    r3lightning-train experiment=compare                # replay on and off, 3 seeds each
-    r3lightning-train rollout.url=http://host:30000 rollout.protocol=sglang
-    r3lightning-train --config-dir my_conf reward=mine  # your YAML files next to the package's
-    r3lightning-train -m replay=r3,off seed=0,1         # a sweep: one job after the other
-    r3lightning-train --help                            # config groups, options and keys
-
-Outputs in Hydra's run folder: ``config.yaml`` (under the environment line), per run ``metrics.csv``
-and ``checkpoints/last.ckpt`` (rerun into the folder to resume), ``summary.txt``, ``metrics.png``;
-a run that fails before training leaves no folder. Exit status: 0 done; 2 a bad config, checkpoint
-or engine address (one line naming it; a sweep: any job failed); 3 the engine failed; 130 interrupted.
-"""
+"""The main job's entry point, ``r3lightning-train`` (= ``python -m r3lightning.job.main``): arms and
+seeds, a folder per run, each failure one line and an exit status (docs/job.md)."""
 
 from __future__ import annotations
 
@@ -22,11 +10,21 @@ import shutil
 import sys
 from pathlib import Path
 
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from r3lightning.job.build import one_line
 from r3lightning.job.common import JobError, is_global_zero
-from r3lightning.job.setup import CONF_DIR
+from r3lightning.job.help import format_help
+from r3lightning.job.report import environment, environment_line, format_table, plot_runs
+from r3lightning.job.setup import CONF_DIR, MODES, check_config, model_runtime, replay_settings, train_one
+from r3lightning.wire.errors import RemoteGenerateError
 
 PROG = "r3lightning-train"
 _VALUE_FLAGS = {"--config-dir": "-cd", "--config-name": "-cn", "--config-path": "-cp"}  # Hydra's: long, short
@@ -35,11 +33,7 @@ _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 
 
 def arms(cfg: DictConfig) -> dict[str, DictConfig]:
-    """``{arm name: its checked config}`` from ``compare`` (``[]``: the arm ``replay=<replay.mode>``).
-    An entry is a replay mode (the arm ``replay=<mode>``) or ``{name, replay, overrides}``: ``replay``
-    swaps the ``replay`` group (default: kept), then ``overrides`` sets dotted keys of the config."""
-    from r3lightning.job.setup import MODES, check_config, replay_settings
-
+    """``{arm name: its checked config}`` from ``compare`` (docs/demo.md); none: the arm ``replay=<mode>``."""
     check_config(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):
@@ -82,8 +76,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     (one seed) or ``<arm>/seed=<s>`` (folder ``<arm>/seed_<s>``, ``=`` written ``_``)."""
     from r3lightning.job.checkpoint import check_run_dir
     from r3lightning.job.engine import embedded_server
-    from r3lightning.job.report import environment, environment_line, format_table, plot_runs
-    from r3lightning.job.setup import model_runtime, train_one
 
     configs, seeds = arms(cfg), run_seeds(cfg)
     for arm, arm_cfg in configs.items():  # before config.yaml is rewritten
@@ -114,21 +106,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     return runs
 
 
-def _one_line(exc: BaseException | str) -> str:
-    text = one_line(exc)
-    return text if len(text) <= 400 else text[:397] + "..."
-
-
-def _error(message: str, label: str = "") -> int:
-    """Print ``message`` as the one line of a failed run; returns its exit status, 2."""
-    print(f"{PROG}: {label}error: {_one_line(message)}", file=sys.stderr)
-    return 2
+def _error(message: BaseException | str, label: str = "", kind: str = "error", status: int = 2) -> int:
+    """Print ``message`` as the one line (at most 400 characters) of a failed run; returns ``status``."""
+    text = one_line(message)
+    print(f"{PROG}: {label}{kind}: {text if len(text) <= 400 else text[:397] + '...'}", file=sys.stderr)
+    return status
 
 
 def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
-    """Remove ``run_dir`` if this run made it (``new_dirs``: folders new to this run, deepest first)
-    and it holds only what a run that never trained writes (``.hydra/``, logs, ``config.yaml``,
-    empty folders); then the other new folders left empty. Older folders are never touched."""
+    """Remove ``run_dir`` if it is in ``new_dirs`` (deepest first) and holds only what a run that never
+    trained writes (``.hydra/``, logs, ``config.yaml``), then the other new folders left empty."""
     run_dir = run_dir.absolute()
 
     def disposable(path: Path) -> bool:
@@ -146,15 +133,11 @@ def _remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
 
 def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dirs: list[Path]) -> int:
     """Run ``cfg`` into ``run_dir``; every failure the user can act on is one line and a status."""
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
-
-    from r3lightning.wire.errors import RemoteGenerateError
-
     try:
         run(cfg, run_dir)
         return 0
     except JobError as exc:
-        return _error(str(exc), label)
+        return _error(exc, label)
     except MissingMandatoryValue as exc:
         key = exc.full_key or "a required value"
         return _error(f"{key} must be set (add {key}=... to the command line)", label)
@@ -162,8 +145,7 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         key = getattr(exc, "full_key", None)
         return _error(f"{key}: {str(exc).splitlines()[0]}" if key else str(exc).splitlines()[0], label)
     except RemoteGenerateError as exc:
-        print(f"{PROG}: {label}rollout engine error: {_one_line(exc)}", file=sys.stderr)
-        return 3
+        return _error(exc, label, "rollout engine error", status=3)
     except KeyboardInterrupt:
         again = [PROG, *(a for a in args if not a.startswith("hydra.run.dir=")), f"hydra.run.dir={run_dir}"]
         done = any(run_dir.glob("**/checkpoints/last.ckpt"))
@@ -176,15 +158,14 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
 
 
 def _hydra_message(exc: BaseException) -> str:
-    """Hydra's multi-line composition error as one line (the search-path dump dropped)."""
+    """Hydra's multi-line composition error, the search-path dump dropped (:func:`_error` joins it)."""
     text = str(exc).split("Config search path")[0].split("full_key:")[0]
-    return _one_line(text.replace(":\n\t", ": ").replace("\n\t", ", "))
+    return text.replace(":\n\t", ": ").replace("\n\t", ", ")
 
 
 def _split_flags(args: list[str]) -> tuple[list[str], list[str], bool, dict[str, str]]:
-    """``(flags, overrides, understood, where)``: Hydra flags with their values, the overrides, whether
-    the pre-check understands every flag (others, like ``--cfg``, go to Hydra as they are), and the
-    ``config_dir`` / ``config_name`` they give."""
+    """``(flags, overrides, understood, where)``: Hydra flags with their values, overrides, whether the
+    pre-check understands every flag (``--cfg`` ...: not), and the ``config_dir`` / ``config_name``."""
     flags, overrides, where, understood = [], [], {}, True
     items = iter(args)
     for arg in items:
@@ -210,23 +191,15 @@ def compose_config(
     config_name: str = "config",
     hydra_config: bool = False,
 ) -> DictConfig:
-    """The job's config with ``overrides`` applied, without running it (tests, notebooks);
-    ``config_dir`` / ``config_name`` as ``--config-dir`` / ``--config-name``."""
-    from hydra import compose, initialize_config_dir
-
+    """The job's config with ``overrides`` applied, without running it; ``--config-dir`` as ``config_dir``."""
     where = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]"] if config_dir else []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name, [*where, *(overrides or [])], return_hydra_config=hydra_config)
 
 
-def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, Path | None]:
-    """``(problem, run folder)``: compose the config before Hydra does and check its values and the
-    run folder's fingerprints, so a bad override or value is one line and no run folder is made or
-    rewritten; else the absolute ``hydra.run.dir``, resolved now (None if unknown). Other
-    ``hydra.*`` overrides are left to Hydra."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
+def _precheck(where: dict[str, str], overrides: list[str]) -> Path | None:
+    """The absolute ``hydra.run.dir`` (None if unknown) of the config composed and checked (values, the
+    run folder's fingerprints) before Hydra makes or rewrites a folder; a problem is a JobError."""
     from r3lightning.job.checkpoint import check_run_dir
 
     keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
@@ -237,27 +210,23 @@ def _precheck(where: dict[str, str], overrides: list[str]) -> tuple[str | None, 
         try:
             run_dir = Path(str(cfg.hydra.run.dir)).absolute()
         except Exception:
-            return None, None
+            return None
         for arm, arm_cfg in configs.items():  # another task, dataset or model: refused before Hydra writes
             check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))
-    except JobError as exc:
-        return str(exc), None
     except (HydraException, OmegaConfBaseException) as exc:
-        return _hydra_message(exc), None
-    return None, run_dir
+        raise JobError(_hydra_message(exc)) from None
+    return run_dir
 
 
 def _single(args: list[str], label: str = "") -> int:
     """One run through Hydra; returns the exit status."""
-    import hydra
-    from hydra.core.hydra_config import HydraConfig
-
     _, overrides, understood, where = _split_flags(args)
     new_dirs: list[Path] = []
     if understood:
-        problem, run_dir = _precheck(where, overrides)
-        if problem is not None:
-            return _error(problem, label)
+        try:
+            run_dir = _precheck(where, overrides)
+        except JobError as exc:
+            return _error(exc, label)
         if run_dir is not None:
             # the folders this run will make (so a run that fails before training removes them),
             # with the run folder pinned, so Hydra's ${now:...} cannot name another one
@@ -279,12 +248,7 @@ def _single(args: list[str], label: str = "") -> int:
 
 
 def _sweep(args: list[str]) -> int:
-    """``-m``: expand the sweep (Hydra's syntax) and run its jobs one after the other in this
-    process; a failed job is reported in one line and the sweep goes on. Status 2 if any failed."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
+    """``-m``: the sweep's jobs one after the other; a failed one is one line and the sweep goes on."""
     flags, overrides, _, where = _split_flags([a for a in args if a not in _MULTIRUN_FLAGS])
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -296,11 +260,9 @@ def _sweep(args: list[str]) -> int:
     for number, job in enumerate(jobs):
         label = f"job #{number} ({' '.join(job)}): "
         if sweep_dir is None:
-            try:
+            with contextlib.suppress(Exception):  # a job that does not compose reports it when run
                 job_overrides = [a for a in job if not a.startswith("hydra.run.dir=")]
                 sweep_dir = str(compose_config(job_overrides, **where, hydra_config=True).hydra.sweep.dir)
-            except Exception:
-                pass  # reported by the job's own run below
         print(f"[{PROG}] {label.rstrip(': ')}", file=sys.stderr)
         run_dir = [f"hydra.run.dir={sweep_dir}/{number}"] if sweep_dir is not None else []
         code = _single([*flags, *job, *run_dir], label)
@@ -310,16 +272,13 @@ def _sweep(args: list[str]) -> int:
             failed.append(f"#{number} ({' '.join(job)})")
     if failed:
         print(f"{PROG}: {len(failed)} of {len(jobs)} jobs failed: {', '.join(failed)}", file=sys.stderr)
-        return 2
-    return 0
+    return 2 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point (``r3lightning-train``): Hydra parses the command-line overrides."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--help" in args or "-h" in args:
-        from r3lightning.job.help import format_help
-
         print(format_help(CONF_DIR, args))
         sys.exit(0)
     # Lightning's banner lines (accelerator summary, logger tips) are noise here.

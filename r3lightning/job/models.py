@@ -1,6 +1,5 @@
-"""Model factories of the job's ``model`` group (bring your own: any callable returning a Hugging
-Face-style causal MoE LM with ``.logits`` and ``config.vocab_size``), in their ``dtype`` (fp32 by
-default); the embedded engine calls the same factory for its copy, cast to ``rollout.server.dtype``."""
+"""Model factories of the job's ``model`` group (yours: any callable returning a Hugging Face-style
+causal MoE LM), in their ``dtype``; the embedded engine builds its copy with the same factory."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def tiny_moe(
     overrides: dict[str, Any] | None = None,
     dtype: str = "float32",
 ) -> nn.Module:
-    """A tiny randomly initialised MoE of one family (``r3lightning.testing.tiny.TINY_FAMILIES``);
-    ``overrides``: fields of its Hugging Face config, e.g. ``{num_hidden_layers: 6}``."""
+    """A tiny random MoE of one ``testing.tiny.TINY_FAMILIES`` family; ``overrides``: its HF config's."""
     from r3lightning.testing.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 
     if family not in TINY_FAMILIES:
@@ -44,8 +42,7 @@ def tiny_moe(
 def from_pretrained(
     path: str, *, dtype: str = "float32", attn_implementation: str | None = None, **kwargs: Any
 ) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` of a local checkpoint directory (never a hub name:
-    nothing is downloaded); ``kwargs`` go to it as they are."""
+    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` of a local directory (no download)."""
     from transformers import AutoModelForCausalLM
 
     directory = Path(str(path)).expanduser()

@@ -1,9 +1,4 @@
-"""The LightningModule that trains a Hugging Face causal (MoE) LM with the GRPO loss.
-
-Batches are left-padded ``RolloutBatch`` es from the data module; the ``RouterReplayCallback``
-installs their routes before each training forward. The metrics are described in the docs'
-concepts/metrics and concepts/corrections pages.
-"""
+"""The job's LightningModule: GRPO on a causal (MoE) LM whose routes the replay callback installs."""
 
 from __future__ import annotations
 
@@ -25,11 +20,12 @@ from r3lightning.correction.grpo import (
     token_entropy,
     token_logprobs,
 )
+from r3lightning.job.sharded import load_sharded_weights, shard_model
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import agreement_counts
 from r3lightning.replay.batch_fields import host_attention_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
+from r3lightning.replay.metrics import comparison_counts
 
 
 @dataclass
@@ -43,19 +39,10 @@ class OptimConfig:
 class GRPOModule(pl.LightningModule):
     """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``); one epoch is one RL step.
 
-    ``training_step``: one forward over the batch, the clipped surrogate loss against the rollout
-    engine's logprobs (or, with ``recompute_old_logprobs``, as ``replay=r2`` needs, the trainer's
-    own no-grad forward), weighted by ``grpo.correction`` (from the same forward); ``train/*``
-    mismatch metrics and ``used_agreement/layer_XX`` (the engine's experts each MoE layer used,
-    counted on device by the replay callback) are epoch means, ``correction/*`` exact ratios of
-    sums over the epoch's batches and ranks, logged every step.
-
-    Every ``grpo.mismatch_every_n_steps`` RL steps, on the step's first batch (the weights the
-    engine sampled with) and before the replay callback installs anything: two extra no-grad
-    forwards, routed natively and with the engine's routes replayed, give the paired
-    ``mismatch/*`` metrics, the same in every replay mode so arms compare like with like.
-    ``sharded_weights``: the DCP directory each FSDP2 rank reads its shards from
-    (:mod:`r3lightning.job.sharded`) when the model arrives on the meta device.
+    The clipped loss is against the engine's logprobs (``recompute_old_logprobs``, as ``replay=r2``
+    needs: the trainer's own no-grad forward's), weighted by ``grpo.correction``; every
+    ``grpo.mismatch_every_n_steps`` steps two more no-grad forwards give the paired ``mismatch/*``
+    (docs/concepts/metrics.md). ``sharded_weights``: a meta-device ``model``'s DCP shards directory.
     """
 
     def __init__(
@@ -81,13 +68,12 @@ class GRPOModule(pl.LightningModule):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of a left-padded batch."""
-        out = self.model(
+        return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask.long(),
             position_ids=position_ids_from_mask(attention_mask),
             use_cache=False,
-        )
-        return out.logits
+        ).logits
 
     def batch_logprobs(self, batch) -> Tensor:
         """Trainer logprob of every token of ``batch`` ``[B, S]`` (0 where undefined)."""
@@ -127,9 +113,8 @@ class GRPOModule(pl.LightningModule):
         return batch
 
     def measure_mismatch(self, batch) -> dict[str, Tensor]:
-        """Paired mismatch metrics of ``batch`` (names without the ``mismatch/`` prefix); empty
-        without engine routes and logprobs or a replay callback with a backend. Must run with no
-        routes installed. Cost: two no-grad forwards; no device->host sync of its own."""
+        """Paired ``mismatch/*`` metrics of ``batch`` (unprefixed; empty without engine routes, logprobs or
+        replay backend), with no routes installed. Cost: two no-grad forwards; no host sync."""
         callback = self._replay_callback()
         routes = getattr(batch, "routed_experts", None)
         rollout_logprobs = getattr(batch, "rollout_logprobs", None)
@@ -148,15 +133,12 @@ class GRPOModule(pl.LightningModule):
             with replay_routes(backend, aligned, mask):
                 replayed = self.batch_logprobs(batch)
             layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
-            top_k = aligned.shape[-1]
-            engine = aligned.index_select(-2, layers).reshape(-1, top_k).long()  # [B * S * moe_layers, K]
-            used = native_routes.routes.to(aligned.device).index_select(-2, layers).reshape(-1, top_k).long()
-            routed = mask[..., None].expand(*mask.shape, len(layers)).reshape(-1)  # rows the engine routed
-            rows, hits = agreement_counts(engine, used, routed)
+            used = native_routes.routes.to(aligned.device)  # [B, S, L, K]: one forward
+            rows, _, hits, _ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )
-            out["native_agreement"] = hits.double() / (rows * top_k).clamp(min=1)
+            out["native_agreement"] = hits.double() / (rows * aligned.shape[-1]).clamp(min=1)
             out["policy_entropy"] = entropy.double()
         return out
 
@@ -180,15 +162,14 @@ class GRPOModule(pl.LightningModule):
             log_ratio = logprobs.detach() - batch.rollout_logprobs
             weights = correction_weights(log_ratio, loss_mask, self.grpo.correction)
             self._correction.update(weights, loss_mask)
-        clip = {"clip_low": self.grpo.clip_low, "clip_high": self.grpo.clip_high}
-        loss, stats = policy_loss(
-            logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights
-        )
-        if weights is not None:
             totals = self._correction.compute(sync_dist=self._distributed)
             self.log_dict(
                 {k: v.float() for k, v in totals.items()}, on_step=True, on_epoch=False, batch_size=1
             )
+        clip = {"clip_low": self.grpo.clip_low, "clip_high": self.grpo.clip_high}
+        loss, stats = policy_loss(
+            logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights
+        )
         band = self.grpo.ratio_band
         stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
         stats["loss"] = loss.detach()
@@ -200,9 +181,7 @@ class GRPOModule(pl.LightningModule):
         return loss
 
     def _log_agreement(self, callback: RouterReplayCallback, batch_size: int) -> None:
-        """``used_agreement/layer_XX``: share of the rollout's expert slots the training forward
-        used, per MoE layer, over the tokens with a captured route, from the callback's on-device
-        counts. Every rank logs every layer; no host sync."""
+        """``used_agreement/layer_XX`` from the replay callback's on-device counts; no host sync."""
         counts, backend = callback.routing_counts(), callback.backend
         if counts is None or backend is None:
             return
@@ -212,9 +191,7 @@ class GRPOModule(pl.LightningModule):
         self._log_epoch({f"used_agreement/layer_{i:02d}": v.float() for i, v in layers}, batch_size)
 
     def configure_model(self) -> None:
-        """Under ``ModelParallelStrategy`` (FSDP2): shard every decoder layer, then the root
-        (:func:`~r3lightning.job.sharded.shard_model`); a meta-device model then reads this
-        rank's shards from ``sharded_weights``. A no-op for other strategies."""
+        """Under FSDP2 (``ModelParallelStrategy``): shard, then read a meta model's ``sharded_weights``."""
         mesh = self.device_mesh
         if mesh is None and self.sharded_weights is not None:
             raise ValueError(
@@ -223,8 +200,6 @@ class GRPOModule(pl.LightningModule):
             )
         if mesh is None or getattr(self.model, "_r3_sharded", False):
             return
-        from r3lightning.job.sharded import load_sharded_weights, shard_model
-
         names = mesh.mesh_dim_names or ()
         shard_model(self.model, mesh["data_parallel"] if "data_parallel" in names else mesh)
         if self.sharded_weights is not None:

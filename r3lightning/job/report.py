@@ -1,8 +1,5 @@
-"""Run outputs: per-step metrics CSV, the summary table, the plot (matplotlib Agg), the environment.
-
-A run's history is one flat ``{metric: float}`` record per RL step. Runs named ``<arm>/seed=<s>``
-are seeds of one arm: table and plot show the median over seeds and its range.
-"""
+"""Run outputs: metrics CSV, summary table, plot, environment line. A history is one ``{metric: float}``
+record per RL step; runs ``<arm>/seed=<s>`` are seeds of one arm (shown: median and [min, max])."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ from pathlib import Path
 AGREEMENT_PREFIX = "used_agreement/layer_"
 MISMATCH_PREFIX = "mismatch/"
 CORRECTION_PREFIX = "correction/"
-CORRECTED = ("ess", "truncated_fraction", "masked_fraction")
 SEED_SEP = "/seed="
 SIMULATED = "simulated_disagreement"
 TURN_REWARD = "turn_reward/turn_2"
@@ -106,7 +102,7 @@ def summarize(records: History, window: int = 3) -> dict[str, float]:
         key = MISMATCH_PREFIX + name
         out[name], out[f"{name}_end"] = _mean(records, key), _mean(records, key, end)
         out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
-    out |= {name: _mean(records, CORRECTION_PREFIX + name) for name in CORRECTED}
+    out |= {name: _mean(records, CORRECTION_PREFIX + name) for _, name, _ in CORRECTED_COLUMNS}
     out |= {"turns_end": _mean(records, "turns", end), "turn_2_reward_end": _mean(records, TURN_REWARD, end)}
     out |= {f"route_bytes_{k}": _mean(records, f"route_bytes/turn_{k}") for k in (1, 2)}
     for suffix in ("", "_step0"):
@@ -151,8 +147,7 @@ def _cell(spec: str, value: float) -> str:
 
 
 def _rows(name: str, summaries: list[dict[str, float]], columns: Sequence[tuple]) -> list[list[str]]:
-    """``name``'s row (the median over ``summaries`` of each column) and, for several summaries,
-    the row of their [min, max] under it."""
+    """``name``'s row of medians over ``summaries`` and, for several, the row of their [min, max]."""
     stats = [([spread([s[k] for s in summaries]) for k in keys.split()], f) for _, keys, f in columns]
     rows = [[name, *(" -> ".join(_cell(f, m) for m, _, _ in values) for values, f in stats)]]
     if len(summaries) > 1:
@@ -164,9 +159,8 @@ def _rows(name: str, summaries: list[dict[str, float]], columns: Sequence[tuple]
 def format_table(
     runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
 ) -> str:
-    """Fixed-width summary: a row per arm (``<arm>/seed=<s>`` runs: medians over seeds, their [min, max]
-    under it), then every run's step 0 (same weights and rollouts in every arm). Mismatch figures are
-    paired (same weights and batch, native vs replayed). A simulation heads it, ``env`` ends it."""
+    """Fixed-width summary (docs/demo.md): a row per arm (seeds: medians, their [min, max] under it),
+    then every run's step 0; a simulated disagreement heads it, ``env`` ends it."""
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
     corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
@@ -207,31 +201,28 @@ def format_table(
 
 
 def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float = 2.0) -> list[str]:
-    """Six panels over RL steps, one colour per arm (several seeds: the median in a [min, max] band;
-    dashed: replayed routing): reward, native agreement, paired k3, k3 native / replayed, tokens out
-    of ``ratio_band``, entropy. Returns the titles (figure, panels); they name a simulation."""
+    """Six panels over RL steps, one colour per arm (seeds: the median in a [min, max] band; dashed:
+    replayed routing). Returns the titles (figure, panels); they name a simulation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     m, band = MISMATCH_PREFIX, f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    pair = [m + "k3_native", m + "k3_replayed"]
+    outside = [m + "outside_band_native", m + "outside_band_replayed"]
     panels = {  # title: columns (the second one, replayed, dashed), scale
         "mean reward": (["reward"], 1),
         "native routing agreement with the engine (%)": ([m + "native_agreement"], 100),
-        "paired k3 KL(engine || trainer)": ([m + "k3_native", m + "k3_replayed"], 1),
+        "paired k3 KL(engine || trainer)": (pair, 1),
         "k3 native / k3 replayed (same weights)": (["k3_ratio"], 1),
-        f"tokens with ratio outside {band} (%)": (
-            [m + "outside_band_native", m + "outside_band_replayed"],
-            100,
-        ),
+        f"tokens with ratio outside {band} (%)": (outside, 100),
         "policy entropy (nats)": ([m + "policy_entropy"], 1),
     }
     share = simulated_share(runs)
     titles = [f"{t}, simulated {share}" if share else t for t in panels]
     fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    pair = (m + "k3_native", m + "k3_replayed")
     for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
         name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
         records = [

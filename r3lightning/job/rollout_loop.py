@@ -1,12 +1,5 @@
-"""The on-policy RL loop around a Lightning fit: one epoch = one RL step.
-
-At fit start and after every step but the last, rank 0 pushes the trainer's weights to the engine,
-every rank waits for that push, then collects *its own* GRPO groups of the next step into its own
-``ReplayBuffer`` (no trajectory or route crosses ranks; the collector's scalar statistics are
-all-reduced). A checkpoint holds the next step's rollouts when they were collected (an interrupted
-one-process run resumes exactly); otherwise (the last step, or several ranks: it holds rank 0's
-buffer only) the resumed run collects that step again, same seeds, restored weights.
-"""
+"""The on-policy RL loop around a Lightning fit, one epoch per RL step: the trainer's weights go to the
+engine, then every rank collects its own GRPO groups of the next step into its own ``ReplayBuffer``."""
 
 from __future__ import annotations
 
@@ -21,6 +14,7 @@ from urllib.parse import urlsplit
 import lightning.pytorch as pl
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
@@ -29,6 +23,7 @@ from r3lightning.job.rollout_settings import collector_config, retry_policy
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.rollout.tasks import ScoredTask
+from r3lightning.serve.server import is_loopback
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
@@ -36,9 +31,8 @@ WeightSync = Callable[[Mapping[str, Tensor]], None]
 
 @dataclass
 class Engine:
-    """Where rollouts come from: ``urls`` (None on ranks that learn the embedded engine's URL from
-    rank 0); ``push``, rank 0's weight sync (None elsewhere, or when the deployment syncs weights);
-    ``gather``, whether every rank joins the per-step full-weight gather (a collective under FSDP2)."""
+    """Where rollouts come from: ``urls`` (None where rank 0 broadcasts the embedded engine's);
+    ``push``, rank 0's weight sync (or None); ``gather``: every rank joins the full-weight gather."""
 
     urls: list[str] | None
     push: WeightSync | None = None
@@ -46,10 +40,8 @@ class Engine:
 
 
 class OnPolicyLoop(pl.Callback):
-    """Rollout -> this rank's ``buffer`` -> train, once per epoch, weights pushed in between:
-    ``prompts_per_step`` of ``task``'s prompts per step, scored by its reward (or played out by its
-    environments), collected from ``engine`` as ``cfg.rollout`` says; one row per step in
-    ``metrics_path`` (rank 0), labelled ``simulated_disagreement`` when the engine simulates one."""
+    """Rollout (``prompts_per_step`` prompts from ``engine``) -> this rank's ``buffer`` -> train, once per
+    epoch, weights pushed in between; one row per step in ``metrics_path`` (rank 0)."""
 
     def __init__(
         self,
@@ -66,8 +58,7 @@ class OnPolicyLoop(pl.Callback):
         if self.sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
             stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
             self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)
-        embedded = cfg.rollout.url is None
-        simulated = OmegaConf.select(cfg, "rollout.server.simulated_disagreement") if embedded else None
+        simulated = cfg.rollout.url is None and OmegaConf.select(cfg, "rollout.server.simulated_disagreement")
         self.labels = {"simulated_disagreement": float(simulated)} if simulated else {}
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
@@ -81,16 +72,13 @@ class OnPolicyLoop(pl.Callback):
         environments = getattr(self.task, "environments", lambda: None)()  # multi-turn
         return RolloutCollector(
             urls,
-            environments or self._reward,
+            environments or self.task.score_prompt,
             collector_config(rollout),
             schema=self.schema,
             sampling=self.sampling,
             retry=retry_policy(rollout),
             client_options={"api_key": rollout.api_key},
         )
-
-    def _reward(self, prompt, response_ids):  # the task looked up when scoring
-        return self.task.score_prompt(prompt, response_ids)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.world_size > 1 and getattr(trainer.datamodule, "shard", False):
@@ -159,8 +147,6 @@ class OnPolicyLoop(pl.Callback):
         urls = self.engine.urls
         if self.collector is None and trainer.world_size > 1:
             urls = trainer.strategy.broadcast(urls, src=0)  # a few short strings, once per fit
-            from r3lightning.serve.server import is_loopback
-
             host = urlsplit(urls[0]).hostname or ""
             if trainer.num_nodes > 1 and self.engine.urls is None and is_loopback(host):
                 raise JobError(
@@ -200,8 +186,7 @@ class OnPolicyLoop(pl.Callback):
 def on_policy_loop(
     cfg: DictConfig, engine: Engine, task: ScoredTask, schema: RouteSchema, buffer, *, metrics_path: Path
 ) -> OnPolicyLoop:
-    """The job's :class:`OnPolicyLoop`, once the engines known here answered ``GET /health`` (else a
-    ``JobError``; the embedded engine's URL reaches ranks > 0 only at fit start)."""
+    """The job's :class:`OnPolicyLoop`, once the engines known here answered ``GET /health``."""
     loop = OnPolicyLoop(cfg, engine, task, schema, buffer, metrics_path)
     health = loop.new_collector(engine.urls).check_engines() if engine.urls is not None else {}
     down = [url for url, ok in health.items() if not ok]
@@ -215,18 +200,13 @@ def on_policy_loop(
 
 
 def full_state_dict(pl_module: pl.LightningModule) -> dict[str, Tensor]:
-    """The policy's full weights keyed as in the HF model on rank 0 (an empty dict elsewhere).
-    FSDP2 DTensors are all-gathered one at a time (a collective every rank joins) and moved to the
-    host on rank 0 at once, so no device holds more than one unsharded tensor beside its shards;
-    unsharded values come without a copy."""
-    from torch.distributed.tensor import DTensor
-
-    keep = pl_module.trainer.is_global_zero
-    out = {}
+    """The policy's full weights keyed as in the HF model on rank 0 (an empty dict elsewhere). FSDP2
+    DTensors are all-gathered one at a time (every rank joins) and moved to rank 0's host at once."""
+    keep, out = pl_module.trainer.is_global_zero, {}
     for name, value in pl_module.model.state_dict().items():
-        if isinstance(value, DTensor):
+        if isinstance(value, DTensor):  # at most one unsharded tensor on the device beside the shards
             value = value.full_tensor()  # a collective: every rank joins
             value = value.cpu() if keep else value
-        if keep:
+        if keep:  # unsharded values without a copy
             out[name] = value.detach()
     return out

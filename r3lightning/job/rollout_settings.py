@@ -1,20 +1,13 @@
-"""The job's rollout settings, field for field: ``rollout.retry`` (:class:`RetryPolicy`),
-``rollout.collector`` (:class:`CollectorConfig`), ``rollout.server`` but ``host`` and ``port``
-(:class:`EngineConfig`) and ``rollout.limits`` (:class:`ServerLimits`); a bad value is a one-line
-``JobError`` naming the key (and a moved key its new place)."""
+"""The job's rollout settings groups as their dataclasses; a bad or moved key is a one-line JobError."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
-
-if TYPE_CHECKING:
-    from r3lightning.serve.config import EngineConfig, ServerLimits
+from r3lightning.serve.config import EngineConfig, ServerLimits
 
 # keys that moved into a settings group: old -> new
 _MOVED = {
@@ -24,7 +17,7 @@ _MOVED = {
 
 
 def check_rollout(cfg: DictConfig) -> None:
-    """Refuse a moved key or a bad value of the rollout settings groups before anything is built."""
+    """Refuse a moved key or a bad value of the rollout settings groups."""
     for old, new in _MOVED.items():
         if OmegaConf.select(cfg, old) is not None:
             raise JobError(f"{old} moved to {new}; set {new}={OmegaConf.select(cfg, old)} instead")
@@ -34,9 +27,8 @@ def check_rollout(cfg: DictConfig) -> None:
 
 
 def server_settings(rollout: DictConfig) -> tuple[EngineConfig, ServerLimits]:
-    """The embedded server's :class:`EngineConfig` and :class:`ServerLimits`."""
-    from r3lightning.serve.config import EngineConfig, ServerLimits
-
+    """``rollout.server`` (but ``host`` and ``port``) and ``rollout.limits`` as the embedded server's
+    :class:`EngineConfig` and :class:`ServerLimits`."""
     engine = dataclass_from(EngineConfig, rollout.server, "rollout.server", skip=("host", "port"))
     return engine, dataclass_from(ServerLimits, rollout.limits, "rollout.limits")
 

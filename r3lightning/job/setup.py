@@ -1,5 +1,4 @@
-"""Checks the main job's config when it is read (:func:`check_config`), then trains one run from it
-(:func:`train_one`: buffer, model, replay backend, task, module, rollout loop, ``Trainer``, fit)."""
+"""Checks the job's config (:func:`check_config`), then trains one run from it (:func:`train_one`)."""
 
 from __future__ import annotations
 
@@ -14,9 +13,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from r3lightning.correction.grpo import GRPOConfig
+from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.job import build
 from r3lightning.job.build import build_model, dataclass_from, instantiate_node, plain
 from r3lightning.job.common import JobError, is_global_zero
+from r3lightning.job.rollout_settings import check_rollout
+from r3lightning.rollout.prompts import SamplingConfig
+from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
     from r3lightning.job.rollout_loop import Engine
@@ -80,6 +84,7 @@ _RULES: dict[str, Rule] = {
     "reward_threads": _integer(0),
     "resume": _BOOL,
     "plot": _BOOL,
+    "loggers": ("a list of {_target_: ...} entries (or null)", lambda v: v is None or isinstance(v, list)),
     "reward.timeout_s": _null(_number(0)),
     "task.vocab_size": _null(_integer(1)),
     "task.num_classes": _integer(2),
@@ -99,7 +104,6 @@ _RULES: dict[str, Rule] = {
     "rollout.sync_weights": _BOOL,
     "rollout.server.port": _integer(0, 65535),
     "algorithm.group_size": _integer(2),
-    "algorithm.normalize_std": _BOOL,
     "algorithm.clip_low": _number(0),
     "algorithm.clip_high": _number(0),
     "algorithm.std_eps": _number(0),
@@ -125,10 +129,9 @@ def _check_rules(cfg: DictConfig, rules: dict[str, Rule]) -> None:
 def _missing_key(values: Any, prefix: str = "") -> str | None:
     """The first ``???`` (mandatory, unset) key of a config's plain, unresolved values."""
     for key, value in values.items() if isinstance(values, dict) else enumerate(values):
-        found = f"{prefix}{key}" if value == "???" else None
-        if found is None and isinstance(value, dict | list):
-            found = _missing_key(value, f"{prefix}{key}.")
-        if found is not None:
+        if value == "???":
+            return f"{prefix}{key}"
+        if isinstance(value, dict | list) and (found := _missing_key(value, f"{prefix}{key}.")):
             return found
     return None
 
@@ -143,11 +146,7 @@ def _megatron_installed() -> bool:
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before anything is built: one :class:`JobError` naming the key and what it
     expects. Cost: imports the ``_target_`` modules and builds the data module once."""
-    from r3lightning.correction.grpo import GRPOConfig
-    from r3lightning.data.buffer import ReplayBuffer
-    from r3lightning.job.module import OptimConfig
-    from r3lightning.job.rollout_settings import check_rollout
-    from r3lightning.rollout.prompts import SamplingConfig
+    from r3lightning.job.module import OptimConfig  # lightning: not imported for --help
 
     _check_rules(cfg, _RULES)
     values = OmegaConf.to_container(cfg, resolve=False)
@@ -171,31 +170,24 @@ def check_config(cfg: DictConfig) -> None:
     if path is not None and not Path(str(path)).expanduser().is_file():
         raise JobError(f"task.path: no such file: {path}")
     check_rollout(cfg)  # rollout.retry / collector / server / limits (after algorithm.*: interpolated)
-    # before a checkpoint is loaded: Lightning would only find out when building the Trainer
-    if cfg.trainer.get("accelerator") == "gpu" and not (
-        torch.cuda.is_available() or torch.backends.mps.is_available()
-    ):
+    gpu = torch.cuda.is_available() or torch.backends.mps.is_available()
+    if cfg.trainer.get("accelerator") == "gpu" and not gpu:  # else found only when the Trainer is built
         raise JobError(
             f"trainer.accelerator=gpu but no GPU is visible here; use trainer=cpu, or trainer=cpu_fsdp "
             f"for FSDP2 on CPU processes (got trainer.devices={cfg.trainer.get('devices')!r})"
-        )
-    if cfg.loggers is not None and not OmegaConf.is_list(cfg.loggers):
-        raise JobError(
-            f"loggers must be a list of {{_target_: ...}} entries (or null), got {plain(cfg.loggers)!r}"
         )
     targets = [(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node is not None]
     targets += [(key, cfg[key]) for key in ("model", "task", "reward", "module", "data")]
     for key, node in targets + [(f"loggers[{i}]", node) for i, node in enumerate(cfg.loggers or [])]:
         build.target_of(node, key)
     replay = build.replay_callback_settings(cfg)
-    if replay is not None and replay[1].get("backend") == "megatron" and not _megatron_installed():
-        raise JobError(
-            f"callbacks.{replay[0]}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
-        )
     if replay is not None:  # the callback's own checks (its backend is the job's, built later)
-        instantiate_node(
-            {k: v for k, v in plain(replay[1]).items() if k != "backend"}, f"callbacks.{replay[0]}"
-        )
+        name, node = replay
+        if node.get("backend") == "megatron" and not _megatron_installed():
+            raise JobError(
+                f"callbacks.{name}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
+            )
+        instantiate_node({k: v for k, v in plain(node).items() if k != "backend"}, f"callbacks.{name}")
     instantiate_node(cfg.data, "data", buffer=ReplayBuffer())  # the data module's own checks
 
 
@@ -207,8 +199,7 @@ def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
 
 @contextlib.contextmanager
 def model_runtime(model_cfg: DictConfig) -> Iterator[None]:
-    """``model.runtime`` (a ``_target_`` returning a context manager, e.g. megatron-core's process
-    group and device shims) entered around the whole run."""
+    """``model.runtime`` (a context manager, e.g. megatron-core's process group) around the run."""
     node = model_cfg.get("runtime")
     with contextlib.ExitStack() as stack:
         try:
@@ -231,12 +222,9 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     """Train one run (one arm, one seed) into ``out_dir``; returns its per-step history."""
     import lightning.pytorch as pl
 
-    from r3lightning.correction.grpo import GRPOConfig
-    from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.job.checkpoint import RunCheckpoint, resume_checkpoint
     from r3lightning.job.module import OptimConfig
     from r3lightning.job.rollout_loop import on_policy_loop
-    from r3lightning.wire.request import RouteSchema
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model, trainer=True)

@@ -1,17 +1,11 @@
-"""Loading a large Hugging Face MoE policy under FSDP2 without a full copy per rank.
-
-``from_pretrained`` on every rank holds the whole model in host memory on each before
-``fully_shard`` keeps a slice (Qwen3-30B-A3B in fp32: ~120 GB per rank). Instead, once, where one
-copy fits, :func:`convert_checkpoint` (``python -m r3lightning.job.sharded HF_DIR OUT_DIR
-[--dtype bfloat16]``) writes the checkpoint as a ``torch.distributed.checkpoint`` (DCP) directory
-under the model's own parameter names; then every rank builds the model on the meta device
-(:func:`meta_model`), shards it, and :func:`load_sharded_weights` materialises and reads only its
-own shards. Memory per rank: ``1 / world`` of the model plus, while loading, about twice the
-largest saved tensor (Qwen3-30B-A3B in fp32 on 8 ranks: ~15 GB of shards + ~3 GB transient).
-"""
+"""Loading a large Hugging Face MoE under FSDP2 without a full copy per rank (examples/fsdp_moe):
+:func:`convert_checkpoint` (``python -m r3lightning.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``)
+writes it once as a DCP directory; every rank builds the model on the meta device, shards it and
+reads only its own shards."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,8 +36,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The causal LM of the HF checkpoint directory ``path`` (its config only) with parameters on
-    the meta device: shard it, then :func:`load_sharded_weights`."""
+    """The causal LM of the HF checkpoint directory ``path`` (config only), parameters on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(path))
@@ -54,8 +47,7 @@ def meta_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> nn.Mo
 
 def shard_model(model: nn.Module, mesh: Any) -> None:
     """FSDP2 ``fully_shard`` of every decoder layer (``model.model.layers``; else a ``ValueError``),
-    then of the root, on ``mesh`` (1-D data parallel); meta or materialised. Router hooks survive
-    (``fully_shard`` keeps the module objects and swaps in a subclass)."""
+    then of the root, on the 1-D ``mesh``; router hooks survive (the module objects are kept)."""
     from torch.distributed.fsdp import fully_shard
 
     layers = getattr(getattr(model, "model", model), "layers", None)
@@ -69,8 +61,7 @@ def shard_model(model: nn.Module, mesh: Any) -> None:
 
 
 def convert_checkpoint(path: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> Path:
-    """Write the HF checkpoint ``path`` as the DCP directory ``out_dir`` (returned); one process
-    holding one full copy of the model in ``dtype``."""
+    """Write the HF checkpoint ``path`` as the DCP directory ``out_dir`` (returned): one full copy."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
@@ -80,9 +71,8 @@ def convert_checkpoint(path: str | Path, out_dir: str | Path, *, dtype: torch.dt
 
 
 def load_sharded_weights(model: nn.Module, checkpoint_dir: str | Path, device: torch.device | str) -> None:
-    """Materialise the ``fully_shard``-ed meta ``model`` on ``device`` and read this rank's shards
-    from the DCP directory ``checkpoint_dir``; buffers keep their values. Collective over the
-    model's mesh. A ``ValueError`` names missing or unexpected parameters."""
+    """Materialise the ``fully_shard``-ed meta ``model`` on ``device`` and read this rank's shards from
+    ``checkpoint_dir`` (collective); a ``ValueError`` names missing or unexpected parameters."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -105,11 +95,7 @@ def load_sharded_weights(model: nn.Module, checkpoint_dir: str | Path, device: t
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m r3lightning.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        description="Convert a Hugging Face checkpoint for per-rank shard loading."
-    )
+    parser = argparse.ArgumentParser(description="Convert a Hugging Face checkpoint for shard loading.")
     parser.add_argument("hf_dir", type=Path, help="Hugging Face checkpoint directory")
     parser.add_argument("out_dir", type=Path, help="DCP directory to write")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

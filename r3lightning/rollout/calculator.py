@@ -1,9 +1,8 @@
 """A toy tool-use task that the tiny model learns: call the calculator, then answer with its result.
 
-A prompt is fillers, operands ``first_token + a``, ``first_token + b`` and ``ASK``. A turn holding
-``CALL`` gets the observation ``[RESULT, first_token + c]``, ``c = (a + b) % num_classes`` (the
-first call earns ``call_reward``); a turn without it answers and scores :class:`CalculatorReward`
-(0 before any call).
+A prompt ends in operands ``first_token + a``, ``first_token + b`` and ``ASK``. A turn holding
+``CALL`` gets ``[RESULT, first_token + (a + b) % num_classes]`` (the first call earns
+``call_reward``); a turn without it is the answer (:class:`CalculatorReward`, 0 before any call).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from r3lightning.rollout.prompts import RolloutPrompt
-from r3lightning.rollout.tasks import TokenClassReward
+from r3lightning.rollout.tasks import TokenClassReward, check_task_sizes
 
 __all__ = ["CalculatorEnvironment", "CalculatorReward", "CalculatorTask"]
 
@@ -30,8 +29,7 @@ def _answer(prompt_ids: Sequence[int], first_token: int, num_classes: int) -> in
 
 
 class CalculatorReward(TokenClassReward):
-    """The answer's score: the fraction of the expected ``response_length`` tokens in the class
-    of ``(a + b) % num_classes`` (``reward=calculator``)."""
+    """The answer's score (``reward=calculator``): :class:`TokenClassReward` of ``(a + b) % num_classes``."""
 
     def target_class(self, prompt_ids: Sequence[int]) -> int:
         return _answer(prompt_ids, self.first_token, self.num_classes)
@@ -54,20 +52,10 @@ class CalculatorTask:
         call_reward: float = 0.2,
         max_turns: int = 3,
     ) -> None:
-        if num_classes < 2:
-            raise ValueError(f"task.num_classes must be >= 2, got {num_classes}")
-        if prompt_length < 3 or response_length < 1:
-            raise ValueError(
-                "task.prompt_length must be >= 3 (two operands and ASK) and task.response_length >= 1, "
-                f"got {prompt_length} and {response_length}"
-            )
+        free = ("vocab_size - num_classes - 4", vocab_size - num_classes - 4)
+        check_task_sizes(num_classes, (prompt_length, 3), response_length, first_token, free)
         if max_turns < 1:
             raise ValueError(f"task.max_turns must be >= 1, got {max_turns}")
-        if not 0 <= first_token < vocab_size - num_classes - 4:
-            raise ValueError(
-                f"task.first_token must be in [0, vocab_size - num_classes - 4) = "
-                f"[0, {vocab_size - num_classes - 4}), got {first_token}"
-            )
         self.vocab_size, self.num_classes = vocab_size, num_classes
         self.prompt_length, self.response_length = prompt_length, response_length
         self.first_token, self.call_reward, self.max_turns = first_token, float(call_reward), max_turns
@@ -78,11 +66,9 @@ class CalculatorTask:
         """``num_prompts`` prompts of ``prompt_length`` ids (host tensors only)."""
         shape = (num_prompts, self.prompt_length - 3)
         fillers = torch.randint(self.result_token + 1, self.vocab_size, shape, generator=generator)
-        operands = (
-            torch.randint(0, self.num_classes, (num_prompts, 2), generator=generator) + self.first_token
-        )
+        operands = torch.randint(0, self.num_classes, (num_prompts, 2), generator=generator)
         ask = torch.full((num_prompts, 1), self.ask_token)
-        return torch.cat([fillers, operands, ask], dim=1).tolist()
+        return torch.cat([fillers, operands + self.first_token, ask], dim=1).tolist()
 
     def make_environment(self, score: Callable[[RolloutPrompt, list[int]], float]) -> CalculatorEnvironment:
         """One trajectory's environment; ``score(prompt, answer_ids)`` rates the final answer."""

@@ -1,14 +1,11 @@
-"""Async HTTP client for one generation request, with routed experts, against a rollout engine.
-
-Transient failures (connection errors, timeouts, cut-off bodies, 408/429/5xx) are retried with
-capped exponential backoff and jitter, honouring ``Retry-After``; an engine that stops answering
-``/health`` is given up on at once; other 4xx answers and malformed payloads raise at once.
-"""
+"""Async HTTP client for generation requests, with routed experts, against one rollout engine:
+transient failures are retried per :class:`RetryPolicy`, other 4xx and malformed bodies raise."""
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import random
 import threading
 import time
@@ -66,29 +63,19 @@ def _server_message(text: str) -> str:
         body = orjson.loads(text)
     except orjson.JSONDecodeError:
         body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        for candidate in (
-            error.get("message") if isinstance(error, dict) else error,
-            *map(body.get, ("detail", "message")),
-        ):
-            if isinstance(candidate, str):
-                return candidate[:_MAX_ERROR_TEXT]
-    return text.strip()[:_MAX_ERROR_TEXT]
+    body = body if isinstance(body, dict) else {}
+    error = body.get("error")
+    error = error.get("message") if isinstance(error, dict) else error
+    candidates = (error, body.get("detail"), body.get("message"))
+    return next((c for c in candidates if isinstance(c, str)), text.strip())[:_MAX_ERROR_TEXT]
 
 
 class RemoteGenerateClient:
-    """Client for one rollout engine; safe to share between concurrent tasks of one event loop.
-
-    One event loop at a time (a second, running one: ``RuntimeError``; give each thread its own,
-    e.g. a pickled copy). ``schema``: a ``RouteSchema`` or a model config (:attr:`routes`; SGLang
-    needs ``num_layers``, ``top_k``; ``check_unique=True`` refuses repeated experts in the parse,
-    ``Trajectory`` always). ``retry``: a :class:`~r3lightning.rollout.config.RetryPolicy`;
-    ``model``: the request's model name; ``engine``: ``openai``'s route fields of vLLM or SGLang
-    only. ``max_response_bytes`` caps a body; set :attr:`max_connections` and
-    :attr:`decode_in_thread_bytes` before the first request. The aiohttp session opens on first
-    use, follows the running loop, closes with :meth:`close` / ``async with``; pickling drops it.
-    """
+    """Client for one rollout engine, shared by the tasks of one event loop at a time (a second,
+    running loop: ``RuntimeError``; give each thread its own, e.g. a pickled copy, as pickling
+    drops the aiohttp session). ``schema``: a ``RouteSchema`` or a model config (SGLang needs
+    ``num_layers`` and ``top_k``). ``engine``: ``openai``'s route fields of vLLM or SGLang only.
+    Set :attr:`max_connections` and :attr:`decode_in_thread_bytes` before the first request."""
 
     max_connections: int = 256
     decode_in_thread_bytes: int = 1 << 20  # larger bodies are parsed off the event loop
@@ -129,8 +116,6 @@ class RemoteGenerateClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: str | None = None  # name of the thread whose loop owns the session
         self._watch = HealthWatch(self._probe, self.retry)
-
-    # ----------------------------------------------------------------- lifecycle
 
     def _session_for_running_loop(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
@@ -180,9 +165,7 @@ class RemoteGenerateClient:
         await self.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_session"] = state["_slots"] = state["_loop"] = state["_thread"] = state["_watch"] = None
-        return state
+        return self.__dict__ | dict.fromkeys(("_session", "_slots", "_loop", "_thread", "_watch"))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -190,8 +173,6 @@ class RemoteGenerateClient:
 
     def __repr__(self) -> str:
         return f"RemoteGenerateClient({self.base_url!r}, protocol={self.protocol!r}, stats={self.stats})"
-
-    # ----------------------------------------------------------------- requests
 
     def _headers(self, session_id: str | None) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -211,21 +192,15 @@ class RemoteGenerateClient:
         session_id: str | None = None,
         cache_salt: str | None = None,
     ) -> RemoteGenerateResult:
-        """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is;
-        :func:`~r3lightning.wire.request.engine_sampling_params` spells them per protocol).
+        """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is).
 
-        With ``return_routed_experts`` the engine returns route rows from token
-        ``routed_experts_prompt_start`` on (the rows an earlier turn did not capture): exactly
-        ``P - start + G - 1`` of them, else :class:`MalformedResponseError` (also when they are
-        absent: the message names the engine flag ``--enable-return-routed-experts``). Raises
-        :class:`GenerateRequestError`, :class:`MalformedResponseError` or
-        :class:`RetriesExhaustedError`; never retries a non-retryable failure.
+        With ``return_routed_experts``: exactly ``P - start + G - 1`` route rows from token
+        ``start = routed_experts_prompt_start`` on, else :class:`MalformedResponseError` (absent
+        rows: it names the engine flag ``--enable-return-routed-experts``). Raises
+        :class:`GenerateRequestError`, :class:`MalformedResponseError` or :class:`RetriesExhaustedError`.
         """
-        if (
-            return_routed_experts
-            and "sglang" in (self.protocol, self.engine)
-            and None in (self.routes.num_layers, self.routes.top_k)
-        ):
+        sglang = "sglang" in (self.protocol, self.engine)
+        if return_routed_experts and sglang and None in (self.routes.num_layers, self.routes.top_k):
             raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
         start = routed_experts_prompt_start
         check_setting("routed_experts_prompt_start", start, low=0, integer=True, optional=True)
@@ -247,21 +222,19 @@ class RemoteGenerateClient:
         self._session_for_running_loop()  # another loop's client: raise before touching stats
         url = f"{self.base_url}{PROTOCOL_PATHS[self.protocol]}"
         data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-        raw, attempts = await self._send(url, data, self._headers(session_id))
-        want, prompt_len = return_routed_experts, len(prompt_ids)
-
-        def parse() -> RemoteGenerateResult:
-            return parse_response(
+        self.stats.requests += 1
+        try:
+            raw, attempts = await self._send(url, data, self._headers(session_id))
+            parse = functools.partial(
+                parse_response,
                 raw,
                 self.protocol,
                 self.routes,
-                want_routes=want,
-                prompt_len=prompt_len,
+                want_routes=return_routed_experts,
+                prompt_len=len(prompt_ids),
                 start=start or 0,
                 url=url,
             )
-
-        try:
             result = await asyncio.to_thread(parse) if len(raw) > self.decode_in_thread_bytes else parse()
         except Exception:
             self.stats.failures += 1
@@ -277,11 +250,9 @@ class RemoteGenerateClient:
     async def _probe(self) -> int | None:
         """The status ``GET /health`` answers within ``retry.health_timeout_s``; None if none."""
         session, _ = self._session_for_running_loop()
-        timeout = aiohttp.ClientTimeout(total=self.retry.health_timeout_s)
+        url, timeout = f"{self.base_url}/health", aiohttp.ClientTimeout(total=self.retry.health_timeout_s)
         try:
-            async with session.get(
-                f"{self.base_url}/health", headers=self._headers(None), timeout=timeout
-            ) as answer:
+            async with session.get(url, headers=self._headers(None), timeout=timeout) as answer:
                 await answer.read()
                 return answer.status
         except (aiohttp.ClientError, TimeoutError):
@@ -289,7 +260,6 @@ class RemoteGenerateClient:
 
     async def _send(self, url: str, data: bytes, headers: dict[str, str]) -> tuple[bytes, int]:
         """POST with retries, under the health watch; the body of the 2xx answer and the attempts."""
-        self.stats.requests += 1
         retry = self.retry
         for attempt in range(1, retry.max_attempts + 1):
             self.stats.attempts += 1
@@ -299,7 +269,6 @@ class RemoteGenerateClient:
                     return await self._watch.run(self._attempt(session, url, data, headers)), attempt
             except RetryableGenerateError as error:
                 if attempt == retry.max_attempts or isinstance(error, EngineHungError):
-                    self.stats.failures += 1
                     raise RetriesExhaustedError(attempt, error, url=url) from error
                 self.stats.retries += 1
                 if error.retry_after is not None:
@@ -307,9 +276,6 @@ class RemoteGenerateClient:
                 else:
                     delay = retry.backoff.delay(attempt, self._rng)
                 await asyncio.sleep(delay)
-            except Exception:
-                self.stats.failures += 1
-                raise
         raise AssertionError("unreachable")
 
     async def _attempt(

@@ -1,35 +1,5 @@
-"""``RolloutCollector``: prompts -> rollout engines -> scored GRPO groups -> a ``ReplayBuffer``.
-
-How a training loop (the main job's or a user's) collects one RL step of rollouts, routes
-included, from one or more engines over HTTP:
-
-    collector = RolloutCollector(["http://engine-a:30000", "http://engine-b:30000"], reward_fn,
-                                 CollectorConfig(group_size=8), schema=model.config)
-    rollouts = collector.collect(prompts, step=step, buffer=buffer)   # or await collect_async(...)
-
-Many ranks: every rank passes the step's *global* prompt list and collects only the whole GRPO
-groups it will train on (:meth:`RolloutCollector.assigned_groups`: a contiguous block of
-``num_groups / world_size`` groups), so routes never cross ranks; only a few scalar statistics
-are all-reduced. Which group goes to which rank and every sampling seed
-(:func:`~r3lightning.rollout.prompts.sampling_seed`) are pure functions of ``(seed, step,
-group, sample)``: a run samples the same trajectories on 1, 2 or 4 ranks, whatever the timing.
-
-Several engines: group ``g`` goes to engine ``g % n`` of the ``n`` engines (all samples of a
-group on one engine, which shares their prompt's KV cache) or, while that one is out, to the
-``g % m``-th of the ``m`` still up; groups of healthy engines never move. An engine whose
-request exhausts its retries, or that stops answering ``/health`` (:class:`RetryPolicy`), is
-out for the rest of the step (logged once, one line) and its requests go to the others; with
-every engine out the step fails with :class:`EnginesUnavailableError`. Other errors (a 4xx, a
-malformed body) are bugs, not outages, and fail the step at once. An SGLang router is one URL.
-
-Scoring: ``reward_fn(prompt, response_ids)`` -> a number, or a mapping with a ``"score"`` entry
-(what verl's ``compute_score`` may return); a coroutine function is awaited. With
-``reward_threads > 0`` a plain function runs in a thread pool, so slow rewards overlap with
-generation; :func:`~r3lightning.rollout.prompts.text_reward` adapts a verl-style
-``compute_score(data_source, solution_str, ground_truth, extra_info=None)``. Multi-turn: with
-:class:`~r3lightning.rollout.environment.Environments` as ``reward_fn`` each trajectory is a
-:func:`~r3lightning.rollout.episode.run_episode`; a failing turn drops its group (not an outage).
-"""
+"""``RolloutCollector``: prompts -> rollout engines -> scored GRPO groups -> a ``ReplayBuffer``
+(the recipes page "Several engines and many ranks" has how groups meet engines and ranks)."""
 
 from __future__ import annotations
 
@@ -38,11 +8,12 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from r3lightning.correction.grpo import group_advantages
 from r3lightning.data.trajectory import Trajectory
@@ -68,31 +39,30 @@ if TYPE_CHECKING:
 __all__ = ["CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def _gather_or_cancel(work: Iterable[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` that cancels (and awaits) the other tasks when one fails, then raises."""
+    jobs = [asyncio.ensure_future(w) for w in work]
+    try:
+        return await asyncio.gather(*jobs)
+    except BaseException:
+        for job in jobs:  # gather leaves the others running
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        raise
 
 
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
-    Args:
-        engines: engine URL(s) and/or configured :class:`RemoteGenerateClient` (s). A URL gets
-            a client with ``config.protocol``, ``schema``, ``retry`` and ``client_options``
-            (e.g. ``api_key``); each engine's requests use its own client's protocol.
-        reward_fn: ``(prompt: RolloutPrompt, response_ids: list[int]) -> float | {"score": float}``
-            (or a coroutine function); or :class:`Environments` for multi-turn trajectories.
-        config: group size, seed, protocol, concurrency (:class:`CollectorConfig`).
-        schema: the route schema (every decoder layer, dense included): a
-            :class:`~r3lightning.wire.request.RouteSchema` or the model's config
-            (:func:`~r3lightning.rollout.config.route_schema`); needed when
-            ``config.request_routes``, and routes are checked against it. Its ``layers`` (e.g.
-            ``route_schema(config, layers=backend.moe_layers)``): keep only those decoder layers'
-            routes from the parse on (trajectories carry their ids as ``route_layers``).
-        sampling: the requests' sampling settings (the seed is :func:`sampling_seed`'s).
-        retry: the URL-built clients' :class:`RetryPolicy`.
-        process_group: the data-parallel group the groups are spread over (default: the
-            default group when ``torch.distributed`` is initialised, else a single rank).
-
-    Cost per step: host-side only; each rank holds its own trajectories' routes (on its
-    ``schema.layers``) in the engine's compact dtype and exchanges one all-reduce of a few scalars.
+    ``engines``: URLs (each gets a client with ``config.protocol``, ``schema``, ``retry`` and
+    ``client_options``) and/or configured clients. ``reward_fn``: ``(prompt, response_ids) ->
+    float | {"score": float}``, or :class:`Environments`. ``schema``: a ``RouteSchema`` (with
+    ``layers``: only those decoder layers' routes are kept) or the model's config; needed when
+    ``config.request_routes``. ``process_group``: the data-parallel group (default: the world).
+    Cost per step: host-side only, and one all-reduce of a few scalars.
     """
 
     def __init__(
@@ -123,12 +93,10 @@ class RolloutCollector:
             engines = [engines]
         if not engines:
             raise ValueError("engines must name at least one engine URL or client")
+        options = dict(protocol=config.protocol, schema=self.schema, retry=retry) | dict(client_options or {})
         self.clients: list[RemoteGenerateClient] = []
         for engine in engines:
             if isinstance(engine, str):
-                options = dict(protocol=config.protocol, schema=self.schema, retry=retry) | dict(
-                    client_options or {}
-                )
                 engine = RemoteGenerateClient(engine, **options)
                 engine.max_connections = config.max_in_flight
             elif not isinstance(engine, RemoteGenerateClient):
@@ -146,16 +114,6 @@ class RolloutCollector:
         self.process_group = process_group
         self._pool: ThreadPoolExecutor | None = None
 
-    # ------------------------------------------------------------------ ranks
-
-    def _ranks(self) -> tuple[int, int]:
-        """(rank, world size) in the collector's process group."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return 0, 1
-        return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-
     @staticmethod
     def assigned_groups(num_groups: int, rank: int, world_size: int) -> range:
         """The global indices of the groups rank ``rank`` collects: a contiguous block, the same
@@ -168,8 +126,6 @@ class RolloutCollector:
         per_rank = num_groups // world_size
         return range(rank * per_rank, (rank + 1) * per_rank)
 
-    # ------------------------------------------------------------------ collection
-
     def collect(
         self,
         prompts: Sequence[RolloutPrompt | Sequence[int]],
@@ -177,18 +133,21 @@ class RolloutCollector:
         step: int,
         buffer: ReplayBuffer | None = None,
     ) -> CollectedRollouts:
-        """Synchronous :meth:`collect_async` (runs its own event loop; the clients' sessions are
-        closed before it ends)."""
+        """Synchronous :meth:`collect_async` (on its own event loop)."""
+        return self._run_closing("collect", lambda: self.collect_async(prompts, step=step, buffer=buffer))
+
+    def _run_closing(self, name: str, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()`` on a new event loop that closes the clients' sessions before it ends."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             pass
         else:
-            raise RuntimeError("collect() cannot run inside a running event loop; use await collect_async()")
+            raise RuntimeError(f"{name}() cannot run inside a running event loop; use await {name}_async()")
 
-        async def run() -> CollectedRollouts:
+        async def run() -> T:
             try:
-                return await self.collect_async(prompts, step=step, buffer=buffer)
+                return await work()
             finally:
                 await self._close_clients()
 
@@ -202,35 +161,28 @@ class RolloutCollector:
         buffer: ReplayBuffer | None = None,
     ) -> CollectedRollouts:
         """Collect this rank's groups of step ``step`` and add them to ``buffer`` (if given).
-
-        ``prompts``: the step's global prompt list, the same on every rank (token-id lists or
-        :class:`RolloutPrompt`); group ``g`` is ``group_size`` samples of ``prompts[g]``. A
-        failure on any rank raises on every rank (after the statistics' all-reduce).
-        """
+        ``prompts``: the step's global list, the same on every rank; group ``g`` samples
+        ``prompts[g]``. A failure on any rank raises on every rank (after the stats' all-reduce)."""
         check_setting("step", step, low=0, integer=True)
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
-        rank, world = self._ranks()
+        group, distributed = self.process_group, dist.is_available() and dist.is_initialized()
+        rank = dist.get_rank(group) if distributed else 0
+        world = dist.get_world_size(group) if distributed else 1
         mine = self.assigned_groups(len(items), rank, world)
         start = time.perf_counter()
         counters = StepCounters()
         error: BaseException | None = None
         trajectories: list[Trajectory] = []
+        show = rank == 0 and self.config.progress
         try:
-            trajectories = await self._collect_groups(items, mine, step, counters, show=rank == 0)
+            trajectories = await self._collect_groups(items, mine, step, counters, show=show)
         except Exception as exc:
             if world == 1:
                 raise
             error = exc
         seconds, failed = time.perf_counter() - start, error is not None
         stats = reduce_step_stats(
-            step,
-            len(items),
-            trajectories,
-            counters,
-            seconds,
-            failed,
-            world_size=world,
-            group=self.process_group,
+            step, len(items), trajectories, counters, seconds, failed, world_size=world, group=group
         )
         if error is not None:
             raise error
@@ -245,9 +197,9 @@ class RolloutCollector:
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
         from tqdm.auto import tqdm  # a transitive dependency, slow to import: only when collecting
 
-        total, shown = len(groups) * self.config.group_size, self.config.progress and show
+        total = len(groups) * self.config.group_size
         bar = tqdm(
-            total=total, desc=f"rollout step {step}", leave=False, disable=not shown, dynamic_ncols=True
+            total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
         counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
@@ -279,10 +231,8 @@ class RolloutCollector:
                         if engine not in out:
                             out[engine] = exc
                             logger.warning(
-                                "rollout engine %s is out for step %d: %s; its requests go to the other engines",
-                                client.base_url,
-                                step,
-                                outage(exc),
+                                f"rollout engine {client.base_url} is out for step {step}: {outage(exc)}; "
+                                "its requests go to the other engines"
                             )
                         continue
                 counters.attempts += result.attempts
@@ -303,27 +253,17 @@ class RolloutCollector:
             return episode
 
         async def whole_group(group: int) -> list[Episode]:
-            jobs = [asyncio.ensure_future(sample(group, j)) for j in range(self.config.group_size)]
             try:
-                return await asyncio.gather(*jobs)
+                return await _gather_or_cancel(sample(group, j) for j in range(self.config.group_size))
             except Exception as exc:
-                for job in jobs:
-                    job.cancel()
-                await asyncio.gather(*jobs, return_exceptions=True)
                 if envs is None or isinstance(exc, EnginesUnavailableError):
                     raise
                 counters.dropped_groups += 1  # one failed turn drops the whole group, never part of it
                 logger.warning("group %d of step %d dropped: %s", group, step, exc)
                 return []
 
-        jobs = [asyncio.ensure_future(whole_group(g)) for g in groups]
         try:
-            kept = await asyncio.gather(*jobs)
-        except BaseException:
-            for job in jobs:  # gather leaves the others running: stop them before raising
-                job.cancel()
-            await asyncio.gather(*jobs, return_exceptions=True)
-            raise
+            kept = await _gather_or_cancel(whole_group(g) for g in groups)
         finally:
             bar.close()
         if groups and not any(kept):
@@ -331,9 +271,7 @@ class RolloutCollector:
         trajectories = []
         for episodes in filter(None, kept):  # dropped groups are empty
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]
-            advantages = group_advantages(
-                rewards, self.config.group_size, normalize_std=self.config.normalize_std
-            )
+            advantages = group_advantages(rewards, len(episodes), normalize_std=self.config.normalize_std)
             for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
                 counters.add_turns(episode.turn_rewards, episode.route_bytes)
                 trajectories.append(episode.trajectory(advantage, self.schema and self.schema.layers))
@@ -354,8 +292,6 @@ class RolloutCollector:
             self._pool = ThreadPoolExecutor(self.config.reward_threads, thread_name_prefix="r3-reward")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    # ------------------------------------------------------------------ engines and lifecycle
-
     async def check_engines_async(self) -> dict[str, bool]:
         """Whether each engine answers ``GET /health`` (one attempt each, concurrently)."""
         answers = await asyncio.gather(*(c.health() for c in self.clients))
@@ -363,14 +299,7 @@ class RolloutCollector:
 
     def check_engines(self) -> dict[str, bool]:
         """Synchronous :meth:`check_engines_async`."""
-
-        async def run() -> dict[str, bool]:
-            try:
-                return await self.check_engines_async()
-            finally:
-                await self._close_clients()
-
-        return asyncio.run(run())
+        return self._run_closing("check_engines", self.check_engines_async)
 
     async def _close_clients(self) -> None:
         await asyncio.gather(*(c.close() for c in self.clients))
@@ -393,5 +322,4 @@ class RolloutCollector:
         await self.aclose()
 
     def __repr__(self) -> str:
-        urls = [c.base_url for c in self.clients]
-        return f"RolloutCollector({urls}, {self.config})"
+        return f"RolloutCollector({[c.base_url for c in self.clients]}, {self.config})"

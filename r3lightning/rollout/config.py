@@ -1,10 +1,6 @@
-"""Settings of the rollout client and collector: frozen dataclasses, checked when built.
-
-:class:`RetryPolicy` (with its :class:`Backoff`) says how a :class:`RemoteGenerateClient` talks
-to one engine; :class:`CollectorConfig` how a :class:`RolloutCollector` gathers a step. The job's
-``rollout.retry.*`` and ``rollout.collector.*`` keys map to their fields one to one.
-:func:`route_schema` reads the route schema from a model config. Every bad value is a
-``ValueError`` whose message starts with the field name.
+"""Settings of the rollout client and collector: frozen dataclasses, checked when built (a bad
+value is a ``ValueError`` whose message starts with the field name), and :func:`route_schema`.
+The configuration page has each field and its job key.
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ from typing import Any
 from r3lightning.wire.request import PROTOCOL_PATHS, RouteSchema
 
 __all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "check_setting", "route_schema"]
-
-PROTOCOLS = tuple(PROTOCOL_PATHS)
 
 
 def check_setting(
@@ -36,30 +30,24 @@ def check_setting(
     ``>= low`` (``> low`` if ``above``) and ``<= high``; ``None`` passes when ``optional``."""
     if value is None and optional:
         return
-    kind = "an integer" if integer else "a number"
-    bounds = [f"{'>' if above else '>='} {low:g}"] if low is not None else []
-    bounds += [f"<= {high:g}" if isinstance(high, float) else f"<= {high}"] if high is not None else []
-    expected = " ".join([f"{'None or ' if optional else ''}{kind}", " and ".join(bounds)]).strip()
+    kind = ("None or " if optional else "") + ("an integer" if integer else "a number")
     ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
     ok = ok and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if above else value >= low
-    if ok and high is not None:
-        ok = value <= high
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if above else '>='} {low:g}")
+        ok = ok and (value > low if above else value >= low)
+    if high is not None:
+        bounds.append(f"<= {high:g}" if isinstance(high, float) else f"<= {high}")
+        ok = ok and value <= high
     if not ok:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise ValueError(f"{name} must be {' '.join([kind, ' and '.join(bounds)]).strip()}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class Backoff:
-    """Delay before retry ``r`` (1-based): ``min(cap_s, base_s * 2**(r-1))``, less a random
-    fraction up to ``jitter`` of it (1: full jitter, 0: none). A ``Retry-After`` header replaces
-    the computed delay, clipped to ``max_retry_after_s``."""
+    """Delay before retry ``r`` (1-based): ``min(cap_s, base_s * 2**(r-1))`` less a random fraction
+    up to ``jitter`` of it; a ``Retry-After`` header replaces it, clipped to ``max_retry_after_s``."""
 
     base_s: float = 0.5
     cap_s: float = 8.0
@@ -78,18 +66,9 @@ class Backoff:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How a client retries one engine and notices that it stopped answering.
-
-    ``max_attempts`` per ``generate`` call, spaced by ``backoff``. ``timeout_s`` bounds one
-    attempt (long: a generation may take minutes; waiting for a free connection is not counted),
-    ``connect_timeout_s`` opening a connection and ``health_timeout_s`` one ``GET /health``.
-    While requests wait on an engine, its ``/health`` is probed every ``health_interval_s``
-    (``None``: never); ``health_failures`` probes in a row that fail declare it hung, and its
-    waiting requests raise :class:`~r3lightning.wire.errors.RetriesExhaustedError` at once (a
-    collector then moves them to another engine). With the defaults a hung engine is found
-    within ``health_failures * (health_interval_s + health_timeout_s)`` = 20 s; an engine that
-    answers ``/health`` keeps its long generations up to ``timeout_s``.
-    """
+    """How a client retries one engine and notices that it hung (the configuration page has each
+    field): ``health_failures`` failed ``/health`` probes in a row, one every ``health_interval_s``
+    (None: never) while requests wait, end them with ``RetriesExhaustedError`` at once."""
 
     max_attempts: int = 5
     backoff: Backoff = field(default_factory=Backoff)
@@ -118,16 +97,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class CollectorConfig:
-    """How a :class:`~r3lightning.rollout.collector.RolloutCollector` gathers one RL step.
-
-    ``group_size``: samples per prompt (a GRPO group, >= 2, kept whole on one rank). ``seed``:
-    the run's seed (every sample's is :func:`~r3lightning.rollout.prompts.sampling_seed` of it).
-    ``protocol``: the wire protocol of engines given as URLs. ``request_routes``: ask engines for
-    routes. ``normalize_std``: GRPO advantages divide by the group's reward std (False: Dr.
-    GRPO). ``max_in_flight``: this rank's requests in flight over all engines.
-    ``reward_threads`` > 0 runs a plain reward function in a thread pool of that size.
-    ``progress``: a progress bar on rank 0.
-    """
+    """How a :class:`~r3lightning.rollout.collector.RolloutCollector` gathers one RL step (the
+    configuration page has each field): ``group_size`` samples per prompt, a GRPO group."""
 
     group_size: int
     seed: int = 0
@@ -141,10 +112,11 @@ class CollectorConfig:
     def __post_init__(self) -> None:
         check_setting("group_size", self.group_size, low=2, integer=True)
         check_setting("seed", self.seed, integer=True)
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
+        if self.protocol not in PROTOCOL_PATHS:
+            raise ValueError(f"protocol must be one of {list(PROTOCOL_PATHS)}, got {self.protocol!r}")
         for name in ("request_routes", "normalize_std", "progress"):
-            _check_bool(name, getattr(self, name))
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_setting("max_in_flight", self.max_in_flight, low=1, integer=True)
         check_setting("reward_threads", self.reward_threads, low=0, integer=True)
 
@@ -156,36 +128,24 @@ _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 def route_schema(
     model_config: RouteSchema | Mapping[str, Any] | Any, *, layers: Sequence[int] | None = None
 ) -> RouteSchema:
-    """The route schema (``num_layers``, ``top_k``, ``num_experts``) of a model config, keeping
-    only decoder layers ``layers`` when given (a pipeline stage's, a partial model's).
-
-    ``model_config``: a :class:`~r3lightning.wire.request.RouteSchema` (returned as is), a
-    Hugging Face ``PretrainedConfig`` or its dict: ``num_hidden_layers`` (every decoder layer,
-    dense ones included), ``num_experts_per_tok`` and the expert count under ``num_experts``
-    (Qwen-MoE, OLMoE), ``num_local_experts`` (Mixtral, gpt-oss) or ``n_routed_experts``
-    (DeepSeek-V3). A multimodal config is read through ``get_text_config()``.
-    """
+    """The route schema of a ``RouteSchema`` (as is) or a Hugging Face config or its dict
+    (``num_hidden_layers``, dense layers included, ``num_experts_per_tok``, and ``num_experts``,
+    ``num_local_experts`` or ``n_routed_experts``; a multimodal config's ``get_text_config()``),
+    keeping only decoder layers ``layers`` when given (a pipeline stage's)."""
     if isinstance(model_config, RouteSchema):
         return model_config if layers is None else replace(model_config, layers=layers)
     if hasattr(model_config, "get_text_config"):
         model_config = model_config.get_text_config()
-    if isinstance(model_config, Mapping):
-        get = model_config.get
-    else:
+    mapping = isinstance(model_config, Mapping)
 
-        def get(key: str) -> Any:
-            return getattr(model_config, key, None)
+    def get(key: str) -> Any:
+        return model_config.get(key) if mapping else getattr(model_config, key, None)
 
-    experts = next((get(k) for k in _EXPERT_COUNT_KEYS if get(k)), None)
-    found = {
-        "num_hidden_layers": get("num_hidden_layers"),
-        "num_experts_per_tok": get("num_experts_per_tok"),
-        " / ".join(_EXPERT_COUNT_KEYS): experts,
-    }
+    found = {key: get(key) for key in ("num_hidden_layers", "num_experts_per_tok")}
+    found[" / ".join(_EXPERT_COUNT_KEYS)] = next((get(k) for k in _EXPERT_COUNT_KEYS if get(k)), None)
     missing = [key for key, value in found.items() if not isinstance(value, int) or value < 1]
     if missing:
         raise ValueError(
             f"model config has no MoE route schema: missing or not a positive integer: {missing}"
         )
-    num_layers, top_k, _ = found.values()
-    return RouteSchema(num_layers, top_k, experts, layers=layers)
+    return RouteSchema(*found.values(), layers=layers)

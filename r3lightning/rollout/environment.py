@@ -1,14 +1,4 @@
-"""The environment interface of multi-turn rollouts (the multi-turn page has the whole contract).
-
-An environment is any object with two methods, plain or ``async`` (a ``typing.Protocol``):
-
-    reset(prompt: RolloutPrompt) -> observation           # the first prompt of the trajectory
-    step(response) -> (observation, reward, done, info)   # after every generated turn
-
-An observation is token ids or chat messages (rendered with the environment's ``tokenizer``);
-``response`` is the turn's token ids, or their text when the environment sets
-``response_format = "text"``. The trajectory's reward is the sum of the turns' rewards.
-"""
+"""The environment interface of multi-turn rollouts (the multi-turn page has the whole contract)."""
 
 from __future__ import annotations
 
@@ -17,6 +7,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from r3lightning.rollout.config import check_setting
 from r3lightning.rollout.prompts import RolloutPrompt, TextReward
 
 __all__ = ["Environment", "Environments", "Observation", "TextEnvironment", "text_environment"]
@@ -26,7 +17,9 @@ StepResult = tuple[Observation, float, bool, Mapping[str, Any]]
 
 
 class Environment(Protocol):
-    """What the collector asks of an environment (see the module docstring)."""
+    """``reset`` gives the first observation (token ids or chat messages, rendered with the
+    environment's ``tokenizer``); ``step`` takes the turn's ids (its text with
+    ``response_format = "text"``); either may be ``async``. The rewards of the turns add up."""
 
     def reset(self, prompt: RolloutPrompt) -> Observation | Awaitable[Observation]: ...
 
@@ -52,9 +45,8 @@ class TextEnvironment:
 
 
 def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> functools.partial[TextEnvironment]:
-    """Factory of one-turn environments scoring decoded responses with a verl-style
-    ``compute_score``: trajectories equal the collector's single-turn ones with that reward. They
-    share one :class:`TextReward` (``factory.args[0]``, whose ``pop_metrics()`` counts failures)."""
+    """Factory of one-turn environments scoring decoded responses with a verl-style ``compute_score``
+    (as the collector's single turns would), sharing one :class:`TextReward` (``factory.args[0]``)."""
     reward = TextReward(compute_score, functools.partial(tokenizer.decode, skip_special_tokens=True))
     return functools.partial(TextEnvironment, reward)
 
@@ -71,5 +63,4 @@ class Environments:
     def __post_init__(self) -> None:
         if not callable(self.make):
             raise TypeError(f"Environments.make must build an environment, got {self.make!r}")
-        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
-            raise ValueError(f"Environments.max_turns must be an integer >= 1, got {self.max_turns!r}")
+        check_setting("Environments.max_turns", self.max_turns, low=1, integer=True)

@@ -1,9 +1,5 @@
-"""One trajectory: engine turns and environment observations, routes captured turn by turn.
-
-Each turn sends the whole prefix with ``routed_experts_prompt_start`` = the rows the trace holds,
-so only new rows travel. Observation tokens get loss mask 0 and logprob 0 (their rows are still
-replayed). A failure (engine, environment, routes) raises and leaves the trace unfinished.
-"""
+"""One trajectory: engine turns and environment observations, routes captured turn by turn (the
+multi-turn page has the row arithmetic). Observation tokens get loss mask 0 and logprob 0."""
 
 from __future__ import annotations
 
@@ -93,11 +89,9 @@ async def run_episode(
     call: Call = plain_call,
     where: str = "trajectory",
 ) -> Episode:
-    """Run one trajectory of ``env`` from ``prompt`` (``trace`` None: no routes requested).
-
-    ``call(method, *args)`` runs an environment method (awaiting coroutines; the collector's
-    runs plain ones in its thread pool). Host-side only; one request per turn.
-    """
+    """Run one trajectory of ``env`` from ``prompt`` (``trace`` None: no routes requested);
+    ``call(method, *args)`` runs an environment method. Host-side only; one request per turn; a
+    failure (engine, environment, routes) raises and leaves the trace unfinished."""
     episode = Episode(_token_ids(env, await call(env.reset, prompt), f"{where}: reset()"))
     if not episode.prompt_ids:
         raise ValueError(f"{where}: reset() must return a first observation of at least one token")

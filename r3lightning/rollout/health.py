@@ -1,11 +1,4 @@
-"""Noticing an engine that accepts connections but never answers, while requests wait on it.
-
-From a request's side a hung engine looks like a slow one, and only ``timeout_s`` (minutes, for
-long generations) would end the wait. :class:`HealthWatch` probes ``/health`` every
-``health_interval_s`` while an attempt is in flight; ``health_failures`` probes in a row without
-any answer (any status, even 404, means alive) end every waiting attempt with
-:class:`EngineHungError`, which the client does not retry on that engine.
-"""
+"""Noticing an engine that accepts connections but never answers, sooner than ``timeout_s`` would."""
 
 from __future__ import annotations
 
@@ -26,9 +19,9 @@ class EngineHungError(RetryableGenerateError):
 
 
 class HealthWatch:
-    """Runs attempts while ``probe()`` (the ``/health`` status, or None without an answer) is
-    polled per ``policy``; bound to the event loop it first runs on until :meth:`reset`.
-    Cost: one small request per interval per engine, only while attempts wait."""
+    """Runs attempts while ``probe()`` (the ``/health`` status; None without an answer, while any
+    status, even 404, means alive) is polled per ``policy``; bound to the event loop it first runs
+    on until :meth:`reset`. Cost: one small request per interval per engine, only while attempts wait."""
 
     def __init__(self, probe: Callable[[], Awaitable[int | None]], policy: RetryPolicy) -> None:
         self.probe, self.policy = probe, policy
@@ -46,8 +39,7 @@ class HealthWatch:
         self.reset()
 
     async def run(self, attempt: Awaitable[T]) -> T:
-        """``attempt``'s result, or :class:`EngineHungError` (the attempt cancelled) once the
-        probes declare the engine hung."""
+        """``attempt``'s result, or :class:`EngineHungError` once the probes declare the engine hung."""
         if self.policy.health_interval_s is None:
             return await attempt
         if self._hung is None or self._hung.done():

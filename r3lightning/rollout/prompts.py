@@ -1,8 +1,5 @@
-"""What a rollout request carries (prompt, sampling settings, seed) and how its answer is scored.
-
-A reward is any ``reward_fn(prompt, response_ids)`` returning a real number or
-``{"score": number, ...}``; :class:`GuardedReward` bounds its time and scores its failures 0.
-"""
+"""What a rollout request carries (prompt, sampling settings, seed) and how its answer is scored:
+``reward_fn(prompt, response_ids)`` returns a real number or ``{"score": number, ...}``."""
 
 from __future__ import annotations
 
@@ -79,10 +76,8 @@ def _is_int(value: Any) -> bool:
 @dataclass(frozen=True)
 class SamplingConfig:
     """Sampling settings of every request, spelled per protocol by
-    :func:`~r3lightning.wire.request.engine_sampling_params`; ``extra`` is merged into the wire
-    parameters as is. A bad value is a ``ValueError`` naming the field at construction, before
-    any request. ``top_k`` -1 (or 0) and ``top_p`` 1 disable those filters; ``temperature`` 0 is
-    greedy."""
+    :func:`~r3lightning.wire.request.engine_sampling_params` (``extra`` merged in as is).
+    ``top_k`` -1 (or 0) and ``top_p`` 1 disable those filters; ``temperature`` 0 is greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -97,17 +92,14 @@ class SamplingConfig:
             None if isinstance(v, bool) else _real(v) for v in (self.temperature, self.top_p)
         )
         stop = self.stop_token_ids
+        ids = isinstance(stop, list | tuple) and all(_is_int(t) and t >= 0 for t in stop)
         checks = (
             ("temperature", "a finite number >= 0", temperature is not None and temperature >= 0),
             ("top_p", "a number in (0, 1]", top_p is not None and 0 < top_p <= 1),
             ("top_k", "an integer >= -1 (-1 or 0: no filter)", _is_int(self.top_k) and self.top_k >= -1),
             ("max_new_tokens", "an integer >= 1", _is_int(self.max_new_tokens) and self.max_new_tokens >= 1),
             ("ignore_eos", "true or false", isinstance(self.ignore_eos, bool)),
-            (
-                "stop_token_ids",
-                "null or a list of token ids >= 0",
-                stop is None or (isinstance(stop, list | tuple) and all(_is_int(t) and t >= 0 for t in stop)),
-            ),
+            ("stop_token_ids", "null or a list of token ids >= 0", stop is None or ids),
             ("extra", "a mapping of extra sampling parameters", isinstance(self.extra, Mapping)),
         )
         for name, expected, ok in checks:
@@ -165,8 +157,7 @@ _TIMED_OUT = object()
 
 def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -> Any:
     """``fn(*args)``, or ``_TIMED_OUT`` after ``timeout_s`` (None: called inline). A bounded call
-    runs in a fresh daemon thread (~0.1 ms to start): a Python thread cannot be stopped, so a
-    scorer that never returns is left behind, and as a daemon never holds up the exit."""
+    runs in a fresh daemon thread (~0.1 ms to start): one that never returns is left behind."""
     if timeout_s is None:
         return fn(*args)
     done: futures.Future = futures.Future()
@@ -184,13 +175,11 @@ def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -
 
 
 class GuardedReward:
-    """``score(prompt, response_ids)`` made safe inside a collection: a result that is not a real
-    number (or ``{"score": number}``), or a scorer that raises (when ``errors_score_zero``), scores
-    0 and counts in ``reward/failures``; one still running after ``timeout_s`` seconds scores 0
-    and counts in ``reward/timeouts``. Each kind is logged once per run. A mapping's other real
-    entries are averaged per key into ``reward/<key>``. Thread-safe (the collector's
-    ``reward_threads``).
-    """
+    """``score(prompt, response_ids)`` made safe inside a collection (thread-safe): a result that
+    is not a real number (or ``{"score": number}``), or a scorer that raises (when
+    ``errors_score_zero``), scores 0 and counts in ``reward/failures``; one still running after
+    ``timeout_s`` seconds scores 0 and counts in ``reward/timeouts``; each kind is logged once per
+    run. A mapping's other real entries are averaged per key into ``reward/<key>``."""
 
     def __init__(
         self,
@@ -200,14 +189,13 @@ class GuardedReward:
         errors_score_zero: bool = True,
         name: str | None = None,
     ) -> None:
-        if timeout_s is not None and (
-            isinstance(timeout_s, bool) or _real(timeout_s) is None or timeout_s <= 0
-        ):
+        if timeout_s is not None and (isinstance(timeout_s, bool) or (_real(timeout_s) or 0) <= 0):
             raise ValueError(f"timeout_s must be a number > 0 or None, got {timeout_s!r}")
         self.score, self.timeout_s, self.errors_score_zero = score, timeout_s, errors_score_zero
         self.name = name or callable_name(score)
         self._lock = threading.Lock()
-        self._count, self._sums, self._zeros = 0, {}, Counter()  # since pop_metrics: responses, extras, 0s
+        # since pop_metrics: responses scored, sums of their extra entries, zeros of each kind
+        self._count, self._sums, self._zeros = 0, Counter(), Counter()
         self._logged: set[str] = set()  # "failures" / "timeouts" already logged: once per run
 
     def __call__(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
@@ -220,14 +208,11 @@ class GuardedReward:
             if not self.errors_score_zero:
                 raise
             return self._zero("failures", f"raised {type(exc).__name__}: {' '.join(str(exc).split())}", exc)
-        extra = (
-            {str(k): _real(v) for k, v in value.items() if k != "score"} if isinstance(value, Mapping) else {}
-        )
+        pairs = value.items() if isinstance(value, Mapping) else ()
+        extra = {str(k): _real(v) for k, v in pairs if k != "score"}
         with self._lock:
             self._count += 1
-            for key, v in extra.items():
-                if v is not None:
-                    self._sums[key] = self._sums.get(key, 0.0) + v
+            self._sums.update({k: v for k, v in extra.items() if v is not None})  # a Counter: adds
         return reward
 
     def _zero(self, kind: str, what: str, exc: BaseException | None) -> float:
@@ -247,13 +232,9 @@ class GuardedReward:
         then resets them."""
         with self._lock:
             count, sums, zeros = self._count, self._sums, self._zeros
-            self._count, self._sums, self._zeros = 0, {}, Counter()
+            self._count, self._sums, self._zeros = 0, Counter(), Counter()
         metrics = {f"reward/{k}": v / max(count, 1) for k, v in sums.items()}
-        return {
-            **metrics,
-            "reward/failures": float(zeros["failures"]),
-            "reward/timeouts": float(zeros["timeouts"]),
-        }
+        return metrics | {f"reward/{kind}": float(zeros[kind]) for kind in ("failures", "timeouts")}
 
 
 class TextReward(GuardedReward):
@@ -278,6 +259,4 @@ class TextReward(GuardedReward):
         return self.compute_score(prompt.data_source, text, prompt.ground_truth, extra_info=prompt.extra_info)
 
 
-text_reward = (
-    TextReward  # the spelling of verl recipes: text_reward(compute_score, decode, *, timeout_s=60.0)
-)
+text_reward = TextReward  # the spelling of verl recipes

@@ -1,33 +1,24 @@
-"""Prompts from a dataset file (parquet or JSONL) in verl's column layout, tokenised with a chat template.
-
-A verl row holds ``prompt`` (chat messages), ``data_source``, ``reward_model: {"ground_truth"}``
-and ``extra_info``, so a verl dataset trains here unchanged; other layouts name their
-:class:`Columns`. The prompts of RL step ``s`` are a pure function of ``(seed, s)``: a resumed run
-neither repeats nor skips one, on any number of ranks, with no cursor to save.
-"""
+"""Prompts from a dataset file (parquet or JSONL) in verl's column layout (other layouts name their
+:class:`Columns`), tokenised with a chat template. The prompts of RL step ``s`` are a pure function
+of ``(seed, s)``: a resumed run neither repeats nor skips one, with no cursor to save."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import orjson
 import torch
 
+from r3lightning.rollout.config import check_setting
 from r3lightning.rollout.prompts import RolloutPrompt
 
-__all__ = [
-    "Columns",
-    "PromptsFileTask",
-    "as_messages",
-    "chat_prompt_ids",
-    "load_tokenizer",
-    "lookup",
-    "read_rows",
-]
+__all__ = ["Columns", "PromptsFileTask", "as_messages", "chat_prompt_ids", "load_tokenizer", "lookup",
+           "read_rows"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +42,16 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if suffix not in (".jsonl", ".json"):
         raise ValueError(f"task.path must end in .parquet, .jsonl or .json, got {path.name!r}")
     rows = []
-    with path.open("rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(orjson.loads(line))
-            except orjson.JSONDecodeError as exc:
-                raise ValueError(f"task.path: {path}:{number} is not a JSON object: {exc}") from None
-            if not isinstance(rows[-1], dict):
-                raise ValueError(
-                    f"task.path: {path}:{number} must be a JSON object, got {type(rows[-1]).__name__}"
-                )
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"task.path: {path}:{number} is not a JSON object: {exc}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"task.path: {path}:{number} must be a JSON object, got {type(row).__name__}")
+        rows.append(row)
     return rows
 
 
@@ -128,19 +117,9 @@ def load_tokenizer(path: str | Path) -> Any:
 
 class PromptsFileTask:
     """The prompts of one dataset file, tokenised, served in reproducible shuffled epochs (the
-    job's ``task=prompts_file``).
-
-    Args:
-        path: ``.parquet`` or ``.jsonl`` file.
-        tokenizer: a tokenizer object, or the path of a local checkpoint directory holding one.
-        columns: the row's column names (:class:`Columns`, or a mapping of its fields).
-        max_prompt_length: prompts with more ids are handled by ``overlong``.
-        response_length: the generation budget per response (the job's
-            ``rollout.sampling.max_new_tokens`` follows it).
-        overlong: ``"drop"`` them, or keep the last (``"truncate_left"``) or first
-            (``"truncate_right"``) ``max_prompt_length`` ids; both counted and logged.
-        shuffle: a fresh permutation per epoch from ``(seed, epoch)``; else file order.
-    """
+    job's ``task=prompts_file``, whose config comments each argument). ``tokenizer``: an object or
+    a local checkpoint directory; prompts over ``max_prompt_length`` ids are dropped, or keep
+    their last (``truncate_left``) or first (``truncate_right``) ids, counted and logged."""
 
     def __init__(
         self,
@@ -154,16 +133,9 @@ class PromptsFileTask:
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
-        if (
-            isinstance(max_prompt_length, bool)
-            or not isinstance(max_prompt_length, int)
-            or max_prompt_length < 1
-        ):
-            raise ValueError(f"task.max_prompt_length must be an integer >= 1, got {max_prompt_length!r}")
-        if overlong not in ("drop", "truncate_left", "truncate_right"):
-            raise ValueError(
-                f"task.overlong must be 'drop', 'truncate_left' or 'truncate_right', got {overlong!r}"
-            )
+        check_setting("task.max_prompt_length", max_prompt_length, low=1, integer=True)
+        if overlong not in get_args(Overlong):
+            raise ValueError(f"task.overlong must be one of {list(get_args(Overlong))}, got {overlong!r}")
         if tokenizer is None:
             raise ValueError(
                 "task.tokenizer: a prompts file needs the model's tokenizer; set model=hf_checkpoint "
@@ -200,12 +172,8 @@ class PromptsFileTask:
             )
         if self.dropped or self.truncated:
             log.warning(
-                "%s: %d of %d prompts dropped and %d truncated (longer than max_prompt_length=%d ids)",
-                self.path.name,
-                self.dropped,
-                len(rows),
-                self.truncated,
-                max_prompt_length,
+                f"{self.path.name}: {self.dropped} of {len(rows)} prompts dropped and {self.truncated} "
+                f"truncated (longer than max_prompt_length={max_prompt_length} ids)"
             )
 
     def __len__(self) -> int:
@@ -221,13 +189,9 @@ class PromptsFileTask:
     def prompts_for_step(self, step: int, num_prompts: int) -> list[RolloutPrompt]:
         """Positions ``[step * num_prompts, (step + 1) * num_prompts)`` of the epoch sequence; a step
         that crosses an epoch's end continues into the next permutation."""
-        out, orders = [], {}
-        for position in range(step * num_prompts, (step + 1) * num_prompts):
-            epoch, index = divmod(position, len(self.records))
-            if epoch not in orders:
-                orders[epoch] = self.epoch_order(epoch)
-            out.append(self.records[orders[epoch][index]])
-        return out
+        order, n = functools.cache(self.epoch_order), len(self.records)  # one permutation per epoch
+        positions = range(step * num_prompts, (step + 1) * num_prompts)
+        return [self.records[order(p // n)[p % n]] for p in positions]
 
     @property
     def stop_token_ids(self) -> list[int]:

@@ -1,11 +1,4 @@
-"""Built-in text rewards with verl's ``compute_score`` signature, for prompt datasets:
-
-    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
-
-(a dict holds ``"score"`` plus extra numbers, logged as ``reward/<key>``). A team's own scorer is
-used the same way (``reward._target_=my.module.compute_score``), through
-:class:`~r3lightning.rollout.prompts.TextReward`.
-"""
+"""Built-in verl-style ``compute_score`` text rewards for prompt datasets (see the job page, "Real data")."""
 
 from __future__ import annotations
 

@@ -18,15 +18,12 @@ __all__ = ["CollectedRollouts", "EnginesUnavailableError", "OtherRankFailedError
 
 @dataclass
 class RolloutStats:
-    """One step's statistics over *all* ranks (sums; ``engines_out`` and ``rollout_s`` are the
-    largest of any rank).
+    """One step's statistics summed over *all* ranks (``engines_out``, ``rollout_s``: the largest).
 
     ``attempts``: HTTP attempts, retries included; ``engine_errors``: requests that exhausted an
-    engine's retries and went to another engine; ``engines_out``: engines taken out of the step;
-    ``dropped_groups``: GRPO groups an environment's failing turn took out of the step. Per turn
-    ``k`` of the kept trajectories (index 0 = first turn), ``turn_rewards[k]`` and
-    ``turn_route_bytes[k]`` are means over the trajectories that reached it; ``turns`` is the mean
-    number of turns.
+    engine's retries and went to another engine; ``dropped_groups``: GRPO groups a failing
+    environment turn took out. ``turn_rewards[k]``, ``turn_route_bytes[k]``: means over the kept
+    trajectories that reached turn ``k`` (0: the first); ``turns``: the mean number of turns.
     """
 
     groups: int
@@ -50,8 +47,7 @@ class RolloutStats:
         return {**scalars, **self.turn_metrics()}
 
     def turn_metrics(self) -> dict[str, float]:
-        """``turns``, ``dropped_groups``, and ``turn_reward/turn_{k}`` and ``route_bytes/turn_{k}``
-        of turn ``k`` (from 1)."""
+        """``turns``, ``dropped_groups``, ``turn_reward/turn_{k}`` and ``route_bytes/turn_{k}`` (k from 1)."""
         out = {"turns": self.turns, "dropped_groups": float(self.dropped_groups)}
         for k, (reward, size) in enumerate(zip(self.turn_rewards, self.turn_route_bytes, strict=True), 1):
             out[f"turn_reward/turn_{k}"], out[f"route_bytes/turn_{k}"] = reward, size
@@ -83,8 +79,7 @@ class EnginesUnavailableError(RemoteGenerateError):
 
 
 def outage(error: BaseException) -> str:
-    """A short clause for why an engine is out: ``HTTP 503 after 5 attempt(s)``, ``connection
-    failed ...``, ``timed out ...``, or the hung-engine message."""
+    """Why an engine is out, in a clause: ``HTTP 503 after 5 attempt(s)``, ``timed out ...``, etc."""
     last = getattr(error, "last_error", error)
     cause = last.__cause__
     if getattr(last, "status", None) is not None:
@@ -114,9 +109,7 @@ class StepCounters:
     def add_turns(self, rewards: list[float], route_bytes: list[int]) -> None:
         """Count one kept trajectory's turns (``turns`` must already hold ``max_turns`` entries)."""
         for k, (reward, size) in enumerate(zip(rewards, route_bytes, strict=True)):
-            self.turns[k][0] += 1
-            self.turns[k][1] += reward
-            self.turns[k][2] += size
+            self.turns[k] = [a + b for a, b in zip(self.turns[k], (1, reward, size), strict=True)]
 
 
 def reduce_step_stats(
@@ -134,14 +127,10 @@ def reduce_step_stats(
     few float64s when ``world_size > 1``). Raises :class:`OtherRankFailedError` when another
     rank reported ``failed`` and this one did not."""
     c, rewards = counters, [t.reward for t in trajectories]
-    per_rank = [
-        len(rewards),
-        sum(rewards),
-        sum(r * r for r in rewards),
-        sum(t.response_length for t in trajectories),
-    ]
-    per_rank += [c.requests, c.attempts, c.engine_errors, failed, c.dropped_groups]
-    sums = torch.tensor(per_rank + [v for turn in c.turns for v in turn], dtype=torch.float64)
+    lengths = sum(t.response_length for t in trajectories)
+    per_rank = [len(rewards), sum(rewards), sum(r * r for r in rewards), lengths, c.requests, c.attempts]
+    per_rank += [c.engine_errors, failed, c.dropped_groups, *(v for turn in c.turns for v in turn)]
+    sums = torch.tensor(per_rank, dtype=torch.float64)
     maxima = torch.tensor([c.engines_out, seconds], dtype=torch.float64)
     if world_size > 1:
         import torch.distributed as dist
@@ -160,7 +149,8 @@ def reduce_step_stats(
             f"rollout collection failed on {int(failures)} other rank(s) at step {step}; see their errors"
         )
     engines_out, rollout_s = maxima.tolist()
-    mean = reward_sum / count if count else 0.0
+    n = max(count, 1)  # every sum is 0 without trajectories
+    mean = reward_sum / n
     var = (reward_sq - count * mean * mean) / (count - 1) if count > 1 else 0.0
     reached = turns[0::3]  # per turn: trajectories that reached it, reward sum, route bytes sum
     return RolloutStats(
@@ -168,14 +158,14 @@ def reduce_step_stats(
         trajectories=int(count),
         reward_mean=mean,
         reward_std=math.sqrt(max(var, 0.0)),
-        response_length_mean=lengths / count if count else 0.0,
+        response_length_mean=lengths / n,
         requests=int(requests),
         attempts=int(attempts),
         engine_errors=int(errors),
         engines_out=int(engines_out),
         rollout_s=rollout_s,
         dropped_groups=int(dropped),
-        turns=sum(reached) / count if count else 0.0,
-        turn_rewards=tuple(r / max(n, 1) for n, r in zip(reached, turns[1::3], strict=True)),
-        turn_route_bytes=tuple(b / max(n, 1) for n, b in zip(reached, turns[2::3], strict=True)),
+        turns=sum(reached) / n,
+        turn_rewards=tuple(r / max(k, 1) for k, r in zip(reached, turns[1::3], strict=True)),
+        turn_route_bytes=tuple(b / max(k, 1) for k, b in zip(reached, turns[2::3], strict=True)),
     )

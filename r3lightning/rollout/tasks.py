@@ -1,9 +1,6 @@
-"""A task joined with its reward (:class:`ScoredTask`), and the token-class task.
-
-Token class: a prompt is filler tokens then an *instruction* token ``first_token + c`` naming a
-class ``c``; the class of token ``t`` is ``t % num_classes`` and the reward the fraction of
-response tokens in class ``c``: exact, cheap, learnt by a tiny random model in tens of steps.
-"""
+"""A task joined with its reward (:class:`ScoredTask`), and the token-class task: prompts end in
+an instruction token ``first_token + c``, and the reward is the share of response tokens ``t``
+with ``t % num_classes == c`` (exact, cheap, learnt by a tiny random model in tens of steps)."""
 
 from __future__ import annotations
 
@@ -29,14 +26,10 @@ Reward = Callable[[Sequence[int], Sequence[int]], float]  # (prompt_ids, respons
 
 
 class ScoredTask:
-    """A task's prompts with the reward that scores them (``task`` and ``reward`` config keys).
-
-    A dataset task (one with ``decode``, e.g. :class:`~r3lightning.rollout.prompts_file.PromptsFileTask`)
-    is scored by a verl-style ``compute_score`` on the decoded text (:class:`TextReward`: a scorer
-    that raises scores 0); any other by ``reward(prompt_ids, response_ids)`` (an exception ends
-    the run: it is the job's own code). Either way a scorer still running after ``timeout_s``
-    seconds scores 0 and counts in ``reward/timeouts``.
-    """
+    """A task's prompts with the reward that scores them (``task`` and ``reward`` config keys): a
+    task with ``decode`` (a dataset) by a verl-style ``compute_score`` (:class:`TextReward`: a
+    scorer that raises scores 0), any other by ``reward(prompt_ids, response_ids)`` (an exception
+    ends the run). A scorer still running after ``timeout_s`` seconds scores 0 either way."""
 
     def __init__(self, prompts: Any, reward: Reward, *, timeout_s: float | None = 60.0) -> None:
         if not any(callable(getattr(prompts, name, None)) for name in ("sample_prompts", "prompts_for_step")):
@@ -102,6 +95,29 @@ class ScoredTask:
             ) from None
 
 
+def check_task_sizes(
+    num_classes: int,
+    prompt_length: tuple[int, int],
+    response_length: int,
+    first_token: int,
+    end: tuple[str, int],
+) -> None:
+    """A ``ValueError`` naming the ``task.*`` key unless ``num_classes >= 2``, ``prompt_length``
+    (its value, its least: room for the task's fixed tokens) and ``response_length >= 1``, and
+    ``first_token`` is in ``[0, end)`` (``end``: its formula, its value)."""
+    (length, least), (formula, bound) = prompt_length, end
+    sizes = {
+        "num_classes": (num_classes, 2),
+        "prompt_length": (length, least),
+        "response_length": (response_length, 1),
+    }
+    for name, (value, low) in sizes.items():
+        if value < low:
+            raise ValueError(f"task.{name} must be >= {low}, got {value}")
+    if not 0 <= first_token < bound:
+        raise ValueError(f"task.first_token must be in [0, {formula}) = [0, {bound}), got {first_token}")
+
+
 class TokenClassReward:
     """Fraction of the expected ``response_length`` tokens in the prompt's target class: a
     response cut short cannot score higher than a complete one."""
@@ -126,8 +142,7 @@ class TokenClassReward:
 
 
 class TokenClassTask:
-    """Prompts of the token-class task (deterministic given the generator); its reward is
-    :class:`TokenClassReward` (also as ``task.reward``)."""
+    """Prompts of the token-class task (deterministic given the generator): :class:`TokenClassReward`'s."""
 
     def __init__(
         self,
@@ -139,18 +154,8 @@ class TokenClassTask:
     ) -> None:
         # instruction ids are [first_token, first_token + num_classes); fillers come after them,
         # so special ids (pad, bos, eos below first_token) never appear in prompts
-        if num_classes < 2:
-            raise ValueError(f"task.num_classes must be >= 2, got {num_classes}")
-        if prompt_length < 1 or response_length < 1:
-            raise ValueError(
-                "task.prompt_length and task.response_length must be >= 1, got "
-                f"{prompt_length} and {response_length}"
-            )
-        if not 0 <= first_token < vocab_size - 2 * num_classes:
-            raise ValueError(
-                f"task.first_token must be in [0, vocab_size - 2 * num_classes) = "
-                f"[0, {vocab_size - 2 * num_classes}), got {first_token}"
-            )
+        free = ("vocab_size - 2 * num_classes", vocab_size - 2 * num_classes)
+        check_task_sizes(num_classes, (prompt_length, 1), response_length, first_token, free)
         self.vocab_size, self.num_classes, self.prompt_length = vocab_size, num_classes, prompt_length
         self.response_length, self.first_token = response_length, first_token
         self.reward = TokenClassReward(num_classes, first_token, response_length)
@@ -158,9 +163,7 @@ class TokenClassTask:
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
         """``num_prompts`` random prompts of ``prompt_length`` token ids (host tensors only)."""
-        shape = (num_prompts, self.prompt_length - 1)
-        fillers = torch.randint(
-            self.first_token + self.num_classes, self.vocab_size, shape, generator=generator
-        )
+        shape, low = (num_prompts, self.prompt_length - 1), self.first_token + self.num_classes
+        fillers = torch.randint(low, self.vocab_size, shape, generator=generator)
         classes = torch.randint(0, self.num_classes, (num_prompts, 1), generator=generator)
         return torch.cat([fillers, classes + self.first_token], dim=1).tolist()

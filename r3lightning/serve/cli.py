@@ -1,12 +1,5 @@
-"""``r3lightning-serve``: serve a causal MoE model that returns its routes, from the command line.
-
-    r3lightning-serve --port 30000                       # the tiny MoE on 127.0.0.1
-    r3lightning-serve --model /ckpt/qwen3-moe --device cuda:0 --api-key KEY --host 0.0.0.0
-
-Each EngineConfig and ServerLimits field has a flag (``--max-request-bytes none``). A bad argument
-or startup (a ``--model`` not a local checkpoint: never downloaded; no CUDA; a port in use; a
-non-loopback host without a key) is one line and exit 2. Heavy imports wait for the arguments.
-"""
+"""``r3lightning-serve``: serve a causal MoE model that returns its routes (docs: protocols.md).
+A bad argument or start-up is one line and exit 2; heavy imports wait for the arguments."""
 
 from __future__ import annotations
 
@@ -23,7 +16,6 @@ from typing import Any
 _ENGINE_FLAGS = ("dtype", "device", "max_batch_size", "batch_wait_s", "seed", "batch_invariant")
 _LIMIT_FLAGS = ("max_queue", "max_new_tokens_cap", "max_request_bytes", "max_weights_bytes")
 _LIMIT_FLAGS += ("header_timeout_s", "body_timeout_s", "retry_after_s")
-_RENAMED = {"--header-timeout": "--header-timeout-s", "--body-timeout": "--body-timeout-s"}  # 0.1 names
 
 
 class _StartupError(Exception):
@@ -43,8 +35,7 @@ def _port(value: str) -> int:
 
 
 def _setting(text: str) -> Any:
-    """A flag's value for its config field: none, true/false, an int, a float or the text (the
-    config dataclass checks it and names the field)."""
+    """none, true/false, an int, a float or the text: the config dataclass checks the value."""
     words = {"none": None, "null": None, "true": True, "false": False}
     if text.lower() in words:
         return words[text.lower()]
@@ -72,25 +63,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         for name in names:
             flag, shown = f"--{name.replace('_', '-')}", str(defaults[name]).removeprefix("torch.")
             add(flag, type=_setting, default=defaults[name], help=shown)
-    return parser.parse_args([_RENAMED.get(arg, arg) for arg in (sys.argv[1:] if argv is None else argv)])
+    return parser.parse_args(argv)  # 0.1's --header-timeout / --body-timeout: unique prefixes
 
 
 def _device(name: str | None):
     import torch
 
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if count else "cpu")
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
-        raise _StartupError(f"--device {name}: not a device name (expected e.g. cpu, cuda, cuda:0)") from None
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device.type not in ("cpu", "cuda"):
-        raise _StartupError(f"--device {name}: expected cpu or cuda[:N]")
-    if device.type == "cuda" and count == 0:
-        raise _StartupError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise _StartupError(f"--device {name}: expected cpu, cuda or cuda:N")
     if device.type == "cuda" and (device.index or 0) >= count:
-        raise _StartupError(f"--device {name}: this machine has {count} CUDA device(s)")
+        found = (
+            f"this machine has {count} CUDA device(s)" if count else "CUDA is not available on this machine"
+        )
+        raise _StartupError(f"--device {name}: {found}; use --device cpu")
     return device
 
 
@@ -128,8 +120,7 @@ async def _serve_until_signalled(server) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``r3lightning-serve``): serves until SIGINT / SIGTERM; a bad argument
-    or a startup failure prints one line naming it and exits 2."""
+    """Console entry point (``r3lightning-serve``): serves until SIGINT / SIGTERM."""
     try:
         _serve(_parse_args(argv))
     except _StartupError as exc:
@@ -142,25 +133,22 @@ def _serve(args: argparse.Namespace) -> None:
     from r3lightning.serve.config import EngineConfig, ServerLimits
     from r3lightning.serve.server import RolloutServer, check_exposure
 
+    level = logging.getLevelName(args.log_level.upper())
+    if not isinstance(level, int):
+        raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         check_exposure(args.host, args.api_key, args.allow_unauthenticated)  # before a model loads
         settings = {name: getattr(args, name) for name in _ENGINE_FLAGS if name != "device"}
         engine = EngineConfig(**settings, device=_device(args.device), copy_model=False)
         limits = ServerLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
-    except ValueError as exc:
-        raise _StartupError(str(exc)) from None
-    level = logging.getLevelName(args.log_level.upper())
-    if not isinstance(level, int):
-        raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
-    try:
+        model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
         exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}
         name = args.model or "r3lightning-tiny-moe"
         server = RolloutServer(
             model, engine=engine, limits=limits, host=args.host, port=args.port, **exposure, model_name=name
         )
-    except ValueError as exc:  # a model the engine cannot serve
+    except ValueError as exc:  # a bad setting, or a model the engine cannot serve
         raise _StartupError(str(exc)) from None
     asyncio.run(_serve_until_signalled(server))
 

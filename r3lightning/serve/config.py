@@ -1,6 +1,4 @@
-"""Settings of the embedded engine and server, checked when built (a bad value is a ``ValueError``
-starting with the field name). The job's ``rollout.server.*`` (but ``host`` and ``port``) and
-``rollout.limits.*`` map to them field for field; ``r3lightning-serve`` has a flag per field."""
+"""Settings of the embedded engine and server, checked when built (docs: configuration.md)."""
 
 from __future__ import annotations
 
@@ -17,12 +15,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a :class:`~r3lightning.serve.engine.GenerationEngine` serves: ``dtype`` (or its name)
-    and ``device`` (default: the model's) of its weights; ``max_batch_size`` requests per forward,
-    gathered for ``batch_wait_s`` after the first; ``seed`` of requests that send none (and of the
-    default model); ``copy_model`` (False: serve the model itself, cast in place);
-    ``batch_invariant`` (None: whenever the model allows); ``simulated_disagreement``: a
-    SIMULATION knob (None: off), the share of expert slots the router logits are perturbed to flip."""
+    """How a :class:`~r3lightning.serve.engine.GenerationEngine` serves. ``device`` None: the
+    model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
+    (SIMULATION): the share of expert slots flipped by perturbed router logits."""
 
     dtype: torch.dtype | str = torch.bfloat16
     device: torch.device | str | None = None
@@ -50,12 +45,8 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What a :class:`~r3lightning.serve.server.RolloutServer` accepts: ``max_queue`` generate
-    requests waiting beyond one batch (then 429, ``Retry-After: retry_after_s``); requests up to
-    ``max_new_tokens_cap`` tokens under any name (None: the context); generate bodies up to
-    ``max_request_bytes`` (None: a full-context prompt's 24 bytes a token + 64 KiB) and uploads up
-    to ``max_weights_bytes``; a request head within ``header_timeout_s`` (idle keep-alive
-    connections close then too), at most ``body_timeout_s`` between body reads (then 408)."""
+    """What a :class:`~r3lightning.serve.server.RolloutServer` accepts. ``max_new_tokens_cap`` None:
+    the context; ``max_request_bytes`` None: 24 bytes a context token + 64 KiB."""
 
     max_queue: int = 256
     max_new_tokens_cap: int | None = 4096

@@ -30,8 +30,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One prompt to continue; ``routed_experts_prompt_start``: the first route row to return
-    (the rows the caller already holds for this conversation; 0 = all)."""
+    """One prompt to continue; ``routed_experts_prompt_start``: the first route row to return."""
 
     prompt_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -55,9 +54,8 @@ class GenerationOutput:
 
 
 def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A fresh instance of ``model``'s class from its config, with a copy of its weights: none of
-    the source's hooks (a training model's replay backend must not see serving forwards),
-    gradients or wrappers. Cost: one init (from a forked RNG) and one copy of every tensor."""
+    """A fresh ``type(model)(config)`` with a copy of the weights, without the source's hooks (its
+    replay backend must not see serving forwards): one init (forked RNG) and one tensor copy."""
     if getattr(model, "config", None) is None:
         raise TypeError(f"expected a Hugging Face causal LM with a .config, got {type(model).__name__}")
     with torch.random.fork_rng(devices=[]):
@@ -69,32 +67,24 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GenerationEngine:
-    """A KV-cached sampling loop over a causal MoE ``model`` (a prefill of the left-padded prompts,
-    then one forward per decode step for the rows still generating) under
-    :func:`~r3lightning.replay.context.record_routes`: a ``P``-token prompt generating ``G`` tokens
-    yields ``P - prompt_start + G - 1`` route rows (the last sampled token is never forwarded).
-    ``config``: :class:`~r3lightning.serve.config.EngineConfig` (``batch_invariant=None``: on unless
-    the model has sliding-window attention or sinks, e.g. gpt-oss). One worker thread batches what
-    :meth:`submit` queues from any thread; a failed batch is rerun one request at a time, so only
-    its cause fails. Cost: two host syncs per row and decode step (token, logprob), a host copy of
-    each forward's routes when asked for, ~12 probe forwards per weight update with a simulated
-    disagreement. :attr:`invariant_tile_rows`: the row tile of the batch-invariant GEMMs."""
+    """A KV-cached sampling loop recording routes (``P`` prompt and ``G`` sampled tokens: ``P -
+    prompt_start + G - 1`` rows); one worker thread batches what :meth:`submit` queues. Cost: two
+    host syncs per row and step, a host copy of each forward's routes when asked for."""
 
-    invariant_tile_rows: int = 64
+    invariant_tile_rows: int = 64  # the row tile of the batch-invariant GEMMs
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
         self.config = config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-        device = config.device if config.device is not None else next(model.parameters()).device
-        self.device = torch.device(device)
+        self.device = torch.device(config.device or next(model.parameters()).device)
         served = serving_copy(model) if config.copy_model else model
-        self.model = served.to(device=self.device, dtype=config.dtype).eval().requires_grad_(False)
+        self.model = served.to(self.device, config.dtype).eval().requires_grad_(False)
         # transformers >= 5.20 renamed past_key_values to cache (the old name warns)
         arguments = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in arguments else "past_key_values"
         self.batch_invariant = config.batch_invariant
-        if self.batch_invariant is None:
+        if self.batch_invariant is None:  # whenever the model allows
             self.batch_invariant = batch_invariance_problem(self.model) is None
         if self.batch_invariant:
             make_batch_invariant(self.model)
@@ -122,8 +112,8 @@ class GenerationEngine:
             self._calibrate_perturbation()
 
     def check_request(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> None:
-        """``ValueError`` naming the field if ``request`` cannot run on this model (``prompt_field``:
-        what the wire protocol calls the prompt). Cost: two C-speed passes over the prompt."""
+        """``ValueError`` naming the field (the prompt's as ``prompt_field``) if ``request`` cannot
+        run on this model. Cost: two C-speed passes over the prompt."""
         prompt, start, vocab = request.prompt_ids, request.routed_experts_prompt_start, self.vocab_size
         if not (n := len(prompt)):
             raise ValueError(f"{prompt_field} must not be empty")
@@ -147,9 +137,8 @@ class GenerationEngine:
     def generate(
         self, requests: Sequence[GenerationRequest], *, return_exceptions: bool = False
     ) -> list[GenerationOutput]:
-        """Run ``requests`` as one batch on the calling thread (blocks while the model is busy).
-        A request whose sampling fails does not stop the others: with ``return_exceptions`` its
-        entry is the exception, otherwise the first such exception is raised after the batch."""
+        """Run ``requests`` as one batch on the calling thread; a request whose sampling fails gets
+        its exception as its entry with ``return_exceptions``, else the first is raised after."""
         for request in requests:
             self.check_request(request)
         with self._lock:
@@ -171,8 +160,7 @@ class GenerationEngine:
         params = [r.params for r in requests]
         budgets = [min(p.max_new_tokens, self.max_context - n) for p, n in zip(params, lengths, strict=True)]
         generators = [self._generator(p.seed) for p in params]
-        eos = self.eos_token_ids
-        stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else eos) for p in params]
+        stops = [set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids) for p in params]
         record = any(r.return_routed_experts for r in requests)
         route_rows: list[list[Tensor]] = [[] for _ in requests]
         version = self.weight_version
@@ -222,8 +210,7 @@ class GenerationEngine:
     def _forward(
         self, ids: Tensor, mask: Tensor, positions: Tensor, starts: list[int], cache=None, record: bool = True
     ) -> tuple[Tensor, Tensor | None]:
-        """One forward (``cache`` None: none kept): last-position float32 logits ``[B, V]`` and, if
-        ``record``, host routes ``[B, S, L, K]``. ``starts``: each row's first real key."""
+        """One forward: last-position fp32 logits ``[B, V]``, host routes ``[B, S, L, K]`` if ``record``."""
         kwargs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, self._cache_arg: cache}
         tile = self.invariant_tile_rows
         invariant = batch_invariant(starts, tile) if self.batch_invariant else contextlib.nullcontext()
@@ -250,12 +237,11 @@ class GenerationEngine:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def submit(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> Future:
-        """Queue ``request`` for the worker thread (after :meth:`check_request`, whose ``ValueError``
-        is raised here); the future resolves to a :class:`GenerationOutput`."""
+        """Queue ``request`` for the worker thread after :meth:`check_request`; the future resolves to
+        a :class:`GenerationOutput`."""
         self.check_request(request, prompt_field=prompt_field)
         future: Future = Future()
-        # under the lock close() takes: nothing queued behind the worker's stop sentinel (its
-        # future would never resolve), no worker started after close()
+        # under close()'s lock: nothing queued behind the stop sentinel, no worker after close()
         with self._worker_lock:
             if self._closed:
                 raise RuntimeError("the generation engine is closed")
@@ -283,8 +269,7 @@ class GenerationEngine:
                 (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
 
     def _run_isolated(self, requests: list[GenerationRequest]) -> list[GenerationOutput | Exception]:
-        """Each request's output or its own exception; the worker lives on whatever fails. A
-        failing batch forward is rerun one request at a time, so only its cause fails."""
+        """Each request's output or its own exception: a failing batch is rerun one at a time."""
         if not requests:
             return []
         try:
@@ -306,10 +291,8 @@ class GenerationEngine:
             worker.join()
 
     def update_weights(self, state_dict: Mapping[str, Tensor], *, strict: bool = False) -> int:
-        """Copy ``state_dict`` (floating tensors from fp16 up, any device) into the serving model;
-        returns the count. All or nothing: names, shapes, dtypes and values finite in the serving
-        dtype are checked first (:mod:`r3lightning.serve.weights`), then the copy waits for the
-        running batch. Cost: one cast, finiteness pass and copy per tensor."""
+        """Copy ``state_dict`` into the serving model after the checks of :mod:`~r3lightning.serve.weights`
+        (all or nothing) and the running batch; returns the count. One cast, check and copy a tensor."""
         targets = loadable_targets(self.model)
         bad = next((name for name, value in state_dict.items() if not isinstance(value, Tensor)), None)
         if bad is not None:

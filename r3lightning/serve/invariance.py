@@ -1,12 +1,6 @@
-"""Batch-invariant serving: a request's tokens, logprobs and routes do not depend on its batch.
-
-A padded batch forward differs from a request's own: attention reduces over the padded key
-width, GEMMs pick kernels by row count, grouped expert GEMMs by each expert's token count. So:
-attention over each row's real keys only (:func:`row_invariant_attention`), transformers' eager
-expert loop, and every weight-owning module's ``F.linear`` on fixed row tiles
-(:class:`RowTiledLinear`). Cost: one attention call per padding width and layer, the eager loop,
-``ceil(M / tile_rows)`` GEMMs per linear (benchmarks/bench_engine.py); no host syncs.
-"""
+"""Batch-invariant serving: a request's tokens, logprobs and routes do not depend on its batch
+(attention over each row's real keys, the eager expert loop, ``F.linear`` on fixed row tiles; the
+docs' protocols page says why and what it costs). No host syncs."""
 
 from __future__ import annotations
 
@@ -24,7 +18,7 @@ from r3lightning.rollout.config import check_setting
 
 ATTENTION_NAME = "r3_row_invariant"
 
-# First real key position of each batch row in the current forward (host ints), set by the engine.
+# first real key of each batch row in the current forward (host ints), and the GEMM row tile
 _ROW_STARTS: ContextVar[Sequence[int] | None] = ContextVar("r3_row_starts", default=None)
 _TILE_ROWS: ContextVar[int | None] = ContextVar("r3_tile_rows", default=None)
 
@@ -39,10 +33,9 @@ def row_invariant_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """Causal attention of each row over its own real keys (from ``starts[b]``, set by
-    :func:`batch_invariant`): ``query [B, H, Q, D]``, ``key``/``value [B, H_kv, S_kv, D]`` ->
-    ``[B, Q, H, D]``, zeros on padding queries. A prefill (``Q == S_kv``) or one-token decode
-    steps (``Q == 1``); outside a :func:`batch_invariant` block it is transformers' SDPA."""
+    """Causal attention of each row over its own real keys (set by :func:`batch_invariant`; SDPA
+    outside one): ``query [B, H, Q, D]``, ``key``/``value [B, H_kv, S_kv, D]`` -> ``[B, Q, H, D]``,
+    zeros on padding queries; a prefill (``Q == S_kv``) or one-token decode steps (``Q == 1``)."""
     starts = _ROW_STARTS.get()
     if starts is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -67,8 +60,7 @@ def row_invariant_attention(
 
 
 def batch_invariance_problem(model: nn.Module) -> str | None:
-    """Why :func:`row_invariant_attention` cannot stand in for ``model``'s attention, or None:
-    not a transformers model, sliding-window layers or attention sinks (gpt-oss)."""
+    """Why ``model`` cannot be batch invariant (not transformers, sliding windows, sinks), or None."""
     name = type(model).__name__
     if not hasattr(model, "set_attn_implementation"):
         return f"{name} is not a transformers model"
@@ -78,9 +70,7 @@ def batch_invariance_problem(model: nn.Module) -> str | None:
 
 
 def make_batch_invariant(model: nn.Module) -> None:
-    """Switch ``model`` to computations :func:`batch_invariant` covers: its attention, the eager
-    experts (``F.linear`` per expert hit, accumulated in expert order, which the row tiling
-    covers) and the tiling hooks. ``ValueError`` if :func:`batch_invariance_problem` finds one."""
+    """Switch ``model`` to row-invariant attention, eager experts and row-tiled weight modules."""
     problem = batch_invariance_problem(model)
     if problem is not None:
         raise ValueError(f"batch-invariant serving is not supported: {problem}")
@@ -115,9 +105,8 @@ def _stop_tiling(module: nn.Module, args: tuple, output) -> None:
 
 
 class RowTiledLinear(TorchFunctionMode):
-    """Run every ``F.linear`` on fixed ``tile_rows``-row tiles so all its GEMMs have one shape
-    (the last tile zero-padded). Costs ``ceil(M / tile_rows)`` GEMMs per linear instead of one,
-    plus a copy of the input rows into the padded tiles."""
+    """Run every ``F.linear`` on fixed ``tile_rows``-row tiles (the last zero-padded) so its GEMMs
+    have one shape. Cost: ``ceil(M / tile_rows)`` GEMMs per linear and a copy of the input rows."""
 
     def __init__(self, tile_rows: int) -> None:
         super().__init__()

@@ -1,12 +1,5 @@
-"""SIMULATION ONLY: perturb a serving model's router logits to a target routing disagreement.
-
-Production engines and trainers disagree on ~10% of expert slots for Qwen3-30B-A3B (R3 paper,
-arXiv 2510.11370); a tiny bf16 engine beside its fp32 trainer on under 1%. Each router's logits
-get ``scale * hidden @ R.T`` (``R``: fixed ``N(0, 1/hidden)`` ``[experts, hidden]``) before the
-top-k, experts and gate weights recomputed with the family's own formula; a function of the
-token's own hidden state, so the engine stays batch invariant. ``scale`` is calibrated so that
-the probe batch's share of flipped slots equals the target. Never part of a real deployment.
-"""
+"""SIMULATION ONLY: perturb a serving model's router logits to a target routing disagreement
+(docs/demo.md, "Simulated engine disagreement"). Never part of a real deployment."""
 
 from __future__ import annotations
 
@@ -33,10 +26,9 @@ _PROBE_SHAPE, _BISECTIONS = (8, 16), 8  # probe [sequences, length]; steps after
 
 
 class RouterLogitPerturbation:
-    """Forward hooks on every router of ``model`` that perturb its logits (the module docstring):
-    ``target`` in ``[0, 0.5]``; ``seed`` fixes ``R`` and the probe batch of random tokens. They
-    run before the routers' other hooks (a route recorder records the perturbed experts).
-    :meth:`calibrate` after every weight change; :meth:`remove` detaches."""
+    """Forward hooks, ahead of the routers' others, adding ``scale * hidden @ R.T`` to every router's
+    logits (``R``: ``N(0, 1/hidden) [experts, hidden]``, fixed by ``seed`` with the probe batch) and
+    recomputing its experts and gate weights; ``target`` in ``[0, 0.5]``."""
 
     def __init__(self, model: nn.Module, target: float, *, seed: int = 0):
         check_setting("simulated_disagreement", target, low=0, high=0.5)
@@ -75,27 +67,21 @@ class RouterLogitPerturbation:
         return hook
 
     def calibrate(self, routes: Callable[[], Tensor]) -> float:
-        """Set :attr:`scale` so that the probe's slot disagreement is closest to the target;
-        ``routes()`` runs the probe and returns the experts of the MoE layers ``[..., K]``.
-        Bracketing from a fixed start, then log-scale bisection: about 11 probe forwards, all
-        deterministic. Returns the scale."""
+        """Set and return the :attr:`scale` whose probe disagreement is closest to the target
+        (``routes()``: the probe's MoE-layer experts ``[..., K]``); about 11 probe forwards."""
         if self.target == 0.0:
             self.scale = self.measured = 0.0
             return 0.0
         previous, self.scale = self.scale, 0.0
         try:
-            native = routes()
-            native = native.reshape(-1, native.shape[-1])  # [slots / K, K]
+            native = routes().flatten(0, -2)  # [slots / K, K]
 
             def measure(scale: float) -> float:
                 self.scale = scale
-                perturbed = routes()
-                hits = agreement_hits(perturbed.reshape(-1, perturbed.shape[-1]), native)
-                return 1.0 - float(hits.float().mean())
+                return 1.0 - float(agreement_hits(routes().flatten(0, -2), native).float().mean())
 
-            # always the same bracket: the scale depends on the weights alone, never on what the
-            # engine calibrated (served) before
-            low, high = 0.0, 1.0  # the disagreement grows with the scale: bracket the target
+            # a fixed bracket, then log-scale bisection: the scale depends on the weights alone
+            low, high = 0.0, 1.0
             while (measured_high := measure(high)) < self.target and high < 4.0**40:
                 low, high = high, high * 4
             best = (abs(measured_high - self.target), high, measured_high)

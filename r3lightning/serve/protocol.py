@@ -1,10 +1,6 @@
-"""Server side of the two generate protocols: request bodies -> requests, outputs -> response bodies.
-
-``skyrl`` (``POST /skyrl/v1/generate``, vLLM sampling names) and ``sglang`` (``POST /generate``)
-differ in names and layout only (the client side: :mod:`r3lightning.wire.request`). Every parse
-error is a :class:`RequestFieldError` naming the field, whatever the JSON value (a list where a
-number belongs, an unknown key at any level).
-"""
+"""Server side of the ``skyrl`` and ``sglang`` generate protocols (client side:
+:mod:`r3lightning.wire.request`): request bodies -> requests, outputs -> response bodies. Every
+parse error is a :class:`RequestFieldError` naming the field, whatever the JSON value."""
 
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ _PLAIN = ("temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")  # sa
 # keys that only shape text output (never produced here): any bool is accepted
 _TEXT_ONLY_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
 _TEXT_ONLY_KEYS.add("detokenize")
-# keys accepted only at the value that leaves sampling unchanged (n: one request per sample;
-# logprobs: the sampled token's is always returned): any other asks for what this engine lacks
+# keys accepted only at their no-op value (n: one request per sample; logprobs: always returned)
 _NEUTRAL_VALUES: dict[str, tuple] = {"min_p": (0, 0.0), "min_tokens": (0,), "n": (1,), "stop": ([],)}
 _NEUTRAL_VALUES |= {"repetition_penalty": (1, 1.0), "logprobs": (0, 1), "presence_penalty": (0, 0.0)}
 _NEUTRAL_VALUES["frequency_penalty"] = (0, 0.0)
@@ -79,10 +74,8 @@ def _check_keys(values: dict, known: set[str], where: str) -> None:
 def parse_sampling_params(
     params: dict, protocol: str, *, max_new_tokens_cap: int | None = None
 ) -> SamplingParams:
-    """``sampling_params`` -> :class:`SamplingParams`; unknown keys are refused. Names follow the
-    protocol (skyrl ``max_tokens`` / ``seed``, sglang ``max_new_tokens`` / ``sampling_seed``), the
-    other's accepted as aliases, and ``max_new_tokens_cap`` holds under every name. Keys that only
-    shape text are accepted; penalties and the like only at their neutral value."""
+    """``sampling_params`` -> :class:`SamplingParams`: the other protocol's names are aliases, all
+    under ``max_new_tokens_cap``; unknown keys refused, penalties only at their neutral value."""
     known = _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set())
     _check_keys(params, known, "sampling_params")
     for key in _TEXT_ONLY_KEYS & {k for k, v in params.items() if v is not None}:
@@ -98,20 +91,16 @@ def parse_sampling_params(
     if "stop_token_ids" in kwargs:
         kwargs["stop_token_ids"] = _token_ids(kwargs["stop_token_ids"], "sampling_params.stop_token_ids")
     for target, names in _ALIASES[protocol].items():
-        given = [name for name in names if params.get(name) is not None]
+        given = [name for name in names if params.get(name) is not None]  # at most two names
+        if len(given) == 2 and params[given[0]] != params[given[1]]:
+            raise RequestFieldError(f"sampling_params sets both {given[0]} and {given[1]} differently")
         if not given:
             continue
-        if any(params[name] != params[given[0]] for name in given[1:]):
-            raise RequestFieldError(f"sampling_params sets both {given[0]} and {given[1]} differently")
-        field = f"sampling_params.{given[0]}"
-        if target == "seed":
-            kwargs[target] = _int(params[given[0]], field, low=0, high=MAX_SEED)
-        else:
-            kwargs[target] = _int(params[given[0]], field, low=1)
-            if max_new_tokens_cap is not None and kwargs[target] > max_new_tokens_cap:
-                raise RequestFieldError(
-                    f"{field} must be <= {max_new_tokens_cap} (this server's cap), got {kwargs[target]}"
-                )
+        field, cap = f"sampling_params.{given[0]}", max_new_tokens_cap
+        bounds = {"low": 0, "high": MAX_SEED} if target == "seed" else {"low": 1}
+        kwargs[target] = value = _int(params[given[0]], field, **bounds)
+        if target == "max_new_tokens" and cap is not None and value > cap:
+            raise RequestFieldError(f"{field} must be <= {cap} (this server's cap), got {value}")
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:  # SamplingParams names its field; on the wire it is sampling_params.<field>
@@ -121,9 +110,8 @@ def parse_sampling_params(
 def parse_generate_request(
     body: Any, protocol: str, *, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None
 ) -> GenerationRequest:
-    """A decoded JSON request body of ``protocol`` -> :class:`GenerationRequest`. Longer prompts
-    than ``max_prompt_tokens`` are refused from their length alone. skyrl returns routes unless
-    ``return_routed_experts`` is false (as SkyRL's server does); the prompt start only narrows them."""
+    """A decoded JSON body of ``protocol`` -> :class:`GenerationRequest` (skyrl: routes unless
+    ``return_routed_experts`` is false, as SkyRL's server does)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if not isinstance(body, dict):
@@ -133,10 +121,8 @@ def parse_generate_request(
         hint = " (text prompts are not supported)" if "text" in body else ""
         raise RequestFieldError(f"{prompt_field} is required (the prompt as a list of token ids){hint}")
     _check_keys(body, _BODY_KEYS[protocol], "the request body")
-    if body.get("stream") not in (None, False):
-        raise RequestFieldError(
-            f"stream = {body['stream']!r} is not supported by this server (accepted: false)"
-        )
+    if (stream := body.get("stream")) not in (None, False):
+        raise RequestFieldError(f"stream = {stream!r} is not supported by this server (accepted: false)")
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
         raise RequestFieldError(f"sampling_params must be a JSON object, got {type(sampling).__name__}")

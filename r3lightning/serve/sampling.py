@@ -1,5 +1,4 @@
-"""Per-request sampling: parameters and the choice of one token from a row of logits. Each row
-of a batch samples with its request's own parameters and seeded ``torch.Generator``."""
+"""Per-request sampling: each row of a batch with its request's parameters and seeded generator."""
 
 from __future__ import annotations
 
@@ -19,11 +18,9 @@ MAX_TOP_K = 2**31 - 1  # beyond any vocabulary only disables the filter; the bou
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature`` 0 is greedy, else in :data:`TEMPERATURE_RANGE`;
-    ``top_k <= 0`` and ``top_p == 1`` disable those filters. Generation stops after
-    ``max_new_tokens`` (``"length"``) or at the first sampled token in ``stop_token_ids`` or, unless
-    ``ignore_eos``, the model's EOS ids (``"stop"``, the token kept). ``seed``: reproducible per
-    request; None draws one from the engine's seeded generator."""
+    """How one request samples: ``temperature`` 0 is greedy; ``top_k <= 0`` and ``top_p == 1`` are
+    off; it stops after ``max_new_tokens`` (``"length"``) or at a sampled token of ``stop_token_ids``
+    or, unless ``ignore_eos``, EOS (``"stop"``, token kept); ``seed`` None: the engine's."""
 
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -53,8 +50,7 @@ class SamplingParams:
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Sample one token from float32 ``logits [V]``: ``(token, logprob)``. Two device->host syncs
-    (token and logprob); a ``[V]`` sort only when ``top_p < 1``."""
+    """``(token, logprob)`` from float32 ``logits [V]``: two host syncs, a ``[V]`` sort if ``top_p < 1``."""
     if params.temperature == 0.0:
         token = int(logits.argmax())
         return token, float(logits.log_softmax(-1)[token])

@@ -1,11 +1,5 @@
-"""Embedded rollout server: an aiohttp app serving a causal MoE model that returns its routes.
-
-``POST /skyrl/v1/generate`` and ``POST /generate`` (:mod:`r3lightning.serve.protocol`), decoded
-in one thread and batched by the engine's worker; ``GET /health`` (route schema,
-``weight_version``; never behind the key); ``POST /update_weights[?strict=true]`` (safetensors).
-Errors are JSON ``{"error": {"message", "type", "code"}}``: 400 (field named), 401, 408 stalled
-body, 409 concurrent upload, 413 over a cap, 429 queue full (``Retry-After``), 500.
-"""
+"""Embedded rollout server: an aiohttp app serving a causal MoE model that returns its routes
+(routes, limits and error statuses: docs/protocols.md, "The embedded server")."""
 
 from __future__ import annotations
 
@@ -45,8 +39,6 @@ _ERROR_TYPES |= {413: "PayloadTooLarge", 429: "TooManyRequests", 500: "InternalE
 
 
 class _HTTPError(Exception):
-    """Answered as JSON ``{"error": {"message", "type", "code"}}`` (with ``Retry-After`` if set)."""
-
     def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.retry_after = status, message, retry_after
@@ -54,14 +46,13 @@ class _HTTPError(Exception):
     def response(self) -> web.Response:
         kind = _ERROR_TYPES.get(self.status, "HTTPError")
         error = {"message": self.message, "type": kind, "code": self.status}
-        response = _json_response({"error": error}, self.status)
-        if self.retry_after is not None:
-            response.headers["Retry-After"] = str(self.retry_after)
-        return response
+        headers = None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        return _json_response({"error": error}, self.status, headers)
 
 
-def _json_response(payload: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+def _json_response(payload: object, status: int = 200, headers: dict | None = None) -> web.Response:
+    body = orjson.dumps(payload)
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
 
 
 def _too_large(cap: int, declared: int | None) -> _HTTPError:
@@ -88,11 +79,9 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
 
 
 class RolloutServer:
-    """Serve ``model`` (default: ``build_tiny_moe(seed=engine.seed)``) over HTTP on ``host:port``
-    (``port=0``: a free one, see :attr:`url`) with an ``engine`` config (default: a bf16 private
-    copy) and ``limits``. With ``api_key`` every route but ``/health`` needs ``Authorization: Bearer
-    <api_key>``; a non-loopback host needs one unless ``allow_unauthenticated``. Use as ``async
-    with`` in a running loop, or as ``with`` (its own loop in a daemon thread). It runs once."""
+    """Serve ``model`` (default: the tiny MoE) on ``host:port`` (0: a free one); with ``api_key``
+    every route but ``/health`` needs ``Authorization: Bearer <api_key>``. Use as ``async with`` in a
+    running loop, or as ``with`` (its own loop in a daemon thread); it runs once."""
 
     def __init__(
         self,
@@ -131,7 +120,7 @@ class RolloutServer:
         self._ids = itertools.count()
         self._runner: web.AppRunner | None = None
         self._started = False
-        self._loop: asyncio.AbstractEventLoop | None = None  # with the thread serving it under ``with``
+        self._loop: asyncio.AbstractEventLoop | None = None  # and its thread, under ``with``
         self._thread: threading.Thread | None = None
 
     @property
@@ -189,14 +178,12 @@ class RolloutServer:
             yield chunk
 
     def _admit(self, raw: bytes, protocol: str):
-        """Decode, check and queue one generate body (in the decoder thread: the prompt check is a
-        Python pass over its ids); the engine's future and whether logprobs are wanted."""
-        cap = self.limits.max_new_tokens_cap
+        """Decode, check and queue one generate body: the engine's future, whether logprobs are wanted."""
+        caps = {"max_prompt_tokens": self.engine.max_context - 1}
+        caps["max_new_tokens_cap"] = self.limits.max_new_tokens_cap
         try:
             body = orjson.loads(raw)
-            request = parse_generate_request(
-                body, protocol, max_prompt_tokens=self.engine.max_context - 1, max_new_tokens_cap=cap
-            )
+            request = parse_generate_request(body, protocol, **caps)
             logprobs = wants_logprobs(body, protocol)
             return self.engine.submit(request, prompt_field=PROMPT_FIELDS[protocol]), logprobs
         except orjson.JSONDecodeError as exc:
@@ -216,7 +203,7 @@ class RolloutServer:
             raw = await read_capped(self._body_chunks(request), request.content_length, cap, too_large)
             loop = asyncio.get_running_loop()
             future, logprobs = await loop.run_in_executor(self._decoder, self._admit, raw, protocol)
-            del raw
+            del raw  # the body is not kept while the request waits for its batch
             output = await asyncio.wrap_future(future)
         finally:
             self._generating -= 1
@@ -225,10 +212,9 @@ class RolloutServer:
         return _json_response(build_response(output, protocol, **names, logprobs=logprobs))
 
     async def _health(self, request: web.Request) -> web.Response:
-        e = self.engine
-        health = {"status": "ok", "model": self.model_name, "num_layers": e.num_layers, "top_k": e.top_k}
-        health |= {"num_experts": e.num_experts, "vocab_size": e.vocab_size, "max_context": e.max_context}
-        return _json_response(health | {"weight_version": e.weight_version})
+        fields = ("num_layers", "top_k", "num_experts", "vocab_size", "max_context", "weight_version")
+        health = {name: getattr(self.engine, name) for name in fields}
+        return _json_response({"status": "ok", "model": self.model_name} | health)
 
     async def _update_weights(self, request: web.Request) -> web.Response:
         strict_arg = request.query.get("strict", "false").lower()
@@ -244,8 +230,8 @@ class RolloutServer:
         try:
             targets = loadable_targets(self.engine.model)
             check = functools.partial(check_weights, targets, strict=strict, where="upload")
-            body = self._body_chunks(request)
-            state_dict = await read_safetensors(body, content_length=length, max_bytes=cap, check=check)
+            body, limits = self._body_chunks(request), {"content_length": length, "max_bytes": cap}
+            state_dict = await read_safetensors(body, **limits, check=check)
             updated = await asyncio.to_thread(self.engine.update_weights, state_dict, strict=strict)
         except ValueError as exc:  # UploadError (400 or 413) or the engine's checks
             raise _HTTPError(getattr(exc, "status", 400), str(exc)) from None
@@ -254,13 +240,11 @@ class RolloutServer:
         return _json_response({"updated": updated, "weight_version": self.engine.weight_version})
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> int:
-        """Copy ``state_dict`` (e.g. fp32 training weights) into the serving model; returns the
-        count. Thread-safe and blocking: waits for the running batch. From a coroutine on the
-        server's loop use ``await asyncio.to_thread(server.update_weights, sd)``."""
+        """:meth:`GenerationEngine.update_weights`, blocking (on the server's loop: ``asyncio.to_thread``)."""
         return self.engine.update_weights(state_dict, strict=strict)
 
     async def start(self) -> RolloutServer:
-        """Bind and start serving on the running loop; :attr:`port` holds the bound port after."""
+        """Bind and serve on the running loop; :attr:`port` is the bound port after."""
         if self._started:
             raise RuntimeError("a RolloutServer runs once; create a new one")
         self._started = True

@@ -1,9 +1,6 @@
-"""What a serving model may load, in process (:meth:`GenerationEngine.update_weights`) and over HTTP
-(``POST /update_weights``): its parameters and persistent buffers (``rotary_emb.inv_freq`` is
-derived, never loaded) in their shapes; floating tensors only from floating sources of 16 bits or
-more (fp8, ints or bools would be cast silently), other buffers only from their own dtype; values
-finite in the serving dtype (one NaN or inf makes every later sample token 0); ``strict``: every
-name."""
+"""What a serving model may load: its parameters and persistent buffers in their shapes, floating
+ones only from floats of 16 bits or more (fp8, ints, bools would be cast silently), the others
+from their own dtype, values finite in the serving dtype (a NaN makes every later token 0)."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ def loadable_targets(model: torch.nn.Module) -> dict[str, Tensor]:
 def check_weights(
     targets: Mapping[str, Tensor], specs: Mapping[str, tuple], *, strict: bool, where: str = "state_dict"
 ) -> None:
-    """``ValueError`` naming the tensor unless ``specs`` (name -> dtype, shape) may load into
-    ``targets``: the metadata half of the rules (:func:`check_finite` is the values half)."""
+    """``ValueError`` naming the tensor unless ``specs`` (name -> (dtype, shape)) fit ``targets``."""
     unknown, missing = sorted(set(specs) - set(targets)), sorted(set(targets) - set(specs))
     if unknown:
         odd = "names that are not parameters or persistent buffers of the model"
@@ -46,10 +42,8 @@ def check_weights(
 
 
 def check_finite(state_dict: Mapping[str, Tensor], targets: Mapping[str, Tensor]) -> None:
-    """``ValueError`` naming the first floating tensor that is not finite once cast to its
-    target's dtype: NaN, inf, or beyond that dtype's range (float64 ``1e300`` into float32, float32
-    ``3.4e38`` into bfloat16 would install ``inf``). One cast and finiteness pass per tensor, one
-    tensor at a time (no second copy of the weights); one host sync per device."""
+    """``ValueError`` naming the first floating tensor not finite once cast to its target's dtype
+    (``3.4e38`` into bfloat16 too). One cast and check a tensor at a time; one host sync a device."""
     by_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
     for name, value in state_dict.items():
         if value.is_floating_point():

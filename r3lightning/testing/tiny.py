@@ -1,10 +1,5 @@
-"""Tiny randomly initialised Hugging Face MoE models for tests, examples and the embedded server.
-
-Deterministic for a given seed, offline, milliseconds on a CPU. The default is a real
-``Qwen3MoeForCausalLM`` whose layer 0 is dense (``mlp_only_layers``), so the dense-layer rows of
-routes are exercised wherever it is used; :func:`tiny_family_config` builds equally small configs
-of the other router families the Hugging Face replay backend supports.
-"""
+"""Tiny randomly initialised Hugging Face MoE models (deterministic, offline, milliseconds on a
+CPU); the default ``Qwen3MoeForCausalLM`` has a dense layer 0, so dense route rows are exercised."""
 
 from __future__ import annotations
 
@@ -64,17 +59,15 @@ def tiny_family_config(family: str, **overrides: Any) -> PretrainedConfig:
 
 
 def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
-    """Tiny Qwen3-MoE config: vocab 96, hidden 64, 4 layers (layer 0 dense), 8 experts, top-2,
-    ``norm_topk_prob=True`` as in the released Qwen3 MoE checkpoints."""
+    """Tiny Qwen3-MoE config: vocab 96, hidden 64, 4 layers (layer 0 dense), 8 experts, top-2."""
     return tiny_family_config("qwen3_moe", **overrides)
 
 
 def build_tiny_moe(
     config: PretrainedConfig | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """A randomly initialised causal MoE LM (``tiny_moe_config()`` by default), in eval mode.
-    Init draws from a forked RNG seeded with ``seed`` (the global RNG is untouched; same
-    arguments, same weights) in fp32, then casts to ``dtype``."""
+    """A causal MoE LM (``tiny_moe_config()`` by default) in eval mode, initialised in fp32 from a
+    forked RNG seeded with ``seed`` (the global RNG untouched), then cast to ``dtype``."""
     config = tiny_moe_config() if config is None else config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,24 +1,12 @@
-"""A tiny character-level tokenizer with a chat template, and a tiny checkpoint directory to go with it.
-
-Real-data runs need what a real checkpoint ships: a tokenizer whose chat template turns messages
-into prompt ids, an EOS id to stop on, and ``decode`` for text rewards. This module builds one
-locally with the ``tokenizers`` library (no hub download), small enough for the tiny models'
-96-id vocabulary: ids 0-2 are ``<pad>``, ``<bos>``, ``<eos>`` as in ``tiny_moe_config``, then the
-chat markers, then one id per character of digits, lower-case letters, space and arithmetic
-punctuation; anything else is ``<unk>``.
-
-    python -m r3lightning.testing.tiny_tokenizer /tmp/tiny-ckpt   # model + tokenizer, offline
-
-writes a directory that ``AutoTokenizer.from_pretrained`` and ``AutoModelForCausalLM.from_pretrained``
-both load, i.e. what ``model=hf_checkpoint model.path=/tmp/tiny-ckpt`` expects.
-"""
+"""A tiny character-level tokenizer with a chat template (ids 0-2 ``<pad>``, ``<bos>``, ``<eos>``
+as in ``tiny_moe_config``, then ``<unk>``, the chat markers and one id per lower-cased character
+of :data:`CHARACTERS`), and ``python -m r3lightning.testing.tiny_tokenizer DIR`` writing a tiny
+checkpoint with it that ``model=hf_checkpoint model.path=DIR`` loads (offline)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-
-import torch
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAT_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
@@ -32,11 +20,7 @@ CHAT_TEMPLATE = (
 
 
 def build_tiny_tokenizer():
-    """A ``PreTrainedTokenizerFast`` of ``len(SPECIAL_TOKENS + CHAT_MARKERS) + len(CHARACTERS)`` ids.
-
-    Text is lower-cased before it is split into characters, so "What is 2+3?" round-trips as
-    "what is 2+3?".
-    """
+    """A ``PreTrainedTokenizerFast`` of ``len(SPECIAL_TOKENS + CHAT_MARKERS) + len(CHARACTERS)`` ids."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -45,51 +29,29 @@ def build_tiny_tokenizer():
     core.normalizer = normalizers.Lowercase()
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()  # characters join back without separators
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        pad_token="<pad>",
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        additional_special_tokens=list(CHAT_MARKERS),
-        chat_template=CHAT_TEMPLATE,
-    )
+    specials = dict(zip(("pad_token", "bos_token", "eos_token", "unk_token"), SPECIAL_TOKENS, strict=True))
+    markers = {"additional_special_tokens": list(CHAT_MARKERS), "chat_template": CHAT_TEMPLATE}
+    return PreTrainedTokenizerFast(tokenizer_object=core, **specials, **markers)
 
 
 def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", seed: int = 0) -> Path:
-    """Write a tiny randomly initialised MoE model and :func:`build_tiny_tokenizer` to ``directory``.
-
-    The model's config carries the tokenizer's pad / bos / eos ids; weights are saved in fp32.
-    """
+    """Write a tiny fp32 MoE model and :func:`build_tiny_tokenizer` (ids in sync) to ``directory``."""
     from r3lightning.testing.tiny import build_tiny_moe, tiny_family_config
 
     directory = Path(directory)
     tokenizer = build_tiny_tokenizer()
-    config = tiny_family_config(
-        family,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    if len(tokenizer) > config.vocab_size:
-        raise ValueError(
-            f"the tiny tokenizer has {len(tokenizer)} ids, more than vocab_size={config.vocab_size}"
-        )
-    model = build_tiny_moe(config, seed=seed, dtype=torch.float32)
-    model.save_pretrained(directory)
+    ids = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("pad", "bos", "eos")}
+    build_tiny_moe(tiny_family_config(family, **ids), seed=seed).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="Write a tiny MoE checkpoint with a chat tokenizer (offline)."
-    )
+    parser = argparse.ArgumentParser(description="Write a tiny MoE checkpoint with a chat tokenizer.")
     parser.add_argument("directory", type=Path)
     parser.add_argument("--family", default="qwen3_moe")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(save_tiny_checkpoint(args.directory, family=args.family, seed=args.seed))
+    print(save_tiny_checkpoint(**vars(parser.parse_args(argv))))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """Route wire codec: ndarray envelopes ``{"data": base64 of C-order little-endian bytes, "shape",
 "dtype": "uint8" | "int16" | "uint16" | "int32"}``, SGLang's base64 flat int32 ids and vLLM's base64
-``.npy`` file (its header read as a literal, never executed or unpickled). Each decoder checks the
-declared size against ``max_bytes`` before it allocates, decodes with pybase64 into one buffer that
-numpy views, and runs the route check; uint16 ids come back as int16 (int32 from 32768 on).
-"""
+``.npy`` file (its header read as a literal). Each decoder checks the declared size against
+``max_bytes`` before it allocates, decodes with pybase64 into one buffer that numpy views, and runs
+the route check; uint16 ids come back as int16 (int32 from 32768 on)."""
 
 from __future__ import annotations
 
@@ -32,10 +31,8 @@ Base64Text = str | bytes | bytearray | memoryview
 class RouteSchema:
     """Decoded routes: ``[rows, num_layers, top_k]`` ids below ``num_experts`` (None: unchecked;
     SGLang's flat routes need ``num_layers`` and ``top_k``), at most ``max_bytes`` per array.
-    ``check_unique`` refuses repeated experts in the parse (several times the decode's cost; off
-    by default: every route is checked for repeats when it becomes a ``Trajectory``). ``layers``:
-    the decoder layers this rank holds (absolute ids ``< num_layers``; None: all); the parse keeps
-    only their columns, ``[rows, len(layers), top_k]``, one copy of those bytes."""
+    ``check_unique``: the distinct-experts check in the parse too (several times the decode's cost).
+    ``layers``: the decoder layers this rank holds (None: all), the only columns the parse keeps."""
 
     num_layers: int | None = None
     top_k: int | None = None
@@ -55,8 +52,8 @@ class RouteSchema:
 
 
 def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
-    """Non-negative integer routes (any shape) as a JSON-ready ndarray envelope in ``dtype``, by
-    default the smallest that holds the largest id. Cost: a min/max, a cast and a base64 encode."""
+    """Non-negative integer routes (any shape) as a JSON-ready ndarray envelope in ``dtype`` (default:
+    the smallest that holds the largest id). Cost: a min/max, a cast and a base64 encode."""
     a = np.asarray(array)  # a CPU torch tensor converts without a copy
     if a.dtype.kind not in "iu":
         raise ValueError(f"routes: expected an integer array, got dtype {a.dtype}")
@@ -77,56 +74,50 @@ def encode_flat_routes(array: Any) -> str:
     return encode_routes(array, dtype="int32")["data"]
 
 
+def _bad(field: str, message: str) -> MalformedResponseError:
+    return MalformedResponseError(f"{field}: {message}")
+
+
 def _check_size(shape: list[int], itemsize: int, max_bytes: int, field: str) -> int:
     """Bytes of an array of ``shape``, refused above ``max_bytes`` before anything is allocated."""
     if (nbytes := math.prod(shape) * itemsize) > max_bytes:
-        raise MalformedResponseError(
-            f"{field}: payload of {nbytes} bytes exceeds the cap of {max_bytes} bytes"
-        )
+        raise _bad(field, f"payload of {nbytes} bytes exceeds the cap of {max_bytes} bytes")
     if any(d > max_bytes for d in shape):  # beside a 0: numpy refuses huge dimensions anyway
-        raise MalformedResponseError(f"{field}: shape {shape} has a dimension above max_bytes={max_bytes}")
+        raise _bad(field, f"shape {shape} has a dimension above max_bytes={max_bytes}")
     return nbytes
 
 
 def _b64decode(data: Any, field: str, expected: int | None, max_bytes: int) -> bytearray:
-    """Strictly decode base64 ``data`` after checking its decoded size (from its length and
-    padding) against ``expected`` and ``max_bytes``. Cost: one SIMD pass."""
+    """Strict base64 decode of ``data`` once its size (from length and padding) is checked."""
     if not isinstance(data, Base64Text):
-        raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
+        raise _bad(field, f"expected a base64 string, got {type(data).__name__}")
     if (n := len(data)) % 4:
-        raise MalformedResponseError(f"{field}: base64 length {n} is not a multiple of 4 (truncated?)")
+        raise _bad(field, f"base64 length {n} is not a multiple of 4 (truncated?)")
     tail = data[-2:].encode("utf-8", "replace") if isinstance(data, str) else bytes(data[-2:])
     size = n // 4 * 3 - tail.count(b"=")
     if expected is not None and size != expected:
-        raise MalformedResponseError(
-            f"{field}: base64 payload holds {size} bytes but the shape and dtype need {expected}"
-        )
+        raise _bad(field, f"base64 payload holds {size} bytes but the shape and dtype need {expected}")
     if size > max_bytes:
-        raise MalformedResponseError(f"{field}: payload of {size} bytes exceeds the cap of {max_bytes} bytes")
+        raise _bad(field, f"payload of {size} bytes exceeds the cap of {max_bytes} bytes")
     try:
         return pybase64.b64decode_as_bytearray(data, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
+        raise _bad(field, f"invalid base64 ({exc})") from None
 
 
 def decode_array(
     envelope: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES, field: str = "array"
 ) -> np.ndarray:
-    """Decode an ndarray envelope (``data`` a ``str``, bytes or a ``memoryview`` of base64) into a
-    writable C-contiguous array, unchecked. Cost: one base64 decode into the array's buffer."""
+    """An ndarray envelope as a writable array, unchecked. Cost: one base64 decode into its buffer."""
     if not isinstance(envelope, Mapping):
-        raise MalformedResponseError(
-            f"{field}: expected an ndarray envelope object, got {type(envelope).__name__}"
-        )
+        raise _bad(field, f"expected an ndarray envelope object, got {type(envelope).__name__}")
     if missing := [key for key in ("data", "shape", "dtype") if key not in envelope]:
-        raise MalformedResponseError(f"{field}: envelope is missing {missing}")
+        raise _bad(field, f"envelope is missing {missing}")
     name, shape = envelope["dtype"], envelope["shape"]
     if not isinstance(name, str) or name not in WIRE_DTYPES:
-        raise MalformedResponseError(
-            f"{field}.dtype: unknown dtype {name!r}, expected one of {sorted(WIRE_DTYPES)}"
-        )
+        raise _bad(f"{field}.dtype", f"unknown dtype {name!r}, expected one of {sorted(WIRE_DTYPES)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedResponseError(f"{field}.shape: expected a list of non-negative ints, got {shape!r}")
+        raise _bad(f"{field}.shape", f"expected a list of non-negative ints, got {shape!r}")
     nbytes = _check_size(shape, WIRE_DTYPES[name].itemsize, max_bytes, field)
     raw = _b64decode(envelope["data"], f"{field}.data", nbytes, max_bytes)
     return np.frombuffer(raw, WIRE_DTYPES[name]).reshape(shape)
@@ -140,56 +131,47 @@ def decode_flat_array(
         raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
     raw = _b64decode(data, field, None, max_bytes)
     if len(raw) % (num_layers * top_k * 4):
-        raise MalformedResponseError(
-            f"{field}: {len(raw)} bytes is not a whole number of int32 rows of "
-            f"num_layers={num_layers} x top_k={top_k}"
-        )
+        rows = f"int32 rows of num_layers={num_layers} x top_k={top_k}"
+        raise _bad(field, f"{len(raw)} bytes is not a whole number of {rows}")
     return np.frombuffer(raw, "<i4").reshape(-1, num_layers, top_k)
 
 
 _NPY_MAX_HEADER = 10_000  # numpy's own default cap (np.load's max_header_size)
+_NPY_LEAD = ((12 + _NPY_MAX_HEADER) * 4 // 3 + 4) // 4 * 4  # base64 characters a header can span
 
 
 def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
-    """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3), decoding only the
-    characters a header can span; numpy reads its dict as a literal after a length cap."""
-    try:  # whole groups of 4 characters, at most the largest header's
-        lead = pybase64.b64decode(
-            data[: min(len(data), (12 + _NPY_MAX_HEADER) * 4 // 3 + 4) // 4 * 4], validate=True
-        )
+    """``(data offset, dtype, shape)`` of a base64 ``.npy`` file (versions 1-3), from its header."""
+    try:  # whole groups of 4 characters
+        lead = pybase64.b64decode(data[: min(len(data) // 4 * 4, _NPY_LEAD)], validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise MalformedResponseError(f"{field}: invalid base64 ({exc})") from None
+        raise _bad(field, f"invalid base64 ({exc})") from None
     header = io.BytesIO(lead)
     try:
         major, minor = np.lib.format.read_magic(header)
     except ValueError as exc:
-        raise MalformedResponseError(f"{field}: not a .npy file ({exc})") from None
+        raise _bad(field, f"not a .npy file ({exc})") from None
     if major not in (1, 2, 3):
-        raise MalformedResponseError(f"{field}: unsupported .npy format version {major}.{minor}")
+        raise _bad(field, f"unsupported .npy format version {major}.{minor}")
     read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
     try:
         shape, fortran_order, dtype = read(header, max_header_size=_NPY_MAX_HEADER)
     except (ValueError, MemoryError, RecursionError) as exc:
-        raise MalformedResponseError(f"{field}: unreadable .npy header ({exc})") from None
+        raise _bad(field, f"unreadable .npy header ({exc})") from None
     if dtype not in WIRE_DTYPES.values():
         expected = f"one of {sorted(WIRE_DTYPES)} (little-endian)"
-        raise MalformedResponseError(
-            f"{field}: .npy dtype {dtype.str!r} is not a route dtype, expected {expected}"
-        )
+        raise _bad(field, f".npy dtype {dtype.str!r} is not a route dtype, expected {expected}")
     if fortran_order:
-        raise MalformedResponseError(f"{field}: .npy array must be C-ordered (fortran_order=False)")
+        raise _bad(field, ".npy array must be C-ordered (fortran_order=False)")
     if not all(type(d) is int and d >= 0 for d in shape):
-        raise MalformedResponseError(
-            f"{field}: .npy shape must be a tuple of non-negative ints, got {shape!r}"
-        )
+        raise _bad(field, f".npy shape must be a tuple of non-negative ints, got {shape!r}")
     return header.tell(), dtype, list(shape)
 
 
 def decode_npy_array(data: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, field: str) -> np.ndarray:
-    """vLLM's base64 ``.npy`` routes as an array, unchecked: the header is read and the size
-    checked first, then one decode into one buffer that the array views past the header."""
+    """vLLM's base64 ``.npy`` routes as an array, unchecked; the size is checked before the decode."""
     if not isinstance(data, Base64Text):
-        raise MalformedResponseError(f"{field}: expected a base64 string, got {type(data).__name__}")
+        raise _bad(field, f"expected a base64 string, got {type(data).__name__}")
     offset, dtype, shape = _npy_header(data, field)
     nbytes = _check_size(shape, dtype.itemsize, max_bytes, field)
     raw = _b64decode(data, field, offset + nbytes, max_bytes + offset)
@@ -205,9 +187,8 @@ def checked_routes(
     compact: bool = False,
     field: str = "routed_experts",
 ) -> np.ndarray:
-    """Decoded ``routes`` after the route check, on ``schema.layers`` only, in their host dtype:
-    uint16 as int16 (int32 from 32768 on); with ``compact`` (SGLang's int32) the smallest dtype
-    holding the largest id."""
+    """Decoded ``routes`` after the route check, on ``schema.layers`` only, in their host dtype
+    (uint16 as int16 or int32); with ``compact`` the smallest dtype holding the largest id."""
     bounds = {"num_experts": schema.num_experts, "num_layers": schema.num_layers, "top_k": schema.top_k}
     check = {"rows": rows, "rows_rule": rows_rule, "where": field, "error": MalformedResponseError}
     high = check_routes(routes, distinct=schema.check_unique, **bounds, **check)
@@ -230,8 +211,7 @@ def decode_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "routed_experts",
 ) -> np.ndarray:
-    """Decode and check a routes envelope into ``[rows, num_layers, top_k]`` in its wire dtype
-    (:func:`decode_array`, then :func:`checked_routes`)."""
+    """A checked routes envelope ``[rows, num_layers, top_k]`` in its wire dtype."""
     schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
     return checked_routes(decode_array(envelope, max_bytes=max_bytes, field=field), schema, field=field)
 
@@ -247,8 +227,8 @@ def decode_flat_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "meta_info.routed_experts",
 ) -> np.ndarray:
-    """Decode and check SGLang's base64 flat int32 routes into ``[rows, num_layers, top_k]``;
-    with ``compact``, in the smallest dtype that holds the largest id (4x less host memory)."""
+    """SGLang's base64 flat int32 routes, checked, as ``[rows, num_layers, top_k]``; with
+    ``compact``, in the smallest dtype that holds the largest id (4x less host memory)."""
     schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
     routes = decode_flat_array(data, num_layers, top_k, max_bytes=max_bytes, field=field)
     return checked_routes(routes, schema, compact=compact, field=field)
@@ -264,7 +244,6 @@ def decode_npy_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "choices[0].routed_experts",
 ) -> np.ndarray:
-    """Decode and check vLLM's base64 ``.npy`` routes into ``[rows, num_layers, top_k]``
-    (:func:`decode_npy_array`, then :func:`checked_routes`)."""
+    """vLLM's base64 ``.npy`` routes, checked, as ``[rows, num_layers, top_k]``."""
     schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
     return checked_routes(decode_npy_array(data, max_bytes=max_bytes, field=field), schema, field=field)

@@ -1,6 +1,5 @@
 """HTTP JSON bodies: a capped read, and a parse that leaves long route payloads in the raw bytes
-(a 16 MiB base64 string costs many times its decode just to become a ``str``).
-"""
+(a 16 MiB base64 string costs many times its decode just to become a ``str``)."""
 
 from __future__ import annotations
 
@@ -30,10 +29,9 @@ def _escaped(raw: bytes, index: int) -> bool:  # after an odd run of backslashes
 
 
 class JsonBody:
-    """A JSON body parsed with its long payload strings left in ``raw``: ``value`` holds a marker
-    for each, :meth:`take` turns one into a ``memoryview`` of its text, :meth:`finish` the others
-    into None. Cost: a ``memchr`` pass over each long string, a copy of the rest of the body and an
-    orjson parse of it. Invalid JSON raises :class:`MalformedResponseError`."""
+    """A JSON body parsed with its long payload strings left in ``raw`` (``value`` holds a marker for
+    each; :meth:`take` turns one into a ``memoryview``, :meth:`finish` the others into None). Cost: a
+    ``memchr`` pass over each long string and an orjson parse of the rest."""
 
     def __init__(self, raw: bytes) -> None:
         self.raw = raw
@@ -90,9 +88,8 @@ class JsonBody:
 
 
 def unescaped(value: Any) -> Any:
-    """``value`` from :meth:`JsonBody.take` (an envelope or a payload) with its cut string turned
-    into a ``str`` when it holds JSON escapes (``\\/`` from some writers), else None. Strict
-    base64 refuses a backslash, so only a failed decode pays for this (a copy of the string)."""
+    """``value`` from :meth:`JsonBody.take` (an envelope or a payload) with its cut string as a
+    ``str`` when it holds JSON escapes (``\\/`` from some writers, which strict base64 refuses), else None."""
     data = value.get("data") if isinstance(value, dict) else value
     if not isinstance(data, memoryview) or (text := data.tobytes()).find(b"\\") < 0:
         return None

@@ -1,7 +1,5 @@
 """Client side of the generate protocols (``skyrl``, ``vllm``, ``sglang``, ``openai``; see the
-protocols page): request bodies, sampling parameters, the result. Route rows cover token
-positions ``[start, P + G - 1)``; dense layers come back as all-zero rows.
-"""
+protocols page): request bodies, sampling parameters, the result."""
 
 from __future__ import annotations
 
@@ -83,9 +81,8 @@ def build_request(
     cache_salt: str | None = None,
     engine: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON request body of ``protocol`` (``sampling_params`` is passed through as given,
-    nested or, for ``openai``, at the top level). ``engine`` (``"vllm"`` / ``"sglang"``) narrows
-    the ``openai`` route fields to that engine's."""
+    """The JSON request body of ``protocol`` with ``sampling_params`` as given (``openai``: at the top
+    level); ``engine`` (``"vllm"`` / ``"sglang"``) narrows ``openai``'s route fields to its own."""
     params = dict(sampling_params)
     start = routed_experts_prompt_start or 0
     body: dict[str, Any]
@@ -113,8 +110,4 @@ def build_request(
             if engine in (None, "sglang"):
                 body["return_routed_experts"] = True
                 body["routed_experts_start_len"] = start
-    if model is not None:
-        body["model"] = model
-    if cache_salt is not None:
-        body["cache_salt"] = cache_salt
-    return body
+    return body | {key: v for key, v in (("model", model), ("cache_salt", cache_salt)) if v is not None}

@@ -1,9 +1,5 @@
-"""Client side of the generate protocols, responses: a 2xx body in, a checked result out.
-
-Fields are read where each engine writes them (:mod:`r3lightning.wire.request`); the route payload
-stays in the body's bytes (:class:`~r3lightning.wire.json_body.JsonBody`) until pybase64 decodes it.
-Every deviation raises :class:`MalformedResponseError` naming the field and the engine URL.
-"""
+"""Client side of the generate protocols, responses: a 2xx body in, a checked result out; every
+deviation raises :class:`MalformedResponseError` naming the field and the engine URL."""
 
 from __future__ import annotations
 
@@ -32,11 +28,10 @@ def parse_response(
     start: int = 0,
     url: str | None = None,
 ) -> RemoteGenerateResult:
-    """Parse a 2xx generate body; routes are decoded and checked only when ``want_routes``, with
+    """A 2xx generate body parsed; routes are decoded and checked only when ``want_routes``, with
     ``prompt_len`` to exactly ``prompt_len - start + G - 1`` rows (``G``: the response length).
-    Cost: an orjson parse of the body without its route payload, two ``memchr`` passes and a
-    base64 decode of the payload, a ``max`` of the ids, and with ``schema.check_unique`` the
-    distinct-experts check."""
+    Cost: an orjson parse of the body without its route payload, a base64 decode of the payload
+    and a ``max`` of the ids (with ``schema.check_unique``, the distinct-experts check)."""
     try:
         body = JsonBody(raw)
         if not isinstance(body.value, dict):
@@ -65,8 +60,7 @@ def parse_response(
 def _decode(
     where: str, value: Any, flat: bool, schema: RouteSchema, rows: range | None, rule: str
 ) -> np.ndarray:
-    """The routes ``value`` decoded in its wire format and checked; a payload with JSON escapes is
-    decoded again once they are resolved."""
+    """The routes ``value`` decoded and checked (a payload with JSON escapes: again once resolved)."""
     if value is None or value is _MISSING:
         raise MalformedResponseError(
             f"{where}: routes were requested but the field is {'null' if value is None else 'missing'}; "

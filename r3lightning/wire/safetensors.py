@@ -1,6 +1,5 @@
 """Safetensors bodies read from a stream (the embedded server's ``POST /update_weights``), checked
-from their header before any tensor data is read, then streamed into one flat host buffer.
-"""
+from their header before any tensor data is read, then streamed into one flat host buffer."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ class UploadError(ValueError):
 
 
 def _parse_header(header: bytes) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
-    """``(name, dtype, shape, begin, end)`` of each tensor of a safetensors header, sorted by
-    offset and tiling the data exactly."""
+    """``(name, dtype, shape, begin, end)`` per tensor, sorted by offset, tiling the data exactly."""
     try:
         meta = json.loads(header)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -128,8 +126,7 @@ async def read_safetensors(
         )
     check({name: (dtype, shape) for name, dtype, shape, _, _ in entries})
     flat = torch.empty(data_bytes, dtype=torch.uint8)  # [data_bytes]
-    got = await stream.read_into(memoryview(flat.numpy()))
-    if got < data_bytes:
+    if (got := await stream.read_into(memoryview(flat.numpy()))) < data_bytes:
         raise UploadError(f"request body ended after {8 + header_len + got} of {total} bytes")
     if await stream.read_into(memoryview(bytearray(1))):
         raise UploadError(f"request body continues past the {total} bytes its safetensors header describes")

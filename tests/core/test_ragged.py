@@ -28,6 +28,11 @@ def test_ragged_batch_index_lengths_and_bytes_helpers():
         batch_index(torch.tensor([0, 3]), 3, owner="X", unit="row")
     with pytest.raises(TypeError, match="unsupported X index of type str"):
         batch_index("0", 3, owner="X", unit="row")
+    assert batch_index(torch.tensor(2), 3, owner="X", unit="row") == 2
+    with pytest.raises(TypeError, match="unsupported X index of type float"):  # not truncated
+        batch_index(np.array(1.5), 3, owner="X", unit="row")
+    with pytest.raises(TypeError, match="bool scalar"):
+        batch_index(torch.tensor(True), 3, owner="X", unit="row")
 
     assert host_lengths(np.array([2, 0], dtype=np.uint8), "n").tolist() == [2, 0]
     with pytest.raises(ValueError, match=r"n must hold ints, got \[1, True\]"):
