@@ -243,7 +243,7 @@ async def test_job_names_the_real_health_timeout_of_an_unreachable_engine():
 
     async with hung_engine() as url:
         cfg = compose_config([f"rollout.url={url}", "rollout.retry.health_timeout_s=0.5"])
-        task = SimpleNamespace(prompts=None)
+        task = SimpleNamespace(prompts=None, score_prompt=lambda prompt, response_ids: 0.0)  # a ScoredTask
         began = time.perf_counter()
         with pytest.raises(JobError) as info:
             await asyncio.to_thread(
