@@ -95,7 +95,6 @@ RULES: dict[str, Rule] = {
     "task.shuffle": BOOL,
     "model.dtype": _DTYPE,
     "replay.mode": one_of("r3", "r2", "off"),
-    "replay.request_routes": BOOL,
     "replay.strict": or_null(BOOL),
     "rollout.protocol": one_of("skyrl", "vllm", "sglang", "openai"),
     "rollout.url": _URLS,
@@ -165,13 +164,11 @@ def check_config(cfg: DictConfig) -> None:
     for key, node in targets + [(f"loggers[{i}]", node) for i, node in enumerate(cfg.loggers or [])]:
         build.target_of(node, key)
     replay = build.replay_callback_settings(cfg)
-    if replay is not None:  # the callback's own checks (its backend is the job's, built later)
-        name, node = replay
-        if node.get("backend") == "megatron" and not _megatron_installed():
-            raise JobError(
-                f"callbacks.{name}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
-            )
-        instantiate_node({k: v for k, v in plain(node).items() if k != "backend"}, f"callbacks.{name}")
+    if replay is not None and replay[1].get("backend") == "megatron" and not _megatron_installed():
+        raise JobError(
+            f"callbacks.{replay[0]}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
+        )
+    build.build_callbacks(cfg, None, str(cfg.replay.mode))  # their own checks (the backend is built later)
     instantiate_node(cfg.data, "data", buffer=ReplayBuffer())  # the data module's own checks
 
 
