@@ -1,6 +1,4 @@
-"""The router replay backend interface and helpers its backends share. Routes are integers
-``[*token_shape, num_layers, top_k]`` on the absolute decoder-layer axis (dense layers ignored on
-install, 0 when recorded), ``token_shape`` as the model sees it (megatron: before the SP split)."""
+"""The ``RouterReplayBackend`` protocol (the docs' "Modes") and what its backends share."""
 
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
@@ -11,8 +9,7 @@ from torch import Tensor
 
 @runtime_checkable
 class RouterReplayBackend(Protocol):
-    """Install / clear / record routes ``[*token_shape, num_layers, top_k]`` for the MoE routers of
-    one model. Routing stats accumulate over every install until :meth:`clear`."""
+    """Install / clear / record routes ``[*token_shape, num_layers, top_k]`` for one model's routers."""
 
     num_layers: int  # size of the routes' layer axis (all decoder layers, dense ones included)
     top_k: int
@@ -20,9 +17,8 @@ class RouterReplayBackend(Protocol):
     moe_layers: tuple[int, ...]  # absolute indices of the layers this backend routes
 
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
-        """Replay ``routes`` in the following forwards (and their activation recompute) until
-        :meth:`clear` or the next install. ``replay_mask [*token_shape]`` bool: False rows (padding,
-        uncaptured tokens) keep native routing; None replays every row."""
+        """Replay ``routes`` in the following forwards (and their recompute) until :meth:`clear` or
+        the next install; ``replay_mask [*token_shape]`` False rows keep native routing."""
 
     def clear(self) -> None:
         """Drop installed routes, recording state and routing stats; routers route natively."""
@@ -31,15 +27,11 @@ class RouterReplayBackend(Protocol):
         """Capture the experts every router uses in the following forwards."""
 
     def stop_recording(self) -> Tensor:
-        """The experts the recorded forward used, ``[*token_shape, num_layers, top_k]`` (0 on dense
-        layers); a backend may join several forwards along the token axis (KV-cache generation)."""
+        """The experts the recorded forward(s) used, ``[*token_shape, num_layers, top_k]``."""
 
     def routing_stats(self) -> dict:
-        """Agreement of the forwards since :meth:`clear`, recompute not counted twice: ``layers``,
-        ``top_k``, ``replayed_rows`` and ``agreeing_slots`` (replayed ids in the native top-k set),
-        int64 ``[len(layers)]`` on the routers' device (host zeros before a forward), no host sync;
-        optionally ``used_slots`` (replayed ids the forward used; default: all). Agreement of layer
-        ``i`` = ``agreeing_slots[i] / (replayed_rows[i] * top_k)``."""
+        """``layers``, ``top_k`` and int64 ``[len(layers)]`` ``replayed_rows``, ``agreeing_slots`` (optionally
+        ``used_slots``) since :meth:`clear` (recompute not counted), on device, no host sync."""
 
 
 def validate_routes_for_install(
@@ -50,9 +42,8 @@ def validate_routes_for_install(
     token_dims: int | None = None,
     check_ids: bool = True,
 ) -> tuple[int, ...]:
-    """Check ``backend.install(routes, replay_mask)``'s arguments (``token_dims``: exactly that many
-    token axes); returns the token shape. ``check_ids``: the replayed MoE-layer ids lie in ``[0,
-    num_experts)`` and are distinct per row (a pass over them; host syncs for device routes)."""
+    """Check ``backend.install``'s arguments and return the token shape; ``check_ids``: replayed ids in
+    ``[0, num_experts)``, distinct per row (host syncs for device routes)."""
     L, K, num_experts = backend.num_layers, backend.top_k, backend.num_experts
     if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
         raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
@@ -81,14 +72,12 @@ def validate_routes_for_install(
 
 
 def agreement_hits(replayed: Tensor, native: Tensor) -> Tensor:
-    """bool ``[N, K]``: replayed slots whose id is in the native top-k set (``[N, K]`` ids each; an
-    ``[N, K, K]`` comparison on device). Summed per layer: ``routing_stats()["agreeing_slots"]``."""
+    """bool ``[N, K]``: replayed slots whose id is in the native top-k (an ``[N, K, K]`` comparison)."""
     return (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)
 
 
 def agreement_counts(replayed: Tensor, native: Tensor, mask: Tensor | None) -> Tensor:
-    """int64 ``[2]`` over the rows ``mask`` keeps (all when None), on device without a sync: rows,
-    and replayed slots in the ``native`` top-k set; ``[N, K]`` ids each."""
+    """int64 ``[2]`` on device: rows ``mask`` keeps (None: all) and their replayed slots in ``native``."""
     with torch.no_grad():
         keep = torch.ones_like(replayed[:, :1], dtype=torch.bool) if mask is None else mask[:, None]
         hits = agreement_hits(replayed, native) & keep
@@ -98,9 +87,8 @@ def agreement_counts(replayed: Tensor, native: Tensor, mask: Tensor | None) -> T
 def routes_on_all_layers(
     layer_rows: Iterable[tuple[int, Tensor]], token_shape: Sequence[int], num_layers: int, top_k: int
 ) -> Tensor:
-    """int32 ``[*token_shape, num_layers, top_k]`` from ``(absolute layer, experts [*token_shape,
-    top_k])`` of each routed layer (at least one), 0 on every other layer: what ``stop_recording``
-    returns."""
+    """int32 ``[*token_shape, num_layers, top_k]`` from ``(layer, experts [*token_shape, top_k])`` of
+    each routed layer (at least one), 0 on the others: what ``stop_recording`` returns."""
     pairs = list(layer_rows)
     if not pairs:
         raise ValueError("routes_on_all_layers needs the rows of at least one routed layer")
@@ -115,6 +103,5 @@ _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", 
 
 
 def in_recompute() -> bool:
-    """True inside autograd's backward, i.e. during activation-checkpoint recompute (reentrant or
-    not): backends replay what the forward replayed and neither record nor count it again."""
+    """True inside autograd's backward (activation recompute): replay again, record / count nothing."""
     return _graph_task_id() != -1

@@ -8,9 +8,7 @@ from torch import Tensor
 
 def batch_field(batch: Any, name: str) -> Any:
     """``batch.name`` for a ``RolloutBatch`` (or any object), ``batch[name]`` for a mapping."""
-    if isinstance(batch, dict):
-        return batch.get(name)
-    return getattr(batch, name, None)
+    return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
 
 
 def set_batch_fields(batch: Any, **values: Any) -> None:
@@ -30,7 +28,6 @@ def host_attention_mask(batch: Any) -> Tensor:
         raise ValueError("RouterReplayCallback needs batch.attention_mask ([B, S] bool, left-padded)")
     lengths_host = getattr(batch, "lengths_host", None)
     if callable(lengths_host):
-        lengths = lengths_host()[0]
-        width = attention_mask.shape[1]
+        lengths, width = lengths_host()[0], attention_mask.shape[1]
         return torch.arange(width)[None, :] >= (width - lengths)[:, None]
     return attention_mask.detach().cpu()

@@ -1,9 +1,4 @@
-"""Lightning callback that makes every training forward of an MoE model use replayed routes: it
-aligns each step's (or micro-batch's) packed routes to the layout the model sees and hands them to
-the mode (:mod:`~r3lightning.replay.modes`); a ``RolloutBatch`` installs without a host sync.
-Routes kept on some decoder layers (``batch.route_layers``) go to each router by absolute layer."""
-
-from __future__ import annotations
+"""The Lightning callback: each (micro-)batch's routes aligned to the model's layout, given to the mode."""
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +16,6 @@ from r3lightning.replay.batch_fields import batch_field, host_attention_mask
 from r3lightning.replay.context import record_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.replay.metrics import COUNT_KEYS, ReplayMetrics
-from r3lightning.replay.modes import Install
 
 Mode = Literal["r3", "r2", "off"]
 LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> layout
@@ -29,24 +23,8 @@ _MODES = ("r3", "r2", "off")
 
 
 class RouterReplayCallback(Callback):
-    """Install aligned routes before each training forward; clear them after.
-
-    Args:
-        backend: ``"hf"`` / ``None`` (Hugging Face routers of the module or its ``model_attr``),
-            ``"megatron"`` (both built at each ``on_fit_start``), or a ``RouterReplayBackend``.
-        mode: ``"r3"``, ``"r2"`` or ``"off"``.
-        strict: raise instead of routing natively when routes are missing (r3: in the batch, r2:
-            not recorded) or a routed forward runs with nothing installed.
-        log_agreement: log the ``router_replay/`` metrics (``True``), also per layer
-            (``"per_layer"``), or not (``False``).
-        validate_routes: check ids on every install (host syncs). ``None``: off for a backend built
-            here; a backend object keeps its own flag.
-        layout_fn: ``attention_mask -> TokenMetadataLayout`` the model sees; default: the backend's
-            ``build_layout``, else ``TokenMetadataLayout.padded(mask)`` (for a padded width
-            multiple: ``functools.partial(TokenMetadataLayout.padded, pad_to_multiple=8)``).
-        model_attr: submodule holding the MoE model, when the module holds several.
-        sync_dist: sum the counts over ranks before the ratios (one ``all_reduce`` per step).
-    """
+    """Install aligned routes before each training forward; clear them after. The options: the docs'
+    "Modes" page; ``validate_routes`` costs host syncs, ``sync_dist`` one ``all_reduce`` per step."""
 
     def __init__(
         self,
@@ -66,10 +44,9 @@ class RouterReplayCallback(Callback):
             raise ValueError(f"log_agreement must be true, false or 'per_layer', got {log_agreement!r}")
         if not (backend is None or backend in ("hf", "megatron") or isinstance(backend, RouterReplayBackend)):
             raise ValueError(f"backend must be None, 'hf', 'megatron' or a backend object, got {backend!r}")
-        self.mode: Mode = mode
+        self.mode, self._backend_spec = mode, backend
         self.strict, self.log_agreement, self.validate_routes = strict, bool(log_agreement), validate_routes
         self.layout_fn, self.model_attr, self.sync_dist = layout_fn, model_attr, sync_dist
-        self._backend_spec = backend
         self.backend = backend if isinstance(backend, RouterReplayBackend) else None
         if self.backend is not None and validate_routes is not None:
             if not hasattr(self.backend, "validate"):
@@ -84,13 +61,13 @@ class RouterReplayCallback(Callback):
     def _reset_step(self) -> None:
         self._in_step = self._in_micro = self._missing.counted_step = False
         self._batch: Any = None
-        self._step: Install | None = None  # the whole batch's routes
-        self._micro: Install | None = None  # the active micro-batch's (None: native)
-        self._mode: modes.Replaying | modes.Comparing | None = None
+        self._step: modes.Install | None = None  # the whole batch's routes
+        self._micro: modes.Install | None = None  # the active micro-batch's (None: native)
+        self._mode: modes.Replaying | None = None  # Comparing in off mode
         self._r2 = modes.OldPolicyRecorder()
 
     @staticmethod
-    def find(trainer: pl.Trainer) -> RouterReplayCallback:
+    def find(trainer: pl.Trainer) -> "RouterReplayCallback":
         """The trainer's ``RouterReplayCallback`` (for ``micro_batch`` / ``old_policy_forward``)."""
         for callback in trainer.callbacks:
             if isinstance(callback, RouterReplayCallback):
@@ -130,8 +107,7 @@ class RouterReplayCallback(Callback):
 
     @property
     def batches_without_routes(self) -> int:
-        """Steps of this run (rank) with routes expected but none replayed (r3: no or 0-row
-        ``routed_experts``; r2: nothing recorded), once per step; saved in checkpoints."""
+        """Steps of this run (rank) with routes expected but none replayed; checkpointed."""
         return self._missing.count
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,8 +125,7 @@ class RouterReplayCallback(Callback):
 
     @property
     def layout(self) -> TokenMetadataLayout | None:
-        """Layout of the routes active now (the micro-batch's inside ``micro_batch``, else the
-        step's; None without routes). A packed / sharded model must be fed its tokens in it."""
+        """Layout of the active routes (None without): a packed / sharded model is fed its tokens in it."""
         active = self._micro if self._in_micro else self._step
         return None if active is None else active.layout
 
@@ -166,9 +141,9 @@ class RouterReplayCallback(Callback):
         assert self.backend is not None
         return modes.align_routes(routes, layout, self.backend, layers)
 
-    def _prepare(self, routes: PackedTensor, batch: Any) -> Install:
+    def _prepare(self, routes: PackedTensor, batch: Any) -> modes.Install:
         layout = self.build_layout(host_attention_mask(batch))
-        return Install(layout, *self.align_routes(routes, layout, batch_field(batch, "route_layers")))
+        return modes.Install(layout, *self.align_routes(routes, layout, batch_field(batch, "route_layers")))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -187,7 +162,7 @@ class RouterReplayCallback(Callback):
             return
         self._set_step(self._prepare(routes, batch))
 
-    def _set_step(self, install: Install) -> None:
+    def _set_step(self, install: modes.Install) -> None:
         self._step = install
         if not self._in_micro:
             self._mode.use(install)  # type: ignore[union-attr]
@@ -207,8 +182,7 @@ class RouterReplayCallback(Callback):
             self._clear()
 
     def _clear(self, *hook_args: Any) -> None:
-        """Drop the step's routes. Also the hook that keeps them from any other forward (at epoch
-        end too: a module returning -1 from ``on_train_batch_start`` skips ``on_train_batch_end``)."""
+        # at epoch end too: a module returning -1 from on_train_batch_start skips on_train_batch_end
         if self.backend is not None:
             self.backend.clear()
         self._reset_step()
@@ -218,11 +192,8 @@ class RouterReplayCallback(Callback):
 
     @contextmanager
     def micro_batch(self, sub_batch: Any) -> Iterator[TokenMetadataLayout | None]:
-        """Replay ``sub_batch``'s routes, aligned to its own layout, in every forward of the block.
-
-        ``sub_batch``: a cut of the step's ``RolloutBatch`` or any batch with ``routed_experts`` (r2:
-        rows ``old_policy_forward`` recorded); without routes it routes natively (r3: missing routes).
-        Yields the layout (None without routes). Run the backward inside; blocks cannot nest."""
+        """Replay ``sub_batch``'s routes (its own, or those r2 recorded for its rows), aligned to its
+        layout, in every forward of the block; yields the layout (None: native). Blocks cannot nest."""
         if not self._in_step or self.backend is None:
             raise RuntimeError("micro_batch() is only valid inside a training step (with this callback)")
         if self._in_micro:
@@ -242,10 +213,8 @@ class RouterReplayCallback(Callback):
 
     @contextmanager
     def old_policy_forward(self, batch: Any) -> Iterator[None]:
-        """Wrap the old-policy (no-grad) forward over ``batch`` (the step's batch or a cut of it).
-
-        r2: stores the experts used on ``batch.routed_experts`` and for its rows, so later passes over
-        them replay them (the rest of the step once every row is recorded). r3 / off: nothing."""
+        """r2: record the experts the old-policy forward over ``batch`` (the step's or a cut of it)
+        uses, for later passes over its rows to replay. r3 / off: nothing."""
         active = self.mode == "r2" and self._in_step and self.backend is not None
         routes = self._r2.routes_of(batch) if active else None
         if not active or (routes is not None and routes.num_rows > 0):  # r3 / off, or recorded already
@@ -259,7 +228,7 @@ class RouterReplayCallback(Callback):
             self._r2.recording = False
         layout = self.build_layout(host_attention_mask(batch))
         packed = self._r2.keep(recording.routes, layout, batch, self.backend)  # on the layers it routes
-        install = Install(layout, *self.align_routes(packed, layout, self._r2.layers))
+        install = modes.Install(layout, *self.align_routes(packed, layout, self._r2.layers))
         if self._in_micro:
             self._micro = install
             self._mode.use(install)  # type: ignore[union-attr]
@@ -269,10 +238,7 @@ class RouterReplayCallback(Callback):
 
     def routing_counts(self) -> dict[str, Tensor] | None:
         """This step's counts so far (:data:`~r3lightning.replay.metrics.COUNT_KEYS`), int64
-        ``[len(backend.moe_layers)]`` each on device, no sync; zeros before anything was counted.
-        None outside a step or without ``log_agreement``. Off mode compares what it recorded so far."""
+        ``[len(moe_layers)]`` each on device, no sync; None outside a step or without metrics."""
         if not self._in_step or self._mode is None or not self.log_agreement:
             return None
-        table = self._mode.table()
-        assert table is not None
-        return dict(zip(COUNT_KEYS, table.unbind(0), strict=True))
+        return dict(zip(COUNT_KEYS, self._mode.table().unbind(0), strict=True))  # type: ignore[union-attr]

@@ -1,12 +1,4 @@
-"""Record and replay routes in custom loops (no Lightning needed)::
-
-    with record_routes(model) as rec:  # rec.routes: [B, S, num_layers, top_k], the experts used
-        model(input_ids, attention_mask=attention_mask)
-    with replay_routes(model, routes, replay_mask):
-        model(input_ids, attention_mask=attention_mask).logits.sum().backward()  # recompute too
-
-``model``: a Hugging Face MoE, a model with ``router_replay_backend()``, or a ``RouterReplayBackend``.
-"""
+"""Record and replay routes in custom loops, no Lightning needed (the docs' "Getting started")."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +11,7 @@ from r3lightning.replay.hf.replay import HFRouterReplay
 
 
 def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterReplayBackend:
-    """The backend itself, the model's own, or the Hugging Face one attached to it (made once)."""
+    """The backend itself, the model's own ``router_replay_backend()`` or its Hugging Face one (made once)."""
     if isinstance(model_or_backend, RouterReplayBackend):
         return model_or_backend
     if not isinstance(model_or_backend, nn.Module):
@@ -31,16 +23,14 @@ def as_backend(model_or_backend: nn.Module | RouterReplayBackend) -> RouterRepla
 
 @dataclass
 class RouteRecording:
-    """Filled when the ``record_routes`` block exits normally."""
+    """``routes [*token_shape, num_layers, top_k]``, set when the ``record_routes`` block exits."""
 
-    routes: Tensor | None = None  # [*token_shape, num_layers, top_k]
+    routes: Tensor | None = None
 
 
 @contextmanager
 def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator[RouteRecording]:
-    """Record the experts every MoE layer uses in the block's forwards into ``rec.routes`` (several
-    forwards, e.g. ``generate``, joined along the last token axis). Installed routes stay; an
-    exception drops the recording and clears everything."""
+    """Record the experts the block's forwards use into ``rec.routes``; an exception clears everything."""
     backend = as_backend(model_or_backend)
     recording = RouteRecording()
     backend.start_recording()
@@ -56,8 +46,7 @@ def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator
 def replay_routes(
     model_or_backend: nn.Module | RouterReplayBackend, routes: Tensor, replay_mask: Tensor | None = None
 ) -> Iterator[RouterReplayBackend]:
-    """Replay ``routes [*token_shape, num_layers, top_k]`` in the block's forwards (``replay_mask
-    [*token_shape]`` False: native routing); cleared on exit. Yields the backend (``routing_stats()``)."""
+    """Replay ``routes`` in the block's forwards (``replay_mask`` False: native); yields the backend."""
     backend = as_backend(model_or_backend)
     backend.install(routes, replay_mask)
     try:

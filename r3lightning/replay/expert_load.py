@@ -1,6 +1,5 @@
-"""How evenly the rollout engine spread a step's tokens over the experts, per MoE layer, from the
-routes in hand (one scatter-add, no host sync): ``max_over_mean`` (1 balanced, up to ``num_experts /
-top_k``) and normalised ``entropy`` (1 uniform). All-zero rows (dense layers) are skipped."""
+"""How evenly the rollout engine spread a step's tokens over the experts, per MoE layer: ``max_over_mean``
+(1 balanced, up to ``num_experts / top_k``) and normalised ``entropy`` (1 uniform); dense rows skipped."""
 
 import math
 from collections.abc import Sequence
@@ -25,11 +24,8 @@ def expert_load_stats(
     moe_layers: Sequence[int] | None = None,
     route_layers: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
-    """Per-layer expert load of ``routes [rows, num_layers, top_k]`` (or a PackedTensor of them):
-    float32 ``counts [L, E]``, ``tokens [L]``, ``max_over_mean [L]`` and ``entropy [L]`` (NaN for a
-    layer without rows) on the routes' device, and host int64 ``layers [L]`` (absolute indices:
-    ``route_layers[j]`` for column ``j`` when given). One ``index_add_`` over the routes plus
-    ``[L, E]`` arithmetic; no host sync."""
+    """Load of ``routes [rows, num_layers, top_k]`` (or packed) on their device: float32 ``counts [L, E]``,
+    ``tokens``, ``max_over_mean``, ``entropy [L]`` (NaN without rows); host int64 absolute ``layers``."""
     values = routes.values if isinstance(routes, PackedTensor) else routes
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
         got = f"{values.dtype} {tuple(values.shape)}"
@@ -61,15 +57,8 @@ def expert_load_stats(
 
 
 class ExpertLoadMonitor(Callback):
-    """Log the rollout engine's per-layer expert load of the training batch every N steps.
-
-    Computed on device at ``on_train_batch_start`` of steps 0, N, 2N, ...; written to the loggers at
-    ``on_train_batch_end`` with one read-back (``self.log`` would repeat it on later steps):
-    ``{prefix}/max_over_mean``, ``/entropy`` (means over MoE layers), ``/max_over_mean_worst``,
-    ``/entropy_min``; with ``log_per_layer`` also ``{prefix}/layer_XX/max_over_mean`` and ``/entropy``.
-    ``num_experts`` / ``moe_layers``: default from a ``RouterReplayCallback``'s backend (else non-zero
-    rows); ``sync_dist``: average over ranks (a collective on the measured steps).
-    """
+    """Log the engine's expert load of the training batch every N steps (one read-back; ``sync_dist``: a
+    collective); ``num_experts`` / ``moe_layers`` default to a ``RouterReplayCallback``'s backend's."""
 
     def __init__(
         self,
@@ -91,7 +80,6 @@ class ExpertLoadMonitor(Callback):
         self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
 
     def _schema(self, trainer: pl.Trainer) -> tuple[int, tuple[int, ...] | None]:
-        """``(num_experts, moe_layers)``: this monitor's, else those of a replay callback's backend."""
         backends = (getattr(callback, "backend", None) for callback in trainer.callbacks)
         backend = next((b for b in backends if hasattr(b, "moe_layers") and hasattr(b, "num_experts")), None)
         num_experts = self.num_experts or getattr(backend, "num_experts", None)
@@ -116,11 +104,9 @@ class ExpertLoadMonitor(Callback):
         measured = stats["tokens"] > 0  # [L]: dense layers (all-zero rows) drop out
         count = measured.sum().clamp(min=1)
         peak, entropy = (torch.where(measured, stats[key], 0.0) for key in ("max_over_mean", "entropy"))
+        lowest = torch.where(measured, entropy, 1.0).amin()
         values = {"max_over_mean": peak.sum() / count, "max_over_mean_worst": peak.amax()}
-        values |= {
-            "entropy": entropy.sum() / count,
-            "entropy_min": torch.where(measured, entropy, 1.0).amin(),
-        }
+        values |= {"entropy": entropy.sum() / count, "entropy_min": lowest}
         if self.log_per_layer:
             for i, layer in enumerate(stats["layers"].tolist()):  # host tensor: no device sync
                 values[f"layer_{layer:02d}/max_over_mean"] = stats["max_over_mean"][i]

@@ -1,6 +1,4 @@
-"""The ``router_replay/...`` metrics from int64 counts ``[4, layers]`` (:data:`COUNT_KEYS`) kept on
-device and summed over forwards, micro-batches and ranks before any ratio: each metric is an exact
-ratio of sums (<= 1). Nothing here syncs with the host."""
+"""The ``router_replay/...`` metrics: ratios of int64 counts summed on device, without host syncs."""
 
 from typing import Any
 
@@ -20,15 +18,13 @@ COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
 
 
 def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
-    """``[4, len(layers)]`` counts comparing ``used [*shape, L, K]`` (``stop_recording``: forwards
-    joined along the last token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None
-    unless ``used`` is whole forwards of ``token_shape``. ``layers`` on ``used``'s device."""
-    token_shape = tuple(routes.shape[:-2])
-    lead, width = token_shape[:-1], token_shape[-1]
-    shape = tuple(used.shape[:-2])
-    if shape[:-1] != lead or width == 0 or shape[-1] % width:
+    """``[4, len(layers)]`` counts comparing ``used [*shape, L, K]`` (forwards joined along the last
+    token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None unless the shapes fit."""
+    *lead, width = routes.shape[:-2]
+    *used_lead, joined = used.shape[:-2]  # forwards joined along the last token axis
+    if used_lead != lead or width == 0 or joined % width:
         return None
-    forwards = shape[-1] // width
+    forwards = joined // width
     used = used.reshape(*lead, forwards, width, *used.shape[-2:]).movedim(len(lead), 0)
     routes = routes.to(used.device).index_select(-2, layers)  # [*token_shape, L_moe, K]
     keep = mask.to(used.device)[..., None, None]
@@ -39,9 +35,7 @@ def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor
 
 
 def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -> dict[str, Tensor]:
-    """Ratios from counts ``[4, num_layers]`` by absolute layer (float64, on device):
-    ``replayed_fraction`` (0 without route rows), ``native_agreement``, ``used_agreement`` and, for
-    ``layers``, ``native_agreement/layer_XX`` (NaN without route rows: nothing to compare)."""
+    """The ratios of counts ``[4, num_layers]``, per layer for ``layers`` (NaN without route rows)."""
     route_rows, replayed_rows, native_hits, used_hits = table
     rows = route_rows.sum()
     replayed, slots = torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0), rows * top_k
@@ -55,9 +49,7 @@ def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -
 
 
 class ReplayMetrics:
-    """One training step's counts on device, and their logging as ``router_replay/...``: forwards
-    :meth:`add` counts (off mode's, or a replaying backend's before it is cleared); :meth:`log`
-    sums over ranks (``sync_dist``: one ``all_reduce`` of ``4 * num_layers + 2`` int64)."""
+    """One training step's counts on device and their logging (``sync_dist``: one ``all_reduce``)."""
 
     def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
         self.per_layer, self.sync_dist = per_layer, sync_dist
@@ -89,8 +81,7 @@ class ReplayMetrics:
         self._table = table if self._table is None else self._table + table.to(self._table.device)
 
     def backend_counts(self) -> Tensor:
-        """The replaying backend's stats since its last clear as counts (every route row it saw
-        was replayed; without ``used_slots`` it used all it installed). Host zeros are staged."""
+        """The replaying backend's stats since its last clear as counts ``[4, moe_layers]``."""
         assert self.backend is not None
         stats = self.backend.routing_stats()
         replayed, native, used = stats["replayed_rows"], stats["agreeing_slots"], stats.get("used_slots")
@@ -99,38 +90,31 @@ class ReplayMetrics:
         return torch.stack([to_device_async(t, self.device).long() for t in counts])
 
     def table(self, *, with_backend: bool) -> Tensor:
-        """``[4, len(moe_layers)]``: the counts so far (zeros if none, so every rank logs the same
-        keys), plus the backend's own since its last clear when ``with_backend``."""
+        """``[4, len(moe_layers)]``: the counts so far (or zeros), plus the backend's if ``with_backend``."""
         assert self.backend is not None
         table = self._table
-        if with_backend:
-            stats = self.backend_counts()
-            table = stats if table is None else stats + table.to(stats.device)
         if table is None:
             table = torch.zeros((4, len(self.backend.moe_layers)), dtype=torch.int64, device=self.device)
-        return table
+        return self.backend_counts() + table.to(self.device) if with_backend else table
 
     def count_native_loss_tokens(self, layout: TokenMetadataLayout, mask: Tensor, batch: Any) -> None:
-        """Loss targets of the step's batch whose logprob row (``t - 1``) has no route (``mask``
-        False: native routing), once per step, on device."""
+        """Loss targets of the step's batch whose logprob row (``t - 1``) is routed natively."""
         loss_mask = batch_field(batch, "loss_mask")
         if loss_mask is not None:
             target_next = layout.from_batch(loss_mask, next_token=True) > 0
             self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
 
     def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
-        """Log the ratios of ``local`` (:meth:`table`); ``missing``: the run's batches without
-        routes, logged with ``native_loss_tokens`` unless None (off mode)."""
+        """Log the ratios of ``local``, and ``missing`` with ``native_loss_tokens`` unless None (off mode)."""
         backend, device = self.backend, self.device
         assert backend is not None
         # [4, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars
-        table = torch.zeros((4, backend.num_layers), dtype=torch.int64, device=device)
-        table.index_copy_(1, self.layer_index(device), local.to(device))
-        extra = torch.zeros(2, dtype=torch.int64, device=device)
+        size = 4 * backend.num_layers
+        vector = torch.zeros(size + 2, dtype=torch.int64, device=device)
+        vector[:size].view(4, -1).index_copy_(1, self.layer_index(device), local.to(device))
         if self._native_loss_tokens is not None:
-            extra[0] += self._native_loss_tokens.to(device)
-        extra[1] += missing or 0
-        vector = torch.cat([table.reshape(-1), extra])
+            vector[size] += self._native_loss_tokens.to(device)
+        vector[size + 1] += missing or 0
         distributed = self.sync_dist and dist.is_available() and dist.is_initialized()
         if self._layers is None:  # MoE layers any rank routes (pipeline stages differ), once per fit
             gathered: list[Any] = [tuple(backend.moe_layers)] * (dist.get_world_size() if distributed else 1)
@@ -139,9 +123,9 @@ class ReplayMetrics:
             self._layers = tuple(sorted({layer for layers in gathered for layer in layers}))
         if distributed:
             dist.all_reduce(vector)  # exact ratios over all ranks; no host sync
-        totals = vector[: table.numel()].reshape(table.shape).double()
+        totals = vector[:size].view(4, -1).double()
         metrics = step_metrics(totals, top_k=backend.top_k, layers=self._layers if self.per_layer else None)
         if missing is not None:
-            metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[table.numel() :]
+            metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[size:]
         for name, value in metrics.items():  # sync_dist=False: summed over ranks above
             pl_module.log(f"router_replay/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)

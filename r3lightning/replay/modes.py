@@ -1,6 +1,5 @@
-"""What each mode does with the active routes: :class:`Replaying` (r3; r2 once recorded) installs
-them, :class:`Comparing` (off) measures native routing against them, :class:`OldPolicyRecorder` (r2)
-records the old-policy forward per row, :class:`MissingRoutes` handles steps without routes."""
+"""What each mode does with the active routes: :class:`Replaying` (r3, r2) installs them, :class:`Comparing`
+(off) measures native routing against them; r2 records with :class:`OldPolicyRecorder`."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -35,16 +34,12 @@ def align_routes(
     backend: RouterReplayBackend,
     layers: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Dense routes ``[*token_shape, L, K]`` (``dummy_routes`` where nothing was captured) and the
-    replay mask ``[*token_shape]``, both on the routes' device. ``layers``: the absolute decoder
-    layer of each route column (None: all ``L``); they must cover ``backend.moe_layers`` and land
-    on their layers (0 elsewhere: never replayed). Host work only; no host sync."""
+    """Dense routes ``[*token_shape, L, K]`` and replay mask ``[*token_shape]`` on the routes' device (no
+    host sync); ``layers``: each route column's decoder layer (None: all), covering ``moe_layers``."""
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
     columns = L if layers is None else len(layers)
     if tuple(routes.row_shape) != (columns, K):
-        raise ValueError(
-            f"route rows must be [num_layers={columns}, top_k={K}], got {list(routes.row_shape)}"
-        )
+        raise ValueError(f"route rows must be [num_layers={columns}, top_k={K}], got {[*routes.row_shape]}")
     if layers is not None and (missing := sorted(set(backend.moe_layers) - set(layers))):
         raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
     pad = lambda n: dummy_routes(n, columns, K, E, device=routes.device)  # noqa: E731
@@ -57,8 +52,7 @@ def align_routes(
 
 
 class Replaying:
-    """r3 / r2: the forwards replay the active install, or route natively without one. The backend
-    counts across installs; going native clears it, so its counts are folded into ``metrics`` first."""
+    """r3 / r2: the forwards replay the active install, or route natively without one."""
 
     def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
         self.backend, self.metrics, self.installed_any = backend, metrics, False
@@ -68,7 +62,7 @@ class Replaying:
             self.backend.install(install.routes, install.mask)
             self.installed_any = True
             return
-        if self.metrics is not None:
+        if self.metrics is not None:  # clearing drops the backend's counts
             self.metrics.add(self.metrics.backend_counts())
         self.backend.clear()
 
@@ -76,14 +70,11 @@ class Replaying:
         return None if self.metrics is None else self.metrics.table(with_backend=True)
 
 
-class Comparing:
+class Comparing(Replaying):
     """off: native routing; what the forwards used while an install is active is recorded and
-    compared with its routes when it ends. A recording that cannot be compared (no forward, or a
-    probe of another token shape) is dropped: off mode only measures. No metrics: nothing done."""
+    compared with its routes when it ends (dropped when it cannot be: no forward, another shape)."""
 
-    def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
-        self.backend, self.metrics, self.installed_any = backend, metrics, False
-        self._open: Install | None = None
+    _open: Install | None = None  # the install the forwards are recorded against
 
     def use(self, install: Install | None) -> None:
         if self.metrics is None:
@@ -103,21 +94,17 @@ class Comparing:
 
     def table(self, *, reopen: bool = True) -> Tensor | None:
         """Compare the forwards recorded so far; ``reopen``: the recording goes on for later ones."""
-        if self.metrics is None:
-            return None
         self.use(self._open if reopen else None)
-        return self.metrics.table(with_backend=False)
+        return None if self.metrics is None else self.metrics.table(with_backend=False)
 
 
 class OldPolicyRecorder:
-    """r2: the routes the old-policy forwards of one step recorded, kept per row of the step's batch
-    (``step_batch``), so every later pass over those rows (re-cut, shuffled, trimmed) finds them.
-    Only the layers the backend routes are kept (``layers``; None: every layer is routed)."""
+    """r2: the routes one step's old-policy forwards recorded, kept per row of ``step_batch``."""
 
     def __init__(self, step_batch: Any = None) -> None:
         self.step_batch = step_batch
         self.rows: dict[int, Tensor] = {}  # step-batch row -> recorded rows [n, L, K]
-        self.layers: tuple[int, ...] | None = None
+        self.layers: tuple[int, ...] | None = None  # those the backend routes (None: all)
         self.recording = False
 
     def rows_in_step(self, batch: Any) -> Tensor | None:
@@ -140,19 +127,14 @@ class OldPolicyRecorder:
     def keep(
         self, recorded: Tensor, layout: TokenMetadataLayout, batch: Any, backend: RouterReplayBackend
     ) -> PackedTensor:
-        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory (real tokens, in
-        order) on the layers ``backend`` routes, set it on ``batch`` and keep it for its rows of the
-        step's batch."""
+        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory; set on ``batch``, kept."""
         if tuple(recorded.shape[:-2]) != layout.token_shape:
-            raise ValueError(
-                f"old_policy_forward recorded token shape {tuple(recorded.shape[:-2])}, expected one forward "
-                f"over the batch with token shape {layout.token_shape}"
-            )
+            got, expected = tuple(recorded.shape[:-2]), layout.token_shape
+            raise ValueError(f"old_policy_forward recorded token shape {got}, expected {expected}")
         if layout.cp_size != 1:
             raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
-        real = (layout.position_sequence >= 0).nonzero().reshape(-1)  # host, sequence-major order
-        index = to_device_async(real, recorded.device)
-        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, index)
+        real = to_device_async(layout.token_mask.reshape(-1).nonzero().reshape(-1), recorded.device)
+        rows = recorded.reshape(-1, *recorded.shape[-2:]).index_select(0, real)  # sequence-major order
         if len(backend.moe_layers) < backend.num_layers:  # dense layers, other stages: not kept
             self.layers = tuple(backend.moe_layers)
             rows = rows.index_select(1, to_device_async(torch.tensor(self.layers), rows.device))
@@ -165,8 +147,7 @@ class OldPolicyRecorder:
 
 
 class MissingRoutes:
-    """Steps with routes expected but none replayed: counted once per step, warned once per run and
-    mode (rank zero), an error under ``strict``. Count and warnings are checkpointed."""
+    """Steps with routes expected but none replayed: counted per step, warned once per mode or raised."""
 
     def __init__(self, strict: bool) -> None:
         self.strict, self.count, self.counted_step = strict, 0, False
@@ -189,11 +170,9 @@ class MissingRoutes:
         return {"batches_without_routes": self.count, "warned": sorted(self.warned)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; a bad field is a ``ValueError`` naming it (nothing changes)."""
         count, warned = state.get("batches_without_routes", 0), state.get("warned", [])
         check_int("RouterReplayCallback state: batches_without_routes", count, 0)
         if not isinstance(warned, list | tuple) or not set(warned) <= {"r3", "r2"}:
-            raise ValueError(
-                f"RouterReplayCallback state: warned must be a list of 'r3' / 'r2', got {warned!r}"
-            )
+            expected = "warned must be a list of 'r3' / 'r2'"
+            raise ValueError(f"RouterReplayCallback state: {expected}, got {warned!r}")
         self.count, self.warned = count, set(warned)

@@ -1,17 +1,8 @@
-"""Router replay for Hugging Face transformers 5.x MoE models (concepts: the docs' "Router replay").
-
-A forward hook on each router (whose forward returns ``(logits [N, E], weights [N, K], indices
-[N, K])``) swaps in the installed experts of its layer (mask False: native) and recomputes the
-weights from the live logits with the family's formula (:mod:`~r3lightning.replay.hf.routers`).
-The router's own forward still picks its own experts: a user hook registered before the backend
-(or with ``prepend=True``) sees that choice, one registered after it sees the replayed output.
-Keyed per router module, so recompute and FSDP2 need nothing special.
-"""
-
-from __future__ import annotations
+"""Router replay for Hugging Face transformers 5.x MoE models, by a forward hook on each router."""
 
 import importlib
 import weakref
+from typing import Self
 
 import torch
 from torch import Tensor, nn
@@ -22,29 +13,22 @@ from r3lightning.replay.backend import (
     routes_on_all_layers,
     validate_routes_for_install,
 )
-from r3lightning.replay.hf.routers import RouterAdapter, _adapter_for, _load_builtins, find_routers
+from r3lightning.replay.hf.routers import RouterAdapter, find_routers
 
 __all__ = ["HFRouterReplay"]
+# router module -> owning backend; one backend per router so hooks never stack
+_OWNERS: "weakref.WeakKeyDictionary[nn.Module, HFRouterReplay]" = weakref.WeakKeyDictionary()
 
 
 def __getattr__(name: str) -> object:  # the old flat r3lightning.replay.hf served the registry's names
     return getattr(importlib.import_module("r3lightning.replay.hf.routers"), name)
 
 
-# router module -> owning backend; one backend per router so hooks never stack
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, HFRouterReplay] = weakref.WeakKeyDictionary()
-
-
 class HFRouterReplay:
-    """Replay / record backend for the MoE routers of a Hugging Face model (``RouterReplayBackend``).
-
-    ``model``: any module holding the routers (a ``*ForCausalLM``, its backbone, a LightningModule);
-    routers map to decoder layers by name (``...layers.<i>....``). :meth:`for_model` shares one
-    backend per model. ``validate``: check installed ids (host syncs for device routes). Per router
-    call with routes installed: that layer widened to int64, a ``where``, the weight formula and two
-    ``[N, K, K]`` comparisons, on device without a sync; idle hooks return at once (``torch.compile``
-    sees nothing). Recording keeps an int32 ``[N, K]`` per MoE layer and forward.
-    """
+    """``RouterReplayBackend`` for the routers inside ``model``, by layer name (``...layers.<i>....``);
+    ``validate``: check installed ids (host syncs). Per router call with routes: an int64 widening, a
+    ``where``, the weight formula and two ``[N, K, K]`` comparisons on device, no sync; idle hooks
+    return at once. Recording keeps an int32 ``[N, K]`` per MoE layer and forward."""
 
     def __init__(self, model: nn.Module, *, validate: bool = True) -> None:
         self.validate = validate
@@ -54,18 +38,14 @@ class HFRouterReplay:
         if len(shapes) != 1:
             raise ValueError(f"routers disagree on (top_k, num_experts): {sorted(shapes)}")
         (self.top_k, self.num_experts), self.moe_layers = shapes.pop(), tuple(layers)
-        config = getattr(model, "config", None)
-        self.num_layers: int = int(getattr(config, "num_hidden_layers", layers[-1] + 1))
+        self.num_layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", layers[-1] + 1))
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at layer {layers[-1]} but num_hidden_layers={self.num_layers}")
         self.model_name = type(model).__name__
         self.clear()
-        for _, name, module, _ in found:
-            if module in _OWNERS:
-                raise RuntimeError(
-                    f"router {name!r} already has a replay backend; use HFRouterReplay.for_model(model) "
-                    "to share it, or call .remove() on the old one"
-                )
+        if owned := [name for _, name, module, _ in found if module in _OWNERS]:
+            fix = "use HFRouterReplay.for_model(model) to share it, or call .remove() on the old one"
+            raise RuntimeError(f"router {owned[0]!r} already has a replay backend; {fix}")
         self.routers: tuple[nn.Module, ...] = tuple(module for _, _, module, _ in found)
         _OWNERS.update(dict.fromkeys(self.routers, self))
         hooks = [self._router_hook(layer, i, adapter) for i, (layer, _, _, adapter) in enumerate(found)]
@@ -77,14 +57,10 @@ class HFRouterReplay:
         )
 
     @classmethod
-    def for_model(cls, model: nn.Module, **kwargs) -> HFRouterReplay:
-        """The backend already attached to ``model``'s routers (as it is: ``kwargs`` only apply to
-        a new one), or a new one built with ``kwargs``."""
-        _load_builtins(imported_only=True)
-        for module in model.modules():
-            if _adapter_for(module) is not None and module in _OWNERS:
-                return _OWNERS[module]
-        return cls(model, **kwargs)
+    def for_model(cls, model: nn.Module, **kwargs) -> Self:
+        """The backend already attached to ``model``'s routers (as it is), else a new one."""
+        owner = next((_OWNERS[module] for module in model.modules() if module in _OWNERS), None)
+        return owner if owner is not None else cls(model, **kwargs)
 
     def remove(self) -> None:
         """Unregister all hooks; the model routes natively and can get a new backend."""
@@ -97,13 +73,10 @@ class HFRouterReplay:
                 del _OWNERS[module]
 
     def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
-        """Replay ``routes [*token_shape, L, K]`` (mask False: native) until :meth:`clear`, kept as
-        given; the first router call moves them to its device (``non_blocking``: pin host routes)."""
-        token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
-        n = routes[..., 0, 0].numel()
-        self._routes = routes.reshape(n, self.num_layers, self.top_k)
-        self._mask = None if replay_mask is None else replay_mask.reshape(n)
-        self._token_shape = token_shape
+        """Replay ``routes [*token_shape, L, K]`` until :meth:`clear`; moved (non-blocking) on first use."""
+        self._token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
+        self._routes = routes.reshape(-1, self.num_layers, self.top_k)  # [N, L, K]
+        self._mask = None if replay_mask is None else replay_mask.reshape(-1)
 
     def clear(self) -> None:
         """Drop installed routes, recording and stats (no device work)."""
@@ -123,14 +96,12 @@ class HFRouterReplay:
         return bool(self._sessions)
 
     def start_recording(self) -> None:
-        """Capture the experts used (after replay) by every forward until :meth:`stop_recording`.
-        Recordings nest: each sees every later forward; ``stop_recording`` closes the innermost."""
+        """Capture the experts used (after replay) until :meth:`stop_recording`; recordings nest."""
         self._sessions.append([])
 
     def stop_recording(self) -> Tensor:
-        """Routes of the recorded forwards, int32 ``[*token_shape, num_layers, top_k]`` on device, 0
-        on dense layers, no host sync. Several forwards (KV-cache generation) are joined along the
-        last token axis: ``generate`` yields one row per forwarded token."""
+        """Routes of the innermost recording, int32 ``[*token_shape, num_layers, top_k]`` on device,
+        no host sync; several forwards (``generate``) are joined along the last token axis."""
         if not self._sessions:
             raise RuntimeError("stop_recording() without a matching start_recording()")
         captures = self._sessions.pop()
@@ -149,13 +120,10 @@ class HFRouterReplay:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
 
     def routing_stats(self) -> dict:
-        """:meth:`RouterReplayBackend.routing_stats`; int64 ``[len(moe_layers)]`` on the logits'
-        device, no sync. No ``used_slots``: the hook returns the replayed experts, so the forward
-        uses every one it replays."""
-        if (stats := self._stats) is None:
-            stats = torch.zeros((2, len(self.moe_layers)), dtype=torch.int64)
-        keys = ("replayed_rows", "agreeing_slots")
-        return dict(layers=self.moe_layers, top_k=self.top_k) | dict(zip(keys, stats.unbind(0), strict=True))
+        """:meth:`RouterReplayBackend.routing_stats` (the forward uses every expert it replays)."""
+        empty = self._stats is None
+        rows, slots = torch.zeros((2, len(self.moe_layers)), dtype=torch.int64) if empty else self._stats
+        return dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)
 
     def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._sessions or in_recompute():
@@ -165,41 +133,39 @@ class HFRouterReplay:
             session.append((tuple(hidden.shape[:-1]), {}))
 
     def _router_hook(self, layer: int, position: int, adapter: RouterAdapter):
+        p_logits, p_weights, p_indices = adapter.output_positions
+
         def hook(module: nn.Module, args: tuple, output: tuple) -> tuple | None:
             if self._routes is None and not self._sessions:
                 return None  # idle: no tensor work and nothing torch.compile cannot trace
-            return self._route(layer, position, adapter, module, output)
+            native = output[p_indices]  # [N, K]
+            recompute = in_recompute()
+            indices, replaced = native, None
+            if self._routes is not None:
+                if (n := native.shape[0]) != len(self._routes):
+                    routed = f"{self.model_name} routed {n} tokens at layer {layer}"
+                    shape = f"token shape {self._token_shape} ({len(self._routes)} tokens)"
+                    raise ValueError(f"{routed} but routes were installed for {shape}")
+                if self._routes.device != native.device:  # once per install: to the router's device
+                    self._routes = self._routes.to(native.device, non_blocking=True)
+                    if self._mask is not None:
+                        self._mask = self._mask.to(native.device, non_blocking=True)
+                installed, mask = self._routes[:, layer].long(), self._mask  # [N, K]: only this layer widened
+                indices = installed if mask is None else torch.where(mask[:, None], installed, native)
+                # in the dtype the router returns: ERNIE computes in fp32 and rounds to its input's
+                weights = adapter.gate_weights(module, output[p_logits], indices).to(output[p_weights].dtype)
+                replaced = list(output)
+                replaced[p_weights], replaced[p_indices] = weights, indices
+                if not recompute:
+                    if self._stats is None:
+                        self._stats = native.new_zeros((2, len(self.moe_layers)), dtype=torch.int64)
+                    self._stats[:, position] += agreement_counts(installed, native, mask)
+            if self._sessions and not recompute:
+                used = indices.detach().to(torch.int32)
+                for session in self._sessions:
+                    if not session:
+                        raise RuntimeError("recording started in the middle of a forward pass")
+                    session[-1][1][layer] = used
+            return None if replaced is None else type(output)(replaced)
 
         return hook
-
-    def _route(
-        self, layer: int, position: int, adapter: RouterAdapter, module: nn.Module, output: tuple
-    ) -> tuple | None:
-        p_logits, p_weights, p_indices = adapter.output_positions
-        native = output[p_indices]  # [N, K]
-        recompute = in_recompute()
-        indices, replaced = native, None
-        if self._routes is not None:
-            if (n := native.shape[0]) != len(self._routes):
-                where = f"{self.model_name} routed {n} tokens at layer {layer} but routes were installed"
-                raise ValueError(f"{where} for token shape {self._token_shape} ({len(self._routes)} tokens)")
-            if self._routes.device != native.device:  # once per install: to the router's device
-                self._routes = self._routes.to(native.device, non_blocking=True)
-                self._mask = None if self._mask is None else self._mask.to(native.device, non_blocking=True)
-            installed, mask = self._routes[:, layer].long(), self._mask  # [N, K]: only this layer widened
-            indices = installed if mask is None else torch.where(mask[:, None], installed, native)
-            # in the dtype the router returns: ERNIE computes in fp32 and rounds to its input's
-            weights = adapter.gate_weights(module, output[p_logits], indices).to(output[p_weights].dtype)
-            replaced = list(output)
-            replaced[p_weights], replaced[p_indices] = weights, indices
-            if not recompute:
-                if self._stats is None:
-                    self._stats = native.new_zeros((2, len(self.moe_layers)), dtype=torch.int64)
-                self._stats[:, position] += agreement_counts(installed, native, mask)
-        if self._sessions and not recompute:
-            used = indices.detach().to(torch.int32)
-            for session in self._sessions:
-                if not session:
-                    raise RuntimeError("recording started in the middle of a forward pass")
-                session[-1][1][layer] = used
-        return None if replaced is None else type(output)(replaced)

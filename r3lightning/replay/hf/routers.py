@@ -1,23 +1,9 @@
-"""Which Hugging Face router types can be replayed, and how: the router adapter registry.
-
-A :class:`RouterAdapter` says where a router's output holds its logits, gate weights and expert
-indices, and how its family turns live logits into gate weights for given experts. Built-in
-families are registered lazily from the installed transformers (``_BUILTIN`` lists the router
-classes per formula); :func:`register_router` adds others. The gate-weight functions ``(router,
-logits [N, E], experts [N, K] int64) -> [N, K]`` are named for the family they were written from:
-
-======================= ===========================================================================
-``qwen3_moe_weights``   fp32 softmax over all experts, top-k renormalised if ``norm_topk_prob``,
-                        in the logits' dtype (Qwen2-MoE, OLMoE, Qwen3-Next, FlexOlmo, Mellum)
-``qwen3_5_moe_weights`` as above, always renormalised (Qwen3-VL-MoE, Qwen3-Omni, Hunyuan-MoE)
-``mixtral_weights``     fp32 softmax over all experts, renormalised, kept in fp32 (MiniMax)
-``deepseek_v3_weights`` sigmoid, optional renormalisation, ``routed_scaling_factor`` (GLM-4 MoE, ...)
-``deepseek_v2_weights`` fp32 softmax over all experts times ``routed_scaling_factor``
-``ernie_weights``       ERNIE-4.5-MoE: softmax renormalised with the sum clamped at ``norm_min``
-``gpt_oss_weights``     softmax over the selected logits only (Aria, GraniteMoE)
-``phimoe_weights``      PhiMoE's sparsemixer, slot by slot
-======================= ===========================================================================
-"""
+"""Which Hugging Face router types can be replayed, and how: the router adapter registry. Built-in
+families (``_BUILTIN``) are registered lazily from the installed transformers; :func:`register_router`
+adds others. The gate-weight functions ``(router, logits [N, E], experts [N, K] int64) -> [N, K]``,
+each named for the family it was written from (the families it serves: the docs' "Modes"):
+``qwen3_moe_weights``, ``qwen3_5_moe_weights``, ``mixtral_weights``, ``deepseek_v3_weights``,
+``deepseek_v2_weights``, ``ernie_weights``, ``gpt_oss_weights``, ``phimoe_weights``."""
 
 import importlib
 import re
@@ -31,15 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# (router module, live logits [N, E], expert ids [N, K] int64) -> gate weights [N, K]
 GateWeightsFn = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
 class RouterAdapter:
-    """How to replay one router type: its forward's tuple holds the logits, gate weights and expert
-    indices at ``output_positions``; ``gate_weights`` recomputes the weights for given indices as
-    the router itself does after its top-k."""
+    """How to replay one router type: where its output tuple holds the logits, gate weights and
+    expert indices, and ``gate_weights``, its own formula for given indices."""
 
     gate_weights: GateWeightsFn
     top_k_attr: str = "top_k"
@@ -48,6 +32,7 @@ class RouterAdapter:
 
 
 def qwen3_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """fp32 softmax over all experts, top-k renormalised if ``norm_topk_prob``, in the logits' dtype."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     if router.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -55,16 +40,19 @@ def qwen3_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Ten
 
 
 def qwen3_5_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """As :func:`qwen3_moe_weights`, always renormalised."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     return (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
 
 
 def mixtral_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """fp32 softmax over all experts, renormalised, kept in fp32."""
     weights = F.softmax(logits.float(), dim=-1).gather(-1, indices)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def deepseek_v3_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """Sigmoid, optionally renormalised, times ``routed_scaling_factor``."""
     # the selection-only e_score_correction_bias and group limit play no part in the weights
     weights = logits.sigmoid().gather(1, indices)
     if router.norm_topk_prob:
@@ -73,27 +61,26 @@ def deepseek_v3_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> T
 
 
 def deepseek_v2_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """fp32 softmax over all experts times ``routed_scaling_factor``."""
     weights = logits.softmax(dim=-1, dtype=torch.float32).gather(-1, indices)
     return weights * router.routed_scaling_factor
 
 
 def ernie_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """fp32 softmax, renormalised with the sum clamped at ``norm_min``."""
     # fp32, as the router computes (moe_statics only selects); the hook rounds to its output dtype
     weights = F.softmax(logits.float(), dim=1, dtype=torch.float).gather(-1, indices)
     return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=router.norm_min)
 
 
 def gpt_oss_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
+    """Softmax over the selected logits only."""
     top = logits.gather(-1, indices)
     return F.softmax(top, dim=1, dtype=top.dtype)
 
 
 def phimoe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """PhiMoE's sparsemixer for given experts: slot ``k`` weighs its expert by the softmax over the
-    experts no earlier slot took, leaving out those whose logit lies more than ``2 *
-    router_jitter_noise`` (relative) below the best of them. In training PhiMoE samples its experts
-    and scales the weights by Heun's estimator; replay uses the given experts and these weights
-    (what inference computes), with their exact gradient."""
+    """PhiMoE's sparsemixer for given experts, as inference computes it (the docs' "Modes")."""
     scores, band = logits, 2 * router.router_jitter_noise
     columns = []
     for k in range(indices.shape[-1]):
@@ -113,13 +100,12 @@ _RENAMED |= {"sigmoid_scaled_weights": "deepseek_v3_weights", "softmax_scaled_we
 
 
 def __getattr__(name: str) -> Any:
-    new = _RENAMED.get(name)
-    if new is None:
+    if (new := _RENAMED.get(name)) is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     message = f"{__name__}.{name} is deprecated (removed in the next minor release); use {__name__}.{new}"
     warnings.warn(message, DeprecationWarning, stacklevel=2)
-    value = globals()[name] = globals()[new]  # warned once, as the other moved names
-    return value
+    globals()[name] = globals()[new]  # warned once, as the other moved names
+    return globals()[new]
 
 
 _ADAPTERS: dict[type[nn.Module], RouterAdapter] = {}
@@ -136,12 +122,11 @@ _BUILTIN: dict[GateWeightsFn, str] = {
     mixtral_weights: "mixtral.MixtralTopKRouter minimax.MiniMaxTopKRouter",
     deepseek_v3_weights: """deepseek_v3.DeepseekV3TopkRouter glm4_moe.Glm4MoeTopkRouter
         glm4_moe_lite.Glm4MoeLiteTopkRouter dots1.Dots1TopkRouter exaone_moe.ExaoneMoeTopkRouter
-        solar_open.SolarOpenTopkRouter deepseek_v32.DeepseekV32TopkRouter
-        glm4v_moe.Glm4vMoeTextTopkRouter glm5_next.Glm5NextTextTopkRouter glm_moe_dsa.GlmMoeDsaTopkRouter
-        kimi_linear.KimiLinearTopkRouter mimo_v2_flash.MiMoV2FlashTopkRouter
-        nemotron_h.NemotronHTopkRouter bailing_hybrid.BailingHybridTopkRouter
-        dots3_note.Dots3NoteTextTopkRouter hy_v4.HYV4TopkRouter hy_v4_vl.HYV4VLTopkRouter
-        axk1.AXK1TopkRouter axk2.AXK2TopkRouter""",
+        solar_open.SolarOpenTopkRouter deepseek_v32.DeepseekV32TopkRouter glm4v_moe.Glm4vMoeTextTopkRouter
+        glm5_next.Glm5NextTextTopkRouter glm_moe_dsa.GlmMoeDsaTopkRouter kimi_linear.KimiLinearTopkRouter
+        mimo_v2_flash.MiMoV2FlashTopkRouter nemotron_h.NemotronHTopkRouter
+        bailing_hybrid.BailingHybridTopkRouter dots3_note.Dots3NoteTextTopkRouter hy_v4.HYV4TopkRouter
+        hy_v4_vl.HYV4VLTopkRouter axk1.AXK1TopkRouter axk2.AXK2TopkRouter""",
     deepseek_v2_weights: """deepseek_v2.DeepseekV2TopkRouter deepseek_ocr2.DeepseekOcr2TextTopkRouter
         unlimited_ocr.UnlimitedOcrTextTopkRouter""",
     ernie_weights: "ernie4_5_moe.Ernie4_5_MoeTopKRouter",
@@ -158,6 +143,9 @@ _INCOMPATIBLE: dict[str, str] = {
     "DbrxRouter": "its forward returns only the logits; the top-k is taken in the experts module",
 }
 _builtins_loaded: set[str] = set()  # 'family.RouterClass' names already looked up
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")  # the innermost layers.<i>.
+_ROUTER_NAME_RE = re.compile(r"(Router|Gate|Gating)$|Top[Kk](Router|Gating)")
+_OUTPUT = "(router_logits [N, E], gate_weights [N, K], expert_indices [N, K])"
 
 
 def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> None:
@@ -170,8 +158,7 @@ def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> Non
 
 
 def _load_builtins(*, imported_only: bool = False) -> None:
-    """Register the built-in families' routers; ``imported_only``: only those whose modeling module is
-    imported already (as a model's own is), so finding routers never imports the ~40 others."""
+    """Register the built-in routers; ``imported_only``: of imported families only (not all ~40)."""
     for gate_weights, names in _BUILTIN.items():
         adapter = RouterAdapter(gate_weights)
         for name in names.split():
@@ -184,8 +171,7 @@ def _load_builtins(*, imported_only: bool = False) -> None:
                 module = importlib.import_module(module_name)
             except ImportError:
                 continue
-            router_cls = getattr(module, class_name, None)
-            if router_cls is not None:
+            if (router_cls := getattr(module, class_name, None)) is not None:
                 _ADAPTERS.setdefault(router_cls, adapter)
 
 
@@ -200,20 +186,15 @@ def _adapter_for(module: nn.Module) -> RouterAdapter | None:
     return next((_ADAPTERS[cls] for cls in type(module).__mro__ if cls in _ADAPTERS), None)
 
 
-_LAYER_RE = re.compile(r"\.layers\.(\d+)\.(?!.*\.layers\.\d+\.)")
-
-
 def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdapter]]:
-    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer: the
-    ``<i>`` of the innermost ``layers.<i>.`` in its name. A router outside such a list, several on
-    one layer, or none at all is a ``ValueError`` naming the model class."""
+    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer (the
+    innermost ``layers.<i>.`` in its name); none, or two on one layer, is a ``ValueError``."""
     _load_builtins(imported_only=True)
     found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
     for name, module in model.named_modules():
         if (adapter := _adapter_for(module)) is None:
             continue
-        match = _LAYER_RE.search(f".{name}.")
-        if match is None:
+        if (match := _LAYER_RE.search(f".{name}.")) is None:
             where = f"router {name!r} ({type(module).__name__})"
             raise ValueError(f"{where} is not inside a 'layers.<i>' module list: no decoder-layer index")
         found.append((int(match.group(1)), name, module, adapter))
@@ -229,15 +210,10 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
     return found
 
 
-_ROUTER_NAME_RE = re.compile(r"(Router|Gate|Gating)$|Top[Kk](Router|Gating)")
-_OUTPUT = "(router_logits [N, E], gate_weights [N, K], expert_indices [N, K])"
-
-
 def _no_router_message(model: nn.Module) -> str:
-    """Why ``model`` has nothing to replay, naming the router-like module found and the fix."""
     model_name = type(model).__name__
-    found = [(name, type(m)) for name, m in model.named_modules() if _ROUTER_NAME_RE.search(type(m).__name__)]
-    name, cls = found[0] if found else ("", None)
+    like = ((name, type(m)) for name, m in model.named_modules() if _ROUTER_NAME_RE.search(type(m).__name__))
+    name, cls = next(like, ("", None))
     fix = (
         "    from r3lightning.replay.hf.routers import RouterAdapter, qwen3_moe_weights, register_router\n"
         f"    register_router({cls.__name__ if cls else 'MyRouter'}, RouterAdapter(gate_weights=qwen3_moe_weights))"
@@ -246,11 +222,8 @@ def _no_router_message(model: nn.Module) -> str:
         known = sorted(c.__name__ for c in _ADAPTERS)
         return f"no MoE router found in {model_name}; supported router types: {known}. Yours replays once registered:\n{fix}"
     where = f"{name!r} ({cls.__module__}.{cls.__name__})"
-    if cls.__name__ in _INCOMPATIBLE:
-        reason = _INCOMPATIBLE[cls.__name__]
+    if reason := _INCOMPATIBLE.get(cls.__name__):
         return f"{model_name}'s router {where} cannot be replayed: {reason}, while replay rewrites {_OUTPUT}"
-    return (
-        f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}, a router "
-        f"type r3lightning does not know. If its forward returns {_OUTPUT}, register it with the function "
-        f"that turns logits into its gate weights for given experts (or one of your own):\n{fix}"
-    )
+    unknown = f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}"
+    register = f"If its forward returns {_OUTPUT}, register it with its gate-weight function"
+    return f"{unknown}, a router type r3lightning does not know. {register} (or one of your own):\n{fix}"

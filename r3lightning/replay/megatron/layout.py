@@ -1,12 +1,8 @@
-"""A megatron-core rank's TP/CP position and token layout: packed (THD) sequences padded to TP (``2 *
-TP * CP`` with CP; fp8 to ``lcm(16, align)`` per sequence and ``128 * align`` per row, as verl packs);
-under sequence parallelism each TP rank's routers see its contiguous ``1/TP`` of the row."""
-
-from __future__ import annotations
+"""A megatron-core rank's TP/CP position and the token layout its routers see."""
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 from megatron.core import parallel_state
@@ -17,16 +13,14 @@ from r3lightning.ragged import to_device_async
 from r3lightning.replay.batch_fields import host_attention_mask
 
 __all__ = ["MegatronParallelism", "megatron_padding_mask", "megatron_token_layout"]
-
 FP8_SEQUENCE_MULTIPLE = 16  # fp8 GEMMs need token counts that are multiples of 16
 FP8_BLOCK = 128  # block-scaled fp8 quantises the packed row in blocks of 128 per alignment unit
 
 
 @dataclass(frozen=True)
 class MegatronParallelism:
-    """This rank's tensor- and context-parallel position, as router replay needs it.
-    ``sequence_parallel``: each TP rank's routers see only its contiguous ``1/tp_size`` of the
-    sequence (megatron's MoE with TP > 1 runs with it)."""
+    """This rank's tensor- and context-parallel position; ``sequence_parallel``: each TP rank's
+    routers see only its contiguous ``1/tp_size`` of the sequence."""
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -39,9 +33,8 @@ class MegatronParallelism:
         check_rank("cp_rank", self.cp_rank, "cp_size", check_int("cp_size", self.cp_size))
 
     @classmethod
-    def resolve(cls, *, sequence_parallel: bool | None = None) -> MegatronParallelism:
-        """From ``megatron.core.parallel_state`` (TP = CP = 1 before it is initialised);
-        ``sequence_parallel`` defaults to ``tp_size > 1``."""
+    def resolve(cls, *, sequence_parallel: bool | None = None) -> Self:
+        """From ``megatron.core.parallel_state`` (TP = CP = 1 before it is initialised)."""
         if not parallel_state.model_parallel_is_initialized():
             return cls(sequence_parallel=bool(sequence_parallel))
         ps = parallel_state
@@ -56,7 +49,7 @@ class MegatronParallelism:
         return 2 * self.tp_size * self.cp_size if self.cp_size > 1 else self.tp_size
 
     def packed_multiples(self, *, fp8: bool = False) -> tuple[int, int]:
-        """``(per sequence, whole row)`` pad multiples of the packed layout (see the module)."""
+        """``(per sequence, whole row)`` pad multiples of the packed layout (fp8: as verl packs)."""
         align = self.pad_to_multiple
         return (math.lcm(FP8_SEQUENCE_MULTIPLE, align), FP8_BLOCK * align) if fp8 else (align, 1)
 
@@ -70,9 +63,7 @@ def megatron_token_layout(
     fp8: bool = False,
 ) -> TokenMetadataLayout:
     """Layout of the tokens this rank's megatron model sees for a left-padded mask ``[B, S]`` or a
-    batch holding one (a ``RolloutBatch``'s host lengths: no sync). ``packed``: THD, ``[1, T_local]``
-    for this CP rank (with ``fp8`` padding); else megatron's unpacked ``[B, S']`` (real tokens in
-    front with ``side="right"``; no CP). ``parallelism``: :meth:`MegatronParallelism.resolve`."""
+    batch holding one: ``packed`` THD ``[1, T_local]`` of this CP rank, else unpacked ``[B, S']``."""
     if isinstance(batch, Tensor) and batch.dim() != 2:
         raise ValueError(f"attention_mask must be [B, S], got shape {tuple(batch.shape)}")
     mask = batch.detach().cpu() if isinstance(batch, Tensor) else host_attention_mask(batch)
@@ -89,7 +80,6 @@ def megatron_token_layout(
 
 
 def megatron_padding_mask(layout: TokenMetadataLayout, device: torch.device | str | None = None) -> Tensor:
-    """bool ``[*token_shape]``, True on padding: ``padding_mask`` for ``GPTModel`` (pre-split shape)
-    or ``MoELayer``; megatron leaves it out of aux losses and expert-bias counts. No host sync."""
+    """bool ``[*token_shape]``, True on padding: the ``padding_mask`` of ``GPTModel`` / ``MoELayer``."""
     mask = ~layout.token_mask
     return mask if device is None else to_device_async(mask, torch.device(device))

@@ -1,8 +1,6 @@
-"""Router replay for megatron-core MoE models (``moe_enable_routing_replay=True``), through megatron's
-own ``RouterReplay``: install each micro-batch's routes in the ``forward_step_func`` before its
-forward (VPP: with ``vp_stage``); recompute replays them in megatron's order under any schedule."""
+"""Router replay for megatron-core MoE models through megatron's own ``RouterReplay``."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -25,9 +23,8 @@ from r3lightning.replay.megatron.router import MaskedRouterReplay
 __all__ = ["MegatronParallelism", "MegatronRouterReplay", "megatron_padding_mask", "megatron_token_layout"]
 
 
-def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRouter]) -> list[int | None]:
-    """Each router's virtual pipeline stage (None without VPP): the ``vp_stage`` of a module holding
-    it (megatron's chunks carry one), else its chunk's index when ``modules`` are one per stage."""
+def _virtual_stages(config: Any, modules: list[nn.Module], routers: Sequence[TopKRouter]) -> list[int | None]:
+    """Each router's virtual pipeline stage (None without VPP): its module's ``vp_stage`` or chunk index."""
     vpp = getattr(config, "virtual_pipeline_model_parallel_size", None)
     if not (vpp and vpp > 1) and parallel_state.model_parallel_is_initialized():
         vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
@@ -44,23 +41,18 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: list[TopKRou
         return [None] * len(routers)
     stages = [stage_of.get(id(r), chunk_of[id(r)] if len(modules) == vpp else None) for r in routers]
     if None in stages:
+        layer = routers[stages.index(None)].layer_number - 1
         raise ValueError(
-            f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell the virtual "
-            f"stage of the router at decoder layer {routers[stages.index(None)].layer_number - 1}; pass the "
-            "list of model chunks megatron builds (one per virtual stage, in stage order) or modules carrying vp_stage"
+            f"virtual pipeline parallelism (virtual_pipeline_model_parallel_size={vpp}): cannot tell the "
+            f"virtual stage of the router at decoder layer {layer}; pass the model chunks in stage order"
         )
     return stages
 
 
 class MegatronRouterReplay:
-    """Replay / record backend for the MoE routers of one megatron-core pipeline stage.
-
-    ``model_or_modules``: the stage's model (or a DDP/Float16 wrapper) or modules holding its
-    ``TopKRouter`` s (with VPP: megatron's model chunks). ``parallelism`` defaults to
-    :meth:`MegatronParallelism.resolve` with ``config.sequence_parallel``; ``tp_group`` (default:
-    megatron's) serves :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on
-    install (a host sync). Routes stay until :meth:`clear`; backends over one model share state.
-    """
+    """``RouterReplayBackend`` for the ``TopKRouter`` s of one pipeline stage: its model (or a wrapper)
+    or modules holding them (VPP: the model chunks). ``tp_group`` (default: megatron's) serves
+    :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on install (a sync)."""
 
     def __init__(
         self,
@@ -82,9 +74,7 @@ class MegatronRouterReplay:
             )
         self.config = cfg = config if config is not None else next(iter(found)).config
         if getattr(cfg, "moe_router_load_balancing_type", None) == "sinkhorn":
-            raise ValueError(
-                "router replay cannot replay sinkhorn routing: it picks experts without RouterReplay"
-            )
+            raise ValueError("sinkhorn routing (moe_router_load_balancing_type) bypasses RouterReplay")
         if getattr(cfg, "moe_expert_capacity_factor", None) is not None:
             raise ValueError(
                 f"router replay needs dropless MoE, got moe_expert_capacity_factor={cfg.moe_expert_capacity_factor}: "
@@ -93,17 +83,16 @@ class MegatronRouterReplay:
         for router in found:
             if router.router_replay is None:
                 raise ValueError(
-                    "the MoE routers were built with moe_enable_routing_replay=False: TopKRouter "
-                    "creates its RouterReplay only at construction, so build the model with "
-                    "TransformerConfig(moe_enable_routing_replay=True)"
+                    "the routers were built with moe_enable_routing_replay=False (RouterReplay is made at "
+                    "construction): build with TransformerConfig(moe_enable_routing_replay=True)"
                 )
             if router.layer_number is None:
                 raise ValueError(
                     "a TopKRouter has no layer_number (an MoELayer built outside a TransformerLayer): "
                     "call moe_layer.set_layer_number(n) with its 1-based global decoder-layer number"
                 )
-        self._routers = sorted(found, key=lambda router: router.layer_number)
-        layers = [router.layer_number - 1 for router in self._routers]
+        self.routers: list[TopKRouter] = sorted(found, key=lambda router: router.layer_number)
+        layers = [router.layer_number - 1 for router in self.routers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
         self.num_layers, self.top_k = int(cfg.num_layers), int(cfg.moe_router_topk)
@@ -114,19 +103,14 @@ class MegatronRouterReplay:
         sp = bool(getattr(cfg, "sequence_parallel", False))
         self.parallelism = parallelism or MegatronParallelism.resolve(sequence_parallel=sp)
         self.validate, self._tp_group = validate, tp_group
-        self._replays = [MaskedRouterReplay.attach(router) for router in self._routers]
+        self._replays = [MaskedRouterReplay.attach(router) for router in self.routers]
         # per router (moe_layers order); None everywhere without virtual pipeline parallelism
-        self.vp_stages: tuple[int | None, ...] = tuple(_virtual_stages(self.config, modules, self._routers))
-
-    @property
-    def routers(self) -> list[TopKRouter]:
-        """This stage's ``TopKRouter`` modules, in ``moe_layers`` order."""
-        return list(self._routers)
+        self.vp_stages: tuple[int | None, ...] = tuple(_virtual_stages(self.config, modules, self.routers))
 
     def build_layout(
         self, batch: Any, *, packed: bool = True, fp8: bool | None = None
     ) -> TokenMetadataLayout:
-        """:func:`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8`` being set."""
+        """:func:`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8``."""
         fp8 = packed and bool(getattr(self.config, "fp8", None)) if fp8 is None else fp8
         return megatron_token_layout(batch, packed=packed, parallelism=self.parallelism, fp8=fp8)
 
@@ -140,12 +124,11 @@ class MegatronRouterReplay:
     def install(
         self, routes: Tensor, replay_mask: Tensor | None = None, *, vp_stage: int | None = None
     ) -> None:
-        """Replay ``routes [B, S, L, K]`` (before the sequence-parallel split; mask False: native) in
-        the next forward and its recompute; with VPP only chunk ``vp_stage``'s routers take them. One
-        int64 copy of this rank's rows per layer (``non_blocking``); no host sync unless ``validate``."""
+        """Replay ``routes [B, S, L, K]`` (pre-SP-split) in the next forward and its recompute, on chunk
+        ``vp_stage``'s routers with VPP; one int64 copy per layer, no host sync unless ``validate``."""
         targets = self._stage_positions(vp_stage)
         validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
-        device = self._routers[0].weight.device
+        device = self.routers[0].weight.device
         local = self._split_sequence(routes)  # [N, L, K] compact dtype
         if replay_mask is not None:
             replay_mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)
@@ -155,10 +138,9 @@ class MegatronRouterReplay:
             self._replays[position].install(rows.copy_(layer_rows, non_blocking=True), replay_mask)
 
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
-        """The ``vp_stage`` to install with for ``chunk`` (a model chunk or a wrapper of it, as the
-        ``forward_step_func`` gets it); None without virtual pipeline parallelism."""
+        """The ``vp_stage`` to install with for the ``forward_step_func``'s ``chunk`` (None without VPP)."""
         inside = {id(module) for module in chunk.modules()}
-        stages = {s for r, s in zip(self._routers, self.vp_stages, strict=True) if id(r) in inside}
+        stages = {s for r, s in zip(self.routers, self.vp_stages, strict=True) if id(r) in inside}
         if len(stages) != 1:
             found = sorted(stages, key=str)
             raise ValueError(f"{type(chunk).__name__} holds routers of virtual stages {found}, not one")
@@ -166,27 +148,25 @@ class MegatronRouterReplay:
 
     def _stage_positions(self, vp_stage: int | None) -> list[int]:  # into moe_layers
         stages = sorted({s for s in self.vp_stages if s is not None})
-        if not stages:
-            if vp_stage not in (None, 0):
-                raise ValueError(f"vp_stage={vp_stage!r} given, but the model has no virtual pipeline stages")
-            return list(range(len(self.moe_layers)))
-        if vp_stage is None:
+        if not stages and vp_stage not in (None, 0):
+            raise ValueError(f"vp_stage={vp_stage!r} given, but the model has no virtual pipeline stages")
+        if stages and vp_stage is None:
             chunks = f"virtual pipeline parallelism (model chunks of stages {stages})"
             raise ValueError(f"{chunks}: install(..., vp_stage=) is required, the forward_step_func's")
-        positions = [i for i, s in enumerate(self.vp_stages) if s == vp_stage]
+        positions = [i for i, s in enumerate(self.vp_stages) if s == vp_stage or not stages]
         if not positions:
             raise ValueError(f"vp_stage must be one of {stages} (this rank's MoE chunks), got {vp_stage!r}")
         return positions
 
     def clear(self) -> None:
-        """Drop installed routes, queued recompute entries, recording and stats; route natively."""
+        """Drop installed routes, queued recompute entries, recording and stats."""
         for replay in self._replays:
             replay.reset()
 
     def remove(self) -> None:
         """:meth:`clear` and unhook the routers (they keep the mask-aware ``RouterReplay``)."""
         self.clear()
-        for router, replay in zip(self._routers, self._replays, strict=True):
+        for router, replay in zip(self.routers, self._replays, strict=True):
             if replay.hook is not None:
                 replay.hook.remove()
                 replay.hook = None
@@ -194,17 +174,15 @@ class MegatronRouterReplay:
                 router.config = replay.fused_config
 
     def start_recording(self) -> None:
-        """Capture the experts used (after any replay) in the following forwards (megatron's RECORD)."""
+        """Capture the experts used (after any replay) in the following forwards."""
         for replay in self._replays:
-            replay.recording = True
-            replay.recorded_topk_idx = None
+            replay.recording, replay.recorded_topk_idx = True, None
             if replay.target_topk_idx is None:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
 
     def stop_recording(self) -> Tensor:
-        """Experts the last forward used, int32 ``[B, S, num_layers, top_k]`` (the token shape before
-        the sequence-parallel split: TP ranks all-gather their rows, a collective) on the routers'
-        device; 0 on layers not routed here (dense, other pipeline stages)."""
+        """Experts the last forward used, int32 ``[B, S, num_layers, top_k]`` (before the SP split: TP
+        ranks all-gather their rows, a collective), 0 on layers not routed here."""
         recorded = [replay.recorded_topk_idx for replay in self._replays]
         batch = self._replays[0].token_batch
         for replay in self._replays:
@@ -217,10 +195,8 @@ class MegatronRouterReplay:
         par = self.parallelism
         if par.sequence_parallel and par.tp_size > 1:
             if self._tp_group is None and not parallel_state.model_parallel_is_initialized():
-                raise RuntimeError(
-                    f"stop_recording with tp_size={par.tp_size} gathers over the TP group: pass "
-                    "tp_group= or initialise megatron.core.parallel_state"
-                )
+                fix = "pass tp_group= or initialise megatron.core.parallel_state"
+                raise RuntimeError(f"stop_recording with tp_size={par.tp_size} gathers over TP ranks: {fix}")
             group = self._tp_group or parallel_state.get_tensor_model_parallel_group()
             pieces = [torch.empty_like(local) for _ in range(par.tp_size)]
             dist.all_gather(pieces, local.contiguous(), group=group)
@@ -230,7 +206,7 @@ class MegatronRouterReplay:
         return routes_on_all_layers(rows, tokens.shape[:2], self.num_layers, self.top_k)
 
     def routing_stats(self) -> dict:
-        """:meth:`RouterReplayBackend.routing_stats` of this rank's local MoE layers (on device)."""
+        """:meth:`RouterReplayBackend.routing_stats` of this rank's MoE layers."""
         known = [r.counts for r in self._replays if r.counts is not None]
         zero = torch.zeros(2, dtype=torch.int64, device=known[0].device if known else "cpu")
         rows, slots = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)

@@ -1,12 +1,8 @@
-"""megatron-core's ``RouterReplay`` with a per-token replay mask (carried through the recompute FIFO),
-agreement counts and recording; it also fixes megatron-core 0.16-0.19's expert-bias padding mask and
-replays fused routers through the unfused top-k. Without a mask: exactly megatron's ``REPLAY_*``."""
-
-from __future__ import annotations
+"""megatron-core's ``RouterReplay`` with a per-token replay mask, agreement counts and recording."""
 
 import copy
 import types
-from typing import Any
+from typing import Any, Self
 
 import torch
 from megatron.core import package_info
@@ -17,37 +13,27 @@ from torch import Tensor, nn
 from r3lightning.replay.backend import agreement_counts, in_recompute
 
 __all__ = ["MaskedRouterReplay"]
-
 # megatron-core versions whose TopKRouter._apply_expert_bias broadcasts the padding mask wrongly
 _EXPERT_BIAS_MASK_BUG = (package_info.MAJOR, package_info.MINOR) < (0, 20)
-
 _FORWARD = RouterReplayAction.REPLAY_FORWARD
 _BACKWARD = RouterReplayAction.REPLAY_BACKWARD
 
 
 class MaskedRouterReplay(RouterReplay):
-    """One router's replay state: ``target_mask`` travels with each ``target_topk_idx`` through the
-    recompute FIFO (``replay_backward_masks`` mirrors ``replay_backward_list``)."""
+    """One router's replay state; ``replay_backward_masks`` mirrors the FIFO ``replay_backward_list``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.target_mask: Tensor | None = None  # [N] bool on the routes' device, or None
-        self.replay_backward_masks: list[Tensor | None] = []
-        self.fresh = False  # installed routes not yet consumed by a forward (already queued)
-        self.recording = False
-        self.token_batch: int | None = None  # b of the last forward's [s, b, h] input
-        self.counts: Tensor | None = None  # agreement_counts [3] int64 of the forwards, on device
+        self.reset()
         self.hook: Any = None
         self.fused_config: Any = None  # the router's own config when it uses the fused top-k
         self.unfused_config: Any = None  # its copy with moe_router_fusion=False, used to replay
 
     @classmethod
-    def attach(cls, router: TopKRouter) -> MaskedRouterReplay:
+    def attach(cls, router: TopKRouter) -> Self:
         """Swap ``router.router_replay`` for this class (same slot in megatron's global list)."""
-        current = router.router_replay
-        if isinstance(current, cls):
-            replay = current
-        else:
+        replay = current = router.router_replay
+        if not isinstance(current, cls):
             replay = cls()
             instances = RouterReplay.global_router_replay_instances
             instances.pop()  # the entry __init__ just appended; take over the old one's slot (or append)
@@ -64,8 +50,7 @@ class MaskedRouterReplay(RouterReplay):
         return replay
 
     def install(self, indices: Tensor, mask: Tensor | None) -> None:
-        """Replay ``indices [N, K]`` int64 (``mask [N]`` False: native) in the next forward; an install
-        no forward used yet is replaced, with its recompute entry."""
+        """Replay ``indices [N, K]`` (``mask [N]`` False: native) next forward; replaces an unused install."""
         if self.fresh:
             self.replay_backward_list.pop()
             self.replay_backward_masks.pop()
@@ -80,11 +65,13 @@ class MaskedRouterReplay(RouterReplay):
 
     def clear_indices(self) -> None:
         super().clear_indices()
+        # target_mask: [N] bool or None; fresh: installed routes no forward used yet (already queued)
         self.target_mask, self.replay_backward_masks, self.fresh = None, [], False
 
     def reset(self) -> None:
         self.clear_indices()
         self.clear_router_replay_action()
+        # token_batch: b of the last forward's [s, b, h] input; counts: agreement_counts [2] of the forwards
         self.recording, self.recorded_topk_idx, self.token_batch, self.counts = False, None, None, None
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
@@ -139,8 +126,7 @@ class MaskedRouterReplay(RouterReplay):
 
 
 def _count_expert_tokens(router: TopKRouter, routing_map: Tensor, padding_mask: Tensor | None = None) -> None:
-    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token; nothing in
-    evaluation or recompute (no grad there), as megatron does."""
+    """``TopKRouter._apply_expert_bias`` with the ``[N]`` padding mask broadcast per token."""
     if router.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():
             if padding_mask is not None:
