@@ -91,39 +91,50 @@ def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
         raise JobError(f"{key}: {one_line(exc)}") from None
 
 
-_SCALARS: dict[type, tuple[str, Callable[[Any], bool]]] = {
-    bool: ("true or false", lambda v: isinstance(v, bool)),
+Rule = tuple[str, Callable[[Any], bool]]  # (what a value must be, its check)
+BOOL: Rule = ("true or false", lambda v: isinstance(v, bool))
+_TYPES: dict[Any, Rule] = {  # the rule of a settings field's type
+    bool: BOOL,
     int: ("an integer", lambda v: type(v) is int),
     float: ("a number", lambda v: type(v) in (int, float)),
     str: ("a string", lambda v: isinstance(v, str)),
+    type(None): ("null", lambda v: v is None),
 }
+
+
+def require(key: str, value: Any, rule: Rule) -> Any:
+    """``value`` if ``rule`` accepts it, else the job's one error: ``KEY must be X, got V``."""
+    expected, ok = rule
+    with contextlib.suppress(TypeError, ValueError):
+        if ok(value):
+            return value
+    raise JobError(f"{key} must be {expected}, got {value!r}")
 
 
 def _check_value(key: str, value: Any, tp: Any) -> Any:
     """``value`` as ``tp`` (int -> float, list -> tuple, mapping -> dataclass), else a JobError."""
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested settings group
-        if not isinstance(value, Mapping):
-            fields = [f.name for f in dataclasses.fields(tp)]
-            raise JobError(f"{key} must be a mapping with keys among {fields}, got {value!r}")
+        fields = [f.name for f in dataclasses.fields(tp)]
+        require(key, value, (f"a mapping with keys among {fields}", lambda v: isinstance(v, Mapping)))
         return dataclass_from(tp, value, key)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        options = [o for o in typing.get_args(tp) if o is not type(None)]
-        optional = len(options) < len(typing.get_args(tp))
-        if value is None and optional:
-            return None
-        for option in options:
+        for option in typing.get_args(tp):
             with contextlib.suppress(JobError):
                 return _check_value(key, value, option)
-        expected = " or ".join(_SCALARS.get(o, (getattr(o, "__name__", str(o)),))[0] for o in options)
-        raise JobError(f"{key} must be {expected}{' or null' if optional else ''}, got {value!r}")
+        texts = [_TYPES.get(o, (getattr(o, "__name__", str(o)),))[0] for o in typing.get_args(tp)]
+        return require(key, value, (" or ".join(texts), lambda v: False))
     if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
-        if not isinstance(value, list | tuple) or (args and len(value) != len(args)):
-            raise JobError(f"{key} must be a list of {len(args)} values, got {value!r}")
-        pairs = enumerate(zip(value, args, strict=True))
-        return tuple(_check_value(f"{key}[{i}]", v, a) for i, (v, a) in pairs)
-    if tp in _SCALARS and not _SCALARS[tp][1](value):
-        raise JobError(f"{key} must be {_SCALARS[tp][0]}, got {value!r}")
+        require(
+            key,
+            value,
+            (f"a list of {len(args)} values", lambda v: isinstance(v, list | tuple) and len(v) == len(args)),
+        )
+        return tuple(
+            _check_value(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))
+        )
+    if tp in _TYPES:
+        require(key, value, _TYPES[tp])
     return float(value) if tp is float else value
 
 

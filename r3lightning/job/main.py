@@ -17,13 +17,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
-from r3lightning.job.build import one_line
+from r3lightning.job.build import one_line, require
 from r3lightning.job.common import JobError, is_global_zero
 from r3lightning.job.help import format_help
 from r3lightning.job.report import environment, environment_line, format_table, plot_runs
-from r3lightning.job.setup import CONF_DIR, MODES, check_config, model_runtime, replay_settings, train_one
+from r3lightning.job.setup import CONF_DIR, RULES, check_config, model_runtime, replay_settings, train_one
 from r3lightning.wire.errors import RemoteGenerateError
 
 PROG = "r3lightning-train"
@@ -43,8 +43,8 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
         name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
         if spec:
             raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
-        if mode is not None and str(mode) not in MODES:
-            raise JobError(f"{where}.replay must be one of {list(MODES)}, got {mode!r}")
+        if mode is not None:
+            require(f"{where}.replay", mode, RULES["replay.mode"])
         if not _ARM_NAME.fullmatch(name) or name in out:
             problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
             raise JobError(f"{where}.name {name!r} {problem}")
@@ -65,10 +65,7 @@ def arms(cfg: DictConfig) -> dict[str, DictConfig]:
 
 def run_seeds(cfg: DictConfig) -> list[int]:
     """``seed``, ``seed + 1``, ... (``seeds`` of them): every arm runs each."""
-    count = cfg.get("seeds", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise JobError(f"seeds must be an integer >= 1, got {count!r}")
-    return [int(cfg.seed) + i for i in range(count)]
+    return [int(cfg.seed) + i for i in range(require("seeds", cfg.get("seeds", 1), RULES["seeds"]))]
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
@@ -138,9 +135,6 @@ def _run_in(cfg: DictConfig, run_dir: Path, args: list[str], label: str, new_dir
         return 0
     except JobError as exc:
         return _error(exc, label)
-    except MissingMandatoryValue as exc:
-        key = exc.full_key or "a required value"
-        return _error(f"{key} must be set (add {key}=... to the command line)", label)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)
         return _error(f"{key}: {str(exc).splitlines()[0]}" if key else str(exc).splitlines()[0], label)

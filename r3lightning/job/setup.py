@@ -6,18 +6,20 @@ import contextlib
 import importlib.util
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from r3lightning.correction.grpo import GRPOConfig
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.job import build
-from r3lightning.job.build import build_model, dataclass_from, instantiate_node, plain
+from r3lightning.job.build import BOOL, Rule, build_model, dataclass_from, instantiate_node, plain, require
 from r3lightning.job.common import JobError, is_global_zero
+from r3lightning.job.models import torch_dtype
 from r3lightning.job.rollout_settings import check_rollout
 from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.wire.request import RouteSchema
@@ -31,7 +33,6 @@ __all__ = ["CONF_DIR", "JobError", "build_model", "check_config", "is_global_zer
 # checkout or an editable install reads the repository's top-level conf/.
 _PACKAGED_CONF = Path(__file__).resolve().parents[1] / "conf"
 CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[2] / "conf"
-MODES = ("r3", "r2", "off")  # replay modes
 _EMBEDDED_PROTOCOLS = ("skyrl", "sglang")  # what the embedded engine speaks
 _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use instead
     "max_epochs": "steps (one epoch is one RL step)",
@@ -41,26 +42,24 @@ _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use i
 # ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
 OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace=True)
 
-Rule = tuple[str, Callable[[Any], bool]]  # (what the value must be, its check)
 
-
-def _integer(low: int, high: int | None = None) -> Rule:
+def integer(low: int, high: int | None = None) -> Rule:
     text = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
     return text, lambda v: type(v) is int and low <= v <= (v if high is None else high)
 
 
-def _number(low: float, *, above: bool = True) -> Rule:
+def number(low: float, *, above: bool = True) -> Rule:
     def ok(v: Any) -> bool:
         return type(v) in (int, float) and math.isfinite(v) and (v > low if above else v >= low)
 
     return f"a number {'>' if above else '>='} {low:g}", ok
 
 
-def _null(rule: Rule) -> Rule:
+def or_null(rule: Rule) -> Rule:
     return f"{rule[0]} or null", lambda v: v is None or rule[1](v)
 
 
-def _one_of(*options: str) -> Rule:
+def one_of(*options: Any) -> Rule:
     return f"one of {list(options)}", lambda v: v in options
 
 
@@ -69,71 +68,51 @@ def _urls_ok(value: Any) -> bool:
     return value is None or (urls != [] and all(str(u).startswith(("http://", "https://")) for u in urls))
 
 
-_BOOL: Rule = ("true or false", lambda v: isinstance(v, bool))
 _DTYPE: Rule = (
     "a floating torch dtype name (float32, bfloat16, float16)",
-    lambda v: getattr(getattr(torch, str(v), None), "is_floating_point", False) is True,
+    lambda v: torch_dtype(v).is_floating_point,
 )
 _URLS: Rule = ("null (embedded engine), http(s)://host:port or a list of them", _urls_ok)
 # Every value the job reads itself, checked (where present) before anything is built; the settings
 # groups are checked by their dataclasses, the data module's keys by building it once.
-_RULES: dict[str, Rule] = {
-    "seed": _integer(0, 2**32 - 1),  # Lightning's seed_everything range
-    "steps": _integer(1),
-    "prompts_per_step": _integer(1),
-    "reward_threads": _integer(0),
-    "resume": _BOOL,
-    "plot": _BOOL,
+RULES: dict[str, Rule] = {
+    "seed": integer(0, 2**32 - 1),  # Lightning's seed_everything range
+    "steps": integer(1),
+    "seeds": integer(1),
+    "prompts_per_step": integer(1),
+    "reward_threads": integer(0),
+    "resume": BOOL,
+    "plot": BOOL,
     "loggers": ("a list of {_target_: ...} entries (or null)", lambda v: v is None or isinstance(v, list)),
-    "reward.timeout_s": _null(_number(0)),
-    "task.vocab_size": _null(_integer(1)),
-    "task.num_classes": _integer(2),
-    "task.prompt_length": _integer(1),
-    "task.response_length": _integer(1),
-    "task.first_token": _integer(0),
-    "task.max_prompt_length": _integer(1),
-    "task.overlong": _one_of("drop", "truncate_left", "truncate_right"),
-    "task.shuffle": _BOOL,
+    "reward.timeout_s": or_null(number(0)),
+    "task.vocab_size": or_null(integer(1)),
+    "task.num_classes": integer(2),
+    "task.prompt_length": integer(1),
+    "task.response_length": integer(1),
+    "task.first_token": integer(0),
+    "task.max_prompt_length": integer(1),
+    "task.overlong": one_of("drop", "truncate_left", "truncate_right"),
+    "task.shuffle": BOOL,
     "model.dtype": _DTYPE,
-    "replay.mode": _one_of(*MODES),
-    "replay.request_routes": _BOOL,
-    "replay.strict": _null(_BOOL),
-    "rollout.protocol": _one_of("skyrl", "vllm", "sglang", "openai"),
+    "replay.mode": one_of("r3", "r2", "off"),
+    "replay.strict": or_null(BOOL),
+    "rollout.protocol": one_of("skyrl", "vllm", "sglang", "openai"),
     "rollout.url": _URLS,
-    "rollout.require_url": _BOOL,
-    "rollout.sync_weights": _BOOL,
-    "rollout.server.port": _integer(0, 65535),
-    "algorithm.group_size": _integer(2),
-    "algorithm.clip_low": _number(0),
-    "algorithm.clip_high": _number(0),
-    "algorithm.std_eps": _number(0),
-    "algorithm.ratio_band": _number(1, above=False),
-    "algorithm.mismatch_every_n_steps": _integer(0),
-    "algorithm.optim.lr": _number(0),
-    "algorithm.optim.weight_decay": _number(0, above=False),
+    "rollout.require_url": BOOL,
+    "rollout.sync_weights": BOOL,
+    "rollout.server.port": integer(0, 65535),
+    "algorithm.group_size": integer(2),
+    "algorithm.clip_low": number(0),
+    "algorithm.clip_high": number(0),
+    "algorithm.std_eps": number(0),
+    "algorithm.ratio_band": number(1, above=False),
+    "algorithm.mismatch_every_n_steps": integer(0),
+    "algorithm.optim.lr": number(0),
+    "algorithm.optim.weight_decay": number(0, above=False),
     "algorithm.optim.betas": ("two numbers in [0, 1)", lambda v: len(v) == 2 and all(0 <= b < 1 for b in v)),
-    "algorithm.optim.grad_clip": _null(_number(0)),
+    "algorithm.optim.grad_clip": or_null(number(0)),
 }
 _ABSENT = object()
-
-
-def _check_rules(cfg: DictConfig, rules: dict[str, Rule]) -> None:
-    for key, (expected, ok) in rules.items():
-        value = plain(OmegaConf.select(cfg, key, default=_ABSENT))
-        with contextlib.suppress(TypeError, ValueError):
-            if value is _ABSENT or ok(value):
-                continue
-        raise JobError(f"{key} must be {expected}, got {value!r}")
-
-
-def _missing_key(values: Any, prefix: str = "") -> str | None:
-    """The first ``???`` (mandatory, unset) key of a config's plain, unresolved values."""
-    for key, value in values.items() if isinstance(values, dict) else enumerate(values):
-        if value == "???":
-            return f"{prefix}{key}"
-        if isinstance(value, dict | list) and (found := _missing_key(value, f"{prefix}{key}.")):
-            return found
-    return None
 
 
 def _megatron_installed() -> bool:
@@ -148,11 +127,15 @@ def check_config(cfg: DictConfig) -> None:
     expects. Cost: imports the ``_target_`` modules and builds the data module once."""
     from r3lightning.job.module import OptimConfig  # lightning: not imported for --help
 
-    _check_rules(cfg, _RULES)
-    values = OmegaConf.to_container(cfg, resolve=False)
-    missing = _missing_key({k: v for k, v in values.items() if k != "hydra"})  # type: ignore[union-attr]
-    if missing is not None:
-        raise JobError(f"{missing} must be set (add {missing}=... to the command line)")
+    for key, rule in RULES.items():
+        if (value := OmegaConf.select(cfg, key, default=_ABSENT)) is not _ABSENT:
+            require(key, plain(value), rule)
+    try:  # the first ``???`` (mandatory, unset) key
+        OmegaConf.to_container(
+            OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), throw_on_missing=True
+        )
+    except MissingMandatoryValue as exc:
+        raise JobError(f"{exc.full_key} must be set (add {exc.full_key}=... to the command line)") from None
     for key in _JOB_TRAINER_KEYS:
         if key in cfg.trainer:
             raise JobError(f"trainer.{key} is set by the job; use {_JOB_TRAINER_KEYS[key]}")
@@ -181,13 +164,11 @@ def check_config(cfg: DictConfig) -> None:
     for key, node in targets + [(f"loggers[{i}]", node) for i, node in enumerate(cfg.loggers or [])]:
         build.target_of(node, key)
     replay = build.replay_callback_settings(cfg)
-    if replay is not None:  # the callback's own checks (its backend is the job's, built later)
-        name, node = replay
-        if node.get("backend") == "megatron" and not _megatron_installed():
-            raise JobError(
-                f"callbacks.{name}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
-            )
-        instantiate_node({k: v for k, v in plain(node).items() if k != "backend"}, f"callbacks.{name}")
+    if replay is not None and replay[1].get("backend") == "megatron" and not _megatron_installed():
+        raise JobError(
+            f"callbacks.{replay[0]}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
+        )
+    build.build_callbacks(cfg, None, str(cfg.replay.mode))  # their own checks (the backend is built later)
     instantiate_node(cfg.data, "data", buffer=ReplayBuffer())  # the data module's own checks
 
 
