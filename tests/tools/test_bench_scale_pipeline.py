@@ -5,24 +5,16 @@ route bytes equal ``global / DP x layers held / num_layers``, in the buffer and 
 from __future__ import annotations
 
 import re
-import sys
 
 import numpy as np
 import pytest
-from python_process import REPO, run_python
-
-BENCHMARKS = REPO / "benchmarks"
+from python_process import BENCHMARKS, REPO, benchmark_module, run_python
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_scale_pipeline
-
-        yield bench_scale_pipeline
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("bench_scale_pipeline") as module:
+        yield module
 
 
 def test_stage_blocks_are_contiguous_and_cover_every_layer(bench):

@@ -6,24 +6,15 @@ the wrong thing; its own checks must turn either into a failure.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from python_process import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import bench_step
-
-        yield bench_step
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    with benchmark_module("bench_step") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
