@@ -51,6 +51,9 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         ),
         "routes": routes,
         "route_layers": None if layers is None else list(layers),
+        "weight_versions": torch.tensor(  # -1: unknown
+            [-1 if t.weight_version is None else t.weight_version for t in trajectories], dtype=torch.int64
+        ),
     }
 
 
@@ -101,6 +104,9 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     fields["advantage"] = _vector(packed, "advantages", count, where).tolist()
     sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
     layers = packed.get("route_layers")  # absent from states of earlier releases: every layer
+    versions = [-1] * count  # absent from states of earlier releases: unknown
+    if packed.get("weight_versions") is not None:
+        versions = _lengths(packed, "weight_versions", count, -1, where)
     kept = [r for r in route_rows if r >= 0]
     routes = packed["routes"]
     fits = isinstance(routes, Tensor) and routes.dim() == 3 and routes.shape[0] == sum(kept)
@@ -116,8 +122,10 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
         mine = next(parts) if route_rows[i] >= 0 else None
         try:
             values = {name: column[i] for name, column in fields.items()}
+            version = None if versions[i] < 0 else versions[i]
+            route_layers = None if mine is None else layers
             out.append(
-                Trajectory(**values, routed_experts=mine, route_layers=None if mine is None else layers)
+                Trajectory(**values, routed_experts=mine, route_layers=route_layers, weight_version=version)
             )
             total = None if sums is None or mine is None else int(mine.sum(dtype=torch.int64))
             if total is not None and total != sums[i]:

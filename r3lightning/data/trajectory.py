@@ -121,10 +121,12 @@ class Trajectory:
         routed_experts: ``[captured <= n, L, K]`` route rows: row ``t`` = the experts token
             ``t`` used as an input (later tokens route natively); ``None``: all native.
         route_layers: the sorted absolute decoder layer of each route column (None: ``j`` is ``j``).
+        weight_version: the policy version (optimizer steps) of the engine weights that generated
+            it; ``None``: unknown (an engine whose weights the job does not sync).
     """
 
     __slots__ = ("advantage", "loss_mask", "prompt_ids", "response_ids", "reward", "rollout_logprobs",
-                 "route_layers", "routed_experts")  # fmt: skip
+                 "route_layers", "routed_experts", "weight_version")  # fmt: skip
 
     def __init__(
         self,
@@ -137,6 +139,7 @@ class Trajectory:
         advantage: float | None = None,
         routed_experts: Tensor | np.ndarray | None = None,
         route_layers: Sequence[int] | None = None,
+        weight_version: int | None = None,
     ) -> None:
         self.prompt_ids = _token_ids("prompt_ids", prompt_ids)
         if self.prompt_ids.numel() == 0:
@@ -152,6 +155,9 @@ class Trajectory:
             raise ValueError(f"Trajectory.route_layers {list(layers)} given without routed_experts")
         self.routed_experts = (
             None if routed_experts is None else _routes(routed_experts, self.num_tokens, layers)
+        )
+        self.weight_version = (
+            None if weight_version is None else check_int("Trajectory.weight_version", weight_version, 0)
         )
 
     @property
@@ -239,7 +245,8 @@ class Trajectory:
         routes += "" if self.route_layers is None else f" on layers {list(self.route_layers)}"
         return (
             f"Trajectory(prompt={self.prompt_length}, response={self.response_length}, "
-            f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes})"
+            f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes}, "
+            f"weight_version={self.weight_version})"
         )
 
 

@@ -45,7 +45,7 @@ def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awai
 def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
     """Weight sync for ``r3lightning-serve`` / SkyRL engines: one safetensors body, ``POST``ed to each."""
 
-    def push(state_dict: Mapping[str, Tensor]) -> None:
+    def push(state_dict: Mapping[str, Tensor], version: int) -> None:
         body = save(_bf16_host(state_dict))
         headers = {"Content-Type": "application/octet-stream", **_auth(api_key)}
 
@@ -79,7 +79,7 @@ def _sglang_disk_push(
                     f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(answer)[:200]}"
                 )
 
-    def push(state_dict: Mapping[str, Tensor]) -> None:
+    def push(state_dict: Mapping[str, Tensor], version: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         save_file(_bf16_host(state_dict), str(directory / "model.safetensors"))
         # SGLang loads a checkpoint directory: it needs the architecture next to the weights
@@ -136,4 +136,5 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         except OSError as exc:
             raise JobError(f"cannot start the embedded rollout server on {host}:{port}: {exc}") from None
         sync = bool(rollout.sync_weights)
-        yield Engine([server.url], server.update_weights if sync else None, gather=sync)
+        push = (lambda state_dict, version: server.update_weights(state_dict)) if sync else None
+        yield Engine([server.url], push, gather=sync)

@@ -40,7 +40,9 @@ class Episode:
     def reward(self) -> float:
         return sum(self.turn_rewards)
 
-    def trajectory(self, advantage: float, route_layers: tuple[int, ...] | None = None) -> Trajectory:
+    def trajectory(
+        self, advantage: float, route_layers: tuple[int, ...] | None = None, weight_version: int | None = None
+    ) -> Trajectory:
         return Trajectory(
             self.prompt_ids,
             self.response_ids,
@@ -50,6 +52,7 @@ class Episode:
             advantage=advantage,
             routed_experts=self.routes,
             route_layers=None if self.routes is None else route_layers,
+            weight_version=weight_version,
         )
 
     def extend(self, ids: list[int], mask: float, logprobs: Sequence[float] | None) -> None:
