@@ -36,6 +36,7 @@ class Episode:
     turn_rewards: list[float] = field(default_factory=list)  # [turns]
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K] (L: the layers kept)
+    weight_version: int | None = None  # the oldest engine weight version of its turns
 
     @property
     def reward(self) -> float:
@@ -51,6 +52,7 @@ class Episode:
             advantage=advantage,
             routed_experts=self.routes,
             route_layers=None if self.routes is None else route_layers,
+            weight_version=self.weight_version,
         )
 
     def extend(self, ids: list[int], mask: float, logprobs: Sequence[float] | None) -> None:
@@ -65,6 +67,11 @@ class Episode:
         if trace is not None:
             trace.record_generation(prefix, len(response), routes)
         self.route_bytes.append(0 if routes is None else int(routes.nbytes))
+        version = result.weight_version
+        if version is not None:  # the oldest: the staleness bound holds for every turn
+            self.weight_version = (
+                version if self.weight_version is None else min(self.weight_version, version)
+            )
         self.extend(response, 1.0, result.response_logprobs)
         return response
 
