@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from r3lightning.data.trajectory import Trajectory
@@ -116,6 +117,8 @@ async def run_episode(
             )
         observation, reward, done, _ = step
         episode.turn_rewards.append(score_value(reward, f"{where} turn {turn}"))
+        if not isinstance(done, bool | np.bool_):  # a string such as "false" would count as true
+            raise ValueError(f"{where} turn {turn}: step()'s done must be a bool, got {done!r:.60}")
         if done or turn == max_turns - 1:
             break
         observed = _token_ids(env, observation, f"{where}: step() observation of turn {turn}")
