@@ -93,6 +93,14 @@ def _scalar(name: str, value: Any) -> float:
     return out
 
 
+def _weight_version(value: Any) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise ValueError(f"Trajectory.weight_version must be an integer >= 0 or None, got {value!r}")
+    return value
+
+
 def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tensor:
     """``data`` through the route check, in the compact dtype of its largest id."""
     routes = _as_host_tensor("routed_experts", data)
@@ -121,8 +129,8 @@ class Trajectory:
         routed_experts: ``[captured <= n, L, K]`` route rows: row ``t`` = the experts token
             ``t`` used as an input (later tokens route natively); ``None``: all native.
         route_layers: the sorted absolute decoder layer of each route column (None: ``j`` is ``j``).
-        weight_version: the policy version (optimizer steps) of the engine weights that generated
-            it; ``None``: unknown (an engine whose weights the job does not sync).
+        weight_version: the engine's weight version that generated the response (the oldest one
+            when the turns of a multi-turn trajectory saw several); ``None``: unknown.
     """
 
     __slots__ = ("advantage", "loss_mask", "prompt_ids", "response_ids", "reward", "rollout_logprobs",
@@ -156,9 +164,7 @@ class Trajectory:
         self.routed_experts = (
             None if routed_experts is None else _routes(routed_experts, self.num_tokens, layers)
         )
-        self.weight_version = (
-            None if weight_version is None else check_int("Trajectory.weight_version", weight_version, 0)
-        )
+        self.weight_version = _weight_version(weight_version)
 
     @property
     def prompt_length(self) -> int:
@@ -243,10 +249,10 @@ class Trajectory:
         r = self.routed_experts
         routes = "None" if r is None else f"{tuple(r.shape)} {r.dtype}"
         routes += "" if self.route_layers is None else f" on layers {list(self.route_layers)}"
+        version = "" if self.weight_version is None else f", weight_version={self.weight_version}"
         return (
             f"Trajectory(prompt={self.prompt_length}, response={self.response_length}, "
-            f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes}, "
-            f"weight_version={self.weight_version})"
+            f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes}{version})"
         )
 
 

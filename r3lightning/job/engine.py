@@ -136,5 +136,9 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         except OSError as exc:
             raise JobError(f"cannot start the embedded rollout server on {host}:{port}: {exc}") from None
         sync = bool(rollout.sync_weights)
-        push = (lambda state_dict, version: server.update_weights(state_dict)) if sync else None
+        push = (
+            (lambda state_dict, version: server.update_weights(state_dict, weight_version=version))
+            if sync
+            else None
+        )
         yield Engine([server.url], push, gather=sync)

@@ -54,6 +54,20 @@ async def _gather_or_cancel(work: Iterable[Awaitable[T]]) -> list[T]:
         raise
 
 
+def _record_version(episode: Episode, served: int | None, step: int) -> None:
+    """The policy version the engines were synced to (``served``) on an episode whose engine sent
+    none; an engine that answered with another one serves stale weights: ``RuntimeError``."""
+    if served is None:
+        return
+    if episode.weight_version is None:
+        episode.weight_version = served
+    elif episode.weight_version != served:
+        raise RuntimeError(
+            f"a rollout of step {step} came from engine weight version {episode.weight_version}, but the "
+            f"engines were synced to version {served}: an engine serves stale weights"
+        )
+
+
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
@@ -167,8 +181,8 @@ class RolloutCollector:
     ) -> CollectedRollouts:
         """Collect this rank's groups of step ``step`` and add them to ``buffer`` (if given).
         ``prompts``: the step's global list, the same on every rank; group ``g`` samples
-        ``prompts[g]``. ``weight_version``: the policy version the engines serve, recorded on every
-        trajectory (None: unknown). A failure on any rank raises on every rank (after the stats'
+        ``prompts[g]``. ``weight_version``: the policy version the engines were synced to, recorded on
+        every trajectory whose engine reports none (vLLM), checked against the one an engine reports. A failure on any rank raises on every rank (after the stats'
         all-reduce)."""
         check_setting("step", step, low=0, integer=True)
         check_setting("weight_version", weight_version, low=0, integer=True, optional=True)
@@ -216,7 +230,6 @@ class RolloutCollector:
             total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
-        counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
 
         async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
             seed = sampling_seed(self.config.seed, step, group, index, turn)
@@ -288,8 +301,8 @@ class RolloutCollector:
             advantages = group_advantages(rewards, len(episodes), normalize_std=self.config.normalize_std)
             for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
                 counters.add_turns(episode.turn_rewards, episode.route_bytes)
-                layers = self.schema and self.schema.layers
-                trajectories.append(episode.trajectory(advantage, layers, weight_version))
+                _record_version(episode, weight_version, step)
+                trajectories.append(episode.trajectory(advantage, self.schema and self.schema.layers))
         counters.engines_out = len(out)
         return trajectories
 

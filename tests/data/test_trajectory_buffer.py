@@ -90,8 +90,6 @@ def test_empty_routes_and_zero_length_response_are_valid():
             r"expert id -1 is negative",
         ),
         ({"response_ids": "abc"}, TypeError, r"response_ids must be a tensor, ndarray or list"),
-        ({"weight_version": -1}, ValueError, r"Trajectory.weight_version must be an int >= 0, got -1"),
-        ({"weight_version": 1.0}, ValueError, r"Trajectory.weight_version must be an int >= 0, got 1.0"),
     ],
 )
 def test_bad_trajectory_fields_raise_naming_the_field(kwargs, error, match):
@@ -237,21 +235,6 @@ def test_state_dict_round_trip_keeps_contents_position_and_dtypes():
     ]
     packed = state["trajectories"]
     assert packed["routes"].shape == (5, 2, 2) and packed["route_rows"].tolist() == [3, -1, 2, 0]
-
-
-def test_weight_versions_survive_the_state_dict_and_older_states_read_as_unknown():
-    """Every trajectory keeps the policy version that generated it (None: unknown) through a
-    checkpoint; a state written before versions were recorded restores them as None."""
-    buffer = ReplayBuffer()
-    buffer.extend([Trajectory([1], [2], weight_version=v) for v in (0, None, 7)])
-    state = buffer.state_dict()
-    restored = ReplayBuffer()
-    restored.load_state_dict(state)
-    assert [t.weight_version for t in restored] == [0, None, 7]
-    del state["trajectories"]["weight_versions"]
-    restored.load_state_dict(state)
-    assert [t.weight_version for t in restored] == [None, None, None]
-    assert Trajectory([1], [2], weight_version=3) != Trajectory([1], [2], weight_version=4)
 
 
 def test_load_state_dict_refuses_to_lose_samples_or_break_bounds():
