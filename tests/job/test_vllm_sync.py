@@ -1,5 +1,5 @@
 """The vLLM weight sync without an engine: the checkpoint it writes against ``save_pretrained``'s, and
-the order of its calls against a stand-in server (the real engine's tests are in tests/vllm/)."""
+the order of its calls against a stand-in server (the real engine's tests are in tests/engines/)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
+from r3lightning.app.vllm.weight_sync import checkpoint_tensors, vllm_disk_push, write_checkpoint
 from r3lightning.job.common import JobError
-from r3lightning.job.vllm_sync import checkpoint_tensors, vllm_disk_push, write_checkpoint
 from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
 
 

@@ -9,8 +9,9 @@ every engine loads it through its development endpoints (``VLLM_SERVER_DEV_MODE=
 
 A failed step raises :class:`JobError` and leaves that engine paused: it never samples from weights
 that are half loaded or stale. ``r3_reload_weights`` is vLLM's ``reload_weights`` plus the repair
-the CPU backend needs (``app/vllm/engine_side/r3lightning_worker.py``); the engine gains it with
-``--worker-extension-cls r3lightning_worker.WeightReload``.
+the CPU backend needs (``engine_side/r3lightning_worker.py``); the engine gains it with
+``--worker-extension-cls r3lightning_worker.WeightReload`` and that folder on its ``PYTHONPATH``,
+which :class:`~r3lightning.app.vllm.VllmServer` sets up with ``dev_mode``.
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from r3lightning.app.vllm.settings import ENGINE_SIDE_DIR, WORKER_EXTENSION
 from r3lightning.job.common import JobError
 
-__all__ = ["RELOAD_METHOD", "WORKER_EXTENSION", "checkpoint_tensors", "vllm_disk_push", "write_checkpoint"]
+__all__ = [
+    "RELOAD_METHOD",
+    "checkpoint_tensors",
+    "vllm_disk_push",
+    "write_checkpoint",
+]
 
 RELOAD_METHOD = "r3_reload_weights"
-WORKER_EXTENSION = "r3lightning_worker.WeightReload"
-ENGINE_SIDE_DIR = Path(__file__).resolve().parents[1] / "app" / "vllm" / "engine_side"
 _FILE = "model.safetensors"
 
 
