@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 setup: $(STAMP)
 
 demo: setup
-	$(PY) -m r3lightning.job.main experiment=compare $(ARGS)
+	$(PY) -m r3lightning.app.job.main experiment=compare $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -56,7 +56,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--api-key", help="require 'Authorization: Bearer <key>'")
     add("--allow-unauthenticated", action="store_true", help="serve a non-loopback host keyless")
     add("--log-level", default="INFO")
-    from r3lightning.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
+    from r3lightning.app.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
 
     for cls, names in ((EngineConfig, _ENGINE_FLAGS), (ServerLimits, _LIMIT_FLAGS)):
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from r3lightning.serve.config import EngineConfig, ServerLimits
-    from r3lightning.serve.server import RolloutServer, check_exposure
+    from r3lightning.app.serve.config import EngineConfig, ServerLimits
+    from r3lightning.app.serve.server import RolloutServer, check_exposure
 
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):
