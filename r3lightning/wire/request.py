@@ -27,7 +27,8 @@ ENGINES = ("vllm", "sglang")
 class RemoteGenerateResult:
     """One generation: ``routed_experts`` ``[rows, num_layers, top_k]`` in a compact integer dtype
     (None unless asked for), ``response_logprobs`` None when the server sent none, ``raw_response``
-    the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts."""
+    the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts,
+    ``weight_version`` the engine's weight version that generated it (None: the engine sent none)."""
 
     response_ids: list[int]
     response_logprobs: list[float] | None
@@ -35,6 +36,7 @@ class RemoteGenerateResult:
     routed_experts: np.ndarray | None
     raw_response: dict[str, Any] = field(repr=False)
     attempts: int = 1
+    weight_version: int | None = None
 
 
 def engine_sampling_params(
