@@ -14,9 +14,9 @@ import torch
 from route_reference import random_tokens
 from vllm_reference import MOE_LAYERS, K, L, raw_choice
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.app.vllm import tiny_vllm_moe_config
 from r3lightning.replay.context import replay_routes
-from r3lightning.testing.tiny import build_tiny_moe
 
 pytestmark = pytest.mark.vllm
 

@@ -15,9 +15,10 @@ from route_reference import random_tokens
 from vllm_reference import MOE_LAYERS, K, L, raw_choice
 
 import r3lightning.app.vllm.weight_sync as weight_sync
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.vllm_sync import vllm_disk_push
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.app.vllm import tiny_vllm_moe_config
-from r3lightning.job.common import JobError
-from r3lightning.testing.tiny import build_tiny_moe
 
 pytestmark = pytest.mark.vllm
 
@@ -78,9 +79,7 @@ def test_routes_follow_the_weights_through_every_sync(vllm_fp32, tmp_path):
     config = tiny_vllm_moe_config()
     model = build_tiny_moe(config, seed=VLLM_SEED)  # the weights the engine started with
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    push = weight_sync.vllm_disk_push(
-        [vllm_fp32.url], None, 120.0, tmp_path / "weights", config, torch.float32
-    )
+    push = vllm_disk_push([vllm_fp32.url], None, 120.0, tmp_path / "weights", config, torch.float32)
     previous, slots, near_ties = None, 0, 0
     try:
         for step in range(4):  # step 0: the initial weights; then 3 optimizer steps, each synced
@@ -115,9 +114,7 @@ def test_a_failed_update_is_one_error_and_the_engine_stays_paused(vllm_fp32, tmp
     vLLM alone would copy into part of a parameter) raises JobError naming the engine and leaves it
     paused; the next good sync resumes it on the new weights."""
     config = tiny_vllm_moe_config()
-    push = weight_sync.vllm_disk_push(
-        [vllm_fp32.url], None, 120.0, tmp_path / "weights", config, torch.float32
-    )
+    push = vllm_disk_push([vllm_fp32.url], None, 120.0, tmp_path / "weights", config, torch.float32)
     write = weight_sync.write_checkpoint
 
     def truncated(directory, tensors):

@@ -10,9 +10,10 @@ import torch
 from aiohttp import web
 from safetensors.torch import load_file
 
-from r3lightning.app.vllm.weight_sync import checkpoint_tensors, vllm_disk_push, write_checkpoint
-from r3lightning.job.common import JobError
-from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.vllm_sync import vllm_disk_push
+from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
+from r3lightning.app.vllm.weight_sync import checkpoint_tensors, write_checkpoint
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -35,7 +36,7 @@ def test_checkpoint_holds_what_save_pretrained_writes_in_the_engine_dtype(tmp_pa
 def test_write_refuses_a_directory_with_other_checkpoints(tmp_path):
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(
-        JobError, match=r"holds other safetensors files \['model-00001-of-00002.safetensors'\]"
+        ValueError, match=r"holds other safetensors files \['model-00001-of-00002.safetensors'\]"
     ):
         write_checkpoint(tmp_path, {"x": torch.zeros(1)})
 

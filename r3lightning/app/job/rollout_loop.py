@@ -66,6 +66,8 @@ class OnPolicyLoop(pl.Callback):
             self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)
         simulated = cfg.rollout.url is None and OmegaConf.select(cfg, "rollout.server.simulated_disagreement")
         self.labels = {"simulated_disagreement": float(simulated)} if simulated else {}
+        if cfg.rollout.protocol == "vllm":
+            self.labels["vllm_engine"] = 1.0
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
         self._pending: dict[str, float] = {}  # rollout stats of the step being trained
