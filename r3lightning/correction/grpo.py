@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from r3lightning.correction.importance import CorrectionConfig
+from r3lightning.correction.steps import CorrectionConfig
 
 LOSSES = ("grpo", "gspo")  # token-level clipped surrogate (PPO/GRPO) | sequence-level (GSPO)
 

@@ -123,6 +123,10 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
                 return _check_value(key, value, option)
         texts = [_TYPES.get(o, (getattr(o, "__name__", str(o)),))[0] for o in typing.get_args(tp)]
         return require(key, value, (" or ".join(texts), lambda v: False))
+    if typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[X, ...]
+        item = typing.get_args(tp)[0]
+        require(key, value, ("a list", lambda v: isinstance(v, list | tuple)))
+        return tuple(_check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         require(

@@ -160,10 +160,10 @@ class GRPOModule(pl.LightningModule):
             self._log_agreement(callback, len(batch))
         loss_mask = batch.loss_mask.to(logprobs.dtype)
         weights = None
-        if self.grpo.correction.mode != "none":
+        if self.grpo.correction.active:
             log_ratio = logprobs.detach() - batch.rollout_logprobs
             weights = correction_weights(log_ratio, loss_mask, self.grpo.correction)
-            self._correction.update(weights, loss_mask)
+            self._correction.update(weights, loss_mask, log_ratio)
             totals = self._correction.compute(sync_dist=self._distributed)
             self.log_dict(
                 {k: v.float() for k, v in totals.items()}, on_step=True, on_epoch=False, batch_size=1
