@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from r3lightning.job.common import JobError
 from r3lightning.job.models import torch_dtype
 from r3lightning.job.sharded import meta_model
+from r3lightning.replay.backend import check_soft_threshold
 from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.rollout.tasks import ScoredTask
 
@@ -201,9 +202,19 @@ def replay_backend(cfg: DictConfig, model: torch.nn.Module):
     if kind not in ("hf", "megatron", None):
         raise JobError(f"callbacks.router_replay.backend must be hf or megatron, got {kind!r}")
     megatron_model = callable(getattr(model, "router_replay_backend", None))
+    soft = cfg.replay.get("soft_threshold")
+    if soft is not None and (kind == "megatron" or cfg.replay.mode != "r3"):
+        why = (
+            "the megatron backend replays ids as given"
+            if kind == "megatron"
+            else f"replay.mode is {cfg.replay.mode}"
+        )
+        raise JobError(f"replay.soft_threshold needs replay=r3 with the hf backend; {why} (set it to null)")
     try:
         if kind != "megatron":
-            return HFRouterReplay.for_model(model)
+            backend = HFRouterReplay.for_model(model)
+            backend.soft_threshold = check_soft_threshold(soft)
+            return backend
         if megatron_model:
             return model.router_replay_backend()
         from r3lightning.replay.megatron.replay import MegatronRouterReplay

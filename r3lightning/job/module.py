@@ -136,7 +136,7 @@ class GRPOModule(pl.LightningModule):
                 replayed = self.batch_logprobs(batch)
             layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
             used = native_routes.routes.to(aligned.device)  # [B, S, L, K]: one forward
-            rows, _, hits, _ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
+            rows, _, hits, *_ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )

@@ -96,6 +96,7 @@ RULES: dict[str, Rule] = {
     "model.dtype": _DTYPE,
     "replay.mode": one_of("r3", "r2", "off"),
     "replay.strict": or_null(BOOL),
+    "replay.soft_threshold": or_null(number(0, above=False)),
     "rollout.protocol": one_of("skyrl", "vllm", "sglang", "openai"),
     "rollout.url": _URLS,
     "rollout.require_url": BOOL,
