@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "r3lightning"
-LAYERS = ["", "wire", "align", "data", "correction", "rollout", "replay", "testing", "serve", "job"]
+LAYERS = ["", "wire", "align", "data", "correction", "rollout", "replay", "testing", "serve", "job", "app"]
 
 
 def _module_name(path: Path) -> str:
