@@ -23,7 +23,6 @@ class GRPOConfig:
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28
     normalize_std: bool = True  # divide by the group's reward std (GRPO); False = Dr. GRPO
-    std_eps: float = 1e-6
     ratio_band: float = 2.0  # ratios outside [1 / ratio_band, ratio_band] are "far off" in metrics
     mismatch_every_n_steps: int = 1  # paired native-vs-replayed mismatch/* every n steps; 0 = never
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # none by default

@@ -105,7 +105,6 @@ RULES: dict[str, Rule] = {
     "algorithm.group_size": integer(2),
     "algorithm.clip_low": number(0),
     "algorithm.clip_high": number(0),
-    "algorithm.std_eps": number(0),
     "algorithm.ratio_band": number(1, above=False),
     "algorithm.mismatch_every_n_steps": integer(0),
     "algorithm.optim.lr": number(0),
