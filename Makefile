@@ -39,7 +39,7 @@ $(VLLM_STAMP): $(VLLM_CONSTRAINTS)
 vllm: $(VLLM_STAMP)
 
 demo: setup
-	$(PY) -m r3lightning.job.main experiment=compare $(ARGS)
+	$(PY) -m r3lightning.app.job.main experiment=compare $(ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

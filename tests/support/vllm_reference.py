@@ -11,8 +11,8 @@ import json
 import numpy as np
 import torch
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.app.vllm import tiny_vllm_moe_config
-from r3lightning.testing.tiny import build_tiny_moe
 
 L, K, E = 4, 2, 8  # the tiny vLLM model: 4 decoder layers (layer 0 dense), top-2 of 8 experts
 MOE_LAYERS = (1, 2, 3)

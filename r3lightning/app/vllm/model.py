@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from transformers import Qwen3MoeConfig
 
-from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
-from r3lightning.testing.tiny_tokenizer import build_tiny_tokenizer
+from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
+from r3lightning.app.models.tiny_tokenizer import build_tiny_tokenizer
 
 # vLLM's CPU attention has no kernel for head_dim 16 (the default tiny model's); 32 is the
 # smallest it serves. Only the attention width changes: vocab, layers, experts and top-k stay.

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from r3lightning.rollout.config import check_setting
+from r3lightning.checks import check_setting
 
 __all__ = ["ENGINE_PYTHON_ENV", "VllmSettings", "engine_command", "engine_environment", "engine_python"]
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from r3lightning.app.tasks.token_class import TokenClassReward, check_task_sizes
 from r3lightning.rollout.prompts import RolloutPrompt
-from r3lightning.rollout.tasks import TokenClassReward, check_task_sizes
 
 __all__ = ["CalculatorEnvironment", "CalculatorReward", "CalculatorTask"]
 

@@ -10,8 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from r3lightning.align.layout import TokenMetadataLayout, position_ids_from_mask
-from r3lightning.correction import CorrectionMetrics, correction_weights
-from r3lightning.correction.grpo import (
+from r3lightning.app.job.grpo import (
     GRPOConfig,
     gspo_loss,
     masked_mean,
@@ -21,7 +20,8 @@ from r3lightning.correction.grpo import (
     token_entropy,
     token_logprobs,
 )
-from r3lightning.job.sharded import load_sharded_weights, shard_model
+from r3lightning.app.job.sharded import load_sharded_weights, shard_model
+from r3lightning.correction import CorrectionMetrics, correction_weights
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.batch_fields import host_attention_mask
 from r3lightning.replay.callback import RouterReplayCallback

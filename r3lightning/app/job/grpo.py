@@ -48,6 +48,30 @@ def group_advantages(
     return centred.reshape(-1)
 
 
+@dataclass(frozen=True)
+class GRPOAdvantages:
+    """GRPO's advantages of one group, the ``advantages`` function a
+    :class:`~r3lightning.rollout.collector.RolloutCollector` takes.
+
+    Args:
+        normalize_std: Divide by the group's unbiased reward std plus ``std_eps`` (GRPO); False
+            only centres the rewards (Dr. GRPO).
+        std_eps: Added to the std before dividing, so a group of equal rewards gets zeros.
+    """
+
+    normalize_std: bool = True
+    std_eps: float = 1e-6
+
+    def __call__(self, rewards: Tensor) -> Tensor:
+        """Args:
+            rewards: One group's rewards, ``[group_size]``.
+
+        Returns:
+            float32 ``[group_size]``. Host tensors in, host tensors out: no sync.
+        """
+        return group_advantages(rewards, rewards.numel(), normalize_std=self.normalize_std, eps=self.std_eps)
+
+
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
     """``[B, S]`` float32: entry ``t`` is ``log softmax(logits[:, t - 1])[input_ids[:, t]]`` for
     ``logits [B, S, V]``, entry 0 is 0. Memory: one ``[B, S - 1, V]`` float32 buffer."""

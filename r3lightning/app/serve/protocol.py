@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from r3lightning.rollout.config import check_setting
-from r3lightning.serve.engine import GenerationOutput, GenerationRequest
-from r3lightning.serve.sampling import MAX_SEED, SamplingParams
+from r3lightning.app.serve.engine import GenerationOutput, GenerationRequest
+from r3lightning.app.serve.sampling import MAX_SEED, SamplingParams
+from r3lightning.checks import check_setting
 from r3lightning.wire.codec import encode_flat_routes, encode_routes
 
 PROTOCOLS = ("skyrl", "sglang")  # what the embedded server speaks (clients speak more)

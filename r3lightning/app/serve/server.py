@@ -18,16 +18,16 @@ import orjson
 import torch
 from aiohttp import web
 
-from r3lightning.serve.config import EngineConfig, ServerLimits
-from r3lightning.serve.engine import GenerationEngine
-from r3lightning.serve.protocol import (
+from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.serve.engine import GenerationEngine
+from r3lightning.app.serve.protocol import (
     PROMPT_FIELDS,
     PROTOCOLS,
     build_response,
     parse_generate_request,
     wants_logprobs,
 )
-from r3lightning.serve.weights import check_weights, loadable_targets
+from r3lightning.app.serve.weights import check_weights, loadable_targets
 from r3lightning.wire.json_body import read_capped
 from r3lightning.wire.request import PROTOCOL_PATHS
 from r3lightning.wire.safetensors import read_safetensors
@@ -102,7 +102,7 @@ class RolloutServer:
             raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
         check_exposure(host, api_key, allow_unauthenticated)
         if model is None:
-            from r3lightning.testing.tiny import build_tiny_moe
+            from r3lightning.app.models.tiny import build_tiny_moe
 
             model, engine = build_tiny_moe(seed=engine.seed), replace(engine, copy_model=False)
         self.engine = GenerationEngine(model, engine)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from r3lightning.rollout.config import check_setting
+from r3lightning.checks import check_setting
 
 ATTENTION_NAME = "r3_row_invariant"
 

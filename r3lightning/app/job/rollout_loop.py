@@ -16,14 +16,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from r3lightning.job.build import dataclass_from
-from r3lightning.job.common import JobError
-from r3lightning.job.report import AGREEMENT_PREFIX, CORRECTION_PREFIX, MISMATCH_PREFIX, write_csv
-from r3lightning.job.rollout_settings import collector_config, retry_policy
+from r3lightning.app.job.build import dataclass_from
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.grpo import GRPOAdvantages
+from r3lightning.app.job.report import AGREEMENT_PREFIX, CORRECTION_PREFIX, MISMATCH_PREFIX, write_csv
+from r3lightning.app.job.rollout_settings import collector_config, retry_policy
+from r3lightning.app.serve.server import is_loopback
+from r3lightning.app.tasks.token_class import ScoredTask
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.prompts import SamplingConfig
-from r3lightning.rollout.tasks import ScoredTask
-from r3lightning.serve.server import is_loopback
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
@@ -74,10 +75,13 @@ class OnPolicyLoop(pl.Callback):
             urls,
             environments or self.task.score_prompt,
             collector_config(rollout),
+            advantages=GRPOAdvantages(
+                normalize_std=bool(self.cfg.algorithm.normalize_std),
+                std_eps=float(self.cfg.algorithm.std_eps),
+            ),
             schema=self.schema,
             sampling=self.sampling,
-            retry=retry_policy(rollout),
-            client_options={"api_key": rollout.api_key},
+            client_options={"retry": retry_policy(rollout), "api_key": rollout.api_key},
         )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

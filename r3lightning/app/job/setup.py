@@ -14,25 +14,33 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from r3lightning.correction.grpo import GRPOConfig
+from r3lightning.app.job import build
+from r3lightning.app.job.build import (
+    BOOL,
+    Rule,
+    build_model,
+    dataclass_from,
+    instantiate_node,
+    plain,
+    require,
+)
+from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.grpo import GRPOConfig
+from r3lightning.app.job.models import torch_dtype
+from r3lightning.app.job.rollout_settings import check_rollout
 from r3lightning.data.buffer import ReplayBuffer
-from r3lightning.job import build
-from r3lightning.job.build import BOOL, Rule, build_model, dataclass_from, instantiate_node, plain, require
-from r3lightning.job.common import JobError, is_global_zero
-from r3lightning.job.models import torch_dtype
-from r3lightning.job.rollout_settings import check_rollout
 from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
-    from r3lightning.job.rollout_loop import Engine
+    from r3lightning.app.job.rollout_loop import Engine
 
 __all__ = ["CONF_DIR", "JobError", "build_model", "check_config", "is_global_zero", "train_one"]
 
 # A wheel carries the configs inside the package (setup.py copies them at build time); a source
 # checkout or an editable install reads the repository's top-level conf/.
-_PACKAGED_CONF = Path(__file__).resolve().parents[1] / "conf"
-CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[2] / "conf"
+_PACKAGED_CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[3] / "conf"
 _EMBEDDED_PROTOCOLS = ("skyrl", "sglang")  # what the embedded engine speaks
 _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use instead
     "max_epochs": "steps (one epoch is one RL step)",
@@ -125,7 +133,7 @@ def _megatron_installed() -> bool:
 def check_config(cfg: DictConfig) -> None:
     """Reject bad values before anything is built: one :class:`JobError` naming the key and what it
     expects. Cost: imports the ``_target_`` modules and builds the data module once."""
-    from r3lightning.job.module import OptimConfig  # lightning: not imported for --help
+    from r3lightning.app.job.module import OptimConfig  # lightning: not imported for --help
 
     for key, rule in RULES.items():
         if (value := OmegaConf.select(cfg, key, default=_ABSENT)) is not _ABSENT:
@@ -203,9 +211,9 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     """Train one run (one arm, one seed) into ``out_dir``; returns its per-step history."""
     import lightning.pytorch as pl
 
-    from r3lightning.job.checkpoint import RunCheckpoint, resume_checkpoint
-    from r3lightning.job.module import OptimConfig
-    from r3lightning.job.rollout_loop import on_policy_loop
+    from r3lightning.app.job.checkpoint import RunCheckpoint, resume_checkpoint
+    from r3lightning.app.job.module import OptimConfig
+    from r3lightning.app.job.rollout_loop import on_policy_loop
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model, trainer=True)

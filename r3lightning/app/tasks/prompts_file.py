@@ -14,10 +14,10 @@ from typing import Any, Literal, get_args
 import orjson
 import torch
 
-from r3lightning.rollout.config import check_setting
-from r3lightning.rollout.prompts import RolloutPrompt
+from r3lightning.checks import check_setting
+from r3lightning.rollout.prompts import RolloutPrompt, as_messages, chat_prompt_ids
 
-__all__ = ["Columns", "PromptsFileTask", "as_messages", "chat_prompt_ids", "load_tokenizer", "lookup",
+__all__ = ["Columns", "PromptsFileTask", "load_tokenizer", "lookup",
            "read_rows"]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -81,28 +81,6 @@ def lookup(row: Mapping[str, Any], key: str, *, where: str, field: str | None = 
             )
         value = value[part]
     return value
-
-
-def as_messages(prompt: Any, *, where: str) -> list[dict[str, str]]:
-    """verl's chat messages as they are; a plain string becomes one user message."""
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    if not (isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt)):
-        raise ValueError(
-            f"{where}: the prompt must be a string or a non-empty list of chat messages, got {prompt!r}"
-        )
-    for m in prompt:
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f"{where}: each message needs string 'role' and 'content', got {dict(m)}")
-    return [{"role": m["role"], "content": m["content"]} for m in prompt]
-
-
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """``apply_chat_template(messages, add_generation_prompt=True)`` as a plain list of ids."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.layout import position_ids_from_mask
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.invariance import batch_invariance_problem, batch_invariant, make_batch_invariant
+from r3lightning.app.serve.perturb import RouterLogitPerturbation
+from r3lightning.app.serve.sampling import MAX_SEED, SamplingParams, sample_token
+from r3lightning.app.serve.weights import check_finite, check_weights, loadable_targets
+from r3lightning.checks import check_setting
 from r3lightning.replay.context import as_backend, record_routes
-from r3lightning.rollout.config import check_setting
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.invariance import batch_invariance_problem, batch_invariant, make_batch_invariant
-from r3lightning.serve.perturb import RouterLogitPerturbation
-from r3lightning.serve.sampling import MAX_SEED, SamplingParams, sample_token
-from r3lightning.serve.weights import check_finite, check_weights, loadable_targets
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ class GenerationEngine:
     def update_weights(
         self, state_dict: Mapping[str, Tensor], *, strict: bool = False, version: int | None = None
     ) -> int:
-        """Copy ``state_dict`` into the serving model after the checks of :mod:`~r3lightning.serve.weights`
+        """Copy ``state_dict`` into the serving model after the checks of :mod:`~r3lightning.app.serve.weights`
         (all or nothing) and the running batch; returns the count. One cast, check and copy a tensor.
         :attr:`weight_version` becomes ``version`` (the trainer's policy version), or grows by one."""
         if version is not None:

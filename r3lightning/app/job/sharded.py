@@ -1,5 +1,5 @@
 """Loading a large Hugging Face MoE under FSDP2 without a full copy per rank (examples/fsdp_moe):
-:func:`convert_checkpoint` (``python -m r3lightning.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``)
+:func:`convert_checkpoint` (``python -m r3lightning.app.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``)
 writes it once as a DCP directory; every rank builds the model on the meta device, shards it and
 reads only its own shards."""
 
@@ -94,7 +94,7 @@ def load_sharded_weights(model: nn.Module, checkpoint_dir: str | Path, device: t
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m r3lightning.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``."""
+    """``python -m r3lightning.app.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``."""
     parser = argparse.ArgumentParser(description="Convert a Hugging Face checkpoint for shard loading.")
     parser.add_argument("hf_dir", type=Path, help="Hugging Face checkpoint directory")
     parser.add_argument("out_dir", type=Path, help="DCP directory to write")

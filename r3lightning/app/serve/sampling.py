@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from r3lightning.rollout.config import check_setting
+from r3lightning.checks import check_setting
 
 MAX_SEED = 2**63 - 1
 # float32 logits divided by a temperature under 1e-3 overflow to inf (1e-300 is 0 in float32)

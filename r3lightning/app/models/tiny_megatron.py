@@ -116,7 +116,7 @@ def megatron_runtime(device: str = "cpu") -> Iterator[None]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from r3lightning.testing.megatron_cpu import megatron_device_shims
+    from r3lightning.app.models.megatron_cpu import megatron_device_shims
 
     with megatron_device_shims(device), contextlib.ExitStack() as undo:
         if not dist.is_initialized():

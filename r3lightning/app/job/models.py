@@ -28,7 +28,7 @@ def tiny_moe(
     dtype: str = "float32",
 ) -> nn.Module:
     """A tiny random MoE of one ``testing.tiny.TINY_FAMILIES`` family; ``overrides``: its HF config's."""
-    from r3lightning.testing.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
+    from r3lightning.app.models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 
     if family not in TINY_FAMILIES:
         raise ValueError(f"family must be one of {list(TINY_FAMILIES)}, got {family!r}")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from r3lightning.job.build import dataclass_from
-from r3lightning.job.common import JobError
+from r3lightning.app.job.build import dataclass_from
+from r3lightning.app.job.common import JobError
+from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
-from r3lightning.serve.config import EngineConfig, ServerLimits
 
 # keys that moved into a settings group: old -> new
 _MOVED = {

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from r3lightning.checks import check_setting
 from r3lightning.replay.backend import agreement_hits
 from r3lightning.replay.hf.routers import (
     find_routers,
@@ -17,7 +18,6 @@ from r3lightning.replay.hf.routers import (
     softmax_renormalised_weights,
     softmax_then_topk_weights,
 )
-from r3lightning.rollout.config import check_setting
 
 # families whose experts are the top-k of the raw logits (softmax and top-k commute)
 _TOPK_OF_LOGITS = {softmax_then_topk_weights, softmax_renormalised_weights, mixtral_weights}

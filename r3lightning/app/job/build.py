@@ -18,12 +18,12 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from r3lightning.job.common import JobError
-from r3lightning.job.models import torch_dtype
-from r3lightning.job.sharded import meta_model
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.models import torch_dtype
+from r3lightning.app.job.sharded import meta_model
+from r3lightning.app.tasks.token_class import ScoredTask
 from r3lightning.replay.backend import check_soft_threshold
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.rollout.tasks import ScoredTask
 
 __all__ = ["JobError", "dataclass_from", "instantiate_node", "plain", "tensorboard_if_installed"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from r3lightning.rollout.config import check_setting
+from r3lightning.checks import check_setting
 
 __all__ = ["EngineConfig", "ServerLimits"]
 
@@ -15,7 +15,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a :class:`~r3lightning.serve.engine.GenerationEngine` serves. ``device`` None: the
+    """How a :class:`~r3lightning.app.serve.engine.GenerationEngine` serves. ``device`` None: the
     model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
     (SIMULATION): the share of expert slots flipped by perturbed router logits."""
 
@@ -65,7 +65,7 @@ def serving_device(value: torch.device | str | int) -> torch.device:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What a :class:`~r3lightning.serve.server.RolloutServer` accepts. ``max_new_tokens_cap`` None:
+    """What a :class:`~r3lightning.app.serve.server.RolloutServer` accepts. ``max_new_tokens_cap`` None:
     the context; ``max_request_bytes`` None: 24 bytes a context token + 64 KiB."""
 
     max_queue: int = 256

@@ -56,7 +56,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--api-key", help="require 'Authorization: Bearer <key>'")
     add("--allow-unauthenticated", action="store_true", help="serve a non-loopback host keyless")
     add("--log-level", default="INFO")
-    from r3lightning.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
+    from r3lightning.app.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
 
     for cls in (EngineConfig, ServerLimits):  # a flag for every field of either settings object
         for field in dataclasses.fields(cls):
@@ -74,7 +74,7 @@ def _settings(cls: type, args: argparse.Namespace) -> dict[str, Any]:
 def _device(name: str | None):
     import torch
 
-    from r3lightning.serve.config import serving_device
+    from r3lightning.app.serve.config import serving_device
 
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu")
@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from r3lightning.serve.config import EngineConfig, ServerLimits
-    from r3lightning.serve.server import RolloutServer, check_exposure
+    from r3lightning.app.serve.config import EngineConfig, ServerLimits
+    from r3lightning.app.serve.server import RolloutServer, check_exposure
 
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):

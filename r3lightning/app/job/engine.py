@@ -16,11 +16,11 @@ from omegaconf import DictConfig, ListConfig
 from safetensors.torch import save, save_file
 from torch import Tensor
 
-from r3lightning.job.common import JobError, is_global_zero
-from r3lightning.job.rollout_loop import Engine, WeightSync
-from r3lightning.job.rollout_settings import retry_policy, server_settings
-from r3lightning.job.setup import build_model
-from r3lightning.serve.server import RolloutServer
+from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.rollout_loop import Engine, WeightSync
+from r3lightning.app.job.rollout_settings import retry_policy, server_settings
+from r3lightning.app.job.setup import build_model
+from r3lightning.app.serve.server import RolloutServer
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:

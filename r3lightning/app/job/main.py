@@ -1,4 +1,4 @@
-"""The main job's entry point, ``r3lightning-train`` (= ``python -m r3lightning.job.main``): arms and
+"""The main job's entry point, ``r3lightning-train`` (= ``python -m r3lightning.app.job.main``): arms and
 seeds, a folder per run, each failure one line and an exit status (docs/job.md)."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from r3lightning.job.build import one_line, require
-from r3lightning.job.common import JobError, is_global_zero
-from r3lightning.job.help import format_help
-from r3lightning.job.report import environment, environment_line, format_table, plot_runs
-from r3lightning.job.setup import CONF_DIR, RULES, check_config, model_runtime, replay_settings, train_one
+from r3lightning.app.job.build import one_line, require
+from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.help import format_help
+from r3lightning.app.job.report import environment, environment_line, format_table, plot_runs
+from r3lightning.app.job.setup import CONF_DIR, RULES, check_config, model_runtime, replay_settings, train_one
 from r3lightning.wire.errors import RemoteGenerateError
 
 PROG = "r3lightning-train"
@@ -71,8 +71,8 @@ def run_seeds(cfg: DictConfig) -> list[int]:
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     """Run every arm for every seed into ``run_dir``; returns ``{run name: history}``, named ``<arm>``
     (one seed) or ``<arm>/seed=<s>`` (folder ``<arm>/seed_<s>``, ``=`` written ``_``)."""
-    from r3lightning.job.checkpoint import check_run_dir
-    from r3lightning.job.engine import embedded_server
+    from r3lightning.app.job.checkpoint import check_run_dir
+    from r3lightning.app.job.engine import embedded_server
 
     configs, seeds = arms(cfg), run_seeds(cfg)
     for arm, arm_cfg in configs.items():  # before config.yaml is rewritten
@@ -194,7 +194,7 @@ def compose_config(
 def _precheck(where: dict[str, str], overrides: list[str]) -> Path | None:
     """The absolute ``hydra.run.dir`` (None if unknown) of the config composed and checked (values, the
     run folder's fingerprints) before Hydra makes or rewrites a folder; a problem is a JobError."""
-    from r3lightning.job.checkpoint import check_run_dir
+    from r3lightning.app.job.checkpoint import check_run_dir
 
     keep = [a for a in overrides if a.startswith("hydra.run.dir=") or not a.lstrip("+~").startswith("hydra")]
     try:
