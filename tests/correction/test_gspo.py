@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3lightning.correction.grpo import GRPOConfig, gspo_loss
-from r3lightning.job.main import arms, compose_config
+from r3lightning.app.job.grpo import GRPOConfig, gspo_loss
+from r3lightning.app.job.main import arms, compose_config
 
 
 def _batch(seed: int, rows: int = 4, width: int = 7):

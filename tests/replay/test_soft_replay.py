@@ -10,11 +10,11 @@ from hf_tiny_batch import batch
 from replay_policy import TinyPolicy, fit, make_batch
 from test_hf_replay import capture_router_outputs, rollout_model
 
+from r3lightning.app.models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 from r3lightning.replay.backend import soft_replay_indices
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.testing.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 
 
 def _reference_slots(replayed, native, probs, threshold):
@@ -164,10 +164,10 @@ def test_backends_without_soft_replay_refuse_it():
 
 
 def test_the_job_sets_replay_soft_threshold_on_the_hf_backend_only():
-    from r3lightning.job.build import replay_backend
-    from r3lightning.job.common import JobError
-    from r3lightning.job.main import compose_config
-    from r3lightning.job.setup import check_config
+    from r3lightning.app.job.build import replay_backend
+    from r3lightning.app.job.common import JobError
+    from r3lightning.app.job.main import compose_config
+    from r3lightning.app.job.setup import check_config
 
     model = build_tiny_moe()
     backend = replay_backend(compose_config(["replay.soft_threshold=0.05"]), model)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from r3lightning.correction.importance import k3_terms
 from r3lightning.correction.steps import CorrectionConfig
 
 LOSSES = ("grpo", "gspo")  # token-level clipped surrogate (PPO/GRPO) | sequence-level (GSPO)
@@ -170,13 +171,6 @@ def gspo_loss(
         took_clip = s.clamp(1.0 - clip_low, 1.0 + clip_high) * sequence_adv < s * sequence_adv
         clip_fraction = (took_clip & has_tokens).sum().to(s.dtype) / sequences
     return loss, {"sequence_clip_fraction": clip_fraction}
-
-
-def k3_terms(log_ratio: Tensor) -> Tensor:
-    """Per-token k3 ``r - 1 - log r`` of ``log_ratio = log r`` as float64 ``expm1(x) - x`` (float32
-    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``)."""
-    x = log_ratio.double()
-    return torch.expm1(x) - x
 
 
 def mismatch_metrics(
