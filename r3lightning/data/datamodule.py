@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 
 from r3lightning._keywords import refuse_moved_keywords
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.data import position
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories

@@ -8,12 +8,12 @@ import inspect
 import pytest
 import torch
 
+from r3lightning.app.serve.server import RolloutServer
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.collate import RolloutCollator
 from r3lightning.data.datamodule import R3DataModule
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.rollout.client import RemoteGenerateClient
-from r3lightning.serve.server import RolloutServer
 
 URL = "http://127.0.0.1:8000"
 

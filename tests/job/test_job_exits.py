@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from r3lightning.job.main import main
+from r3lightning.app.job.main import main
 
 pytestmark = pytest.mark.slow
 QUIET = ["trainer.enable_progress_bar=false", "plot=false", "steps=1", "prompts_per_step=2"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from r3lightning.rollout.calculator import CalculatorEnvironment, CalculatorTask
+from r3lightning.app.tasks.calculator import CalculatorEnvironment, CalculatorTask
 
 
 class BrokenToolEnvironment(CalculatorEnvironment):
