@@ -13,7 +13,8 @@ from omegaconf import DictConfig, ListConfig
 from safetensors.torch import save, save_file
 from torch import Tensor
 
-from r3lightning.app.job.common import JobError, bearer_headers, is_global_zero, post_all
+from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.engine_http import bearer_headers, post_all
 from r3lightning.app.job.rollout_loop import Engine, WeightSync
 from r3lightning.app.job.rollout_settings import retry_policy, server_settings
 from r3lightning.app.job.setup import build_model

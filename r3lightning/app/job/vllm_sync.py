@@ -8,8 +8,8 @@ endpoints (``VLLM_SERVER_DEV_MODE=1``):
     POST /update_weight_version     the policy version the engine now serves
     POST /resume
 
-A failed step raises :class:`JobError` and leaves that engine paused: it never samples from weights
-that are half loaded or stale.
+A refused step raises :class:`JobError` (an engine that does not answer: ``RemoteGenerateError``)
+and leaves that engine paused: it never samples from weights that are half loaded or stale.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import aiohttp
 import torch
 from torch import Tensor
 
-from r3lightning.app.job.common import JobError, bearer_headers, post_all
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.engine_http import bearer_headers, post_all
 from r3lightning.app.job.rollout_loop import WeightSync
 from r3lightning.app.vllm import weight_sync
 from r3lightning.app.vllm.settings import ENGINE_SIDE_DIR, WORKER_EXTENSION
@@ -74,12 +75,10 @@ def vllm_disk_push(
             raise JobError(f"rollout.weight_sync_dir: {exc}") from None
 
         async def call(session, url: str, path: str, what: str, body: Any = None) -> Any:
-            try:
-                async with session.post(f"{url}{path}", json=body, headers=headers) as response:
-                    answer = await _answer(response)
-                    status = response.status
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                status, answer = None, f"{type(exc).__name__}: {exc}"
+            # no answer at all: post_all's RemoteGenerateError (the engine is gone)
+            async with session.post(f"{url}{path}", json=body, headers=headers) as response:
+                answer = await _answer(response)
+                status = response.status
             endpoint = path.partition("?")[0]
             if status == 404:
                 raise JobError(
@@ -94,10 +93,9 @@ def vllm_disk_push(
                         f"{ENGINE_SIDE_DIR} on its PYTHONPATH)"
                     )
                 paused = "" if endpoint == "/pause" else "; the engine stays paused"
-                got = f"HTTP {status}" if status is not None else "no answer"
                 raise JobError(
                     f"weight sync to policy version {version} failed at {url}: {what} ({endpoint}) "
-                    f"gave {got}: {str(answer)[:300]}{hint}{paused}"
+                    f"gave HTTP {status}: {str(answer)[:300]}{hint}{paused}"
                 )
             return answer
 
