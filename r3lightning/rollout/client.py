@@ -16,7 +16,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from r3lightning.rollout.config import Backoff, RetryPolicy, check_setting, route_schema
+from r3lightning.rollout.config import Backoff, RetryPolicy, check_api_key, check_setting, route_schema
 from r3lightning.rollout.health import EngineHungError, HealthWatch
 from r3lightning.rollout.prompts import token_id_list
 from r3lightning.wire.errors import (
@@ -102,6 +102,7 @@ class RemoteGenerateClient:
                 f"got engine={engine!r} with protocol={protocol!r}"
             )
         check_setting("max_response_bytes", max_response_bytes, low=1, integer=True)
+        check_api_key(api_key)
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         self.base_url = base_url.rstrip("/")

@@ -13,7 +13,7 @@ from typing import Any
 
 from r3lightning.wire.request import PROTOCOL_PATHS, RouteSchema
 
-__all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "check_setting", "route_schema"]
+__all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "check_api_key", "check_setting", "route_schema"]
 
 
 def check_setting(
@@ -42,6 +42,33 @@ def check_setting(
         ok = ok and value <= high
     if not ok:
         raise ValueError(f"{name} must be {' '.join([kind, ' and '.join(bounds)]).strip()}, got {value!r}")
+
+
+def check_api_key(api_key: Any, name: str = "api_key") -> None:
+    """Refuse an API key that would authenticate anyone or could never be sent as given.
+
+    Args:
+        api_key: None (no authentication) or the bearer token.
+        name: how the error names the setting (``--api-key`` on the command line).
+
+    Raises:
+        TypeError: ``api_key`` is neither None nor a string.
+        ValueError: ``api_key`` is empty or blank (``Authorization: Bearer `` would match it), or
+            holds whitespace or control characters (HTTP strips or refuses them in a header).
+    """
+    if api_key is None:
+        return
+    if not isinstance(api_key, str):
+        raise TypeError(f"{name} must be None or a string, got {type(api_key).__name__}")
+    if not api_key.strip():
+        raise ValueError(
+            f"{name} must be a non-empty token, got {api_key!r} (an unset variable?): an empty key "
+            "would let anyone in; leave it out (None) to serve without authentication on loopback"
+        )
+    if any(ch.isspace() or not ch.isprintable() for ch in api_key):
+        raise ValueError(
+            f"{name} must hold no whitespace or control characters, got {len(api_key)} characters"
+        )
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,9 @@ def _serve(args: argparse.Namespace) -> None:
         raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        check_exposure(args.host, args.api_key, args.allow_unauthenticated)  # before a model loads
+        check_exposure(
+            args.host, args.api_key, args.allow_unauthenticated, "--api-key"
+        )  # before a model loads
         settings = {name: getattr(args, name) for name in _ENGINE_FLAGS if name != "device"}
         engine = EngineConfig(**settings, device=_device(args.device), copy_model=False)
         limits = ServerLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
