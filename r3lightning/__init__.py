@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from r3lightning import _aliases
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # ruff: noqa: F401
 if TYPE_CHECKING:  # the one list of public names: type checkers read it, __getattr__ parses it

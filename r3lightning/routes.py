@@ -5,7 +5,7 @@ The wire also carries vLLM's uint16, decoded to int16 as torch's uint16 lacks mo
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -51,7 +51,12 @@ def check_layers(name: str, layers: Iterable[int] | None) -> tuple[int, ...] | N
     or None (every layer); else ``ValueError`` naming ``name``."""
     if layers is None:
         return None
-    ids = tuple(layers) if isinstance(layers, Iterable) and not isinstance(layers, str | bytes) else ()
+    # a mapping would give its keys, which may not be what its author meant by the values
+    ids = (
+        tuple(layers)
+        if isinstance(layers, Iterable) and not isinstance(layers, str | bytes | Mapping)
+        else ()
+    )
     if not ids or any(type(i) is not int or i < 0 for i in ids) or list(ids) != sorted(set(ids)):
         raise ValueError(f"{name} must be None or sorted, unique decoder-layer ids >= 0, got {layers!r}")
     return ids

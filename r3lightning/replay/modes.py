@@ -38,8 +38,16 @@ def align_routes(
     host sync); ``layers``: each route column's decoder layer (None: all), covering ``moe_layers``."""
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
     columns = L if layers is None else len(layers)
+    if layers is not None and layers[-1] >= L:  # index_copy_ would fail (a device assert on CUDA)
+        raise ValueError(
+            f"routes on layers {list(layers)} name layer {layers[-1]}, but the model has {L} decoder "
+            f"layers (ids 0..{L - 1})"
+        )
     if tuple(routes.row_shape) != (columns, K):
-        raise ValueError(f"route rows must be [num_layers={columns}, top_k={K}], got {[*routes.row_shape]}")
+        held = f"the model's num_layers={L}" if layers is None else f"one per route layer {list(layers)}"
+        raise ValueError(
+            f"route rows must be [{columns} layers ({held}), top_k={K}], got {[*routes.row_shape]}"
+        )
     if layers is not None and (missing := sorted(set(backend.moe_layers) - set(layers))):
         raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
     pad = lambda n: dummy_routes(n, columns, K, E, device=routes.device)  # noqa: E731

@@ -94,8 +94,8 @@ class RemoteGenerateClient:
     ):
         if protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be a URL starting with http:// or https://, got {base_url!r}")
         if engine is not None and (protocol != "openai" or engine not in ENGINES):
             raise ValueError(
                 f"engine must be None or one of {list(ENGINES)} with protocol='openai', "

@@ -202,7 +202,6 @@ class RolloutCollector:
             total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
-        counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
 
         async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
             seed = sampling_seed(self.config.seed, step, group, index, turn)

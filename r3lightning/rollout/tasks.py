@@ -55,18 +55,20 @@ class ScoredTask:
     def _score_ids(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
         return self.reward(prompt.token_ids, response_ids)
 
-    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
+    def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int] | RolloutPrompt]:
         return self.prompts.sample_prompts(num_prompts, generator)
 
     def prompts_for_step(self, step: int, num_prompts: int, seed: int) -> list[RolloutPrompt]:
         """The RL step's prompts, a pure function of ``(seed, step)`` (the same on every rank, for
         any number of ranks): a dataset task's own ``prompts_for_step``, else ``sample_prompts``
-        with a generator seeded by ``sampling_seed(seed, step, -1)`` (groups are >= 0)."""
+        with a generator seeded by ``sampling_seed(seed, step, -1)`` (groups are >= 0); either
+        gives token-id lists or ``RolloutPrompt`` records (their ground truth kept)."""
         per_step = getattr(self.prompts, "prompts_for_step", None)
         if callable(per_step):
             return list(per_step(step, num_prompts))
         generator = torch.Generator().manual_seed(sampling_seed(seed, step, -1))
-        return [RolloutPrompt(p) for p in self.sample_prompts(num_prompts, generator)]
+        prompts = self.sample_prompts(num_prompts, generator)
+        return [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
 
     def score_prompt(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
         """The reward of one response to ``prompt`` (0 for a timeout, or a text scorer's failure)."""

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_ENGINE_FLAGS = ("dtype", "device", "max_batch_size", "batch_wait_s", "seed", "batch_invariant")
-_LIMIT_FLAGS = ("max_queue", "max_new_tokens_cap", "max_request_bytes", "max_weights_bytes")
-_LIMIT_FLAGS += ("header_timeout_s", "body_timeout_s", "retry_after_s")
+# the CLI's own defaults where they differ from the dataclasses': the server loads its own model,
+# so a private copy of it would only double the memory
+_CLI_DEFAULTS = {"copy_model": False}
 
 
 class _StartupError(Exception):
@@ -58,32 +58,30 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--log-level", default="INFO")
     from r3lightning.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
 
-    for cls, names in ((EngineConfig, _ENGINE_FLAGS), (ServerLimits, _LIMIT_FLAGS)):
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        for name in names:
-            flag, shown = f"--{name.replace('_', '-')}", str(defaults[name]).removeprefix("torch.")
-            add(flag, type=_setting, default=defaults[name], help=shown)
+    for cls in (EngineConfig, ServerLimits):  # a flag for every field of either settings object
+        for field in dataclasses.fields(cls):
+            default = _CLI_DEFAULTS.get(field.name, field.default)
+            flag, shown = f"--{field.name.replace('_', '-')}", str(default).removeprefix("torch.")
+            add(flag, type=_setting, default=default, help=shown)
     return parser.parse_args(argv)  # 0.1's --header-timeout / --body-timeout: unique prefixes
+
+
+def _settings(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed flags of ``cls``'s fields, by field name."""
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(cls)}
 
 
 def _device(name: str | None):
     import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from r3lightning.serve.config import serving_device
+
     if name is None:
-        return torch.device("cuda" if count else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() and torch.cuda.device_count() else "cpu")
     try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise _StartupError(f"--device {name}: expected cpu, cuda or cuda:N")
-    if device.type == "cuda" and (device.index or 0) >= count:
-        found = (
-            f"this machine has {count} CUDA device(s)" if count else "CUDA is not available on this machine"
-        )
-        raise _StartupError(f"--device {name}: {found}; use --device cpu")
-    return device
+        return serving_device(name)
+    except ValueError as exc:
+        raise _StartupError(f"--{exc}") from None  # "--device ...": the message names the setting
 
 
 def _load_model(path: str, dtype):
@@ -141,9 +139,8 @@ def _serve(args: argparse.Namespace) -> None:
         check_exposure(
             args.host, args.api_key, args.allow_unauthenticated, "--api-key"
         )  # before a model loads
-        settings = {name: getattr(args, name) for name in _ENGINE_FLAGS if name != "device"}
-        engine = EngineConfig(**settings, device=_device(args.device), copy_model=False)
-        limits = ServerLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
+        engine = EngineConfig(**_settings(EngineConfig, args) | {"device": _device(args.device)})
+        limits = ServerLimits(**_settings(ServerLimits, args))
         model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
         exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}
         name = args.model or "r3lightning-tiny-moe"

@@ -41,6 +41,26 @@ class EngineConfig:
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be None or a bool, got {self.batch_invariant!r}")
         check_setting("simulated_disagreement", self.simulated_disagreement, low=0, high=0.5, optional=True)
+        if self.device is not None:
+            serving_device(self.device)
+
+
+def serving_device(value: torch.device | str | int) -> torch.device:
+    """``value`` as a device the engine can serve on (``cpu``, ``cuda``, ``cuda:N`` present on this
+    machine); ``ValueError`` otherwise, before any model is moved there."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    count = torch.cuda.device_count() if device.type == "cuda" and torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        found = (
+            f"this machine has {count} CUDA device(s)" if count else "CUDA is not available on this machine"
+        )
+        raise ValueError(f"device {value!r}: {found}; use 'cpu'")
+    return device
 
 
 @dataclass(frozen=True)

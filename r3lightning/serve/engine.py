@@ -106,6 +106,10 @@ class GenerationEngine:
         self._queue: queue.SimpleQueue[tuple[GenerationRequest, Future] | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._closed = False
+        # pause(): the worker starts no batch while paused and pause() waits out the running one
+        self._gate = threading.Condition()
+        self._paused = False
+        self._busy = False
         self.perturbation: RouterLogitPerturbation | None = None
         if config.simulated_disagreement is not None:
             self.perturbation = RouterLogitPerturbation(self.model, config.simulated_disagreement)
@@ -264,9 +268,37 @@ class GenerationEngine:
                 except queue.Empty:
                     break
             stop = item is None
-            pending = [(r, f) for r, f in pending if f.set_running_or_notify_cancel()]
-            for (_, future), result in zip(pending, self._run_isolated([r for r, _ in pending]), strict=True):
-                (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
+            with self._gate:
+                while self._paused:
+                    self._gate.wait()
+                self._busy = True
+            try:
+                pending = [(r, f) for r, f in pending if f.set_running_or_notify_cancel()]
+                results = self._run_isolated([r for r, _ in pending])
+                for (_, future), result in zip(pending, results, strict=True):
+                    (future.set_exception if isinstance(result, Exception) else future.set_result)(result)
+            finally:
+                with self._gate:
+                    self._busy = False
+                    self._gate.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`pause` holds new batches back."""
+        return self._paused
+
+    def pause(self) -> None:
+        """Start no new batch (requests keep queueing) and return once the running one finished."""
+        with self._gate:
+            self._paused = True
+            while self._busy:
+                self._gate.wait()
+
+    def resume(self) -> None:
+        """Run queued requests again after :meth:`pause`; idempotent."""
+        with self._gate:
+            self._paused = False
+            self._gate.notify_all()
 
     def _run_isolated(self, requests: list[GenerationRequest]) -> list[GenerationOutput | Exception]:
         """Each request's output or its own exception: a failing batch is rerun one at a time."""
@@ -282,7 +314,8 @@ class GenerationEngine:
             return [self._run_isolated([request])[0] for request in requests]
 
     def close(self) -> None:
-        """Stop the worker after the requests already queued; idempotent."""
+        """Stop the worker after the requests already queued (a pause ends); idempotent."""
+        self.resume()
         with self._worker_lock:
             worker, closed, self._closed = self._worker, self._closed, True
             if worker is not None and not closed:
@@ -290,9 +323,14 @@ class GenerationEngine:
         if worker is not None and not closed:
             worker.join()
 
-    def update_weights(self, state_dict: Mapping[str, Tensor], *, strict: bool = False) -> int:
+    def update_weights(
+        self, state_dict: Mapping[str, Tensor], *, strict: bool = False, version: int | None = None
+    ) -> int:
         """Copy ``state_dict`` into the serving model after the checks of :mod:`~r3lightning.serve.weights`
-        (all or nothing) and the running batch; returns the count. One cast, check and copy a tensor."""
+        (all or nothing) and the running batch; returns the count. One cast, check and copy a tensor.
+        :attr:`weight_version` becomes ``version`` (the trainer's policy version), or grows by one."""
+        if version is not None:
+            check_setting("weight_version", version, low=0, integer=True)
         targets = loadable_targets(self.model)
         bad = next((name for name, value in state_dict.items() if not isinstance(value, Tensor)), None)
         if bad is not None:
@@ -302,7 +340,7 @@ class GenerationEngine:
         with self._lock, torch.no_grad():
             for name, value in state_dict.items():
                 targets[name].copy_(value)
-            self.weight_version += 1
+            self.weight_version = self.weight_version + 1 if version is None else version
             if self.perturbation is not None:
                 self._calibrate_perturbation()
         return len(state_dict)

@@ -147,6 +147,8 @@ class RolloutServer:
             app.router.add_post(PROTOCOL_PATHS[name], functools.partial(self._generate, protocol=name))
         app.router.add_get("/health", self._health)
         app.router.add_post("/update_weights", self._update_weights)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
         return app
 
     @web.middleware
@@ -222,10 +224,22 @@ class RolloutServer:
         health = {name: getattr(self.engine, name) for name in fields}
         return _json_response({"status": "ok", "model": self.model_name} | health)
 
+    async def _pause(self, request: web.Request) -> web.Response:
+        await asyncio.to_thread(self.engine.pause)  # returns once the running batch is done
+        return _json_response({"paused": True, "weight_version": self.engine.weight_version})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.engine.resume()
+        return _json_response({"paused": False, "weight_version": self.engine.weight_version})
+
     async def _update_weights(self, request: web.Request) -> web.Response:
         strict_arg = request.query.get("strict", "false").lower()
         if strict_arg not in ("true", "1", "false", "0"):
             raise _HTTPError(400, f"query parameter strict must be true or false, got {strict_arg!r}")
+        version = request.query.get("weight_version")
+        if version is not None and not (version.isascii() and version.isdecimal()):
+            raise _HTTPError(400, f"query parameter weight_version must be an integer >= 0, got {version!r}")
+        version = None if version is None else int(version)
         if self._uploading:
             raise _HTTPError(409, "another weight upload is in progress; send one at a time")
         strict = strict_arg in ("true", "1")
@@ -238,16 +252,28 @@ class RolloutServer:
             check = functools.partial(check_weights, targets, strict=strict, where="upload")
             body, limits = self._body_chunks(request), {"content_length": length, "max_bytes": cap}
             state_dict = await read_safetensors(body, **limits, check=check)
-            updated = await asyncio.to_thread(self.engine.update_weights, state_dict, strict=strict)
+            update = functools.partial(self.engine.update_weights, strict=strict, version=version)
+            updated = await asyncio.to_thread(update, state_dict)
         except ValueError as exc:  # UploadError (400 or 413) or the engine's checks
             raise _HTTPError(getattr(exc, "status", 400), str(exc)) from None
         finally:
             self._uploading = False
         return _json_response({"updated": updated, "weight_version": self.engine.weight_version})
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = False) -> int:
-        """:meth:`GenerationEngine.update_weights`, blocking (on the server's loop: ``asyncio.to_thread``)."""
-        return self.engine.update_weights(state_dict, strict=strict)
+    def update_weights(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        strict: bool = False,
+        weight_version: int | None = None,
+    ) -> int:
+        """:meth:`GenerationEngine.update_weights` between :meth:`~GenerationEngine.pause` and
+        ``resume`` (no batch starts during the copy), blocking (on the server's loop: ``asyncio.to_thread``)."""
+        self.engine.pause()
+        try:
+            return self.engine.update_weights(state_dict, strict=strict, version=weight_version)
+        finally:
+            self.engine.resume()
 
     async def start(self) -> RolloutServer:
         """Bind and serve on the running loop; :attr:`port` is the bound port after."""

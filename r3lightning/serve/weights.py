@@ -24,6 +24,8 @@ def check_weights(
     targets: Mapping[str, Tensor], specs: Mapping[str, tuple], *, strict: bool, where: str = "state_dict"
 ) -> None:
     """``ValueError`` naming the tensor unless ``specs`` (name -> (dtype, shape)) fit ``targets``."""
+    if not specs:  # an empty upload would count as a new weight version
+        raise ValueError(f"{where} holds no tensor: nothing to load")
     unknown, missing = sorted(set(specs) - set(targets)), sorted(set(targets) - set(specs))
     if unknown:
         odd = "names that are not parameters or persistent buffers of the model"

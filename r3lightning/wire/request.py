@@ -28,7 +28,8 @@ ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
 class RemoteGenerateResult:
     """One generation: ``routed_experts`` ``[rows, num_layers, top_k]`` in a compact integer dtype
     (None unless asked for), ``response_logprobs`` None when the server sent none, ``raw_response``
-    the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts."""
+    the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts,
+    ``weight_version`` the engine's weight version that generated it (None: the engine sent none)."""
 
     response_ids: list[int]
     response_logprobs: list[float] | None
@@ -36,6 +37,7 @@ class RemoteGenerateResult:
     routed_experts: np.ndarray | None
     raw_response: dict[str, Any] = field(repr=False)
     attempts: int = 1
+    weight_version: int | None = None
 
 
 def engine_sampling_params(
