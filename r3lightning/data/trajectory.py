@@ -63,7 +63,8 @@ def _per_response_token(name: str, data: Any, count: int, default: float) -> Ten
     if values.is_complex():
         raise TypeError(f"Trajectory.{name} must be real, got dtype {values.dtype}")
     values = values.to(torch.float32)
-    rules = {"be finite": ~values.isfinite()}
+    # a NaN logprob marks a token the engine gave no logprob for (it answered ``logprobs: null``)
+    rules = {"be finite": values.isinf() if name == "rollout_logprobs" else ~values.isfinite()}
     if name == "loss_mask":
         rules["hold values in [0, 1]"] = (values < 0) | (values > 1)
     for rule, bad in rules.items():
@@ -124,7 +125,9 @@ class Trajectory:
     Args:
         prompt_ids, response_ids: ``[P >= 1]`` and ``[R >= 0]`` token ids (``n = P + R``).
         loss_mask: ``[R]`` in [0, 1], 1 = loss target; default all ones.
-        rollout_logprobs: ``[R]`` engine logprob per response token; default zeros.
+        rollout_logprobs: ``[R]`` engine logprob per response token; default zeros. NaN marks
+            a token the engine gave no logprob for (the collector writes it when an engine
+            answers ``logprobs: null``); a loss that needs engine logprobs refuses such a batch.
         reward, advantage: scalars; ``advantage`` defaults to ``reward``.
         routed_experts: ``[captured <= n, L, K]`` route rows: row ``t`` = the experts token
             ``t`` used as an input (later tokens route natively); ``None``: all native.
