@@ -27,19 +27,25 @@ class GRPOConfig:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # none by default
 
 
+_MAX_LOG_RATIO = 20.0  # the policy loss's ratio cap, exp(20) ~ 4.9e8
+_K3_SATURATION = 600.0  # k3's log-ratio bound, exp(600) ~ 3.8e260
+
+
 def group_advantages(
     rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
     """Each reward minus its group's mean (over the unbiased ``std + eps`` if normalising); a group
-    is ``group_size`` consecutive rewards."""
+    is ``group_size`` consecutive rewards; computed in float64, returned in ``rewards``' floating
+    dtype (float32 for integer rewards)."""
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
         shape = tuple(rewards.shape)
         raise ValueError(f"rewards must be 1-D with a multiple of {group_size=} entries, got shape {shape}")
-    grouped = rewards.float().view(-1, group_size)  # [groups, group_size]
+    # float64: a spread of float32-range rewards (1e38) overflows float32 in the mean and the std
+    grouped = rewards.double().view(-1, group_size)  # [groups, group_size]
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    return centred.reshape(-1).to(torch.promote_types(rewards.dtype, torch.float32))
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
@@ -73,7 +79,11 @@ def policy_loss(
     """Clipped surrogate loss, the mean over the loss tokens (each term scaled by its constant
     ``weights``), and detached ``clip_fraction``. ``advantages [B]``, the rest ``[B, S]``; masked
     tokens add exactly 0 to the loss and its gradient."""
-    ratio = torch.exp(torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0))  # [B, S]
+    # a log-ratio past 20 (ratio 5e8) is clamped before exp: exp overflows float32 at 88.7, and an
+    # inf ratio times a zero advantage is NaN; past the cap a token gives no gradient (as the clip
+    # already does for a positive advantage)
+    log_ratio = torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0).clamp(max=_MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)  # [B, S]
     adv = advantages[:, None].to(ratio.dtype)  # [B, 1]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
@@ -88,8 +98,9 @@ def policy_loss(
 
 def k3_terms(log_ratio: Tensor) -> Tensor:
     """Per-token k3 ``r - 1 - log r`` of ``log_ratio = log r`` as float64 ``expm1(x) - x`` (float32
-    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``)."""
-    x = log_ratio.double()
+    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``). ``x`` saturates at +-600
+    (k3 ~ 4e260): finite, and a mean over any batch stays finite, where ``exp`` overflows at 709."""
+    x = log_ratio.double().clamp(-_K3_SATURATION, _K3_SATURATION)
     return torch.expm1(x) - x
 
 

@@ -27,8 +27,10 @@ def _number(name: str, value: object) -> float:
 
 
 def _check(threshold: float = 2.0, lower: float = 0.5, upper: float = 2.0) -> None:
-    if not _number("threshold", threshold) > 0:
-        raise ValueError(f"threshold must be a number > 0 (the truncation cap C), got {threshold!r}")
+    if not 0 < _number("threshold", threshold) < math.inf:
+        raise ValueError(
+            f"threshold must be a number > 0 and finite (the truncation cap C), got {threshold!r}"
+        )
     if not 0 <= _number("lower", lower) < _number("upper", upper):
         raise ValueError(f"lower and upper must satisfy 0 <= lower < upper, got {lower=}, {upper=}")
 
@@ -98,19 +100,36 @@ def _ratio(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio.to(torch.promote_types(log_ratio.dtype, torch.float32)))
 
 
+def _check_cap(threshold: float, dtype: torch.dtype) -> None:
+    """The cap must be a value of the weights' dtype: above fp16's largest it would be inf there."""
+    largest = torch.finfo(dtype).max
+    if threshold > largest:
+        raise ValueError(f"threshold must be <= {largest:g}, the largest {dtype} value, got {threshold!r}")
+
+
+def _defined(weights: Tensor, keep: Tensor) -> Tensor:
+    """``weights`` on the loss tokens, 0 elsewhere and where the log-ratio was undefined (NaN, or
+    ``+inf`` and ``-inf`` in one sequence): such a token or sequence is dropped, never NaN."""
+    return torch.where(keep & ~weights.isnan(), weights, 0.0)
+
+
 def token_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
-    """Truncated IS: per-token weight ``min(exp(log_ratio), threshold)`` on loss tokens."""
+    """Truncated IS: per-token weight ``min(exp(log_ratio), threshold)`` on loss tokens (0 where
+    ``log_ratio`` is NaN)."""
     _check(threshold=threshold)
     lr, keep, _ = tokens_of(log_ratio, mask)
-    return _like(log_ratio, torch.where(keep, _ratio(lr).clamp(max=threshold), 0.0))
+    _check_cap(threshold, lr.dtype)
+    return _like(log_ratio, _defined(_ratio(lr).clamp(max=threshold), keep))
 
 
 def sequence_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
-    """Per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)`` on its loss tokens."""
+    """Per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)`` on its loss tokens
+    (0 for a sequence whose sum is undefined: a NaN, or ``+inf`` and ``-inf``)."""
     _check(threshold=threshold)
     lr, keep, cu = tokens_of(log_ratio, mask)
+    _check_cap(threshold, lr.dtype)
     total = _sequence_sum(torch.where(keep, lr, 0.0), cu)
-    return _like(log_ratio, torch.where(keep, torch.exp(total).clamp(max=threshold), 0.0))
+    return _like(log_ratio, _defined(torch.exp(total).clamp(max=threshold), keep))
 
 
 def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:

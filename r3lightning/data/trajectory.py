@@ -80,6 +80,9 @@ def _same(a: Any, b: Any) -> bool:
     return not isinstance(a, Tensor) and not isinstance(b, Tensor) and a == b
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _scalar(name: str, value: Any) -> float:
     if isinstance(value, Tensor):
         if value.numel() != 1:
@@ -91,6 +94,10 @@ def _scalar(name: str, value: Any) -> float:
         raise TypeError(f"Trajectory.{name} must be a real number, got {value!r}") from err
     if not math.isfinite(out):
         raise ValueError(f"Trajectory.{name} must be finite, got {out}")
+    if abs(out) > _FLOAT32_MAX:  # collated as float32: it would turn into inf there
+        raise ValueError(
+            f"Trajectory.{name} must be within float32 range (|x| <= {_FLOAT32_MAX:.4g}), got {out}"
+        )
     return out
 
 
