@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
     from r3lightning.align.dummy import dummy_routes
     from r3lightning.align.layout import TokenMetadataLayout
+    from r3lightning.app.serve.server import RolloutServer
     from r3lightning.data.batch import RolloutBatch
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.data.datamodule import R3DataModule
@@ -32,8 +33,7 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.rollout.collector import RolloutCollector
     from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig
     from r3lightning.rollout.stats import CollectedRollouts, EnginesUnavailableError
-    from r3lightning.serve.server import RolloutServer
-    from r3lightning.trace import RoutedExpertTrace
+    from r3lightning.rollout.trace import RoutedExpertTrace
     from r3lightning.wire.errors import MalformedResponseError, RemoteGenerateError
     from r3lightning.wire.request import RemoteGenerateResult, engine_sampling_params
 

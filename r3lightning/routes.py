@@ -10,6 +10,10 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
+# the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on:
+# named by the client's error when routes are missing and by replay's when a batch has none
+ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
+
 # wire name -> little-endian numpy dtype, narrowest first
 WIRE_DTYPES: dict[str, np.dtype] = {
     "uint8": np.dtype("<u1"),

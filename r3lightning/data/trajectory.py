@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.routes import check_layers, compact_route_dtype
 from r3lightning.wire.route_check import check_routes
 

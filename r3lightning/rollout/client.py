@@ -16,7 +16,8 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from r3lightning.rollout.config import Backoff, RetryPolicy, check_api_key, check_setting, route_schema
+from r3lightning.checks import check_api_key, check_setting
+from r3lightning.rollout.config import Backoff, RetryPolicy, route_schema
 from r3lightning.rollout.health import EngineHungError, HealthWatch
 from r3lightning.rollout.prompts import token_id_list
 from r3lightning.wire.errors import (

@@ -5,70 +5,15 @@ The configuration page has each field and its job key.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from r3lightning.checks import check_setting
 from r3lightning.wire.request import PROTOCOL_PATHS, RouteSchema
 
-__all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "check_api_key", "check_setting", "route_schema"]
-
-
-def check_setting(
-    name: str,
-    value: Any,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    integer: bool = False,
-    above: bool = False,
-    optional: bool = False,
-) -> None:
-    """``ValueError`` unless ``value`` is a finite number (an int if ``integer``; never a bool)
-    ``>= low`` (``> low`` if ``above``) and ``<= high``; ``None`` passes when ``optional``."""
-    if value is None and optional:
-        return
-    kind = ("None or " if optional else "") + ("an integer" if integer else "a number")
-    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-    ok = ok and math.isfinite(value)
-    bounds = []
-    if low is not None:
-        bounds.append(f"{'>' if above else '>='} {low:g}")
-        ok = ok and (value > low if above else value >= low)
-    if high is not None:
-        bounds.append(f"<= {high:g}" if isinstance(high, float) else f"<= {high}")
-        ok = ok and value <= high
-    if not ok:
-        raise ValueError(f"{name} must be {' '.join([kind, ' and '.join(bounds)]).strip()}, got {value!r}")
-
-
-def check_api_key(api_key: Any, name: str = "api_key") -> None:
-    """Refuse an API key that would authenticate anyone or could never be sent as given.
-
-    Args:
-        api_key: None (no authentication) or the bearer token.
-        name: how the error names the setting (``--api-key`` on the command line).
-
-    Raises:
-        TypeError: ``api_key`` is neither None nor a string.
-        ValueError: ``api_key`` is empty or blank (``Authorization: Bearer `` would match it), or
-            holds whitespace or control characters (HTTP strips or refuses them in a header).
-    """
-    if api_key is None:
-        return
-    if not isinstance(api_key, str):
-        raise TypeError(f"{name} must be None or a string, got {type(api_key).__name__}")
-    if not api_key.strip():
-        raise ValueError(
-            f"{name} must be a non-empty token, got {api_key!r} (an unset variable?): an empty key "
-            "would let anyone in; leave it out (None) to serve without authentication on loopback"
-        )
-    if any(ch.isspace() or not ch.isprintable() for ch in api_key):
-        raise ValueError(
-            f"{name} must hold no whitespace or control characters, got {len(api_key)} characters"
-        )
+__all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "route_schema"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +76,6 @@ class CollectorConfig:
     seed: int = 0
     protocol: str = "skyrl"
     request_routes: bool = True
-    normalize_std: bool = True
     max_in_flight: int = 64
     reward_threads: int = 0
     progress: bool = True
@@ -141,7 +85,7 @@ class CollectorConfig:
         check_setting("seed", self.seed, integer=True)
         if self.protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {list(PROTOCOL_PATHS)}, got {self.protocol!r}")
-        for name in ("request_routes", "normalize_std", "progress"):
+        for name in ("request_routes", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_setting("max_in_flight", self.max_in_flight, low=1, integer=True)

@@ -15,9 +15,14 @@ from torch import Tensor
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateResult
 from r3lightning.rollout.environment import Environment
-from r3lightning.rollout.prompts import RolloutPrompt, score_value, token_id_list
-from r3lightning.rollout.prompts_file import as_messages, chat_prompt_ids
-from r3lightning.trace import RoutedExpertTrace
+from r3lightning.rollout.prompts import (
+    RolloutPrompt,
+    as_messages,
+    chat_prompt_ids,
+    score_value,
+    token_id_list,
+)
+from r3lightning.rollout.trace import RoutedExpertTrace
 
 __all__ = ["Episode", "plain_call", "run_episode", "single_turn"]
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lightning.routes import ENGINE_ROUTES_FLAG
 from r3lightning.wire.codec import RouteSchema
 
 __all__ = ["ENGINE_ROUTES_FLAG", "PROTOCOL_PATHS", "RemoteGenerateResult", "RouteSchema", "build_request",
@@ -20,8 +21,6 @@ PROTOCOL_PATHS = {
     "openai": "/v1/completions",
 }
 ENGINES = ("vllm", "sglang")
-# the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on
-ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
 
 
 @dataclass

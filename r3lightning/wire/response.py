@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from r3lightning.routes import ENGINE_ROUTES_FLAG
 from r3lightning.wire.codec import checked_routes, decode_array, decode_flat_array, decode_npy_array
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.json_body import JsonBody, unescaped
-from r3lightning.wire.request import ENGINE_ROUTES_FLAG, RemoteGenerateResult, RouteSchema
+from r3lightning.wire.request import RemoteGenerateResult, RouteSchema
 
 __all__ = ["parse_response"]
 

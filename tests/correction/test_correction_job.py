@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from r3lightning.job.main import arms, compose_config, main, run
-from r3lightning.job.report import read_csv
+from r3lightning.app.job.main import arms, compose_config, main, run
+from r3lightning.app.job.report import read_csv
 
 
 @pytest.mark.parametrize(

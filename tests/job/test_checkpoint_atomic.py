@@ -17,14 +17,14 @@ import pytest
 import torch
 from python_process import REPO
 
-from r3lightning.job.checkpoint import AtomicCheckpointIO, RunCheckpoint, resume_checkpoint
-from r3lightning.job.main import compose_config
+from r3lightning.app.job.checkpoint import AtomicCheckpointIO, RunCheckpoint, resume_checkpoint
+from r3lightning.app.job.main import compose_config
 
 _SAVER = textwrap.dedent(
     """
     import os, sys, time
     import torch
-    from r3lightning.job.checkpoint import AtomicCheckpointIO
+    from r3lightning.app.job.checkpoint import AtomicCheckpointIO
 
     target, phase = sys.argv[1], sys.argv[2]
     io = AtomicCheckpointIO()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from r3lightning.job.main import compose_config, run
-from r3lightning.job.report import agreement_keys
+from r3lightning.app.job.main import compose_config, run
+from r3lightning.app.job.report import agreement_keys
 
 pytestmark = pytest.mark.slow
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]

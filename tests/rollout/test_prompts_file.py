@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from r3lightning.rollout.prompts_file import Columns, PromptsFileTask, read_rows
-from r3lightning.testing.tiny_tokenizer import CHARACTERS, build_tiny_tokenizer, save_tiny_checkpoint
+from r3lightning.app.models.tiny_tokenizer import CHARACTERS, build_tiny_tokenizer, save_tiny_checkpoint
+from r3lightning.app.tasks.prompts_file import Columns, PromptsFileTask, read_rows
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -9,6 +9,8 @@ from fault_server import FaultServer
 from rollout_support import PROMPT, check_result, generate, make_client
 from turn_engine import TurnEngine
 
+from r3lightning.app.job.grpo import GRPOAdvantages
+from r3lightning.app.tasks.token_class import ScoredTask
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.collector import RolloutCollector
@@ -16,7 +18,6 @@ from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.episode import run_episode
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig
-from r3lightning.rollout.tasks import ScoredTask
 from r3lightning.wire.request import RouteSchema
 
 L, K, G = 3, 2, 3
@@ -93,9 +94,10 @@ async def test_per_turn_statistics_cover_the_turns_reached_not_max_turns():
             engine.url,
             environments,
             config,
+            advantages=GRPOAdvantages(),
             schema=RouteSchema(**schema),
             sampling=SamplingConfig(max_new_tokens=G),
-            retry=ONE_TRY,
+            client_options={"retry": ONE_TRY},
         ) as collector:
             stats = (await collector.collect_async(prompts, step=0, buffer=buffer)).stats
     assert max(int(t.routed_experts.max()) for t in buffer) >= 256  # the premise: int16 ids

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import save
 from server_support import post, same_weights, still_serving, weights_of
 
-from r3lightning.serve.config import EngineConfig, ServerLimits
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.serve.server import RolloutServer
 
 
 @pytest.mark.parametrize("device", ["tpu", "tpu:0", "cuda:x", "meta", 3.5, ["cpu"]])

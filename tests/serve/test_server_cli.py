@@ -23,7 +23,7 @@ def _free_port() -> tuple[socket.socket, int]:
 
 
 def _cli_error(capsys, argv: list[str]) -> str:
-    from r3lightning.serve.cli import main
+    from r3lightning.app.serve.cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -86,8 +86,8 @@ def test_cli_bad_arguments_fail_in_one_line(capsys, argv, message):
 def test_cli_has_a_flag_per_engine_and_limit_setting():
     import dataclasses
 
-    from r3lightning.serve import cli
-    from r3lightning.serve.config import EngineConfig, ServerLimits
+    from r3lightning.app.serve import cli
+    from r3lightning.app.serve.config import EngineConfig, ServerLimits
 
     # the flag set comes from the dataclasses' fields: a new setting gets its flag
     parser_flags = _flags()
@@ -128,7 +128,7 @@ def _flags() -> set[str]:
     import contextlib
     import io
 
-    from r3lightning.serve import cli
+    from r3lightning.app.serve import cli
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
@@ -145,7 +145,7 @@ def test_cli_port_in_use_fails_in_one_line(capsys):
 
 def test_cli_entry_point_exits_2_with_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "r3lightning.serve.cli", "--port", "99999"],
+        [sys.executable, "-m", "r3lightning.app.serve.cli", "--port", "99999"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -160,7 +160,7 @@ def test_cli_serves_until_sigint_and_exits_0():
     import os
     import signal
 
-    command = [sys.executable, "-m", "r3lightning.serve.cli", "--port", "0", "--device", "cpu"]
+    command = [sys.executable, "-m", "r3lightning.app.serve.cli", "--port", "0", "--device", "cpu"]
     command += ["--max-new-tokens-cap", "8"]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
