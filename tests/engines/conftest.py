@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from engine_procs import group_members, wait_gone
+from vllm_engines import start_engine
 
-from r3lightning.app.vllm import VllmServer, VllmSettings, save_tiny_vllm_model
+from r3lightning.app.vllm import VllmServer, save_tiny_vllm_model
 from r3lightning.app.vllm.settings import engine_python
 
 VLLM_SEED = 0
@@ -38,16 +38,6 @@ def vllm_engine_python() -> Path:
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_vllm_model(tmp_path_factory.mktemp("vllm-model"), seed=VLLM_SEED)
-
-
-def start_engine(model: Path, python: Path, log_dir: Path, **settings) -> Iterator[VllmServer]:
-    """A started engine for the ``with`` body; on exit, every process of its group must be gone."""
-    config = VllmSettings(model=str(model), python=str(python), **settings)
-    server = VllmServer(config, log_path=log_dir / f"vllm-{config.dtype}.log")
-    with server:
-        members = group_members(server.pid)
-        yield server
-    assert not wait_gone(members), f"engine processes outlived the launcher (log: {server.log_path})"
 
 
 @pytest.fixture(scope="session")

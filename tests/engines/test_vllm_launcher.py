@@ -160,3 +160,23 @@ def test_a_missing_engine_python_says_make_vllm(tmp_path, monkeypatch):
 def test_bad_settings_name_the_field(field, value, expected):
     with pytest.raises(ValueError, match=expected):
         VllmSettings(model="/m", **{field: value})
+
+
+NEEDS_ENGINE = "tests/engines/test_vllm_no_routes.py::test_asking_for_routes_is_one_line_naming_the_flag"
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["fails", "skips-when-asked"])
+def test_the_vllm_tests_fail_saying_make_vllm_without_the_environment(tmp_path, skip):
+    env = {**os.environ, "R3_VLLM_PYTHON": str(tmp_path / "no-python"), "R3_SKIP_VLLM": "1" if skip else "0"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", NEEDS_ENGINE],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if skip:
+        assert run.returncode == 0 and "2 skipped" in run.stdout
+    else:
+        assert run.returncode != 0 and "run `make vllm`" in run.stdout and "2 error" in run.stdout

@@ -5,6 +5,7 @@ against transformers' native fp32 routes of the same weights."""
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import numpy as np
 import pytest
@@ -73,3 +74,40 @@ async def test_routes_of_each_endpoint_equal_the_raw_bytes_and_native_fp32(vllm_
     moe = raw_routes[:, 1:]
     assert moe.min() >= 0 and moe.max() < E and (moe[..., 0] != moe[..., 1]).all()
     check_against_native(prompt + sampled[:-1], first, raw_routes)
+
+
+async def test_a_stop_token_ends_the_response_where_it_is_first_sampled(vllm_fp32):
+    prompt = random_tokens(21, 6)
+    async with client(vllm_fp32.url, "vllm") as engine:
+        free = await engine.generate(prompt, params(8, seed=5), return_routed_experts=True)
+        stop = free.response_ids[3]
+        cut = free.response_ids.index(stop) + 1  # the stop token is returned, nothing after it
+        stopped = await engine.generate(
+            prompt, params(8, seed=5, stop_token_ids=[stop]), return_routed_experts=True
+        )
+    assert stopped.response_ids == free.response_ids[:cut]
+    assert stopped.stop_reason == "stop" and free.stop_reason == "length"
+    # the same seed samples the same tokens: the rows up to the stop are the free run's
+    assert stopped.routed_experts.shape[0] == len(prompt) + cut - 1
+    assert np.array_equal(stopped.routed_experts, free.routed_experts[: len(prompt) + cut - 1])
+
+
+def prefix_cache_hits(url: str) -> float:
+    """vLLM's ``prefix_cache_hits`` counter (tokens served from cached blocks) from ``/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "openai"])
+async def test_a_prefix_cache_hit_returns_the_same_routes(vllm_fp32, protocol):
+    prompt = random_tokens(40 + len(protocol), 150)  # longer than a KV block (16 to 128 tokens)
+    async with client(vllm_fp32.url, protocol) as engine:
+        first = await engine.generate(prompt, params(4, seed=9), return_routed_experts=True)
+        hits = prefix_cache_hits(vllm_fp32.url)
+        again = await engine.generate(prompt, params(4, seed=9), return_routed_experts=True)
+    assert prefix_cache_hits(vllm_fp32.url) > hits  # the premise: the prompt's blocks were cached
+    assert again.response_ids == first.response_ids
+    assert np.array_equal(again.routed_experts, first.routed_experts)
+    check_against_native(prompt + first.response_ids[:-1], 0, first.routed_experts.astype(np.int64))
