@@ -25,7 +25,7 @@ def check_cap(value: float, name: str = "threshold") -> None:
     """A TIS cap ``C``: a finite number >= 1 (below 1 every on-policy token would be truncated)."""
     if not 1 <= _number(name, value) < math.inf:
         raise ValueError(
-            f"{name} must be a finite number >= 1 (the TIS cap C; below 1 every on-policy token is truncated), "
+            f"{name} must be a number >= 1 and finite (the TIS cap C; below 1 every on-policy token is truncated), "
             f"got {value!r}"
         )
 

@@ -62,9 +62,9 @@ def test_sequence_tis_drops_a_sequence_whose_log_ratio_sum_is_undefined():
 
 @pytest.mark.parametrize("threshold", [INF, -INF, NAN])
 def test_a_cap_that_is_not_finite_is_refused(threshold):
-    with pytest.raises(ValueError, match=r"threshold must be (a number > 0 and finite|a number)"):
+    with pytest.raises(ValueError, match=r"threshold must be (a number >= 1 and finite|a number)"):
         CorrectionConfig(mode="token_tis", threshold=threshold)
-    with pytest.raises(ValueError, match=r"threshold must be (a number > 0 and finite|a number)"):
+    with pytest.raises(ValueError, match=r"threshold must be (a number >= 1 and finite|a number)"):
         token_tis(torch.zeros(1, 2), torch.ones(1, 2), threshold=threshold)
 
 
