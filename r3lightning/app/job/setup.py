@@ -211,7 +211,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     """Train one run (one arm, one seed) into ``out_dir``; returns its per-step history."""
     import lightning.pytorch as pl
 
-    from r3lightning.app.job.checkpoint import RunCheckpoint, resume_checkpoint
+    from r3lightning.app.job.checkpoint import RunCheckpoint, refuse_bad_data_state, resume_checkpoint
     from r3lightning.app.job.module import OptimConfig
     from r3lightning.app.job.rollout_loop import on_policy_loop
 
@@ -237,6 +237,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     callbacks = [*build.build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
     trainer = build.build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)
+    if ckpt_path is not None:
+        refuse_bad_data_state(datamodule, ckpt_path)
     if ckpt_path is not None and is_global_zero():
         print(f"resuming {out_dir.name} from {ckpt_path}")
     with warnings.catch_warnings():
