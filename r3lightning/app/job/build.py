@@ -123,6 +123,10 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
                 return _check_value(key, value, option)
         texts = [_TYPES.get(o, (getattr(o, "__name__", str(o)),))[0] for o in typing.get_args(tp)]
         return require(key, value, (" or ".join(texts), lambda v: False))
+    if typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[X, ...]: any length
+        item = typing.get_args(tp)[0]
+        require(key, value, ("a list", lambda v: isinstance(v, list | tuple)))
+        return tuple(_check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         require(
@@ -237,7 +241,7 @@ def trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
 
 def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
     """The ``callbacks`` dict, in order (``null`` drops an entry); the replay callback gets the job's
-    backend, mode and ``replay.strict`` (null: strict for r3 with an external engine)."""
+    backend, mode and ``replay.strict`` (null: strict for r3 with an external or launched engine)."""
     replay, out = replay_callback_settings(cfg), []
     for name, node in cfg.callbacks.items():
         if node is None:
@@ -246,7 +250,8 @@ def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
         if replay is not None and name == replay[0]:
             extra = {"backend": backend, "mode": mode}
             strict = cfg.replay.get("strict")
-            if strict is None and cfg.rollout.url is not None and mode == "r3":
+            external = cfg.rollout.url is not None or cfg.rollout.get("launch") is not None
+            if strict is None and external and mode == "r3":
                 strict = True  # an external engine without routes is misconfigured: never train natively
             if strict is not None:
                 extra["strict"] = bool(strict)
