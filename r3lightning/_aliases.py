@@ -67,7 +67,7 @@ _MOVED_NAMES = {
     "mixtral_weights ernie_weights softmax_then_topk_weights:qwen3_moe_weights "
     "softmax_renormalised_weights:qwen3_5_moe_weights sigmoid_scaled_weights:deepseek_v3_weights "
     "softmax_scaled_weights:deepseek_v2_weights softmax_over_topk_weights:gpt_oss_weights",
-    "r3lightning.replay.megatron.layout": "MegatronParallelism megatron_token_layout megatron_padding_mask",
+    "r3lightning.replay.megatron.layout": "megatron_token_layout megatron_padding_mask",
     "r3lightning.replay.expert_load": "ExpertLoadMonitor expert_load_stats",
     "r3lightning.app.models.tiny": "tiny_moe_config build_tiny_moe",
     "r3lightning.app.job.sharded": "meta_model load_sharded_weights convert_checkpoint",

@@ -26,6 +26,7 @@ from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig,
 from r3lightning.rollout.stats import (
     CollectedRollouts,
     EnginesUnavailableError,
+    GroupsDroppedError,
     StepCounters,
     outage,
     reduce_step_stats,
@@ -286,15 +287,18 @@ class RolloutCollector:
                 if envs is None or isinstance(exc, EnginesUnavailableError):
                     raise
                 counters.dropped_groups += 1  # one failed turn drops the whole group, never part of it
+                dropped[group] = exc
                 logger.warning("group %d of step %d dropped: %s", group, step, exc)
                 return []
+
+        dropped: dict[int, Exception] = {}
 
         try:
             kept = await _gather_or_cancel(whole_group(g) for g in groups)
         finally:
             bar.close()
         if groups and not any(kept):
-            raise RuntimeError(f"every group of step {step} was dropped (the log has each group's error)")
+            raise GroupsDroppedError(step, dropped)
         trajectories = []
         for episodes in filter(None, kept):  # dropped groups are empty
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]

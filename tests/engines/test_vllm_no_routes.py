@@ -10,6 +10,7 @@ import pytest
 import torch
 from vllm_engines import start_engine
 
+from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.app.vllm import VllmServer, tiny_vllm_moe_config
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.rollout.client import RemoteGenerateClient
@@ -38,7 +39,13 @@ def collector(url: str | list[str], *, request_routes: bool = True) -> RolloutCo
     sampling = SamplingConfig(max_new_tokens=4, ignore_eos=True)
     schema = tiny_vllm_moe_config()
     return RolloutCollector(
-        url, lambda prompt, response: 1.0, config, schema=schema, sampling=sampling, retry=RETRY
+        url,
+        lambda prompt, response: 1.0,
+        config,
+        advantages=GRPOAdvantages(),
+        schema=schema,
+        sampling=sampling,
+        client_options={"retry": RETRY},
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 from loopback import hung_engine
 from vllm_reference import native_routes
 
+from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.app.vllm import tiny_vllm_moe_config
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy, route_schema
@@ -48,9 +49,10 @@ def collector(engines, reward, *, protocol: str = "vllm", layers=None, retry=RET
         engines,
         reward,
         CollectorConfig(group_size=2, seed=3, protocol=protocol, progress=False),
+        advantages=GRPOAdvantages(),
         schema=route_schema(tiny_vllm_moe_config(), layers=layers),
         sampling=SamplingConfig(max_new_tokens=5, ignore_eos=True),
-        retry=retry,
+        client_options={"retry": retry},
     )
 
 

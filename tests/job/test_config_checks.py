@@ -158,7 +158,7 @@ def test_every_bad_value_is_one_error_naming_the_key(override, message):
         (
             ["+algorithm.clip=0.2"],
             "algorithm.clip is not a setting here; expected one of ['group_size', 'clip_low', 'clip_high', "
-            "'normalize_std', 'std_eps', 'ratio_band', 'mismatch_every_n_steps', 'correction']",
+            "'normalize_std', 'ratio_band', 'mismatch_every_n_steps', 'correction', 'loss']",
         ),
         (["loggers=5"], "loggers must be a list of {_target_: ...} entries (or null), got 5"),
         (["loggers=[csv]"], "loggers[0] must be a mapping with a _target_, got 'csv'"),

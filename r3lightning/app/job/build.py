@@ -22,6 +22,7 @@ from r3lightning.app.job.common import JobError
 from r3lightning.app.job.models import torch_dtype
 from r3lightning.app.job.sharded import meta_model
 from r3lightning.app.tasks.token_class import ScoredTask
+from r3lightning.replay.backend import check_soft_threshold
 from r3lightning.replay.hf.replay import HFRouterReplay
 
 __all__ = ["JobError", "dataclass_from", "instantiate_node", "plain", "tensorboard_if_installed"]
@@ -123,7 +124,7 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
                 return _check_value(key, value, option)
         texts = [_TYPES.get(o, (getattr(o, "__name__", str(o)),))[0] for o in typing.get_args(tp)]
         return require(key, value, (" or ".join(texts), lambda v: False))
-    if typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[X, ...]: any length
+    if typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[X, ...]
         item = typing.get_args(tp)[0]
         require(key, value, ("a list", lambda v: isinstance(v, list | tuple)))
         return tuple(_check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value))
@@ -201,9 +202,19 @@ def replay_backend(cfg: DictConfig, model: torch.nn.Module):
     if kind not in ("hf", "megatron", None):
         raise JobError(f"callbacks.router_replay.backend must be hf or megatron, got {kind!r}")
     megatron_model = callable(getattr(model, "router_replay_backend", None))
+    soft = cfg.replay.get("soft_threshold")
+    if soft is not None and (kind == "megatron" or cfg.replay.mode != "r3"):
+        why = (
+            "the megatron backend replays ids as given"
+            if kind == "megatron"
+            else f"replay.mode is {cfg.replay.mode}"
+        )
+        raise JobError(f"replay.soft_threshold needs replay=r3 with the hf backend; {why} (set it to null)")
     try:
         if kind != "megatron":
-            return HFRouterReplay.for_model(model)
+            backend = HFRouterReplay.for_model(model)
+            backend.soft_threshold = check_soft_threshold(soft)
+            return backend
         if megatron_model:
             return model.router_replay_backend()
         from r3lightning.replay.megatron.replay import MegatronRouterReplay

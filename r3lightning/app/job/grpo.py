@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from r3lightning.correction.importance import CorrectionConfig
+from r3lightning.correction.importance import k3_terms
+from r3lightning.correction.steps import CorrectionConfig
+
+LOSSES = ("grpo", "gspo")  # token-level clipped surrogate (PPO/GRPO) | sequence-level (GSPO)
 
 
 @dataclass(frozen=True)
@@ -21,10 +24,14 @@ class GRPOConfig:
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28
     normalize_std: bool = True  # divide by the group's reward std (GRPO); False = Dr. GRPO
-    std_eps: float = 1e-6
     ratio_band: float = 2.0  # ratios outside [1 / ratio_band, ratio_band] are "far off" in metrics
     mismatch_every_n_steps: int = 1  # paired native-vs-replayed mismatch/* every n steps; 0 = never
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # none by default
+    loss: str = "grpo"  # one of LOSSES: grpo = policy_loss, gspo = gspo_loss
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {list(LOSSES)}, got {self.loss!r}")
 
 
 def group_advantages(
@@ -110,11 +117,60 @@ def policy_loss(
     return loss, {"clip_fraction": clip_fraction}
 
 
-def k3_terms(log_ratio: Tensor) -> Tensor:
-    """Per-token k3 ``r - 1 - log r`` of ``log_ratio = log r`` as float64 ``expm1(x) - x`` (float32
-    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``)."""
-    x = log_ratio.double()
-    return torch.expm1(x) - x
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: per sequence ``i`` the ratio ``s_i = exp(mean of its loss tokens' logprobs - old_logprobs)``,
+    the term ``-min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)`` (clipped per sequence),
+    and the loss is the mean of the terms over sequences with a loss token.
+
+    Args:
+        logprobs: ``[B, S]`` the trainer's logprobs (with gradient).
+        old_logprobs: ``[B, S]`` the behaviour policy's logprobs (the engine's, or r2's recompute).
+        advantages: ``[B]`` one advantage per sequence.
+        loss_mask: ``[B, S]`` 1 on loss tokens; masked tokens add exactly 0 to loss and gradient.
+        clip_low: ``s_i`` is clipped below at ``1 - clip_low``.
+        clip_high: ``s_i`` is clipped above at ``1 + clip_high``.
+        weights: ``[B, S]`` constant per-token weights (an importance-sampling correction): token
+            ``t`` of sequence ``i`` contributes ``w_t / n_i`` of the sequence's term and of its
+            gradient (GSPO's token form), ``n_i`` the sequence's loss tokens; None = all 1.
+
+    Returns:
+        The scalar loss and detached ``sequence_clip_fraction``: the share of sequences (with a loss
+        token) whose clipped term was taken.
+    """
+    keep = loss_mask != 0  # [B, S]
+    log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0)  # [B, S]
+    tokens = keep.sum(-1).to(log_ratio.dtype)  # [B] n_i
+    sequence_log_ratio = log_ratio.sum(-1) / tokens.clamp(min=1.0)  # [B] mean over loss tokens
+    # token form: the value of every token's ratio is s_i, its gradient flows through token t alone;
+    # averaged over the n_i tokens this is exactly the gradient of s_i (each token's d s_i = s_i / n_i)
+    sequence_ratio = torch.exp(sequence_log_ratio.detach())[:, None]  # [B, 1]
+    ratio = sequence_ratio * torch.exp(log_ratio - log_ratio.detach())  # [B, S], value s_i
+    adv = advantages[:, None].to(ratio.dtype)  # [B, 1]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)  # [B, S]
+    if weights is not None:
+        per_token = per_token * torch.where(keep, weights.detach(), 0.0)
+    per_token = torch.where(keep, per_token, 0.0)
+    per_sequence = per_token.sum(-1) / tokens.clamp(min=1.0)  # [B]
+    has_tokens = tokens > 0
+    sequences = has_tokens.sum().to(per_sequence.dtype).clamp(min=1.0)
+    loss = per_sequence.sum() / sequences
+    with torch.no_grad():
+        sequence_adv = advantages.to(sequence_ratio.dtype)  # [B]
+        s = sequence_ratio[:, 0]
+        took_clip = s.clamp(1.0 - clip_low, 1.0 + clip_high) * sequence_adv < s * sequence_adv
+        clip_fraction = (took_clip & has_tokens).sum().to(s.dtype) / sequences
+    return loss, {"sequence_clip_fraction": clip_fraction}
 
 
 def mismatch_metrics(

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from r3lightning.align.layout import TokenMetadataLayout, position_ids_from_mask
 from r3lightning.app.job.grpo import (
     GRPOConfig,
+    gspo_loss,
     masked_mean,
     mismatch_metrics,
     paired_mismatch_metrics,
@@ -39,8 +40,9 @@ class OptimConfig:
 class GRPOModule(pl.LightningModule):
     """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``); one epoch is one RL step.
 
-    The clipped loss is against the engine's logprobs (``recompute_old_logprobs``, as ``replay=r2``
-    needs: the trainer's own no-grad forward's), weighted by ``grpo.correction``; every
+    The clipped loss (``grpo.loss``: token-level ``grpo`` or sequence-level ``gspo``) is against the
+    engine's logprobs (``recompute_old_logprobs``, as ``replay=r2`` needs: the trainer's own no-grad
+    forward's), weighted by ``grpo.correction``; every
     ``grpo.mismatch_every_n_steps`` steps two more no-grad forwards give the paired ``mismatch/*``
     (docs/concepts/metrics.md). ``sharded_weights``: a meta-device ``model``'s DCP shards directory.
     """
@@ -134,7 +136,7 @@ class GRPOModule(pl.LightningModule):
                 replayed = self.batch_logprobs(batch)
             layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
             used = native_routes.routes.to(aligned.device)  # [B, S, L, K]: one forward
-            rows, _, hits, _ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
+            rows, _, hits, *_ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )
@@ -158,18 +160,17 @@ class GRPOModule(pl.LightningModule):
             self._log_agreement(callback, len(batch))
         loss_mask = batch.loss_mask.to(logprobs.dtype)
         weights = None
-        if self.grpo.correction.mode != "none":
+        if self.grpo.correction.active:
             log_ratio = logprobs.detach() - batch.rollout_logprobs
             weights = correction_weights(log_ratio, loss_mask, self.grpo.correction)
-            self._correction.update(weights, loss_mask)
+            self._correction.update(weights, loss_mask, log_ratio)
             totals = self._correction.compute(sync_dist=self._distributed)
             self.log_dict(
                 {k: v.float() for k, v in totals.items()}, on_step=True, on_epoch=False, batch_size=1
             )
         clip = {"clip_low": self.grpo.clip_low, "clip_high": self.grpo.clip_high}
-        loss, stats = policy_loss(
-            logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights
-        )
+        objective = gspo_loss if self.grpo.loss == "gspo" else policy_loss
+        loss, stats = objective(logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights)
         band = self.grpo.ratio_band
         stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
         stats["loss"] = loss.detach()

@@ -103,6 +103,7 @@ def summarize(records: History, window: int = 3) -> dict[str, float]:
         out[name], out[f"{name}_end"] = _mean(records, key), _mean(records, key, end)
         out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
     out |= {name: _mean(records, CORRECTION_PREFIX + name) for _, name, _ in CORRECTED_COLUMNS}
+    out[SEQUENCE_CLIP] = _mean(records, SEQUENCE_CLIP)
     out |= {"turns_end": _mean(records, "turns", end), "turn_2_reward_end": _mean(records, TURN_REWARD, end)}
     out |= {f"route_bytes_{k}": _mean(records, f"route_bytes/turn_{k}") for k in (1, 2)}
     for suffix in ("", "_step0"):
@@ -133,6 +134,8 @@ CORRECTED_COLUMNS = (  # shown when a run applied an importance-sampling correct
     ("truncated", "truncated_fraction", "{:.2%}"),
     ("masked", "masked_fraction", "{:.2%}"),
 )
+SEQUENCE_CLIP = "sequence_clip_fraction"  # logged by algorithm.loss=gspo
+GSPO_COLUMNS = (("clipped seqs", SEQUENCE_CLIP, "{:.1%}"),)
 MULTITURN_COLUMNS = (  # shown when a run's trajectories had turns (task=<an environment>)
     ("turns end", "turns_end", "{:.2f}"),
     ("turn 2 reward end", "turn_2_reward_end", "{:.3f}"),
@@ -165,7 +168,9 @@ def format_table(
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
     corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
     multiturn = any(TURN_REWARD in r for h in runs.values() for r in h)
-    columns = COLUMNS + (CORRECTED_COLUMNS if corrected else ()) + (MULTITURN_COLUMNS if multiturn else ())
+    gspo = any(SEQUENCE_CLIP in r for h in runs.values() for r in h)
+    columns = COLUMNS + (CORRECTED_COLUMNS if corrected else ()) + (GSPO_COLUMNS if gspo else ())
+    columns += MULTITURN_COLUMNS if multiturn else ()
     table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
     table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
     first = [["run", *(h for h, _, _ in STEP0)]]
@@ -190,6 +195,11 @@ def format_table(
             "IS ESS, truncated, masked: the loss's importance-sampling correction (algorithm.correction; "
             "n/a: none), effective sample size (sum w)^2 / (n sum w^2) and shares of loss tokens, "
             "means over steps"
+        )
+    if gspo:
+        lines.append(
+            "clipped seqs: share of sequences whose GSPO ratio exp(mean token log-ratio) was clipped "
+            "(algorithm.loss=gspo; mean over steps)"
         )
     if multiturn:
         lines.append(

@@ -104,6 +104,7 @@ RULES: dict[str, Rule] = {
     "model.dtype": _DTYPE,
     "replay.mode": one_of("r3", "r2", "off"),
     "replay.strict": or_null(BOOL),
+    "replay.soft_threshold": or_null(number(0, above=False)),
     "rollout.protocol": one_of("skyrl", "vllm", "sglang", "openai"),
     "rollout.url": _URLS,
     "rollout.require_url": BOOL,
@@ -112,7 +113,6 @@ RULES: dict[str, Rule] = {
     "algorithm.group_size": integer(2),
     "algorithm.clip_low": number(0),
     "algorithm.clip_high": number(0),
-    "algorithm.std_eps": number(0),
     "algorithm.ratio_band": number(1, above=False),
     "algorithm.mismatch_every_n_steps": integer(0),
     "algorithm.optim.lr": number(0),
@@ -212,7 +212,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     """Train one run (one arm, one seed) into ``out_dir``; returns its per-step history."""
     import lightning.pytorch as pl
 
-    from r3lightning.app.job.checkpoint import RunCheckpoint, resume_checkpoint
+    from r3lightning.app.job.checkpoint import RunCheckpoint, refuse_bad_data_state, resume_checkpoint
     from r3lightning.app.job.module import OptimConfig
     from r3lightning.app.job.rollout_loop import on_policy_loop
 
@@ -238,6 +238,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     callbacks = [*build.build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
     trainer = build.build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)
+    if ckpt_path is not None:
+        refuse_bad_data_state(datamodule, ckpt_path)
     if ckpt_path is not None and is_global_zero():
         print(f"resuming {out_dir.name} from {ckpt_path}")
     with warnings.catch_warnings():
