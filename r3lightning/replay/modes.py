@@ -51,7 +51,8 @@ def align_routes(
     Returns:
         ``(dense, mask)``: ``dense [*token_shape, columns, top_k]`` in the routes' dtype and on
         their device (dummy rows where no route was captured), ``mask [*token_shape]`` bool on the
-        same device. No host sync; one page-locked copy of the host mask.
+        same device. Rows marked missing (a -1 id; signed routes only) are masked out and hold
+        dummy ids. No host sync; one page-locked copy of the host mask.
 
     Raises:
         ValueError: The rows' shape does not match ``layers`` (or ``num_layers``), or ``layers``
@@ -77,8 +78,17 @@ def align_routes(
         return dummy_routes(count, columns, K, E, device=routes.device)
 
     dense = align_packed_token_metadata(routes, layout, pad=pad)  # [*token_shape, columns, K]
-    mask = build_replay_mask(routes.lengths, layout)  # host
-    return dense, to_device_async(mask, dense.device)  # staged through page-locked memory
+    mask = to_device_async(build_replay_mask(routes.lengths, layout), dense.device)  # staged, pinned
+    if routes.dtype.is_signed:  # rows marked missing (-1): native, and dummy ids, never -1 installed
+        present = PackedTensor(
+            (routes.values >= 0).flatten(1).all(1), routes.cu_seqlens, cu_seqlens_host=routes.cu_seqlens_host
+        )
+        present_dense = align_packed_token_metadata(present, layout, pad=False)  # [*token_shape]
+        filler = pad(present_dense.numel()).reshape(dense.shape)
+        wide = torch.promote_types(dense.dtype, filler.dtype)
+        dense = torch.where(present_dense[..., None, None], dense.to(wide), filler.to(wide))
+        mask = mask & present_dense.to(mask.device)
+    return dense, mask
 
 
 class Replaying:
