@@ -174,6 +174,8 @@ class RouterReplayCallback(Callback):
                 self._missing(self.mode, f"the batch {none}")
             return
         self._set_step(self._prepare(routes, batch))
+        if self.log_agreement and self.mode != "off":
+            self._metrics.count_missing_rows(routes)
 
     def _set_step(self, install: modes.Install) -> None:
         self._step = install

@@ -300,12 +300,16 @@ class RolloutCollector:
         if groups and not any(kept):
             raise GroupsDroppedError(step, dropped)
         trajectories = []
+        # missing_rows=drop_trajectory: a trajectory with a missing route row stays (its reward is its
+        # group's baseline) but leaves the loss
+        drop_missing = self.schema is not None and self.schema.missing_rows == "drop_trajectory"
         for episodes in filter(None, kept):  # dropped groups are empty
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]
             advantages = self._group_advantages(rewards)
             for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
                 counters.add_turns(episode.turn_rewards, episode.route_bytes)
-                trajectories.append(episode.trajectory(advantage, self.schema and self.schema.layers))
+                layers = self.schema and self.schema.layers
+                trajectories.append(episode.trajectory(advantage, layers, drop_missing=drop_missing))
         counters.engines_out = len(out)
         return trajectories
 

@@ -67,6 +67,7 @@ class GRPOModule(pl.LightningModule):
         self._paired: dict[str, Tensor] = {}  # measured at batch transfer, logged by training_step
         self._paired_epoch = -1
         self._correction = CorrectionMetrics(self.grpo.correction)
+        self._engine_logprobs = True  # whether the batch in flight has every loss token's engine logprob
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of a left-padded batch."""
@@ -103,6 +104,24 @@ class GRPOModule(pl.LightningModule):
         for key in [k for k in metrics if k.startswith("mismatch/")]:
             del metrics[key]
 
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        # on the host, before the copy to the device: the check costs no device sync
+        logprobs = getattr(batch, "rollout_logprobs", None)
+        missing = logprobs.isnan() if logprobs is not None else None  # [B, S]: no engine logprob
+        count = 0 if missing is None else int((missing & batch.loss_mask.bool()).sum())
+        if count and (not self.recompute_old_logprobs or self.grpo.correction.mode != "none"):
+            raise ValueError(
+                f"rollout_logprobs: {count} loss tokens of this batch have no engine logprob (the engine "
+                "answered logprobs: null, or a Trajectory carries NaN there), and the loss needs them: "
+                "the PPO ratio against the engine and the correction weigh by them; have the engine return "
+                "logprobs, or recompute the old-policy logprobs in the trainer (replay.mode=r2) with "
+                "algorithm.correction.mode=none"
+            )
+        self._engine_logprobs = count == 0  # the engine-mismatch metrics need them too
+        if missing is not None:
+            logprobs.masked_fill_(missing, 0.0)  # unused from here on: no NaN reaches a loss or metric
+        return batch
+
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         # before the callbacks' on_train_batch_start (nothing installed or recorded yet) and
         # after the previous optimizer step
@@ -120,7 +139,8 @@ class GRPOModule(pl.LightningModule):
         callback = self._replay_callback()
         routes = getattr(batch, "routed_experts", None)
         rollout_logprobs = getattr(batch, "rollout_logprobs", None)
-        if callback is None or callback.backend is None or routes is None or rollout_logprobs is None:
+        no_engine = rollout_logprobs is None or not self._engine_logprobs
+        if callback is None or callback.backend is None or routes is None or no_engine:
             return {}
         backend = callback.backend
         layout = TokenMetadataLayout.padded(host_attention_mask(batch))  # what self.forward feeds
@@ -172,7 +192,8 @@ class GRPOModule(pl.LightningModule):
         objective = gspo_loss if self.grpo.loss == "gspo" else policy_loss
         loss, stats = objective(logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights)
         band = self.grpo.ratio_band
-        stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
+        if self._engine_logprobs:
+            stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
         stats["loss"] = loss.detach()
         rewards = getattr(batch, "rewards", None)
         if rewards is not None:  # the progress bar's only; the CSV takes the rollout's

@@ -79,6 +79,7 @@ class OnPolicyLoop(pl.Callback):
             collector_config(rollout),
             advantages=GRPOAdvantages(
                 normalize_std=bool(self.cfg.algorithm.normalize_std),
+                std_eps=float(self.cfg.algorithm.std_eps),
             ),
             schema=self.schema,
             sampling=self.sampling,

@@ -81,6 +81,8 @@ _DTYPE: Rule = (
     lambda v: torch_dtype(v).is_floating_point,
 )
 _URLS: Rule = ("null (embedded engine), http(s)://host:port or a list of them", _urls_ok)
+# algorithm keys GRPOConfig does not hold: optim (OptimConfig) and std_eps (the collector's GRPOAdvantages)
+OUTSIDE_GRPO_CONFIG = ("optim", "std_eps")
 # Every value the job reads itself, checked (where present) before anything is built; the settings
 # groups are checked by their dataclasses, the data module's keys by building it once.
 RULES: dict[str, Rule] = {
@@ -108,6 +110,8 @@ RULES: dict[str, Rule] = {
     "rollout.protocol": one_of("skyrl", "vllm", "sglang", "openai"),
     "rollout.url": _URLS,
     "rollout.require_url": BOOL,
+    "algorithm.std_eps": number(0),
+    "rollout.missing_rows": one_of("error", "native", "drop_trajectory"),
     "rollout.sync_weights": BOOL,
     "rollout.server.port": integer(0, 65535),
     "algorithm.group_size": integer(2),
@@ -147,7 +151,7 @@ def check_config(cfg: DictConfig) -> None:
     for key in _JOB_TRAINER_KEYS:
         if key in cfg.trainer:
             raise JobError(f"trainer.{key} is set by the job; use {_JOB_TRAINER_KEYS[key]}")
-    dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim",))
+    dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=OUTSIDE_GRPO_CONFIG)
     dataclass_from(OptimConfig, cfg.algorithm.optim, "algorithm.optim")
     dataclass_from(SamplingConfig, cfg.rollout.sampling, "rollout.sampling")
     if cfg.rollout.url is None and cfg.rollout.protocol not in _EMBEDDED_PROTOCOLS:
@@ -219,10 +223,11 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     model = build_model(cfg.model, trainer=True)
     mode = str(cfg.replay.mode)
     backend = build.replay_backend(cfg, model)
-    schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts)
+    missing = str(cfg.rollout.get("missing_rows", "error"))
+    schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts, missing_rows=missing)
     vocab_size = cfg.task.get("vocab_size") or getattr(getattr(model, "config", None), "vocab_size", None)
     task = build.build_task(cfg, vocab_size)
-    grpo = dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim",))
+    grpo = dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=OUTSIDE_GRPO_CONFIG)
     optim = dataclass_from(OptimConfig, cfg.algorithm.optim, "algorithm.optim")
     buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
     datamodule = instantiate_node(cfg.data, "data", buffer=buffer)

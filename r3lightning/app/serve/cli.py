@@ -138,7 +138,8 @@ def _serve(args: argparse.Namespace) -> None:
         limits = ServerLimits(**_settings(ServerLimits, args))  # checked before torch is imported
         from r3lightning.app.serve.server import RolloutServer, check_exposure
 
-        check_exposure(args.host, args.api_key, args.allow_unauthenticated)  # before a model loads
+        # before a model loads
+        check_exposure(args.host, args.api_key, args.allow_unauthenticated, "--api-key")
         engine = EngineConfig(**_settings(EngineConfig, args) | {"device": _device(args.device)})
         model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
         exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}
