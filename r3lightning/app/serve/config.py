@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from r3lightning.checks import check_setting
 
 if TYPE_CHECKING:
-    import torch
+    from torch import device as TorchDevice
+    from torch import dtype as TorchDtype
+else:  # torch is imported when a config is built; the annotations resolve without it
+    TorchDevice = TorchDtype = Any
 
 __all__ = ["EngineConfig", "ServerLimits"]
 
@@ -23,8 +26,8 @@ class EngineConfig:
     model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
     (SIMULATION): the share of expert slots flipped by perturbed router logits."""
 
-    dtype: torch.dtype | str = "bfloat16"  # a torch.dtype once built
-    device: torch.device | str | None = None
+    dtype: TorchDtype | str = "bfloat16"  # a torch.dtype once built
+    device: TorchDevice | str | None = None
     max_batch_size: int = 8
     batch_wait_s: float = 0.002
     seed: int = 0
@@ -52,7 +55,7 @@ class EngineConfig:
             serving_device(self.device)
 
 
-def serving_device(value: torch.device | str | int) -> torch.device:
+def serving_device(value: TorchDevice | str | int) -> TorchDevice:
     """``value`` as a device the engine can serve on (``cpu``, ``cuda``, ``cuda:N`` present on this
     machine); ``ValueError`` otherwise, before any model is moved there."""
     import torch
