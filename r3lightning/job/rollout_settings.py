@@ -6,6 +6,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
+from r3lightning.rollout.ahead import AheadConfig
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.serve.config import EngineConfig, ServerLimits
 
@@ -24,6 +25,7 @@ def check_rollout(cfg: DictConfig) -> None:
     retry_policy(cfg.rollout)
     collector_config(cfg.rollout)
     server_settings(cfg.rollout)
+    ahead_config(cfg.rollout)
 
 
 def server_settings(rollout: DictConfig) -> tuple[EngineConfig, ServerLimits]:
@@ -41,3 +43,9 @@ def retry_policy(rollout: DictConfig) -> RetryPolicy:
 def collector_config(rollout: DictConfig) -> CollectorConfig:
     """``rollout.collector`` as a :class:`CollectorConfig`."""
     return dataclass_from(CollectorConfig, rollout.collector, "rollout.collector")
+
+
+def ahead_config(rollout: DictConfig) -> AheadConfig:
+    """``rollout.max_staleness`` as an :class:`AheadConfig`."""
+    fields = {"max_staleness": OmegaConf.select(rollout, "max_staleness", default=0)}
+    return dataclass_from(AheadConfig, fields, "rollout")
