@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from r3lightning.align.layout import check_int, position_ids_from_mask
+from r3lightning.align.layout import position_ids_from_mask
+from r3lightning.checks import check_int
 from r3lightning.data.fill import ROW_FIELDS, TOKEN_FIELDS, Buffers, collate_fields, plain_empty
 from r3lightning.data.trajectory import padding_trajectories
 from r3lightning.packed import PackedTensor

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.data.fill import weight_versions
 from r3lightning.data.trajectory import Trajectory, route_signature
 from r3lightning.ragged import host_int64

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 
-from r3lightning.align.layout import check_int
+from r3lightning._keywords import refuse_moved_keywords
+from r3lightning.checks import check_int
 from r3lightning.data import position
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories
@@ -65,6 +66,11 @@ class DataOptions:
             raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(buffer).__name__}")
 
 
+# 0.1 keywords -> DataOptions' fields in 0.2
+_OPTIONS_MOVED = {name: f"options=DataOptions({name}=) (r3lightning.data.datamodule)"
+                  for name in ("pad_token_id", "width_multiple", "shard", "eval_buffer", "layers")}  # fmt: skip
+
+
 class R3DataModule(pl.LightningDataModule):
     """LightningDataModule over a :class:`ReplayBuffer` yielding :class:`RolloutBatch` es; the
     settings other than the buffers are saved as ``hparams``.
@@ -81,6 +87,7 @@ class R3DataModule(pl.LightningDataModule):
         options: :class:`DataOptions`.
     """
 
+    @refuse_moved_keywords(_OPTIONS_MOVED)
     def __init__(
         self,
         buffer: ReplayBuffer,

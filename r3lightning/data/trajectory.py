@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.align.layout import check_int
-from r3lightning.routes import check_layers, compact_route_dtype
+from r3lightning.checks import check_int
+from r3lightning.routes import check_layers, compact_route_dtype, mark_missing, missing_rows
 from r3lightning.wire.route_check import check_routes
 
 __all__ = ["Trajectory", "padding_trajectories", "route_signature"]
@@ -63,7 +63,8 @@ def _per_response_token(name: str, data: Any, count: int, default: float) -> Ten
     if values.is_complex():
         raise TypeError(f"Trajectory.{name} must be real, got dtype {values.dtype}")
     values = values.to(torch.float32)
-    rules = {"be finite": ~values.isfinite()}
+    # a NaN logprob marks a token the engine gave no logprob for (it answered ``logprobs: null``)
+    rules = {"be finite": values.isinf() if name == "rollout_logprobs" else ~values.isfinite()}
     if name == "loss_mask":
         rules["hold values in [0, 1]"] = (values < 0) | (values > 1)
     for rule, bad in rules.items():
@@ -79,6 +80,9 @@ def _same(a: Any, b: Any) -> bool:
     return not isinstance(a, Tensor) and not isinstance(b, Tensor) and a == b
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _scalar(name: str, value: Any) -> float:
     if isinstance(value, Tensor):
         if value.numel() != 1:
@@ -90,6 +94,10 @@ def _scalar(name: str, value: Any) -> float:
         raise TypeError(f"Trajectory.{name} must be a real number, got {value!r}") from err
     if not math.isfinite(out):
         raise ValueError(f"Trajectory.{name} must be finite, got {out}")
+    if abs(out) > _FLOAT32_MAX:  # collated as float32: it would turn into inf there
+        raise ValueError(
+            f"Trajectory.{name} must be within float32 range (|x| <= {_FLOAT32_MAX:.4g}), got {out}"
+        )
     return out
 
 
@@ -102,7 +110,8 @@ def _weight_version(value: Any) -> int | None:
 
 
 def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tensor:
-    """``data`` through the route check, in the compact dtype of its largest id."""
+    """``data`` through the route check, in the compact dtype of its largest id (signed when rows
+    are marked missing with -1: the trainer routes those tokens natively)."""
     routes = _as_host_tensor("routed_experts", data)
     if routes.dtype == torch.bool or routes.is_floating_point() or routes.is_complex():
         raise TypeError(f"Trajectory.routed_experts must hold integer expert ids, got dtype {routes.dtype}")
@@ -113,7 +122,11 @@ def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tenso
         rows_rule=f"at most one per token, {num_tokens} (len(prompt_ids) + len(response_ids))",
         where="Trajectory.routed_experts" + ("" if layers is None else f" on route_layers {list(layers)}"),
         layers=layers,
+        missing=True,
     )
+    absent = missing_rows(routes.numpy())
+    if absent.any():  # every id of a missing row is the sentinel
+        return torch.from_numpy(mark_missing(routes.numpy(), absent)).contiguous()
     return routes.to(compact_route_dtype(high)).contiguous()
 
 
@@ -124,7 +137,9 @@ class Trajectory:
     Args:
         prompt_ids, response_ids: ``[P >= 1]`` and ``[R >= 0]`` token ids (``n = P + R``).
         loss_mask: ``[R]`` in [0, 1], 1 = loss target; default all ones.
-        rollout_logprobs: ``[R]`` engine logprob per response token; default zeros.
+        rollout_logprobs: ``[R]`` engine logprob per response token; default zeros. NaN marks
+            a token the engine gave no logprob for (the collector writes it when an engine
+            answers ``logprobs: null``); a loss that needs engine logprobs refuses such a batch.
         reward, advantage: scalars; ``advantage`` defaults to ``reward``.
         routed_experts: ``[captured <= n, L, K]`` route rows: row ``t`` = the experts token
             ``t`` used as an input (later tokens route natively); ``None``: all native.
@@ -232,6 +247,7 @@ class Trajectory:
                 top_k=top_k,
                 distinct=False,  # checked when the trajectory was built
                 where="Trajectory.routed_experts",
+                missing=True,
             )
 
     def equal(self, other: object) -> bool:

@@ -16,7 +16,9 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from r3lightning.rollout.config import Backoff, RetryPolicy, check_setting, route_schema
+from r3lightning._keywords import refuse_moved_keywords
+from r3lightning.checks import check_api_key, check_setting
+from r3lightning.rollout.config import Backoff, RetryPolicy, route_schema
 from r3lightning.rollout.health import EngineHungError, HealthWatch
 from r3lightning.rollout.prompts import token_id_list
 from r3lightning.wire.errors import (
@@ -70,6 +72,19 @@ def _server_message(text: str) -> str:
     return next((c for c in candidates if isinstance(c, str)), text.strip())[:_MAX_ERROR_TEXT]
 
 
+# 0.1 keywords -> where they went in 0.2
+_SCHEMA, _RETRY = "schema=RouteSchema({}=) (r3lightning.wire.request)", "retry=RetryPolicy({}=)"
+_CLIENT_MOVED = {name: _SCHEMA.format(name) for name in ("num_layers", "top_k", "num_experts")}
+_CLIENT_MOVED |= {
+    "max_route_bytes": _SCHEMA.format("max_bytes"),
+    "check_unique_experts": _SCHEMA.format("check_unique"),
+}
+_CLIENT_MOVED |= {name: _RETRY.format(name) for name in ("max_attempts", "backoff", "timeout_s", "connect_timeout_s",
+                                                        "health_timeout_s")}  # fmt: skip
+_CLIENT_MOVED |= {name: f"the class attribute RemoteGenerateClient.{name}" for name in ("max_connections",
+                  "decode_in_thread_bytes")}  # fmt: skip
+
+
 class RemoteGenerateClient:
     """Client for one rollout engine, shared by the tasks of one event loop at a time (a second,
     running loop: ``RuntimeError``; give each thread its own, e.g. a pickled copy, as pickling
@@ -80,6 +95,7 @@ class RemoteGenerateClient:
     max_connections: int = 256
     decode_in_thread_bytes: int = 1 << 20  # larger bodies are parsed off the event loop
 
+    @refuse_moved_keywords(_CLIENT_MOVED)
     def __init__(
         self,
         base_url: str,
@@ -94,14 +110,15 @@ class RemoteGenerateClient:
     ):
         if protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be a URL starting with http:// or https://, got {base_url!r}")
         if engine is not None and (protocol != "openai" or engine not in ENGINES):
             raise ValueError(
                 f"engine must be None or one of {list(ENGINES)} with protocol='openai', "
                 f"got engine={engine!r} with protocol={protocol!r}"
             )
         check_setting("max_response_bytes", max_response_bytes, low=1, integer=True)
+        check_api_key(api_key)
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         self.base_url = base_url.rstrip("/")

@@ -4,18 +4,25 @@ multi-turn page has the row arithmetic). Observation tokens get loss mask 0 and 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateResult
 from r3lightning.rollout.environment import Environment
-from r3lightning.rollout.prompts import RolloutPrompt, score_value, token_id_list
-from r3lightning.rollout.prompts_file import as_messages, chat_prompt_ids
-from r3lightning.trace import RoutedExpertTrace
+from r3lightning.rollout.prompts import (
+    RolloutPrompt,
+    as_messages,
+    chat_prompt_ids,
+    score_value,
+    token_id_list,
+)
+from r3lightning.rollout.trace import RoutedExpertTrace
 
 __all__ = ["Episode", "plain_call", "run_episode", "single_turn"]
 
@@ -31,21 +38,26 @@ class Episode:
     prompt_ids: list[int]  # the first observation
     response_ids: list[int] = field(default_factory=list)  # [R] responses and later observations
     loss_mask: list[float] = field(default_factory=list)  # [R] 1 sampled, 0 observed
-    logprobs: list[float] = field(default_factory=list)  # [R] the engine's (0 if none); 0 observed
+    logprobs: list[float] = field(default_factory=list)  # [R] the engine's (NaN if none); 0 observed
     turn_rewards: list[float] = field(default_factory=list)  # [turns]
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K] (L: the layers kept)
     weight_version: int | None = None  # the oldest engine weight version of its turns
+    missing_route_rows: int = 0  # route rows its engine lost (marked -1)
 
     @property
     def reward(self) -> float:
         return sum(self.turn_rewards)
 
-    def trajectory(self, advantage: float, route_layers: tuple[int, ...] | None = None) -> Trajectory:
+    def trajectory(
+        self, advantage: float, route_layers: tuple[int, ...] | None = None, *, drop_missing: bool = False
+    ) -> Trajectory:
+        """Its ``Trajectory``; ``drop_missing``: out of the loss (loss mask 0) if a route row is missing."""
+        dropped = drop_missing and self.missing_route_rows > 0
         return Trajectory(
             self.prompt_ids,
             self.response_ids,
-            loss_mask=self.loss_mask,
+            loss_mask=[0.0] * len(self.loss_mask) if dropped else self.loss_mask,
             rollout_logprobs=self.logprobs,
             reward=self.reward,
             advantage=advantage,
@@ -55,10 +67,13 @@ class Episode:
         )
 
     def extend(self, ids: list[int], mask: float, logprobs: Sequence[float] | None) -> None:
-        """Append tokens with one loss-mask value and their logprobs (None: zeros)."""
+        """Append tokens with one loss-mask value and their logprobs. None: sampled tokens get NaN
+        (the engine sent none: a 0.0 would read as probability 1 in a PPO ratio or an IS weight),
+        observed tokens 0 (no engine sampled them)."""
         self.response_ids += ids
         self.loss_mask += [mask] * len(ids)
-        self.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
+        missing = math.nan if mask else 0.0
+        self.logprobs += [missing] * len(ids) if logprobs is None else list(logprobs)
 
     def record(self, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult) -> list[int]:
         """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""
@@ -66,6 +81,7 @@ class Episode:
         if trace is not None:
             trace.record_generation(prefix, len(response), routes)
         self.route_bytes.append(0 if routes is None else int(routes.nbytes))
+        self.missing_route_rows += result.missing_route_rows
         version = result.weight_version
         if version is not None:  # the oldest: the staleness bound holds for every turn
             self.weight_version = (
@@ -116,6 +132,8 @@ async def run_episode(
             )
         observation, reward, done, _ = step
         episode.turn_rewards.append(score_value(reward, f"{where} turn {turn}"))
+        if not isinstance(done, bool | np.bool_):  # a string such as "false" would count as true
+            raise ValueError(f"{where} turn {turn}: step()'s done must be a bool, got {done!r:.60}")
         if done or turn == max_turns - 1:
             break
         observed = _token_ids(env, observation, f"{where}: step() observation of turn {turn}")

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lightning.routes import ENGINE_ROUTES_FLAG
 from r3lightning.wire.codec import RouteSchema
 
 __all__ = ["ENGINE_ROUTES_FLAG", "PROTOCOL_PATHS", "RemoteGenerateResult", "RouteSchema", "build_request",
@@ -20,8 +21,6 @@ PROTOCOL_PATHS = {
     "openai": "/v1/completions",
 }
 ENGINES = ("vllm", "sglang")
-# the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on
-ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
 
 
 @dataclass
@@ -29,7 +28,8 @@ class RemoteGenerateResult:
     """One generation: ``routed_experts`` ``[rows, num_layers, top_k]`` in a compact integer dtype
     (None unless asked for), ``response_logprobs`` None when the server sent none, ``raw_response``
     the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts,
-    ``weight_version`` the engine's weight version that generated it (None: the engine sent none)."""
+    ``weight_version`` the engine's weight version that generated it (None: the engine sent none),
+    ``missing_route_rows`` the route rows the engine lost (marked -1; ``RouteSchema.missing_rows``)."""
 
     response_ids: list[int]
     response_logprobs: list[float] | None
@@ -38,6 +38,7 @@ class RemoteGenerateResult:
     raw_response: dict[str, Any] = field(repr=False)
     attempts: int = 1
     weight_version: int | None = None
+    missing_route_rows: int = 0
 
 
 def engine_sampling_params(

@@ -60,7 +60,7 @@ def test_empty_routes_and_zero_length_response_are_valid():
             r"response_ids must hold token ids >= 0, got response_ids\[1\] = -2",
         ),
         ({"loss_mask": [1.0]}, ValueError, r"loss_mask must have one entry per response token \(2\)"),
-        ({"rollout_logprobs": [0.0, float("nan")]}, ValueError, r"rollout_logprobs must be finite"),
+        ({"rollout_logprobs": [0.0, float("inf")]}, ValueError, r"rollout_logprobs must be finite"),
         ({"reward": float("inf")}, ValueError, r"reward must be finite"),
         ({"advantage": "high"}, TypeError, r"advantage must be a real number"),
         (
@@ -85,9 +85,9 @@ def test_empty_routes_and_zero_length_response_are_valid():
         ),
         ({"routed_experts": torch.zeros(2, 2, 2)}, TypeError, r"routed_experts must hold integer expert ids"),
         (
-            {"routed_experts": -torch.ones(2, 2, 2, dtype=torch.int64)},
+            {"routed_experts": -2 * torch.ones(2, 2, 2, dtype=torch.int64)},
             ValueError,
-            r"expert id -1 is negative",
+            r"expert id -2 is negative",
         ),
         ({"response_ids": "abc"}, TypeError, r"response_ids must be a tensor, ndarray or list"),
     ],

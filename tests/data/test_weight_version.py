@@ -8,6 +8,9 @@ import pickle
 import pytest
 import torch
 
+from r3lightning.app.job.grpo import GRPOAdvantages
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.server import RolloutServer
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, pack_trajectories, unpack_trajectories
 from r3lightning.data.collate import RolloutCollator
@@ -15,8 +18,6 @@ from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.server import RolloutServer
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.request import RouteSchema
 from r3lightning.wire.response import parse_response
@@ -106,9 +107,10 @@ def test_collected_trajectories_record_the_version_the_embedded_engine_served(pr
             server.url,
             lambda prompt, response: float(len(response)),
             config,
+            advantages=GRPOAdvantages(),
             schema=schema,
             sampling=SamplingConfig(max_new_tokens=3),
-            retry=RetryPolicy(max_attempts=1),
+            client_options={"retry": RetryPolicy(max_attempts=1)},
         )
         first = collector.collect([[5, 6, 7]], step=0).trajectories
         state = {k: v.clone() for k, v in model.state_dict().items()}

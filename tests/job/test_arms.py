@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from r3lightning.job.common import JobError
-from r3lightning.job.main import arms, compose_config, run, run_seeds
-from r3lightning.job.report import read_csv
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.main import arms, compose_config, run, run_seeds
+from r3lightning.app.job.report import read_csv
 
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 
@@ -124,7 +124,7 @@ def test_every_arm_runs_every_seed_with_its_overrides(tmp_path):
 
 
 def test_config_dir_and_name_flags_reach_the_precheck():
-    from r3lightning.job.main import _split_flags
+    from r3lightning.app.job.main import _split_flags
 
     args = ["--config-dir", "/d", "-cn=other", "steps=2", "-cd=/e"]
     assert _split_flags(args) == (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from r3lightning.job.build import trainer_kwargs
-from r3lightning.job.main import compose_config
-from r3lightning.job.setup import CONF_DIR, JobError, check_config, replay_settings
+from r3lightning.app.job.build import trainer_kwargs
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.setup import CONF_DIR, JobError, check_config, replay_settings
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 
@@ -102,7 +102,7 @@ def test_fsdp_trainer_instantiates_its_strategy():
 
 
 def test_help_lists_groups_options_and_yaml_comments():
-    from r3lightning.job.help import format_help
+    from r3lightning.app.job.help import format_help
 
     text = format_help(CONF_DIR)
     for group in GROUPS:
@@ -132,8 +132,8 @@ def test_help_lists_groups_options_and_yaml_comments():
 
 
 def test_help_flag_prints_the_help_and_exits_0(capsys):
-    from r3lightning.job.help import format_help
-    from r3lightning.job.main import main
+    from r3lightning.app.job.help import format_help
+    from r3lightning.app.job.main import main
 
     with pytest.raises(SystemExit) as info:
         main(["--help"])
@@ -150,8 +150,8 @@ def _section(text: str, title: str) -> list[str]:
 
 
 def test_help_shows_the_selected_groups_and_their_keys(capsys):
-    from r3lightning.job.help import format_help
-    from r3lightning.job.main import main
+    from r3lightning.app.job.help import format_help
+    from r3lightning.app.job.main import main
 
     with pytest.raises(SystemExit) as info:
         main(["task=prompts_file", "--help"])
@@ -180,7 +180,7 @@ def test_help_shows_the_selected_groups_and_their_keys(capsys):
 
 
 def test_help_with_an_override_that_does_not_compose_shows_the_defaults():
-    from r3lightning.job.help import format_help
+    from r3lightning.app.job.help import format_help
 
     text = format_help(CONF_DIR, ["task=nope", "--config-dir", "x"])
     lines = text.splitlines()

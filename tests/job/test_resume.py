@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from python_process import run_python
 
-from r3lightning.job.checkpoint import FINGERPRINT, check_run_dir, fingerprint
-from r3lightning.job.main import compose_config
-from r3lightning.job.setup import JobError
+from r3lightning.app.job.checkpoint import FINGERPRINT, check_run_dir, fingerprint
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.setup import JobError
 
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 
@@ -24,9 +24,9 @@ def _ckpt(path, state_dict, epoch):
 
 
 def test_resume_refuses_unreadable_foreign_or_overtaken_checkpoints(tmp_path):
-    from r3lightning.job.checkpoint import resume_checkpoint
-    from r3lightning.job.module import GRPOModule
-    from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
+    from r3lightning.app.job.checkpoint import resume_checkpoint
+    from r3lightning.app.job.module import GRPOModule
+    from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
 
     module = GRPOModule(build_tiny_moe(seed=0))
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -82,8 +82,8 @@ def test_a_run_resumes_only_with_its_own_task_and_model(tmp_path):
         (["+model.overrides.num_hidden_layers=2"], "model.overrides.num_hidden_layers: absent there, 2 now"),
         (
             ["reward=exact_match"],
-            "reward._target_: 'r3lightning.rollout.tasks.TokenClassReward' there, "
-            "'r3lightning.rollout.rewards.exact_match' now",
+            "reward._target_: 'r3lightning.app.tasks.token_class.TokenClassReward' there, "
+            "'r3lightning.app.tasks.rewards.exact_match' now",
         ),
     ):
         with pytest.raises(JobError) as info:
@@ -119,8 +119,8 @@ def test_a_run_resumes_only_on_its_own_dataset(tmp_path):
 def test_no_rollout_after_the_last_step_and_a_foreign_resume_leaves_the_run_untouched(tmp_path, monkeypatch):
     """A run collects the rollouts of its own steps only; extended, it collects the next step's on
     restored weights; rerun with another task it is refused before anything is rewritten."""
-    from r3lightning.job import rollout_loop
-    from r3lightning.job.main import main, run
+    from r3lightning.app.job import rollout_loop
+    from r3lightning.app.job.main import main, run
 
     collected: list[int] = []
     original = rollout_loop.RolloutLoop._summarize
@@ -140,7 +140,7 @@ def test_no_rollout_after_the_last_step_and_a_foreign_resume_leaves_the_run_unto
     proc = run_python(
         tmp_path,
         "-m",
-        "r3lightning.job.main",
+        "r3lightning.app.job.main",
         *tiny,
         "steps=3",
         "task.num_classes=3",

@@ -17,11 +17,13 @@ import pytest
 from fault_server import FaultServer, Status
 from turn_engine import TurnEngine, route_row
 
+from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.rollout.collector import EnginesUnavailableError, RolloutCollector
 from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.rollout.environment import Environments, TextEnvironment, text_environment
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, TextReward
+from r3lightning.rollout.stats import GroupsDroppedError
 from r3lightning.wire.request import RouteSchema
 
 L, K, E, G = 3, 2, 16, 3
@@ -59,9 +61,10 @@ def make(engines, env=CountingEnv, max_turns=3, reward=None, **settings) -> Roll
         engines,
         Environments(env, max_turns) if reward is None else reward,
         config,
+        advantages=GRPOAdvantages(),
         schema=RouteSchema(**SCHEMA),
         sampling=SamplingConfig(max_new_tokens=G),
-        retry=ONE_TRY,
+        client_options={"retry": ONE_TRY},
     )
 
 
@@ -151,8 +154,11 @@ async def test_every_group_dropped_fails_the_step_and_engines_out_fail_it_at_onc
 
     buffer = ReplayBuffer(num_experts=E)
     async with TurnEngine(**SCHEMA) as engine, make(engine.url, env=Broken) as collector:
-        with pytest.raises(RuntimeError, match="every group of step 0 was dropped"):
+        with pytest.raises(
+            GroupsDroppedError, match=r"every group of step 0 was dropped; group 0: KeyError: 'no tool'"
+        ) as info:
             await collector.collect_async(PROMPTS, step=0, buffer=buffer)
+    assert sorted(info.value.errors) == [0, 1, 2]  # each group's own error
     assert len(buffer) == 0
     async with FaultServer(**SCHEMA) as down, make(down.url) as collector:
         down.script.extend([Status(503)] * 6)
@@ -212,8 +218,8 @@ async def test_the_one_turn_text_environment_equals_the_single_turn_path():
 async def test_a_verl_dataset_and_its_compute_score_as_a_one_turn_environment(tmp_path):
     """PromptsFileTask records scored by text_environment equal the single-turn text reward's
     trajectories; a compute_score that raises scores 0 and is counted."""
-    from r3lightning.rollout.prompts_file import PromptsFileTask
-    from r3lightning.testing.tiny_tokenizer import build_tiny_tokenizer
+    from r3lightning.app.models.tiny_tokenizer import build_tiny_tokenizer
+    from r3lightning.app.tasks.prompts_file import PromptsFileTask
 
     tokenizer = build_tiny_tokenizer()
     rows = [
@@ -259,5 +265,9 @@ def test_arguments_are_checked():
         Environments(3)
     with pytest.raises(TypeError, match="reward_fn must be callable or Environments, got NoneType"):
         RolloutCollector(
-            "http://127.0.0.1:1", None, CollectorConfig(group_size=2), schema=RouteSchema(**SCHEMA)
+            "http://127.0.0.1:1",
+            None,
+            CollectorConfig(group_size=2),
+            advantages=GRPOAdvantages(),
+            schema=RouteSchema(**SCHEMA),
         )

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from server_support import GOOD, post, raw_request, status_line, still_serving
 
-from r3lightning.serve.config import EngineConfig, ServerLimits
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.serve.server import RolloutServer
 
 # --------------------------------------------------------------------------- sampling
 
@@ -262,6 +262,30 @@ async def test_non_utf8_authorization_is_401():
         assert status == 401 and b"bearer token" in answer
         writer.close()
         await still_serving(srv, headers={"Authorization": "Bearer s3cret"})
+
+
+@pytest.mark.parametrize("key", ["", " ", "\t\n"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_an_empty_or_blank_api_key_is_refused_on_any_host(key, host):
+    """``Authorization: Bearer `` carries an empty token: an empty key would authenticate anyone."""
+    with pytest.raises(ValueError, match=r"api_key must be a non-empty token, got .*let anyone in"):
+        RolloutServer(build_tiny_moe(seed=0), host=host, api_key=key, allow_unauthenticated=True)
+
+
+@pytest.mark.parametrize("header", [b"Bearer ", b"Bearer", b"Bearer  ", b""])
+async def test_an_empty_bearer_token_never_authenticates(header):
+    async with RolloutServer(build_tiny_moe(seed=0), api_key="s3cret") as srv:
+        body = json.dumps(GOOD).encode()
+        auth = b"Authorization: " + header + b"\r\n" if header else b""
+        head = (
+            b"POST /generate HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        reader, writer = await raw_request(srv, head, body)
+        status, answer = await status_line(reader)
+        assert status == 401 and b"bearer token" in answer
+        writer.close()
+        assert srv.weight_version == 0
 
 
 def test_a_non_loopback_host_needs_an_api_key_or_an_explicit_opt_out():

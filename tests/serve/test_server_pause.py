@@ -10,8 +10,8 @@ import aiohttp
 from safetensors.torch import save
 from server_support import GOOD, post
 
-from r3lightning.serve.engine import GenerationRequest
-from r3lightning.serve.sampling import SamplingParams
+from r3lightning.app.serve.engine import GenerationRequest
+from r3lightning.app.serve.sampling import SamplingParams
 
 
 async def test_a_paused_engine_runs_no_batch_until_resumed(srv):

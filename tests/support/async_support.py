@@ -25,7 +25,9 @@ class VersionRecorder(pl.Callback):
         pause_at_step: sleep in the first batch of this step (a kill -9 lands there); None: never.
     """
 
-    def __init__(self, path: str | None = None, hold_staleness: int | None = None, pause_at_step: int | None = None):
+    def __init__(
+        self, path: str | None = None, hold_staleness: int | None = None, pause_at_step: int | None = None
+    ):
         self.path = None if path is None else Path(path)
         self.hold_staleness, self.pause_at_step = hold_staleness, pause_at_step
 
