@@ -76,6 +76,7 @@ class RolloutLoop(pl.Callback):
         self.worker: RolloutWorker | None = None
         self.history: list[dict[str, float]] = []
         self._epoch_start = 0.0
+        self._step_end = time.perf_counter()
         self._urls: list[str] | None = None
 
     def new_collector(self, urls: list[str], process_group: Any = None) -> RolloutCollector:
@@ -106,6 +107,7 @@ class RolloutLoop(pl.Callback):
                 f"prompts_per_step ({self.cfg.prompts_per_step}) must be a multiple of the number of ranks "
                 f"({trainer.world_size}): every rank trains on the same number of whole groups"
             )
+        self._step_end = time.perf_counter()
         if trainer.ckpt_path is None:  # fresh run: step 0 is rolled out with the initial weights
             self._push_weights(trainer, pl_module, version=0)
         # the worker's statistics go over their own process group: the trainer's collectives
@@ -136,8 +138,11 @@ class RolloutLoop(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.current_epoch
         record = {"step": float(step), **self.labels, **self.buffer.info, **self._staleness(step)}
+        now = time.perf_counter()
         record["trainer_wait_s"] = self.buffer.waited_s
-        record["train_s"] = time.perf_counter() - self._epoch_start
+        record["train_s"] = now - self._epoch_start
+        record["step_s"] = now - self._step_end  # since the previous step ended: waits, saves, pushes
+        self._step_end = now
         for key, value in trainer.callback_metrics.items():  # train/<name> as <name>
             if key.startswith(("train/", AGREEMENT_PREFIX, MISMATCH_PREFIX, CORRECTION_PREFIX)):
                 record[key.removeprefix("train/")] = float(value)
