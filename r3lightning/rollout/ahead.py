@@ -67,6 +67,9 @@ class RolloutWorker:
         steps: steps of the run (none is collected at or past it).
         config: :class:`AheadConfig`.
         summarize: ``(step, CollectedRollouts) -> {statistic: value}`` kept with the step (``buffer.info``).
+        served: ``trainer step -> the weight version pushed for it`` (None: unknown), recorded on
+            trajectories whose engine reports no version; on-policy it is also checked against
+            the version an engine reports (see ``RolloutCollector.collect_async``).
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class RolloutWorker:
         steps: int,
         config: AheadConfig,
         summarize: Callable[[int, CollectedRollouts], dict[str, float]] | None = None,
+        served: Callable[[int], int | None] | None = None,
     ) -> None:
         if not isinstance(buffer, StreamingReplayBuffer):
             raise TypeError(f"buffer must be a StreamingReplayBuffer, got {type(buffer).__name__}")
@@ -88,6 +92,7 @@ class RolloutWorker:
             )
         self.collector, self.prompts_for_step, self.buffer = collector, prompts_for_step, buffer
         self.steps, self.config, self.summarize = steps, config, summarize
+        self.served = served or (lambda step: None)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -140,8 +145,12 @@ class RolloutWorker:
             if not await asyncio.to_thread(buffer.wait_for_request, allowed):
                 return
             engine_wait = time.perf_counter() - start
-            floor = buffer.requested  # weights of this version or newer serve the step
-            rollouts = await self.collector.collect_async(self.prompts_for_step(step), step=step)
+            # the weights pushed for the trainer's step serve this one (or newer ones, pushed while
+            # it is collected, unless on-policy: then no push comes before the step is trained)
+            floor = self.served(buffer.requested)
+            exact = floor if staleness == 0 else None
+            prompts = self.prompts_for_step(step)
+            rollouts = await self.collector.collect_async(prompts, step=step, weight_version=exact)
             for trajectory in rollouts.trajectories:
                 if trajectory.weight_version is None:  # an engine that reports none: the oldest possible
                     trajectory.weight_version = floor

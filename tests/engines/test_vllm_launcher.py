@@ -18,7 +18,7 @@ from python_process import REPO
 
 from r3lightning.app.vllm import VllmServer, VllmSettings, VllmStartError
 from r3lightning.app.vllm.launcher import _healthy
-from r3lightning.app.vllm.settings import engine_command, engine_environment, engine_python
+from r3lightning.app.vllm.settings import ENGINE_SIDE_DIR, engine_command, engine_environment, engine_python
 
 FAKE = Path(__file__).with_name("fake_engine.py")
 
@@ -137,10 +137,15 @@ def test_command_and_environment_carry_each_setting(tmp_path):
         VllmSettings(model="/m", python=str(python), routed_experts=False, eager=False), FAKE, 1
     )
     assert "--enable-return-routed-experts" not in off and "--enforce-eager" not in off
+    assert command[command.index("--worker-extension-cls") + 1] == "r3lightning_worker.WeightReload"
     env = engine_environment(config)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "2"
-    assert "PYTHONPATH" not in env
-    assert "VLLM_SERVER_DEV_MODE" not in engine_environment(VllmSettings(model="/m", dev_mode=False))
+    # only the standalone worker extension: none of this Python's paths, nothing to shadow
+    assert env["PYTHONPATH"] == str(ENGINE_SIDE_DIR)
+    assert sorted(p.name for p in ENGINE_SIDE_DIR.glob("*.py")) == ["r3lightning_worker.py"]
+    plain = VllmSettings(model="/m", python=str(python), dev_mode=False)
+    assert "--worker-extension-cls" not in engine_command(plain, FAKE, 1)
+    assert not {"VLLM_SERVER_DEV_MODE", "PYTHONPATH"} & set(engine_environment(plain))
 
 
 def test_a_missing_engine_python_says_make_vllm(tmp_path, monkeypatch):

@@ -28,10 +28,12 @@ class _Collector:
     def __init__(self, buffer: StreamingReplayBuffer, fail_at: int | None = None) -> None:
         self.buffer, self.fail_at = buffer, fail_at
         self.started: dict[int, int] = {}
+        self.exact: dict[int, int | None] = {}  # the version the collector was told to expect
         self.closed = False
 
-    async def collect_async(self, prompts, *, step):
+    async def collect_async(self, prompts, *, step, weight_version=None):
         self.started[step] = self.buffer.requested
+        self.exact[step] = weight_version
         if step == self.fail_at:
             raise ConnectionError(f"engine down at step {step}")
         return CollectedRollouts([Trajectory(prompts, [1, 2])], [0], None)
@@ -44,8 +46,15 @@ def _worker(k: int, steps: int, fail_at: int | None = None):
     buffer = StreamingReplayBuffer(AheadConfig(k).ahead)
     collector = _Collector(buffer, fail_at)
     info = lambda step, rollouts: {"step_seen": float(step)}  # noqa: E731
+    served = lambda step: 10 * step + 7  # noqa: E731  (the weight version pushed for a trainer step)
     worker = RolloutWorker(
-        collector, lambda step: [step + 1], buffer, steps=steps, config=AheadConfig(k), summarize=info
+        collector,
+        lambda step: [step + 1],
+        buffer,
+        steps=steps,
+        config=AheadConfig(k),
+        summarize=info,
+        served=served,
     )
     return buffer, collector, worker
 
@@ -74,7 +83,9 @@ def test_the_worker_runs_exactly_k_steps_ahead(k):
             time.sleep(0.2)  # ... and goes no further: a worker one step too eager would start now
             assert max(collector.started) == last
             # an engine that reports no weight version: the oldest one possible
-            assert [t.weight_version for t in buffer] == [collector.started[step]]
+            assert [t.weight_version for t in buffer] == [10 * collector.started[step] + 7]
+            # on-policy the collector checks the engines serve exactly that version
+            assert collector.exact[step] == (10 * step + 7 if k == 0 else None)
     finally:
         worker.stop()
     assert sorted(collector.started) == list(range(steps)) and collector.closed

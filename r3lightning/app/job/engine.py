@@ -2,55 +2,28 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 import warnings
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import torch
 from omegaconf import DictConfig, ListConfig
 from safetensors.torch import save, save_file
 from torch import Tensor
 
-from r3lightning.app.job.build import one_line
 from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.engine_http import bearer_headers, post_all
 from r3lightning.app.job.rollout_loop import Engine, WeightSync
 from r3lightning.app.job.rollout_settings import retry_policy, server_settings
 from r3lightning.app.job.setup import build_model
 from r3lightning.app.serve.server import RolloutServer
-from r3lightning.wire.errors import RemoteGenerateError
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """What an engine serves: contiguous bf16 CPU copies (half the bytes of fp32 on the wire)."""
     return {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state_dict.items()}
-
-
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awaitable[None]]) -> None:
-    """``post(session, url)`` to every engine concurrently, in one ``aiohttp`` session."""
-
-    async def guarded(session: aiohttp.ClientSession, url: str) -> None:
-        try:
-            await post(session, url)
-        except (aiohttp.ClientError, TimeoutError) as exc:  # an engine gone since its health check
-            reason = one_line(exc) or f"no answer within {timeout_s:g}s"
-            raise RemoteGenerateError(
-                f"weight update at {url} failed: {type(exc).__name__}: {reason}; is the engine still running?"
-            ) from None
-
-    async def post_all() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            await asyncio.gather(*(guarded(session, url) for url in urls))
-
-    asyncio.run(post_all())
 
 
 def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
@@ -59,16 +32,16 @@ def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> Weight
 
     def push(state_dict: Mapping[str, Tensor], version: int) -> None:
         body = save(_bf16_host(state_dict))
-        headers = {"Content-Type": "application/octet-stream", **_auth(api_key)}
+        headers = {"Content-Type": "application/octet-stream", **bearer_headers(api_key)}
 
         async def post(session, url: str) -> None:
-            async with session.post(f"{url}/pause", headers=_auth(api_key)) as response:
+            async with session.post(f"{url}/pause", headers=bearer_headers(api_key)) as response:
                 paused = response.status == 200  # 404: an engine without pause (SkyRL's)
             try:
                 await upload(session, url)
             finally:
                 if paused:
-                    async with session.post(f"{url}/resume", headers=_auth(api_key)):
+                    async with session.post(f"{url}/resume", headers=bearer_headers(api_key)):
                         pass
 
         async def upload(session, url: str) -> None:
@@ -83,7 +56,7 @@ def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> Weight
                     text = (await response.text())[:200]
                     raise JobError(f"weight update at {url} failed: HTTP {response.status}: {text}")
 
-        _post_all(urls, timeout_s, post)
+        post_all(urls, timeout_s, post)
 
     return push
 
@@ -94,7 +67,7 @@ def _sglang_disk_push(
     """Weight sync for SGLang: one safetensors checkpoint in ``directory``, loaded by every engine."""
 
     async def post(session, url: str) -> None:
-        body, headers = {"model_path": str(directory)}, _auth(api_key)
+        body, headers = {"model_path": str(directory)}, bearer_headers(api_key)
         async with session.post(f"{url}/update_weights_from_disk", json=body, headers=headers) as response:
             answer = await response.json(content_type=None)
             if response.status != 200 or not (isinstance(answer, dict) and answer.get("success", False)):
@@ -108,7 +81,7 @@ def _sglang_disk_push(
         # SGLang loads a checkpoint directory: it needs the architecture next to the weights
         if model_path is not None and (Path(model_path) / "config.json").exists():
             shutil.copy(Path(model_path) / "config.json", directory / "config.json")
-        _post_all(urls, timeout_s, post)
+        post_all(urls, timeout_s, post)
 
     return push
 
@@ -159,8 +132,9 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         except OSError as exc:
             raise JobError(f"cannot start the embedded rollout server on {host}:{port}: {exc}") from None
         sync = bool(rollout.sync_weights)
-
-        def push(state_dict: Mapping[str, Tensor], version: int) -> None:
-            server.update_weights(state_dict, weight_version=version)  # paused around the copy
-
-        yield Engine([server.url], push if sync else None, gather=sync)
+        push = (
+            (lambda state_dict, version: server.update_weights(state_dict, weight_version=version))
+            if sync
+            else None
+        )
+        yield Engine([server.url], push, gather=sync)
