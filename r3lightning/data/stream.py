@@ -91,20 +91,30 @@ class StreamingReplayBuffer(ReplayBuffer):
             self._cond.notify_all()
         return time.perf_counter() - start
 
+    def wait_next(self) -> int:
+        """Ask for the next step and wait until it arrived, without taking it; returns the step.
+        Raises the producer's error (see :meth:`fail`), or ``StreamClosedError``."""
+        with self._cond:
+            return self._wait_next()
+
+    def _wait_next(self) -> int:
+        step = self._next_take
+        self._requested, self._asked = step, True
+        self._cond.notify_all()
+        while step not in self._waiting and self._error is None and not self._closed:
+            self._cond.wait()
+        if step not in self._waiting:
+            if self._error is not None:
+                raise self._error
+            raise StreamClosedError(f"the streaming replay buffer closed before step {step} arrived")
+        return step
+
     def advance(self) -> int:
         """Wait for the next step and make it the contents (the previous ones are dropped); returns
         the step. Raises the producer's error (see :meth:`fail`), or ``StreamClosedError``."""
         start = time.perf_counter()
         with self._cond:
-            step = self._next_take
-            self._requested, self._asked = step, True
-            self._cond.notify_all()
-            while step not in self._waiting and self._error is None and not self._closed:
-                self._cond.wait()
-            if step not in self._waiting:
-                if self._error is not None:
-                    raise self._error
-                raise StreamClosedError(f"the streaming replay buffer closed before step {step} arrived")
+            step = self._wait_next()
             items, info = self._waiting.pop(step)
             self._next_take = step + 1
             self._cond.notify_all()

@@ -160,3 +160,13 @@ def test_the_data_module_trains_one_streamed_step_per_epoch():
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     with pytest.raises(ValueError, match=r"reload_dataloaders_every_n_epochs=1\), got 0"):
         trainer.fit(_Recorder(), datamodule=R3DataModule(stalled, batch_size=2))
+
+
+def test_wait_next_asks_for_the_step_without_taking_it():
+    buffer = StreamingReplayBuffer()
+    asked = _started(buffer.wait_next)
+    assert buffer.wait_for_request(lambda requested: requested == 0)  # the producer sees the request
+    buffer.put(0, _step(0))
+    asked.join(30)
+    assert not asked.is_alive() and buffer.step == -1 and buffer.next_put == 1  # still waiting
+    assert buffer.advance() == 0 and _tags(buffer) == [(1, 1), (1, 2)]

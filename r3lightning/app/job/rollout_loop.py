@@ -133,6 +133,8 @@ class RolloutLoop(pl.Callback):
             served=self._served,
         )
         self.worker.start()  # it waits for the data module's first request
+        if trainer.ckpt_path is None:  # step 0 now: a failing engine fails the run before it logs
+            self.buffer.wait_next()
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint) -> None:
         # the model is restored: the engine still serves its initial weights
