@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 
 import _common  # noqa: F401  (puts the checkout on sys.path)
-import torch
 
 ARMS = (0, 1, 2)
 
@@ -35,8 +34,7 @@ ARMS = (0, 1, 2)
 def _environment() -> str:
     from r3lightning.app.job.report import environment, environment_line
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{environment_line(environment())}, torch CPU capability {capability}"
+    return environment_line(environment())  # versions, threads, CPU model and capability
 
 
 def _run(k: int, steps: int, prompts: int, response_length: int, seed: int) -> list[dict[str, float]]:

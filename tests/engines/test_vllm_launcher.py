@@ -94,6 +94,32 @@ def test_no_engine_process_outlives_a_signalled_owner(fake_python, tmp_path, sig
         owner.wait()
 
 
+EXITS_WITHOUT_STOP = """
+import atexit, os, sys
+pids = []
+def report():  # registered before the launcher's module is imported: atexit runs it after the launcher's
+    print("alive" if any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z" for p in pids) else "gone", flush=True)
+atexit.register(report)
+from r3lightning.app.vllm import VllmServer, VllmSettings
+settings = VllmSettings(model="healthy", python=sys.argv[1], health_interval_s=0.05, stop_timeout_s=5)
+server = VllmServer(settings).start()
+pids.extend(int(p) for p in open(os.environ["FAKE_ENGINE_PIDS"]).read().split())
+"""
+
+
+def test_an_engine_never_stopped_by_its_owner_is_stopped_at_interpreter_exit(fake_python, tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(EXITS_WITHOUT_STOP), str(fake_python)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "gone"  # stopped by the launcher's atexit hook, before the owner ended
+    assert wait_gone(engine_pids(tmp_path)) == []
+
+
 def test_a_start_that_never_becomes_healthy_is_one_line_and_the_log_tail(fake_python, tmp_path):
     log = tmp_path / "engine.log"
     with pytest.raises(VllmStartError) as caught:

@@ -125,10 +125,13 @@ def test_environment_line_names_versions_threads_and_cpu():
         "lightning": lightning.__version__,
         "threads": "3",
         "cpu": cpu[0],
+        "capability": torch.backends.cpu.get_cpu_capability(),  # what decides the float results
     }
+    assert env["capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "NO AVX")
     assert environment_line(env) == (
         f"environment: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"lightning {lightning.__version__}, 3 intra-op threads, CPU {cpu[0]}"
+        f"lightning {lightning.__version__}, 3 intra-op threads, CPU {cpu[0]}, "
+        f"torch CPU capability {env['capability']}"
     )
     assert format_table({"a": _seed(1e-3, 1e-4, 0.5)}, env=env).splitlines()[-1] == environment_line(env)
 

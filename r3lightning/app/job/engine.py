@@ -1,9 +1,12 @@
-"""Where rollouts come from (the embedded ``RolloutServer`` or ``rollout.url``), and weight pushes to them."""
+"""Where rollouts come from (the embedded ``RolloutServer``, ``rollout.url``, or a vLLM engine the job
+launches), and weight pushes to them."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -16,9 +19,11 @@ from torch import Tensor
 from r3lightning.app.job.common import JobError, is_global_zero
 from r3lightning.app.job.engine_http import bearer_headers, post_all
 from r3lightning.app.job.rollout_loop import Engine, WeightSync
-from r3lightning.app.job.rollout_settings import retry_policy, server_settings
+from r3lightning.app.job.rollout_settings import launch_settings, launched, retry_policy, server_settings
 from r3lightning.app.job.setup import build_model
 from r3lightning.app.serve.server import RolloutServer
+
+logger = logging.getLogger(__name__)
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -86,9 +91,8 @@ def _sglang_disk_push(
     return push
 
 
-def _external_engine(cfg: DictConfig) -> Engine:
-    rollout, url = cfg.rollout, cfg.rollout.url
-    urls = [str(u).rstrip("/") for u in (url if isinstance(url, ListConfig) else [url])]
+def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
+    rollout = cfg.rollout
     if not rollout.sync_weights:
         return Engine(urls)
     if rollout.protocol == "sglang" and not rollout.get("weight_sync_dir"):
@@ -111,10 +115,18 @@ def _external_engine(cfg: DictConfig) -> Engine:
 
 @contextlib.contextmanager
 def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
-    """The engines at ``rollout.url``, or the embedded ``RolloutServer`` (rank 0; the others get its URL)."""
+    """The engines at ``rollout.url``, a vLLM engine launched here (``rollout.launch``), or the embedded
+    ``RolloutServer``; the last two run on rank 0 only, and the other ranks get their URL."""
     rollout = cfg.rollout
     if rollout.url is not None:
-        yield _external_engine(cfg)
+        url = rollout.url
+        yield _external_engine(
+            cfg, [str(u).rstrip("/") for u in (url if isinstance(url, ListConfig) else [url])]
+        )
+        return
+    if launched(rollout):
+        with _launched_vllm(cfg) as engine:
+            yield engine
         return
     if not is_global_zero():
         yield Engine(None, gather=bool(rollout.sync_weights))
@@ -138,3 +150,39 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
             else None
         )
         yield Engine([server.url], push, gather=sync)
+
+
+def _save_served_model(cfg: DictConfig, directory: Path) -> str:
+    """The directory vLLM serves: ``model.path`` itself for a checkpoint, else the job's built model
+    (the trainer's initial weights, same seed) saved there with the tiny tokenizer."""
+    from r3lightning.app.models.tiny_tokenizer import build_tiny_tokenizer
+
+    if cfg.model.get("path") is not None:
+        return str(Path(str(cfg.model.path)).expanduser())
+    build_model(cfg.model).save_pretrained(directory, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(directory)  # /v1/completions needs one, even for token ids
+    return str(directory)
+
+
+@contextlib.contextmanager
+def _launched_vllm(cfg: DictConfig) -> Iterator[Engine]:
+    """``rollout=vllm_local``: rank 0 starts ``vllm serve`` on the job's model and stops it (its whole
+    process group) however the job ends; weights then reach it as they reach an external vLLM."""
+    from r3lightning.app.vllm.launcher import VllmServer, VllmStartError
+
+    rollout = cfg.rollout
+    if not is_global_zero():
+        yield Engine(None, gather=bool(rollout.sync_weights))
+        return
+    with tempfile.TemporaryDirectory(prefix="r3-vllm-model-") as directory:
+        settings = launch_settings(rollout, model=_save_served_model(cfg, Path(directory)))
+        server = VllmServer(settings)
+        try:
+            server.start()
+        except (VllmStartError, FileNotFoundError) as exc:
+            raise JobError(f"rollout.launch: {exc}") from None
+        try:
+            logger.info("vLLM engine at %s (log: %s)", server.url, server.log_path)
+            yield _external_engine(cfg, [server.url])
+        finally:
+            server.stop()

@@ -24,6 +24,7 @@ from r3lightning.app.job.grpo import (
 from r3lightning.app.job.sharded import load_sharded_weights, shard_model
 from r3lightning.correction import CorrectionMetrics, correction_weights
 from r3lightning.ragged import to_device_async
+from r3lightning.replay.backend import route_columns
 from r3lightning.replay.batch_fields import host_attention_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
@@ -147,7 +148,8 @@ class GRPOModule(pl.LightningModule):
             return {}
         backend = callback.backend
         layout = TokenMetadataLayout.padded(host_attention_mask(batch))  # what self.forward feeds
-        aligned, mask = callback.align_routes(routes, layout, batch.route_layers)  # [B, S, L, K], [B, S]
+        route_layers = batch.route_layers
+        aligned, mask = callback.align_routes(routes, layout, route_layers)  # [B, S, columns, K], [B, S]
         loss_mask = batch.loss_mask.to(rollout_logprobs.dtype)
         with torch.no_grad():
             with record_routes(backend) as native_routes:
@@ -155,11 +157,17 @@ class GRPOModule(pl.LightningModule):
             native = token_logprobs(native_logits, batch.input_ids)
             entropy = masked_mean(token_entropy(native_logits), loss_mask)
             del native_logits
-            with replay_routes(backend, aligned, mask):
+            with replay_routes(backend, aligned, mask, layers=route_layers):
                 replayed = self.batch_logprobs(batch)
             layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
             used = native_routes.routes.to(aligned.device)  # [B, S, L, K]: one forward
-            rows, _, hits, *_ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
+            columns = None
+            if route_layers is not None:  # each MoE layer's column of the sliced routes
+                positions = list(route_columns(backend, route_layers).values())
+                columns = to_device_async(torch.tensor(positions), aligned.device)
+            rows, _, hits, *_ = comparison_counts(aligned, mask, used, layers, columns).sum(
+                -1
+            )  # over MoE layers
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )

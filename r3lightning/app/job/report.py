@@ -44,7 +44,10 @@ def agreement_keys(record: Mapping[str, float]) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    """What a run's rows depend on besides its config: library versions, intra-op threads, CPU."""
+    """What a run's rows depend on besides its config: library versions, intra-op threads, the CPU
+    model and the CPU capability torch dispatches its kernels to (``AVX2``, ``AVX512``: two machines
+    with one model string may differ there, and so do their float results). The one place that
+    builds it: demos, scripts and benchmarks print :func:`environment_line` of it."""
     import lightning
     import torch
     import transformers
@@ -53,13 +56,15 @@ def environment() -> dict[str, str]:
     model = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     cpu = next(model, platform.processor() or platform.machine())
     versions = {m.__name__: m.__version__ for m in (torch, transformers, lightning)}
-    return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu}
+    capability = torch.backends.cpu.get_cpu_capability()
+    return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu, "capability": capability}
 
 
 def environment_line(env: Mapping[str, str]) -> str:
     """:func:`environment` as the line that ends ``summary.txt`` and heads ``config.yaml``."""
     versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
-    return f"environment: {versions}, {env['threads']} intra-op threads, CPU {env['cpu']}"
+    cpu = f"CPU {env['cpu']}, torch CPU capability {env.get('capability', 'unknown')}"
+    return f"environment: {versions}, {env['threads']} intra-op threads, {cpu}"
 
 
 def simulated_share(runs: Mapping[str, History]) -> str | None:

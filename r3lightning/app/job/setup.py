@@ -27,7 +27,7 @@ from r3lightning.app.job.build import (
 from r3lightning.app.job.common import JobError, is_global_zero
 from r3lightning.app.job.grpo import GRPOConfig
 from r3lightning.app.job.models import torch_dtype
-from r3lightning.app.job.rollout_settings import ahead_config, check_rollout
+from r3lightning.app.job.rollout_settings import ahead_config, check_rollout, launched
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.rollout.prompts import SamplingConfig
@@ -155,12 +155,13 @@ def check_config(cfg: DictConfig) -> None:
     dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=OUTSIDE_GRPO_CONFIG)
     dataclass_from(OptimConfig, cfg.algorithm.optim, "algorithm.optim")
     dataclass_from(SamplingConfig, cfg.rollout.sampling, "rollout.sampling")
-    if cfg.rollout.url is None and cfg.rollout.protocol not in _EMBEDDED_PROTOCOLS:
+    local = cfg.rollout.url is None and not launched(cfg.rollout)  # the embedded engine serves
+    if local and cfg.rollout.protocol not in _EMBEDDED_PROTOCOLS:
         raise JobError(
             f"rollout.protocol={cfg.rollout.protocol} needs rollout.url (the engine's http://host:port); "
             f"the embedded engine speaks {list(_EMBEDDED_PROTOCOLS)}"
         )
-    if cfg.rollout.url is None and cfg.rollout.require_url:
+    if local and cfg.rollout.require_url:
         raise JobError("rollout.url must be set to the engine's http://host:port (rollout.require_url=true)")
     path = OmegaConf.select(cfg, "task.path")
     if path is not None and not Path(str(path)).expanduser().is_file():
