@@ -103,13 +103,13 @@ def test_the_timeout_is_checked_and_unbounded_by_default():
 @pytest.mark.parametrize(("override", "expected"), [([], 300.0), (["rollout.env_timeout_s=2.5"], 2.5)])
 def test_the_jobs_rollout_env_timeout_s_reaches_the_collector(override, expected):
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.rollout_loop import Engine, OnPolicyLoop
+    from r3lightning.app.job.rollout_loop import Engine, RolloutLoop
 
     task = SimpleNamespace(
         prompts=None, score_prompt=lambda p, r: 0.0, environments=lambda: Environments(Hanging, max_turns=2)
     )
     cfg = compose_config(override)
-    loop = OnPolicyLoop(cfg, Engine(["http://127.0.0.1:9"]), task, RouteSchema(3, 2, 16), None, None)
+    loop = RolloutLoop(cfg, Engine(["http://127.0.0.1:9"]), task, RouteSchema(3, 2, 16), None, None)
     assert loop.new_collector(["http://127.0.0.1:9"]).environments.timeout_s == expected
 
 
