@@ -54,8 +54,16 @@ def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> funct
 @dataclass(frozen=True)
 class Environments:
     """Multi-turn rollouts for a :class:`~r3lightning.rollout.collector.RolloutCollector`, passed
-    where its ``reward_fn`` goes: ``make()`` builds one environment per trajectory (a class or a
-    ``functools.partial``), which runs at most ``max_turns`` generations."""
+    where its ``reward_fn`` goes.
+
+    Args:
+        make: Builds one environment per trajectory (a class or a ``functools.partial``).
+        max_turns: The most generations an episode runs.
+
+    Raises:
+        TypeError: ``make`` is not callable.
+        ValueError: ``max_turns`` is not an int >= 1.
+    """
 
     make: Callable[[], Environment]
     max_turns: int = 1
