@@ -206,7 +206,8 @@ def paired_mismatch_metrics(
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
     """The mismatch R3 removes: :func:`mismatch_metrics` of the trainer's native and replayed
-    logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``)."""
+    logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``,
+    ``abs_logprob_diff_native``, ``abs_logprob_diff_replayed``)."""
     native, replayed = (
         mismatch_metrics(lp, rollout_logprobs, loss_mask, ratio_band=ratio_band)
         for lp in (native_logprobs, replayed_logprobs)
@@ -216,6 +217,8 @@ def paired_mismatch_metrics(
         "k3_replayed": replayed["k3_kl"],
         "outside_band_native": native["ratio_out_of_band"],
         "outside_band_replayed": replayed["ratio_out_of_band"],
+        "abs_logprob_diff_native": native["abs_logprob_diff"],
+        "abs_logprob_diff_replayed": replayed["abs_logprob_diff"],
     }
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from r3lightning.align.layout import TokenMetadataLayout, position_ids_from_mask
@@ -60,6 +61,8 @@ class GRPOModule(pl.LightningModule):
     ):
         super().__init__()
         self.model = model.train()  # builders hand out eval-mode models
+        if OmegaConf.is_config(grpo):  # Hydra's instantiate hands dataclass arguments over as configs
+            grpo = OmegaConf.to_object(grpo)
         self.grpo = grpo or GRPOConfig()
         self.optim = optim or OptimConfig()
         self.recompute_old_logprobs = recompute_old_logprobs

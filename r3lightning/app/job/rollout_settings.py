@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from r3lightning.app.job.build import dataclass_from
+from r3lightning.app.job.build import dataclass_from, plain
 from r3lightning.app.job.common import JobError
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.vllm.settings import VllmSettings
+from r3lightning.rollout.ahead import AheadConfig
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 
 # keys that moved into a settings group: old -> new
@@ -24,6 +26,21 @@ def check_rollout(cfg: DictConfig) -> None:
     retry_policy(cfg.rollout)
     collector_config(cfg.rollout)
     server_settings(cfg.rollout)
+    ahead_config(cfg.rollout)
+    if launched(cfg.rollout):
+        launch_settings(cfg.rollout, model="(the job's model)")
+
+
+def launched(rollout: DictConfig) -> bool:
+    """Whether the job starts its own vLLM engine (``rollout=vllm_local``: ``rollout.launch`` set)."""
+    return rollout.get("launch") is not None
+
+
+def launch_settings(rollout: DictConfig, *, model: str) -> VllmSettings:
+    """``rollout.launch`` and ``model`` (the directory the job serves) as the engine's :class:`VllmSettings`."""
+    if "model" in rollout.launch:
+        raise JobError("rollout.launch.model is set by the job (it serves the job's model); remove it")
+    return dataclass_from(VllmSettings, {**plain(rollout.launch), "model": model}, "rollout.launch")
 
 
 def server_settings(rollout: DictConfig) -> tuple[EngineConfig, ServerLimits]:
@@ -41,3 +58,9 @@ def retry_policy(rollout: DictConfig) -> RetryPolicy:
 def collector_config(rollout: DictConfig) -> CollectorConfig:
     """``rollout.collector`` as a :class:`CollectorConfig`."""
     return dataclass_from(CollectorConfig, rollout.collector, "rollout.collector")
+
+
+def ahead_config(rollout: DictConfig) -> AheadConfig:
+    """``rollout.max_staleness`` as an :class:`AheadConfig`."""
+    fields = {"max_staleness": OmegaConf.select(rollout, "max_staleness", default=0)}
+    return dataclass_from(AheadConfig, fields, "rollout")
