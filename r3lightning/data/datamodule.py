@@ -70,7 +70,7 @@ class DataOptions:
 # 0.1 keywords -> DataOptions' fields in 0.2
 _OPTIONS_MOVED = {
     name: f"options=DataOptions({name}=) (r3lightning.data.datamodule)"
-    for name in ("pad_token_id", "width_multiple", "shard", "eval_buffer", "layers")
+    for name in ("pad_token_id", "width_multiple", "shard", "eval_buffer")
 }
 
 
