@@ -259,6 +259,7 @@ class RolloutCollector:
             total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
+        dropped: dict[int, Exception] = {}  # group -> the error that dropped it
 
         async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
             seed = sampling_seed(self.config.seed, step, group, index, turn)
@@ -302,9 +303,9 @@ class RolloutCollector:
                 reward = score_value(await self._call(self.reward_fn, prompt, result.response_ids), where)
                 episode = single_turn(prompt, result, reward, self._trace())
             else:
-                settings = {"max_turns": envs.max_turns, "trace": self._trace(), "call": self._call}
+                opts = {"max_turns": envs.max_turns, "trace": self._trace(), "timeout_s": envs.timeout_s}
                 run = functools.partial(generate, group, index)
-                episode = await run_episode(envs.make(), prompt, run, where=where, **settings)
+                episode = await run_episode(envs.make(), prompt, run, call=self._call, where=where, **opts)
             bar.update(1)
             return episode
 
@@ -318,8 +319,6 @@ class RolloutCollector:
                 dropped[group] = exc
                 logger.warning("group %d of step %d dropped: %s", group, step, exc)
                 return []
-
-        dropped: dict[int, Exception] = {}
 
         try:
             kept = await _gather_or_cancel(whole_group(g) for g in groups)

@@ -8,6 +8,8 @@ from r3lightning.app.job.build import dataclass_from, plain
 from r3lightning.app.job.common import JobError
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.vllm.settings import VllmSettings
+from r3lightning.checks import check_setting
+from r3lightning.rollout.ahead import AheadConfig
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 
 # keys that moved into a settings group: old -> new
@@ -24,7 +26,14 @@ def check_rollout(cfg: DictConfig) -> None:
             raise JobError(f"{old} moved to {new}; set {new}={OmegaConf.select(cfg, old)} instead")
     retry_policy(cfg.rollout)
     collector_config(cfg.rollout)
+    try:  # a hanging environment method drops its group after this long (None: unbounded)
+        check_setting(
+            "rollout.env_timeout_s", cfg.rollout.get("env_timeout_s"), low=0, above=True, optional=True
+        )
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
     server_settings(cfg.rollout)
+    ahead_config(cfg.rollout)
     if launched(cfg.rollout):
         launch_settings(cfg.rollout, model="(the job's model)")
 
@@ -56,3 +65,9 @@ def retry_policy(rollout: DictConfig) -> RetryPolicy:
 def collector_config(rollout: DictConfig) -> CollectorConfig:
     """``rollout.collector`` as a :class:`CollectorConfig`."""
     return dataclass_from(CollectorConfig, rollout.collector, "rollout.collector")
+
+
+def ahead_config(rollout: DictConfig) -> AheadConfig:
+    """``rollout.max_staleness`` as an :class:`AheadConfig`."""
+    fields = {"max_staleness": OmegaConf.select(rollout, "max_staleness", default=0)}
+    return dataclass_from(AheadConfig, fields, "rollout")

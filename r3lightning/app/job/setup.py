@@ -27,8 +27,9 @@ from r3lightning.app.job.build import (
 from r3lightning.app.job.common import JobError, is_global_zero
 from r3lightning.app.job.grpo import GRPOConfig
 from r3lightning.app.job.models import torch_dtype
-from r3lightning.app.job.rollout_settings import check_rollout, launched
+from r3lightning.app.job.rollout_settings import ahead_config, check_rollout, launched
 from r3lightning.data.buffer import ReplayBuffer
+from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.wire.request import RouteSchema
 
@@ -218,7 +219,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
 
     from r3lightning.app.job.checkpoint import RunCheckpoint, refuse_bad_data_state, resume_checkpoint
     from r3lightning.app.job.module import OptimConfig
-    from r3lightning.app.job.rollout_loop import on_policy_loop
+    from r3lightning.app.job.rollout_loop import rollout_failure, rollout_loop
+    from r3lightning.rollout.stats import GroupsDroppedError
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model, trainer=True)
@@ -230,7 +232,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     task = build.build_task(cfg, vocab_size)
     grpo = dataclass_from(GRPOConfig, cfg.algorithm, "algorithm", skip=OUTSIDE_GRPO_CONFIG)
     optim = dataclass_from(OptimConfig, cfg.algorithm.optim, "algorithm.optim")
-    buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
+    ahead = ahead_config(cfg.rollout)
+    buffer = StreamingReplayBuffer(ahead.ahead, vocab_size=vocab_size, num_experts=schema.num_experts)
     datamodule = instantiate_node(cfg.data, "data", buffer=buffer)
     extra = {"model": model, "grpo": grpo, "optim": optim, "recompute_old_logprobs": mode == "r2"}
     if cfg.model.get("sharded_weights") is not None:  # a meta-device model: the module loads its shards
@@ -239,7 +242,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     if not isinstance(module, pl.LightningModule):
         raise JobError(f"module._target_ must build a LightningModule, got {type(module).__name__}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    loop = on_policy_loop(cfg, engine, task, schema, buffer, metrics_path=out_dir / "metrics.csv")
+    loop = rollout_loop(cfg, engine, task, schema, buffer, metrics_path=out_dir / "metrics.csv")
     callbacks = [*build.build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
     trainer = build.build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)
@@ -254,6 +257,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
             warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True")
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except GroupsDroppedError as exc:  # raised by the rollout worker, at the trainer's next step
+            raise rollout_failure(exc) from None
         except SystemExit:  # Lightning turns Ctrl-C into a graceful shutdown and exit status 1
             if trainer.interrupted:
                 raise KeyboardInterrupt from None
