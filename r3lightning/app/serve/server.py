@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -86,8 +85,11 @@ def check_exposure(
 
 
 # 0.1 keywords -> the settings object that holds them in 0.2
-_SERVER_MOVED = {f.name: f"engine=EngineConfig({f.name}=)" for f in dataclasses.fields(EngineConfig)}
-_SERVER_MOVED |= {f.name: f"limits=ServerLimits({f.name}=)" for f in dataclasses.fields(ServerLimits)}
+_SERVER_MOVED = {name: f"engine=EngineConfig({name}=)" for name in ("max_batch_size", "seed", "dtype", "device",
+                 "copy_model", "batch_invariant", "simulated_disagreement")}  # fmt: skip
+_SERVER_MOVED |= {name: f"limits=ServerLimits({name}=)" for name in ("max_queue", "max_new_tokens_cap",
+                  "max_request_bytes", "max_weights_bytes", "header_timeout_s", "body_timeout_s",
+                  "retry_after_s")}  # fmt: skip
 
 
 class RolloutServer:
