@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.correction.importance import CorrectionConfig
+from r3lightning.rollout.config import check_setting
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,24 @@ class GRPOConfig:
     ratio_band: float = 2.0  # ratios outside [1 / ratio_band, ratio_band] are "far off" in metrics
     mismatch_every_n_steps: int = 1  # paired native-vs-replayed mismatch/* every n steps; 0 = never
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # none by default
+
+    def __post_init__(self) -> None:
+        check_setting("group_size", self.group_size, low=2, high=2**31 - 1, integer=True)
+        if (
+            isinstance(self.clip_low, bool)
+            or not isinstance(self.clip_low, int | float)
+            or not 0 < self.clip_low < 1
+        ):
+            raise ValueError(f"clip_low must be a number in (0, 1), got {self.clip_low!r}")
+        check_setting("clip_high", self.clip_high, low=0, above=True)
+        if not isinstance(self.normalize_std, bool):
+            raise ValueError(f"normalize_std must be true or false, got {self.normalize_std!r}")
+        check_setting("std_eps", self.std_eps, low=0, above=True)
+        check_setting("ratio_band", self.ratio_band, low=1)
+        check_setting("mismatch_every_n_steps", self.mismatch_every_n_steps, low=0, integer=True)
+        if not isinstance(self.correction, CorrectionConfig):
+            got = type(self.correction).__name__
+            raise ValueError(f"correction must be a CorrectionConfig (r3lightning.correction), got {got}")
 
 
 def group_advantages(

@@ -16,12 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
 from r3lightning.job.report import AGREEMENT_PREFIX, CORRECTION_PREFIX, MISMATCH_PREFIX, write_csv
-from r3lightning.job.rollout_settings import collector_config, retry_policy
+from r3lightning.job.rollout_settings import collector_config, retry_policy, sampling_config
 from r3lightning.rollout.collector import RolloutCollector
-from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.rollout.tasks import ScoredTask
 from r3lightning.serve.server import is_loopback
 from r3lightning.wire.request import RouteSchema
@@ -54,7 +52,7 @@ class OnPolicyLoop(pl.Callback):
     ) -> None:
         self.cfg, self.engine, self.task, self.schema, self.buffer = cfg, engine, task, schema, buffer
         self.metrics_path = metrics_path
-        self.sampling = dataclass_from(SamplingConfig, cfg.rollout.sampling, "rollout.sampling")
+        self.sampling = sampling_config(cfg.rollout)
         if self.sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
             stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
             self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)

@@ -1,43 +1,42 @@
-"""The job's rollout settings groups as their dataclasses; a bad or moved key is a one-line JobError."""
+"""The job's rollout settings groups as their dataclasses (checked by building them)."""
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from r3lightning.job.build import dataclass_from
 from r3lightning.job.common import JobError
+from r3lightning.job.schema import SettingsError, build
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
+from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.serve.config import EngineConfig, ServerLimits
 
-# keys that moved into a settings group: old -> new
-_MOVED = {
-    "rollout.request_timeout_s": "rollout.retry.timeout_s",
-    "rollout.max_in_flight": "rollout.collector.max_in_flight",
-}
+__all__ = ["collector_config", "retry_policy", "sampling_config", "server_settings"]
 
 
-def check_rollout(cfg: DictConfig) -> None:
-    """Refuse a moved key or a bad value of the rollout settings groups."""
-    for old, new in _MOVED.items():
-        if OmegaConf.select(cfg, old) is not None:
-            raise JobError(f"{old} moved to {new}; set {new}={OmegaConf.select(cfg, old)} instead")
-    retry_policy(cfg.rollout)
-    collector_config(cfg.rollout)
-    server_settings(cfg.rollout)
+def _build(cls: type, node: DictConfig, key: str, skip: tuple[str, ...] = ()):
+    try:
+        return build(cls, node, key, skip=skip)
+    except SettingsError as exc:
+        raise JobError(str(exc)) from None
 
 
 def server_settings(rollout: DictConfig) -> tuple[EngineConfig, ServerLimits]:
     """``rollout.server`` (but ``host`` and ``port``) and ``rollout.limits`` as the embedded server's
-    :class:`EngineConfig` and :class:`ServerLimits`."""
-    engine = dataclass_from(EngineConfig, rollout.server, "rollout.server", skip=("host", "port"))
-    return engine, dataclass_from(ServerLimits, rollout.limits, "rollout.limits")
+    ``EngineConfig`` and ``ServerLimits``."""
+    engine = _build(EngineConfig, rollout.server, "rollout.server", skip=("host", "port"))
+    return engine, _build(ServerLimits, rollout.limits, "rollout.limits")
 
 
 def retry_policy(rollout: DictConfig) -> RetryPolicy:
-    """``rollout.retry`` (with its ``backoff``) as a :class:`RetryPolicy`."""
-    return dataclass_from(RetryPolicy, rollout.retry, "rollout.retry")
+    """``rollout.retry`` (with its ``backoff``) as a ``RetryPolicy``."""
+    return _build(RetryPolicy, rollout.retry, "rollout.retry")
 
 
 def collector_config(rollout: DictConfig) -> CollectorConfig:
-    """``rollout.collector`` as a :class:`CollectorConfig`."""
-    return dataclass_from(CollectorConfig, rollout.collector, "rollout.collector")
+    """``rollout.collector`` as a ``CollectorConfig``."""
+    return _build(CollectorConfig, rollout.collector, "rollout.collector")
+
+
+def sampling_config(rollout: DictConfig) -> SamplingConfig:
+    """``rollout.sampling`` as a ``SamplingConfig``."""
+    return _build(SamplingConfig, rollout.sampling, "rollout.sampling")

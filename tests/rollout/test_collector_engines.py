@@ -112,7 +112,7 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
     from r3lightning.job.common import JobError
     from r3lightning.job.engine import embedded_server
     from r3lightning.job.main import compose_config
-    from r3lightning.job.setup import check_config
+    from r3lightning.job.validate import check_config
 
     received: dict[int, dict] = {}
 
@@ -152,12 +152,12 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
     ("override", "message"),
     [
         (
-            "rollout.max_in_flight=3",
+            "+rollout.max_in_flight=3",
             "rollout.max_in_flight moved to rollout.collector.max_in_flight; set "
             "rollout.collector.max_in_flight=3 instead",
         ),
         (
-            "rollout.request_timeout_s=5",
+            "+rollout.request_timeout_s=5",
             "rollout.request_timeout_s moved to rollout.retry.timeout_s; set "
             "rollout.retry.timeout_s=5 instead",
         ),
@@ -181,7 +181,7 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
 def test_job_rollout_groups_are_checked_with_the_key_named(override, message):
     from r3lightning.job.common import JobError
     from r3lightning.job.main import compose_config
-    from r3lightning.job.setup import check_config
+    from r3lightning.job.validate import check_config
 
     with pytest.raises(JobError) as info:
         check_config(compose_config([override]))
