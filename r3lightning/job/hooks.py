@@ -19,7 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.job.common import JobError, one_line
 
-__all__ = ["PROG", "JobCallback", "new_folders", "record_job", "remove_if_unused", "report"]
+__all__ = [
+    "PROG",
+    "JobCallback",
+    "discard_unused_sweep",
+    "new_folders",
+    "record_job",
+    "remove_if_unused",
+    "report",
+]
 
 PROG = "r3lightning-train"
 _RECORDS = ".r3lightning-jobs"  # in the sweep folder: one file per job, its status and overrides
@@ -68,6 +76,21 @@ def _missing(path: Path) -> list[Path]:
     return [p for p in (path, *path.parents) if not p.exists()]
 
 
+def discard_unused_sweep() -> None:
+    """Remove the sweep folder this process's sweep made if no job left anything in it (a sweep
+    that failed, or that Hydra refused before its first job), then its new parents left empty."""
+    new_dirs = _state["new_dirs"]
+    if not _state["sweep_is_new"] or not new_dirs or not new_dirs[0].is_dir():
+        return
+    if any(p.name != "multirun.yaml" for p in new_dirs[0].iterdir()):
+        return
+    shutil.rmtree(new_dirs[0], ignore_errors=True)
+    for parent in new_dirs[1:]:
+        if not parent.is_dir() or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
 class JobCallback(Callback):
     """Checks before Hydra writes anything, and the sweep's summary (see the module docstring)."""
 
@@ -88,7 +111,7 @@ class JobCallback(Callback):
         _state["new_dirs"] = _missing(run_dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir))
+        sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
         _state["sweep_is_new"] = not sweep_dir.exists()
         _state["new_dirs"] = _missing(sweep_dir)
 
@@ -102,16 +125,7 @@ class JobCallback(Callback):
             if status != "0":
                 failed.append(f"#{path.name} ({overrides})")
         shutil.rmtree(records, ignore_errors=True)
-        if _state["sweep_is_new"]:  # nothing trained: no folder left
-            leftovers = (
-                [p for p in sweep_dir.iterdir() if p.name != "multirun.yaml"] if sweep_dir.is_dir() else []
-            )
-            if not leftovers:
-                shutil.rmtree(sweep_dir, ignore_errors=True)
-                for parent in _state["new_dirs"][1:]:
-                    if not parent.is_dir() or any(parent.iterdir()):
-                        break
-                    parent.rmdir()
+        discard_unused_sweep()  # nothing trained: no folder left
         if failed:
             print(f"{PROG}: {len(failed)} of {len(jobs)} jobs failed: {', '.join(failed)}", file=sys.stderr)
             sys.exit(2)

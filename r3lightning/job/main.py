@@ -22,7 +22,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from r3lightning.job import help as _help  # noqa: F401  (registers the help template's resolver)
 from r3lightning.job.common import JobError, is_global_zero
-from r3lightning.job.hooks import PROG, new_folders, record_job, remove_if_unused, report
+from r3lightning.job.hooks import (
+    PROG,
+    discard_unused_sweep,
+    new_folders,
+    record_job,
+    remove_if_unused,
+    report,
+)
 from r3lightning.job.settings import REPLAY_MODES
 from r3lightning.job.setup import CONF_DIR, replay_settings
 from r3lightning.job.store import register
@@ -200,6 +207,7 @@ def main() -> None:
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         if full_error == "1" or not _raised_by_hydra(exc):
             raise
+        discard_unused_sweep()  # a sweep refused before its first job
         sys.exit(report(error_line(exc)))
     finally:
         if full_error is None:

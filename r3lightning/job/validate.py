@@ -91,6 +91,9 @@ def _omegaconf_line(exc: BaseException) -> str:
         return f"{key} must be a list, got {_yaml(getattr(exc, 'value', '?'))}"
     if re.fullmatch(r"Cannot assign \w+ to Dict\[.*\]", text):
         return f"{key} must be a mapping, got {_yaml(getattr(exc, 'value', '?'))}"
+    found = re.fullmatch(r"Invalid type assigned: \w+ is not a subclass of (\w+)\. value: (.*)", text, re.S)
+    if found:
+        return f"{key} must be a mapping of {found.group(1)} settings, got {found.group(2)}"
     found = re.fullmatch(r"Value '(.*)' is not a valid bool \(type \w+\)", text, re.S)
     if found:
         return f"{key} must be true or false, got {found.group(1)!r}"
