@@ -105,6 +105,7 @@ def collector(url: str, args: dict, *, layers: Sequence[int] | None = None, proc
     tokens (``PROMPT_TOKENS`` of prompt), keeping routes on ``layers`` (None: all 48), spreading
     the groups over ``process_group`` (None: the default group)."""
     from r3lightning import RolloutCollector, SamplingConfig
+    from r3lightning.app.job.grpo import GRPOAdvantages
     from r3lightning.rollout.config import CollectorConfig
     from r3lightning.wire.request import RouteSchema
 
@@ -112,6 +113,7 @@ def collector(url: str, args: dict, *, layers: Sequence[int] | None = None, proc
         url,
         lambda prompt, response: float(response[0] % 2),
         CollectorConfig(group_size=args["group_size"], max_in_flight=8, progress=False),
+        advantages=GRPOAdvantages(),
         schema=RouteSchema(LAYERS, TOP_K, EXPERTS, layers=layers),
         sampling=SamplingConfig(max_new_tokens=args["tokens"] - PROMPT_TOKENS, ignore_eos=True),
         process_group=process_group,

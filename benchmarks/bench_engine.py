@@ -6,7 +6,7 @@ recorded, and timed to the last answer. Arms:
 
 - plain: ``batch_invariant=False`` (one padded forward per step, grouped expert GEMMs);
 - batch-invariant, tile 16 / 32 / 64 (the default): per-row attention, eager experts, row-tiled
-  GEMMs (see ``r3lightning.serve.invariance``).
+  GEMMs (see ``r3lightning.app.serve.invariance``).
 
 Workloads: the demo's step (128 requests: 7-token prompts, 4 new tokens) and a ragged one (64
 requests: prompts of 3-60 tokens, 16 new tokens). Before timing, the invariant arm is checked to
@@ -21,10 +21,10 @@ import argparse
 import _common
 import torch
 
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.engine import GenerationEngine, GenerationRequest
-from r3lightning.serve.sampling import SamplingParams
-from r3lightning.testing.tiny import build_tiny_moe
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.engine import GenerationEngine, GenerationRequest
+from r3lightning.app.serve.sampling import SamplingParams
 
 TARGET_COST = 1.5  # batch-invariant time / plain time, on the demo's step
 

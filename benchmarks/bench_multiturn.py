@@ -32,7 +32,7 @@ from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.config import RetryPolicy
 from r3lightning.rollout.episode import run_episode
 from r3lightning.rollout.prompts import RolloutPrompt
-from r3lightning.trace import RoutedExpertTrace
+from r3lightning.rollout.trace import RoutedExpertTrace
 from r3lightning.wire.request import RouteSchema
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS = 48, 8, 128

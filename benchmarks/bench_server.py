@@ -105,7 +105,7 @@ async def _measure(url: str, body: bytes) -> tuple[list[float], float, list[int]
 
 def readiness(launches: int, other_root: str | None) -> None:
     """Seconds from launch to the ``listening`` line, alternating between the checkouts."""
-    command = [sys.executable, "-m", "r3lightning.serve.cli", "--port", "0", "--device", "cpu"]
+    command = [sys.executable, "-m", "r3lightning.app.serve.cli", "--port", "0", "--device", "cpu"]
     roots = {"this checkout": None, **({f"{other_root}": other_root} if other_root else {})}
     times: dict[str, list[float]] = {name: [] for name in roots}
     for _ in range(launches):
@@ -129,7 +129,7 @@ def readiness(launches: int, other_root: str | None) -> None:
 async def main(mb: int) -> None:
     tokens = (mb << 20) // 7
     body = b'{"token_ids": [' + b", ".join([b"12345"] * tokens) + b"]}"
-    serve = [sys.executable, "-m", "r3lightning.serve.cli", "--port", "0", "--device", "cpu"]
+    serve = [sys.executable, "-m", "r3lightning.app.serve.cli", "--port", "0", "--device", "cpu"]
     arms = {
         "decode on the event loop": [sys.executable, __file__, "--serve-on-loop"],
         "RolloutServer, decoder thread": [*serve, "--max-request-bytes", str(len(body) + 1)],

@@ -43,6 +43,7 @@ from _step_batch import (
     without_routes,
 )
 
+from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.data.datamodule import R3DataModule
@@ -50,7 +51,6 @@ from r3lightning.data.trajectory import Trajectory
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
 from r3lightning.wire.request import RouteSchema
 from r3lightning.wire.response import parse_response
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
+import importlib.util
 import sys
 import warnings
 from types import ModuleType
@@ -24,15 +25,19 @@ def _table(groups: dict[str, str]) -> dict[str, str]:
     }
 
 
-# moved modules, by the package holding them now: "old:new" paths (old below r3lightning)
+# moved modules, by the package holding them now: "old:new" paths (old below r3lightning). A moved
+# package's modules move with it: ``r3lightning.serve.server`` is ``r3lightning.app.serve.server``.
 _MOVED_MODULES = {
-    "r3lightning": "expert_load:replay.expert_load models:testing models.tiny:testing.tiny "
-    "models.tiny_tokenizer:testing.tiny_tokenizer models.sharded:job.sharded job.grpo:correction.grpo "
-    "job.megatron:testing.tiny_megatron job.prompts_file:rollout.prompts_file "
-    "job.rewards:rollout.rewards job.task:rollout.tasks replay.hf_routers:replay.hf.routers "
-    "replay.megatron_cpu:testing.megatron_cpu replay.megatron_layout:replay.megatron.layout "
-    "replay.megatron_router:replay.megatron.router replay.replay_metrics:replay.metrics",
-    "r3lightning.serve": "rollout.cli:cli rollout.engine:engine rollout.invariance:invariance "
+    "r3lightning": "expert_load:replay.expert_load replay.hf_routers:replay.hf.routers "
+    "replay.megatron_layout:replay.megatron.layout replay.megatron_router:replay.megatron.router "
+    "replay.replay_metrics:replay.metrics trace:rollout.trace",
+    "r3lightning.app": "serve job testing:models models:models models.tiny:models.tiny "
+    "models.tiny_tokenizer:models.tiny_tokenizer models.sharded:job.sharded job.megatron:models.tiny_megatron "
+    "replay.megatron_cpu:models.megatron_cpu correction.grpo:job.grpo job.grpo:job.grpo "
+    "job.prompts_file:tasks.prompts_file rollout.prompts_file:tasks.prompts_file "
+    "job.rewards:tasks.rewards rollout.rewards:tasks.rewards job.task:tasks.token_class "
+    "rollout.tasks:tasks.token_class rollout.calculator:tasks.calculator",
+    "r3lightning.app.serve": "rollout.cli:cli rollout.engine:engine rollout.invariance:invariance "
     "rollout.perturb:perturb rollout.sampling:sampling rollout.server:server "
     "rollout.server_protocol:protocol rollout.weights:weights",
     "r3lightning.wire": "rollout.client_protocol:request rollout.client_response:response "
@@ -48,7 +53,7 @@ FLAT_MODULES: dict[str, str] = {
 
 # names that left the top level, by the module holding them now ("old:new" where renamed)
 _MOVED_NAMES = {
-    "r3lightning.trace": "TokenMetadataTrace",
+    "r3lightning.rollout.trace": "TokenMetadataTrace",
     "r3lightning.routes": "compact_route_dtype",
     "r3lightning.wire.codec": "encode_routes decode_routes",
     "r3lightning.wire.errors": "RetryableGenerateError GenerateRequestError RetriesExhaustedError",
@@ -62,10 +67,10 @@ _MOVED_NAMES = {
     "mixtral_weights ernie_weights softmax_then_topk_weights:qwen3_moe_weights "
     "softmax_renormalised_weights:qwen3_5_moe_weights sigmoid_scaled_weights:deepseek_v3_weights "
     "softmax_scaled_weights:deepseek_v2_weights softmax_over_topk_weights:gpt_oss_weights",
-    "r3lightning.replay.megatron.layout": "MegatronParallelism megatron_token_layout megatron_padding_mask",
+    "r3lightning.replay.megatron.layout": "megatron_token_layout megatron_padding_mask",
     "r3lightning.replay.expert_load": "ExpertLoadMonitor expert_load_stats",
-    "r3lightning.testing.tiny": "tiny_moe_config build_tiny_moe",
-    "r3lightning.job.sharded": "meta_model load_sharded_weights convert_checkpoint",
+    "r3lightning.app.models.tiny": "tiny_moe_config build_tiny_moe",
+    "r3lightning.app.job.sharded": "meta_model load_sharded_weights convert_checkpoint",
 }
 NAMES = _table(_MOVED_NAMES)
 
@@ -92,19 +97,54 @@ def moved_attribute(package: str, name: str) -> Any:
     return value
 
 
+def new_module_path(old: str) -> str | None:
+    """The path a moved module has now: its own entry, else its moved package's path with the same
+    tail (the longest such package); None if it never moved."""
+    if old in MODULES:
+        return MODULES[old]
+    package = old
+    while "." in package:
+        package, _, _ = package.rpartition(".")
+        if package in MODULES:
+            return MODULES[package] + old[len(package) :]
+    return None
+
+
 class _MovedModules:
-    """Finder and loader of an old module path: the module at the new path, the same object."""
+    """Finder and loader of an old module path: the module at the new path, the same object.
+
+    ``python -m <old path>`` works too: runpy asks the loader for the new module's code.
+    """
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        return importlib.machinery.ModuleSpec(fullname, self) if fullname in MODULES else None
+        new = new_module_path(fullname)
+        if new is None:
+            return None
+        found = importlib.util.find_spec(new)
+        if found is None:  # a moved package never had this module: the usual ModuleNotFoundError
+            return None
+        # the new file as the origin: what ``python -m`` puts in sys.argv[0]
+        return importlib.machinery.ModuleSpec(fullname, self, origin=found.origin)
 
     def create_module(self, spec: Any) -> None:
         return None  # a placeholder that exec_module replaces in sys.modules
 
     def exec_module(self, module: ModuleType) -> None:
-        new = MODULES[module.__name__]
+        new = new_module_path(module.__name__)
+        assert new is not None  # find_spec answered only for moved paths
         _warn(module.__name__, new, stacklevel=2)  # the import line: warnings skips importlib's frames
         sys.modules[module.__name__] = importlib.import_module(new)
+
+    def get_code(self, fullname: str) -> Any:
+        """The new module's code object, which ``python -m`` runs as ``__main__``."""
+        new = new_module_path(fullname)
+        spec = None if new is None else importlib.util.find_spec(new)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
+            raise ImportError(f"no code for {fullname}", name=fullname)
+        message = f"{fullname} moved to {new}; the old path is removed in {REMOVED_IN}"
+        # shown by the default filters, which show a DeprecationWarning only in __main__
+        warnings.warn_explicit(message, DeprecationWarning, fullname, 0, module="__main__")
+        return spec.loader.get_code(new)
 
 
 def install() -> None:

@@ -5,10 +5,14 @@ The wire also carries vLLM's uint16, decoded to int16 as torch's uint16 lacks mo
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
+
+# the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on:
+# named by the client's error when routes are missing and by replay's when a batch has none
+ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
 
 # wire name -> little-endian numpy dtype, narrowest first
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -51,7 +55,12 @@ def check_layers(name: str, layers: Iterable[int] | None) -> tuple[int, ...] | N
     or None (every layer); else ``ValueError`` naming ``name``."""
     if layers is None:
         return None
-    ids = tuple(layers) if isinstance(layers, Iterable) and not isinstance(layers, str | bytes) else ()
+    # a mapping would give its keys, which may not be what its author meant by the values
+    ids = (
+        tuple(layers)
+        if isinstance(layers, Iterable) and not isinstance(layers, str | bytes | Mapping)
+        else ()
+    )
     if not ids or any(type(i) is not int or i < 0 for i in ids) or list(ids) != sorted(set(ids)):
         raise ValueError(f"{name} must be None or sorted, unique decoder-layer ids >= 0, got {layers!r}")
     return ids

@@ -19,8 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from r3lightning.job.main import compose_config, run
-from r3lightning.job.report import environment, environment_line, seed_groups, summarize
+from r3lightning.app.job.main import compose_config, run
+from r3lightning.app.job.report import environment, environment_line, seed_groups, summarize
 
 
 def largest(history, key: str) -> tuple[float, int]:

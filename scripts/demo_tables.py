@@ -3,7 +3,7 @@
     python scripts/demo_tables.py compare compare_realistic [--out outputs/demo_tables]
         [--reuse] [--plots docs] [-- extra overrides for every run]
 
-Each experiment runs as ``python -m r3lightning.job.main experiment=<name>`` in its own process
+Each experiment runs as ``python -m r3lightning.app.job.main experiment=<name>`` in its own process
 (into ``<out>/<name>``), and its ``summary.txt`` (the tables over seeds, the simulation label if
 any, the environment line under them) is printed as Markdown. ``--reuse`` prints an existing
 ``summary.txt`` without running again; ``--plots DIR`` copies each ``metrics.png`` to
@@ -31,7 +31,7 @@ def plot_name(experiment: str) -> str:
 
 def table(experiment: str, out: Path, overrides: list[str], reuse: bool) -> str:
     run_dir = out / experiment
-    command = [sys.executable, "-m", "r3lightning.job.main", f"experiment={experiment}", *overrides]
+    command = [sys.executable, "-m", "r3lightning.app.job.main", f"experiment={experiment}", *overrides]
     seconds = None
     if not (reuse and (run_dir / "summary.txt").is_file()):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -40,7 +40,7 @@ def table(experiment: str, out: Path, overrides: list[str], reuse: bool) -> str:
         # the job's own output goes to stderr: stdout is only the Markdown
         subprocess.run([*command, *job_args], check=True, env=env, stdout=sys.stderr)
         seconds = time.perf_counter() - start
-    shown = " ".join(["python -m r3lightning.job.main", *command[3:]])
+    shown = " ".join(["python -m r3lightning.app.job.main", *command[3:]])
     took = "" if seconds is None else f" ({seconds:.0f} s)"
     summary = (run_dir / "summary.txt").read_text().rstrip()
     return f"### `{shown}`{took}\n\n```text\n{summary}\n```\n"

@@ -34,7 +34,7 @@ from r3lightning import (
     build_replay_mask,
     dummy_routes,
 )
-from r3lightning.testing.megatron_cpu import megatron_device_shims
+from r3lightning.app.models.megatron_cpu import megatron_device_shims
 
 VOCAB, SEQ = 128, 48
 

@@ -14,7 +14,7 @@ Each step:
 3. it prints how often the trainer's native top-k would have agreed with the rollout (the mismatch
    R3 removes) and checks that the experts actually used equal the rollout's on every token/layer.
 
-The model is the package's tiny megatron-core MoE (:func:`r3lightning.testing.tiny_megatron.tiny_megatron_moe`:
+The model is the package's tiny megatron-core MoE (:func:`r3lightning.app.models.tiny_megatron.tiny_megatron_moe`:
 token-wise embedding, megatron MLP / ``MoELayer`` blocks with residuals, LM head; no attention) so
 that it runs on a CPU; the MoE layers, routers and ``RouterReplay`` are megatron-core's own. Run::
 
@@ -40,7 +40,7 @@ from r3lightning import (
     build_replay_mask,
     dummy_routes,
 )
-from r3lightning.testing.tiny_megatron import megatron_runtime, tiny_megatron_moe
+from r3lightning.app.models.tiny_megatron import megatron_runtime, tiny_megatron_moe
 
 
 def rollout(engine, engine_replay, prompts, response_len, generator):

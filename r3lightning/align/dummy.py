@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.routes import compact_route_dtype
 
 __all__ = ["dummy_routes"]

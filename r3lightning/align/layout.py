@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from r3lightning.checks import check_int, check_rank
 from r3lightning.ragged import (
     check_fill_value,
     check_pad_row,
@@ -25,26 +26,12 @@ __all__ = ["Pad", "TokenMetadataLayout", "position_ids_from_mask", "split_for_se
 Pad = int | float | bool | torch.Tensor | Callable[[int], torch.Tensor]
 
 
-def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """``value`` when it is an ``int`` (not a bool) ``>= minimum``; else ``ValueError`` naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 def _width(name: str, width: int | None, lengths: torch.Tensor) -> int:
     """``width`` (default: the longest of ``lengths``), refused below the longest."""
     longest = int(lengths.max()) if lengths.numel() else 0
     if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < longest):
         raise ValueError(f"{name} must be an int >= the longest sequence ({longest}), got {width!r}")
     return longest if width is None else width
-
-
-def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
-    """``rank`` when it is an ``int`` in ``[0, size)``; else ``ValueError`` naming both fields."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
-        raise ValueError(f"{name} must be an int in [0, {size}) for {size_name}={size}, got {rank!r}")
-    return rank
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,15 +1,22 @@
 """Importance-sampling corrections that compose with router replay, and the GRPO loss they weight."""
 
 from r3lightning.correction.importance import (
-    MODES,
-    CorrectionConfig,
-    correction_weights,
     geometric_mask,
+    k3_mask,
     sequence_tis,
     token_mask,
     token_tis,
+    veto_mask,
 )
 from r3lightning.correction.metrics import CorrectionMetrics
+from r3lightning.correction.steps import (
+    MODES,
+    STEP_KINDS,
+    CorrectionConfig,
+    CorrectionStep,
+    correction_weights,
+)
 
-__all__ = ["MODES", "CorrectionConfig", "CorrectionMetrics", "correction_weights", "geometric_mask",
-           "sequence_tis", "token_mask", "token_tis"]  # fmt: skip
+__all__ = ["MODES", "STEP_KINDS", "CorrectionConfig", "CorrectionMetrics", "CorrectionStep",
+           "correction_weights", "geometric_mask", "k3_mask", "sequence_tis", "token_mask", "token_tis",
+           "veto_mask"]  # fmt: skip

@@ -6,16 +6,11 @@ elementwise kernels, sequence sums in float64 as cumsum differences; no host syn
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from r3lightning.packed import PackedTensor
-
-MODES = ("none", "token_tis", "sequence_tis", "geometric_mask", "token_mask")
-TIS_MODES = ("token_tis", "sequence_tis")
-MASK_MODES = ("geometric_mask", "token_mask")
 
 Tokens = Tensor | PackedTensor
 
@@ -26,27 +21,39 @@ def _number(name: str, value: object) -> float:
     return float(value)
 
 
-def _check(threshold: float = 2.0, lower: float = 0.5, upper: float = 2.0) -> None:
-    if not _number("threshold", threshold) > 0:
-        raise ValueError(f"threshold must be a number > 0 (the truncation cap C), got {threshold!r}")
-    if not 0 <= _number("lower", lower) < _number("upper", upper):
-        raise ValueError(f"lower and upper must satisfy 0 <= lower < upper, got {lower=}, {upper=}")
+def check_cap(value: float, name: str = "threshold") -> None:
+    """A TIS cap ``C``: a number >= 1 (below 1 every on-policy token would be truncated)."""
+    if not _number(name, value) >= 1:
+        raise ValueError(
+            f"{name} must be a number >= 1 (the TIS cap C; below 1 every on-policy token is truncated), got {value!r}"
+        )
 
 
-@dataclass(frozen=True)
-class CorrectionConfig:
-    """``algorithm.correction``: ``mode`` one of :data:`MODES`, ``threshold`` the cap ``C`` of the
-    TIS modes, ``lower`` / ``upper`` the ratio band the mask modes keep."""
+def check_band(lower: float, upper: float) -> None:
+    """A kept ratio band: ``0 <= lower <= 1 <= upper`` and ``lower < upper`` (not empty, holds 1)."""
+    if not (0 <= _number("lower", lower) <= 1 <= _number("upper", upper) and lower < upper):
+        raise ValueError(
+            f"lower and upper must satisfy 0 <= lower <= 1 <= upper and lower < upper (a non-empty band "
+            f"holding ratio 1), got {lower=}, {upper=}"
+        )
 
-    mode: str = "none"
-    threshold: float = 2.0
-    lower: float = 0.5
-    upper: float = 2.0
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
-        _check(self.threshold, self.lower, self.upper)
+def check_lower_clip(lower_clip: float | None) -> None:
+    """A TIS lower clip: None or a number in ``(0, 1]``."""
+    if lower_clip is not None and not 0 < _number("lower_clip", lower_clip) <= 1:
+        raise ValueError(f"lower_clip must be null or a number in (0, 1], got {lower_clip!r}")
+
+
+def check_floor(floor: float) -> None:
+    """A veto floor: a number in ``(0, 1)``."""
+    if not 0 < _number("floor", floor) < 1:
+        raise ValueError(f"floor must be a number in (0, 1) (the smallest token ratio kept), got {floor!r}")
+
+
+def check_max_k3(max_k3: float) -> None:
+    """A K3 rejection threshold: a finite number > 0."""
+    if not 0 < _number("max_k3", max_k3) < math.inf:
+        raise ValueError(f"max_k3 must be a finite number > 0 (the largest mean k3 kept), got {max_k3!r}")
 
 
 def tokens_of(log_ratio: Tokens, mask: Tokens) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -98,24 +105,34 @@ def _ratio(log_ratio: Tensor) -> Tensor:
     return torch.exp(log_ratio.to(torch.promote_types(log_ratio.dtype, torch.float32)))
 
 
-def token_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
-    """Truncated IS: per-token weight ``min(exp(log_ratio), threshold)`` on loss tokens."""
-    _check(threshold=threshold)
+def token_tis(
+    log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0, lower_clip: float | None = None
+) -> Tokens:
+    """Truncated IS: per-token weight ``min(exp(log_ratio), threshold)`` on loss tokens, raised to
+    ``lower_clip`` where below it (None: no lower clip)."""
+    check_cap(threshold)
+    check_lower_clip(lower_clip)
     lr, keep, _ = tokens_of(log_ratio, mask)
-    return _like(log_ratio, torch.where(keep, _ratio(lr).clamp(max=threshold), 0.0))
+    weight = _ratio(lr).clamp(min=lower_clip, max=threshold)
+    return _like(log_ratio, torch.where(keep, weight, 0.0))
 
 
-def sequence_tis(log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0) -> Tokens:
-    """Per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)`` on its loss tokens."""
-    _check(threshold=threshold)
+def sequence_tis(
+    log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0, lower_clip: float | None = None
+) -> Tokens:
+    """Per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)`` (at least
+    ``lower_clip`` when set) on its loss tokens."""
+    check_cap(threshold)
+    check_lower_clip(lower_clip)
     lr, keep, cu = tokens_of(log_ratio, mask)
     total = _sequence_sum(torch.where(keep, lr, 0.0), cu)
-    return _like(log_ratio, torch.where(keep, torch.exp(total).clamp(max=threshold), 0.0))
+    weight = torch.exp(total).clamp(min=lower_clip, max=threshold)
+    return _like(log_ratio, torch.where(keep, weight, 0.0))
 
 
 def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
     """1 on the loss tokens of sequences whose ``exp(mean log_ratio)`` lies in ``[lower, upper]``."""
-    _check(lower=lower, upper=upper)
+    check_band(lower, upper)
     lr, keep, cu = tokens_of(log_ratio, mask)
     mean = _sequence_sum(torch.where(keep, lr, 0.0), cu) / _sequence_sum(keep, cu).clamp(min=1)
     ratio = torch.exp(mean)
@@ -124,19 +141,32 @@ def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper
 
 def token_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
     """1 on the loss tokens whose ratio ``exp(log_ratio)`` lies in ``[lower, upper]``, else 0."""
-    _check(lower=lower, upper=upper)
+    check_band(lower, upper)
     lr, keep, _ = tokens_of(log_ratio, mask)
     ratio = _ratio(lr)
     return _like(log_ratio, keep & (ratio >= lower) & (ratio <= upper))
 
 
-def correction_weights(log_ratio: Tokens, mask: Tokens, config: CorrectionConfig) -> Tokens:
-    """The per-token loss weights of ``config.mode`` (``none``: the mask as 0/1 weights)."""
-    if config.mode == "none":
-        _, keep, _ = tokens_of(log_ratio, mask)
-        return _like(log_ratio, keep)
-    if config.mode in TIS_MODES:
-        tis = token_tis if config.mode == "token_tis" else sequence_tis
-        return tis(log_ratio, mask, threshold=config.threshold)
-    drop = geometric_mask if config.mode == "geometric_mask" else token_mask
-    return drop(log_ratio, mask, lower=config.lower, upper=config.upper)
+def veto_mask(log_ratio: Tokens, mask: Tokens, *, floor: float) -> Tokens:
+    """1 on the loss tokens of sequences none of whose loss tokens has ``exp(log_ratio) < floor``."""
+    check_floor(floor)
+    lr, keep, cu = tokens_of(log_ratio, mask)
+    vetoes = _sequence_sum(keep & (_ratio(lr) < floor), cu)  # float64 count per sequence
+    return _like(log_ratio, keep & (vetoes == 0))
+
+
+def k3_terms(log_ratio: Tensor) -> Tensor:
+    """Per-token k3 ``r - 1 - log r`` of ``log_ratio = log r`` as float64 ``expm1(x) - x`` (float32
+    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``)."""
+    x = log_ratio.double()
+    return torch.expm1(x) - x
+
+
+def k3_mask(log_ratio: Tokens, mask: Tokens, *, max_k3: float) -> Tokens:
+    """1 on the loss tokens of sequences whose mean k3 over loss tokens (:func:`k3_terms`, the k3
+    estimate of KL(engine || trainer)) is at most ``max_k3``."""
+    check_max_k3(max_k3)
+    lr, keep, cu = tokens_of(log_ratio, mask)
+    terms = torch.where(keep, k3_terms(torch.where(keep, lr, 0.0)), 0.0)
+    mean = _sequence_sum(terms, cu) / _sequence_sum(keep, cu).clamp(min=1)
+    return _like(log_ratio, keep & (mean <= max_k3))

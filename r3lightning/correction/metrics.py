@@ -7,60 +7,85 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from r3lightning.correction.importance import (
-    MASK_MODES,
-    TIS_MODES,
-    CorrectionConfig,
-    Tokens,
-    tokens_of,
-)
+from r3lightning.correction.importance import Tokens, tokens_of
+from r3lightning.correction.steps import TIS_KINDS, CorrectionConfig, CorrectionStep
 
-__all__ = ["CorrectionMetrics", "correction_sums"]
+__all__ = ["CorrectionMetrics", "correction_sums", "step_sums"]
 
 
 def correction_sums(weights: Tokens, mask: Tokens, config: CorrectionConfig) -> tuple[Tensor, Tensor]:
     """float64 ``[5]`` sums (loss tokens, sum w, sum w^2, tokens at the TIS cap, tokens dropped) and
-    ``[]`` max weight of one micro-batch."""
+    ``[]`` max weight of one micro-batch's combined weights."""
     w, keep, _ = tokens_of(weights, mask)
+    plan = config.plan
     zero = torch.zeros((), dtype=torch.float64, device=w.device)
     truncated = masked = zero
-    if config.mode in TIS_MODES:  # compared in the weights' own dtype: the cap as it was stored
-        truncated = (keep & (w >= torch.tensor(config.threshold, dtype=w.dtype))).sum().double()
-    if config.mode in MASK_MODES:
+    tis = [step for step in plan if step.kind in TIS_KINDS]
+    if tis:  # compared in the weights' own dtype: the cap as it was stored
+        truncated = (keep & (w >= torch.tensor(tis[0].cap, dtype=w.dtype))).sum().double()
+    if len(tis) < len(plan):
         masked = (keep & (w == 0)).sum().double()
     w = torch.where(keep, w.double(), 0.0)
     sums = torch.stack([keep.sum().double(), w.sum(), (w * w).sum(), truncated, masked])
     return sums, (w.amax() if w.numel() else zero)
 
 
+def step_sums(step: CorrectionStep, log_ratio: Tokens, mask: Tokens) -> Tensor:
+    """float64 ``[3]`` sums of one step on one micro-batch: a TIS step's (sum w, tokens at the cap,
+    tokens raised to the lower clip); a mask's (tokens it dropped, 0, 0)."""
+    values, keep, _ = tokens_of(step.apply(log_ratio, mask), mask)
+    if step.kind not in TIS_KINDS:
+        zero = torch.zeros((), dtype=torch.float64, device=values.device)
+        return torch.stack([(keep & (values == 0)).sum().double(), zero, zero])
+    at_cap = keep & (values >= torch.tensor(step.cap, dtype=values.dtype))
+    at_floor = torch.zeros_like(keep)
+    if step.lower_clip is not None:
+        at_floor = keep & (values <= torch.tensor(step.lower_clip, dtype=values.dtype))
+    total = torch.where(keep, values.double(), 0.0).sum()
+    return torch.stack([total, at_cap.sum().double(), at_floor.sum().double()])
+
+
 class CorrectionMetrics:
-    """The ``correction/*`` metrics of one step, accumulated over its micro-batches."""
+    """The ``correction/*`` metrics of one step, accumulated over its micro-batches.
+
+    Args:
+        config: the correction whose weights :meth:`update` receives (default: none).
+    """
 
     def __init__(self, config: CorrectionConfig | None = None) -> None:
         self.config = config or CorrectionConfig()
         self.reset()
 
     def reset(self) -> None:
-        self._sums: Tensor | None = None  # [5] float64 on the weights' device
+        self._sums: Tensor | None = None  # [5 + 3 * steps] float64 on the weights' device
         self._max: Tensor | None = None  # [] float64
 
-    def update(self, weights: Tokens, mask: Tokens) -> None:
+    def update(self, weights: Tokens, mask: Tokens, log_ratio: Tokens | None = None) -> None:
+        """Adds one micro-batch: its combined ``weights``; with its ``log_ratio``, each step's own
+        metrics too (``correction/<kind>/*``; one more evaluation of every step)."""
         sums, top = correction_sums(weights, mask, self.config)
+        if log_ratio is not None:
+            sums = torch.cat(
+                [sums, *(step_sums(s, log_ratio, mask).to(sums.device) for s in self.config.plan)]
+            )
         if self._sums is None or self._max is None:  # the first micro-batch
             self._sums, self._max = sums, top
         else:
+            if self._sums.shape != sums.shape:
+                raise ValueError("update must pass log_ratio on every micro-batch of a step or on none")
             self._sums = self._sums + sums.to(self._sums.device)
             self._max = torch.maximum(self._max, top.to(self._max.device))
 
     def compute(self, *, sync_dist: bool = False) -> dict[str, Tensor]:
-        """Float64 scalars ``correction/<name>``; ``sync_dist``: reduced over the default process
-        group first (two small collectives every rank must join)."""
+        """Float64 scalars ``correction/<name>`` (and ``correction/<kind>/<name>`` per step when
+        :meth:`update` had the log-ratios); ``sync_dist``: reduced over the default process group
+        first (two small collectives every rank must join)."""
         sums = torch.zeros(5, dtype=torch.float64) if self._sums is None else self._sums.clone()
         top = torch.zeros((), dtype=torch.float64) if self._max is None else self._max.clone()
         if sync_dist and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        n, total, squares, truncated, masked = sums.unbind(0)
+        n, total, squares, truncated, masked = sums[:5].unbind(0)
         tokens = n.clamp(min=1)
         spread = n * squares
         out = {
@@ -71,4 +96,13 @@ class CorrectionMetrics:
             "masked_fraction": masked / tokens,
             "loss_tokens": n,
         }
+        per_step = sums[5:].view(-1, 3)  # [steps, 3]
+        for step, (first, second, third) in zip(self.config.plan, per_step.unbind(0), strict=False):
+            if step.kind in TIS_KINDS:
+                out[f"{step.kind}/weight_mean"] = first / tokens
+                out[f"{step.kind}/truncated_fraction"] = second / tokens
+                if step.lower_clip is not None:
+                    out[f"{step.kind}/lower_clipped_fraction"] = third / tokens
+            else:
+                out[f"{step.kind}/masked_fraction"] = first / tokens
         return {f"correction/{name}": value for name, value in out.items()}

@@ -7,6 +7,7 @@ Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right e
     loss_mask         [B, S] float32  the trajectory's loss mask on its response tokens, 0 elsewhere
     rollout_logprobs  [B, S] float32  engine logprob of each response token, 0 elsewhere
     advantages, rewards [B] float32;  prompt_lengths, sequence_lengths [B] int64 (real tokens)
+    weight_versions   [B] int64       engine weight version that generated each row, -1 unknown
     routed_experts    PackedTensor [sum(captured), num_layers, top_k] | None; segment i = row i's
                       captured route rows from its first real token (uncaptured rows route natively)
     route_layers      tuple[int, ...] | None: the decoder layer of each route column (None: j is j)
@@ -29,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from r3lightning.align.layout import check_int, position_ids_from_mask
+from r3lightning.align.layout import position_ids_from_mask
+from r3lightning.checks import check_int
 from r3lightning.data.fill import ROW_FIELDS, TOKEN_FIELDS, Buffers, collate_fields, plain_empty
 from r3lightning.data.trajectory import padding_trajectories
 from r3lightning.packed import PackedTensor
@@ -53,6 +55,7 @@ class RolloutBatch:
     sequence_lengths: Tensor  # [B] int64
     routed_experts: PackedTensor | None = None  # [sum(captured), L, K], one segment per row
     route_layers: tuple[int, ...] | None = None  # decoder layer of each of the L columns
+    weight_versions: Tensor | None = None  # [B] int64, -1 = unknown; None: all unknown
     # CPU (sequence_lengths, prompt_lengths); filled lazily (one sync) when not given
     _host_lengths: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
     _lease: Any = field(default=None, init=False, repr=False)
@@ -64,6 +67,8 @@ class RolloutBatch:
         shape = tuple(self.input_ids.shape)
         if len(shape) != 2:
             raise ValueError(f"RolloutBatch.input_ids must be [B, S], got shape {shape}")
+        if self.weight_versions is None:
+            self.weight_versions = torch.full(shape[:1], -1, dtype=torch.int64, device=self.input_ids.device)
         for names, want, like in ((TOKEN_FIELDS, shape, " like input_ids"), (ROW_FIELDS, shape[:1], "")):
             for name in names:
                 if (got := tuple(getattr(self, name).shape)) != want:

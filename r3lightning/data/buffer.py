@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
+from r3lightning.data.fill import weight_versions
 from r3lightning.data.trajectory import Trajectory, route_signature
 from r3lightning.ragged import host_int64
 from r3lightning.routes import check_layers, widest_route_dtype
@@ -51,6 +52,7 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
         ),
         "routes": routes,
         "route_layers": None if layers is None else list(layers),
+        "weight_versions": weight_versions(trajectories),  # -1: unknown
     }
 
 
@@ -99,6 +101,9 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
     fields: dict[str, Any] = {k: _vector(packed, k, sum(n), where).split(n) for k, n in per_field.items()}
     fields["reward"] = _vector(packed, "rewards", count, where).tolist()
     fields["advantage"] = _vector(packed, "advantages", count, where).tolist()
+    if packed.get("weight_versions") is not None:  # absent from states of earlier releases: unknown
+        versions = _lengths(packed, "weight_versions", count, -1, where)
+        fields["weight_version"] = [None if v < 0 else v for v in versions]
     sums = None if packed.get("route_sums") is None else _vector(packed, "route_sums", count, where).tolist()
     layers = packed.get("route_layers")  # absent from states of earlier releases: every layer
     kept = [r for r in route_rows if r >= 0]

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.cpus import collate_pool_size
 from r3lightning.data.fill import Allocator, Buffers, collate_fields, pinned_empty, plain_empty

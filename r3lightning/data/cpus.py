@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 
 __all__ = ["collate_pool_size", "usable_cpu_count"]
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.data import position
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories

@@ -19,10 +19,10 @@ from r3lightning.ragged import offsets_from_lengths
 from r3lightning.routes import widest_route_dtype
 
 __all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "Allocator", "Buffers", "collate_fields", "pinned_empty",
-           "plain_empty"]  # fmt: skip
+           "plain_empty", "weight_versions"]  # fmt: skip
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")  # [B, S]
-ROW_FIELDS = ("advantages", "rewards", "prompt_lengths", "sequence_lengths")  # [B]
+ROW_FIELDS = ("advantages", "rewards", "prompt_lengths", "sequence_lengths", "weight_versions")  # [B]
 
 Allocator = Callable[[tuple[int, ...], torch.dtype], Tensor]
 
@@ -57,6 +57,12 @@ class Buffers:
     def fresh(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """A buffer outside the pool, for data that outlives the batch's lease."""
         return self.allocator(shape, dtype)
+
+
+def weight_versions(trajectories: Sequence[Trajectory]) -> Tensor:
+    """``[B]`` int64 engine weight version of each trajectory, -1 where unknown."""
+    versions = [-1 if t.weight_version is None else t.weight_version for t in trajectories]
+    return torch.tensor(versions, dtype=torch.int64)
 
 
 def _fill_rows(
@@ -126,6 +132,7 @@ def collate_fields(
         "rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
         "prompt_lengths": prompt_lengths,
         "sequence_lengths": sequence_lengths,
+        "weight_versions": weight_versions(trajectories),
     }
     fields = {name: buffers.take(name, (count,), v.dtype).copy_(v) for name, v in scalars.items()}
 

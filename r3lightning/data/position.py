@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_fields
 from r3lightning.data.trajectory import Trajectory
 
 __all__ = ["Cursor", "EpochShardSampler", "Plan", "PositionedLoader", "Snapshot", "restore_position"]
@@ -49,20 +49,6 @@ CURSOR_FIELDS = {"epoch": (int, -1), "consumed": (int, 0), "batches": (int, 0), 
                  "start": (int, 0), "stop": (int, 0)}  # fmt: skip
 PLAN_FIELDS = {"batch_size": (int, 1), "shuffle": (bool, None), "seed": (int, None), "drop_last": (bool, None),
                "num_replicas": (int, 1)}  # fmt: skip
-
-
-def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: str = "") -> dict[str, Any]:
-    """``state`` when it holds exactly the ``rules`` keys, typed and bounded; else a ``ValueError``."""
-    if not isinstance(state, dict) or set(state) != set(rules):
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{where} must be a dict with the keys {sorted(rules)}, got {got}")
-    for name, (kind, low) in rules.items():
-        label, value = f"{where}.{name}" if where else name, state[name]
-        if low is not None:
-            check_int(label, value, low)
-        elif type(value) is not kind:
-            raise ValueError(f"{label} must be {'an int' if kind is int else 'a bool'}, got {value!r}")
-    return state
 
 
 def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan | None]:

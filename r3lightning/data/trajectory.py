@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.routes import check_layers, compact_route_dtype
 from r3lightning.wire.route_check import check_routes
 
@@ -93,6 +93,14 @@ def _scalar(name: str, value: Any) -> float:
     return out
 
 
+def _weight_version(value: Any) -> int | None:
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise ValueError(f"Trajectory.weight_version must be an integer >= 0 or None, got {value!r}")
+    return value
+
+
 def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tensor:
     """``data`` through the route check, in the compact dtype of its largest id."""
     routes = _as_host_tensor("routed_experts", data)
@@ -121,10 +129,12 @@ class Trajectory:
         routed_experts: ``[captured <= n, L, K]`` route rows: row ``t`` = the experts token
             ``t`` used as an input (later tokens route natively); ``None``: all native.
         route_layers: the sorted absolute decoder layer of each route column (None: ``j`` is ``j``).
+        weight_version: the engine's weight version that generated the response (the oldest one
+            when the turns of a multi-turn trajectory saw several); ``None``: unknown.
     """
 
     __slots__ = ("advantage", "loss_mask", "prompt_ids", "response_ids", "reward", "rollout_logprobs",
-                 "route_layers", "routed_experts")  # fmt: skip
+                 "route_layers", "routed_experts", "weight_version")  # fmt: skip
 
     def __init__(
         self,
@@ -137,6 +147,7 @@ class Trajectory:
         advantage: float | None = None,
         routed_experts: Tensor | np.ndarray | None = None,
         route_layers: Sequence[int] | None = None,
+        weight_version: int | None = None,
     ) -> None:
         self.prompt_ids = _token_ids("prompt_ids", prompt_ids)
         if self.prompt_ids.numel() == 0:
@@ -153,6 +164,7 @@ class Trajectory:
         self.routed_experts = (
             None if routed_experts is None else _routes(routed_experts, self.num_tokens, layers)
         )
+        self.weight_version = _weight_version(weight_version)
 
     @property
     def prompt_length(self) -> int:
@@ -237,9 +249,10 @@ class Trajectory:
         r = self.routed_experts
         routes = "None" if r is None else f"{tuple(r.shape)} {r.dtype}"
         routes += "" if self.route_layers is None else f" on layers {list(self.route_layers)}"
+        version = "" if self.weight_version is None else f", weight_version={self.weight_version}"
         return (
             f"Trajectory(prompt={self.prompt_length}, response={self.response_length}, "
-            f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes})"
+            f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes}{version})"
         )
 
 

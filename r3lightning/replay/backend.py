@@ -31,7 +31,8 @@ class RouterReplayBackend(Protocol):
 
     def routing_stats(self) -> dict:
         """``layers``, ``top_k`` and int64 ``[len(layers)]`` ``replayed_rows``, ``agreeing_slots`` (optionally
-        ``used_slots``) since :meth:`clear` (recompute not counted), on device, no host sync."""
+        ``used_slots``, and ``kept_slots`` under soft replay) since :meth:`clear` (recompute not
+        counted), on device, no host sync."""
 
 
 def validate_routes_for_install(
@@ -82,6 +83,42 @@ def agreement_counts(replayed: Tensor, native: Tensor, mask: Tensor | None) -> T
         keep = torch.ones_like(replayed[:, :1], dtype=torch.bool) if mask is None else mask[:, None]
         hits = agreement_hits(replayed, native) & keep
         return torch.stack([keep.sum(), hits.sum()])
+
+
+def check_soft_threshold(threshold: float | None) -> float | None:
+    """``soft_threshold`` as a float: None (plain replay) or a number >= 0, a router probability (above
+    every probability, e.g. above 1, nothing is kept: native routing)."""
+    if threshold is None:
+        return None
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not threshold >= 0:
+        raise ValueError(
+            f"soft_threshold must be null or a number >= 0 (a router probability), got {threshold!r}"
+        )
+    return float(threshold)
+
+
+def soft_replay_indices(
+    replayed: Tensor, native: Tensor, logits: Tensor, threshold: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Soft replay of one layer: ``(indices [N, K], kept [N, K] bool)``. A replayed slot is kept where
+    the router's own probability of its expert (fp32 softmax of ``logits [N, E]`` over all experts)
+    is at least ``threshold`` (and ``mask [N]`` is True); each other slot takes, in slot order, the
+    next of the router's native top-k (``native [N, K]``, in its order) not already kept, so a row
+    keeps ``K`` distinct experts; a row with nothing kept is exactly the native row."""
+    with torch.no_grad():
+        probs = logits.float().softmax(dim=-1)  # [N, E]
+        kept = probs.gather(-1, replayed) >= threshold  # [N, K]
+        if mask is not None:
+            kept &= mask[:, None]
+        # native slots whose expert is already among the kept ones: not free to fill with
+        taken = ((native[:, :, None] == replayed[:, None, :]) & kept[:, None, :]).any(-1)  # [N, K]
+        dropped_rank = (~kept).long().cumsum(-1) - 1  # [N, K]: j-th dropped slot of the row
+        free_rank = (~taken).long().cumsum(-1) - 1  # [N, K]: j-th free native slot
+        match = (
+            (~kept)[:, :, None] & (~taken)[:, None, :] & (dropped_rank[:, :, None] == free_rank[:, None, :])
+        )
+        fill = (match.long() * native[:, None, :]).sum(-1)  # [N, K]: one match per dropped slot
+        return torch.where(kept, replayed, fill), kept
 
 
 def routes_on_all_layers(

@@ -87,6 +87,10 @@ class RouterReplayCallback(Callback):
             else:  # for_model: maybe a backend attached earlier (record_routes)
                 self.backend = HFRouterReplay.for_model(module)
                 self.backend.validate = validate
+        if getattr(self.backend, "soft_threshold", None) is not None and self.mode != "r3":
+            raise ValueError(
+                f"soft replay (the backend's soft_threshold) applies to mode 'r3', got {self.mode!r}"
+            )
         if self.strict and not self._strict_hooks:
             # on the routers themselves: the module may call its model without its own forward
             targets = getattr(self.backend, "routers", None) or [self._routed_module(pl_module)]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from r3lightning.replay.backend import RouterReplayBackend
+from r3lightning.replay.backend import RouterReplayBackend, check_soft_threshold
 from r3lightning.replay.hf.replay import HFRouterReplay
 
 
@@ -44,12 +44,38 @@ def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator
 
 @contextmanager
 def replay_routes(
-    model_or_backend: nn.Module | RouterReplayBackend, routes: Tensor, replay_mask: Tensor | None = None
+    model_or_backend: nn.Module | RouterReplayBackend,
+    routes: Tensor,
+    replay_mask: Tensor | None = None,
+    *,
+    soft_threshold: float | None = None,
 ) -> Iterator[RouterReplayBackend]:
-    """Replay ``routes`` in the block's forwards (``replay_mask`` False: native); yields the backend."""
+    """Replay ``routes`` in the block's forwards (``replay_mask`` False: native); yields the backend.
+
+    Args:
+        model_or_backend: the MoE model or its backend.
+        routes: ``[*token_shape, num_layers, top_k]`` expert ids.
+        replay_mask: ``[*token_shape]`` bool, False rows route natively (None: all replayed).
+        soft_threshold: soft replay for this block (the backend's own setting is back after it): a
+            replayed expert is kept only where the router's probability of it is at least this;
+            None: the backend's setting.
+
+    Raises:
+        ValueError: ``soft_threshold`` for a backend without soft replay, or not a number >= 0.
+    """
     backend = as_backend(model_or_backend)
+    threshold = check_soft_threshold(soft_threshold)
+    if threshold is not None and not hasattr(backend, "soft_threshold"):
+        raise ValueError(
+            f"soft_threshold needs a backend with soft replay (hf), got {type(backend).__name__}"
+        )
+    before = getattr(backend, "soft_threshold", None)
+    if threshold is not None:
+        backend.soft_threshold = threshold
     backend.install(routes, replay_mask)
     try:
         yield backend
     finally:
         backend.clear()
+        if threshold is not None:
+            backend.soft_threshold = before

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.batch_fields import batch_field
 

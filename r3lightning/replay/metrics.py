@@ -13,12 +13,14 @@ from r3lightning.replay.backend import RouterReplayBackend, agreement_hits
 from r3lightning.replay.batch_fields import batch_field
 
 # route_rows: rows with a route row (per forward and layer); replayed_rows: those replayed;
-# native_hits / used_hits: route experts the router picked natively / the forward used
-COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits")
+# native_hits / used_hits: route experts the router picked natively / the forward used;
+# kept_slots: replayed slots soft replay kept (0 without soft replay)
+COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits", "kept_slots")
+COUNTS = len(COUNT_KEYS)
 
 
 def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
-    """``[4, len(layers)]`` counts comparing ``used [*shape, L, K]`` (forwards joined along the last
+    """``[COUNTS, len(layers)]`` counts comparing ``used [*shape, L, K]`` (forwards joined along the last
     token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None unless the shapes fit."""
     *lead, width = routes.shape[:-2]
     *used_lead, joined = used.shape[:-2]  # forwards joined along the last token axis
@@ -31,16 +33,23 @@ def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor
     hits = agreement_hits(routes, used.index_select(-2, layers)) & keep
     hits = hits.sum(dim=(*range(used.dim() - 2), -1))  # [L_moe] over all forwards
     rows = keep.sum().expand(len(layers)) * forwards
-    return torch.stack([rows, torch.zeros_like(rows), hits, hits])
+    zeros = torch.zeros_like(rows)
+    return torch.stack([rows, zeros, hits, hits, zeros])
 
 
-def step_metrics(table: Tensor, *, top_k: int, layers: tuple[int, ...] | None) -> dict[str, Tensor]:
-    """The ratios of counts ``[4, num_layers]``, per layer for ``layers`` (NaN without route rows)."""
-    route_rows, replayed_rows, native_hits, used_hits = table
+def step_metrics(
+    table: Tensor, *, top_k: int, layers: tuple[int, ...] | None, soft: bool = False
+) -> dict[str, Tensor]:
+    """The ratios of counts ``[COUNTS, num_layers]``, per layer for ``layers`` (NaN without route
+    rows); ``soft``: with ``soft_kept_fraction``, the share of replayed slots soft replay kept."""
+    route_rows, replayed_rows, native_hits, used_hits, kept_slots = table
     rows = route_rows.sum()
     replayed, slots = torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0), rows * top_k
     metrics = {"replayed_fraction": replayed, "native_agreement": native_hits.sum() / slots}
     metrics["used_agreement"] = used_hits.sum() / slots
+    if soft:
+        replayed_slots = replayed_rows.sum() * top_k
+        metrics["soft_kept_fraction"] = kept_slots.sum() / replayed_slots.clamp(min=1)
     if layers:
         per_layer = native_hits / (route_rows * top_k)  # [num_layers]
         for layer in layers:
@@ -57,7 +66,7 @@ class ReplayMetrics:
         self.device = torch.device("cpu")
         self._layers: tuple[int, ...] | None = None  # MoE layers of any rank, gathered once per fit
         self._index: Tensor | None = None  # backend.moe_layers on the metrics' device, built once
-        self._table: Tensor | None = None  # [4, moe_layers] int64
+        self._table: Tensor | None = None  # [COUNTS, moe_layers] int64
         self._native_loss_tokens: Tensor | None = None  # int64 scalar
 
     def new_fit(self) -> None:
@@ -81,20 +90,21 @@ class ReplayMetrics:
         self._table = table if self._table is None else self._table + table.to(self._table.device)
 
     def backend_counts(self) -> Tensor:
-        """The replaying backend's stats since its last clear as counts ``[4, moe_layers]``."""
+        """The replaying backend's stats since its last clear as counts ``[COUNTS, moe_layers]``."""
         assert self.backend is not None
         stats = self.backend.routing_stats()
         replayed, native, used = stats["replayed_rows"], stats["agreeing_slots"], stats.get("used_slots")
         used = replayed * self.backend.top_k if used is None else used
-        counts = (replayed, replayed, native, used)
+        kept = stats.get("kept_slots", torch.zeros_like(replayed))
+        counts = (replayed, replayed, native, used, kept)
         return torch.stack([to_device_async(t, self.device).long() for t in counts])
 
     def table(self, *, with_backend: bool) -> Tensor:
-        """``[4, len(moe_layers)]``: the counts so far (or zeros), plus the backend's if ``with_backend``."""
+        """``[COUNTS, len(moe_layers)]``: the counts so far (or zeros), plus the backend's if ``with_backend``."""
         assert self.backend is not None
         table = self._table
         if table is None:
-            table = torch.zeros((4, len(self.backend.moe_layers)), dtype=torch.int64, device=self.device)
+            table = torch.zeros((COUNTS, len(self.backend.moe_layers)), dtype=torch.int64, device=self.device)
         return self.backend_counts() + table.to(self.device) if with_backend else table
 
     def count_native_loss_tokens(self, layout: TokenMetadataLayout, mask: Tensor, batch: Any) -> None:
@@ -108,10 +118,10 @@ class ReplayMetrics:
         """Log the ratios of ``local``, and ``missing`` with ``native_loss_tokens`` unless None (off mode)."""
         backend, device = self.backend, self.device
         assert backend is not None
-        # [4, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars
-        size = 4 * backend.num_layers
+        # [COUNTS, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars
+        size = COUNTS * backend.num_layers
         vector = torch.zeros(size + 2, dtype=torch.int64, device=device)
-        vector[:size].view(4, -1).index_copy_(1, self.layer_index(device), local.to(device))
+        vector[:size].view(COUNTS, -1).index_copy_(1, self.layer_index(device), local.to(device))
         if self._native_loss_tokens is not None:
             vector[size] += self._native_loss_tokens.to(device)
         vector[size + 1] += missing or 0
@@ -123,8 +133,10 @@ class ReplayMetrics:
             self._layers = tuple(sorted({layer for layers in gathered for layer in layers}))
         if distributed:
             dist.all_reduce(vector)  # exact ratios over all ranks; no host sync
-        totals = vector[:size].view(4, -1).double()
-        metrics = step_metrics(totals, top_k=backend.top_k, layers=self._layers if self.per_layer else None)
+        totals = vector[:size].view(COUNTS, -1).double()
+        soft = getattr(backend, "soft_threshold", None) is not None
+        layers = self._layers if self.per_layer else None
+        metrics = step_metrics(totals, top_k=backend.top_k, layers=layers, soft=soft)
         if missing is not None:
             metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[size:]
         for name, value in metrics.items():  # sync_dist=False: summed over ranks above

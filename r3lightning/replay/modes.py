@@ -10,13 +10,14 @@ from torch import Tensor
 
 from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
 from r3lightning.align.dummy import dummy_routes
-from r3lightning.align.layout import TokenMetadataLayout, check_int
+from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.checks import check_int
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import RouterReplayBackend
 from r3lightning.replay.batch_fields import batch_field, set_batch_fields
 from r3lightning.replay.metrics import ReplayMetrics, comparison_counts
-from r3lightning.wire.request import ENGINE_ROUTES_FLAG
+from r3lightning.routes import ENGINE_ROUTES_FLAG
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,16 @@ def align_routes(
     host sync); ``layers``: each route column's decoder layer (None: all), covering ``moe_layers``."""
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
     columns = L if layers is None else len(layers)
+    if layers is not None and layers[-1] >= L:  # index_copy_ would fail (a device assert on CUDA)
+        raise ValueError(
+            f"routes on layers {list(layers)} name layer {layers[-1]}, but the model has {L} decoder "
+            f"layers (ids 0..{L - 1})"
+        )
     if tuple(routes.row_shape) != (columns, K):
-        raise ValueError(f"route rows must be [num_layers={columns}, top_k={K}], got {[*routes.row_shape]}")
+        held = f"the model's num_layers={L}" if layers is None else f"one per route layer {list(layers)}"
+        raise ValueError(
+            f"route rows must be [{columns} layers ({held}), top_k={K}], got {[*routes.row_shape]}"
+        )
     if layers is not None and (missing := sorted(set(backend.moe_layers) - set(layers))):
         raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
     pad = lambda n: dummy_routes(n, columns, K, E, device=routes.device)  # noqa: E731

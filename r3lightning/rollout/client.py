@@ -16,7 +16,8 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from r3lightning.rollout.config import Backoff, RetryPolicy, check_setting, route_schema
+from r3lightning.checks import check_setting
+from r3lightning.rollout.config import Backoff, RetryPolicy, route_schema
 from r3lightning.rollout.health import EngineHungError, HealthWatch
 from r3lightning.rollout.prompts import token_id_list
 from r3lightning.wire.errors import (
@@ -94,8 +95,8 @@ class RemoteGenerateClient:
     ):
         if protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be a URL starting with http:// or https://, got {base_url!r}")
         if engine is not None and (protocol != "openai" or engine not in ENGINES):
             raise ValueError(
                 f"engine must be None or one of {list(ENGINES)} with protocol='openai', "

@@ -1,4 +1,4 @@
-"""``RolloutCollector``: prompts -> rollout engines -> scored GRPO groups -> a ``ReplayBuffer``
+"""``RolloutCollector``: prompts -> rollout engines -> scored groups -> advantages -> a ``ReplayBuffer``
 (the recipes page "Several engines and many ranks" has how groups meet engines and ranks)."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from r3lightning.correction.grpo import group_advantages
+from r3lightning.checks import check_setting
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateClient
-from r3lightning.rollout.config import CollectorConfig, RetryPolicy, check_setting, route_schema
+from r3lightning.rollout.config import CollectorConfig, route_schema
 from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.episode import Episode, plain_call, run_episode, single_turn
 from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
@@ -29,17 +30,20 @@ from r3lightning.rollout.stats import (
     outage,
     reduce_step_stats,
 )
-from r3lightning.trace import RoutedExpertTrace
+from r3lightning.rollout.trace import RoutedExpertTrace
 from r3lightning.wire.errors import RetriesExhaustedError
 from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
     from r3lightning.data.buffer import ReplayBuffer
 
-__all__ = ["CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
+__all__ = ["AdvantageFn", "CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# One group's rewards, float64 [group_size] in sample order, -> their advantages [group_size]
+AdvantageFn = Callable[[Tensor], Tensor]
 
 
 async def _gather_or_cancel(work: Iterable[Awaitable[T]]) -> list[T]:
@@ -57,12 +61,33 @@ async def _gather_or_cancel(work: Iterable[Awaitable[T]]) -> list[T]:
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
-    ``engines``: URLs (each gets a client with ``config.protocol``, ``schema``, ``retry`` and
-    ``client_options``) and/or configured clients. ``reward_fn``: ``(prompt, response_ids) ->
-    float | {"score": float}``, or :class:`Environments`. ``schema``: a ``RouteSchema`` (with
-    ``layers``: only those decoder layers' routes are kept) or the model's config; needed when
-    ``config.request_routes``. ``process_group``: the data-parallel group (default: the world).
-    Cost per step: host-side only, and one all-reduce of a few scalars.
+    Each prompt is sampled ``config.group_size`` times; the group's rewards become advantages
+    through ``advantages``, and every sample becomes a :class:`~r3lightning.data.trajectory.Trajectory`
+    with its routes. Under ``torch.distributed`` every rank collects only its own block of whole
+    groups. Cost per step: host-side only, and one all-reduce of a few scalars; no device sync.
+
+    Args:
+        engines: Engine URLs (each gets a :class:`~r3lightning.rollout.client.RemoteGenerateClient`
+            with ``config.protocol``, ``schema`` and ``client_options``) and/or configured clients;
+            each URL at most once.
+        reward_fn: ``(prompt, response_ids) -> float | {"score": float}`` (sync or async), or
+            :class:`~r3lightning.rollout.environment.Environments` for multi-turn episodes.
+        config: The collector's settings.
+        advantages: One group's rewards, float64 ``[group_size]`` in sample order, to their
+            advantages ``[group_size]``. The collector applies no algorithm of its own: the job
+            passes GRPO's (:class:`~r3lightning.app.job.grpo.GRPOAdvantages`).
+        schema: A ``RouteSchema`` (with ``layers``: only those decoder layers' routes are kept) or
+            the model's config; needed when ``config.request_routes``.
+        sampling: The sampling settings of every request (default: ``SamplingConfig()``).
+        client_options: Keyword arguments of every client built from a URL, such as
+            ``retry=RetryPolicy(...)`` (how an engine is given up on) or ``api_key``.
+        process_group: The data-parallel group (default: the world).
+
+    Raises:
+        TypeError: ``config`` is not a ``CollectorConfig``, or ``reward_fn`` or ``advantages`` is
+            not callable.
+        ValueError: No engine, an engine named twice, or ``config.request_routes`` without a
+            complete route schema.
     """
 
     def __init__(
@@ -71,9 +96,9 @@ class RolloutCollector:
         reward_fn: RewardFn | Environments,
         config: CollectorConfig,
         *,
+        advantages: AdvantageFn,
         schema: RouteSchema | Mapping[str, Any] | Any = None,
         sampling: SamplingConfig | None = None,
-        retry: RetryPolicy | None = None,
         client_options: Mapping[str, Any] | None = None,
         process_group: Any = None,
     ) -> None:
@@ -81,6 +106,8 @@ class RolloutCollector:
             raise TypeError(f"config must be a CollectorConfig, got {type(config).__name__}")
         if not callable(reward_fn) and not isinstance(reward_fn, Environments):
             raise TypeError(f"reward_fn must be callable or Environments, got {type(reward_fn).__name__}")
+        if not callable(advantages):
+            raise TypeError(f"advantages must be callable, got {type(advantages).__name__}")
         self.schema = None if schema is None else route_schema(schema)
         if config.request_routes and (
             self.schema is None or None in (self.schema.num_layers, self.schema.top_k)
@@ -93,7 +120,7 @@ class RolloutCollector:
             engines = [engines]
         if not engines:
             raise ValueError("engines must name at least one engine URL or client")
-        options = dict(protocol=config.protocol, schema=self.schema, retry=retry) | dict(client_options or {})
+        options = {"protocol": config.protocol, "schema": self.schema, **(client_options or {})}
         self.clients: list[RemoteGenerateClient] = []
         for engine in engines:
             if isinstance(engine, str):
@@ -108,6 +135,7 @@ class RolloutCollector:
         if len(set(urls)) != len(urls):
             raise ValueError(f"engines: each URL at most once, got {urls}")
         self.reward_fn = reward_fn
+        self.advantages = advantages
         self.environments = reward_fn if isinstance(reward_fn, Environments) else None
         self.config = config
         self.sampling = sampling if sampling is not None else SamplingConfig()
@@ -202,7 +230,6 @@ class RolloutCollector:
             total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
-        counters.turns = [[0.0, 0.0, 0.0] for _ in range(1 if envs is None else envs.max_turns)]
 
         async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
             seed = sampling_seed(self.config.seed, step, group, index, turn)
@@ -271,12 +298,24 @@ class RolloutCollector:
         trajectories = []
         for episodes in filter(None, kept):  # dropped groups are empty
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]
-            advantages = group_advantages(rewards, len(episodes), normalize_std=self.config.normalize_std)
+            advantages = self._group_advantages(rewards)
             for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
                 counters.add_turns(episode.turn_rewards, episode.route_bytes)
                 trajectories.append(episode.trajectory(advantage, self.schema and self.schema.layers))
         counters.engines_out = len(out)
         return trajectories
+
+    def _group_advantages(self, rewards: Tensor) -> Tensor:
+        """``self.advantages(rewards)``, refused unless one finite number per sample comes back."""
+        advantages = self.advantages(rewards)
+        if not isinstance(advantages, Tensor) or advantages.shape != rewards.shape:
+            got = tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__
+            raise ValueError(f"advantages must return a tensor of shape {tuple(rewards.shape)}, got {got}")
+        if not bool(torch.isfinite(advantages).all()):
+            raise ValueError(
+                f"advantages must be finite, got {advantages.tolist()} for rewards {rewards.tolist()}"
+            )
+        return advantages
 
     def _trace(self) -> RoutedExpertTrace | None:
         if not self.config.request_routes:

@@ -5,43 +5,15 @@ The configuration page has each field and its job key.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from r3lightning.checks import check_setting
 from r3lightning.wire.request import PROTOCOL_PATHS, RouteSchema
 
-__all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "check_setting", "route_schema"]
-
-
-def check_setting(
-    name: str,
-    value: Any,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    integer: bool = False,
-    above: bool = False,
-    optional: bool = False,
-) -> None:
-    """``ValueError`` unless ``value`` is a finite number (an int if ``integer``; never a bool)
-    ``>= low`` (``> low`` if ``above``) and ``<= high``; ``None`` passes when ``optional``."""
-    if value is None and optional:
-        return
-    kind = ("None or " if optional else "") + ("an integer" if integer else "a number")
-    ok = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
-    ok = ok and math.isfinite(value)
-    bounds = []
-    if low is not None:
-        bounds.append(f"{'>' if above else '>='} {low:g}")
-        ok = ok and (value > low if above else value >= low)
-    if high is not None:
-        bounds.append(f"<= {high:g}" if isinstance(high, float) else f"<= {high}")
-        ok = ok and value <= high
-    if not ok:
-        raise ValueError(f"{name} must be {' '.join([kind, ' and '.join(bounds)]).strip()}, got {value!r}")
+__all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "route_schema"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +76,6 @@ class CollectorConfig:
     seed: int = 0
     protocol: str = "skyrl"
     request_routes: bool = True
-    normalize_std: bool = True
     max_in_flight: int = 64
     reward_threads: int = 0
     progress: bool = True
@@ -116,7 +87,7 @@ class CollectorConfig:
         )  # sampling seeds hash it as int64
         if self.protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {list(PROTOCOL_PATHS)}, got {self.protocol!r}")
-        for name in ("request_routes", "normalize_std", "progress"):
+        for name in ("request_routes", "progress"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_setting("max_in_flight", self.max_in_flight, low=1, integer=True)

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from r3lightning.rollout.config import check_setting
+from r3lightning.checks import check_setting
 from r3lightning.rollout.prompts import RolloutPrompt, TextReward
 
 __all__ = ["Environment", "Environments", "Observation", "TextEnvironment", "text_environment"]

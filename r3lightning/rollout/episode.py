@@ -8,14 +8,20 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torch import Tensor
 
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateResult
 from r3lightning.rollout.environment import Environment
-from r3lightning.rollout.prompts import RolloutPrompt, score_value, token_id_list
-from r3lightning.rollout.prompts_file import as_messages, chat_prompt_ids
-from r3lightning.trace import RoutedExpertTrace
+from r3lightning.rollout.prompts import (
+    RolloutPrompt,
+    as_messages,
+    chat_prompt_ids,
+    score_value,
+    token_id_list,
+)
+from r3lightning.rollout.trace import RoutedExpertTrace
 
 __all__ = ["Episode", "plain_call", "run_episode", "single_turn"]
 
@@ -35,6 +41,7 @@ class Episode:
     turn_rewards: list[float] = field(default_factory=list)  # [turns]
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K] (L: the layers kept)
+    weight_version: int | None = None  # the oldest engine weight version of its turns
 
     @property
     def reward(self) -> float:
@@ -50,6 +57,7 @@ class Episode:
             advantage=advantage,
             routed_experts=self.routes,
             route_layers=None if self.routes is None else route_layers,
+            weight_version=self.weight_version,
         )
 
     def extend(self, ids: list[int], mask: float, logprobs: Sequence[float] | None) -> None:
@@ -64,6 +72,11 @@ class Episode:
         if trace is not None:
             trace.record_generation(prefix, len(response), routes)
         self.route_bytes.append(0 if routes is None else int(routes.nbytes))
+        version = result.weight_version
+        if version is not None:  # the oldest: the staleness bound holds for every turn
+            self.weight_version = (
+                version if self.weight_version is None else min(self.weight_version, version)
+            )
         self.extend(response, 1.0, result.response_logprobs)
         return response
 
@@ -109,6 +122,8 @@ async def run_episode(
             )
         observation, reward, done, _ = step
         episode.turn_rewards.append(score_value(reward, f"{where} turn {turn}"))
+        if not isinstance(done, bool | np.bool_):  # a string such as "false" would count as true
+            raise ValueError(f"{where} turn {turn}: step()'s done must be a bool, got {done!r:.60}")
         if done or turn == max_turns - 1:
             break
         observed = _token_ids(env, observation, f"{where}: step() observation of turn {turn}")

@@ -11,7 +11,7 @@ import operator
 import struct
 import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +21,19 @@ import torch
 
 from r3lightning.wire.request import engine_sampling_params
 
-__all__ = ["GuardedReward", "RewardFn", "RolloutPrompt", "SamplingConfig", "TextReward", "sampling_seed",
-           "score_value", "text_reward", "token_id_list"]  # fmt: skip
+__all__ = [
+    "GuardedReward",
+    "RewardFn",
+    "RolloutPrompt",
+    "SamplingConfig",
+    "TextReward",
+    "as_messages",
+    "chat_prompt_ids",
+    "sampling_seed",
+    "score_value",
+    "text_reward",
+    "token_id_list",
+]
 
 log = logging.getLogger(__name__)
 
@@ -260,3 +271,25 @@ class TextReward(GuardedReward):
 
 
 text_reward = TextReward  # the spelling of verl recipes
+
+
+def as_messages(prompt: Any, *, where: str) -> list[dict[str, str]]:
+    """verl's chat messages as they are; a plain string becomes one user message."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not (isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt)):
+        raise ValueError(
+            f"{where}: the prompt must be a string or a non-empty list of chat messages, got {prompt!r}"
+        )
+    for m in prompt:
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: each message needs string 'role' and 'content', got {dict(m)}")
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """``apply_chat_template(messages, add_generation_prompt=True)`` as a plain list of ids."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

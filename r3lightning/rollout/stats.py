@@ -103,11 +103,13 @@ class StepCounters:
     engine_errors: int = 0
     engines_out: int = 0
     dropped_groups: int = 0
-    # per turn index of the kept trajectories: [trajectories, reward sum, route bytes sum]
+    # per turn index of the kept trajectories: [trajectories, reward sum, route bytes sum]; as many
+    # entries as the longest trajectory has turns (never max_turns: most episodes end far earlier)
     turns: list[list[float]] = field(default_factory=list)
 
     def add_turns(self, rewards: list[float], route_bytes: list[int]) -> None:
-        """Count one kept trajectory's turns (``turns`` must already hold ``max_turns`` entries)."""
+        """Count one kept trajectory's turns."""
+        self.turns += [[0.0, 0.0, 0.0] for _ in range(len(rewards) - len(self.turns))]
         for k, (reward, size) in enumerate(zip(rewards, route_bytes, strict=True)):
             self.turns[k] = [a + b for a, b in zip(self.turns[k], (1, reward, size), strict=True)]
 
@@ -128,19 +130,24 @@ def reduce_step_stats(
     rank reported ``failed`` and this one did not."""
     c, rewards = counters, [t.reward for t in trajectories]
     lengths = sum(t.response_length for t in trajectories)
-    per_rank = [len(rewards), sum(rewards), sum(r * r for r in rewards), lengths, c.requests, c.attempts]
-    per_rank += [c.engine_errors, failed, c.dropped_groups, *(v for turn in c.turns for v in turn)]
-    sums = torch.tensor(per_rank, dtype=torch.float64)
-    maxima = torch.tensor([c.engines_out, seconds], dtype=torch.float64)
+    maxima = torch.tensor([c.engines_out, seconds, len(c.turns)], dtype=torch.float64)
+    device = torch.device("cpu")
     if world_size > 1:
         import torch.distributed as dist
 
         # NCCL reduces only GPU tensors
-        nccl = "nccl" in str(dist.get_backend(group)).lower()
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        sums, maxima = sums.to(device), maxima.to(device)
-        dist.all_reduce(sums, dist.ReduceOp.SUM, group=group)
+        if "nccl" in str(dist.get_backend(group)).lower():
+            device = torch.device("cuda", torch.cuda.current_device())
+        maxima = maxima.to(device)
         dist.all_reduce(maxima, dist.ReduceOp.MAX, group=group)
+    engines_out, rollout_s, num_turns = maxima.tolist()
+    # every rank sums per-turn counters up to the turn the longest trajectory of any rank reached
+    per_turn = [v for turn in c.turns for v in turn] + [0.0] * (3 * (int(num_turns) - len(c.turns)))
+    per_rank = [len(rewards), sum(rewards), sum(r * r for r in rewards), lengths, c.requests, c.attempts]
+    per_rank += [c.engine_errors, failed, c.dropped_groups, *per_turn]
+    sums = torch.tensor(per_rank, dtype=torch.float64, device=device)
+    if world_size > 1:
+        dist.all_reduce(sums, dist.ReduceOp.SUM, group=group)
     count, reward_sum, reward_sq, lengths, requests, attempts, errors, failures, dropped, *turns = (
         sums.tolist()
     )
@@ -148,7 +155,6 @@ def reduce_step_stats(
         raise OtherRankFailedError(
             f"rollout collection failed on {int(failures)} other rank(s) at step {step}; see their errors"
         )
-    engines_out, rollout_s = maxima.tolist()
     n = max(count, 1)  # every sum is 0 without trajectories
     mean = reward_sum / n
     var = (reward_sq - count * mean * mean) / (count - 1) if count > 1 else 0.0

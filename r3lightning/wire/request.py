@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lightning.routes import ENGINE_ROUTES_FLAG
 from r3lightning.wire.codec import RouteSchema
 
 __all__ = ["ENGINE_ROUTES_FLAG", "PROTOCOL_PATHS", "RemoteGenerateResult", "RouteSchema", "build_request",
@@ -20,15 +21,14 @@ PROTOCOL_PATHS = {
     "openai": "/v1/completions",
 }
 ENGINES = ("vllm", "sglang")
-# the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on
-ENGINE_ROUTES_FLAG = "--enable-return-routed-experts"
 
 
 @dataclass
 class RemoteGenerateResult:
     """One generation: ``routed_experts`` ``[rows, num_layers, top_k]`` in a compact integer dtype
     (None unless asked for), ``response_logprobs`` None when the server sent none, ``raw_response``
-    the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts."""
+    the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts,
+    ``weight_version`` the engine's weight version that generated it (None: the engine sent none)."""
 
     response_ids: list[int]
     response_logprobs: list[float] | None
@@ -36,6 +36,7 @@ class RemoteGenerateResult:
     routed_experts: np.ndarray | None
     raw_response: dict[str, Any] = field(repr=False)
     attempts: int = 1
+    weight_version: int | None = None
 
 
 def engine_sampling_params(

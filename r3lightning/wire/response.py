@@ -7,10 +7,11 @@ from typing import Any
 
 import numpy as np
 
+from r3lightning.routes import ENGINE_ROUTES_FLAG
 from r3lightning.wire.codec import checked_routes, decode_array, decode_flat_array, decode_npy_array
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.json_body import JsonBody, unescaped
-from r3lightning.wire.request import ENGINE_ROUTES_FLAG, RemoteGenerateResult, RouteSchema
+from r3lightning.wire.request import RemoteGenerateResult, RouteSchema
 
 __all__ = ["parse_response"]
 
@@ -118,6 +119,18 @@ def _logprobs(values: Any, ids: list[int], field: str, expected: str) -> list[fl
     return list(map(float, values))
 
 
+def _weight_version(value: Any, field: str) -> int | None:
+    """An engine's weight version: an integer >= 0 (or its decimal string, as SGLang sends it);
+    ``None`` when absent or a label that is not a number (SGLang's ``"default"``)."""
+    if isinstance(value, str) and value.isdecimal():
+        value = int(value)
+    if value is None or isinstance(value, str):
+        return None
+    if type(value) is not int or value < 0:
+        raise MalformedResponseError(f"{field}: expected an integer >= 0, got {value!r}")
+    return value
+
+
 def _stop_reason(value: Any, field: str) -> str | None:
     stop = value.get("type") if isinstance(value, dict) else value
     if stop is not None and not isinstance(stop, str):
@@ -157,6 +170,9 @@ def _read_choices(body: JsonBody, openai: bool = False) -> Read:
     logprobs = _logprobs(values, ids, f"choices[0].logprobs.{key}", expected)
     stop = _stop_reason(choice.get("finish_reason"), "choices[0].finish_reason")
     result = RemoteGenerateResult(ids, logprobs, stop, None, {})
+    # the embedded server sends it beside "choices"; an engine may put it on the choice
+    version = choice.get("weight_version", body.value.get("weight_version"))
+    result.weight_version = _weight_version(version, "weight_version")
     sglang = _take_routes(body, body.value.get("sglext"), "routed_experts") if openai else _MISSING
     vllm = _take_routes(body, choice, "routed_experts")
     if vllm in _ABSENT and sglang not in _ABSENT:  # SGLang's answer
@@ -179,4 +195,6 @@ def _read_sglang(body: JsonBody) -> Read:
     logprobs = _logprobs(values, ids, "meta_info.output_token_logprobs", "a list of [logprob, token_id, ...]")
     stop = _stop_reason(meta.get("finish_reason"), "meta_info.finish_reason")
     routes = _take_routes(body, meta, "routed_experts")
-    return RemoteGenerateResult(ids, logprobs, stop, None, {}), "meta_info.routed_experts", routes, True
+    version = _weight_version(meta.get("weight_version"), "meta_info.weight_version")
+    result = RemoteGenerateResult(ids, logprobs, stop, None, {}, weight_version=version)
+    return result, "meta_info.routed_experts", routes, True

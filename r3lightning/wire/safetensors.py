@@ -33,7 +33,7 @@ def _parse_header(header: bytes) -> list[tuple[str, torch.dtype, tuple[int, ...]
     """``(name, dtype, shape, begin, end)`` per tensor, sorted by offset, tiling the data exactly."""
     try:
         meta = json.loads(header)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # deep nesting too
         raise UploadError(f"{_NOT_SAFETENSORS}: header is not JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise UploadError(f"{_NOT_SAFETENSORS}: header is not a JSON object")

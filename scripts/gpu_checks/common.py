@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-# the tiny Qwen3-MoE of r3lightning.testing.tiny: 4 decoder layers (0 dense), 8 experts, top-2
+# the tiny Qwen3-MoE of r3lightning.app.models.tiny: 4 decoder layers (0 dense), 8 experts, top-2
 LAYERS, TOP_K, EXPERTS, VOCAB = 4, 2, 8, 96
 MOE_LAYERS = (1, 2, 3)
 
@@ -197,8 +197,8 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def engine_trajectories(device: torch.device, count: int):
     """Trajectories whose routes a bf16 engine with perturbed routers recorded on ``device``."""
+    from r3lightning.app.models.tiny import build_tiny_moe
     from r3lightning.replay.context import record_routes
-    from r3lightning.testing.tiny import build_tiny_moe
 
     engine = build_tiny_moe(seed=0, dtype=torch.bfloat16).to(device)
     generator = torch.Generator().manual_seed(7)

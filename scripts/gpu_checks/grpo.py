@@ -25,12 +25,12 @@ def check_grpo(device: torch.device, variant: str) -> dict[str, Any]:
     own ``configure_model`` sharding under ``ModelParallelStrategy``."""
     import lightning.pytorch as pl
 
+    from r3lightning.app.job.module import GRPOModule
+    from r3lightning.app.models.tiny import build_tiny_moe
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.data.datamodule import R3DataModule
-    from r3lightning.job.module import GRPOModule
     from r3lightning.replay.callback import RouterReplayCallback
     from r3lightning.replay.context import record_routes
-    from r3lightning.testing.tiny import build_tiny_moe
 
     cuda = device.type == "cuda"
     batch_size, count = 4, 12

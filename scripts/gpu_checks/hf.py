@@ -22,9 +22,9 @@ from gpu_checks.common import (
 def _lightning_module(shard: bool):
     import lightning.pytorch as pl
 
+    from r3lightning.app.models.tiny import build_tiny_moe
     from r3lightning.replay.callback import RouterReplayCallback
     from r3lightning.replay.context import record_routes
-    from r3lightning.testing.tiny import build_tiny_moe
 
     class ReplayedPolicy(pl.LightningModule):
         """Token NLL on the loss mask; notes what every training step saw and routed."""

@@ -31,7 +31,7 @@ def megatron_runtime(device: torch.device) -> Iterator[None]:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from r3lightning.testing.megatron_cpu import megatron_device_shims
+    from r3lightning.app.models.megatron_cpu import megatron_device_shims
 
     with megatron_device_shims(device):
         if device.type == "cuda":

@@ -20,12 +20,12 @@ from gpu_checks.common import (
 
 
 def check_transfer(device: torch.device) -> dict[str, Any]:
+    from r3lightning.app.models.tiny import build_tiny_moe
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.data.datamodule import R3DataModule
     from r3lightning.replay.callback import RouterReplayCallback
     from r3lightning.replay.context import record_routes
     from r3lightning.replay.hf.replay import HFRouterReplay
-    from r3lightning.testing.tiny import build_tiny_moe
 
     cuda = device.type == "cuda"
     batch_size, count = 4, 16

@@ -1,8 +1,16 @@
-"""The package's layers import only downward, with no cycle between modules.
+"""The library is laid out in the order routes flow, the application sits on top, and no import
+goes where the table below does not allow.
 
-Layers, lowest first: the core modules at the top of the package (ragged container, index maths,
-route dtypes, multi-turn trace), then one folder per stage of a route's data flow. ``__init__.py``
-of the package itself is exempt: it re-exports lazily from every layer.
+Library, in data-flow order: the core modules at the top of the package (ragged container, index
+maths, route dtypes, the validation vocabulary), then ``wire`` (bodies and codecs) -> ``rollout``
+(client, collector) -> ``data`` (trajectories, buffer, collation) -> ``align`` -> ``replay`` ->
+``correction``. A folder imports only the layers ``ALLOWED`` names for it: the core, the wire, and
+the few earlier or later stages whose types it hands on (the collector fills ``data``'s
+``Trajectory``; ``data`` pads routes with ``align``'s dummy routes). The layers form no cycle.
+
+The application (``r3lightning.app``: server, job, tasks, models) may import the whole library;
+nothing in the library imports it. ``__init__.py`` of the package itself is exempt: it re-exports
+lazily from every layer.
 """
 
 from __future__ import annotations
@@ -13,7 +21,18 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "r3lightning"
-LAYERS = ["", "wire", "align", "data", "correction", "rollout", "replay", "testing", "serve", "job"]
+LIBRARY = ["", "wire", "rollout", "data", "align", "replay", "correction"]  # data-flow order; "" is the core
+APPLICATION = ["app.models", "app.tasks", "app.serve", "app.vllm", "app.job"]
+# what each library layer may import besides itself
+ALLOWED = {
+    "": set(),
+    "wire": {""},
+    "rollout": {"", "wire", "data"},
+    "data": {"", "wire", "align"},
+    "align": {""},
+    "replay": {"", "wire", "align"},
+    "correction": {""},
+}
 
 
 def _module_name(path: Path) -> str:
@@ -22,9 +41,12 @@ def _module_name(path: Path) -> str:
 
 
 def _layer(module: str) -> str:
+    """``""`` for the core, the folder for a library module, ``app.<folder>`` for the application."""
     parts = module.split(".")
     if len(parts) < 2 or (PACKAGE / f"{parts[1]}.py").exists():
         return ""
+    if parts[1] == "app":
+        return "app" if len(parts) < 3 or (PACKAGE / "app" / f"{parts[2]}.py").exists() else f"app.{parts[2]}"
     return parts[1]
 
 
@@ -65,16 +87,46 @@ def _is_module(name: str) -> bool:
 GRAPH = {_module_name(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py")) if p != PACKAGE / "__init__.py"}
 
 
-@pytest.mark.parametrize("module", sorted(GRAPH))
-def test_imports_go_downward_only(module):
-    mine = LAYERS.index(_layer(module))
-    upward = sorted(m for m in GRAPH[module] if LAYERS.index(_layer(m)) > mine)
-    assert not upward, f"{module} (layer {LAYERS[mine] or 'core'}) imports a higher layer: {upward}"
+LIBRARY_MODULES = sorted(m for m in GRAPH if _layer(m) in LIBRARY)
+
+
+@pytest.mark.parametrize("module", LIBRARY_MODULES)
+def test_a_library_module_imports_only_the_layers_its_layer_may(module):
+    mine = _layer(module)
+    other = sorted(m for m in GRAPH[module] if _layer(m) != mine and _layer(m) not in ALLOWED[mine])
+    assert not other, f"{module} (layer {mine or 'core'}) imports outside {sorted(ALLOWED[mine])}: {other}"
+
+
+@pytest.mark.parametrize("module", LIBRARY_MODULES)
+def test_nothing_in_the_library_imports_the_application(module):
+    app = sorted(m for m in GRAPH[module] if m == "r3lightning.app" or m.startswith("r3lightning.app."))
+    assert not app, f"{module} is library code but imports the application: {app}"
+
+
+def test_the_allowed_imports_between_library_layers_form_no_cycle():
+    def reaches(start: str, goal: str, seen: frozenset[str] = frozenset()) -> bool:
+        return any(
+            dep == goal or (dep not in seen and reaches(dep, goal, seen | {dep})) for dep in ALLOWED[start]
+        )
+
+    assert [layer for layer in LIBRARY if reaches(layer, layer)] == []
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if _layer(m) in APPLICATION))
+def test_an_application_package_imports_only_the_library_and_those_before_it(module):
+    mine = APPLICATION.index(_layer(module))
+    later = sorted(
+        m for m in GRAPH[module] if _layer(m) in APPLICATION and APPLICATION.index(_layer(m)) > mine
+    )
+    assert not later, f"{module} ({APPLICATION[mine]}) imports a later application package: {later}"
 
 
 def test_every_folder_is_a_known_layer():
-    folders = {p.parent.relative_to(PACKAGE).parts[0] for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE}
-    assert folders <= set(LAYERS), sorted(folders - set(LAYERS))
+    folders = set()
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent != PACKAGE and path.parent != PACKAGE / "app":
+            folders.add(_layer(_module_name(path)))
+    assert folders <= set(LIBRARY) | set(APPLICATION), sorted(folders - set(LIBRARY) - set(APPLICATION))
 
 
 def test_no_import_cycle():

@@ -2,7 +2,9 @@
 a DeprecationWarning naming the new path, and gives the same object."""
 
 import importlib
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,3 +92,45 @@ def test_old_paths_are_not_files_any_more():
     for old in _aliases.MODULES:
         path = root / old.replace(".", "/")
         assert not path.with_suffix(".py").exists() and not (path / "__init__.py").exists(), old
+
+
+def test_a_module_of_a_moved_package_is_the_new_module(monkeypatch):
+    """``r3lightning.serve.server`` has no entry of its own: it moves with ``r3lightning.serve``."""
+    assert "r3lightning.serve.server" not in _aliases.MODULES
+    monkeypatch.delitem(sys.modules, "r3lightning.serve", raising=False)
+    monkeypatch.delitem(sys.modules, "r3lightning.serve.server", raising=False)
+    with pytest.warns(
+        DeprecationWarning, match=r"^r3lightning\.serve\.server moved to r3lightning\.app\.serve\.server;"
+    ):
+        from r3lightning.serve.server import RolloutServer
+    assert RolloutServer is importlib.import_module("r3lightning.app.serve.server").RolloutServer
+    assert (
+        _aliases.new_module_path("r3lightning.serve.no_such_module") == "r3lightning.app.serve.no_such_module"
+    )
+    assert (
+        _aliases.new_module_path("r3lightning.models.sharded") == "r3lightning.app.job.sharded"
+    )  # its own entry
+    assert _aliases.new_module_path("r3lightning.rollout.client") is None
+
+
+def test_python_m_runs_an_old_module_path(tmp_path):
+    """``python -m <old path>`` runs the module at the new path as ``__main__``, and says so."""
+    root = Path(r3lightning.__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    old = subprocess.run(
+        [sys.executable, "-m", "r3lightning.models.tiny_tokenizer", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    new = subprocess.run(
+        [sys.executable, "-m", "r3lightning.app.models.tiny_tokenizer", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert old.returncode == 0, old.stderr
+    assert old.stdout == new.stdout and "Write a tiny MoE checkpoint" in old.stdout
+    assert "r3lightning.models.tiny_tokenizer moved to r3lightning.app.models.tiny_tokenizer;" in old.stderr

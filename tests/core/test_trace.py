@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3lightning.trace import RoutedExpertTrace, TokenMetadataTrace
+from r3lightning.rollout.trace import RoutedExpertTrace, TokenMetadataTrace
 
 L, K, E = 3, 2, 8
 

@@ -4,9 +4,10 @@ four arms of ``experiment=compare_corrections``."""
 from __future__ import annotations
 
 import pytest
+from job_cli import train_cli
 
-from r3lightning.job.main import arms, compose_config, main, run
-from r3lightning.job.report import read_csv
+from r3lightning.app.job.main import arms, compose_config, run
+from r3lightning.app.job.report import read_csv
 
 
 @pytest.mark.parametrize(
@@ -17,19 +18,31 @@ from r3lightning.job.report import read_csv
             "algorithm.correction.mode must be one of ['none', 'token_tis', 'sequence_tis', "
             "'geometric_mask', 'token_mask'], got 'tis'",
         ),
-        ("algorithm.correction.threshold=0", "algorithm.correction.threshold must be a number > 0"),
+        ("algorithm.correction.threshold=0", "algorithm.correction.threshold must be a number >= 1"),
         ("algorithm.correction.threshold=x", "algorithm.correction.threshold must be a number, got 'x'"),
         (
             "algorithm.correction.lower=3",
-            "algorithm.correction.lower and upper must satisfy 0 <= lower < upper",
+            "algorithm.correction.lower and upper must satisfy 0 <= lower <= 1 <= upper",
         ),
         ("+algorithm.correction.cap=1", "algorithm.correction.cap is not a setting here; expected one of"),
-        ("algorithm.correction=null", "algorithm.correction must be a mapping with keys among"),
+        ("algorithm.correction=null", "algorithm.correction must not be null"),
+        (
+            "algorithm.correction.steps=[{kind: token_tis, cap: 0.8}]",
+            "algorithm.correction.steps[0].cap must be a number >= 1",
+        ),
+        (
+            "algorithm.correction.steps=[{kind: veto, floor: 0.1, cap: 2}]",
+            "algorithm.correction.steps[0].cap is not a setting of a veto step; it takes ['floor']",
+        ),
+        (
+            "algorithm.correction.steps=[{kind: token_mask, lower: 0.9, upper: 0.9}]",
+            "algorithm.correction.steps[0].lower and upper must satisfy 0 <= lower <= 1 <= upper",
+        ),
     ],
 )
 def test_bad_correction_settings_are_one_line_naming_the_key(override, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
-        main([override, f"hydra.run.dir={tmp_path / 'run'}"])
+        train_cli(override, f"hydra.run.dir={tmp_path / 'run'}")
     err = capsys.readouterr().err
     assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()  # refused before anything was made

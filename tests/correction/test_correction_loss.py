@@ -9,8 +9,8 @@ import pytest
 import torch
 from gloo_ranks import run_ranks
 
+from r3lightning.app.job.grpo import policy_loss
 from r3lightning.correction import CorrectionConfig, CorrectionMetrics, correction_weights, geometric_mask
-from r3lightning.correction.grpo import policy_loss
 from r3lightning.packed import PackedTensor
 
 

@@ -12,18 +12,18 @@ from sync_detector import ArmDetector, DisarmDetector, SyncDetector
 from torch.utils.data import DataLoader
 
 from r3lightning.align.layout import position_ids_from_mask
+from r3lightning.app.job.grpo import GRPOConfig, policy_loss, token_logprobs
+from r3lightning.app.job.module import GRPOModule, OptimConfig
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.engine import GenerationEngine, GenerationRequest
+from r3lightning.app.serve.sampling import SamplingParams
 from r3lightning.correction import MODES, CorrectionConfig, CorrectionMetrics, correction_weights
-from r3lightning.correction.grpo import GRPOConfig, policy_loss, token_logprobs
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.data.trajectory import Trajectory
-from r3lightning.job.module import GRPOModule, OptimConfig
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.engine import GenerationEngine, GenerationRequest
-from r3lightning.serve.sampling import SamplingParams
-from r3lightning.testing.tiny import build_tiny_moe
 
 THRESHOLD = 1.05  # low enough that the engine's ~15% simulated disagreement crosses it
 

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3lightning.align.layout import position_ids_from_mask
-from r3lightning.correction.grpo import group_advantages, mismatch_metrics, policy_loss, token_logprobs
-from r3lightning.job.report import format_table, plot_runs, read_csv, summarize, write_csv
-from r3lightning.rollout.tasks import TokenClassTask
+from r3lightning.app.job.grpo import group_advantages, mismatch_metrics, policy_loss, token_logprobs
+from r3lightning.app.job.report import format_table, plot_runs, read_csv, summarize, write_csv
+from r3lightning.app.tasks.token_class import TokenClassTask
 
 
 def _ref_advantages(rewards: list[float], group_size: int, normalize: bool) -> list[float]:
@@ -214,8 +214,8 @@ def test_left_padded_batch_logprobs_equal_unpadded_forwards():
     """position_ids from the mask: a left-padded row scores its tokens exactly as alone."""
     from types import SimpleNamespace
 
-    from r3lightning.job.module import GRPOModule
-    from r3lightning.testing.tiny import build_tiny_moe
+    from r3lightning.app.job.module import GRPOModule
+    from r3lightning.app.models.tiny import build_tiny_moe
 
     module = GRPOModule(build_tiny_moe(seed=3))
     short, long = [7, 9, 11, 13], [5, 6, 7, 8, 9, 10, 11]

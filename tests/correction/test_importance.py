@@ -177,10 +177,13 @@ def test_correction_weights_dispatches_on_the_config():
             {"mode": "tis"},
             r"mode must be one of \['none', 'token_tis', 'sequence_tis', 'geometric_mask', 'token_mask'\], got 'tis'",
         ),
-        ({"threshold": 0.0}, "threshold must be a number > 0"),
+        ({"threshold": 0.0}, "threshold must be a number >= 1"),
         ({"threshold": "2"}, "threshold must be a number, got '2'"),
-        ({"lower": 2.0, "upper": 1.0}, "0 <= lower < upper, got lower=2.0, upper=1.0"),
-        ({"lower": -0.1}, "0 <= lower < upper"),
+        (
+            {"lower": 2.0, "upper": 1.0},
+            r"0 <= lower <= 1 <= upper and lower < upper .*, got lower=2.0, upper=1.0",
+        ),
+        ({"lower": -0.1}, "0 <= lower <= 1 <= upper"),
         ({"upper": float("nan")}, "upper must be a number, got nan"),
     ],
 )
@@ -199,9 +202,9 @@ def test_bad_inputs_are_clear_errors():
         token_tis(torch.zeros(6), torch.ones(6))
     with pytest.raises(ValueError, match=r"floating-point tensor, got dtype torch\.int64"):
         token_mask(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
-    with pytest.raises(ValueError, match="threshold must be a number > 0"):
+    with pytest.raises(ValueError, match="threshold must be a number >= 1"):
         sequence_tis(x, torch.ones(2, 3), threshold=-1.0)
-    with pytest.raises(ValueError, match="0 <= lower < upper"):
+    with pytest.raises(ValueError, match="0 <= lower <= 1 <= upper and lower < upper"):
         geometric_mask(x, torch.ones(2, 3), lower=1.0, upper=1.0)
     a = PackedTensor.from_lengths(torch.zeros(5), [2, 3])
     with pytest.raises(ValueError, match="mask must be a PackedTensor with log_ratio's cu_seqlens"):

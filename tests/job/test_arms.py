@@ -6,9 +6,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from r3lightning.job.common import JobError
-from r3lightning.job.main import arms, compose_config, run, run_seeds
-from r3lightning.job.report import read_csv
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.main import arms, compose_config, run, run_seeds
+from r3lightning.app.job.report import read_csv
 
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 

@@ -27,8 +27,8 @@ OVERRIDES = [
 
 def _run_job(run_dir: Path, world: int, rank: int, steps: int = 1, spy_dir: Path | None = None) -> None:
     """Run the job, saving this rank's buffer into ``spy_dir`` after each step's collection."""
-    from r3lightning.job import rollout_loop
-    from r3lightning.job.main import compose_config, run
+    from r3lightning.app.job import rollout_loop
+    from r3lightning.app.job.main import compose_config, run
 
     collect = rollout_loop.OnPolicyLoop._collect
 

@@ -8,8 +8,8 @@ import inspect
 
 from omegaconf import OmegaConf
 
-from r3lightning.job.setup import CONF_DIR
-from r3lightning.job.store import job_schema
+from r3lightning.app.job.setup import CONF_DIR
+from r3lightning.app.job.store import job_schema
 
 # (file, dotted key): why the job's default differs from the library's (docs/config-groups.md)
 JOB_CHOICES = {

@@ -12,9 +12,9 @@ from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf.errors import OmegaConfBaseException
 from python_process import run_python
 
-from r3lightning.job.common import JobError
-from r3lightning.job.main import compose_config
-from r3lightning.job.validate import check_config, error_line
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.validate import check_config, error_line
 
 MODES = "['r3', 'r2', 'off']"
 
@@ -161,7 +161,7 @@ def test_every_bad_value_is_one_error_naming_the_key(override, message):
         (
             ["+algorithm.clip=0.2"],
             "algorithm.clip is not a setting here; expected one of ['group_size', 'clip_low', 'clip_high', "
-            "'normalize_std', 'std_eps', 'ratio_band', 'mismatch_every_n_steps', 'correction']",
+            "'normalize_std', 'ratio_band', 'mismatch_every_n_steps', 'correction', 'loss']",
         ),
         (
             ["algorithm.clip=0.2"],
@@ -215,14 +215,14 @@ NO_MODULE = "no module named '{}' (is its package installed?)"
             "callbacks.extra._target_: cannot import 'nowhere.Callback': " + NO_MODULE.format("nowhere"),
         ),
         (
-            "module._target_=r3lightning.job.module.NoSuchModule",
-            "module._target_: cannot import 'r3lightning.job.module.NoSuchModule': module "
-            "'r3lightning.job.module' has no attribute 'NoSuchModule'",
+            "module._target_=r3lightning.app.job.module.NoSuchModule",
+            "module._target_: cannot import 'r3lightning.app.job.module.NoSuchModule': module "
+            "'r3lightning.app.job.module' has no attribute 'NoSuchModule'",
         ),
         (
-            "reward._target_=r3lightning.rollout.rewards.nonexistent",
-            "reward._target_: cannot import 'r3lightning.rollout.rewards.nonexistent': module "
-            "'r3lightning.rollout.rewards' has no attribute 'nonexistent'",
+            "reward._target_=r3lightning.app.tasks.rewards.nonexistent",
+            "reward._target_: cannot import 'r3lightning.app.tasks.rewards.nonexistent': module "
+            "'r3lightning.app.tasks.rewards' has no attribute 'nonexistent'",
         ),
         (
             "model._target_=nowhere.build",
@@ -269,7 +269,7 @@ def test_unknown_group_option_and_key_fail_at_composition():
 
 def _job(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedProcess:
     """``r3lightning-train ARGS`` in a fresh interpreter (``prelude`` runs first)."""
-    script = f"import sys\n{textwrap.dedent(prelude)}\nfrom r3lightning.job.main import main\nmain()\n"
+    script = f"import sys\n{textwrap.dedent(prelude)}\nfrom r3lightning.app.job.main import main\nmain()\n"
     return run_python(tmp_path, "-c", script, *args, f"hydra.run.dir={tmp_path / 'run'}")
 
 
@@ -293,9 +293,9 @@ def _job(tmp_path: Path, *args: str, prelude: str = "") -> subprocess.CompletedP
 def test_a_bad_override_exits_2_in_one_line_before_anything_is_built(tmp_path, override, message):
     # building the model or the engine would fail the run: a bad value must be refused before
     prelude = """
-        import r3lightning.job.models, r3lightning.serve.server
+        import r3lightning.app.job.models, r3lightning.app.serve.server
         def refuse(*a, **k): raise AssertionError("built")
-        r3lightning.job.models.tiny_moe = r3lightning.serve.server.RolloutServer = refuse
+        r3lightning.app.job.models.tiny_moe = r3lightning.app.serve.server.RolloutServer = refuse
     """
     proc = _job(tmp_path, override, prelude=prelude)
     assert proc.returncode == 2, proc.stderr[-2000:]

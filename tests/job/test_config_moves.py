@@ -9,10 +9,10 @@ import pytest
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from r3lightning.correction.grpo import GRPOConfig
-from r3lightning.job.common import JobError
-from r3lightning.job.main import compose_config
-from r3lightning.job.validate import MOVED_KEYS, check_values, error_line
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.grpo import GRPOAdvantages, GRPOConfig
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.validate import MOVED_KEYS, check_values, error_line
 
 
 def refusal(overrides: list[str]) -> str | None:
@@ -58,7 +58,6 @@ def test_moved_keys_whose_values_change_form_say_how_to_set_them():
         ({"clip_low": -0.1}, "clip_low must be a number in (0, 1), got -0.1"),
         ({"clip_low": 1.5}, "clip_low must be a number in (0, 1), got 1.5"),
         ({"clip_high": 0.0}, "clip_high must be a number > 0, got 0.0"),
-        ({"std_eps": math.nan}, "std_eps must be a number > 0, got nan"),
         ({"ratio_band": math.inf}, "ratio_band must be a number >= 1, got inf"),
         ({"normalize_std": "yes"}, "normalize_std must be true or false, got 'yes'"),
         ({"mismatch_every_n_steps": 1.5}, "mismatch_every_n_steps must be an integer >= 0, got 1.5"),
@@ -72,6 +71,13 @@ def test_grpo_config_checks_its_values(kwargs, message):
     with pytest.raises(ValueError) as info:
         GRPOConfig(**kwargs)
     assert str(info.value) == message
+
+
+def test_grpo_advantages_check_their_values():
+    with pytest.raises(ValueError, match=r"^std_eps must be a number > 0, got nan$"):
+        GRPOAdvantages(std_eps=math.nan)
+    with pytest.raises(ValueError, match=r"^normalize_std must be true or false, got 1$"):
+        GRPOAdvantages(normalize_std=1)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +114,7 @@ def test_job_values_are_refused_when_read(override, message):
 
 @pytest.mark.slow
 def test_data_options_layers_must_be_moe_layers_of_the_model(tmp_path):
-    from r3lightning.job.main import run
+    from r3lightning.app.job.main import run
 
     cfg = compose_config(["data.options.layers=[0,1]", "steps=1", "prompts_per_step=1", "plot=false"])
     with pytest.raises(JobError) as info:  # layer 0 of the tiny Qwen3-MoE is dense

@@ -64,7 +64,7 @@ def test_demo_tables_prints_each_summary_with_its_environment_line(tmp_path, cap
     )
     out = capsys.readouterr().out
     for name in ("compare", "compare_realistic"):
-        block = f"### `python -m r3lightning.job.main experiment={name}`\n\n```text\ntable of {name}\nenvironment: "
+        block = f"### `python -m r3lightning.app.job.main experiment={name}`\n\n```text\ntable of {name}\nenvironment: "
         assert block in out
     assert out.count("2 intra-op threads, CPU W\n```") == 2
     assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == [

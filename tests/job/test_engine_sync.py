@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from r3lightning.job.main import compose_config
-from r3lightning.job.setup import JobError
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.setup import JobError
 
 
 async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
@@ -18,7 +18,7 @@ async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
     from aiohttp import web
     from safetensors.torch import load_file
 
-    from r3lightning.job.engine import _sglang_disk_push
+    from r3lightning.app.job.engine import _sglang_disk_push
 
     answers = [{"success": True, "message": "ok"}, {"success": False, "message": "shape mismatch"}]
     seen: list[dict] = []
@@ -58,7 +58,7 @@ async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
 
 def test_external_engine_weight_sync_follows_the_protocol(tmp_path, monkeypatch):
     """Every rank joins the full-weight gather exactly when rank 0 has somewhere to push it."""
-    from r3lightning.job.engine import embedded_server
+    from r3lightning.app.job.engine import embedded_server
 
     url = ["rollout.url=http://10.0.0.1:30000/"]
     sglang = [*url, "rollout.protocol=sglang"]

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from python_process import run_python
 
-from r3lightning.job.report import agreement_keys, read_csv
-from r3lightning.job.sharded import convert_checkpoint
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
+from r3lightning.app.job.report import agreement_keys, read_csv
+from r3lightning.app.job.sharded import convert_checkpoint
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.server import RolloutServer
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
         proc = run_python(
             tmp_path,
             "-m",
-            "r3lightning.job.main",
+            "r3lightning.app.job.main",
             "experiment=fsdp_moe",
             "trainer=cpu_fsdp",
             f"model.path={checkpoint}",
@@ -56,10 +56,10 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
     assert history[1]["k3_kl"] < 1e-3
     assert (run_dir / "replay_r3" / "checkpoints" / "last.ckpt").exists()
     # the distributed checkpoint (a folder) is checked before a resume like a single file is
-    from r3lightning.job.build import JobError
-    from r3lightning.job.checkpoint import resume_checkpoint
-    from r3lightning.job.main import compose_config
-    from r3lightning.job.module import GRPOModule
+    from r3lightning.app.job.build import JobError
+    from r3lightning.app.job.checkpoint import resume_checkpoint
+    from r3lightning.app.job.main import compose_config
+    from r3lightning.app.job.module import GRPOModule
 
     module = GRPOModule(build_tiny_moe(seed=0))
     last = run_dir / "replay_r3" / "checkpoints" / "last.ckpt"

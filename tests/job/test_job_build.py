@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from r3lightning.job.main import compose_config
-from r3lightning.job.setup import JobError
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.setup import JobError
 
 
 def test_instantiation_errors_name_the_key():
-    from r3lightning.job.build import instantiate_node
+    from r3lightning.app.job.build import instantiate_node
 
     cfg = compose_config(["+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"])
     monitor = instantiate_node(cfg.callbacks.lr, "callbacks.lr")
@@ -26,7 +26,7 @@ def test_instantiation_errors_name_the_key():
 def test_trainer_keys_go_to_the_trainer_as_they_are(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    from r3lightning.job.build import build_trainer
+    from r3lightning.app.job.build import build_trainer
 
     cfg = compose_config(["trainer.enable_progress_bar=false"])
     trainer = build_trainer(cfg, tmp_path, [], grad_clip=1.0)
@@ -45,7 +45,7 @@ def test_trainer_keys_go_to_the_trainer_as_they_are(tmp_path):
 def test_tensorboard_logger_only_when_installed(tmp_path):
     import importlib.util
 
-    from r3lightning.job.build import tensorboard_if_installed
+    from r3lightning.app.job.build import tensorboard_if_installed
 
     logger = tensorboard_if_installed(str(tmp_path), name="tb")
     installed = importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")
@@ -56,7 +56,7 @@ def test_tensorboard_logger_only_when_installed(tmp_path):
 
 
 def test_replay_backend_follows_the_callbacks_config():
-    from r3lightning.job.build import build_model, replay_backend
+    from r3lightning.app.job.build import build_model, replay_backend
     from r3lightning.replay.hf.replay import HFRouterReplay
 
     cfg = compose_config()
@@ -78,7 +78,7 @@ def test_replay_backend_follows_the_callbacks_config():
 def test_callbacks_dict_entries_are_built_in_order_and_null_drops_one():
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from r3lightning.job.build import build_callbacks, build_model, replay_backend
+    from r3lightning.app.job.build import build_callbacks, build_model, replay_backend
     from r3lightning.replay.callback import RouterReplayCallback
 
     extra = [
@@ -103,8 +103,8 @@ def test_callbacks_dict_entries_are_built_in_order_and_null_drops_one():
 def test_model_factories_take_dtype_and_attention_keywords(tmp_path):
     import torch
 
-    from r3lightning.job.build import build_model
-    from r3lightning.job.models import from_pretrained, tiny_moe
+    from r3lightning.app.job.build import build_model
+    from r3lightning.app.job.models import from_pretrained, tiny_moe
 
     model = build_model(
         compose_config(["model.dtype=bfloat16", "+model.overrides.num_hidden_layers=2"]).model
@@ -137,8 +137,8 @@ def test_model_factories_take_dtype_and_attention_keywords(tmp_path):
 def test_task_and_reward_are_built_from_their_targets():
     import torch
 
-    from r3lightning.job.build import build_task
-    from r3lightning.rollout.tasks import ScoredTask, TokenClassTask
+    from r3lightning.app.job.build import build_task
+    from r3lightning.app.tasks.token_class import ScoredTask, TokenClassTask
 
     task = build_task(compose_config(["task.num_classes=3"]), vocab_size=96)
     assert isinstance(task.prompts, TokenClassTask) and task.prompts.vocab_size == 96  # the model's vocab
@@ -167,9 +167,9 @@ def test_task_and_reward_are_built_from_their_targets():
 
 
 def test_reward_timeout_comes_from_the_reward_group(tmp_path):
-    from r3lightning.job.build import build_task
+    from r3lightning.app.job.build import build_task
+    from r3lightning.app.models.tiny_tokenizer import save_tiny_checkpoint
     from r3lightning.rollout.prompts import TextReward
-    from r3lightning.testing.tiny_tokenizer import save_tiny_checkpoint
 
     assert build_task(compose_config(["reward.timeout_s=2.5"]), vocab_size=96).guarded.timeout_s == 2.5
     assert build_task(compose_config(["reward.timeout_s=null"]), vocab_size=96).guarded.timeout_s is None

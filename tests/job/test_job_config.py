@@ -6,11 +6,11 @@ import pytest
 from job_cli import train_cli
 from omegaconf import OmegaConf
 
-from r3lightning.job.build import trainer_kwargs
-from r3lightning.job.common import JobError
-from r3lightning.job.main import compose_config
-from r3lightning.job.setup import CONF_DIR, replay_settings
-from r3lightning.job.validate import check_config
+from r3lightning.app.job.build import trainer_kwargs
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.setup import CONF_DIR, replay_settings
+from r3lightning.app.job.validate import check_config
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())
 
@@ -122,7 +122,7 @@ def _choices(*overrides: str) -> dict:
 
 
 def test_help_lists_groups_options_and_yaml_comments():
-    from r3lightning.job.help import format_help
+    from r3lightning.app.job.help import format_help
 
     text = format_help(CONF_DIR, _choices())
     for group in GROUPS:
@@ -152,7 +152,7 @@ def test_help_lists_groups_options_and_yaml_comments():
 
 
 def test_help_flag_prints_the_help_and_exits_0(capsys):
-    from r3lightning.job.help import format_help
+    from r3lightning.app.job.help import format_help
 
     with pytest.raises(SystemExit) as info:
         train_cli("--help")  # Hydra's --help, through the app help template
@@ -169,7 +169,7 @@ def _section(text: str, title: str) -> list[str]:
 
 
 def test_help_shows_the_selected_groups_and_their_keys(capsys):
-    from r3lightning.job.help import format_help
+    from r3lightning.app.job.help import format_help
 
     with pytest.raises(SystemExit) as info:
         train_cli("task=prompts_file", "--help")

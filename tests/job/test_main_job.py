@@ -14,8 +14,8 @@ from job_cli import train_cli
 from python_process import REPO, run_python
 from runif import run_if
 
-from r3lightning.job.main import compose_config, run
-from r3lightning.job.report import agreement_keys, environment, environment_line, read_csv, summarize
+from r3lightning.app.job.main import compose_config, run
+from r3lightning.app.job.report import agreement_keys, environment, environment_line, read_csv, summarize
 
 pytestmark = pytest.mark.slow
 QUIET = ["trainer.enable_progress_bar=false"]
@@ -85,9 +85,9 @@ def test_replay_r2_records_in_the_old_policy_forward_and_replays_it(tmp_path):
 
 
 def test_external_engine_sglang_protocol(tmp_path):
-    from r3lightning.serve.config import EngineConfig
-    from r3lightning.serve.server import RolloutServer
-    from r3lightning.testing.tiny import build_tiny_moe
+    from r3lightning.app.models.tiny import build_tiny_moe
+    from r3lightning.app.serve.config import EngineConfig
+    from r3lightning.app.serve.server import RolloutServer
 
     with RolloutServer(
         build_tiny_moe(seed=0), engine=EngineConfig(max_batch_size=64, copy_model=False)
@@ -151,7 +151,7 @@ def test_unreachable_engine_is_one_line_without_traceback(tmp_path):
     proc = run_python(
         tmp_path,
         "-m",
-        "r3lightning.job.main",
+        "r3lightning.app.job.main",
         "rollout.url=http://127.0.0.1:9",
         "rollout.retry.health_timeout_s=5",
         f"hydra.run.dir={tmp_path}",
@@ -330,7 +330,7 @@ def test_ctrl_c_exits_130_saying_how_to_resume(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     args = ["steps=200", "prompts_per_step=2", "plot=false", *QUIET, f"hydra.run.dir={tmp_path}"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "r3lightning.job.main", *args],
+        [sys.executable, "-m", "r3lightning.app.job.main", *args],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import pytest
 
-from r3lightning.job.main import compose_config, run
-from r3lightning.job.report import agreement_keys
+from r3lightning.app.job.main import compose_config, run
+from r3lightning.app.job.report import agreement_keys
 
 pytestmark = pytest.mark.slow
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
-TURN_KEYS = {"turns", "dropped_groups"} | {
-    f"{m}/turn_{k}" for m in ("turn_reward", "route_bytes") for k in (1, 2, 3)
-}
+
+
+def turn_keys(turns: int) -> set[str]:
+    """The columns of a step whose longest trajectory had ``turns`` turns."""
+    per_turn = {f"{m}/turn_{k}" for m in ("turn_reward", "route_bytes") for k in range(1, turns + 1)}
+    return {"turns", "dropped_groups"} | per_turn
 
 
 def test_calculator_trains_in_every_replay_mode_with_per_turn_metrics(tmp_path):
@@ -25,8 +28,11 @@ def test_calculator_trains_in_every_replay_mode_with_per_turn_metrics(tmp_path):
     for name, history in runs.items():
         assert len(history) == 2
         for record in history:
-            assert set(record) >= TURN_KEYS, name
             assert 1.0 <= record["turns"] <= 3.0 and record["dropped_groups"] == 0.0
+            # per-turn columns up to the longest trajectory's turns (at least the mean's)
+            reached = sum(f"turn_reward/turn_{k}" in record for k in (1, 2, 3))
+            assert reached >= record["turns"] and set(record) >= turn_keys(reached), name
+            assert "turn_reward/turn_4" not in record
             # the first turn carries the prompt's and response's rows (6 + 4 - 1 rows of 4 x 2
             # uint8 ids); a later turn only the boundary token, the 2-token observation and its
             # response; r2 asks the engine for no routes
@@ -50,6 +56,7 @@ def test_calculator_resumes_exactly(tmp_path):
     straight = run(compose_config([*base, "steps=3"]), tmp_path / "straight")["replay=r3"]
     run(compose_config([*base, "steps=2"]), tmp_path / "resumed")
     resumed = run(compose_config([*base, "steps=3"]), tmp_path / "resumed")["replay=r3"]
-    keys = ["step", "reward", "reward_std", "k3_kl", "loss", *sorted(TURN_KEYS)]
     for a, b in zip(straight, resumed, strict=True):
+        assert set(a) == set(b)  # the same per-turn columns: every step reached the same turns
+        keys = ["step", "reward", "reward_std", "k3_kl", "loss", *sorted(k for k in a if "turn" in k)]
         assert {k: b[k] for k in keys} == pytest.approx({k: a[k] for k in keys}, rel=1e-5, abs=1e-7)

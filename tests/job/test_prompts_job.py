@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
+from r3lightning.app.job.main import compose_config, run
+from r3lightning.app.job.report import read_csv
+from r3lightning.app.models.tiny_tokenizer import build_tiny_tokenizer, save_tiny_checkpoint
+from r3lightning.app.tasks.prompts_file import PromptsFileTask
 from r3lightning.data.buffer import ReplayBuffer
-from r3lightning.job.main import compose_config, run
-from r3lightning.job.report import read_csv
-from r3lightning.rollout.prompts_file import PromptsFileTask
-from r3lightning.testing.tiny_tokenizer import build_tiny_tokenizer, save_tiny_checkpoint
 
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")

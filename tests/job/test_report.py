@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from r3lightning.job.report import environment, environment_line, format_table, plot_runs, spread
+from r3lightning.app.job.report import environment, environment_line, format_table, plot_runs, spread
 
 REPO = Path(__file__).resolve().parents[2]
 

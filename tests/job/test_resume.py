@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from python_process import run_python
 
-from r3lightning.job.checkpoint import FINGERPRINT, check_run_dir, fingerprint
-from r3lightning.job.main import compose_config
-from r3lightning.job.setup import JobError
+from r3lightning.app.job.checkpoint import FINGERPRINT, check_run_dir, fingerprint
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.setup import JobError
 
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]
 
@@ -24,9 +24,9 @@ def _ckpt(path, state_dict, epoch):
 
 
 def test_resume_refuses_unreadable_foreign_or_overtaken_checkpoints(tmp_path):
-    from r3lightning.job.checkpoint import resume_checkpoint
-    from r3lightning.job.module import GRPOModule
-    from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
+    from r3lightning.app.job.checkpoint import resume_checkpoint
+    from r3lightning.app.job.module import GRPOModule
+    from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
 
     module = GRPOModule(build_tiny_moe(seed=0))
     last = tmp_path / "checkpoints" / "last.ckpt"
@@ -82,8 +82,8 @@ def test_a_run_resumes_only_with_its_own_task_and_model(tmp_path):
         (["+model.overrides.num_hidden_layers=2"], "model.overrides.num_hidden_layers: absent there, 2 now"),
         (
             ["reward=exact_match"],
-            "reward._target_: 'r3lightning.rollout.tasks.TokenClassReward' there, "
-            "'r3lightning.rollout.rewards.exact_match' now",
+            "reward._target_: 'r3lightning.app.tasks.token_class.TokenClassReward' there, "
+            "'r3lightning.app.tasks.rewards.exact_match' now",
         ),
     ):
         with pytest.raises(JobError) as info:
@@ -119,8 +119,10 @@ def test_a_run_resumes_only_on_its_own_dataset(tmp_path):
 def test_no_rollout_after_the_last_step_and_a_foreign_resume_leaves_the_run_untouched(tmp_path, monkeypatch):
     """A run collects the rollouts of its own steps only; extended, it collects the next step's on
     restored weights; rerun with another task it is refused before anything is rewritten."""
-    from r3lightning.job import rollout_loop
-    from r3lightning.job.main import main, run
+    from job_cli import train_cli
+
+    from r3lightning.app.job import rollout_loop
+    from r3lightning.app.job.main import run
 
     collected: list[int] = []
     original = rollout_loop.OnPolicyLoop._collect
@@ -131,16 +133,15 @@ def test_no_rollout_after_the_last_step_and_a_foreign_resume_leaves_the_run_unto
 
     monkeypatch.setattr(rollout_loop.OnPolicyLoop, "_collect", spy)
     tiny = ["prompts_per_step=2", "algorithm.group_size=2", "task.response_length=2", *QUIET]
-    with pytest.raises(SystemExit) as info:
-        main([*tiny, "steps=2", f"hydra.run.dir={tmp_path}"])
-    assert info.value.code == 0 and collected == [0, 1]  # no rollout for a step 2 that never trains
+    train_cli(*tiny, "steps=2", f"hydra.run.dir={tmp_path}")  # returns: exit status 0
+    assert collected == [0, 1]  # no rollout for a step 2 that never trains
     saved = {p: p.read_bytes() for p in [tmp_path / "config.yaml", *(tmp_path / ".hydra").iterdir()]}
     checkpoint = (tmp_path / "replay_r3" / "checkpoints" / "last.ckpt").read_bytes()
     assert len(saved) == 4  # config.yaml and Hydra's three files
     proc = run_python(
         tmp_path,
         "-m",
-        "r3lightning.job.main",
+        "r3lightning.app.job.main",
         *tiny,
         "steps=3",
         "task.num_classes=3",

@@ -1,4 +1,4 @@
-"""Meta-device init + FSDP2 sharding + per-rank shard loading (r3lightning.job.sharded) on 2
+"""Meta-device init + FSDP2 sharding + per-rank shard loading (r3lightning.app.job.sharded) on 2
 gloo processes: each rank's peak memory for the load stays well below one full copy, and the
 sharded model computes what the eagerly loaded one does."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from gloo_ranks import run_ranks
 
-from r3lightning.job.sharded import convert_checkpoint, meta_model, parameters_on_meta
-from r3lightning.testing.tiny import build_tiny_moe, tiny_family_config
+from r3lightning.app.job.sharded import convert_checkpoint, meta_model, parameters_on_meta
+from r3lightning.app.models.tiny import build_tiny_moe, tiny_family_config
 
 # big enough that one fp32 copy (~100 MB) stands well above the noise of the peak RSS
 CONFIG = {"hidden_size": 128, "num_experts": 64, "moe_intermediate_size": 128, "num_hidden_layers": 8}
@@ -42,7 +42,7 @@ def _rank(rank: int, hf_dir: str, dcp_dir: str, out_dir: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from r3lightning.job.sharded import load_sharded_weights
+    from r3lightning.app.job.sharded import load_sharded_weights
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,))
@@ -105,8 +105,8 @@ def test_parameters_on_meta_keeps_buffers_real():
 
 
 def test_sharded_weights_without_fsdp2_and_models_without_decoder_layers_are_refused(tmp_path):
-    from r3lightning.job.module import GRPOModule
-    from r3lightning.job.sharded import shard_model
+    from r3lightning.app.job.module import GRPOModule
+    from r3lightning.app.job.sharded import shard_model
 
     build_tiny_moe(seed=0).save_pretrained(tmp_path)
     module = GRPOModule(meta_model(tmp_path), sharded_weights=str(tmp_path / "dcp"))
@@ -119,7 +119,7 @@ def test_sharded_weights_without_fsdp2_and_models_without_decoder_layers_are_ref
 def test_loading_into_an_unsharded_meta_model_and_a_mismatched_checkpoint(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from r3lightning.job.sharded import load_sharded_weights
+    from r3lightning.app.job.sharded import load_sharded_weights
 
     hf_dir, dcp_dir = tmp_path / "hf", tmp_path / "dcp"
     build_tiny_moe(seed=5).save_pretrained(hf_dir)
@@ -142,7 +142,7 @@ def test_loading_into_an_unsharded_meta_model_and_a_mismatched_checkpoint(tmp_pa
 def test_conversion_command_line_writes_the_checkpoint_in_the_dtype_asked(tmp_path, capsys):
     import torch.distributed.checkpoint as dcp
 
-    from r3lightning.job.sharded import main
+    from r3lightning.app.job.sharded import main
 
     model = build_tiny_moe(tiny_family_config("qwen3_moe"), seed=4)
     model.save_pretrained(tmp_path / "hf")

@@ -2,8 +2,8 @@ import pytest
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from r3lightning.app.models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config, tiny_moe_config
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.testing.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config, tiny_moe_config
 
 
 def test_default_config_is_a_tiny_qwen3_moe_with_one_dense_layer():

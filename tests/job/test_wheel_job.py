@@ -20,7 +20,7 @@ USER_CODE = '''
 from pathlib import Path
 
 import r3lightning
-from r3lightning.job.module import GRPOModule
+from r3lightning.app.job.module import GRPOModule
 
 
 class MarkedModule(GRPOModule):
@@ -92,7 +92,7 @@ def test_job_from_the_wheel_with_user_module_reward_and_callback(installed_wheel
         [
             sys.executable,
             "-m",
-            "r3lightning.job.main",
+            "r3lightning.app.job.main",
             "--config-dir",
             str(user / "conf"),
             "reward=length",

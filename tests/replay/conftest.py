@@ -5,10 +5,10 @@ import pytest
 import torch
 from route_reference import SEED, SPECS, VOCAB, E, Rollouts, collect_rollouts
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.datamodule import R3DataModule
-from r3lightning.testing.tiny import build_tiny_moe
 
 
 @pytest.fixture(scope="session")

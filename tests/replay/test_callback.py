@@ -13,11 +13,11 @@ from hydra.utils import instantiate
 from replay_policy import LAYERS, TinyPolicy, engine_dense, fit, loader, make_batch, real_rows
 from trainers import cpu_trainer
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.testing.tiny import build_tiny_moe
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "callbacks"
 

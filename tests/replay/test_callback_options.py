@@ -18,9 +18,9 @@ from replay_policy import LAYERS, MemoryLogger, fit, loader, make_batch, positio
 from trainers import cpu_trainer
 
 from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
-from r3lightning.testing.tiny import build_tiny_moe
 
 
 @pytest.fixture(scope="module")

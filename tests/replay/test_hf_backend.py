@@ -9,6 +9,7 @@ from gloo_ranks import run_ranks
 from hf_tiny_batch import B, S, batch, random_routes
 from torch import nn
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.replay.backend import (
     RouterReplayBackend,
     agreement_hits,
@@ -18,7 +19,6 @@ from r3lightning.replay.backend import (
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.replay.hf.routers import RouterAdapter, register_router
-from r3lightning.testing.tiny import build_tiny_moe
 
 
 def test_backend_satisfies_the_protocol_and_is_shared_per_model():

@@ -5,9 +5,9 @@ import pytest
 import torch
 from hf_tiny_batch import B, S, batch, random_routes
 
+from r3lightning.app.models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.testing.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 
 
 def rollout_model(family, seed=0):

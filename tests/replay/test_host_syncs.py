@@ -14,13 +14,13 @@ from replay_policy import MemoryLogger, loader, make_batch
 from sync_detector import ArmDetector, DisarmDetector, SyncDetector
 from trainers import cpu_trainer
 
+from r3lightning.app.job.module import GRPOModule
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.data.batch import RolloutBatch
-from r3lightning.job.module import GRPOModule
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.replay.megatron.replay import MegatronRouterReplay
-from r3lightning.testing.tiny import build_tiny_moe
 
 pytestmark = pytest.mark.usefixtures("megatron_cpu")
 

@@ -45,7 +45,7 @@ def test_replay_modules_import_without_the_callback():
 def test_device_shims_cover_the_schedules_and_are_undone():
     from megatron.core.pipeline_parallel import schedules
 
-    from r3lightning.testing.megatron_cpu import megatron_device_shims
+    from r3lightning.app.models.megatron_cpu import megatron_device_shims
 
     outer = schedules.torch  # already shimmed by this module's fixture
     with megatron_device_shims("cpu"):

@@ -16,9 +16,9 @@ from micro_policy import (
 )
 from replay_policy import LAYERS, engine_dense, fit, loader, make_batch, position_ids, real_rows
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes
-from r3lightning.testing.tiny import build_tiny_moe
 
 
 @pytest.fixture(scope="module")

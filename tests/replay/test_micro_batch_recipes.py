@@ -10,8 +10,8 @@ from micro_policy import (
 )
 from replay_policy import fit, make_batch
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.replay.callback import RouterReplayCallback
-from r3lightning.testing.tiny import build_tiny_moe
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,9 @@ def test_the_job_runs_strict_against_an_external_engine(tmp_path):
     unless replay.strict=false, which trains natively, warns and counts the batches."""
     import csv
 
-    from r3lightning.job.main import compose_config, run
-    from r3lightning.serve.config import EngineConfig
-    from r3lightning.serve.server import RolloutServer
+    from r3lightning.app.job.main import compose_config, run
+    from r3lightning.app.serve.config import EngineConfig
+    from r3lightning.app.serve.server import RolloutServer
 
     engine = EngineConfig(max_batch_size=64, copy_model=False)
     with RolloutServer(build_tiny_moe(seed=0), engine=engine) as server:

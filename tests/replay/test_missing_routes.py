@@ -12,10 +12,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from micro_policy import MicroPolicy, seven_batch
 from replay_policy import MemoryLogger, fit, loader, position_ids
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes
-from r3lightning.testing.tiny import build_tiny_moe
 
 FLAG = "--enable-return-routed-experts"
 

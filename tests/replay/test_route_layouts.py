@@ -22,14 +22,14 @@ from route_checks import (
 )
 from route_reference import MOE_LAYERS, SEED, E, K, L, Reference, Rollouts
 
+from r3lightning.app.job.module import GRPOModule
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.datamodule import R3DataModule
-from r3lightning.job.module import GRPOModule
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.testing.tiny import build_tiny_moe
 
 pytestmark = pytest.mark.slow
 

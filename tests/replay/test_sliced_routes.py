@@ -11,13 +11,13 @@ import torch
 from replay_policy import MemoryLogger, position_ids
 from trainers import cpu_trainer
 
+from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.datamodule import DataOptions, R3DataModule
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
 
 L, K, E = 4, 2, 8
 LENGTHS = [5, 9, 4, 7, 6]
@@ -152,3 +152,28 @@ def test_routes_without_a_layer_the_model_routes_are_refused():
         ValueError, match=r"trajectory 0 of the batch: route_layers \[1, 3\], expected route_layers \[2, 3\]"
     ):
         train(partial_model(), (2, 3), buffer_layers=(1, 3))
+
+
+def test_a_route_layer_beyond_the_model_is_a_value_error_naming_the_model_layer_count():
+    from r3lightning.align.layout import TokenMetadataLayout
+    from r3lightning.packed import PackedTensor
+    from r3lightning.replay.modes import align_routes
+
+    backend = HFRouterReplay.for_model(partial_model())  # routers on layers 2 and 3 of 4
+    layout = TokenMetadataLayout.padded(torch.ones(1, 5, dtype=torch.bool))
+
+    def routes(columns):  # one trajectory, 4 rows of distinct experts
+        return PackedTensor.from_segments([engine_routes(4, 0)[:, :columns]])
+
+    dense, mask = align_routes(routes(2), layout, backend, (2, 3))  # the last layer id: 3 = L - 1
+    assert dense.shape == (1, 5, L, K) and mask.tolist() == [[True] * 4 + [False]]
+    with pytest.raises(
+        ValueError, match=r"^routes on layers \[2, 3, 4\] name layer 4, but the model has 4 decoder layers"
+    ):
+        align_routes(routes(3), layout, backend, (2, 3, 4))  # raised before torch's IndexError
+    with pytest.raises(
+        ValueError, match=r"^route rows must be \[4 layers \(the model's num_layers=4\), top_k=2\]"
+    ):
+        align_routes(routes(3), layout, backend)
+    with pytest.raises(ValueError, match=r"^route rows must be \[2 layers \(one per route layer \[2, 3\]\)"):
+        align_routes(routes(3), layout, backend, (2, 3))

@@ -23,6 +23,7 @@ from r3lightning import (
     sampling_seed,
     text_reward,
 )
+from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.data.datamodule import DataOptions
 from r3lightning.rollout.config import CollectorConfig
 from r3lightning.wire.request import RouteSchema
@@ -164,11 +165,13 @@ def test_bad_settings_name_the_field():
         with pytest.raises(ValueError, match=f"^{name} must be {expected}, got"):
             CollectorConfig(group_size=2, **{name: value})
     with pytest.raises(ValueError, match=r"request_routes=True needs the route schema: schema=RouteSchema"):
-        RolloutCollector("http://127.0.0.1:1", prompt_reward, CollectorConfig(group_size=2))
+        RolloutCollector(
+            "http://127.0.0.1:1", prompt_reward, CollectorConfig(group_size=2), advantages=GRPOAdvantages()
+        )
     with pytest.raises(ValueError, match="each URL at most once"):
         make(["http://a:1", "http://a:1/"])
     with pytest.raises(TypeError, match="config must be a CollectorConfig, got dict"):
-        RolloutCollector("http://a:1", prompt_reward, {"group_size": 2})
+        RolloutCollector("http://a:1", prompt_reward, {"group_size": 2}, advantages=GRPOAdvantages())
     with pytest.raises(ValueError, match="token_ids must be a non-empty sequence"):
         RolloutPrompt([1, -2])
 
@@ -237,9 +240,9 @@ def test_two_ranks_collect_disjoint_groups_and_share_only_statistics():
 def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
     """The embedded engine (tiny Qwen3-MoE in bf16): varied samples per group, so advantages are
     the group-normalised rewards, and the same (seed, step) samples the same rollouts again."""
-    from r3lightning.serve.config import EngineConfig
-    from r3lightning.serve.server import RolloutServer
-    from r3lightning.testing.tiny import build_tiny_moe
+    from r3lightning.app.models.tiny import build_tiny_moe
+    from r3lightning.app.serve.config import EngineConfig
+    from r3lightning.app.serve.server import RolloutServer
 
     def reward(prompt: RolloutPrompt, response: list[int]) -> float:
         return sum(1 for t in response if t % 2 == prompt.token_ids[-1] % 2) / len(response)
@@ -250,7 +253,14 @@ def test_tiny_engine_groups_get_grpo_advantages_and_replay_deterministically():
     def collector(request_routes: bool) -> RolloutCollector:
         config = CollectorConfig(group_size=4, request_routes=request_routes, seed=7, progress=False)
         sampling = SamplingConfig(max_new_tokens=4, ignore_eos=True)
-        return RolloutCollector(server.url, reward, config, schema=RouteSchema(**schema), sampling=sampling)
+        return RolloutCollector(
+            server.url,
+            reward,
+            config,
+            advantages=GRPOAdvantages(),
+            schema=RouteSchema(**schema),
+            sampling=sampling,
+        )
 
     engine = EngineConfig(max_batch_size=1, copy_model=False)
     with RolloutServer(build_tiny_moe(seed=0), engine=engine) as server:

@@ -109,10 +109,10 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
     from aiohttp import web
     from safetensors.torch import load
 
-    from r3lightning.job.common import JobError
-    from r3lightning.job.engine import embedded_server
-    from r3lightning.job.main import compose_config
-    from r3lightning.job.validate import check_config
+    from r3lightning.app.job.common import JobError
+    from r3lightning.app.job.engine import embedded_server
+    from r3lightning.app.job.main import compose_config
+    from r3lightning.app.job.validate import check_config
 
     received: dict[int, dict] = {}
 
@@ -179,9 +179,9 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
     ],
 )
 def test_job_rollout_groups_are_checked_with_the_key_named(override, message):
-    from r3lightning.job.common import JobError
-    from r3lightning.job.main import compose_config
-    from r3lightning.job.validate import check_config
+    from r3lightning.app.job.common import JobError
+    from r3lightning.app.job.main import compose_config
+    from r3lightning.app.job.validate import check_config
 
     with pytest.raises(JobError) as info:
         check_config(compose_config([override]))
@@ -193,10 +193,10 @@ def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
     is a field of its dataclass, and an override reaches it."""
     import dataclasses
 
-    from r3lightning.job.main import compose_config
-    from r3lightning.job.rollout_settings import collector_config, retry_policy, server_settings
+    from r3lightning.app.job.main import compose_config
+    from r3lightning.app.job.rollout_settings import collector_config, retry_policy, server_settings
+    from r3lightning.app.serve.config import EngineConfig, ServerLimits
     from r3lightning.rollout.config import Backoff, CollectorConfig
-    from r3lightning.serve.config import EngineConfig, ServerLimits
 
     cfg = compose_config([])
     groups = {
@@ -225,10 +225,7 @@ def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
     retry, collector = retry_policy(cfg.rollout), collector_config(cfg.rollout)
     engine, limits = server_settings(cfg.rollout)
     assert retry.health_interval_s is None and retry.backoff.cap_s == 2.0 and retry.timeout_s == 120.0
-    # the job passes algorithm.normalize_std (Dr. GRPO by default) to the collector
-    assert collector == CollectorConfig(
-        group_size=4, seed=3, max_in_flight=7, reward_threads=0, normalize_std=False
-    )
+    assert collector == CollectorConfig(group_size=4, seed=3, max_in_flight=7, reward_threads=0)
     assert limits == ServerLimits(max_new_tokens_cap=99)
     assert engine == EngineConfig(max_batch_size=64, batch_wait_s=0.5, seed=3, copy_model=False)
 
@@ -236,9 +233,9 @@ def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
 async def test_job_names_the_real_health_timeout_of_an_unreachable_engine():
     from types import SimpleNamespace
 
-    from r3lightning.job.common import JobError
-    from r3lightning.job.main import compose_config
-    from r3lightning.job.rollout_loop import Engine, on_policy_loop
+    from r3lightning.app.job.common import JobError
+    from r3lightning.app.job.main import compose_config
+    from r3lightning.app.job.rollout_loop import Engine, on_policy_loop
     from r3lightning.wire.request import RouteSchema
 
     async with hung_engine() as url:

@@ -16,6 +16,7 @@ from fault_server import expected_generation
 from loopback import LoopbackServer
 from turn_engine import TurnEngine, route_row
 
+from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy, route_schema
@@ -81,7 +82,12 @@ async def test_every_wire_form_is_cut_to_the_held_layers_right_after_the_parse(
     buffer = ReplayBuffer(num_experts=num_experts)
     async with engine_for(protocol, dtype, num_experts) as engine:
         collector = RolloutCollector(
-            engine.url, lambda p, r: 1.0, config, schema=schema, sampling=SamplingConfig(max_new_tokens=G)
+            engine.url,
+            lambda p, r: 1.0,
+            config,
+            advantages=GRPOAdvantages(),
+            schema=schema,
+            sampling=SamplingConfig(max_new_tokens=G),
         )
         async with collector:
             result = await collector.clients[0].generate(
@@ -136,9 +142,10 @@ async def test_multi_turn_traces_hold_the_kept_layers_of_only_the_new_rows_of_ea
             engine.url,
             Environments(Chat, 3),
             config,
+            advantages=GRPOAdvantages(),
             schema=schema,
             sampling=SamplingConfig(max_new_tokens=G),
-            retry=ONE_TRY,
+            client_options={"retry": ONE_TRY},
         )
         async with collector:
             rollouts = await collector.collect_async(PROMPTS, step=1)

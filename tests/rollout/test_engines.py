@@ -315,9 +315,9 @@ def test_openai_body_without_token_ids_says_why():
 def test_dense_zero_rows_pass_the_wire_check_but_not_on_an_moe_layer_at_install():
     """The wire check exempts all-zero rows (it cannot tell dense layers); the replay backends
     know their MoE layers, never look at dense ones, and still refuse a zero row on an MoE layer."""
+    from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
     from r3lightning.replay.backend import validate_routes_for_install
     from r3lightning.replay.hf.replay import HFRouterReplay
-    from r3lightning.testing.tiny import build_tiny_moe, tiny_moe_config
 
     config = tiny_moe_config()
     model = build_tiny_moe(config, seed=0)
@@ -356,7 +356,7 @@ async def test_the_docs_client_snippet_runs_against_a_vllm_layout():
 
 @pytest.mark.parametrize("engine, protocol, path", CASES, ids=IDS)
 async def test_the_jobs_sampling_config_sends_its_stop_ids_in_each_protocol(engine, protocol, path):
-    from r3lightning.job.rollout_loop import SamplingConfig
+    from r3lightning.app.job.rollout_loop import SamplingConfig
 
     ids = expected_generation(PROMPT, 6, 0, num_layers=3, top_k=2, num_experts=300)[0]
     sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True, stop_token_ids=[ids[3]])

@@ -19,7 +19,7 @@ from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.config import RetryPolicy
 from r3lightning.rollout.episode import run_episode
 from r3lightning.rollout.prompts import RolloutPrompt
-from r3lightning.trace import RoutedExpertTrace
+from r3lightning.rollout.trace import RoutedExpertTrace
 from r3lightning.wire.errors import GenerateRequestError, MalformedResponseError
 from r3lightning.wire.request import RouteSchema
 
@@ -133,7 +133,7 @@ async def test_max_turns_stops_and_drops_the_unsent_observation():
 
 
 async def test_chat_messages_and_text_responses_go_through_the_tokenizer():
-    from r3lightning.testing.tiny_tokenizer import build_tiny_tokenizer
+    from r3lightning.app.models.tiny_tokenizer import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from r3lightning.rollout.calculator import CalculatorReward, CalculatorTask
+from r3lightning.app.tasks.calculator import CalculatorReward, CalculatorTask
+from r3lightning.app.tasks.token_class import ScoredTask, TokenClassTask
 from r3lightning.rollout.prompts import RolloutPrompt
-from r3lightning.rollout.tasks import ScoredTask, TokenClassTask
 
 # default ids: operands 4, 5; ASK 6, CALL 7, RESULT 8; fillers 9..95
 ASK, CALL, RESULT = 6, 7, 8

@@ -17,6 +17,7 @@ import pytest
 from fault_server import FaultServer, Status
 from turn_engine import TurnEngine, route_row
 
+from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.rollout.collector import EnginesUnavailableError, RolloutCollector
 from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
@@ -59,9 +60,10 @@ def make(engines, env=CountingEnv, max_turns=3, reward=None, **settings) -> Roll
         engines,
         Environments(env, max_turns) if reward is None else reward,
         config,
+        advantages=GRPOAdvantages(),
         schema=RouteSchema(**SCHEMA),
         sampling=SamplingConfig(max_new_tokens=G),
-        retry=ONE_TRY,
+        client_options={"retry": ONE_TRY},
     )
 
 
@@ -212,8 +214,8 @@ async def test_the_one_turn_text_environment_equals_the_single_turn_path():
 async def test_a_verl_dataset_and_its_compute_score_as_a_one_turn_environment(tmp_path):
     """PromptsFileTask records scored by text_environment equal the single-turn text reward's
     trajectories; a compute_score that raises scores 0 and is counted."""
-    from r3lightning.rollout.prompts_file import PromptsFileTask
-    from r3lightning.testing.tiny_tokenizer import build_tiny_tokenizer
+    from r3lightning.app.models.tiny_tokenizer import build_tiny_tokenizer
+    from r3lightning.app.tasks.prompts_file import PromptsFileTask
 
     tokenizer = build_tiny_tokenizer()
     rows = [
@@ -259,5 +261,9 @@ def test_arguments_are_checked():
         Environments(3)
     with pytest.raises(TypeError, match="reward_fn must be callable or Environments, got NoneType"):
         RolloutCollector(
-            "http://127.0.0.1:1", None, CollectorConfig(group_size=2), schema=RouteSchema(**SCHEMA)
+            "http://127.0.0.1:1",
+            None,
+            CollectorConfig(group_size=2),
+            advantages=GRPOAdvantages(),
+            schema=RouteSchema(**SCHEMA),
         )

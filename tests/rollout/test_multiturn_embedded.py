@@ -10,14 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from r3lightning.app.job.grpo import GRPOAdvantages
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.server import RolloutServer
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.config import CollectorConfig
 from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.prompts import SamplingConfig
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
 
 MOE_LAYERS = [1, 2, 3]  # layer 0 of the tiny model is dense
 PROMPTS = [[5, 6, 7, 8, 9], [30, 31, 32]]
@@ -43,6 +44,7 @@ def collect(server_model, **engine):
             server.url,
             Environments(ToolEnv, max_turns=5),
             CollectorConfig(group_size=2, progress=False),
+            advantages=GRPOAdvantages(),
             schema=server_model.config,
             sampling=SamplingConfig(max_new_tokens=6, ignore_eos=True),
         )

@@ -9,6 +9,7 @@ from gloo_ranks import run_ranks
 from loopback import served_in_thread
 from turn_engine import TurnEngine
 
+from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.config import CollectorConfig
 from r3lightning.rollout.environment import Environments
@@ -46,6 +47,7 @@ def collect(url, env):
         url,
         Environments(env, max_turns=3),
         CollectorConfig(group_size=2, seed=9, progress=False),
+        advantages=GRPOAdvantages(),
         schema=SCHEMA,
         sampling=SamplingConfig(max_new_tokens=3),
     )

@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from r3lightning.rollout.prompts_file import Columns, PromptsFileTask, read_rows
-from r3lightning.testing.tiny_tokenizer import CHARACTERS, build_tiny_tokenizer, save_tiny_checkpoint
+from r3lightning.app.models.tiny_tokenizer import CHARACTERS, build_tiny_tokenizer, save_tiny_checkpoint
+from r3lightning.app.tasks.prompts_file import Columns, PromptsFileTask, read_rows
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -149,6 +149,23 @@ def test_overlong_prompts_are_dropped_or_truncated_and_counted(tmp_path, tokeniz
         cut = (lambda ids: ids[-limit:]) if overlong == "truncate_left" else (lambda ids: ids[:limit])
         assert [list(r.token_ids) for r in records] == [f if len(f) <= limit else cut(f) for f in full]
     assert "2 truncated" in caplog.text or "2 of 4 prompts dropped" in caplog.text
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate_left"])
+def test_a_prompt_of_exactly_max_prompt_length_ids_is_kept_whole(tmp_path, tokenizer, overlong):
+    rows = verl_rows(2)
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    ids = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True)["input_ids"] for r in rows]
+    assert len(ids[0]) == len(ids[1])  # the premise: both prompts sit on the boundary together
+    at = PromptsFileTask(path, tokenizer, max_prompt_length=len(ids[0]), overlong=overlong, shuffle=False)
+    assert (at.dropped, at.truncated) == (0, 0)
+    assert [list(r.token_ids) for r in at.prompts_for_step(0, 2)] == ids
+    if overlong == "drop":  # one id fewer: both are over
+        with pytest.raises(ValueError, match=r"no usable prompt .* 2 longer than max_prompt_length"):
+            PromptsFileTask(path, tokenizer, max_prompt_length=len(ids[0]) - 1, overlong=overlong)
+    else:
+        below = PromptsFileTask(path, tokenizer, max_prompt_length=len(ids[0]) - 1, overlong=overlong)
+        assert below.truncated == 2
 
 
 def _rows(task, step, count):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from r3lightning.app.models.tiny_tokenizer import build_tiny_tokenizer
+from r3lightning.app.tasks.rewards import exact_match, extract_answer, math_answer
 from r3lightning.rollout.prompts import RolloutPrompt, TextReward, score_value
-from r3lightning.rollout.rewards import exact_match, extract_answer, math_answer
-from r3lightning.testing.tiny_tokenizer import build_tiny_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -178,7 +178,7 @@ def test_no_timeout_calls_the_scorer_in_the_callers_thread():
 
 
 def test_id_rewards_time_out_but_their_errors_end_the_run():
-    from r3lightning.rollout.tasks import ScoredTask, TokenClassTask
+    from r3lightning.app.tasks.token_class import ScoredTask, TokenClassTask
 
     release = threading.Event()
 

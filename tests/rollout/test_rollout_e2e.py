@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.serve.engine import GenerationRequest
+from r3lightning.app.serve.sampling import SamplingParams
+from r3lightning.app.serve.server import RolloutServer
 from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.config import RetryPolicy
-from r3lightning.serve.config import EngineConfig, ServerLimits
-from r3lightning.serve.engine import GenerationRequest
-from r3lightning.serve.sampling import SamplingParams
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
-from r3lightning.trace import RoutedExpertTrace
+from r3lightning.rollout.trace import RoutedExpertTrace
 from r3lightning.wire.errors import GenerateRequestError
 from r3lightning.wire.request import RouteSchema
 
@@ -178,7 +178,7 @@ def test_command_line_server_serves_and_stops_on_sigterm():
         [
             sys.executable,
             "-m",
-            "r3lightning.serve.cli",
+            "r3lightning.app.serve.cli",
             "--port",
             "0",
             "--api-key",

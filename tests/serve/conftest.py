@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.server import RolloutServer
 
 
 @pytest.fixture

@@ -15,18 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from r3lightning.correction.grpo import GRPOConfig, k3_terms, mismatch_metrics
+from r3lightning.app.job.grpo import GRPOConfig, k3_terms, mismatch_metrics
+from r3lightning.app.job.module import GRPOModule
+from r3lightning.app.models.tiny import build_tiny_moe, tiny_family_config
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.engine import GenerationEngine, GenerationRequest
+from r3lightning.app.serve.invariance import RowTiledLinear
+from r3lightning.app.serve.sampling import SamplingParams
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.data.trajectory import Trajectory
-from r3lightning.job.module import GRPOModule
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.engine import GenerationEngine, GenerationRequest
-from r3lightning.serve.invariance import RowTiledLinear
-from r3lightning.serve.sampling import SamplingParams
-from r3lightning.testing.tiny import build_tiny_moe, tiny_family_config
 
 MOE_LAYERS = [1, 2, 3]  # the tiny Qwen3-MoE: layer 0 is dense
 
@@ -322,7 +322,7 @@ def test_same_seed_gives_identical_metrics_rows_under_load(tmp_path):
     """Both arms, twice: once on a quiet engine taking every request of a step in one batch, once
     while threads compete with the engine and requests trickle in a few at a time (what machine
     load does to the batches): identical rows except the wall-clock columns (rollout_s, train_s)."""
-    from r3lightning.job.main import compose_config, run
+    from r3lightning.app.job.main import compose_config, run
 
     overrides = [
         "experiment=compare",
@@ -360,7 +360,7 @@ def test_same_seed_gives_identical_metrics_rows_under_load(tmp_path):
 
 @pytest.mark.slow
 def test_paired_mismatch_every_n_steps(tmp_path):
-    from r3lightning.job.main import compose_config, run
+    from r3lightning.app.job.main import compose_config, run
 
     overrides = ["steps=3", "prompts_per_step=2", "plot=false", "trainer.enable_progress_bar=false"]
     history = run(compose_config([*overrides, "algorithm.mismatch_every_n_steps=2"]), tmp_path)["replay=r3"]
@@ -369,8 +369,8 @@ def test_paired_mismatch_every_n_steps(tmp_path):
 
 
 def test_job_passes_the_engine_settings_and_names_a_bad_one(tmp_path):
-    from r3lightning.job.main import compose_config, run
-    from r3lightning.job.setup import JobError
+    from r3lightning.app.job.main import compose_config, run
+    from r3lightning.app.job.setup import JobError
 
     cfg = compose_config(["experiment=compare_realistic"])
     assert cfg.rollout.server.simulated_disagreement == 0.1 and list(cfg.compare) == ["r3", "off"]

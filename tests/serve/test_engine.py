@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from r3lightning.app.models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config, tiny_moe_config
+from r3lightning.app.serve.config import EngineConfig
+from r3lightning.app.serve.engine import GenerationEngine, GenerationRequest
+from r3lightning.app.serve.sampling import SamplingParams, sample_token
+from r3lightning.app.serve.server import RolloutServer
 from r3lightning.replay.context import as_backend, record_routes
-from r3lightning.serve.config import EngineConfig
-from r3lightning.serve.engine import GenerationEngine, GenerationRequest
-from r3lightning.serve.sampling import SamplingParams, sample_token
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config, tiny_moe_config
 
 MOE_LAYERS = [1, 2, 3]  # the tiny model's layer 0 is dense
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from r3lightning.serve.config import EngineConfig, ServerLimits
-from r3lightning.serve.engine import GenerationRequest
-from r3lightning.serve.sampling import SamplingParams
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.serve.engine import GenerationRequest
+from r3lightning.app.serve.sampling import SamplingParams
+from r3lightning.app.serve.server import RolloutServer
 
 
 def _prompt(seed: int, length: int) -> list[int]:

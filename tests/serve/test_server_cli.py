@@ -23,7 +23,7 @@ def _free_port() -> tuple[socket.socket, int]:
 
 
 def _cli_error(capsys, argv: list[str]) -> str:
-    from r3lightning.serve.cli import main
+    from r3lightning.app.serve.cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -54,7 +54,7 @@ def test_cli_model_that_is_not_a_local_directory_fails_in_one_line_without_netwo
 @run_if(cuda=False)  # checks the error on a machine without CUDA
 def test_cli_cuda_device_without_cuda(capsys):
     err = _cli_error(capsys, ["--device", "cuda"])
-    assert "--device cuda: CUDA is not available on this machine; use --device cpu" in err
+    assert "--device 'cuda': CUDA is not available on this machine; use 'cpu'" in err
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_cli_cuda_device_without_cuda(capsys):
     [
         (["--port", "99999"], "argument --port: expected an integer in [0, 65535], got 99999"),
         (["--port", "x"], "argument --port: expected an integer in [0, 65535], got 'x'"),
-        (["--device", "tpu:0"], "--device tpu:0: "),
+        (["--device", "tpu:0"], "--device must be None, 'cpu', 'cuda' or 'cuda:N', got 'tpu:0'"),
         (["--host", "0.0.0.0"], "host '0.0.0.0' is reachable from other machines but no api_key is set"),
         (["--max-queue", "-1"], "max_queue must be an integer >= 0, got -1"),
         (["--max-weights-bytes", "0"], "max_weights_bytes must be an integer >= 1, got 0"),
@@ -80,9 +80,14 @@ def test_cli_bad_arguments_fail_in_one_line(capsys, argv, message):
 def test_cli_has_a_flag_per_engine_and_limit_setting():
     import dataclasses
 
-    from r3lightning.serve import cli
-    from r3lightning.serve.config import EngineConfig, ServerLimits
+    from r3lightning.app.serve import cli
+    from r3lightning.app.serve.config import EngineConfig, ServerLimits
 
+    # the flag set comes from the dataclasses' fields: a new setting gets its flag
+    parser_flags = _flags()
+    for cls in (EngineConfig, ServerLimits):
+        for field in dataclasses.fields(cls):
+            assert f"--{field.name.replace('_', '-')}" in parser_flags, field.name
     limit_flags = ["--max-queue", "3", "--max-request-bytes", "none", "--header-timeout", "2.5"]
     engine_flags = [
         "--dtype",
@@ -94,24 +99,35 @@ def test_cli_has_a_flag_per_engine_and_limit_setting():
         "--seed",
         "7",
     ]
+    engine_flags += ["--simulated-disagreement", "0.1", "--copy-model", "true", "--device", "cpu"]
     args = cli._parse_args([*limit_flags, "--body-timeout", "4", *engine_flags])
-    limits = ServerLimits(**{name: getattr(args, name) for name in cli._LIMIT_FLAGS})
+    limits = ServerLimits(**cli._settings(ServerLimits, args))
     assert limits == ServerLimits(max_queue=3, max_request_bytes=None, header_timeout_s=2.5, body_timeout_s=4)
-    engine = {name: getattr(args, name) for name in cli._ENGINE_FLAGS}
-    assert engine == {
+    engine = EngineConfig(**cli._settings(EngineConfig, args))
+    expected = {
         "dtype": "float32",
-        "device": None,
-        "max_batch_size": 8,
+        "device": "cpu",
         "batch_wait_s": 0.01,
         "seed": 7,
         "batch_invariant": False,
     }
-    assert set(cli._LIMIT_FLAGS) == {f.name for f in dataclasses.fields(ServerLimits)}
-    # the rest are the job's and the library's: a private copy, and a simulation knob
-    assert {f.name for f in dataclasses.fields(EngineConfig)} - set(cli._ENGINE_FLAGS) == {
-        "copy_model",
-        "simulated_disagreement",
-    }
+    assert engine == EngineConfig(**expected, simulated_disagreement=0.1, copy_model=True)
+    # unset: the dataclass's defaults, except copy_model (the CLI loads a model of its own)
+    defaults = EngineConfig(**cli._settings(EngineConfig, cli._parse_args([])))
+    assert defaults == EngineConfig(copy_model=False)
+
+
+def _flags() -> set[str]:
+    """Every option string ``r3lightning-serve --help`` lists."""
+    import contextlib
+    import io
+
+    from r3lightning.app.serve import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        cli._parse_args(["--help"])
+    return {word.rstrip(",") for word in out.getvalue().split() if word.startswith("--")}
 
 
 def test_cli_port_in_use_fails_in_one_line(capsys):
@@ -123,7 +139,7 @@ def test_cli_port_in_use_fails_in_one_line(capsys):
 
 def test_cli_entry_point_exits_2_with_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "r3lightning.serve.cli", "--port", "99999"],
+        [sys.executable, "-m", "r3lightning.app.serve.cli", "--port", "99999"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -138,7 +154,7 @@ def test_cli_serves_until_sigint_and_exits_0():
     import os
     import signal
 
-    command = [sys.executable, "-m", "r3lightning.serve.cli", "--port", "0", "--device", "cpu"]
+    command = [sys.executable, "-m", "r3lightning.app.serve.cli", "--port", "0", "--device", "cpu"]
     command += ["--max-new-tokens-cap", "8"]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

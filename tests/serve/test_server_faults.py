@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from server_support import GOOD, post, raw_request, status_line, still_serving
 
-from r3lightning.serve.config import EngineConfig, ServerLimits
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.serve.server import RolloutServer
 
 # --------------------------------------------------------------------------- sampling
 

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save
 from server_support import post, raw_request, same_weights, status_line, still_serving, weights_of
 
-from r3lightning.serve.config import EngineConfig, ServerLimits
-from r3lightning.serve.server import RolloutServer
-from r3lightning.testing.tiny import build_tiny_moe
+from r3lightning.app.models.tiny import build_tiny_moe
+from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.serve.server import RolloutServer
 
 # --------------------------------------------------------------------------- weight uploads
 

@@ -8,7 +8,7 @@ import sys
 def train_cli(*args: str) -> None:
     """Run the job's console entry point with ``args`` as its command line (Hydra reads
     ``sys.argv``); a failure raises ``SystemExit`` with the exit status, as the script exits."""
-    from r3lightning.job.main import main
+    from r3lightning.app.job.main import main
 
     saved = sys.argv
     sys.argv = ["r3lightning-train", *args]

@@ -1,6 +1,6 @@
 """Tiny megatron-core MoE configs and the CPU shims megatron-core 0.16.1 needs, for the megatron tests.
 
-The shims themselves are the package's :func:`r3lightning.testing.megatron_cpu.megatron_device_shims`.
+The shims themselves are the package's :func:`r3lightning.app.models.megatron_cpu.megatron_device_shims`.
 
 Used in-process by the megatron replay tests (their ``megatron_cpu`` fixture, models and route
 helpers) and by the spawned ranks of megatron_tp_worker.
@@ -21,7 +21,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from r3lightning.testing.megatron_cpu import megatron_device_shims
+from r3lightning.app.models.megatron_cpu import megatron_device_shims
 
 LAYERS, EXPERTS, TOP_K, HIDDEN = 4, 8, 2, 16
 

@@ -8,10 +8,10 @@ import lightning.pytorch as pl
 import torch
 from replay_policy import LAYERS, engine_dense, make_batch, position_ids, real_rows
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
-from r3lightning.testing.tiny import build_tiny_moe
 
 
 def seven_batch():

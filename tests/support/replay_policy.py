@@ -11,11 +11,11 @@ from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 from trainers import cpu_trainer
 
+from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes
-from r3lightning.testing.tiny import build_tiny_moe
 
 LAYERS = [1, 2, 3]  # MoE layers of the tiny model (layer 0 is dense)
 

@@ -9,6 +9,7 @@ import numpy as np
 from fault_server import FaultServer, expected_generation
 
 from r3lightning import RemoteGenerateClient, RolloutCollector, RolloutPrompt, SamplingConfig
+from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.wire.request import RouteSchema
 
@@ -57,13 +58,22 @@ def prompt_reward(prompt: RolloutPrompt, response: list[int]) -> float:
 
 
 def make_collector(
-    engines, reward=prompt_reward, retry=FAST_RETRY, schema=None, **settings
+    engines, reward=prompt_reward, retry=FAST_RETRY, schema=None, advantages=None, **settings
 ) -> RolloutCollector:
-    """A collector of groups of 2, 3 new tokens each; ``settings`` are CollectorConfig fields."""
+    """A collector of groups of 2, 3 new tokens each (GRPO advantages unless ``advantages``);
+    ``settings`` are CollectorConfig fields."""
     config = CollectorConfig(**{"group_size": 2, "progress": False, **settings})
     schema = RouteSchema(**SCHEMA) if schema is None else schema
     sampling = SamplingConfig(max_new_tokens=3)
-    return RolloutCollector(engines, reward, config, schema=schema, sampling=sampling, retry=retry)
+    return RolloutCollector(
+        engines,
+        reward,
+        config,
+        advantages=advantages or GRPOAdvantages(),
+        schema=schema,
+        sampling=sampling,
+        client_options={"retry": retry},
+    )
 
 
 async def collect(engines, prompts, step: int, **kwargs):

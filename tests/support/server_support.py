@@ -9,7 +9,7 @@ import json
 import aiohttp
 import torch
 
-from r3lightning.serve.server import RolloutServer
+from r3lightning.app.serve.server import RolloutServer
 
 GOOD = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
 

@@ -7,7 +7,7 @@ boundary tokens included. Written with plain json +
 base64 (nothing from the package under test). Responses are :func:`response_ids` of the prompt
 and the request's seed; logprobs ``-0.01 * (position + 1)``. Each request pops an action from
 ``script`` (``"ok"`` when empty): ``Status`` answers that HTTP status, ``"extra_row"`` sends one
-row too many (a broken engine). ``served`` keeps (prompt, start, response, routes) of every ok answer.
+row too many (a broken engine). Routes go as uint8, or int16 past 256 experts. ``served`` keeps (prompt, start, response, routes) of every ok answer.
 """
 
 from __future__ import annotations
@@ -68,10 +68,11 @@ class TurnEngine(LoopbackServer):
         tokens = prompt + ids
         routes = self.rows(tokens, len(prompt), start, len(tokens) - 1 + (action == "extra_row"))
         self.served.append((prompt, start, ids, routes))
+        dtype = "uint8" if self.schema[2] <= 256 else "int16"  # the compact wire dtype of the ids
         envelope = {
-            "data": base64.b64encode(routes.astype(np.uint8).tobytes()).decode(),
+            "data": base64.b64encode(routes.astype(dtype).tobytes()).decode(),
             "shape": list(routes.shape),
-            "dtype": "uint8",
+            "dtype": dtype,
         }
         logprobs = [{"logprob": -0.01 * (len(prompt) + i + 1)} for i in range(len(ids))]
         choice = {"token_ids": ids, "finish_reason": "length", "logprobs": {"content": logprobs}}

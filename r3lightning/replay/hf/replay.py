@@ -9,8 +9,11 @@ from torch import Tensor, nn
 
 from r3lightning.replay.backend import (
     agreement_counts,
+    agreement_hits,
+    check_soft_threshold,
     in_recompute,
     routes_on_all_layers,
+    soft_replay_indices,
     validate_routes_for_install,
 )
 from r3lightning.replay.hf.routers import RouterAdapter, find_routers
@@ -26,12 +29,17 @@ def __getattr__(name: str) -> object:  # the old flat r3lightning.replay.hf serv
 
 class HFRouterReplay:
     """``RouterReplayBackend`` for the routers inside ``model``, by layer name (``...layers.<i>....``);
-    ``validate``: check installed ids (host syncs). Per router call with routes: an int64 widening, a
-    ``where``, the weight formula and two ``[N, K, K]`` comparisons on device, no sync; idle hooks
-    return at once. Recording keeps an int32 ``[N, K]`` per MoE layer and forward."""
+    ``validate``: check installed ids (host syncs); ``soft_threshold``: soft replay
+    (:func:`~r3lightning.replay.backend.soft_replay_indices`; None: plain replay). Per router call
+    with routes: an int64 widening, a ``where``, the weight formula and two ``[N, K, K]`` comparisons
+    on device, no sync (soft replay: an fp32 softmax ``[N, E]`` and three more); idle hooks return at
+    once. Recording keeps an int32 ``[N, K]`` per MoE layer and forward."""
 
-    def __init__(self, model: nn.Module, *, validate: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, *, validate: bool = True, soft_threshold: float | None = None
+    ) -> None:
         self.validate = validate
+        self.soft_threshold = check_soft_threshold(soft_threshold)
         found = find_routers(model)
         layers = [layer for layer, *_ in found]
         shapes = {(int(getattr(m, a.top_k_attr)), int(getattr(m, a.num_experts_attr))) for *_, m, a in found}
@@ -83,7 +91,7 @@ class HFRouterReplay:
         self._routes: Tensor | None = None  # [N, num_layers, top_k], compact dtype as installed
         self._mask: Tensor | None = None  # [N] bool
         self._token_shape: tuple[int, ...] | None = None
-        self._stats: Tensor | None = None  # [2, moe_layers] int64 on device: agreement_counts
+        self._stats: Tensor | None = None  # [4, moe_layers] int64 on device: agreement_counts, used, kept
         # per open recording (they nest), per forward: (token shape, {layer: experts [N, K] int32})
         self._sessions: list[list[tuple[tuple[int, ...], dict[int, Tensor]]]] = []
 
@@ -122,8 +130,13 @@ class HFRouterReplay:
     def routing_stats(self) -> dict:
         """:meth:`RouterReplayBackend.routing_stats` (the forward uses every expert it replays)."""
         empty = self._stats is None
-        rows, slots = torch.zeros((2, len(self.moe_layers)), dtype=torch.int64) if empty else self._stats
-        return dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)
+        rows, slots, used, kept = (
+            torch.zeros((4, len(self.moe_layers)), dtype=torch.int64) if empty else self._stats
+        )
+        stats = dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)
+        if self.soft_threshold is not None:  # soft replay uses only the experts it keeps (and refills)
+            stats |= dict(used_slots=used, kept_slots=kept)
+        return stats
 
     def _on_first_moe_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not self._sessions or in_recompute():
@@ -152,14 +165,26 @@ class HFRouterReplay:
                         self._mask = self._mask.to(native.device, non_blocking=True)
                 installed, mask = self._routes[:, layer].long(), self._mask  # [N, K]: only this layer widened
                 indices = installed if mask is None else torch.where(mask[:, None], installed, native)
+                kept = None
+                if self.soft_threshold is not None:
+                    logits = output[p_logits]
+                    indices, kept = soft_replay_indices(indices, native, logits, self.soft_threshold, mask)
                 # in the dtype the router returns: ERNIE computes in fp32 and rounds to its input's
                 weights = adapter.gate_weights(module, output[p_logits], indices).to(output[p_weights].dtype)
+                if kept is not None:  # a row with no replayed expert kept is the router's own output
+                    weights = torch.where(kept.any(-1, keepdim=True), weights, output[p_weights])
                 replaced = list(output)
                 replaced[p_weights], replaced[p_indices] = weights, indices
                 if not recompute:
                     if self._stats is None:
-                        self._stats = native.new_zeros((2, len(self.moe_layers)), dtype=torch.int64)
-                    self._stats[:, position] += agreement_counts(installed, native, mask)
+                        self._stats = native.new_zeros((4, len(self.moe_layers)), dtype=torch.int64)
+                    self._stats[:2, position] += agreement_counts(installed, native, mask)
+                    if kept is not None:
+                        with torch.no_grad():
+                            rows = torch.ones_like(kept[:, 0]) if mask is None else mask
+                            used = agreement_hits(installed, indices) & rows[:, None]
+                            self._stats[2, position] += used.sum()
+                            self._stats[3, position] += kept.sum()
             if self._sessions and not recompute:
                 used = indices.detach().to(torch.int32)
                 for session in self._sessions:

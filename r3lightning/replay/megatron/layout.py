@@ -8,7 +8,8 @@ import torch
 from megatron.core import parallel_state
 from torch import Tensor
 
-from r3lightning.align.layout import TokenMetadataLayout, check_int, check_rank
+from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.checks import check_int, check_rank
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.batch_fields import host_attention_mask
 

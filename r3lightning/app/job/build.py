@@ -1,0 +1,229 @@
+"""From config nodes to objects (``_target_`` nodes, settings dataclasses, the model, replay backend,
+task, callbacks and ``Trainer``), every failure a one-line :class:`JobError` naming the config key."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from r3lightning.app.job.common import JobError, one_line
+from r3lightning.app.job.models import torch_dtype
+from r3lightning.app.job.sharded import meta_model
+from r3lightning.app.tasks.token_class import ScoredTask
+from r3lightning.replay.backend import check_soft_threshold
+from r3lightning.replay.hf.replay import HFRouterReplay
+
+__all__ = ["JobError", "instantiate_node", "plain", "tensorboard_if_installed"]
+
+MEGATRON_HINT = 'pip install "r3lightning[megatron]"'
+
+
+def megatron_installed() -> bool:
+    """Whether megatron-core can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):  # no parent package, or one set to None in sys.modules
+        return False
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python containers, interpolations resolved."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def _import(target: str) -> Any:
+    """The object ``"package.module.attr"`` names, importing modules along the way."""
+    parts = target.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        name = ".".join(parts[: i + 1])
+        if not hasattr(obj, part) and inspect.ismodule(obj):
+            try:
+                importlib.import_module(name)  # a submodule not imported yet
+            except ModuleNotFoundError as exc:
+                if exc.name != name:  # the submodule exists but needs a missing package
+                    raise
+        if not hasattr(obj, part):
+            kind = "module" if inspect.ismodule(obj) else type(obj).__name__
+            raise AttributeError(f"{kind} {'.'.join(parts[:i])!r} has no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def import_problem(exc: BaseException) -> str:
+    """Why an import failed, in one line; a missing megatron-core names the extra to install."""
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    if missing is not None and missing.split(".")[0] == "megatron":
+        return f"megatron-core is not installed: {MEGATRON_HINT}"
+    return one_line(exc) if missing is None else f"no module named {missing!r} (is its package installed?)"
+
+
+def target_of(node: Any, key: str) -> Any:
+    """The object ``node._target_`` names; a :class:`JobError` naming ``key`` when it cannot be."""
+    values = plain(node)
+    if not isinstance(values, Mapping) or "_target_" not in values:
+        raise JobError(f"{key} must be a mapping with a _target_, got {values!r}")
+    target = values["_target_"]
+    if not isinstance(target, str) or not target:
+        raise JobError(f"{key}._target_ must be an importable 'module.attribute' string, got {target!r}")
+    try:
+        return _import(target)
+    except Exception as exc:
+        raise JobError(f"{key}._target_: cannot import {target!r}: {import_problem(exc)}") from None
+
+
+def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
+    """``hydra.utils.instantiate(node, **job_kwargs)``; every failure a :class:`JobError` naming ``key``."""
+    target_of(node, key)
+    try:
+        return instantiate(plain(node), **job_kwargs)
+    except InstantiationException as exc:
+        text = one_line(exc.__cause__ or exc).split(" full_key:")[0]
+        raise JobError(f"{key}: {text.split(', set env var')[0]}") from None
+    except (TypeError, ValueError) as exc:
+        raise JobError(f"{key}: {one_line(exc)}") from None
+
+
+def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
+    """``(name, node)`` of the ``callbacks`` entry building a ``RouterReplayCallback`` (None if removed)."""
+    from r3lightning.replay.callback import RouterReplayCallback
+
+    for name, node in cfg.callbacks.items():
+        target = None if node is None else target_of(node, f"callbacks.{name}")
+        if isinstance(target, type) and issubclass(target, RouterReplayCallback):
+            return str(name), node
+    return None
+
+
+def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Module:
+    """The policy from ``model._target_`` (a trainer's with ``model.sharded_weights``: on the meta device)."""
+    values = {k: v for k, v in plain(model_cfg).items() if k not in ("runtime", "sharded_weights")}
+    if trainer and model_cfg.get("sharded_weights") is not None:
+        path = Path(str(values.get("path"))).expanduser()
+        if values.get("path") is None or not (path / "config.json").is_file():
+            raise JobError(
+                f"model.sharded_weights needs model.path: a directory with a config.json, got {values.get('path')}"
+            )
+        return meta_model(path, dtype=torch_dtype(values.get("dtype", "float32"), "model.dtype"))
+    model = instantiate_node(values, "model")
+    if not isinstance(model, torch.nn.Module):
+        raise JobError(
+            f"model._target_ {values['_target_']!r} must return a torch.nn.Module, got {type(model).__name__}"
+        )
+    return model
+
+
+def replay_backend(cfg: DictConfig, model: torch.nn.Module):
+    """The router replay backend of ``model`` named by the replay callback's ``backend`` key."""
+    replay = replay_callback_settings(cfg)
+    kind = "hf" if replay is None else replay[1].get("backend", "hf")
+    if kind not in ("hf", "megatron", None):
+        raise JobError(f"callbacks.router_replay.backend must be hf or megatron, got {kind!r}")
+    megatron_model = callable(getattr(model, "router_replay_backend", None))
+    soft = cfg.replay.get("soft_threshold")
+    if soft is not None and (kind == "megatron" or cfg.replay.mode != "r3"):
+        why = (
+            "the megatron backend replays ids as given"
+            if kind == "megatron"
+            else f"replay.mode is {cfg.replay.mode}"
+        )
+        raise JobError(f"replay.soft_threshold needs replay=r3 with the hf backend; {why} (set it to null)")
+    try:
+        if kind != "megatron":
+            backend = HFRouterReplay.for_model(model)
+            backend.soft_threshold = check_soft_threshold(soft)
+            return backend
+        if megatron_model:
+            return model.router_replay_backend()
+        from r3lightning.replay.megatron.replay import MegatronRouterReplay
+
+        return MegatronRouterReplay(model, validate=False)
+    except (TypeError, ValueError, LookupError) as exc:
+        hint = " (a Hugging Face model: use callbacks=router_replay)" if kind == "megatron" else ""
+        if megatron_model and kind != "megatron":
+            hint = " (this model routes with megatron-core: use callbacks=router_replay_megatron)"
+        raise JobError(f"callbacks.router_replay.backend={kind}: {one_line(exc)}{hint}") from None
+
+
+def build_task(cfg: DictConfig, vocab_size: int | None):
+    """The task and its reward (``reward.timeout_s`` bounds each scorer call) as a ``ScoredTask``."""
+    extra = {}
+    if "vocab_size" in cfg.task and cfg.task.vocab_size is None:
+        if vocab_size is None:
+            raise JobError("task.vocab_size must be set: the model has no config.vocab_size")
+        extra["vocab_size"] = vocab_size
+    prompts = instantiate_node(cfg.task, "task", **extra)
+    reward = instantiate_node({k: v for k, v in plain(cfg.reward).items() if k != "timeout_s"}, "reward")
+    try:
+        return ScoredTask(prompts, reward, timeout_s=cfg.reward.get("timeout_s", 60.0))
+    except TypeError as exc:
+        raise JobError(str(exc)) from None
+
+
+def trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
+    """``trainer.*`` as ``Trainer`` keywords, values with a ``_target_`` (strategy, ...) instantiated."""
+    return {
+        k: instantiate_node(v, f"trainer.{k}") if isinstance(v, dict) and "_target_" in v else v
+        for k, v in plain(trainer_cfg).items()
+    }
+
+
+def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
+    """The ``callbacks`` dict, in order (``null`` drops an entry); the replay callback gets the job's
+    backend, mode and ``replay.strict`` (null: strict for r3 with an external engine)."""
+    replay, out = replay_callback_settings(cfg), []
+    for name, node in cfg.callbacks.items():
+        if node is None:
+            continue
+        extra: dict[str, Any] = {}
+        if replay is not None and name == replay[0]:
+            extra = {"backend": backend, "mode": mode}
+            strict = cfg.replay.get("strict")
+            if strict is None and cfg.rollout.url is not None and mode == "r3":
+                strict = True  # an external engine without routes is misconfigured: never train natively
+            if strict is not None:
+                extra["strict"] = bool(strict)
+        values = {k: v for k, v in plain(node).items() if k != "backend"}  # the job builds the backend
+        out.append(instantiate_node(values, f"callbacks.{name}", **extra))
+    return out
+
+
+def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: float | None):
+    """The ``Trainer``: ``trainer.*`` over the job's defaults (``loggers`` saving into ``out_dir``)."""
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    kwargs = trainer_kwargs(cfg.trainer)
+    if "logger" not in kwargs:  # None entries (tensorboard_if_installed without it) are dropped
+        logs = [  # checked by check_config: mappings with a _target_; their own save_dir wins
+            instantiate_node({"save_dir": str(out_dir), **plain(node)}, f"loggers[{i}]")
+            for i, node in enumerate(cfg.loggers or [])
+        ]
+        kwargs["logger"] = [logger for logger in logs if logger is not None] or False
+    defaults = {"gradient_clip_val": grad_clip, "default_root_dir": str(out_dir), "num_sanity_val_steps": 0}
+    try:
+        return pl.Trainer(
+            **{**defaults, "enable_model_summary": False, **kwargs},
+            max_epochs=int(cfg.steps),
+            reload_dataloaders_every_n_epochs=1,
+            callbacks=callbacks,
+        )
+    except (MisconfigurationException, TypeError, ValueError) as exc:
+        raise JobError(f"trainer: {one_line(exc)}") from None
+
+
+def tensorboard_if_installed(save_dir: str, name: str = "tensorboard", **kwargs: Any):
+    """A ``TensorBoardLogger`` if ``tensorboard`` or ``tensorboardX`` is installed, else None (not logged)."""
+    if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
+        return None
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return TensorBoardLogger(save_dir, name=name, **kwargs)

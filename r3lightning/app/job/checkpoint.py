@@ -1,0 +1,115 @@
+"""A run's ``last.ckpt`` and ``fingerprint.json``, and resuming from them (docs/job.md, Outputs)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
+
+from r3lightning.app.job.build import plain
+from r3lightning.app.job.common import JobError, one_line
+
+FINGERPRINT = "fingerprint.json"
+_FIX = "delete it to start this run over, or set resume=false or another hydra.run.dir"
+
+
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(value, dict) or not value:
+        return {prefix.removesuffix("."): value}
+    return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+
+
+def fingerprint(cfg: DictConfig) -> dict[str, Any]:
+    """``{dotted key: value}`` of the resolved ``task``, ``reward`` and ``model`` (``seed`` at 0: seeds
+    live side by side), plus ``data.task.<key>``: size and blake2b of each file a ``task.<key>`` names."""
+    cfg = OmegaConf.merge(cfg, {"seed": 0})
+    out = _flat({key: plain(cfg[key]) for key in ("task", "reward", "model")})
+    for key, value in plain(cfg.task).items():
+        if isinstance(value, str) and (path := Path(value).expanduser()).is_file():
+            with path.open("rb") as f:  # streamed
+                digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+            out[f"data.task.{key}"] = f"{path.stat().st_size} bytes, blake2b {digest}"
+    return json.loads(json.dumps(out, default=str))
+
+
+def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
+    """Unless ``resume=false``, a :class:`JobError` if a run in ``run_dir`` has another fingerprint."""
+    saved_runs = [p for p in sorted(Path(run_dir).rglob(FINGERPRINT)) if (p.parent / "checkpoints").is_dir()]
+    current = fingerprint(cfg) if cfg.resume and saved_runs else {}
+    for path in saved_runs if current else []:
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise JobError(f"{path} cannot be read ({one_line(exc)[:120]}); {_FIX}") from None
+        for key in [*current, *(k for k in saved if k not in current)]:  # task, reward, model, data
+            old, new = (repr(side[key]) if key in side else "absent" for side in (saved, current))
+            if old != new:
+                what = "the file differs" if key.startswith("data.") else f"{old} there, {new} now"
+                raise JobError(
+                    f"{path.parent} was trained on another task, dataset or model ({key.removeprefix('data.')}: "
+                    f"{what}); run with its settings to resume it, or use another hydra.run.dir"
+                )
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """``<run>/checkpoints/last.ckpt`` after every step, and the run's fingerprint beside it."""
+
+    def __init__(self, out_dir: Path, cfg: DictConfig) -> None:
+        super().__init__(
+            out_dir / "checkpoints", "last", save_top_k=1, every_n_epochs=1, enable_version_counter=False
+        )
+        self.path, self.fingerprint = out_dir / FINGERPRINT, fingerprint(cfg)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        if trainer.is_global_zero and not self.path.exists():
+            self.path.write_text(json.dumps(self.fingerprint, indent=1) + "\n")
+
+
+def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:
+    """``({parameter: shape}, steps done)`` of a ``torch.save``d file (memory-mapped) or a
+    ``ModelParallelStrategy`` checkpoint folder (``.metadata``, ``meta.pt``), tensors unread."""
+    if last.is_dir():
+        metadata = FileSystemReader(str(last)).read_metadata().state_dict_metadata
+        tensors = {
+            k.removeprefix("state_dict."): v for k, v in metadata.items() if k.startswith("state_dict.")
+        }
+        shapes = {k: tuple(v.size) for k, v in tensors.items() if hasattr(v, "size")}
+        return shapes, int(torch.load(last / "meta.pt", map_location="cpu", weights_only=False)["epoch"]) + 1
+    state = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
+    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
+        raise ValueError("not a Lightning checkpoint")
+    shapes = {k: tuple(v.shape) for k, v in state["state_dict"].items() if isinstance(v, torch.Tensor)}
+    return shapes, int(state["epoch"]) + 1
+
+
+def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
+    """``<run>/checkpoints/last.ckpt`` if ``resume`` and it exists, once checked to be readable, saved
+    for this model and no further than ``steps``. Cost: its metadata is read, not its tensors."""
+    last = out_dir / "checkpoints" / "last.ckpt"
+    if not cfg.resume or not last.exists():
+        return None
+    try:
+        saved, done = _saved_shapes(last)
+    except Exception as exc:
+        raise JobError(
+            f"checkpoint {last} cannot be read ({one_line(exc)[:160] or type(exc).__name__}); {_FIX}"
+        ) from None
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    if expected != saved:
+        key = (sorted(set(expected) ^ set(saved)) or [k for k in expected if expected[k] != saved[k]])[0]
+        raise JobError(
+            f"checkpoint {last} was saved for another model ({key}: {saved.get(key, 'absent')} in the "
+            f"checkpoint, {expected.get(key, 'absent')} in this model); {_FIX}"
+        )
+    if int(cfg.steps) < done:
+        raise JobError(
+            f"steps={int(cfg.steps)} is below the {done} steps this run has done ({last}); "
+            f"set steps={done} or more to continue, or {_FIX}"
+        )
+    return str(last)

@@ -1,0 +1,206 @@
+"""The job's LightningModule: GRPO on a causal (MoE) LM whose routes the replay callback installs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from r3lightning.align.layout import TokenMetadataLayout, position_ids_from_mask
+from r3lightning.app.job.grpo import (
+    GRPOConfig,
+    gspo_loss,
+    masked_mean,
+    mismatch_metrics,
+    paired_mismatch_metrics,
+    policy_loss,
+    token_entropy,
+    token_logprobs,
+)
+from r3lightning.app.job.settings import OptimConfig
+from r3lightning.app.job.sharded import load_sharded_weights, shard_model
+from r3lightning.correction import CorrectionMetrics, correction_weights
+from r3lightning.ragged import to_device_async
+from r3lightning.replay.batch_fields import host_attention_mask
+from r3lightning.replay.callback import RouterReplayCallback
+from r3lightning.replay.context import record_routes, replay_routes
+from r3lightning.replay.metrics import comparison_counts
+
+
+class GRPOModule(pl.LightningModule):
+    """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``); one epoch is one RL step.
+
+    The clipped loss (``grpo.loss``: token-level ``grpo`` or sequence-level ``gspo``) is against the
+    engine's logprobs (``recompute_old_logprobs``, as ``replay=r2`` needs: the trainer's own no-grad
+    forward's), weighted by ``grpo.correction``; every
+    ``grpo.mismatch_every_n_steps`` steps two more no-grad forwards give the paired ``mismatch/*``
+    (docs/concepts/metrics.md). ``sharded_weights``: a meta-device ``model``'s DCP shards directory.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        grpo: GRPOConfig | None = None,
+        optim: OptimConfig | None = None,
+        *,
+        recompute_old_logprobs: bool = False,
+        measure_agreement: bool = True,
+        sharded_weights: str | None = None,
+    ):
+        super().__init__()
+        self.model = model.train()  # builders hand out eval-mode models
+        self.grpo = grpo or GRPOConfig()
+        self.optim = optim or OptimConfig()
+        self.recompute_old_logprobs = recompute_old_logprobs
+        self.measure_agreement = measure_agreement
+        self.sharded_weights = sharded_weights
+        self._paired: dict[str, Tensor] = {}  # measured at batch transfer, logged by training_step
+        self._paired_epoch = -1
+        self._correction = CorrectionMetrics(self.grpo.correction)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Logits ``[B, S, V]`` of a left-padded batch."""
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask.long(),
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        ).logits
+
+    def batch_logprobs(self, batch) -> Tensor:
+        """Trainer logprob of every token of ``batch`` ``[B, S]`` (0 where undefined)."""
+        return token_logprobs(self(batch.input_ids, batch.attention_mask), batch.input_ids)
+
+    @property
+    def _distributed(self) -> bool:
+        return self._trainer is not None and self.trainer.world_size > 1
+
+    def _log_epoch(self, metrics: dict[str, Tensor], batch_size: int) -> None:
+        # epoch means, averaged across ranks (one all-reduce per metric per epoch)
+        self.log_dict(
+            metrics, on_step=False, on_epoch=True, batch_size=batch_size, sync_dist=self._distributed
+        )
+
+    def _replay_callback(self) -> RouterReplayCallback | None:
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        return next((c for c in callbacks if isinstance(c, RouterReplayCallback)), None)
+
+    def on_train_epoch_start(self) -> None:
+        self._correction.reset()
+        # callback_metrics keeps every metric's last value: a step that does not measure the
+        # paired mismatch must not show the previous measurement as its own
+        metrics = self.trainer.callback_metrics
+        for key in [k for k in metrics if k.startswith("mismatch/")]:
+            del metrics[key]
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        # before the callbacks' on_train_batch_start (nothing installed or recorded yet) and
+        # after the previous optimizer step
+        trainer, every = self._trainer, self.grpo.mismatch_every_n_steps
+        if trainer is not None and trainer.training and every > 0:
+            epoch = trainer.current_epoch
+            if epoch % every == 0 and epoch != self._paired_epoch:
+                self._paired_epoch = epoch
+                self._paired = self.measure_mismatch(batch)
+        return batch
+
+    def measure_mismatch(self, batch) -> dict[str, Tensor]:
+        """Paired ``mismatch/*`` metrics of ``batch`` (unprefixed; empty without engine routes, logprobs or
+        replay backend), with no routes installed. Cost: two no-grad forwards; no host sync."""
+        callback = self._replay_callback()
+        routes = getattr(batch, "routed_experts", None)
+        rollout_logprobs = getattr(batch, "rollout_logprobs", None)
+        if callback is None or callback.backend is None or routes is None or rollout_logprobs is None:
+            return {}
+        backend = callback.backend
+        layout = TokenMetadataLayout.padded(host_attention_mask(batch))  # what self.forward feeds
+        aligned, mask = callback.align_routes(routes, layout, batch.route_layers)  # [B, S, L, K], [B, S]
+        loss_mask = batch.loss_mask.to(rollout_logprobs.dtype)
+        with torch.no_grad():
+            with record_routes(backend) as native_routes:
+                native_logits = self(batch.input_ids, batch.attention_mask)
+            native = token_logprobs(native_logits, batch.input_ids)
+            entropy = masked_mean(token_entropy(native_logits), loss_mask)
+            del native_logits
+            with replay_routes(backend, aligned, mask):
+                replayed = self.batch_logprobs(batch)
+            layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
+            used = native_routes.routes.to(aligned.device)  # [B, S, L, K]: one forward
+            rows, _, hits, *_ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
+            out = paired_mismatch_metrics(
+                native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
+            )
+            out["native_agreement"] = hits.double() / (rows * aligned.shape[-1]).clamp(min=1)
+            out["policy_entropy"] = entropy.double()
+        return out
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        paired, self._paired = self._paired, {}
+        if paired:
+            self._log_epoch({f"mismatch/{k}": v for k, v in paired.items()}, batch_size=1)
+        callback = self._replay_callback()
+        old_logprobs = batch.rollout_logprobs
+        if self.recompute_old_logprobs:
+            # r2: the callback records the routes of this forward and replays them afterwards
+            guard = callback.old_policy_forward(batch) if callback is not None else contextlib.nullcontext()
+            with guard, torch.no_grad():
+                old_logprobs = self.batch_logprobs(batch)
+        logprobs = self.batch_logprobs(batch)  # [B, S]
+        if self.measure_agreement and callback is not None and callback.mode != "r2":
+            self._log_agreement(callback, len(batch))
+        loss_mask = batch.loss_mask.to(logprobs.dtype)
+        weights = None
+        if self.grpo.correction.active:
+            log_ratio = logprobs.detach() - batch.rollout_logprobs
+            weights = correction_weights(log_ratio, loss_mask, self.grpo.correction)
+            self._correction.update(weights, loss_mask, log_ratio)
+            totals = self._correction.compute(sync_dist=self._distributed)
+            self.log_dict(
+                {k: v.float() for k, v in totals.items()}, on_step=True, on_epoch=False, batch_size=1
+            )
+        clip = {"clip_low": self.grpo.clip_low, "clip_high": self.grpo.clip_high}
+        objective = gspo_loss if self.grpo.loss == "gspo" else policy_loss
+        loss, stats = objective(logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights)
+        band = self.grpo.ratio_band
+        stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
+        stats["loss"] = loss.detach()
+        rewards = getattr(batch, "rewards", None)
+        if rewards is not None:  # the progress bar's only; the CSV takes the rollout's
+            reward = rewards.float().mean()
+            self.log("reward", reward, prog_bar=True, on_step=True, on_epoch=False, batch_size=len(rewards))
+        self._log_epoch({f"train/{k}": v for k, v in stats.items()}, batch_size=batch.input_ids.shape[0])
+        return loss
+
+    def _log_agreement(self, callback: RouterReplayCallback, batch_size: int) -> None:
+        """``used_agreement/layer_XX`` from the replay callback's on-device counts; no host sync."""
+        counts, backend = callback.routing_counts(), callback.backend
+        if counts is None or backend is None:
+            return
+        slots = (counts["route_rows"] * backend.top_k).clamp(min=1)
+        fractions = counts["used_hits"].double() / slots  # [moe_layers]
+        layers = zip(backend.moe_layers, fractions.unbind(0), strict=True)
+        self._log_epoch({f"used_agreement/layer_{i:02d}": v.float() for i, v in layers}, batch_size)
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (``ModelParallelStrategy``): shard, then read a meta model's ``sharded_weights``."""
+        mesh = self.device_mesh
+        if mesh is None and self.sharded_weights is not None:
+            raise ValueError(
+                "sharded_weights needs FSDP2 (ModelParallelStrategy, e.g. trainer=gpu_fsdp or cpu_fsdp): the "
+                "model was built on the meta device and only sharding gives its parameters storage"
+            )
+        if mesh is None or getattr(self.model, "_r3_sharded", False):
+            return
+        names = mesh.mesh_dim_names or ()
+        shard_model(self.model, mesh["data_parallel"] if "data_parallel" in names else mesh)
+        if self.sharded_weights is not None:
+            load_sharded_weights(self.model, self.sharded_weights, self.device)
+        self.model._r3_sharded = True
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        optim = self.optim
+        return torch.optim.AdamW(
+            self.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+        )

@@ -1,0 +1,266 @@
+"""Run outputs: metrics CSV, summary table, plot, environment line. A history is one ``{metric: float}``
+record per RL step; runs ``<arm>/seed=<s>`` are seeds of one arm (shown: median and [min, max])."""
+
+from __future__ import annotations
+
+import csv
+import math
+import platform
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+AGREEMENT_PREFIX = "used_agreement/layer_"
+MISMATCH_PREFIX = "mismatch/"
+CORRECTION_PREFIX = "correction/"
+SEED_SEP = "/seed="
+SIMULATED = "simulated_disagreement"
+TURN_REWARD = "turn_reward/turn_2"
+PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed")
+History = Sequence[Mapping[str, float]]
+
+
+def write_csv(path: str | Path, records: History) -> None:
+    """(Re)write ``path`` with one row per record; columns are the union of keys, in order."""
+    columns = list(dict.fromkeys(k for record in records for k in record))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def read_csv(path: str | Path) -> list[dict[str, float]]:
+    """Records written by :func:`write_csv`; empty cells are dropped."""
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+
+
+def agreement_keys(record: Mapping[str, float]) -> list[str]:
+    """The record's per-layer agreement columns, by layer index."""
+    keys = [k for k in record if k.startswith(AGREEMENT_PREFIX)]
+    return sorted(keys, key=lambda k: int(k[len(AGREEMENT_PREFIX) :]))
+
+
+def environment() -> dict[str, str]:
+    """What a run's rows depend on besides its config: library versions, intra-op threads, CPU."""
+    import lightning
+    import torch
+    import transformers
+
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    model = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    cpu = next(model, platform.processor() or platform.machine())
+    versions = {m.__name__: m.__version__ for m in (torch, transformers, lightning)}
+    return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu}
+
+
+def environment_line(env: Mapping[str, str]) -> str:
+    """:func:`environment` as the line that ends ``summary.txt`` and heads ``config.yaml``."""
+    versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
+    return f"environment: {versions}, {env['threads']} intra-op threads, CPU {env['cpu']}"
+
+
+def simulated_share(runs: Mapping[str, History]) -> str | None:
+    """The simulated engine disagreement of ``runs`` as a share (``"10%"``; None: not simulated)."""
+    values = sorted({r[SIMULATED] for h in runs.values() for r in h if r.get(SIMULATED)})
+    return ", ".join(f"{100 * v:g}%" for v in values) if values else None
+
+
+def seed_groups(runs: Mapping[str, History]) -> dict[str, list[History]]:
+    """``{arm: [history of each seed]}`` from run names ``<arm>`` or ``<arm>/seed=<s>``."""
+    out: dict[str, list[History]] = {}
+    for name, history in runs.items():
+        out.setdefault(name.split(SEED_SEP)[0], []).append(history)
+    return out
+
+
+def spread(values: Sequence[float]) -> tuple[float, float, float]:
+    """``(median, min, max)`` of the values that are not NaN (NaNs when none is)."""
+    kept = sorted(v for v in values if not math.isnan(v))
+    return (statistics.median(kept), kept[0], kept[-1]) if kept else (math.nan,) * 3
+
+
+def _mean(records: History, key: str, part: slice = slice(None)) -> float:  # NaNs left out
+    values = [r[key] for r in records if key in r and not math.isnan(r[key])][part]
+    return sum(values) / len(values) if values else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
+
+
+def summarize(records: History, window: int = 3) -> dict[str, float]:
+    """Headline figures of one run: reward at the start and end (means over ``window`` steps), routing
+    agreement (mean, lowest), mismatch means, paired mismatch (mean, last ``window``, step 0)."""
+    agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
+    end = slice(-window, None)
+    out = {"steps": float(len(records)), "reward_start": _mean(records, "reward", slice(window))}
+    out |= {"reward_end": _mean(records, "reward", end), "agreement_min": min(agreements, default=math.nan)}
+    out |= {k: _mean(records, k) for k in ("k3_kl", "ratio_out_of_band")}
+    out["agreement_mean"] = sum(agreements) / len(agreements) if agreements else math.nan
+    for name in (*PAIRED, "policy_entropy"):
+        key = MISMATCH_PREFIX + name
+        out[name], out[f"{name}_end"] = _mean(records, key), _mean(records, key, end)
+        out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
+    out |= {name: _mean(records, CORRECTION_PREFIX + name) for _, name, _ in CORRECTED_COLUMNS}
+    out[SEQUENCE_CLIP] = _mean(records, SEQUENCE_CLIP)
+    out |= {"turns_end": _mean(records, "turns", end), "turn_2_reward_end": _mean(records, TURN_REWARD, end)}
+    out |= {f"route_bytes_{k}": _mean(records, f"route_bytes/turn_{k}") for k in (1, 2)}
+    for suffix in ("", "_step0"):
+        out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
+    return out
+
+
+def _fmt_table(rows: list[list[str]]) -> list[str]:
+    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
+
+
+# The summary's columns: header ({band}: the ratio band), summarize() keys (joined by "->"), format.
+COLUMNS = (
+    ("steps", "steps", "{:.0f}"),
+    ("reward start->end", "reward_start reward_end", "{:.3f}"),
+    ("native agreement", "native_agreement", "{:.2%}"),
+    ("k3 native", "k3_native", "{:.2e}"),
+    ("k3 replayed", "k3_replayed", "{:.2e}"),
+    ("native/replayed", "k3_ratio", "{:.1f}x"),
+    ("outside {band} native", "outside_band_native", "{:.3%}"),
+    ("replayed", "outside_band_replayed", "{:.3%}"),
+    ("entropy start->end", "policy_entropy_step0 policy_entropy_end", "{:.3f}"),
+)
+CORRECTED_COLUMNS = (  # shown when a run applied an importance-sampling correction
+    ("IS ESS", "ess", "{:.4f}"),
+    ("truncated", "truncated_fraction", "{:.2%}"),
+    ("masked", "masked_fraction", "{:.2%}"),
+)
+SEQUENCE_CLIP = "sequence_clip_fraction"  # logged by algorithm.loss=gspo
+GSPO_COLUMNS = (("clipped seqs", SEQUENCE_CLIP, "{:.1%}"),)
+MULTITURN_COLUMNS = (  # shown when a run's trajectories had turns (task=<an environment>)
+    ("turns end", "turns_end", "{:.2f}"),
+    ("turn 2 reward end", "turn_2_reward_end", "{:.3f}"),
+    ("route B turn 1->2", "route_bytes_1 route_bytes_2", "{:.0f}"),
+    ("used agreement", "agreement_mean", "{:.2%}"),
+)
+STEP0 = tuple((h.replace(" {band}", ""), f"{k}_step0", f) for h, k, f in COLUMNS[3:8])
+
+
+def _cell(spec: str, value: float) -> str:
+    return "n/a" if math.isnan(value) else spec.format(value)
+
+
+def _rows(name: str, summaries: list[dict[str, float]], columns: Sequence[tuple]) -> list[list[str]]:
+    """``name``'s row of medians over ``summaries`` and, for several, the row of their [min, max]."""
+    stats = [([spread([s[k] for s in summaries]) for k in keys.split()], f) for _, keys, f in columns]
+    rows = [[name, *(" -> ".join(_cell(f, m) for m, _, _ in values) for values, f in stats)]]
+    if len(summaries) > 1:
+        ranges = (" -> ".join(f"[{_cell(f, lo)}, {_cell(f, hi)}]" for _, lo, hi in v) for v, f in stats)
+        rows.append([f"  [min, max] of {len(summaries)}", *ranges])
+    return rows
+
+
+def format_table(
+    runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
+) -> str:
+    """Fixed-width summary (docs/demo.md): a row per arm (seeds: medians, their [min, max] under it),
+    then every run's step 0; a simulated disagreement heads it, ``env`` ends it."""
+    band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
+    corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
+    multiturn = any(TURN_REWARD in r for h in runs.values() for r in h)
+    gspo = any(SEQUENCE_CLIP in r for h in runs.values() for r in h)
+    columns = COLUMNS + (CORRECTED_COLUMNS if corrected else ()) + (GSPO_COLUMNS if gspo else ())
+    columns += MULTITURN_COLUMNS if multiturn else ()
+    table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
+    table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
+    first = [["run", *(h for h, _, _ in STEP0)]]
+    first += [_rows(name, [summarize(h)], STEP0)[0] for name, h in runs.items()]
+    share = simulated_share(runs)
+    sim = f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})"
+    lines = [sim, ""] if share else []
+    if any(len(s) > 1 for s in groups.values()):
+        lines += ["median over seeds per arm; the row under each arm: [min, max] over its seeds", ""]
+    lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
+    lines += [
+        "",
+        "reward: mean of the first / last 3 steps; entropy (nats) of the policy on response tokens: "
+        "step 0 -> mean of the last 3 measured steps",
+        "native agreement: share of the engine's expert slots the trainer's router picks natively",
+        "k3 = KL(engine || trainer) estimate, outside: tokens with p_trainer / p_engine outside "
+        f"{band}; native / replayed: the trainer's own routing / the engine's routes replayed, "
+        "same weights and batch; means over the measured steps",
+    ]
+    if corrected:
+        lines.append(
+            "IS ESS, truncated, masked: the loss's importance-sampling correction (algorithm.correction; "
+            "n/a: none), effective sample size (sum w)^2 / (n sum w^2) and shares of loss tokens, "
+            "means over steps"
+        )
+    if gspo:
+        lines.append(
+            "clipped seqs: share of sequences whose GSPO ratio exp(mean token log-ratio) was clipped "
+            "(algorithm.loss=gspo; mean over steps)"
+        )
+    if multiturn:
+        lines.append(
+            "turns end, turn 2 reward end: means over the last 3 steps; route B: route bytes a "
+            "trajectory's turn 1 / turn 2 received (means over steps; only new rows travel); used "
+            "agreement: share of the engine's expert slots the training forward used, every turn's rows"
+        )
+    return "\n".join(lines + ([environment_line(env)] if env else []))
+
+
+def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float = 2.0) -> list[str]:
+    """Six panels over RL steps, one colour per arm (seeds: the median in a [min, max] band; dashed:
+    replayed routing). Returns the titles (figure, panels); they name a simulation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m, band = MISMATCH_PREFIX, f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    pair = [m + "k3_native", m + "k3_replayed"]
+    outside = [m + "outside_band_native", m + "outside_band_replayed"]
+    panels = {  # title: columns (the second one, replayed, dashed), scale
+        "mean reward": (["reward"], 1),
+        "native routing agreement with the engine (%)": ([m + "native_agreement"], 100),
+        "paired k3 KL(engine || trainer)": (pair, 1),
+        "k3 native / k3 replayed (same weights)": (["k3_ratio"], 1),
+        f"tokens with ratio outside {band} (%)": (outside, 100),
+        "policy entropy (nats)": ([m + "policy_entropy"], 1),
+    }
+    share = simulated_share(runs)
+    titles = [f"{t}, simulated {share}" if share else t for t in panels]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), constrained_layout=True)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
+        name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
+        records = [
+            {**r, "k3_ratio": _ratio(r[pair[0]], r[pair[1]])} if set(pair) <= set(r) else r
+            for h in histories
+            for r in h
+        ]
+        for ax, (keys, scale) in zip(axes.flat, panels.values(), strict=True):
+            for dashed, key in enumerate(keys):
+                steps = sorted({r["step"] for r in records if key in r})
+                stats = [
+                    spread([scale * r[key] for r in records if r["step"] == s and key in r]) for s in steps
+                ]
+                med, low, high = zip(*stats, strict=True) if stats else [()] * 3
+                label = f"{name} {key.rsplit('_', 1)[1]}" if len(keys) > 1 else name
+                ax.plot(steps, med, color=color, label=label, ls="--" if dashed else "-", marker=".x"[dashed])
+                if len(histories) > 1:
+                    ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
+    for ax, title in zip(axes.flat, titles, strict=True):
+        ax.set(title=title, xlabel="RL step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0, 2].set_yscale("log")
+    axes[1, 0].axhline(1.0, color="grey", lw=0.8)
+    for ax in (axes[1, 0], axes[1, 1]):
+        ax.set_ylim(bottom=0)
+    suptitle = f"SIMULATED engine disagreement {share} (rollout.server.{SIMULATED})" if share else ""
+    fig.suptitle(suptitle)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [suptitle, *titles]

@@ -1,0 +1,105 @@
+"""Trains one run (one arm, one seed) from its checked config: :func:`train_one`."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omegaconf import DictConfig, OmegaConf
+
+from r3lightning.app.job import build
+from r3lightning.app.job.build import build_model, instantiate_node
+from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.validate import check_layers_held, check_values
+from r3lightning.data.buffer import ReplayBuffer
+from r3lightning.wire.request import RouteSchema
+
+if TYPE_CHECKING:
+    from r3lightning.app.job.rollout_loop import Engine
+
+__all__ = ["CONF_DIR", "JobError", "build_model", "is_global_zero", "train_one"]
+
+# A wheel carries the configs inside the package (setup.py copies them at build time); a source
+# checkout or an editable install reads the repository's top-level conf/.
+_PACKAGED_CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[3] / "conf"
+# ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
+OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace=True)
+
+
+def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
+    """``cfg`` with the ``replay`` group swapped for ``conf/replay/<mode>.yaml``."""
+    replay = OmegaConf.load(CONF_DIR / "replay" / f"{mode}.yaml")
+    return OmegaConf.merge(cfg, {"replay": replay})  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def model_runtime(model_cfg: DictConfig) -> Iterator[None]:
+    """``model.runtime`` (a context manager, e.g. megatron-core's process group) around the run."""
+    node = model_cfg.get("runtime")
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(
+                contextlib.nullcontext() if node is None else instantiate_node(node, "model.runtime")
+            )
+        except ModuleNotFoundError as exc:
+            raise JobError(f"model.runtime: {build.import_problem(exc)}") from None
+        yield
+
+
+_EXPECTED_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\).*",  # Lightning's own deprecated pytree call
+    r"Checkpoint directory .* exists and is not empty",  # resuming into the same folder
+    r".*overridden `on_after_batch_transfer`.*",  # the GRPO module's paired mismatch (intended)
+)
+
+
+def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, float]]:
+    """Train one run (one arm, one seed) into ``out_dir``; returns its per-step history."""
+    import lightning.pytorch as pl
+
+    from r3lightning.app.job.checkpoint import RunCheckpoint, resume_checkpoint
+    from r3lightning.app.job.rollout_loop import on_policy_loop
+
+    pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    model = build_model(cfg.model, trainer=True)
+    mode = str(cfg.replay.mode)
+    backend = build.replay_backend(cfg, model)
+    schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts)
+    vocab_size = cfg.task.get("vocab_size") or getattr(getattr(model, "config", None), "vocab_size", None)
+    task = build.build_task(cfg, vocab_size)
+    settings = check_values(cfg)
+    grpo, optim = settings.grpo, settings.optim
+    check_layers_held(settings.data_options.layers, backend)
+    buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
+    datamodule = instantiate_node(cfg.data, "data", buffer=buffer)
+    extra = {"model": model, "grpo": grpo, "optim": optim, "recompute_old_logprobs": mode == "r2"}
+    if cfg.model.get("sharded_weights") is not None:  # a meta-device model: the module loads its shards
+        extra["sharded_weights"] = str(cfg.model.sharded_weights)
+    module = instantiate_node(cfg.module, "module", **extra)
+    if not isinstance(module, pl.LightningModule):
+        raise JobError(f"module._target_ must build a LightningModule, got {type(module).__name__}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    loop = on_policy_loop(cfg, engine, task, schema, buffer, metrics_path=out_dir / "metrics.csv")
+    callbacks = [*build.build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
+    trainer = build.build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
+    ckpt_path = resume_checkpoint(cfg, out_dir, module)
+    if ckpt_path is not None and is_global_zero():
+        print(f"resuming {out_dir.name} from {ckpt_path}")
+    with warnings.catch_warnings():
+        for message in _EXPECTED_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        if trainer.world_size == 1:  # a process group of one (megatron's runtime) has nothing to sync
+            warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True")
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except SystemExit:  # Lightning turns Ctrl-C into a graceful shutdown and exit status 1
+            if trainer.interrupted:
+                raise KeyboardInterrupt from None
+            raise
+    if trainer.interrupted:
+        raise KeyboardInterrupt
+    return loop.history

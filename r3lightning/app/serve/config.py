@@ -1,0 +1,86 @@
+"""Settings of the embedded engine and server, checked when built (docs: configuration.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from r3lightning.checks import check_setting
+
+__all__ = ["EngineConfig", "ServerLimits"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How a :class:`~r3lightning.app.serve.engine.GenerationEngine` serves. ``device`` None: the
+    model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
+    (SIMULATION): the share of expert slots flipped by perturbed router logits."""
+
+    dtype: torch.dtype | str = torch.bfloat16
+    device: torch.device | str | None = None
+    max_batch_size: int = 8
+    batch_wait_s: float = 0.002
+    seed: int = 0
+    copy_model: bool = True
+    batch_invariant: bool | None = None
+    simulated_disagreement: float | None = None
+
+    def __post_init__(self) -> None:
+        dtype = _DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        check_setting("max_batch_size", self.max_batch_size, low=1, integer=True)
+        check_setting("batch_wait_s", self.batch_wait_s, low=0)
+        check_setting("seed", self.seed, low=0, high=2**63 - 1, integer=True)
+        if not isinstance(self.copy_model, bool):
+            raise ValueError(f"copy_model must be true or false, got {self.copy_model!r}")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be None or a bool, got {self.batch_invariant!r}")
+        check_setting("simulated_disagreement", self.simulated_disagreement, low=0, high=0.5, optional=True)
+        if self.device is not None:
+            serving_device(self.device)
+
+
+def serving_device(value: torch.device | str | int) -> torch.device:
+    """``value`` as a device the engine can serve on (``cpu``, ``cuda``, ``cuda:N`` present on this
+    machine); ``ValueError`` otherwise, before any model is moved there."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be None, 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    count = torch.cuda.device_count() if device.type == "cuda" and torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= count:
+        found = (
+            f"this machine has {count} CUDA device(s)" if count else "CUDA is not available on this machine"
+        )
+        raise ValueError(f"device {value!r}: {found}; use 'cpu'")
+    return device
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What a :class:`~r3lightning.app.serve.server.RolloutServer` accepts. ``max_new_tokens_cap`` None:
+    the context; ``max_request_bytes`` None: 24 bytes a context token + 64 KiB."""
+
+    max_queue: int = 256
+    max_new_tokens_cap: int | None = 4096
+    max_request_bytes: int | None = None
+    max_weights_bytes: int = 8 << 30
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        check_setting("max_queue", self.max_queue, low=0, integer=True)
+        for name in ("max_new_tokens_cap", "max_request_bytes"):
+            check_setting(name, getattr(self, name), low=1, integer=True, optional=True)
+        check_setting("max_weights_bytes", self.max_weights_bytes, low=1, integer=True)
+        check_setting("retry_after_s", self.retry_after_s, low=1, integer=True)
+        for name in ("header_timeout_s", "body_timeout_s"):
+            check_setting(name, getattr(self, name), low=0, above=True)

@@ -1,0 +1,128 @@
+"""The one validation vocabulary of the package: every setting, size and saved field is checked
+here, and a bad value is one ``ValueError`` whose message starts with the field's name and says
+what was expected and what came.
+
+Host-side only: no tensor is read, so no check synchronises a device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["check_fields", "check_int", "check_rank", "check_setting"]
+
+
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """Checks a count or a size.
+
+    Args:
+        name: The field's name, first in the error message.
+        value: The value to check.
+        minimum: The smallest value allowed.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        ValueError: ``value`` is not an ``int`` (a bool is not one) or is below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_rank(name: str, rank: object, size_name: str, size: int) -> int:
+    """Checks a rank against the size of its group.
+
+    Args:
+        name: The rank's field name, first in the error message.
+        rank: The value to check.
+        size_name: The name of the group size's field, also named in the message.
+        size: The group size.
+
+    Returns:
+        ``rank``, unchanged.
+
+    Raises:
+        ValueError: ``rank`` is not an ``int`` in ``[0, size)``.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+        raise ValueError(f"{name} must be an int in [0, {size}) for {size_name}={size}, got {rank!r}")
+    return rank
+
+
+def check_setting(
+    name: str,
+    value: Any,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    integer: bool = False,
+    above: bool = False,
+    optional: bool = False,
+) -> None:
+    """Checks a numeric setting: finite, of the right kind, within its bounds.
+
+    ``inf`` and ``nan`` are refused even without bounds: an infinite timeout would wait for a hung
+    engine forever, and ``nan`` passes no comparison.
+
+    Args:
+        name: The setting's name, first in the error message.
+        value: The value to check.
+        low: The lower bound (inclusive unless ``above``); None for none.
+        high: The upper bound, inclusive; None for none.
+        integer: Require an ``int`` rather than any real number.
+        above: Make ``low`` exclusive.
+        optional: Let ``None`` pass.
+
+    Raises:
+        ValueError: ``value`` is a bool, not a number (an ``int`` when ``integer``), not finite, or
+            out of its bounds.
+    """
+    if value is None and optional:
+        return
+    number_type = int if integer else (int, float)
+    ok = not isinstance(value, bool) and isinstance(value, number_type) and math.isfinite(value)
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if above else '>='} {low:g}")
+        if ok:
+            ok = value > low if above else value >= low
+    if high is not None:
+        bounds.append(f"<= {high:g}" if isinstance(high, float) else f"<= {high}")
+        if ok:
+            ok = value <= high
+    if not ok:
+        kind = ("None or " if optional else "") + ("an integer" if integer else "a number")
+        expected = " ".join([kind, " and ".join(bounds)]).strip()
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: str = "") -> dict[str, Any]:
+    """Checks a saved dict (a checkpoint's state) field by field.
+
+    Args:
+        state: The value to check.
+        rules: ``{field: (type, minimum)}``: a minimum makes the field an ``int`` checked by
+            :func:`check_int`; None checks the exact type only (``int`` or ``bool``).
+        where: The dict's own name, prefixed to each field's name in the message.
+
+    Returns:
+        ``state``, unchanged.
+
+    Raises:
+        ValueError: ``state`` is not a dict with exactly the keys of ``rules``, or a field has the
+            wrong type or is below its minimum.
+    """
+    if not isinstance(state, dict) or set(state) != set(rules):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{where} must be a dict with the keys {sorted(rules)}, got {got}")
+    for name, (kind, low) in rules.items():
+        label = f"{where}.{name}" if where else name
+        value = state[name]
+        if low is not None:
+            check_int(label, value, low)
+        elif type(value) is not kind:
+            raise ValueError(f"{label} must be {'an int' if kind is int else 'a bool'}, got {value!r}")
+    return state
