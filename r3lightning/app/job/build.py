@@ -81,10 +81,15 @@ def target_of(node: Any, key: str) -> Any:
 
 
 def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
-    """``hydra.utils.instantiate(node, **job_kwargs)``; every failure a :class:`JobError` naming ``key``."""
+    """``node``'s ``_target_`` called with its keys and ``job_kwargs``; every failure a
+    :class:`JobError` naming ``key``. ``job_kwargs`` reach the target as they are: Hydra would turn a
+    dataclass (``grpo=GRPOConfig(...)``) into a ``DictConfig``, losing its methods."""
     target_of(node, key)
+    values = plain(node)
     try:
-        return instantiate(plain(node), **job_kwargs)
+        if job_kwargs and not values.get("_partial_"):
+            return instantiate(values, _partial_=True)(**job_kwargs)
+        return instantiate(values, **job_kwargs)
     except InstantiationException as exc:
         text = one_line(exc.__cause__ or exc).split(" full_key:")[0]
         raise JobError(f"{key}: {text.split(', set env var')[0]}") from None
