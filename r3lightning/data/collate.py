@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import Tensor
 
+from r3lightning._keywords import refuse_moved_keywords
 from r3lightning.checks import check_int
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.cpus import collate_pool_size
@@ -91,6 +92,11 @@ def collate_trajectories(
     return collator(trajectories)
 
 
+# 0.1 keywords -> PinnedBufferPool's arguments in 0.2
+_POOL_MOVED = {"pool_slots": "pin_memory=PinnedBufferPool(slots)"}
+_POOL_MOVED |= {name: f"pin_memory=PinnedBufferPool({name}=)" for name in ("allocator", "recycle_after")}
+
+
 class RolloutCollator:
     """``collate_fn``: a list of trajectories -> one left-padded :class:`RolloutBatch`; one host pass
     to plan, then ``O(B * S + route bytes)`` copies over the threads, no device work.
@@ -103,6 +109,7 @@ class RolloutCollator:
         layers: keep routes only on these decoder layers (``Trajectory.on_layers``).
     """
 
+    @refuse_moved_keywords(_POOL_MOVED)
     def __init__(
         self,
         *,

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 
+from r3lightning._keywords import refuse_moved_keywords
 from r3lightning.checks import check_int
 from r3lightning.data import position
 from r3lightning.data.batch import RolloutBatch
@@ -35,6 +36,11 @@ from r3lightning.data.trajectory import Trajectory
 __all__ = ["DataOptions", "R3DataModule"]
 
 _STATE_VERSION = 1
+
+
+# 0.1 keywords -> DataOptions' fields in 0.2
+_OPTIONS_MOVED = {name: f"options=DataOptions({name}=) (r3lightning.data.datamodule)"
+                  for name in ("pad_token_id", "width_multiple", "shard", "eval_buffer", "layers")}  # fmt: skip
 
 
 class R3DataModule(pl.LightningDataModule):
@@ -51,6 +57,7 @@ class R3DataModule(pl.LightningDataModule):
         options: :class:`DataOptions`.
     """
 
+    @refuse_moved_keywords(_OPTIONS_MOVED)
     def __init__(
         self,
         buffer: ReplayBuffer,

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from r3lightning.align.dummy import dummy_routes
 from r3lightning.checks import check_int
-from r3lightning.routes import check_layers, compact_route_dtype
+from r3lightning.routes import check_layers, compact_route_dtype, mark_missing, missing_rows
 from r3lightning.wire.route_check import check_routes
 
 __all__ = ["Trajectory", "padding_trajectories", "route_signature"]
@@ -102,7 +102,8 @@ def _weight_version(value: Any) -> int | None:
 
 
 def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tensor:
-    """``data`` through the route check, in the compact dtype of its largest id."""
+    """``data`` through the route check, in the compact dtype of its largest id (signed when rows
+    are marked missing with -1: the trainer routes those tokens natively)."""
     routes = _as_host_tensor("routed_experts", data)
     if routes.dtype == torch.bool or routes.is_floating_point() or routes.is_complex():
         raise TypeError(f"Trajectory.routed_experts must hold integer expert ids, got dtype {routes.dtype}")
@@ -113,7 +114,11 @@ def _routes(data: Any, num_tokens: int, layers: tuple[int, ...] | None) -> Tenso
         rows_rule=f"at most one per token, {num_tokens} (len(prompt_ids) + len(response_ids))",
         where="Trajectory.routed_experts" + ("" if layers is None else f" on route_layers {list(layers)}"),
         layers=layers,
+        missing=True,
     )
+    absent = missing_rows(routes.numpy())
+    if absent.any():  # every id of a missing row is the sentinel
+        return torch.from_numpy(mark_missing(routes.numpy(), absent)).contiguous()
     return routes.to(compact_route_dtype(high)).contiguous()
 
 
@@ -232,6 +237,7 @@ class Trajectory:
                 top_k=top_k,
                 distinct=False,  # checked when the trajectory was built
                 where="Trajectory.routed_experts",
+                missing=True,
             )
 
     def equal(self, other: object) -> bool:

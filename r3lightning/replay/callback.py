@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
+from r3lightning._keywords import refuse_moved_keywords
 from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.packed import PackedTensor
 from r3lightning.replay import modes
@@ -22,10 +23,18 @@ LayoutFn = Callable[[Tensor], TokenMetadataLayout]  # attention_mask [B, S] -> l
 _MODES = ("r3", "r2", "off")
 
 
+# 0.1 keywords -> their 0.2 settings
+_CALLBACK_MOVED = {
+    "log_per_layer": 'log_agreement="per_layer" (per layer) or True (no per-layer metrics)',
+    "pad_to_multiple": "layout_fn=functools.partial(TokenMetadataLayout.padded, pad_to_multiple=N)",
+}
+
+
 class RouterReplayCallback(Callback):
     """Install aligned routes before each training forward; clear them after. The options: the docs'
     "Modes" page; ``validate_routes`` costs host syncs, ``sync_dist`` one ``all_reduce`` per step."""
 
+    @refuse_moved_keywords(_CALLBACK_MOVED)
     def __init__(
         self,
         backend: str | RouterReplayBackend | None = None,
@@ -165,6 +174,8 @@ class RouterReplayCallback(Callback):
                 self._missing(self.mode, f"the batch {none}")
             return
         self._set_step(self._prepare(routes, batch))
+        if self.log_agreement and self.mode != "off":
+            self._metrics.count_missing_rows(routes)
 
     def _set_step(self, install: modes.Install) -> None:
         self._step = install

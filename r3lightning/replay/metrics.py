@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from r3lightning.align.layout import TokenMetadataLayout
+from r3lightning.packed import PackedTensor
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import RouterReplayBackend, agreement_hits
 from r3lightning.replay.batch_fields import batch_field
@@ -68,6 +69,7 @@ class ReplayMetrics:
         self._index: Tensor | None = None  # backend.moe_layers on the metrics' device, built once
         self._table: Tensor | None = None  # [COUNTS, moe_layers] int64
         self._native_loss_tokens: Tensor | None = None  # int64 scalar
+        self._missing_rows: Tensor | None = None  # int64 scalar: route rows marked missing (-1)
 
     def new_fit(self) -> None:
         self._layers = None
@@ -78,7 +80,7 @@ class ReplayMetrics:
             self.backend, self._index = backend, None
         ids = batch_field(batch, "input_ids")
         self.device = ids.device if isinstance(ids, Tensor) else torch.device("cpu")
-        self._table = self._native_loss_tokens = None
+        self._table = self._native_loss_tokens = self._missing_rows = None
 
     def layer_index(self, device: torch.device) -> Tensor:
         assert self.backend is not None
@@ -114,17 +116,24 @@ class ReplayMetrics:
             target_next = layout.from_batch(loss_mask, next_token=True) > 0
             self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
 
+    def count_missing_rows(self, routes: PackedTensor) -> None:
+        """The step's route rows marked missing (a -1 id; only signed routes can hold one); no sync."""
+        if routes.dtype.is_signed:
+            self._missing_rows = (routes.values < 0).flatten(1).any(1).sum()
+
     def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
         """Log the ratios of ``local``, and ``missing`` with ``native_loss_tokens`` unless None (off mode)."""
         backend, device = self.backend, self.device
         assert backend is not None
-        # [COUNTS, num_layers] by absolute layer (pipeline stages hold different layers), then 2 scalars
+        # [COUNTS, num_layers] by absolute layer (pipeline stages hold different layers), then 3 scalars
         size = COUNTS * backend.num_layers
-        vector = torch.zeros(size + 2, dtype=torch.int64, device=device)
+        vector = torch.zeros(size + 3, dtype=torch.int64, device=device)
         vector[:size].view(COUNTS, -1).index_copy_(1, self.layer_index(device), local.to(device))
         if self._native_loss_tokens is not None:
             vector[size] += self._native_loss_tokens.to(device)
         vector[size + 1] += missing or 0
+        if self._missing_rows is not None:
+            vector[size + 2] += self._missing_rows.to(device)
         distributed = self.sync_dist and dist.is_available() and dist.is_initialized()
         if self._layers is None:  # MoE layers any rank routes (pipeline stages differ), once per fit
             gathered: list[Any] = [tuple(backend.moe_layers)] * (dist.get_world_size() if distributed else 1)
@@ -138,6 +147,7 @@ class ReplayMetrics:
         layers = self._layers if self.per_layer else None
         metrics = step_metrics(totals, top_k=backend.top_k, layers=layers, soft=soft)
         if missing is not None:
-            metrics["native_loss_tokens"], metrics["batches_without_routes"] = vector[size:]
+            native, without, lost = vector[size:]
+            metrics |= {"native_loss_tokens": native, "batches_without_routes": without, "missing_rows": lost}
         for name, value in metrics.items():  # sync_dist=False: summed over ranks above
             pl_module.log(f"router_replay/{name}", value.float(), on_step=True, on_epoch=False, batch_size=1)

@@ -36,7 +36,8 @@ def align_routes(
     layers: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Dense routes ``[*token_shape, L, K]`` and replay mask ``[*token_shape]`` on the routes' device (no
-    host sync); ``layers``: each route column's decoder layer (None: all), covering ``moe_layers``."""
+    host sync); ``layers``: each route column's decoder layer (None: all), covering ``moe_layers``.
+    Rows marked missing (a -1 id; signed routes only) are masked out and hold dummy ids."""
     L, K, E = backend.num_layers, backend.top_k, backend.num_experts
     columns = L if layers is None else len(layers)
     if layers is not None and layers[-1] >= L:  # index_copy_ would fail (a device assert on CUDA)
@@ -53,11 +54,20 @@ def align_routes(
         raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
     pad = lambda n: dummy_routes(n, columns, K, E, device=routes.device)  # noqa: E731
     dense = align_packed_token_metadata(routes, layout, pad=pad)  # [*token_shape, columns, K]
+    mask = to_device_async(build_replay_mask(routes.lengths, layout), dense.device)  # staged, pinned
+    if routes.dtype.is_signed:  # rows marked missing (-1): native, and dummy ids, never -1 installed
+        present = PackedTensor(
+            (routes.values >= 0).flatten(1).all(1), routes.cu_seqlens, cu_seqlens_host=routes.cu_seqlens_host
+        )
+        present_dense = align_packed_token_metadata(present, layout, pad=False)  # [*token_shape]
+        filler = pad(present_dense.numel()).reshape(dense.shape)
+        wide = torch.promote_types(dense.dtype, filler.dtype)
+        dense = torch.where(present_dense[..., None, None], dense.to(wide), filler.to(wide))
+        mask = mask & present_dense.to(mask.device)
     if layers is not None:  # each column to its absolute layer: what every backend installs
         index = to_device_async(torch.tensor(layers), dense.device)
         dense = dense.new_zeros((*dense.shape[:-2], L, K)).index_copy_(-2, index, dense)
-    mask = build_replay_mask(routes.lengths, layout)  # host
-    return dense, to_device_async(mask, dense.device)  # staged through page-locked memory
+    return dense, mask
 
 
 class Replaying:

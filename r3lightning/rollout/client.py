@@ -16,6 +16,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
+from r3lightning._keywords import refuse_moved_keywords
 from r3lightning.checks import check_setting
 from r3lightning.rollout.config import Backoff, RetryPolicy, route_schema
 from r3lightning.rollout.health import EngineHungError, HealthWatch
@@ -71,6 +72,19 @@ def _server_message(text: str) -> str:
     return next((c for c in candidates if isinstance(c, str)), text.strip())[:_MAX_ERROR_TEXT]
 
 
+# 0.1 keywords -> where they went in 0.2
+_SCHEMA, _RETRY = "schema=RouteSchema({}=) (r3lightning.wire.request)", "retry=RetryPolicy({}=)"
+_CLIENT_MOVED = {name: _SCHEMA.format(name) for name in ("num_layers", "top_k", "num_experts")}
+_CLIENT_MOVED |= {
+    "max_route_bytes": _SCHEMA.format("max_bytes"),
+    "check_unique_experts": _SCHEMA.format("check_unique"),
+}
+_CLIENT_MOVED |= {name: _RETRY.format(name) for name in ("max_attempts", "backoff", "timeout_s", "connect_timeout_s",
+                                                        "health_timeout_s")}  # fmt: skip
+_CLIENT_MOVED |= {name: f"the class attribute RemoteGenerateClient.{name}" for name in ("max_connections",
+                  "decode_in_thread_bytes")}  # fmt: skip
+
+
 class RemoteGenerateClient:
     """Client for one rollout engine, shared by the tasks of one event loop at a time (a second,
     running loop: ``RuntimeError``; give each thread its own, e.g. a pickled copy, as pickling
@@ -81,6 +95,7 @@ class RemoteGenerateClient:
     max_connections: int = 256
     decode_in_thread_bytes: int = 1 << 20  # larger bodies are parsed off the event loop
 
+    @refuse_moved_keywords(_CLIENT_MOVED)
     def __init__(
         self,
         base_url: str,

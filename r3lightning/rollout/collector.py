@@ -26,6 +26,7 @@ from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig,
 from r3lightning.rollout.stats import (
     CollectedRollouts,
     EnginesUnavailableError,
+    GroupsDroppedError,
     StepCounters,
     outage,
     reduce_step_stats,
@@ -286,22 +287,29 @@ class RolloutCollector:
                 if envs is None or isinstance(exc, EnginesUnavailableError):
                     raise
                 counters.dropped_groups += 1  # one failed turn drops the whole group, never part of it
+                dropped[group] = exc
                 logger.warning("group %d of step %d dropped: %s", group, step, exc)
                 return []
+
+        dropped: dict[int, Exception] = {}
 
         try:
             kept = await _gather_or_cancel(whole_group(g) for g in groups)
         finally:
             bar.close()
         if groups and not any(kept):
-            raise RuntimeError(f"every group of step {step} was dropped (the log has each group's error)")
+            raise GroupsDroppedError(step, dropped)
         trajectories = []
+        # missing_rows=drop_trajectory: a trajectory with a missing route row stays (its reward is its
+        # group's baseline) but leaves the loss
+        drop_missing = self.schema is not None and self.schema.missing_rows == "drop_trajectory"
         for episodes in filter(None, kept):  # dropped groups are empty
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)  # [group_size]
             advantages = self._group_advantages(rewards)
             for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
                 counters.add_turns(episode.turn_rewards, episode.route_bytes)
-                trajectories.append(episode.trajectory(advantage, self.schema and self.schema.layers))
+                layers = self.schema and self.schema.layers
+                trajectories.append(episode.trajectory(advantage, layers, drop_missing=drop_missing))
         counters.engines_out = len(out)
         return trajectories
 

@@ -42,16 +42,21 @@ class Episode:
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K] (L: the layers kept)
     weight_version: int | None = None  # the oldest engine weight version of its turns
+    missing_route_rows: int = 0  # route rows its engine lost (marked -1)
 
     @property
     def reward(self) -> float:
         return sum(self.turn_rewards)
 
-    def trajectory(self, advantage: float, route_layers: tuple[int, ...] | None = None) -> Trajectory:
+    def trajectory(
+        self, advantage: float, route_layers: tuple[int, ...] | None = None, *, drop_missing: bool = False
+    ) -> Trajectory:
+        """Its ``Trajectory``; ``drop_missing``: out of the loss (loss mask 0) if a route row is missing."""
+        dropped = drop_missing and self.missing_route_rows > 0
         return Trajectory(
             self.prompt_ids,
             self.response_ids,
-            loss_mask=self.loss_mask,
+            loss_mask=[0.0] * len(self.loss_mask) if dropped else self.loss_mask,
             rollout_logprobs=self.logprobs,
             reward=self.reward,
             advantage=advantage,
@@ -72,6 +77,7 @@ class Episode:
         if trace is not None:
             trace.record_generation(prefix, len(response), routes)
         self.route_bytes.append(0 if routes is None else int(routes.nbytes))
+        self.missing_route_rows += result.missing_route_rows
         version = result.weight_version
         if version is not None:  # the oldest: the staleness bound holds for every turn
             self.weight_version = (

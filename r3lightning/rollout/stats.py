@@ -12,7 +12,7 @@ import torch
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.wire.errors import RemoteGenerateError
 
-__all__ = ["CollectedRollouts", "EnginesUnavailableError", "OtherRankFailedError", "RolloutStats", "StepCounters",
+__all__ = ["CollectedRollouts", "EnginesUnavailableError", "GroupsDroppedError", "OtherRankFailedError", "RolloutStats", "StepCounters",
            "outage", "reduce_step_stats"]  # fmt: skip
 
 
@@ -52,6 +52,18 @@ class RolloutStats:
         for k, (reward, size) in enumerate(zip(self.turn_rewards, self.turn_route_bytes, strict=True), 1):
             out[f"turn_reward/turn_{k}"], out[f"route_bytes/turn_{k}"] = reward, size
         return out
+
+
+class GroupsDroppedError(RuntimeError):
+    """Every group of a step was dropped by a failing turn; ``errors``: each group's error."""
+
+    def __init__(self, step: int, errors: Mapping[int, BaseException]):
+        group, first = next(iter(sorted(errors.items(), key=lambda item: item[0])))
+        super().__init__(
+            f"every group of step {step} was dropped; group {group}: {type(first).__name__}: {first} "
+            "(the log has each group's error)"
+        )
+        self.errors = dict(errors)
 
 
 class OtherRankFailedError(RuntimeError):

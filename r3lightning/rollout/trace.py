@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from r3lightning.routes import MISSING_ROUTE_ID
+
 ArrayLike = np.ndarray | torch.Tensor
 
 
@@ -177,8 +179,10 @@ class RoutedExpertTrace(TokenMetadataTrace):
             raise ValueError(f"routed_experts must hold integer expert ids, got dtype {array.dtype}")
         if array.size:
             low, high = int(array.min()), int(array.max())
-            if low < 0:
-                raise ValueError(f"routed_experts holds a negative expert id ({low})")
+            if low < MISSING_ROUTE_ID:  # -1 marks a row the engine lost (the client's missing_rows)
+                raise ValueError(
+                    f"routed_experts holds a negative expert id ({low}); only -1 marks a missing row"
+                )
             if self.num_experts is not None and high >= self.num_experts:
                 raise ValueError(f"routed_experts: expert id {high}, but num_experts is {self.num_experts}")
         self._store(array)

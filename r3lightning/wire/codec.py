@@ -16,13 +16,14 @@ from typing import Any
 import numpy as np
 import pybase64
 
-from r3lightning.routes import WIRE_DTYPES, check_layers, compact_dtype
+from r3lightning.routes import WIRE_DTYPES, check_layers, compact_dtype, mark_missing, missing_rows
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.route_check import check_routes
 
 __all__ = ["DEFAULT_MAX_BYTES", "RouteSchema", "checked_routes", "decode_array", "decode_flat_routes",
            "decode_npy_routes", "decode_routes", "encode_flat_routes", "encode_routes"]  # fmt: skip
 
+MISSING_ROWS = ("error", "native", "drop_trajectory")  # RouteSchema.missing_rows
 DEFAULT_MAX_BYTES = 1 << 30  # cap on one decoded array, checked before anything is allocated
 Base64Text = str | bytes | bytearray | memoryview
 
@@ -32,7 +33,12 @@ class RouteSchema:
     """Decoded routes: ``[rows, num_layers, top_k]`` ids below ``num_experts`` (None: unchecked;
     SGLang's flat routes need ``num_layers`` and ``top_k``), at most ``max_bytes`` per array.
     ``check_unique``: the distinct-experts check in the parse too (several times the decode's cost).
-    ``layers``: the decoder layers this rank holds (None: all), the only columns the parse keeps."""
+    ``layers``: the decoder layers this rank holds (None: all), the only columns the parse keeps.
+    ``missing_rows``: what a response with missing route rows (a -1 id in a row, or no routes where
+    the engine says it lost them, as vLLM's ``null``) becomes: ``error`` (default) refuses it,
+    ``native`` keeps the trajectory with those rows marked -1 (the trainer routes them natively and
+    counts them), ``drop_trajectory`` marks them too and the collector drops the trajectory from
+    the loss."""
 
     num_layers: int | None = None
     top_k: int | None = None
@@ -40,8 +46,11 @@ class RouteSchema:
     check_unique: bool = False
     max_bytes: int = DEFAULT_MAX_BYTES
     layers: tuple[int, ...] | None = None
+    missing_rows: str = "error"
 
     def __post_init__(self) -> None:
+        if self.missing_rows not in MISSING_ROWS:
+            raise ValueError(f"missing_rows must be one of {list(MISSING_ROWS)}, got {self.missing_rows!r}")
         for name in ("num_layers", "top_k", "num_experts"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
@@ -188,12 +197,18 @@ def checked_routes(
     field: str = "routed_experts",
 ) -> np.ndarray:
     """Decoded ``routes`` after the route check, on ``schema.layers`` only, in their host dtype
-    (uint16 as int16 or int32); with ``compact`` the smallest dtype holding the largest id."""
+    (uint16 as int16 or int32); with ``compact`` the smallest dtype holding the largest id. With
+    ``schema.missing_rows`` other than ``error``, a row holding -1 is a missing row: all its ids
+    become -1, in a signed dtype."""
     bounds = {"num_experts": schema.num_experts, "num_layers": schema.num_layers, "top_k": schema.top_k}
     check = {"rows": rows, "rows_rule": rows_rule, "where": field, "error": MalformedResponseError}
-    high = check_routes(routes, distinct=schema.check_unique, **bounds, **check)
+    allowed = schema.missing_rows != "error"
+    high = check_routes(routes, distinct=schema.check_unique, missing=allowed, **bounds, **check)
+    absent = missing_rows(routes) if allowed else None
     if schema.layers is not None:  # a copy of the kept columns: the whole payload is freed
         routes = routes[:, list(schema.layers)]
+    if absent is not None and absent.any():  # every id of a missing row is -1, on every kept layer
+        return mark_missing(routes, absent)
     if compact:
         return routes.astype(compact_dtype(high), copy=False)
     if routes.dtype == WIRE_DTYPES["uint16"]:  # torch has few uint16 operations

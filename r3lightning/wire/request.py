@@ -28,7 +28,8 @@ class RemoteGenerateResult:
     """One generation: ``routed_experts`` ``[rows, num_layers, top_k]`` in a compact integer dtype
     (None unless asked for), ``response_logprobs`` None when the server sent none, ``raw_response``
     the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts,
-    ``weight_version`` the engine's weight version that generated it (None: the engine sent none)."""
+    ``weight_version`` the engine's weight version that generated it (None: the engine sent none),
+    ``missing_route_rows`` the route rows the engine lost (marked -1; ``RouteSchema.missing_rows``)."""
 
     response_ids: list[int]
     response_logprobs: list[float] | None
@@ -37,6 +38,7 @@ class RemoteGenerateResult:
     raw_response: dict[str, Any] = field(repr=False)
     attempts: int = 1
     weight_version: int | None = None
+    missing_route_rows: int = 0
 
 
 def engine_sampling_params(

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from r3lightning.routes import ENGINE_ROUTES_FLAG
+from r3lightning.routes import ENGINE_ROUTES_FLAG, MISSING_ROUTE_ID, missing_rows
 from r3lightning.wire.codec import checked_routes, decode_array, decode_flat_array, decode_npy_array
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.json_body import JsonBody, unescaped
@@ -50,6 +50,7 @@ def parse_response(
                 rule = f"P - start + G - 1 = {prompt_len} - {start} + {g} - 1 = {n}"
                 rule += " (rows cover positions [start, P + G - 1))"
             result.routed_experts = _decode(where, routes, flat, schema, rows, rule)
+            result.missing_route_rows = int(missing_rows(result.routed_experts).sum())
         result.raw_response = body.finish()
         return result
     except MalformedResponseError as exc:
@@ -61,7 +62,10 @@ def parse_response(
 def _decode(
     where: str, value: Any, flat: bool, schema: RouteSchema, rows: range | None, rule: str
 ) -> np.ndarray:
-    """The routes ``value`` decoded and checked (a payload with JSON escapes: again once resolved)."""
+    """The routes ``value`` decoded and checked (a payload with JSON escapes: again once resolved);
+    ``null`` routes (an engine that lost them) are all-missing rows unless ``missing_rows: error``."""
+    if value is None and schema.missing_rows != "error" and rows is not None:
+        return _all_missing(where, schema, rows.start)
     if value is None or value is _MISSING:
         raise MalformedResponseError(
             f"{where}: routes were requested but the field is {'null' if value is None else 'missing'}; "
@@ -75,6 +79,17 @@ def _decode(
             raise
         routes = _decoded(where, text, flat, schema)
     return checked_routes(routes, schema, rows=rows, rows_rule=rule, compact=flat, field=where)
+
+
+def _all_missing(where: str, schema: RouteSchema, count: int) -> np.ndarray:
+    """``count`` missing rows ``[count, layers kept, top_k]`` of -1 (int8)."""
+    if schema.num_layers is None or schema.top_k is None:
+        raise MalformedResponseError(
+            f"{where}: null routes (rows lost by the engine) need the route schema's num_layers and "
+            "top_k to be marked missing"
+        )
+    layers = schema.num_layers if schema.layers is None else len(schema.layers)
+    return np.full((count, layers, schema.top_k), MISSING_ROUTE_ID, dtype=np.int8)
 
 
 def _decoded(where: str, value: Any, flat: bool, schema: RouteSchema) -> np.ndarray:

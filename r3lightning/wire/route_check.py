@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from r3lightning.routes import MISSING_ROUTE_ID, missing_rows
+
 __all__ = ["MAX_EXPERT_ID", "check_distinct", "check_routes"]
 
 MAX_EXPERT_ID = 2**31 - 1  # routes are int32 at the widest
@@ -25,10 +27,13 @@ def check_routes(
     where: str = "routed_experts",
     error: type[ValueError] = ValueError,
     layers: tuple[int, ...] | None = None,
+    missing: bool = False,
 ) -> int:
     """The largest id (0 when empty) of routes ``[rows, num_layers, top_k]`` checked against the
     model's sizes (None: unknown) and the row counts ``rows``, else ``error`` naming ``where`` (and
-    ``layers[j]`` for column ``j``). Cost: one ``max`` over the ids (0.2 ms for 32k x 48 x 8 uint8)."""
+    ``layers[j]`` for column ``j``); ``missing``: rows holding the sentinel ``MISSING_ROUTE_ID``
+    (-1) are allowed (missing rows, exempt from the distinct check), other negative ids are not.
+    Cost: one ``max`` over the ids (0.2 ms for 32k x 48 x 8 uint8); a ``min`` more for signed ids."""
     shape = list(routes.shape)
     if routes.ndim != 3:
         raise error(f"{where}: expected shape [rows, num_layers, top_k], got {shape}")
@@ -40,13 +45,21 @@ def check_routes(
             raise error(f"{where}: shape {shape} has {shape[axis]} on axis {axis}, {wanted}")
     # viewed unsigned, a negative id is at least 2**(bits - 1)
     high = int(routes.view(routes.dtype.str.replace("i", "u")).max()) if routes.size else 0
+    absent = None
     if routes.dtype.kind == "i" and high >> (8 * routes.dtype.itemsize - 1):
-        raise error(f"{where}: expert id {int(routes.min())} is negative")
+        low = int(routes.min())
+        if not missing or low != MISSING_ROUTE_ID:
+            hint = ""
+            if low == MISSING_ROUTE_ID:
+                hint = " (-1 marks a missing row: allowed with missing_rows native or drop_trajectory)"
+            raise error(f"{where}: expert id {low} is negative{hint}")
+        high = max(int(routes.max()), 0)
+        absent = missing_rows(routes)
     if high >= (num_experts if num_experts is not None else MAX_EXPERT_ID + 1):
         bound = f"num_experts={num_experts}" if num_experts is not None else "int32 (ids < 2**31)"
         raise error(f"{where}: expert id {high} is out of range for {bound}")
     if distinct:
-        check_distinct(routes, where, error, layers)
+        check_distinct(routes if absent is None else routes[~absent], where, error, layers)
     if rows is not None and shape[0] not in rows:  # after the ids: a bad id is the likelier story
         raise error(f"{where}: {shape[0]} route rows, expected {rows_rule or rows}")
     return high

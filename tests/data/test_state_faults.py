@@ -95,8 +95,8 @@ CORRUPTIONS = [
     ("nan reward", _set("rewards", 1, float("nan")), r"trajectory 1 rejected: .*reward must be finite"),
     (
         "negative expert id",
-        _replace("routes", lambda r: r.to(torch.int16) - 1),
-        r"trajectory 0 rejected: Trajectory.routed_experts: expert id -1 is negative",
+        _replace("routes", lambda r: r.to(torch.int16) - 2),
+        r"trajectory 0 rejected: Trajectory.routed_experts: expert id -2 is negative",
     ),
     (
         "repeated expert in a row",

@@ -85,9 +85,9 @@ def test_empty_routes_and_zero_length_response_are_valid():
         ),
         ({"routed_experts": torch.zeros(2, 2, 2)}, TypeError, r"routed_experts must hold integer expert ids"),
         (
-            {"routed_experts": -torch.ones(2, 2, 2, dtype=torch.int64)},
+            {"routed_experts": -2 * torch.ones(2, 2, 2, dtype=torch.int64)},
             ValueError,
-            r"expert id -1 is negative",
+            r"expert id -2 is negative",
         ),
         ({"response_ids": "abc"}, TypeError, r"response_ids must be a tensor, ndarray or list"),
     ],

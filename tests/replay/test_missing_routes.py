@@ -148,3 +148,29 @@ def test_a_bad_saved_state_is_refused_and_changes_nothing(state, field):
         callback.load_state_dict(state)
     assert callback.state_dict() == {"batches_without_routes": 3, "warned": ["r3"]}
     assert callback.batches_without_routes == 3
+
+
+class NoRoutedForward(MicroPolicy):
+    """A step that never runs the routed model (e.g. a loop that only steps a value head)."""
+
+    def __init__(self):
+        super().__init__([])
+
+    def training_step(self, batch, batch_idx):
+        pass
+
+
+def test_r2_strict_raises_when_a_step_runs_no_routed_forward(seven):
+    """The strict pre-forward check never fires without a forward: the end-of-step check must
+    (r2's batches come from an engine without routes)."""
+    routeless = without_routes(seven)
+    message = (
+        r"mode='r2', strict=True\): no old_policy_forward\(batch\) in this training step recorded routes"
+    )
+    with pytest.raises(ValueError, match=message):
+        fit(NoRoutedForward(), [copy.deepcopy(routeless)], RouterReplayCallback(mode="r2", strict=True))
+    with pytest.warns(
+        UserWarning, match=r"mode='r2'\): no old_policy_forward\(batch\) .*; nothing was replayed"
+    ):
+        _, logger = fit(NoRoutedForward(), [copy.deepcopy(routeless)] * 2, RouterReplayCallback(mode="r2"))
+    assert logger.series("router_replay/batches_without_routes") == [1.0, 2.0]

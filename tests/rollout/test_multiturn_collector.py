@@ -23,6 +23,7 @@ from r3lightning.rollout.collector import EnginesUnavailableError, RolloutCollec
 from r3lightning.rollout.config import Backoff, CollectorConfig, RetryPolicy
 from r3lightning.rollout.environment import Environments, TextEnvironment, text_environment
 from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig, TextReward
+from r3lightning.rollout.stats import GroupsDroppedError
 from r3lightning.wire.request import RouteSchema
 
 L, K, E, G = 3, 2, 16, 3
@@ -153,8 +154,11 @@ async def test_every_group_dropped_fails_the_step_and_engines_out_fail_it_at_onc
 
     buffer = ReplayBuffer(num_experts=E)
     async with TurnEngine(**SCHEMA) as engine, make(engine.url, env=Broken) as collector:
-        with pytest.raises(RuntimeError, match="every group of step 0 was dropped"):
+        with pytest.raises(
+            GroupsDroppedError, match=r"every group of step 0 was dropped; group 0: KeyError: 'no tool'"
+        ) as info:
             await collector.collect_async(PROMPTS, step=0, buffer=buffer)
+    assert sorted(info.value.errors) == [0, 1, 2]  # each group's own error
     assert len(buffer) == 0
     async with FaultServer(**SCHEMA) as down, make(down.url) as collector:
         down.script.extend([Status(503)] * 6)

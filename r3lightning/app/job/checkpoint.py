@@ -113,3 +113,19 @@ def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
             f"set steps={done} or more to continue, or {_FIX}"
         )
     return str(last)
+
+
+def refuse_bad_data_state(datamodule: Any, ckpt_path: str) -> None:
+    """Lightning restores ``datamodule`` inside ``fit``, after every up-front check: a state its
+    ``load_state_dict`` refuses (a tampered or foreign checkpoint) becomes a one-line :class:`JobError`."""
+    restore = datamodule.load_state_dict
+
+    def load_state_dict(state: Any) -> None:
+        try:
+            restore(state)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise JobError(
+                f"checkpoint {ckpt_path}: its data module state is refused ({one_line(exc)[:200]}); {_FIX}"
+            ) from None
+
+    datamodule.load_state_dict = load_state_dict

@@ -16,11 +16,13 @@ from omegaconf import DictConfig, ListConfig
 from safetensors.torch import save, save_file
 from torch import Tensor
 
+from r3lightning.app.job.build import one_line
 from r3lightning.app.job.common import JobError, is_global_zero
 from r3lightning.app.job.rollout_loop import Engine, WeightSync
 from r3lightning.app.job.rollout_settings import retry_policy, server_settings
 from r3lightning.app.job.setup import build_model
 from r3lightning.app.serve.server import RolloutServer
+from r3lightning.wire.errors import RemoteGenerateError
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -35,9 +37,18 @@ def _auth(api_key: str | None) -> dict[str, str]:
 def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awaitable[None]]) -> None:
     """``post(session, url)`` to every engine concurrently, in one ``aiohttp`` session."""
 
+    async def guarded(session: aiohttp.ClientSession, url: str) -> None:
+        try:
+            await post(session, url)
+        except (aiohttp.ClientError, TimeoutError) as exc:  # an engine gone since its health check
+            reason = one_line(exc) or f"no answer within {timeout_s:g}s"
+            raise RemoteGenerateError(
+                f"weight update at {url} failed: {type(exc).__name__}: {reason}; is the engine still running?"
+            ) from None
+
     async def post_all() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            await asyncio.gather(*(post(session, url) for url in urls))
+            await asyncio.gather(*(guarded(session, url) for url in urls))
 
     asyncio.run(post_all())
 

@@ -23,6 +23,8 @@ from r3lightning.app.job.rollout_settings import collector_config, retry_policy,
 from r3lightning.app.serve.server import is_loopback
 from r3lightning.app.tasks.token_class import ScoredTask
 from r3lightning.rollout.collector import RolloutCollector
+from r3lightning.rollout.stats import GroupsDroppedError
+from r3lightning.wire.errors import RemoteGenerateError
 from r3lightning.wire.request import RouteSchema
 
 WeightSync = Callable[[Mapping[str, Tensor]], None]
@@ -171,7 +173,11 @@ class OnPolicyLoop(pl.Callback):
         assert self.collector is not None
         self.buffer.clear()
         prompts = self.task.prompts_for_step(step, int(self.cfg.prompts_per_step), int(self.cfg.seed))
-        stats = self.collector.collect(prompts, step=step, buffer=self.buffer).stats
+        try:
+            stats = self.collector.collect(prompts, step=step, buffer=self.buffer).stats
+        except GroupsDroppedError as exc:  # one line: exit 3 if the engine failed every group, else 2
+            engine = all(isinstance(e, RemoteGenerateError) for e in exc.errors.values())
+            raise (RemoteGenerateError if engine else JobError)(str(exc)) from None
         self._pending = {
             "reward": stats.reward_mean,
             "reward_std": stats.reward_std,

@@ -13,6 +13,7 @@ from omegaconf import MISSING
 
 from r3lightning.checks import check_setting
 from r3lightning.replay.backend import check_soft_threshold
+from r3lightning.wire.codec import MISSING_ROWS
 from r3lightning.wire.request import PROTOCOL_PATHS
 
 __all__ = [
@@ -117,6 +118,8 @@ class RolloutSettings:
         api_key: sent as ``Authorization: Bearer``; the embedded engine requires it when set.
         sync_weights: push the trainer's weights to the engine after every step (on-policy).
         weight_sync_dir: sglang: a directory the engine reads pushed weights from.
+        missing_rows: route rows an engine lost: ``error``, ``native`` (those tokens route natively,
+            counted) or ``drop_trajectory`` (as native, with loss mask 0); ``RouteSchema``'s.
     """
 
     url: Any = None  # str | list[str] | None
@@ -125,8 +128,11 @@ class RolloutSettings:
     api_key: str | None = None
     sync_weights: bool = True
     weight_sync_dir: str | None = None
+    missing_rows: str = "error"
 
     def __post_init__(self) -> None:
+        if self.missing_rows not in MISSING_ROWS:
+            raise ValueError(f"missing_rows must be one of {list(MISSING_ROWS)}, got {self.missing_rows!r}")
         if self.protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {list(PROTOCOL_PATHS)}, got {self.protocol!r}")
         _urls(self.url)

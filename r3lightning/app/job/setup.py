@@ -61,14 +61,15 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     """Train one run (one arm, one seed) into ``out_dir``; returns its per-step history."""
     import lightning.pytorch as pl
 
-    from r3lightning.app.job.checkpoint import RunCheckpoint, resume_checkpoint
+    from r3lightning.app.job.checkpoint import RunCheckpoint, refuse_bad_data_state, resume_checkpoint
     from r3lightning.app.job.rollout_loop import on_policy_loop
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model, trainer=True)
     mode = str(cfg.replay.mode)
     backend = build.replay_backend(cfg, model)
-    schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts)
+    missing = str(cfg.rollout.get("missing_rows", "error"))
+    schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts, missing_rows=missing)
     vocab_size = cfg.task.get("vocab_size") or getattr(getattr(model, "config", None), "vocab_size", None)
     task = build.build_task(cfg, vocab_size)
     settings = check_values(cfg)
@@ -87,6 +88,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     callbacks = [*build.build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
     trainer = build.build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)
+    if ckpt_path is not None:
+        refuse_bad_data_state(datamodule, ckpt_path)
     if ckpt_path is not None and is_global_zero():
         print(f"resuming {out_dir.name} from {ckpt_path}")
     with warnings.catch_warnings():

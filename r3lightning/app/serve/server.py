@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -18,6 +19,7 @@ import orjson
 import torch
 from aiohttp import web
 
+from r3lightning._keywords import refuse_moved_keywords
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.serve.engine import GenerationEngine
 from r3lightning.app.serve.protocol import (
@@ -78,11 +80,17 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
         )
 
 
+# 0.1 keywords -> the settings object that holds them in 0.2
+_SERVER_MOVED = {f.name: f"engine=EngineConfig({f.name}=)" for f in dataclasses.fields(EngineConfig)}
+_SERVER_MOVED |= {f.name: f"limits=ServerLimits({f.name}=)" for f in dataclasses.fields(ServerLimits)}
+
+
 class RolloutServer:
     """Serve ``model`` (default: the tiny MoE) on ``host:port`` (0: a free one); with ``api_key``
     every route but ``/health`` needs ``Authorization: Bearer <api_key>``. Use as ``async with`` in a
     running loop, or as ``with`` (its own loop in a daemon thread); it runs once."""
 
+    @refuse_moved_keywords(_SERVER_MOVED)
     def __init__(
         self,
         model: torch.nn.Module | None = None,

@@ -10,6 +10,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from torch import Tensor, nn
 
+from r3lightning._keywords import refuse_moved_keywords
 from r3lightning.align.layout import TokenMetadataLayout, split_for_sequence_parallel
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import routes_on_all_layers, validate_routes_for_install
@@ -49,11 +50,17 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: Sequence[Top
     return stages
 
 
+# 0.1 keywords -> MegatronParallelism's fields in 0.2
+_PARALLELISM_MOVED = {name: f"parallelism=MegatronParallelism({name}=) (r3lightning.replay.megatron.layout)"
+                      for name in ("tp_size", "tp_rank", "cp_size", "cp_rank", "sequence_parallel")}  # fmt: skip
+
+
 class MegatronRouterReplay:
     """``RouterReplayBackend`` for the ``TopKRouter`` s of one pipeline stage: its model (or a wrapper)
     or modules holding them (VPP: the model chunks). ``tp_group`` (default: megatron's) serves
     :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on install (a sync)."""
 
+    @refuse_moved_keywords(_PARALLELISM_MOVED)
     def __init__(
         self,
         model_or_modules: nn.Module | Iterable[nn.Module],

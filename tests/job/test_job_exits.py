@@ -1,0 +1,81 @@
+"""Failures in the middle of a job are one line and an exit status, never a traceback: every group
+of step 0 dropped, the engine gone at the weight push, a tampered data module state on resume."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+import pytest
+import torch
+
+from r3lightning.app.job.main import main
+
+pytestmark = pytest.mark.slow
+QUIET = ["trainer.enable_progress_bar=false", "plot=false", "steps=1", "prompts_per_step=2"]
+
+
+def _fail(capsys, args: list[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        main([*args, *QUIET])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return info.value.code, err.strip().splitlines()[-1]
+
+
+def test_every_group_of_step_0_dropped_is_one_line_exit_2(tmp_path, capsys):
+    task = ["task=calculator", "task._target_=broken_task.BrokenToolTask"]
+    code, line = _fail(capsys, [*task, f"hydra.run.dir={tmp_path}"])
+    assert code == 2
+    assert line == (
+        "r3lightning-train: error: every group of step 0 was dropped; group 0: RuntimeError: the tool is "
+        "broken (the log has each group's error)"
+    )
+
+
+def _close(server: http.server.ThreadingHTTPServer) -> None:
+    server.shutdown()
+    server.server_close()  # the listening socket too: a connection is refused, not left waiting
+
+
+class _HealthOnce(http.server.BaseHTTPRequestHandler):
+    """Answers one ``GET /health`` with 200, then the engine goes away (its port refuses)."""
+
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        threading.Thread(target=_close, args=(self.server,)).start()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_engine_gone_at_the_weight_push_is_one_line_exit_3(tmp_path, capsys):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HealthOnce)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        code, line = _fail(capsys, [f"rollout.url={url}", f"hydra.run.dir={tmp_path}"])
+    finally:
+        thread.join(timeout=30)
+    assert code == 3
+    prefix = f"r3lightning-train: rollout engine error: weight update at {url} failed: ClientConnectorError: "
+    assert line.startswith(prefix) and line.endswith("; is the engine still running?"), line
+
+
+def test_a_tampered_data_module_state_is_one_line_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([f"hydra.run.dir={tmp_path}", *QUIET])
+    assert info.value.code == 0
+    last = tmp_path / "replay_r3" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=False)
+    state = checkpoint["R3DataModule"]
+    state["cursor"]["consumed"] = state["cursor"]["batches"] + 1  # past the epoch's batches
+    torch.save(checkpoint, last)
+    capsys.readouterr()
+    code, line = _fail(capsys, [f"hydra.run.dir={tmp_path}", "steps=2"])
+    assert code == 2
+    assert line.startswith(f"r3lightning-train: error: checkpoint {last}: its data module state is refused (")
+    assert "cursor.consumed" in line and line.endswith("or set resume=false or another hydra.run.dir")
