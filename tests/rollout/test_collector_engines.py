@@ -224,7 +224,7 @@ def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
     )
     retry, collector = retry_policy(cfg.rollout), collector_config(cfg.rollout)
     engine, limits = server_settings(cfg.rollout)
-    assert retry.health_interval_s is None and retry.backoff.cap_s == 2.0 and retry.timeout_s == 120.0
+    assert retry.health_interval_s is None and retry.backoff.cap_s == 2.0 and retry.timeout_s == 600.0
     assert collector == CollectorConfig(group_size=4, seed=3, max_in_flight=7, reward_threads=0)
     assert limits == ServerLimits(max_new_tokens_cap=99)
     assert engine == EngineConfig(max_batch_size=64, batch_wait_s=0.5, seed=3, copy_model=False)
