@@ -16,6 +16,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from r3lightning.app.job.common import JobError, one_line
 
@@ -95,7 +96,7 @@ class JobCallback(Callback):
     """Checks before Hydra writes anything, and the sweep's summary (see the module docstring)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from r3lightning.app.job.main import arms
+        from r3lightning.app.job.arms import arms
 
         try:
             run_dir = Path(str(config.hydra.run.dir)).absolute()
@@ -108,6 +109,10 @@ class JobCallback(Callback):
                     check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))
         except JobError as exc:
             sys.exit(report(exc))
+        except OmegaConfBaseException as exc:  # an arm's override of the wrong type
+            from r3lightning.app.job.validate import error_line
+
+            sys.exit(report(error_line(exc)))
         _state["new_dirs"] = _missing(run_dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from r3lightning.app.job import help as _help  # noqa: F401  (registers the help template's resolver)
+from r3lightning.app.job.arms import arms, run_seeds
 from r3lightning.app.job.common import JobError, is_global_zero
 from r3lightning.app.job.hooks import (
     PROG,
@@ -30,56 +30,11 @@ from r3lightning.app.job.hooks import (
     remove_if_unused,
     report,
 )
-from r3lightning.app.job.settings import REPLAY_MODES
-from r3lightning.app.job.setup import CONF_DIR, replay_settings
+from r3lightning.app.job.setup import CONF_DIR
 from r3lightning.app.job.store import register
-from r3lightning.app.job.validate import check_targets, check_values, error_line
+from r3lightning.app.job.validate import error_line
 
 register()  # the schema conf/config.yaml starts from, before Hydra composes
-_ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
-
-
-def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
-    """``{arm name: its checked config}`` from ``compare`` (docs/demo.md); none: the arm ``replay=<mode>``.
-    Every arm's values are checked first (:func:`check_values`), then, if ``targets``, its targets."""
-    check_values(cfg)
-    out: dict[str, DictConfig] = {}
-    for index, entry in enumerate(cfg.compare or [None]):
-        spec = OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry}
-        where = f"compare[{index}]"
-        mode, overrides = spec.pop("replay", None), spec.pop("overrides", None) or {}
-        name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
-        if spec:
-            raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
-        if mode is not None and mode not in REPLAY_MODES:
-            raise JobError(f"{where}.replay must be one of {list(REPLAY_MODES)}, got {mode!r}")
-        if not _ARM_NAME.fullmatch(name) or name in out:
-            problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
-            raise JobError(f"{where}.name {name!r} {problem}")
-        if not isinstance(overrides, dict):
-            raise JobError(f"{where}.overrides must map dotted config keys to values, got {overrides!r}")
-        arm = OmegaConf.merge(cfg if mode is None else replay_settings(cfg, str(mode)), {"compare": []})
-        for key, value in overrides.items():
-            if OmegaConf.select(arm, str(key), default=KeyError) is KeyError:
-                raise JobError(f"{where}.overrides: {key!r} is not a key of the config")
-            OmegaConf.update(arm, str(key), value, merge=True)
-        try:
-            check_values(arm)
-        except JobError as exc:
-            raise JobError(f"{where} ({name}): {exc}") from None
-        out[name] = arm
-    for name, arm in out.items() if targets else ():
-        try:
-            check_targets(arm)
-        except JobError as exc:
-            raise JobError(exc if len(out) == 1 else f"{name}: {exc}") from None
-    return out
-
-
-def run_seeds(cfg: DictConfig) -> list[int]:
-    """``seed``, ``seed + 1``, ... (``seeds`` of them): every arm runs each."""
-    run = check_values(cfg).run
-    return [run.seed + i for i in range(run.seeds)]
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
