@@ -131,8 +131,11 @@ def machine_line() -> str:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     import torch
 
+    from r3lightning.app.job.report import environment
+
+    env = environment()  # the CPU model and the capability torch dispatches to decide the numbers
     load = f", 1-min load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     return (
         f"python {sys.version.split()[0]}, torch {torch.__version__}, {cpus} usable CPUs, "
-        f"torch threads {torch.get_num_threads()}{load}"
+        f"torch threads {torch.get_num_threads()}{load}, CPU {env['cpu']}, torch CPU capability {env['capability']}"
     )

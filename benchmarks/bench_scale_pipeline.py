@@ -80,12 +80,20 @@ def rank_main(rank: int, world: int, url: str, pps: list[int], args: dict, out_d
 
 def run_steps(rank: int, pp: int, dp: int, url: str, args: dict, dp_group) -> dict:
     """This rank's steps at ``pp`` stages x ``dp`` data-parallel ranks; its figures."""
+    from types import SimpleNamespace
+
     import torch
 
     from r3lightning import ReplayBuffer
+    from r3lightning.align.layout import TokenMetadataLayout
     from r3lightning.data.datamodule import DataOptions, R3DataModule
+    from r3lightning.replay.backend import widen_routes
+    from r3lightning.replay.batch_fields import host_attention_mask
+    from r3lightning.replay.modes import align_routes
 
     block = stage_layers(LAYERS, pp, rank // dp)
+    # what the callback's backend knows of the model: its routers are the stage's layers
+    stage = SimpleNamespace(num_layers=LAYERS, top_k=TOP_K, num_experts=EXPERTS, moe_layers=block)
     collector = _rollout_ranks.collector(url, args, layers=block, process_group=dp_group)
     buffer = ReplayBuffer(num_experts=EXPERTS, layers=block)
     data = R3DataModule(buffer, args["batch_size"], shuffle=False, collate_threads=1, pin_memory=False,
@@ -99,13 +107,22 @@ def run_steps(rank: int, pp: int, dp: int, url: str, args: dict, dp_group) -> di
         collector.collect(prompts, step=step, buffer=buffer)
         elapsed = time.perf_counter() - start
         h2d, batches = 0, 0
+        device = {"sliced": 0, "widened": 0}  # the largest batch's aligned routes and mask
         for batch in data.train_dataloader():  # each batch dropped before the next, as in training
             routes = batch.routed_experts
             h2d += routes.values.nbytes + routes.cu_seqlens.nbytes
             batches += 1
             assert batch.route_layers == block, (batch.route_layers, block)
             assert all(torch.equal(routes[i], reference) for i in range(len(batch))), "batch columns"
-            del batch, routes
+            # on device: the callback's aligned routes [B, S, held, K] (what install is given now)
+            # and, for comparison, the widened copy [B, S, 48, K] the callback installed before
+            layout = TokenMetadataLayout.padded(host_attention_mask(batch))
+            aligned, mask = align_routes(routes, layout, stage, block)
+            widened = widen_routes(aligned, block, LAYERS)
+            assert torch.equal(widened[..., list(block), :], aligned), "widened columns"
+            device["sliced"] = max(device["sliced"], aligned.nbytes + mask.nbytes)
+            device["widened"] = max(device["widened"], widened.nbytes + mask.nbytes)
+            del batch, routes, aligned, mask, widened
         growth = _common.peak_rss() - base
         if step > 0:
             growths.append(growth)
@@ -119,6 +136,8 @@ def run_steps(rank: int, pp: int, dp: int, url: str, args: dict, dp_group) -> di
         "layers": list(block),
         "host_bytes": sum(t.routed_experts.nbytes for t in buffer),
         "h2d_bytes": h2d,
+        "device_sliced_bytes": device["sliced"],
+        "device_widened_bytes": device["widened"],
         "batches": batches,
         "rss_growth": max(growths),
         "collect_s": statistics.median(times),
@@ -171,6 +190,29 @@ def measured_table(rows: dict[int, list[dict]], global_bytes: int) -> list[list]
                     f"{r['rss_growth'] / formula:.2f}",
                     f"{global_bytes / r['dp'] / _common.MiB:.1f}",
                     _common.ms(r["collect_s"]),
+                ]
+            )
+    return table
+
+
+def device_ratio(row: dict) -> float:
+    return row["device_sliced_bytes"] / row["device_widened_bytes"]
+
+
+def device_table(rows: dict[int, list[dict]]) -> list[list]:
+    table = []
+    for pp, ranks in rows.items():
+        for r in ranks:
+            table.append(
+                [
+                    pp,
+                    r["rank"],
+                    r["stage"],
+                    f"{r['layers'][0]}-{r['layers'][-1]}",
+                    f"{r['device_widened_bytes'] / _common.MiB:.2f}",
+                    f"{r['device_sliced_bytes'] / _common.MiB:.2f}",
+                    f"{device_ratio(r):.4f}",
+                    f"{len(r['layers']) / LAYERS:.4f}",
                 ]
             )
     return table
@@ -266,6 +308,18 @@ def main() -> None:
             f"{f' within {slack:.1%}' if slack else ' exactly'}: {'met' if worst <= slack else 'missed'}"
             f" (worst {worst:.2e})"
         )
+
+    _common.print_table(
+        "Per rank, device route bytes of the largest batch: aligned routes [B, S, layers, 8] uint8 "
+        "and the replay mask, as installed before (widened to 48 layers) and now (the held layers)",
+        ["PP", "rank", "stage", "layers", "widened (before) MiB", "sliced (now) MiB", "now / before",
+         "layers held / 48"],
+        device_table(rows),
+    )  # fmt: skip
+    worst = max(abs(device_ratio(r) - len(r["layers"]) / LAYERS) for r in every)
+    print(
+        f"target: device route bytes now / before = layers held / 48 within 1%: {'met' if worst <= 0.01 else 'missed'}"
+    )
 
     _common.print_table(
         f"Projection: {PROJECTION_PER_RANK} trajectories of {PROJECTION_TOKENS // 1024}k tokens per rank, "

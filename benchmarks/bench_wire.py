@@ -146,17 +146,9 @@ def reordered(node: object) -> object:
 
 def machine() -> str:
     return (
-        f"{platform.processor() or platform.machine()} ({_cpu_model()}); numpy {np.__version__}, "
+        f"{platform.processor() or platform.machine()}; numpy {np.__version__}, "
         f"orjson {orjson.__version__}, pybase64 {pybase64.__version__}; {_common.machine_line()}"
     )
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_fields", "check_int", "check_rank", "check_setting"]
+__all__ = ["check_api_key", "check_fields", "check_int", "check_rank", "check_setting"]
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
@@ -126,3 +126,30 @@ def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: s
         elif type(value) is not kind:
             raise ValueError(f"{label} must be {'an int' if kind is int else 'a bool'}, got {value!r}")
     return state
+
+
+def check_api_key(api_key: Any, name: str = "api_key") -> None:
+    """Refuses an API key that would authenticate anyone or could never be sent as given.
+
+    Args:
+        api_key: None (no authentication) or the bearer token.
+        name: How the error names the setting (``--api-key`` on the command line).
+
+    Raises:
+        TypeError: ``api_key`` is neither None nor a string.
+        ValueError: ``api_key`` is empty or blank (``Authorization: Bearer `` would match it), or
+            holds whitespace or control characters (HTTP strips or refuses them in a header).
+    """
+    if api_key is None:
+        return
+    if not isinstance(api_key, str):
+        raise TypeError(f"{name} must be None or a string, got {type(api_key).__name__}")
+    if not api_key.strip():
+        raise ValueError(
+            f"{name} must be a non-empty token, got {api_key!r} (an unset variable?): an empty key "
+            "would let anyone in; leave it out (None) to serve without authentication on loopback"
+        )
+    if any(ch.isspace() or not ch.isprintable() for ch in api_key):
+        raise ValueError(
+            f"{name} must hold no whitespace or control characters, got {len(api_key)} characters"
+        )

@@ -22,11 +22,25 @@ def _number(name: str, value: object) -> float:
 
 
 def check_cap(value: float, name: str = "threshold") -> None:
-    """A TIS cap ``C``: a number >= 1 (below 1 every on-policy token would be truncated)."""
-    if not _number(name, value) >= 1:
+    """A TIS cap ``C``: a finite number >= 1 (below 1 every on-policy token would be truncated)."""
+    if not 1 <= _number(name, value) < math.inf:
         raise ValueError(
-            f"{name} must be a number >= 1 (the TIS cap C; below 1 every on-policy token is truncated), got {value!r}"
+            f"{name} must be a number >= 1 and finite (the TIS cap C; below 1 every on-policy token is truncated), "
+            f"got {value!r}"
         )
+
+
+def _check_cap_dtype(threshold: float, dtype: torch.dtype) -> None:
+    """The cap must be a value of the weights' dtype: above fp16's largest it would be inf there."""
+    largest = torch.finfo(dtype).max
+    if threshold > largest:
+        raise ValueError(f"threshold must be <= {largest:g}, the largest {dtype} value, got {threshold!r}")
+
+
+def _defined(weights: Tensor, keep: Tensor) -> Tensor:
+    """``weights`` on the loss tokens, 0 elsewhere and where the log-ratio was undefined (NaN, or
+    ``+inf`` and ``-inf`` in one sequence): such a token or sequence is dropped, never NaN."""
+    return torch.where(keep & ~weights.isnan(), weights, 0.0)
 
 
 def check_band(lower: float, upper: float) -> None:
@@ -109,25 +123,28 @@ def token_tis(
     log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0, lower_clip: float | None = None
 ) -> Tokens:
     """Truncated IS: per-token weight ``min(exp(log_ratio), threshold)`` on loss tokens, raised to
-    ``lower_clip`` where below it (None: no lower clip)."""
+    ``lower_clip`` where below it (None: no lower clip); 0 where ``log_ratio`` is NaN."""
     check_cap(threshold)
     check_lower_clip(lower_clip)
     lr, keep, _ = tokens_of(log_ratio, mask)
+    _check_cap_dtype(threshold, lr.dtype)
     weight = _ratio(lr).clamp(min=lower_clip, max=threshold)
-    return _like(log_ratio, torch.where(keep, weight, 0.0))
+    return _like(log_ratio, _defined(weight, keep))
 
 
 def sequence_tis(
     log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0, lower_clip: float | None = None
 ) -> Tokens:
     """Per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)`` (at least
-    ``lower_clip`` when set) on its loss tokens."""
+    ``lower_clip`` when set) on its loss tokens; 0 for a sequence whose sum is undefined (a NaN,
+    or ``+inf`` and ``-inf``)."""
     check_cap(threshold)
     check_lower_clip(lower_clip)
     lr, keep, cu = tokens_of(log_ratio, mask)
+    _check_cap_dtype(threshold, lr.dtype)
     total = _sequence_sum(torch.where(keep, lr, 0.0), cu)
     weight = torch.exp(total).clamp(min=lower_clip, max=threshold)
-    return _like(log_ratio, torch.where(keep, weight, 0.0))
+    return _like(log_ratio, _defined(weight, keep))
 
 
 def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
@@ -155,10 +172,14 @@ def veto_mask(log_ratio: Tokens, mask: Tokens, *, floor: float) -> Tokens:
     return _like(log_ratio, keep & (vetoes == 0))
 
 
+_K3_SATURATION = 600.0  # k3's log-ratio bound, exp(600) ~ 3.8e260
+
+
 def k3_terms(log_ratio: Tensor) -> Tensor:
     """Per-token k3 ``r - 1 - log r`` of ``log_ratio = log r`` as float64 ``expm1(x) - x`` (float32
-    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``)."""
-    x = log_ratio.double()
+    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``). ``x`` saturates at +-600
+    (k3 ~ 4e260): finite, and a mean over any batch stays finite, where ``exp`` overflows at 709."""
+    x = log_ratio.double().clamp(-_K3_SATURATION, _K3_SATURATION)
     return torch.expm1(x) - x
 
 

@@ -63,7 +63,8 @@ def _per_response_token(name: str, data: Any, count: int, default: float) -> Ten
     if values.is_complex():
         raise TypeError(f"Trajectory.{name} must be real, got dtype {values.dtype}")
     values = values.to(torch.float32)
-    rules = {"be finite": ~values.isfinite()}
+    # a NaN logprob marks a token the engine gave no logprob for (it answered ``logprobs: null``)
+    rules = {"be finite": values.isinf() if name == "rollout_logprobs" else ~values.isfinite()}
     if name == "loss_mask":
         rules["hold values in [0, 1]"] = (values < 0) | (values > 1)
     for rule, bad in rules.items():
@@ -79,6 +80,9 @@ def _same(a: Any, b: Any) -> bool:
     return not isinstance(a, Tensor) and not isinstance(b, Tensor) and a == b
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _scalar(name: str, value: Any) -> float:
     if isinstance(value, Tensor):
         if value.numel() != 1:
@@ -90,6 +94,10 @@ def _scalar(name: str, value: Any) -> float:
         raise TypeError(f"Trajectory.{name} must be a real number, got {value!r}") from err
     if not math.isfinite(out):
         raise ValueError(f"Trajectory.{name} must be finite, got {out}")
+    if abs(out) > _FLOAT32_MAX:  # collated as float32: it would turn into inf there
+        raise ValueError(
+            f"Trajectory.{name} must be within float32 range (|x| <= {_FLOAT32_MAX:.4g}), got {out}"
+        )
     return out
 
 
@@ -129,7 +137,9 @@ class Trajectory:
     Args:
         prompt_ids, response_ids: ``[P >= 1]`` and ``[R >= 0]`` token ids (``n = P + R``).
         loss_mask: ``[R]`` in [0, 1], 1 = loss target; default all ones.
-        rollout_logprobs: ``[R]`` engine logprob per response token; default zeros.
+        rollout_logprobs: ``[R]`` engine logprob per response token; default zeros. NaN marks
+            a token the engine gave no logprob for (the collector writes it when an engine
+            answers ``logprobs: null``); a loss that needs engine logprobs refuses such a batch.
         reward, advantage: scalars; ``advantage`` defaults to ``reward``.
         routed_experts: ``[captured <= n, L, K]`` route rows: row ``t`` = the experts token
             ``t`` used as an input (later tokens route natively); ``None``: all native.

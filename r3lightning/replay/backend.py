@@ -1,10 +1,14 @@
 """The ``RouterReplayBackend`` protocol (the docs' "Modes") and what its backends share."""
 
+import inspect
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from r3lightning.ragged import to_device_async
 
 
 @runtime_checkable
@@ -16,9 +20,16 @@ class RouterReplayBackend(Protocol):
     num_experts: int
     moe_layers: tuple[int, ...]  # absolute indices of the layers this backend routes
 
-    def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
+    def install(
+        self, routes: Tensor, replay_mask: Tensor | None = None, *, layers: Sequence[int] | None = None
+    ) -> None:
         """Replay ``routes`` in the following forwards (and their recompute) until :meth:`clear` or
-        the next install; ``replay_mask [*token_shape]`` False rows keep native routing."""
+        the next install; ``replay_mask [*token_shape]`` False rows keep native routing.
+
+        ``layers``: the decoder layer of each column of layer-sliced routes
+        ``[*token_shape, len(layers), top_k]`` (covering ``moe_layers``); None: one column per
+        decoder layer. A backend whose ``install`` takes no ``layers`` gets sliced routes widened
+        to ``num_layers`` columns (:func:`widen_routes`)."""
 
     def clear(self) -> None:
         """Drop installed routes, recording state and routing stats; routers route natively."""
@@ -35,6 +46,81 @@ class RouterReplayBackend(Protocol):
         counted), on device, no host sync."""
 
 
+def route_columns(backend: RouterReplayBackend, layers: Sequence[int] | None) -> dict[int, int]:
+    """The column of each of ``backend.moe_layers`` in routes whose columns are decoder ``layers``
+    (None: one column per decoder layer).
+
+    Args:
+        backend: The backend whose routers read the routes.
+        layers: The decoder layer of each route column, increasing, or None.
+
+    Returns:
+        ``{moe layer: column}``.
+
+    Raises:
+        ValueError: ``layers`` is not increasing, names a layer the model lacks, or leaves out one
+            of the backend's MoE layers.
+    """
+    if layers is None:
+        return {layer: layer for layer in backend.moe_layers}
+    layers = tuple(layers)
+    integers = all(isinstance(layer, int) and not isinstance(layer, bool) for layer in layers)
+    if not layers or not integers or any(a >= b for a, b in itertools.pairwise(layers)):
+        raise ValueError(f"layers must be increasing decoder layer ids, got {list(layers)}")
+    if layers[0] < 0 or layers[-1] >= backend.num_layers:
+        raise ValueError(
+            f"routes on layers {list(layers)} name a layer outside the model's {backend.num_layers} "
+            f"decoder layers (ids 0..{backend.num_layers - 1})"
+        )
+    missing = sorted(set(backend.moe_layers) - set(layers))
+    if missing:
+        raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
+    column = {layer: i for i, layer in enumerate(layers)}
+    return {layer: column[layer] for layer in backend.moe_layers}
+
+
+def widen_routes(routes: Tensor, layers: Sequence[int], num_layers: int) -> Tensor:
+    """Layer-sliced routes on all ``num_layers`` columns, zeros on the others.
+
+    Only for a backend whose ``install`` takes no ``layers``: the backends of this package install
+    sliced routes as they are.
+
+    Args:
+        routes: ``[*token_shape, len(layers), top_k]``, any integer dtype, any device.
+        layers: The decoder layer of each column.
+        num_layers: The model's decoder layers.
+
+    Returns:
+        ``[*token_shape, num_layers, top_k]`` in the dtype and on the device of ``routes``: one
+        allocation of ``num_layers / len(layers)`` times the bytes of ``routes``, no host sync.
+    """
+    index = to_device_async(torch.tensor(list(layers)), routes.device)
+    wide = routes.new_zeros((*routes.shape[:-2], num_layers, routes.shape[-1]))
+    return wide.index_copy_(-2, index, routes)
+
+
+def install_routes(
+    backend: RouterReplayBackend, routes: Tensor, replay_mask: Tensor | None, layers: Sequence[int] | None
+) -> None:
+    """``backend.install`` of routes whose columns are decoder ``layers``.
+
+    Sliced routes go to the backend as they are where its ``install`` takes ``layers`` (every
+    backend of this package); a backend without it gets them widened by :func:`widen_routes`.
+
+    Args:
+        backend: The backend.
+        routes: ``[*token_shape, columns, top_k]``.
+        replay_mask: None, or bool ``[*token_shape]``.
+        layers: Each column's decoder layer; None: one column per decoder layer.
+    """
+    if layers is None:
+        backend.install(routes, replay_mask)
+    elif "layers" in inspect.signature(backend.install).parameters:
+        backend.install(routes, replay_mask, layers=tuple(layers))
+    else:
+        backend.install(widen_routes(routes, layers, backend.num_layers), replay_mask)
+
+
 def validate_routes_for_install(
     backend: RouterReplayBackend,
     routes: Tensor,
@@ -42,23 +128,46 @@ def validate_routes_for_install(
     *,
     token_dims: int | None = None,
     check_ids: bool = True,
+    layers: Sequence[int] | None = None,
 ) -> tuple[int, ...]:
-    """Check ``backend.install``'s arguments and return the token shape; ``check_ids``: replayed ids in
-    ``[0, num_experts)``, distinct per row (host syncs for device routes)."""
+    """Checks ``backend.install``'s arguments.
+
+    Args:
+        backend: The backend that installs them.
+        routes: ``[*token_shape, columns, top_k]`` integer expert ids; ``columns`` is
+            ``num_layers``, or ``len(layers)`` for layer-sliced routes.
+        replay_mask: None, or bool ``[*token_shape]``.
+        token_dims: The number of token dimensions required (None: any, at least one).
+        check_ids: Also check that the ids on the MoE layers' columns are in ``[0, num_experts)``
+            and distinct per row: host syncs for device routes.
+        layers: The decoder layer of each column of layer-sliced routes (see :func:`route_columns`).
+
+    Returns:
+        The token shape.
+
+    Raises:
+        TypeError: ``routes`` is not an integer tensor.
+        ValueError: A shape, a layer list or an id is wrong.
+    """
     L, K, num_experts = backend.num_layers, backend.top_k, backend.num_experts
+    columns = route_columns(backend, layers)
     if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
         raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
     label = {None: "*token_shape", 2: "B, S"}.get(token_dims, f"{token_dims} token dims")
     shape_ok = routes.dim() >= 3 if token_dims is None else routes.dim() == token_dims + 2
-    if not shape_ok or tuple(routes.shape[-2:]) != (L, K):
-        expected = f"[{label}, num_layers={L}, top_k={K}]"
+    width = L if layers is None else len(layers)
+    if not shape_ok or tuple(routes.shape[-2:]) != (width, K):
+        if layers is None:
+            expected = f"[{label}, num_layers={L}, top_k={K}]"
+        else:
+            expected = f"[{label}, {width} layers (one per route layer {list(layers)}), top_k={K}]"
         raise ValueError(f"routes must have shape {expected}, got {tuple(routes.shape)}")
     token_shape = tuple(routes.shape[:-2])
     if replay_mask is not None and (replay_mask.dtype != torch.bool or replay_mask.shape != token_shape):
         got = f"{replay_mask.dtype} {tuple(replay_mask.shape)}"
         raise ValueError(f"replay_mask must be a bool tensor of shape {token_shape}, got {got}")
     if check_ids:
-        used = routes[..., list(backend.moe_layers), :]  # [*token_shape, moe_layers, top_k]
+        used = routes[..., list(columns.values()), :]  # [*token_shape, moe_layers, top_k]
         if replay_mask is not None:
             used = used[replay_mask]
         if used.numel():

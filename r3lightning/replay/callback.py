@@ -150,13 +150,16 @@ class RouterReplayCallback(Callback):
     def align_routes(
         self, routes: PackedTensor, layout: TokenMetadataLayout, layers: tuple[int, ...] | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Dense routes ``[*token_shape, L, K]`` and replay mask (see :func:`align_routes`)."""
+        """Dense routes ``[*token_shape, columns, K]`` and replay mask (see
+        :func:`~r3lightning.replay.modes.align_routes`): sliced routes stay sliced."""
         assert self.backend is not None
         return modes.align_routes(routes, layout, self.backend, layers)
 
     def _prepare(self, routes: PackedTensor, batch: Any) -> modes.Install:
         layout = self.build_layout(host_attention_mask(batch))
-        return modes.Install(layout, *self.align_routes(routes, layout, batch_field(batch, "route_layers")))
+        layers = batch_field(batch, "route_layers")
+        layers = None if layers is None else tuple(layers)
+        return modes.Install(layout, *self.align_routes(routes, layout, layers), layers)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -243,7 +246,7 @@ class RouterReplayCallback(Callback):
             self._r2.recording = False
         layout = self.build_layout(host_attention_mask(batch))
         packed = self._r2.keep(recording.routes, layout, batch, self.backend)  # on the layers it routes
-        install = modes.Install(layout, *self.align_routes(packed, layout, self._r2.layers))
+        install = modes.Install(layout, *self.align_routes(packed, layout, self._r2.layers), self._r2.layers)
         if self._in_micro:
             self._micro = install
             self._mode.use(install)  # type: ignore[union-attr]

@@ -1,12 +1,12 @@
 """Record and replay routes in custom loops, no Lightning needed (the docs' "Getting started")."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from r3lightning.replay.backend import RouterReplayBackend, check_soft_threshold
+from r3lightning.replay.backend import RouterReplayBackend, check_soft_threshold, install_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
 
 
@@ -48,14 +48,18 @@ def replay_routes(
     routes: Tensor,
     replay_mask: Tensor | None = None,
     *,
+    layers: Sequence[int] | None = None,
     soft_threshold: float | None = None,
 ) -> Iterator[RouterReplayBackend]:
     """Replay ``routes`` in the block's forwards (``replay_mask`` False: native); yields the backend.
 
     Args:
         model_or_backend: the MoE model or its backend.
-        routes: ``[*token_shape, num_layers, top_k]`` expert ids.
+        routes: ``[*token_shape, num_layers, top_k]`` expert ids, or ``[*token_shape,
+            len(layers), top_k]`` with ``layers``.
         replay_mask: ``[*token_shape]`` bool, False rows route natively (None: all replayed).
+        layers: The decoder layer of each column of layer-sliced routes (None: one column per
+            layer); installed as they are where the backend takes ``layers``, else widened.
         soft_threshold: soft replay for this block (the backend's own setting is back after it): a
             replayed expert is kept only where the router's probability of it is at least this;
             None: the backend's setting.
@@ -72,7 +76,7 @@ def replay_routes(
     before = getattr(backend, "soft_threshold", None)
     if threshold is not None:
         backend.soft_threshold = threshold
-    backend.install(routes, replay_mask)
+    install_routes(backend, routes, replay_mask, layers)
     try:
         yield backend
     finally:

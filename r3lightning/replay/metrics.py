@@ -10,7 +10,7 @@ from torch import Tensor
 from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import RouterReplayBackend, agreement_hits
+from r3lightning.replay.backend import RouterReplayBackend, agreement_hits, route_columns
 from r3lightning.replay.batch_fields import batch_field
 
 # route_rows: rows with a route row (per forward and layer); replayed_rows: those replayed;
@@ -20,16 +20,22 @@ COUNT_KEYS = ("route_rows", "replayed_rows", "native_hits", "used_hits", "kept_s
 COUNTS = len(COUNT_KEYS)
 
 
-def comparison_counts(routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor) -> Tensor | None:
+def comparison_counts(
+    routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor, columns: Tensor | None = None
+) -> Tensor | None:
     """``[COUNTS, len(layers)]`` counts comparing ``used [*shape, L, K]`` (forwards joined along the last
-    token axis) with ``routes [*token_shape, L, K]`` where ``mask``; None unless the shapes fit."""
+    token axis) on decoder ``layers`` with ``routes [*token_shape, C, K]`` where ``mask``; ``columns``:
+    the routes' column of each of ``layers`` (None: the layers themselves, ``C = L``). None unless
+    the shapes fit."""
     *lead, width = routes.shape[:-2]
     *used_lead, joined = used.shape[:-2]  # forwards joined along the last token axis
     if used_lead != lead or width == 0 or joined % width:
         return None
     forwards = joined // width
     used = used.reshape(*lead, forwards, width, *used.shape[-2:]).movedim(len(lead), 0)
-    routes = routes.to(used.device).index_select(-2, layers)  # [*token_shape, L_moe, K]
+    routes = routes.to(used.device).index_select(
+        -2, layers if columns is None else columns
+    )  # [..., L_moe, K]
     keep = mask.to(used.device)[..., None, None]
     hits = agreement_hits(routes, used.index_select(-2, layers)) & keep
     hits = hits.sum(dim=(*range(used.dim() - 2), -1))  # [L_moe] over all forwards
@@ -87,6 +93,15 @@ class ReplayMetrics:
         if self._index is None or self._index.device != device:
             self._index = to_device_async(torch.tensor(self.backend.moe_layers), device)
         return self._index
+
+    def column_index(self, layers: tuple[int, ...] | None, device: torch.device) -> Tensor:
+        """int64 ``[len(moe_layers)]`` on ``device``: each MoE layer's column in routes whose columns
+        are decoder ``layers`` (None: the layers themselves)."""
+        assert self.backend is not None
+        if layers is None:
+            return self.layer_index(device)
+        columns = list(route_columns(self.backend, layers).values())
+        return to_device_async(torch.tensor(columns), device)
 
     def add(self, table: Tensor) -> None:
         self._table = table if self._table is None else self._table + table.to(self._table.device)

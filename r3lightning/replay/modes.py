@@ -14,7 +14,7 @@ from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.checks import check_int
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import RouterReplayBackend
+from r3lightning.replay.backend import RouterReplayBackend, install_routes, route_columns
 from r3lightning.replay.batch_fields import batch_field, set_batch_fields
 from r3lightning.replay.metrics import ReplayMetrics, comparison_counts
 from r3lightning.routes import ENGINE_ROUTES_FLAG
@@ -25,8 +25,9 @@ class Install:
     """Routes that the forwards of one (micro-)batch replay or are compared with."""
 
     layout: TokenMetadataLayout
-    routes: Tensor  # [*token_shape, L, K], dummy rows where uncaptured
+    routes: Tensor  # [*token_shape, columns, K], dummy rows where uncaptured
     mask: Tensor  # [*token_shape] bool on the routes' device: True where a route row was captured
+    layers: tuple[int, ...] | None = None  # each column's decoder layer (None: one per layer, L columns)
 
 
 def align_routes(
@@ -35,12 +36,33 @@ def align_routes(
     backend: RouterReplayBackend,
     layers: tuple[int, ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Dense routes ``[*token_shape, L, K]`` and replay mask ``[*token_shape]`` on the routes' device (no
-    host sync); ``layers``: each route column's decoder layer (None: all), covering ``moe_layers``.
-    Rows marked missing (a -1 id; signed routes only) are masked out and hold dummy ids."""
-    L, K, E = backend.num_layers, backend.top_k, backend.num_experts
+    """Routes laid out as the model sees its tokens, with the mask of the captured rows.
+
+    Layer-sliced routes stay sliced: the result holds the columns of ``layers`` only, and the
+    backend writes each into its layer's router (``install(..., layers=layers)``).
+
+    Args:
+        routes: Packed routes, rows ``[columns, top_k]`` in a compact integer dtype.
+        layout: The model's token layout.
+        backend: The backend that installs them (its layer count, top-k and expert count).
+        layers: Each route column's decoder layer (None: one column per decoder layer), covering
+            the backend's ``moe_layers``.
+
+    Returns:
+        ``(dense, mask)``: ``dense [*token_shape, columns, top_k]`` in the routes' dtype and on
+        their device (dummy rows where no route was captured), ``mask [*token_shape]`` bool on the
+        same device. Rows marked missing (a -1 id; signed routes only) are masked out and hold
+        dummy ids. No host sync; one page-locked copy of the host mask.
+
+    Raises:
+        ValueError: The rows' shape does not match ``layers`` (or ``num_layers``), or ``layers``
+            names a layer the model lacks or leaves out one of its MoE layers.
+    """
+    L = backend.num_layers
+    K = backend.top_k
+    E = backend.num_experts
     columns = L if layers is None else len(layers)
-    if layers is not None and layers[-1] >= L:  # index_copy_ would fail (a device assert on CUDA)
+    if layers is not None and layers[-1] >= L:  # named before the shape, which it explains
         raise ValueError(
             f"routes on layers {list(layers)} name layer {layers[-1]}, but the model has {L} decoder "
             f"layers (ids 0..{L - 1})"
@@ -50,9 +72,11 @@ def align_routes(
         raise ValueError(
             f"route rows must be [{columns} layers ({held}), top_k={K}], got {[*routes.row_shape]}"
         )
-    if layers is not None and (missing := sorted(set(backend.moe_layers) - set(layers))):
-        raise ValueError(f"routes on layers {list(layers)} lack MoE layers {missing} of the model")
-    pad = lambda n: dummy_routes(n, columns, K, E, device=routes.device)  # noqa: E731
+    route_columns(backend, layers)  # every MoE layer has its column
+
+    def pad(count: int) -> Tensor:
+        return dummy_routes(count, columns, K, E, device=routes.device)
+
     dense = align_packed_token_metadata(routes, layout, pad=pad)  # [*token_shape, columns, K]
     mask = to_device_async(build_replay_mask(routes.lengths, layout), dense.device)  # staged, pinned
     if routes.dtype.is_signed:  # rows marked missing (-1): native, and dummy ids, never -1 installed
@@ -64,9 +88,6 @@ def align_routes(
         wide = torch.promote_types(dense.dtype, filler.dtype)
         dense = torch.where(present_dense[..., None, None], dense.to(wide), filler.to(wide))
         mask = mask & present_dense.to(mask.device)
-    if layers is not None:  # each column to its absolute layer: what every backend installs
-        index = to_device_async(torch.tensor(layers), dense.device)
-        dense = dense.new_zeros((*dense.shape[:-2], L, K)).index_copy_(-2, index, dense)
     return dense, mask
 
 
@@ -78,7 +99,7 @@ class Replaying:
 
     def use(self, install: Install | None) -> None:
         if install is not None:
-            self.backend.install(install.routes, install.mask)
+            install_routes(self.backend, install.routes, install.mask, install.layers)
             self.installed_any = True
             return
         if self.metrics is not None:  # clearing drops the backend's counts
@@ -104,8 +125,11 @@ class Comparing(Replaying):
                 used = self.backend.stop_recording()  # [*token_shape', L, K]
             except (RuntimeError, ValueError):  # no forward, or forwards that cannot be joined
                 used = None
-            index = None if used is None else self.metrics.layer_index(used.device)
-            table = None if used is None else comparison_counts(opened.routes, opened.mask, used, index)
+            table = None
+            if used is not None:
+                index = self.metrics.layer_index(used.device)
+                columns = self.metrics.column_index(opened.layers, used.device)
+                table = comparison_counts(opened.routes, opened.mask, used, index, columns)
             if table is not None:
                 self.metrics.add(table)
         if install is not None:

@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 
 from r3lightning._keywords import refuse_moved_keywords
-from r3lightning.checks import check_setting
+from r3lightning.checks import check_api_key, check_setting
 from r3lightning.rollout.config import Backoff, RetryPolicy, route_schema
 from r3lightning.rollout.health import EngineHungError, HealthWatch
 from r3lightning.rollout.prompts import token_id_list
@@ -118,6 +118,7 @@ class RemoteGenerateClient:
                 f"got engine={engine!r} with protocol={protocol!r}"
             )
         check_setting("max_response_bytes", max_response_bytes, low=1, integer=True)
+        check_api_key(api_key)
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         self.base_url = base_url.rstrip("/")

@@ -59,6 +59,20 @@ async def _gather_or_cancel(work: Iterable[Awaitable[T]]) -> list[T]:
         raise
 
 
+def _record_version(episode: Episode, served: int | None, step: int) -> None:
+    """The policy version the engines were synced to (``served``) on an episode whose engine sent
+    none; an engine that answered with another one serves stale weights: ``RuntimeError``."""
+    if served is None:
+        return
+    if episode.weight_version is None:
+        episode.weight_version = served
+    elif episode.weight_version != served:
+        raise RuntimeError(
+            f"a rollout of step {step} came from engine weight version {episode.weight_version}, but the "
+            f"engines were synced to version {served}: an engine serves stale weights"
+        )
+
+
 class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
@@ -161,9 +175,13 @@ class RolloutCollector:
         *,
         step: int,
         buffer: ReplayBuffer | None = None,
+        weight_version: int | None = None,
     ) -> CollectedRollouts:
         """Synchronous :meth:`collect_async` (on its own event loop)."""
-        return self._run_closing("collect", lambda: self.collect_async(prompts, step=step, buffer=buffer))
+        work = functools.partial(
+            self.collect_async, prompts, step=step, buffer=buffer, weight_version=weight_version
+        )
+        return self._run_closing("collect", work)
 
     def _run_closing(self, name: str, work: Callable[[], Awaitable[T]]) -> T:
         """``work()`` on a new event loop that closes the clients' sessions before it ends."""
@@ -188,11 +206,15 @@ class RolloutCollector:
         *,
         step: int,
         buffer: ReplayBuffer | None = None,
+        weight_version: int | None = None,
     ) -> CollectedRollouts:
         """Collect this rank's groups of step ``step`` and add them to ``buffer`` (if given).
         ``prompts``: the step's global list, the same on every rank; group ``g`` samples
-        ``prompts[g]``. A failure on any rank raises on every rank (after the stats' all-reduce)."""
+        ``prompts[g]``. ``weight_version``: the policy version the engines were synced to, recorded on
+        every trajectory whose engine reports none (vLLM), checked against the one an engine reports. A failure on any rank raises on every rank (after the stats'
+        all-reduce)."""
         check_setting("step", step, low=0, integer=True)
+        check_setting("weight_version", weight_version, low=0, integer=True, optional=True)
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
         group, distributed = self.process_group, dist.is_available() and dist.is_initialized()
         rank = dist.get_rank(group) if distributed else 0
@@ -204,7 +226,7 @@ class RolloutCollector:
         trajectories: list[Trajectory] = []
         show = rank == 0 and self.config.progress
         try:
-            trajectories = await self._collect_groups(items, mine, step, counters, show=show)
+            trajectories = await self._collect_groups(items, mine, step, counters, show, weight_version)
         except Exception as exc:
             if world == 1:
                 raise
@@ -220,7 +242,13 @@ class RolloutCollector:
         return CollectedRollouts(trajectories, list(mine), stats)
 
     async def _collect_groups(
-        self, prompts: list[RolloutPrompt], groups: range, step: int, counters: StepCounters, show: bool
+        self,
+        prompts: list[RolloutPrompt],
+        groups: range,
+        step: int,
+        counters: StepCounters,
+        show: bool,
+        weight_version: int | None,
     ) -> list[Trajectory]:
         slots = asyncio.Semaphore(self.config.max_in_flight)
         out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
@@ -308,6 +336,7 @@ class RolloutCollector:
             advantages = self._group_advantages(rewards)
             for episode, advantage in zip(episodes, advantages.tolist(), strict=True):
                 counters.add_turns(episode.turn_rewards, episode.route_bytes)
+                _record_version(episode, weight_version, step)
                 layers = self.schema and self.schema.layers
                 trajectories.append(episode.trajectory(advantage, layers, drop_missing=drop_missing))
         counters.engines_out = len(out)

@@ -4,6 +4,7 @@ multi-turn page has the row arithmetic). Observation tokens get loss mask 0 and 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ class Episode:
     prompt_ids: list[int]  # the first observation
     response_ids: list[int] = field(default_factory=list)  # [R] responses and later observations
     loss_mask: list[float] = field(default_factory=list)  # [R] 1 sampled, 0 observed
-    logprobs: list[float] = field(default_factory=list)  # [R] the engine's (0 if none); 0 observed
+    logprobs: list[float] = field(default_factory=list)  # [R] the engine's (NaN if none); 0 observed
     turn_rewards: list[float] = field(default_factory=list)  # [turns]
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K] (L: the layers kept)
@@ -66,10 +67,13 @@ class Episode:
         )
 
     def extend(self, ids: list[int], mask: float, logprobs: Sequence[float] | None) -> None:
-        """Append tokens with one loss-mask value and their logprobs (None: zeros)."""
+        """Append tokens with one loss-mask value and their logprobs. None: sampled tokens get NaN
+        (the engine sent none: a 0.0 would read as probability 1 in a PPO ratio or an IS weight),
+        observed tokens 0 (no engine sampled them)."""
         self.response_ids += ids
         self.loss_mask += [mask] * len(ids)
-        self.logprobs += [0.0] * len(ids) if logprobs is None else list(logprobs)
+        missing = math.nan if mask else 0.0
+        self.logprobs += [missing] * len(ids) if logprobs is None else list(logprobs)
 
     def record(self, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult) -> list[int]:
         """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""

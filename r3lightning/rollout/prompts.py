@@ -140,6 +140,9 @@ def _real(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def score_value(value: Any, where: str) -> float:
     """The reward of a ``reward_fn`` result: a real number, or the ``score`` entry of a mapping;
     a ``ValueError`` naming ``where`` for anything else (NaN, inf, text, several numbers)."""
@@ -153,6 +156,11 @@ def score_value(value: Any, where: str) -> float:
     if number is None:
         raise ValueError(
             f"reward_fn must return a finite number (or {{'score': number}}) for {where}, got {value!r}"
+        )
+    if abs(number) > _FLOAT32_MAX:  # batches carry rewards and advantages as float32
+        raise ValueError(
+            f"reward_fn must return a number within float32 range (|score| <= {_FLOAT32_MAX:.4g}) "
+            f"for {where}, got {number!r}"
         )
     return number
 

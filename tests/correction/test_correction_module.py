@@ -25,14 +25,18 @@ from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
 
-THRESHOLD = 1.05  # low enough that the engine's ~15% simulated disagreement crosses it
-
 
 @pytest.fixture(scope="module")
 def rollouts():
     """Two batches of three trajectories from the embedded engine at 15% simulated disagreement
-    (with the engine's routes, and without them as for r2), and each trajectory's response-token log-ratios, rescored alone and unpadded in float64:
-    routed natively and with the engine's routes replayed by hand."""
+    (with the engine's routes, and without them as for r2), each trajectory's response-token
+    log-ratios rescored alone and unpadded in float64 (routed natively and with the engine's routes
+    replayed by hand), and the correction settings the tests use.
+
+    The premise "the cap or the band is at work on some tokens, not all" must not rest on one CPU's
+    float results, so it holds by construction: the settings come from the observed log-ratios of
+    trajectories 1..5 (the cap above, the band around every one of them), and trajectory 0's engine
+    logprobs are lowered so that each of its log-ratios lies past both."""
     model = build_tiny_moe(seed=0)
     engine = GenerationEngine(model, EngineConfig(simulated_disagreement=0.15))
     g = torch.Generator().manual_seed(5)
@@ -45,18 +49,8 @@ def rollouts():
         for i in range(6)
     ]
     outs = engine.generate(requests)
-    trajectories, routeless, native, replayed = [], [], [], []
+    native, replayed = [], []
     for request, out in zip(requests, outs, strict=True):
-        for sink, routes in ((trajectories, out.routed_experts), (routeless, None)):
-            sink.append(
-                Trajectory(
-                    request.prompt_ids,
-                    out.token_ids,
-                    rollout_logprobs=out.logprobs,
-                    advantage=1.0,
-                    routed_experts=routes,
-                )
-            )
         ids = torch.tensor([[*request.prompt_ids, *out.token_ids]])
         n, p = ids.shape[1], len(request.prompt_ids)
         rows = torch.from_numpy(out.routed_experts).long()
@@ -70,15 +64,40 @@ def rollouts():
         for sink, logits in zip((native, replayed), arms, strict=True):
             logp = logits.log_softmax(-1)
             sink.append([logp[t - 1, ids[0, t]].item() - out.logprobs[t - p] for t in range(p, n)])
+    rest = [x for arm in (native, replayed) for seq in arm[1:] for x in seq]
+    sums = [sum(seq) for arm in (native, replayed) for seq in arm[1:]]
+    # the cap is >= 2x every other sequence's ratio, so each of them has a token below it too
+    cap = max(1.05, 2 * math.exp(max(sums)))
+    band = (min(1.0, 0.5 * math.exp(min(rest))), max(1.0, 2 * math.exp(max(rest))))
+    shift = 1 + max(math.log(cap), math.log(band[1])) - min(min(arm[0]) for arm in (native, replayed))
+    for arm in (native, replayed):
+        arm[0] = [x + shift for x in arm[0]]
+    trajectories, routeless = [], []
+    for i, (request, out) in enumerate(zip(requests, outs, strict=True)):
+        logprobs = [lp - shift for lp in out.logprobs] if i == 0 else out.logprobs
+        for sink, routes in ((trajectories, out.routed_experts), (routeless, None)):
+            sink.append(
+                Trajectory(
+                    request.prompt_ids,
+                    out.token_ids,
+                    rollout_logprobs=logprobs,
+                    advantage=1.0,
+                    routed_experts=routes,
+                )
+            )
     batches = {
         name: [collate_trajectories(trajs[:3]), collate_trajectories(trajs[3:])]
         for name, trajs in (("routes", trajectories), ("none", routeless))
     }
-    return batches, {"native": native, "replayed": replayed}
+    settings = {"threshold": cap, "lower": band[0], "upper": band[1]}
+    return batches, {"native": native, "replayed": replayed}, settings
 
 
-def reference(log_ratios: list[list[float]], config: CorrectionConfig) -> dict[str, float]:
-    """The step's correction/* over every response token of ``log_ratios``, in Python floats."""
+def reference(
+    log_ratios: list[list[float]], config: CorrectionConfig, steps: bool = True
+) -> dict[str, float]:
+    """The step's correction/* over every response token of ``log_ratios``, in Python floats; with
+    ``steps``, the one step's own ``<mode>/*`` too (the GRPO module logs them: it has the log-ratios)."""
     weights, truncated, masked = [], 0, 0
     for seq in log_ratios:
         if config.mode == "token_tis":
@@ -95,7 +114,7 @@ def reference(log_ratios: list[list[float]], config: CorrectionConfig) -> dict[s
             masked += len(seq) - sum(w)
         weights += w
     n = len(weights)
-    return {
+    out = {
         "weight_mean": sum(weights) / n,
         "weight_max": max(weights),
         "ess": sum(weights) ** 2 / (n * sum(v * v for v in weights)),
@@ -103,6 +122,14 @@ def reference(log_ratios: list[list[float]], config: CorrectionConfig) -> dict[s
         "masked_fraction": masked / n,
         "loss_tokens": float(n),
     }
+    if steps and "tis" in config.mode:
+        out |= {
+            f"{config.mode}/weight_mean": out["weight_mean"],
+            f"{config.mode}/truncated_fraction": truncated / n,
+        }
+    elif steps:
+        out[f"{config.mode}/masked_fraction"] = masked / n
+    return out
 
 
 def fit(module: pl.LightningModule, batches, replay: str) -> dict[str, float]:
@@ -137,9 +164,9 @@ def test_the_loss_forward_gives_the_log_ratios_in_every_replay_mode(rollouts, re
     """token_tis over two batches of one RL step (lr 0: the same weights in both): the logged
     ratios are sums over both batches of the log-ratios of the forward the loss used, the replayed
     one under r3, the trainer's own routing under off and r2 (whose routes it recorded)."""
-    batches, log_ratios = rollouts
+    batches, log_ratios, settings = rollouts
     batches = batches["none" if replay == "r2" else "routes"]  # r2: an engine that returns no routes
-    config = CorrectionConfig(mode="token_tis", threshold=THRESHOLD)
+    config = CorrectionConfig(mode="token_tis", threshold=settings["threshold"])
     module = GRPOModule(
         build_tiny_moe(seed=0),
         GRPOConfig(correction=config),
@@ -158,9 +185,9 @@ def test_the_loss_forward_gives_the_log_ratios_in_every_replay_mode(rollouts, re
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_grpo_module_logs_every_mode(rollouts, mode):
-    batches, log_ratios = rollouts
+    batches, log_ratios, settings = rollouts
     batches = batches["routes"]
-    config = CorrectionConfig(mode=mode, threshold=THRESHOLD, lower=0.99, upper=1.005)
+    config = CorrectionConfig(mode=mode, **settings)
     module = GRPOModule(build_tiny_moe(seed=0), GRPOConfig(correction=config), OptimConfig(lr=0.0))
     got = fit(module, batches, "r3")
     if mode == "none":  # nothing applied, nothing logged
@@ -169,7 +196,7 @@ def test_grpo_module_logs_every_mode(rollouts, mode):
     expected = reference(log_ratios["replayed"], config)
     assert _close(got, expected, expected["loss_tokens"]), (got, expected)
     share = got["truncated_fraction" if "tis" in mode else "masked_fraction"]
-    assert 0 < share < 1  # the cap or the band is at work
+    assert 0 < share < 1  # the cap or the band is at work (by the fixture's construction)
 
 
 # ---------------------------------------------------------------------------- the docs recipe
@@ -206,10 +233,10 @@ class MyPolicy(pl.LightningModule):
 
 @pytest.mark.slow
 def test_docs_recipe_runs_and_logs_the_replayed_correction(rollouts):
-    batches, log_ratios = rollouts
-    config = CorrectionConfig(mode="token_tis", threshold=THRESHOLD)
+    batches, log_ratios, settings = rollouts
+    config = CorrectionConfig(mode="token_tis", threshold=settings["threshold"])
     got = fit(MyPolicy(build_tiny_moe(seed=0), config), batches["routes"][:1], "r3")
-    expected = reference(log_ratios["replayed"][:3], config)
+    expected = reference(log_ratios["replayed"][:3], config, steps=False)  # no log-ratios passed
     assert _close(got, expected, expected["loss_tokens"]), (got, expected)
 
 
@@ -219,7 +246,7 @@ def test_docs_recipe_runs_and_logs_the_replayed_correction(rollouts):
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_a_corrected_grpo_step_makes_no_host_sync(rollouts, mode):
     detector = SyncDetector()
-    config = CorrectionConfig(mode=mode, threshold=THRESHOLD, lower=0.99, upper=1.005)
+    config = CorrectionConfig(mode=mode, **rollouts[2])
     module = GRPOModule(build_tiny_moe(seed=0), GRPOConfig(correction=config))
     trainer = pl.Trainer(
         accelerator="cpu",

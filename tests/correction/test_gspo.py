@@ -123,3 +123,16 @@ def test_loss_setting_is_checked_and_reaches_the_job():
     got = {name: (c.replay.mode, c.algorithm.loss) for name, c in arms(cfg).items()}
     assert got == {"gspo": ("off", "gspo"), "gspo+r3": ("r3", "gspo")}
     assert cfg.rollout.server.simulated_disagreement == 0.1 and cfg.seeds == 3
+
+
+def test_the_job_builds_its_module_with_the_settings_objects():
+    # Hydra's instantiate hands dataclass arguments over as configs: the module gets them back
+    from r3lightning.app.job.build import instantiate_node
+    from r3lightning.app.job.module import OptimConfig
+    from r3lightning.app.models.tiny import build_tiny_moe
+    from r3lightning.correction import CorrectionConfig
+
+    grpo = GRPOConfig(loss="gspo", correction=CorrectionConfig(steps=[{"kind": "veto", "floor": 0.1}]))
+    extra = {"model": build_tiny_moe(), "grpo": grpo, "optim": OptimConfig()}
+    module = instantiate_node(compose_config().module, "module", **extra)
+    assert module.grpo == grpo and module.grpo.correction.active

@@ -60,7 +60,7 @@ def test_empty_routes_and_zero_length_response_are_valid():
             r"response_ids must hold token ids >= 0, got response_ids\[1\] = -2",
         ),
         ({"loss_mask": [1.0]}, ValueError, r"loss_mask must have one entry per response token \(2\)"),
-        ({"rollout_logprobs": [0.0, float("nan")]}, ValueError, r"rollout_logprobs must be finite"),
+        ({"rollout_logprobs": [0.0, float("inf")]}, ValueError, r"rollout_logprobs must be finite"),
         ({"reward": float("inf")}, ValueError, r"reward must be finite"),
         ({"advantage": "high"}, TypeError, r"advantage must be a real number"),
         (

@@ -18,7 +18,7 @@ from python_process import REPO
 
 from r3lightning.app.vllm import VllmServer, VllmSettings, VllmStartError
 from r3lightning.app.vllm.launcher import _healthy
-from r3lightning.app.vllm.settings import engine_command, engine_environment, engine_python
+from r3lightning.app.vllm.settings import ENGINE_SIDE_DIR, engine_command, engine_environment, engine_python
 
 FAKE = Path(__file__).with_name("fake_engine.py")
 
@@ -94,6 +94,32 @@ def test_no_engine_process_outlives_a_signalled_owner(fake_python, tmp_path, sig
         owner.wait()
 
 
+EXITS_WITHOUT_STOP = """
+import atexit, os, sys
+pids = []
+def report():  # registered before the launcher's module is imported: atexit runs it after the launcher's
+    print("alive" if any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z" for p in pids) else "gone", flush=True)
+atexit.register(report)
+from r3lightning.app.vllm import VllmServer, VllmSettings
+settings = VllmSettings(model="healthy", python=sys.argv[1], health_interval_s=0.05, stop_timeout_s=5)
+server = VllmServer(settings).start()
+pids.extend(int(p) for p in open(os.environ["FAKE_ENGINE_PIDS"]).read().split())
+"""
+
+
+def test_an_engine_never_stopped_by_its_owner_is_stopped_at_interpreter_exit(fake_python, tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(EXITS_WITHOUT_STOP), str(fake_python)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "gone"  # stopped by the launcher's atexit hook, before the owner ended
+    assert wait_gone(engine_pids(tmp_path)) == []
+
+
 def test_a_start_that_never_becomes_healthy_is_one_line_and_the_log_tail(fake_python, tmp_path):
     log = tmp_path / "engine.log"
     with pytest.raises(VllmStartError) as caught:
@@ -137,10 +163,15 @@ def test_command_and_environment_carry_each_setting(tmp_path):
         VllmSettings(model="/m", python=str(python), routed_experts=False, eager=False), FAKE, 1
     )
     assert "--enable-return-routed-experts" not in off and "--enforce-eager" not in off
+    assert command[command.index("--worker-extension-cls") + 1] == "r3lightning_worker.WeightReload"
     env = engine_environment(config)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "2"
-    assert "PYTHONPATH" not in env
-    assert "VLLM_SERVER_DEV_MODE" not in engine_environment(VllmSettings(model="/m", dev_mode=False))
+    # only the standalone worker extension: none of this Python's paths, nothing to shadow
+    assert env["PYTHONPATH"] == str(ENGINE_SIDE_DIR)
+    assert sorted(p.name for p in ENGINE_SIDE_DIR.glob("*.py")) == ["r3lightning_worker.py"]
+    plain = VllmSettings(model="/m", python=str(python), dev_mode=False)
+    assert "--worker-extension-cls" not in engine_command(plain, FAKE, 1)
+    assert not {"VLLM_SERVER_DEV_MODE", "PYTHONPATH"} & set(engine_environment(plain))
 
 
 def test_a_missing_engine_python_says_make_vllm(tmp_path, monkeypatch):

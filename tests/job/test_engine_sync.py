@@ -41,7 +41,7 @@ async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
     push = _sglang_disk_push([url], None, 10.0, target, str(source))
     state = {"lm_head.weight": torch.randn(3, 2), "model.norm.weight": torch.arange(4.0)}
     try:
-        await asyncio.to_thread(push, state)
+        await asyncio.to_thread(push, state, 1)
         assert seen[0]["body"] == {"model_path": str(target)}
         assert set(seen[0]["weights"]) == set(state)
         for name, value in state.items():
@@ -51,7 +51,7 @@ async def test_sglang_weight_sync_through_a_shared_directory(tmp_path):
         with pytest.raises(
             JobError, match=r"update_weights_from_disk at .* failed: HTTP 200: .*shape mismatch"
         ):
-            await asyncio.to_thread(push, state)
+            await asyncio.to_thread(push, state, 1)
     finally:
         await runner.cleanup()
 

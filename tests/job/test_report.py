@@ -125,10 +125,13 @@ def test_environment_line_names_versions_threads_and_cpu():
         "lightning": lightning.__version__,
         "threads": "3",
         "cpu": cpu[0],
+        "capability": torch.backends.cpu.get_cpu_capability(),  # what decides the float results
     }
+    assert env["capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256", "NO AVX")
     assert environment_line(env) == (
         f"environment: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"lightning {lightning.__version__}, 3 intra-op threads, CPU {cpu[0]}"
+        f"lightning {lightning.__version__}, 3 intra-op threads, CPU {cpu[0]}, "
+        f"torch CPU capability {env['capability']}"
     )
     assert format_table({"a": _seed(1e-3, 1e-4, 0.5)}, env=env).splitlines()[-1] == environment_line(env)
 
@@ -172,3 +175,17 @@ def test_makefile_installs_from_the_constraints_file(tmp_path):
     ).stdout
     installs = [line for line in dry.splitlines() if "pip install" in line and "--upgrade pip" not in line]
     assert len(installs) == 2 and all("-c constraints.txt" in line for line in installs)
+
+
+def test_runs_against_a_real_engine_add_the_logprob_columns_and_say_so():
+    """Runs labelled ``vllm_engine`` get a heading and the mean |dlogp| columns (native, replayed:
+    the means of their steps); other runs keep the table they had."""
+    paired = {"mismatch/abs_logprob_diff_native": 0.02, "mismatch/abs_logprob_diff_replayed": 0.004}
+    real = [{**r, "vllm_engine": 1.0, **paired} for r in _seed(1e-3, 1e-4, 0.5)]
+    lines = format_table({"r3": real}).splitlines()
+    assert lines[0].startswith("REAL ENGINE: vLLM serves the rollouts")
+    header = _row(lines, "run")
+    assert header[-2:] == ["|dlogp| native", "replayed"]
+    assert _row(lines, "r3 ")[-2:] == ["0.0200", "0.0040"]
+    plain = format_table({"r3": _seed(1e-3, 1e-4, 0.5)})
+    assert "|dlogp|" not in plain and "REAL ENGINE" not in plain

@@ -213,7 +213,10 @@ def test_bad_arguments_and_route_schema():
     assert RouterReplayCallback(backend=NoFlag()).validate_routes is None
     bad = make_batch(4, [4, 5])
     bad.routed_experts = PackedTensor.from_lengths(bad.routed_experts.values[:, :3], [3, 4])
-    with pytest.raises(ValueError, match=r"rows must be \[num_layers=4, top_k=2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"^route rows must be \[4 layers \(the model's num_layers=4\), top_k=2\], got \[3, 2\]$",
+    ):
         fit(TinyPolicy(), [bad], RouterReplayCallback())
     with pytest.raises(LookupError, match="no RouterReplayCallback"):
         RouterReplayCallback.find(pl.Trainer(logger=False, enable_checkpointing=False))

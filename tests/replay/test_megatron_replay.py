@@ -281,3 +281,25 @@ def test_dense_layer_zero_rows_install_but_not_on_an_moe_layer(block):
     with pytest.raises(ValueError, match="repeat an expert within a token's top_k on a replayed MoE layer"):
         backend.install(routes)
     backend.clear()
+
+
+def test_sliced_routes_reach_each_router_as_their_widened_copy_would(block):
+    """A stage's columns with their layer ids: each router gets exactly the rows the same routes on
+    all layers give it, without the widened copy."""
+    generator = torch.Generator().manual_seed(5)
+    full = distinct_routes(12, generator).reshape(2, 6, LAYERS, TOP_K)  # [B, S, L, K]
+    backend = MegatronRouterReplay(block)
+    layers = backend.moe_layers  # layer 0 is dense: its column is not held
+    assert layers == (1, 2, 3)
+    sliced = full[..., list(layers), :]
+    backend.install(full)
+    expected = [r.router_replay.target_topk_idx.clone() for r in backend_routers(block)]
+    backend.clear()
+    backend.install(sliced, layers=layers)
+    got = [r.router_replay.target_topk_idx for r in backend_routers(block)]
+    assert len(got) == len(backend.moe_layers) and all(
+        torch.equal(a, b) for a, b in zip(got, expected, strict=True)
+    )
+    backend.clear()
+    with pytest.raises(ValueError, match=r"routes must have shape \[B, S, \d+ layers \(one per route layer"):
+        backend.install(full, layers=layers)

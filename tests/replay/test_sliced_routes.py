@@ -90,7 +90,7 @@ class Policy(pl.LightningModule):
 
 def train(model, layers, mode="r3", buffer_layers=None):
     buffer = ReplayBuffer(num_experts=E, layers=buffer_layers)
-    buffer.extend(rollouts(with_routes=mode == "r3"))
+    buffer.extend(rollouts(with_routes=mode != "r2"))
     data = R3DataModule(
         buffer, len(LENGTHS), shuffle=False, collate_threads=1, options=DataOptions(layers=layers)
     )
@@ -166,7 +166,7 @@ def test_a_route_layer_beyond_the_model_is_a_value_error_naming_the_model_layer_
         return PackedTensor.from_segments([engine_routes(4, 0)[:, :columns]])
 
     dense, mask = align_routes(routes(2), layout, backend, (2, 3))  # the last layer id: 3 = L - 1
-    assert dense.shape == (1, 5, L, K) and mask.tolist() == [[True] * 4 + [False]]
+    assert dense.shape == (1, 5, 2, K) and mask.tolist() == [[True] * 4 + [False]]  # sliced: 2 columns
     with pytest.raises(
         ValueError, match=r"^routes on layers \[2, 3, 4\] name layer 4, but the model has 4 decoder layers"
     ):
@@ -177,3 +177,57 @@ def test_a_route_layer_beyond_the_model_is_a_value_error_naming_the_model_layer_
         align_routes(routes(3), layout, backend)
     with pytest.raises(ValueError, match=r"^route rows must be \[2 layers \(one per route layer \[2, 3\]\)"):
         align_routes(routes(3), layout, backend, (2, 3))
+
+
+def test_the_backend_is_given_the_held_columns_only(monkeypatch):
+    """Sliced routes stay sliced on device: the router backend gets [*, 2, K] uint8 with their layer
+    ids, never a widened [*, L, K] copy."""
+    installs = []
+    install = HFRouterReplay.install
+
+    def spy(self, routes, replay_mask=None, *, layers=None):
+        installs.append((tuple(routes.shape[-2:]), routes.dtype, layers))
+        return install(self, routes, replay_mask, layers=layers)
+
+    monkeypatch.setattr(HFRouterReplay, "install", spy)
+    train(partial_model(), (2, 3))
+    assert installs and set(installs) == {((2, K), torch.uint8, (2, 3))}
+
+
+def test_native_agreement_of_sliced_routes_equals_that_of_the_same_routes_on_every_layer():
+    """mode="off" compares each MoE layer with its own column: the sliced run measures what the run
+    with routes on all four layers measures (the same model, the same native routing)."""
+    _, sliced = train(partial_model(), (2, 3), mode="off")
+    _, full = train(partial_model(), None, mode="off")
+    keys = sorted(k for row in full.rows for k in row if k.startswith("router_replay/native_agreement"))
+    assert keys == [
+        "router_replay/native_agreement",
+        "router_replay/native_agreement/layer_02",
+        "router_replay/native_agreement/layer_03",
+    ]
+    for key in keys:
+        assert sliced.series(key) == full.series(key)
+        assert 0.0 < full.series(key)[0] < 1.0  # the premise: native routing differs from the engine's
+
+
+def test_a_backend_without_layers_gets_the_sliced_routes_widened():
+    """A backend of one's own whose install takes no ``layers``: zeros on the layers not held."""
+    from r3lightning.replay.backend import install_routes
+
+    class OldBackend:
+        num_layers, top_k, num_experts, moe_layers = L, K, E, (2, 3)
+
+        def install(self, routes, replay_mask=None):
+            self.routes = routes
+
+    class NewBackend(OldBackend):
+        def install(self, routes, replay_mask=None, *, layers=None):
+            self.routes, self.layers = routes, layers
+
+    sliced = engine_routes(6, 0)[:, 2:].reshape(2, 3, 2, K)  # [B, S, 2 held layers, K]
+    old, new = OldBackend(), NewBackend()
+    install_routes(old, sliced, None, (2, 3))
+    install_routes(new, sliced, None, [2, 3])
+    assert old.routes.shape == (2, 3, L, K) and old.routes.dtype == torch.uint8
+    assert torch.equal(old.routes[..., 2:, :], sliced) and not old.routes[..., :2, :].any()
+    assert new.routes is sliced and new.layers == (2, 3)

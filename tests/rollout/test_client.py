@@ -325,6 +325,13 @@ def test_constructor_validation():
         RemoteGenerateClient("http://x", retry={"max_attempts": 1})
     with pytest.raises(ValueError, match="base_url"):
         RemoteGenerateClient("127.0.0.1:80")
+    for key in ("", "   "):  # an unset variable: the client would send "Bearer " or no header at all
+        with pytest.raises(ValueError, match=r"^api_key must be a non-empty token"):
+            RemoteGenerateClient("http://x", api_key=key)
+    with pytest.raises(ValueError, match=r"^api_key must hold no whitespace"):
+        RemoteGenerateClient("http://x", api_key="two words")
+    with pytest.raises(TypeError, match=r"^api_key must be None or a string, got int"):
+        RemoteGenerateClient("http://x", api_key=123)
 
 
 def test_client_takes_its_route_schema_from_a_model_config():

@@ -79,7 +79,7 @@ def test_a_second_event_loop_is_told_the_client_is_in_use():
     thread = threading.Thread(target=loop.run_forever, name="rollout-thread", daemon=True)
     thread.start()
 
-    def on_loop(coro, timeout=10.0):
+    def on_loop(coro, timeout=60.0):  # generous: a loaded machine
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     server = on_loop(FaultServer().__aenter__())

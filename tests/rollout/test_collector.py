@@ -38,7 +38,9 @@ async def test_collects_whole_groups_with_routes_rewards_and_distinct_seeds():
         buffer = ReplayBuffer(num_experts=300)
         prompts = [RolloutPrompt(p, data_source="toy", ground_truth=i) for i, p in enumerate(PROMPTS)]
         async with make(server.url, seed=11) as collector:
-            rollouts = await collector.collect_async(prompts, step=3, buffer=buffer)
+            rollouts = await collector.collect_async(prompts, step=3, buffer=buffer, weight_version=5)
+            with pytest.raises(ValueError, match=r"^weight_version must be None or an integer >= 0, got -1$"):
+                await collector.collect_async(prompts, step=3, weight_version=-1)
         seeds = [body["sampling_params"]["seed"] for _, body, _ in server.requests]
         again = await collect(server.url, PROMPTS, 3, seed=11)
         seeds_again = [body["sampling_params"]["seed"] for _, body, _ in server.requests[len(seeds) :]]
@@ -46,6 +48,8 @@ async def test_collects_whole_groups_with_routes_rewards_and_distinct_seeds():
         seeds_next = [body["sampling_params"]["seed"] for _, body, _ in server.requests[2 * len(seeds) :]]
     assert rollouts.groups == [0, 1, 2, 3] and len(rollouts.trajectories) == 8
     assert list(buffer) == rollouts.trajectories
+    assert [t.weight_version for t in rollouts.trajectories] == [5] * 8
+    assert {t.weight_version for t in again.trajectories} == {None}  # not told: unknown
     for i, t in enumerate(rollouts.trajectories):
         prompt = PROMPTS[i // 2]
         ids, logprobs, routes = expected(prompt)

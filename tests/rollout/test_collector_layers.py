@@ -108,6 +108,10 @@ async def test_every_wire_form_is_cut_to_the_held_layers_right_after_the_parse(
         else:
             full[:, 0] = 0  # the reference engines send layer 0 as a dense layer
         assert trajectory.route_layers == KEPT
+        # the SkyRL stand-in answers logprobs: null: never stored as 0.0 (probability 1)
+        assert (
+            trajectory.rollout_logprobs.isnan() if protocol == "skyrl" else trajectory.rollout_logprobs < 0
+        ).all()
         assert trajectory.routed_experts.shape == (len(prompt) + G - 1, len(KEPT), K)
         np.testing.assert_array_equal(trajectory.routed_experts.numpy(), full[:, list(KEPT)])
         high = int(full[:, list(KEPT)].max())

@@ -64,6 +64,12 @@ def test_cli_cuda_device_without_cuda(capsys):
         (["--port", "x"], "argument --port: expected an integer in [0, 65535], got 'x'"),
         (["--device", "tpu:0"], "--device must be None, 'cpu', 'cuda' or 'cuda:N', got 'tpu:0'"),
         (["--host", "0.0.0.0"], "host '0.0.0.0' is reachable from other machines but no api_key is set"),
+        # --model names no checkpoint so that a CLI accepting the key fails on the model, not serves
+        (
+            ["--host", "0.0.0.0", "--api-key", "", "--model", "/nonexistent"],
+            "--api-key must be a non-empty token",
+        ),
+        (["--api-key", "  ", "--model", "/nonexistent"], "--api-key must be a non-empty token, got '"),
         (["--max-queue", "-1"], "max_queue must be an integer >= 0, got -1"),
         (["--max-weights-bytes", "0"], "max_weights_bytes must be an integer >= 1, got 0"),
         (["--header-timeout-s", "0"], "header_timeout_s must be a number > 0, got 0"),

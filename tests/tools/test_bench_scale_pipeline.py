@@ -69,6 +69,7 @@ def test_quick_run_meets_the_formula_on_every_rank_with_each_stages_layers(bench
     assert "stages of one DP rank hold the same trajectories: ok" in out
     assert "target: host route bytes per rank = formula exactly: met" in out
     assert "target: H2D route bytes per rank = formula within 0.1%: met" in out
+    assert "target: device route bytes now / before = layers held / 48 within 1%: met" in out
     rows = [
         [cell.strip() for cell in line.strip("|").split("|")]
         for line in out.split("### Per rank, measured")[1].split("###")[0].splitlines()

@@ -183,7 +183,7 @@ def trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
 
 def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
     """The ``callbacks`` dict, in order (``null`` drops an entry); the replay callback gets the job's
-    backend, mode and ``replay.strict`` (null: strict for r3 with an external engine)."""
+    backend, mode and ``replay.strict`` (null: strict for r3 with an external or launched engine)."""
     replay, out = replay_callback_settings(cfg), []
     for name, node in cfg.callbacks.items():
         if node is None:
@@ -192,7 +192,8 @@ def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
         if replay is not None and name == replay[0]:
             extra = {"backend": backend, "mode": mode}
             strict = cfg.replay.get("strict")
-            if strict is None and cfg.rollout.url is not None and mode == "r3":
+            external = cfg.rollout.url is not None or cfg.rollout.get("launch") is not None
+            if strict is None and external and mode == "r3":
                 strict = True  # an external engine without routes is misconfigured: never train natively
             if strict is not None:
                 extra["strict"] = bool(strict)

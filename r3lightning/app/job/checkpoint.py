@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
@@ -57,14 +59,77 @@ def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
                 )
 
 
+def _temp_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}")
+
+
+def remove_stale_temps(directory: Path) -> None:
+    """Delete what a killed save left in ``directory``: the temp files :class:`AtomicCheckpointIO`
+    writes next to its targets (a process killed mid-save cannot remove its own)."""
+    for path in Path(directory).glob(".*.tmp-*"):
+        path.unlink(missing_ok=True)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` into a temp file next to the target, then ``os.replace`` over it.
+
+    Lightning's own save writes its temp file in ``$TMPDIR`` and moves it over the target, a copy
+    when ``$TMPDIR`` is on another filesystem (usual on clusters): a kill during that copy leaves a
+    truncated ``last.ckpt``. Here the rename is within one directory, so a kill at any point leaves
+    the old or the new checkpoint whole; a temp file a kill leaves is deleted by the next save and
+    when the run resumes.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write ``checkpoint`` to ``path`` atomically (``storage_options`` is refused, as by Lightning's).
+
+        Args:
+            checkpoint: the state Lightning dumps.
+            path: the target file.
+            storage_options: must be None.
+
+        Raises:
+            TypeError: ``storage_options`` is given.
+        """
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(target.parent)
+        temp = _temp_name(target)
+        try:
+            with temp.open("wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+            os.replace(temp, target)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a power loss
+        finally:
+            os.close(directory)
+
+
 class RunCheckpoint(ModelCheckpoint):
-    """``<run>/checkpoints/last.ckpt`` after every step, and the run's fingerprint beside it."""
+    """``<run>/checkpoints/last.ckpt`` after every step, and the run's fingerprint beside it.
+    Single-file checkpoints are written by :class:`AtomicCheckpointIO` unless the strategy was given
+    a checkpoint IO of its own."""
 
     def __init__(self, out_dir: Path, cfg: DictConfig) -> None:
         super().__init__(
             out_dir / "checkpoints", "last", save_top_k=1, every_n_epochs=1, enable_version_counter=False
         )
         self.path, self.fingerprint = out_dir / FINGERPRINT, fingerprint(cfg)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: not atomic
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         if trainer.is_global_zero and not self.path.exists():
@@ -92,6 +157,8 @@ def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
     """``<run>/checkpoints/last.ckpt`` if ``resume`` and it exists, once checked to be readable, saved
     for this model and no further than ``steps``. Cost: its metadata is read, not its tensors."""
     last = out_dir / "checkpoints" / "last.ckpt"
+    if last.parent.is_dir():
+        remove_stale_temps(last.parent)
     if not cfg.resume or not last.exists():
         return None
     try:

@@ -1,28 +1,29 @@
-"""Where rollouts come from (the embedded ``RolloutServer`` or ``rollout.url``), and weight pushes to them."""
+"""Where rollouts come from (the embedded ``RolloutServer``, ``rollout.url``, or a vLLM engine the job
+launches), and weight pushes to them."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import logging
 import shutil
+import tempfile
 import warnings
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import torch
 from omegaconf import DictConfig, ListConfig
 from safetensors.torch import save, save_file
 from torch import Tensor
 
-from r3lightning.app.job.build import one_line
 from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.engine_http import bearer_headers, post_all
 from r3lightning.app.job.rollout_loop import Engine, WeightSync
-from r3lightning.app.job.rollout_settings import retry_policy, server_settings
+from r3lightning.app.job.rollout_settings import launch_settings, launched, retry_policy, server_settings
 from r3lightning.app.job.setup import build_model
 from r3lightning.app.serve.server import RolloutServer
-from r3lightning.wire.errors import RemoteGenerateError
+
+logger = logging.getLogger(__name__)
 
 
 def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -30,35 +31,12 @@ def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in state_dict.items()}
 
 
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awaitable[None]]) -> None:
-    """``post(session, url)`` to every engine concurrently, in one ``aiohttp`` session."""
-
-    async def guarded(session: aiohttp.ClientSession, url: str) -> None:
-        try:
-            await post(session, url)
-        except (aiohttp.ClientError, TimeoutError) as exc:  # an engine gone since its health check
-            reason = one_line(exc) or f"no answer within {timeout_s:g}s"
-            raise RemoteGenerateError(
-                f"weight update at {url} failed: {type(exc).__name__}: {reason}; is the engine still running?"
-            ) from None
-
-    async def post_all() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            await asyncio.gather(*(guarded(session, url) for url in urls))
-
-    asyncio.run(post_all())
-
-
 def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
     """Weight sync for ``r3lightning-serve`` / SkyRL engines: one safetensors body, ``POST``ed to each."""
 
-    def push(state_dict: Mapping[str, Tensor]) -> None:
+    def push(state_dict: Mapping[str, Tensor], version: int) -> None:
         body = save(_bf16_host(state_dict))
-        headers = {"Content-Type": "application/octet-stream", **_auth(api_key)}
+        headers = {"Content-Type": "application/octet-stream", **bearer_headers(api_key)}
 
         async def post(session, url: str) -> None:
             async with session.post(f"{url}/update_weights", data=body, headers=headers) as response:
@@ -71,7 +49,7 @@ def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> Weight
                     text = (await response.text())[:200]
                     raise JobError(f"weight update at {url} failed: HTTP {response.status}: {text}")
 
-        _post_all(urls, timeout_s, post)
+        post_all(urls, timeout_s, post)
 
     return push
 
@@ -82,7 +60,7 @@ def _sglang_disk_push(
     """Weight sync for SGLang: one safetensors checkpoint in ``directory``, loaded by every engine."""
 
     async def post(session, url: str) -> None:
-        body, headers = {"model_path": str(directory)}, _auth(api_key)
+        body, headers = {"model_path": str(directory)}, bearer_headers(api_key)
         async with session.post(f"{url}/update_weights_from_disk", json=body, headers=headers) as response:
             answer = await response.json(content_type=None)
             if response.status != 200 or not (isinstance(answer, dict) and answer.get("success", False)):
@@ -90,20 +68,19 @@ def _sglang_disk_push(
                     f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(answer)[:200]}"
                 )
 
-    def push(state_dict: Mapping[str, Tensor]) -> None:
+    def push(state_dict: Mapping[str, Tensor], version: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         save_file(_bf16_host(state_dict), str(directory / "model.safetensors"))
         # SGLang loads a checkpoint directory: it needs the architecture next to the weights
         if model_path is not None and (Path(model_path) / "config.json").exists():
             shutil.copy(Path(model_path) / "config.json", directory / "config.json")
-        _post_all(urls, timeout_s, post)
+        post_all(urls, timeout_s, post)
 
     return push
 
 
-def _external_engine(cfg: DictConfig) -> Engine:
-    rollout, url = cfg.rollout, cfg.rollout.url
-    urls = [str(u).rstrip("/") for u in (url if isinstance(url, ListConfig) else [url])]
+def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
+    rollout = cfg.rollout
     if not rollout.sync_weights:
         return Engine(urls)
     if rollout.protocol == "sglang" and not rollout.get("weight_sync_dir"):
@@ -126,10 +103,18 @@ def _external_engine(cfg: DictConfig) -> Engine:
 
 @contextlib.contextmanager
 def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
-    """The engines at ``rollout.url``, or the embedded ``RolloutServer`` (rank 0; the others get its URL)."""
+    """The engines at ``rollout.url``, a vLLM engine launched here (``rollout.launch``), or the embedded
+    ``RolloutServer``; the last two run on rank 0 only, and the other ranks get their URL."""
     rollout = cfg.rollout
     if rollout.url is not None:
-        yield _external_engine(cfg)
+        url = rollout.url
+        yield _external_engine(
+            cfg, [str(u).rstrip("/") for u in (url if isinstance(url, ListConfig) else [url])]
+        )
+        return
+    if launched(rollout):
+        with _launched_vllm(cfg) as engine:
+            yield engine
         return
     if not is_global_zero():
         yield Engine(None, gather=bool(rollout.sync_weights))
@@ -147,4 +132,45 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         except OSError as exc:
             raise JobError(f"cannot start the embedded rollout server on {host}:{port}: {exc}") from None
         sync = bool(rollout.sync_weights)
-        yield Engine([server.url], server.update_weights if sync else None, gather=sync)
+        push = (
+            (lambda state_dict, version: server.update_weights(state_dict, weight_version=version))
+            if sync
+            else None
+        )
+        yield Engine([server.url], push, gather=sync)
+
+
+def _save_served_model(cfg: DictConfig, directory: Path) -> str:
+    """The directory vLLM serves: ``model.path`` itself for a checkpoint, else the job's built model
+    (the trainer's initial weights, same seed) saved there with the tiny tokenizer."""
+    from r3lightning.app.models.tiny_tokenizer import build_tiny_tokenizer
+
+    if cfg.model.get("path") is not None:
+        return str(Path(str(cfg.model.path)).expanduser())
+    build_model(cfg.model).save_pretrained(directory, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(directory)  # /v1/completions needs one, even for token ids
+    return str(directory)
+
+
+@contextlib.contextmanager
+def _launched_vllm(cfg: DictConfig) -> Iterator[Engine]:
+    """``rollout=vllm_local``: rank 0 starts ``vllm serve`` on the job's model and stops it (its whole
+    process group) however the job ends; weights then reach it as they reach an external vLLM."""
+    from r3lightning.app.vllm.launcher import VllmServer, VllmStartError
+
+    rollout = cfg.rollout
+    if not is_global_zero():
+        yield Engine(None, gather=bool(rollout.sync_weights))
+        return
+    with tempfile.TemporaryDirectory(prefix="r3-vllm-model-") as directory:
+        settings = launch_settings(rollout, model=_save_served_model(cfg, Path(directory)))
+        server = VllmServer(settings)
+        try:
+            server.start()
+        except (VllmStartError, FileNotFoundError) as exc:
+            raise JobError(f"rollout.launch: {exc}") from None
+        try:
+            logger.info("vLLM engine at %s (log: %s)", server.url, server.log_path)
+            yield _external_engine(cfg, [server.url])
+        finally:
+            server.stop()

@@ -50,6 +50,9 @@ class GRPOConfig:
             raise ValueError(f"correction must be a CorrectionConfig (r3lightning.correction), got {got}")
 
 
+MAX_LOG_RATIO = 20.0  # the losses' log-ratio cap before exp: exp(20) ~ 4.9e8
+
+
 def group_advantages(
     rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
@@ -58,11 +61,12 @@ def group_advantages(
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
         shape = tuple(rewards.shape)
         raise ValueError(f"rewards must be 1-D with a multiple of {group_size=} entries, got shape {shape}")
-    grouped = rewards.float().view(-1, group_size)  # [groups, group_size]
+    # float64: a spread of float32-range rewards (1e38) overflows float32 in the mean and the std
+    grouped = rewards.double().view(-1, group_size)  # [groups, group_size]
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1)
+    return centred.reshape(-1).to(torch.promote_types(rewards.dtype, torch.float32))
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,8 @@ class GRPOAdvantages:
             rewards: One group's rewards, ``[group_size]``.
 
         Returns:
-            float32 ``[group_size]``. Host tensors in, host tensors out: no sync.
+            ``[group_size]``, computed in float64, in ``rewards``' floating dtype (float32 for
+            integers). Host tensors in, host tensors out: no sync.
         """
         return group_advantages(rewards, rewards.numel(), normalize_std=self.normalize_std, eps=self.std_eps)
 
@@ -125,7 +130,11 @@ def policy_loss(
     """Clipped surrogate loss, the mean over the loss tokens (each term scaled by its constant
     ``weights``), and detached ``clip_fraction``. ``advantages [B]``, the rest ``[B, S]``; masked
     tokens add exactly 0 to the loss and its gradient."""
-    ratio = torch.exp(torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0))  # [B, S]
+    # a log-ratio past 20 (ratio 5e8) is clamped before exp: exp overflows float32 at 88.7, and an
+    # inf ratio times a zero advantage is NaN; past the cap a token gives no gradient (as the clip
+    # already does for a positive advantage)
+    log_ratio = torch.where(loss_mask != 0, logprobs - old_logprobs, 0.0).clamp(max=MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)  # [B, S]
     adv = advantages[:, None].to(ratio.dtype)  # [B, 1]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
@@ -173,7 +182,7 @@ def gspo_loss(
     sequence_log_ratio = log_ratio.sum(-1) / tokens.clamp(min=1.0)  # [B] mean over loss tokens
     # token form: the value of every token's ratio is s_i, its gradient flows through token t alone;
     # averaged over the n_i tokens this is exactly the gradient of s_i (each token's d s_i = s_i / n_i)
-    sequence_ratio = torch.exp(sequence_log_ratio.detach())[:, None]  # [B, 1]
+    sequence_ratio = torch.exp(sequence_log_ratio.detach().clamp(max=MAX_LOG_RATIO))[:, None]  # [B, 1]
     ratio = sequence_ratio * torch.exp(log_ratio - log_ratio.detach())  # [B, S], value s_i
     adv = advantages[:, None].to(ratio.dtype)  # [B, 1]
     unclipped = ratio * adv
@@ -218,7 +227,8 @@ def paired_mismatch_metrics(
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
     """The mismatch R3 removes: :func:`mismatch_metrics` of the trainer's native and replayed
-    logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``)."""
+    logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``,
+    ``abs_logprob_diff_native``, ``abs_logprob_diff_replayed``)."""
     native, replayed = (
         mismatch_metrics(lp, rollout_logprobs, loss_mask, ratio_band=ratio_band)
         for lp in (native_logprobs, replayed_logprobs)
@@ -228,6 +238,8 @@ def paired_mismatch_metrics(
         "k3_replayed": replayed["k3_kl"],
         "outside_band_native": native["ratio_out_of_band"],
         "outside_band_replayed": replayed["ratio_out_of_band"],
+        "abs_logprob_diff_native": native["abs_logprob_diff"],
+        "abs_logprob_diff_replayed": replayed["abs_logprob_diff"],
     }
 
 

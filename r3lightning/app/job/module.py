@@ -6,6 +6,7 @@ import contextlib
 
 import lightning.pytorch as pl
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from r3lightning.align.layout import TokenMetadataLayout, position_ids_from_mask
@@ -23,6 +24,7 @@ from r3lightning.app.job.settings import OptimConfig
 from r3lightning.app.job.sharded import load_sharded_weights, shard_model
 from r3lightning.correction import CorrectionMetrics, correction_weights
 from r3lightning.ragged import to_device_async
+from r3lightning.replay.backend import route_columns
 from r3lightning.replay.batch_fields import host_attention_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
@@ -51,6 +53,8 @@ class GRPOModule(pl.LightningModule):
     ):
         super().__init__()
         self.model = model.train()  # builders hand out eval-mode models
+        if OmegaConf.is_config(grpo):  # Hydra's instantiate hands dataclass arguments over as configs
+            grpo = OmegaConf.to_object(grpo)
         self.grpo = grpo or GRPOConfig()
         self.optim = optim or OptimConfig()
         self.recompute_old_logprobs = recompute_old_logprobs
@@ -59,6 +63,7 @@ class GRPOModule(pl.LightningModule):
         self._paired: dict[str, Tensor] = {}  # measured at batch transfer, logged by training_step
         self._paired_epoch = -1
         self._correction = CorrectionMetrics(self.grpo.correction)
+        self._engine_logprobs = True  # whether the batch in flight has every loss token's engine logprob
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Logits ``[B, S, V]`` of a left-padded batch."""
@@ -95,6 +100,24 @@ class GRPOModule(pl.LightningModule):
         for key in [k for k in metrics if k.startswith("mismatch/")]:
             del metrics[key]
 
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        # on the host, before the copy to the device: the check costs no device sync
+        logprobs = getattr(batch, "rollout_logprobs", None)
+        missing = logprobs.isnan() if logprobs is not None else None  # [B, S]: no engine logprob
+        count = 0 if missing is None else int((missing & batch.loss_mask.bool()).sum())
+        if count and (not self.recompute_old_logprobs or self.grpo.correction.mode != "none"):
+            raise ValueError(
+                f"rollout_logprobs: {count} loss tokens of this batch have no engine logprob (the engine "
+                "answered logprobs: null, or a Trajectory carries NaN there), and the loss needs them: "
+                "the PPO ratio against the engine and the correction weigh by them; have the engine return "
+                "logprobs, or recompute the old-policy logprobs in the trainer (replay.mode=r2) with "
+                "algorithm.correction.mode=none"
+            )
+        self._engine_logprobs = count == 0  # the engine-mismatch metrics need them too
+        if missing is not None:
+            logprobs.masked_fill_(missing, 0.0)  # unused from here on: no NaN reaches a loss or metric
+        return batch
+
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         # before the callbacks' on_train_batch_start (nothing installed or recorded yet) and
         # after the previous optimizer step
@@ -112,11 +135,13 @@ class GRPOModule(pl.LightningModule):
         callback = self._replay_callback()
         routes = getattr(batch, "routed_experts", None)
         rollout_logprobs = getattr(batch, "rollout_logprobs", None)
-        if callback is None or callback.backend is None or routes is None or rollout_logprobs is None:
+        no_engine = rollout_logprobs is None or not self._engine_logprobs
+        if callback is None or callback.backend is None or routes is None or no_engine:
             return {}
         backend = callback.backend
         layout = TokenMetadataLayout.padded(host_attention_mask(batch))  # what self.forward feeds
-        aligned, mask = callback.align_routes(routes, layout, batch.route_layers)  # [B, S, L, K], [B, S]
+        route_layers = batch.route_layers
+        aligned, mask = callback.align_routes(routes, layout, route_layers)  # [B, S, columns, K], [B, S]
         loss_mask = batch.loss_mask.to(rollout_logprobs.dtype)
         with torch.no_grad():
             with record_routes(backend) as native_routes:
@@ -124,11 +149,17 @@ class GRPOModule(pl.LightningModule):
             native = token_logprobs(native_logits, batch.input_ids)
             entropy = masked_mean(token_entropy(native_logits), loss_mask)
             del native_logits
-            with replay_routes(backend, aligned, mask):
+            with replay_routes(backend, aligned, mask, layers=route_layers):
                 replayed = self.batch_logprobs(batch)
             layers = to_device_async(torch.tensor(backend.moe_layers), aligned.device)
             used = native_routes.routes.to(aligned.device)  # [B, S, L, K]: one forward
-            rows, _, hits, *_ = comparison_counts(aligned, mask, used, layers).sum(-1)  # over MoE layers
+            columns = None
+            if route_layers is not None:  # each MoE layer's column of the sliced routes
+                positions = list(route_columns(backend, route_layers).values())
+                columns = to_device_async(torch.tensor(positions), aligned.device)
+            rows, _, hits, *_ = comparison_counts(aligned, mask, used, layers, columns).sum(
+                -1
+            )  # over MoE layers
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )
@@ -164,7 +195,8 @@ class GRPOModule(pl.LightningModule):
         objective = gspo_loss if self.grpo.loss == "gspo" else policy_loss
         loss, stats = objective(logprobs, old_logprobs, batch.advantages, loss_mask, **clip, weights=weights)
         band = self.grpo.ratio_band
-        stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
+        if self._engine_logprobs:
+            stats |= mismatch_metrics(logprobs.detach(), batch.rollout_logprobs, loss_mask, ratio_band=band)
         stats["loss"] = loss.detach()
         rewards = getattr(batch, "rewards", None)
         if rewards is not None:  # the progress bar's only; the CSV takes the rollout's

@@ -16,7 +16,9 @@ CORRECTION_PREFIX = "correction/"
 SEED_SEP = "/seed="
 SIMULATED = "simulated_disagreement"
 TURN_REWARD = "turn_reward/turn_2"
-PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed")
+VLLM = "vllm_engine"  # the label of runs against a real vLLM engine
+PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed",
+          "abs_logprob_diff_native", "abs_logprob_diff_replayed")  # fmt: skip
 History = Sequence[Mapping[str, float]]
 
 
@@ -42,7 +44,10 @@ def agreement_keys(record: Mapping[str, float]) -> list[str]:
 
 
 def environment() -> dict[str, str]:
-    """What a run's rows depend on besides its config: library versions, intra-op threads, CPU."""
+    """What a run's rows depend on besides its config: library versions, intra-op threads, the CPU
+    model and the CPU capability torch dispatches its kernels to (``AVX2``, ``AVX512``: two machines
+    with one model string may differ there, and so do their float results). The one place that
+    builds it: demos, scripts and benchmarks print :func:`environment_line` of it."""
     import lightning
     import torch
     import transformers
@@ -51,13 +56,15 @@ def environment() -> dict[str, str]:
     model = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     cpu = next(model, platform.processor() or platform.machine())
     versions = {m.__name__: m.__version__ for m in (torch, transformers, lightning)}
-    return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu}
+    capability = torch.backends.cpu.get_cpu_capability()
+    return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu, "capability": capability}
 
 
 def environment_line(env: Mapping[str, str]) -> str:
     """:func:`environment` as the line that ends ``summary.txt`` and heads ``config.yaml``."""
     versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
-    return f"environment: {versions}, {env['threads']} intra-op threads, CPU {env['cpu']}"
+    cpu = f"CPU {env['cpu']}, torch CPU capability {env.get('capability', 'unknown')}"
+    return f"environment: {versions}, {env['threads']} intra-op threads, {cpu}"
 
 
 def simulated_share(runs: Mapping[str, History]) -> str | None:
@@ -142,6 +149,10 @@ MULTITURN_COLUMNS = (  # shown when a run's trajectories had turns (task=<an env
     ("route B turn 1->2", "route_bytes_1 route_bytes_2", "{:.0f}"),
     ("used agreement", "agreement_mean", "{:.2%}"),
 )
+REAL_ENGINE_COLUMNS = (  # shown for runs against a real engine (rollout.protocol=vllm)
+    ("|dlogp| native", "abs_logprob_diff_native", "{:.4f}"),
+    ("replayed", "abs_logprob_diff_replayed", "{:.4f}"),
+)
 STEP0 = tuple((h.replace(" {band}", ""), f"{k}_step0", f) for h, k, f in COLUMNS[3:8])
 
 
@@ -169,8 +180,10 @@ def format_table(
     corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
     multiturn = any(TURN_REWARD in r for h in runs.values() for r in h)
     gspo = any(SEQUENCE_CLIP in r for h in runs.values() for r in h)
+    real = any(r.get(VLLM) for h in runs.values() for r in h)
     columns = COLUMNS + (CORRECTED_COLUMNS if corrected else ()) + (GSPO_COLUMNS if gspo else ())
     columns += MULTITURN_COLUMNS if multiturn else ()
+    columns += REAL_ENGINE_COLUMNS if real else ()
     table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
     table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
     first = [["run", *(h for h, _, _ in STEP0)]]
@@ -178,6 +191,11 @@ def format_table(
     share = simulated_share(runs)
     sim = f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})"
     lines = [sim, ""] if share else []
+    if real:
+        lines += [
+            "REAL ENGINE: vLLM serves the rollouts, its weights synced every step (rollout.protocol=vllm)",
+            "",
+        ]
     if any(len(s) > 1 for s in groups.values()):
         lines += ["median over seeds per arm; the row under each arm: [min, max] over its seeds", ""]
     lines += [*_fmt_table(table), "", "step 0 (same weights and rollouts in every arm):", *_fmt_table(first)]
@@ -200,6 +218,10 @@ def format_table(
         lines.append(
             "clipped seqs: share of sequences whose GSPO ratio exp(mean token log-ratio) was clipped "
             "(algorithm.loss=gspo; mean over steps)"
+        )
+    if real:
+        lines.append(
+            "|dlogp|: mean |log p_trainer - log p_engine| over loss tokens, native / replayed, means over steps"
         )
     if multiturn:
         lines.append(

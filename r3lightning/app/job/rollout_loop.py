@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import lightning.pytorch as pl
@@ -27,7 +27,12 @@ from r3lightning.rollout.stats import GroupsDroppedError
 from r3lightning.wire.errors import RemoteGenerateError
 from r3lightning.wire.request import RouteSchema
 
-WeightSync = Callable[[Mapping[str, Tensor]], None]
+
+class WeightSync(Protocol):
+    """Rank 0's weight push: the full weights of policy version ``version`` (optimizer steps) to the
+    engines; returns once every engine serves them, raises ``JobError`` otherwise."""
+
+    def __call__(self, state_dict: Mapping[str, Tensor], version: int) -> None: ...
 
 
 @dataclass
@@ -61,12 +66,15 @@ class OnPolicyLoop(pl.Callback):
             self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)
         simulated = cfg.rollout.url is None and OmegaConf.select(cfg, "rollout.server.simulated_disagreement")
         self.labels = {"simulated_disagreement": float(simulated)} if simulated else {}
+        if cfg.rollout.protocol == "vllm":
+            self.labels["vllm_engine"] = 1.0
         self.collector: RolloutCollector | None = None
         self.history: list[dict[str, float]] = []
         self._pending: dict[str, float] = {}  # rollout stats of the step being trained
         self._epoch_start = 0.0
         self._pushed_on_restore = False
         self._next_collected = False  # whether the buffer holds the next step's rollouts
+        self._version = 0  # the policy version (optimizer steps) last pushed to the engine
 
     def new_collector(self, urls: list[str]) -> RolloutCollector:
         rollout = self.cfg.rollout
@@ -107,7 +115,8 @@ class OnPolicyLoop(pl.Callback):
             # the restored buffer is rank 0's, or not the next step's: collect this rank's groups
             # of the step again, on the restored weights (the engine still serves its initial ones)
             self._ensure_collector(trainer)
-            self._push_weights(trainer, pl_module)
+            # the trainer's step counter is restored after the callbacks: the checkpoint's own
+            self._push_weights(trainer, pl_module, int(checkpoint.get("global_step", 0)))
             self._collect(step)
             self._pushed_on_restore = True
 
@@ -161,11 +170,15 @@ class OnPolicyLoop(pl.Callback):
             assert urls, "the engine URLs are known on rank 0"
             self.collector = self.new_collector(list(urls))
 
-    def _push_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _push_weights(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, version: int | None = None
+    ) -> None:
+        """The trainer's weights to the engine as policy ``version`` (default: its optimizer steps)."""
+        self._version = trainer.global_step if version is None else version
         if self.engine.gather:
             state_dict = full_state_dict(pl_module)
             if self.engine.push is not None:
-                self.engine.push(state_dict)
+                self.engine.push(state_dict, self._version)
         if trainer.world_size > 1:
             trainer.strategy.barrier("r3lightning-weights-pushed")  # no rank samples stale weights
 
@@ -173,8 +186,12 @@ class OnPolicyLoop(pl.Callback):
         assert self.collector is not None
         self.buffer.clear()
         prompts = self.task.prompts_for_step(step, int(self.cfg.prompts_per_step), int(self.cfg.seed))
+        # the weights pushed before every collection: the policy version of the trainer's step
+        version = self._version if self.engine.gather else None
         try:
-            stats = self.collector.collect(prompts, step=step, buffer=self.buffer).stats
+            stats = self.collector.collect(
+                prompts, step=step, buffer=self.buffer, weight_version=version
+            ).stats
         except GroupsDroppedError as exc:  # one line: exit 3 if the engine failed every group, else 2
             engine = all(isinstance(e, RemoteGenerateError) for e in exc.errors.values())
             raise (RemoteGenerateError if engine else JobError)(str(exc)) from None

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.app.job.common import JobError
 from r3lightning.app.job.schema import SettingsError, build
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.vllm.settings import VllmSettings
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
-__all__ = ["collector_config", "retry_policy", "sampling_config", "server_settings"]
+__all__ = [
+    "collector_config",
+    "launch_settings",
+    "launched",
+    "retry_policy",
+    "sampling_config",
+    "server_settings",
+]
 
 
 def _build(cls: type, node: DictConfig, key: str, skip: tuple[str, ...] = ()):
@@ -40,3 +48,16 @@ def collector_config(rollout: DictConfig) -> CollectorConfig:
 def sampling_config(rollout: DictConfig) -> SamplingConfig:
     """``rollout.sampling`` as a ``SamplingConfig``."""
     return _build(SamplingConfig, rollout.sampling, "rollout.sampling")
+
+
+def launched(rollout: DictConfig) -> bool:
+    """Whether the job starts a vLLM engine itself (``rollout.launch``, e.g. ``rollout=vllm_local``)."""
+    return rollout.get("launch") is not None
+
+
+def launch_settings(rollout: DictConfig, *, model: str) -> VllmSettings:
+    """``rollout.launch`` as the ``VllmSettings`` of the engine the job starts on ``model``."""
+    if "model" in rollout.launch:
+        raise JobError("rollout.launch.model is set by the job (it serves the job's model); remove it")
+    values = OmegaConf.to_container(rollout.launch, resolve=True)
+    return _build(VllmSettings, {**values, "model": model}, "rollout.launch")

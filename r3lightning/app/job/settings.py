@@ -138,12 +138,22 @@ class RolloutSettings:
         _urls(self.url)
         _check_bool("require_url", self.require_url)
         _check_bool("sync_weights", self.sync_weights)
-        if self.url is None and self.protocol not in EMBEDDED_PROTOCOLS:
+
+    def check_engine(self, launched: bool) -> None:
+        """The embedded engine serves when ``url`` is None and no engine is ``launched``: it speaks
+        only ``EMBEDDED_PROTOCOLS``, and ``require_url`` refuses it.
+
+        Raises:
+            ValueError: naming the key, as ``__post_init__`` does.
+        """
+        if self.url is not None or launched:
+            return
+        if self.protocol not in EMBEDDED_PROTOCOLS:
             raise ValueError(
                 f"protocol={self.protocol} needs rollout.url (the engine's http://host:port); "
                 f"the embedded engine speaks {list(EMBEDDED_PROTOCOLS)}"
             )
-        if self.url is None and self.require_url:
+        if self.require_url:
             raise ValueError("url must be set to the engine's http://host:port (rollout.require_url=true)")
 
 

@@ -26,6 +26,7 @@ from r3lightning.app.job.settings import (
     ServerAddress,
 )
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.vllm.settings import VllmSettings
 from r3lightning.data.options import DataOptions
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
@@ -50,6 +51,7 @@ def job_schema() -> type:
         (f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(ServerAddress)
     ]
     server = structured(EngineConfig, extra=address, name="EngineConfig")
+    launch = structured(VllmSettings, exclude=("model",), name="VllmSettings")  # the job sets model
     rollout = structured(
         RolloutSettings,
         name="RolloutSettings",
@@ -59,6 +61,7 @@ def job_schema() -> type:
             ("retry", structured(RetryPolicy), _node(structured(RetryPolicy))),
             ("server", server, _node(server)),
             ("limits", structured(ServerLimits), _node(structured(ServerLimits))),
+            ("launch", Optional[launch], dataclasses.field(default=None)),  # noqa: UP045
         ],
     )
     optim = structured(OptimConfig)

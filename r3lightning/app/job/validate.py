@@ -17,6 +17,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from r3lightning.app.job.common import JobError
 from r3lightning.app.job.grpo import GRPOAdvantages, GRPOConfig
+from r3lightning.app.job.rollout_settings import launch_settings, launched
 from r3lightning.app.job.schema import SettingsError, build
 from r3lightning.app.job.settings import (
     OptimConfig,
@@ -171,7 +172,7 @@ def check_values(cfg: DictConfig) -> Settings:
         if key in cfg.trainer:
             raise JobError(f"trainer.{key} is set by the job; use {instead}")
     rollout = cfg.rollout
-    groups = ("sampling", "collector", "retry", "server", "limits")
+    groups = ("sampling", "collector", "retry", "server", "limits", "launch")
     server_keys = [k for k in rollout.server if k not in ("host", "port")]
     try:
         built = Settings(
@@ -191,8 +192,13 @@ def check_values(cfg: DictConfig) -> Settings:
             limits=build(ServerLimits, rollout.limits, "rollout.limits"),
             data_options=build(DataOptions, cfg.data.options, "data.options"),
         )
+        built.rollout.check_engine(launched(rollout))
     except SettingsError as exc:
         raise JobError(str(exc)) from None
+    except ValueError as exc:  # check_engine
+        raise JobError(f"rollout.{exc}") from None
+    if launched(rollout):
+        launch_settings(rollout, model="(the job's model)")
     path = OmegaConf.select(cfg, "task.path")
     if path is not None and not Path(str(path)).expanduser().is_file():
         raise JobError(f"task.path: no such file: {path}")

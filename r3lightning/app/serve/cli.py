@@ -136,7 +136,8 @@ def _serve(args: argparse.Namespace) -> None:
         raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        check_exposure(args.host, args.api_key, args.allow_unauthenticated)  # before a model loads
+        # before a model loads
+        check_exposure(args.host, args.api_key, args.allow_unauthenticated, "--api-key")
         engine = EngineConfig(**_settings(EngineConfig, args) | {"device": _device(args.device)})
         limits = ServerLimits(**_settings(ServerLimits, args))
         model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE

@@ -13,15 +13,14 @@ from r3lightning.checks import check_setting
 from r3lightning.replay.backend import agreement_hits
 from r3lightning.replay.hf.routers import (
     find_routers,
+    gpt_oss_weights,
     mixtral_weights,
-    softmax_over_topk_weights,
-    softmax_renormalised_weights,
-    softmax_then_topk_weights,
+    qwen3_5_moe_weights,
+    qwen3_moe_weights,
 )
 
 # families whose experts are the top-k of the raw logits (softmax and top-k commute)
-_TOPK_OF_LOGITS = {softmax_then_topk_weights, softmax_renormalised_weights, mixtral_weights}
-_TOPK_OF_LOGITS.add(softmax_over_topk_weights)
+_TOPK_OF_LOGITS = {qwen3_moe_weights, qwen3_5_moe_weights, mixtral_weights, gpt_oss_weights}
 _PROBE_SHAPE, _BISECTIONS = (8, 16), 8  # probe [sequences, length]; steps after the bracket
 
 

@@ -30,6 +30,7 @@ from r3lightning.app.serve.protocol import (
     wants_logprobs,
 )
 from r3lightning.app.serve.weights import check_weights, loadable_targets
+from r3lightning.checks import check_api_key
 from r3lightning.wire.json_body import read_capped
 from r3lightning.wire.request import PROTOCOL_PATHS
 from r3lightning.wire.safetensors import read_safetensors
@@ -70,8 +71,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
-    """``ValueError`` for a non-loopback ``host`` without an ``api_key``, unless explicitly allowed."""
+def check_exposure(
+    host: str, api_key: str | None, allow_unauthenticated: bool, key_name: str = "api_key"
+) -> None:
+    """``ValueError`` for an empty or blank ``api_key`` (it would let anyone in), and for a non-loopback
+    ``host`` without an ``api_key`` unless explicitly allowed; ``key_name`` names the setting."""
+    check_api_key(api_key, key_name)
     if api_key is None and not allow_unauthenticated and not is_loopback(host):
         raise ValueError(
             f"host {host!r} is reachable from other machines but no api_key is set: anyone could "
@@ -161,7 +166,8 @@ class RolloutServer:
             # way gives the bytes sent, so a non-UTF-8 header is just a wrong token
             header = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
             scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self._api_key_bytes):
+            wrong = not token.strip() or not hmac.compare_digest(token, self._api_key_bytes)
+            if scheme.lower() != b"bearer" or wrong:  # an empty token never matches, whatever the key
                 return _HTTPError(401, "missing or wrong bearer token in the Authorization header").response()
         try:
             return await handler(request)

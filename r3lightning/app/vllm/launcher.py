@@ -82,6 +82,7 @@ class VllmServer:
         self._external = False
         self._lock = threading.Lock()
         self._reaper: subprocess.Popen | None = None
+        self._owner: int | None = None  # the process that started the engine
 
     @classmethod
     def external(cls, url: str, *, health_timeout_s: float = 30.0) -> VllmServer:
@@ -147,6 +148,7 @@ class VllmServer:
                 env=engine_environment(settings),
                 start_new_session=True,  # one process group to stop; Ctrl-C reaches us, not it
             )
+        self._owner = os.getpid()
         _LIVE.add(self)
         grace = str(settings.stop_timeout_s)
         self._reaper = subprocess.Popen(
@@ -234,4 +236,5 @@ def _signal_group(pgid: int, signum: int) -> None:
 @atexit.register
 def _stop_all() -> None:
     for server in list(_LIVE):
-        server.stop()
+        if server._owner == os.getpid():  # a forked child inherits the set, never the engines
+            server.stop()

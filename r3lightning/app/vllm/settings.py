@@ -8,12 +8,24 @@ from pathlib import Path
 
 from r3lightning.checks import check_setting
 
-__all__ = ["ENGINE_PYTHON_ENV", "VllmSettings", "engine_command", "engine_environment", "engine_python"]
+__all__ = [
+    "ENGINE_PYTHON_ENV",
+    "ENGINE_SIDE_DIR",
+    "WORKER_EXTENSION",
+    "VllmSettings",
+    "engine_command",
+    "engine_environment",
+    "engine_python",
+]
 
 # The engine's Python, when not given: this variable, else .venv-vllm (``make vllm``) in the
 # current directory or in the checkout r3lightning is imported from.
 ENGINE_PYTHON_ENV = "R3_VLLM_PYTHON"
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
+# The worker extension the weight sync calls (``r3_reload_weights``), from a folder of standalone
+# modules that goes on the engine's PYTHONPATH.
+WORKER_EXTENSION = "r3lightning_worker.WeightReload"
+ENGINE_SIDE_DIR = Path(__file__).resolve().with_name("engine_side")
 
 
 @dataclass(frozen=True)
@@ -28,7 +40,8 @@ class VllmSettings:
         host: the address the engine binds (loopback by default).
         routed_experts: pass ``--enable-return-routed-experts`` (routes are a server-wide switch).
         dev_mode: ``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/reset_prefix_cache``,
-            ``/pause``, ``/resume`` and ``/update_weight_version`` (what weight sync uses);
+            ``/pause``, ``/resume`` and ``/update_weight_version`` (what weight sync uses), and the
+            worker extension whose ``r3_reload_weights`` the sync calls (``weight_sync.py``);
             these endpoints are unauthenticated, so keep the engine on loopback with it on.
         max_model_len: ``--max-model-len`` (prompt plus response tokens).
         threads: OpenMP threads of the CPU engine (unbound), so it shares the host's cores.
@@ -120,6 +133,8 @@ def engine_command(settings: VllmSettings, shim: Path, port: int) -> list[str]:
         command.append("--enable-return-routed-experts")
     if settings.eager:
         command.append("--enforce-eager")
+    if settings.dev_mode:  # the weight sync's reload (engine_side/ is on the engine's PYTHONPATH)
+        command += ["--worker-extension-cls", WORKER_EXTENSION]
     return command + list(settings.extra_args)
 
 
@@ -138,4 +153,5 @@ def engine_environment(settings: VllmSettings) -> dict[str, str]:
     env |= {"DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
     if settings.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        env["PYTHONPATH"] = str(ENGINE_SIDE_DIR)  # standalone modules only: nothing of r3lightning's
     return env

@@ -2,6 +2,7 @@
 
 import importlib
 import weakref
+from collections.abc import Sequence
 from typing import Self
 
 import torch
@@ -12,6 +13,7 @@ from r3lightning.replay.backend import (
     agreement_hits,
     check_soft_threshold,
     in_recompute,
+    route_columns,
     routes_on_all_layers,
     soft_replay_indices,
     validate_routes_for_install,
@@ -80,15 +82,34 @@ class HFRouterReplay:
             if _OWNERS.get(module) is self:
                 del _OWNERS[module]
 
-    def install(self, routes: Tensor, replay_mask: Tensor | None = None) -> None:
-        """Replay ``routes [*token_shape, L, K]`` until :meth:`clear`; moved (non-blocking) on first use."""
-        self._token_shape = validate_routes_for_install(self, routes, replay_mask, check_ids=self.validate)
-        self._routes = routes.reshape(-1, self.num_layers, self.top_k)  # [N, L, K]
+    def install(
+        self, routes: Tensor, replay_mask: Tensor | None = None, *, layers: Sequence[int] | None = None
+    ) -> None:
+        """Replays ``routes`` in the following forwards until :meth:`clear`.
+
+        Args:
+            routes: ``[*token_shape, num_layers, top_k]``, or ``[*token_shape, len(layers), top_k]``
+                when ``layers`` is given: kept as they are (compact dtype, sliced), moved to the
+                routers' device (non-blocking) on first use, and each router reads its own column.
+            replay_mask: None, or bool ``[*token_shape]``: False rows route natively.
+            layers: The decoder layer of each column of layer-sliced routes, covering ``moe_layers``.
+
+        Raises:
+            TypeError, ValueError: See
+                :func:`~r3lightning.replay.backend.validate_routes_for_install` (host syncs for
+                device routes when ``validate``).
+        """
+        self._token_shape = validate_routes_for_install(
+            self, routes, replay_mask, check_ids=self.validate, layers=layers
+        )
+        self._columns = route_columns(self, layers)
+        self._routes = routes.reshape(-1, *routes.shape[-2:])  # [N, columns, K]
         self._mask = None if replay_mask is None else replay_mask.reshape(-1)
 
     def clear(self) -> None:
         """Drop installed routes, recording and stats (no device work)."""
-        self._routes: Tensor | None = None  # [N, num_layers, top_k], compact dtype as installed
+        self._routes: Tensor | None = None  # [N, columns, top_k], compact dtype as installed
+        self._columns: dict[int, int] = {}  # MoE layer -> its column of the installed routes
         self._mask: Tensor | None = None  # [N] bool
         self._token_shape: tuple[int, ...] | None = None
         self._stats: Tensor | None = None  # [4, moe_layers] int64 on device: agreement_counts, used, kept
@@ -163,7 +184,8 @@ class HFRouterReplay:
                     self._routes = self._routes.to(native.device, non_blocking=True)
                     if self._mask is not None:
                         self._mask = self._mask.to(native.device, non_blocking=True)
-                installed, mask = self._routes[:, layer].long(), self._mask  # [N, K]: only this layer widened
+                installed = self._routes[:, self._columns[layer]].long()  # [N, K]: only this layer widened
+                mask = self._mask
                 indices = installed if mask is None else torch.where(mask[:, None], installed, native)
                 kept = None
                 if self.soft_threshold is not None:

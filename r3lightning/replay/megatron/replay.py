@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from r3lightning._keywords import refuse_moved_keywords
 from r3lightning.align.layout import TokenMetadataLayout, split_for_sequence_parallel
 from r3lightning.ragged import to_device_async
-from r3lightning.replay.backend import routes_on_all_layers, validate_routes_for_install
+from r3lightning.replay.backend import route_columns, routes_on_all_layers, validate_routes_for_install
 from r3lightning.replay.megatron.layout import (
     MegatronParallelism,
     megatron_padding_mask,
@@ -129,19 +129,41 @@ class MegatronRouterReplay:
         return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
 
     def install(
-        self, routes: Tensor, replay_mask: Tensor | None = None, *, vp_stage: int | None = None
+        self,
+        routes: Tensor,
+        replay_mask: Tensor | None = None,
+        *,
+        layers: Sequence[int] | None = None,
+        vp_stage: int | None = None,
     ) -> None:
-        """Replay ``routes [B, S, L, K]`` (pre-SP-split) in the next forward and its recompute, on chunk
-        ``vp_stage``'s routers with VPP; one int64 copy per layer, no host sync unless ``validate``."""
+        """Replays ``routes`` in the next forward and its recompute.
+
+        Args:
+            routes: ``[B, S, num_layers, top_k]`` before the sequence-parallel split, or
+                ``[B, S, len(layers), top_k]`` when ``layers`` is given (a pipeline stage's
+                columns): each router gets its own column, one int64 copy per layer, never all
+                layers.
+            replay_mask: None, or bool ``[B, S]``: False rows route natively.
+            layers: The decoder layer of each column of layer-sliced routes, covering ``moe_layers``.
+            vp_stage: With virtual pipeline parallelism, the chunk whose routers take the routes.
+
+        Raises:
+            TypeError, ValueError: See
+                :func:`~r3lightning.replay.backend.validate_routes_for_install` (host syncs only
+                when ``validate``), or a ``vp_stage`` the model does not have.
+        """
         targets = self._stage_positions(vp_stage)
-        validate_routes_for_install(self, routes, replay_mask, token_dims=2, check_ids=self.validate)
+        validate_routes_for_install(
+            self, routes, replay_mask, token_dims=2, check_ids=self.validate, layers=layers
+        )
+        columns = route_columns(self, layers)
         device = self.routers[0].weight.device
-        local = self._split_sequence(routes)  # [N, L, K] compact dtype
+        local = self._split_sequence(routes)  # [N, columns, K] compact dtype
         if replay_mask is not None:
             replay_mask = to_device_async(self._split_sequence(replay_mask).contiguous(), device)
         for position in targets:  # one widening copy per layer (no device index tensor to build)
             rows = torch.empty((local.shape[0], self.top_k), dtype=torch.int64, device=device)
-            layer_rows = local[:, self.moe_layers[position]]  # [N, K] compact
+            layer_rows = local[:, columns[self.moe_layers[position]]]  # [N, K] compact
             self._replays[position].install(rows.copy_(layer_rows, non_blocking=True), replay_mask)
 
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
