@@ -117,10 +117,12 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
     from r3lightning.app.job.validate import check_config
 
     received: dict[int, dict] = {}
+    versions: dict[int, str | None] = {}
 
     def app(index: int) -> web.Application:
         async def update(request: web.Request) -> web.Response:
             received[index] = load(await request.read())
+            versions[index] = request.query.get("weight_version")
             return web.json_response({"ok": True})
 
         application = web.Application(client_max_size=1 << 24)
@@ -139,10 +141,11 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
         with embedded_server(cfg) as engine:
             assert engine.urls == urls and engine.gather
             state = {"w": torch.arange(6.0).reshape(2, 3)}
-            await asyncio.to_thread(engine.push, state)
+            await asyncio.to_thread(engine.push, state, 3)  # no /pause here (404): uploaded anyway
     finally:
         for runner in runners:
             await runner.cleanup()
+    assert versions == {0: "3", 1: "3"}  # the trainer's policy version
     for index in range(2):
         assert received[index]["w"].dtype == torch.bfloat16
         assert torch.equal(received[index]["w"], state["w"].to(torch.bfloat16))
@@ -237,7 +240,7 @@ async def test_job_names_the_real_health_timeout_of_an_unreachable_engine():
 
     from r3lightning.app.job.common import JobError
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.rollout_loop import Engine, on_policy_loop
+    from r3lightning.app.job.rollout_loop import Engine, rollout_loop
     from r3lightning.wire.request import RouteSchema
 
     async with hung_engine() as url:
@@ -246,7 +249,7 @@ async def test_job_names_the_real_health_timeout_of_an_unreachable_engine():
         began = time.perf_counter()
         with pytest.raises(JobError) as info:
             await asyncio.to_thread(
-                on_policy_loop, cfg, Engine([url]), task, RouteSchema(3, 2, 8), None, metrics_path=None
+                rollout_loop, cfg, Engine([url]), task, RouteSchema(3, 2, 8), None, metrics_path=None
             )
         elapsed = time.perf_counter() - began
     # the probe's own timeout, as the message says; the upper bound only tells it from a hang
