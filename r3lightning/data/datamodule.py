@@ -31,6 +31,7 @@ from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories
 from r3lightning.data.collate import RolloutCollator
 from r3lightning.data.options import DataOptions
+from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.data.trajectory import Trajectory
 
 __all__ = ["DataOptions", "R3DataModule"]
@@ -48,7 +49,9 @@ class R3DataModule(pl.LightningDataModule):
     settings other than the buffers are saved as ``hparams``.
 
     Args:
-        buffer: the replay buffer, read at every ``train_dataloader`` call.
+        buffer: the replay buffer, read at every ``train_dataloader`` call. A
+            :class:`~r3lightning.data.stream.StreamingReplayBuffer` streams one RL step per epoch:
+            a new epoch waits for its step, filled by a producer thread while earlier ones train.
         batch_size: trajectories per batch on each data-parallel rank.
         shuffle, seed: permute each epoch with seed ``seed + epoch``; else buffer order.
         collate_threads: fill threads per collation; ``None``: ``cpus.collate_pool_size()``.
@@ -147,9 +150,13 @@ class R3DataModule(pl.LightningDataModule):
                     f"(saved, now): {changed}; restore the original settings"
                 )
         if snapshot is None:
+            new_epoch = cursor.epoch < 0 or cursor.consumed > 0 or cursor.exhausted
+            if new_epoch and isinstance(self.buffer, StreamingReplayBuffer):  # one RL step per epoch
+                self._check_reload()
+                self.buffer.advance()  # waits for the step
             cursor.start, cursor.stop, snapshot = self.buffer.start, self.buffer.stop, tuple(self.buffer)
-            if cursor.epoch < 0 or cursor.consumed > 0 or cursor.exhausted:
-                cursor.epoch += 1  # an epoch nothing was drawn from keeps its number
+            if new_epoch:
+                cursor.epoch += 1  # an epoch nothing was drawn from keeps its number (and its step)
             cursor.consumed, cursor.exhausted = 0, False
             self._snapshot_restored = False
         self._snapshot, self._plan = snapshot, plan
@@ -162,8 +169,19 @@ class R3DataModule(pl.LightningDataModule):
             sampler.dataset, batch_size=self.batch_size, sampler=sampler, collate_fn=collate, cursor=cursor
         )
 
+    def _check_reload(self) -> None:
+        every = None if self.trainer is None else self.trainer.reload_dataloaders_every_n_epochs
+        if every not in (None, 1):
+            raise ValueError(
+                "a StreamingReplayBuffer holds one RL step per epoch: the Trainer must reload the data "
+                f"every epoch (reload_dataloaders_every_n_epochs=1), got {every}"
+            )
+
     def _fresh_snapshot(self) -> tuple[Trajectory, ...] | None:
-        """The buffer's contents as a new snapshot, ``None`` when they are the current one."""
+        """The buffer's contents as a new snapshot, ``None`` when they are the current one (or a
+        stream's: its next step comes with the next ``train_dataloader``)."""
+        if isinstance(self.buffer, StreamingReplayBuffer):
+            return None
         cursor, (start, stop) = self._cursor, (self.buffer.start, self.buffer.stop)
         if not self._snapshot_restored and (start, stop) == (cursor.start, cursor.stop):
             return None

@@ -43,7 +43,6 @@ class Episode:
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K] (L: the layers kept)
     weight_version: int | None = None  # the oldest engine weight version of its turns
-    missing_route_rows: int = 0  # route rows its engine lost (marked -1)
 
     @property
     def reward(self) -> float:
@@ -53,7 +52,7 @@ class Episode:
         self, advantage: float, route_layers: tuple[int, ...] | None = None, *, drop_missing: bool = False
     ) -> Trajectory:
         """Its ``Trajectory``; ``drop_missing``: out of the loss (loss mask 0) if a route row is missing."""
-        dropped = drop_missing and self.missing_route_rows > 0
+        dropped = drop_missing and self.routes is not None and bool((self.routes < 0).any())  # -1: missing
         return Trajectory(
             self.prompt_ids,
             self.response_ids,
@@ -81,7 +80,6 @@ class Episode:
         if trace is not None:
             trace.record_generation(prefix, len(response), routes)
         self.route_bytes.append(0 if routes is None else int(routes.nbytes))
-        self.missing_route_rows += result.missing_route_rows
         version = result.weight_version
         if version is not None:  # the oldest: the staleness bound holds for every turn
             self.weight_version = (

@@ -30,18 +30,19 @@ def _run_job(run_dir: Path, world: int, rank: int, steps: int = 1, spy_dir: Path
     from r3lightning.app.job import rollout_loop
     from r3lightning.app.job.main import compose_config, run
 
-    collect = rollout_loop.OnPolicyLoop._collect
+    summarize = rollout_loop.RolloutLoop._summarize
 
-    def spy(self, step):
-        collect(self, step)
-        torch.save(pack_trajectories(list(self.buffer)), (spy_dir or run_dir) / f"step{step}_rank{rank}.pt")
+    def spy(self, step, rollouts):
+        path = (spy_dir or run_dir) / f"step{step}_rank{rank}.pt"
+        torch.save(pack_trajectories(rollouts.trajectories), path)
+        return summarize(self, step, rollouts)
 
-    rollout_loop.OnPolicyLoop._collect = spy
+    rollout_loop.RolloutLoop._summarize = spy
     try:
         devices = [f"trainer.devices={world}", "trainer.strategy=ddp"] if world > 1 else []
         run(compose_config([*OVERRIDES, f"steps={steps}", *devices]), run_dir)
     finally:
-        rollout_loop.OnPolicyLoop._collect = collect
+        rollout_loop.RolloutLoop._summarize = summarize
 
 
 def _rank(rank: int, world: int, run_dir: str, steps: int = 1, spy_dir: str | None = None) -> None:

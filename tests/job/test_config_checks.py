@@ -68,6 +68,12 @@ BAD_VALUES = [
     ("rollout.retry.timeout_s=0", "rollout.retry.timeout_s must be a number > 0, got 0.0"),
     ("rollout.retry.timeout_s=abc", "rollout.retry.timeout_s must be a number, got 'abc'"),
     ("rollout.collector.max_in_flight=0", "rollout.collector.max_in_flight must be an integer >= 1, got 0"),
+    ("rollout.max_staleness=-1", "rollout.max_staleness must be an integer >= 0, got -1"),
+    ("rollout.max_staleness=0.5", "rollout.max_staleness must be an integer, got 0.5"),
+    (
+        "rollout.request_timeout_s=5",
+        "rollout.request_timeout_s moved to rollout.retry.timeout_s; set rollout.retry.timeout_s=5 instead",
+    ),
     ("rollout.sync_weights=maybe", "rollout.sync_weights must be true or false, got 'maybe'"),
     ("rollout.server.port=70000", "rollout.server.port must be an integer >= 0 and <= 65535, got 70000"),
     ("rollout.server.max_batch_size=0", "rollout.server.max_batch_size must be an integer >= 1, got 0"),

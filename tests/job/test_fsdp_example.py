@@ -51,8 +51,9 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
     agreements = [r[k] for r in history for k in agreement_keys(r)]
     assert len(agreements) == 6 and all(a == 1.0 for a in agreements)
     # the full (all-gathered) weights reached the engine before each rollout: steps 0 and 1 (none
-    # follows the last step); step 1 is on-policy again (bf16-sized mismatch)
-    assert weight_version == 2
+    # follows the last step), as policy versions 0 and 1 (optimizer steps); step 1 is on-policy
+    # again (bf16-sized mismatch)
+    assert weight_version == 1
     assert history[1]["k3_kl"] < 1e-3
     assert (run_dir / "replay_r3" / "checkpoints" / "last.ckpt").exists()
     # the distributed checkpoint (a folder) is checked before a resume like a single file is

@@ -125,13 +125,13 @@ def test_no_rollout_after_the_last_step_and_a_foreign_resume_leaves_the_run_unto
     from r3lightning.app.job.main import run
 
     collected: list[int] = []
-    original = rollout_loop.OnPolicyLoop._collect
+    original = rollout_loop.RolloutLoop._summarize
 
-    def spy(self, step):
+    def spy(self, step, rollouts):
         collected.append(step)
-        original(self, step)
+        return original(self, step, rollouts)
 
-    monkeypatch.setattr(rollout_loop.OnPolicyLoop, "_collect", spy)
+    monkeypatch.setattr(rollout_loop.RolloutLoop, "_summarize", spy)
     tiny = ["prompts_per_step=2", "algorithm.group_size=2", "task.response_length=2", *QUIET]
     train_cli(*tiny, "steps=2", f"hydra.run.dir={tmp_path}")  # returns: exit status 0
     assert collected == [0, 1]  # no rollout for a step 2 that never trains

@@ -32,14 +32,26 @@ def _bf16_host(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _http_push(urls: list[str], api_key: str | None, timeout_s: float) -> WeightSync:
-    """Weight sync for ``r3lightning-serve`` / SkyRL engines: one safetensors body, ``POST``ed to each."""
+    """Weight sync for ``r3lightning-serve`` / SkyRL engines: one safetensors body, ``POST``ed to each
+    with its policy version, between ``/pause`` and ``/resume`` where the engine has them."""
 
     def push(state_dict: Mapping[str, Tensor], version: int) -> None:
         body = save(_bf16_host(state_dict))
         headers = {"Content-Type": "application/octet-stream", **bearer_headers(api_key)}
 
         async def post(session, url: str) -> None:
-            async with session.post(f"{url}/update_weights", data=body, headers=headers) as response:
+            async with session.post(f"{url}/pause", headers=bearer_headers(api_key)) as response:
+                paused = response.status == 200  # 404: an engine without pause (SkyRL's)
+            try:
+                await upload(session, url)
+            finally:
+                if paused:
+                    async with session.post(f"{url}/resume", headers=bearer_headers(api_key)):
+                        pass
+
+        async def upload(session, url: str) -> None:
+            where = f"{url}/update_weights?weight_version={version}"
+            async with session.post(where, data=body, headers=headers) as response:
                 if response.status == 404:
                     raise JobError(
                         f"the engine at {url} has no /update_weights endpoint; set "
@@ -68,7 +80,7 @@ def _sglang_disk_push(
                     f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(answer)[:200]}"
                 )
 
-    def push(state_dict: Mapping[str, Tensor], version: int) -> None:
+    def push(state_dict: Mapping[str, Tensor], version: int) -> None:  # SGLang keeps its own versions
         directory.mkdir(parents=True, exist_ok=True)
         save_file(_bf16_host(state_dict), str(directory / "model.safetensors"))
         # SGLang loads a checkpoint directory: it needs the architecture next to the weights

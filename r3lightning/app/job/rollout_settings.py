@@ -8,6 +8,7 @@ from r3lightning.app.job.common import JobError
 from r3lightning.app.job.schema import SettingsError, build
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.vllm.settings import VllmSettings
+from r3lightning.rollout.ahead import AheadConfig
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
@@ -61,3 +62,8 @@ def launch_settings(rollout: DictConfig, *, model: str) -> VllmSettings:
         raise JobError("rollout.launch.model is set by the job (it serves the job's model); remove it")
     values = OmegaConf.to_container(rollout.launch, resolve=True)
     return _build(VllmSettings, {**values, "model": model}, "rollout.launch")
+
+
+def ahead_config(rollout: DictConfig) -> AheadConfig:
+    """``rollout.max_staleness`` as an ``AheadConfig``."""
+    return _build(AheadConfig, OmegaConf.masked_copy(rollout, ["max_staleness"]), "rollout")

@@ -14,7 +14,7 @@ from r3lightning.app.job import build
 from r3lightning.app.job.build import build_model, instantiate_node
 from r3lightning.app.job.common import JobError, is_global_zero
 from r3lightning.app.job.validate import check_layers_held, check_values
-from r3lightning.data.buffer import ReplayBuffer
+from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     import lightning.pytorch as pl
 
     from r3lightning.app.job.checkpoint import RunCheckpoint, refuse_bad_data_state, resume_checkpoint
-    from r3lightning.app.job.rollout_loop import on_policy_loop
+    from r3lightning.app.job.rollout_loop import rollout_failure, rollout_loop
+    from r3lightning.rollout.stats import GroupsDroppedError
 
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     model = build_model(cfg.model, trainer=True)
@@ -75,7 +76,9 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     settings = check_values(cfg)
     grpo, optim = settings.grpo, settings.optim
     check_layers_held(settings.data_options.layers, backend)
-    buffer = ReplayBuffer(vocab_size=vocab_size, num_experts=schema.num_experts)
+    buffer = StreamingReplayBuffer(
+        settings.ahead.ahead, vocab_size=vocab_size, num_experts=schema.num_experts
+    )
     datamodule = instantiate_node(cfg.data, "data", buffer=buffer)
     extra = {"model": model, "grpo": grpo, "optim": optim, "recompute_old_logprobs": mode == "r2"}
     if cfg.model.get("sharded_weights") is not None:  # a meta-device model: the module loads its shards
@@ -84,7 +87,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     if not isinstance(module, pl.LightningModule):
         raise JobError(f"module._target_ must build a LightningModule, got {type(module).__name__}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    loop = on_policy_loop(cfg, engine, task, schema, buffer, metrics_path=out_dir / "metrics.csv")
+    loop = rollout_loop(cfg, engine, task, schema, buffer, metrics_path=out_dir / "metrics.csv")
     callbacks = [*build.build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
     trainer = build.build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)
@@ -99,6 +102,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
             warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\(.*sync_dist=True")
         try:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        except GroupsDroppedError as exc:  # raised by the rollout worker, at the trainer's next step
+            raise rollout_failure(exc) from None
         except SystemExit:  # Lightning turns Ctrl-C into a graceful shutdown and exit status 1
             if trainer.interrupted:
                 raise KeyboardInterrupt from None

@@ -5,12 +5,14 @@ override is merged onto typed nodes: Hydra refuses a wrong type or an unknown ke
 composes. The typed nodes are made by :func:`~r3lightning.app.job.schema.structured` from the settings
 dataclasses; the ``_target_`` nodes (model, task, reward, module, callbacks, loggers, trainer)
 stay open, since users put their own classes and keywords there. ``algorithm`` is ``GRPOConfig``
-with ``GRPOAdvantages.std_eps`` and ``optim`` (``OptimConfig``).
+with ``GRPOAdvantages.std_eps`` and ``optim`` (``OptimConfig``); ``rollout`` holds
+``AheadConfig.max_staleness``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -28,6 +30,7 @@ from r3lightning.app.job.settings import (
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.vllm.settings import VllmSettings
 from r3lightning.data.options import DataOptions
+from r3lightning.rollout.ahead import AheadConfig
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
@@ -35,6 +38,12 @@ __all__ = ["SCHEMA_NAME", "job_schema", "register"]
 
 SCHEMA_NAME = "r3lightning_job"
 DATA_OPTIONS_TARGET = "r3lightning.data.datamodule.DataOptions"
+
+
+def _flat(cls: type) -> list[tuple]:
+    """``cls``'s fields as ``make_dataclass`` fields of another node (their types resolved)."""
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name], dataclasses.field(default=f.default)) for f in dataclasses.fields(cls)]
 
 
 def _node(schema: type) -> dataclasses.Field:
@@ -47,9 +56,7 @@ def _open(default: Any = dict) -> dataclasses.Field:
 
 def job_schema() -> type:
     """The whole job config's structured schema (one dataclass, nested)."""
-    address = [
-        (f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(ServerAddress)
-    ]
+    address = _flat(ServerAddress)
     server = structured(EngineConfig, extra=address, name="EngineConfig")
     launch = structured(VllmSettings, exclude=("model",), name="VllmSettings")  # the job sets model
     rollout = structured(
@@ -62,6 +69,7 @@ def job_schema() -> type:
             ("server", server, _node(server)),
             ("limits", structured(ServerLimits), _node(structured(ServerLimits))),
             ("launch", Optional[launch], dataclasses.field(default=None)),  # noqa: UP045
+            *_flat(AheadConfig),
         ],
     )
     optim = structured(OptimConfig)

@@ -28,6 +28,7 @@ from r3lightning.app.job.settings import (
 )
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.data.options import DataOptions
+from r3lightning.rollout.ahead import AheadConfig
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
@@ -61,6 +62,7 @@ _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use i
     "callbacks": "callbacks.<name>._target_ entries",
 }
 _ADVANTAGE_KEYS = [f.name for f in dataclasses.fields(GRPOAdvantages)]
+_AHEAD_KEYS = [f.name for f in dataclasses.fields(AheadConfig)]
 _RUN_KEYS = [f.name for f in dataclasses.fields(RunSettings)]
 _OMEGACONF_TYPES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
 
@@ -87,11 +89,12 @@ def _omegaconf_line(exc: BaseException) -> str:
     """``key must be ..., got ...`` (or ``key: problem``) from an OmegaConf error."""
     text = str(exc).split("\n    full_key:")[0]
     key = getattr(exc, "full_key", None) or ""
-    found = re.fullmatch(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", text, re.S)
+    found = re.fullmatch(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", text, re.S)
     if key in MOVED_KEYS:
         return moved(key, known=False)
-    if found and found.group(2) in _OMEGACONF_TYPES:
-        return f"{key} must be {_OMEGACONF_TYPES[found.group(2)]}, got {found.group(1)!r}"
+    if found and found.group(3) in _OMEGACONF_TYPES:
+        got = repr(found.group(1)) if found.group(2) == "str" else found.group(1)
+        return f"{key} must be {_OMEGACONF_TYPES[found.group(3)]}, got {got}"
     schema = re.fullmatch(r"Key '(\w+)' not in '(\w+)'", text)
     if schema:
         return f"{key} is not a setting of {schema.group(2)} (a typo, or a key of another group?)"
@@ -145,6 +148,7 @@ class Settings:
     advantages: GRPOAdvantages
     optim: OptimConfig
     data_options: DataOptions
+    ahead: AheadConfig
 
 
 def _absent() -> None:
@@ -172,7 +176,7 @@ def check_values(cfg: DictConfig) -> Settings:
         if key in cfg.trainer:
             raise JobError(f"trainer.{key} is set by the job; use {instead}")
     rollout = cfg.rollout
-    groups = ("sampling", "collector", "retry", "server", "limits", "launch")
+    groups = ("sampling", "collector", "retry", "server", "limits", "launch", *_AHEAD_KEYS)
     server_keys = [k for k in rollout.server if k not in ("host", "port")]
     try:
         built = Settings(
@@ -191,6 +195,7 @@ def check_values(cfg: DictConfig) -> Settings:
             engine=build(EngineConfig, rollout.server, "rollout.server", skip=("host", "port")),
             limits=build(ServerLimits, rollout.limits, "rollout.limits"),
             data_options=build(DataOptions, cfg.data.options, "data.options"),
+            ahead=build(AheadConfig, OmegaConf.masked_copy(rollout, _AHEAD_KEYS), "rollout"),
         )
         built.rollout.check_engine(launched(rollout))
     except SettingsError as exc:

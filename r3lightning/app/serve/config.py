@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from r3lightning.checks import check_setting
 
+if TYPE_CHECKING:
+    from torch import device as TorchDevice
+    from torch import dtype as TorchDtype
+else:  # torch is imported when a config is built; the annotations resolve without it
+    TorchDevice = TorchDtype = Any
+
 __all__ = ["EngineConfig", "ServerLimits"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# torch is imported when a config is built, not with this module: `r3lightning-serve --help` and
+# a bad flag answer without paying for torch
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -19,8 +26,8 @@ class EngineConfig:
     model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
     (SIMULATION): the share of expert slots flipped by perturbed router logits."""
 
-    dtype: torch.dtype | str = torch.bfloat16
-    device: torch.device | str | None = None
+    dtype: TorchDtype | str = "bfloat16"  # a torch.dtype once built
+    device: TorchDevice | str | None = None
     max_batch_size: int = 8
     batch_wait_s: float = 0.002
     seed: int = 0
@@ -29,8 +36,11 @@ class EngineConfig:
     simulated_disagreement: float | None = None
 
     def __post_init__(self) -> None:
-        dtype = _DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
-        if dtype not in _DTYPES.values():
+        import torch
+
+        dtypes = {name: getattr(torch, name) for name in _DTYPES}
+        dtype = dtypes.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if dtype not in dtypes.values():
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
         check_setting("max_batch_size", self.max_batch_size, low=1, integer=True)
@@ -45,9 +55,11 @@ class EngineConfig:
             serving_device(self.device)
 
 
-def serving_device(value: torch.device | str | int) -> torch.device:
+def serving_device(value: TorchDevice | str | int) -> TorchDevice:
     """``value`` as a device the engine can serve on (``cpu``, ``cuda``, ``cuda:N`` present on this
     machine); ``ValueError`` otherwise, before any model is moved there."""
+    import torch
+
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
