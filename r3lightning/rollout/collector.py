@@ -259,6 +259,7 @@ class RolloutCollector:
             total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
+        dropped: dict[int, Exception] = {}  # group -> the error that dropped it
 
         async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
             seed = sampling_seed(self.config.seed, step, group, index, turn)
@@ -318,8 +319,6 @@ class RolloutCollector:
                 dropped[group] = exc
                 logger.warning("group %d of step %d dropped: %s", group, step, exc)
                 return []
-
-        dropped: dict[int, Exception] = {}
 
         try:
             kept = await _gather_or_cancel(whole_group(g) for g in groups)

@@ -71,6 +71,12 @@ def _decode(
             f"{where}: routes were requested but the field is {'null' if value is None else 'missing'}; "
             f"start the engine with {ENGINE_ROUTES_FLAG} (vLLM, SGLang, SkyRL's vLLM server), and for "
             "SGLang also send return_routed_experts=true"
+            + (
+                "; null from an engine that lost the request's routes (vLLM after preemption): "
+                "missing_rows native or drop_trajectory keeps the trajectory"
+                if value is None
+                else ""
+            )
         )
     try:
         routes = _decoded(where, value, flat, schema)
