@@ -41,7 +41,7 @@ _STATE_VERSION = 1
 
 # 0.1 keywords -> DataOptions' fields in 0.2
 _OPTIONS_MOVED = {name: f"options=DataOptions({name}=) (r3lightning.data.datamodule)"
-                  for name in ("pad_token_id", "width_multiple", "shard", "eval_buffer", "layers")}  # fmt: skip
+                  for name in ("pad_token_id", "width_multiple", "shard", "eval_buffer")}  # fmt: skip
 
 
 class R3DataModule(pl.LightningDataModule):

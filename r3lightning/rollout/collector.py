@@ -303,9 +303,9 @@ class RolloutCollector:
                 reward = score_value(await self._call(self.reward_fn, prompt, result.response_ids), where)
                 episode = single_turn(prompt, result, reward, self._trace())
             else:
-                settings = {"max_turns": envs.max_turns, "trace": self._trace(), "call": self._call}
+                opts = {"max_turns": envs.max_turns, "trace": self._trace(), "timeout_s": envs.timeout_s}
                 run = functools.partial(generate, group, index)
-                episode = await run_episode(envs.make(), prompt, run, where=where, **settings)
+                episode = await run_episode(envs.make(), prompt, run, call=self._call, where=where, **opts)
             bar.update(1)
             return episode
 

@@ -174,20 +174,28 @@ def callable_name(fn: Any) -> str:
 _TIMED_OUT = object()
 
 
-def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -> Any:
-    """``fn(*args)``, or ``_TIMED_OUT`` after ``timeout_s`` (None: called inline). A bounded call
-    runs in a fresh daemon thread (~0.1 ms to start): one that never returns is left behind."""
-    if timeout_s is None:
-        return fn(*args)
+def in_daemon_thread(fn: Callable[..., Any], *args: Any, name: str = "r3-reward") -> futures.Future:
+    """``fn(*args)`` started in a fresh daemon thread (~0.1 ms to start), as a future: a caller can
+    stop waiting for it, and a call that never returns is left behind without blocking the exit."""
     done: futures.Future = futures.Future()
 
     def run() -> None:
+        if not done.set_running_or_notify_cancel():  # running: a caller that gives up cannot cancel it
+            return
         try:
             done.set_result(fn(*args))
         except BaseException as exc:  # handed to the caller
             done.set_exception(exc)
 
-    threading.Thread(target=run, daemon=True, name="r3-reward").start()
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return done
+
+
+def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -> Any:
+    """``fn(*args)``, or ``_TIMED_OUT`` after ``timeout_s`` (None: called inline), in a daemon thread."""
+    if timeout_s is None:
+        return fn(*args)
+    done = in_daemon_thread(fn, *args)
     if not futures.wait([done], timeout_s).done:
         return _TIMED_OUT
     return done.result()

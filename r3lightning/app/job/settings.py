@@ -120,6 +120,7 @@ class RolloutSettings:
         weight_sync_dir: sglang: a directory the engine reads pushed weights from.
         missing_rows: route rows an engine lost: ``error``, ``native`` (those tokens route natively,
             counted) or ``drop_trajectory`` (as native, with loss mask 0); ``RouteSchema``'s.
+        env_timeout_s: a hanging environment method drops its group after this long; None: unbounded.
     """
 
     url: Any = None  # str | list[str] | None
@@ -129,8 +130,10 @@ class RolloutSettings:
     sync_weights: bool = True
     weight_sync_dir: str | None = None
     missing_rows: str = "error"
+    env_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
+        check_setting("env_timeout_s", self.env_timeout_s, low=0, above=True, optional=True)
         if self.missing_rows not in MISSING_ROWS:
             raise ValueError(f"missing_rows must be one of {list(MISSING_ROWS)}, got {self.missing_rows!r}")
         if self.protocol not in PROTOCOL_PATHS:
