@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from r3lightning.data import position
+from r3lightning.checks import check_fields
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.routes import check_layers
 
@@ -33,7 +33,8 @@ class DataOptions:
 
     def __post_init__(self) -> None:
         rules = {"pad_token_id": (int, 0), "width_multiple": (int, 1), "shard": (bool, None)}
-        position.check_fields({name: getattr(self, name) for name in rules}, rules)
+        check_fields({name: getattr(self, name) for name in rules}, rules)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
-        if not isinstance(buffer := self.eval_buffer, ReplayBuffer | None):
+        buffer = self.eval_buffer
+        if not isinstance(buffer, ReplayBuffer | None):
             raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(buffer).__name__}")

@@ -216,7 +216,8 @@ class RolloutCollector:
         check_setting("step", step, low=0, integer=True)
         check_setting("weight_version", weight_version, low=0, integer=True, optional=True)
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
-        group, distributed = self.process_group, dist.is_available() and dist.is_initialized()
+        group = self.process_group
+        distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank(group) if distributed else 0
         world = dist.get_world_size(group) if distributed else 1
         mine = self.assigned_groups(len(items), rank, world)
@@ -231,7 +232,8 @@ class RolloutCollector:
             if world == 1:
                 raise
             error = exc
-        seconds, failed = time.perf_counter() - start, error is not None
+        seconds = time.perf_counter() - start
+        failed = error is not None
         stats = reduce_step_stats(
             step, len(items), trajectories, counters, seconds, failed, world_size=world, group=group
         )
@@ -296,7 +298,8 @@ class RolloutCollector:
                 return result
 
         async def sample(group: int, index: int) -> Episode:
-            prompt, where = prompts[group], f"group {group} sample {index} of step {step}"
+            prompt = prompts[group]
+            where = f"group {group} sample {index} of step {step}"
             if envs is None:
                 start = 0 if self.config.request_routes else None
                 result = await generate(group, index, prompt.token_ids, 0, start)

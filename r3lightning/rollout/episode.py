@@ -79,7 +79,8 @@ class Episode:
 
     def record(self, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult) -> list[int]:
         """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""
-        response, routes = [int(t) for t in result.response_ids], result.routed_experts
+        response = [int(t) for t in result.response_ids]
+        routes = result.routed_experts
         if trace is not None:
             trace.record_generation(prefix, len(response), routes)
         self.route_bytes.append(0 if routes is None else int(routes.nbytes))

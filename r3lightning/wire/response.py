@@ -43,10 +43,12 @@ def parse_response(
             _read_sglang(body) if protocol == "sglang" else _read_choices(body, protocol == "openai")
         )
         if want_routes:
-            rows, rule = None, ""
+            rows = None
+            rule = ""
             if prompt_len is not None:
                 g = len(result.response_ids)
-                rows = range(n := max(0, prompt_len - start + g - 1), n + 1)
+                n = max(0, prompt_len - start + g - 1)
+                rows = range(n, n + 1)
                 rule = f"P - start + G - 1 = {prompt_len} - {start} + {g} - 1 = {n}"
                 rule += " (rows cover positions [start, P + G - 1))"
             result.routed_experts = _decode(where, routes, flat, schema, rows, rule)
@@ -81,7 +83,8 @@ def _decode(
     try:
         routes = _decoded(where, value, flat, schema)
     except MalformedResponseError:
-        if (text := unescaped(value)) is None:
+        text = unescaped(value)
+        if text is None:
             raise
         routes = _decoded(where, text, flat, schema)
     return checked_routes(routes, schema, rows=rows, rows_rule=rule, compact=flat, field=where)

@@ -29,6 +29,7 @@ INT64_MAX = 2**63 - 1
 SEED_MAX = 2**32 - 1  # Lightning's seed_everything range
 EMBEDDED_PROTOCOLS = ("skyrl", "sglang")  # what the embedded engine speaks
 REPLAY_MODES = ("r3", "r2", "off")
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _check_bool(name: str, value: Any, *, optional: bool = False) -> None:
@@ -116,8 +117,6 @@ class RolloutSettings:
         require_url: refuse to fall back to the embedded engine when ``url`` is None.
         protocol: ``skyrl`` or ``sglang`` (embedded or external); ``vllm`` or ``openai`` (external).
         api_key: sent as ``Authorization: Bearer``; the embedded engine requires it when set.
-        sync_weights: push the trainer's weights to the engine after every step (on-policy).
-        weight_sync_dir: sglang: a directory the engine reads pushed weights from.
         missing_rows: route rows an engine lost: ``error``, ``native`` (those tokens route natively,
             counted) or ``drop_trajectory`` (as native, with loss mask 0); ``RouteSchema``'s.
         env_timeout_s: a hanging environment method drops its group after this long; None: unbounded.
@@ -127,8 +126,6 @@ class RolloutSettings:
     require_url: bool = False
     protocol: str = "skyrl"
     api_key: str | None = None
-    sync_weights: bool = True
-    weight_sync_dir: str | None = None
     missing_rows: str = "error"
     env_timeout_s: float | None = 300.0
 
@@ -140,7 +137,6 @@ class RolloutSettings:
             raise ValueError(f"protocol must be one of {list(PROTOCOL_PATHS)}, got {self.protocol!r}")
         _urls(self.url)
         _check_bool("require_url", self.require_url)
-        _check_bool("sync_weights", self.sync_weights)
 
     def check_engine(self, launched: bool) -> None:
         """The embedded engine serves when ``url`` is None and no engine is ``launched``: it speaks
@@ -158,6 +154,28 @@ class RolloutSettings:
             )
         if self.require_url:
             raise ValueError("url must be set to the engine's http://host:port (rollout.require_url=true)")
+
+
+@dataclass(frozen=True)
+class WeightSyncSettings:
+    """How the trainer's weights reach the engine (the ``rollout`` group's ``*weight*`` keys).
+
+    Args:
+        sync_weights: push the trainer's weights to the engine after every step (on-policy).
+        weight_sync_dir: sglang, vllm: a directory the engine reads pushed weights from.
+        weight_sync_dtype: vllm: the engine's ``--dtype``, in which the checkpoint it reloads is written.
+    """
+
+    sync_weights: bool = True
+    weight_sync_dir: str | None = None
+    weight_sync_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _check_bool("sync_weights", self.sync_weights)
+        if self.weight_sync_dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"weight_sync_dtype must be one of {list(FLOAT_DTYPES)}, got {self.weight_sync_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from r3lightning.app.job.settings import (
     RolloutSettings,
     RunSettings,
     ServerAddress,
+    WeightSyncSettings,
 )
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.vllm.settings import VllmSettings
@@ -70,6 +71,7 @@ def job_schema() -> type:
             ("limits", structured(ServerLimits), _node(structured(ServerLimits))),
             ("launch", Optional[launch], dataclasses.field(default=None)),  # noqa: UP045
             *_flat(AheadConfig),
+            *_flat(WeightSyncSettings),
         ],
     )
     optim = structured(OptimConfig)

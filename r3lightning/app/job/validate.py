@@ -25,6 +25,7 @@ from r3lightning.app.job.settings import (
     RolloutSettings,
     RunSettings,
     ServerAddress,
+    WeightSyncSettings,
 )
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.data.options import DataOptions
@@ -63,6 +64,7 @@ _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use i
 }
 _ADVANTAGE_KEYS = [f.name for f in dataclasses.fields(GRPOAdvantages)]
 _AHEAD_KEYS = [f.name for f in dataclasses.fields(AheadConfig)]
+_SYNC_KEYS = [f.name for f in dataclasses.fields(WeightSyncSettings)]
 _RUN_KEYS = [f.name for f in dataclasses.fields(RunSettings)]
 _OMEGACONF_TYPES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
 
@@ -149,6 +151,7 @@ class Settings:
     optim: OptimConfig
     data_options: DataOptions
     ahead: AheadConfig
+    weight_sync: WeightSyncSettings
 
 
 def _absent() -> None:
@@ -176,7 +179,7 @@ def check_values(cfg: DictConfig) -> Settings:
         if key in cfg.trainer:
             raise JobError(f"trainer.{key} is set by the job; use {instead}")
     rollout = cfg.rollout
-    groups = ("sampling", "collector", "retry", "server", "limits", "launch", *_AHEAD_KEYS)
+    groups = ("sampling", "collector", "retry", "server", "limits", "launch", *_AHEAD_KEYS, *_SYNC_KEYS)
     server_keys = [k for k in rollout.server if k not in ("host", "port")]
     try:
         built = Settings(
@@ -196,6 +199,7 @@ def check_values(cfg: DictConfig) -> Settings:
             limits=build(ServerLimits, rollout.limits, "rollout.limits"),
             data_options=build(DataOptions, cfg.data.options, "data.options"),
             ahead=build(AheadConfig, OmegaConf.masked_copy(rollout, _AHEAD_KEYS), "rollout"),
+            weight_sync=build(WeightSyncSettings, OmegaConf.masked_copy(rollout, _SYNC_KEYS), "rollout"),
         )
         built.rollout.check_engine(launched(rollout))
     except SettingsError as exc:
