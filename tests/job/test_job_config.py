@@ -146,8 +146,8 @@ def test_help_lists_groups_options_and_yaml_comments():
         "when set; r3 with an external engine is strict)"  # a comment continued on the next line
     )
     assert line_of("rollout.weight_sync_dir=null").endswith(
-        "sglang: a directory the engine can read; weights are saved there and loaded with POST "
-        "/update_weights_from_disk"
+        "sglang, vllm: a directory the engine can read; weights are saved there and loaded with POST "
+        "/update_weights_from_disk (sglang) or /collective_rpc (vllm)"
     )
 
 
