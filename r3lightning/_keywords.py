@@ -32,6 +32,7 @@ def refuse_moved_keywords(moved: Mapping[str, str]) -> Callable[[Init], Init]:
                 raise TypeError(f"{type(self).__name__}() no longer takes {detail} (docs: migration.md)")
             init(self, *args, **kwargs)
 
+        checked.moved_keywords = dict(moved)  # type: ignore[attr-defined]  # the migration table's test reads it
         return checked  # type: ignore[return-value]
 
     return decorate

@@ -38,16 +38,28 @@ _EMPTY = "use PackedTensor.empty(row_shape, dtype=..., device=...) for a batch o
 
 
 class PackedTensor:
-    """Ragged batch: ``values [sum(lengths), *row_shape]`` and int32 ``cu_seqlens [B + 1]`` on
-    their device (segment ``i`` is ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``); ``cu_seqlens_host``,
-    a CPU copy trusted to equal them, spares validation its one sync. Pickling sends the referenced
-    rows as raw bytes (device values: a sync) and keeps the device."""
+    """Ragged batch: the rows of ``B`` segments back to back, with their offsets.
+
+    Segment ``i`` is ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``. Pickling sends the referenced
+    rows as raw bytes (device values: a sync) and keeps the device. :meth:`from_segments` and
+    :meth:`from_lengths` build one from its pieces.
+
+    Args:
+        values: ``[sum(lengths), *row_shape]``, any dtype and device.
+        cu_seqlens: int32 ``[B + 1]`` on ``values``' device, from 0 to ``len(values)``,
+            non-decreasing.
+        cu_seqlens_host: A CPU copy of ``cu_seqlens`` trusted to equal it: spares the check its one
+            device-to-host copy (a sync for device offsets).
+
+    Raises:
+        ValueError, TypeError: Offsets of the wrong dtype, device, shape or order.
+    """
 
     values: Tensor  # [rows, *row_shape]
     cu_seqlens: Tensor  # [B + 1] int32, on values.device
     cu_seqlens_host: Tensor  # [B + 1] int32, CPU
 
-    __hash__ = None  # type: ignore[assignment]  # mutable tensors, value equality
+    __hash__ = None  # type: ignore[assignment]  # mutable tensors, value equality: unhashable
 
     def __init__(self, values: Tensor, cu_seqlens: Tensor, *, cu_seqlens_host: Tensor | None = None) -> None:
         self.cu_seqlens_host = checked_offsets(values, cu_seqlens, cu_seqlens_host)
@@ -77,7 +89,8 @@ class PackedTensor:
         """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row schema) joined by one ``cat``."""
         if len(segments) == 0:
             raise ValueError(f"from_segments needs a segment to infer row_shape and dtype; {_EMPTY}")
-        if (bad := next((s for s in segments if not isinstance(s, (Tensor, np.ndarray))), None)) is not None:
+        bad = next((s for s in segments if not isinstance(s, (Tensor, np.ndarray))), None)
+        if bad is not None:
             raise TypeError(f"segments must be tensors or ndarrays, got {type(bad).__name__}")
         with warnings.catch_warnings():  # read-only arrays are only read by the cat
             warnings.filterwarnings("ignore", message=".*not writable.*")
@@ -85,7 +98,8 @@ class PackedTensor:
                 torch.from_numpy(np.ascontiguousarray(s)) if isinstance(s, np.ndarray) else s
                 for s in segments
             ]
-        if (bad := next((i for i, t in enumerate(parts) if t.dim() == 0), None)) is not None:
+        bad = next((i for i, t in enumerate(parts) if t.dim() == 0), None)
+        if bad is not None:
             raise ValueError(f"segment {bad} is 0-d; segments must be [n_i, *row_shape]")
         check_same_rows([(tuple(t.shape[1:]), t.dtype, t.device) for t in parts], "segment")
         lengths = torch.tensor([t.shape[0] for t in parts], dtype=torch.int64)
@@ -99,7 +113,8 @@ class PackedTensor:
         if not isinstance(padded, Tensor) or padded.dim() < 2:
             shape = tuple(padded.shape) if isinstance(padded, Tensor) else type(padded).__name__
             raise ValueError(f"padded must be a tensor [B, S, *row_shape], got {shape}")
-        batch, width = padded.shape[0], padded.shape[1]
+        batch = padded.shape[0]
+        width = padded.shape[1]
         counts = host_int64(lengths, "lengths")
         if counts.numel() != batch:
             raise ValueError(f"lengths must have one entry per row of padded ({batch}), got {counts.numel()}")
@@ -131,7 +146,8 @@ class PackedTensor:
         parts = list(parts)
         if not parts:
             raise ValueError(f"cat needs a PackedTensor to infer row_shape, dtype and device; {_EMPTY}")
-        if (i := next((i for i, p in enumerate(parts) if not isinstance(p, PackedTensor)), None)) is not None:
+        i = next((i for i, p in enumerate(parts) if not isinstance(p, PackedTensor)), None)
+        if i is not None:
             raise TypeError(f"cat takes PackedTensors, got {type(parts[i]).__name__} at position {i}")
         check_same_rows([(p.row_shape, p.dtype, p.device) for p in parts], "part")
         offsets = offsets_from_lengths(torch.cat([p.lengths for p in parts]), "cat lengths")
@@ -184,8 +200,10 @@ class PackedTensor:
         if isinstance(picked, int):
             return self.values[int(host[picked]) : int(host[picked + 1])]
         if isinstance(picked, slice):
-            start, stop = picked.start, picked.stop
-            first, last = int(host[start]), int(host[stop])
+            start = picked.start
+            stop = picked.stop
+            first = int(host[start])
+            last = int(host[stop])
             # the same tiny kernel on every device (no sync): the CPU runs the path a GPU takes
             cu = self.cu_seqlens[start : stop + 1] - first
             return PackedTensor._trusted(self.values[first:last], host[start : stop + 1] - first, cu)
@@ -206,7 +224,8 @@ class PackedTensor:
 
     def repeat(self, repeats: int) -> PackedTensor:
         """The whole batch ``repeats`` times (like ``list * repeats``), new storage."""
-        if (repeats := operator.index(repeats)) < 0:
+        repeats = operator.index(repeats)
+        if repeats < 0:
             raise ValueError(f"repeats must be >= 0, got {repeats}")
         return self._gather(torch.arange(len(self)).repeat(repeats))
 
@@ -244,7 +263,8 @@ class PackedTensor:
     ) -> PackedTensor:
         """Values moved and/or cast, as for tensors (``self`` when nothing changes); offsets stay int32."""
         if isinstance(device, torch.dtype):
-            device, dtype = None, device
+            dtype = device  # .to(dtype) alone
+            device = None
         values = self.values.to(device=device, dtype=dtype, non_blocking=non_blocking)
         if values is self.values:
             return self
@@ -298,7 +318,8 @@ class PackedTensor:
         return PackedTensor._trusted(self.values, self.cu_seqlens_host, self.cu_seqlens)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedTensor:
-        values, cu_seqlens = copy.deepcopy(self.values, memo), copy.deepcopy(self.cu_seqlens, memo)
+        values = copy.deepcopy(self.values, memo)
+        cu_seqlens = copy.deepcopy(self.cu_seqlens, memo)
         return PackedTensor._trusted(values, self.cu_seqlens_host.clone(), cu_seqlens)
 
     def __repr__(self) -> str:

@@ -54,7 +54,8 @@ def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
         bad = int(torch.nonzero(lengths < 0)[0, 0])
         raise ValueError(f"{name} must be >= 0, got {name}[{bad}] = {int(lengths[bad])}")
     offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))  # [B + 1] int64
-    if (total := int(offsets[-1])) > INT32_MAX:
+    total = int(offsets[-1])
+    if total > INT32_MAX:
         raise ValueError(f"{name} sum to {total} rows, more than int32 offsets can address ({INT32_MAX})")
     return offsets.to(torch.int32)
 
@@ -89,7 +90,8 @@ def checked_offsets(values: Tensor, cu_seqlens: Tensor, host: Tensor | None) -> 
         )
     if int(host[0]) != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {int(host[0])}")
-    if (drops := torch.nonzero(host.diff() < 0)).numel():
+    drops = torch.nonzero(host.diff() < 0)
+    if drops.numel():
         bad = int(drops[0, 0])
         raise ValueError(
             f"cu_seqlens must be non-decreasing, got cu_seqlens[{bad}] = {int(host[bad])} > "

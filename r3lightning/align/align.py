@@ -44,10 +44,24 @@ def align_packed_token_metadata(
     segment_starts: Sequence[int] | torch.Tensor | None = None,
     next_token: bool = False,
 ) -> torch.Tensor:
-    """Dense ``[*layout.token_shape, *packed.row_shape]`` metadata on ``packed``'s device: segment
-    ``i`` on trajectory ``i``'s real tokens from ``segment_starts[i]`` (never past its end), ``pad``
-    elsewhere (a scalar, a row, or ``pad(n) -> [n, *row]``); ``next_token``: token ``j`` gets token
-    ``j + 1``'s row. One host->device index copy, one ``index_select``."""
+    """Lays per-token metadata out as the model sees its tokens.
+
+    Args:
+        packed: One segment per trajectory, rows ``[*row_shape]`` (routes ``[L, K]``, logprobs ``[]``).
+        layout: The model-facing layout of the batch's tokens.
+        pad: What positions without a row hold: a scalar, one row, or ``pad(n) -> [n, *row_shape]``.
+        segment_starts: The real-token offset of each segment's first row (None: 0): a trace's
+            ``prompt_start``. A segment never runs past its trajectory's end.
+        next_token: Token ``j`` takes token ``j + 1``'s row (targets of next-token losses).
+
+    Returns:
+        ``[*layout.token_shape, *packed.row_shape]`` on ``packed``'s device, in its dtype.
+        Cost: one host-to-device copy of the index and one ``index_select``; no host sync.
+
+    Raises:
+        TypeError: ``packed`` is not a ``PackedTensor``.
+        ValueError: ``segment_starts`` or ``pad`` does not fit the layout or the rows.
+    """
     if not isinstance(packed, PackedTensor):
         raise TypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
     counts = packed.lengths
@@ -64,7 +78,18 @@ def build_replay_mask(
     *,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """bool ``[*layout.token_shape]``: True where a packed row (or a segment row of these lengths) lands."""
+    """Marks the positions where a captured row lands.
+
+    Args:
+        packed_or_lengths: The packed rows, or the row count of each segment.
+        layout: The model-facing layout of the batch's tokens.
+        segment_starts: The real-token offset of each segment's first row (None: 0).
+        device: Where the mask goes (default: the packed rows' device, or the host for lengths),
+            staged through page-locked memory.
+
+    Returns:
+        bool ``[*layout.token_shape]``: True where a row lands. Host maths only; no device sync.
+    """
     packed = isinstance(packed_or_lengths, PackedTensor)
     counts = packed_or_lengths.lengths if packed else host_lengths(packed_or_lengths, "lengths")
     device = packed_or_lengths.device if packed and device is None else device

@@ -19,8 +19,26 @@ def dummy_routes(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """``[num_rows, num_layers, top_k]``: row ``r`` uses experts ``(r * top_k + k) % num_experts`` in
-    every layer, in ``dtype`` (default: the compact one) on ``device``."""
+    """Valid placeholder routes for positions without a captured route.
+
+    Row ``r`` uses experts ``(r * top_k + k) % num_experts`` on every layer: distinct within a row,
+    so a router accepts them; the replay mask keeps them from being replayed.
+
+    Args:
+        num_rows: Rows to make (0 allowed).
+        num_layers: Route columns per row.
+        top_k: Experts per row and layer.
+        num_experts: Experts of the model (at least ``top_k``).
+        dtype: An integer dtype that holds ``num_experts - 1`` (default: the compact one).
+        device: Where to make them.
+
+    Returns:
+        ``[num_rows, num_layers, top_k]`` in ``dtype`` on ``device``.
+
+    Raises:
+        ValueError: A count below its minimum, ``top_k > num_experts``, or a dtype that cannot
+            hold the ids.
+    """
     check_int("num_rows", num_rows, 0)
     check_int("num_layers", num_layers, 1)
     check_int("top_k", top_k, 1)

@@ -67,7 +67,20 @@ class TokenMetadataLayout:
         side: Literal["left", "right"] = "left",
         pad_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
-        """The batch as ``[B, S']`` (``S`` rounded up to ``pad_to_multiple``); a GPU mask: one sync."""
+        """The layout of a padded batch.
+
+        Args:
+            attention_mask: ``[B, S]`` bool or 0/1, left-padded (``0...0 1...1`` per row).
+            side: Where the padding goes in the model's batch.
+            pad_to_multiple: ``S`` is rounded up to a multiple of it.
+
+        Returns:
+            Token shape ``[B, S']``. Host maths; a device mask costs one device-to-host copy (a sync).
+
+        Raises:
+            ValueError: A mask that is not 2-D, not 0/1 or not left-padded, or a bad ``side`` or
+                multiple.
+        """
         check_side(side)
         multiple = check_int("pad_to_multiple", pad_to_multiple)
         mask = torch.as_tensor(attention_mask).detach().cpu()
@@ -117,9 +130,23 @@ class TokenMetadataLayout:
         batch_width: int | None = None,
         pad_total_to_multiple: int = 1,
     ) -> TokenMetadataLayout:
-        """The batch packed into one ``[1, T_local]`` row ``[seq0, pad0, seq1, pad1, ...]``, this CP
-        rank's share; ``pad_total_to_multiple`` extends the last sequence's padding to align ``T``
-        (fp8 GEMMs). O(T_local) host ops; device ``sequence_lengths``: one sync."""
+        """The layout of a batch packed into one row ``[seq0, pad0, seq1, pad1, ...]``.
+
+        Args:
+            sequence_lengths: Real tokens of each sequence, ``[B]``.
+            pad_to_multiple: Each sequence is padded to a multiple of it.
+            cp_size: Context-parallel ranks; each holds its share of every sequence.
+            cp_rank: This rank's place among them.
+            batch_width: ``S`` of the canonical padded batch (default: the longest sequence).
+            pad_total_to_multiple: The last sequence's padding grows so the total aligns (fp8 GEMMs).
+
+        Returns:
+            Token shape ``[1, T_local]``: this context-parallel rank's share. O(T_local) host ops;
+            device ``sequence_lengths`` cost one sync.
+
+        Raises:
+            ValueError: A bad length, multiple, rank or width.
+        """
         multiple = check_int("pad_to_multiple", pad_to_multiple)
         total_multiple = check_int("pad_total_to_multiple", pad_total_to_multiple)
         cp = check_int("cp_size", cp_size)
@@ -231,7 +258,8 @@ def take_rows(
 ) -> torch.Tensor:
     """``[*token_shape, *row]``: ``source[index]``, ``pad`` where ``index < 0`` (may widen the dtype)."""
     uncovered = (index < 0).nonzero().reshape(-1)  # host
-    row_shape, count = tuple(source.shape[1:]), uncovered.numel()
+    row_shape = tuple(source.shape[1:])
+    count = uncovered.numel()
     if isinstance(pad, (bool, int, float)):
         fill = check_fill_value(pad, source.dtype, what="metadata dtype")
     elif callable(pad) and not isinstance(pad, torch.Tensor):

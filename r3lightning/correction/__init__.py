@@ -17,6 +17,17 @@ from r3lightning.correction.steps import (
     correction_weights,
 )
 
-__all__ = ["MODES", "STEP_KINDS", "CorrectionConfig", "CorrectionMetrics", "CorrectionStep",
-           "correction_weights", "geometric_mask", "k3_mask", "sequence_tis", "token_mask", "token_tis",
-           "veto_mask"]  # fmt: skip
+__all__ = [
+    "MODES",
+    "STEP_KINDS",
+    "CorrectionConfig",
+    "CorrectionMetrics",
+    "CorrectionStep",
+    "correction_weights",
+    "geometric_mask",
+    "k3_mask",
+    "sequence_tis",
+    "token_mask",
+    "token_tis",
+    "veto_mask",
+]

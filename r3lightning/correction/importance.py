@@ -80,7 +80,8 @@ def tokens_of(log_ratio: Tokens, mask: Tokens) -> tuple[Tensor, Tensor, Tensor |
             if not torch.equal(mask.cu_seqlens_host, log_ratio.cu_seqlens_host):
                 raise ValueError("mask must be a PackedTensor with log_ratio's cu_seqlens")
             mask = mask.values
-        values, cu = log_ratio.values, log_ratio.cu_seqlens
+        values = log_ratio.values
+        cu = log_ratio.cu_seqlens
     elif isinstance(log_ratio, Tensor) and log_ratio.dim() == 2:
         values = log_ratio
     else:

@@ -69,7 +69,8 @@ class CorrectionMetrics:
                 [sums, *(step_sums(s, log_ratio, mask).to(sums.device) for s in self.config.plan)]
             )
         if self._sums is None or self._max is None:  # the first micro-batch
-            self._sums, self._max = sums, top
+            self._sums = sums
+            self._max = top
         else:
             if self._sums.shape != sums.shape:
                 raise ValueError("update must pass log_ratio on every micro-batch of a step or on none")

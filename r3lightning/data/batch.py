@@ -71,7 +71,8 @@ class RolloutBatch:
             self.weight_versions = torch.full(shape[:1], -1, dtype=torch.int64, device=self.input_ids.device)
         for names, want, like in ((TOKEN_FIELDS, shape, " like input_ids"), (ROW_FIELDS, shape[:1], "")):
             for name in names:
-                if (got := tuple(getattr(self, name).shape)) != want:
+                got = tuple(getattr(self, name).shape)
+                if got != want:
                     raise ValueError(f"RolloutBatch.{name} must have shape {want}{like}, got {got}")
         if self.attention_mask.dtype != torch.bool:
             raise ValueError(f"RolloutBatch.attention_mask must be bool, got {self.attention_mask.dtype}")
@@ -144,7 +145,8 @@ class RolloutBatch:
 
     def rows_in(self, batch: RolloutBatch) -> Tensor | None:
         """Host int64 ``[B]``: this batch's rows in ``batch`` when cut from it (at any depth), else None."""
-        (root, mine), (other_root, theirs) = self._lineage(), batch._lineage()
+        root, mine = self._lineage()
+        other_root, theirs = batch._lineage()
         if root is not other_root:
             return None
         where = torch.full((len(root),), -1, dtype=torch.int64)
@@ -214,7 +216,8 @@ class RolloutBatch:
         has_routes = {b.routed_experts is not None for b in batches}
         if len(has_routes) != 1:
             raise ValueError("RolloutBatch.cat: either every batch has routed_experts or none does")
-        if len(layer_sets := {b.route_layers for b in batches}) != 1:
+        layer_sets = {b.route_layers for b in batches}
+        if len(layer_sets) != 1:
             raise ValueError(f"RolloutBatch.cat: different route_layers {sorted(layer_sets, key=str)}")
         width = max(b.width for b in batches)
         values: dict[str, Any] = {}
@@ -264,8 +267,13 @@ class RolloutBatch:
                 )
             if num_experts is None:
                 raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
-        placeholders = padding_trajectories(missing, pad_token_id=pad_token_id, route_schema=schema,
-                                            num_experts=num_experts, route_layers=self.route_layers)  # fmt: skip
+        placeholders = padding_trajectories(
+            missing,
+            pad_token_id=pad_token_id,
+            route_schema=schema,
+            num_experts=num_experts,
+            route_layers=self.route_layers,
+        )
         fields = collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
         return RolloutBatch.cat([self, RolloutBatch(**fields).to(self.device)], pad_token_id=pad_token_id)
 
@@ -293,7 +301,8 @@ class RolloutBatch:
 
     def release(self, after: Any = None) -> None:
         """Hand pooled buffers back, reused after the event ``after``; the batch and its views die."""
-        lease, self._lease = self._lease, None
+        lease = self._lease
+        self._lease = None
         if lease is not None:
             lease(after)
 
@@ -302,10 +311,12 @@ class RolloutBatch:
         if not isinstance(other, RolloutBatch):
             return False
         for name in (*TOKEN_FIELDS, *ROW_FIELDS):
-            a, b = getattr(self, name), getattr(other, name)
+            a = getattr(self, name)
+            b = getattr(other, name)
             if a.dtype != b.dtype or a.device != b.device or a.shape != b.shape or not torch.equal(a, b):
                 return False
-        a, b = self.routed_experts, other.routed_experts
+        a = self.routed_experts
+        b = other.routed_experts
         if a is None or b is None:
             return a is b
         return self.route_layers == other.route_layers and a.equal(b)
@@ -313,7 +324,8 @@ class RolloutBatch:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # Raw bytes through numpy: fast, and every dtype (bfloat16 included) survives the trip.
         tensors = {name: tensor_to_bytes(getattr(self, name)) for name in (*TOKEN_FIELDS, *ROW_FIELDS)}
-        routes, layers = self.routed_experts, self.route_layers
+        routes = self.routed_experts
+        layers = self.route_layers
         return _rebuild, (tensors, routes, self.lengths_host(), str(self.device), layers)
 
     def __repr__(self) -> str:

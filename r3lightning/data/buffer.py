@@ -56,8 +56,19 @@ def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
     }
 
 
-_PACKED_KEYS = ("count", "prompt_lengths", "response_lengths", "prompt_ids", "response_ids", "loss_mask",
-                "rollout_logprobs", "rewards", "advantages", "route_rows", "routes")  # fmt: skip
+_PACKED_KEYS = (
+    "count",
+    "prompt_lengths",
+    "response_lengths",
+    "prompt_ids",
+    "response_ids",
+    "loss_mask",
+    "rollout_logprobs",
+    "rewards",
+    "advantages",
+    "route_rows",
+    "routes",
+)
 
 
 def check_state(state: Any, keys: Sequence[str], where: str, *, version: int | None = None) -> None:
@@ -66,7 +77,8 @@ def check_state(state: Any, keys: Sequence[str], where: str, *, version: int | N
         raise ValueError(f"{where} must be a dict, got {type(state).__name__}")
     if version is not None and state.get("version") != version:
         raise ValueError(f"{where} version {state.get('version')!r} is not {version}")
-    if missing := [key for key in keys if key not in state]:
+    missing = [key for key in keys if key not in state]
+    if missing:
         raise ValueError(f"{where} lacks {missing}")
 
 
@@ -80,7 +92,8 @@ def _vector(packed: dict[str, Any], name: str, size: int, where: str) -> Tensor:
 
 def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str) -> list[int]:
     lengths = host_int64(_vector(packed, name, count, where), f"{where}: {name}").tolist()
-    if (bad := next((i for i, n in enumerate(lengths) if n < low), None)) is not None:
+    bad = next((i for i, n in enumerate(lengths) if n < low), None)
+    if bad is not None:
         raise ValueError(f"{where}: {name}[{bad}] must be >= {low}, got {lengths[bad]}")
     return lengths
 
@@ -158,7 +171,9 @@ class ReplayBuffer:
         for name, value in (("capacity", capacity), ("vocab_size", vocab_size), ("num_experts", num_experts)):
             if value is not None:
                 check_int(f"ReplayBuffer {name}", value)
-        self.capacity, self.vocab_size, self.num_experts = capacity, vocab_size, num_experts
+        self.capacity = capacity
+        self.vocab_size = vocab_size
+        self.num_experts = num_experts
         self.layers = check_layers("ReplayBuffer layers", layers)
         self._items: deque[Trajectory] = deque(maxlen=capacity)  # evicts the oldest when full
         self._start = 0  # sequence number of the oldest stored trajectory
@@ -233,13 +248,15 @@ class ReplayBuffer:
             except ValueError as err:
                 raise ValueError(f"{where.format(i=i)} rejected: {err}") from None
             if schema is None and t.routed_experts is not None:
-                schema, layers = t.route_schema, t.route_layers
+                schema = t.route_schema
+                layers = t.route_layers
             out.append(t)
         return out, (schema, layers)
 
     def clear(self) -> None:
         """Drop every trajectory (their sequence numbers are not reused) and the route schema."""
-        self._start, self._fixed = self.stop, (None, None)
+        self._start = self.stop
+        self._fixed = (None, None)
         self._items.clear()
 
     def state_dict(self) -> dict[str, Any]:
@@ -266,7 +283,8 @@ class ReplayBuffer:
         if saved is not None and self.layers not in (None, layers):  # routes on every layer: cut
             if layers is not None:
                 raise ValueError(f"{where} route_layers is {list(layers)}, expected {list(self.layers)}")
-            saved, layers = (len(self.layers), saved[1]), self.layers
+            saved = (len(self.layers), saved[1])
+            layers = self.layers
         items = unpack_trajectories(state["trajectories"], where=f"{where} trajectories")
         if self.capacity is not None and len(items) > self.capacity:
             raise ValueError(
@@ -274,7 +292,9 @@ class ReplayBuffer:
                 f"{self.capacity}; loading it would lose samples"
             )
         items, fixed = self._validated(items, saved, layers, where + ": trajectory {i}")
-        self._items, self._start, self._fixed = deque(items, maxlen=self.capacity), start, fixed
+        self._items = deque(items, maxlen=self.capacity)
+        self._start = start
+        self._fixed = fixed
 
     def __repr__(self) -> str:
         return (

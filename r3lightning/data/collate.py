@@ -47,7 +47,8 @@ class PinnedBufferPool:
     ) -> None:
         if recycle_after is not None:
             check_int("recycle_after", recycle_after)
-        self.allocator, self.recycle_after = allocator or pinned_empty, recycle_after
+        self.allocator = allocator or pinned_empty
+        self.recycle_after = recycle_after
         self._slots = [_Slot() for _ in range(check_int("slots", slots))]
         self._lock = threading.Lock()
         self._step = self._releases = 0
@@ -64,8 +65,10 @@ class PinnedBufferPool:
                 return Buffers(self.allocator), None
             # least recently released: its fence is the oldest copy, most likely finished already
             slot = min(free, key=lambda s: s.released_at)
-            fence, slot.fence = slot.fence, None
-            slot.generation, slot.leased_at = slot.generation + 1, self._step
+            fence = slot.fence
+            slot.fence = None
+            slot.generation = slot.generation + 1
+            slot.leased_at = self._step
             lease = functools.partial(self._give_back, slot, slot.generation)
             self.hits += 1
         if fence is not None:
@@ -76,7 +79,9 @@ class PinnedBufferPool:
         with self._lock:
             if slot.generation == generation and slot.leased_at is not None:
                 self._releases += 1
-                slot.leased_at, slot.fence, slot.released_at = None, fence, self._releases
+                slot.leased_at = None
+                slot.fence = fence
+                slot.released_at = self._releases
 
     @property
     def free_slots(self) -> int:
@@ -125,7 +130,8 @@ class RolloutCollator:
         )
         self.width_multiple = check_int("width_multiple", width_multiple)
         self.pad_token_id = check_int("pad_token_id", pad_token_id, 0)
-        self.num_experts, self.pin_memory = num_experts, bool(pin_memory)
+        self.num_experts = num_experts
+        self.pin_memory = bool(pin_memory)
         self.layers = check_layers("layers", layers)
         self.pool = PinnedBufferPool() if pin_memory is True else pin_memory or None
         self._executor: ThreadPoolExecutor | None = None
@@ -147,7 +153,8 @@ class RolloutCollator:
             yield executor
         finally:
             with self._executor_lock:
-                if left := self._executor_users.pop(executor) - 1:
+                left = self._executor_users.pop(executor) - 1
+                if left:
                     self._executor_users[executor] = left
             if not left and executor is not self._executor:  # closed while this one ran
                 executor.shutdown(wait=False)  # its tasks are done: the collation waited for them
@@ -155,17 +162,31 @@ class RolloutCollator:
     def __call__(self, trajectories: Sequence[Trajectory | None]) -> RolloutBatch:
         where = "trajectory {} of the batch".format
         items = [t if t is None else t.on_layers(self.layers, where(i)) for i, t in enumerate(trajectories)]
-        if missing := sum(t is None for t in items):
+        missing = sum(t is None for t in items)
+        if missing:
             real = (t for t in items if t is not None)
             schema, layers = route_signature(real, "trajectories in one batch")
-            fillers = iter(padding_trajectories(missing, pad_token_id=self.pad_token_id, route_schema=schema,
-                                                num_experts=self.num_experts, route_layers=layers))  # fmt: skip
+            fillers = iter(
+                padding_trajectories(
+                    missing,
+                    pad_token_id=self.pad_token_id,
+                    route_schema=schema,
+                    num_experts=self.num_experts,
+                    route_layers=layers,
+                )
+            )
             items = [next(fillers) if t is None else t for t in items]
         buffers, lease = (Buffers(plain_empty), None) if self.pool is None else self.pool.acquire()
         try:
             with self._fill_pool() as executor:
-                fields = collate_fields(items, buffers, pad_token_id=self.pad_token_id, executor=executor,
-                                        width_multiple=self.width_multiple, tasks=self.num_threads)  # fmt: skip
+                fields = collate_fields(
+                    items,
+                    buffers,
+                    pad_token_id=self.pad_token_id,
+                    executor=executor,
+                    width_multiple=self.width_multiple,
+                    tasks=self.num_threads,
+                )
             batch = RolloutBatch(**fields)
         except BaseException:
             if lease is not None:
@@ -177,7 +198,8 @@ class RolloutCollator:
     def close(self) -> None:
         """Stop the fill threads (a later collation restarts them); safe while others collate."""
         with self._executor_lock:
-            executor, self._executor = self._executor, None
+            executor = self._executor
+            self._executor = None
             busy = executor is not None and executor in self._executor_users
         if executor is not None and not busy:
             executor.shutdown(wait=True)
@@ -185,7 +207,8 @@ class RolloutCollator:
     def __getstate__(self) -> dict[str, Any]:
         # threads, locks and pinned pages do not travel between processes
         state = {k: v for k, v in self.__dict__.items() if not k.startswith("_executor")}
-        if (pool := self.pool) is not None:
+        pool = self.pool
+        if pool is not None:
             state["pool"] = PinnedBufferPool(
                 len(pool._slots), allocator=pool.allocator, recycle_after=pool.recycle_after
             )

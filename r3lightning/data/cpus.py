@@ -64,10 +64,12 @@ def cgroup_cpu_limit(
     v2_path, v1_path = _own_cgroups(Path(proc_cgroup))
     quotas: list[float] = []
     if (root / "cgroup.controllers").exists() or (v2_path is not None and v1_path is None):
-        quotas = [q for d in _ancestors(root, v2_path) if (q := _quota(d, v2=True)) is not None]
+        found = (_quota(d, v2=True) for d in _ancestors(root, v2_path))
+        quotas = [q for q in found if q is not None]
     mounts = [m for m in (root / "cpu,cpuacct", root / "cpuacct,cpu", root / "cpu") if m.is_dir()]
     if not quotas and mounts:
-        quotas = [q for d in _ancestors(mounts[0], v1_path) if (q := _quota(d, v2=False)) is not None]
+        found = (_quota(d, v2=False) for d in _ancestors(mounts[0], v1_path))
+        quotas = [q for q in found if q is not None]
     return min(quotas, default=None)
 
 

@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 
 from r3lightning._keywords import refuse_moved_keywords
-from r3lightning.checks import check_int
+from r3lightning.checks import check_fields, check_int
 from r3lightning.data import position
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories
@@ -60,15 +60,18 @@ class DataOptions:
 
     def __post_init__(self) -> None:
         rules = {"pad_token_id": (int, 0), "width_multiple": (int, 1), "shard": (bool, None)}
-        position.check_fields({name: getattr(self, name) for name in rules}, rules)
+        check_fields({name: getattr(self, name) for name in rules}, rules)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
-        if not isinstance(buffer := self.eval_buffer, ReplayBuffer | None):
+        buffer = self.eval_buffer
+        if not isinstance(buffer, ReplayBuffer | None):
             raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(buffer).__name__}")
 
 
 # 0.1 keywords -> DataOptions' fields in 0.2
-_OPTIONS_MOVED = {name: f"options=DataOptions({name}=) (r3lightning.data.datamodule)"
-                  for name in ("pad_token_id", "width_multiple", "shard", "eval_buffer", "layers")}  # fmt: skip
+_OPTIONS_MOVED = {
+    name: f"options=DataOptions({name}=) (r3lightning.data.datamodule)"
+    for name in ("pad_token_id", "width_multiple", "shard", "eval_buffer")
+}
 
 
 class R3DataModule(pl.LightningDataModule):
@@ -103,20 +106,28 @@ class R3DataModule(pl.LightningDataModule):
         super().__init__()
         if not isinstance(buffer, ReplayBuffer):
             raise TypeError(f"buffer must be a ReplayBuffer, got {type(buffer).__name__}")
-        if not isinstance(options := options or DataOptions(), DataOptions):
+        options = options or DataOptions()
+        if not isinstance(options, DataOptions):
             raise TypeError(f"options must be a DataOptions or None, got {type(options).__name__}")
         # checked here, not at the first train_dataloader, so a bad config fails at construction
         plan = dict(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last, num_replicas=1)
-        position.check_fields(plan, position.PLAN_FIELDS)
+        check_fields(plan, position.PLAN_FIELDS)
         if collate_threads is not None:
             check_int("collate_threads", collate_threads)
         if pin_memory is not None and not isinstance(pin_memory, bool):
             raise ValueError(f"pin_memory must be a bool or None, got {pin_memory!r}")
         self.save_hyperparameters(ignore=["buffer", "options"])
         self.save_hyperparameters({k: v for k, v in vars(options).items() if k != "eval_buffer"})
-        self.buffer, self.eval_buffer, self.batch_size = buffer, options.eval_buffer, batch_size
-        self.shuffle, self.seed, self.drop_last, self.options = shuffle, seed, drop_last, options
-        self.collate_threads, self.pin_memory, self.shard = collate_threads, pin_memory, options.shard
+        self.buffer = buffer
+        self.eval_buffer = options.eval_buffer
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.options = options
+        self.collate_threads = collate_threads
+        self.pin_memory = pin_memory
+        self.shard = options.shard
         self._cursor = position.Cursor()
         self._plan: position.Plan | None = None  # the plan of the epoch in progress
         self._snapshot: tuple[Trajectory, ...] | None = None
@@ -156,16 +167,22 @@ class R3DataModule(pl.LightningDataModule):
             if self._collator is not None:
                 self._collator.close()
             o = self.options
-            self._collator = RolloutCollator(num_threads=self.collate_threads, num_experts=self.buffer.num_experts,
-                                             pin_memory=pin, layers=o.layers, pad_token_id=o.pad_token_id,
-                                             width_multiple=o.width_multiple)  # fmt: skip
+            self._collator = RolloutCollator(
+                num_threads=self.collate_threads,
+                num_experts=self.buffer.num_experts,
+                pin_memory=pin,
+                layers=o.layers,
+                pad_token_id=o.pad_token_id,
+                width_multiple=o.width_multiple,
+            )
         return self._collator
 
     def train_dataloader(self) -> DataLoader:
         """This rank's loader over the epoch's snapshot (continued or new). O(len(buffer))."""
         world, rank = self._data_parallel()
         plan = position.Plan(self.batch_size, self.shuffle, self.seed, self.drop_last, world)
-        cursor, snapshot = self._cursor, None
+        cursor = self._cursor
+        snapshot = None
         available = self._snapshot_restored or self.buffer.covers(cursor.start, cursor.stop)
         if cursor.in_progress and available:
             snapshot = self._snapshot or self.buffer.window(cursor.start, cursor.stop)
@@ -181,12 +198,16 @@ class R3DataModule(pl.LightningDataModule):
             if new_epoch and isinstance(self.buffer, StreamingReplayBuffer):  # one RL step per epoch
                 self._check_reload()
                 self.buffer.advance()  # waits for the step
-            cursor.start, cursor.stop, snapshot = self.buffer.start, self.buffer.stop, tuple(self.buffer)
+            cursor.start = self.buffer.start
+            cursor.stop = self.buffer.stop
+            snapshot = tuple(self.buffer)
             if new_epoch:
                 cursor.epoch += 1  # an epoch nothing was drawn from keeps its number (and its step)
-            cursor.consumed, cursor.exhausted = 0, False
+            cursor.consumed = 0
+            cursor.exhausted = False
             self._snapshot_restored = False
-        self._snapshot, self._plan = snapshot, plan
+        self._snapshot = snapshot
+        self._plan = plan
         sampler = position.EpochShardSampler(
             position.Snapshot(snapshot), cursor, plan, rank, refresh=self._fresh_snapshot
         )
@@ -209,11 +230,15 @@ class R3DataModule(pl.LightningDataModule):
         stream's: its next step comes with the next ``train_dataloader``)."""
         if isinstance(self.buffer, StreamingReplayBuffer):
             return None
-        cursor, (start, stop) = self._cursor, (self.buffer.start, self.buffer.stop)
+        cursor = self._cursor
+        start = self.buffer.start
+        stop = self.buffer.stop
         if not self._snapshot_restored and (start, stop) == (cursor.start, cursor.stop):
             return None
-        cursor.start, cursor.stop = start, stop
-        self._snapshot, self._snapshot_restored = self.buffer.window(start, stop), False
+        cursor.start = start
+        cursor.stop = stop
+        self._snapshot = self.buffer.window(start, stop)
+        self._snapshot_restored = False
         return self._snapshot
 
     def _eval_dataloader(self) -> DataLoader:
@@ -253,7 +278,8 @@ class R3DataModule(pl.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """Buffer, position and (when some left the buffer) the snapshot; ``weights_only`` safe."""
-        cursor, snapshot = self._cursor, self._snapshot
+        cursor = self._cursor
+        snapshot = self._snapshot
         gone = self._snapshot_restored or not self.buffer.covers(cursor.start, cursor.stop)
         packed = pack_trajectories(snapshot) if cursor.in_progress and snapshot and gone else None
         return {
@@ -278,5 +304,7 @@ class R3DataModule(pl.LightningDataModule):
                     f"cursor.stop - cursor.start = {cursor.stop - cursor.start} of its range"
                 )
         self.buffer.load_state_dict(state["buffer"])  # validates before it changes anything
-        self._cursor, self._plan = cursor, plan
-        self._snapshot, self._snapshot_restored = snapshot, snapshot is not None
+        self._cursor = cursor
+        self._plan = plan
+        self._snapshot = snapshot
+        self._snapshot_restored = snapshot is not None

@@ -18,8 +18,16 @@ from r3lightning.packed import PackedTensor
 from r3lightning.ragged import offsets_from_lengths
 from r3lightning.routes import widest_route_dtype
 
-__all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "Allocator", "Buffers", "collate_fields", "pinned_empty",
-           "plain_empty", "weight_versions"]  # fmt: skip
+__all__ = [
+    "ROW_FIELDS",
+    "TOKEN_FIELDS",
+    "Allocator",
+    "Buffers",
+    "collate_fields",
+    "pinned_empty",
+    "plain_empty",
+    "weight_versions",
+]
 
 TOKEN_FIELDS = ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs")  # [B, S]
 ROW_FIELDS = ("advantages", "rewards", "prompt_lengths", "sequence_lengths", "weight_versions")  # [B]

@@ -45,10 +45,21 @@ class Plan:
 
 
 # field -> (type, lower bound of an int field or None)
-CURSOR_FIELDS = {"epoch": (int, -1), "consumed": (int, 0), "batches": (int, 0), "exhausted": (bool, None),
-                 "start": (int, 0), "stop": (int, 0)}  # fmt: skip
-PLAN_FIELDS = {"batch_size": (int, 1), "shuffle": (bool, None), "seed": (int, None), "drop_last": (bool, None),
-               "num_replicas": (int, 1)}  # fmt: skip
+CURSOR_FIELDS = {
+    "epoch": (int, -1),
+    "consumed": (int, 0),
+    "batches": (int, 0),
+    "exhausted": (bool, None),
+    "start": (int, 0),
+    "stop": (int, 0),
+}
+PLAN_FIELDS = {
+    "batch_size": (int, 1),
+    "shuffle": (bool, None),
+    "seed": (int, None),
+    "drop_last": (bool, None),
+    "num_replicas": (int, 1),
+}
 
 
 def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan | None]:
@@ -89,7 +100,9 @@ class EpochShardSampler(DistributedSampler):
         refresh: Callable[[], tuple[Trajectory, ...] | None] | None = None,
     ) -> None:
         super().__init__(dataset, plan.num_replicas, rank, plan.shuffle, plan.seed, plan.drop_last)
-        self.cursor, self.plan, self.refresh = cursor, plan, refresh
+        self.cursor = cursor
+        self.plan = plan
+        self.refresh = refresh
         self._size()
 
     def _size(self) -> None:
@@ -99,7 +112,8 @@ class EpochShardSampler(DistributedSampler):
 
     def shard(self, epoch: int) -> list[int]:
         """This rank's full index list for ``epoch`` (-1 = placeholder)."""
-        count, world = len(self.dataset), self.plan.num_replicas  # type: ignore[arg-type]
+        count = len(self.dataset)
+        world = self.plan.num_replicas
         generator = torch.Generator().manual_seed(self.plan.seed + epoch)
         order = torch.randperm(count, generator=generator) if self.plan.shuffle else torch.arange(count)
         total = self.per_rank * world
@@ -110,7 +124,9 @@ class EpochShardSampler(DistributedSampler):
         cursor = self.cursor
         if cursor.exhausted or (cursor.batches > 0 and cursor.consumed >= cursor.batches):
             # another epoch over the same snapshot (no reload in between)
-            cursor.epoch, cursor.consumed, cursor.exhausted = cursor.epoch + 1, 0, False
+            cursor.epoch = cursor.epoch + 1
+            cursor.consumed = 0
+            cursor.exhausted = False
         elif cursor.consumed == 0 and self.refresh is not None:
             # nothing drawn yet: the epoch covers what the buffer holds now, later rows included
             fresh = self.refresh()

@@ -99,7 +99,8 @@ class StreamingReplayBuffer(ReplayBuffer):
 
     def _wait_next(self) -> int:
         step = self._next_take
-        self._requested, self._asked = step, True
+        self._requested = step
+        self._asked = True
         self._cond.notify_all()
         while step not in self._waiting and self._error is None and not self._closed:
             self._cond.wait()
@@ -120,7 +121,9 @@ class StreamingReplayBuffer(ReplayBuffer):
             self._cond.notify_all()
         self.clear()
         self.extend(items)
-        self.step, self.info, self.waited_s = step, info, time.perf_counter() - start
+        self.step = step
+        self.info = info
+        self.waited_s = time.perf_counter() - start
         return step
 
     def wait_for_request(self, ready: Callable[[int], bool]) -> bool:
@@ -146,7 +149,9 @@ class StreamingReplayBuffer(ReplayBuffer):
     def reopen(self) -> None:
         """Forget a close and a producer error, for a new producer (a new ``fit``)."""
         with self._cond:
-            self._closed, self._error, self._asked = False, None, False
+            self._closed = False
+            self._error = None
+            self._asked = False
             self._requested = self._next_take - 1
 
     def drop_waiting(self) -> None:
@@ -207,10 +212,13 @@ class StreamingReplayBuffer(ReplayBuffer):
             )
         super().load_state_dict({k: v for k, v in state.items() if k != "stream"})
         with self._cond:
-            self._waiting, self._next_take, self._requested = waiting, next_take, next_take - 1
+            self._waiting = waiting
+            self._next_take = next_take
+            self._requested = next_take - 1
             self._error = None
             self._cond.notify_all()
-        self.step, self.info = step, dict(stream["info"])
+        self.step = step
+        self.info = dict(stream["info"])
 
     def __repr__(self) -> str:
         with self._cond:

@@ -148,8 +148,17 @@ class Trajectory:
             when the turns of a multi-turn trajectory saw several); ``None``: unknown.
     """
 
-    __slots__ = ("advantage", "loss_mask", "prompt_ids", "response_ids", "reward", "rollout_logprobs",
-                 "route_layers", "routed_experts", "weight_version")  # fmt: skip
+    __slots__ = (
+        "advantage",
+        "loss_mask",
+        "prompt_ids",
+        "response_ids",
+        "reward",
+        "rollout_logprobs",
+        "route_layers",
+        "routed_experts",
+        "weight_version",
+    )
 
     def __init__(
         self,
@@ -207,7 +216,8 @@ class Trajectory:
     def on_layers(self, layers: tuple[int, ...] | None, where: str = "Trajectory") -> Trajectory:
         """Itself, or a copy with routes cut to decoder layers ``layers`` (None: as it is);
         ``ValueError`` naming ``where`` for routes on another layer set."""
-        routes, have = self.routed_experts, self.route_layers
+        routes = self.routed_experts
+        have = self.route_layers
         if layers is None or routes is None or have == layers:
             return self
         if have is not None or layers[-1] >= routes.shape[1]:
@@ -277,7 +287,8 @@ def route_signature(
 ) -> tuple[tuple[int, int] | None, tuple[int, ...] | None]:
     """The one ``(route_schema, route_layers)`` of routed trajectories (``ValueError`` naming ``where``)."""
     routed = [t for t in trajectories if t.routed_experts is not None]
-    schemas, layer_sets = {t.route_schema for t in routed}, {t.route_layers for t in routed}
+    schemas = {t.route_schema for t in routed}
+    layer_sets = {t.route_layers for t in routed}
     if len(schemas) > 1 or len(layer_sets) > 1:
         raise ValueError(
             f"{where} have different route schemas (num_layers, top_k) or route_layers: "

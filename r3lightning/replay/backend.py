@@ -149,7 +149,9 @@ def validate_routes_for_install(
         TypeError: ``routes`` is not an integer tensor.
         ValueError: A shape, a layer list or an id is wrong.
     """
-    L, K, num_experts = backend.num_layers, backend.top_k, backend.num_experts
+    L = backend.num_layers
+    K = backend.top_k
+    num_experts = backend.num_experts
     columns = route_columns(backend, layers)
     if not isinstance(routes, Tensor) or routes.is_floating_point() or routes.dtype == torch.bool:
         raise TypeError(f"routes must be an integer tensor, got {getattr(routes, 'dtype', type(routes))}")
@@ -171,7 +173,8 @@ def validate_routes_for_install(
         if replay_mask is not None:
             used = used[replay_mask]
         if used.numel():
-            low, high = int(used.min()), int(used.max())
+            low = int(used.min())
+            high = int(used.max())
             if low < 0 or high >= num_experts:
                 got = f"routes hold expert ids in [{low}, {high}] on replayed MoE layers"
                 raise ValueError(f"{got}; expected ids in [0, {num_experts - 1}]")

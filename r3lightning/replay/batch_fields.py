@@ -28,6 +28,7 @@ def host_attention_mask(batch: Any) -> Tensor:
         raise ValueError("RouterReplayCallback needs batch.attention_mask ([B, S] bool, left-padded)")
     lengths_host = getattr(batch, "lengths_host", None)
     if callable(lengths_host):
-        lengths, width = lengths_host()[0], attention_mask.shape[1]
+        lengths = lengths_host()[0]
+        width = attention_mask.shape[1]
         return torch.arange(width)[None, :] >= (width - lengths)[:, None]
     return attention_mask.detach().cpu()

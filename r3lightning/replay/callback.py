@@ -31,8 +31,43 @@ _CALLBACK_MOVED = {
 
 
 class RouterReplayCallback(Callback):
-    """Install aligned routes before each training forward; clear them after. The options: the docs'
-    "Modes" page; ``validate_routes`` costs host syncs, ``sync_dist`` one ``all_reduce`` per step."""
+    """Replays each training batch's routes in the model's routers, and measures how well they agree.
+
+    Before each training forward it lays the batch's ``routed_experts`` out as the model sees its
+    tokens (padding, packing, tensor / context / sequence parallel shards), installs them into the
+    backend, and clears them after the step and on any exception: validation, test and predict
+    never see stale routes. Layer-sliced routes (``batch.route_layers``) are installed as they are,
+    each column into its layer's router. ``callback.micro_batch(mb)`` replays a micro-batch's own
+    rows; ``callback.old_policy_forward(mb)`` records them for r2.
+
+    Cost per step: one page-locked host-to-device copy of the aligned routes and mask, no host sync
+    (unless ``validate_routes``), and one ``all_reduce`` of the counts with ``sync_dist``.
+
+    Args:
+        backend: ``"hf"`` or None: a Hugging Face backend over the module's routers (or those of its
+            ``model_attr`` submodule), built at each ``on_fit_start``; ``"megatron"``: a megatron-core
+            backend, built the same way; or a backend object (``RouterReplayBackend``).
+        mode: ``"r3"``: replay the routes the rollout engine used; ``"r2"``: replay the routes the
+            trainer's own old-policy forward recorded (engines that return none); ``"off"``: route
+            natively and only measure the agreement with the batch's routes.
+        strict: Raise instead of routing natively when a batch has no routes, or when a routed
+            forward runs with nothing installed. False warns once per mode and counts
+            ``router_replay/batches_without_routes`` (checkpointed).
+        log_agreement: Log the ``router_replay/`` metrics (True), also per layer (``"per_layer"``),
+            or not (False).
+        validate_routes: Check the expert ids on every install (host syncs). None: off for a
+            backend the callback builds; a backend object keeps its own ``validate`` flag.
+        layout_fn: ``attention_mask [B, S] -> TokenMetadataLayout``, the layout the model is fed.
+            None: the backend's ``build_layout``, else the padded batch.
+        model_attr: The submodule of the LightningModule that holds the routers (None: the module).
+        sync_dist: Sum the counts over data-parallel ranks before taking the ratios (one
+            ``all_reduce`` per step), so every rank logs the global ratio.
+
+    Raises:
+        ValueError: An unknown ``mode``, ``log_agreement`` or ``backend``, or ``validate_routes``
+            for a backend object without a ``validate`` flag.
+        TypeError: A keyword of 0.1 (the message names its replacement).
+    """
 
     @refuse_moved_keywords(_CALLBACK_MOVED)
     def __init__(
@@ -53,9 +88,14 @@ class RouterReplayCallback(Callback):
             raise ValueError(f"log_agreement must be true, false or 'per_layer', got {log_agreement!r}")
         if not (backend is None or backend in ("hf", "megatron") or isinstance(backend, RouterReplayBackend)):
             raise ValueError(f"backend must be None, 'hf', 'megatron' or a backend object, got {backend!r}")
-        self.mode, self._backend_spec = mode, backend
-        self.strict, self.log_agreement, self.validate_routes = strict, bool(log_agreement), validate_routes
-        self.layout_fn, self.model_attr, self.sync_dist = layout_fn, model_attr, sync_dist
+        self.mode = mode
+        self._backend_spec = backend
+        self.strict = strict
+        self.log_agreement = bool(log_agreement)
+        self.validate_routes = validate_routes
+        self.layout_fn = layout_fn
+        self.model_attr = model_attr
+        self.sync_dist = sync_dist
         self.backend = backend if isinstance(backend, RouterReplayBackend) else None
         if self.backend is not None and validate_routes is not None:
             if not hasattr(self.backend, "validate"):
@@ -88,7 +128,8 @@ class RouterReplayCallback(Callback):
 
     def _ensure_backend(self, pl_module: pl.LightningModule) -> RouterReplayBackend:
         if self.backend is None:
-            module, validate = self._routed_module(pl_module), bool(self.validate_routes)
+            module = self._routed_module(pl_module)
+            validate = bool(self.validate_routes)
             if self._backend_spec == "megatron":
                 from r3lightning.replay.megatron.replay import MegatronRouterReplay
 
@@ -166,7 +207,9 @@ class RouterReplayCallback(Callback):
     ) -> None:
         backend = self._ensure_backend(pl_module)
         self._clear()
-        self._in_step, self._batch, self._r2 = True, batch, modes.OldPolicyRecorder(batch)
+        self._in_step = True
+        self._batch = batch
+        self._r2 = modes.OldPolicyRecorder(batch)
         self._metrics.start(backend, batch)
         mode_cls = modes.Comparing if self.mode == "off" else modes.Replaying
         self._mode = mode_cls(backend, self._metrics if self.log_agreement else None)
@@ -183,7 +226,7 @@ class RouterReplayCallback(Callback):
     def _set_step(self, install: modes.Install) -> None:
         self._step = install
         if not self._in_micro:
-            self._mode.use(install)  # type: ignore[union-attr]
+            self._in_step_mode().use(install)
         if self.log_agreement and self.mode != "off":
             self._metrics.count_native_loss_tokens(install.layout, install.mask, self._batch)
 
@@ -220,14 +263,16 @@ class RouterReplayCallback(Callback):
         install = None if routes is None else self._prepare(routes, sub_batch)
         if routes is None and self.mode == "r3" and self._step is not None:
             self._missing(self.mode, "a micro-batch of a batch with routes has no routed_experts")
-        self._in_micro, self._micro = True, install
-        self._mode.use(install)  # type: ignore[union-attr]
+        self._in_micro = True
+        self._micro = install
+        self._in_step_mode().use(install)
         try:
             yield None if install is None else install.layout
         finally:
-            self._in_micro, self._micro = False, None
+            self._in_micro = False
+            self._micro = None
             if self._in_step:  # an exception may already have cleared the step
-                self._mode.use(self._step)  # type: ignore[union-attr]
+                self._in_step_mode().use(self._step)
 
     @contextmanager
     def old_policy_forward(self, batch: Any) -> Iterator[None]:
@@ -249,14 +294,20 @@ class RouterReplayCallback(Callback):
         install = modes.Install(layout, *self.align_routes(packed, layout, self._r2.layers), self._r2.layers)
         if self._in_micro:
             self._micro = install
-            self._mode.use(install)  # type: ignore[union-attr]
+            self._in_step_mode().use(install)
         step_routes = None if self._step is not None else self._r2.routes_of(self._batch)
         if step_routes is not None:  # every row of the step's batch is recorded now
             self._set_step(install if batch is self._batch else self._prepare(step_routes, self._batch))
+
+    def _in_step_mode(self) -> modes.Replaying:
+        """The mode of the step in progress (set by ``on_train_batch_start``)."""
+        if self._mode is None:
+            raise RuntimeError("RouterReplayCallback: no training step in progress")
+        return self._mode
 
     def routing_counts(self) -> dict[str, Tensor] | None:
         """This step's counts so far (:data:`~r3lightning.replay.metrics.COUNT_KEYS`), int64
         ``[len(moe_layers)]`` each on device, no sync; None outside a step or without metrics."""
         if not self._in_step or self._mode is None or not self.log_agreement:
             return None
-        return dict(zip(COUNT_KEYS, self._mode.table().unbind(0), strict=True))  # type: ignore[union-attr]
+        return dict(zip(COUNT_KEYS, self._in_step_mode().table().unbind(0), strict=True))

@@ -30,7 +30,16 @@ class RouteRecording:
 
 @contextmanager
 def record_routes(model_or_backend: nn.Module | RouterReplayBackend) -> Iterator[RouteRecording]:
-    """Record the experts the block's forwards use into ``rec.routes``; an exception clears everything."""
+    """Records the experts the block's forwards use.
+
+    Args:
+        model_or_backend: The MoE model or its backend.
+
+    Yields:
+        A recording whose ``routes`` are set when the block ends: int32 ``[*token_shape,
+        num_layers, top_k]`` on the routers' device (several forwards joined along the last token
+        axis), no host sync. An exception clears the backend instead.
+    """
     backend = as_backend(model_or_backend)
     recording = RouteRecording()
     backend.start_recording()

@@ -31,7 +31,8 @@ def expert_load_stats(
         got = f"{values.dtype} {tuple(values.shape)}"
         raise ValueError(f"routes must be an integer [rows, num_layers, top_k] tensor, got {got}")
     check_int("num_experts", num_experts)
-    (_, n, top_k), device = values.shape, values.device
+    _, n, top_k = values.shape
+    device = values.device
     held = list(range(n)) if route_layers is None else list(route_layers)  # of each column
     chosen = held if moe_layers is None else [int(layer) for layer in moe_layers]
     if any(layer not in held for layer in chosen):
@@ -49,7 +50,9 @@ def expert_load_stats(
         counts = torch.stack([counts[held.index(layer)] for layer in chosen]) if chosen else counts[:0]
     layers = torch.tensor(chosen, dtype=torch.int64)  # host
     slots = counts.sum(-1)  # [L]
-    tokens, max_over_mean = slots / top_k, counts.amax(-1) / (slots / num_experts)  # NaN without slots
+    # NaN without slots
+    tokens = slots / top_k
+    max_over_mean = counts.amax(-1) / (slots / num_experts)
     p = counts / slots.unsqueeze(-1)
     entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts) if num_experts > 1 else p.sum(-1)
     entropy = torch.where(slots > 0, entropy, torch.full_like(entropy, float("nan")))
@@ -73,9 +76,12 @@ class ExpertLoadMonitor(Callback):
         check_int("every_n_steps", every_n_steps)
         if num_experts is not None:
             check_int("num_experts", num_experts)
-        self.num_experts, self.every_n_steps, self.log_per_layer = num_experts, every_n_steps, log_per_layer
+        self.num_experts = num_experts
+        self.every_n_steps = every_n_steps
+        self.log_per_layer = log_per_layer
         self.moe_layers = None if moe_layers is None else tuple(int(layer) for layer in moe_layers)
-        self.prefix, self.sync_dist = prefix, sync_dist
+        self.prefix = prefix
+        self.sync_dist = sync_dist
         self._last_step: int | None = None
         self._pending: tuple[int, list[str], Tensor] | None = None  # (step, names, values [M])
 

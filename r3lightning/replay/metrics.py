@@ -51,7 +51,8 @@ def step_metrics(
     rows); ``soft``: with ``soft_kept_fraction``, the share of replayed slots soft replay kept."""
     route_rows, replayed_rows, native_hits, used_hits, kept_slots = table
     rows = route_rows.sum()
-    replayed, slots = torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0), rows * top_k
+    replayed = torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0)
+    slots = rows * top_k
     metrics = {"replayed_fraction": replayed, "native_agreement": native_hits.sum() / slots}
     metrics["used_agreement"] = used_hits.sum() / slots
     if soft:
@@ -68,7 +69,8 @@ class ReplayMetrics:
     """One training step's counts on device and their logging (``sync_dist``: one ``all_reduce``)."""
 
     def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
-        self.per_layer, self.sync_dist = per_layer, sync_dist
+        self.per_layer = per_layer
+        self.sync_dist = sync_dist
         self.backend: RouterReplayBackend | None = None
         self.device = torch.device("cpu")
         self._layers: tuple[int, ...] | None = None  # MoE layers of any rank, gathered once per fit
@@ -83,7 +85,8 @@ class ReplayMetrics:
     def start(self, backend: RouterReplayBackend, batch: Any) -> None:
         """Open a step of ``backend`` on ``batch`` (the counts live on its ``input_ids``' device)."""
         if backend is not self.backend:
-            self.backend, self._index = backend, None
+            self.backend = backend
+            self._index = None
         ids = batch_field(batch, "input_ids")
         self.device = ids.device if isinstance(ids, Tensor) else torch.device("cpu")
         self._table = self._native_loss_tokens = self._missing_rows = None
@@ -110,7 +113,9 @@ class ReplayMetrics:
         """The replaying backend's stats since its last clear as counts ``[COUNTS, moe_layers]``."""
         assert self.backend is not None
         stats = self.backend.routing_stats()
-        replayed, native, used = stats["replayed_rows"], stats["agreeing_slots"], stats.get("used_slots")
+        replayed = stats["replayed_rows"]
+        native = stats["agreeing_slots"]
+        used = stats.get("used_slots")
         used = replayed * self.backend.top_k if used is None else used
         kept = stats.get("kept_slots", torch.zeros_like(replayed))
         counts = (replayed, replayed, native, used, kept)
@@ -138,7 +143,8 @@ class ReplayMetrics:
 
     def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
         """Log the ratios of ``local``, and ``missing`` with ``native_loss_tokens`` unless None (off mode)."""
-        backend, device = self.backend, self.device
+        backend = self.backend
+        device = self.device
         assert backend is not None
         # [COUNTS, num_layers] by absolute layer (pipeline stages hold different layers), then 3 scalars
         size = COUNTS * backend.num_layers

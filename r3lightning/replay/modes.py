@@ -95,7 +95,9 @@ class Replaying:
     """r3 / r2: the forwards replay the active install, or route natively without one."""
 
     def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
-        self.backend, self.metrics, self.installed_any = backend, metrics, False
+        self.backend = backend
+        self.metrics = metrics
+        self.installed_any = False
 
     def use(self, install: Install | None) -> None:
         if install is not None:
@@ -119,7 +121,8 @@ class Comparing(Replaying):
     def use(self, install: Install | None) -> None:
         if self.metrics is None:
             return
-        opened, self._open = self._open, install
+        opened = self._open
+        self._open = install
         if opened is not None:
             try:
                 used = self.backend.stop_recording()  # [*token_shape', L, K]
@@ -172,7 +175,8 @@ class OldPolicyRecorder:
     ) -> PackedTensor:
         """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory; set on ``batch``, kept."""
         if tuple(recorded.shape[:-2]) != layout.token_shape:
-            got, expected = tuple(recorded.shape[:-2]), layout.token_shape
+            got = tuple(recorded.shape[:-2])
+            expected = layout.token_shape
             raise ValueError(f"old_policy_forward recorded token shape {got}, expected {expected}")
         if layout.cp_size != 1:
             raise ValueError("r2 needs the whole sequence on each rank: context parallelism is not supported")
@@ -193,7 +197,9 @@ class MissingRoutes:
     """Steps with routes expected but none replayed: counted per step, warned once per mode or raised."""
 
     def __init__(self, strict: bool) -> None:
-        self.strict, self.count, self.counted_step = strict, 0, False
+        self.strict = strict
+        self.count = 0
+        self.counted_step = False
         self.warned: set[str] = set()
 
     def __call__(self, mode: str, reason: str) -> None:
@@ -213,9 +219,11 @@ class MissingRoutes:
         return {"batches_without_routes": self.count, "warned": sorted(self.warned)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        count, warned = state.get("batches_without_routes", 0), state.get("warned", [])
+        count = state.get("batches_without_routes", 0)
+        warned = state.get("warned", [])
         check_int("RouterReplayCallback state: batches_without_routes", count, 0)
         if not isinstance(warned, list | tuple) or not set(warned) <= {"r3", "r2"}:
             expected = "warned must be a list of 'r3' / 'r2'"
             raise ValueError(f"RouterReplayCallback state: {expected}, got {warned!r}")
-        self.count, self.warned = count, set(warned)
+        self.count = count
+        self.warned = set(warned)

@@ -90,8 +90,12 @@ class RolloutWorker:
                 f"max_staleness={config.max_staleness} lets {config.ahead} steps wait, but the buffer's "
                 f"ahead is {buffer.ahead}: StreamingReplayBuffer(ahead={config.ahead})"
             )
-        self.collector, self.prompts_for_step, self.buffer = collector, prompts_for_step, buffer
-        self.steps, self.config, self.summarize = steps, config, summarize
+        self.collector = collector
+        self.prompts_for_step = prompts_for_step
+        self.buffer = buffer
+        self.steps = steps
+        self.config = config
+        self.summarize = summarize
         self.served = served or (lambda step: None)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -109,7 +113,8 @@ class RolloutWorker:
     def stop(self) -> None:
         """Cancel the step in progress (its rollouts are dropped), wake every wait, join; idempotent."""
         self.buffer.close()
-        loop, task = self._loop, self._task
+        loop = self._loop
+        task = self._task
         if loop is not None and task is not None:
             with contextlib.suppress(RuntimeError):  # the loop already closed
                 loop.call_soon_threadsafe(task.cancel)
@@ -132,7 +137,8 @@ class RolloutWorker:
             loop.close()
 
     async def _produce(self) -> None:
-        buffer, staleness = self.buffer, self.config.max_staleness
+        buffer = self.buffer
+        staleness = self.config.max_staleness
         if not await asyncio.to_thread(buffer.wait_for_request, lambda requested: True):
             return  # closed before the trainer asked for anything
         step = buffer.next_put  # after a restore: past the steps that wait in the state

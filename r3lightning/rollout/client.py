@@ -73,24 +73,47 @@ def _server_message(text: str) -> str:
 
 
 # 0.1 keywords -> where they went in 0.2
-_SCHEMA, _RETRY = "schema=RouteSchema({}=) (r3lightning.wire.request)", "retry=RetryPolicy({}=)"
+_SCHEMA = "schema=RouteSchema({}=) (r3lightning.wire.request)"
+_RETRY = "retry=RetryPolicy({}=)"
 _CLIENT_MOVED = {name: _SCHEMA.format(name) for name in ("num_layers", "top_k", "num_experts")}
 _CLIENT_MOVED |= {
     "max_route_bytes": _SCHEMA.format("max_bytes"),
     "check_unique_experts": _SCHEMA.format("check_unique"),
 }
-_CLIENT_MOVED |= {name: _RETRY.format(name) for name in ("max_attempts", "backoff", "timeout_s", "connect_timeout_s",
-                                                        "health_timeout_s")}  # fmt: skip
-_CLIENT_MOVED |= {name: f"the class attribute RemoteGenerateClient.{name}" for name in ("max_connections",
-                  "decode_in_thread_bytes")}  # fmt: skip
+_CLIENT_MOVED |= {
+    name: _RETRY.format(name)
+    for name in ("max_attempts", "backoff", "timeout_s", "connect_timeout_s", "health_timeout_s")
+}
+_CLIENT_MOVED |= {
+    name: f"the class attribute RemoteGenerateClient.{name}"
+    for name in ("max_connections", "decode_in_thread_bytes")
+}
 
 
 class RemoteGenerateClient:
-    """Client for one rollout engine, shared by the tasks of one event loop at a time (a second,
-    running loop: ``RuntimeError``; give each thread its own, e.g. a pickled copy, as pickling
-    drops the aiohttp session). ``schema``: a ``RouteSchema`` or a model config (SGLang needs
-    ``num_layers`` and ``top_k``). ``engine``: ``openai``'s route fields of vLLM or SGLang only.
-    Set :attr:`max_connections` and :attr:`decode_in_thread_bytes` before the first request."""
+    """Client for one rollout engine: generate requests with routes, retries and health probes.
+
+    Shared by the tasks of one event loop at a time (a second, running loop raises
+    ``RuntimeError``; give each thread its own, e.g. a pickled copy, as pickling drops the aiohttp
+    session). Set :attr:`max_connections` and :attr:`decode_in_thread_bytes` before the first
+    request. Routes are decoded on the host into a compact integer dtype; no device work.
+
+    Args:
+        base_url: The engine's ``http://`` or ``https://`` URL.
+        protocol: The wire protocol (``skyrl``, ``vllm``, ``sglang`` or ``openai``; the protocols page).
+        schema: A ``RouteSchema`` or the model's config: how routes are checked and cut
+            (``layers``); SGLang needs ``num_layers`` and ``top_k``. None: routes unchecked.
+        retry: Attempts, backoff, timeouts and health probing (default: ``RetryPolicy()``).
+        api_key: Sent as a bearer token.
+        model: The model name of ``openai`` requests.
+        engine: Which engine's route fields an ``openai`` response carries (``vllm`` or ``sglang``).
+        max_response_bytes: Larger response bodies are refused while they stream.
+
+    Raises:
+        ValueError: An unknown protocol or engine, a URL without a scheme, or a bad size.
+        TypeError: ``retry`` is not a ``RetryPolicy``, or a keyword of 0.1 (named with its
+            replacement).
+    """
 
     max_connections: int = 256
     decode_in_thread_bytes: int = 1 << 20  # larger bodies are parsed off the event loop
@@ -122,7 +145,10 @@ class RemoteGenerateClient:
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be a RetryPolicy, got {type(retry).__name__}")
         self.base_url = base_url.rstrip("/")
-        self.protocol, self.model, self.api_key, self.engine = protocol, model, api_key, engine
+        self.protocol = protocol
+        self.model = model
+        self.api_key = api_key
+        self.engine = engine
         self.retry = retry if retry is not None else RetryPolicy()
         self.max_response_bytes = max_response_bytes
         self.routes = RouteSchema() if schema is None else route_schema(schema)
@@ -150,13 +176,15 @@ class RemoteGenerateClient:
             connector = aiohttp.TCPConnector(limit=self.max_connections + 1)
             self._session = aiohttp.ClientSession(connector=connector)
             self._slots = asyncio.Semaphore(self.max_connections)
-            self._loop, self._thread = loop, threading.current_thread().name
+            self._loop = loop
+            self._thread = threading.current_thread().name
         return self._session, self._slots
 
     def _abandon_session(self) -> None:
         """Let go of a session bound to another event loop: a running one closes it; a stopped one's
         sockets cannot be closed from here (close the client before its loop ends)."""
-        session, loop = self._session, self._loop
+        session = self._session
+        loop = self._loop
         self._session = self._slots = self._loop = None
         self._watch.reset()
         if session is None or session.closed or loop is None:
@@ -169,7 +197,10 @@ class RemoteGenerateClient:
     async def close(self) -> None:
         """Close the HTTP session (a later call opens a new one)."""
         if self._session is not None and self._loop is asyncio.get_running_loop():
-            session, self._session, self._slots, self._loop = self._session, None, None, None
+            session = self._session
+            self._session = None
+            self._slots = None
+            self._loop = None
             self._watch.cancel()
             await session.close()
         else:
@@ -267,7 +298,8 @@ class RemoteGenerateClient:
     async def _probe(self) -> int | None:
         """The status ``GET /health`` answers within ``retry.health_timeout_s``; None if none."""
         session, _ = self._session_for_running_loop()
-        url, timeout = f"{self.base_url}/health", aiohttp.ClientTimeout(total=self.retry.health_timeout_s)
+        url = f"{self.base_url}/health"
+        timeout = aiohttp.ClientTimeout(total=self.retry.health_timeout_s)
         try:
             async with session.get(url, headers=self._headers(None), timeout=timeout) as answer:
                 await answer.read()

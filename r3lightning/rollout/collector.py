@@ -216,7 +216,8 @@ class RolloutCollector:
         check_setting("step", step, low=0, integer=True)
         check_setting("weight_version", weight_version, low=0, integer=True, optional=True)
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
-        group, distributed = self.process_group, dist.is_available() and dist.is_initialized()
+        group = self.process_group
+        distributed = dist.is_available() and dist.is_initialized()
         rank = dist.get_rank(group) if distributed else 0
         world = dist.get_world_size(group) if distributed else 1
         mine = self.assigned_groups(len(items), rank, world)
@@ -231,7 +232,8 @@ class RolloutCollector:
             if world == 1:
                 raise
             error = exc
-        seconds, failed = time.perf_counter() - start, error is not None
+        seconds = time.perf_counter() - start
+        failed = error is not None
         stats = reduce_step_stats(
             step, len(items), trajectories, counters, seconds, failed, world_size=world, group=group
         )
@@ -259,6 +261,7 @@ class RolloutCollector:
             total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
+        dropped: dict[int, Exception] = {}  # group -> the error that dropped it
 
         async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
             seed = sampling_seed(self.config.seed, step, group, index, turn)
@@ -295,16 +298,17 @@ class RolloutCollector:
                 return result
 
         async def sample(group: int, index: int) -> Episode:
-            prompt, where = prompts[group], f"group {group} sample {index} of step {step}"
+            prompt = prompts[group]
+            where = f"group {group} sample {index} of step {step}"
             if envs is None:
                 start = 0 if self.config.request_routes else None
                 result = await generate(group, index, prompt.token_ids, 0, start)
                 reward = score_value(await self._call(self.reward_fn, prompt, result.response_ids), where)
                 episode = single_turn(prompt, result, reward, self._trace())
             else:
-                settings = {"max_turns": envs.max_turns, "trace": self._trace(), "call": self._call}
+                opts = {"max_turns": envs.max_turns, "trace": self._trace(), "timeout_s": envs.timeout_s}
                 run = functools.partial(generate, group, index)
-                episode = await run_episode(envs.make(), prompt, run, where=where, **settings)
+                episode = await run_episode(envs.make(), prompt, run, call=self._call, where=where, **opts)
             bar.update(1)
             return episode
 
@@ -318,8 +322,6 @@ class RolloutCollector:
                 dropped[group] = exc
                 logger.warning("group %d of step %d dropped: %s", group, step, exc)
                 return []
-
-        dropped: dict[int, Exception] = {}
 
         try:
             kept = await _gather_or_cancel(whole_group(g) for g in groups)

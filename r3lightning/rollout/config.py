@@ -38,9 +38,22 @@ class Backoff:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How a client retries one engine and notices that it hung (the configuration page has each
-    field): ``health_failures`` failed ``/health`` probes in a row, one every ``health_interval_s``
-    (None: never) while requests wait, end them with ``RetriesExhaustedError`` at once."""
+    """How a client retries one engine and notices that it hung.
+
+    Args:
+        max_attempts: Attempts per generate call (retryable errors: connection errors, timeouts,
+            408 / 429 / 5xx, cut-off bodies).
+        backoff: The delay between attempts.
+        timeout_s: One generate attempt's limit, in seconds (finite: a hung engine is given up on).
+        connect_timeout_s: The limit on opening a connection.
+        health_timeout_s: One ``/health`` probe's limit.
+        health_interval_s: While requests wait, probe ``/health`` this often (None: never).
+        health_failures: Failed probes in a row that declare the engine hung: its waiting requests
+            end at once with ``RetriesExhaustedError``.
+
+    Raises:
+        ValueError: A field of the wrong type, out of range or not finite.
+    """
 
     max_attempts: int = 5
     backoff: Backoff = field(default_factory=Backoff)
@@ -69,8 +82,21 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class CollectorConfig:
-    """How a :class:`~r3lightning.rollout.collector.RolloutCollector` gathers one RL step (the
-    configuration page has each field): ``group_size`` samples per prompt, a GRPO group."""
+    """How a :class:`~r3lightning.rollout.collector.RolloutCollector` gathers one RL step.
+
+    Args:
+        group_size: Samples per prompt (a group, at least 2), kept whole on one rank and engine.
+        seed: Every sample's sampling seed is a function of it, the step, the group and the sample.
+        protocol: The wire protocol of engines given as URLs (``skyrl``, ``vllm``, ``sglang``, ``openai``).
+        request_routes: Ask the engines for routes (needs the route schema).
+        max_in_flight: This rank's requests in flight over all engines.
+        reward_threads: Run plain reward functions and environments in a thread pool of this size
+            (0: on the event loop).
+        progress: Show a progress bar on rank zero.
+
+    Raises:
+        ValueError: A field of the wrong type or out of range (the message names it).
+    """
 
     group_size: int
     seed: int = 0

@@ -54,13 +54,27 @@ def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> funct
 @dataclass(frozen=True)
 class Environments:
     """Multi-turn rollouts for a :class:`~r3lightning.rollout.collector.RolloutCollector`, passed
-    where its ``reward_fn`` goes: ``make()`` builds one environment per trajectory (a class or a
-    ``functools.partial``), which runs at most ``max_turns`` generations."""
+    where its ``reward_fn`` goes.
+
+    Args:
+        make: Builds one environment per trajectory (a class or a ``functools.partial``).
+        max_turns: The most generations an episode runs.
+        timeout_s: How long one ``reset()`` or ``step()`` (sync or async) may take; past it the
+            trajectory fails with a ``TimeoutError`` and its whole group is dropped and counted
+            (``dropped_groups``), as any failing environment's. A sync method then runs in a daemon
+            thread (one that never returns is left behind). None: unbounded, called as it is.
+
+    Raises:
+        TypeError: ``make`` is not callable.
+        ValueError: ``max_turns`` is not an int >= 1, or ``timeout_s`` is not a number > 0.
+    """
 
     make: Callable[[], Environment]
     max_turns: int = 1
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.make):
             raise TypeError(f"Environments.make must build an environment, got {self.make!r}")
         check_setting("Environments.max_turns", self.max_turns, low=1, integer=True)
+        check_setting("Environments.timeout_s", self.timeout_s, low=0, above=True, optional=True)

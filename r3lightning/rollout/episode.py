@@ -3,6 +3,8 @@ multi-turn page has the row arithmetic). Observation tokens get loss mask 0 and 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import inspect
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -19,6 +21,7 @@ from r3lightning.rollout.prompts import (
     RolloutPrompt,
     as_messages,
     chat_prompt_ids,
+    in_daemon_thread,
     score_value,
     token_id_list,
 )
@@ -43,7 +46,6 @@ class Episode:
     route_bytes: list[int] = field(default_factory=list)  # [turns] route payload bytes received
     routes: Tensor | None = None  # [n - 1, L, K] (L: the layers kept)
     weight_version: int | None = None  # the oldest engine weight version of its turns
-    missing_route_rows: int = 0  # route rows its engine lost (marked -1)
 
     @property
     def reward(self) -> float:
@@ -53,7 +55,7 @@ class Episode:
         self, advantage: float, route_layers: tuple[int, ...] | None = None, *, drop_missing: bool = False
     ) -> Trajectory:
         """Its ``Trajectory``; ``drop_missing``: out of the loss (loss mask 0) if a route row is missing."""
-        dropped = drop_missing and self.missing_route_rows > 0
+        dropped = drop_missing and self.routes is not None and bool((self.routes < 0).any())  # -1: missing
         return Trajectory(
             self.prompt_ids,
             self.response_ids,
@@ -77,11 +79,11 @@ class Episode:
 
     def record(self, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult) -> list[int]:
         """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""
-        response, routes = [int(t) for t in result.response_ids], result.routed_experts
+        response = [int(t) for t in result.response_ids]
+        routes = result.routed_experts
         if trace is not None:
             trace.record_generation(prefix, len(response), routes)
         self.route_bytes.append(0 if routes is None else int(routes.nbytes))
-        self.missing_route_rows += result.missing_route_rows
         version = result.weight_version
         if version is not None:  # the oldest: the staleness bound holds for every turn
             self.weight_version = (
@@ -102,6 +104,26 @@ async def plain_call(fn: Callable[..., Any], *args: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+async def bounded_call(timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` (an environment's ``reset`` or ``step``, sync or async) within ``timeout_s``,
+    else a ``TimeoutError`` naming it. A sync call runs in a daemon thread, so a hang cannot hold
+    the event loop; an async one is cancelled."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    try:
+        if inspect.iscoroutinefunction(fn):
+            value = fn(*args)
+        else:
+            thread = in_daemon_thread(fn, *args, name="r3-environment")
+            value = await asyncio.wait_for(asyncio.wrap_future(thread), timeout_s)
+        if inspect.isawaitable(value):
+            value = await asyncio.wait_for(value, max(deadline - loop.time(), 0.0))
+    except TimeoutError:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise TimeoutError(f"{name}() did not return within {timeout_s:g} s (env_timeout_s)") from None
+    return value
+
+
 async def run_episode(
     env: Environment,
     prompt: RolloutPrompt,
@@ -111,10 +133,14 @@ async def run_episode(
     trace: RoutedExpertTrace | None,
     call: Call = plain_call,
     where: str = "trajectory",
+    timeout_s: float | None = None,
 ) -> Episode:
     """Run one trajectory of ``env`` from ``prompt`` (``trace`` None: no routes requested);
-    ``call(method, *args)`` runs an environment method. Host-side only; one request per turn; a
-    failure (engine, environment, routes) raises and leaves the trace unfinished."""
+    ``call(method, *args)`` runs an environment method, or :func:`bounded_call` within
+    ``timeout_s`` when given. Host-side only; one request per turn; a failure (engine,
+    environment, routes, a timeout) raises and leaves the trace unfinished."""
+    if timeout_s is not None:
+        call = functools.partial(bounded_call, timeout_s)
     episode = Episode(_token_ids(env, await call(env.reset, prompt), f"{where}: reset()"))
     if not episode.prompt_ids:
         raise ValueError(f"{where}: reset() must return a first observation of at least one token")

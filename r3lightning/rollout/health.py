@@ -24,7 +24,8 @@ class HealthWatch:
     on until :meth:`reset`. Cost: one small request per interval per engine, only while attempts wait."""
 
     def __init__(self, probe: Callable[[], Awaitable[int | None]], policy: RetryPolicy) -> None:
-        self.probe, self.policy = probe, policy
+        self.probe = probe
+        self.policy = policy
         self.reset()
 
     def reset(self) -> None:

@@ -68,8 +68,17 @@ def token_id_list(values: Any, what: str, *, allow_empty: bool = False) -> list[
 
 @dataclass
 class RolloutPrompt:
-    """One prompt (``token_ids``) and what its reward needs: ``data_source``, ``ground_truth`` and
-    ``extra_info`` (verl's dataset fields), passed to the reward untouched."""
+    """One prompt and what its reward needs.
+
+    Args:
+        token_ids: The prompt's token ids (non-empty, non-negative ints).
+        data_source: verl's dataset field, passed to the reward untouched.
+        ground_truth: verl's dataset field, passed to the reward untouched.
+        extra_info: verl's dataset field, passed to the reward untouched.
+
+    Raises:
+        ValueError: ``token_ids`` is empty or holds something other than non-negative ints.
+    """
 
     token_ids: list[int]
     data_source: str | None = None
@@ -87,8 +96,20 @@ def _is_int(value: Any) -> bool:
 @dataclass(frozen=True)
 class SamplingConfig:
     """Sampling settings of every request, spelled per protocol by
-    :func:`~r3lightning.wire.request.engine_sampling_params` (``extra`` merged in as is).
-    ``top_k`` -1 (or 0) and ``top_p`` 1 disable those filters; ``temperature`` 0 is greedy."""
+    :func:`~r3lightning.wire.request.engine_sampling_params`.
+
+    Args:
+        temperature: 0 is greedy.
+        top_p: In ``(0, 1]``; 1 disables the filter.
+        top_k: -1 or 0 disables the filter.
+        max_new_tokens: The longest response.
+        ignore_eos: Keep sampling past an end-of-sequence token.
+        stop_token_ids: Ids that also end a response (e.g. a chat template's end of turn).
+        extra: Engine-specific parameters, merged in as they are.
+
+    Raises:
+        ValueError: A field of the wrong type or out of range (the message names it).
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -174,20 +195,28 @@ def callable_name(fn: Any) -> str:
 _TIMED_OUT = object()
 
 
-def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -> Any:
-    """``fn(*args)``, or ``_TIMED_OUT`` after ``timeout_s`` (None: called inline). A bounded call
-    runs in a fresh daemon thread (~0.1 ms to start): one that never returns is left behind."""
-    if timeout_s is None:
-        return fn(*args)
+def in_daemon_thread(fn: Callable[..., Any], *args: Any, name: str = "r3-reward") -> futures.Future:
+    """``fn(*args)`` started in a fresh daemon thread (~0.1 ms to start), as a future: a caller can
+    stop waiting for it, and a call that never returns is left behind without blocking the exit."""
     done: futures.Future = futures.Future()
 
     def run() -> None:
+        if not done.set_running_or_notify_cancel():  # running: a caller that gives up cannot cancel it
+            return
         try:
             done.set_result(fn(*args))
         except BaseException as exc:  # handed to the caller
             done.set_exception(exc)
 
-    threading.Thread(target=run, daemon=True, name="r3-reward").start()
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return done
+
+
+def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -> Any:
+    """``fn(*args)``, or ``_TIMED_OUT`` after ``timeout_s`` (None: called inline), in a daemon thread."""
+    if timeout_s is None:
+        return fn(*args)
+    done = in_daemon_thread(fn, *args)
     if not futures.wait([done], timeout_s).done:
         return _TIMED_OUT
     return done.result()
@@ -210,11 +239,15 @@ class GuardedReward:
     ) -> None:
         if timeout_s is not None and (isinstance(timeout_s, bool) or (_real(timeout_s) or 0) <= 0):
             raise ValueError(f"timeout_s must be a number > 0 or None, got {timeout_s!r}")
-        self.score, self.timeout_s, self.errors_score_zero = score, timeout_s, errors_score_zero
+        self.score = score
+        self.timeout_s = timeout_s
+        self.errors_score_zero = errors_score_zero
         self.name = name or callable_name(score)
         self._lock = threading.Lock()
         # since pop_metrics: responses scored, sums of their extra entries, zeros of each kind
-        self._count, self._sums, self._zeros = 0, Counter(), Counter()
+        self._count = 0
+        self._sums = Counter()
+        self._zeros = Counter()
         self._logged: set[str] = set()  # "failures" / "timeouts" already logged: once per run
 
     def __call__(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
@@ -250,8 +283,12 @@ class GuardedReward:
         call; a response without it counts as 0), ``reward/failures`` and ``reward/timeouts``;
         then resets them."""
         with self._lock:
-            count, sums, zeros = self._count, self._sums, self._zeros
-            self._count, self._sums, self._zeros = 0, Counter(), Counter()
+            count = self._count
+            sums = self._sums
+            zeros = self._zeros
+            self._count = 0
+            self._sums = Counter()
+            self._zeros = Counter()
         metrics = {f"reward/{k}": v / max(count, 1) for k, v in sums.items()}
         return metrics | {f"reward/{kind}": float(zeros[kind]) for kind in ("failures", "timeouts")}
 
@@ -270,7 +307,8 @@ class TextReward(GuardedReward):
     ) -> None:
         if not callable(compute_score):
             raise TypeError(f"reward: compute_score must be callable, got {compute_score!r}")
-        self.compute_score, self.decode = compute_score, decode
+        self.compute_score = compute_score
+        self.decode = decode
         super().__init__(self._verl_score, timeout_s=timeout_s, name=callable_name(compute_score))
 
     def _verl_score(self, prompt: RolloutPrompt, response_ids: list[int]) -> Any:

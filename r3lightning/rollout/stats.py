@@ -12,8 +12,16 @@ import torch
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.wire.errors import RemoteGenerateError
 
-__all__ = ["CollectedRollouts", "EnginesUnavailableError", "GroupsDroppedError", "OtherRankFailedError", "RolloutStats", "StepCounters",
-           "outage", "reduce_step_stats"]  # fmt: skip
+__all__ = [
+    "CollectedRollouts",
+    "EnginesUnavailableError",
+    "GroupsDroppedError",
+    "OtherRankFailedError",
+    "RolloutStats",
+    "StepCounters",
+    "outage",
+    "reduce_step_stats",
+]
 
 
 @dataclass
@@ -50,7 +58,8 @@ class RolloutStats:
         """``turns``, ``dropped_groups``, ``turn_reward/turn_{k}`` and ``route_bytes/turn_{k}`` (k from 1)."""
         out = {"turns": self.turns, "dropped_groups": float(self.dropped_groups)}
         for k, (reward, size) in enumerate(zip(self.turn_rewards, self.turn_route_bytes, strict=True), 1):
-            out[f"turn_reward/turn_{k}"], out[f"route_bytes/turn_{k}"] = reward, size
+            out[f"turn_reward/turn_{k}"] = reward
+            out[f"route_bytes/turn_{k}"] = size
         return out
 
 
@@ -140,7 +149,8 @@ def reduce_step_stats(
     """The step's statistics over every rank of ``group`` (one SUM and one MAX all-reduce of a
     few float64s when ``world_size > 1``). Raises :class:`OtherRankFailedError` when another
     rank reported ``failed`` and this one did not."""
-    c, rewards = counters, [t.reward for t in trajectories]
+    c = counters
+    rewards = [t.reward for t in trajectories]
     lengths = sum(t.response_length for t in trajectories)
     maxima = torch.tensor([c.engines_out, seconds, len(c.turns)], dtype=torch.float64)
     device = torch.device("cpu")

@@ -178,7 +178,8 @@ class RoutedExpertTrace(TokenMetadataTrace):
         if array.dtype.kind not in "iu":
             raise ValueError(f"routed_experts must hold integer expert ids, got dtype {array.dtype}")
         if array.size:
-            low, high = int(array.min()), int(array.max())
+            low = int(array.min())
+            high = int(array.max())
             if low < MISSING_ROUTE_ID:  # -1 marks a row the engine lost (the client's missing_rows)
                 raise ValueError(
                     f"routed_experts holds a negative expert id ({low}); only -1 marks a missing row"

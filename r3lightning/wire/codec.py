@@ -20,8 +20,17 @@ from r3lightning.routes import WIRE_DTYPES, check_layers, compact_dtype, mark_mi
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.route_check import check_routes
 
-__all__ = ["DEFAULT_MAX_BYTES", "RouteSchema", "checked_routes", "decode_array", "decode_flat_routes",
-           "decode_npy_routes", "decode_routes", "encode_flat_routes", "encode_routes"]  # fmt: skip
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "RouteSchema",
+    "checked_routes",
+    "decode_array",
+    "decode_flat_routes",
+    "decode_npy_routes",
+    "decode_routes",
+    "encode_flat_routes",
+    "encode_routes",
+]
 
 MISSING_ROWS = ("error", "native", "drop_trajectory")  # RouteSchema.missing_rows
 DEFAULT_MAX_BYTES = 1 << 30  # cap on one decoded array, checked before anything is allocated
@@ -30,15 +39,26 @@ Base64Text = str | bytes | bytearray | memoryview
 
 @dataclass(frozen=True)
 class RouteSchema:
-    """Decoded routes: ``[rows, num_layers, top_k]`` ids below ``num_experts`` (None: unchecked;
-    SGLang's flat routes need ``num_layers`` and ``top_k``), at most ``max_bytes`` per array.
-    ``check_unique``: the distinct-experts check in the parse too (several times the decode's cost).
-    ``layers``: the decoder layers this rank holds (None: all), the only columns the parse keeps.
-    ``missing_rows``: what a response with missing route rows (a -1 id in a row, or no routes where
-    the engine says it lost them, as vLLM's ``null``) becomes: ``error`` (default) refuses it,
-    ``native`` keeps the trajectory with those rows marked -1 (the trainer routes them natively and
-    counts them), ``drop_trajectory`` marks them too and the collector drops the trajectory from
-    the loss."""
+    """What decoded routes must look like: ``[rows, num_layers, top_k]`` expert ids.
+
+    Args:
+        num_layers: Decoder layers, dense ones included (None: unchecked; SGLang's flat routes
+            need it).
+        top_k: Experts per token and layer (None: unchecked; SGLang's flat routes need it).
+        num_experts: Ids must be below it (None: unchecked).
+        check_unique: Check that a row's experts are distinct while parsing (several times the
+            decode's cost).
+        max_bytes: The largest route array accepted.
+        layers: The decoder layers this rank holds (None: all): the only columns the parse keeps.
+        missing_rows: What a response with missing route rows (a -1 id in a row, or no routes
+            where the engine says it lost them, as vLLM's ``null``) becomes: ``error`` refuses it,
+            ``native`` keeps the trajectory with those rows marked -1 (the trainer routes them
+            natively and counts them), ``drop_trajectory`` marks them too and the collector drops
+            the trajectory from the loss.
+
+    Raises:
+        ValueError: A field of the wrong type or out of range.
+    """
 
     num_layers: int | None = None
     top_k: int | None = None
@@ -55,7 +75,8 @@ class RouteSchema:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        object.__setattr__(self, "layers", layers := check_layers("layers", self.layers))
+        layers = check_layers("layers", self.layers)
+        object.__setattr__(self, "layers", layers)
         if layers is not None and (self.num_layers is None or layers[-1] >= self.num_layers):
             raise ValueError(f"layers {layers} must be ids below num_layers={self.num_layers}")
 
@@ -89,7 +110,8 @@ def _bad(field: str, message: str) -> MalformedResponseError:
 
 def _check_size(shape: list[int], itemsize: int, max_bytes: int, field: str) -> int:
     """Bytes of an array of ``shape``, refused above ``max_bytes`` before anything is allocated."""
-    if (nbytes := math.prod(shape) * itemsize) > max_bytes:
+    nbytes = math.prod(shape) * itemsize
+    if nbytes > max_bytes:
         raise _bad(field, f"payload of {nbytes} bytes exceeds the cap of {max_bytes} bytes")
     if any(d > max_bytes for d in shape):  # beside a 0: numpy refuses huge dimensions anyway
         raise _bad(field, f"shape {shape} has a dimension above max_bytes={max_bytes}")
@@ -100,7 +122,8 @@ def _b64decode(data: Any, field: str, expected: int | None, max_bytes: int) -> b
     """Strict base64 decode of ``data`` once its size (from length and padding) is checked."""
     if not isinstance(data, Base64Text):
         raise _bad(field, f"expected a base64 string, got {type(data).__name__}")
-    if (n := len(data)) % 4:
+    n = len(data)
+    if n % 4:
         raise _bad(field, f"base64 length {n} is not a multiple of 4 (truncated?)")
     tail = data[-2:].encode("utf-8", "replace") if isinstance(data, str) else bytes(data[-2:])
     size = n // 4 * 3 - tail.count(b"=")
@@ -120,9 +143,11 @@ def decode_array(
     """An ndarray envelope as a writable array, unchecked. Cost: one base64 decode into its buffer."""
     if not isinstance(envelope, Mapping):
         raise _bad(field, f"expected an ndarray envelope object, got {type(envelope).__name__}")
-    if missing := [key for key in ("data", "shape", "dtype") if key not in envelope]:
+    missing = [key for key in ("data", "shape", "dtype") if key not in envelope]
+    if missing:
         raise _bad(field, f"envelope is missing {missing}")
-    name, shape = envelope["dtype"], envelope["shape"]
+    name = envelope["dtype"]
+    shape = envelope["shape"]
     if not isinstance(name, str) or name not in WIRE_DTYPES:
         raise _bad(f"{field}.dtype", f"unknown dtype {name!r}, expected one of {sorted(WIRE_DTYPES)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):

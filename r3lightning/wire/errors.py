@@ -10,8 +10,13 @@ for every failure of a generation request, or a subclass to tell them apart:
 
 from __future__ import annotations
 
-__all__ = ["GenerateRequestError", "MalformedResponseError", "RemoteGenerateError", "RetriesExhaustedError",
-           "RetryableGenerateError"]  # fmt: skip
+__all__ = [
+    "GenerateRequestError",
+    "MalformedResponseError",
+    "RemoteGenerateError",
+    "RetriesExhaustedError",
+    "RetryableGenerateError",
+]
 
 
 class RemoteGenerateError(Exception):
@@ -24,7 +29,8 @@ class RetryableGenerateError(RemoteGenerateError):
 
     def __init__(self, message: str, *, status: int | None = None, retry_after: float | None = None):
         super().__init__(message)
-        self.status, self.retry_after = status, retry_after
+        self.status = status
+        self.retry_after = retry_after
 
 
 class GenerateRequestError(RemoteGenerateError):
@@ -32,7 +38,9 @@ class GenerateRequestError(RemoteGenerateError):
 
     def __init__(self, status: int, server_message: str, *, url: str | None = None):
         super().__init__(f"HTTP {status}{f' from {url}' if url else ''}: {server_message}")
-        self.status, self.server_message, self.url = status, server_message, url
+        self.status = status
+        self.server_message = server_message
+        self.url = url
 
 
 class MalformedResponseError(RemoteGenerateError, ValueError):
@@ -45,4 +53,6 @@ class RetriesExhaustedError(RemoteGenerateError):
     def __init__(self, attempts: int, last_error: BaseException, *, url: str | None = None):
         where = f" to {url}" if url else ""
         super().__init__(f"request{where} failed after {attempts} attempt(s); last error: {last_error}")
-        self.attempts, self.last_error, self.url = attempts, last_error, url
+        self.attempts = attempts
+        self.last_error = last_error
+        self.url = url

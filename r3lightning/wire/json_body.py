@@ -37,7 +37,9 @@ class JsonBody:
         self.raw = raw
         self.spans: list[tuple[int, int]] = []  # (content start, closing quote) of each cut string
         self._taken: set[int] = set()
-        pieces, copied, searched = [], 0, 0
+        pieces = []
+        copied = 0
+        searched = 0
         while (match := _KEY.search(raw, searched)) is not None:
             start = match.end()
             end = raw.find(b'"', start)
@@ -65,8 +67,10 @@ class JsonBody:
     def take(self, container: dict[str, Any], key: str) -> Any:
         """``container[key]``, left as None in ``value`` (a raw response never holds its route
         payload); a cut string comes back as a ``memoryview`` of its base64 text in the body."""
-        value, container[key] = container[key], None
-        if (index := self._index(value)) is None:
+        value = container[key]
+        container[key] = None
+        index = self._index(value)
+        if index is None:
             return value
         self._taken.add(index)
         start, end = self.spans[index]
@@ -91,7 +95,10 @@ def unescaped(value: Any) -> Any:
     """``value`` from :meth:`JsonBody.take` (an envelope or a payload) with its cut string as a
     ``str`` when it holds JSON escapes (``\\/`` from some writers, which strict base64 refuses), else None."""
     data = value.get("data") if isinstance(value, dict) else value
-    if not isinstance(data, memoryview) or (text := data.tobytes()).find(b"\\") < 0:
+    if not isinstance(data, memoryview):
+        return None
+    text = data.tobytes()
+    if text.find(b"\\") < 0:
         return None
     try:
         data = orjson.loads(b'"' + text + b'"')

@@ -11,8 +11,14 @@ import numpy as np
 from r3lightning.routes import ENGINE_ROUTES_FLAG
 from r3lightning.wire.codec import RouteSchema
 
-__all__ = ["ENGINE_ROUTES_FLAG", "PROTOCOL_PATHS", "RemoteGenerateResult", "RouteSchema", "build_request",
-           "engine_sampling_params"]  # fmt: skip
+__all__ = [
+    "ENGINE_ROUTES_FLAG",
+    "PROTOCOL_PATHS",
+    "RemoteGenerateResult",
+    "RouteSchema",
+    "build_request",
+    "engine_sampling_params",
+]
 
 PROTOCOL_PATHS = {
     "skyrl": "/skyrl/v1/generate",
@@ -52,9 +58,25 @@ def engine_sampling_params(
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool = False,
 ) -> dict[str, Any]:
-    """Sampling parameters in ``protocol``'s own names (SGLang's ``/generate``: ``max_new_tokens`` /
-    ``sampling_seed``, the others ``max_tokens`` / ``seed``), with the tokenizer's stop conditions
-    (``stop_token_ids``, e.g. a chat template's end-of-turn ids, and ``ignore_eos``)."""
+    """Sampling parameters in ``protocol``'s own names.
+
+    Args:
+        protocol: ``skyrl``, ``vllm``, ``sglang`` or ``openai``: SGLang's ``/generate`` says
+            ``max_new_tokens`` / ``sampling_seed``, the others ``max_tokens`` / ``seed``.
+        max_new_tokens: The longest response.
+        temperature: 0 is greedy.
+        top_p: 1 disables the filter.
+        top_k: -1 disables the filter.
+        seed: The sample's seed (None: the engine's choice).
+        stop_token_ids: Ids that also end a response (e.g. a chat template's end of turn).
+        ignore_eos: Keep sampling past an end-of-sequence token.
+
+    Returns:
+        The ``sampling_params`` mapping of one request.
+
+    Raises:
+        ValueError: An unknown protocol or ``max_new_tokens`` below 1.
+    """
     if protocol not in PROTOCOL_PATHS:
         raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
     if type(max_new_tokens) is not int or max_new_tokens < 1:
@@ -103,7 +125,8 @@ def build_request(
         return body
     else:
         reserved = {"prompt", "return_token_ids", "stream", "n", "echo", "model", "cache_salt"}
-        if clash := sorted(reserved & set(params)):
+        clash = sorted(reserved & set(params))
+        if clash:
             raise ValueError(f"sampling_params must not set {clash} for protocol='openai' (the client does)")
         body = {"prompt": prompt_ids, **params, "return_token_ids": True, "stream": False}
         body.setdefault("logprobs", 0)

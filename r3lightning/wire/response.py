@@ -43,10 +43,12 @@ def parse_response(
             _read_sglang(body) if protocol == "sglang" else _read_choices(body, protocol == "openai")
         )
         if want_routes:
-            rows, rule = None, ""
+            rows = None
+            rule = ""
             if prompt_len is not None:
                 g = len(result.response_ids)
-                rows = range(n := max(0, prompt_len - start + g - 1), n + 1)
+                n = max(0, prompt_len - start + g - 1)
+                rows = range(n, n + 1)
                 rule = f"P - start + G - 1 = {prompt_len} - {start} + {g} - 1 = {n}"
                 rule += " (rows cover positions [start, P + G - 1))"
             result.routed_experts = _decode(where, routes, flat, schema, rows, rule)
@@ -71,11 +73,18 @@ def _decode(
             f"{where}: routes were requested but the field is {'null' if value is None else 'missing'}; "
             f"start the engine with {ENGINE_ROUTES_FLAG} (vLLM, SGLang, SkyRL's vLLM server), and for "
             "SGLang also send return_routed_experts=true"
+            + (
+                "; null from an engine that lost the request's routes (vLLM after preemption): "
+                "missing_rows native or drop_trajectory keeps the trajectory"
+                if value is None
+                else ""
+            )
         )
     try:
         routes = _decoded(where, value, flat, schema)
     except MalformedResponseError:
-        if (text := unescaped(value)) is None:
+        text = unescaped(value)
+        if text is None:
             raise
         routes = _decoded(where, text, flat, schema)
     return checked_routes(routes, schema, rows=rows, rows_rule=rule, compact=flat, field=where)

@@ -83,7 +83,9 @@ def check_distinct(
         repeated = np.zeros(columns.shape[1], dtype=bool)  # [block]
         for i in range(k - 1):
             repeated |= (columns[i + 1 :] == columns[i]).any(axis=0)
-        if repeated.any() and (repeated := repeated & columns.any(axis=0)).any():
+        if repeated.any():
+            repeated &= columns.any(axis=0)  # an all-zero row (a dense layer's) repeats 0 but is no repeat
+        if repeated.any():
             row, column = divmod(first + int(np.flatnonzero(repeated)[0]), routes.shape[1])
             layer = column if layers is None else layers[column]
             raise error(f"{where}: row {row} layer {layer} repeats an expert: {routes[row, column].tolist()}")

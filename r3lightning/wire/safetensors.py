@@ -47,7 +47,8 @@ def _parse_header(header: bytes) -> list[tuple[str, torch.dtype, tuple[int, ...]
         dtype = SAFETENSORS_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
         if dtype is None:
             raise UploadError(f"{where}: unknown dtype {info['dtype']!r}")
-        shape, offsets = info["shape"], info["data_offsets"]
+        shape = info["shape"]
+        offsets = info["data_offsets"]
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise UploadError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
         pair = isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
@@ -76,7 +77,8 @@ class _Stream:
     """Exact-size reads over an async iterator of byte chunks."""
 
     def __init__(self, chunks: AsyncIterator[bytes]):
-        self._chunks, self._left = chunks, memoryview(b"")
+        self._chunks = chunks
+        self._left = memoryview(b"")
 
     async def read_into(self, out: memoryview) -> int:
         """Fill ``out``; how many bytes came before the stream ended."""
@@ -87,7 +89,8 @@ class _Stream:
                 if not self._left:
                     break
             n = min(len(self._left), len(out) - filled)
-            out[filled : filled + n], self._left = self._left[:n], self._left[n:]
+            out[filled : filled + n] = self._left[:n]
+            self._left = self._left[n:]
             filled += n
         return filled
 
@@ -102,10 +105,12 @@ async def read_safetensors(
     """A safetensors body as host tensors viewing one flat buffer, refused with an
     :class:`UploadError` from its header (malformed, a size other than ``content_length`` or above
     ``max_bytes``: 413) or by ``check(name -> (dtype, shape))``, before any tensor data is read."""
-    stream, prefix = _Stream(chunks), bytearray(8)
+    stream = _Stream(chunks)
+    prefix = bytearray(8)
     if await stream.read_into(memoryview(prefix)) < 8:
         raise UploadError(f"{_NOT_SAFETENSORS}: shorter than its 8-byte header length")
-    header_len, limit = int.from_bytes(prefix, "little"), min(MAX_HEADER_BYTES, max_bytes)
+    header_len = int.from_bytes(prefix, "little")
+    limit = min(MAX_HEADER_BYTES, max_bytes)
     if header_len > limit:
         raise UploadError(f"{_NOT_SAFETENSORS}: header length {header_len} exceeds {limit} bytes")
     if content_length is not None and 8 + header_len > content_length:
@@ -126,7 +131,8 @@ async def read_safetensors(
         )
     check({name: (dtype, shape) for name, dtype, shape, _, _ in entries})
     flat = torch.empty(data_bytes, dtype=torch.uint8)  # [data_bytes]
-    if (got := await stream.read_into(memoryview(flat.numpy()))) < data_bytes:
+    got = await stream.read_into(memoryview(flat.numpy()))
+    if got < data_bytes:
         raise UploadError(f"request body ended after {8 + header_len + got} of {total} bytes")
     if await stream.read_into(memoryview(bytearray(1))):
         raise UploadError(f"request body continues past the {total} bytes its safetensors header describes")

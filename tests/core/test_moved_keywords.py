@@ -86,3 +86,23 @@ def test_several_old_keywords_are_named_together_and_signatures_are_kept():
     assert "max_attempts" not in inspect.signature(RemoteGenerateClient).parameters
     with pytest.raises(TypeError, match="unexpected keyword argument 'nonsense'"):  # other keywords as before
         RemoteGenerateClient(URL, nonsense=1)
+
+
+def test_the_migration_table_lists_every_refused_keyword():
+    """Each keyword a constructor refuses as moved is in that class's rows of the CHANGELOG's
+    "Moved and renamed parameters" table (the migration page shows it)."""
+    import re
+    from pathlib import Path
+
+    from r3lightning.replay.megatron.replay import MegatronRouterReplay
+
+    changelog = (Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text()
+    table = changelog.split("<!-- --8<-- [start:parameters] -->")[1].split(
+        "<!-- --8<-- [end:parameters] -->"
+    )[0]
+    classes = (RemoteGenerateClient, RolloutServer, MegatronRouterReplay, RolloutCollator, R3DataModule)
+    for cls in (*classes, RouterReplayCallback):
+        moved = cls.__init__.moved_keywords
+        rows = [row.split("|")[2] for row in table.splitlines() if row.startswith(f"| `{cls.__name__}` |")]
+        listed = {name for row in rows for name in re.findall(r"`(\w+)=", row) + re.findall(r", (\w+)=", row)}
+        assert set(moved) <= listed, (cls.__name__, sorted(set(moved) - listed))

@@ -16,7 +16,9 @@ from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
+from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.prompts import SamplingConfig
+from r3lightning.rollout.stats import GroupsDroppedError
 from r3lightning.wire.errors import MalformedResponseError
 
 pytestmark = pytest.mark.vllm
@@ -32,7 +34,21 @@ def vllm_no_routes(vllm_engine_python, vllm_model_dir, tmp_path_factory) -> Iter
     yield from start_engine(vllm_model_dir, vllm_engine_python, logs, dtype="float32", routed_experts=False)
 
 
-def collector(url: str | list[str], *, request_routes: bool = True) -> RolloutCollector:
+class TwoTurns:
+    """Two turns with a 2-token observation between them."""
+
+    def __init__(self):
+        self.turn = 0
+
+    def reset(self, prompt):
+        return prompt.token_ids
+
+    def step(self, response):
+        self.turn += 1
+        return [40, 41], 1.0, self.turn == 2, {}
+
+
+def collector(url: str | list[str], *, request_routes: bool = True, reward=None) -> RolloutCollector:
     config = CollectorConfig(
         group_size=2, seed=1, protocol="vllm", request_routes=request_routes, progress=False
     )
@@ -40,7 +56,7 @@ def collector(url: str | list[str], *, request_routes: bool = True) -> RolloutCo
     schema = tiny_vllm_moe_config()
     return RolloutCollector(
         url,
-        lambda prompt, response: 1.0,
+        reward or (lambda prompt, response: 1.0),
         config,
         advantages=GRPOAdvantages(),
         schema=schema,
@@ -82,3 +98,14 @@ def test_a_collect_without_routes_leaves_the_buffer_as_it_was(vllm_fp32, vllm_no
     collected = collector(vllm_no_routes.url, request_routes=False).collect(PROMPTS, step=2)
     assert all(t.routed_experts is None for t in collected.trajectories)
     assert torch.equal(collected.trajectories[0].prompt_ids, torch.tensor(PROMPTS[0]))
+
+
+def test_a_multi_turn_collect_without_routes_is_one_line_and_adds_nothing(vllm_no_routes):
+    buffer = ReplayBuffer(num_experts=8)
+    with pytest.raises(GroupsDroppedError) as caught:
+        collector(vllm_no_routes.url, reward=Environments(TwoTurns, max_turns=3)).collect(
+            PROMPTS, step=0, buffer=buffer
+        )
+    message = str(caught.value)
+    assert FLAG in message and "\n" not in message  # the first group's error, in the one line
+    assert len(buffer) == 0 and buffer.stop == 0

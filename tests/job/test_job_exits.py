@@ -3,7 +3,7 @@ of step 0 dropped, the engine gone at the weight push, a tampered data module st
 
 from __future__ import annotations
 
-import http.server
+import socket
 import threading
 
 import pytest
@@ -33,33 +33,26 @@ def test_every_group_of_step_0_dropped_is_one_line_exit_2(tmp_path, capsys):
     )
 
 
-def _close(server: http.server.ThreadingHTTPServer) -> None:
-    server.shutdown()
-    server.server_close()  # the listening socket too: a connection is refused, not left waiting
-
-
-class _HealthOnce(http.server.BaseHTTPRequestHandler):
-    """Answers one ``GET /health`` with 200, then the engine goes away (its port refuses)."""
-
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-        threading.Thread(target=_close, args=(self.server,)).start()
-
-    def log_message(self, *args):
-        pass
+def _answer_health_once(listener: socket.socket) -> None:
+    """Answer one ``GET /health`` with 200, the listening socket closed first: the engine is gone
+    by the time the job acts on the answer, and its port refuses the weight push."""
+    conn, _ = listener.accept()
+    with conn:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += conn.recv(4096)
+        listener.close()
+        status = b"200 OK" if request.startswith(b"GET /health ") else b"404 Not Found"
+        conn.sendall(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
 
 
 def test_an_engine_gone_at_the_weight_push_is_one_line_exit_3(tmp_path, capsys):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HealthOnce)
-    thread = threading.Thread(target=server.serve_forever)
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    thread = threading.Thread(target=_answer_health_once, args=(listener,), daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        code, line = _fail(capsys, [f"rollout.url={url}", f"hydra.run.dir={tmp_path}"])
-    finally:
-        thread.join(timeout=30)
+    code, line = _fail(capsys, [f"rollout.url={url}", f"hydra.run.dir={tmp_path}"])
+    thread.join(timeout=30)
     assert code == 3
     prefix = f"r3lightning-train: rollout engine error: weight update at {url} failed: ClientConnectorError: "
     assert line.startswith(prefix) and line.endswith("; is the engine still running?"), line

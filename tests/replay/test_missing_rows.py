@@ -166,7 +166,7 @@ def test_drop_trajectory_keeps_the_reward_and_leaves_the_loss():
     routes = np.array([[[0, 0], [1, 2]], [[-1, -1], [-1, -1]], [[0, 0], [3, 4]]], dtype=np.int8)
     result = RemoteGenerateResult([7, 8], [-0.5, -0.25], "length", routes, {}, missing_route_rows=1)
     episode = single_turn(RolloutPrompt([5, 6]), result, 1.0, RoutedExpertTrace())
-    assert episode.missing_route_rows == 1 and episode.reward == 1.0
+    assert int((episode.routes < 0).flatten(1).any(1).sum()) == 1 and episode.reward == 1.0
     assert episode.trajectory(0.5, drop_missing=True).loss_mask.tolist() == [0.0, 0.0]
     assert episode.trajectory(0.5).loss_mask.tolist() == [1.0, 1.0]  # native: trained on
     assert RouteSchema().missing_rows == "error"
@@ -187,3 +187,37 @@ def test_the_job_takes_rollout_missing_rows():
         JobError, match=r"rollout\.missing_rows must be one of \['error', 'native', 'drop_trajectory'\]"
     ):
         check_config(compose_config(["rollout.missing_rows=skip"]))
+
+
+@pytest.mark.parametrize("policy", ["native", "drop_trajectory"])
+def test_the_collector_keeps_or_drops_a_trajectory_whose_engine_lost_its_routes(policy):
+    from r3lightning.app.job.grpo import GRPOAdvantages
+    from r3lightning.rollout.collector import RolloutCollector
+    from r3lightning.rollout.config import CollectorConfig
+    from r3lightning.rollout.prompts import SamplingConfig
+
+    schema = RouteSchema(num_layers=4, top_k=2, num_experts=8, missing_rows=policy)
+    config = CollectorConfig(group_size=2, protocol="vllm", progress=False)
+
+    async def run():
+        async with LossyEngine("vllm", lost={1}) as server:  # the second request's routes are lost
+            collector = RolloutCollector(
+                server.url,
+                lambda prompt, response: float(len(response)),
+                config,
+                advantages=GRPOAdvantages(),
+                schema=schema,
+                sampling=SamplingConfig(max_new_tokens=3),
+            )
+            async with collector:
+                return (await collector.collect_async([RolloutPrompt(PROMPTS[0])], step=0)).trajectories
+
+    trajectories = asyncio.run(run())
+    assert len(trajectories) == 2  # the group stays whole: its rewards are each other's baseline
+    lost = [bool((t.routed_experts < 0).any()) for t in trajectories]
+    assert sorted(lost) == [False, True]
+    for t, missing in zip(trajectories, lost, strict=True):
+        if missing:
+            assert (t.routed_experts < 0).all()  # every row of the lost request
+        dropped = missing and policy == "drop_trajectory"
+        assert t.loss_mask.tolist() == [0.0 if dropped else 1.0] * len(t.response_ids)

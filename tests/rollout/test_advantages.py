@@ -57,13 +57,13 @@ def test_grpo_advantages_normalise_by_the_std_plus_std_eps_or_only_centre():
 @pytest.mark.parametrize("normalize_std", [True, False])
 def test_the_job_gives_its_collector_algorithm_std_eps_and_normalize_std(normalize_std):
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.rollout_loop import Engine, OnPolicyLoop
+    from r3lightning.app.job.rollout_loop import Engine, RolloutLoop
     from r3lightning.wire.request import RouteSchema
 
     overrides = ["algorithm.std_eps=0.5", f"algorithm.normalize_std={str(normalize_std).lower()}"]
     cfg = compose_config(overrides)
     task = type("Task", (), {"prompts": None, "score_prompt": staticmethod(prompt_reward)})()
-    loop = OnPolicyLoop(cfg, Engine(["http://127.0.0.1:1"]), task, RouteSchema(3, 2, 8), None, None)
+    loop = RolloutLoop(cfg, Engine(["http://127.0.0.1:1"]), task, RouteSchema(3, 2, 8), None, None)
     collector = loop.new_collector(["http://127.0.0.1:1"])
     got = collector.advantages(torch.tensor([0.0, 1.0], dtype=torch.float64)).tolist()
     if normalize_std:  # centred [-0.5, 0.5] over the unbiased std sqrt(0.5) plus std_eps 0.5

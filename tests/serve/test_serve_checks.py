@@ -72,3 +72,13 @@ async def test_an_upload_of_no_tensor_is_a_400_and_keeps_the_weight_version():
             srv.update_weights({})
         assert srv.weight_version == 1
         await still_serving(srv)
+
+
+def test_the_settings_resolve_their_annotations_for_the_job():
+    """The job checks config values against the fields' types (``typing.get_type_hints``), which
+    must resolve although the module imports torch only when a config is built."""
+    import typing
+
+    hints = typing.get_type_hints(EngineConfig)
+    assert set(hints) == {f for f in EngineConfig.__dataclass_fields__}
+    assert EngineConfig(dtype="float32").dtype == torch.float32 and EngineConfig().dtype == torch.bfloat16

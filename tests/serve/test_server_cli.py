@@ -184,3 +184,26 @@ def test_cli_serves_until_sigint_and_exits_0():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_help_and_a_bad_limit_flag_do_not_import_torch(tmp_path):
+    """The heavy imports wait until a model is built: ``--help`` and a bad limit answer without
+    torch, transformers or aiohttp in the process (what the import costs is in protocols.md)."""
+    from python_process import run_python
+
+    probe = (
+        "import sys\n"
+        "from r3lightning.app.serve import cli\n"
+        "try:\n"
+        "    code = cli.main(sys.argv[1:])\n"
+        "except SystemExit as exc:  # --help\n"
+        "    code = exc.code\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'aiohttp') if m in sys.modules)\n"
+        "print(code, heavy)\n"
+    )
+    help_run = run_python(tmp_path, "-c", probe, "--help")
+    assert "--simulated-disagreement" in help_run.stdout
+    assert help_run.stdout.strip().endswith("0 []"), help_run.stdout[-200:] + help_run.stderr
+    bad = run_python(tmp_path, "-c", probe, "--max-queue", "-1")
+    assert bad.stdout.strip() == "2 []", bad.stdout + bad.stderr
+    assert bad.stderr.strip() == "r3lightning-serve: error: max_queue must be an integer >= 0, got -1"

@@ -89,6 +89,8 @@ class RolloutLoop(pl.Callback):
     def new_collector(self, urls: list[str], process_group: Any = None) -> RolloutCollector:
         rollout = self.cfg.rollout
         environments = getattr(self.task, "environments", lambda: None)()  # multi-turn
+        if environments is not None and rollout.get("env_timeout_s") is not None:
+            environments = dataclasses.replace(environments, timeout_s=float(rollout.env_timeout_s))
         return RolloutCollector(
             urls,
             environments or self.task.score_prompt,

@@ -8,6 +8,7 @@ from r3lightning.app.job.build import dataclass_from, plain
 from r3lightning.app.job.common import JobError
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.vllm.settings import VllmSettings
+from r3lightning.checks import check_setting
 from r3lightning.rollout.ahead import AheadConfig
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 
@@ -25,6 +26,12 @@ def check_rollout(cfg: DictConfig) -> None:
             raise JobError(f"{old} moved to {new}; set {new}={OmegaConf.select(cfg, old)} instead")
     retry_policy(cfg.rollout)
     collector_config(cfg.rollout)
+    try:  # a hanging environment method drops its group after this long (None: unbounded)
+        check_setting(
+            "rollout.env_timeout_s", cfg.rollout.get("env_timeout_s"), low=0, above=True, optional=True
+        )
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
     server_settings(cfg.rollout)
     ahead_config(cfg.rollout)
     if launched(cfg.rollout):

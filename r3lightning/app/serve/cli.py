@@ -56,7 +56,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--api-key", help="require 'Authorization: Bearer <key>'")
     add("--allow-unauthenticated", action="store_true", help="serve a non-loopback host keyless")
     add("--log-level", default="INFO")
-    from r3lightning.app.serve.config import EngineConfig, ServerLimits  # torch only: the configs' defaults
+    from r3lightning.app.serve.config import EngineConfig, ServerLimits  # torch waits for a build
 
     for cls in (EngineConfig, ServerLimits):  # a flag for every field of either settings object
         for field in dataclasses.fields(cls):
@@ -129,17 +129,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> None:
     from r3lightning.app.serve.config import EngineConfig, ServerLimits
-    from r3lightning.app.serve.server import RolloutServer, check_exposure
 
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):
         raise _StartupError(f"--log-level {args.log_level}: expected DEBUG, INFO, WARNING or ERROR")
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        limits = ServerLimits(**_settings(ServerLimits, args))  # checked before torch is imported
+        from r3lightning.app.serve.server import RolloutServer, check_exposure
+
         # before a model loads
         check_exposure(args.host, args.api_key, args.allow_unauthenticated, "--api-key")
         engine = EngineConfig(**_settings(EngineConfig, args) | {"device": _device(args.device)})
-        limits = ServerLimits(**_settings(ServerLimits, args))
         model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
         exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}
         name = args.model or "r3lightning-tiny-moe"

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from r3lightning.checks import check_setting
 
+if TYPE_CHECKING:
+    from torch import device as TorchDevice
+    from torch import dtype as TorchDtype
+else:  # torch is imported when a config is built; the annotations resolve without it
+    TorchDevice = TorchDtype = Any
+
 __all__ = ["EngineConfig", "ServerLimits"]
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_MAX_BATCH_WAIT_S = 10.0
+# torch is imported when a config is built, not with this module: `r3lightning-serve --help` and
+# a bad flag answer without paying for torch
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -19,8 +27,8 @@ class EngineConfig:
     model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
     (SIMULATION): the share of expert slots flipped by perturbed router logits."""
 
-    dtype: torch.dtype | str = torch.bfloat16
-    device: torch.device | str | None = None
+    dtype: TorchDtype | str = "bfloat16"  # a torch.dtype once built
+    device: TorchDevice | str | None = None
     max_batch_size: int = 8
     batch_wait_s: float = 0.002
     seed: int = 0
@@ -29,12 +37,17 @@ class EngineConfig:
     simulated_disagreement: float | None = None
 
     def __post_init__(self) -> None:
-        dtype = _DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
-        if dtype not in _DTYPES.values():
+        import torch
+
+        dtypes = {name: getattr(torch, name) for name in _DTYPES}
+        dtype = dtypes.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if dtype not in dtypes.values():
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
         check_setting("max_batch_size", self.max_batch_size, low=1, integer=True)
-        check_setting("batch_wait_s", self.batch_wait_s, low=0)
+        # a collection window for batch-mates: past 10 s it only adds latency, and a huge value
+        # overflows the queue's timeout and kills the batching thread
+        check_setting("batch_wait_s", self.batch_wait_s, low=0, high=_MAX_BATCH_WAIT_S)
         check_setting("seed", self.seed, low=0, high=2**63 - 1, integer=True)
         if not isinstance(self.copy_model, bool):
             raise ValueError(f"copy_model must be true or false, got {self.copy_model!r}")
@@ -45,9 +58,11 @@ class EngineConfig:
             serving_device(self.device)
 
 
-def serving_device(value: torch.device | str | int) -> torch.device:
+def serving_device(value: TorchDevice | str | int) -> TorchDevice:
     """``value`` as a device the engine can serve on (``cpu``, ``cuda``, ``cuda:N`` present on this
     machine); ``ValueError`` otherwise, before any model is moved there."""
+    import torch
+
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError, ValueError):
@@ -66,7 +81,10 @@ def serving_device(value: torch.device | str | int) -> torch.device:
 @dataclass(frozen=True)
 class ServerLimits:
     """What a :class:`~r3lightning.app.serve.server.RolloutServer` accepts. ``max_new_tokens_cap`` None:
-    the context; ``max_request_bytes`` None: 24 bytes a context token + 64 KiB."""
+    the context; ``max_request_bytes`` None: 24 bytes a context token + 64 KiB. A body is cut (408)
+    when no byte comes for ``body_timeout_s``, or when it has taken longer than ``body_timeout_s``
+    plus its bytes so far at ``min_body_rate``: a client trickling a byte at a time cannot hold a
+    generate slot or the one weight-upload slot for long."""
 
     max_queue: int = 256
     max_new_tokens_cap: int | None = 4096
@@ -75,6 +93,7 @@ class ServerLimits:
     header_timeout_s: float = 30.0
     body_timeout_s: float = 30.0
     retry_after_s: int = 1
+    min_body_rate: int = 64 << 10  # bytes/s a body must average after its first body_timeout_s
 
     def __post_init__(self) -> None:
         check_setting("max_queue", self.max_queue, low=0, integer=True)
@@ -82,5 +101,6 @@ class ServerLimits:
             check_setting(name, getattr(self, name), low=1, integer=True, optional=True)
         check_setting("max_weights_bytes", self.max_weights_bytes, low=1, integer=True)
         check_setting("retry_after_s", self.retry_after_s, low=1, integer=True)
+        check_setting("min_body_rate", self.min_body_rate, low=1, integer=True)
         for name in ("header_timeout_s", "body_timeout_s"):
             check_setting(name, getattr(self, name), low=0, above=True)

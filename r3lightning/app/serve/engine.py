@@ -255,6 +255,12 @@ class GenerationEngine:
             self._queue.put((request, future))
         return future
 
+    @property
+    def worker_died(self) -> bool:
+        """Whether the batching thread was started and has died (requests would wait forever)."""
+        worker = self._worker
+        return worker is not None and not worker.is_alive() and not self._closed
+
     def _serve(self) -> None:
         stop = False
         while not stop:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import hmac
 import ipaddress
@@ -86,8 +85,11 @@ def check_exposure(
 
 
 # 0.1 keywords -> the settings object that holds them in 0.2
-_SERVER_MOVED = {f.name: f"engine=EngineConfig({f.name}=)" for f in dataclasses.fields(EngineConfig)}
-_SERVER_MOVED |= {f.name: f"limits=ServerLimits({f.name}=)" for f in dataclasses.fields(ServerLimits)}
+_SERVER_MOVED = {name: f"engine=EngineConfig({name}=)" for name in ("max_batch_size", "seed", "dtype", "device",
+                 "copy_model", "batch_invariant", "simulated_disagreement")}  # fmt: skip
+_SERVER_MOVED |= {name: f"limits=ServerLimits({name}=)" for name in ("max_queue", "max_new_tokens_cap",
+                  "max_request_bytes", "max_weights_bytes", "header_timeout_s", "body_timeout_s",
+                  "retry_after_s")}  # fmt: skip
 
 
 class RolloutServer:
@@ -180,17 +182,31 @@ class RolloutServer:
             return _HTTPError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     async def _body_chunks(self, request: web.Request) -> AsyncIterator[bytes]:
-        """The body as it arrives; 408 when no byte comes for ``body_timeout_s``."""
-        wait = self.limits.body_timeout_s
-        stalled = f"request body stalled: no data for {wait:g} s (body_timeout_s)"
+        """The body as it arrives; 408 when no byte comes for ``body_timeout_s``, or when the body
+        falls behind ``min_body_rate`` after its first ``body_timeout_s`` (a trickling client)."""
+        wait, rate = self.limits.body_timeout_s, self.limits.min_body_rate
+        loop = asyncio.get_running_loop()
+        start, received = loop.time(), 0
         while True:
+            # the time by which more than ``received`` bytes must have come
+            behind = start + wait + received / rate - loop.time()
             try:
-                async with asyncio.timeout(wait):
+                async with asyncio.timeout(min(wait, max(behind, 0.0))):
                     chunk = await request.content.readany()
             except TimeoutError:
-                raise _HTTPError(408, stalled) from None
+                if behind >= wait:
+                    raise _HTTPError(
+                        408, f"request body stalled: no data for {wait:g} s (body_timeout_s)"
+                    ) from None
+                took = loop.time() - start
+                raise _HTTPError(
+                    408,
+                    f"request body too slow: {received} bytes in {took:.1f} s, below min_body_rate "
+                    f"({rate} bytes/s after the first {wait:g} s, body_timeout_s)",
+                ) from None
             if not chunk:
                 return
+            received += len(chunk)
             yield chunk
 
     def _admit(self, raw: bytes, protocol: str):
@@ -228,6 +244,8 @@ class RolloutServer:
         return _json_response(build_response(output, protocol, **names, logprobs=logprobs))
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.engine.worker_died:  # answering 200 would send requests to a server that never answers
+            raise _HTTPError(503, "the generation thread has died; restart the server")
         fields = ("num_layers", "top_k", "num_experts", "vocab_size", "max_context", "weight_version")
         health = {name: getattr(self.engine, name) for name in fields}
         return _json_response({"status": "ok", "model": self.model_name} | health)

@@ -25,7 +25,7 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-from r3lightning.app.vllm.settings import VllmSettings, engine_command, engine_environment
+from r3lightning.app.vllm.settings import ProcessOptions, VllmSettings, engine_command, engine_environment
 
 __all__ = ["VllmServer", "VllmStartError"]
 
@@ -97,7 +97,9 @@ class VllmServer:
         """
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
-        server = cls(VllmSettings(model="(external)", health_timeout_s=health_timeout_s))
+        server = cls(
+            VllmSettings(model="(external)", process=ProcessOptions(health_timeout_s=health_timeout_s))
+        )
         server.url = url.rstrip("/")
         server._external = True
         return server
@@ -122,7 +124,7 @@ class VllmServer:
 
         Raises:
             VllmStartError: the engine exited, or did not answer ``/health`` within
-                ``settings.health_timeout_s``; the message's first line says which, the log's tail follows.
+                ``settings.process.health_timeout_s``; the message's first line says which, the log's tail follows.
             FileNotFoundError: no engine Python (the message says ``make vllm``).
         """
         if self._external:
@@ -150,7 +152,7 @@ class VllmServer:
             )
         self._owner = os.getpid()
         _LIVE.add(self)
-        grace = str(settings.stop_timeout_s)
+        grace = str(settings.process.stop_timeout_s)
         self._reaper = subprocess.Popen(
             [sys.executable, str(_REAPER), str(os.getpid()), str(self.process.pid), grace],
             stdin=subprocess.DEVNULL,
@@ -166,7 +168,7 @@ class VllmServer:
         return self
 
     def _wait_healthy(self) -> None:
-        timeout_s = self.settings.health_timeout_s
+        timeout_s = self.settings.process.health_timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process is not None and self.process.poll() is not None:
@@ -179,7 +181,7 @@ class VllmServer:
                 raise VllmStartError(
                     self._failure(f"{what} at {self.url} did not answer /health within {timeout_s:g}s")
                 )
-            time.sleep(self.settings.health_interval_s)
+            time.sleep(self.settings.process.health_interval_s)
 
     def _failure(self, line: str) -> str:
         if self.log_path is None:
@@ -189,7 +191,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """Stop the engine's whole process group: ``SIGTERM``, then ``SIGKILL`` after
-        ``settings.stop_timeout_s``. Idempotent; a no-op for an external engine."""
+        ``settings.process.stop_timeout_s``. Idempotent; a no-op for an external engine."""
         with self._lock:
             process = self.process
             self.process = None
@@ -200,11 +202,15 @@ class VllmServer:
             _restore_sigterm()
         _signal_group(process.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=self.settings.stop_timeout_s)
-        # the group can outlive its leader (engine-core workers): always sweep it
+            process.wait(timeout=self.settings.process.stop_timeout_s)
+        # the group can outlive its leader (engine-core workers): always sweep it, and wait (a
+        # little) until the kernel has taken every member, so none is running when stop() returns
         _signal_group(process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
+        deadline = time.monotonic() + 5.0
+        while _group_running(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
         if self._reaper is not None:
             self._reaper.kill()
             self._reaper.wait()
@@ -226,6 +232,26 @@ def _restore_sigterm() -> None:
     with contextlib.suppress(ValueError):  # not the main thread: leave it
         if signal.getsignal(signal.SIGTERM) is _unwind:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a member of the group still runs (Linux: a zombie, dead but not yet reaped, does not)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in proc.iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def _signal_group(pgid: int, signum: int) -> None:

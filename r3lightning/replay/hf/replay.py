@@ -30,12 +30,26 @@ def __getattr__(name: str) -> object:  # the old flat r3lightning.replay.hf serv
 
 
 class HFRouterReplay:
-    """``RouterReplayBackend`` for the routers inside ``model``, by layer name (``...layers.<i>....``);
-    ``validate``: check installed ids (host syncs); ``soft_threshold``: soft replay
-    (:func:`~r3lightning.replay.backend.soft_replay_indices`; None: plain replay). Per router call
-    with routes: an int64 widening, a ``where``, the weight formula and two ``[N, K, K]`` comparisons
-    on device, no sync (soft replay: an fp32 softmax ``[N, E]`` and three more); idle hooks return at
-    once. Recording keeps an int32 ``[N, K]`` per MoE layer and forward."""
+    """``RouterReplayBackend`` for the Hugging Face routers inside a model, found by layer name
+    (``...layers.<i>....``), one forward hook each.
+
+    Per router call with routes: an int64 widening of that layer's column, a ``where``, the weight
+    formula and two ``[N, K, K]`` comparisons on device, no sync (soft replay: an fp32 softmax
+    ``[N, E]`` and three more); idle hooks return at once. Recording keeps an int32 ``[N, K]`` per
+    MoE layer and forward. One backend per model: :meth:`for_model` shares it.
+
+    Args:
+        model: The MoE model (or the part of it one rank holds).
+        validate: Check the ids of every install (host syncs for device routes).
+        soft_threshold: Soft replay: keep a replayed expert only where the router's own probability
+            of it is at least this (:func:`~r3lightning.replay.backend.soft_replay_indices`);
+            None: plain replay.
+
+    Raises:
+        ValueError: No router of a registered type, routers that disagree on top-k or expert
+            count, or a bad ``soft_threshold``.
+        RuntimeError: A router already has a backend.
+    """
 
     def __init__(
         self, model: nn.Module, *, validate: bool = True, soft_threshold: float | None = None
@@ -47,13 +61,15 @@ class HFRouterReplay:
         shapes = {(int(getattr(m, a.top_k_attr)), int(getattr(m, a.num_experts_attr))) for *_, m, a in found}
         if len(shapes) != 1:
             raise ValueError(f"routers disagree on (top_k, num_experts): {sorted(shapes)}")
-        (self.top_k, self.num_experts), self.moe_layers = shapes.pop(), tuple(layers)
+        self.top_k, self.num_experts = shapes.pop()
+        self.moe_layers = tuple(layers)
         self.num_layers = int(getattr(getattr(model, "config", None), "num_hidden_layers", layers[-1] + 1))
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at layer {layers[-1]} but num_hidden_layers={self.num_layers}")
         self.model_name = type(model).__name__
         self.clear()
-        if owned := [name for _, name, module, _ in found if module in _OWNERS]:
+        owned = [name for _, name, module, _ in found if module in _OWNERS]
+        if owned:
             fix = "use HFRouterReplay.for_model(model) to share it, or call .remove() on the old one"
             raise RuntimeError(f"router {owned[0]!r} already has a replay backend; {fix}")
         self.routers: tuple[nn.Module, ...] = tuple(module for _, _, module, _ in found)
@@ -142,7 +158,8 @@ class HFRouterReplay:
             if token_shape[:-1] != lead:
                 shapes = [c[0] for c in captures]
                 raise ValueError(f"recorded forwards of token shapes {shapes} join along the last axis only")
-            if missing := set(self.moe_layers) - set(by_layer):
+            missing = set(self.moe_layers) - set(by_layer)
+            if missing:
                 raise RuntimeError(f"recording saw no routing for MoE layers {sorted(missing)}")
             rows = ((layer, r.reshape(*token_shape, self.top_k)) for layer, r in by_layer.items())
             pieces.append(routes_on_all_layers(rows, token_shape, self.num_layers, self.top_k))
@@ -174,9 +191,11 @@ class HFRouterReplay:
                 return None  # idle: no tensor work and nothing torch.compile cannot trace
             native = output[p_indices]  # [N, K]
             recompute = in_recompute()
-            indices, replaced = native, None
+            indices = native
+            replaced = None
             if self._routes is not None:
-                if (n := native.shape[0]) != len(self._routes):
+                n = native.shape[0]
+                if n != len(self._routes):
                     routed = f"{self.model_name} routed {n} tokens at layer {layer}"
                     shape = f"token shape {self._token_shape} ({len(self._routes)} tokens)"
                     raise ValueError(f"{routed} but routes were installed for {shape}")
@@ -196,7 +215,8 @@ class HFRouterReplay:
                 if kept is not None:  # a row with no replayed expert kept is the router's own output
                     weights = torch.where(kept.any(-1, keepdim=True), weights, output[p_weights])
                 replaced = list(output)
-                replaced[p_weights], replaced[p_indices] = weights, indices
+                replaced[p_weights] = weights
+                replaced[p_indices] = indices
                 if not recompute:
                     if self._stats is None:
                         self._stats = native.new_zeros((4, len(self.moe_layers)), dtype=torch.int64)

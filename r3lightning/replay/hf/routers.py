@@ -81,7 +81,8 @@ def gpt_oss_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tenso
 
 def phimoe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
     """PhiMoE's sparsemixer for given experts, as inference computes it (the docs' "Modes")."""
-    scores, band = logits, 2 * router.router_jitter_noise
+    scores = logits
+    band = 2 * router.router_jitter_noise
     columns = []
     for k in range(indices.shape[-1]):
         chosen = indices[:, k : k + 1]  # [N, 1]
@@ -100,7 +101,8 @@ _RENAMED |= {"sigmoid_scaled_weights": "deepseek_v3_weights", "softmax_scaled_we
 
 
 def __getattr__(name: str) -> Any:
-    if (new := _RENAMED.get(name)) is None:
+    new = _RENAMED.get(name)
+    if new is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     message = f"{__name__}.{name} is deprecated (removed in the next minor release); use {__name__}.{new}"
     warnings.warn(message, DeprecationWarning, stacklevel=2)
@@ -171,7 +173,8 @@ def _load_builtins(*, imported_only: bool = False) -> None:
                 module = importlib.import_module(module_name)
             except ImportError:
                 continue
-            if (router_cls := getattr(module, class_name, None)) is not None:
+            router_cls = getattr(module, class_name, None)
+            if router_cls is not None:
                 _ADAPTERS.setdefault(router_cls, adapter)
 
 
@@ -192,9 +195,11 @@ def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdap
     _load_builtins(imported_only=True)
     found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
     for name, module in model.named_modules():
-        if (adapter := _adapter_for(module)) is None:
+        adapter = _adapter_for(module)
+        if adapter is None:
             continue
-        if (match := _LAYER_RE.search(f".{name}.")) is None:
+        match = _LAYER_RE.search(f".{name}.")
+        if match is None:
             where = f"router {name!r} ({type(module).__name__})"
             raise ValueError(f"{where} is not inside a 'layers.<i>' module list: no decoder-layer index")
         found.append((int(match.group(1)), name, module, adapter))
@@ -222,7 +227,8 @@ def _no_router_message(model: nn.Module) -> str:
         known = sorted(c.__name__ for c in _ADAPTERS)
         return f"no MoE router found in {model_name}; supported router types: {known}. Yours replays once registered:\n{fix}"
     where = f"{name!r} ({cls.__module__}.{cls.__name__})"
-    if reason := _INCOMPATIBLE.get(cls.__name__):
+    reason = _INCOMPATIBLE.get(cls.__name__)
+    if reason:
         return f"{model_name}'s router {where} cannot be replayed: {reason}, while replay rewrites {_OUTPUT}"
     unknown = f"{model_name} has no registered MoE router; {name!r} is a {cls.__module__}.{cls.__name__}"
     register = f"If its forward returns {_OUTPUT}, register it with its gate-weight function"

@@ -20,8 +20,19 @@ FP8_BLOCK = 128  # block-scaled fp8 quantises the packed row in blocks of 128 pe
 
 @dataclass(frozen=True)
 class MegatronParallelism:
-    """This rank's tensor- and context-parallel position; ``sequence_parallel``: each TP rank's
-    routers see only its contiguous ``1/tp_size`` of the sequence."""
+    """This rank's tensor- and context-parallel position.
+
+    Args:
+        tp_size: Tensor-parallel ranks.
+        tp_rank: This rank's place among them.
+        cp_size: Context-parallel ranks.
+        cp_rank: This rank's place among them.
+        sequence_parallel: Each tensor-parallel rank's routers see only its contiguous
+            ``1 / tp_size`` of the sequence.
+
+    Raises:
+        ValueError: A size below 1 or a rank outside ``[0, size)``.
+    """
 
     tp_size: int = 1
     tp_rank: int = 0
@@ -39,8 +50,10 @@ class MegatronParallelism:
         if not parallel_state.model_parallel_is_initialized():
             return cls(sequence_parallel=bool(sequence_parallel))
         ps = parallel_state
-        tp_size, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        tp_size = ps.get_tensor_model_parallel_world_size()
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        cp_size = ps.get_context_parallel_world_size()
+        cp_rank = ps.get_context_parallel_rank()
         sp = tp_size > 1 if sequence_parallel is None else bool(sequence_parallel)
         return cls(tp_size, tp_rank, cp_size, cp_rank, sp)
 

@@ -51,14 +51,31 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: Sequence[Top
 
 
 # 0.1 keywords -> MegatronParallelism's fields in 0.2
-_PARALLELISM_MOVED = {name: f"parallelism=MegatronParallelism({name}=) (r3lightning.replay.megatron.layout)"
-                      for name in ("tp_size", "tp_rank", "cp_size", "cp_rank", "sequence_parallel")}  # fmt: skip
+_PARALLELISM_MOVED = {
+    name: f"parallelism=MegatronParallelism({name}=) (r3lightning.replay.megatron.layout)"
+    for name in ("tp_size", "tp_rank", "cp_size", "cp_rank", "sequence_parallel")
+}
 
 
 class MegatronRouterReplay:
-    """``RouterReplayBackend`` for the ``TopKRouter`` s of one pipeline stage: its model (or a wrapper)
-    or modules holding them (VPP: the model chunks). ``tp_group`` (default: megatron's) serves
-    :meth:`stop_recording` under sequence parallelism; ``validate`` checks ids on install (a sync)."""
+    """``RouterReplayBackend`` for the megatron-core ``TopKRouter`` s of one pipeline stage, through
+    megatron-core's own ``RouterReplay``.
+
+    Args:
+        model_or_modules: The stage's model (or a wrapper), or the modules holding its routers
+            (with virtual pipeline parallelism: the model chunks).
+        config: The ``TransformerConfig`` (default: the first router's).
+        parallelism: This rank's tensor / context parallel sizes and ranks and sequence
+            parallelism (default: read from megatron's ``parallel_state``).
+        tp_group: The tensor-parallel group :meth:`stop_recording` gathers over under sequence
+            parallelism (default: megatron's).
+        validate: Check the ids of every install (a host sync).
+
+    Raises:
+        TypeError: ``model_or_modules`` holds no ``nn.Module``.
+        ValueError: No ``TopKRouter``, sinkhorn routing, token dropping, routers built without
+            ``moe_enable_routing_replay``, or a router without a layer number.
+    """
 
     @refuse_moved_keywords(_PARALLELISM_MOVED)
     def __init__(
@@ -102,14 +119,16 @@ class MegatronRouterReplay:
         layers = [router.layer_number - 1 for router in self.routers]
         if len(set(layers)) != len(layers):
             raise ValueError(f"several TopKRouters share a decoder layer: layer indices {layers}")
-        self.num_layers, self.top_k = int(cfg.num_layers), int(cfg.moe_router_topk)
+        self.num_layers = int(cfg.num_layers)
+        self.top_k = int(cfg.moe_router_topk)
         self.num_experts: int = int(cfg.num_moe_experts)
         if layers[-1] >= self.num_layers:
             raise ValueError(f"router at decoder layer {layers[-1]} but config.num_layers={self.num_layers}")
         self.moe_layers: tuple[int, ...] = tuple(layers)
         sp = bool(getattr(cfg, "sequence_parallel", False))
         self.parallelism = parallelism or MegatronParallelism.resolve(sequence_parallel=sp)
-        self.validate, self._tp_group = validate, tp_group
+        self.validate = validate
+        self._tp_group = tp_group
         self._replays = [MaskedRouterReplay.attach(router) for router in self.routers]
         # per router (moe_layers order); None everywhere without virtual pipeline parallelism
         self.vp_stages: tuple[int | None, ...] = tuple(_virtual_stages(self.config, modules, self.routers))
@@ -205,7 +224,8 @@ class MegatronRouterReplay:
     def start_recording(self) -> None:
         """Capture the experts used (after any replay) in the following forwards."""
         for replay in self._replays:
-            replay.recording, replay.recorded_topk_idx = True, None
+            replay.recording = True
+            replay.recorded_topk_idx = None
             if replay.target_topk_idx is None:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
 

@@ -45,7 +45,8 @@ class MaskedRouterReplay(RouterReplay):
         if _EXPERT_BIAS_MASK_BUG and getattr(router, "enable_expert_bias", False):
             router._apply_expert_bias = types.MethodType(_count_expert_tokens, router)
         if replay.fused_config is None and getattr(router.config, "moe_router_fusion", False):
-            replay.fused_config, replay.unfused_config = router.config, copy.copy(router.config)
+            replay.fused_config = router.config
+            replay.unfused_config = copy.copy(router.config)
             replay.unfused_config.moe_router_fusion = False
         return replay
 
@@ -66,13 +67,18 @@ class MaskedRouterReplay(RouterReplay):
     def clear_indices(self) -> None:
         super().clear_indices()
         # target_mask: [N] bool or None; fresh: installed routes no forward used yet (already queued)
-        self.target_mask, self.replay_backward_masks, self.fresh = None, [], False
+        self.target_mask = None
+        self.replay_backward_masks = []
+        self.fresh = False
 
     def reset(self) -> None:
         self.clear_indices()
         self.clear_router_replay_action()
         # token_batch: b of the last forward's [s, b, h] input; counts: agreement_counts [2] of the forwards
-        self.recording, self.recorded_topk_idx, self.token_batch, self.counts = False, None, None, None
+        self.recording = False
+        self.recorded_topk_idx = None
+        self.token_batch = None
+        self.counts = None
 
     def _before_forward(self, router: nn.Module, args: tuple) -> None:
         if self.fused_config is not None:  # megatron's unfused top-k while replaying or recording
@@ -89,7 +95,8 @@ class MaskedRouterReplay(RouterReplay):
             if self.recording:
                 self.set_router_replay_action(RouterReplayAction.RECORD)
             return
-        if hidden is not None and (tokens := hidden.shape[0] * hidden.shape[1]) != len(self.target_topk_idx):
+        tokens = None if hidden is None else hidden.shape[0] * hidden.shape[1]
+        if tokens is not None and tokens != len(self.target_topk_idx):
             where = f"router at layer {router.layer_number - 1} routes {tokens} tokens ([s, b] = {list(hidden.shape[:2])})"
             raise ValueError(f"{where} but the installed routes hold {len(self.target_topk_idx)} rows")
         if not self.fresh:  # a further forward with the same routes gets its own FIFO entry
@@ -108,7 +115,8 @@ class MaskedRouterReplay(RouterReplay):
         probs, replayed = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         if mask is None and action is _BACKWARD:
             return probs, replayed
-        indices, groups = replayed, dict(num_groups=num_groups, group_topk=group_topk)
+        indices = replayed
+        groups = dict(num_groups=num_groups, group_topk=group_topk)
         if mask is None:
             with torch.no_grad():  # only for the agreement counts
                 _, native = default_compute_topk(scores, topk, **groups)
