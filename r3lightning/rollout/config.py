@@ -108,7 +108,9 @@ class CollectorConfig:
 
     def __post_init__(self) -> None:
         check_setting("group_size", self.group_size, low=2, integer=True)
-        check_setting("seed", self.seed, integer=True)
+        check_setting(
+            "seed", self.seed, low=0, high=2**63 - 1, integer=True
+        )  # sampling seeds hash it as int64
         if self.protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {list(PROTOCOL_PATHS)}, got {self.protocol!r}")
         for name in ("request_routes", "progress"):

@@ -14,7 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 
-from r3lightning.app.job.build import JobError, one_line, plain
+from r3lightning.app.job.build import plain
+from r3lightning.app.job.common import JobError, one_line
 
 FINGERPRINT = "fingerprint.json"
 _FIX = "delete it to start this run over, or set resume=false or another hydra.run.dir"

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from r3lightning.checks import check_setting
 from r3lightning.correction.importance import k3_terms
 from r3lightning.correction.steps import CorrectionConfig
 
@@ -32,6 +33,21 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {list(LOSSES)}, got {self.loss!r}")
+        check_setting("group_size", self.group_size, low=2, high=2**31 - 1, integer=True)
+        if (
+            isinstance(self.clip_low, bool)
+            or not isinstance(self.clip_low, int | float)
+            or not 0 < self.clip_low < 1
+        ):
+            raise ValueError(f"clip_low must be a number in (0, 1), got {self.clip_low!r}")
+        check_setting("clip_high", self.clip_high, low=0, above=True)
+        if not isinstance(self.normalize_std, bool):
+            raise ValueError(f"normalize_std must be true or false, got {self.normalize_std!r}")
+        check_setting("ratio_band", self.ratio_band, low=1)
+        check_setting("mismatch_every_n_steps", self.mismatch_every_n_steps, low=0, integer=True)
+        if not isinstance(self.correction, CorrectionConfig):
+            got = type(self.correction).__name__
+            raise ValueError(f"correction must be a CorrectionConfig (r3lightning.correction), got {got}")
 
 
 MAX_LOG_RATIO = 20.0  # the losses' log-ratio cap before exp: exp(20) ~ 4.9e8
@@ -66,6 +82,11 @@ class GRPOAdvantages:
 
     normalize_std: bool = True
     std_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize_std, bool):
+            raise ValueError(f"normalize_std must be true or false, got {self.normalize_std!r}")
+        check_setting("std_eps", self.std_eps, low=0, above=True)
 
     def __call__(self, rewards: Tensor) -> Tensor:
         """Args:

@@ -18,17 +18,15 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from r3lightning.app.job.build import dataclass_from
 from r3lightning.app.job.common import JobError
 from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.app.job.report import AGREEMENT_PREFIX, CORRECTION_PREFIX, MISMATCH_PREFIX, write_csv
-from r3lightning.app.job.rollout_settings import ahead_config, collector_config, retry_policy
+from r3lightning.app.job.rollout_settings import ahead_config, collector_config, retry_policy, sampling_config
 from r3lightning.app.serve.server import is_loopback
 from r3lightning.app.tasks.token_class import ScoredTask
 from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.rollout.ahead import RolloutWorker
 from r3lightning.rollout.collector import CollectedRollouts, RolloutCollector
-from r3lightning.rollout.prompts import SamplingConfig
 from r3lightning.rollout.stats import GroupsDroppedError
 from r3lightning.wire.errors import RemoteGenerateError
 from r3lightning.wire.request import RouteSchema
@@ -71,7 +69,7 @@ class RolloutLoop(pl.Callback):
         self.cfg, self.engine, self.task, self.schema, self.buffer = cfg, engine, task, schema, buffer
         self.metrics_path = metrics_path
         self.ahead = ahead_config(cfg.rollout)
-        self.sampling = dataclass_from(SamplingConfig, cfg.rollout.sampling, "rollout.sampling")
+        self.sampling = sampling_config(cfg.rollout)
         if self.sampling.stop_token_ids is None:  # the tokenizer's EOS of a dataset task, in every protocol
             stop = list(getattr(task.prompts, "stop_token_ids", None) or []) or None
             self.sampling = dataclasses.replace(self.sampling, stop_token_ids=stop)
