@@ -47,19 +47,19 @@ _OPTIONS_MOVED = {
 
 
 class R3DataModule(pl.LightningDataModule):
-    """LightningDataModule over a :class:`ReplayBuffer` yielding :class:`RolloutBatch` es; the
+    """LightningDataModule over a [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer] yielding [`RolloutBatch`][r3lightning.data.batch.RolloutBatch] es; the
     settings other than the buffers are saved as ``hparams``.
 
     Args:
         buffer: the replay buffer, read at every ``train_dataloader`` call. A
-            :class:`~r3lightning.data.stream.StreamingReplayBuffer` streams one RL step per epoch:
+            `StreamingReplayBuffer` streams one RL step per epoch:
             a new epoch waits for its step, filled by a producer thread while earlier ones train.
         batch_size: trajectories per batch on each data-parallel rank.
         shuffle, seed: permute each epoch with seed ``seed + epoch``; else buffer order.
         collate_threads: fill threads per collation; ``None``: ``cpus.collate_pool_size()``.
         pin_memory: collate into a pinned buffer pool; ``None``: when training on a CUDA device.
         drop_last: drop each rank's incomplete last batch instead of adding zero-loss placeholders.
-        options: :class:`DataOptions`.
+        options: [`DataOptions`][r3lightning.data.options.DataOptions].
     """
 
     @refuse_moved_keywords(_OPTIONS_MOVED)

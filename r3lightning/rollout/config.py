@@ -1,5 +1,5 @@
 """Settings of the rollout client and collector: frozen dataclasses, checked when built (a bad
-value is a ``ValueError`` whose message starts with the field name), and :func:`route_schema`.
+value is a ``ValueError`` whose message starts with the field name), and `route_schema`.
 The configuration page has each field and its job key.
 """
 
@@ -82,7 +82,7 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class CollectorConfig:
-    """How a :class:`~r3lightning.rollout.collector.RolloutCollector` gathers one RL step.
+    """How a [`RolloutCollector`][r3lightning.rollout.collector.RolloutCollector] gathers one RL step.
 
     Args:
         group_size: Samples per prompt (a group, at least 2), kept whole on one rank and engine.

@@ -18,7 +18,7 @@ _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 
 def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
     """``{arm name: its checked config}`` from ``compare`` (docs/demo.md); none: the arm ``replay=<mode>``.
-    Every arm's values are checked first (:func:`check_values`), then, if ``targets``, its targets."""
+    Every arm's values are checked first (`check_values`), then, if ``targets``, its targets."""
     check_values(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):

@@ -1,5 +1,5 @@
 """From config nodes to objects (``_target_`` nodes, settings dataclasses, the model, replay backend,
-task, callbacks and ``Trainer``), every failure a one-line :class:`JobError` naming the config key."""
+task, callbacks and ``Trainer``), every failure a one-line `JobError` naming the config key."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def import_problem(exc: BaseException) -> str:
 
 
 def target_of(node: Any, key: str) -> Any:
-    """The object ``node._target_`` names; a :class:`JobError` naming ``key`` when it cannot be."""
+    """The object ``node._target_`` names; a `JobError` naming ``key`` when it cannot be."""
     values = plain(node)
     if not isinstance(values, Mapping) or "_target_" not in values:
         raise JobError(f"{key} must be a mapping with a _target_, got {values!r}")
@@ -82,7 +82,7 @@ def target_of(node: Any, key: str) -> Any:
 
 def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
     """``node``'s ``_target_`` called with its keys and ``job_kwargs``; every failure a
-    :class:`JobError` naming ``key``. ``job_kwargs`` reach the target as they are: Hydra would turn a
+    `JobError` naming ``key``. ``job_kwargs`` reach the target as they are: Hydra would turn a
     dataclass (``grpo=GRPOConfig(...)``) into a ``DictConfig``, losing its methods."""
     target_of(node, key)
     values = plain(node)

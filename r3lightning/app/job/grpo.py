@@ -72,7 +72,7 @@ def group_advantages(
 @dataclass(frozen=True)
 class GRPOAdvantages:
     """GRPO's advantages of one group, the ``advantages`` function a
-    :class:`~r3lightning.rollout.collector.RolloutCollector` takes.
+    [`RolloutCollector`][r3lightning.rollout.collector.RolloutCollector] takes.
 
     Args:
         normalize_std: Divide by the group's unbiased reward std plus ``std_eps`` (GRPO); False
@@ -207,7 +207,7 @@ def mismatch_metrics(
     trainer_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, ratio_band: float = 2.0
 ) -> dict[str, Tensor]:
     """With ``r = p_trainer / p_rollout`` on the loss tokens, detached float64 scalars: ``k3_kl``
-    (mean :func:`k3_terms`, the k3 estimator of KL(rollout || trainer)), ``ratio_out_of_band``
+    (mean `k3_terms`, the k3 estimator of KL(rollout || trainer)), ``ratio_out_of_band``
     (share with ``r`` outside ``[1 / ratio_band, ratio_band]``) and ``abs_logprob_diff``."""
     with torch.no_grad():
         log_r = trainer_logprobs.double() - rollout_logprobs.double()  # [B, S]
@@ -226,7 +226,7 @@ def paired_mismatch_metrics(
     *,
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
-    """The mismatch R3 removes: :func:`mismatch_metrics` of the trainer's native and replayed
+    """The mismatch R3 removes: `mismatch_metrics` of the trainer's native and replayed
     logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``,
     ``abs_logprob_diff_native``, ``abs_logprob_diff_replayed``)."""
     native, replayed = (
@@ -244,7 +244,7 @@ def paired_mismatch_metrics(
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy (nats) of each token's predicting distribution, ``[B, S]`` like :func:`token_logprobs`."""
+    """Entropy (nats) of each token's predicting distribution, ``[B, S]`` like `token_logprobs`."""
     logp = _shifted_log_softmax(logits)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))

@@ -1,7 +1,7 @@
 """The main job's entry point, ``r3lightning-train`` (= ``python -m r3lightning.app.job.main``): a
-standard ``@hydra.main`` over the structured config of :mod:`r3lightning.app.job.store`, so ``-m`` runs
+standard ``@hydra.main`` over the structured config of `r3lightning.app.job.store`, so ``-m`` runs
 through Hydra's sweeper and any launcher plugin. Each failure is one line and an exit status
-(docs/job.md); :class:`~r3lightning.app.job.hooks.JobCallback` checks values before Hydra writes."""
+(docs/job.md); `JobCallback` checks values before Hydra writes."""
 
 from __future__ import annotations
 

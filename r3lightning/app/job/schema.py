@@ -1,11 +1,11 @@
 """Hydra structured configs made from the library's settings dataclasses.
 
 The dataclasses (``RetryPolicy``, ``EngineConfig``, ``GRPOConfig``, ...) are the one source of the
-job's field names, types and defaults. :func:`structured` turns one into a dataclass that OmegaConf
+job's field names, types and defaults. `structured` turns one into a dataclass that OmegaConf
 can type-check: the same fields and defaults, each type narrowed to what a YAML value can be
 (``torch.dtype | str`` -> ``str``, ``Sequence[int] | None`` -> ``Optional[List[int]]``). Hydra then
 refuses a wrong type or an unknown key while it composes; the value checks of the dataclass's own
-``__post_init__`` run when :func:`build` makes the library object from the composed node.
+``__post_init__`` run when `build` makes the library object from the composed node.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def build(
 ) -> Any:
     """``cls`` (a settings dataclass) from the config ``node`` at ``key``: nested settings too, the
     ``_target_`` and ``skip`` keys left out. A value the class refuses (its ``ValueError`` or
-    ``TypeError``) is a :class:`SettingsError` naming ``key.<field>`` and, for an interpolated value,
+    ``TypeError``) is a `SettingsError` naming ``key.<field>`` and, for an interpolated value,
     where it is set.
 
     Args:

@@ -1,4 +1,4 @@
-"""Trains one run (one arm, one seed) from its checked config: :func:`train_one`."""
+"""Trains one run (one arm, one seed) from its checked config: `train_one`."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``conf/config.yaml`` starts its defaults list with it, so every group option and command-line
 override is merged onto typed nodes: Hydra refuses a wrong type or an unknown key while it
-composes. The typed nodes are made by :func:`~r3lightning.app.job.schema.structured` from the settings
+composes. The typed nodes are made by `structured` from the settings
 dataclasses; the ``_target_`` nodes (model, task, reward, module, callbacks, loggers, trainer)
 stay open, since users put their own classes and keywords there. ``algorithm`` is ``GRPOConfig``
 with ``GRPOAdvantages.std_eps`` and ``optim`` (``OptimConfig``); ``rollout`` holds

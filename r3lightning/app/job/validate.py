@@ -1,7 +1,7 @@
-"""The job config's checks, in two passes: :func:`check_values` builds every settings dataclass
+"""The job config's checks, in two passes: `check_values` builds every settings dataclass
 from the composed config (no Lightning, transformers or model import: a bad value is reported in
-about a second), :func:`check_targets` then imports the ``_target_`` nodes and builds the data
-module and callbacks once. Each failure is one :class:`JobError` naming the key. Also the one
+about a second), `check_targets` then imports the ``_target_`` nodes and builds the data
+module and callbacks once. Each failure is one `JobError` naming the key. Also the one
 table of moved keys, and the one-line form of Hydra's own composition errors."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def error_line(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Settings:
-    """Every settings object of one run's config (what :func:`check_values` built)."""
+    """Every settings object of one run's config (what `check_values` built)."""
 
     run: RunSettings
     replay: ReplaySettings
@@ -246,7 +246,7 @@ def check_targets(cfg: DictConfig) -> None:
 
 
 def check_config(cfg: DictConfig) -> Settings:
-    """:func:`check_values`, then :func:`check_targets`; returns the settings."""
+    """`check_values`, then `check_targets`; returns the settings."""
     settings = check_values(cfg)
     check_targets(cfg)
     return settings
