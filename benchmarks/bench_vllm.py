@@ -106,6 +106,10 @@ def engine_cost(servers: dict[str, VllmServer], args) -> tuple[dict, list[bytes]
     prompts = workload(args.prompts)
     for server in servers.values():  # warm-up
         run_once(server, prompts, args.new_tokens)
+    for arm, server in servers.items():  # each arm does what it claims: routes from one engine only
+        routes = json.loads(run_once(server, prompts[:1], 2)[2][0])["choices"][0].get("routed_experts")
+        if (routes is not None) != (arm == "on"):
+            raise SystemExit(f"the routes-{arm} engine answered routed_experts={str(routes)[:40]}")
     samples: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
     bodies: list[bytes] = []
     for r in range(args.rounds):

@@ -33,7 +33,7 @@ def _as_host_array(name: str, rows: object) -> np.ndarray:
 
 class TokenMetadataTrace:
     """Rows ``[rows, *row_shape]`` of one trajectory's per-token metadata, appended in token order
-    (``row_shape`` from the constructor or the first append) by reference; :meth:`finalize` makes
+    (``row_shape`` from the constructor or the first append) by reference; `finalize` makes
     the one copy, in the widest integer width appended."""
 
     def __init__(self, row_shape: Sequence[int] | None = None, *, name: str = "rows") -> None:

@@ -107,8 +107,9 @@ def test_an_engine_that_cannot_start_is_one_line_saying_make_vllm(tmp_path):
     [
         ({"dtype": "fp8"}, "rollout.launch.dtype must be one of"),
         ({"model": "/m"}, "rollout.launch.model is set by the job"),
-        ({"threads": 0}, "rollout.launch.threads must be"),
-        ({"extra_args": "--x"}, "rollout.launch.extra_args must be a list"),
+        ({"process": {"threads": 0}}, "rollout.launch.process.threads must be"),
+        ({"serve": {"extra_args": "--x"}}, "rollout.launch.serve.extra_args must be a list"),
+        ({"serve": {"eagre": True}}, "rollout.launch.serve.eagre is not a setting here"),
         ({"colour": 1}, "rollout.launch.colour is not a setting here"),
     ],
 )
@@ -119,10 +120,10 @@ def test_bad_launch_settings_are_one_line_naming_the_key(launch, expected):
 
 
 def test_launch_settings_reach_the_engine_as_given():
-    launch = {"dtype": "float32", "threads": 2, "extra_args": ["--max-num-seqs", "4"]}
+    launch = {"dtype": "float32", "process": {"threads": 2}, "serve": {"extra_args": ["--max-num-seqs", "4"]}}
     settings = launch_settings(OmegaConf.create({"launch": launch}), model="/served")
-    assert (settings.model, settings.dtype, settings.threads) == ("/served", "float32", 2)
-    assert settings.extra_args == ("--max-num-seqs", "4")
+    assert (settings.model, settings.dtype, settings.process.threads) == ("/served", "float32", 2)
+    assert settings.serve.extra_args == ("--max-num-seqs", "4")
 
 
 def test_the_vllm_model_option_is_the_vllm_variant_of_the_tiny_model():

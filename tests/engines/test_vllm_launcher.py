@@ -16,7 +16,7 @@ import pytest
 from engine_procs import alive, group_members, wait_gone
 from python_process import REPO
 
-from r3lightning.app.vllm import VllmServer, VllmSettings, VllmStartError
+from r3lightning.app.vllm import ProcessOptions, ServeOptions, VllmServer, VllmSettings, VllmStartError
 from r3lightning.app.vllm.launcher import _healthy
 from r3lightning.app.vllm.settings import ENGINE_SIDE_DIR, engine_command, engine_environment, engine_python
 
@@ -33,10 +33,9 @@ def fake_python(tmp_path, monkeypatch) -> Path:
     return path
 
 
-def settings(python: Path, model: str = "healthy", **overrides) -> VllmSettings:
-    return VllmSettings(
-        model=model, python=str(python), health_interval_s=0.05, stop_timeout_s=5, **overrides
-    )
+def settings(python: Path, model: str = "healthy", health_timeout_s: float = 600.0) -> VllmSettings:
+    process = ProcessOptions(health_timeout_s=health_timeout_s, health_interval_s=0.05, stop_timeout_s=5)
+    return VllmSettings(model=model, python=str(python), process=process)
 
 
 def engine_pids(tmp_path: Path) -> list[int]:
@@ -63,8 +62,9 @@ def test_stops_every_engine_process_after_an_exception(fake_python, tmp_path):
 
 OWNER = """
 import sys, time
-from r3lightning.app.vllm import VllmServer, VllmSettings
-settings = VllmSettings(model="healthy", python=sys.argv[1], health_interval_s=0.05, stop_timeout_s=5)
+from r3lightning.app.vllm import ProcessOptions, VllmServer, VllmSettings
+process = ProcessOptions(health_interval_s=0.05, stop_timeout_s=5)
+settings = VllmSettings(model="healthy", python=sys.argv[1], process=process)
 with VllmServer(settings) as server:
     print(server.url, flush=True)
     time.sleep(600)
@@ -100,8 +100,9 @@ pids = []
 def report():  # registered before the launcher's module is imported: atexit runs it after the launcher's
     print("alive" if any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z" for p in pids) else "gone", flush=True)
 atexit.register(report)
-from r3lightning.app.vllm import VllmServer, VllmSettings
-settings = VllmSettings(model="healthy", python=sys.argv[1], health_interval_s=0.05, stop_timeout_s=5)
+from r3lightning.app.vllm import ProcessOptions, VllmServer, VllmSettings
+process = ProcessOptions(health_interval_s=0.05, stop_timeout_s=5)
+settings = VllmSettings(model="healthy", python=sys.argv[1], process=process)
 server = VllmServer(settings).start()
 pids.extend(int(p) for p in open(os.environ["FAKE_ENGINE_PIDS"]).read().split())
 """
@@ -152,24 +153,34 @@ def test_an_external_engine_that_does_not_answer_fails_in_time(fake_python, tmp_
 def test_command_and_environment_carry_each_setting(tmp_path):
     python = tmp_path / "python"
     python.touch()
-    config = VllmSettings(model="/m", dtype="bfloat16", python=str(python), max_model_len=300, threads=2)
+    config = VllmSettings(
+        model="/m",
+        dtype="bfloat16",
+        python=str(python),
+        serve=ServeOptions(max_model_len=300, extra_args=("--max-num-seqs", 4)),
+        process=ProcessOptions(threads=2, kv_cache_gib=3),
+    )
     command = engine_command(config, Path("/shim.py"), 1234)
     assert command[:4] == [str(python), "/shim.py", "serve", "/m"]
     assert " ".join(command[4:]).startswith(
         "--host 127.0.0.1 --port 1234 --dtype bfloat16 --max-model-len 300"
     )
     assert {"--enable-return-routed-experts", "--enable-scale-out", "--enforce-eager"} <= set(command)
+    assert command[-2:] == ["--max-num-seqs", "4"]  # extra arguments last, as strings
     off = engine_command(
-        VllmSettings(model="/m", python=str(python), routed_experts=False, eager=False), FAKE, 1
+        VllmSettings(model="/m", python=str(python), routed_experts=False, serve=ServeOptions(eager=False)),
+        FAKE,
+        1,
     )
     assert "--enable-return-routed-experts" not in off and "--enforce-eager" not in off
     assert command[command.index("--worker-extension-cls") + 1] == "r3lightning_worker.WeightReload"
     env = engine_environment(config)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["OMP_NUM_THREADS"] == "2"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
     # only the standalone worker extension: none of this Python's paths, nothing to shadow
     assert env["PYTHONPATH"] == str(ENGINE_SIDE_DIR)
     assert sorted(p.name for p in ENGINE_SIDE_DIR.glob("*.py")) == ["r3lightning_worker.py"]
-    plain = VllmSettings(model="/m", python=str(python), dev_mode=False)
+    plain = VllmSettings(model="/m", python=str(python), serve=ServeOptions(dev_mode=False))
     assert "--worker-extension-cls" not in engine_command(plain, FAKE, 1)
     assert not {"VLLM_SERVER_DEV_MODE", "PYTHONPATH"} & set(engine_environment(plain))
 
@@ -181,16 +192,20 @@ def test_a_missing_engine_python_says_make_vllm(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "field, value, expected",
+    "build, expected",
     [
-        ("dtype", "fp8", "dtype must be one of"),
-        ("port", 70000, "port must be"),
-        ("threads", 0, "threads must be"),
+        (lambda: VllmSettings(model="/m", dtype="fp8"), "dtype must be one of"),
+        (lambda: VllmSettings(model="/m", port=70000), "port must be"),
+        (lambda: ProcessOptions(threads=0), "threads must be"),
+        (lambda: ProcessOptions(health_timeout_s=0), "health_timeout_s must be"),
+        (lambda: ServeOptions(max_model_len=0), "max_model_len must be"),
+        (lambda: VllmSettings(model="/m", serve={"eager": False}), "serve must be a ServeOptions"),
     ],
+    ids=["dtype", "port", "threads", "health_timeout", "max_model_len", "serve"],
 )
-def test_bad_settings_name_the_field(field, value, expected):
-    with pytest.raises(ValueError, match=expected):
-        VllmSettings(model="/m", **{field: value})
+def test_bad_settings_name_the_field(build, expected):
+    with pytest.raises((TypeError, ValueError), match=expected):
+        build()
 
 
 NEEDS_ENGINE = "tests/engines/test_vllm_no_routes.py::test_asking_for_routes_is_one_line_naming_the_flag"

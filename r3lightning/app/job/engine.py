@@ -91,7 +91,36 @@ def _sglang_disk_push(
     return push
 
 
-def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
+def _vllm_push(cfg: DictConfig, urls: list[str], timeout_s: float, directory: Path | None) -> WeightSync:
+    """vLLM's sync: the checkpoint in ``directory`` (default ``rollout.weight_sync_dir``), written in
+    ``rollout.weight_sync_dtype``, laid out as the job's model config names it."""
+    from r3lightning.app.job.models import torch_dtype
+    from r3lightning.app.job.vllm_sync import vllm_disk_push
+
+    rollout = cfg.rollout
+    if directory is None and not rollout.get("weight_sync_dir"):
+        raise JobError(
+            "rollout.weight_sync_dir is not set: the vLLM engine reloads the trainer's weights from a "
+            "directory it reads; set it, or rollout.sync_weights=false (rollouts then drift off-policy)"
+        )
+    directory = Path(str(rollout.weight_sync_dir)) if directory is None else directory
+    try:
+        dtype = torch_dtype(rollout.get("weight_sync_dtype", "bfloat16"), "rollout.weight_sync_dtype")
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    return vllm_disk_push(urls, rollout.api_key, timeout_s, directory, _model_config(cfg), dtype)
+
+
+def _model_config(cfg: DictConfig):
+    """The HF config of the job's model: ``model.path``'s, else the built model's."""
+    if cfg.model.get("path") is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(Path(str(cfg.model.path)).expanduser()), local_files_only=True)
+    return build_model(cfg.model).config
+
+
+def _external_engine(cfg: DictConfig, urls: list[str], weights_dir: Path | None = None) -> Engine:
     rollout = cfg.rollout
     if not rollout.sync_weights:
         return Engine(urls)
@@ -106,6 +135,8 @@ def _external_engine(cfg: DictConfig, urls: list[str]) -> Engine:
     if not is_global_zero():
         return Engine(urls, gather=True)
     timeout = retry_policy(rollout).timeout_s
+    if rollout.protocol == "vllm":
+        return Engine(urls, _vllm_push(cfg, urls, timeout, weights_dir), gather=True)
     if rollout.protocol == "skyrl":
         return Engine(urls, _http_push(urls, rollout.api_key, timeout), gather=True)
     directory = Path(str(rollout.weight_sync_dir))
@@ -183,6 +214,7 @@ def _launched_vllm(cfg: DictConfig) -> Iterator[Engine]:
             raise JobError(f"rollout.launch: {exc}") from None
         try:
             logger.info("vLLM engine at %s (log: %s)", server.url, server.log_path)
-            yield _external_engine(cfg, [server.url])
+            # the weight sync's checkpoint: beside the served model, gone with it
+            yield _external_engine(cfg, [server.url], Path(directory) / "weights")
         finally:
             server.stop()

@@ -1,6 +1,6 @@
 """A vLLM engine owned by this process: ``vllm serve`` started, health-checked and always stopped.
 
-:class:`VllmServer` starts ``vllm serve`` on ``127.0.0.1`` in its own process group, through
+[`VllmServer`][r3lightning.app.vllm.launcher.VllmServer] starts ``vllm serve`` on ``127.0.0.1`` in its own process group, through
 ``cli_shim.py`` run by the engine's own Python (``.venv-vllm`` by default, built by ``make vllm``),
 waits for ``GET /health``, and stops the whole group (``SIGTERM``, then ``SIGKILL``) when the
 ``with`` block ends for any reason: a normal exit, an exception, Ctrl-C, ``SIGTERM`` to this process
@@ -25,7 +25,7 @@ import urllib.request
 import weakref
 from pathlib import Path
 
-from r3lightning.app.vllm.settings import VllmSettings, engine_command, engine_environment
+from r3lightning.app.vllm.settings import ProcessOptions, VllmSettings, engine_command, engine_environment
 
 __all__ = ["VllmServer", "VllmStartError"]
 
@@ -63,9 +63,9 @@ def log_tail(path: Path | None, lines: int = 30) -> str:
 
 
 class VllmServer:
-    """One vLLM engine: started here (``VllmServer(settings)``) or external (:meth:`external`).
+    """One vLLM engine: started here (``VllmServer(settings)``) or external (`external`).
 
-    Use as a context manager; :attr:`url` is the base URL for ``RemoteGenerateClient``.
+    Use as a context manager; `url` is the base URL for ``RemoteGenerateClient``.
 
     Args:
         settings: how to start the engine (model directory, dtype, flags, timeouts).
@@ -90,14 +90,16 @@ class VllmServer:
 
         Args:
             url: the engine's base URL (``http://host:port``).
-            health_timeout_s: how long :meth:`start` waits for its ``/health``.
+            health_timeout_s: how long `start` waits for its ``/health``.
 
         Returns:
-            A :class:`VllmServer` without a process.
+            A [`VllmServer`][r3lightning.app.vllm.launcher.VllmServer] without a process.
         """
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
-        server = cls(VllmSettings(model="(external)", health_timeout_s=health_timeout_s))
+        server = cls(
+            VllmSettings(model="(external)", process=ProcessOptions(health_timeout_s=health_timeout_s))
+        )
         server.url = url.rstrip("/")
         server._external = True
         return server
@@ -118,11 +120,11 @@ class VllmServer:
         """Start the engine (external: check it answers) and wait for ``/health``.
 
         Returns:
-            ``self``, with :attr:`url` set.
+            ``self``, with `url` set.
 
         Raises:
             VllmStartError: the engine exited, or did not answer ``/health`` within
-                ``settings.health_timeout_s``; the message's first line says which, the log's tail follows.
+                ``settings.process.health_timeout_s``; the message's first line says which, the log's tail follows.
             FileNotFoundError: no engine Python (the message says ``make vllm``).
         """
         if self._external:
@@ -150,7 +152,7 @@ class VllmServer:
             )
         self._owner = os.getpid()
         _LIVE.add(self)
-        grace = str(settings.stop_timeout_s)
+        grace = str(settings.process.stop_timeout_s)
         self._reaper = subprocess.Popen(
             [sys.executable, str(_REAPER), str(os.getpid()), str(self.process.pid), grace],
             stdin=subprocess.DEVNULL,
@@ -166,7 +168,7 @@ class VllmServer:
         return self
 
     def _wait_healthy(self) -> None:
-        timeout_s = self.settings.health_timeout_s
+        timeout_s = self.settings.process.health_timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process is not None and self.process.poll() is not None:
@@ -179,7 +181,7 @@ class VllmServer:
                 raise VllmStartError(
                     self._failure(f"{what} at {self.url} did not answer /health within {timeout_s:g}s")
                 )
-            time.sleep(self.settings.health_interval_s)
+            time.sleep(self.settings.process.health_interval_s)
 
     def _failure(self, line: str) -> str:
         if self.log_path is None:
@@ -189,7 +191,7 @@ class VllmServer:
 
     def stop(self) -> None:
         """Stop the engine's whole process group: ``SIGTERM``, then ``SIGKILL`` after
-        ``settings.stop_timeout_s``. Idempotent; a no-op for an external engine."""
+        ``settings.process.stop_timeout_s``. Idempotent; a no-op for an external engine."""
         with self._lock:
             process = self.process
             self.process = None
@@ -200,11 +202,15 @@ class VllmServer:
             _restore_sigterm()
         _signal_group(process.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=self.settings.stop_timeout_s)
-        # the group can outlive its leader (engine-core workers): always sweep it
+            process.wait(timeout=self.settings.process.stop_timeout_s)
+        # the group can outlive its leader (engine-core workers): always sweep it, and wait (a
+        # little) until the kernel has taken every member, so none is running when stop() returns
         _signal_group(process.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
+        deadline = time.monotonic() + 5.0
+        while _group_running(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
         if self._reaper is not None:
             self._reaper.kill()
             self._reaper.wait()
@@ -226,6 +232,26 @@ def _restore_sigterm() -> None:
     with contextlib.suppress(ValueError):  # not the main thread: leave it
         if signal.getsignal(signal.SIGTERM) is _unwind:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a member of the group still runs (Linux: a zombie, dead but not yet reaped, does not)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for entry in proc.iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def _signal_group(pgid: int, signum: int) -> None:

@@ -1,4 +1,4 @@
-"""How a local vLLM engine is started: :class:`VllmSettings`, the command line and the environment."""
+"""How a local vLLM engine is started: [`VllmSettings`][r3lightning.app.vllm.settings.VllmSettings], the command line and the environment."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ __all__ = [
     "ENGINE_PYTHON_ENV",
     "ENGINE_SIDE_DIR",
     "WORKER_EXTENSION",
+    "ProcessOptions",
+    "ServeOptions",
     "VllmSettings",
     "engine_command",
     "engine_environment",
@@ -29,58 +31,89 @@ ENGINE_SIDE_DIR = Path(__file__).resolve().with_name("engine_side")
 
 
 @dataclass(frozen=True)
+class ServeOptions:
+    """What ``vllm serve`` is told besides the model, its dtype and the routes switch.
+
+    Args:
+        dev_mode: ``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/reset_prefix_cache``,
+            ``/pause``, ``/resume`` and ``/update_weight_version`` (what weight sync uses), and the
+            worker extension whose ``r3_reload_weights`` the sync calls (``weight_sync.py``);
+            these endpoints are unauthenticated, so keep the engine on loopback with it on.
+        eager: ``--enforce-eager``: no graph compilation (a CPU start in about half the time);
+            False on a GPU keeps CUDA graphs.
+        max_model_len: ``--max-model-len`` (prompt plus response tokens).
+        seed: ``--seed`` (sampling of requests without their own seed).
+        extra_args: more ``vllm serve`` arguments, appended as given (e.g. ``--tensor-parallel-size 2``).
+    """
+
+    dev_mode: bool = True
+    eager: bool = True
+    max_model_len: int = 256
+    seed: int = 0
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        check_setting("max_model_len", self.max_model_len, low=1, integer=True)
+        check_setting("seed", self.seed, low=0, integer=True)
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+
+
+@dataclass(frozen=True)
+class ProcessOptions:
+    """The engine process: its share of the host and how long the launcher waits for it.
+
+    Args:
+        threads: OpenMP threads of the CPU engine (unbound), so it shares the host's cores.
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, the CPU engine's KV cache in GiB.
+        health_timeout_s: how long to wait for ``/health`` after the start (57-83 s on 2 busy cores).
+        health_interval_s: seconds between health probes while waiting.
+        stop_timeout_s: seconds between ``SIGTERM`` and ``SIGKILL`` when stopping.
+    """
+
+    threads: int = 1
+    kv_cache_gib: int = 1
+    health_timeout_s: float = 600.0
+    health_interval_s: float = 0.5
+    stop_timeout_s: float = 20.0
+
+    def __post_init__(self) -> None:
+        for name in ("threads", "kv_cache_gib"):
+            check_setting(name, getattr(self, name), low=1, integer=True)
+        for name in ("health_timeout_s", "health_interval_s", "stop_timeout_s"):
+            check_setting(name, getattr(self, name), low=0, above=True)
+
+
+@dataclass(frozen=True)
 class VllmSettings:
-    """Settings of a ``vllm serve`` started by :class:`~r3lightning.app.vllm.launcher.VllmServer`.
+    """Settings of a ``vllm serve`` started by [`VllmServer`][r3lightning.app.vllm.launcher.VllmServer].
 
     Args:
         model: the model directory (``config.json`` and safetensors weights).
         dtype: ``--dtype`` of the engine (``float32`` for exact routes against an fp32 trainer).
         python: the engine's Python (default: ``$R3_VLLM_PYTHON``, else ``.venv-vllm/bin/python``).
-        port: the port on ``host``; 0 picks a free one.
         host: the address the engine binds (loopback by default).
+        port: the port on ``host``; 0 picks a free one.
         routed_experts: pass ``--enable-return-routed-experts`` (routes are a server-wide switch).
-        dev_mode: ``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/reset_prefix_cache``,
-            ``/pause``, ``/resume`` and ``/update_weight_version`` (what weight sync uses), and the
-            worker extension whose ``r3_reload_weights`` the sync calls (``weight_sync.py``);
-            these endpoints are unauthenticated, so keep the engine on loopback with it on.
-        max_model_len: ``--max-model-len`` (prompt plus response tokens).
-        threads: OpenMP threads of the CPU engine (unbound), so it shares the host's cores.
-        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, the CPU engine's KV cache in GiB.
-        seed: ``--seed`` (sampling of requests without their own seed).
-        eager: ``--enforce-eager``: no graph compilation (a CPU start in about half the time);
-            False on a GPU keeps CUDA graphs.
-        health_timeout_s: how long to wait for ``/health`` after the start (57-83 s on 2 busy cores).
-        health_interval_s: seconds between health probes while waiting.
-        stop_timeout_s: seconds between ``SIGTERM`` and ``SIGKILL`` when stopping.
-        extra_args: more ``vllm serve`` arguments, appended as given (e.g. ``--tensor-parallel-size 2``).
+        serve: the other ``vllm serve`` options (`ServeOptions`).
+        process: threads, KV cache and timeouts of the engine process (`ProcessOptions`).
     """
 
     model: str
     dtype: str = "float32"
     python: str | None = None
-    port: int = 0
     host: str = "127.0.0.1"
+    port: int = 0
     routed_experts: bool = True
-    dev_mode: bool = True
-    max_model_len: int = 256
-    threads: int = 1
-    kv_cache_gib: int = 1
-    seed: int = 0
-    eager: bool = True
-    health_timeout_s: float = 600.0
-    health_interval_s: float = 0.5
-    stop_timeout_s: float = 20.0
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    serve: ServeOptions = field(default_factory=ServeOptions)
+    process: ProcessOptions = field(default_factory=ProcessOptions)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         check_setting("port", self.port, low=0, high=65535, integer=True)
-        for name in ("max_model_len", "threads", "kv_cache_gib"):
-            check_setting(name, getattr(self, name), low=1, integer=True)
-        for name in ("health_timeout_s", "health_interval_s", "stop_timeout_s"):
-            check_setting(name, getattr(self, name), low=0, above=True)
-        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        for name, kind in (("serve", ServeOptions), ("process", ProcessOptions)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
 
 
 def engine_python(python: str | None = None) -> Path:
@@ -127,15 +160,16 @@ def engine_command(settings: VllmSettings, shim: Path, port: int) -> list[str]:
     """
     command = [str(engine_python(settings.python)), str(shim), "serve", settings.model]
     command += ["--host", settings.host, "--port", str(port), "--dtype", settings.dtype]
-    command += ["--max-model-len", str(settings.max_model_len), "--seed", str(settings.seed)]
+    serve = settings.serve
+    command += ["--max-model-len", str(serve.max_model_len), "--seed", str(serve.seed)]
     command.append("--enable-scale-out")  # POST /inference/v1/generate next to /v1/completions
     if settings.routed_experts:
         command.append("--enable-return-routed-experts")
-    if settings.eager:
+    if serve.eager:
         command.append("--enforce-eager")
-    if settings.dev_mode:  # the weight sync's reload (engine_side/ is on the engine's PYTHONPATH)
+    if serve.dev_mode:  # the weight sync's reload (engine_side/ is on the engine's PYTHONPATH)
         command += ["--worker-extension-cls", WORKER_EXTENSION]
-    return command + list(settings.extra_args)
+    return command + list(serve.extra_args)
 
 
 def engine_environment(settings: VllmSettings) -> dict[str, str]:
@@ -148,10 +182,10 @@ def engine_environment(settings: VllmSettings) -> dict[str, str]:
         The environment of the engine process.
     """
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env |= {"OMP_NUM_THREADS": str(settings.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    env |= {"VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib), "VLLM_NO_USAGE_STATS": "1"}
+    env |= {"OMP_NUM_THREADS": str(settings.process.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env |= {"VLLM_CPU_KVCACHE_SPACE": str(settings.process.kv_cache_gib), "VLLM_NO_USAGE_STATS": "1"}
     env |= {"DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
-    if settings.dev_mode:
+    if settings.serve.dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["PYTHONPATH"] = str(ENGINE_SIDE_DIR)  # standalone modules only: nothing of r3lightning's
     return env
