@@ -31,11 +31,19 @@ ENGINES = ("vllm", "sglang")
 
 @dataclass
 class RemoteGenerateResult:
-    """One generation: ``routed_experts`` ``[rows, num_layers, top_k]`` in a compact integer dtype
-    (None unless asked for), ``response_logprobs`` None when the server sent none, ``raw_response``
-    the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts,
-    ``weight_version`` the engine's weight version that generated it (None: the engine sent none),
-    ``missing_route_rows`` the route rows the engine lost (marked -1; ``RouteSchema.missing_rows``)."""
+    """One generation, as the client parsed it.
+
+    Args:
+        response_ids: The generated token ids.
+        response_logprobs: Their logprobs (None when the server sent none).
+        stop_reason: Why generation stopped, as the engine said.
+        routed_experts: ``[rows, num_layers, top_k]`` host array in a compact integer dtype (None
+            unless asked for).
+        raw_response: The JSON body with its route payloads as None (never a ``str``).
+        attempts: HTTP attempts it took.
+        weight_version: The engine's weight version that generated it (None: the engine sent none).
+        missing_route_rows: Route rows the engine lost (marked -1; ``RouteSchema.missing_rows``).
+    """
 
     response_ids: list[int]
     response_logprobs: list[float] | None
