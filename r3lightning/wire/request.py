@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lightning.checks import check_int
 from r3lightning.routes import ENGINE_ROUTES_FLAG
 from r3lightning.wire.codec import RouteSchema
 
@@ -87,8 +88,7 @@ def engine_sampling_params(
     """
     if protocol not in PROTOCOL_PATHS:
         raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
-    if type(max_new_tokens) is not int or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     params: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     length, seed_key = ("max_new_tokens", "sampling_seed") if protocol == "sglang" else ("max_tokens", "seed")
     params[length] = max_new_tokens
