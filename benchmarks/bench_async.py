@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -80,10 +81,12 @@ def main() -> None:
         for k in ARMS:
             history = _run(k, steps, args.prompts, args.response_length, seed=repeat)
             figures[k].append(_figures(history))
-    print(f"rollouts ahead of training: {steps} steps x {args.prompts} prompts x 4 responses of "
-          f"{args.response_length} tokens, {repeats} repeat(s); medians [min, max] over steps 1..{steps - 1}")  # fmt: skip
+    print(f"### Rollouts ahead of training: {steps} steps x {args.prompts} prompts x 4 responses of "
+          f"{args.response_length} tokens, {repeats} repeat(s)\n")  # fmt: skip
+    print("medians [min, max] over repeats, steps 1 on (step 0 also waits for the engine's start)\n")
     names = ("steps/min", "trainer idle", "engine idle", "staleness")
-    print(f"{'max_staleness':>13}  " + "  ".join(f"{n:>24}" for n in names))
+    print("| arm | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
     for k in ARMS:
         cells = []
         for name in names:
@@ -91,12 +94,13 @@ def main() -> None:
             scale, unit = (1.0, "") if name in ("steps/min", "staleness") else (100.0, "%")
             median = statistics.median(values) * scale
             cells.append(f"{median:.2f}{unit} [{min(values) * scale:.2f}, {max(values) * scale:.2f}]")
-        print(f"{k:>13}  " + "  ".join(f"{c:>24}" for c in cells))
+        print(f"| max_staleness={k} | " + " | ".join(cells) + " |")
     base = statistics.median(f["steps/min"] for f in figures[0])
+    print()
     for k in ARMS[1:]:
         ratio = statistics.median(f["steps/min"] for f in figures[k]) / base
         print(f"max_staleness={k}: {ratio:.2f}x the steps per minute of max_staleness=0")
-    print(_environment())
+    print(f"{_environment()}; 1-minute load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

@@ -66,8 +66,46 @@ def public_api() -> str:
     return "\n".join(rows)
 
 
+# objects the reference documents besides r3lightning.__all__: the job's settings and entry point,
+# the launcher of a local vLLM engine, and the correction functions a user's module calls
+EXTRA_REFERENCE = [
+    "r3lightning.app.job.settings.RunSettings",
+    "r3lightning.app.job.settings.ReplaySettings",
+    "r3lightning.app.job.settings.RolloutSettings",
+    "r3lightning.app.job.settings.WeightSyncSettings",
+    "r3lightning.app.job.settings.ServerAddress",
+    "r3lightning.app.job.settings.OptimConfig",
+    "r3lightning.app.job.grpo.GRPOConfig",
+    "r3lightning.app.job.module.GRPOModule",
+    "r3lightning.app.job.main.main",
+    "r3lightning.app.vllm.settings.VllmSettings",
+    "r3lightning.app.vllm.launcher.VllmServer",
+    "r3lightning.correction.steps.CorrectionConfig",
+    "r3lightning.correction.steps.CorrectionStep",
+    "r3lightning.correction.importance.token_tis",
+    "r3lightning.correction.importance.sequence_tis",
+    "r3lightning.correction.importance.geometric_mask",
+    "r3lightning.correction.importance.token_mask",
+    "r3lightning.correction.metrics.CorrectionMetrics",
+]
+
+
+def _public_paths() -> list[str]:
+    source = (ROOT / "r3lightning" / "__init__.py").read_text()
+    block = next(n for n in ast.parse(source).body if isinstance(n, ast.If))
+    return [f"{node.module}.{alias.name}" for node in block.body for alias in node.names]
+
+
+def reference(prefix: str) -> str:
+    """``::: path`` for every public name and extra object defined under ``prefix``: their
+    signatures and documented arguments, not the modules' internals."""
+    paths = [p for p in [*_public_paths(), *EXTRA_REFERENCE] if p.startswith(f"{prefix}.")]
+    return "\n\n".join(f"::: {path}" for path in sorted(set(paths), key=paths.index))
+
+
 GENERATED = {"config-groups": config_groups, "public-api": public_api}
 
 
 def on_page_markdown(markdown: str, **kwargs: object) -> str:
+    markdown = re.sub(r"<!-- reference: ([\w.]+) -->", lambda m: reference(m.group(1)), markdown)
     return re.sub(r"<!-- generated: ([\w-]+) -->", lambda m: GENERATED[m.group(1)](), markdown)

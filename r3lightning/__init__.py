@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.app.serve.server import RolloutServer
     from r3lightning.data.batch import RolloutBatch
     from r3lightning.data.buffer import ReplayBuffer
-    from r3lightning.data.datamodule import DataOptions, R3DataModule
+    from r3lightning.data.datamodule import R3DataModule
+    from r3lightning.data.options import DataOptions
     from r3lightning.data.trajectory import Trajectory
     from r3lightning.packed import PackedTensor
     from r3lightning.replay.callback import RouterReplayCallback

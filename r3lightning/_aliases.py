@@ -1,6 +1,6 @@
 """Old import paths of the names and modules that moved in 0.2, kept until 0.3 with a
 ``DeprecationWarning`` naming the new path: moved modules through one meta-path finder, names
-through their package's ``__getattr__`` (:func:`moved_attribute`). The CHANGELOG's migration table
+through their package's ``__getattr__`` (`moved_attribute`). The CHANGELOG's migration table
 lists the same moves (a test keeps them equal)."""
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def check_fields(state: Any, rules: dict[str, tuple[type, int | None]], where: s
     Args:
         state: The value to check.
         rules: ``{field: (type, minimum)}``: a minimum makes the field an ``int`` checked by
-            :func:`check_int`; None checks the exact type only (``int`` or ``bool``).
+            `check_int`; None checks the exact type only (``int`` or ``bool``).
         where: The dict's own name, prefixed to each field's name in the message.
 
     Returns:

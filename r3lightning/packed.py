@@ -41,8 +41,8 @@ class PackedTensor:
     """Ragged batch: the rows of ``B`` segments back to back, with their offsets.
 
     Segment ``i`` is ``values[cu_seqlens[i]:cu_seqlens[i + 1]]``. Pickling sends the referenced
-    rows as raw bytes (device values: a sync) and keeps the device. :meth:`from_segments` and
-    :meth:`from_lengths` build one from its pieces.
+    rows as raw bytes (device values: a sync) and keeps the device. `from_segments` and
+    `from_lengths` build one from its pieces.
 
     Args:
         values: ``[sum(lengths), *row_shape]``, any dtype and device.

@@ -37,7 +37,7 @@ def host_int64(data: LengthsLike, name: str) -> Tensor:
 
 
 def host_lengths(data: LengthsLike, name: str) -> Tensor:
-    """:func:`host_int64` of counts >= 0; a Python sequence must hold Python ints (no bools)."""
+    """`host_int64` of counts >= 0; a Python sequence must hold Python ints (no bools)."""
     if not isinstance(data, (Tensor, np.ndarray)):
         data = list(data)
         if any(isinstance(v, bool) or not isinstance(v, int) for v in data):
@@ -242,7 +242,7 @@ def tensor_to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
 
 
 def tensor_from_bytes(raw: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> Tensor:
-    """Inverse of :func:`tensor_to_bytes`: a CPU tensor sharing ``raw`` unless it is read-only."""
+    """Inverse of `tensor_to_bytes`: a CPU tensor sharing ``raw`` unless it is read-only."""
     dtype = getattr(torch, dtype_name)
     if raw.size == 0:
         return torch.empty(shape, dtype=dtype)

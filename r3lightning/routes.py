@@ -31,7 +31,7 @@ MISSING_ROUTE_ID = -1
 
 def compact_dtype(max_id: int, *, signed: bool = False) -> np.dtype:
     """Smallest dtype that holds ids ``0..max_id``: uint8, int16, int32 (``signed``: int8, int16,
-    int32, which also hold :data:`MISSING_ROUTE_ID`)."""
+    int32, which also hold `MISSING_ROUTE_ID`)."""
     for dtype in _SIGNED_COMPACT_DTYPES if signed else _COMPACT_DTYPES:
         if max_id <= np.iinfo(dtype).max:
             return dtype
@@ -39,7 +39,7 @@ def compact_dtype(max_id: int, *, signed: bool = False) -> np.dtype:
 
 
 def compact_route_dtype(max_expert_id: int, *, signed: bool = False) -> torch.dtype:
-    """:func:`compact_dtype` as a torch dtype: uint8 up to 255, int16 up to 32767, int32 above
+    """`compact_dtype` as a torch dtype: uint8 up to 255, int16 up to 32767, int32 above
     (``signed``: int8 up to 127)."""
     if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
         raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
@@ -47,7 +47,7 @@ def compact_route_dtype(max_expert_id: int, *, signed: bool = False) -> torch.dt
 
 
 def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
-    """``routes`` in :func:`compact_route_dtype` of their largest id (signed when some row is
+    """``routes`` in `compact_route_dtype` of their largest id (signed when some row is
     missing): a ``min``, a ``max``, a cast."""
     if not routes.numel():
         return routes.to(compact_route_dtype(0), copy=copy)
@@ -56,7 +56,7 @@ def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
 
 
 def missing_rows(routes: np.ndarray) -> np.ndarray:
-    """bool ``[rows]``: route rows ``[rows, L, K]`` holding :data:`MISSING_ROUTE_ID` (any negative id)
+    """bool ``[rows]``: route rows ``[rows, L, K]`` holding `MISSING_ROUTE_ID` (any negative id)
     in any slot; all False at no cost for an unsigned dtype."""
     if routes.dtype.kind != "i" or routes.shape[0] == 0:
         return np.zeros(routes.shape[0], dtype=bool)
@@ -64,7 +64,7 @@ def missing_rows(routes: np.ndarray) -> np.ndarray:
 
 
 def mark_missing(routes: np.ndarray, missing: np.ndarray) -> np.ndarray:
-    """``routes`` with every id of the ``missing`` rows set to :data:`MISSING_ROUTE_ID`, in a signed
+    """``routes`` with every id of the ``missing`` rows set to `MISSING_ROUTE_ID`, in a signed
     dtype (a copy when anything changes)."""
     if not missing.any():
         return routes

@@ -36,7 +36,7 @@ def _width(name: str, width: int | None, lengths: torch.Tensor) -> int:
 
 @dataclass(frozen=True, eq=False)
 class TokenMetadataLayout:
-    """Map from a batch's real tokens to the model-facing positions, from :meth:`padded` or :meth:`packed`.
+    """Map from a batch's real tokens to the model-facing positions, from `padded` or `packed`.
 
     Host tensors: ``sequence_lengths`` int64 ``[B]``; ``position_sequence`` / ``position_offset``
     int64 ``[num_positions]``, each position's trajectory and real-token offset (-1: padding);

@@ -185,7 +185,7 @@ def k3_terms(log_ratio: Tensor) -> Tensor:
 
 
 def k3_mask(log_ratio: Tokens, mask: Tokens, *, max_k3: float) -> Tokens:
-    """1 on the loss tokens of sequences whose mean k3 over loss tokens (:func:`k3_terms`, the k3
+    """1 on the loss tokens of sequences whose mean k3 over loss tokens (`k3_terms`, the k3
     estimate of KL(engine || trainer)) is at most ``max_k3``."""
     check_max_k3(max_k3)
     lr, keep, cu = tokens_of(log_ratio, mask)

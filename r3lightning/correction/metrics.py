@@ -49,7 +49,7 @@ class CorrectionMetrics:
     """The ``correction/*`` metrics of one step, accumulated over its micro-batches.
 
     Args:
-        config: the correction whose weights :meth:`update` receives (default: none).
+        config: the correction whose weights `update` receives (default: none).
     """
 
     def __init__(self, config: CorrectionConfig | None = None) -> None:
@@ -79,7 +79,7 @@ class CorrectionMetrics:
 
     def compute(self, *, sync_dist: bool = False) -> dict[str, Tensor]:
         """Float64 scalars ``correction/<name>`` (and ``correction/<kind>/<name>`` per step when
-        :meth:`update` had the log-ratios); ``sync_dist``: reduced over the default process group
+        `update` had the log-ratios); ``sync_dist``: reduced over the default process group
         first (two small collectives every rank must join)."""
         sums = torch.zeros(5, dtype=torch.float64) if self._sums is None else self._sums.clone()
         top = torch.zeros((), dtype=torch.float64) if self._max is None else self._max.clone()

@@ -51,7 +51,7 @@ class CorrectionStep:
     """One step of ``algorithm.correction.steps``; a setting the kind does not take must stay None.
 
     Args:
-        kind: one of :data:`STEP_KINDS`.
+        kind: one of `STEP_KINDS`.
         cap: TIS cap ``C >= 1`` (``token_tis`` / ``sequence_tis``; default 2.0).
         lower_clip: TIS lower clip in ``(0, 1]``: weights below it are raised to it (default none).
         lower: lower edge of the kept ratio band (``token_mask`` / ``geometric_mask``; default 0.5).
@@ -130,11 +130,11 @@ class CorrectionConfig:
     ``lower``, ``upper``) that predates steps.
 
     Args:
-        mode: one of :data:`MODES`; ``token_tis`` is ``steps=[{kind: token_tis, cap: threshold}]``.
+        mode: one of `MODES`; ``token_tis`` is ``steps=[{kind: token_tis, cap: threshold}]``.
         threshold: the cap ``C`` of the TIS modes (>= 1).
         lower: lower edge of the band the mask modes keep.
         upper: upper edge of that band.
-        steps: :class:`CorrectionStep` s (or mappings of their fields): at most one TIS step, each
+        steps: [`CorrectionStep`][r3lightning.correction.steps.CorrectionStep] s (or mappings of their fields): at most one TIS step, each
             kind once; the loss weight is the product of their values.
 
     Raises:

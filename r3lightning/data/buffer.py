@@ -99,7 +99,7 @@ def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str
 
 
 def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajectories") -> list[Trajectory]:
-    """Inverse of :func:`pack_trajectories`, every trajectory checked as a fresh one; ``ValueError``
+    """Inverse of `pack_trajectories`, every trajectory checked as a fresh one; ``ValueError``
     naming ``where``, the field and the trajectory. One copy and one check of every field."""
     check_state(packed, _PACKED_KEYS, where)
     count = packed["count"]
@@ -149,8 +149,8 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
 
 
 class ReplayBuffer:
-    """FIFO buffer of :class:`Trajectory` with validation, eviction and checkpoint state; the first
-    routes fix the schema ``(num_layers, top_k)`` and ``route_layers`` until :meth:`clear`.
+    """FIFO buffer of [`Trajectory`][r3lightning.data.trajectory.Trajectory] with validation, eviction and checkpoint state; the first
+    routes fix the schema ``(num_layers, top_k)`` and ``route_layers`` until `clear`.
 
     Args:
         capacity: most trajectories kept (the oldest are evicted); ``None`` = unbounded.
@@ -231,7 +231,7 @@ class ReplayBuffer:
     def _validated(
         self, batch: Sequence[Trajectory], schema: tuple[int, int] | None, layers: Any, where: str
     ) -> tuple[list[Trajectory], tuple[Any, Any]]:
-        """``batch`` on :attr:`layers`, checked, with its one route schema and layer set."""
+        """``batch`` on `layers`, checked, with its one route schema and layer set."""
         out = []
         for i, t in enumerate(batch):
             if not isinstance(t, Trajectory):

@@ -1,4 +1,4 @@
-"""Threaded collation of trajectories into a :class:`RolloutBatch`, optionally into pinned buffers.
+"""Threaded collation of trajectories into a [`RolloutBatch`][r3lightning.data.batch.RolloutBatch], optionally into pinned buffers.
 
 With ``pin_memory=True`` outputs are carved out of a few reusable buffer sets ("slots"): a batch
 leases the free slot released longest ago (fresh buffers when none is free: ``misses``), given
@@ -92,7 +92,7 @@ class PinnedBufferPool:
 def collate_trajectories(
     trajectories: Sequence[Trajectory], *, pad_token_id: int = 0, width_multiple: int = 1
 ) -> RolloutBatch:
-    """Serial collation into fresh (unpinned) memory; see :class:`RolloutCollator`."""
+    """Serial collation into fresh (unpinned) memory; see `RolloutCollator`."""
     collator = RolloutCollator(num_threads=1, pad_token_id=pad_token_id, width_multiple=width_multiple)
     return collator(trajectories)
 
@@ -103,14 +103,14 @@ _POOL_MOVED |= {name: f"pin_memory=PinnedBufferPool({name}=)" for name in ("allo
 
 
 class RolloutCollator:
-    """``collate_fn``: a list of trajectories -> one left-padded :class:`RolloutBatch`; one host pass
+    """``collate_fn``: a list of trajectories -> one left-padded [`RolloutBatch`][r3lightning.data.batch.RolloutBatch]; one host pass
     to plan, then ``O(B * S + route bytes)`` copies over the threads, no device work.
 
     Args:
-        num_threads: fill threads (1: serial); ``None``: :func:`~r3lightning.data.cpus.collate_pool_size`.
+        num_threads: fill threads (1: serial); ``None``: `collate_pool_size`.
         pad_token_id, width_multiple: the padding id, and a multiple the padded width rounds up to.
         num_experts: sizes the dummy route row of a placeholder (a ``None`` entry).
-        pin_memory: collate into a :class:`PinnedBufferPool` (``True``: a default one).
+        pin_memory: collate into a `PinnedBufferPool` (``True``: a default one).
         layers: keep routes only on these decoder layers (``Trajectory.on_layers``).
     """
 

@@ -15,8 +15,7 @@ mid-epoch yields exactly the batches an uninterrupted run would have.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,40 +30,13 @@ from r3lightning.data import position
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories
 from r3lightning.data.collate import RolloutCollator
+from r3lightning.data.options import DataOptions
 from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.data.trajectory import Trajectory
-from r3lightning.routes import check_layers
 
 __all__ = ["DataOptions", "R3DataModule"]
 
 _STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class DataOptions:
-    """The less common settings of an :class:`R3DataModule` (the data config's ``options``).
-
-    Args:
-        pad_token_id, width_multiple: the padding id, and a multiple the padded width rounds up to.
-        shard: split the buffers among data-parallel ranks; ``False`` for per-rank buffers.
-        layers: the absolute decoder layers this rank's model holds (``backend.moe_layers``);
-            batches keep only their route columns. ``None``: routes as they come.
-        eval_buffer: data of the val / test / predict loaders (whole, in order, sharded).
-    """
-
-    pad_token_id: int = 0
-    width_multiple: int = 1
-    shard: bool = True
-    layers: Sequence[int] | None = None
-    eval_buffer: ReplayBuffer | None = None
-
-    def __post_init__(self) -> None:
-        rules = {"pad_token_id": (int, 0), "width_multiple": (int, 1), "shard": (bool, None)}
-        check_fields({name: getattr(self, name) for name in rules}, rules)
-        object.__setattr__(self, "layers", check_layers("layers", self.layers))
-        buffer = self.eval_buffer
-        if not isinstance(buffer, ReplayBuffer | None):
-            raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(buffer).__name__}")
 
 
 # 0.1 keywords -> DataOptions' fields in 0.2
@@ -75,19 +47,19 @@ _OPTIONS_MOVED = {
 
 
 class R3DataModule(pl.LightningDataModule):
-    """LightningDataModule over a :class:`ReplayBuffer` yielding :class:`RolloutBatch` es; the
+    """LightningDataModule over a [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer] yielding [`RolloutBatch`][r3lightning.data.batch.RolloutBatch] es; the
     settings other than the buffers are saved as ``hparams``.
 
     Args:
         buffer: the replay buffer, read at every ``train_dataloader`` call. A
-            :class:`~r3lightning.data.stream.StreamingReplayBuffer` streams one RL step per epoch:
+            `StreamingReplayBuffer` streams one RL step per epoch:
             a new epoch waits for its step, filled by a producer thread while earlier ones train.
         batch_size: trajectories per batch on each data-parallel rank.
         shuffle, seed: permute each epoch with seed ``seed + epoch``; else buffer order.
         collate_threads: fill threads per collation; ``None``: ``cpus.collate_pool_size()``.
         pin_memory: collate into a pinned buffer pool; ``None``: when training on a CUDA device.
         drop_last: drop each rank's incomplete last batch instead of adding zero-loss placeholders.
-        options: :class:`DataOptions`.
+        options: [`DataOptions`][r3lightning.data.options.DataOptions].
     """
 
     @refuse_moved_keywords(_OPTIONS_MOVED)

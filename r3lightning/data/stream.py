@@ -25,16 +25,16 @@ class StreamClosedError(RuntimeError):
 
 
 class StreamingReplayBuffer(ReplayBuffer):
-    """The trainer's :class:`ReplayBuffer` of the current RL step, fed step by step from a producer.
+    """The trainer's [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer] of the current RL step, fed step by step from a producer.
 
-    The producer (a rollout worker thread) calls :meth:`put` for steps ``0, 1, 2, ...`` in order;
-    the consumer (``R3DataModule``, at each new epoch) calls :meth:`advance`, which waits for the
-    next step and makes it the buffer's contents. :meth:`wait_for_request` lets the producer wait
+    The producer (a rollout worker thread) calls `put` for steps ``0, 1, 2, ...`` in order;
+    the consumer (``R3DataModule``, at each new epoch) calls `advance`, which waits for the
+    next step and makes it the buffer's contents. `wait_for_request` lets the producer wait
     until the trainer has asked for a given step (the staleness rule's clock).
 
     Args:
-        ahead: most whole steps that may wait beside the current one; :meth:`put` blocks beyond.
-        vocab_size, num_experts, layers: as for :class:`ReplayBuffer`.
+        ahead: most whole steps that may wait beside the current one; `put` blocks beyond.
+        vocab_size, num_experts, layers: as for [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer].
     """
 
     def __init__(
@@ -60,7 +60,7 @@ class StreamingReplayBuffer(ReplayBuffer):
 
     @property
     def next_put(self) -> int:
-        """The step :meth:`put` takes next: after every waiting one."""
+        """The step `put` takes next: after every waiting one."""
         with self._cond:
             return self._next_take + len(self._waiting)
 
@@ -93,7 +93,7 @@ class StreamingReplayBuffer(ReplayBuffer):
 
     def wait_next(self) -> int:
         """Ask for the next step and wait until it arrived, without taking it; returns the step.
-        Raises the producer's error (see :meth:`fail`), or ``StreamClosedError``."""
+        Raises the producer's error (see `fail`), or ``StreamClosedError``."""
         with self._cond:
             return self._wait_next()
 
@@ -112,7 +112,7 @@ class StreamingReplayBuffer(ReplayBuffer):
 
     def advance(self) -> int:
         """Wait for the next step and make it the contents (the previous ones are dropped); returns
-        the step. Raises the producer's error (see :meth:`fail`), or ``StreamClosedError``."""
+        the step. Raises the producer's error (see `fail`), or ``StreamClosedError``."""
         start = time.perf_counter()
         with self._cond:
             step = self._wait_next()
@@ -127,7 +127,7 @@ class StreamingReplayBuffer(ReplayBuffer):
         return step
 
     def wait_for_request(self, ready: Callable[[int], bool]) -> bool:
-        """Block until the trainer has called :meth:`advance` and ``ready(requested)`` holds;
+        """Block until the trainer has called `advance` and ``ready(requested)`` holds;
         ``False`` once closed."""
         with self._cond:
             while not (self._asked and ready(self._requested)) and not self._closed:
@@ -135,7 +135,7 @@ class StreamingReplayBuffer(ReplayBuffer):
             return not self._closed
 
     def fail(self, error: BaseException) -> None:
-        """The producer's ``error``: the waiting :meth:`advance` (or the next one) raises it."""
+        """The producer's ``error``: the waiting `advance` (or the next one) raises it."""
         with self._cond:
             self._error = error
             self._cond.notify_all()
@@ -155,13 +155,13 @@ class StreamingReplayBuffer(ReplayBuffer):
             self._requested = self._next_take - 1
 
     def drop_waiting(self) -> None:
-        """Forget the waiting steps (they are collected again from :attr:`next_put`)."""
+        """Forget the waiting steps (they are collected again from `next_put`)."""
         with self._cond:
             self._waiting.clear()
             self._cond.notify_all()
 
     def state_dict(self) -> dict[str, Any]:
-        """The current step (as :meth:`ReplayBuffer.state_dict`) plus the waiting steps, at one instant."""
+        """The current step (as `ReplayBuffer.state_dict`) plus the waiting steps, at one instant."""
         with self._cond:
             waiting = sorted(self._waiting.items())
             next_take = self._next_take
@@ -179,7 +179,7 @@ class StreamingReplayBuffer(ReplayBuffer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the current step and the waiting ones, checked first: a ``ValueError`` changes
-        nothing. A plain :class:`ReplayBuffer` state holds no stream: nothing waits."""
+        nothing. A plain [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer] state holds no stream: nothing waits."""
         where = "StreamingReplayBuffer state"
         check_state(state, (), where)
         stream = state.get("stream") or {

@@ -23,13 +23,13 @@ class RouterReplayBackend(Protocol):
     def install(
         self, routes: Tensor, replay_mask: Tensor | None = None, *, layers: Sequence[int] | None = None
     ) -> None:
-        """Replay ``routes`` in the following forwards (and their recompute) until :meth:`clear` or
+        """Replay ``routes`` in the following forwards (and their recompute) until `clear` or
         the next install; ``replay_mask [*token_shape]`` False rows keep native routing.
 
         ``layers``: the decoder layer of each column of layer-sliced routes
         ``[*token_shape, len(layers), top_k]`` (covering ``moe_layers``); None: one column per
         decoder layer. A backend whose ``install`` takes no ``layers`` gets sliced routes widened
-        to ``num_layers`` columns (:func:`widen_routes`)."""
+        to ``num_layers`` columns (`widen_routes`)."""
 
     def clear(self) -> None:
         """Drop installed routes, recording state and routing stats; routers route natively."""
@@ -42,7 +42,7 @@ class RouterReplayBackend(Protocol):
 
     def routing_stats(self) -> dict:
         """``layers``, ``top_k`` and int64 ``[len(layers)]`` ``replayed_rows``, ``agreeing_slots`` (optionally
-        ``used_slots``, and ``kept_slots`` under soft replay) since :meth:`clear` (recompute not
+        ``used_slots``, and ``kept_slots`` under soft replay) since `clear` (recompute not
         counted), on device, no host sync."""
 
 
@@ -105,7 +105,7 @@ def install_routes(
     """``backend.install`` of routes whose columns are decoder ``layers``.
 
     Sliced routes go to the backend as they are where its ``install`` takes ``layers`` (every
-    backend of this package); a backend without it gets them widened by :func:`widen_routes`.
+    backend of this package); a backend without it gets them widened by `widen_routes`.
 
     Args:
         backend: The backend.
@@ -140,7 +140,7 @@ def validate_routes_for_install(
         token_dims: The number of token dimensions required (None: any, at least one).
         check_ids: Also check that the ids on the MoE layers' columns are in ``[0, num_experts)``
             and distinct per row: host syncs for device routes.
-        layers: The decoder layer of each column of layer-sliced routes (see :func:`route_columns`).
+        layers: The decoder layer of each column of layer-sliced routes (see `route_columns`).
 
     Returns:
         The token shape.

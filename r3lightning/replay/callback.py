@@ -192,7 +192,7 @@ class RouterReplayCallback(Callback):
         self, routes: PackedTensor, layout: TokenMetadataLayout, layers: tuple[int, ...] | None = None
     ) -> tuple[Tensor, Tensor]:
         """Dense routes ``[*token_shape, columns, K]`` and replay mask (see
-        :func:`~r3lightning.replay.modes.align_routes`): sliced routes stay sliced."""
+        `align_routes`): sliced routes stay sliced."""
         assert self.backend is not None
         return modes.align_routes(routes, layout, self.backend, layers)
 
@@ -306,7 +306,7 @@ class RouterReplayCallback(Callback):
         return self._mode
 
     def routing_counts(self) -> dict[str, Tensor] | None:
-        """This step's counts so far (:data:`~r3lightning.replay.metrics.COUNT_KEYS`), int64
+        """This step's counts so far (`COUNT_KEYS`), int64
         ``[len(moe_layers)]`` each on device, no sync; None outside a step or without metrics."""
         if not self._in_step or self._mode is None or not self.log_agreement:
             return None

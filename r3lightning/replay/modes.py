@@ -1,5 +1,5 @@
-"""What each mode does with the active routes: :class:`Replaying` (r3, r2) installs them, :class:`Comparing`
-(off) measures native routing against them; r2 records with :class:`OldPolicyRecorder`."""
+"""What each mode does with the active routes: `Replaying` (r3, r2) installs them, `Comparing`
+(off) measures native routing against them; r2 records with `OldPolicyRecorder`."""
 
 from dataclasses import dataclass
 from typing import Any

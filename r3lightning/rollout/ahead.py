@@ -1,10 +1,10 @@
 """Rollouts ahead of training with bounded staleness: a worker thread with its own event loop
-collects RL steps into a :class:`~r3lightning.data.stream.StreamingReplayBuffer` while the trainer
+collects RL steps into a `StreamingReplayBuffer` while the trainer
 trains earlier ones (docs: "Off-policy training").
 
 Policy versions count RL steps: the trainer trains step ``s`` with weights of version ``s`` (the
 initial weights are version 0). A step's rollouts start only once the trainer has asked for step
-``s - max_staleness`` (:func:`may_collect`); the weights of that version were pushed to the engine
+``s - max_staleness`` (`may_collect`); the weights of that version were pushed to the engine
 before, so every trajectory of step ``s`` comes from a version in ``[s - max_staleness, s]``.
 """
 
@@ -57,7 +57,7 @@ def may_collect(step: int, requested: int, max_staleness: int) -> bool:
 
 class RolloutWorker:
     """Collects steps ``buffer.next_put, ... , steps - 1`` into ``buffer`` on its own thread and
-    event loop, each as soon as :func:`may_collect` allows; an error ends the worker and is
+    event loop, each as soon as `may_collect` allows; an error ends the worker and is
     raised by the trainer's next ``buffer.advance()``.
 
     Args:
@@ -65,7 +65,7 @@ class RolloutWorker:
         prompts_for_step: ``step -> the step's prompts``.
         buffer: where whole steps go, and the trainer's clock.
         steps: steps of the run (none is collected at or past it).
-        config: :class:`AheadConfig`.
+        config: `AheadConfig`.
         summarize: ``(step, CollectedRollouts) -> {statistic: value}`` kept with the step (``buffer.info``).
         served: ``trainer step -> the weight version pushed for it`` (None: unknown), recorded on
             trajectories whose engine reports no version; on-policy it is also checked against

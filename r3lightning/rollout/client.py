@@ -1,5 +1,5 @@
 """Async HTTP client for generation requests, with routed experts, against one rollout engine:
-transient failures are retried per :class:`RetryPolicy`, other 4xx and malformed bodies raise."""
+transient failures are retried per [`RetryPolicy`][r3lightning.rollout.config.RetryPolicy], other 4xx and malformed bodies raise."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class RemoteGenerateClient:
 
     Shared by the tasks of one event loop at a time (a second, running loop raises
     ``RuntimeError``; give each thread its own, e.g. a pickled copy, as pickling drops the aiohttp
-    session). Set :attr:`max_connections` and :attr:`decode_in_thread_bytes` before the first
+    session). Set `max_connections` and `decode_in_thread_bytes` before the first
     request. Routes are decoded on the host into a compact integer dtype; no device work.
 
     Args:
@@ -243,9 +243,9 @@ class RemoteGenerateClient:
         """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is).
 
         With ``return_routed_experts``: exactly ``P - start + G - 1`` route rows from token
-        ``start = routed_experts_prompt_start`` on, else :class:`MalformedResponseError` (absent
+        ``start = routed_experts_prompt_start`` on, else [`MalformedResponseError`][r3lightning.wire.errors.MalformedResponseError] (absent
         rows: it names the engine flag ``--enable-return-routed-experts``). Raises
-        :class:`GenerateRequestError`, :class:`MalformedResponseError` or :class:`RetriesExhaustedError`.
+        `GenerateRequestError`, [`MalformedResponseError`][r3lightning.wire.errors.MalformedResponseError] or `RetriesExhaustedError`.
         """
         sglang = "sglang" in (self.protocol, self.engine)
         if return_routed_experts and sglang and None in (self.routes.num_layers, self.routes.top_k):

@@ -77,20 +77,20 @@ class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
     Each prompt is sampled ``config.group_size`` times; the group's rewards become advantages
-    through ``advantages``, and every sample becomes a :class:`~r3lightning.data.trajectory.Trajectory`
+    through ``advantages``, and every sample becomes a [`Trajectory`][r3lightning.data.trajectory.Trajectory]
     with its routes. Under ``torch.distributed`` every rank collects only its own block of whole
     groups. Cost per step: host-side only, and one all-reduce of a few scalars; no device sync.
 
     Args:
-        engines: Engine URLs (each gets a :class:`~r3lightning.rollout.client.RemoteGenerateClient`
+        engines: Engine URLs (each gets a [`RemoteGenerateClient`][r3lightning.rollout.client.RemoteGenerateClient]
             with ``config.protocol``, ``schema`` and ``client_options``) and/or configured clients;
             each URL at most once.
         reward_fn: ``(prompt, response_ids) -> float | {"score": float}`` (sync or async), or
-            :class:`~r3lightning.rollout.environment.Environments` for multi-turn episodes.
+            [`Environments`][r3lightning.rollout.environment.Environments] for multi-turn episodes.
         config: The collector's settings.
         advantages: One group's rewards, float64 ``[group_size]`` in sample order, to their
             advantages ``[group_size]``. The collector applies no algorithm of its own: the job
-            passes GRPO's (:class:`~r3lightning.app.job.grpo.GRPOAdvantages`).
+            passes GRPO's ([`GRPOAdvantages`][r3lightning.app.job.grpo.GRPOAdvantages]).
         schema: A ``RouteSchema`` (with ``layers``: only those decoder layers' routes are kept) or
             the model's config; needed when ``config.request_routes``.
         sampling: The sampling settings of every request (default: ``SamplingConfig()``).
@@ -177,7 +177,7 @@ class RolloutCollector:
         buffer: ReplayBuffer | None = None,
         weight_version: int | None = None,
     ) -> CollectedRollouts:
-        """Synchronous :meth:`collect_async` (on its own event loop)."""
+        """Synchronous `collect_async` (on its own event loop)."""
         work = functools.partial(
             self.collect_async, prompts, step=step, buffer=buffer, weight_version=weight_version
         )
@@ -376,7 +376,7 @@ class RolloutCollector:
         return {c.base_url: ok for c, ok in zip(self.clients, answers, strict=True)}
 
     def check_engines(self) -> dict[str, bool]:
-        """Synchronous :meth:`check_engines_async`."""
+        """Synchronous `check_engines_async`."""
         return self._run_closing("check_engines", self.check_engines_async)
 
     async def _close_clients(self) -> None:
@@ -388,7 +388,7 @@ class RolloutCollector:
         self.close()
 
     def close(self) -> None:
-        """Shut the reward thread pool down (the clients of :meth:`collect` close themselves)."""
+        """Shut the reward thread pool down (the clients of `collect` close themselves)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

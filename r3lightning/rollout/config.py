@@ -1,5 +1,5 @@
 """Settings of the rollout client and collector: frozen dataclasses, checked when built (a bad
-value is a ``ValueError`` whose message starts with the field name), and :func:`route_schema`.
+value is a ``ValueError`` whose message starts with the field name), and `route_schema`.
 The configuration page has each field and its job key.
 """
 
@@ -82,7 +82,7 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class CollectorConfig:
-    """How a :class:`~r3lightning.rollout.collector.RolloutCollector` gathers one RL step.
+    """How a [`RolloutCollector`][r3lightning.rollout.collector.RolloutCollector] gathers one RL step.
 
     Args:
         group_size: Samples per prompt (a group, at least 2), kept whole on one rank and engine.
@@ -108,7 +108,9 @@ class CollectorConfig:
 
     def __post_init__(self) -> None:
         check_setting("group_size", self.group_size, low=2, integer=True)
-        check_setting("seed", self.seed, integer=True)
+        check_setting(
+            "seed", self.seed, low=0, high=2**63 - 1, integer=True
+        )  # sampling seeds hash it as int64
         if self.protocol not in PROTOCOL_PATHS:
             raise ValueError(f"protocol must be one of {list(PROTOCOL_PATHS)}, got {self.protocol!r}")
         for name in ("request_routes", "progress"):

@@ -46,14 +46,14 @@ class TextEnvironment:
 
 def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> functools.partial[TextEnvironment]:
     """Factory of one-turn environments scoring decoded responses with a verl-style ``compute_score``
-    (as the collector's single turns would), sharing one :class:`TextReward` (``factory.args[0]``)."""
+    (as the collector's single turns would), sharing one `TextReward` (``factory.args[0]``)."""
     reward = TextReward(compute_score, functools.partial(tokenizer.decode, skip_special_tokens=True))
     return functools.partial(TextEnvironment, reward)
 
 
 @dataclass(frozen=True)
 class Environments:
-    """Multi-turn rollouts for a :class:`~r3lightning.rollout.collector.RolloutCollector`, passed
+    """Multi-turn rollouts for a [`RolloutCollector`][r3lightning.rollout.collector.RolloutCollector], passed
     where its ``reward_fn`` goes.
 
     Args:

@@ -136,7 +136,7 @@ async def run_episode(
     timeout_s: float | None = None,
 ) -> Episode:
     """Run one trajectory of ``env`` from ``prompt`` (``trace`` None: no routes requested);
-    ``call(method, *args)`` runs an environment method, or :func:`bounded_call` within
+    ``call(method, *args)`` runs an environment method, or `bounded_call` within
     ``timeout_s`` when given. Host-side only; one request per turn; a failure (engine,
     environment, routes, a timeout) raises and leaves the trace unfinished."""
     if timeout_s is not None:

@@ -21,7 +21,7 @@ class EngineHungError(RetryableGenerateError):
 class HealthWatch:
     """Runs attempts while ``probe()`` (the ``/health`` status; None without an answer, while any
     status, even 404, means alive) is polled per ``policy``; bound to the event loop it first runs
-    on until :meth:`reset`. Cost: one small request per interval per engine, only while attempts wait."""
+    on until `reset`. Cost: one small request per interval per engine, only while attempts wait."""
 
     def __init__(self, probe: Callable[[], Awaitable[int | None]], policy: RetryPolicy) -> None:
         self.probe = probe
@@ -40,7 +40,7 @@ class HealthWatch:
         self.reset()
 
     async def run(self, attempt: Awaitable[T]) -> T:
-        """``attempt``'s result, or :class:`EngineHungError` once the probes declare the engine hung."""
+        """``attempt``'s result, or `EngineHungError` once the probes declare the engine hung."""
         if self.policy.health_interval_s is None:
             return await attempt
         if self._hung is None or self._hung.done():

@@ -96,7 +96,7 @@ def _is_int(value: Any) -> bool:
 @dataclass(frozen=True)
 class SamplingConfig:
     """Sampling settings of every request, spelled per protocol by
-    :func:`~r3lightning.wire.request.engine_sampling_params`.
+    [`engine_sampling_params`][r3lightning.wire.request.engine_sampling_params].
 
     Args:
         temperature: 0 is greedy.
@@ -294,7 +294,7 @@ class GuardedReward:
 
 
 class TextReward(GuardedReward):
-    """A :class:`GuardedReward` of a verl-style ``compute_score(data_source, solution_str,
+    """A `GuardedReward` of a verl-style ``compute_score(data_source, solution_str,
     ground_truth, extra_info=None)`` on the response decoded by ``decode`` (e.g. a tokenizer's):
     one bad row never ends a run."""
 

@@ -50,7 +50,7 @@ class RolloutStats:
     turn_route_bytes: tuple[float, ...] = ()
 
     def as_dict(self) -> dict[str, float]:
-        """Every field as a float, the per-turn ones as in :meth:`turn_metrics`."""
+        """Every field as a float, the per-turn ones as in `turn_metrics`."""
         scalars = {k: float(v) for k, v in asdict(self).items() if not isinstance(v, tuple)}
         return {**scalars, **self.turn_metrics()}
 
@@ -147,7 +147,7 @@ def reduce_step_stats(
     group: Any = None,
 ) -> RolloutStats:
     """The step's statistics over every rank of ``group`` (one SUM and one MAX all-reduce of a
-    few float64s when ``world_size > 1``). Raises :class:`OtherRankFailedError` when another
+    few float64s when ``world_size > 1``). Raises `OtherRankFailedError` when another
     rank reported ``failed`` and this one did not."""
     c = counters
     rewards = [t.reward for t in trajectories]

@@ -33,7 +33,7 @@ def _as_host_array(name: str, rows: object) -> np.ndarray:
 
 class TokenMetadataTrace:
     """Rows ``[rows, *row_shape]`` of one trajectory's per-token metadata, appended in token order
-    (``row_shape`` from the constructor or the first append) by reference; :meth:`finalize` makes
+    (``row_shape`` from the constructor or the first append) by reference; `finalize` makes
     the one copy, in the widest integer width appended."""
 
     def __init__(self, row_shape: Sequence[int] | None = None, *, name: str = "rows") -> None:
@@ -123,9 +123,18 @@ class TokenMetadataTrace:
 
 
 class RoutedExpertTrace(TokenMetadataTrace):
-    """Routes ``[rows, num_layers, top_k]`` of one trajectory, recorded generation by generation;
-    send ``prompt_start`` with each request so the engine returns rows from there on. ``num_layers``
-    / ``top_k`` fix the schema (else the first rows do); ``num_experts`` bounds the ids."""
+    """Routes ``[rows, num_layers, top_k]`` of one multi-turn trajectory, recorded generation by
+    generation. Send :attr:`prompt_start` with each request so the engine returns rows from there
+    on. Host memory only.
+
+    Args:
+        num_layers: Route columns per row (with ``top_k``; None: the first rows fix them).
+        top_k: Experts per row and column (with ``num_layers``).
+        num_experts: Ids must be below it (None: unchecked).
+
+    Raises:
+        ValueError: A size that is not an int >= 1, or only one of ``num_layers`` and ``top_k``.
+    """
 
     def __init__(
         self, num_layers: int | None = None, top_k: int | None = None, num_experts: int | None = None

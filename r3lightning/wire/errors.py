@@ -1,4 +1,4 @@
-"""Errors of the rollout client and the route wire codec; catch :class:`RemoteGenerateError`
+"""Errors of the rollout client and the route wire codec; catch [`RemoteGenerateError`][r3lightning.wire.errors.RemoteGenerateError]
 for every failure of a generation request, or a subclass to tell them apart:
 
     RemoteGenerateError

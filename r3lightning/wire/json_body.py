@@ -30,7 +30,7 @@ def _escaped(raw: bytes, index: int) -> bool:  # after an odd run of backslashes
 
 class JsonBody:
     """A JSON body parsed with its long payload strings left in ``raw`` (``value`` holds a marker for
-    each; :meth:`take` turns one into a ``memoryview``, :meth:`finish` the others into None). Cost: a
+    each; `take` turns one into a ``memoryview``, `finish` the others into None). Cost: a
     ``memchr`` pass over each long string and an orjson parse of the rest."""
 
     def __init__(self, raw: bytes) -> None:
@@ -92,7 +92,7 @@ class JsonBody:
 
 
 def unescaped(value: Any) -> Any:
-    """``value`` from :meth:`JsonBody.take` (an envelope or a payload) with its cut string as a
+    """``value`` from `JsonBody.take` (an envelope or a payload) with its cut string as a
     ``str`` when it holds JSON escapes (``\\/`` from some writers, which strict base64 refuses), else None."""
     data = value.get("data") if isinstance(value, dict) else value
     if not isinstance(data, memoryview):

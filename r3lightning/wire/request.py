@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from r3lightning.checks import check_int
 from r3lightning.routes import ENGINE_ROUTES_FLAG
 from r3lightning.wire.codec import RouteSchema
 
@@ -31,11 +32,19 @@ ENGINES = ("vllm", "sglang")
 
 @dataclass
 class RemoteGenerateResult:
-    """One generation: ``routed_experts`` ``[rows, num_layers, top_k]`` in a compact integer dtype
-    (None unless asked for), ``response_logprobs`` None when the server sent none, ``raw_response``
-    the JSON body with its route payloads as None (never a ``str``), ``attempts`` HTTP attempts,
-    ``weight_version`` the engine's weight version that generated it (None: the engine sent none),
-    ``missing_route_rows`` the route rows the engine lost (marked -1; ``RouteSchema.missing_rows``)."""
+    """One generation, as the client parsed it.
+
+    Args:
+        response_ids: The generated token ids.
+        response_logprobs: Their logprobs (None when the server sent none).
+        stop_reason: Why generation stopped, as the engine said.
+        routed_experts: ``[rows, num_layers, top_k]`` host array in a compact integer dtype (None
+            unless asked for).
+        raw_response: The JSON body with its route payloads as None (never a ``str``).
+        attempts: HTTP attempts it took.
+        weight_version: The engine's weight version that generated it (None: the engine sent none).
+        missing_route_rows: Route rows the engine lost (marked -1; ``RouteSchema.missing_rows``).
+    """
 
     response_ids: list[int]
     response_logprobs: list[float] | None
@@ -79,8 +88,7 @@ def engine_sampling_params(
     """
     if protocol not in PROTOCOL_PATHS:
         raise ValueError(f"protocol must be one of {sorted(PROTOCOL_PATHS)}, got {protocol!r}")
-    if type(max_new_tokens) is not int or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     params: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     length, seed_key = ("max_new_tokens", "sampling_seed") if protocol == "sglang" else ("max_tokens", "seed")
     params[length] = max_new_tokens

@@ -1,5 +1,5 @@
 """Client side of the generate protocols, responses: a 2xx body in, a checked result out; every
-deviation raises :class:`MalformedResponseError` naming the field and the engine URL."""
+deviation raises [`MalformedResponseError`][r3lightning.wire.errors.MalformedResponseError] naming the field and the engine URL."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ async def read_safetensors(
     check: Callable[[Mapping[str, tuple[torch.dtype, tuple[int, ...]]]], None],
 ) -> dict[str, Tensor]:
     """A safetensors body as host tensors viewing one flat buffer, refused with an
-    :class:`UploadError` from its header (malformed, a size other than ``content_length`` or above
+    `UploadError` from its header (malformed, a size other than ``content_length`` or above
     ``max_bytes``: 413) or by ``check(name -> (dtype, shape))``, before any tensor data is read."""
     stream = _Stream(chunks)
     prefix = bytearray(8)

@@ -39,7 +39,14 @@ def _check_micro_batches(scope: dict) -> None:
     assert float(trainer.callback_metrics["router_replay/replayed_fraction"]) == 1.0
 
 
+def _check_readme(scope: dict) -> None:
+    agreement = scope["agreement"]
+    assert agreement["r3"] == 1.0  # replayed: the engine's experts, every slot
+    assert agreement["off"] < 0.95  # the simulated ~10% disagreement, routed natively
+
+
 CHECKS = {
+    "README.md": _check_readme,
     "docs/getting-started.md": _check_getting_started,
     "docs/recipes/lightning-module.md": _check_micro_batches,
 }
@@ -48,6 +55,11 @@ RUNNABLE = [p for p in PAGES if python_blocks(p)]
 
 def test_the_pages_with_checks_have_code():
     assert {str(p.relative_to(ROOT)) for p in RUNNABLE} >= set(CHECKS)
+
+
+def test_the_readme_example_is_the_script_its_numbers_come_from():
+    script = (ROOT / "examples" / "replay_agreement.py").read_text()
+    assert python_blocks(ROOT / "README.md")[0] == script.split('"""\n\n', 1)[1]
 
 
 @pytest.mark.slow

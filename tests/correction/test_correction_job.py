@@ -4,8 +4,9 @@ four arms of ``experiment=compare_corrections``."""
 from __future__ import annotations
 
 import pytest
+from job_cli import train_cli
 
-from r3lightning.app.job.main import arms, compose_config, main, run
+from r3lightning.app.job.main import arms, compose_config, run
 from r3lightning.app.job.report import read_csv
 
 
@@ -24,7 +25,7 @@ from r3lightning.app.job.report import read_csv
             "algorithm.correction.lower and upper must satisfy 0 <= lower <= 1 <= upper",
         ),
         ("+algorithm.correction.cap=1", "algorithm.correction.cap is not a setting here; expected one of"),
-        ("algorithm.correction=null", "algorithm.correction must be a mapping with keys among"),
+        ("algorithm.correction=null", "algorithm.correction must not be null"),
         (
             "algorithm.correction.steps=[{kind: token_tis, cap: 0.8}]",
             "algorithm.correction.steps[0].cap must be a number >= 1",
@@ -41,7 +42,7 @@ from r3lightning.app.job.report import read_csv
 )
 def test_bad_correction_settings_are_one_line_naming_the_key(override, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
-        main([override, f"hydra.run.dir={tmp_path / 'run'}"])
+        train_cli(override, f"hydra.run.dir={tmp_path / 'run'}")
     err = capsys.readouterr().err
     assert info.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()  # refused before anything was made

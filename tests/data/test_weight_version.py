@@ -121,3 +121,14 @@ def test_collected_trajectories_record_the_version_the_embedded_engine_served(pr
         collector.close()
     assert [t.weight_version for t in first] == [0, 0]
     assert [t.weight_version for t in second] == [12, 12]
+
+
+def test_a_multi_turn_trajectory_keeps_the_oldest_version_of_its_turns():
+    from r3lightning.rollout.episode import Episode
+    from r3lightning.wire.request import RemoteGenerateResult
+
+    episode = Episode([1, 2])
+    for version in (None, 5, 4, 6):  # a turn whose engine sent none counts for nothing
+        episode.record(None, 2, RemoteGenerateResult([3], [-0.5], "length", None, {}, weight_version=version))
+    assert episode.trajectory(0.0).weight_version == 4
+    assert Episode([1]).trajectory(0.0).weight_version is None

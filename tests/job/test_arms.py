@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from r3lightning.app.job.common import JobError
@@ -70,7 +71,7 @@ def test_modes_and_mappings_become_named_arm_configs():
         ),
         (
             ["off", {"name": "bad-lr", "overrides": {"algorithm.optim.lr": -1}}],
-            r"compare\[1\] \(bad-lr\): algorithm\.optim\.lr must be a number > 0, got -1",
+            r"compare\[1\] \(bad-lr\): algorithm\.optim\.lr must be a number >= 0, got -1\.0$",
         ),
     ],
 )
@@ -83,9 +84,14 @@ def test_seeds_count_from_seed():
     assert run_seeds(compose_config()) == [0]
     assert run_seeds(compose_config(["seed=5", "seeds=3"])) == [5, 6, 7]
     assert run_seeds(compose_config(["experiment=compare"])) == [0, 1, 2]
-    for bad, shown in (("0", "0"), ("two", "'two'"), ("true", "True")):
-        with pytest.raises(JobError, match=f"seeds must be an integer >= 1, got {shown}$"):
-            run_seeds(compose_config([f"seeds={bad}"]))
+    with pytest.raises(JobError, match=r"^seeds must be an integer >= 1 and <= 4294967296, got 0$"):
+        run_seeds(compose_config(["seeds=0"]))
+    # seed + seeds - 1 stays in Lightning's seed range
+    with pytest.raises(JobError, match=r"^seeds must be an integer >= 1 and <= 6, got 7$"):
+        run_seeds(compose_config(["seed=4294967290", "seeds=7"]))
+    for bad in ("two", "true"):  # not an integer: Hydra's structured config refuses it
+        with pytest.raises(ConfigCompositionException):
+            compose_config([f"seeds={bad}"])
 
 
 @pytest.mark.slow
@@ -113,9 +119,9 @@ def test_every_arm_runs_every_seed_with_its_overrides(tmp_path):
     assert sim["mismatch/native_agreement"] < plain["mismatch/native_agreement"] - 0.03  # its own engine
     assert runs["replay=r3/seed=0"][0]["reward"] != runs["replay=r3/seed=1"][0]["reward"]
     single = run(compose_config([*base, "seed=1"]), tmp_path / "single")["replay=r3"]
-    drop = ("rollout_s", "train_s")
-    assert [{k: v for k, v in r.items() if k not in drop} for r in single] == [
-        {k: v for k, v in r.items() if k not in drop} for r in runs["replay=r3/seed=1"]
+    # every column but the wall-clock ones (rollout_s, train_s, the waits, step_s)
+    assert [{k: v for k, v in r.items() if not k.endswith("_s")} for r in single] == [
+        {k: v for k, v in r.items() if not k.endswith("_s")} for r in runs["replay=r3/seed=1"]
     ]
     summary = (tmp_path / "multi" / "summary.txt").read_text()
     assert "SIMULATED engine disagreement: 10% of expert slots" in summary.splitlines()[0]
@@ -123,14 +129,16 @@ def test_every_arm_runs_every_seed_with_its_overrides(tmp_path):
     assert OmegaConf.load(tmp_path / "multi" / "config.yaml").seeds == 2
 
 
-def test_config_dir_and_name_flags_reach_the_precheck():
-    from r3lightning.app.job.main import _split_flags
+def test_a_config_dir_option_reaches_the_checks(tmp_path, capsys):
+    """--config-dir DIR: Hydra composes DIR's options, and the job checks them before it writes."""
+    from job_cli import train_cli
 
-    args = ["--config-dir", "/d", "-cn=other", "steps=2", "-cd=/e"]
-    assert _split_flags(args) == (
-        ["--config-dir", "/d", "-cn=other", "-cd=/e"],
-        ["steps=2"],
-        True,
-        {"config_dir": "/e", "config_name": "other"},
+    (tmp_path / "replay").mkdir()
+    (tmp_path / "replay" / "sometimes.yaml").write_text("mode: r4\nrequest_routes: true\n")
+    with pytest.raises(SystemExit) as info:
+        train_cli("--config-dir", str(tmp_path), "replay=sometimes", f"hydra.run.dir={tmp_path / 'run'}")
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        "r3lightning-train: error: replay.mode must be one of ['r3', 'r2', 'off'], got 'r4'\n"
     )
-    assert _split_flags(["--cfg", "job"])[2] is False  # left to Hydra as it is
+    assert not (tmp_path / "run").exists()

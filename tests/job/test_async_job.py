@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from async_support import ROWS
+from job_cli import train_cli
 
-from r3lightning.app.job.main import compose_config, main, run
+from r3lightning.app.job.main import compose_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +99,7 @@ def test_an_outage_collecting_step_n_plus_1_keeps_step_ns_checkpoint(tmp_path, m
     monkeypatch.setattr(server.RolloutServer, "_generate", flaky)
     args = [*TINY, "steps=3", "rollout.retry.max_attempts=1", "rollout.retry.health_interval_s=null"]
     with pytest.raises(SystemExit) as info:
-        main([*args, f"hydra.run.dir={tmp_path}"])
+        train_cli(*args, f"hydra.run.dir={tmp_path}")
     assert info.value.code == 3  # a rollout engine error
     last = tmp_path / "replay_r3" / "checkpoints" / "last.ckpt"
     assert torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 1  # step 1 is kept

@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
+from job_cli import train_cli
 from python_process import REPO, run_python
 from runif import run_if
 
-from r3lightning.app.job.main import compose_config, main, run
+from r3lightning.app.job.main import compose_config, run
 from r3lightning.app.job.report import agreement_keys, environment, environment_line, read_csv, summarize
 
 pytestmark = pytest.mark.slow
@@ -113,16 +114,17 @@ def test_external_engine_sglang_protocol(tmp_path):
 
 def test_bad_override_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
-        main(["steps=0", f"hydra.run.dir={tmp_path}"])
+        train_cli("steps=0", f"hydra.run.dir={tmp_path}")
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == "r3lightning-train: error: steps must be an integer >= 1, got 0"
+    assert err == "r3lightning-train: error: steps must be an integer >= 1 and <= 9223372036854775807, got 0"
     for override, expected in (
         ("replay=sometimes", "Could not find 'replay/sometimes' Available options in 'replay': off, r2, r3"),
-        ("no_such_key=1", "Could not override 'no_such_key'. To append to your config use +no_such_key=1"),
+        ("no_such_key=1", "no_such_key is not a setting of JobConfig (a typo, or a key of another group?)"),
+        ("steps=abc", "steps must be an integer, got 'abc'"),  # Hydra's structured config
     ):
         with pytest.raises(SystemExit) as info:
-            main([override, f"hydra.run.dir={tmp_path}"])
+            train_cli(override, f"hydra.run.dir={tmp_path}")
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("r3lightning-train: error: ") and expected in err
@@ -139,7 +141,7 @@ def test_trainer_the_machine_cannot_run_is_one_line(tmp_path, capsys):
         (["trainer.devices=many"], "trainer: `devices` selected with `CPUAccelerator` should be an int > 0."),
     ):
         with pytest.raises(SystemExit) as info:
-            main([*overrides, "steps=1", "prompts_per_step=1", f"hydra.run.dir={tmp_path}", *QUIET])
+            train_cli(*overrides, "steps=1", "prompts_per_step=1", f"hydra.run.dir={tmp_path}", *QUIET)
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert err == f"r3lightning-train: error: {expected}\n"
@@ -251,15 +253,13 @@ def test_engine_without_routes_is_one_line_naming_the_flag(tmp_path, capsys):
     url, stop = _fake_sglang_without_routes()
     try:
         with pytest.raises(SystemExit) as info, pytest.warns(UserWarning, match="weight_sync_dir"):
-            main(
-                [
-                    f"rollout.url={url}",
-                    "rollout=sglang",
-                    "steps=1",
-                    "prompts_per_step=1",
-                    f"hydra.run.dir={tmp_path / 'run'}",
-                    *QUIET,
-                ]
+            train_cli(
+                f"rollout.url={url}",
+                "rollout=sglang",
+                "steps=1",
+                "prompts_per_step=1",
+                f"hydra.run.dir={tmp_path / 'run'}",
+                *QUIET,
             )
     finally:
         stop()
@@ -274,34 +274,39 @@ def test_failed_runs_leave_no_folder_and_a_sweep_goes_on(tmp_path, capsys, monke
     monkeypatch.chdir(tmp_path)
     # fails inside the run, after Hydra made its folder: the folder is removed again
     with pytest.raises(SystemExit) as info:
-        main(["data.batch_size=0", "steps=1", "prompts_per_step=1", *QUIET])
+        train_cli("data.batch_size=0", "steps=1", "prompts_per_step=1", *QUIET)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("r3lightning-train: error: data: ")
     assert "batch_size" in err and not (tmp_path / "outputs").exists()
-    # a sweep with a bad group option, a bad _target_ and a bad value: each job is reported in one
-    # line and the sweep goes on to the next; the summary lists them all
+    # a sweep whose jobs Hydra cannot compose is refused as a whole, before any job runs
     with pytest.raises(SystemExit) as info:
-        main(
-            [
-                "-m",
-                "replay=r4,r3",
-                "data._target_=does.not.Exist,r3lightning.data.datamodule.R3DataModule",
-                "data.batch_size=0",
-                "steps=1",
-                "prompts_per_step=1",
-                *QUIET,
-            ]
+        train_cli("-m", "replay=r4,r3", "steps=1", *QUIET)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "r3lightning-train: error: In 'config': Could not find 'replay/r4' Available options in 'replay': "
+        "off, r2, r3\n"
+    )
+    # a bad _target_ and a bad value: each job is reported in one line and the sweep goes on to the
+    # next; the summary lists them all
+    with pytest.raises(SystemExit) as info:
+        train_cli(
+            "-m",
+            "replay=off,r3",
+            "data._target_=does.not.Exist,r3lightning.data.datamodule.R3DataModule",
+            "data.batch_size=0",
+            "steps=1",
+            "prompts_per_step=1",
+            *QUIET,
         )
     assert info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line or "failed" in line]
     assert len(errors) == 5, errors
-    assert errors[0].startswith("r3lightning-train: job #0 (replay=r4 data._target_=does.not.Exist")
-    assert "Could not find 'replay/r4'" in errors[0]
-    assert errors[2].startswith("r3lightning-train: job #2 (replay=r3 data._target_=does.not.Exist")
-    assert "data._target_: cannot import 'does.not.Exist'" in errors[2]
+    assert errors[0].startswith("r3lightning-train: job #0 (replay=off data._target_=does.not.Exist")
+    assert "data._target_: cannot import 'does.not.Exist'" in errors[0]
     assert "job #3" in errors[3] and "error: data: " in errors[3] and "batch_size" in errors[3]
-    assert errors[4].startswith("r3lightning-train: 4 of 4 jobs failed: #0 (replay=r4 ")
+    assert errors[4].startswith("r3lightning-train: 4 of 4 jobs failed: #0 (replay=off ")
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
 
 
@@ -310,7 +315,7 @@ def test_bad_checkpoint_is_one_line_and_kept(tmp_path, capsys):
     last.parent.mkdir(parents=True)
     last.write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit) as info:
-        main(["steps=2", "prompts_per_step=1", f"hydra.run.dir={tmp_path}", *QUIET])
+        train_cli("steps=2", "prompts_per_step=1", f"hydra.run.dir={tmp_path}", *QUIET)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
@@ -350,14 +355,12 @@ def test_ctrl_c_exits_130_saying_how_to_resume(tmp_path):
 
 def test_exposed_embedded_engine_without_a_key_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
-        main(
-            [
-                "rollout.server.host=0.0.0.0",
-                "steps=1",
-                "prompts_per_step=1",
-                f"hydra.run.dir={tmp_path}",
-                *QUIET,
-            ]
+        train_cli(
+            "rollout.server.host=0.0.0.0",
+            "steps=1",
+            "prompts_per_step=1",
+            f"hydra.run.dir={tmp_path}",
+            *QUIET,
         )
     assert info.value.code == 2
     err = capsys.readouterr().err

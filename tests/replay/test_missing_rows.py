@@ -179,7 +179,7 @@ def test_drop_trajectory_keeps_the_reward_and_leaves_the_loss():
 def test_the_job_takes_rollout_missing_rows():
     from r3lightning.app.job.common import JobError
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.setup import check_config
+    from r3lightning.app.job.validate import check_config
 
     assert compose_config().rollout.missing_rows == "error"
     assert compose_config(["rollout=vllm", "rollout.missing_rows=native"]).rollout.missing_rows == "native"

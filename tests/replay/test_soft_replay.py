@@ -167,7 +167,7 @@ def test_the_job_sets_replay_soft_threshold_on_the_hf_backend_only():
     from r3lightning.app.job.build import replay_backend
     from r3lightning.app.job.common import JobError
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.setup import check_config
+    from r3lightning.app.job.validate import check_config
 
     model = build_tiny_moe()
     backend = replay_backend(compose_config(["replay.soft_threshold=0.05"]), model)
@@ -178,5 +178,8 @@ def test_the_job_sets_replay_soft_threshold_on_the_hf_backend_only():
         replay_backend(
             compose_config(["replay.soft_threshold=0.05", "callbacks=router_replay_megatron"]), model
         )
-    with pytest.raises(JobError, match=r"replay\.soft_threshold must be a number >= 0 or null, got -1"):
+    with pytest.raises(
+        JobError,
+        match=r"replay\.soft_threshold must be null or a number >= 0 \(a router probability\), got -1",
+    ):
         check_config(compose_config(["replay.soft_threshold=-1"]))

@@ -114,7 +114,7 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
     from r3lightning.app.job.common import JobError
     from r3lightning.app.job.engine import embedded_server
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.setup import check_config
+    from r3lightning.app.job.validate import check_config
 
     received: dict[int, dict] = {}
     versions: dict[int, str | None] = {}
@@ -157,12 +157,12 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
     ("override", "message"),
     [
         (
-            "rollout.max_in_flight=3",
+            "+rollout.max_in_flight=3",
             "rollout.max_in_flight moved to rollout.collector.max_in_flight; set "
             "rollout.collector.max_in_flight=3 instead",
         ),
         (
-            "rollout.request_timeout_s=5",
+            "+rollout.request_timeout_s=5",
             "rollout.request_timeout_s moved to rollout.retry.timeout_s; set "
             "rollout.retry.timeout_s=5 instead",
         ),
@@ -186,7 +186,7 @@ async def test_job_takes_a_list_of_engine_urls_and_pushes_weights_to_each():
 def test_job_rollout_groups_are_checked_with_the_key_named(override, message):
     from r3lightning.app.job.common import JobError
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.setup import check_config
+    from r3lightning.app.job.validate import check_config
 
     with pytest.raises(JobError) as info:
         check_config(compose_config([override]))
@@ -229,7 +229,7 @@ def test_job_rollout_groups_map_one_to_one_to_the_settings_objects():
     )
     retry, collector = retry_policy(cfg.rollout), collector_config(cfg.rollout)
     engine, limits = server_settings(cfg.rollout)
-    assert retry.health_interval_s is None and retry.backoff.cap_s == 2.0 and retry.timeout_s == 120.0
+    assert retry.health_interval_s is None and retry.backoff.cap_s == 2.0 and retry.timeout_s == 600.0
     assert collector == CollectorConfig(group_size=4, seed=3, max_in_flight=7, reward_threads=0)
     assert limits == ServerLimits(max_new_tokens_cap=99)
     assert engine == EngineConfig(max_batch_size=64, batch_wait_s=0.5, seed=3, copy_model=False)

@@ -116,8 +116,8 @@ def test_the_jobs_rollout_env_timeout_s_reaches_the_collector(override, expected
 def test_a_bad_rollout_env_timeout_s_is_one_line_naming_the_key():
     from r3lightning.app.job.common import JobError
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.rollout_settings import check_rollout
+    from r3lightning.app.job.validate import check_values
 
-    with pytest.raises(JobError, match=r"^rollout.env_timeout_s must be None or a number > 0, got -1$"):
-        check_rollout(compose_config(["rollout.env_timeout_s=-1"]))
-    check_rollout(compose_config(["rollout.env_timeout_s=null"]))
+    with pytest.raises(JobError, match=r"^rollout.env_timeout_s must be None or a number > 0, got -1.0$"):
+        check_values(compose_config(["rollout.env_timeout_s=-1"]))
+    check_values(compose_config(["rollout.env_timeout_s=null"]))

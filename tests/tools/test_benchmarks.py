@@ -10,6 +10,13 @@ import pytest
 from python_process import REPO, run_python
 
 CASES = {
+    "bench_async.py": [
+        "### Rollouts ahead of training: 4 steps",
+        "| max_staleness=0 | ",
+        "| max_staleness=2 | ",
+        "max_staleness=1: ",
+        "torch CPU capability",
+    ],
     "bench_engine.py": [
         "### Engine throughput: demo step",
         "| batch-invariant, tile 64 (default)",

@@ -1,15 +1,11 @@
 """From config nodes to objects (``_target_`` nodes, settings dataclasses, the model, replay backend,
-task, callbacks and ``Trainer``), every failure a one-line :class:`JobError` naming the config key."""
+task, callbacks and ``Trainer``), every failure a one-line `JobError` naming the config key."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import importlib.util
 import inspect
-import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +14,24 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from r3lightning.app.job.common import JobError
+from r3lightning.app.job.common import JobError, one_line
 from r3lightning.app.job.models import torch_dtype
 from r3lightning.app.job.sharded import meta_model
 from r3lightning.app.tasks.token_class import ScoredTask
 from r3lightning.replay.backend import check_soft_threshold
 from r3lightning.replay.hf.replay import HFRouterReplay
 
-__all__ = ["JobError", "dataclass_from", "instantiate_node", "plain", "tensorboard_if_installed"]
+__all__ = ["JobError", "instantiate_node", "plain", "tensorboard_if_installed"]
 
 MEGATRON_HINT = 'pip install "r3lightning[megatron]"'
 
 
-def one_line(text: Any) -> str:
-    return " ".join(str(text).split())
+def megatron_installed() -> bool:
+    """Whether megatron-core can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):  # no parent package, or one set to None in sys.modules
+        return False
 
 
 def plain(node: Any) -> Any:
@@ -67,7 +67,7 @@ def import_problem(exc: BaseException) -> str:
 
 
 def target_of(node: Any, key: str) -> Any:
-    """The object ``node._target_`` names; a :class:`JobError` naming ``key`` when it cannot be."""
+    """The object ``node._target_`` names; a `JobError` naming ``key`` when it cannot be."""
     values = plain(node)
     if not isinstance(values, Mapping) or "_target_" not in values:
         raise JobError(f"{key} must be a mapping with a _target_, got {values!r}")
@@ -81,89 +81,20 @@ def target_of(node: Any, key: str) -> Any:
 
 
 def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
-    """``hydra.utils.instantiate(node, **job_kwargs)``; every failure a :class:`JobError` naming ``key``."""
+    """``node``'s ``_target_`` called with its keys and ``job_kwargs``; every failure a
+    `JobError` naming ``key``. ``job_kwargs`` reach the target as they are: Hydra would turn a
+    dataclass (``grpo=GRPOConfig(...)``) into a ``DictConfig``, losing its methods."""
     target_of(node, key)
+    values = plain(node)
     try:
-        return instantiate(plain(node), **job_kwargs)
+        if job_kwargs and not values.get("_partial_"):
+            return instantiate(values, _partial_=True)(**job_kwargs)
+        return instantiate(values, **job_kwargs)
     except InstantiationException as exc:
         text = one_line(exc.__cause__ or exc).split(" full_key:")[0]
         raise JobError(f"{key}: {text.split(', set env var')[0]}") from None
     except (TypeError, ValueError) as exc:
         raise JobError(f"{key}: {one_line(exc)}") from None
-
-
-Rule = tuple[str, Callable[[Any], bool]]  # (what a value must be, its check)
-BOOL: Rule = ("true or false", lambda v: isinstance(v, bool))
-_TYPES: dict[Any, Rule] = {  # the rule of a settings field's type
-    bool: BOOL,
-    int: ("an integer", lambda v: type(v) is int),
-    float: ("a number", lambda v: type(v) in (int, float)),
-    str: ("a string", lambda v: isinstance(v, str)),
-    type(None): ("null", lambda v: v is None),
-}
-
-
-def require(key: str, value: Any, rule: Rule) -> Any:
-    """``value`` if ``rule`` accepts it, else the job's one error: ``KEY must be X, got V``."""
-    expected, ok = rule
-    with contextlib.suppress(TypeError, ValueError):
-        if ok(value):
-            return value
-    raise JobError(f"{key} must be {expected}, got {value!r}")
-
-
-def _check_value(key: str, value: Any, tp: Any) -> Any:
-    """``value`` as ``tp`` (int -> float, list -> tuple, mapping -> dataclass), else a JobError."""
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested settings group
-        fields = [f.name for f in dataclasses.fields(tp)]
-        require(key, value, (f"a mapping with keys among {fields}", lambda v: isinstance(v, Mapping)))
-        return dataclass_from(tp, value, key)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            with contextlib.suppress(JobError):
-                return _check_value(key, value, option)
-        texts = [_TYPES.get(o, (getattr(o, "__name__", str(o)),))[0] for o in typing.get_args(tp)]
-        return require(key, value, (" or ".join(texts), lambda v: False))
-    if typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[X, ...]
-        item = typing.get_args(tp)[0]
-        require(key, value, ("a list", lambda v: isinstance(v, list | tuple)))
-        return tuple(_check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value))
-    if typing.get_origin(tp) is tuple:
-        args = typing.get_args(tp)
-        require(
-            key,
-            value,
-            (f"a list of {len(args)} values", lambda v: isinstance(v, list | tuple) and len(v) == len(args)),
-        )
-        return tuple(
-            _check_value(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))
-        )
-    if tp in _TYPES:
-        require(key, value, _TYPES[tp])
-    return float(value) if tp is float else value
-
-
-def dataclass_from(cls: type, node: DictConfig | Mapping[str, Any], key: str, *, skip: tuple[str, ...] = ()):
-    """``cls(**node)``, each value checked against its field's type (nested dataclasses too), unknown
-    keys refused, ``skip`` keys left out. A refused value (the class's own ``ValueError`` included) is
-    a :class:`JobError` naming ``key.<field>`` and, when interpolated, its source (``(set by ${x})``)."""
-    values = {k: v for k, v in (plain(node) or {}).items() if k not in skip}
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise JobError(f"{key}.{unknown[0]} is not a setting here; expected one of {names}")
-    try:
-        return cls(**{name: _check_value(f"{key}.{name}", v, hints[name]) for name, v in values.items()})
-    except JobError as exc:
-        message = str(exc)
-    except (TypeError, ValueError) as exc:  # the class's own checks, e.g. "mode must be one of ..."
-        text = one_line(exc)
-        message = f"{key}.{text}" if text.split(" ", 1)[0] in names else f"{key}: {text}"
-    raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_config(node) else {}
-    raw = raw.get(message.removeprefix(f"{key}.").split()[0])  # type: ignore[union-attr]
-    source = f" (set by {raw})" if isinstance(raw, str) and raw.startswith("${") else ""
-    raise JobError(message + source) from None
 
 
 def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:

@@ -14,7 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 
-from r3lightning.app.job.build import JobError, one_line, plain
+from r3lightning.app.job.build import plain
+from r3lightning.app.job.common import JobError, one_line
 
 FINGERPRINT = "fingerprint.json"
 _FIX = "delete it to start this run over, or set resume=false or another hydra.run.dir"
@@ -40,7 +41,7 @@ def fingerprint(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
-    """Unless ``resume=false``, a :class:`JobError` if a run in ``run_dir`` has another fingerprint."""
+    """Unless ``resume=false``, a `JobError` if a run in ``run_dir`` has another fingerprint."""
     saved_runs = [p for p in sorted(Path(run_dir).rglob(FINGERPRINT)) if (p.parent / "checkpoints").is_dir()]
     current = fingerprint(cfg) if cfg.resume and saved_runs else {}
     for path in saved_runs if current else []:
@@ -63,7 +64,7 @@ def _temp_name(target: Path) -> Path:
 
 
 def remove_stale_temps(directory: Path) -> None:
-    """Delete what a killed save left in ``directory``: the temp files :class:`AtomicCheckpointIO`
+    """Delete what a killed save left in ``directory``: the temp files `AtomicCheckpointIO`
     writes next to its targets (a process killed mid-save cannot remove its own)."""
     for path in Path(directory).glob(".*.tmp-*"):
         path.unlink(missing_ok=True)
@@ -116,7 +117,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 class RunCheckpoint(ModelCheckpoint):
     """``<run>/checkpoints/last.ckpt`` after every step, and the run's fingerprint beside it.
-    Single-file checkpoints are written by :class:`AtomicCheckpointIO` unless the strategy was given
+    Single-file checkpoints are written by `AtomicCheckpointIO` unless the strategy was given
     a checkpoint IO of its own."""
 
     def __init__(self, out_dir: Path, cfg: DictConfig) -> None:
@@ -183,7 +184,7 @@ def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
 
 def refuse_bad_data_state(datamodule: Any, ckpt_path: str) -> None:
     """Lightning restores ``datamodule`` inside ``fit``, after every up-front check: a state its
-    ``load_state_dict`` refuses (a tampered or foreign checkpoint) becomes a one-line :class:`JobError`."""
+    ``load_state_dict`` refuses (a tampered or foreign checkpoint) becomes a one-line `JobError`."""
     restore = datamodule.load_state_dict
 
     def load_state_dict(state: Any) -> None:

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
+
+
+def one_line(text: Any) -> str:
+    """``text`` with every run of whitespace (newlines too) as one space."""
+    return " ".join(str(text).split())
 
 
 class JobError(Exception):

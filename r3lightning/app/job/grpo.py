@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from r3lightning.checks import check_setting
 from r3lightning.correction.importance import k3_terms
 from r3lightning.correction.steps import CorrectionConfig
 
@@ -32,6 +33,21 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {list(LOSSES)}, got {self.loss!r}")
+        check_setting("group_size", self.group_size, low=2, high=2**31 - 1, integer=True)
+        if (
+            isinstance(self.clip_low, bool)
+            or not isinstance(self.clip_low, int | float)
+            or not 0 < self.clip_low < 1
+        ):
+            raise ValueError(f"clip_low must be a number in (0, 1), got {self.clip_low!r}")
+        check_setting("clip_high", self.clip_high, low=0, above=True)
+        if not isinstance(self.normalize_std, bool):
+            raise ValueError(f"normalize_std must be true or false, got {self.normalize_std!r}")
+        check_setting("ratio_band", self.ratio_band, low=1)
+        check_setting("mismatch_every_n_steps", self.mismatch_every_n_steps, low=0, integer=True)
+        if not isinstance(self.correction, CorrectionConfig):
+            got = type(self.correction).__name__
+            raise ValueError(f"correction must be a CorrectionConfig (r3lightning.correction), got {got}")
 
 
 MAX_LOG_RATIO = 20.0  # the losses' log-ratio cap before exp: exp(20) ~ 4.9e8
@@ -56,7 +72,7 @@ def group_advantages(
 @dataclass(frozen=True)
 class GRPOAdvantages:
     """GRPO's advantages of one group, the ``advantages`` function a
-    :class:`~r3lightning.rollout.collector.RolloutCollector` takes.
+    [`RolloutCollector`][r3lightning.rollout.collector.RolloutCollector] takes.
 
     Args:
         normalize_std: Divide by the group's unbiased reward std plus ``std_eps`` (GRPO); False
@@ -66,6 +82,11 @@ class GRPOAdvantages:
 
     normalize_std: bool = True
     std_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.normalize_std, bool):
+            raise ValueError(f"normalize_std must be true or false, got {self.normalize_std!r}")
+        check_setting("std_eps", self.std_eps, low=0, above=True)
 
     def __call__(self, rewards: Tensor) -> Tensor:
         """Args:
@@ -186,7 +207,7 @@ def mismatch_metrics(
     trainer_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, ratio_band: float = 2.0
 ) -> dict[str, Tensor]:
     """With ``r = p_trainer / p_rollout`` on the loss tokens, detached float64 scalars: ``k3_kl``
-    (mean :func:`k3_terms`, the k3 estimator of KL(rollout || trainer)), ``ratio_out_of_band``
+    (mean `k3_terms`, the k3 estimator of KL(rollout || trainer)), ``ratio_out_of_band``
     (share with ``r`` outside ``[1 / ratio_band, ratio_band]``) and ``abs_logprob_diff``."""
     with torch.no_grad():
         log_r = trainer_logprobs.double() - rollout_logprobs.double()  # [B, S]
@@ -205,7 +226,7 @@ def paired_mismatch_metrics(
     *,
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
-    """The mismatch R3 removes: :func:`mismatch_metrics` of the trainer's native and replayed
+    """The mismatch R3 removes: `mismatch_metrics` of the trainer's native and replayed
     logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``,
     ``abs_logprob_diff_native``, ``abs_logprob_diff_replayed``)."""
     native, replayed = (
@@ -223,7 +244,7 @@ def paired_mismatch_metrics(
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy (nats) of each token's predicting distribution, ``[B, S]`` like :func:`token_logprobs`."""
+    """Entropy (nats) of each token's predicting distribution, ``[B, S]`` like `token_logprobs`."""
     logp = _shifted_log_softmax(logits)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 _KEY_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$")
@@ -19,7 +18,8 @@ usage: r3lightning-train [--config-dir DIR] [-m] [group=option ...] [key=value .
   key=value          set a value, e.g. steps=50 rollout.url=http://host:30000
   +key=value         add a key, e.g. +callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor
   --config-dir DIR   your own YAML files (DIR/<group>/<option>.yaml), searched before the package's
-  -m, --multirun     a sweep (key=a,b): its jobs run one after the other; failures are listed
+  -m, --multirun     a sweep (key=a,b) through Hydra's sweeper and launcher: one after the other,
+                     or in parallel with hydra/launcher=joblib (submitit_slurm: on SLURM)
   --cfg job          print the composed config and exit; --hydra-help for Hydra's own flags
   group=option --help  this help with that option selected and its keys listed
 
@@ -72,27 +72,10 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def _selected(conf_dir: Path, overrides: Sequence[str]) -> tuple[dict[str, str | None], str | None]:
-    """``({group: selected option}, problem)`` after ``overrides`` (the defaults and a note if they fail)."""
-
-    def choices(items: list[str]) -> dict[str, str | None]:
-        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            cfg = compose("config", overrides=items, return_hydra_config=True)
-        return dict(cfg.hydra.runtime.choices)
-
-    try:
-        return choices(list(overrides)), None
-    except Exception as exc:
-        note = " ".join(str(exc).split("Config search path")[0].split())
-        return choices([]), f"(the defaults are shown: {note})"
-
-
-def format_help(conf_dir: Path, args: Sequence[str] = ()) -> str:
-    """The help text: usage, the config groups and options (the ones ``args`` select marked), the
-    top-level keys and those of each selected option, each with its explanation."""
-    overrides = [a for a in args if "=" in a and not a.lstrip("+~").startswith(("-", "hydra"))]
-    selected, problem = _selected(conf_dir, overrides)
-    lines = [_USAGE.format(conf_dir=conf_dir), "", "Config groups (* = selected):", problem]
+def format_help(conf_dir: Path, selected: Mapping[str, str | None]) -> str:
+    """The help text: usage, the config groups and options (``selected``, ``{group: option}``, marked),
+    the top-level keys and those of each selected option, each with its explanation."""
+    lines = [_USAGE.format(conf_dir=conf_dir), "", "Config groups (* = selected):"]
     for group in sorted(p.name for p in conf_dir.iterdir() if p.is_dir()):
         lines.append(f"  {group}:")
         for path in sorted((conf_dir / group).glob("*.yaml")):
@@ -111,4 +94,17 @@ def format_help(conf_dir: Path, args: Sequence[str] = ()) -> str:
     for title, keys in sections:
         lines += ["", f"{title}:"] if keys else []
         lines += [(f"  {k}={v}".ljust(44) + f"  {comment}").rstrip() for k, v, comment in keys]
-    return "\n".join(line for line in lines if line is not None)
+    return "\n".join(lines)
+
+
+def _help_template() -> str:
+    """``hydra.help.template`` (``${r3lightning_help:}``): the help of the composed config's choices,
+    ``$`` escaped for the ``string.Template`` Hydra fills it into."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from r3lightning.app.job.setup import CONF_DIR
+
+    return format_help(CONF_DIR, dict(HydraConfig.get().runtime.choices)).replace("$", "$$")
+
+
+OmegaConf.register_new_resolver("r3lightning_help", _help_template, replace=True)

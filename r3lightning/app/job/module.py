@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
@@ -21,6 +20,7 @@ from r3lightning.app.job.grpo import (
     token_entropy,
     token_logprobs,
 )
+from r3lightning.app.job.settings import OptimConfig
 from r3lightning.app.job.sharded import load_sharded_weights, shard_model
 from r3lightning.correction import CorrectionMetrics, correction_weights
 from r3lightning.ragged import to_device_async
@@ -29,14 +29,6 @@ from r3lightning.replay.batch_fields import host_attention_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.metrics import comparison_counts
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-2
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: float | None = 1.0  # applied by the Trainer (gradient_clip_val)
 
 
 class GRPOModule(pl.LightningModule):

@@ -32,7 +32,7 @@ def write_csv(path: str | Path, records: History) -> None:
 
 
 def read_csv(path: str | Path) -> list[dict[str, float]]:
-    """Records written by :func:`write_csv`; empty cells are dropped."""
+    """Records written by `write_csv`; empty cells are dropped."""
     with open(path, newline="") as f:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
@@ -47,7 +47,7 @@ def environment() -> dict[str, str]:
     """What a run's rows depend on besides its config: library versions, intra-op threads, the CPU
     model and the CPU capability torch dispatches its kernels to (``AVX2``, ``AVX512``: two machines
     with one model string may differ there, and so do their float results). The one place that
-    builds it: demos, scripts and benchmarks print :func:`environment_line` of it."""
+    builds it: demos, scripts and benchmarks print `environment_line` of it."""
     import lightning
     import torch
     import transformers
@@ -61,7 +61,7 @@ def environment() -> dict[str, str]:
 
 
 def environment_line(env: Mapping[str, str]) -> str:
-    """:func:`environment` as the line that ends ``summary.txt`` and heads ``config.yaml``."""
+    """`environment` as the line that ends ``summary.txt`` and heads ``config.yaml``."""
     versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
     cpu = f"CPU {env['cpu']}, torch CPU capability {env.get('capability', 'unknown')}"
     return f"environment: {versions}, {env['threads']} intra-op threads, {cpu}"

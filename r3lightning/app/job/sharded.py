@@ -1,5 +1,5 @@
 """Loading a large Hugging Face MoE under FSDP2 without a full copy per rank (examples/fsdp_moe):
-:func:`convert_checkpoint` (``python -m r3lightning.app.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``)
+`convert_checkpoint` (``python -m r3lightning.app.job.sharded HF_DIR OUT_DIR [--dtype bfloat16]``)
 writes it once as a DCP directory; every rank builds the model on the meta device, shards it and
 reads only its own shards."""
 

@@ -1,5 +1,5 @@
 """Weight sync for vLLM: the trainer writes an HF safetensors checkpoint in the engine's dtype
-(:mod:`r3lightning.app.vllm.weight_sync`), and every engine loads it through its development
+(`r3lightning.app.vllm.weight_sync`), and every engine loads it through its development
 endpoints (``VLLM_SERVER_DEV_MODE=1``):
 
     POST /pause?mode=wait           requests in flight finish on the old weights, new ones wait
@@ -8,7 +8,7 @@ endpoints (``VLLM_SERVER_DEV_MODE=1``):
     POST /update_weight_version     the policy version the engine now serves
     POST /resume
 
-A refused step raises :class:`JobError` (an engine that does not answer: ``RemoteGenerateError``)
+A refused step raises `JobError` (an engine that does not answer: ``RemoteGenerateError``)
 and leaves that engine paused: it never samples from weights that are half loaded or stale.
 """
 

@@ -46,7 +46,7 @@ class TinyMegatronMoE(nn.Module):
         self._backend = None
 
     def router_replay_backend(self):
-        """The :class:`MegatronRouterReplay` of this model's routers (built once)."""
+        """The [`MegatronRouterReplay`][r3lightning.replay.megatron.replay.MegatronRouterReplay] of this model's routers (built once)."""
         if self._backend is None:
             from r3lightning.replay.megatron.replay import MegatronRouterReplay
 
@@ -84,8 +84,8 @@ def tiny_megatron_moe(
     max_position_embeddings: int = 256,
     seed: int = 0,
 ) -> TinyMegatronMoE:
-    """A :class:`TinyMegatronMoE` in fp32 from a forked RNG seeded with ``seed``; ``moe_layer_freq``:
-    one 0/1 per layer (default: layer 0 dense). Needs :func:`megatron_runtime`."""
+    """A `TinyMegatronMoE` in fp32 from a forked RNG seeded with ``seed``; ``moe_layer_freq``:
+    one 0/1 per layer (default: layer 0 dense). Needs `megatron_runtime`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers import PretrainedConfig
 

@@ -1,6 +1,6 @@
 """A tiny character-level tokenizer with a chat template (ids 0-2 ``<pad>``, ``<bos>``, ``<eos>``
 as in ``tiny_moe_config``, then ``<unk>``, the chat markers and one id per lower-cased character
-of :data:`CHARACTERS`), and ``python -m r3lightning.app.models.tiny_tokenizer DIR`` writing a tiny
+of `CHARACTERS`), and ``python -m r3lightning.app.models.tiny_tokenizer DIR`` writing a tiny
 checkpoint with it that ``model=hf_checkpoint model.path=DIR`` loads (offline)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def build_tiny_tokenizer():
 
 
 def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", seed: int = 0) -> Path:
-    """Write a tiny fp32 MoE model and :func:`build_tiny_tokenizer` (ids in sync) to ``directory``."""
+    """Write a tiny fp32 MoE model and `build_tiny_tokenizer` (ids in sync) to ``directory``."""
     from r3lightning.app.models.tiny import build_tiny_moe, tiny_family_config
 
     directory = Path(directory)

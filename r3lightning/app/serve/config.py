@@ -23,7 +23,7 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How a :class:`~r3lightning.app.serve.engine.GenerationEngine` serves. ``device`` None: the
+    """How a `GenerationEngine` serves. ``device`` None: the
     model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
     (SIMULATION): the share of expert slots flipped by perturbed router logits."""
 
@@ -80,7 +80,7 @@ def serving_device(value: TorchDevice | str | int) -> TorchDevice:
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What a :class:`~r3lightning.app.serve.server.RolloutServer` accepts. ``max_new_tokens_cap`` None:
+    """What a [`RolloutServer`][r3lightning.app.serve.server.RolloutServer] accepts. ``max_new_tokens_cap`` None:
     the context; ``max_request_bytes`` None: 24 bytes a context token + 64 KiB. A body is cut (408)
     when no byte comes for ``body_timeout_s``, or when it has taken longer than ``body_timeout_s``
     plus its bytes so far at ``min_body_rate``: a client trickling a byte at a time cannot hold a

@@ -1,4 +1,4 @@
-"""Token generation with route recording for the embedded rollout server (:class:`GenerationEngine`)."""
+"""Token generation with route recording for the embedded rollout server (`GenerationEngine`)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 class GenerationEngine:
     """A KV-cached sampling loop recording routes (``P`` prompt and ``G`` sampled tokens: ``P -
-    prompt_start + G - 1`` rows); one worker thread batches what :meth:`submit` queues. Cost: two
+    prompt_start + G - 1`` rows); one worker thread batches what `submit` queues. Cost: two
     host syncs per row and step, a host copy of each forward's routes when asked for."""
 
     invariant_tile_rows: int = 64  # the row tile of the batch-invariant GEMMs
@@ -241,8 +241,8 @@ class GenerationEngine:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def submit(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> Future:
-        """Queue ``request`` for the worker thread after :meth:`check_request`; the future resolves to
-        a :class:`GenerationOutput`."""
+        """Queue ``request`` for the worker thread after `check_request`; the future resolves to
+        a `GenerationOutput`."""
         self.check_request(request, prompt_field=prompt_field)
         future: Future = Future()
         # under close()'s lock: nothing queued behind the stop sentinel, no worker after close()
@@ -290,7 +290,7 @@ class GenerationEngine:
 
     @property
     def paused(self) -> bool:
-        """Whether :meth:`pause` holds new batches back."""
+        """Whether `pause` holds new batches back."""
         return self._paused
 
     def pause(self) -> None:
@@ -301,7 +301,7 @@ class GenerationEngine:
                 self._gate.wait()
 
     def resume(self) -> None:
-        """Run queued requests again after :meth:`pause`; idempotent."""
+        """Run queued requests again after `pause`; idempotent."""
         with self._gate:
             self._paused = False
             self._gate.notify_all()
@@ -332,9 +332,9 @@ class GenerationEngine:
     def update_weights(
         self, state_dict: Mapping[str, Tensor], *, strict: bool = False, version: int | None = None
     ) -> int:
-        """Copy ``state_dict`` into the serving model after the checks of :mod:`~r3lightning.app.serve.weights`
+        """Copy ``state_dict`` into the serving model after the checks of `weights`
         (all or nothing) and the running batch; returns the count. One cast, check and copy a tensor.
-        :attr:`weight_version` becomes ``version`` (the trainer's policy version), or grows by one."""
+        `weight_version` becomes ``version`` (the trainer's policy version), or grows by one."""
         if version is not None:
             check_setting("weight_version", version, low=0, integer=True)
         targets = loadable_targets(self.model)

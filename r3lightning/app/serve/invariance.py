@@ -33,7 +33,7 @@ def row_invariant_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """Causal attention of each row over its own real keys (set by :func:`batch_invariant`; SDPA
+    """Causal attention of each row over its own real keys (set by `batch_invariant`; SDPA
     outside one): ``query [B, H, Q, D]``, ``key``/``value [B, H_kv, S_kv, D]`` -> ``[B, Q, H, D]``,
     zeros on padding queries; a prefill (``Q == S_kv``) or one-token decode steps (``Q == 1``)."""
     starts = _ROW_STARTS.get()
@@ -127,7 +127,7 @@ class RowTiledLinear(TorchFunctionMode):
 
 @contextmanager
 def batch_invariant(row_starts: Sequence[int], tile_rows: int) -> Iterator[None]:
-    """Forwards of a :func:`make_batch_invariant` model in this block compute each row as it would
+    """Forwards of a `make_batch_invariant` model in this block compute each row as it would
     be computed alone. ``row_starts``: per batch row, its first real key (left padding width)."""
     starts, tile = _ROW_STARTS.set(list(row_starts)), _TILE_ROWS.set(tile_rows)
     try:

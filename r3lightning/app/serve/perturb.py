@@ -66,7 +66,7 @@ class RouterLogitPerturbation:
         return hook
 
     def calibrate(self, routes: Callable[[], Tensor]) -> float:
-        """Set and return the :attr:`scale` whose probe disagreement is closest to the target
+        """Set and return the `scale` whose probe disagreement is closest to the target
         (``routes()``: the probe's MoE-layer experts ``[..., K]``); about 11 probe forwards."""
         if self.target == 0.0:
             self.scale = self.measured = 0.0

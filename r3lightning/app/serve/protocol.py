@@ -1,6 +1,6 @@
 """Server side of the ``skyrl`` and ``sglang`` generate protocols (client side:
-:mod:`r3lightning.wire.request`): request bodies -> requests, outputs -> response bodies. Every
-parse error is a :class:`RequestFieldError` naming the field, whatever the JSON value."""
+`r3lightning.wire.request`): request bodies -> requests, outputs -> response bodies. Every
+parse error is a `RequestFieldError` naming the field, whatever the JSON value."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _check_keys(values: dict, known: set[str], where: str) -> None:
 def parse_sampling_params(
     params: dict, protocol: str, *, max_new_tokens_cap: int | None = None
 ) -> SamplingParams:
-    """``sampling_params`` -> :class:`SamplingParams`: the other protocol's names are aliases, all
+    """``sampling_params`` -> `SamplingParams`: the other protocol's names are aliases, all
     under ``max_new_tokens_cap``; unknown keys refused, penalties only at their neutral value."""
     known = _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set())
     _check_keys(params, known, "sampling_params")
@@ -110,7 +110,7 @@ def parse_sampling_params(
 def parse_generate_request(
     body: Any, protocol: str, *, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None
 ) -> GenerationRequest:
-    """A decoded JSON body of ``protocol`` -> :class:`GenerationRequest` (skyrl: routes unless
+    """A decoded JSON body of ``protocol`` -> `GenerationRequest` (skyrl: routes unless
     ``return_routed_experts`` is false, as SkyRL's server does)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")

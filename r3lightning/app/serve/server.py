@@ -293,7 +293,7 @@ class RolloutServer:
         strict: bool = False,
         weight_version: int | None = None,
     ) -> int:
-        """:meth:`GenerationEngine.update_weights` between :meth:`~GenerationEngine.pause` and
+        """`GenerationEngine.update_weights` between `pause` and
         ``resume`` (no batch starts during the copy), blocking (on the server's loop: ``asyncio.to_thread``)."""
         self.engine.pause()
         try:
@@ -302,7 +302,7 @@ class RolloutServer:
             self.engine.resume()
 
     async def start(self) -> RolloutServer:
-        """Bind and serve on the running loop; :attr:`port` is the bound port after."""
+        """Bind and serve on the running loop; `port` is the bound port after."""
         if self._started:
             raise RuntimeError("a RolloutServer runs once; create a new one")
         self._started = True

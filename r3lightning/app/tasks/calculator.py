@@ -2,7 +2,7 @@
 
 A prompt ends in operands ``first_token + a``, ``first_token + b`` and ``ASK``. A turn holding
 ``CALL`` gets ``[RESULT, first_token + (a + b) % num_classes]`` (the first call earns
-``call_reward``); a turn without it is the answer (:class:`CalculatorReward`, 0 before any call).
+``call_reward``); a turn without it is the answer (`CalculatorReward`, 0 before any call).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _answer(prompt_ids: Sequence[int], first_token: int, num_classes: int) -> in
 
 
 class CalculatorReward(TokenClassReward):
-    """The answer's score (``reward=calculator``): :class:`TokenClassReward` of ``(a + b) % num_classes``."""
+    """The answer's score (``reward=calculator``): `TokenClassReward` of ``(a + b) % num_classes``."""
 
     def target_class(self, prompt_ids: Sequence[int]) -> int:
         return _answer(prompt_ids, self.first_token, self.num_classes)
@@ -76,7 +76,7 @@ class CalculatorTask:
 
 
 class CalculatorEnvironment:
-    """The calculator tool of :class:`CalculatorTask` for one trajectory (ids in, ids out)."""
+    """The calculator tool of `CalculatorTask` for one trajectory (ids in, ids out)."""
 
     def __init__(self, task: CalculatorTask, score: Callable[[RolloutPrompt, list[int]], float]) -> None:
         self.task, self.score = task, score

@@ -1,5 +1,5 @@
 """Prompts from a dataset file (parquet or JSONL) in verl's column layout (other layouts name their
-:class:`Columns`), tokenised with a chat template. The prompts of RL step ``s`` are a pure function
+`Columns`), tokenised with a chat template. The prompts of RL step ``s`` are a pure function
 of ``(seed, s)``: a resumed run neither repeats nor skips one, with no cursor to save."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Columns:
 
 def lookup(row: Mapping[str, Any], key: str, *, where: str, field: str | None = None) -> Any:
     """``row[a][b]`` for ``key="a.b"``; a missing column is None, or for a required ``field`` of
-    :class:`Columns` a ``ValueError`` naming the row, the column, the setting and the row's columns."""
+    `Columns` a ``ValueError`` naming the row, the column, the setting and the row's columns."""
     value: Any = row
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:

@@ -41,12 +41,12 @@ def _as_number(text: str) -> float | None:
 
 
 def exact_match(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    """1.0 when the whole response equals the ground truth after :func:`normalize_answer`."""
+    """1.0 when the whole response equals the ground truth after `normalize_answer`."""
     return float(normalize_answer(solution_str) == normalize_answer(str(ground_truth)))
 
 
 def math_answer(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    """1.0 when the response's final answer (:func:`extract_answer`) equals the ground truth:
+    """1.0 when the response's final answer (`extract_answer`) equals the ground truth:
     numerically (``0.5`` == ``1/2``, ``1,000`` == ``1000``) when both parse as numbers, else as
     normalised text."""
     answer = extract_answer(solution_str)

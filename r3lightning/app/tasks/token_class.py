@@ -1,4 +1,4 @@
-"""A task joined with its reward (:class:`ScoredTask`), and the token-class task: prompts end in
+"""A task joined with its reward (`ScoredTask`), and the token-class task: prompts end in
 an instruction token ``first_token + c``, and the reward is the share of response tokens ``t``
 with ``t % num_classes == c`` (exact, cheap, learnt by a tiny random model in tens of steps)."""
 
@@ -27,7 +27,7 @@ Reward = Callable[[Sequence[int], Sequence[int]], float]  # (prompt_ids, respons
 
 class ScoredTask:
     """A task's prompts with the reward that scores them (``task`` and ``reward`` config keys): a
-    task with ``decode`` (a dataset) by a verl-style ``compute_score`` (:class:`TextReward`: a
+    task with ``decode`` (a dataset) by a verl-style ``compute_score`` (`TextReward`: a
     scorer that raises scores 0), any other by ``reward(prompt_ids, response_ids)`` (an exception
     ends the run). A scorer still running after ``timeout_s`` seconds scores 0 either way."""
 
@@ -75,7 +75,7 @@ class ScoredTask:
         return self.guarded(prompt, response_ids)
 
     def environments(self) -> Environments | None:
-        """A multi-turn task's :class:`Environments` (its ``make_environment(score_prompt)`` and
+        """A multi-turn task's [`Environments`][r3lightning.rollout.environment.Environments] (its ``make_environment(score_prompt)`` and
         ``max_turns``, 1 if it has none); None for a single-turn task."""
         make = getattr(self.prompts, "make_environment", None)
         if make is None:
@@ -144,7 +144,7 @@ class TokenClassReward:
 
 
 class TokenClassTask:
-    """Prompts of the token-class task (deterministic given the generator): :class:`TokenClassReward`'s."""
+    """Prompts of the token-class task (deterministic given the generator): `TokenClassReward`'s."""
 
     def __init__(
         self,

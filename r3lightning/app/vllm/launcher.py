@@ -1,6 +1,6 @@
 """A vLLM engine owned by this process: ``vllm serve`` started, health-checked and always stopped.
 
-:class:`VllmServer` starts ``vllm serve`` on ``127.0.0.1`` in its own process group, through
+[`VllmServer`][r3lightning.app.vllm.launcher.VllmServer] starts ``vllm serve`` on ``127.0.0.1`` in its own process group, through
 ``cli_shim.py`` run by the engine's own Python (``.venv-vllm`` by default, built by ``make vllm``),
 waits for ``GET /health``, and stops the whole group (``SIGTERM``, then ``SIGKILL``) when the
 ``with`` block ends for any reason: a normal exit, an exception, Ctrl-C, ``SIGTERM`` to this process
@@ -63,9 +63,9 @@ def log_tail(path: Path | None, lines: int = 30) -> str:
 
 
 class VllmServer:
-    """One vLLM engine: started here (``VllmServer(settings)``) or external (:meth:`external`).
+    """One vLLM engine: started here (``VllmServer(settings)``) or external (`external`).
 
-    Use as a context manager; :attr:`url` is the base URL for ``RemoteGenerateClient``.
+    Use as a context manager; `url` is the base URL for ``RemoteGenerateClient``.
 
     Args:
         settings: how to start the engine (model directory, dtype, flags, timeouts).
@@ -90,10 +90,10 @@ class VllmServer:
 
         Args:
             url: the engine's base URL (``http://host:port``).
-            health_timeout_s: how long :meth:`start` waits for its ``/health``.
+            health_timeout_s: how long `start` waits for its ``/health``.
 
         Returns:
-            A :class:`VllmServer` without a process.
+            A [`VllmServer`][r3lightning.app.vllm.launcher.VllmServer] without a process.
         """
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -120,7 +120,7 @@ class VllmServer:
         """Start the engine (external: check it answers) and wait for ``/health``.
 
         Returns:
-            ``self``, with :attr:`url` set.
+            ``self``, with `url` set.
 
         Raises:
             VllmStartError: the engine exited, or did not answer ``/health`` within

@@ -40,8 +40,8 @@ def save_tiny_vllm_model(
 
     Args:
         directory: the model directory (created if missing).
-        seed: the initialisation seed of :func:`build_tiny_moe`.
-        config: the config to build (default :func:`tiny_vllm_moe_config`).
+        seed: the initialisation seed of `build_tiny_moe`.
+        config: the config to build (default `tiny_vllm_moe_config`).
 
     Returns:
         The directory, holding ``config.json``, ``generation_config.json``, ``model.safetensors`` and

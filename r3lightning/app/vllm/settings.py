@@ -1,4 +1,4 @@
-"""How a local vLLM engine is started: :class:`VllmSettings`, the command line and the environment."""
+"""How a local vLLM engine is started: [`VllmSettings`][r3lightning.app.vllm.settings.VllmSettings], the command line and the environment."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ class ProcessOptions:
 
 @dataclass(frozen=True)
 class VllmSettings:
-    """Settings of a ``vllm serve`` started by :class:`~r3lightning.app.vllm.launcher.VllmServer`.
+    """Settings of a ``vllm serve`` started by [`VllmServer`][r3lightning.app.vllm.launcher.VllmServer].
 
     Args:
         model: the model directory (``config.json`` and safetensors weights).
@@ -94,8 +94,8 @@ class VllmSettings:
         host: the address the engine binds (loopback by default).
         port: the port on ``host``; 0 picks a free one.
         routed_experts: pass ``--enable-return-routed-experts`` (routes are a server-wide switch).
-        serve: the other ``vllm serve`` options (:class:`ServeOptions`).
-        process: threads, KV cache and timeouts of the engine process (:class:`ProcessOptions`).
+        serve: the other ``vllm serve`` options (`ServeOptions`).
+        process: threads, KV cache and timeouts of the engine process (`ProcessOptions`).
     """
 
     model: str

@@ -4,7 +4,7 @@ the engine's dtype, written atomically into a directory the engine reads.
 The engine loads it with ``r3_reload_weights`` (``POST /collective_rpc``): vLLM's ``reload_weights``
 plus the repair the CPU backend needs (``engine_side/r3lightning_worker.py``). The engine gains it
 with ``--worker-extension-cls r3lightning_worker.WeightReload`` and that folder on its
-``PYTHONPATH``, which :class:`~r3lightning.app.vllm.VllmServer` sets up with ``dev_mode``.
+``PYTHONPATH``, which `VllmServer` sets up with ``dev_mode``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def write_checkpoint(directory: Path, tensors: Mapping[str, Tensor]) -> Path:
 
     Args:
         directory: the engine's weight directory (created if missing).
-        tensors: checkpoint name -> tensor (:func:`checkpoint_tensors`).
+        tensors: checkpoint name -> tensor (`checkpoint_tensors`).
 
     Returns:
         The file's path.

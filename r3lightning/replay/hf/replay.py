@@ -36,13 +36,13 @@ class HFRouterReplay:
     Per router call with routes: an int64 widening of that layer's column, a ``where``, the weight
     formula and two ``[N, K, K]`` comparisons on device, no sync (soft replay: an fp32 softmax
     ``[N, E]`` and three more); idle hooks return at once. Recording keeps an int32 ``[N, K]`` per
-    MoE layer and forward. One backend per model: :meth:`for_model` shares it.
+    MoE layer and forward. One backend per model: `for_model` shares it.
 
     Args:
         model: The MoE model (or the part of it one rank holds).
         validate: Check the ids of every install (host syncs for device routes).
         soft_threshold: Soft replay: keep a replayed expert only where the router's own probability
-            of it is at least this (:func:`~r3lightning.replay.backend.soft_replay_indices`);
+            of it is at least this (`soft_replay_indices`);
             None: plain replay.
 
     Raises:
@@ -101,7 +101,7 @@ class HFRouterReplay:
     def install(
         self, routes: Tensor, replay_mask: Tensor | None = None, *, layers: Sequence[int] | None = None
     ) -> None:
-        """Replays ``routes`` in the following forwards until :meth:`clear`.
+        """Replays ``routes`` in the following forwards until `clear`.
 
         Args:
             routes: ``[*token_shape, num_layers, top_k]``, or ``[*token_shape, len(layers), top_k]``
@@ -112,7 +112,7 @@ class HFRouterReplay:
 
         Raises:
             TypeError, ValueError: See
-                :func:`~r3lightning.replay.backend.validate_routes_for_install` (host syncs for
+                `validate_routes_for_install` (host syncs for
                 device routes when ``validate``).
         """
         self._token_shape = validate_routes_for_install(
@@ -141,7 +141,7 @@ class HFRouterReplay:
         return bool(self._sessions)
 
     def start_recording(self) -> None:
-        """Capture the experts used (after replay) until :meth:`stop_recording`; recordings nest."""
+        """Capture the experts used (after replay) until `stop_recording`; recordings nest."""
         self._sessions.append([])
 
     def stop_recording(self) -> Tensor:
@@ -166,7 +166,7 @@ class HFRouterReplay:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
 
     def routing_stats(self) -> dict:
-        """:meth:`RouterReplayBackend.routing_stats` (the forward uses every expert it replays)."""
+        """`RouterReplayBackend.routing_stats` (the forward uses every expert it replays)."""
         empty = self._stats is None
         rows, slots, used, kept = (
             torch.zeros((4, len(self.moe_layers)), dtype=torch.int64) if empty else self._stats

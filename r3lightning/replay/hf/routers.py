@@ -1,5 +1,5 @@
 """Which Hugging Face router types can be replayed, and how: the router adapter registry. Built-in
-families (``_BUILTIN``) are registered lazily from the installed transformers; :func:`register_router`
+families (``_BUILTIN``) are registered lazily from the installed transformers; `register_router`
 adds others. The gate-weight functions ``(router, logits [N, E], experts [N, K] int64) -> [N, K]``,
 each named for the family it was written from (the families it serves: the docs' "Modes"):
 ``qwen3_moe_weights``, ``qwen3_5_moe_weights``, ``mixtral_weights``, ``deepseek_v3_weights``,
@@ -40,7 +40,7 @@ def qwen3_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Ten
 
 
 def qwen3_5_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """As :func:`qwen3_moe_weights`, always renormalised."""
+    """As `qwen3_moe_weights`, always renormalised."""
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     return (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
 

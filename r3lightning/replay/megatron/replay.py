@@ -67,7 +67,7 @@ class MegatronRouterReplay:
         config: The ``TransformerConfig`` (default: the first router's).
         parallelism: This rank's tensor / context parallel sizes and ranks and sequence
             parallelism (default: read from megatron's ``parallel_state``).
-        tp_group: The tensor-parallel group :meth:`stop_recording` gathers over under sequence
+        tp_group: The tensor-parallel group `stop_recording` gathers over under sequence
             parallelism (default: megatron's).
         validate: Check the ids of every install (a host sync).
 
@@ -136,7 +136,7 @@ class MegatronRouterReplay:
     def build_layout(
         self, batch: Any, *, packed: bool = True, fp8: bool | None = None
     ) -> TokenMetadataLayout:
-        """:func:`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8``."""
+        """`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8``."""
         fp8 = packed and bool(getattr(self.config, "fp8", None)) if fp8 is None else fp8
         return megatron_token_layout(batch, packed=packed, parallelism=self.parallelism, fp8=fp8)
 
@@ -168,7 +168,7 @@ class MegatronRouterReplay:
 
         Raises:
             TypeError, ValueError: See
-                :func:`~r3lightning.replay.backend.validate_routes_for_install` (host syncs only
+                `validate_routes_for_install` (host syncs only
                 when ``validate``), or a ``vp_stage`` the model does not have.
         """
         targets = self._stage_positions(vp_stage)
@@ -212,7 +212,7 @@ class MegatronRouterReplay:
             replay.reset()
 
     def remove(self) -> None:
-        """:meth:`clear` and unhook the routers (they keep the mask-aware ``RouterReplay``)."""
+        """`clear` and unhook the routers (they keep the mask-aware ``RouterReplay``)."""
         self.clear()
         for router, replay in zip(self.routers, self._replays, strict=True):
             if replay.hook is not None:
@@ -255,7 +255,7 @@ class MegatronRouterReplay:
         return routes_on_all_layers(rows, tokens.shape[:2], self.num_layers, self.top_k)
 
     def routing_stats(self) -> dict:
-        """:meth:`RouterReplayBackend.routing_stats` of this rank's MoE layers."""
+        """`RouterReplayBackend.routing_stats` of this rank's MoE layers."""
         known = [r.counts for r in self._replays if r.counts is not None]
         zero = torch.zeros(2, dtype=torch.int64, device=known[0].device if known else "cpu")
         rows, slots = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)

@@ -7,7 +7,7 @@ Why it exists: vLLM 0.30's ``reload_weights`` reloads an MoE layer through its l
 which re-runs the layer's weight processing as a *weight update*. On the CPU backend that skips
 the grouped-GEMM prepacking of the unquantized experts' weights, so the plain layout lands in
 storage the kernel reads as prepacked: after a reload the experts compute garbage (reloading the
-very weights the engine started with moves its logprobs by about 0.1). :meth:`WeightReload.r3_reload_weights`
+very weights the engine started with moves its logprobs by about 0.1). `WeightReload.r3_reload_weights`
 reloads, then prepacks those experts again, as the first load did.
 """
 

@@ -1,0 +1,59 @@
+"""The job's arms (``compare``) and seeds, each arm's config checked (docs/demo.md)."""
+
+from __future__ import annotations
+
+import re
+
+from omegaconf import DictConfig, OmegaConf
+
+from r3lightning.app.job.common import JobError
+from r3lightning.app.job.settings import REPLAY_MODES
+from r3lightning.app.job.setup import replay_settings
+from r3lightning.app.job.validate import check_targets, check_values
+
+__all__ = ["arms", "run_seeds"]
+
+_ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
+
+
+def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
+    """``{arm name: its checked config}`` from ``compare`` (docs/demo.md); none: the arm ``replay=<mode>``.
+    Every arm's values are checked first (`check_values`), then, if ``targets``, its targets."""
+    check_values(cfg)
+    out: dict[str, DictConfig] = {}
+    for index, entry in enumerate(cfg.compare or [None]):
+        spec = OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry}
+        where = f"compare[{index}]"
+        mode, overrides = spec.pop("replay", None), spec.pop("overrides", None) or {}
+        name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
+        if spec:
+            raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
+        if mode is not None and mode not in REPLAY_MODES:
+            raise JobError(f"{where}.replay must be one of {list(REPLAY_MODES)}, got {mode!r}")
+        if not _ARM_NAME.fullmatch(name) or name in out:
+            problem = "is used twice" if name in out else "may hold only letters, digits and _.+=,-"
+            raise JobError(f"{where}.name {name!r} {problem}")
+        if not isinstance(overrides, dict):
+            raise JobError(f"{where}.overrides must map dotted config keys to values, got {overrides!r}")
+        arm = OmegaConf.merge(cfg if mode is None else replay_settings(cfg, str(mode)), {"compare": []})
+        for key, value in overrides.items():
+            if OmegaConf.select(arm, str(key), default=KeyError) is KeyError:
+                raise JobError(f"{where}.overrides: {key!r} is not a key of the config")
+            OmegaConf.update(arm, str(key), value, merge=True)
+        try:
+            check_values(arm)
+        except JobError as exc:
+            raise JobError(f"{where} ({name}): {exc}") from None
+        out[name] = arm
+    for name, arm in out.items() if targets else ():
+        try:
+            check_targets(arm)
+        except JobError as exc:
+            raise JobError(exc if len(out) == 1 else f"{name}: {exc}") from None
+    return out
+
+
+def run_seeds(cfg: DictConfig) -> list[int]:
+    """``seed``, ``seed + 1``, ... (``seeds`` of them): every arm runs each."""
+    run = check_values(cfg).run
+    return [run.seed + i for i in range(run.seeds)]

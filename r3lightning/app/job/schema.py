@@ -1,0 +1,178 @@
+"""Hydra structured configs made from the library's settings dataclasses.
+
+The dataclasses (``RetryPolicy``, ``EngineConfig``, ``GRPOConfig``, ...) are the one source of the
+job's field names, types and defaults. `structured` turns one into a dataclass that OmegaConf
+can type-check: the same fields and defaults, each type narrowed to what a YAML value can be
+(``torch.dtype | str`` -> ``str``, ``Sequence[int] | None`` -> ``Optional[List[int]]``). Hydra then
+refuses a wrong type or an unknown key while it composes; the value checks of the dataclass's own
+``__post_init__`` run when `build` makes the library object from the composed node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+__all__ = ["SettingsError", "build", "structured"]
+
+_PRIMITIVES = (int, float, bool, str)
+_CACHE: dict[tuple[type, str], type] = {}
+
+
+class SettingsError(ValueError):
+    """A refused setting, its message already naming the dotted config key."""
+
+
+def _yaml_type(tp: Any) -> Any:
+    """The OmegaConf annotation for a field annotated ``tp`` (``Any`` where YAML cannot say more)."""
+    if tp in _PRIMITIVES or tp is Any:
+        return tp
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return structured(tp)
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        narrowed = [_yaml_type(a) for a in options]
+        # a union of a config-able type and objects YAML cannot hold (torch.dtype | str): the former
+        kept = [n for n, a in zip(narrowed, options, strict=True) if n is not Any or a is Any]
+        inner = kept[0] if len(set(kept)) == 1 else Any
+        return Optional[inner] if len(options) < len(args) and inner is not Any else inner  # noqa: UP045
+    if origin in (list, tuple, Sequence, set, frozenset) or origin is typing.Sequence:
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return tuple[tuple(_yaml_type(a) for a in args)]  # type: ignore[misc]
+        return list[_yaml_type(args[0]) if args else Any]
+    if origin in (dict, Mapping) or origin is typing.Mapping:
+        return dict[str, _yaml_type(args[1]) if len(args) == 2 else Any]
+    return Any
+
+
+def _yaml_default(value: Any) -> Any:
+    """A field's default as YAML holds it (a ``torch.dtype`` as its name, a tuple as a list)."""
+    if isinstance(value, tuple | list):
+        return [_yaml_default(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _yaml_default(v) for k, v in value.items()}
+    if value is None or isinstance(value, (*_PRIMITIVES, enum.Enum)):
+        return value
+    name = str(value)
+    return name.removeprefix("torch.") if name.startswith("torch.") else name
+
+
+def structured(
+    cls: type,
+    *,
+    target: str | None = None,
+    exclude: Sequence[str] = (),
+    extra: Sequence[dataclasses.Field | tuple] = (),
+    name: str | None = None,
+) -> type:
+    """The structured-config dataclass of the settings dataclass ``cls``.
+
+    Args:
+        cls: a dataclass whose fields are the settings.
+        target: a ``_target_`` default (first field), for a node Hydra can instantiate.
+        exclude: fields that are not settings of a config (objects the job builds itself).
+        extra: more fields, as ``dataclasses.make_dataclass`` takes them (``(name, type, field)``).
+        name: the class name in Hydra's messages (default: ``cls``'s).
+
+    Returns:
+        A (cached) dataclass with the same field names and defaults; a field without a default is
+        ``???`` (Hydra's mandatory value).
+    """
+    key = (cls, repr((target, tuple(exclude), tuple(map(repr, extra)), name)))
+    if key in _CACHE:
+        return _CACHE[key]
+    hints = typing.get_type_hints(cls)
+    fields: list[tuple] = []
+    if target is not None:
+        fields.append(("_target_", str, dataclasses.field(default=target)))
+    for item in dataclasses.fields(cls):
+        if item.name in exclude or not item.init:
+            continue
+        tp = _yaml_type(hints[item.name])
+        if item.default is not dataclasses.MISSING:
+            default = _yaml_default(item.default)
+            spec = (
+                dataclasses.field(default_factory=lambda d=default: list(d))
+                if isinstance(default, list)
+                else dataclasses.field(default=default)
+            )
+        elif item.default_factory is not dataclasses.MISSING:
+            made = item.default_factory()
+            if dataclasses.is_dataclass(made):
+                spec = dataclasses.field(default_factory=tp)
+            else:
+                spec = dataclasses.field(default_factory=lambda f=item.default_factory: _yaml_default(f()))
+        else:
+            spec = dataclasses.field(default=MISSING)
+        fields.append((item.name, tp, spec))
+    fields += list(extra)
+    schema = dataclasses.make_dataclass(name or cls.__name__, fields)
+    schema.__doc__ = f"Structured config of ``{cls.__module__}.{cls.__qualname__}``."
+    _CACHE[key] = schema
+    return schema
+
+
+def _source(node: Any, field: str) -> str:
+    """`` (set by ${x})`` when ``node.field`` is an interpolation, else ``""``."""
+    if not isinstance(node, DictConfig) or field not in node:
+        return ""
+    raw = OmegaConf.to_container(node, resolve=False).get(field)  # type: ignore[union-attr]
+    return f" (set by {raw})" if isinstance(raw, str) and raw.startswith("${") else ""
+
+
+def build(
+    cls: type, node: Any, key: str, *, skip: Sequence[str] = (), convert: Callable | None = None
+) -> Any:
+    """``cls`` (a settings dataclass) from the config ``node`` at ``key``: nested settings too, the
+    ``_target_`` and ``skip`` keys left out. A value the class refuses (its ``ValueError`` or
+    ``TypeError``) is a `SettingsError` naming ``key.<field>`` and, for an interpolated value,
+    where it is set.
+
+    Args:
+        cls: the settings dataclass.
+        node: its composed config node (or a plain mapping).
+        key: the node's dotted config key, for messages.
+        skip: keys of the node that are not fields of ``cls``.
+        convert: applied to the plain values before ``cls`` gets them.
+
+    Returns:
+        The ``cls`` instance.
+
+    Raises:
+        SettingsError: a refused value, or a key that is not a field of ``cls``.
+    """
+    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+    values = {k: v for k, v in values.items() if k != "_target_" and k not in skip}
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    prefix = f"{key}." if key else ""
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise SettingsError(f"{prefix}{unknown[0]} is not a setting here; expected one of {names}")
+    for name, value in values.items():
+        nested = hints[name]
+        if dataclasses.is_dataclass(nested) and isinstance(nested, type) and isinstance(value, Mapping):
+            values[name] = build(
+                nested, node[name] if OmegaConf.is_config(node) else value, f"{prefix}{name}"
+            )
+    if convert is not None:
+        values = convert(values)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        text = " ".join(str(exc).split())
+        field = re.match(r"\w*", text).group()  # type: ignore[union-attr]  # "name must be ...", "name=x needs ..."
+        if field in names:
+            raise SettingsError(f"{prefix}{text}{_source(node, field)}") from None
+        raise SettingsError(f"{key or 'config'}: {text}") from None
