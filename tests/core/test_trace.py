@@ -114,8 +114,8 @@ def test_record_errors_leave_trace_unchanged():
         trace.record_generation(3, 2, good.astype(np.float32))
     with pytest.raises(ValueError, match="must hold integer expert ids, got dtype bool"):
         trace.record_generation(3, 2, good.astype(bool))
-    with pytest.raises(ValueError, match=r"negative expert id \(-1\)"):
-        trace.record_generation(3, 2, np.full((4, L, K), -1, dtype=np.int8))
+    with pytest.raises(ValueError, match=r"negative expert id \(-2\); only -1 marks a missing row"):
+        trace.record_generation(3, 2, np.full((4, L, K), -2, dtype=np.int8))
     with pytest.raises(ValueError, match="expert id 8, but num_experts is 8"):
         trace.record_generation(3, 2, np.full((4, L, K), 8, dtype=np.uint8))
     with pytest.raises(ValueError, match=r"routed_experts is missing: expected 4 rows"):

@@ -83,8 +83,8 @@ CORRUPTIONS = [
         r"trajectory 0 rejected: .*response_ids must hold integer token ids",
     ),
     (
-        "nan logprob",
-        _set("rollout_logprobs", 1, float("nan")),
+        "inf logprob",  # NaN is allowed: it marks a token the engine gave no logprob for
+        _set("rollout_logprobs", 1, float("-inf")),
         r"trajectory 0 rejected: .*rollout_logprobs must be finite",
     ),
     (

@@ -21,6 +21,7 @@ from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
+from r3lightning.replay.metrics import COUNTS
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def _ddp_fit(rank, shards, expected):
         return real_all_reduce(*args, **kwargs)
 
     dist.all_reduce = counting_all_reduce
-    callback_vector_shape = torch.Size([4 * 4 + 2])  # [4 counts, num_layers] + 2 scalars
+    callback_vector_shape = torch.Size([COUNTS * 4 + 3])  # [COUNTS, num_layers] + 3 scalars
     for sync_dist, log_agreement in ((True, "per_layer"), (False, "per_layer"), (True, False)):
         logger = MemoryLogger()
         callback = RouterReplayCallback(sync_dist=sync_dist, log_agreement=log_agreement)

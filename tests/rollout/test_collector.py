@@ -162,7 +162,7 @@ def test_bad_settings_name_the_field():
     for name, value, expected in [
         ("max_in_flight", 0, "an integer >= 1"),
         ("reward_threads", -1, "an integer >= 0"),
-        ("seed", 1.5, "an integer"),
+        ("seed", 1.5, r"an integer >= 0 and <= 9223372036854775807"),
         ("progress", "yes", "true or false"),
         ("protocol", "grpc", r"one of \['skyrl', 'vllm', 'sglang', 'openai'\]"),
     ]:

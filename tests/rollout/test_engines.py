@@ -356,7 +356,7 @@ async def test_the_docs_client_snippet_runs_against_a_vllm_layout():
 
 @pytest.mark.parametrize("engine, protocol, path", CASES, ids=IDS)
 async def test_the_jobs_sampling_config_sends_its_stop_ids_in_each_protocol(engine, protocol, path):
-    from r3lightning.app.job.rollout_loop import SamplingConfig
+    from r3lightning.rollout.prompts import SamplingConfig
 
     ids = expected_generation(PROMPT, 6, 0, num_layers=3, top_k=2, num_experts=300)[0]
     sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True, stop_token_ids=[ids[3]])
