@@ -65,6 +65,14 @@ _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use i
 _ADVANTAGE_KEYS = [f.name for f in dataclasses.fields(GRPOAdvantages)]
 _AHEAD_KEYS = [f.name for f in dataclasses.fields(AheadConfig)]
 _SYNC_KEYS = [f.name for f in dataclasses.fields(WeightSyncSettings)]
+
+
+def _resolved_keys(node: DictConfig, keys: list[str]) -> DictConfig:
+    """The ``keys`` of ``node`` resolved where they stand, so an interpolation relative to ``node``
+    (``weight_sync_dtype: ${.launch.dtype}``) still finds its target."""
+    return OmegaConf.create({key: node[key] for key in keys if key in node})
+
+
 _RUN_KEYS = [f.name for f in dataclasses.fields(RunSettings)]
 _OMEGACONF_TYPES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
 
@@ -198,8 +206,8 @@ def check_values(cfg: DictConfig) -> Settings:
             engine=build(EngineConfig, rollout.server, "rollout.server", skip=("host", "port")),
             limits=build(ServerLimits, rollout.limits, "rollout.limits"),
             data_options=build(DataOptions, cfg.data.options, "data.options"),
-            ahead=build(AheadConfig, OmegaConf.masked_copy(rollout, _AHEAD_KEYS), "rollout"),
-            weight_sync=build(WeightSyncSettings, OmegaConf.masked_copy(rollout, _SYNC_KEYS), "rollout"),
+            ahead=build(AheadConfig, _resolved_keys(rollout, _AHEAD_KEYS), "rollout"),
+            weight_sync=build(WeightSyncSettings, _resolved_keys(rollout, _SYNC_KEYS), "rollout"),
         )
         built.rollout.check_engine(launched(rollout))
     except SettingsError as exc:

@@ -55,6 +55,9 @@ class ServeOptions:
     def __post_init__(self) -> None:
         check_setting("max_model_len", self.max_model_len, low=1, integer=True)
         check_setting("seed", self.seed, low=0, integer=True)
+        if isinstance(self.extra_args, str | bytes) or not isinstance(self.extra_args, list | tuple):
+            # a lone string would be split into characters, one argument each
+            raise TypeError(f"extra_args must be a list of strings, got {self.extra_args!r}")
         object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
 
 
