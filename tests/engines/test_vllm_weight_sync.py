@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from route_reference import random_tokens
-from vllm_reference import MOE_LAYERS, K, L, raw_choice
+from vllm_reference import K, L, model_routes, raw_choice
 
 import r3lightning.app.vllm.weight_sync as weight_sync
 from r3lightning.app.job.common import JobError
@@ -50,20 +50,6 @@ def engine_rollout(server, prompt: list[int]) -> tuple[list[int], np.ndarray, li
     return ids, routes, logprobs
 
 
-def native(model: torch.nn.Module, tokens: list[int]) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-    """Transformers' fp32 routes ``[T, L, K]`` (sorted ids, dense layer 0 zero), the gap between the
-    k-th and (k+1)-th router logits ``[T, L]`` and the log-softmax ``[T, V]`` of ``tokens``."""
-    with torch.no_grad():
-        out = model(torch.tensor([tokens]), output_router_logits=True)
-    routes = np.zeros((len(tokens), L, K), dtype=np.int64)
-    margin = np.full((len(tokens), L), np.inf)
-    for layer, logits in zip(MOE_LAYERS, out.router_logits, strict=True):
-        top = logits.float().topk(K + 1, dim=-1)  # [T, K + 1]
-        routes[:, layer] = np.sort(top.indices[:, :K].numpy(), axis=-1)
-        margin[:, layer] = (top.values[:, K - 1] - top.values[:, K]).numpy()
-    return routes, margin, out.logits[0].float().log_softmax(-1)
-
-
 def train_towards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, expert: int) -> None:
     """One optimizer step that raises ``expert``'s router probability on every MoE layer: after it,
     the routes must differ (by construction, not by a float's luck)."""
@@ -91,7 +77,7 @@ def test_routes_follow_the_weights_through_every_sync(vllm_fp32, tmp_path):
             for prompt in PROMPTS:  # the same prompts every step: a stale prefix cache would show
                 ids, routes, logprobs = engine_rollout(vllm_fp32, prompt)
                 tokens = prompt + ids[:-1]
-                expected, margin, logsoftmax = native(model, tokens)
+                expected, margin, logsoftmax = model_routes(model, tokens)
                 assert routes.shape == (len(tokens), L, K)
                 clear = np.broadcast_to((margin > NEAR_TIE)[..., None], expected.shape)
                 same = np.sort(routes, axis=-1) == expected
@@ -143,6 +129,6 @@ def test_a_failed_update_is_one_error_and_the_engine_stays_paused(vllm_fp32, tmp
         push(good, 0)
     assert _get(vllm_fp32.url, "/is_paused") == {"is_paused": False}
     ids, routes, _ = engine_rollout(vllm_fp32, PROMPTS[0])
-    expected, margin, _ = native(build_tiny_moe(config, seed=VLLM_SEED), PROMPTS[0] + ids[:-1])
+    expected, margin, _ = model_routes(build_tiny_moe(config, seed=VLLM_SEED), PROMPTS[0] + ids[:-1])
     clear = np.broadcast_to((margin > NEAR_TIE)[..., None], expected.shape)
     assert (np.sort(routes, axis=-1) == expected)[clear].all()

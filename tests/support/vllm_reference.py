@@ -29,11 +29,11 @@ def raw_choice(raw_response: bytes) -> tuple[list[int], np.ndarray | None, np.dt
     return choice["token_ids"], routes.astype(np.int64), routes.dtype
 
 
-def native_routes(tokens: list[int], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Transformers' fp32 top-k experts of every MoE layer for ``tokens`` (positions 0..T-1):
-    ``routes [T, L, K]`` (dense layer 0 all zero, ids sorted per row) and ``margin [T, L]``, the
-    gap between the k-th and (k+1)-th router logit (a near tie may flip between fp32 kernels)."""
-    model = build_tiny_moe(tiny_vllm_moe_config(), seed=seed, dtype=torch.float32)
+def model_routes(model: torch.nn.Module, tokens: list[int]) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """``model``'s fp32 top-k experts of every MoE layer for ``tokens`` (positions 0..T-1):
+    ``routes [T, L, K]`` (dense layer 0 all zero, ids sorted per row), ``margin [T, L]``, the gap
+    between the k-th and (k+1)-th router logit (a near tie may flip between fp32 kernels), and the
+    log-softmax ``[T, V]`` of the logits."""
     with torch.no_grad():
         out = model(torch.tensor([tokens]), output_router_logits=True)
     routes = np.zeros((len(tokens), L, K), dtype=np.int64)
@@ -42,4 +42,12 @@ def native_routes(tokens: list[int], seed: int = 0) -> tuple[np.ndarray, np.ndar
         top = logits.float().topk(K + 1, dim=-1)  # [T, K + 1]
         routes[:, layer] = np.sort(top.indices[:, :K].numpy(), axis=-1)
         margin[:, layer] = (top.values[:, K - 1] - top.values[:, K]).numpy()
+    return routes, margin, out.logits[0].float().log_softmax(-1)
+
+
+def native_routes(tokens: list[int], seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``model_routes`` of the served tiny vLLM model (fp32, ``seed``): ``routes [T, L, K]`` and
+    ``margin [T, L]``."""
+    model = build_tiny_moe(tiny_vllm_moe_config(), seed=seed, dtype=torch.float32)
+    routes, margin, _ = model_routes(model, tokens)
     return routes, margin
