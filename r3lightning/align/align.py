@@ -55,12 +55,18 @@ def align_packed_token_metadata(
         next_token: Token ``j`` takes token ``j + 1``'s row (targets of next-token losses).
 
     Returns:
-        ``[*layout.token_shape, *packed.row_shape]`` on ``packed``'s device, in its dtype.
-        Cost: one host-to-device copy of the index and one ``index_select``; no host sync.
+        ``[*layout.token_shape, *packed.row_shape]`` on ``packed``'s device, in its dtype (promoted
+        with the dtype of a tensor ``pad``, or of what a callable ``pad`` returns, if that is
+        wider). Cost: host index maths, one host-to-device copy of the gather index, one
+        ``index_select``, and one more index copy and indexed write for the padding positions;
+        no host sync (device ``segment_starts`` cost one).
 
     Raises:
         TypeError: ``packed`` is not a ``PackedTensor``.
-        ValueError: ``segment_starts`` or ``pad`` does not fit the layout or the rows.
+        ValueError: ``packed`` has not one segment per trajectory, a segment runs past its
+            trajectory's end, ``segment_starts`` has the wrong length, or ``pad`` is not a scalar
+            the dtype holds, a row that broadcasts to ``row_shape`` or a callable returning
+            ``[n, *row_shape]``.
     """
     if not isinstance(packed, PackedTensor):
         raise TypeError(f"packed must be a PackedTensor, got {type(packed).__name__}")
@@ -81,14 +87,20 @@ def build_replay_mask(
     """Marks the positions where a captured row lands.
 
     Args:
-        packed_or_lengths: The packed rows, or the row count of each segment.
+        packed_or_lengths: The packed rows (only their host ``lengths`` are read), or the row
+            count of each segment, ``[B]``.
         layout: The model-facing layout of the batch's tokens.
         segment_starts: The real-token offset of each segment's first row (None: 0).
-        device: Where the mask goes (default: the packed rows' device, or the host for lengths),
-            staged through page-locked memory.
+        device: Where the mask goes (default: the packed rows' device, or the host for lengths);
+            a CUDA copy is staged through page-locked memory and does not block.
 
     Returns:
-        bool ``[*layout.token_shape]``: True where a row lands. Host maths only; no device sync.
+        bool ``[*layout.token_shape]``: True where a row lands. Host maths and at most one
+        non-blocking host-to-device copy; no host sync (device lengths or starts cost one).
+
+    Raises:
+        ValueError: Not one count per trajectory, a negative count, or a segment that runs past
+            its trajectory's end.
     """
     packed = isinstance(packed_or_lengths, PackedTensor)
     counts = packed_or_lengths.lengths if packed else host_lengths(packed_or_lengths, "lengths")
@@ -109,9 +121,31 @@ def scatter_to_padded_batch(
     next_token: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Model-facing ``[*token_shape, *row]`` values back in a left-padded ``[B, width, *row]`` batch,
-    the inverse of ``layout.from_batch``: a new one filled with ``pad``, or ``out`` (each CP rank's
-    shard into one batch). One index copy, one indexed write."""
+    """Puts model-facing values back in the canonical left-padded batch: the inverse of
+    ``layout.from_batch``.
+
+    Args:
+        tensor: ``[*layout.token_shape, *row]`` values on any device (per-token logprobs ``[]``
+            rows, hidden states ``[H]``...).
+        layout: The layout ``tensor`` is in.
+        width: ``S`` of the batch (default: ``layout.batch_width``); at least the longest sequence.
+        pad: What the positions no value lands on hold in a new batch; a scalar ``tensor``'s
+            dtype stores exactly.
+        next_token: The values are next-token ones (``from_batch(..., next_token=True)``): the
+            value at token ``j`` goes to token ``j + 1``.
+        out: A contiguous ``[B, width, *row]`` tensor of ``tensor``'s dtype and device to write
+            into instead of a new one (each context-parallel rank's shard into one batch); its
+            other positions are left as they are.
+
+    Returns:
+        ``[B, width, *row]`` in ``tensor``'s dtype on its device (``out`` itself when given).
+        Cost: host index maths, two host-to-device index copies, one ``index_select`` and one
+        indexed write; no host sync.
+
+    Raises:
+        ValueError: ``tensor`` does not lead with the layout's token shape, ``width`` is shorter
+            than the longest sequence, ``pad`` does not fit the dtype, or ``out`` does not match.
+    """
     expected = layout.token_shape
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape[: len(expected)]) != expected:
         got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__

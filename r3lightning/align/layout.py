@@ -36,13 +36,30 @@ def _width(name: str, width: int | None, lengths: torch.Tensor) -> int:
 
 @dataclass(frozen=True, eq=False)
 class TokenMetadataLayout:
-    """Map from a batch's real tokens to the model-facing positions, from `padded` or `packed`.
+    """Map from a batch's real tokens to the model-facing positions; build it with `padded` or
+    `packed`, not field by field.
 
-    Host tensors: ``sequence_lengths`` int64 ``[B]``; ``position_sequence`` / ``position_offset``
-    int64 ``[num_positions]``, each position's trajectory and real-token offset (-1: padding);
-    ``position_ids`` int64 ``[*token_shape]`` (packed padding keeps counting, padded padding is 0);
-    ``cu_seqlens`` / ``cu_seqlens_padded`` int32 ``[B + 1]`` in the unsharded packed row (None
-    when padded). ``batch_width``: ``S`` of the canonical batch.
+    Every tensor is on the host, so aligning data with it costs host index maths and one
+    host-to-device index copy, never a device-to-host sync.
+
+    Attributes:
+        kind: ``"padded"`` (``[B, S']``) or ``"packed"`` (one ``[1, T_local]`` row).
+        token_shape: The shape of the model's token tensor.
+        sequence_lengths: int64 ``[B]``: real tokens of each trajectory.
+        batch_width: ``S`` of the canonical left-padded batch.
+        position_sequence: int64 ``[num_positions]``: each position's trajectory (-1: padding).
+        position_offset: int64 ``[num_positions]``: each position's real-token offset in its
+            trajectory (-1: padding).
+        position_ids: int64 ``[*token_shape]``: rotary positions (packed padding keeps counting,
+            padded padding is 0).
+        side: Where a padded layout's padding sits in the model's batch.
+        pad_to_multiple: The multiple ``S'`` (padded) or each sequence (packed) is padded to.
+        cu_seqlens: int32 ``[B + 1]`` offsets of the real tokens in the unsharded packed row
+            (None when padded).
+        cu_seqlens_padded: int32 ``[B + 1]`` offsets of the padded sequences in the unsharded
+            packed row, for varlen attention (None when padded).
+        cp_size: Context-parallel ranks the packed row is shared over.
+        cp_rank: This rank's place among them.
     """
 
     kind: Literal["padded", "packed"]
@@ -198,6 +215,7 @@ class TokenMetadataLayout:
 
     @property
     def batch_size(self) -> int:
+        """``B``: the number of trajectories."""
         return self.sequence_lengths.numel()
 
     @property
@@ -225,9 +243,19 @@ class TokenMetadataLayout:
         counts: torch.Tensor | None = None,
         next_token: bool = False,
     ) -> torch.Tensor:
-        """int64 host ``[num_positions]``: each position's row (-1: none) in a source holding ``counts[i]``
-        (default all) real tokens of trajectory ``i`` from ``starts[i]`` (default 0) as rows from
-        ``row_offsets[i]``; ``next_token``: token ``j`` takes token ``j + 1``'s row."""
+        """Each model-facing position's row in a source that holds some real tokens of each trajectory.
+
+        Args:
+            row_offsets: int64 host ``[B]``: the source row of trajectory ``i``'s first held token.
+            starts: int64 host ``[B]``: the real-token offset of that first held token (None: 0).
+            counts: int64 host ``[B]``: how many real tokens of trajectory ``i`` the source holds
+                from there (None: all the rest).
+            next_token: Token ``j`` takes token ``j + 1``'s row (targets of next-token losses).
+
+        Returns:
+            int64 host ``[num_positions]``: the source row of each position, -1 where none (padding,
+            a token the source does not hold, or past the end with ``next_token``). Host maths only.
+        """
         sequence = self.position_sequence
         offset = self.position_offset + int(next_token)
         if self.batch_size == 0:
@@ -240,12 +268,39 @@ class TokenMetadataLayout:
         return torch.where(covered, row_offsets[index] + offset - start, -1)
 
     def batch_row_offsets(self, width: int) -> torch.Tensor:
-        """int64 host ``[B]``: flat row of each first real token in a left-padded ``[B, width]``."""
+        """The flat row of each trajectory's first real token in a left-padded ``[B, width]`` batch.
+
+        Args:
+            width: ``S`` of the batch: at least the longest sequence.
+
+        Returns:
+            int64 host ``[B]``, for `source_index`'s ``row_offsets``.
+
+        Raises:
+            ValueError: ``width`` is not an int or is shorter than the longest sequence.
+        """
         width = _width("batch width", width, self.sequence_lengths)
         return torch.arange(self.batch_size) * width + width - self.sequence_lengths
 
     def from_batch(self, tensor: torch.Tensor, *, pad: Pad = 0, next_token: bool = False) -> torch.Tensor:
-        """A left-padded ``[B, S, *row]`` tensor as ``[*token_shape, *row]`` (``next_token``: labels)."""
+        """Lays a tensor of the canonical left-padded batch out as the model sees its tokens.
+
+        Args:
+            tensor: ``[B, S, *row]``, left-padded like the batch's ``attention_mask`` (input ids,
+                loss mask, logprobs...), on any device.
+            pad: What positions without a real token hold: a scalar, one row, or
+                ``pad(n) -> [n, *row]``.
+            next_token: Token ``j`` takes token ``j + 1``'s value (labels, next-token loss masks);
+                the last token of each sequence gets ``pad``.
+
+        Returns:
+            ``[*token_shape, *row]`` on ``tensor``'s device (dtype promoted with a tensor ``pad``'s).
+            Cost: as `take_rows`; no host sync.
+
+        Raises:
+            ValueError: ``tensor`` is not ``[B, S, ...]`` for this layout's ``B`` (or ``S`` is
+                shorter than the longest sequence), or ``pad`` does not fit.
+        """
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.shape[0] != self.batch_size:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise ValueError(f"tensor must be a [B={self.batch_size}, S, ...] batch tensor, got {shape}")
@@ -256,7 +311,24 @@ class TokenMetadataLayout:
 def take_rows(
     source: torch.Tensor, index: torch.Tensor, pad: Pad, token_shape: tuple[int, ...]
 ) -> torch.Tensor:
-    """``[*token_shape, *row]``: ``source[index]``, ``pad`` where ``index < 0`` (may widen the dtype)."""
+    """Gathers rows into a token-shaped tensor, padding where no row is given.
+
+    Args:
+        source: ``[rows, *row]`` on any device.
+        index: int64 host ``[prod(token_shape)]``: the source row of each position, -1 for ``pad``
+            (as `TokenMetadataLayout.source_index` makes it).
+        pad: A scalar ``source``'s dtype stores exactly, one row broadcasting to ``row``, or
+            ``pad(n) -> [n, *row]`` for the ``n`` padding positions.
+        token_shape: The leading shape of the result.
+
+    Returns:
+        ``[*token_shape, *row]`` on ``source``'s device, in its dtype promoted with a tensor
+        ``pad``'s. Cost: one host-to-device copy of the gather index, one ``index_select``, and for
+        the padding one more index copy and an ``index_fill_`` or indexed write; no host sync.
+
+    Raises:
+        ValueError: ``pad`` is none of the above, or does not fit the dtype or the row shape.
+    """
     uncovered = (index < 0).nonzero().reshape(-1)  # host
     row_shape = tuple(source.shape[1:])
     count = uncovered.numel()
@@ -291,14 +363,35 @@ def take_rows(
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` int64 rotary positions of a left-padded batch: ``[pad, pad, a, b]`` -> ``[0, 0, 0, 1]``."""
+    """Rotary positions of a left-padded batch: ``[pad, pad, a, b]`` -> ``[0, 0, 0, 1]``.
+
+    Args:
+        attention_mask: ``[B, S]`` bool or 0/1, left-padded, on any device.
+
+    Returns:
+        int64 ``[B, S]`` on the mask's device (padding gets 0). One cumsum; no host sync.
+    """
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def split_for_sequence_parallel(
     tensor: torch.Tensor, tp_size: int, tp_rank: int, *, dim: int = 1
 ) -> torch.Tensor:
-    """This TP rank's ``1/tp_size`` of token dimension ``dim`` (a view), for sequence parallelism."""
+    """This tensor-parallel rank's contiguous share of a token dimension, for sequence parallelism.
+
+    Args:
+        tensor: Any tensor whose dimension ``dim`` is the token axis.
+        tp_size: Tensor-parallel ranks (>= 1); they split the axis into equal contiguous parts.
+        tp_rank: This rank's place among them, in ``[0, tp_size)``.
+        dim: The token dimension (negative counts from the end).
+
+    Returns:
+        A view of ``tensor`` with ``size / tp_size`` entries on ``dim``: no copy, no sync.
+
+    Raises:
+        ValueError: A bad size or rank, ``dim`` out of range, or a token dimension that
+            ``tp_size`` does not divide (pad the layout to a multiple of it).
+    """
     tp = check_int("tp_size", tp_size)
     check_rank("tp_rank", tp_rank, "tp_size", tp)
     if not -tensor.dim() <= dim < tensor.dim():

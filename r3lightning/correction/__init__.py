@@ -1,4 +1,5 @@
-"""Importance-sampling corrections that compose with router replay, and the GRPO loss they weight."""
+"""Importance-sampling corrections that compose with router replay: per-token weights and masks
+of `log p_trainer - log p_engine`, their combination as steps, and their metrics."""
 
 from r3lightning.correction.importance import (
     geometric_mask,

@@ -99,7 +99,20 @@ class CorrectionStep:
             check_max_k3(self.max_k3)
 
     def apply(self, log_ratio: Tokens, mask: Tokens) -> Tokens:
-        """This step's per-token values: TIS weights or a 0/1 mask, detached, 0 off ``mask``."""
+        """This step's per-token values.
+
+        Args:
+            log_ratio: ``log p_trainer - log p_engine``, padded ``[B, T]`` or packed.
+            mask: The loss mask, in the same form.
+
+        Returns:
+            TIS weights or a 0/1 mask in ``log_ratio``'s form and dtype, detached, 0 off ``mask``
+            (see the functions of `r3lightning.correction.importance`). No host sync.
+
+        Raises:
+            ValueError: ``log_ratio`` / ``mask`` of the wrong form, or a cap above the dtype's
+                largest value.
+        """
         if self.kind == "token_tis":
             return token_tis(log_ratio, mask, threshold=self.cap, lower_clip=self.lower_clip)
         if self.kind == "sequence_tis":
@@ -186,8 +199,22 @@ class CorrectionConfig:
 
 
 def correction_weights(log_ratio: Tokens, mask: Tokens, config: CorrectionConfig) -> Tokens:
-    """The per-token loss weights of ``config``: the product of its steps' values (none: the mask
-    as 0/1 weights); ``log_ratio``'s form and dtype, detached, 0 off the mask, no host sync."""
+    """The per-token loss weights of a correction.
+
+    Args:
+        log_ratio: ``log p_trainer - log p_engine`` per token: padded ``[B, T]`` or a
+            ``PackedTensor`` of ``[]`` rows, computed from the forward the loss uses.
+        mask: The loss mask (nonzero on loss tokens), ``log_ratio``'s shape or packed alike.
+        config: The correction (its ``plan``).
+
+    Returns:
+        The product of the steps' values (no step: the mask as 0/1 weights), in ``log_ratio``'s
+        form and dtype, detached, 0 off the mask. One evaluation per step, elementwise products;
+        no host sync.
+
+    Raises:
+        ValueError: ``log_ratio`` / ``mask`` of the wrong form.
+    """
     plan = config.plan
     if not plan:
         _, keep, _ = tokens_of(log_ratio, mask)
@@ -199,5 +226,12 @@ def correction_weights(log_ratio: Tokens, mask: Tokens, config: CorrectionConfig
 
 
 def step_values(values: Tokens) -> Tensor:
-    """The per-token tensor of a step's result (a padded tensor, or a PackedTensor's values)."""
+    """The per-token tensor of a step's result.
+
+    Args:
+        values: A padded tensor, or a ``PackedTensor``.
+
+    Returns:
+        The tensor itself, or the ``PackedTensor``'s ``values`` (``[rows]``).
+    """
     return values.values if isinstance(values, PackedTensor) else values
