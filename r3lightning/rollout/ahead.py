@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from r3lightning.checks import check_setting
 from r3lightning.data.stream import StreamClosedError, StreamingReplayBuffer
 from r3lightning.rollout.collector import CollectedRollouts, RolloutCollector
-from r3lightning.rollout.config import check_setting
 
 __all__ = ["AheadConfig", "RolloutWorker", "may_collect"]
 
@@ -49,9 +49,18 @@ class AheadConfig:
 
 
 def may_collect(step: int, requested: int, max_staleness: int) -> bool:
-    """Whether rollouts of ``step`` may start once the trainer has asked for step ``requested``
-    (so weights of version ``requested`` or newer are on the engine): trained at step ``step``,
-    they are then at most ``max_staleness`` versions old."""
+    """Whether rollouts of ``step`` may start once the trainer has asked for step ``requested``: the
+    weights of version ``requested`` or newer are then on the engine, so trained at step ``step``
+    they are at most ``max_staleness`` versions old.
+
+    Args:
+        step: The step to collect.
+        requested: The latest step the trainer asked for.
+        max_staleness: `AheadConfig.max_staleness`.
+
+    Returns:
+        ``step - requested <= max_staleness``.
+    """
     return step - requested <= max_staleness
 
 
