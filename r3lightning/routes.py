@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where a tensor is made: the job's config checks import this module
+    import torch
 
 # the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on:
 # named by the client's error when routes are missing and by replay's when a batch has none
@@ -43,6 +46,8 @@ def compact_route_dtype(max_expert_id: int, *, signed: bool = False) -> torch.dt
     (``signed``: int8 up to 127)."""
     if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
         raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
+    import torch
+
     return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id, signed=signed))).dtype
 
 
@@ -76,6 +81,8 @@ def mark_missing(routes: np.ndarray, missing: np.ndarray) -> np.ndarray:
 
 def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     """The dtype that holds routes of all ``dtypes`` (at least one): uint8 and int16 -> int16."""
+    import torch
+
     return functools.reduce(torch.promote_types, dtypes)
 
 
