@@ -1,4 +1,9 @@
+<<<<<<< HEAD
 """Importance-sampling corrections that compose with router replay, and the GRPO loss they weight.
+=======
+"""Importance-sampling corrections that compose with router replay: per-token weights and masks
+of `log p_trainer - log p_engine`, their combination as steps, and their metrics."""
+>>>>>>> main
 
 Names resolve on first use, so the job reads ``CorrectionConfig`` (``r3lightning.correction.config``,
 its config schema) without importing torch."""

@@ -17,14 +17,32 @@ _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 
 
 def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
-    """``{arm name: its checked config}`` from ``compare`` (docs/demo.md); none: the arm ``replay=<mode>``.
-    Every arm's values are checked first (`check_values`), then, if ``targets``, its targets."""
+    """The arms of ``compare`` (docs/demo.md), each a whole config of its own.
+
+    Every arm's values are checked first (`check_values`), then, if ``targets``, its ``_target_``
+    nodes. An empty ``compare`` is the one arm ``replay=<replay.mode>``.
+
+    Args:
+        cfg: The job's composed config.
+        targets: Also run `check_targets` on every arm: its ``_target_`` objects import, its
+            callbacks and data module build once (slower: imports Lightning and the targets).
+
+    Returns:
+        ``{arm name: its checked config}`` in the order of ``compare``; each arm's own
+        ``compare`` is empty.
+
+    Raises:
+        JobError: An arm with an unknown key, a replay mode that does not exist, a bad or repeated
+            name, an override of a key the config does not have, or a value its check refuses;
+            the message names the arm (``compare[i]``).
+    """
     check_values(cfg)
     out: dict[str, DictConfig] = {}
     for index, entry in enumerate(cfg.compare or [None]):
         spec = OmegaConf.to_container(entry) if OmegaConf.is_dict(entry) else {"replay": entry}
         where = f"compare[{index}]"
-        mode, overrides = spec.pop("replay", None), spec.pop("overrides", None) or {}
+        mode = spec.pop("replay", None)
+        overrides = spec.pop("overrides", None) or {}
         name = str(spec.pop("name", None) or f"replay={mode or cfg.replay.mode}")
         if spec:
             raise JobError(f"{where}: unknown keys {sorted(spec)}; an arm has name, replay and overrides")
@@ -54,6 +72,16 @@ def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
 
 
 def run_seeds(cfg: DictConfig) -> list[int]:
-    """``seed``, ``seed + 1``, ... (``seeds`` of them): every arm runs each."""
+    """The seeds every arm runs: ``seed``, ``seed + 1``, ... (``seeds`` of them).
+
+    Args:
+        cfg: The job's composed config.
+
+    Returns:
+        The seeds, ascending.
+
+    Raises:
+        JobError: A value of ``cfg`` its check refuses.
+    """
     run = check_values(cfg).run
     return [run.seed + i for i in range(run.seeds)]

@@ -35,7 +35,14 @@ def megatron_installed() -> bool:
 
 
 def plain(node: Any) -> Any:
-    """A config node as plain Python containers, interpolations resolved."""
+    """A config node as plain Python containers, interpolations resolved.
+
+    Args:
+        node: A ``DictConfig`` / ``ListConfig``, or anything else (returned as it is).
+
+    Returns:
+        Dicts and lists of plain values for a config node, else ``node``.
+    """
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
@@ -59,7 +66,15 @@ def _import(target: str) -> Any:
 
 
 def import_problem(exc: BaseException) -> str:
-    """Why an import failed, in one line; a missing megatron-core names the extra to install."""
+    """Why an import failed, in one line for the user.
+
+    Args:
+        exc: The exception the import raised.
+
+    Returns:
+        The missing module's name (for megatron-core: the extra to install), else ``exc``'s
+        message on one line.
+    """
     missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
     if missing is not None and missing.split(".")[0] == "megatron":
         return f"megatron-core is not installed: {MEGATRON_HINT}"
@@ -67,7 +82,19 @@ def import_problem(exc: BaseException) -> str:
 
 
 def target_of(node: Any, key: str) -> Any:
-    """The object ``node._target_`` names; a `JobError` naming ``key`` when it cannot be."""
+    """The object ``node._target_`` names, imported (nothing is called).
+
+    Args:
+        node: A config node (or plain mapping) with a ``_target_``.
+        key: Where ``node`` sits in the config, for the error message.
+
+    Returns:
+        The class or function the dotted path names.
+
+    Raises:
+        JobError: ``node`` is not a mapping with a non-empty string ``_target_``, or the path
+            does not import (a missing package is named); the message names ``key``.
+    """
     values = plain(node)
     if not isinstance(values, Mapping) or "_target_" not in values:
         raise JobError(f"{key} must be a mapping with a _target_, got {values!r}")
@@ -81,9 +108,24 @@ def target_of(node: Any, key: str) -> Any:
 
 
 def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
-    """``node``'s ``_target_`` called with its keys and ``job_kwargs``; every failure a
-    `JobError` naming ``key``. ``job_kwargs`` reach the target as they are: Hydra would turn a
-    dataclass (``grpo=GRPOConfig(...)``) into a ``DictConfig``, losing its methods."""
+    """Calls ``node``'s ``_target_`` with the node's other keys and ``job_kwargs``.
+
+    ``job_kwargs`` reach the target as they are: given to Hydra's ``instantiate``, a dataclass
+    (``grpo=GRPOConfig(...)``) would become a ``DictConfig`` and lose its methods.
+
+    Args:
+        node: A config node (or plain mapping) with a ``_target_``; ``_partial_: true`` returns
+            a ``functools.partial`` instead of calling it.
+        key: Where ``node`` sits in the config, for the error messages.
+        **job_kwargs: Objects the job built (the model, the buffer, ...), passed on as keywords.
+
+    Returns:
+        What the target returned.
+
+    Raises:
+        JobError: The target does not import, or refuses its arguments (``TypeError``,
+            ``ValueError``); one line naming ``key``.
+    """
     target_of(node, key)
     values = plain(node)
     try:
@@ -98,7 +140,17 @@ def instantiate_node(node: Any, key: str, **job_kwargs: Any) -> Any:
 
 
 def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
-    """``(name, node)`` of the ``callbacks`` entry building a ``RouterReplayCallback`` (None if removed)."""
+    """The entry of ``callbacks`` that builds a ``RouterReplayCallback`` (or a subclass).
+
+    Args:
+        cfg: The job's config; imports every callback's ``_target_``.
+
+    Returns:
+        ``(name, node)`` of the first such entry, or None when the config removed it.
+
+    Raises:
+        JobError: A callback's ``_target_`` does not import.
+    """
     from r3lightning.replay.callback import RouterReplayCallback
 
     for name, node in cfg.callbacks.items():
@@ -109,7 +161,24 @@ def replay_callback_settings(cfg: DictConfig) -> tuple[str, DictConfig] | None:
 
 
 def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Module:
-    """The policy from ``model._target_`` (a trainer's with ``model.sharded_weights``: on the meta device)."""
+    """The policy model the ``model`` group describes.
+
+    Cost: builds (or loads) the whole model on the host, except a trainer's sharded model,
+    which is built on the meta device and costs no memory until FSDP2 shards it.
+
+    Args:
+        model_cfg: The ``model`` node: a ``_target_`` factory and its keywords, plus the job's
+            own ``runtime`` and ``sharded_weights`` keys (not passed to the factory).
+        trainer: The trainer's copy: with ``model.sharded_weights`` set, build it on the meta
+            device from ``model.path``'s ``config.json`` (the module loads the shards later).
+
+    Returns:
+        The model.
+
+    Raises:
+        JobError: The factory fails or returns something other than an ``nn.Module``, or a
+            sharded model has no ``model.path`` with a ``config.json``.
+    """
     values = {k: v for k, v in plain(model_cfg).items() if k not in ("runtime", "sharded_weights")}
     if trainer and model_cfg.get("sharded_weights") is not None:
         path = Path(str(values.get("path"))).expanduser()
@@ -127,7 +196,22 @@ def build_model(model_cfg: DictConfig, *, trainer: bool = False) -> torch.nn.Mod
 
 
 def replay_backend(cfg: DictConfig, model: torch.nn.Module):
-    """The router replay backend of ``model`` named by the replay callback's ``backend`` key."""
+    """The router replay backend of ``model`` that the replay callback's ``backend`` key names.
+
+    Args:
+        cfg: The job's config (``callbacks``, ``replay.mode``, ``replay.soft_threshold``).
+        model: The trainer's model; one with a ``router_replay_backend()`` method (megatron-core
+            models of this package) builds its own.
+
+    Returns:
+        An ``HFRouterReplay`` (``backend: hf``, the default, or no replay callback) with the
+        soft threshold set, else a megatron-core backend.
+
+    Raises:
+        JobError: An unknown backend name, ``replay.soft_threshold`` where it does not apply
+            (megatron, or a mode other than r3), or a model the backend cannot patch (the
+            message suggests the other callback group).
+    """
     replay = replay_callback_settings(cfg)
     kind = "hf" if replay is None else replay[1].get("backend", "hf")
     if kind not in ("hf", "megatron", None):
@@ -158,8 +242,20 @@ def replay_backend(cfg: DictConfig, model: torch.nn.Module):
         raise JobError(f"callbacks.router_replay.backend={kind}: {one_line(exc)}{hint}") from None
 
 
-def build_task(cfg: DictConfig, vocab_size: int | None):
-    """The task and its reward (``reward.timeout_s`` bounds each scorer call) as a ``ScoredTask``."""
+def build_task(cfg: DictConfig, vocab_size: int | None) -> ScoredTask:
+    """The ``task`` (prompts) and ``reward`` (scorer) groups as one ``ScoredTask``.
+
+    Args:
+        cfg: The job's config; ``reward.timeout_s`` bounds each scorer call.
+        vocab_size: The model's vocabulary size, given to a task whose ``vocab_size`` is null.
+
+    Returns:
+        The task with its scorer.
+
+    Raises:
+        JobError: The task needs a vocabulary size the model does not have, or the task or
+            scorer cannot be built.
+    """
     extra = {}
     if "vocab_size" in cfg.task and cfg.task.vocab_size is None:
         if vocab_size is None:
@@ -174,17 +270,43 @@ def build_task(cfg: DictConfig, vocab_size: int | None):
 
 
 def trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
-    """``trainer.*`` as ``Trainer`` keywords, values with a ``_target_`` (strategy, ...) instantiated."""
-    return {
-        k: instantiate_node(v, f"trainer.{k}") if isinstance(v, dict) and "_target_" in v else v
-        for k, v in plain(trainer_cfg).items()
-    }
+    """The ``trainer`` group as ``lightning.Trainer`` keywords.
+
+    Args:
+        trainer_cfg: The ``trainer`` node.
+
+    Returns:
+        Its keys and values; a value with a ``_target_`` (a strategy, a plugin) is built.
+
+    Raises:
+        JobError: A ``_target_`` value cannot be built; the message names ``trainer.<key>``.
+    """
+    kwargs = {}
+    for key, value in plain(trainer_cfg).items():
+        if isinstance(value, dict) and "_target_" in value:
+            value = instantiate_node(value, f"trainer.{key}")
+        kwargs[key] = value
+    return kwargs
 
 
 def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
-    """The ``callbacks`` dict, in order (``null`` drops an entry); the replay callback gets the job's
-    backend, mode and ``replay.strict`` (null: strict for r3 with an external or launched engine)."""
-    replay, out = replay_callback_settings(cfg), []
+    """The ``callbacks`` group's callbacks, in order; a ``null`` entry is dropped.
+
+    Args:
+        cfg: The job's config.
+        backend: The replay backend (`replay_backend`), given to the replay callback.
+        mode: The replay mode (``r3``, ``r2``, ``off``), given to the replay callback.
+
+    Returns:
+        The callbacks. The replay callback also gets ``strict`` from ``replay.strict``; when
+        that is null it is strict for r3 with an external or launched engine, whose routes
+        must never be missing.
+
+    Raises:
+        JobError: A callback cannot be built; the message names ``callbacks.<name>``.
+    """
+    replay = replay_callback_settings(cfg)
+    out = []
     for name, node in cfg.callbacks.items():
         if node is None:
             continue
@@ -203,7 +325,22 @@ def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
 
 
 def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: float | None):
-    """The ``Trainer``: ``trainer.*`` over the job's defaults (``loggers`` saving into ``out_dir``)."""
+    """The run's ``lightning.Trainer``: ``trainer.*`` over the job's defaults.
+
+    One epoch is one RL step (``max_epochs = steps``), and every epoch reloads its data.
+
+    Args:
+        cfg: The job's config (``trainer``, ``loggers``, ``steps``).
+        out_dir: The run's directory: the default root and the loggers' ``save_dir``.
+        callbacks: Every callback of the run.
+        grad_clip: The default ``gradient_clip_val`` (None: no clipping).
+
+    Returns:
+        The trainer.
+
+    Raises:
+        JobError: A logger cannot be built, or Lightning refuses the keywords.
+    """
     import lightning.pytorch as pl
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -214,10 +351,15 @@ def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: fl
             for i, node in enumerate(cfg.loggers or [])
         ]
         kwargs["logger"] = [logger for logger in logs if logger is not None] or False
-    defaults = {"gradient_clip_val": grad_clip, "default_root_dir": str(out_dir), "num_sanity_val_steps": 0}
+    defaults = {
+        "gradient_clip_val": grad_clip,
+        "default_root_dir": str(out_dir),
+        "num_sanity_val_steps": 0,
+        "enable_model_summary": False,
+    }
     try:
         return pl.Trainer(
-            **{**defaults, "enable_model_summary": False, **kwargs},
+            **{**defaults, **kwargs},
             max_epochs=int(cfg.steps),
             reload_dataloaders_every_n_epochs=1,
             callbacks=callbacks,
@@ -227,7 +369,17 @@ def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: fl
 
 
 def tensorboard_if_installed(save_dir: str, name: str = "tensorboard", **kwargs: Any):
-    """A ``TensorBoardLogger`` if ``tensorboard`` or ``tensorboardX`` is installed, else None (not logged)."""
+    """A TensorBoard logger where TensorBoard is installed: the ``loggers`` default, optional.
+
+    Args:
+        save_dir: The logs' root directory.
+        name: The experiment's subdirectory.
+        **kwargs: More ``TensorBoardLogger`` keywords.
+
+    Returns:
+        A ``TensorBoardLogger`` if ``tensorboard`` or ``tensorboardX`` can be imported, else
+        None (the job then drops the entry).
+    """
     if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
         return None
     from lightning.pytorch.loggers import TensorBoardLogger

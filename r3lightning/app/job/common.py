@@ -7,7 +7,14 @@ from typing import Any
 
 
 def one_line(text: Any) -> str:
-    """``text`` with every run of whitespace (newlines too) as one space."""
+    """``text`` on one line, for an error message the user reads in a terminal.
+
+    Args:
+        text: Anything; an exception gives its message.
+
+    Returns:
+        ``str(text)`` with every run of whitespace (newlines too) as one space, stripped.
+    """
     return " ".join(str(text).split())
 
 

@@ -72,7 +72,8 @@ def _sglang_disk_push(
     """Weight sync for SGLang: one safetensors checkpoint in ``directory``, loaded by every engine."""
 
     async def post(session, url: str) -> None:
-        body, headers = {"model_path": str(directory)}, bearer_headers(api_key)
+        body = {"model_path": str(directory)}
+        headers = bearer_headers(api_key)
         async with session.post(f"{url}/update_weights_from_disk", json=body, headers=headers) as response:
             answer = await response.json(content_type=None)
             if response.status != 200 or not (isinstance(answer, dict) and answer.get("success", False)):
@@ -121,6 +122,8 @@ def _model_config(cfg: DictConfig):
 
 
 def _external_engine(cfg: DictConfig, urls: list[str], weights_dir: Path | None = None) -> Engine:
+    """Engines this job did not start in-process: the weight sync their ``rollout.protocol``
+    speaks, pushed from rank 0 (every rank joins the full-weight gather)."""
     rollout = cfg.rollout
     if not rollout.sync_weights:
         return Engine(urls)
@@ -146,14 +149,28 @@ def _external_engine(cfg: DictConfig, urls: list[str], weights_dir: Path | None 
 
 @contextlib.contextmanager
 def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
-    """The engines at ``rollout.url``, a vLLM engine launched here (``rollout.launch``), or the embedded
-    ``RolloutServer``; the last two run on rank 0 only, and the other ranks get their URL."""
+    """The rollout engines of the job, for as long as the ``with`` block runs.
+
+    In order of precedence: the engines at ``rollout.url``, a vLLM engine launched here
+    (``rollout.launch``), or the embedded ``RolloutServer`` on the job's model. The last two run
+    on rank 0 only (started on entry, stopped on exit however the block ends); the other ranks
+    get their URL from rank 0 when the fit starts.
+
+    Args:
+        cfg: The job's config (``rollout``, ``model``).
+
+    Yields:
+        The `Engine`: its URLs and its weight sync.
+
+    Raises:
+        JobError: A bad ``rollout.server`` setting, a port the embedded server cannot bind, a
+            vLLM engine that does not start, or a weight sync that cannot be set up.
+    """
     rollout = cfg.rollout
     if rollout.url is not None:
         url = rollout.url
-        yield _external_engine(
-            cfg, [str(u).rstrip("/") for u in (url if isinstance(url, ListConfig) else [url])]
-        )
+        urls = list(url) if isinstance(url, ListConfig) else [url]
+        yield _external_engine(cfg, [str(u).rstrip("/") for u in urls])
         return
     if launched(rollout):
         with _launched_vllm(cfg) as engine:
@@ -163,7 +180,8 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         yield Engine(None, gather=bool(rollout.sync_weights))
         return
     engine, limits = server_settings(rollout)
-    host, port = str(rollout.server.host), int(rollout.server.port)
+    host = str(rollout.server.host)
+    port = int(rollout.server.port)
     options = {"engine": engine, "limits": limits, "host": host, "port": port, "api_key": rollout.api_key}
     try:
         server = RolloutServer(build_model(cfg.model), **options)
@@ -175,11 +193,12 @@ def embedded_server(cfg: DictConfig) -> Iterator[Engine]:
         except OSError as exc:
             raise JobError(f"cannot start the embedded rollout server on {host}:{port}: {exc}") from None
         sync = bool(rollout.sync_weights)
-        push = (
-            (lambda state_dict, version: server.update_weights(state_dict, weight_version=version))
-            if sync
-            else None
-        )
+        push = None
+        if sync:
+
+            def push(state_dict: Mapping[str, Tensor], version: int) -> None:
+                server.update_weights(state_dict, weight_version=version)
+
         yield Engine([server.url], push, gather=sync)
 
 

@@ -15,13 +15,32 @@ __all__ = ["bearer_headers", "post_all"]
 
 
 def bearer_headers(api_key: str | None) -> dict[str, str]:
-    """The ``Authorization`` header of ``api_key`` (none without one)."""
+    """The HTTP headers that authenticate a call to an engine.
+
+    Args:
+        api_key: The engines' bearer token; None or empty: they need none.
+
+    Returns:
+        ``{"Authorization": "Bearer <api_key>"}``, or an empty dict without a key.
+    """
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def post_all(urls: list[str], timeout_s: float, post: Callable[[Any, str], Awaitable[None]]) -> None:
-    """``post(session, url)`` to every engine concurrently, in one ``aiohttp`` session; an engine that
-    does not answer is a ``RemoteGenerateError`` (the job's exit status 3) naming it."""
+    """Runs ``post(session, url)`` for every engine concurrently, in one ``aiohttp`` session.
+
+    Blocks the calling thread until every engine answered (it runs its own event loop).
+
+    Args:
+        urls: The engines' base URLs.
+        timeout_s: Limit of each HTTP call, from connecting to reading its answer.
+        post: The calls to one engine, given the shared ``aiohttp.ClientSession`` and its URL.
+
+    Raises:
+        RemoteGenerateError: An engine did not answer (connection refused or reset, or no answer
+            within ``timeout_s``); the first such engine is named, and the job exits with status 3.
+        JobError: Whatever ``post`` raises for an answer it refuses, as it raised it.
+    """
 
     async def guarded(session: aiohttp.ClientSession, url: str) -> None:
         try:

@@ -13,7 +13,18 @@ __all__ = ["from_pretrained", "tiny_moe", "torch_dtype"]
 
 
 def torch_dtype(name: str | torch.dtype, key: str = "dtype") -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; a ValueError naming ``key`` for anything else."""
+    """The ``torch.dtype`` a config value names.
+
+    Args:
+        name: A dtype name such as ``"bfloat16"``, or a ``torch.dtype`` (returned as it is).
+        key: The config key ``name`` came from, for the error message.
+
+    Returns:
+        The dtype, e.g. ``torch.bfloat16``.
+
+    Raises:
+        ValueError: ``name`` is not a torch dtype; the message names ``key``.
+    """
     dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{key} must be a torch dtype name (float32, bfloat16, float16), got {name!r}")
@@ -27,7 +38,21 @@ def tiny_moe(
     overrides: dict[str, Any] | None = None,
     dtype: str = "float32",
 ) -> nn.Module:
-    """A tiny random MoE of one ``testing.tiny.TINY_FAMILIES`` family; ``overrides``: its HF config's."""
+    """A tiny random MoE LM of one of the families in ``r3lightning.app.models.tiny.TINY_FAMILIES``.
+
+    Args:
+        family: The Hugging Face model family (``qwen3_moe``, ...).
+        seed: Seeds the random weights: the trainer and the embedded engine build the same model.
+        overrides: Keys of the family's HF config to change (``num_hidden_layers``, ...).
+        dtype: The parameters' dtype name.
+
+    Returns:
+        The model, in eval mode.
+
+    Raises:
+        ValueError: An unknown ``family`` or dtype, or an override its HF config refuses (the
+            message starts with ``overrides:``).
+    """
     from r3lightning.app.models.tiny import TINY_FAMILIES, build_tiny_moe, tiny_family_config
 
     if family not in TINY_FAMILIES:
@@ -42,7 +67,21 @@ def tiny_moe(
 def from_pretrained(
     path: str, *, dtype: str = "float32", attn_implementation: str | None = None, **kwargs: Any
 ) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path, **kwargs)`` of a local directory (no download)."""
+    """``AutoModelForCausalLM.from_pretrained`` of a local checkpoint directory; never downloads.
+
+    Args:
+        path: The checkpoint directory (``~`` is expanded).
+        dtype: The parameters' dtype name.
+        attn_implementation: Passed on when set (``"sdpa"``, ``"eager"``, ...); None keeps
+            transformers' choice.
+        **kwargs: More ``from_pretrained`` keywords.
+
+    Returns:
+        The model, in eval mode (as ``from_pretrained`` returns it).
+
+    Raises:
+        ValueError: ``path`` is not a directory, or ``dtype`` not a torch dtype name.
+    """
     from transformers import AutoModelForCausalLM
 
     directory = Path(str(path)).expanduser()

@@ -6,7 +6,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from omegaconf import DictConfig
 
@@ -21,12 +21,47 @@ from r3lightning.wire.request import RouteSchema
 if TYPE_CHECKING:
     from r3lightning.app.job.rollout_loop import Engine
 
+<<<<<<< HEAD
 __all__ = ["CONF_DIR", "JobError", "build_model", "is_global_zero", "replay_settings", "train_one"]
+=======
+__all__ = ["CONF_DIR", "JobError", "build_model", "is_global_zero", "train_one"]
+
+# A wheel carries the configs inside the package (setup.py copies them at build time); a source
+# checkout or an editable install reads the repository's top-level conf/.
+_PACKAGED_CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[3] / "conf"
+# ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
+OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace=True)
+
+
+def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
+    """``cfg`` with its ``replay`` group swapped for another option of the group.
+
+    Args:
+        cfg: The job's config.
+        mode: The option: ``conf/replay/<mode>.yaml`` (``r3``, ``r2``, ``off``).
+
+    Returns:
+        A new config; ``cfg`` is unchanged.
+    """
+    replay = OmegaConf.load(CONF_DIR / "replay" / f"{mode}.yaml")
+    # merging into a DictConfig gives a DictConfig; OmegaConf's annotation also allows a ListConfig
+    return cast(DictConfig, OmegaConf.merge(cfg, {"replay": replay}))
+>>>>>>> main
 
 
 @contextlib.contextmanager
 def model_runtime(model_cfg: DictConfig) -> Iterator[None]:
-    """``model.runtime`` (a context manager, e.g. megatron-core's process group) around the run."""
+    """Enters ``model.runtime`` around the run: a context manager the model needs, such as
+    megatron-core's process groups.
+
+    Args:
+        model_cfg: The ``model`` node; without a ``runtime`` key nothing is entered.
+
+    Raises:
+        JobError: The runtime's ``_target_`` cannot be built, or its module needs a package
+            that is not installed (megatron-core names its extra).
+    """
     node = model_cfg.get("runtime")
     with contextlib.ExitStack() as stack:
         try:
@@ -46,7 +81,26 @@ _EXPECTED_WARNINGS = (
 
 
 def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, float]]:
-    """Train one run (one arm, one seed) into ``out_dir``; returns its per-step history."""
+    """Trains one run (one arm, one seed) from its checked config.
+
+    Builds the model, replay backend, task, buffer, data module, GRPO module, rollout loop and
+    ``Trainer``, then fits; with ``resume`` set, a run directory holding a ``last.ckpt``
+    continues from it.
+
+    Args:
+        cfg: The run's checked config (one arm of `arms`, its ``seed`` set).
+        out_dir: The run's directory: ``metrics.csv``, checkpoints and logs.
+        engine: Where rollouts come from and how weights reach it (`embedded_server`).
+
+    Returns:
+        The run's history: one ``{metric: value}`` record per RL step, as in ``metrics.csv``.
+
+    Raises:
+        JobError: A part cannot be built, a checkpoint does not fit, or every group of a step
+            was dropped (exit status 2).
+        RemoteGenerateError: The engine failed every group of a step (exit status 3).
+        KeyboardInterrupt: The run was interrupted (Ctrl-C); its last checkpoint stays.
+    """
     import lightning.pytorch as pl
 
     from r3lightning.app.job.checkpoint import RunCheckpoint, refuse_bad_data_state, resume_checkpoint
@@ -62,7 +116,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     vocab_size = cfg.task.get("vocab_size") or getattr(getattr(model, "config", None), "vocab_size", None)
     task = build.build_task(cfg, vocab_size)
     settings = check_values(cfg)
-    grpo, optim = settings.grpo, settings.optim
+    grpo = settings.grpo
+    optim = settings.optim
     check_layers_held(settings.data_options.layers, backend)
     buffer = StreamingReplayBuffer(
         settings.ahead.ahead, vocab_size=vocab_size, num_experts=schema.num_experts
