@@ -168,8 +168,18 @@ def check_api_key(api_key: Any, name: str = "api_key") -> None:
 
 
 def check_soft_threshold(threshold: float | None) -> float | None:
-    """``soft_threshold`` as a float: None (plain replay) or a number >= 0, a router probability (above
-    every probability, e.g. above 1, nothing is kept: native routing)."""
+    """Checks soft replay's threshold.
+
+    Args:
+        threshold: None (plain replay) or a number >= 0, a router probability (above every
+            probability, e.g. above 1, nothing is kept: native routing).
+
+    Returns:
+        ``threshold`` as a float, or None.
+
+    Raises:
+        ValueError: Anything else (a bool, a negative number, NaN).
+    """
     if threshold is None:
         return None
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not threshold >= 0:
@@ -186,7 +196,15 @@ def _number(name: str, value: object) -> float:
 
 
 def check_cap(value: float, name: str = "threshold") -> None:
-    """A TIS cap ``C``: a finite number >= 1 (below 1 every on-policy token would be truncated)."""
+    """Checks a TIS cap ``C``: a finite number >= 1 (below 1 every on-policy token would be truncated).
+
+    Args:
+        value: The cap.
+        name: The setting's name in the message (``threshold``, or ``cap`` for a step).
+
+    Raises:
+        ValueError: ``value`` is not a number, is below 1 or is infinite.
+    """
     if not 1 <= _number(name, value) < math.inf:
         raise ValueError(
             f"{name} must be a number >= 1 and finite (the TIS cap C; below 1 every on-policy token is truncated), "
@@ -195,7 +213,15 @@ def check_cap(value: float, name: str = "threshold") -> None:
 
 
 def check_band(lower: float, upper: float) -> None:
-    """A kept ratio band: ``0 <= lower <= 1 <= upper`` and ``lower < upper`` (not empty, holds 1)."""
+    """Checks a kept ratio band: ``0 <= lower <= 1 <= upper`` and ``lower < upper`` (not empty, holds 1).
+
+    Args:
+        lower: The band's lower edge.
+        upper: The band's upper edge.
+
+    Raises:
+        ValueError: Either is not a number, or the band is empty or does not hold 1.
+    """
     if not (0 <= _number("lower", lower) <= 1 <= _number("upper", upper) and lower < upper):
         raise ValueError(
             f"lower and upper must satisfy 0 <= lower <= 1 <= upper and lower < upper (a non-empty band "
@@ -204,18 +230,39 @@ def check_band(lower: float, upper: float) -> None:
 
 
 def check_lower_clip(lower_clip: float | None) -> None:
-    """A TIS lower clip: None or a number in ``(0, 1]``."""
+    """Checks a TIS lower clip.
+
+    Args:
+        lower_clip: None (no clip) or a number in ``(0, 1]``.
+
+    Raises:
+        ValueError: Anything else.
+    """
     if lower_clip is not None and not 0 < _number("lower_clip", lower_clip) <= 1:
         raise ValueError(f"lower_clip must be null or a number in (0, 1], got {lower_clip!r}")
 
 
 def check_floor(floor: float) -> None:
-    """A veto floor: a number in ``(0, 1)``."""
+    """Checks a veto floor.
+
+    Args:
+        floor: The smallest token ratio a sequence may hold: a number in ``(0, 1)``.
+
+    Raises:
+        ValueError: Anything else.
+    """
     if not 0 < _number("floor", floor) < 1:
         raise ValueError(f"floor must be a number in (0, 1) (the smallest token ratio kept), got {floor!r}")
 
 
 def check_max_k3(max_k3: float) -> None:
-    """A K3 rejection threshold: a finite number > 0."""
+    """Checks a K3 rejection threshold.
+
+    Args:
+        max_k3: The largest mean k3 a sequence may have: a finite number > 0.
+
+    Raises:
+        ValueError: Anything else.
+    """
     if not 0 < _number("max_k3", max_k3) < math.inf:
         raise ValueError(f"max_k3 must be a finite number > 0 (the largest mean k3 kept), got {max_k3!r}")

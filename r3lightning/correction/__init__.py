@@ -1,9 +1,5 @@
-<<<<<<< HEAD
-"""Importance-sampling corrections that compose with router replay, and the GRPO loss they weight.
-=======
 """Importance-sampling corrections that compose with router replay: per-token weights and masks
-of `log p_trainer - log p_engine`, their combination as steps, and their metrics."""
->>>>>>> main
+of `log p_trainer - log p_engine`, their combination as steps, and their metrics.
 
 Names resolve on first use, so the job reads ``CorrectionConfig`` (``r3lightning.correction.config``,
 its config schema) without importing torch."""
@@ -40,7 +36,20 @@ _MODULES = {
     "token_tis": "importance",
     "veto_mask": "importance",
 }
-__all__ = sorted(_MODULES)
+__all__ = [
+    "MODES",
+    "STEP_KINDS",
+    "CorrectionConfig",
+    "CorrectionMetrics",
+    "CorrectionStep",
+    "correction_weights",
+    "geometric_mask",
+    "k3_mask",
+    "sequence_tis",
+    "token_mask",
+    "token_tis",
+    "veto_mask",
+]
 
 
 def __getattr__(name: str) -> Any:

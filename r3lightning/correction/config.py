@@ -85,7 +85,20 @@ class CorrectionStep:
             check_max_k3(self.max_k3)
 
     def apply(self, log_ratio: Tokens, mask: Tokens) -> Tokens:
-        """This step's per-token values: TIS weights or a 0/1 mask, detached, 0 off ``mask``."""
+        """This step's per-token values.
+
+        Args:
+            log_ratio: ``log p_trainer - log p_engine``, padded ``[B, T]`` or packed.
+            mask: The loss mask, in the same form.
+
+        Returns:
+            TIS weights or a 0/1 mask in ``log_ratio``'s form and dtype, detached, 0 off ``mask``
+            (see the functions of `r3lightning.correction.importance`). No host sync.
+
+        Raises:
+            ValueError: ``log_ratio`` / ``mask`` of the wrong form, or a cap above the dtype's
+                largest value.
+        """
         from r3lightning.correction.importance import (
             geometric_mask,
             k3_mask,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -43,6 +43,7 @@ __all__ = ["CONF_DIR", "SCHEMA_NAME", "job_schema", "register", "replay_settings
 
 SCHEMA_NAME = "r3lightning_job"
 DATA_OPTIONS_TARGET = "r3lightning.data.datamodule.DataOptions"
+
 # A wheel carries the configs inside the package (setup.py copies them at build time); a source
 # checkout or an editable install reads the repository's top-level conf/.
 _PACKAGED_CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -52,9 +53,18 @@ OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace
 
 
 def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
-    """``cfg`` with the ``replay`` group swapped for ``conf/replay/<mode>.yaml``."""
+    """``cfg`` with its ``replay`` group swapped for another option of the group.
+
+    Args:
+        cfg: The job's config.
+        mode: The option: ``conf/replay/<mode>.yaml`` (``r3``, ``r2``, ``off``).
+
+    Returns:
+        A new config; ``cfg`` is unchanged.
+    """
     replay = OmegaConf.load(CONF_DIR / "replay" / f"{mode}.yaml")
-    return OmegaConf.merge(cfg, {"replay": replay})  # type: ignore[return-value]
+    # merging into a DictConfig gives a DictConfig; OmegaConf's annotation also allows a ListConfig
+    return cast(DictConfig, OmegaConf.merge(cfg, {"replay": replay}))
 
 
 def _flat(cls: type) -> list[tuple]:
