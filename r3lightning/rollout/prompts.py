@@ -9,6 +9,7 @@ import math
 import numbers
 import operator
 import struct
+import sys
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from r3lightning.wire.request import engine_sampling_params
 
@@ -165,7 +165,8 @@ RewardFn = Callable[[RolloutPrompt, list[int]], "float | Mapping[str, Any] | Awa
 def _real(value: Any) -> float | None:
     """``value`` as a finite float when it is one real number (a Python or numpy number, a bool,
     a one-element ndarray or tensor); else None."""
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is imported: never import it here
+    if torch is not None and isinstance(value, torch.Tensor):
         value = value.item() if value.numel() == 1 else None
     elif isinstance(value, np.ndarray | np.generic):
         value = value.item() if value.size == 1 else None
@@ -253,11 +254,10 @@ def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -
 
 
 class GuardedReward:
-    """``score(prompt, response_ids)`` made safe inside a collection (thread-safe). A result that is
-    not a real number (or ``{"score": number}``), or a scorer that raises (when
-    ``errors_score_zero``), scores 0 and counts in ``reward/failures``; one still running after
-    ``timeout_s`` seconds scores 0 and counts in ``reward/timeouts``; each kind is logged once per
-    run. A mapping's other real entries are averaged per key into ``reward/<key>``.
+    """``score(prompt, response_ids)`` made safe inside a collection (thread-safe): a non-number result
+    or a raising scorer (if ``errors_score_zero``) scores 0 and counts in ``reward/failures``, one
+    running past ``timeout_s`` seconds scores 0 and counts in ``reward/timeouts`` (each logged once
+    per run). A mapping's ``score`` is the reward; its other real entries average into ``reward/<key>``.
 
     Args:
         score: The scorer, sync.
