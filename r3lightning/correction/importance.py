@@ -5,29 +5,14 @@ elementwise kernels, sequence sums in float64 as cumsum differences; no host syn
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+# the settings' checks live in r3lightning.checks (the job reads them without torch); kept importable here
+from r3lightning.checks import check_band, check_cap, check_floor, check_lower_clip, check_max_k3
 from r3lightning.packed import PackedTensor
 
 Tokens = Tensor | PackedTensor
-
-
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def check_cap(value: float, name: str = "threshold") -> None:
-    """A TIS cap ``C``: a finite number >= 1 (below 1 every on-policy token would be truncated)."""
-    if not 1 <= _number(name, value) < math.inf:
-        raise ValueError(
-            f"{name} must be a number >= 1 and finite (the TIS cap C; below 1 every on-policy token is truncated), "
-            f"got {value!r}"
-        )
 
 
 def _check_cap_dtype(threshold: float, dtype: torch.dtype) -> None:
@@ -43,35 +28,23 @@ def _defined(weights: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep & ~weights.isnan(), weights, 0.0)
 
 
-def check_band(lower: float, upper: float) -> None:
-    """A kept ratio band: ``0 <= lower <= 1 <= upper`` and ``lower < upper`` (not empty, holds 1)."""
-    if not (0 <= _number("lower", lower) <= 1 <= _number("upper", upper) and lower < upper):
-        raise ValueError(
-            f"lower and upper must satisfy 0 <= lower <= 1 <= upper and lower < upper (a non-empty band "
-            f"holding ratio 1), got {lower=}, {upper=}"
-        )
-
-
-def check_lower_clip(lower_clip: float | None) -> None:
-    """A TIS lower clip: None or a number in ``(0, 1]``."""
-    if lower_clip is not None and not 0 < _number("lower_clip", lower_clip) <= 1:
-        raise ValueError(f"lower_clip must be null or a number in (0, 1], got {lower_clip!r}")
-
-
-def check_floor(floor: float) -> None:
-    """A veto floor: a number in ``(0, 1)``."""
-    if not 0 < _number("floor", floor) < 1:
-        raise ValueError(f"floor must be a number in (0, 1) (the smallest token ratio kept), got {floor!r}")
-
-
-def check_max_k3(max_k3: float) -> None:
-    """A K3 rejection threshold: a finite number > 0."""
-    if not 0 < _number("max_k3", max_k3) < math.inf:
-        raise ValueError(f"max_k3 must be a finite number > 0 (the largest mean k3 kept), got {max_k3!r}")
-
-
 def tokens_of(log_ratio: Tokens, mask: Tokens) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(values, bool keep, cu_seqlens or None)`` of a padded or packed input, shapes checked."""
+    """The tensors of a padded or packed correction input, checked.
+
+    Args:
+        log_ratio: Padded ``[B, T]`` floating-point tensor, or a ``PackedTensor`` of ``[]`` rows.
+        mask: The loss mask, nonzero on loss tokens: ``log_ratio``'s shape and device (for packed
+            input: a ``PackedTensor`` with the same ``cu_seqlens``, or its ``[rows]`` values).
+
+    Returns:
+        ``(values, keep, cu_seqlens)``: ``log_ratio``'s values (``[B, T]`` or ``[rows]``,
+        detached), bool ``keep`` of the same shape, and int32 ``[B + 1]`` device offsets for packed
+        input (None for padded). No device work beyond ``mask != 0``; no host sync.
+
+    Raises:
+        ValueError: ``log_ratio`` is not a floating-point ``[B, T]`` tensor or ``[]``-row
+            ``PackedTensor``, or ``mask`` does not match it.
+    """
     cu = None
     if isinstance(log_ratio, PackedTensor):
         if log_ratio.row_shape != ():
@@ -123,8 +96,26 @@ def _ratio(log_ratio: Tensor) -> Tensor:
 def token_tis(
     log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0, lower_clip: float | None = None
 ) -> Tokens:
-    """Truncated IS: per-token weight ``min(exp(log_ratio), threshold)`` on loss tokens, raised to
-    ``lower_clip`` where below it (None: no lower clip); 0 where ``log_ratio`` is NaN."""
+    """Truncated importance sampling: one weight per token.
+
+    Args:
+        log_ratio: ``log p_trainer - log p_engine`` per token: padded ``[B, T]`` or a
+            ``PackedTensor`` of ``[]`` rows (one segment per sequence), any floating dtype and
+            device. Values off the mask are ignored, NaN and infinities included.
+        mask: The loss mask (nonzero on loss tokens): ``log_ratio``'s shape, or for packed input a
+            ``PackedTensor`` with its offsets or the ``[rows]`` values.
+        threshold: The cap ``C``: a weight is ``min(exp(log_ratio), C)``; finite, >= 1 and at most
+            the dtype's largest value.
+        lower_clip: Weights below it are raised to it, in ``(0, 1]`` (None: no lower clip).
+
+    Returns:
+        ``min(max(exp(log_ratio), lower_clip), threshold)`` on loss tokens, 0 off the mask and
+        where ``log_ratio`` is NaN; ``log_ratio``'s form and dtype, detached (the ratio is taken in
+        at least float32). A few elementwise kernels; no host sync.
+
+    Raises:
+        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+    """
     check_cap(threshold)
     check_lower_clip(lower_clip)
     lr, keep, _ = tokens_of(log_ratio, mask)
@@ -136,9 +127,27 @@ def token_tis(
 def sequence_tis(
     log_ratio: Tokens, mask: Tokens, *, threshold: float = 2.0, lower_clip: float | None = None
 ) -> Tokens:
-    """Per sequence, ``min(exp(sum of its loss tokens' log_ratio), threshold)`` (at least
-    ``lower_clip`` when set) on its loss tokens; 0 for a sequence whose sum is undefined (a NaN,
-    or ``+inf`` and ``-inf``)."""
+    """Sequence-level truncated importance sampling: one weight per sequence, on its loss tokens.
+
+    Args:
+        log_ratio: ``log p_trainer - log p_engine`` per token: padded ``[B, T]`` or a
+            ``PackedTensor`` of ``[]`` rows (one segment per sequence), any floating dtype and
+            device. Values off the mask are ignored, NaN and infinities included.
+        mask: The loss mask (nonzero on loss tokens): ``log_ratio``'s shape, or for packed input a
+            ``PackedTensor`` with its offsets or the ``[rows]`` values.
+        threshold: The cap ``C`` of a sequence's weight ``exp(sum of its loss tokens' log_ratio)``;
+            finite, >= 1 and at most the dtype's largest value.
+        lower_clip: Weights below it are raised to it, in ``(0, 1]`` (None: no lower clip).
+
+    Returns:
+        Each sequence's ``min(max(exp(sum), lower_clip), threshold)`` repeated on its loss tokens,
+        0 off the mask and for a sequence whose sum is undefined (a NaN, or ``+inf`` and
+        ``-inf``); ``log_ratio``'s form and dtype, detached. The sums are float64 cumsum
+        differences (packed) or row sums (padded); no host sync.
+
+    Raises:
+        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+    """
     check_cap(threshold)
     check_lower_clip(lower_clip)
     lr, keep, cu = tokens_of(log_ratio, mask)
@@ -149,7 +158,25 @@ def sequence_tis(
 
 
 def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
-    """1 on the loss tokens of sequences whose ``exp(mean log_ratio)`` lies in ``[lower, upper]``."""
+    """Geometric-mean mask: keeps whole sequences whose mean ratio lies in a band.
+
+    Args:
+        log_ratio: ``log p_trainer - log p_engine`` per token: padded ``[B, T]`` or a
+            ``PackedTensor`` of ``[]`` rows (one segment per sequence), any floating dtype and
+            device. Values off the mask are ignored, NaN and infinities included.
+        mask: The loss mask (nonzero on loss tokens): ``log_ratio``'s shape, or for packed input a
+            ``PackedTensor`` with its offsets or the ``[rows]`` values.
+        lower: The band's lower edge, in ``[0, 1]``.
+        upper: The band's upper edge, >= 1 and above ``lower``.
+
+    Returns:
+        1 on the loss tokens of sequences whose ``exp(mean of their loss tokens' log_ratio)`` lies
+        in ``[lower, upper]``, else 0 (a NaN on a loss token drops its sequence); ``log_ratio``'s
+        form and dtype, detached. Float64 sequence sums; no host sync.
+
+    Raises:
+        ValueError: A bad band, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+    """
     check_band(lower, upper)
     lr, keep, cu = tokens_of(log_ratio, mask)
     mean = _sequence_sum(torch.where(keep, lr, 0.0), cu) / _sequence_sum(keep, cu).clamp(min=1)
@@ -158,7 +185,24 @@ def geometric_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper
 
 
 def token_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: float = 2.0) -> Tokens:
-    """1 on the loss tokens whose ratio ``exp(log_ratio)`` lies in ``[lower, upper]``, else 0."""
+    """Token mask: keeps the loss tokens whose ratio lies in a band.
+
+    Args:
+        log_ratio: ``log p_trainer - log p_engine`` per token: padded ``[B, T]`` or a
+            ``PackedTensor`` of ``[]`` rows (one segment per sequence), any floating dtype and
+            device. Values off the mask are ignored, NaN and infinities included.
+        mask: The loss mask (nonzero on loss tokens): ``log_ratio``'s shape, or for packed input a
+            ``PackedTensor`` with its offsets or the ``[rows]`` values.
+        lower: The band's lower edge, in ``[0, 1]``.
+        upper: The band's upper edge, >= 1 and above ``lower``.
+
+    Returns:
+        1 on the loss tokens whose ``exp(log_ratio)`` lies in ``[lower, upper]``, else 0 (NaN: 0);
+        ``log_ratio``'s form and dtype, detached. Elementwise; no host sync.
+
+    Raises:
+        ValueError: A bad band, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+    """
     check_band(lower, upper)
     lr, keep, _ = tokens_of(log_ratio, mask)
     ratio = _ratio(lr)
@@ -166,10 +210,29 @@ def token_mask(log_ratio: Tokens, mask: Tokens, *, lower: float = 0.5, upper: fl
 
 
 def veto_mask(log_ratio: Tokens, mask: Tokens, *, floor: float) -> Tokens:
-    """1 on the loss tokens of sequences none of whose loss tokens has ``exp(log_ratio) < floor``."""
+    """Veto mask: drops whole sequences that hold a loss token with a tiny ratio.
+
+    Args:
+        log_ratio: ``log p_trainer - log p_engine`` per token: padded ``[B, T]`` or a
+            ``PackedTensor`` of ``[]`` rows (one segment per sequence), any floating dtype and
+            device. Values off the mask are ignored, NaN and infinities included.
+        mask: The loss mask (nonzero on loss tokens): ``log_ratio``'s shape, or for packed input a
+            ``PackedTensor`` with its offsets or the ``[rows]`` values.
+        floor: The smallest ratio a loss token may have, in ``(0, 1)``.
+
+    Returns:
+        1 on the loss tokens of sequences each of whose loss tokens has ``exp(log_ratio) >= floor``,
+        else 0: a loss token below the floor, or with a NaN log-ratio, vetoes its sequence.
+        ``log_ratio``'s form and dtype, detached. Float64 sequence sums; no host sync.
+
+    Raises:
+        ValueError: A bad ``floor``, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+    """
     check_floor(floor)
     lr, keep, cu = tokens_of(log_ratio, mask)
-    vetoes = _sequence_sum(keep & (_ratio(lr) < floor), cu)  # float64 count per sequence
+    # not ">= floor" rather than "< floor": an undefined (NaN) ratio vetoes too
+    below = ~(_ratio(lr) >= floor)
+    vetoes = _sequence_sum(keep & below, cu)  # float64 count per sequence
     return _like(log_ratio, keep & (vetoes == 0))
 
 
@@ -177,16 +240,43 @@ _K3_SATURATION = 600.0  # k3's log-ratio bound, exp(600) ~ 3.8e260
 
 
 def k3_terms(log_ratio: Tensor) -> Tensor:
-    """Per-token k3 ``r - 1 - log r`` of ``log_ratio = log r`` as float64 ``expm1(x) - x`` (float32
-    ``exp(x) - 1 - x`` is off by tens of percent at ``x ~ 1e-4``). ``x`` saturates at +-600
-    (k3 ~ 4e260): finite, and a mean over any batch stays finite, where ``exp`` overflows at 709."""
+    """Per-token k3 ``r - 1 - log r`` of ``log_ratio = log r``.
+
+    Computed in float64 as ``expm1(x) - x``: float32 ``exp(x) - 1 - x`` is off by tens of percent
+    at ``x ~ 1e-4``.
+
+    Args:
+        log_ratio: Any shape, floating dtype and device.
+
+    Returns:
+        float64 of ``log_ratio``'s shape, >= 0. ``x`` saturates at +-600 (k3 ~ 4e260), so the
+        terms and a mean over any batch stay finite where ``exp`` overflows at 709; NaN stays NaN.
+        Elementwise; no host sync.
+    """
     x = log_ratio.double().clamp(-_K3_SATURATION, _K3_SATURATION)
     return torch.expm1(x) - x
 
 
 def k3_mask(log_ratio: Tokens, mask: Tokens, *, max_k3: float) -> Tokens:
-    """1 on the loss tokens of sequences whose mean k3 over loss tokens (`k3_terms`, the k3
-    estimate of KL(engine || trainer)) is at most ``max_k3``."""
+    """K3 rejection: drops whole sequences whose k3 estimate of KL(engine || trainer) is large.
+
+    Args:
+        log_ratio: ``log p_trainer - log p_engine`` per token: padded ``[B, T]`` or a
+            ``PackedTensor`` of ``[]`` rows (one segment per sequence), any floating dtype and
+            device. Values off the mask are ignored, NaN and infinities included.
+        mask: The loss mask (nonzero on loss tokens): ``log_ratio``'s shape, or for packed input a
+            ``PackedTensor`` with its offsets or the ``[rows]`` values.
+        max_k3: The largest mean k3 (`k3_terms`) over a sequence's loss tokens that is kept: a
+            finite number > 0.
+
+    Returns:
+        1 on the loss tokens of sequences whose mean k3 is at most ``max_k3``, else 0 (a NaN on a
+        loss token drops its sequence); ``log_ratio``'s form and dtype, detached. Float64 terms
+        and sums; no host sync.
+
+    Raises:
+        ValueError: A bad ``max_k3``, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+    """
     check_max_k3(max_k3)
     lr, keep, cu = tokens_of(log_ratio, mask)
     terms = torch.where(keep, k3_terms(torch.where(keep, lr, 0.0)), 0.0)

@@ -131,6 +131,18 @@ def test_veto_and_k3_drop_whole_sequences_and_ignore_masked_junk():
     assert k3_mask(x, m, max_k3=k3 - 1e-12)[2].tolist() == [0.0, 0.0, 0.0]
 
 
+def test_veto_drops_a_sequence_with_an_undefined_ratio_on_a_loss_token():
+    # the formula keeps a sequence only if every loss token has r_t >= floor: NaN is not >= floor
+    x = torch.tensor([[0.0, math.nan, 0.1], [0.0, 0.1, -0.1]], dtype=torch.float64)
+    m = torch.ones(2, 3)
+    step = {"kind": "veto", "floor": 0.1}
+    expected = [_ref_step(step, xs, ms) for xs, ms in zip(x.tolist(), m.tolist(), strict=True)]
+    assert expected == [[0.0] * 3, [1.0] * 3]
+    assert veto_mask(x, m, floor=0.1).tolist() == expected
+    packed = veto_mask(PackedTensor.from_segments(list(x)), PackedTensor.from_segments(list(m)), floor=0.1)
+    assert packed.values.tolist() == [*expected[0], *expected[1]]
+
+
 def test_single_step_form_is_one_step_and_none_is_the_mask():
     x, m = _batch(3)
     lr, mask = _padded(x), _padded(m)
