@@ -147,8 +147,9 @@ class CorrectionConfig:
         threshold: the cap ``C`` of the TIS modes (>= 1).
         lower: lower edge of the band the mask modes keep.
         upper: upper edge of that band.
-        steps: [`CorrectionStep`][r3lightning.correction.steps.CorrectionStep] s (or mappings of their fields): at most one TIS step, each
-            kind once; the loss weight is the product of their values.
+        steps: [`CorrectionStep`][r3lightning.correction.steps.CorrectionStep] s (or mappings of
+            their fields): at most one TIS step, each kind once; the loss weight is the product of
+            their values.
 
     Raises:
         ValueError: a bad value, both ``mode`` and ``steps``, two TIS steps or a repeated kind.
