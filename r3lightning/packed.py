@@ -14,18 +14,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from r3lightning.padded import padded_from_rows, rows_from_padded
 from r3lightning.ragged import (
     LengthsLike,
     batch_index,
-    check_fill_value,
-    check_pad_row,
     check_rows,
     check_same_rows,
-    check_side,
     checked_offsets,
     host_int64,
     offsets_from_lengths,
-    padded_flat_index,
     repeat_counts,
     segment_ids_and_positions,
     tensor_from_bytes,
@@ -77,7 +74,15 @@ class PackedTensor:
 
     @classmethod
     def from_lengths(cls, values: Tensor, lengths: LengthsLike) -> PackedTensor:
-        """``values [sum(lengths), *row]`` (no copy) as consecutive segments; device ``lengths``: a sync."""
+        """``values`` (no copy) as consecutive segments of the given lengths; offsets built on the host.
+
+        Args:
+            values: ``[sum(lengths), *row_shape]``, any dtype and device.
+            lengths: ``[B]`` counts >= 0; device lengths cost a sync.
+
+        Raises:
+            ValueError: ``lengths`` not 1-D integers >= 0, or not summing to ``values.shape[0]``.
+        """
         check_rows(values)
         offsets = offsets_from_lengths(host_int64(lengths, "lengths"))
         if int(offsets[-1]) != values.shape[0]:
@@ -86,7 +91,15 @@ class PackedTensor:
 
     @classmethod
     def from_segments(cls, segments: Sequence[Tensor | np.ndarray]) -> PackedTensor:
-        """Segments ``[n_i, *row_shape]`` (tensors or ndarrays of one row schema) joined by one ``cat``."""
+        """Segments joined by one ``torch.cat`` into new storage on their device; no sync.
+
+        Args:
+            segments: ``[n_i, *row_shape]`` tensors or ndarrays (at least one), of one row schema.
+
+        Raises:
+            ValueError: No segments (use `empty`), a 0-d segment, or differing row schemas.
+            TypeError: A segment that is neither a tensor nor an ndarray.
+        """
         if len(segments) == 0:
             raise ValueError(f"from_segments needs a segment to infer row_shape and dtype; {_EMPTY}")
         bad = next((s for s in segments if not isinstance(s, (Tensor, np.ndarray))), None)
@@ -107,23 +120,18 @@ class PackedTensor:
 
     @classmethod
     def from_padded(cls, padded: Tensor, lengths: LengthsLike, side: str = "left") -> PackedTensor:
-        """The real rows of ``padded [B, S, *row]`` by one ``index_select``: ``padded[i, S - lengths[i]:]``
-        for ``side="left"``, ``padded[i, :lengths[i]]`` for ``"right"``; device ``lengths``: a sync."""
-        check_side(side)
-        if not isinstance(padded, Tensor) or padded.dim() < 2:
-            shape = tuple(padded.shape) if isinstance(padded, Tensor) else type(padded).__name__
-            raise ValueError(f"padded must be a tensor [B, S, *row_shape], got {shape}")
-        batch = padded.shape[0]
-        width = padded.shape[1]
-        counts = host_int64(lengths, "lengths")
-        if counts.numel() != batch:
-            raise ValueError(f"lengths must have one entry per row of padded ({batch}), got {counts.numel()}")
-        offsets = offsets_from_lengths(counts)
-        if batch and int(counts.max()) > width:
-            bad = int(torch.argmax(counts))
-            raise ValueError(f"lengths[{bad}] = {int(counts[bad])} exceeds the padded width {width}")
-        flat = to_device_async(padded_flat_index(counts, width, side), padded.device)
-        return cls._trusted(padded.flatten(0, 1).index_select(0, flat), offsets)
+        """The real rows of a padded batch, gathered by one ``index_select`` into new storage.
+
+        Args:
+            padded: ``[B, S, *row_shape]``.
+            lengths: ``[B]`` real rows per batch row, each ``<= S``; device lengths cost a sync.
+            side: ``"left"`` takes ``padded[i, S - lengths[i]:]``, ``"right"`` ``padded[i, :lengths[i]]``.
+
+        Raises:
+            ValueError: ``padded`` below 2-D, not ``B`` lengths, a length over ``S``, or a bad ``side``.
+        """
+        values, offsets = rows_from_padded(padded, lengths, side)
+        return cls._trusted(values, offsets)
 
     @classmethod
     def empty(
@@ -133,7 +141,15 @@ class PackedTensor:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> PackedTensor:
-        """A batch of zero segments with the given row schema."""
+        """A batch of zero segments: ``values [0, *row_shape]``, ``cu_seqlens = [0]``.
+
+        Args:
+            row_shape: The shape of one row (ints >= 0).
+            dtype, device: The values' dtype and device (default device: torch's).
+
+        Raises:
+            ValueError: A ``row_shape`` entry that is not an int >= 0.
+        """
         row_shape = tuple(row_shape)
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in row_shape):
             raise ValueError(f"row_shape must hold ints >= 0, got {row_shape}")
@@ -142,7 +158,15 @@ class PackedTensor:
 
     @staticmethod
     def cat(parts: Sequence[PackedTensor]) -> PackedTensor:
-        """The segments of ``parts`` (same row_shape, dtype, device) in new storage."""
+        """The segments of all ``parts`` in order, in new storage (one ``torch.cat``, no sync).
+
+        Args:
+            parts: At least one `PackedTensor`; all share row shape, dtype and device.
+
+        Raises:
+            ValueError: No parts (use `empty`) or differing row schemas.
+            TypeError: A part that is not a `PackedTensor`.
+        """
         parts = list(parts)
         if not parts:
             raise ValueError(f"cat needs a PackedTensor to infer row_shape, dtype and device; {_EMPTY}")
@@ -223,37 +247,47 @@ class PackedTensor:
         return iter(self.values.split(self.lengths.tolist(), dim=0))
 
     def repeat(self, repeats: int) -> PackedTensor:
-        """The whole batch ``repeats`` times (like ``list * repeats``), new storage."""
+        """The whole batch ``repeats`` times (like ``list * repeats``), one gather into new storage.
+
+        Args:
+            repeats: How many copies, >= 0.
+
+        Raises:
+            ValueError: ``repeats < 0``.
+        """
         repeats = operator.index(repeats)
         if repeats < 0:
             raise ValueError(f"repeats must be >= 0, got {repeats}")
         return self._gather(torch.arange(len(self)).repeat(repeats))
 
     def repeat_interleave(self, repeats: int | LengthsLike) -> PackedTensor:
-        """Each segment ``repeats`` times in place (``[a, a, b, b]``), an int or one count per
-        segment (device counts: a sync), in new storage."""
+        """Each segment repeated in place (``[a, a, b, b]``), one gather into new storage.
+
+        Args:
+            repeats: An int >= 0, or one count >= 0 per segment (device counts: a sync); floats and
+                bools are refused, not truncated.
+
+        Raises:
+            ValueError: A negative count or a count list of the wrong length.
+        """
         per_segment = repeat_counts(repeats, len(self), unit="segment")
         return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_segment))
 
     def to_padded(
         self, max_len: int | None = None, pad: float | bool | Tensor = 0, side: str = "left"
     ) -> Tensor:
-        """Dense ``[B, max_len, *row_shape]``: real rows at the right end (``side="left"``) or the left,
-        elsewhere ``pad`` (a scalar the dtype holds, or a row). One fill and one ``index_copy_``."""
-        check_side(side)
-        longest = self.max_length
-        width = longest if max_len is None else operator.index(max_len)
-        if width < longest:
-            raise ValueError(f"max_len = {width} is shorter than the longest segment ({longest})")
-        shape = (len(self), width, *self.row_shape)
-        if isinstance(pad, Tensor):
-            check_pad_row(pad, self.row_shape)
-            out = pad.to(device=self.device, dtype=self.dtype).expand(shape).clone()
-        else:
-            out = torch.full(shape, check_fill_value(pad, self.dtype), dtype=self.dtype, device=self.device)
-        flat = padded_flat_index(self.lengths, width, side)
-        out.view(-1, *self.row_shape).index_copy_(0, to_device_async(flat, self.device), self.values)
-        return out
+        """Dense ``[B, max_len, *row_shape]`` copy: one fill and one ``index_copy_``, no sync.
+
+        Args:
+            max_len: Width of the result (default: the longest segment).
+            pad: A scalar the dtype stores faithfully, or a tensor broadcasting to one row.
+            side: ``"left"`` puts the real rows at the right end of each row (the RL convention),
+                ``"right"`` at the start.
+
+        Raises:
+            ValueError: ``max_len`` below the longest segment, a bad ``pad``, or a bad ``side``.
+        """
+        return padded_from_rows(self.values, self.lengths, max_len, pad, side)
 
     def to(
         self,
@@ -261,7 +295,14 @@ class PackedTensor:
         dtype: torch.dtype | None = None,
         non_blocking: bool = False,
     ) -> PackedTensor:
-        """Values moved and/or cast, as for tensors (``self`` when nothing changes); offsets stay int32."""
+        """Values moved and/or cast as by ``Tensor.to`` (``self`` when nothing changes); int32 offsets
+        reach a new device from the host copy, no sync.
+
+        Args:
+            device: Target device, or a dtype for ``.to(dtype)``.
+            dtype: Target dtype of the values.
+            non_blocking: Passed to ``Tensor.to`` (asynchronous from pinned memory).
+        """
         if isinstance(device, torch.dtype):
             dtype = device  # .to(dtype) alone
             device = None
@@ -299,7 +340,11 @@ class PackedTensor:
         return PackedTensor._trusted(self.values.clone(), self.cu_seqlens_host.clone())
 
     def equal(self, other: object) -> bool:
-        """Same segments, row schema, dtype, device and values (a sync for device values)."""
+        """Same row shape, dtype, device, offsets and values (device values: a sync).
+
+        Args:
+            other: Any object (only a `PackedTensor` can be equal).
+        """
         return (
             isinstance(other, PackedTensor)
             and (self.row_shape, self.dtype, self.device) == (other.row_shape, other.dtype, other.device)

@@ -27,7 +27,18 @@ def _as_tensor(data: Any) -> Tensor:
 
 
 def host_int64(data: LengthsLike, name: str) -> Tensor:
-    """``data`` as a 1-D int64 CPU tensor (device data: a sync); else ``ValueError`` naming ``name``."""
+    """``data`` as a 1-D int64 CPU tensor.
+
+    Args:
+        data: A sequence, tensor or ndarray of integers; device data costs a sync.
+        name: The argument's name, for the error.
+
+    Returns:
+        Host int64 ``[n]`` (shares memory with a CPU int64 input).
+
+    Raises:
+        ValueError: ``data`` not 1-D, or holding bools, floats or complex numbers.
+    """
     tensor = _as_tensor(data if isinstance(data, (Tensor, np.ndarray)) else list(data))
     if tensor.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
@@ -37,7 +48,15 @@ def host_int64(data: LengthsLike, name: str) -> Tensor:
 
 
 def host_lengths(data: LengthsLike, name: str) -> Tensor:
-    """`host_int64` of counts >= 0; a Python sequence must hold Python ints (no bools)."""
+    """`host_int64` of counts >= 0: host int64 ``[B]``.
+
+    Args:
+        data: Python ints (bools refused), a tensor or an ndarray; device data costs a sync.
+        name: The argument's name, for the error.
+
+    Raises:
+        ValueError: Non-integers or a negative count.
+    """
     if not isinstance(data, (Tensor, np.ndarray)):
         data = list(data)
         if any(isinstance(v, bool) or not isinstance(v, int) for v in data):
@@ -49,7 +68,18 @@ def host_lengths(data: LengthsLike, name: str) -> Tensor:
 
 
 def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
-    """Host int64 ``lengths [B]`` (>= 0, an int32-addressable total) -> host int32 ``cu_seqlens [B + 1]``."""
+    """Segment lengths as offsets, ``cu_seqlens[i + 1] = lengths[:i + 1].sum()``.
+
+    Args:
+        lengths: Host int64 ``[B]``, each >= 0.
+        name: The argument's name, for the error.
+
+    Returns:
+        Host int32 ``cu_seqlens [B + 1]``, from 0.
+
+    Raises:
+        ValueError: A negative length, or a total over ``INT32_MAX`` rows.
+    """
     if lengths.numel() and int(lengths.min()) < 0:
         bad = int(torch.nonzero(lengths < 0)[0, 0])
         raise ValueError(f"{name} must be >= 0, got {name}[{bad}] = {int(lengths[bad])}")
@@ -61,6 +91,15 @@ def offsets_from_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:
 
 
 def check_rows(values: Any) -> None:
+    """Refuses ``values`` that is not a tensor ``[rows, *row_shape]``.
+
+    Args:
+        values: The value to check.
+
+    Raises:
+        TypeError: Not a tensor.
+        ValueError: A 0-d tensor.
+    """
     if not isinstance(values, Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() == 0:
@@ -68,8 +107,21 @@ def check_rows(values: Any) -> None:
 
 
 def checked_offsets(values: Tensor, cu_seqlens: Tensor, host: Tensor | None) -> Tensor:
-    """The host copy of ``cu_seqlens`` (from the device when ``host`` is None: a sync), both checked
-    against ``values [rows, ...]``: int32, 1-D, from 0, non-decreasing, ending at ``rows``."""
+    """Checks ``cu_seqlens`` against ``values``: int32, 1-D, from 0, non-decreasing, ending at ``rows``.
+
+    Args:
+        values: ``[rows, *row_shape]``.
+        cu_seqlens: int32 ``[B + 1]`` on ``values``' device.
+        host: A CPU int32 copy of ``cu_seqlens`` trusted to equal it, or None to copy it from the
+            device (a sync for device offsets).
+
+    Returns:
+        The host copy ``[B + 1]``.
+
+    Raises:
+        TypeError: ``values`` or ``cu_seqlens`` not a tensor.
+        ValueError: Any other broken property, named in the message.
+    """
     check_rows(values)
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
@@ -103,7 +155,15 @@ def checked_offsets(values: Tensor, cu_seqlens: Tensor, host: Tensor | None) -> 
 
 
 def check_same_rows(schemas: list[tuple[tuple[int, ...], torch.dtype, torch.device]], unit: str) -> None:
-    """``ValueError`` unless every ``unit``'s ``(row_shape, dtype, device)`` is the first's."""
+    """Refuses parts of a join whose row schemas differ from the first's.
+
+    Args:
+        schemas: ``(row_shape, dtype, device)`` per part.
+        unit: What a part is called in the error (``"segment"``, ``"part"``).
+
+    Raises:
+        ValueError: The first differing part, with both schemas.
+    """
     for i, schema in enumerate(schemas):
         if schema != schemas[0]:
             first, other = (" ".join(map(str, s)) for s in (schemas[0], schema))
@@ -113,8 +173,19 @@ def check_same_rows(schemas: list[tuple[tuple[int, ...], torch.dtype, torch.devi
 
 
 def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
-    """Host int64 ``[count]`` from an int >= 0 or one per ``unit``; floats and bools are refused,
-    not truncated. Device ``repeats`` are read back (a sync)."""
+    """Per-unit repeat counts; floats and bools are refused, not truncated.
+
+    Args:
+        repeats: An int >= 0 for every unit, or one count >= 0 per unit (device counts: a sync).
+        count: The number of units.
+        unit: What a unit is called in the error.
+
+    Returns:
+        Host int64 ``[count]``.
+
+    Raises:
+        ValueError: A negative count, a non-integer, or not ``count`` entries.
+    """
     if isinstance(repeats, (Tensor, np.ndarray)) and repeats.ndim == 0:
         repeats = repeats.item()
     if isinstance(repeats, (int, np.integer)) and not isinstance(repeats, (bool, np.bool_)):
@@ -133,22 +204,26 @@ def repeat_counts(repeats: Any, count: int, *, unit: str) -> Tensor:
 
 
 def segment_ids_and_positions(lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """Host int64 ``[sum(lengths)]`` each: every packed row's segment and its position in it."""
+    """Each packed row's segment and its position within it: host int64 ``[sum(lengths)]`` each.
+
+    Args:
+        lengths: Host int64 ``[B]``.
+    """
     total = int(lengths.sum())
     starts = lengths.cumsum(0) - lengths
     segment = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
     return segment, torch.arange(total) - starts[segment]
 
 
-def padded_flat_index(lengths: Tensor, width: int, side: str) -> Tensor:
-    """Host int64 ``[sum(lengths)]``: each packed row's place in a flattened ``[B, width]`` grid, at
-    the end of its row for ``side="left"``, at the start for ``"right"`` (the caller checks both)."""
-    segment, positions = segment_ids_and_positions(lengths)
-    column = positions + (width - lengths[segment]) if side == "left" else positions
-    return segment * width + column
-
-
 def check_side(side: str) -> None:
+    """Refuses a padding side other than ``"left"`` or ``"right"``.
+
+    Args:
+        side: The value to check.
+
+    Raises:
+        ValueError: Any other value.
+    """
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
 
@@ -156,9 +231,20 @@ def check_side(side: str) -> None:
 def check_fill_value(
     value: Any, dtype: torch.dtype, name: str = "pad", what: str = "dtype"
 ) -> int | float | bool:
-    """``value`` as a Python scalar that ``dtype`` stores faithfully (exactly for integer and bool
-    dtypes: ``torch.full`` wraps -1 to 255 in uint8; finite stays finite for floating ones), else
-    ``ValueError`` naming ``name``."""
+    """``value`` as a Python scalar that ``dtype`` stores faithfully: exactly for integer and bool
+    dtypes (``torch.full`` would wrap -1 to 255 in uint8), finite staying finite for floating ones.
+
+    Args:
+        value: A Python or numpy real scalar.
+        dtype: The dtype it will be stored in.
+        name, what: How the value and ``dtype`` are called in the error.
+
+    Returns:
+        ``value`` as a Python ``bool``, ``int`` or ``float``.
+
+    Raises:
+        ValueError: Not a real scalar, or not representable in ``dtype``.
+    """
     if isinstance(value, (np.integer, np.floating, np.bool_)):
         value = value.item()
     if not isinstance(value, (bool, int, float)):
@@ -177,7 +263,16 @@ def check_fill_value(
 
 
 def check_pad_row(pad: Tensor, row_shape: tuple[int, ...], name: str = "pad") -> None:
-    """``ValueError`` naming ``name`` unless the tensor ``pad`` broadcasts to exactly ``row_shape``."""
+    """Refuses a pad row that does not broadcast to exactly ``row_shape``.
+
+    Args:
+        pad: The pad tensor.
+        row_shape: The shape of one row.
+        name: The argument's name, for the error.
+
+    Raises:
+        ValueError: ``pad`` does not broadcast, or broadcasts to a larger shape.
+    """
     try:
         fits = torch.broadcast_shapes(pad.shape, row_shape) == torch.Size(row_shape)
     except RuntimeError:
@@ -189,8 +284,16 @@ def check_pad_row(pad: Tensor, row_shape: tuple[int, ...], name: str = "pad") ->
 
 
 def to_device_async(host: Tensor, device: torch.device) -> Tensor:
-    """Host tensor -> ``device`` with no sync (``host`` itself for the CPU): pageable memory is staged
-    through torch's pinned caching allocator, as a ``non_blocking`` copy from it may sync."""
+    """Host tensor to ``device`` without a sync. A ``non_blocking`` copy from pageable memory may
+    sync, so pageable CUDA sources are staged through torch's pinned caching allocator first.
+
+    Args:
+        host: A CPU tensor.
+        device: The target device.
+
+    Returns:
+        ``host`` itself for the CPU, else the device copy (in flight on the current stream).
+    """
     if device.type == "cpu":
         return host
     if device.type == "cuda" and host.device.type == "cpu" and not host.is_pinned():
@@ -199,8 +302,23 @@ def to_device_async(host: Tensor, device: torch.device) -> Tensor:
 
 
 def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice | Tensor:
-    """A batch index of a ``count``-long ``owner`` as an int in ``[0, count)``, a step-1 ``slice(start,
-    stop >= start)`` or host int64 positions (device indices: a sync); else ``TypeError``/``IndexError``."""
+    """Normalises an index along a batch's leading axis.
+
+    Args:
+        index: An int, a slice, a sequence or tensor of ints, or a bool mask of length ``count``;
+            device indices cost a sync.
+        count: The batch's length.
+        owner: The batch's class name, for errors.
+        unit: What one element is called, for errors.
+
+    Returns:
+        An int in ``[0, count)``, a step-1 ``slice(start, stop >= start)``, or host int64 positions
+        ``[n]`` (negative ones wrapped).
+
+    Raises:
+        TypeError: A bool scalar or an unsupported index type.
+        IndexError: Out of range, not 1-D, a mask of the wrong length, or non-integer values.
+    """
     if isinstance(index, (Tensor, np.ndarray)) and index.ndim == 0:
         index = index.item()  # a bool stays a bool, refused below
     if isinstance(index, (bool, np.bool_)):
@@ -234,7 +352,12 @@ def batch_index(index: Any, count: int, *, owner: str, unit: str) -> int | slice
 
 
 def tensor_to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
-    """``(raw uint8 bytes, dtype name, shape)`` of ``tensor`` alone, to pickle any dtype (device: a sync)."""
+    """``(raw uint8 C-order bytes, dtype name, shape)`` of a tensor, to pickle any dtype (numpy has
+    no bfloat16).
+
+    Args:
+        tensor: Any tensor; device tensors cost a copy to the host (a sync).
+    """
     host = tensor.detach().cpu().contiguous()
     # (an empty tensor may carry a zero stride, which a dtype view refuses)
     raw = host.reshape(-1).view(torch.uint8).numpy() if host.numel() else np.empty(0, np.uint8)
@@ -242,7 +365,15 @@ def tensor_to_bytes(tensor: Tensor) -> tuple[np.ndarray, str, tuple[int, ...]]:
 
 
 def tensor_from_bytes(raw: np.ndarray, dtype_name: str, shape: tuple[int, ...]) -> Tensor:
-    """Inverse of `tensor_to_bytes`: a CPU tensor sharing ``raw`` unless it is read-only."""
+    """Inverse of `tensor_to_bytes`.
+
+    Args:
+        raw: uint8 ndarray; shared unless read-only (then copied).
+        dtype_name, shape: The dtype's name (``"bfloat16"``) and the shape.
+
+    Returns:
+        A CPU tensor.
+    """
     dtype = getattr(torch, dtype_name)
     if raw.size == 0:
         return torch.empty(shape, dtype=dtype)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where a tensor is made: the job's config checks import this module
+    import torch
 
 # the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on:
 # named by the client's error when routes are missing and by replay's when a batch has none
@@ -30,8 +33,19 @@ MISSING_ROUTE_ID = -1
 
 
 def compact_dtype(max_id: int, *, signed: bool = False) -> np.dtype:
-    """Smallest dtype that holds ids ``0..max_id``: uint8, int16, int32 (``signed``: int8, int16,
-    int32, which also hold `MISSING_ROUTE_ID`)."""
+    """Smallest numpy dtype that holds expert ids ``0..max_id``.
+
+    Args:
+        max_id: The largest expert id, >= 0.
+        signed: Choose from int8 / int16 / int32, which also hold `MISSING_ROUTE_ID`, instead of
+            uint8 / int16 / int32.
+
+    Returns:
+        A little-endian numpy dtype.
+
+    Raises:
+        ValueError: ``max_id`` above int32's range.
+    """
     for dtype in _SIGNED_COMPACT_DTYPES if signed else _COMPACT_DTYPES:
         if max_id <= np.iinfo(dtype).max:
             return dtype
@@ -39,16 +53,36 @@ def compact_dtype(max_id: int, *, signed: bool = False) -> np.dtype:
 
 
 def compact_route_dtype(max_expert_id: int, *, signed: bool = False) -> torch.dtype:
-    """`compact_dtype` as a torch dtype: uint8 up to 255, int16 up to 32767, int32 above
-    (``signed``: int8 up to 127)."""
+    """`compact_dtype` as a torch dtype: uint8 up to 255, int16 up to 32767, int32 above.
+
+    Args:
+        max_expert_id: The largest expert id, an int >= 0.
+        signed: int8 up to 127 instead of uint8, to hold `MISSING_ROUTE_ID`.
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        ValueError: ``max_expert_id`` not an int >= 0, or above int32's range.
+    """
     if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
         raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
+    import torch
+
     return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id, signed=signed))).dtype
 
 
 def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
-    """``routes`` in `compact_route_dtype` of their largest id (signed when some row is
-    missing): a ``min``, a ``max``, a cast."""
+    """``routes`` cast to the `compact_route_dtype` of their largest id, signed when some row is
+    missing. Costs a ``min``, a ``max`` (a sync each for device routes) and a cast.
+
+    Args:
+        routes: Integer ``[rows, L, K]`` expert ids (negative: a missing row).
+        copy: Copy even when the dtype is already compact.
+
+    Returns:
+        ``routes`` in the compact dtype, same shape and device.
+    """
     if not routes.numel():
         return routes.to(compact_route_dtype(0), copy=copy)
     signed = bool(routes.min() < 0)
@@ -56,16 +90,29 @@ def compact_routes(routes: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
 
 
 def missing_rows(routes: np.ndarray) -> np.ndarray:
-    """bool ``[rows]``: route rows ``[rows, L, K]`` holding `MISSING_ROUTE_ID` (any negative id)
-    in any slot; all False at no cost for an unsigned dtype."""
+    """Which route rows the engine lost: rows holding `MISSING_ROUTE_ID` (any negative id) in a slot.
+
+    Args:
+        routes: ``[rows, L, K]`` expert ids.
+
+    Returns:
+        bool ``[rows]``; all False at no cost for an unsigned dtype.
+    """
     if routes.dtype.kind != "i" or routes.shape[0] == 0:
         return np.zeros(routes.shape[0], dtype=bool)
     return (routes.reshape(routes.shape[0], -1) < 0).any(axis=1)
 
 
 def mark_missing(routes: np.ndarray, missing: np.ndarray) -> np.ndarray:
-    """``routes`` with every id of the ``missing`` rows set to `MISSING_ROUTE_ID`, in a signed
-    dtype (a copy when anything changes)."""
+    """``routes`` with every id of the ``missing`` rows set to `MISSING_ROUTE_ID`.
+
+    Args:
+        routes: ``[rows, L, K]`` expert ids.
+        missing: bool ``[rows]``.
+
+    Returns:
+        ``routes`` itself when nothing is missing, else a copy in the signed compact dtype.
+    """
     if not missing.any():
         return routes
     high = int(routes.max()) if routes.size else 0
@@ -75,13 +122,33 @@ def mark_missing(routes: np.ndarray, missing: np.ndarray) -> np.ndarray:
 
 
 def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
-    """The dtype that holds routes of all ``dtypes`` (at least one): uint8 and int16 -> int16."""
+    """The dtype that holds routes of all ``dtypes``: uint8 and int16 give int16.
+
+    Args:
+        dtypes: At least one torch integer dtype.
+
+    Returns:
+        ``torch.promote_types`` folded over ``dtypes``.
+    """
+    import torch
+
     return functools.reduce(torch.promote_types, dtypes)
 
 
 def check_layers(name: str, layers: Iterable[int] | None) -> tuple[int, ...] | None:
-    """``layers`` as a tuple of absolute decoder-layer ids (sorted, unique, ``>= 0``, at least one)
-    or None (every layer); else ``ValueError`` naming ``name``."""
+    """Validates a selection of decoder layers.
+
+    Args:
+        name: The setting's name, for the error.
+        layers: Absolute decoder-layer ids (sorted, unique, >= 0, at least one), or None for every
+            layer. A mapping or a string is refused.
+
+    Returns:
+        ``layers`` as a tuple, or None.
+
+    Raises:
+        ValueError: Anything else, naming ``name``.
+    """
     if layers is None:
         return None
     # a mapping would give its keys, which may not be what its author meant by the values

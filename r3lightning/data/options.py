@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from r3lightning.checks import check_fields
-from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.routes import check_layers
+
+if TYPE_CHECKING:  # imported when a buffer is given: the job checks these options without torch
+    from r3lightning.data.buffer import ReplayBuffer
 
 __all__ = ["DataOptions"]
 
@@ -36,5 +39,9 @@ class DataOptions:
         check_fields({name: getattr(self, name) for name in rules}, rules)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
         buffer = self.eval_buffer
-        if not isinstance(buffer, ReplayBuffer | None):
+        if buffer is None:
+            return
+        from r3lightning.data.buffer import ReplayBuffer
+
+        if not isinstance(buffer, ReplayBuffer):
             raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(buffer).__name__}")

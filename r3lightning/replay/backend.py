@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+# moved to r3lightning.checks (the job checks it without torch); re-exported here
+from r3lightning.checks import check_soft_threshold as check_soft_threshold
 from r3lightning.ragged import to_device_async
 
 
@@ -233,28 +235,6 @@ def agreement_counts(replayed: Tensor, native: Tensor, mask: Tensor | None) -> T
         keep = torch.ones_like(replayed[:, :1], dtype=torch.bool) if mask is None else mask[:, None]
         hits = agreement_hits(replayed, native) & keep
         return torch.stack([keep.sum(), hits.sum()])
-
-
-def check_soft_threshold(threshold: float | None) -> float | None:
-    """Checks a soft-replay threshold.
-
-    Args:
-        threshold: None (plain replay) or a number >= 0, a router probability (above every
-            probability, e.g. above 1, nothing is kept: native routing).
-
-    Returns:
-        ``threshold`` as a float, or None.
-
-    Raises:
-        ValueError: Not None and not a number >= 0 (a bool, a NaN).
-    """
-    if threshold is None:
-        return None
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not threshold >= 0:
-        raise ValueError(
-            f"soft_threshold must be null or a number >= 0 (a router probability), got {threshold!r}"
-        )
-    return float(threshold)
 
 
 def soft_replay_indices(

@@ -16,36 +16,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from r3lightning.data.stream import StreamClosedError, StreamingReplayBuffer
 from r3lightning.rollout.collector import CollectedRollouts, RolloutCollector
-from r3lightning.rollout.config import check_setting
+
+# AheadConfig lives with the other rollout settings (the job checks them without torch)
+from r3lightning.rollout.config import AheadConfig
 
 __all__ = ["AheadConfig", "RolloutWorker", "may_collect"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AheadConfig:
-    """How far rollouts may run ahead of training.
-
-    Args:
-        max_staleness: most policy versions between the weights that generated a trajectory and
-            the weights that train on it; 0: on-policy (collect, train, collect).
-    """
-
-    max_staleness: int = 0
-
-    def __post_init__(self) -> None:
-        check_setting("max_staleness", self.max_staleness, low=0, integer=True)
-
-    @property
-    def ahead(self) -> int:
-        """Whole steps that may wait beside the one in training (a streaming buffer's bound)."""
-        return max(1, self.max_staleness)
 
 
 def may_collect(step: int, requested: int, max_staleness: int) -> bool:

@@ -90,7 +90,7 @@ class RolloutCollector:
         config: The collector's settings.
         advantages: One group's rewards, float64 ``[group_size]`` in sample order, to their
             advantages ``[group_size]``. The collector applies no algorithm of its own: the job
-            passes GRPO's ([`GRPOAdvantages`][r3lightning.app.job.grpo.GRPOAdvantages]).
+            passes GRPO's ([`GRPOAdvantages`][r3lightning.app.job.algorithm.GRPOAdvantages]).
         schema: A ``RouteSchema`` (with ``layers``: only those decoder layers' routes are kept) or
             the model's config; needed when ``config.request_routes``.
         sampling: The sampling settings of every request (default: ``SamplingConfig()``).

@@ -13,7 +13,7 @@ from typing import Any
 from r3lightning.checks import check_setting
 from r3lightning.wire.request import PROTOCOL_PATHS, RouteSchema
 
-__all__ = ["Backoff", "CollectorConfig", "RetryPolicy", "route_schema"]
+__all__ = ["AheadConfig", "Backoff", "CollectorConfig", "RetryPolicy", "route_schema"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,26 @@ class CollectorConfig:
 
 # where each family's config keeps the total number of routed experts
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class AheadConfig:
+    """How far rollouts may run ahead of training.
+
+    Args:
+        max_staleness: most policy versions between the weights that generated a trajectory and
+            the weights that train on it; 0: on-policy (collect, train, collect).
+    """
+
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        check_setting("max_staleness", self.max_staleness, low=0, integer=True)
+
+    @property
+    def ahead(self) -> int:
+        """Whole steps that may wait beside the one in training (a streaming buffer's bound)."""
+        return max(1, self.max_staleness)
 
 
 def route_schema(

@@ -9,6 +9,7 @@ import math
 import numbers
 import operator
 import struct
+import sys
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from r3lightning.wire.request import engine_sampling_params
 
@@ -151,7 +151,8 @@ RewardFn = Callable[[RolloutPrompt, list[int]], "float | Mapping[str, Any] | Awa
 def _real(value: Any) -> float | None:
     """``value`` as a finite float when it is one real number (a Python or numpy number, a bool,
     a one-element ndarray or tensor); else None."""
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is imported: never import it here
+    if torch is not None and isinstance(value, torch.Tensor):
         value = value.item() if value.numel() == 1 else None
     elif isinstance(value, np.ndarray | np.generic):
         value = value.item() if value.size == 1 else None

@@ -82,8 +82,20 @@ class RouteSchema:
 
 
 def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
-    """Non-negative integer routes (any shape) as a JSON-ready ndarray envelope in ``dtype`` (default:
-    the smallest that holds the largest id). Cost: a min/max, a cast and a base64 encode."""
+    """Routes as a JSON-ready ndarray envelope ``{"data", "shape", "dtype"}``.
+
+    Args:
+        array: Non-negative integer expert ids, any shape (an ndarray, a CPU tensor or nested lists).
+        dtype: The wire dtype name (``uint8``, ``int16``, ``uint16``, ``int32``); default: the
+            smallest that holds the largest id.
+
+    Returns:
+        The envelope (``data``: base64 of the C-order little-endian bytes). Cost: a min/max, a cast,
+        a base64 encode.
+
+    Raises:
+        ValueError: Non-integer or negative ids, an unknown ``dtype``, or an id ``dtype`` cannot hold.
+    """
     a = np.asarray(array)  # a CPU torch tensor converts without a copy
     if a.dtype.kind not in "iu":
         raise ValueError(f"routes: expected an integer array, got dtype {a.dtype}")
@@ -100,7 +112,15 @@ def encode_routes(array: Any, *, dtype: str | None = None) -> dict[str, Any]:
 
 
 def encode_flat_routes(array: Any) -> str:
-    """Encode routes as SGLang does: base64 of the flat little-endian int32 ids."""
+    """Routes encoded as SGLang sends them: base64 of the flat little-endian int32 ids (no shape: the
+    reader needs ``num_layers`` and ``top_k``).
+
+    Args:
+        array: Non-negative integer expert ids, any shape.
+
+    Raises:
+        ValueError: As `encode_routes`.
+    """
     return encode_routes(array, dtype="int32")["data"]
 
 
@@ -140,7 +160,20 @@ def _b64decode(data: Any, field: str, expected: int | None, max_bytes: int) -> b
 def decode_array(
     envelope: Mapping[str, Any], *, max_bytes: int = DEFAULT_MAX_BYTES, field: str = "array"
 ) -> np.ndarray:
-    """An ndarray envelope as a writable array, unchecked. Cost: one base64 decode into its buffer."""
+    """An ndarray envelope as an array, without the route check.
+
+    Args:
+        envelope: ``{"data": base64 text, "shape": [...], "dtype": name}``.
+        max_bytes: The largest array accepted, checked from the shape before anything is allocated.
+        field: The envelope's path in the response, first in the error message.
+
+    Returns:
+        A writable array viewing the one buffer the base64 decode fills (the only cost).
+
+    Raises:
+        MalformedResponseError: A missing key, an unknown dtype, a bad shape, a payload whose size
+            does not match the shape or exceeds ``max_bytes``, or invalid base64.
+    """
     if not isinstance(envelope, Mapping):
         raise _bad(field, f"expected an ndarray envelope object, got {type(envelope).__name__}")
     missing = [key for key in ("data", "shape", "dtype") if key not in envelope]
@@ -160,7 +193,21 @@ def decode_array(
 def decode_flat_array(
     data: Any, num_layers: int | None, top_k: int | None, *, max_bytes: int, field: str
 ) -> np.ndarray:
-    """SGLang's base64 flat int32 ids as ``[rows, num_layers, top_k]`` int32, unchecked."""
+    """SGLang's base64 flat int32 ids as routes, without the route check.
+
+    Args:
+        data: The base64 text (``str``, bytes or a ``memoryview`` of the body).
+        num_layers, top_k: The model's route row shape.
+        max_bytes: The largest payload accepted, checked before the decode.
+        field: The payload's path in the response, for errors.
+
+    Returns:
+        int32 ``[rows, num_layers, top_k]``.
+
+    Raises:
+        ValueError: ``num_layers`` or ``top_k`` is None (the caller's schema, not the response).
+        MalformedResponseError: Bad base64, a payload above ``max_bytes``, or not whole rows.
+    """
     if num_layers is None or top_k is None:  # the caller's schema, not the response
         raise ValueError("SGLang's flat routes need num_layers and top_k to be reshaped")
     raw = _b64decode(data, field, None, max_bytes)
@@ -203,7 +250,21 @@ def _npy_header(data: Any, field: str) -> tuple[int, np.dtype, list[int]]:
 
 
 def decode_npy_array(data: Any, *, max_bytes: int = DEFAULT_MAX_BYTES, field: str) -> np.ndarray:
-    """vLLM's base64 ``.npy`` routes as an array, unchecked; the size is checked before the decode."""
+    """vLLM's base64 ``.npy`` routes as an array, without the route check: the header (versions 1-3)
+    is read as a literal, never unpickled, and its size checked before the payload is decoded.
+
+    Args:
+        data: The base64 text of the ``.npy`` file.
+        max_bytes: The largest array accepted.
+        field: The payload's path in the response, for errors.
+
+    Returns:
+        The array in its wire dtype, viewing the decoded buffer.
+
+    Raises:
+        MalformedResponseError: Not base64 or not ``.npy``, an unsupported version, a non-route
+            dtype, Fortran order, or a size above ``max_bytes``.
+    """
     if not isinstance(data, Base64Text):
         raise _bad(field, f"expected a base64 string, got {type(data).__name__}")
     offset, dtype, shape = _npy_header(data, field)
@@ -221,10 +282,24 @@ def checked_routes(
     compact: bool = False,
     field: str = "routed_experts",
 ) -> np.ndarray:
-    """Decoded ``routes`` after the route check, on ``schema.layers`` only, in their host dtype
-    (uint16 as int16 or int32); with ``compact`` the smallest dtype holding the largest id. With
-    ``schema.missing_rows`` other than ``error``, a row holding -1 is a missing row: all its ids
-    become -1, in a signed dtype."""
+    """Decoded routes after the route check, cut to ``schema.layers`` (a copy: the payload is freed).
+
+    Args:
+        routes: ``[rows, L, K]`` integer ids from one of the decoders.
+        schema: The sizes, layers and missing-row policy to apply.
+        rows: The allowed row counts (None: any).
+        rows_rule: How ``rows`` was derived, shown in the error.
+        compact: Return the smallest dtype holding the largest id.
+        field: The payload's path in the response, for errors.
+
+    Returns:
+        ``[rows, len(layers) or L, K]`` in the host dtype (uint16 as int16, or int32 from 32768 on),
+        or compact. Unless ``schema.missing_rows`` is ``error``, a row holding -1 is a missing row:
+        all its ids become -1, in a signed dtype.
+
+    Raises:
+        MalformedResponseError: The route check's refusal (shape, dtype, range, rows, repeats).
+    """
     bounds = {"num_experts": schema.num_experts, "num_layers": schema.num_layers, "top_k": schema.top_k}
     check = {"rows": rows, "rows_rule": rows_rule, "where": field, "error": MalformedResponseError}
     allowed = schema.missing_rows != "error"
@@ -251,7 +326,19 @@ def decode_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "routed_experts",
 ) -> np.ndarray:
-    """A checked routes envelope ``[rows, num_layers, top_k]`` in its wire dtype."""
+    """A routes envelope, decoded and checked: ``[rows, num_layers, top_k]`` in its wire dtype
+    (uint16 as int16 or int32).
+
+    Args:
+        envelope: ``{"data", "shape", "dtype"}`` (`encode_routes`).
+        num_experts, num_layers, top_k: Expected sizes (None: unchecked).
+        check_unique: Refuse a row that repeats an expert (several times the decode's cost).
+        max_bytes: The largest array accepted.
+        field: The envelope's path, for errors.
+
+    Raises:
+        MalformedResponseError: A malformed envelope or routes that fail the check.
+    """
     schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
     return checked_routes(decode_array(envelope, max_bytes=max_bytes, field=field), schema, field=field)
 
@@ -267,8 +354,20 @@ def decode_flat_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "meta_info.routed_experts",
 ) -> np.ndarray:
-    """SGLang's base64 flat int32 routes, checked, as ``[rows, num_layers, top_k]``; with
-    ``compact``, in the smallest dtype that holds the largest id (4x less host memory)."""
+    """SGLang's base64 flat int32 routes, decoded and checked, as ``[rows, num_layers, top_k]``.
+
+    Args:
+        data: The base64 text.
+        num_layers, top_k: The model's route row shape (required: the ids are flat).
+        num_experts: Ids must be below it (None: unchecked).
+        check_unique: Refuse a row that repeats an expert.
+        compact: Return the smallest dtype that holds the largest id (4x less host memory).
+        max_bytes: The largest payload accepted.
+        field: The payload's path, for errors.
+
+    Raises:
+        MalformedResponseError: A malformed payload or routes that fail the check.
+    """
     schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
     routes = decode_flat_array(data, num_layers, top_k, max_bytes=max_bytes, field=field)
     return checked_routes(routes, schema, compact=compact, field=field)
@@ -284,6 +383,18 @@ def decode_npy_routes(
     max_bytes: int = DEFAULT_MAX_BYTES,
     field: str = "choices[0].routed_experts",
 ) -> np.ndarray:
-    """vLLM's base64 ``.npy`` routes, checked, as ``[rows, num_layers, top_k]``."""
+    """vLLM's base64 ``.npy`` routes, decoded and checked: ``[rows, num_layers, top_k]`` in their
+    wire dtype (uint16 as int16 or int32).
+
+    Args:
+        data: The base64 text of the ``.npy`` file.
+        num_experts, num_layers, top_k: Expected sizes (None: unchecked).
+        check_unique: Refuse a row that repeats an expert.
+        max_bytes: The largest array accepted.
+        field: The payload's path, for errors.
+
+    Raises:
+        MalformedResponseError: A malformed file or routes that fail the check.
+    """
     schema = RouteSchema(num_layers, top_k, num_experts, check_unique, max_bytes)
     return checked_routes(decode_npy_array(data, max_bytes=max_bytes, field=field), schema, field=field)

@@ -29,9 +29,18 @@ def _escaped(raw: bytes, index: int) -> bool:  # after an odd run of backslashes
 
 
 class JsonBody:
-    """A JSON body parsed with its long payload strings left in ``raw`` (``value`` holds a marker for
-    each; `take` turns one into a ``memoryview``, `finish` the others into None). Cost: a
-    ``memchr`` pass over each long string and an orjson parse of the rest."""
+    """A JSON body parsed with its long payload strings left in ``raw``.
+
+    ``value`` holds a marker string for each cut payload; `take` turns one into a ``memoryview`` of
+    the body, `finish` the others into None. Cost: a ``memchr`` pass over each long string and an
+    orjson parse of the rest. Not thread-safe (one response, one parser).
+
+    Args:
+        raw: The whole response body.
+
+    Raises:
+        MalformedResponseError: An unterminated string or invalid JSON.
+    """
 
     def __init__(self, raw: bytes) -> None:
         self.raw = raw
@@ -40,7 +49,10 @@ class JsonBody:
         pieces = []
         copied = 0
         searched = 0
-        while (match := _KEY.search(raw, searched)) is not None:
+        while True:
+            match = _KEY.search(raw, searched)
+            if match is None:
+                break
             start = match.end()
             end = raw.find(b'"', start)
             while end > 0 and _escaped(raw, end):  # an escaped quote: not the end
@@ -65,8 +77,18 @@ class JsonBody:
         return int(digits) if digits.isdecimal() and int(digits) < len(self.spans) else None
 
     def take(self, container: dict[str, Any], key: str) -> Any:
-        """``container[key]``, left as None in ``value`` (a raw response never holds its route
-        payload); a cut string comes back as a ``memoryview`` of its base64 text in the body."""
+        """``container[key]``, left as None in ``value`` (a raw response never holds its route payload).
+
+        Args:
+            container: A dict inside ``value``.
+            key: The payload's key.
+
+        Returns:
+            The value; a cut string comes back as a ``memoryview`` of its base64 text in ``raw``.
+
+        Raises:
+            KeyError: ``key`` is absent.
+        """
         value = container[key]
         container[key] = None
         index = self._index(value)
@@ -92,8 +114,15 @@ class JsonBody:
 
 
 def unescaped(value: Any) -> Any:
-    """``value`` from `JsonBody.take` (an envelope or a payload) with its cut string as a
-    ``str`` when it holds JSON escapes (``\\/`` from some writers, which strict base64 refuses), else None."""
+    """A value from `JsonBody.take` with its cut string unescaped, when it holds JSON escapes (``\\/``
+    from some writers, which strict base64 refuses).
+
+    Args:
+        value: An envelope dict or a payload.
+
+    Returns:
+        The value with its payload as a ``str``, or None when there was nothing to unescape.
+    """
     data = value.get("data") if isinstance(value, dict) else value
     if not isinstance(data, memoryview):
         return None
@@ -113,8 +142,21 @@ async def read_capped(
     cap: int,
     too_large: Callable[[int | None], Exception],
 ) -> bytes:
-    """An HTTP body of at most ``cap`` bytes, refused before reading past it; ``too_large(declared)``
-    builds the error (``declared``: ``content_length`` when that alone exceeds ``cap``, else None)."""
+    """An HTTP body of at most ``cap`` bytes, refused before reading past it; one join at the end.
+
+    Args:
+        chunks: The body's chunks as they arrive.
+        content_length: The declared length, or None.
+        cap: The largest body accepted.
+        too_large: Builds the error from ``declared``: ``content_length`` when that alone exceeds
+            ``cap``, else None.
+
+    Returns:
+        The body.
+
+    Raises:
+        Exception: What ``too_large`` builds.
+    """
     if content_length is not None and content_length > cap:
         raise too_large(content_length)
     parts: list[bytes] = []

@@ -114,8 +114,25 @@ def build_request(
     cache_salt: str | None = None,
     engine: str | None = None,
 ) -> dict[str, Any]:
-    """The JSON request body of ``protocol`` with ``sampling_params`` as given (``openai``: at the top
-    level); ``engine`` (``"vllm"`` / ``"sglang"``) narrows ``openai``'s route fields to its own."""
+    """The JSON request body of one generate call.
+
+    Args:
+        protocol: ``skyrl``, ``vllm``, ``sglang`` or ``openai`` (checked by the caller).
+        prompt_ids: The prompt's token ids.
+        sampling_params: Passed as given (``openai``: at the top level of the body).
+        model: Sent as ``model`` when given.
+        return_routed_experts: Ask the engine for routes.
+        routed_experts_prompt_start: The first prompt token whose route row is wanted (default 0).
+        cache_salt: Sent as ``cache_salt`` when given.
+        engine: ``"vllm"`` or ``"sglang"`` narrows ``openai``'s route fields to that engine's own
+            (None: both).
+
+    Returns:
+        The body, ready for ``orjson.dumps``.
+
+    Raises:
+        ValueError: ``openai`` sampling parameters that set a key the client sets itself.
+    """
     params = dict(sampling_params)
     start = routed_experts_prompt_start or 0
     body: dict[str, Any]

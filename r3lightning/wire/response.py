@@ -29,10 +29,26 @@ def parse_response(
     start: int = 0,
     url: str | None = None,
 ) -> RemoteGenerateResult:
-    """A 2xx generate body parsed; routes are decoded and checked only when ``want_routes``, with
-    ``prompt_len`` to exactly ``prompt_len - start + G - 1`` rows (``G``: the response length).
-    Cost: an orjson parse of the body without its route payload, a base64 decode of the payload
-    and a ``max`` of the ids (with ``schema.check_unique``, the distinct-experts check)."""
+    """A 2xx generate body parsed and checked.
+
+    Args:
+        raw: The response body.
+        protocol: The protocol the request used.
+        schema: How routes are checked and cut.
+        want_routes: Decode and check routes (else they are ignored).
+        prompt_len: The prompt length ``P``; with it the routes must have exactly
+            ``P - start + G - 1`` rows (``G``: the response length).
+        start: The ``routed_experts_prompt_start`` sent.
+        url: The engine's URL, appended to error messages.
+
+    Returns:
+        The result, ``routed_experts`` ``[rows, L, K]`` on the host. Cost: an orjson parse of the
+        body without its route payload, a base64 decode of the payload and a ``max`` of the ids
+        (with ``schema.check_unique``, the distinct-experts check).
+
+    Raises:
+        MalformedResponseError: Any deviation from the protocol, naming the field.
+    """
     try:
         body = JsonBody(raw)
         if not isinstance(body.value, dict):

@@ -29,11 +29,27 @@ def check_routes(
     layers: tuple[int, ...] | None = None,
     missing: bool = False,
 ) -> int:
-    """The largest id (0 when empty) of routes ``[rows, num_layers, top_k]`` checked against the
-    model's sizes (None: unknown) and the row counts ``rows``, else ``error`` naming ``where`` (and
-    ``layers[j]`` for column ``j``); ``missing``: rows holding the sentinel ``MISSING_ROUTE_ID``
-    (-1) are allowed (missing rows, exempt from the distinct check), other negative ids are not.
-    Cost: one ``max`` over the ids (0.2 ms for 32k x 48 x 8 uint8); a ``min`` more for signed ids."""
+    """The route check every path creating routes goes through.
+
+    Args:
+        routes: ``[rows, num_layers, top_k]`` integer expert ids.
+        num_experts, num_layers, top_k: The model's sizes (None: unknown, unchecked).
+        rows: The allowed row counts (None: any).
+        rows_rule: How ``rows`` was derived, for the error.
+        distinct: Refuse a row that repeats an expert (`check_distinct`; all-zero rows exempt).
+        where: The routes' name or path, first in the error.
+        error: The exception class raised.
+        layers: The absolute layer id of each column, for the error.
+        missing: Allow rows holding `MISSING_ROUTE_ID` (-1), exempt from the distinct check; other
+            negative ids stay refused.
+
+    Returns:
+        The largest id (0 when empty). Cost: one ``max`` over the ids (0.2 ms for 32k x 48 x 8
+        uint8); a ``min`` more for signed ids.
+
+    Raises:
+        ValueError: ``error``, for a wrong shape, dtype, id or row count.
+    """
     shape = list(routes.shape)
     if routes.ndim != 3:
         raise error(f"{where}: expected shape [rows, num_layers, top_k], got {shape}")
@@ -71,9 +87,19 @@ def check_distinct(
     error: type[ValueError] = ValueError,
     layers: tuple[int, ...] | None = None,
 ) -> None:
-    """Raise ``error`` for the first ``[top_k]`` row of ``routes [rows, L, K]`` that repeats an expert,
-    all-zero rows exempt. Cost: per block of rows a transposing copy and ``K*(K-1)/2`` column
-    comparisons (about 10 ms for 32k x 48 x 8 uint8 ids)."""
+    """Refuses the first ``[top_k]`` row that repeats an expert; all-zero rows (a dense layer's) are
+    exempt. Cost: per block of rows a transposing copy and ``K*(K-1)/2`` column comparisons (about
+    10 ms for 32k x 48 x 8 uint8 ids).
+
+    Args:
+        routes: ``[rows, L, K]`` integer expert ids.
+        where: The routes' name, for the error.
+        error: The exception class raised.
+        layers: The absolute layer id of each column, for the error.
+
+    Raises:
+        ValueError: ``error``, naming the row, the layer and its ids.
+    """
     k = routes.shape[2]
     if routes.size == 0 or k < 2:
         return

@@ -22,7 +22,15 @@ _NOT_SAFETENSORS = "request body is not a safetensors file"
 
 
 class UploadError(ValueError):
-    """A weight upload is refused; ``status`` is the HTTP status to answer (400 or 413)."""
+    """A weight upload is refused.
+
+    Args:
+        message: Why, naming the field.
+        status: The HTTP status to answer: 400, or 413 for a body over the cap.
+
+    Attributes:
+        status: As given.
+    """
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
@@ -102,9 +110,24 @@ async def read_safetensors(
     max_bytes: int,
     check: Callable[[Mapping[str, tuple[torch.dtype, tuple[int, ...]]]], None],
 ) -> dict[str, Tensor]:
-    """A safetensors body as host tensors viewing one flat buffer, refused with an
-    `UploadError` from its header (malformed, a size other than ``content_length`` or above
-    ``max_bytes``: 413) or by ``check(name -> (dtype, shape))``, before any tensor data is read."""
+    """A safetensors body streamed into host tensors that view one flat buffer.
+
+    Everything is checked from the header before any tensor data is read: no allocation beyond
+    ``max_bytes``.
+
+    Args:
+        chunks: The body's chunks as they arrive.
+        content_length: The declared length, or None.
+        max_bytes: The largest body accepted.
+        check: Called with ``name -> (dtype, shape)`` before the data is read; raises to refuse.
+
+    Returns:
+        ``name -> tensor`` on the CPU (unaligned tensors copied, the others views).
+
+    Raises:
+        UploadError: A malformed header, a size other than ``content_length``, a body over
+            ``max_bytes`` (status 413), or a body that ends early or runs on.
+    """
     stream = _Stream(chunks)
     prefix = bytearray(8)
     if await stream.read_into(memoryview(prefix)) < 8:

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
+from r3lightning.padded import padded_flat_index
 from r3lightning.ragged import (
     batch_index,
     host_int64,
     host_lengths,
     offsets_from_lengths,
-    padded_flat_index,
     segment_ids_and_positions,
     tensor_from_bytes,
     tensor_to_bytes,

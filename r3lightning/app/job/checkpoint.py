@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +65,101 @@ def _temp_name(target: Path) -> Path:
     return target.with_name(f".{target.name}.tmp-{os.getpid()}")
 
 
-def remove_stale_temps(directory: Path) -> None:
-    """Delete what a killed save left in ``directory``: the temp files `AtomicCheckpointIO`
-    writes next to its targets (a process killed mid-save cannot remove its own)."""
-    for path in Path(directory).glob(".*.tmp-*"):
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a directory's entries) to disk."""
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, a link or a folder; what another process deleted first is not an error."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
         path.unlink(missing_ok=True)
+
+
+def _versions(link: Path) -> list[Path]:
+    """The checkpoint folders ``link`` may point at (`publish_folder` writes them next to it)."""
+    return sorted(link.parent.glob(f".{link.name}.v-*"))
+
+
+def remove_stale_temps(directory: Path) -> None:
+    """Delete what a killed save left in ``directory``, and finish a folder swap a kill interrupted.
+
+    A killed process cannot remove its own temp files: `AtomicCheckpointIO`'s ``.<name>.tmp-<pid>``
+    files, and the checkpoint folders (``.<name>.v-*``) that no ``<name>`` link points at, half
+    written or replaced (`publish_folder`). A ``<name>`` folder that a kill moved aside while it
+    was being replaced by a link (``.<name>.v-moved``) is linked back first.
+
+    Safe to run from several ranks at once. Cost: one directory listing; deleted folders are freed.
+
+    Args:
+        directory: a checkpoint directory (``<run>/checkpoints``); absent is fine.
+    """
+    directory = Path(directory)
+    for path in directory.glob(".*.tmp-*"):
+        _remove(path)
+    for moved in directory.glob(".*.v-moved"):
+        link = directory / moved.name.removeprefix(".").removesuffix(".v-moved")
+        if not os.path.lexists(link):
+            _point(link, moved)
+    for link in {directory / v.name[1:].partition(".v-")[0] for v in directory.glob(".*.v-*")}:
+        target = Path(os.readlink(link)).name if link.is_symlink() else None
+        for version in _versions(link):
+            if version.name != target:
+                _remove(version)
+
+
+def _point(link: Path, folder: Path) -> None:
+    """Make ``link`` a relative symlink to ``folder`` (its sibling) in one rename: a reader sees the
+    old target or the new one, never no ``link``."""
+    temp = _temp_name(link)
+    temp.unlink(missing_ok=True)
+    os.symlink(folder.name, temp)
+    os.replace(temp, link)
+    _fsync(link.parent)  # the rename itself survives a power loss
+
+
+def new_version(target: Path) -> Path:
+    """A fresh folder name for the next checkpoint of ``target`` (``.<name>.v-<random>``), beside it."""
+    return target.with_name(f".{target.name}.v-{uuid.uuid4().hex[:12]}")
+
+
+def publish_folder(target: Path, folder: Path) -> None:
+    """Point ``target`` at the whole checkpoint ``folder`` and delete the one it replaces.
+
+    ``target`` becomes a symlink in one ``os.replace``, so a kill at any point leaves it naming the
+    old checkpoint or the new one, both whole; Lightning resumes through the link. A ``target``
+    that is still a real folder (saved before links were used) is first moved aside as
+    ``.<name>.v-moved``, which `remove_stale_temps` links back if a kill comes before the link.
+
+    Args:
+        target: the path a resume names (``<run>/checkpoints/last.ckpt``).
+        folder: the new checkpoint, a sibling of ``target``, completely written.
+    """
+    for path in folder.rglob("*"):
+        if path.is_file():
+            _fsync(path)  # the bytes are on disk before a name points at them
+    _fsync(folder)
+    if target.is_dir() and not target.is_symlink():
+        moved = target.with_name(f".{target.name}.v-moved")
+        os.rename(target, moved)
+    _point(target, folder)
+    remove_stale_temps(target.parent)
+
+
+def saves_a_folder(strategy: Any) -> bool:
+    """Whether ``strategy.save_checkpoint`` writes a folder (a distributed checkpoint) rather than a
+    file: ``ModelParallelStrategy`` (FSDP2) by default, ``FSDPStrategy`` with sharded state dicts."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return bool(strategy._save_distributed_checkpoint)
+    return isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "sharded"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -117,14 +209,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 class RunCheckpoint(ModelCheckpoint):
     """``<run>/checkpoints/last.ckpt`` after every step, and the run's fingerprint beside it.
-    Single-file checkpoints are written by `AtomicCheckpointIO` unless the strategy was given
-    a checkpoint IO of its own."""
+
+    A kill at any point of a save leaves the previous checkpoint or the new one whole:
+
+    - a single file is written by `AtomicCheckpointIO` (unless the strategy was given a checkpoint
+      IO of its own);
+    - a folder (FSDP2's distributed checkpoint, see `saves_a_folder`) is written by every rank into
+      a fresh sibling folder, then rank 0 repoints the ``last.ckpt`` symlink at it
+      (`publish_folder`) and deletes the previous one. What a kill leaves is deleted by the next
+      save and when the run resumes (`remove_stale_temps`).
+
+    Args:
+        out_dir: the run's folder; the checkpoint goes to ``out_dir/checkpoints``.
+        cfg: the job's resolved config, fingerprinted into ``out_dir/fingerprint.json``.
+    """
 
     def __init__(self, out_dir: Path, cfg: DictConfig) -> None:
         super().__init__(
             out_dir / "checkpoints", "last", save_top_k=1, every_n_epochs=1, enable_version_counter=False
         )
-        self.path, self.fingerprint = out_dir / FINGERPRINT, fingerprint(cfg)
+        self.path = out_dir / FINGERPRINT
+        self.fingerprint = fingerprint(cfg)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -134,6 +239,26 @@ class RunCheckpoint(ModelCheckpoint):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         if trainer.is_global_zero and not self.path.exists():
             self.path.write_text(json.dumps(self.fingerprint, indent=1) + "\n")
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        """Lightning's save, into a fresh folder published by rank 0 when the strategy saves folders.
+
+        Syncs: a broadcast of the folder's name and a barrier after the link moved, on top of the
+        strategy's own collectives.
+        """
+        if not saves_a_folder(trainer.strategy):
+            super()._save_checkpoint(trainer, filepath)
+            return
+        target = Path(filepath)
+        if trainer.is_global_zero:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(target.parent)  # before the new folder exists: it is not stale
+        folder = Path(trainer.strategy.broadcast(str(new_version(target))))  # rank 0's name on every rank
+        super()._save_checkpoint(trainer, str(folder))  # ends with a barrier: every shard is written
+        if trainer.is_global_zero:
+            publish_folder(target, folder)
+        trainer.strategy.barrier("RunCheckpoint.publish_folder")
+        self._last_checkpoint_saved = filepath
 
 
 def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:
