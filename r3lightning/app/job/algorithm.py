@@ -19,16 +19,34 @@ LOSSES = ("grpo", "gspo")  # token-level clipped surrogate (PPO/GRPO) | sequence
 
 @dataclass(frozen=True)
 class GRPOConfig:
-    """The job's ``algorithm`` settings."""
+    """The job's ``algorithm`` settings: the GRPO loss and what the module measures.
 
-    group_size: int = 8  # responses sampled per prompt
-    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    Args:
+        group_size: Responses sampled per prompt (at least 2: advantages compare them).
+        clip_low: The probability ratio is clipped below at ``1 - clip_low``; in (0, 1).
+        clip_high: The probability ratio is clipped above at ``1 + clip_high``; above 0.
+        normalize_std: Divide the centred rewards by the group's reward std (GRPO); False
+            only centres them (Dr. GRPO).
+        ratio_band: Ratios outside ``[1 / ratio_band, ratio_band]`` count as far off in the
+            mismatch metrics; at least 1.
+        mismatch_every_n_steps: Measure the paired native-vs-replayed ``mismatch/*`` every n RL
+            steps (two extra no-grad forwards each time); 0 never does.
+        correction: The loss's importance-sampling correction; none by default.
+        loss: One of ``LOSSES``: ``grpo`` (token-level, ``policy_loss``) or ``gspo``
+            (sequence-level, ``gspo_loss``).
+
+    Raises:
+        ValueError: A value outside its range, naming the field.
+    """
+
+    group_size: int = 8
+    clip_low: float = 0.2
     clip_high: float = 0.28
-    normalize_std: bool = True  # divide by the group's reward std (GRPO); False = Dr. GRPO
-    ratio_band: float = 2.0  # ratios outside [1 / ratio_band, ratio_band] are "far off" in metrics
-    mismatch_every_n_steps: int = 1  # paired native-vs-replayed mismatch/* every n steps; 0 = never
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # none by default
-    loss: str = "grpo"  # one of LOSSES: grpo = policy_loss, gspo = gspo_loss
+    normalize_std: bool = True
+    ratio_band: float = 2.0
+    mismatch_every_n_steps: int = 1
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    loss: str = "grpo"
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -53,8 +71,24 @@ class GRPOConfig:
 def group_advantages(
     rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """Each reward minus its group's mean (over the unbiased ``std + eps`` if normalising); a group
-    is ``group_size`` consecutive rewards."""
+    """GRPO advantages: each reward minus its group's mean, over the group's std if normalising.
+
+    Computed in float64 (a spread of float32-range rewards would overflow the mean and the std).
+    No sync: it runs where ``rewards`` are.
+
+    Args:
+        rewards: ``[groups * group_size]``; a group is ``group_size`` consecutive rewards.
+        group_size: Rewards per group.
+        normalize_std: Divide by the group's unbiased ``std + eps`` (GRPO); False only centres
+            (Dr. GRPO). A group of one is only centred.
+        eps: Added to the std, so a group of equal rewards gets zeros rather than NaN.
+
+    Returns:
+        ``[groups * group_size]`` in ``rewards``' floating dtype (float32 for integer rewards).
+
+    Raises:
+        ValueError: ``rewards`` is not 1-D, or its length not a multiple of ``group_size``.
+    """
     import torch  # here, not at the top: the job's config checks import this module
 
     if rewards.ndim != 1 or rewards.numel() % group_size != 0:
@@ -88,7 +122,9 @@ class GRPOAdvantages:
         check_setting("std_eps", self.std_eps, low=0, above=True)
 
     def __call__(self, rewards: Tensor) -> Tensor:
-        """Args:
+        """The advantages of one group (`group_advantages` of it).
+
+        Args:
             rewards: One group's rewards, ``[group_size]``.
 
         Returns:

@@ -34,8 +34,18 @@ MAX_LOG_RATIO = 20.0  # the losses' log-ratio cap before exp: exp(20) ~ 4.9e8
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """``[B, S]`` float32: entry ``t`` is ``log softmax(logits[:, t - 1])[input_ids[:, t]]`` for
-    ``logits [B, S, V]``, entry 0 is 0. Memory: one ``[B, S - 1, V]`` float32 buffer."""
+    """The log-probability the model gave each token, from the forward at the token before it.
+
+    Memory: one ``[B, S - 1, V]`` float32 buffer (the log-softmax). No sync.
+
+    Args:
+        logits: ``[B, S, V]``, the forward's output (any float dtype).
+        input_ids: ``[B, S]``, the tokens the logits were computed from.
+
+    Returns:
+        ``[B, S]`` float32: entry ``t`` is ``log_softmax(logits[:, t - 1])[input_ids[:, t]]``;
+        entry 0, which nothing predicts, is 0.
+    """
     picked = _shifted_log_softmax(logits).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, S-1]
     return torch.nn.functional.pad(picked, (1, 0))
 
@@ -45,8 +55,17 @@ def _shifted_log_softmax(logits: Tensor) -> Tensor:
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` weighted by ``mask``, 0 for an empty mask; values off the mask (even NaN)
-    never reach the result or its gradient."""
+    """The mean of ``values`` weighted by ``mask``. No sync.
+
+    Args:
+        values: Any shape.
+        mask: ``values``' shape (or broadcastable to it); 0 leaves an entry out, other values
+            weigh it. Entries off the mask, even NaN or inf, never reach the result or its
+            gradient.
+
+    Returns:
+        A scalar in ``values``' dtype; 0 for an empty mask.
+    """
     mask = mask.to(values.dtype)
     return torch.where(mask != 0, values * mask, 0.0).sum() / mask.sum().clamp(min=1.0)
 
@@ -61,9 +80,26 @@ def policy_loss(
     clip_high: float = 0.28,
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss, the mean over the loss tokens (each term scaled by its constant
-    ``weights``), and detached ``clip_fraction``. ``advantages [B]``, the rest ``[B, S]``; masked
-    tokens add exactly 0 to the loss and its gradient."""
+    """The token-level clipped surrogate loss of PPO / GRPO: the mean over the loss tokens of
+    ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with ``r = exp(logprobs - old_logprobs)``.
+
+    A log-ratio is capped at ``MAX_LOG_RATIO`` before ``exp``. No sync.
+
+    Args:
+        logprobs: ``[B, S]`` the trainer's logprobs (with gradient).
+        old_logprobs: ``[B, S]`` the behaviour policy's logprobs (the engine's, or r2's recompute).
+        advantages: ``[B]`` one advantage per sequence.
+        loss_mask: ``[B, S]`` 1 on loss tokens; masked tokens add exactly 0 to the loss and its
+            gradient.
+        clip_low: ``r`` is clipped below at ``1 - clip_low``.
+        clip_high: ``r`` is clipped above at ``1 + clip_high``.
+        weights: ``[B, S]`` constant per-token weights (an importance-sampling correction) that
+            scale each token's term; no gradient flows into them. None: all 1.
+
+    Returns:
+        The scalar loss and ``{"clip_fraction": ...}``: the detached share of loss tokens whose
+        clipped term was taken.
+    """
     # a log-ratio past 20 (ratio 5e8) is clamped before exp: exp overflows float32 at 88.7, and an
     # inf ratio times a zero advantage is NaN; past the cap a token gives no gradient (as the clip
     # already does for a positive advantage)
@@ -140,9 +176,21 @@ def gspo_loss(
 def mismatch_metrics(
     trainer_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, ratio_band: float = 2.0
 ) -> dict[str, Tensor]:
-    """With ``r = p_trainer / p_rollout`` on the loss tokens, detached float64 scalars: ``k3_kl``
-    (mean `k3_terms`, the k3 estimator of KL(rollout || trainer)), ``ratio_out_of_band``
-    (share with ``r`` outside ``[1 / ratio_band, ratio_band]``) and ``abs_logprob_diff``."""
+    """How far the trainer's token probabilities are from the engine's, on the loss tokens.
+
+    With ``r = p_trainer / p_rollout`` per token. No sync; no gradient.
+
+    Args:
+        trainer_logprobs: ``[B, S]`` the trainer's logprobs.
+        rollout_logprobs: ``[B, S]`` the engine's logprobs of the same tokens.
+        loss_mask: ``[B, S]`` 1 on the tokens measured.
+        ratio_band: ``r`` outside ``[1 / ratio_band, ratio_band]`` counts as out of band.
+
+    Returns:
+        Detached float64 scalars: ``k3_kl`` (the mean of `k3_terms`, the k3 estimator of
+        KL(rollout || trainer)), ``ratio_out_of_band`` (the share of tokens out of band) and
+        ``abs_logprob_diff`` (the mean ``|log r|``).
+    """
     with torch.no_grad():
         log_r = trainer_logprobs.double() - rollout_logprobs.double()  # [B, S]
         return {
@@ -160,13 +208,22 @@ def paired_mismatch_metrics(
     *,
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
-    """The mismatch R3 removes: `mismatch_metrics` of the trainer's native and replayed
-    logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``,
-    ``abs_logprob_diff_native``, ``abs_logprob_diff_replayed``)."""
-    native, replayed = (
-        mismatch_metrics(lp, rollout_logprobs, loss_mask, ratio_band=ratio_band)
-        for lp in (native_logprobs, replayed_logprobs)
-    )
+    """The mismatch R3 removes: `mismatch_metrics` of the trainer's logprobs with its own routing
+    and with the engine's routes replayed, same weights and batch. No sync; no gradient.
+
+    Args:
+        native_logprobs: ``[B, S]`` the trainer's logprobs, routed by its own routers.
+        replayed_logprobs: ``[B, S]`` the trainer's logprobs with the engine's routes replayed.
+        rollout_logprobs: ``[B, S]`` the engine's logprobs.
+        loss_mask: ``[B, S]`` 1 on the tokens measured.
+        ratio_band: As in `mismatch_metrics`.
+
+    Returns:
+        Detached float64 scalars ``k3_native``, ``k3_replayed``, ``outside_band_native``,
+        ``outside_band_replayed``, ``abs_logprob_diff_native`` and ``abs_logprob_diff_replayed``.
+    """
+    native = mismatch_metrics(native_logprobs, rollout_logprobs, loss_mask, ratio_band=ratio_band)
+    replayed = mismatch_metrics(replayed_logprobs, rollout_logprobs, loss_mask, ratio_band=ratio_band)
     return {
         "k3_native": native["k3_kl"],
         "k3_replayed": replayed["k3_kl"],
@@ -178,7 +235,16 @@ def paired_mismatch_metrics(
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy (nats) of each token's predicting distribution, ``[B, S]`` like `token_logprobs`."""
+    """The entropy of the distribution that predicted each token, aligned like `token_logprobs`.
+
+    Memory: two ``[B, S - 1, V]`` float32 buffers. No sync.
+
+    Args:
+        logits: ``[B, S, V]``, the forward's output.
+
+    Returns:
+        ``[B, S]`` float32 entropies in nats; entry 0 is 0.
+    """
     logp = _shifted_log_softmax(logits)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))
