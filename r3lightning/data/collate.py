@@ -133,6 +133,12 @@ class RolloutCollator:
         num_experts: sizes the dummy route row of a placeholder (a ``None`` entry).
         pin_memory: collate into a `PinnedBufferPool` (``True``: a default one).
         layers: keep routes only on these decoder layers (``Trajectory.on_layers``).
+
+    Collations may run concurrently (threads share the fill pool; `close` is safe meanwhile).
+
+    Raises:
+        ValueError: A bad thread count, ``width_multiple``, ``pad_token_id`` or ``layers``.
+        TypeError: A keyword of 0.1 (named with its replacement).
     """
 
     @refuse_moved_keywords(_POOL_MOVED)
