@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
     from r3lightning.align.dummy import dummy_routes
     from r3lightning.align.layout import TokenMetadataLayout
-    from r3lightning.app.job.grpo import GRPOAdvantages
+    from r3lightning.app.job.algorithm import GRPOAdvantages
     from r3lightning.app.serve.config import EngineConfig, ServerLimits
     from r3lightning.app.serve.server import RolloutServer
     from r3lightning.data.batch import RolloutBatch

@@ -10,7 +10,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["check_api_key", "check_fields", "check_int", "check_rank", "check_setting"]
+__all__ = [
+    "check_api_key",
+    "check_band",
+    "check_cap",
+    "check_fields",
+    "check_floor",
+    "check_int",
+    "check_lower_clip",
+    "check_max_k3",
+    "check_rank",
+    "check_setting",
+    "check_soft_threshold",
+]
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
@@ -153,3 +165,104 @@ def check_api_key(api_key: Any, name: str = "api_key") -> None:
         raise ValueError(
             f"{name} must hold no whitespace or control characters, got {len(api_key)} characters"
         )
+
+
+def check_soft_threshold(threshold: float | None) -> float | None:
+    """Checks soft replay's threshold.
+
+    Args:
+        threshold: None (plain replay) or a number >= 0, a router probability (above every
+            probability, e.g. above 1, nothing is kept: native routing).
+
+    Returns:
+        ``threshold`` as a float, or None.
+
+    Raises:
+        ValueError: Anything else (a bool, a negative number, NaN).
+    """
+    if threshold is None:
+        return None
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not threshold >= 0:
+        raise ValueError(
+            f"soft_threshold must be null or a number >= 0 (a router probability), got {threshold!r}"
+        )
+    return float(threshold)
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def check_cap(value: float, name: str = "threshold") -> None:
+    """Checks a TIS cap ``C``: a finite number >= 1 (below 1 every on-policy token would be truncated).
+
+    Args:
+        value: The cap.
+        name: The setting's name in the message (``threshold``, or ``cap`` for a step).
+
+    Raises:
+        ValueError: ``value`` is not a number, is below 1 or is infinite.
+    """
+    if not 1 <= _number(name, value) < math.inf:
+        raise ValueError(
+            f"{name} must be a number >= 1 and finite (the TIS cap C; below 1 every on-policy token is truncated), "
+            f"got {value!r}"
+        )
+
+
+def check_band(lower: float, upper: float) -> None:
+    """Checks a kept ratio band: ``0 <= lower <= 1 <= upper`` and ``lower < upper`` (not empty, holds 1).
+
+    Args:
+        lower: The band's lower edge.
+        upper: The band's upper edge.
+
+    Raises:
+        ValueError: Either is not a number, or the band is empty or does not hold 1.
+    """
+    if not (0 <= _number("lower", lower) <= 1 <= _number("upper", upper) and lower < upper):
+        raise ValueError(
+            f"lower and upper must satisfy 0 <= lower <= 1 <= upper and lower < upper (a non-empty band "
+            f"holding ratio 1), got {lower=}, {upper=}"
+        )
+
+
+def check_lower_clip(lower_clip: float | None) -> None:
+    """Checks a TIS lower clip.
+
+    Args:
+        lower_clip: None (no clip) or a number in ``(0, 1]``.
+
+    Raises:
+        ValueError: Anything else.
+    """
+    if lower_clip is not None and not 0 < _number("lower_clip", lower_clip) <= 1:
+        raise ValueError(f"lower_clip must be null or a number in (0, 1], got {lower_clip!r}")
+
+
+def check_floor(floor: float) -> None:
+    """Checks a veto floor.
+
+    Args:
+        floor: The smallest token ratio a sequence may hold: a number in ``(0, 1)``.
+
+    Raises:
+        ValueError: Anything else.
+    """
+    if not 0 < _number("floor", floor) < 1:
+        raise ValueError(f"floor must be a number in (0, 1) (the smallest token ratio kept), got {floor!r}")
+
+
+def check_max_k3(max_k3: float) -> None:
+    """Checks a K3 rejection threshold.
+
+    Args:
+        max_k3: The largest mean k3 a sequence may have: a finite number > 0.
+
+    Raises:
+        ValueError: Anything else.
+    """
+    if not 0 < _number("max_k3", max_k3) < math.inf:
+        raise ValueError(f"max_k3 must be a finite number > 0 (the largest mean k3 kept), got {max_k3!r}")

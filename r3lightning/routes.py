@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where a tensor is made: the job's config checks import this module
+    import torch
 
 # the server flag of vLLM, SGLang (and SkyRL's vLLM-backed server) that turns route capture on:
 # named by the client's error when routes are missing and by replay's when a batch has none
@@ -64,6 +67,8 @@ def compact_route_dtype(max_expert_id: int, *, signed: bool = False) -> torch.dt
     """
     if isinstance(max_expert_id, bool) or not isinstance(max_expert_id, int) or max_expert_id < 0:
         raise ValueError(f"max_expert_id must be a non-negative int, got {max_expert_id!r}")
+    import torch
+
     return torch.from_numpy(np.empty(0, dtype=compact_dtype(max_expert_id, signed=signed))).dtype
 
 
@@ -125,6 +130,8 @@ def widest_route_dtype(dtypes: Iterable[torch.dtype]) -> torch.dtype:
     Returns:
         ``torch.promote_types`` folded over ``dtypes``.
     """
+    import torch
+
     return functools.reduce(torch.promote_types, dtypes)
 
 

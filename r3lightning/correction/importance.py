@@ -5,37 +5,14 @@ elementwise kernels, sequence sums in float64 as cumsum differences; no host syn
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+# the settings' checks live in r3lightning.checks (the job reads them without torch); kept importable here
+from r3lightning.checks import check_band, check_cap, check_floor, check_lower_clip, check_max_k3
 from r3lightning.packed import PackedTensor
 
 Tokens = Tensor | PackedTensor
-
-
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def check_cap(value: float, name: str = "threshold") -> None:
-    """Checks a TIS cap ``C``: a finite number >= 1 (below 1 every on-policy token would be truncated).
-
-    Args:
-        value: The cap.
-        name: The setting's name in the message (``threshold``, or ``cap`` for a step).
-
-    Raises:
-        ValueError: ``value`` is not a number, is below 1 or is infinite.
-    """
-    if not 1 <= _number(name, value) < math.inf:
-        raise ValueError(
-            f"{name} must be a number >= 1 and finite (the TIS cap C; below 1 every on-policy token is truncated), "
-            f"got {value!r}"
-        )
 
 
 def _check_cap_dtype(threshold: float, dtype: torch.dtype) -> None:
@@ -49,62 +26,6 @@ def _defined(weights: Tensor, keep: Tensor) -> Tensor:
     """``weights`` on the loss tokens, 0 elsewhere and where the log-ratio was undefined (NaN, or
     ``+inf`` and ``-inf`` in one sequence): such a token or sequence is dropped, never NaN."""
     return torch.where(keep & ~weights.isnan(), weights, 0.0)
-
-
-def check_band(lower: float, upper: float) -> None:
-    """Checks a kept ratio band: ``0 <= lower <= 1 <= upper`` and ``lower < upper`` (not empty, holds 1).
-
-    Args:
-        lower: The band's lower edge.
-        upper: The band's upper edge.
-
-    Raises:
-        ValueError: Either is not a number, or the band is empty or does not hold 1.
-    """
-    if not (0 <= _number("lower", lower) <= 1 <= _number("upper", upper) and lower < upper):
-        raise ValueError(
-            f"lower and upper must satisfy 0 <= lower <= 1 <= upper and lower < upper (a non-empty band "
-            f"holding ratio 1), got {lower=}, {upper=}"
-        )
-
-
-def check_lower_clip(lower_clip: float | None) -> None:
-    """Checks a TIS lower clip.
-
-    Args:
-        lower_clip: None (no clip) or a number in ``(0, 1]``.
-
-    Raises:
-        ValueError: Anything else.
-    """
-    if lower_clip is not None and not 0 < _number("lower_clip", lower_clip) <= 1:
-        raise ValueError(f"lower_clip must be null or a number in (0, 1], got {lower_clip!r}")
-
-
-def check_floor(floor: float) -> None:
-    """Checks a veto floor.
-
-    Args:
-        floor: The smallest token ratio a sequence may hold: a number in ``(0, 1)``.
-
-    Raises:
-        ValueError: Anything else.
-    """
-    if not 0 < _number("floor", floor) < 1:
-        raise ValueError(f"floor must be a number in (0, 1) (the smallest token ratio kept), got {floor!r}")
-
-
-def check_max_k3(max_k3: float) -> None:
-    """Checks a K3 rejection threshold.
-
-    Args:
-        max_k3: The largest mean k3 a sequence may have: a finite number > 0.
-
-    Raises:
-        ValueError: Anything else.
-    """
-    if not 0 < _number("max_k3", max_k3) < math.inf:
-        raise ValueError(f"max_k3 must be a finite number > 0 (the largest mean k3 kept), got {max_k3!r}")
 
 
 def tokens_of(log_ratio: Tokens, mask: Tokens) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -193,7 +114,8 @@ def token_tis(
         at least float32). A few elementwise kernels; no host sync.
 
     Raises:
-        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the
+            wrong form (`tokens_of`).
     """
     check_cap(threshold)
     check_lower_clip(lower_clip)
@@ -225,7 +147,8 @@ def sequence_tis(
         differences (packed) or row sums (padded); no host sync.
 
     Raises:
-        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the
+            wrong form (`tokens_of`).
     """
     check_cap(threshold)
     check_lower_clip(lower_clip)

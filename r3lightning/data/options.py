@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from r3lightning.checks import check_fields
-from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.routes import check_layers
+
+if TYPE_CHECKING:  # imported when a buffer is given: the job checks these options without torch
+    from r3lightning.data.buffer import ReplayBuffer
 
 __all__ = ["DataOptions"]
 
@@ -23,6 +26,10 @@ class DataOptions:
         layers: the absolute decoder layers this rank's model holds (``backend.moe_layers``);
             batches keep only their route columns. ``None``: routes as they come.
         eval_buffer: data of the val / test / predict loaders (whole, in order, sharded).
+
+    Raises:
+        ValueError: A field of the wrong type or out of range (the message names it).
+        TypeError: ``eval_buffer`` is not a ``ReplayBuffer``.
     """
 
     pad_token_id: int = 0
@@ -36,5 +43,9 @@ class DataOptions:
         check_fields({name: getattr(self, name) for name in rules}, rules)
         object.__setattr__(self, "layers", check_layers("layers", self.layers))
         buffer = self.eval_buffer
-        if not isinstance(buffer, ReplayBuffer | None):
+        if buffer is None:
+            return
+        from r3lightning.data.buffer import ReplayBuffer
+
+        if not isinstance(buffer, ReplayBuffer):
             raise TypeError(f"eval_buffer must be a ReplayBuffer or None, got {type(buffer).__name__}")

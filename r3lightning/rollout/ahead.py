@@ -16,42 +16,32 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from r3lightning.data.stream import StreamClosedError, StreamingReplayBuffer
 from r3lightning.rollout.collector import CollectedRollouts, RolloutCollector
-from r3lightning.rollout.config import check_setting
+
+# AheadConfig lives with the other rollout settings (the job checks them without torch)
+from r3lightning.rollout.config import AheadConfig
 
 __all__ = ["AheadConfig", "RolloutWorker", "may_collect"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class AheadConfig:
-    """How far rollouts may run ahead of training.
+def may_collect(step: int, requested: int, max_staleness: int) -> bool:
+    """Whether rollouts of ``step`` may start once the trainer has asked for step ``requested``: the
+    weights of version ``requested`` or newer are then on the engine, so trained at step ``step``
+    they are at most ``max_staleness`` versions old.
 
     Args:
-        max_staleness: most policy versions between the weights that generated a trajectory and
-            the weights that train on it; 0: on-policy (collect, train, collect).
+        step: The step to collect.
+        requested: The latest step the trainer asked for.
+        max_staleness: `AheadConfig.max_staleness`.
+
+    Returns:
+        ``step - requested <= max_staleness``.
     """
-
-    max_staleness: int = 0
-
-    def __post_init__(self) -> None:
-        check_setting("max_staleness", self.max_staleness, low=0, integer=True)
-
-    @property
-    def ahead(self) -> int:
-        """Whole steps that may wait beside the one in training (a streaming buffer's bound)."""
-        return max(1, self.max_staleness)
-
-
-def may_collect(step: int, requested: int, max_staleness: int) -> bool:
-    """Whether rollouts of ``step`` may start once the trainer has asked for step ``requested``
-    (so weights of version ``requested`` or newer are on the engine): trained at step ``step``,
-    they are then at most ``max_staleness`` versions old."""
     return step - requested <= max_staleness
 
 
@@ -70,6 +60,10 @@ class RolloutWorker:
         served: ``trainer step -> the weight version pushed for it`` (None: unknown), recorded on
             trajectories whose engine reports no version; on-policy it is also checked against
             the version an engine reports (see ``RolloutCollector.collect_async``).
+
+    Raises:
+        TypeError: ``buffer`` is not a `StreamingReplayBuffer`.
+        ValueError: The buffer's ``ahead`` is below what ``config.max_staleness`` lets wait.
     """
 
     def __init__(

@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.app.job.common import JobError
 from r3lightning.app.job.settings import REPLAY_MODES
-from r3lightning.app.job.setup import replay_settings
+from r3lightning.app.job.store import replay_settings
 from r3lightning.app.job.validate import check_targets, check_values
 
 __all__ = ["arms", "run_seeds"]

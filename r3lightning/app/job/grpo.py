@@ -5,103 +5,47 @@ syncs."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from r3lightning.checks import check_setting
+# the algorithm's settings and advantages live in r3lightning.app.job.algorithm (the job checks
+# them without torch); kept importable from here
+from r3lightning.app.job.algorithm import LOSSES, GRPOAdvantages, GRPOConfig, group_advantages
 from r3lightning.correction.importance import k3_terms
-from r3lightning.correction.steps import CorrectionConfig
 
-LOSSES = ("grpo", "gspo")  # token-level clipped surrogate (PPO/GRPO) | sequence-level (GSPO)
-
-
-@dataclass(frozen=True)
-class GRPOConfig:
-    """The job's ``algorithm`` settings."""
-
-    group_size: int = 8  # responses sampled per prompt
-    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.28
-    normalize_std: bool = True  # divide by the group's reward std (GRPO); False = Dr. GRPO
-    ratio_band: float = 2.0  # ratios outside [1 / ratio_band, ratio_band] are "far off" in metrics
-    mismatch_every_n_steps: int = 1  # paired native-vs-replayed mismatch/* every n steps; 0 = never
-    correction: CorrectionConfig = field(default_factory=CorrectionConfig)  # none by default
-    loss: str = "grpo"  # one of LOSSES: grpo = policy_loss, gspo = gspo_loss
-
-    def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"loss must be one of {list(LOSSES)}, got {self.loss!r}")
-        check_setting("group_size", self.group_size, low=2, high=2**31 - 1, integer=True)
-        if (
-            isinstance(self.clip_low, bool)
-            or not isinstance(self.clip_low, int | float)
-            or not 0 < self.clip_low < 1
-        ):
-            raise ValueError(f"clip_low must be a number in (0, 1), got {self.clip_low!r}")
-        check_setting("clip_high", self.clip_high, low=0, above=True)
-        if not isinstance(self.normalize_std, bool):
-            raise ValueError(f"normalize_std must be true or false, got {self.normalize_std!r}")
-        check_setting("ratio_band", self.ratio_band, low=1)
-        check_setting("mismatch_every_n_steps", self.mismatch_every_n_steps, low=0, integer=True)
-        if not isinstance(self.correction, CorrectionConfig):
-            got = type(self.correction).__name__
-            raise ValueError(f"correction must be a CorrectionConfig (r3lightning.correction), got {got}")
-
+__all__ = [
+    "LOSSES",
+    "MAX_LOG_RATIO",
+    "GRPOAdvantages",
+    "GRPOConfig",
+    "group_advantages",
+    "gspo_loss",
+    "k3_terms",
+    "masked_mean",
+    "mismatch_metrics",
+    "paired_mismatch_metrics",
+    "policy_loss",
+    "token_entropy",
+    "token_logprobs",
+]
 
 MAX_LOG_RATIO = 20.0  # the losses' log-ratio cap before exp: exp(20) ~ 4.9e8
 
 
-def group_advantages(
-    rewards: Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
-) -> Tensor:
-    """Each reward minus its group's mean (over the unbiased ``std + eps`` if normalising); a group
-    is ``group_size`` consecutive rewards."""
-    if rewards.ndim != 1 or rewards.numel() % group_size != 0:
-        shape = tuple(rewards.shape)
-        raise ValueError(f"rewards must be 1-D with a multiple of {group_size=} entries, got shape {shape}")
-    # float64: a spread of float32-range rewards (1e38) overflows float32 in the mean and the std
-    grouped = rewards.double().view(-1, group_size)  # [groups, group_size]
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_std and group_size > 1:
-        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
-    return centred.reshape(-1).to(torch.promote_types(rewards.dtype, torch.float32))
+def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """The log-probability the model gave each token, from the forward at the token before it.
 
-
-@dataclass(frozen=True)
-class GRPOAdvantages:
-    """GRPO's advantages of one group, the ``advantages`` function a
-    [`RolloutCollector`][r3lightning.rollout.collector.RolloutCollector] takes.
+    Memory: one ``[B, S - 1, V]`` float32 buffer (the log-softmax). No sync.
 
     Args:
-        normalize_std: Divide by the group's unbiased reward std plus ``std_eps`` (GRPO); False
-            only centres the rewards (Dr. GRPO).
-        std_eps: Added to the std before dividing, so a group of equal rewards gets zeros.
+        logits: ``[B, S, V]``, the forward's output (any float dtype).
+        input_ids: ``[B, S]``, the tokens the logits were computed from.
+
+    Returns:
+        ``[B, S]`` float32: entry ``t`` is ``log_softmax(logits[:, t - 1])[input_ids[:, t]]``;
+        entry 0, which nothing predicts, is 0.
     """
-
-    normalize_std: bool = True
-    std_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.normalize_std, bool):
-            raise ValueError(f"normalize_std must be true or false, got {self.normalize_std!r}")
-        check_setting("std_eps", self.std_eps, low=0, above=True)
-
-    def __call__(self, rewards: Tensor) -> Tensor:
-        """Args:
-            rewards: One group's rewards, ``[group_size]``.
-
-        Returns:
-            ``[group_size]``, computed in float64, in ``rewards``' floating dtype (float32 for
-            integers). Host tensors in, host tensors out: no sync.
-        """
-        return group_advantages(rewards, rewards.numel(), normalize_std=self.normalize_std, eps=self.std_eps)
-
-
-def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
-    """``[B, S]`` float32: entry ``t`` is ``log softmax(logits[:, t - 1])[input_ids[:, t]]`` for
-    ``logits [B, S, V]``, entry 0 is 0. Memory: one ``[B, S - 1, V]`` float32 buffer."""
     picked = _shifted_log_softmax(logits).gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, S-1]
     return torch.nn.functional.pad(picked, (1, 0))
 
@@ -111,8 +55,17 @@ def _shifted_log_softmax(logits: Tensor) -> Tensor:
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` weighted by ``mask``, 0 for an empty mask; values off the mask (even NaN)
-    never reach the result or its gradient."""
+    """The mean of ``values`` weighted by ``mask``. No sync.
+
+    Args:
+        values: Any shape.
+        mask: ``values``' shape (or broadcastable to it); 0 leaves an entry out, other values
+            weigh it. Entries off the mask, even NaN or inf, never reach the result or its
+            gradient.
+
+    Returns:
+        A scalar in ``values``' dtype; 0 for an empty mask.
+    """
     mask = mask.to(values.dtype)
     return torch.where(mask != 0, values * mask, 0.0).sum() / mask.sum().clamp(min=1.0)
 
@@ -127,9 +80,26 @@ def policy_loss(
     clip_high: float = 0.28,
     weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate loss, the mean over the loss tokens (each term scaled by its constant
-    ``weights``), and detached ``clip_fraction``. ``advantages [B]``, the rest ``[B, S]``; masked
-    tokens add exactly 0 to the loss and its gradient."""
+    """The token-level clipped surrogate loss of PPO / GRPO: the mean over the loss tokens of
+    ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with ``r = exp(logprobs - old_logprobs)``.
+
+    A log-ratio is capped at ``MAX_LOG_RATIO`` before ``exp``. No sync.
+
+    Args:
+        logprobs: ``[B, S]`` the trainer's logprobs (with gradient).
+        old_logprobs: ``[B, S]`` the behaviour policy's logprobs (the engine's, or r2's recompute).
+        advantages: ``[B]`` one advantage per sequence.
+        loss_mask: ``[B, S]`` 1 on loss tokens; masked tokens add exactly 0 to the loss and its
+            gradient.
+        clip_low: ``r`` is clipped below at ``1 - clip_low``.
+        clip_high: ``r`` is clipped above at ``1 + clip_high``.
+        weights: ``[B, S]`` constant per-token weights (an importance-sampling correction) that
+            scale each token's term; no gradient flows into them. None: all 1.
+
+    Returns:
+        The scalar loss and ``{"clip_fraction": ...}``: the detached share of loss tokens whose
+        clipped term was taken.
+    """
     # a log-ratio past 20 (ratio 5e8) is clamped before exp: exp overflows float32 at 88.7, and an
     # inf ratio times a zero advantage is NaN; past the cap a token gives no gradient (as the clip
     # already does for a positive advantage)
@@ -206,9 +176,21 @@ def gspo_loss(
 def mismatch_metrics(
     trainer_logprobs: Tensor, rollout_logprobs: Tensor, loss_mask: Tensor, *, ratio_band: float = 2.0
 ) -> dict[str, Tensor]:
-    """With ``r = p_trainer / p_rollout`` on the loss tokens, detached float64 scalars: ``k3_kl``
-    (mean `k3_terms`, the k3 estimator of KL(rollout || trainer)), ``ratio_out_of_band``
-    (share with ``r`` outside ``[1 / ratio_band, ratio_band]``) and ``abs_logprob_diff``."""
+    """How far the trainer's token probabilities are from the engine's, on the loss tokens.
+
+    With ``r = p_trainer / p_rollout`` per token. No sync; no gradient.
+
+    Args:
+        trainer_logprobs: ``[B, S]`` the trainer's logprobs.
+        rollout_logprobs: ``[B, S]`` the engine's logprobs of the same tokens.
+        loss_mask: ``[B, S]`` 1 on the tokens measured.
+        ratio_band: ``r`` outside ``[1 / ratio_band, ratio_band]`` counts as out of band.
+
+    Returns:
+        Detached float64 scalars: ``k3_kl`` (the mean of `k3_terms`, the k3 estimator of
+        KL(rollout || trainer)), ``ratio_out_of_band`` (the share of tokens out of band) and
+        ``abs_logprob_diff`` (the mean ``|log r|``).
+    """
     with torch.no_grad():
         log_r = trainer_logprobs.double() - rollout_logprobs.double()  # [B, S]
         return {
@@ -226,13 +208,22 @@ def paired_mismatch_metrics(
     *,
     ratio_band: float = 2.0,
 ) -> dict[str, Tensor]:
-    """The mismatch R3 removes: `mismatch_metrics` of the trainer's native and replayed
-    logprobs (``k3_native``, ``k3_replayed``, ``outside_band_native``, ``outside_band_replayed``,
-    ``abs_logprob_diff_native``, ``abs_logprob_diff_replayed``)."""
-    native, replayed = (
-        mismatch_metrics(lp, rollout_logprobs, loss_mask, ratio_band=ratio_band)
-        for lp in (native_logprobs, replayed_logprobs)
-    )
+    """The mismatch R3 removes: `mismatch_metrics` of the trainer's logprobs with its own routing
+    and with the engine's routes replayed, same weights and batch. No sync; no gradient.
+
+    Args:
+        native_logprobs: ``[B, S]`` the trainer's logprobs, routed by its own routers.
+        replayed_logprobs: ``[B, S]`` the trainer's logprobs with the engine's routes replayed.
+        rollout_logprobs: ``[B, S]`` the engine's logprobs.
+        loss_mask: ``[B, S]`` 1 on the tokens measured.
+        ratio_band: As in `mismatch_metrics`.
+
+    Returns:
+        Detached float64 scalars ``k3_native``, ``k3_replayed``, ``outside_band_native``,
+        ``outside_band_replayed``, ``abs_logprob_diff_native`` and ``abs_logprob_diff_replayed``.
+    """
+    native = mismatch_metrics(native_logprobs, rollout_logprobs, loss_mask, ratio_band=ratio_band)
+    replayed = mismatch_metrics(replayed_logprobs, rollout_logprobs, loss_mask, ratio_band=ratio_band)
     return {
         "k3_native": native["k3_kl"],
         "k3_replayed": replayed["k3_kl"],
@@ -244,7 +235,16 @@ def paired_mismatch_metrics(
 
 
 def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy (nats) of each token's predicting distribution, ``[B, S]`` like `token_logprobs`."""
+    """The entropy of the distribution that predicted each token, aligned like `token_logprobs`.
+
+    Memory: two ``[B, S - 1, V]`` float32 buffers. No sync.
+
+    Args:
+        logits: ``[B, S, V]``, the forward's output.
+
+    Returns:
+        ``[B, S]`` float32 entropies in nats; entry 0 is 0.
+    """
     logp = _shifted_log_softmax(logits)
     entropy = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(entropy, (1, 0))

@@ -102,7 +102,7 @@ def _help_template() -> str:
     ``$`` escaped for the ``string.Template`` Hydra fills it into."""
     from hydra.core.hydra_config import HydraConfig
 
-    from r3lightning.app.job.setup import CONF_DIR
+    from r3lightning.app.job.store import CONF_DIR
 
     return format_help(CONF_DIR, dict(HydraConfig.get().runtime.choices)).replace("$", "$$")
 

@@ -30,8 +30,7 @@ from r3lightning.app.job.hooks import (
     remove_if_unused,
     report,
 )
-from r3lightning.app.job.setup import CONF_DIR
-from r3lightning.app.job.store import register
+from r3lightning.app.job.store import CONF_DIR, register
 from r3lightning.app.job.validate import error_line
 
 register()  # the schema conf/config.yaml starts from, before Hydra composes

@@ -32,13 +32,32 @@ from r3lightning.replay.metrics import comparison_counts
 
 
 class GRPOModule(pl.LightningModule):
-    """GRPO policy update of ``model`` (any HF causal LM returning ``.logits``); one epoch is one RL step.
+    """GRPO policy update of a causal (MoE) LM; one epoch is one RL step.
 
-    The clipped loss (``grpo.loss``: token-level ``grpo`` or sequence-level ``gspo``) is against the
-    engine's logprobs (``recompute_old_logprobs``, as ``replay=r2`` needs: the trainer's own no-grad
-    forward's), weighted by ``grpo.correction``; every
-    ``grpo.mismatch_every_n_steps`` steps two more no-grad forwards give the paired ``mismatch/*``
-    (docs/concepts/metrics.md). ``sharded_weights``: a meta-device ``model``'s DCP shards directory.
+    The clipped loss (``grpo.loss``: token-level ``grpo`` or sequence-level ``gspo``) is taken
+    against the engine's logprobs, or against the trainer's own no-grad forward with
+    ``recompute_old_logprobs``, and weighted by ``grpo.correction``. The replay callback installs
+    the engine's routes around every forward. Every ``grpo.mismatch_every_n_steps`` steps, two
+    more no-grad forwards give the paired ``mismatch/*`` metrics (docs/concepts/metrics.md).
+
+    Cost per training step: one forward and backward; one more no-grad forward with
+    ``recompute_old_logprobs``; two more on the steps that measure the paired mismatch. Metrics
+    are logged as device tensors; on several ranks their epoch means are all-reduced once per
+    epoch.
+
+    Args:
+        model: Any Hugging Face-style causal LM whose forward returns ``.logits`` ``[B, S, V]``;
+            it is put in train mode.
+        grpo: The loss and measurement settings (a ``DictConfig`` of them, as Hydra hands it
+            over, is converted); None: the defaults.
+        optim: The AdamW settings; None: the defaults.
+        recompute_old_logprobs: Take the old-policy logprobs from a no-grad forward of the
+            trainer (``replay=r2``, where the replay callback records that forward's routes and
+            replays them) instead of the engine's.
+        measure_agreement: Log ``used_agreement/layer_XX`` from the replay callback's counts
+            every step (not under r2).
+        sharded_weights: The DCP shards directory of a ``model`` built on the meta device;
+            `configure_model` loads it after sharding (FSDP2 only).
     """
 
     def __init__(
@@ -75,7 +94,16 @@ class GRPOModule(pl.LightningModule):
         ).logits
 
     def batch_logprobs(self, batch) -> Tensor:
-        """Trainer logprob of every token of ``batch`` ``[B, S]`` (0 where undefined)."""
+        """The trainer's logprob of every token of ``batch``, with gradient unless under no_grad.
+
+        Cost: one forward of the model (with whatever routes are installed).
+
+        Args:
+            batch: A ``ReplayBatch`` (left-padded ``input_ids`` and ``attention_mask`` ``[B, S]``).
+
+        Returns:
+            ``[B, S]`` float32, as `token_logprobs`; entry 0 of each row is 0.
+        """
         return token_logprobs(self(batch.input_ids, batch.attention_mask), batch.input_ids)
 
     @property
@@ -121,7 +149,8 @@ class GRPOModule(pl.LightningModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         # before the callbacks' on_train_batch_start (nothing installed or recorded yet) and
         # after the previous optimizer step
-        trainer, every = self._trainer, self.grpo.mismatch_every_n_steps
+        trainer = self._trainer
+        every = self.grpo.mismatch_every_n_steps
         if trainer is not None and trainer.training and every > 0:
             epoch = trainer.current_epoch
             if epoch % every == 0 and epoch != self._paired_epoch:
@@ -130,8 +159,22 @@ class GRPOModule(pl.LightningModule):
         return batch
 
     def measure_mismatch(self, batch) -> dict[str, Tensor]:
-        """Paired ``mismatch/*`` metrics of ``batch`` (unprefixed; empty without engine routes, logprobs or
-        replay backend), with no routes installed. Cost: two no-grad forwards; no host sync."""
+        """The paired mismatch of ``batch``: the trainer's native routing against the engine's
+        routes replayed, same weights and batch.
+
+        Call it with no routes installed (the module does, before the callbacks' batch start).
+        Cost: two no-grad forwards; no host sync.
+
+        Args:
+            batch: A ``ReplayBatch`` on the device, with the engine's ``routed_experts`` and
+                ``rollout_logprobs``.
+
+        Returns:
+            Detached scalars, unprefixed (logged as ``mismatch/<name>``): `paired_mismatch_metrics`,
+            ``native_agreement`` (the share of the engine's expert slots the trainer's routers
+            pick natively) and ``policy_entropy`` (nats, mean over loss tokens). Empty without
+            engine routes, engine logprobs for every loss token, or a replay backend.
+        """
         callback = self._replay_callback()
         routes = getattr(batch, "routed_experts", None)
         rollout_logprobs = getattr(batch, "rollout_logprobs", None)
@@ -157,18 +200,19 @@ class GRPOModule(pl.LightningModule):
             if route_layers is not None:  # each MoE layer's column of the sliced routes
                 positions = list(route_columns(backend, route_layers).values())
                 columns = to_device_async(torch.tensor(positions), aligned.device)
-            rows, _, hits, *_ = comparison_counts(aligned, mask, used, layers, columns).sum(
-                -1
-            )  # over MoE layers
+            counts = comparison_counts(aligned, mask, used, layers, columns)  # [COUNTS, moe_layers]
+            route_rows, _, native_hits, _, _ = counts.sum(-1)  # each summed over the MoE layers
             out = paired_mismatch_metrics(
                 native, replayed, rollout_logprobs, loss_mask, ratio_band=self.grpo.ratio_band
             )
-            out["native_agreement"] = hits.double() / (rows * aligned.shape[-1]).clamp(min=1)
+            slots = (route_rows * aligned.shape[-1]).clamp(min=1)  # route rows times top-k
+            out["native_agreement"] = native_hits.double() / slots
             out["policy_entropy"] = entropy.double()
         return out
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        paired, self._paired = self._paired, {}
+        paired = self._paired
+        self._paired = {}  # measured for this step only
         if paired:
             self._log_epoch({f"mismatch/{k}": v for k, v in paired.items()}, batch_size=1)
         callback = self._replay_callback()
@@ -207,7 +251,8 @@ class GRPOModule(pl.LightningModule):
 
     def _log_agreement(self, callback: RouterReplayCallback, batch_size: int) -> None:
         """``used_agreement/layer_XX`` from the replay callback's on-device counts; no host sync."""
-        counts, backend = callback.routing_counts(), callback.backend
+        counts = callback.routing_counts()
+        backend = callback.backend
         if counts is None or backend is None:
             return
         slots = (counts["route_rows"] * backend.top_k).clamp(min=1)

@@ -5,10 +5,26 @@ from __future__ import annotations
 
 import csv
 import math
-import platform
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+# what a run's rows depend on besides its config; imported from here with the other run outputs
+from r3lightning.app.job.environment import environment, environment_line
+
+__all__ = [
+    "agreement_keys",
+    "environment",
+    "environment_line",
+    "format_table",
+    "plot_runs",
+    "read_csv",
+    "seed_groups",
+    "simulated_share",
+    "spread",
+    "summarize",
+    "write_csv",
+]
 
 AGREEMENT_PREFIX = "used_agreement/layer_"
 MISMATCH_PREFIX = "mismatch/"
@@ -17,13 +33,27 @@ SEED_SEP = "/seed="
 SIMULATED = "simulated_disagreement"
 TURN_REWARD = "turn_reward/turn_2"
 VLLM = "vllm_engine"  # the label of runs against a real vLLM engine
-PAIRED = ("native_agreement", "k3_native", "k3_replayed", "outside_band_native", "outside_band_replayed",
-          "abs_logprob_diff_native", "abs_logprob_diff_replayed")  # fmt: skip
+# the paired mismatch the GRPO module measures (logged as mismatch/<name>)
+PAIRED = (
+    "native_agreement",
+    "k3_native",
+    "k3_replayed",
+    "outside_band_native",
+    "outside_band_replayed",
+    "abs_logprob_diff_native",
+    "abs_logprob_diff_replayed",
+)
 History = Sequence[Mapping[str, float]]
 
 
 def write_csv(path: str | Path, records: History) -> None:
-    """(Re)write ``path`` with one row per record; columns are the union of keys, in order."""
+    """(Re)writes a CSV file of a history.
+
+    Args:
+        path: The file, replaced if it exists.
+        records: One row each; the columns are the union of their keys, in first-seen order,
+            and a record without a column leaves its cell empty.
+    """
     columns = list(dict.fromkeys(k for record in records for k in record))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
@@ -32,49 +62,59 @@ def write_csv(path: str | Path, records: History) -> None:
 
 
 def read_csv(path: str | Path) -> list[dict[str, float]]:
-    """Records written by `write_csv`; empty cells are dropped."""
+    """The history `write_csv` wrote.
+
+    Args:
+        path: The CSV file.
+
+    Returns:
+        One ``{column: value}`` record per row; empty cells are left out.
+
+    Raises:
+        ValueError: A cell is not a number.
+    """
     with open(path, newline="") as f:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
 def agreement_keys(record: Mapping[str, float]) -> list[str]:
-    """The record's per-layer agreement columns, by layer index."""
+    """The per-layer agreement columns of a record.
+
+    Args:
+        record: One step's metrics.
+
+    Returns:
+        Its ``used_agreement/layer_XX`` keys, by layer index.
+    """
     keys = [k for k in record if k.startswith(AGREEMENT_PREFIX)]
     return sorted(keys, key=lambda k: int(k[len(AGREEMENT_PREFIX) :]))
 
 
-def environment() -> dict[str, str]:
-    """What a run's rows depend on besides its config: library versions, intra-op threads, the CPU
-    model and the CPU capability torch dispatches its kernels to (``AVX2``, ``AVX512``: two machines
-    with one model string may differ there, and so do their float results). The one place that
-    builds it: demos, scripts and benchmarks print `environment_line` of it."""
-    import lightning
-    import torch
-    import transformers
-
-    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
-    model = (line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    cpu = next(model, platform.processor() or platform.machine())
-    versions = {m.__name__: m.__version__ for m in (torch, transformers, lightning)}
-    capability = torch.backends.cpu.get_cpu_capability()
-    return {**versions, "threads": str(torch.get_num_threads()), "cpu": cpu, "capability": capability}
-
-
-def environment_line(env: Mapping[str, str]) -> str:
-    """`environment` as the line that ends ``summary.txt`` and heads ``config.yaml``."""
-    versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers", "lightning"))
-    cpu = f"CPU {env['cpu']}, torch CPU capability {env.get('capability', 'unknown')}"
-    return f"environment: {versions}, {env['threads']} intra-op threads, {cpu}"
-
-
 def simulated_share(runs: Mapping[str, History]) -> str | None:
-    """The simulated engine disagreement of ``runs`` as a share (``"10%"``; None: not simulated)."""
-    values = sorted({r[SIMULATED] for h in runs.values() for r in h if r.get(SIMULATED)})
-    return ", ".join(f"{100 * v:g}%" for v in values) if values else None
+    """The engine disagreement the runs simulated, for the titles that must say so.
+
+    Args:
+        runs: ``{run name: history}``.
+
+    Returns:
+        The distinct simulated shares, ascending, as percentages (``"10%"``, ``"5%, 10%"``);
+        None when no run simulated one.
+    """
+    shares = {record[SIMULATED] for history in runs.values() for record in history if record.get(SIMULATED)}
+    if not shares:
+        return None
+    return ", ".join(f"{100 * share:g}%" for share in sorted(shares))
 
 
 def seed_groups(runs: Mapping[str, History]) -> dict[str, list[History]]:
-    """``{arm: [history of each seed]}`` from run names ``<arm>`` or ``<arm>/seed=<s>``."""
+    """The runs grouped by arm.
+
+    Args:
+        runs: ``{run name: history}``, the names ``<arm>`` or ``<arm>/seed=<s>``.
+
+    Returns:
+        ``{arm: [history of each of its seeds]}``, in the order the arms first appear.
+    """
     out: dict[str, list[History]] = {}
     for name, history in runs.items():
         out.setdefault(name.split(SEED_SEP)[0], []).append(history)
@@ -82,7 +122,14 @@ def seed_groups(runs: Mapping[str, History]) -> dict[str, list[History]]:
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, float]:
-    """``(median, min, max)`` of the values that are not NaN (NaNs when none is)."""
+    """The median and range of the values that are not NaN.
+
+    Args:
+        values: Any numbers, NaN among them.
+
+    Returns:
+        ``(median, min, max)``; three NaNs when every value is NaN (or there are none).
+    """
     kept = sorted(v for v in values if not math.isnan(v))
     return (statistics.median(kept), kept[0], kept[-1]) if kept else (math.nan,) * 3
 
@@ -97,28 +144,49 @@ def _ratio(a: float, b: float) -> float:
 
 
 def summarize(records: History, window: int = 3) -> dict[str, float]:
-    """Headline figures of one run: reward at the start and end (means over ``window`` steps), routing
-    agreement (mean, lowest), mismatch means, paired mismatch (mean, last ``window``, step 0)."""
+    """The headline figures of one run, as the summary table shows them.
+
+    Means leave out steps where a metric is missing or NaN; a figure nothing measured is NaN.
+
+    Args:
+        records: The run's history.
+        window: Steps averaged at the start and at the end of the run.
+
+    Returns:
+        ``{figure: value}``: reward at the start and end (means over ``window`` steps), routing
+        agreement (mean, lowest), mismatch means, each paired mismatch metric's mean, ``_end``
+        (last ``window`` steps) and ``_step0``, and the correction, GSPO and multi-turn figures.
+    """
     agreements = [r[k] for r in records for k in agreement_keys(r)]  # every (step, layer) value
     end = slice(-window, None)
-    out = {"steps": float(len(records)), "reward_start": _mean(records, "reward", slice(window))}
-    out |= {"reward_end": _mean(records, "reward", end), "agreement_min": min(agreements, default=math.nan)}
-    out |= {k: _mean(records, k) for k in ("k3_kl", "ratio_out_of_band")}
-    out["agreement_mean"] = sum(agreements) / len(agreements) if agreements else math.nan
+    out = {
+        "steps": float(len(records)),
+        "reward_start": _mean(records, "reward", slice(window)),
+        "reward_end": _mean(records, "reward", end),
+        "agreement_min": min(agreements, default=math.nan),
+        "k3_kl": _mean(records, "k3_kl"),
+        "ratio_out_of_band": _mean(records, "ratio_out_of_band"),
+        "agreement_mean": sum(agreements) / len(agreements) if agreements else math.nan,
+    }
     for name in (*PAIRED, "policy_entropy"):
         key = MISMATCH_PREFIX + name
-        out[name], out[f"{name}_end"] = _mean(records, key), _mean(records, key, end)
+        out[name] = _mean(records, key)
+        out[f"{name}_end"] = _mean(records, key, end)
         out[f"{name}_step0"] = records[0].get(key, math.nan) if records else math.nan
-    out |= {name: _mean(records, CORRECTION_PREFIX + name) for _, name, _ in CORRECTED_COLUMNS}
+    for _header, name, _format in CORRECTED_COLUMNS:
+        out[name] = _mean(records, CORRECTION_PREFIX + name)
     out[SEQUENCE_CLIP] = _mean(records, SEQUENCE_CLIP)
-    out |= {"turns_end": _mean(records, "turns", end), "turn_2_reward_end": _mean(records, TURN_REWARD, end)}
-    out |= {f"route_bytes_{k}": _mean(records, f"route_bytes/turn_{k}") for k in (1, 2)}
+    out["turns_end"] = _mean(records, "turns", end)
+    out["turn_2_reward_end"] = _mean(records, TURN_REWARD, end)
+    for turn in (1, 2):
+        out[f"route_bytes_{turn}"] = _mean(records, f"route_bytes/turn_{turn}")
     for suffix in ("", "_step0"):
         out[f"k3_ratio{suffix}"] = _ratio(out[f"k3_native{suffix}"], out[f"k3_replayed{suffix}"])
     return out
 
 
 def _fmt_table(rows: list[list[str]]) -> list[str]:
+    """``rows`` (the first is the header) as left-aligned columns, a dashed rule under the header."""
     widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
@@ -162,35 +230,57 @@ def _cell(spec: str, value: float) -> str:
 
 def _rows(name: str, summaries: list[dict[str, float]], columns: Sequence[tuple]) -> list[list[str]]:
     """``name``'s row of medians over ``summaries`` and, for several, the row of their [min, max]."""
-    stats = [([spread([s[k] for s in summaries]) for k in keys.split()], f) for _, keys, f in columns]
-    rows = [[name, *(" -> ".join(_cell(f, m) for m, _, _ in values) for values, f in stats)]]
-    if len(summaries) > 1:
-        ranges = (" -> ".join(f"[{_cell(f, lo)}, {_cell(f, hi)}]" for _, lo, hi in v) for v, f in stats)
-        rows.append([f"  [min, max] of {len(summaries)}", *ranges])
-    return rows
+    medians = [name]
+    ranges = [f"  [min, max] of {len(summaries)}"]
+    for _header, keys, spec in columns:
+        # a cell shows one figure, or several joined by "->" (a start and an end)
+        spreads = [spread([summary[key] for summary in summaries]) for key in keys.split()]
+        medians.append(" -> ".join(_cell(spec, median) for median, _, _ in spreads))
+        ranges.append(" -> ".join(f"[{_cell(spec, low)}, {_cell(spec, high)}]" for _, low, high in spreads))
+    return [medians, ranges] if len(summaries) > 1 else [medians]
 
 
 def format_table(
     runs: Mapping[str, History], ratio_band: float = 2.0, *, env: Mapping[str, str] | None = None
 ) -> str:
-    """Fixed-width summary (docs/demo.md): a row per arm (seeds: medians, their [min, max] under it),
-    then every run's step 0; a simulated disagreement heads it, ``env`` ends it."""
+    """The fixed-width summary of the runs (docs/demo.md): a row per arm (several seeds: their
+    medians, their [min, max] in the row under it), every run's step 0, a legend. Columns for
+    corrections, GSPO, multi-turn and a real engine appear when a run logged them.
+
+    Args:
+        runs: ``{run name: history}``, the names ``<arm>`` or ``<arm>/seed=<s>``.
+        ratio_band: The band of the ``outside`` columns, as the runs measured it.
+        env: What `environment` returned, shown as the last line; None leaves it out.
+
+    Returns:
+        The table, lines joined by newlines.
+    """
     band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
     groups = {arm: [summarize(h) for h in histories] for arm, histories in seed_groups(runs).items()}
-    corrected = any(CORRECTION_PREFIX + "ess" in r for h in runs.values() for r in h)
-    multiturn = any(TURN_REWARD in r for h in runs.values() for r in h)
-    gspo = any(SEQUENCE_CLIP in r for h in runs.values() for r in h)
-    real = any(r.get(VLLM) for h in runs.values() for r in h)
-    columns = COLUMNS + (CORRECTED_COLUMNS if corrected else ()) + (GSPO_COLUMNS if gspo else ())
-    columns += MULTITURN_COLUMNS if multiturn else ()
-    columns += REAL_ENGINE_COLUMNS if real else ()
-    table = [["run", *(h.format(band=band) for h, _, _ in columns)]]
-    table += [row for arm, summaries in groups.items() for row in _rows(arm, summaries, columns)]
-    first = [["run", *(h for h, _, _ in STEP0)]]
-    first += [_rows(name, [summarize(h)], STEP0)[0] for name, h in runs.items()]
+    every_record = [record for history in runs.values() for record in history]
+    corrected = any(CORRECTION_PREFIX + "ess" in r for r in every_record)
+    multiturn = any(TURN_REWARD in r for r in every_record)
+    gspo = any(SEQUENCE_CLIP in r for r in every_record)
+    real = any(r.get(VLLM) for r in every_record)
+    columns = COLUMNS
+    if corrected:
+        columns += CORRECTED_COLUMNS
+    if gspo:
+        columns += GSPO_COLUMNS
+    if multiturn:
+        columns += MULTITURN_COLUMNS
+    if real:
+        columns += REAL_ENGINE_COLUMNS
+    table = [["run", *(header.format(band=band) for header, _, _ in columns)]]
+    for arm, summaries in groups.items():
+        table += _rows(arm, summaries, columns)
+    first = [["run", *(header for header, _, _ in STEP0)]]
+    for name, history in runs.items():
+        first += _rows(name, [summarize(history)], STEP0)
+    lines = []
     share = simulated_share(runs)
-    sim = f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})"
-    lines = [sim, ""] if share else []
+    if share:
+        lines += [f"SIMULATED engine disagreement: {share} of expert slots (rollout.server.{SIMULATED})", ""]
     if real:
         lines += [
             "REAL ENGINE: vLLM serves the rollouts, its weights synced every step (rollout.protocol=vllm)",
@@ -233,14 +323,24 @@ def format_table(
 
 
 def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float = 2.0) -> list[str]:
-    """Six panels over RL steps, one colour per arm (seeds: the median in a [min, max] band; dashed:
-    replayed routing). Returns the titles (figure, panels); they name a simulation."""
+    """Plots the runs: six panels over RL steps, one colour per arm (several seeds: the median in
+    a [min, max] band; dashed: replayed routing). Titles name a simulated disagreement.
+
+    Args:
+        path: The image file (its suffix picks the format, e.g. ``.png``).
+        runs: ``{run name: history}``, the names ``<arm>`` or ``<arm>/seed=<s>``.
+        ratio_band: The band of the ``outside`` panel, as the runs measured it.
+
+    Returns:
+        The figure's title (empty unless simulated), then the six panels' titles.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    m, band = MISMATCH_PREFIX, f"[{1 / ratio_band:g}, {ratio_band:g}]"
+    m = MISMATCH_PREFIX  # most panels plot a paired mismatch column
+    band = f"[{1 / ratio_band:g}, {ratio_band:g}]"
     pair = [m + "k3_native", m + "k3_replayed"]
     outside = [m + "outside_band_native", m + "outside_band_replayed"]
     panels = {  # title: columns (the second one, replayed, dashed), scale
@@ -257,11 +357,12 @@ def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float =
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (arm, histories), color in zip(seed_groups(runs).items(), colors, strict=False):
         name = arm if len(histories) == 1 else f"{arm} (median of {len(histories)})"
-        records = [
-            {**r, "k3_ratio": _ratio(r[pair[0]], r[pair[1]])} if set(pair) <= set(r) else r
-            for h in histories
-            for r in h
-        ]
+        records = []  # every seed's, with the k3 ratio on the steps that measured both k3
+        for history in histories:
+            for record in history:
+                if set(pair) <= set(record):
+                    record = {**record, "k3_ratio": _ratio(record[pair[0]], record[pair[1]])}
+                records.append(record)
         for ax, (keys, scale) in zip(axes.flat, panels.values(), strict=True):
             for dashed, key in enumerate(keys):
                 steps = sorted({r["step"] for r in records if key in r})
@@ -270,7 +371,8 @@ def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float =
                 ]
                 med, low, high = zip(*stats, strict=True) if stats else [()] * 3
                 label = f"{name} {key.rsplit('_', 1)[1]}" if len(keys) > 1 else name
-                ax.plot(steps, med, color=color, label=label, ls="--" if dashed else "-", marker=".x"[dashed])
+                style = {"ls": "--", "marker": "x"} if dashed else {"ls": "-", "marker": "."}
+                ax.plot(steps, med, color=color, label=label, **style)
                 if len(histories) > 1:
                     ax.fill_between(steps, low, high, color=color, alpha=0.15, lw=0)
     for ax, title in zip(axes.flat, titles, strict=True):

@@ -8,8 +8,7 @@ from r3lightning.app.job.common import JobError
 from r3lightning.app.job.schema import SettingsError, build
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.vllm.settings import VllmSettings
-from r3lightning.rollout.ahead import AheadConfig
-from r3lightning.rollout.config import CollectorConfig, RetryPolicy
+from r3lightning.rollout.config import AheadConfig, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
 __all__ = [

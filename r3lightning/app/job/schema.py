@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-__all__ = ["SettingsError", "build", "structured"]
+__all__ = ["SettingsError", "build", "field_types", "structured"]
 
 _PRIMITIVES = (int, float, bool, str)
 _CACHE: dict[tuple[type, str], type] = {}
@@ -28,6 +29,25 @@ _CACHE: dict[tuple[type, str], type] = {}
 
 class SettingsError(ValueError):
     """A refused setting, its message already naming the dotted config key."""
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """``{field: its resolved annotation}`` of the dataclass ``cls``. A field annotated with a name
+    its module imports only for type checkers (``DataOptions.eval_buffer: ReplayBuffer | None``:
+    that module imports torch) is ``Any``: an object the job builds, never a config value."""
+    try:
+        return typing.get_type_hints(cls)
+    except NameError:
+        pass
+    types_: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        namespace = vars(sys.modules[klass.__module__])
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            try:
+                types_[name] = eval(annotation, namespace) if isinstance(annotation, str) else annotation
+            except NameError:
+                types_[name] = Any
+    return types_
 
 
 def _yaml_type(tp: Any) -> Any:
@@ -92,7 +112,7 @@ def structured(
     key = (cls, repr((target, tuple(exclude), tuple(map(repr, extra)), name)))
     if key in _CACHE:
         return _CACHE[key]
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     fields: list[tuple] = []
     if target is not None:
         fields.append(("_target_", str, dataclasses.field(default=target)))
@@ -154,7 +174,7 @@ def build(
     """
     values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
     values = {k: v for k, v in values.items() if k != "_target_" and k not in skip}
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     prefix = f"{key}." if key else ""
     unknown = sorted(set(values) - set(names))

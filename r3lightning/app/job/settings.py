@@ -11,8 +11,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from r3lightning.checks import check_setting
-from r3lightning.replay.backend import check_soft_threshold
+from r3lightning.checks import check_setting, check_soft_threshold
 from r3lightning.wire.codec import MISSING_ROWS
 from r3lightning.wire.request import PROTOCOL_PATHS
 

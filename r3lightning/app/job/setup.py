@@ -6,13 +6,14 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from r3lightning.app.job import build
 from r3lightning.app.job.build import build_model, instantiate_node
 from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.store import CONF_DIR, replay_settings  # moved to store: no torch there
 from r3lightning.app.job.validate import check_layers_held, check_values
 from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.wire.request import RouteSchema
@@ -20,29 +21,7 @@ from r3lightning.wire.request import RouteSchema
 if TYPE_CHECKING:
     from r3lightning.app.job.rollout_loop import Engine
 
-__all__ = ["CONF_DIR", "JobError", "build_model", "is_global_zero", "train_one"]
-
-# A wheel carries the configs inside the package (setup.py copies them at build time); a source
-# checkout or an editable install reads the repository's top-level conf/.
-_PACKAGED_CONF = Path(__file__).resolve().parents[2] / "conf"
-CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[3] / "conf"
-# ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
-OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace=True)
-
-
-def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
-    """``cfg`` with its ``replay`` group swapped for another option of the group.
-
-    Args:
-        cfg: The job's config.
-        mode: The option: ``conf/replay/<mode>.yaml`` (``r3``, ``r2``, ``off``).
-
-    Returns:
-        A new config; ``cfg`` is unchanged.
-    """
-    replay = OmegaConf.load(CONF_DIR / "replay" / f"{mode}.yaml")
-    # merging into a DictConfig gives a DictConfig; OmegaConf's annotation also allows a ListConfig
-    return cast(DictConfig, OmegaConf.merge(cfg, {"replay": replay}))
+__all__ = ["CONF_DIR", "JobError", "build_model", "is_global_zero", "replay_settings", "train_one"]
 
 
 @contextlib.contextmanager

@@ -6,18 +6,23 @@ composes. The typed nodes are made by `structured` from the settings
 dataclasses; the ``_target_`` nodes (model, task, reward, module, callbacks, loggers, trainer)
 stay open, since users put their own classes and keywords there. ``algorithm`` is ``GRPOConfig``
 with ``GRPOAdvantages.std_eps`` and ``optim`` (``OptimConfig``); ``rollout`` holds
-``AheadConfig.max_staleness``.
+``AheadConfig.max_staleness``. Also where the YAML files live (`CONF_DIR`) and the resolver they use.
+
+Nothing here, nor in the modules it imports, imports torch, Lightning, transformers or
+megatron-core: a refused value is reported without them (tests/job/test_config_torch_free.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, cast
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
-from r3lightning.app.job.grpo import GRPOAdvantages, GRPOConfig
+from r3lightning.app.job.algorithm import GRPOAdvantages, GRPOConfig
 from r3lightning.app.job.schema import structured
 from r3lightning.app.job.settings import (
     DataModuleSettings,
@@ -31,14 +36,35 @@ from r3lightning.app.job.settings import (
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.vllm.settings import VllmSettings
 from r3lightning.data.options import DataOptions
-from r3lightning.rollout.ahead import AheadConfig
-from r3lightning.rollout.config import CollectorConfig, RetryPolicy
+from r3lightning.rollout.config import AheadConfig, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
-__all__ = ["SCHEMA_NAME", "job_schema", "register"]
+__all__ = ["CONF_DIR", "SCHEMA_NAME", "job_schema", "register", "replay_settings"]
 
 SCHEMA_NAME = "r3lightning_job"
 DATA_OPTIONS_TARGET = "r3lightning.data.datamodule.DataOptions"
+
+# A wheel carries the configs inside the package (setup.py copies them at build time); a source
+# checkout or an editable install reads the repository's top-level conf/.
+_PACKAGED_CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = _PACKAGED_CONF if _PACKAGED_CONF.is_dir() else Path(__file__).resolve().parents[3] / "conf"
+# ${product:a,b} in conf/config.yaml (e.g. the batch size of one whole RL step)
+OmegaConf.register_new_resolver("product", lambda a, b: int(a) * int(b), replace=True)
+
+
+def replay_settings(cfg: DictConfig, mode: str) -> DictConfig:
+    """``cfg`` with its ``replay`` group swapped for another option of the group.
+
+    Args:
+        cfg: The job's config.
+        mode: The option: ``conf/replay/<mode>.yaml`` (``r3``, ``r2``, ``off``).
+
+    Returns:
+        A new config; ``cfg`` is unchanged.
+    """
+    replay = OmegaConf.load(CONF_DIR / "replay" / f"{mode}.yaml")
+    # merging into a DictConfig gives a DictConfig; OmegaConf's annotation also allows a ListConfig
+    return cast(DictConfig, OmegaConf.merge(cfg, {"replay": replay}))
 
 
 def _flat(cls: type) -> list[tuple]:

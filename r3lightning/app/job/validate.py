@@ -15,8 +15,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from r3lightning.app.job.algorithm import GRPOAdvantages, GRPOConfig
 from r3lightning.app.job.common import JobError
-from r3lightning.app.job.grpo import GRPOAdvantages, GRPOConfig
 from r3lightning.app.job.rollout_settings import launch_settings, launched
 from r3lightning.app.job.schema import SettingsError, build
 from r3lightning.app.job.settings import (
@@ -29,8 +29,7 @@ from r3lightning.app.job.settings import (
 )
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.data.options import DataOptions
-from r3lightning.rollout.ahead import AheadConfig
-from r3lightning.rollout.config import CollectorConfig, RetryPolicy
+from r3lightning.rollout.config import AheadConfig, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
 __all__ = ["MOVED_KEYS", "Settings", "check_config", "check_targets", "check_values", "error_line"]
