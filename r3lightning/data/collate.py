@@ -40,7 +40,19 @@ class _Slot:
 
 
 class PinnedBufferPool:
-    """A few reusable output buffer sets (module docs); 2 ``slots`` cover one batch and the next."""
+    """A few reusable output buffer sets (the module's docs): 2 ``slots`` cover one batch in training
+    and the next in collation. Thread-safe.
+
+    Args:
+        slots: Buffer sets, >= 1.
+        allocator: ``(shape, dtype) -> tensor`` (default: pinned CPU memory, which needs an
+            accelerator runtime).
+        recycle_after: Take a leased slot back after this many further batches even if its batch
+            was never released (None: never).
+
+    Raises:
+        ValueError: ``slots`` or ``recycle_after`` below 1.
+    """
 
     def __init__(
         self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
@@ -92,7 +104,16 @@ class PinnedBufferPool:
 def collate_trajectories(
     trajectories: Sequence[Trajectory], *, pad_token_id: int = 0, width_multiple: int = 1
 ) -> RolloutBatch:
-    """Serial collation into fresh (unpinned) memory; see `RolloutCollator`."""
+    """Serial collation into fresh (unpinned) memory; see `RolloutCollator`.
+
+    Args:
+        trajectories: At least one trajectory, one route schema.
+        pad_token_id: The padding id of ``input_ids``.
+        width_multiple: The padded width rounds up to a multiple of it.
+
+    Returns:
+        The batch on the CPU.
+    """
     collator = RolloutCollator(num_threads=1, pad_token_id=pad_token_id, width_multiple=width_multiple)
     return collator(trajectories)
 

@@ -106,8 +106,10 @@ class R3DataModule(pl.LightningDataModule):
         self._snapshot_restored = False  # snapshot came with a checkpoint, not from the buffer
         self._collator: RolloutCollator | None = None
         if self.eval_buffer is not None:
-            # only with evaluation data, so Lightning sees (and warns about) no validation loop
-            self.val_dataloader = self.test_dataloader = self.predict_dataloader = self._eval_dataloader  # type: ignore[method-assign]
+            # only with evaluation data, so Lightning sees (and warns about) no validation loop; bound
+            # per instance, hence setattr (type checkers refuse assigning to a method)
+            for hook in ("val_dataloader", "test_dataloader", "predict_dataloader"):
+                setattr(self, hook, self._eval_dataloader)
 
     @property
     def epoch(self) -> int:
