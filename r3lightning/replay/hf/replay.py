@@ -69,7 +69,11 @@ class HFRouterReplay:
         self.soft_threshold = check_soft_threshold(soft_threshold)
         found = find_routers(model)
         layers = [layer for layer, *_ in found]
-        shapes = {(int(getattr(m, a.top_k_attr)), int(getattr(m, a.num_experts_attr))) for *_, m, a in found}
+        shapes: set[tuple[int, int]] = set()  # (top_k, num_experts) of each router: one model, one shape
+        for _, _, module, adapter in found:
+            top_k = int(getattr(module, adapter.top_k_attr))
+            num_experts = int(getattr(module, adapter.num_experts_attr))
+            shapes.add((top_k, num_experts))
         if len(shapes) != 1:
             raise ValueError(f"routers disagree on (top_k, num_experts): {sorted(shapes)}")
         self.top_k, self.num_experts = shapes.pop()
