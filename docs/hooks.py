@@ -86,6 +86,9 @@ EXTRA_REFERENCE = [
     "r3lightning.correction.importance.sequence_tis",
     "r3lightning.correction.importance.geometric_mask",
     "r3lightning.correction.importance.token_mask",
+    "r3lightning.correction.importance.veto_mask",
+    "r3lightning.correction.importance.k3_mask",
+    "r3lightning.correction.steps.correction_weights",
     "r3lightning.correction.metrics.CorrectionMetrics",
 ]
 

@@ -114,7 +114,8 @@ def token_tis(
         at least float32). A few elementwise kernels; no host sync.
 
     Raises:
-        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the
+            wrong form (`tokens_of`).
     """
     check_cap(threshold)
     check_lower_clip(lower_clip)
@@ -146,7 +147,8 @@ def sequence_tis(
         differences (packed) or row sums (padded); no host sync.
 
     Raises:
-        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the wrong form (`tokens_of`).
+        ValueError: A bad ``threshold`` or ``lower_clip``, or ``log_ratio`` / ``mask`` of the
+            wrong form (`tokens_of`).
     """
     check_cap(threshold)
     check_lower_clip(lower_clip)

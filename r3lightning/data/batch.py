@@ -1,20 +1,5 @@
-"""``RolloutBatch``: one training batch of trajectories, token fields left-padded, routes packed.
-
-Fields (``B`` trajectories, ``S`` = padded width; real tokens sit at the right end of each row):
-
-    input_ids         [B, S] int64    prompt then response tokens; padding holds the pad token id
-    attention_mask    [B, S] bool     True on real tokens
-    loss_mask         [B, S] float32  the trajectory's loss mask on its response tokens, 0 elsewhere
-    rollout_logprobs  [B, S] float32  engine logprob of each response token, 0 elsewhere
-    advantages, rewards [B] float32;  prompt_lengths, sequence_lengths [B] int64 (real tokens)
-    weight_versions   [B] int64       engine weight version that generated each row, -1 unknown
-    routed_experts    PackedTensor [sum(captured), num_layers, top_k] | None; segment i = row i's
-                      captured route rows from its first real token (uncaptured rows route natively)
-    route_layers      tuple[int, ...] | None: the decoder layer of each route column (None: j is j)
-
-The batch moves, pins, slices, joins and pickles like one tensor. A CPU copy of the two length
-vectors rides along (``lengths_host``), so layouts are planned without a device->host sync.
-"""
+"""``RolloutBatch``: one training batch of trajectories, token fields left-padded, routes packed;
+its fields are listed in the class docstring."""
 
 from __future__ import annotations
 
@@ -27,24 +12,41 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.checks import check_int
-from r3lightning.data.fill import ROW_FIELDS, TOKEN_FIELDS, Buffers, collate_fields, plain_empty
-from r3lightning.data.trajectory import padding_trajectories
+from r3lightning.data.fill import ROW_FIELDS, TOKEN_FIELDS, joined_fields, placeholder_fields
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import batch_index, repeat_counts, tensor_from_bytes, tensor_to_bytes, to_device_async
-from r3lightning.routes import widest_route_dtype
 
 __all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "RolloutBatch"]
-
-_TOKEN_PAD = {"attention_mask": False, "loss_mask": 0.0, "rollout_logprobs": 0.0}  # input_ids: pad id
 
 
 @dataclass(eq=False)
 class RolloutBatch:
+    """One training batch of ``B`` trajectories: token fields left-padded to width ``S`` (real tokens
+    at the right end of each row), routes packed. Built by `RolloutCollator` (the constructor checks
+    shapes only); moves, pins, slices, joins and pickles like one tensor. A CPU copy of the two length
+    vectors rides along (`lengths_host`), so layouts are planned without a device-to-host sync.
+
+    Args:
+        input_ids: ``[B, S]`` int64, prompt then response tokens; padding holds the pad token id.
+        attention_mask: ``[B, S]`` bool, True on real tokens.
+        loss_mask: ``[B, S]`` float32, the trajectory's loss mask on its response tokens, else 0.
+        rollout_logprobs: ``[B, S]`` float32, the engine's logprob of each response token, else 0.
+        advantages, rewards: ``[B]`` float32.
+        prompt_lengths, sequence_lengths: ``[B]`` int64 real tokens.
+        routed_experts: `PackedTensor` ``[sum(captured), L, K]``, segment ``i`` = row ``i``'s
+            captured route rows from its first real token (uncaptured rows route natively); None.
+        route_layers: The decoder layer of each route column (None: column ``j`` is layer ``j``).
+        weight_versions: ``[B]`` int64 engine weight version of each row, -1 unknown (None: all).
+
+    Raises:
+        ValueError: A field shaped unlike ``input_ids``, a non-bool mask, or not one route segment per row.
+        TypeError: ``routed_experts`` that is not a `PackedTensor`.
+    """
+
     input_ids: Tensor  # [B, S] int64
     attention_mask: Tensor  # [B, S] bool
     loss_mask: Tensor  # [B, S] float32
@@ -144,7 +146,14 @@ class RolloutBatch:
         return out
 
     def rows_in(self, batch: RolloutBatch) -> Tensor | None:
-        """Host int64 ``[B]``: this batch's rows in ``batch`` when cut from it (at any depth), else None."""
+        """Where this batch's rows sit in ``batch``, when both were cut from one batch (at any depth).
+
+        Args:
+            batch: A batch sharing this one's first uncut ancestor.
+
+        Returns:
+            Host int64 ``[B]`` positions, or None when some row is not in ``batch``.
+        """
         root, mine = self._lineage()
         other_root, theirs = batch._lineage()
         if root is not other_root:
@@ -174,7 +183,14 @@ class RolloutBatch:
         return self._cut(self._gather(picked), picked)
 
     def select(self, rows: Sequence[int] | Sequence[bool] | Tensor | np.ndarray) -> RolloutBatch:
-        """Rows ``rows`` (positions in any order, or a bool mask) in new storage (device ``rows``: a sync)."""
+        """Rows in new storage (device ``rows``: a sync).
+
+        Args:
+            rows: Positions in any order, or a bool mask of length ``B``.
+
+        Raises:
+            TypeError: An int or a slice (use ``batch[i]`` / ``batch[a:b]``).
+        """
         if isinstance(rows, (int, slice)):
             raise TypeError(
                 "RolloutBatch.select takes row positions or a bool mask; use batch[i] / batch[a:b]"
@@ -182,7 +198,14 @@ class RolloutBatch:
         return self[rows]
 
     def split(self, split_size_or_sections: int | Sequence[int]) -> list[RolloutBatch]:
-        """Micro-batches as views, like ``torch.split`` along the batch axis."""
+        """Micro-batches as views, like ``torch.split`` along the batch axis.
+
+        Args:
+            split_size_or_sections: Rows per micro-batch (the last may be shorter), or each one's rows.
+
+        Raises:
+            ValueError: A size below 1, or sections that are negative or do not sum to ``B``.
+        """
         count = len(self)
         if isinstance(split_size_or_sections, int):
             size = check_int("split size", split_size_or_sections)
@@ -195,7 +218,11 @@ class RolloutBatch:
         return [self[end - size : end] for end, size in zip(ends, sections, strict=True)]
 
     def chunk(self, chunks: int) -> list[RolloutBatch]:
-        """At most ``chunks`` views of ``ceil(B / chunks)`` rows, like ``torch.chunk``."""
+        """At most ``chunks`` views of ``ceil(B / chunks)`` rows, like ``torch.chunk``.
+
+        Args:
+            chunks: How many, >= 1.
+        """
         check_int("chunks", chunks)
         return self.split(max(1, math.ceil(len(self) / chunks)))
 
@@ -209,37 +236,31 @@ class RolloutBatch:
 
     @staticmethod
     def cat(batches: Sequence[RolloutBatch], *, pad_token_id: int = 0) -> RolloutBatch:
-        """Rows of all ``batches`` (one device, one ``route_layers``), left-padded to the widest."""
-        batches = list(batches)
-        if not batches:
-            raise ValueError("RolloutBatch.cat needs at least one batch")
-        has_routes = {b.routed_experts is not None for b in batches}
-        if len(has_routes) != 1:
-            raise ValueError("RolloutBatch.cat: either every batch has routed_experts or none does")
-        layer_sets = {b.route_layers for b in batches}
-        if len(layer_sets) != 1:
-            raise ValueError(f"RolloutBatch.cat: different route_layers {sorted(layer_sets, key=str)}")
-        width = max(b.width for b in batches)
-        values: dict[str, Any] = {}
-        for name in TOKEN_FIELDS:
-            pad = _TOKEN_PAD.get(name, pad_token_id)
-            parts = [getattr(b, name) for b in batches]  # [B_i, S_i] -> [B_i, width], padded on the left
-            values[name] = torch.cat([F.pad(t, (width - t.shape[1], 0), value=pad) for t in parts])
-        for name in ROW_FIELDS:
-            values[name] = torch.cat([getattr(b, name) for b in batches])
-        if has_routes == {True}:
-            routes = [b.routed_experts for b in batches]
-            dtype = widest_route_dtype(r.dtype for r in routes)  # type: ignore[union-attr]
-            values["routed_experts"] = PackedTensor.cat([r.to(dtype=dtype) for r in routes])  # type: ignore[union-attr]
-        host = tuple(torch.cat(parts) for parts in zip(*(b.lengths_host() for b in batches), strict=True))
-        return RolloutBatch(**values, route_layers=layer_sets.pop(), _host_lengths=host)
+        """Rows of all ``batches`` in new storage, left-padded to the widest, routes in the widest dtype.
+
+        Args:
+            batches: At least one; one device, one ``route_layers``, all with routes or none.
+            pad_token_id: Pads ``input_ids`` of narrower batches.
+
+        Raises:
+            ValueError: No batch, mixed routes, or different ``route_layers``.
+        """
+        return RolloutBatch(**joined_fields(list(batches), pad_token_id=pad_token_id))
 
     def repeat(self, repeats: int) -> RolloutBatch:
-        """The whole batch ``repeats`` times (``[a, b, a, b]``), new storage."""
+        """The whole batch ``repeats`` times (``[a, b, a, b]``), new storage.
+
+        Args:
+            repeats: How many copies, >= 0.
+        """
         return self._gather(torch.arange(len(self)).repeat(check_int("repeats", repeats, 0)))
 
     def repeat_interleave(self, repeats: int | Sequence[int] | Tensor) -> RolloutBatch:
-        """Each row ``repeats`` times (``[a, a, b, b]``), new storage (device ``repeats``: a sync)."""
+        """Each row repeated in place (``[a, a, b, b]``), new storage.
+
+        Args:
+            repeats: An int >= 0, or one count >= 0 per row (device counts: a sync).
+        """
         per_row = repeat_counts(repeats, len(self), unit="row")
         return self._gather(torch.repeat_interleave(torch.arange(len(self)), per_row))
 
@@ -252,8 +273,21 @@ class RolloutBatch:
         num_experts: int | None = None,
         pad_token_id: int = 0,
     ) -> RolloutBatch:
-        """Append zero-loss placeholder rows (with a dummy route row each) until ``len`` is a multiple
-        of ``multiple``; ``self`` when nothing is missing, else new storage."""
+        """Append zero-loss placeholder rows until ``len`` is a multiple of ``multiple``, each with one
+        dummy route row (distinct experts, rotating over all of them).
+
+        Args:
+            multiple: The row multiple, >= 1.
+            num_layers, top_k: Checked against the routes' schema (None: taken from it).
+            num_experts: Sizes the dummy routes; required when the batch has routes.
+            pad_token_id: The placeholders' one prompt token.
+
+        Returns:
+            ``self`` when nothing is missing, else a batch in new storage on the same device.
+
+        Raises:
+            ValueError: A schema mismatch, or routes without ``num_experts``.
+        """
         missing = -len(self) % check_int("multiple", multiple)
         if missing == 0:
             return self
@@ -267,18 +301,22 @@ class RolloutBatch:
                 )
             if num_experts is None:
                 raise ValueError("pad_to_multiple: num_experts is required to build placeholder routes")
-        placeholders = padding_trajectories(
+        fields = placeholder_fields(
             missing,
             pad_token_id=pad_token_id,
             route_schema=schema,
             num_experts=num_experts,
             route_layers=self.route_layers,
         )
-        fields = collate_fields(placeholders, Buffers(plain_empty), pad_token_id=pad_token_id)
         return RolloutBatch.cat([self, RolloutBatch(**fields).to(self.device)], pad_token_id=pad_token_id)
 
     def to(self, device: torch.device | str | int, non_blocking: bool = False) -> RolloutBatch:
-        """Every field on ``device`` (``self`` when already there); ``non_blocking`` from pinned memory."""
+        """Every field on ``device`` (``self`` when already there).
+
+        Args:
+            device: The target device.
+            non_blocking: Asynchronous copies from pinned memory.
+        """
         moved = self.input_ids.to(device, non_blocking=non_blocking)
         if moved is self.input_ids:
             return self
@@ -300,14 +338,23 @@ class RolloutBatch:
         return all(t.is_pinned() for t in tensors if t is not None)
 
     def release(self, after: Any = None) -> None:
-        """Hand pooled buffers back, reused after the event ``after``; the batch and its views die."""
+        """Hand pooled collation buffers back; the batch and its views must not be used after.
+
+        Args:
+            after: An event (e.g. ``torch.cuda.Event``) the next write into the buffers waits for,
+                such as the end of the copy that read them.
+        """
         lease = self._lease
         self._lease = None
         if lease is not None:
             lease(after)
 
     def equal(self, other: object) -> bool:
-        """Same fields: shapes, dtypes, devices and values (a sync for device batches)."""
+        """Same fields: shapes, dtypes, devices and values (a sync for device batches).
+
+        Args:
+            other: Any object (only a `RolloutBatch` can be equal).
+        """
         if not isinstance(other, RolloutBatch):
             return False
         for name in (*TOKEN_FIELDS, *ROW_FIELDS):

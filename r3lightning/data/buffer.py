@@ -24,8 +24,20 @@ _STATE_VERSION = 1
 
 
 def pack_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, Any]:
-    """Trajectories -> a dict of flat tensors (``weights_only`` safe), with route id sums so that a
-    restore refuses rows moved to a neighbour. One copy of every field, one pass over the routes."""
+    """Trajectories as a dict of flat tensors (``weights_only`` safe), with per-trajectory route id
+    sums so that a restore refuses rows moved to a neighbour.
+
+    Args:
+        trajectories: Trajectories of one route schema and layer set.
+
+    Returns:
+        ``count``, per-trajectory lengths, rewards and advantages (float64: exact round trip), the
+        concatenated token fields, ``routes [sum rows, L, K]`` (or None) and ``route_layers``. One
+        copy of every field, one pass over the routes.
+
+    Raises:
+        ValueError: Different route schemas or layer sets.
+    """
     _, layers = route_signature(trajectories, "trajectories to pack")
     per_trajectory = [t.routed_experts for t in trajectories]  # None: no routes
     routed = [r for r in per_trajectory if r is not None]
@@ -72,7 +84,17 @@ _PACKED_KEYS = (
 
 
 def check_state(state: Any, keys: Sequence[str], where: str, *, version: int | None = None) -> None:
-    """``ValueError`` naming ``where`` unless ``state`` is a dict (of ``version``) with ``keys``."""
+    """Refuses a saved state that is not a dict with the expected keys.
+
+    Args:
+        state: The loaded value.
+        keys: Keys it must hold.
+        where: Names the state in the error.
+        version: The ``version`` entry it must carry (None: unchecked).
+
+    Raises:
+        ValueError: Not a dict, another version, or missing keys.
+    """
     if not isinstance(state, dict):
         raise ValueError(f"{where} must be a dict, got {type(state).__name__}")
     if version is not None and state.get("version") != version:
@@ -99,8 +121,19 @@ def _lengths(packed: dict[str, Any], name: str, count: int, low: int, where: str
 
 
 def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajectories") -> list[Trajectory]:
-    """Inverse of `pack_trajectories`, every trajectory checked as a fresh one; ``ValueError``
-    naming ``where``, the field and the trajectory. One copy and one check of every field."""
+    """Inverse of `pack_trajectories`, every trajectory checked as a fresh one.
+
+    Args:
+        packed: A dict from `pack_trajectories` (possibly from an untrusted checkpoint).
+        where: Names the data in errors.
+
+    Returns:
+        The trajectories. One copy and one check of every field.
+
+    Raises:
+        ValueError: A missing key, a malformed field, lengths that do not add up, or routes whose
+            sums differ, naming ``where``, the field and the trajectory.
+    """
     check_state(packed, _PACKED_KEYS, where)
     count = packed["count"]
     if isinstance(count, Tensor) and count.numel() == 1 and not count.is_floating_point():
@@ -158,6 +191,11 @@ class ReplayBuffer:
             also sizes the data module's placeholder routes).
         layers: keep routes only on these absolute decoder layers: routes on every layer are cut
             on insert, others refused. ``None``: routes as they come.
+
+    Not thread-safe: one writer, or a lock around it (`StreamingReplayBuffer` is the threaded one).
+
+    Raises:
+        ValueError: A size below 1, or ``layers`` that are not sorted, unique ids >= 0.
     """
 
     def __init__(
@@ -204,7 +242,14 @@ class ReplayBuffer:
         return self._fixed[0]
 
     def window(self, start: int, stop: int) -> tuple[Trajectory, ...]:
-        """Trajectories with sequence numbers ``[start, stop)``; ``KeyError`` if any is gone."""
+        """Trajectories by sequence number.
+
+        Args:
+            start, stop: The range ``[start, stop)``.
+
+        Raises:
+            KeyError: Some were evicted or cleared, or never added.
+        """
         if not self.covers(start, stop):
             raise KeyError(
                 f"trajectories [{start}, {stop}) are not all in the buffer, which holds [{self._start}, {self.stop})"
@@ -213,14 +258,34 @@ class ReplayBuffer:
         return tuple(itertools.islice(self._items, first, first + (stop - start)))
 
     def covers(self, start: int, stop: int) -> bool:
+        """Whether every sequence number of ``[start, stop)`` is still stored.
+
+        Args:
+            start, stop: The range.
+        """
         return self._start <= start <= stop <= self.stop
 
     def add(self, trajectory: Trajectory) -> None:
-        """Validate and append one trajectory (evicting the oldest when full)."""
+        """Validate and append one trajectory, evicting the oldest when full.
+
+        Args:
+            trajectory: The trajectory (routes cut to ``layers`` when those are set).
+
+        Raises:
+            TypeError, ValueError: As `extend`.
+        """
         self.extend([trajectory])
 
     def extend(self, trajectories: Iterable[Trajectory]) -> None:
-        """Validate all, then append all; one pass over their ids and routes."""
+        """Validate all, then append all (a refused one adds none); one pass over their ids and routes.
+
+        Args:
+            trajectories: The trajectories, in order.
+
+        Raises:
+            TypeError: Something other than a `Trajectory`.
+            ValueError: An id out of range, another route schema or layer set, naming the trajectory.
+        """
         batch = list(trajectories)
         where = "trajectory {i} of the batch" if len(batch) > 1 else "trajectory"
         batch, self._fixed = self._validated(batch, *self._fixed, where)

@@ -40,7 +40,19 @@ class _Slot:
 
 
 class PinnedBufferPool:
-    """A few reusable output buffer sets (module docs); 2 ``slots`` cover one batch and the next."""
+    """A few reusable output buffer sets (the module's docs): 2 ``slots`` cover one batch in training
+    and the next in collation. Thread-safe.
+
+    Args:
+        slots: Buffer sets, >= 1.
+        allocator: ``(shape, dtype) -> tensor`` (default: pinned CPU memory, which needs an
+            accelerator runtime).
+        recycle_after: Take a leased slot back after this many further batches even if its batch
+            was never released (None: never).
+
+    Raises:
+        ValueError: ``slots`` or ``recycle_after`` below 1.
+    """
 
     def __init__(
         self, slots: int = 2, *, allocator: Allocator | None = None, recycle_after: int | None = None
@@ -51,8 +63,10 @@ class PinnedBufferPool:
         self.recycle_after = recycle_after
         self._slots = [_Slot() for _ in range(check_int("slots", slots))]
         self._lock = threading.Lock()
-        self._step = self._releases = 0
-        self.hits = self.misses = 0  # batches served from a slot / that found none (fresh buffers)
+        self._step = 0  # acquisitions so far
+        self._releases = 0  # releases so far: orders the free slots by when they came back
+        self.hits = 0  # batches served from a slot
+        self.misses = 0  # batches that found no free slot (fresh buffers)
 
     def acquire(self) -> tuple[Buffers, Callable[..., None] | None]:
         """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""
@@ -92,7 +106,16 @@ class PinnedBufferPool:
 def collate_trajectories(
     trajectories: Sequence[Trajectory], *, pad_token_id: int = 0, width_multiple: int = 1
 ) -> RolloutBatch:
-    """Serial collation into fresh (unpinned) memory; see `RolloutCollator`."""
+    """Serial collation into fresh (unpinned) memory; see `RolloutCollator`.
+
+    Args:
+        trajectories: At least one trajectory, one route schema.
+        pad_token_id: The padding id of ``input_ids``.
+        width_multiple: The padded width rounds up to a multiple of it.
+
+    Returns:
+        The batch on the CPU.
+    """
     collator = RolloutCollator(num_threads=1, pad_token_id=pad_token_id, width_multiple=width_multiple)
     return collator(trajectories)
 
@@ -112,6 +135,12 @@ class RolloutCollator:
         num_experts: sizes the dummy route row of a placeholder (a ``None`` entry).
         pin_memory: collate into a `PinnedBufferPool` (``True``: a default one).
         layers: keep routes only on these decoder layers (``Trajectory.on_layers``).
+
+    Collations may run concurrently (threads share the fill pool; `close` is safe meanwhile).
+
+    Raises:
+        ValueError: A bad thread count, ``width_multiple``, ``pad_token_id`` or ``layers``.
+        TypeError: A keyword of 0.1 (named with its replacement).
     """
 
     @refuse_moved_keywords(_POOL_MOVED)

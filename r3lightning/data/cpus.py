@@ -59,7 +59,16 @@ def cgroup_cpu_limit(
     cgroup_root: str | os.PathLike[str] = DEFAULT_CGROUP_ROOT,
     proc_cgroup: str | os.PathLike[str] = DEFAULT_PROC_CGROUP,
 ) -> float | None:
-    """Tightest cgroup CPU quota in CPUs (e.g. 1.5; v2 ``cpu.max`` first, then v1), or ``None``."""
+    """The tightest cgroup CPU quota of this process, in CPUs (e.g. 1.5): v2 ``cpu.max`` first, then
+    v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, over its cgroup and their ancestors.
+
+    Args:
+        cgroup_root: Where the cgroup file systems are mounted.
+        proc_cgroup: This process's cgroup file.
+
+    Returns:
+        The quota, or None when unlimited or unknown.
+    """
     root = Path(cgroup_root)
     v2_path, v1_path = _own_cgroups(Path(proc_cgroup))
     quotas: list[float] = []
@@ -79,7 +88,12 @@ def usable_cpu_count(
     proc_cgroup: str | os.PathLike[str] = DEFAULT_PROC_CGROUP,
     affinity: int | None = None,
 ) -> int:
-    """CPUs this process may use: ``min(len(os.sched_getaffinity(0)), ceil(cgroup quota))``, >= 1."""
+    """CPUs this process may use: ``min(len(os.sched_getaffinity(0)), ceil(cgroup quota))``, >= 1.
+
+    Args:
+        cgroup_root, proc_cgroup: As for `cgroup_cpu_limit`.
+        affinity: The CPUs of the affinity mask (None: read it).
+    """
     if affinity is None:
         try:
             affinity = len(os.sched_getaffinity(0))
@@ -90,7 +104,16 @@ def usable_cpu_count(
 
 
 def collate_pool_size(cap: int = 8, reserved: int = 1, *, usable: int | None = None) -> int:
-    """Threads for collation: ``min(cap, usable_cpu_count() - reserved)``, at least 1."""
+    """Threads for collation: ``min(cap, usable_cpu_count() - reserved)``, at least 1.
+
+    Args:
+        cap: The most threads.
+        reserved: CPUs left to the training loop.
+        usable: The usable CPUs (None: `usable_cpu_count`).
+
+    Raises:
+        ValueError: ``cap`` below 1 or ``reserved`` below 0.
+    """
     check_int("cap", cap)
     check_int("reserved", reserved, 0)
     usable = usable_cpu_count() if usable is None else usable

@@ -60,6 +60,12 @@ class R3DataModule(pl.LightningDataModule):
         pin_memory: collate into a pinned buffer pool; ``None``: when training on a CUDA device.
         drop_last: drop each rank's incomplete last batch instead of adding zero-loss placeholders.
         options: [`DataOptions`][r3lightning.data.options.DataOptions].
+
+    Raises:
+        TypeError: ``buffer`` is not a ``ReplayBuffer``, ``options`` not a ``DataOptions``, or a
+            keyword of 0.1 (named with its replacement).
+        ValueError: A bad ``batch_size``, ``shuffle``, ``seed``, ``drop_last``,
+            ``collate_threads`` or ``pin_memory`` (the message names it).
     """
 
     @refuse_moved_keywords(_OPTIONS_MOVED)
@@ -106,8 +112,10 @@ class R3DataModule(pl.LightningDataModule):
         self._snapshot_restored = False  # snapshot came with a checkpoint, not from the buffer
         self._collator: RolloutCollator | None = None
         if self.eval_buffer is not None:
-            # only with evaluation data, so Lightning sees (and warns about) no validation loop
-            self.val_dataloader = self.test_dataloader = self.predict_dataloader = self._eval_dataloader  # type: ignore[method-assign]
+            # only with evaluation data, so Lightning sees (and warns about) no validation loop; bound
+            # per instance, hence setattr (type checkers refuse assigning to a method)
+            for hook in ("val_dataloader", "test_dataloader", "predict_dataloader"):
+                setattr(self, hook, self._eval_dataloader)
 
     @property
     def epoch(self) -> int:

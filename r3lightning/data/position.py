@@ -4,7 +4,7 @@ plain dicts), and the sampler and loader that walk and report them."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,19 @@ PLAN_FIELDS = {
 
 
 def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan | None]:
-    """The saved ``cursor`` and ``plan`` dicts as objects, every field checked (``ValueError``)."""
+    """The saved cursor and plan dicts as objects, every field checked.
+
+    Args:
+        cursor: The saved `Cursor` fields.
+        plan: The saved `Plan` fields, or None.
+        where: Names the state in errors.
+
+    Returns:
+        ``(cursor, plan or None)``.
+
+    Raises:
+        ValueError: A missing or malformed field, ``consumed > batches`` or ``start > stop``.
+    """
     c = Cursor(**check_fields(cursor, CURSOR_FIELDS, f"{where} cursor"))
     if c.consumed > c.batches:
         raise ValueError(
@@ -75,7 +87,11 @@ def restore_position(cursor: Any, plan: Any, where: str) -> tuple[Cursor, Plan |
 
 
 class Snapshot(Dataset):
-    """One epoch's trajectories; index -1 is a placeholder that evens out the shards."""
+    """One epoch's trajectories; index -1 is a placeholder that evens out the shards.
+
+    Args:
+        trajectories: The epoch's trajectories.
+    """
 
     def __init__(self, trajectories: tuple[Trajectory, ...]) -> None:
         self.trajectories = trajectories
@@ -89,7 +105,15 @@ class Snapshot(Dataset):
 
 class EpochShardSampler(DistributedSampler):
     """This rank's indices for the cursor's epoch (not Lightning's ``set_epoch``) after its consumed
-    batches; ``refresh`` renews an epoch nothing was drawn from (``None``: unchanged)."""
+    batches; shard ``r`` takes every ``num_replicas``-th index of the epoch's order.
+
+    Args:
+        dataset: The epoch's snapshot.
+        cursor: The data module's cursor, shared.
+        plan: The epoch's plan.
+        rank: This rank's index.
+        refresh: Renews an epoch nothing was drawn from (returns None: unchanged).
+    """
 
     def __init__(
         self,
@@ -100,6 +124,7 @@ class EpochShardSampler(DistributedSampler):
         refresh: Callable[[], tuple[Trajectory, ...] | None] | None = None,
     ) -> None:
         super().__init__(dataset, plan.num_replicas, rank, plan.shuffle, plan.seed, plan.drop_last)
+        self.snapshot = dataset  # ``self.dataset`` as its own type: a refresh swaps its trajectories
         self.cursor = cursor
         self.plan = plan
         self.refresh = refresh
@@ -107,12 +132,16 @@ class EpochShardSampler(DistributedSampler):
 
     def _size(self) -> None:
         divide = operator.floordiv if self.plan.drop_last else lambda a, b: -(-a // b)  # else round up
-        self.per_rank = divide(len(self.dataset), self.plan.num_replicas)  # type: ignore[arg-type]
+        self.per_rank = divide(len(self.snapshot), self.plan.num_replicas)
         self.num_batches = self.cursor.batches = divide(self.per_rank, self.plan.batch_size)
 
     def shard(self, epoch: int) -> list[int]:
-        """This rank's full index list for ``epoch`` (-1 = placeholder)."""
-        count = len(self.dataset)
+        """This rank's full index list of an epoch (-1: a placeholder).
+
+        Args:
+            epoch: Seeds the shuffle with ``plan.seed + epoch``.
+        """
+        count = len(self.snapshot)
         world = self.plan.num_replicas
         generator = torch.Generator().manual_seed(self.plan.seed + epoch)
         order = torch.randperm(count, generator=generator) if self.plan.shuffle else torch.arange(count)
@@ -120,7 +149,7 @@ class EpochShardSampler(DistributedSampler):
         mine = (order.tolist()[:total] + [-1] * (total - count))[self.rank :: world]
         return mine[: self.num_batches * self.plan.batch_size]
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self) -> Iterator[int]:
         cursor = self.cursor
         if cursor.exhausted or (cursor.batches > 0 and cursor.consumed >= cursor.batches):
             # another epoch over the same snapshot (no reload in between)
@@ -131,7 +160,7 @@ class EpochShardSampler(DistributedSampler):
             # nothing drawn yet: the epoch covers what the buffer holds now, later rows included
             fresh = self.refresh()
             if fresh is not None:
-                self.dataset.trajectories = fresh  # type: ignore[attr-defined]
+                self.snapshot.trajectories = fresh
                 self._size()
         yield from self.shard(cursor.epoch)[cursor.consumed * self.plan.batch_size :]
         cursor.exhausted = True
@@ -142,7 +171,12 @@ class EpochShardSampler(DistributedSampler):
 
 
 class PositionedLoader(DataLoader):
-    """DataLoader whose state tells Lightning that a mid-epoch checkpoint resumes exactly."""
+    """A DataLoader whose state tells Lightning that a mid-epoch checkpoint resumes exactly.
+
+    Args:
+        *args, **kwargs: As for ``DataLoader``.
+        cursor: The data module's cursor, read by ``state_dict``.
+    """
 
     def __init__(self, *args: Any, cursor: Cursor, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories
 from r3lightning.data.trajectory import Trajectory
 
@@ -35,6 +35,11 @@ class StreamingReplayBuffer(ReplayBuffer):
     Args:
         ahead: most whole steps that may wait beside the current one; `put` blocks beyond.
         vocab_size, num_experts, layers: as for [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer].
+
+    Thread-safe between one producer and one consumer (one condition variable guards the queue).
+
+    Raises:
+        ValueError: ``ahead`` below 1, or a bad size or ``layers``.
     """
 
     def __init__(
@@ -73,8 +78,20 @@ class StreamingReplayBuffer(ReplayBuffer):
     def put(
         self, step: int, trajectories: Iterable[Trajectory], info: dict[str, float] | None = None
     ) -> float:
-        """Queue ``step`` (the next in order), blocking while ``ahead`` steps wait; returns the
-        seconds it blocked. ``StreamClosedError`` once closed."""
+        """Queue a step, blocking while ``ahead`` steps wait. Called by the producer thread.
+
+        Args:
+            step: The next step in order (`next_put`).
+            trajectories: Its trajectories (validated when `advance` takes the step).
+            info: The producer's statistics of the step.
+
+        Returns:
+            The seconds it blocked.
+
+        Raises:
+            ValueError: A step out of order.
+            StreamClosedError: The buffer was closed.
+        """
         items = list(trajectories)
         start = time.perf_counter()
         with self._cond:
@@ -127,15 +144,25 @@ class StreamingReplayBuffer(ReplayBuffer):
         return step
 
     def wait_for_request(self, ready: Callable[[int], bool]) -> bool:
-        """Block until the trainer has called `advance` and ``ready(requested)`` holds;
-        ``False`` once closed."""
+        """Block until the trainer has called `advance` and ``ready(requested)`` holds.
+
+        Args:
+            ready: ``requested step -> bool`` (e.g. `may_collect`).
+
+        Returns:
+            False once closed.
+        """
         with self._cond:
             while not (self._asked and ready(self._requested)) and not self._closed:
                 self._cond.wait()
             return not self._closed
 
     def fail(self, error: BaseException) -> None:
-        """The producer's ``error``: the waiting `advance` (or the next one) raises it."""
+        """Report the producer's error: the waiting `advance` (or the next one) raises it.
+
+        Args:
+            error: The producer's error.
+        """
         with self._cond:
             self._error = error
             self._cond.notify_all()

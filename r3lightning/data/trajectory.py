@@ -146,6 +146,15 @@ class Trajectory:
         route_layers: the sorted absolute decoder layer of each route column (None: ``j`` is ``j``).
         weight_version: the engine's weight version that generated the response (the oldest one
             when the turns of a multi-turn trajectory saw several); ``None``: unknown.
+
+    Cost: host copies of the fields, and the route check over the routes (its distinct-experts
+    part, about 10 ms for 32k x 48 x 8 ids); device inputs are copied to the host (a sync).
+
+    Raises:
+        TypeError: Non-integer ids or routes, or complex values.
+        ValueError: An empty prompt, a per-token field of the wrong length or out of range, a
+            route array of the wrong shape, too many rows, a repeated or out-of-range expert, or
+            ``route_layers`` without routes (each naming the field).
     """
 
     __slots__ = (
@@ -214,8 +223,18 @@ class Trajectory:
         return None if self.routed_experts is None else tuple(self.routed_experts.shape[1:])
 
     def on_layers(self, layers: tuple[int, ...] | None, where: str = "Trajectory") -> Trajectory:
-        """Itself, or a copy with routes cut to decoder layers ``layers`` (None: as it is);
-        ``ValueError`` naming ``where`` for routes on another layer set."""
+        """The trajectory with its routes cut to some decoder layers.
+
+        Args:
+            layers: Sorted absolute decoder-layer ids (None: as it is).
+            where: Names the trajectory in the error.
+
+        Returns:
+            ``self`` when nothing changes, else a copy with ``routes [captured, len(layers), K]``.
+
+        Raises:
+            ValueError: Routes held on another layer set.
+        """
         routes = self.routed_experts
         have = self.route_layers
         if layers is None or routes is None or have == layers:
@@ -237,8 +256,16 @@ class Trajectory:
         num_experts: int | None = None,
         route_schema: tuple[int, int] | None = None,
     ) -> None:
-        """Check ids ``< vocab_size``, expert ids ``< num_experts`` and ``route_schema`` where given;
-        ``ValueError`` naming the field. One pass over the ids and routes."""
+        """Checks against the model and the buffer; one pass over the ids and routes.
+
+        Args:
+            vocab_size: Token ids must be below it (None: unchecked).
+            num_experts: Expert ids must be below it (None: unchecked).
+            route_schema: The routes' ``(num_layers, top_k)`` (None: unchecked).
+
+        Raises:
+            ValueError: The first id or route out of range, naming the field.
+        """
         if vocab_size is not None:
             for name in ("prompt_ids", "response_ids"):
                 ids = getattr(self, name)
@@ -261,7 +288,11 @@ class Trajectory:
             )
 
     def equal(self, other: object) -> bool:
-        """Same values and dtypes in every field."""
+        """Same values and dtypes in every field.
+
+        Args:
+            other: Any object (only a `Trajectory` can be equal).
+        """
         if not isinstance(other, Trajectory):
             return False
         return all(_same(getattr(self, n), getattr(other, n)) for n in self.__slots__)
@@ -269,7 +300,7 @@ class Trajectory:
     def __eq__(self, other: object) -> bool:
         return self.equal(other) if isinstance(other, Trajectory) else NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # value equality on mutable tensors: unhashable
 
     def __repr__(self) -> str:
         r = self.routed_experts
@@ -285,7 +316,18 @@ class Trajectory:
 def route_signature(
     trajectories: Iterable[Trajectory], where: str
 ) -> tuple[tuple[int, int] | None, tuple[int, ...] | None]:
-    """The one ``(route_schema, route_layers)`` of routed trajectories (``ValueError`` naming ``where``)."""
+    """The one ``(route_schema, route_layers)`` of the routed trajectories.
+
+    Args:
+        trajectories: Trajectories with or without routes.
+        where: Names them in the error.
+
+    Returns:
+        ``((num_layers, top_k), route_layers)``, or ``(None, None)`` without routes.
+
+    Raises:
+        ValueError: Different schemas or layer sets.
+    """
     routed = [t for t in trajectories if t.routed_experts is not None]
     schemas = {t.route_schema for t in routed}
     layer_sets = {t.route_layers for t in routed}
@@ -305,8 +347,18 @@ def padding_trajectories(
     num_experts: int | None = None,
     route_layers: tuple[int, ...] | None = None,
 ) -> list[Trajectory]:
-    """``count`` zero-loss placeholders (one ``pad_token_id`` prompt token, empty response), with one
-    ``dummy_routes`` row each given a ``route_schema`` and ``num_experts`` (zero rows without)."""
+    """Zero-loss placeholders: one ``pad_token_id`` prompt token, an empty response.
+
+    Args:
+        count: How many, >= 0.
+        pad_token_id: The prompt token.
+        route_schema: ``(num_layers, top_k)`` of the batch's routes (None: no routes).
+        num_experts: With ``route_schema``: one `dummy_routes` row each; without: zero rows.
+        route_layers: The batch's route layers.
+
+    Returns:
+        ``count`` trajectories.
+    """
     routes: list[Tensor | None] = [None] * check_int("count", count, 0)
     if route_schema is not None and num_experts is None:
         routes = [torch.empty((0, *route_schema), dtype=torch.uint8)] * count

@@ -15,7 +15,18 @@ from r3lightning.ragged import to_device_async
 
 @runtime_checkable
 class RouterReplayBackend(Protocol):
-    """Install / clear / record routes ``[*token_shape, num_layers, top_k]`` for one model's routers."""
+    """What the callback, `record_routes` and `replay_routes` need from a model's routers: install,
+    clear and record routes ``[*token_shape, num_layers, top_k]``, and count how they agree.
+
+    ``HFRouterReplay`` and ``MegatronRouterReplay`` implement it; so can a backend of your own
+    (a class with these attributes and methods; no base class needed).
+
+    Attributes:
+        num_layers: Size of the routes' layer axis: all decoder layers, dense ones included.
+        top_k: Experts per token and MoE layer.
+        num_experts: Experts per MoE layer.
+        moe_layers: Absolute indices of the decoder layers this backend routes, increasing.
+    """
 
     num_layers: int  # size of the routes' layer axis (all decoder layers, dense ones included)
     top_k: int
@@ -25,13 +36,18 @@ class RouterReplayBackend(Protocol):
     def install(
         self, routes: Tensor, replay_mask: Tensor | None = None, *, layers: Sequence[int] | None = None
     ) -> None:
-        """Replay ``routes`` in the following forwards (and their recompute) until `clear` or
-        the next install; ``replay_mask [*token_shape]`` False rows keep native routing.
+        """Replays routes in the following forwards (and their recompute) until `clear` or the
+        next install.
 
-        ``layers``: the decoder layer of each column of layer-sliced routes
-        ``[*token_shape, len(layers), top_k]`` (covering ``moe_layers``); None: one column per
-        decoder layer. A backend whose ``install`` takes no ``layers`` gets sliced routes widened
-        to ``num_layers`` columns (`widen_routes`)."""
+        Args:
+            routes: Integer ``[*token_shape, num_layers, top_k]``, or ``[*token_shape,
+                len(layers), top_k]`` with ``layers``.
+            replay_mask: None, or bool ``[*token_shape]``: False rows keep native routing.
+            layers: The decoder layer of each column of layer-sliced routes (covering
+                ``moe_layers``); None: one column per decoder layer. A backend whose ``install``
+                takes no ``layers`` gets sliced routes widened to ``num_layers`` columns
+                (`widen_routes`).
+        """
 
     def clear(self) -> None:
         """Drop installed routes, recording state and routing stats; routers route natively."""
@@ -43,9 +59,12 @@ class RouterReplayBackend(Protocol):
         """The experts the recorded forward(s) used, ``[*token_shape, num_layers, top_k]``."""
 
     def routing_stats(self) -> dict:
-        """``layers``, ``top_k`` and int64 ``[len(layers)]`` ``replayed_rows``, ``agreeing_slots`` (optionally
-        ``used_slots``, and ``kept_slots`` under soft replay) since `clear` (recompute not
-        counted), on device, no host sync."""
+        """Counts since `clear` (recompute not counted), on device, no host sync.
+
+        Returns:
+            ``layers``, ``top_k`` and int64 ``[len(layers)]`` ``replayed_rows`` and
+            ``agreeing_slots`` (optionally ``used_slots``, and ``kept_slots`` under soft replay).
+        """
 
 
 def route_columns(backend: RouterReplayBackend, layers: Sequence[int] | None) -> dict[int, int]:
@@ -187,12 +206,31 @@ def validate_routes_for_install(
 
 
 def agreement_hits(replayed: Tensor, native: Tensor) -> Tensor:
-    """bool ``[N, K]``: replayed slots whose id is in the native top-k (an ``[N, K, K]`` comparison)."""
+    """Which replayed experts the router also picked natively.
+
+    Args:
+        replayed: Expert ids ``[N, K]``.
+        native: Expert ids ``[N, K]``, any order, same device.
+
+    Returns:
+        bool ``[N, K]``: True where ``replayed[n, k]`` is among ``native[n]``. One ``[N, K, K]``
+        comparison; no host sync.
+    """
     return (replayed.unsqueeze(-1) == native.unsqueeze(-2)).any(-1)
 
 
 def agreement_counts(replayed: Tensor, native: Tensor, mask: Tensor | None) -> Tensor:
-    """int64 ``[2]`` on device: rows ``mask`` keeps (None: all) and their replayed slots in ``native``."""
+    """The replayed rows and their slots that agree with native routing, counted on device.
+
+    Args:
+        replayed: Expert ids ``[N, K]`` that were installed.
+        native: The router's own ids ``[N, K]``.
+        mask: bool ``[N]``: the rows replayed (None: all).
+
+    Returns:
+        int64 ``[2]`` on the ids' device: (rows ``mask`` keeps, their replayed slots found in
+        ``native``). No grad, no host sync.
+    """
     with torch.no_grad():
         keep = torch.ones_like(replayed[:, :1], dtype=torch.bool) if mask is None else mask[:, None]
         hits = agreement_hits(replayed, native) & keep
@@ -202,11 +240,24 @@ def agreement_counts(replayed: Tensor, native: Tensor, mask: Tensor | None) -> T
 def soft_replay_indices(
     replayed: Tensor, native: Tensor, logits: Tensor, threshold: float, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Soft replay of one layer: ``(indices [N, K], kept [N, K] bool)``. A replayed slot is kept where
-    the router's own probability of its expert (fp32 softmax of ``logits [N, E]`` over all experts)
-    is at least ``threshold`` (and ``mask [N]`` is True); each other slot takes, in slot order, the
-    next of the router's native top-k (``native [N, K]``, in its order) not already kept, so a row
-    keeps ``K`` distinct experts; a row with nothing kept is exactly the native row."""
+    """Soft replay of one layer: keep a replayed expert only where the router finds it likely.
+
+    A replayed slot is kept where the router's own probability of its expert (fp32 softmax of
+    ``logits`` over all experts) is at least ``threshold`` and ``mask`` is True; each other slot
+    takes, in slot order, the next of the router's native top-k not already kept, so a row keeps
+    ``K`` distinct experts, and a row with nothing kept is exactly the native row.
+
+    Args:
+        replayed: int64 ``[N, K]``: the installed experts.
+        native: int64 ``[N, K]``: the router's own top-k, in its order.
+        logits: The router's logits ``[N, E]``.
+        threshold: The smallest probability kept.
+        mask: bool ``[N]``: the rows replayed (None: all).
+
+    Returns:
+        ``(indices [N, K], kept [N, K] bool)`` on the logits' device. No grad; an fp32 softmax
+        ``[N, E]`` and two ``[N, K, K]`` comparisons; no host sync.
+    """
     with torch.no_grad():
         probs = logits.float().softmax(dim=-1)  # [N, E]
         kept = probs.gather(-1, replayed) >= threshold  # [N, K]
@@ -226,8 +277,22 @@ def soft_replay_indices(
 def routes_on_all_layers(
     layer_rows: Iterable[tuple[int, Tensor]], token_shape: Sequence[int], num_layers: int, top_k: int
 ) -> Tensor:
-    """int32 ``[*token_shape, num_layers, top_k]`` from ``(layer, experts [*token_shape, top_k])`` of
-    each routed layer (at least one), 0 on the others: what ``stop_recording`` returns."""
+    """Recorded experts of some layers as routes on all layers: what ``stop_recording`` returns.
+
+    Args:
+        layer_rows: ``(decoder layer, experts [*token_shape, top_k])`` of each routed layer, at
+            least one, all on one device.
+        token_shape: The forward's token shape.
+        num_layers: The model's decoder layers.
+        top_k: Experts per token.
+
+    Returns:
+        int32 ``[*token_shape, num_layers, top_k]`` on the experts' device, 0 on the layers not
+        given. One allocation and one copy per layer; no host sync.
+
+    Raises:
+        ValueError: ``layer_rows`` is empty.
+    """
     pairs = list(layer_rows)
     if not pairs:
         raise ValueError("routes_on_all_layers needs the rows of at least one routed layer")

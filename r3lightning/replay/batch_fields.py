@@ -7,12 +7,26 @@ from torch import Tensor
 
 
 def batch_field(batch: Any, name: str) -> Any:
-    """``batch.name`` for a ``RolloutBatch`` (or any object), ``batch[name]`` for a mapping."""
+    """One field of a batch, whatever its type.
+
+    Args:
+        batch: A ``RolloutBatch`` (or any object), or a dict.
+        name: The field.
+
+    Returns:
+        ``batch.get(name)`` for a dict, else ``getattr(batch, name, None)``: None when absent.
+    """
     return batch.get(name) if isinstance(batch, dict) else getattr(batch, name, None)
 
 
 def set_batch_fields(batch: Any, **values: Any) -> None:
-    """``batch.name = value`` (``batch[name]`` for a mapping) for each of ``values``."""
+    """Sets fields of a batch, whatever its type.
+
+    Args:
+        batch: A ``RolloutBatch`` (or any object), or a dict.
+        **values: ``name=value`` pairs: ``batch[name] = value`` for a dict, else
+            ``setattr(batch, name, value)``.
+    """
     for name, value in values.items():
         if isinstance(batch, dict):
             batch[name] = value
@@ -21,8 +35,18 @@ def set_batch_fields(batch: Any, **values: Any) -> None:
 
 
 def host_attention_mask(batch: Any) -> Tensor:
-    """The batch's left-padded ``[B, S]`` mask on the host: rebuilt from ``batch.lengths_host()`` (a
-    ``RolloutBatch``: no device->host sync), else copied back."""
+    """The batch's left-padded attention mask on the host.
+
+    Args:
+        batch: A ``RolloutBatch`` or a mapping with ``attention_mask [B, S]``.
+
+    Returns:
+        bool host ``[B, S]`` rebuilt from ``batch.lengths_host()`` (a ``RolloutBatch``: no
+        device-to-host sync), else the mask copied back (a sync for a device mask).
+
+    Raises:
+        ValueError: The batch has no ``attention_mask``.
+    """
     attention_mask = batch_field(batch, "attention_mask")
     if attention_mask is None:
         raise ValueError("RouterReplayCallback needs batch.attention_mask ([B, S] bool, left-padded)")

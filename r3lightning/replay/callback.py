@@ -34,39 +34,60 @@ class RouterReplayCallback(Callback):
     """Replays each training batch's routes in the model's routers, and measures how well they agree.
 
     Before each training forward it lays the batch's ``routed_experts`` out as the model sees its
-    tokens (padding, packing, tensor / context / sequence parallel shards), installs them into the
-    backend, and clears them after the step and on any exception: validation, test and predict
-    never see stale routes. Layer-sliced routes (``batch.route_layers``) are installed as they are,
-    each column into its layer's router. ``callback.micro_batch(mb)`` replays a micro-batch's own
-    rows; ``callback.old_policy_forward(mb)`` records them for r2.
+    tokens (padding, packing, tensor / context / sequence parallel shards) and installs them; it
+    clears them after the step, at epoch end and on any exception: validation, test and predict
+    never see stale routes. Rows without a route (or marked missing, -1) route natively;
+    layer-sliced routes (``batch.route_layers``) stay sliced. In ``training_step``,
+    `micro_batch` replays a micro-batch's own rows and `old_policy_forward` records them for r2.
+    The batch is a ``RolloutBatch`` or a mapping with its fields (``attention_mask``,
+    ``routed_experts``; optionally ``route_layers``, ``loss_mask``, ``input_ids``).
 
-    Cost per step: one page-locked host-to-device copy of the aligned routes and mask, no host sync
-    (unless ``validate_routes``), and one ``all_reduce`` of the counts with ``sync_dist``.
+    Cost per step: host index maths for the layout, non-blocking page-locked host-to-device
+    copies of the gather index and of the replay mask, one gather of the routes on their device,
+    and the backend's per-router work (see its class). No host sync, except with
+    ``validate_routes``, and for a batch without ``lengths_host()`` (a mapping), whose
+    ``attention_mask`` is copied back to the host. ``sync_dist`` adds one ``all_reduce`` of the
+    counts per step (and one ``all_gather_object`` of the MoE layer ids per fit). The logged
+    tensors are read when Lightning's loggers write them.
 
     Args:
-        backend: ``"hf"`` or None: a Hugging Face backend over the module's routers (or those of its
-            ``model_attr`` submodule), built at each ``on_fit_start``; ``"megatron"``: a megatron-core
-            backend, built the same way; or a backend object (``RouterReplayBackend``).
+        backend: ``"hf"`` or None: a Hugging Face backend (``HFRouterReplay.for_model``, so one
+            already attached to the routers is reused) over the routers of the LightningModule
+            (or of its ``model_attr`` submodule), built at each ``on_fit_start``; ``"megatron"``: a
+            ``MegatronRouterReplay``, built the same way; or a backend object
+            (``RouterReplayBackend``), used as it is for every fit.
         mode: ``"r3"``: replay the routes the rollout engine used; ``"r2"``: replay the routes the
-            trainer's own old-policy forward recorded (engines that return none); ``"off"``: route
-            natively and only measure the agreement with the batch's routes.
-        strict: Raise instead of routing natively when a batch has no routes, or when a routed
-            forward runs with nothing installed. False warns once per mode and counts
-            ``router_replay/batches_without_routes`` (checkpointed).
-        log_agreement: Log the ``router_replay/`` metrics (True), also per layer (``"per_layer"``),
-            or not (False).
-        validate_routes: Check the expert ids on every install (host syncs). None: off for a
-            backend the callback builds; a backend object keeps its own ``validate`` flag.
-        layout_fn: ``attention_mask [B, S] -> TokenMetadataLayout``, the layout the model is fed.
-            None: the backend's ``build_layout``, else the padded batch.
-        model_attr: The submodule of the LightningModule that holds the routers (None: the module).
-        sync_dist: Sum the counts over data-parallel ranks before taking the ratios (one
-            ``all_reduce`` per step), so every rank logs the global ratio.
+            trainer's own old-policy forward recorded in ``old_policy_forward`` (engines that
+            return none; a batch that carries routes replays them as they are); ``"off"``: route
+            natively and only measure the agreement with the batch's routes. A backend with soft
+            replay (``soft_threshold``) needs ``"r3"`` (``ValueError`` at ``on_fit_start``).
+        strict: Raise instead of routing natively: ``ValueError`` when an r3 batch has no routes
+            (or a micro-batch of a batch with routes has none), or an r2 step recorded none;
+            ``RuntimeError`` when a training forward reaches a router with nothing installed.
+            False: warn once per mode and run (rank zero) and count the step in
+            ``router_replay/batches_without_routes`` (both checkpointed with the callback's state).
+        log_agreement: ``"per_layer"`` (default): log every ``router_replay/`` metric, with
+            ``native_agreement/layer_XX`` per MoE layer; True: all but the per-layer ones; False:
+            none (and `routing_counts` returns None). Logged per step: ``replayed_fraction``,
+            ``native_agreement``, ``used_agreement`` (``soft_kept_fraction`` under soft replay)
+            and, in r3 / r2, ``native_loss_tokens``, ``batches_without_routes`` and
+            ``missing_rows``.
+        validate_routes: Check the expert ids of every install (range, distinct per row): host
+            syncs. None: off for a backend the callback builds; a backend object keeps its own
+            ``validate`` flag. True / False set that flag.
+        layout_fn: ``attention_mask [B, S] -> TokenMetadataLayout``: the layout the routed model
+            is fed, given the host left-padded mask. None: the backend's ``build_layout`` (the
+            megatron backend's packed layout), else ``TokenMetadataLayout.padded``.
+        model_attr: The name of the LightningModule's submodule that holds the routers
+            (``pl_module.get_submodule(model_attr)``); None: the module itself.
+        sync_dist: Sum the counts over all ranks before taking the ratios (one ``all_reduce``
+            per step), so every rank logs the global ratios; each rank's own otherwise.
 
     Raises:
         ValueError: An unknown ``mode``, ``log_agreement`` or ``backend``, or ``validate_routes``
             for a backend object without a ``validate`` flag.
-        TypeError: A keyword of 0.1 (the message names its replacement).
+        TypeError: A keyword of 0.1 (``log_per_layer``, ``pad_to_multiple``); the message names
+            its replacement.
     """
 
     @refuse_moved_keywords(_CALLBACK_MOVED)
@@ -108,7 +129,9 @@ class RouterReplayCallback(Callback):
         self._reset_step()
 
     def _reset_step(self) -> None:
-        self._in_step = self._in_micro = self._missing.counted_step = False
+        self._in_step = False
+        self._in_micro = False
+        self._missing.counted_step = False
         self._batch: Any = None
         self._step: modes.Install | None = None  # the whole batch's routes
         self._micro: modes.Install | None = None  # the active micro-batch's (None: native)
@@ -117,7 +140,14 @@ class RouterReplayCallback(Callback):
 
     @staticmethod
     def find(trainer: pl.Trainer) -> "RouterReplayCallback":
-        """The trainer's ``RouterReplayCallback`` (for ``micro_batch`` / ``old_policy_forward``)."""
+        """The first ``RouterReplayCallback`` of the trainer, for `micro_batch` / `old_policy_forward`.
+
+        Args:
+            trainer: The running trainer (``self.trainer`` in a LightningModule).
+
+        Raises:
+            LookupError: The trainer has none.
+        """
         for callback in trainer.callbacks:
             if isinstance(callback, RouterReplayCallback):
                 return callback
@@ -148,12 +178,14 @@ class RouterReplayCallback(Callback):
         return self.backend
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Builds the backend for this fit's module (a backend object is kept) and its strict hooks."""
         if not isinstance(self._backend_spec, RouterReplayBackend):
             self.backend = None  # an earlier fit's backend belongs to that fit's module
         self._metrics.new_fit()
         self._ensure_backend(pl_module)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Clears the routes and removes the strict hooks."""
         self._clear()
         for hook in self._strict_hooks:
             hook.remove()
@@ -165,9 +197,11 @@ class RouterReplayCallback(Callback):
         return self._missing.count
 
     def state_dict(self) -> dict[str, Any]:
+        """``batches_without_routes`` and the modes already warned about."""
         return self._missing.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores `state_dict`'s counts (a state without them loads as zero); malformed: ``ValueError``."""
         self._missing.load_state_dict(state_dict)
 
     def _check_installed(self, module: nn.Module, args: Any) -> None:
@@ -179,20 +213,36 @@ class RouterReplayCallback(Callback):
 
     @property
     def layout(self) -> TokenMetadataLayout | None:
-        """Layout of the active routes (None without): a packed / sharded model is fed its tokens in it."""
+        """The layout of the active routes (the micro-batch's inside `micro_batch`), None without:
+        a packed / sharded model must be fed its tokens in it."""
         active = self._micro if self._in_micro else self._step
         return None if active is None else active.layout
 
     def build_layout(self, attention_mask: Tensor) -> TokenMetadataLayout:
-        """Layout of the tokens the routed model sees for a host left-padded ``[B, S]`` mask."""
+        """The layout of the tokens the routed model sees.
+
+        Args:
+            attention_mask: The batch's host left-padded ``[B, S]`` mask.
+
+        Returns:
+            By ``layout_fn``, else the backend's ``build_layout``, else ``padded``; host maths.
+        """
         build = self.layout_fn or getattr(self.backend, "build_layout", TokenMetadataLayout.padded)
         return build(attention_mask)
 
     def align_routes(
         self, routes: PackedTensor, layout: TokenMetadataLayout, layers: tuple[int, ...] | None = None
     ) -> tuple[Tensor, Tensor]:
-        """Dense routes ``[*token_shape, columns, K]`` and replay mask (see
-        `align_routes`): sliced routes stay sliced."""
+        """`r3lightning.replay.modes.align_routes` for this callback's backend.
+
+        Args:
+            routes: Packed ``[columns, top_k]`` rows, one segment per trajectory.
+            layout: The model's token layout (`build_layout`).
+            layers: The decoder layer of each column (None: one per decoder layer).
+
+        Returns:
+            ``(dense [*token_shape, columns, top_k], bool mask [*token_shape])``; no host sync.
+        """
         assert self.backend is not None
         return modes.align_routes(routes, layout, self.backend, layers)
 
@@ -200,11 +250,13 @@ class RouterReplayCallback(Callback):
         layout = self.build_layout(host_attention_mask(batch))
         layers = batch_field(batch, "route_layers")
         layers = None if layers is None else tuple(layers)
-        return modes.Install(layout, *self.align_routes(routes, layout, layers), layers)
+        dense, mask = self.align_routes(routes, layout, layers)
+        return modes.Install(layout, dense, mask, layers)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        """Aligns the batch's routes and installs them (r3); opens the step's counts."""
         backend = self._ensure_backend(pl_module)
         self._clear()
         self._in_step = True
@@ -233,6 +285,7 @@ class RouterReplayCallback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Logs the step's ``router_replay/`` metrics and clears the routes."""
         try:
             if self.mode == "r2" and self._mode is not None and not self._mode.installed_any:
                 self._missing(self.mode, "no old_policy_forward(batch) in this training step recorded routes")
@@ -253,8 +306,24 @@ class RouterReplayCallback(Callback):
 
     @contextmanager
     def micro_batch(self, sub_batch: Any) -> Iterator[TokenMetadataLayout | None]:
-        """Replay ``sub_batch``'s routes (its own, or those r2 recorded for its rows), aligned to its
-        layout, in every forward of the block; yields the layout (None: native). Blocks cannot nest."""
+        """Replays a sub-batch's routes in every forward of the block (recompute included).
+
+        For PPO / GRPO mini- and micro-batches and several passes over one rollout batch: routes
+        aligned to the sub-batch's own layout; on exit the step's install is back. No nesting.
+
+        Args:
+            sub_batch: A cut of the step's batch (``RolloutBatch.split`` / ``chunk`` /
+                ``select``, or a mapping with the same fields): its own ``routed_experts``, or in
+                r2 the routes recorded for its rows.
+
+        Yields:
+            The sub-batch's layout (feed the model its tokens in it), or None when it has no
+            routes: the block routes natively.
+
+        Raises:
+            RuntimeError: Outside a training step of this callback, or inside another block.
+            ValueError: ``strict`` and an r3 sub-batch of a batch with routes has none.
+        """
         if not self._in_step or self.backend is None:
             raise RuntimeError("micro_batch() is only valid inside a training step (with this callback)")
         if self._in_micro:
@@ -276,8 +345,20 @@ class RouterReplayCallback(Callback):
 
     @contextmanager
     def old_policy_forward(self, batch: Any) -> Iterator[None]:
-        """r2: record the experts the old-policy forward over ``batch`` (the step's or a cut of it)
-        uses, for later passes over its rows to replay. r3 / off: nothing."""
+        """r2: records the experts the old-policy forward uses, for later passes over its rows.
+
+        On exit the experts are kept per row of the step's batch, set on ``batch``
+        (``routed_experts``, ``route_layers``) and installed: every later forward over those
+        rows replays them. A no-op in r3 / off and for rows that have routes already.
+
+        Args:
+            batch: The step's batch or a cut of it, which the block's forward covers exactly.
+
+        Raises:
+            RuntimeError: No forward of the routed model ran in the block.
+            ValueError: The forward's token shape is not ``batch``'s layout, or the layout is
+                context-parallel (r2 needs whole sequences on each rank).
+        """
         active = self.mode == "r2" and self._in_step and self.backend is not None
         routes = self._r2.routes_of(batch) if active else None
         if not active or (routes is not None and routes.num_rows > 0):  # r3 / off, or recorded already
@@ -291,7 +372,8 @@ class RouterReplayCallback(Callback):
             self._r2.recording = False
         layout = self.build_layout(host_attention_mask(batch))
         packed = self._r2.keep(recording.routes, layout, batch, self.backend)  # on the layers it routes
-        install = modes.Install(layout, *self.align_routes(packed, layout, self._r2.layers), self._r2.layers)
+        dense, mask = self.align_routes(packed, layout, self._r2.layers)
+        install = modes.Install(layout, dense, mask, self._r2.layers)
         if self._in_micro:
             self._micro = install
             self._in_step_mode().use(install)
@@ -306,8 +388,13 @@ class RouterReplayCallback(Callback):
         return self._mode
 
     def routing_counts(self) -> dict[str, Tensor] | None:
-        """This step's counts so far (`COUNT_KEYS`), int64
-        ``[len(moe_layers)]`` each on device, no sync; None outside a step or without metrics."""
+        """This step's raw counts so far, per MoE layer of the backend.
+
+        Returns:
+            ``{name: int64 [len(moe_layers)]}`` on device for each of `COUNT_KEYS` (``route_rows``,
+            ``replayed_rows``, ``native_hits``, ``used_hits``, ``kept_slots``); no host sync.
+            None outside a training step or with ``log_agreement=False``.
+        """
         if not self._in_step or self._mode is None or not self.log_agreement:
             return None
         return dict(zip(COUNT_KEYS, self._in_step_mode().table().unbind(0), strict=True))

@@ -24,8 +24,28 @@ def expert_load_stats(
     moe_layers: Sequence[int] | None = None,
     route_layers: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
-    """Load of ``routes [rows, num_layers, top_k]`` (or packed) on their device: float32 ``counts [L, E]``,
-    ``tokens``, ``max_over_mean``, ``entropy [L]`` (NaN without rows); host int64 absolute ``layers``."""
+    """How evenly routes spread tokens over the experts, per layer; all-zero (dense) rows skipped.
+
+    Args:
+        routes: Integer ``[rows, columns, top_k]`` (or a ``PackedTensor`` of ``[columns, top_k]``
+            rows), any device.
+        num_experts: Experts per MoE layer (>= 1); ids outside ``[0, num_experts)`` are not
+            counted.
+        moe_layers: The decoder layers to report, among the columns' layers (None: every column).
+        route_layers: The decoder layer of each column of layer-sliced routes (None: column ``i``
+            is layer ``i``).
+
+    Returns:
+        On the routes' device: float32 ``counts [L, E]`` (slots per expert), and ``[L]``
+        ``tokens``, ``max_over_mean`` (1 balanced, up to ``num_experts / top_k``) and
+        normalised ``entropy`` (1 uniform), the last two NaN for a layer without counted rows;
+        and host int64 ``layers [L]``, the absolute layer of each. One ``index_add_`` over all slots; no host
+        sync.
+
+    Raises:
+        ValueError: ``routes`` is not an integer 3-D tensor, ``num_experts`` is not an int >= 1,
+            or ``moe_layers`` names a layer the routes do not hold.
+    """
     values = routes.values if isinstance(routes, PackedTensor) else routes
     if values.dim() != 3 or values.is_floating_point() or values.dtype == torch.bool:
         got = f"{values.dtype} {tuple(values.shape)}"
@@ -54,14 +74,35 @@ def expert_load_stats(
     tokens = slots / top_k
     max_over_mean = counts.amax(-1) / (slots / num_experts)
     p = counts / slots.unsqueeze(-1)
-    entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts) if num_experts > 1 else p.sum(-1)
+    if num_experts > 1:
+        entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts)
+    else:  # one expert: the only distribution is uniform (1 where there are slots)
+        entropy = p.sum(-1)
     entropy = torch.where(slots > 0, entropy, torch.full_like(entropy, float("nan")))
     return dict(counts=counts, tokens=tokens, max_over_mean=max_over_mean, entropy=entropy, layers=layers)
 
 
 class ExpertLoadMonitor(Callback):
-    """Log the engine's expert load of the training batch every N steps (one read-back; ``sync_dist``: a
-    collective); ``num_experts`` / ``moe_layers`` default to a ``RouterReplayCallback``'s backend's."""
+    """Logs how evenly the engine spread the training batch's tokens over the experts, every N steps.
+
+    At the start of steps 0, N, 2N, ... it computes `expert_load_stats` of the batch's
+    ``routed_experts`` on device; at the end of the step it writes ``<prefix>/max_over_mean``,
+    ``max_over_mean_worst``, ``entropy`` and ``entropy_min`` (means and worst over the MoE layers)
+    to the trainer's loggers with one device-to-host read-back.
+
+    Args:
+        num_experts: Experts per MoE layer (None: the ``RouterReplayCallback``'s backend's).
+        every_n_steps: Log every this many global steps (>= 1).
+        moe_layers: The decoder layers to measure (None: the backend's ``moe_layers``, else every
+            route column).
+        log_per_layer: Also log ``<prefix>/layer_XX/max_over_mean`` and ``.../entropy``.
+        prefix: The metric names' prefix.
+        sync_dist: Average the values over ranks first (one collective every rank must join).
+
+    Raises:
+        ValueError: ``every_n_steps`` or ``num_experts`` is not an int >= 1; at the first logged
+            step, no ``num_experts`` and no ``RouterReplayCallback`` to take it from.
+    """
 
     def __init__(
         self,
@@ -97,6 +138,7 @@ class ExpertLoadMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        """Computes the batch's load on device at steps 0, N, 2N, ... (no read-back yet)."""
         step = trainer.global_step
         if step % self.every_n_steps or step == self._last_step:
             return
@@ -109,10 +151,15 @@ class ExpertLoadMonitor(Callback):
         stats = expert_load_stats(routes, num_experts, moe_layers=moe_layers, route_layers=held)
         measured = stats["tokens"] > 0  # [L]: dense layers (all-zero rows) drop out
         count = measured.sum().clamp(min=1)
-        peak, entropy = (torch.where(measured, stats[key], 0.0) for key in ("max_over_mean", "entropy"))
+        peak = torch.where(measured, stats["max_over_mean"], 0.0)
+        entropy = torch.where(measured, stats["entropy"], 0.0)
         lowest = torch.where(measured, entropy, 1.0).amin()
-        values = {"max_over_mean": peak.sum() / count, "max_over_mean_worst": peak.amax()}
-        values |= {"entropy": entropy.sum() / count, "entropy_min": lowest}
+        values = {
+            "max_over_mean": peak.sum() / count,
+            "max_over_mean_worst": peak.amax(),
+            "entropy": entropy.sum() / count,
+            "entropy_min": lowest,
+        }
         if self.log_per_layer:
             for i, layer in enumerate(stats["layers"].tolist()):  # host tensor: no device sync
                 values[f"layer_{layer:02d}/max_over_mean"] = stats["max_over_mean"][i]
@@ -123,6 +170,7 @@ class ExpertLoadMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Writes the pending values to the loggers: one read-back (and a mean over ranks)."""
         if self._pending is None:
             return
         step, names, values = self._pending

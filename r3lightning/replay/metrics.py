@@ -23,10 +23,21 @@ COUNTS = len(COUNT_KEYS)
 def comparison_counts(
     routes: Tensor, mask: Tensor, used: Tensor, layers: Tensor, columns: Tensor | None = None
 ) -> Tensor | None:
-    """``[COUNTS, len(layers)]`` counts comparing ``used [*shape, L, K]`` (forwards joined along the last
-    token axis) on decoder ``layers`` with ``routes [*token_shape, C, K]`` where ``mask``; ``columns``:
-    the routes' column of each of ``layers`` (None: the layers themselves, ``C = L``). None unless
-    the shapes fit."""
+    """Counts comparing the experts some forwards used with the routes they were measured against.
+
+    Args:
+        routes: Integer ``[*token_shape, C, K]`` (off mode: the batch's aligned routes).
+        mask: bool ``[*token_shape]``: the rows with a route.
+        used: Integer ``[*lead, joined, L, K]``: what the forwards used, as ``stop_recording``
+            returns it (several forwards joined along the last token axis).
+        layers: int64 ``[M]`` on ``used``'s device: the decoder layers compared (the MoE layers).
+        columns: int64 ``[M]``: the routes' column of each of ``layers`` (None: the layers
+            themselves, ``C = L``).
+
+    Returns:
+        int64 ``[COUNTS, M]`` on ``used``'s device (route rows times forwards, 0, hits, hits, 0),
+        or None when the shapes do not fit (then nothing can be compared). No host sync.
+    """
     *lead, width = routes.shape[:-2]
     *used_lead, joined = used.shape[:-2]  # forwards joined along the last token axis
     if used_lead != lead or width == 0 or joined % width:
@@ -47,8 +58,20 @@ def comparison_counts(
 def step_metrics(
     table: Tensor, *, top_k: int, layers: tuple[int, ...] | None, soft: bool = False
 ) -> dict[str, Tensor]:
-    """The ratios of counts ``[COUNTS, num_layers]``, per layer for ``layers`` (NaN without route
-    rows); ``soft``: with ``soft_kept_fraction``, the share of replayed slots soft replay kept."""
+    """The ``router_replay/`` ratios of a step's counts.
+
+    Args:
+        table: ``[COUNTS, num_layers]`` counts by absolute decoder layer (floating, so the
+            ratios divide exactly).
+        top_k: Experts per token.
+        layers: The layers to report ``native_agreement/layer_XX`` for (None or empty: none).
+        soft: Also ``soft_kept_fraction``, the share of replayed slots soft replay kept.
+
+    Returns:
+        ``{name: [] tensor}``: ``replayed_fraction`` (0 without route rows),
+        ``native_agreement``, ``used_agreement`` and the per-layer ratios (NaN without route
+        rows). Device arithmetic; no host sync.
+    """
     route_rows, replayed_rows, native_hits, used_hits, kept_slots = table
     rows = route_rows.sum()
     replayed = torch.where(rows > 0, replayed_rows.sum() / rows.clamp(min=1), 0.0)
@@ -66,7 +89,13 @@ def step_metrics(
 
 
 class ReplayMetrics:
-    """One training step's counts on device and their logging (``sync_dist``: one ``all_reduce``)."""
+    """One training step's counts on device and their logging.
+
+    Args:
+        per_layer: Log ``native_agreement/layer_XX`` for every MoE layer of any rank.
+        sync_dist: Sum the counts over all ranks before taking the ratios (one ``all_reduce`` per
+            step, and one ``all_gather_object`` of the MoE layers per fit).
+    """
 
     def __init__(self, *, per_layer: bool, sync_dist: bool) -> None:
         self.per_layer = per_layer
@@ -80,26 +109,49 @@ class ReplayMetrics:
         self._missing_rows: Tensor | None = None  # int64 scalar: route rows marked missing (-1)
 
     def new_fit(self) -> None:
+        """Forget the MoE layers gathered for the last fit (a new module may hold others)."""
         self._layers = None
 
     def start(self, backend: RouterReplayBackend, batch: Any) -> None:
-        """Open a step of ``backend`` on ``batch`` (the counts live on its ``input_ids``' device)."""
+        """Opens a step.
+
+        Args:
+            backend: The backend of the step.
+            batch: The step's batch: the counts live on its ``input_ids``' device (CPU without).
+        """
         if backend is not self.backend:
             self.backend = backend
             self._index = None
         ids = batch_field(batch, "input_ids")
         self.device = ids.device if isinstance(ids, Tensor) else torch.device("cpu")
-        self._table = self._native_loss_tokens = self._missing_rows = None
+        self._table = None
+        self._native_loss_tokens = None
+        self._missing_rows = None
 
     def layer_index(self, device: torch.device) -> Tensor:
+        """The backend's ``moe_layers`` as int64 ``[M]`` on ``device`` (cached: one copy per backend).
+
+        Args:
+            device: Where the index goes.
+
+        Returns:
+            int64 ``[len(moe_layers)]``.
+        """
         assert self.backend is not None
         if self._index is None or self._index.device != device:
             self._index = to_device_async(torch.tensor(self.backend.moe_layers), device)
         return self._index
 
     def column_index(self, layers: tuple[int, ...] | None, device: torch.device) -> Tensor:
-        """int64 ``[len(moe_layers)]`` on ``device``: each MoE layer's column in routes whose columns
-        are decoder ``layers`` (None: the layers themselves)."""
+        """Each MoE layer's column in routes whose columns are decoder ``layers``.
+
+        Args:
+            layers: The decoder layer of each route column (None: column ``i`` is layer ``i``).
+            device: Where the index goes.
+
+        Returns:
+            int64 ``[len(moe_layers)]`` on ``device`` (one non-blocking copy).
+        """
         assert self.backend is not None
         if layers is None:
             return self.layer_index(device)
@@ -107,6 +159,11 @@ class ReplayMetrics:
         return to_device_async(torch.tensor(columns), device)
 
     def add(self, table: Tensor) -> None:
+        """Adds counts ``[COUNTS, len(moe_layers)]`` (from `comparison_counts` or `backend_counts`).
+
+        Args:
+            table: The counts, on any device.
+        """
         self._table = table if self._table is None else self._table + table.to(self._table.device)
 
     def backend_counts(self) -> Tensor:
@@ -122,7 +179,14 @@ class ReplayMetrics:
         return torch.stack([to_device_async(t, self.device).long() for t in counts])
 
     def table(self, *, with_backend: bool) -> Tensor:
-        """``[COUNTS, len(moe_layers)]``: the counts so far (or zeros), plus the backend's if ``with_backend``."""
+        """The step's counts so far.
+
+        Args:
+            with_backend: Add the backend's counts since its last clear (replaying modes).
+
+        Returns:
+            int64 ``[COUNTS, len(moe_layers)]`` on the metrics' device (zeros without counts).
+        """
         assert self.backend is not None
         table = self._table
         if table is None:
@@ -130,19 +194,37 @@ class ReplayMetrics:
         return self.backend_counts() + table.to(self.device) if with_backend else table
 
     def count_native_loss_tokens(self, layout: TokenMetadataLayout, mask: Tensor, batch: Any) -> None:
-        """Loss targets of the step's batch whose logprob row (``t - 1``) is routed natively."""
+        """Counts the loss targets whose logprob row (``t - 1``) is routed natively, on device.
+
+        Args:
+            layout: The layout of the step's routes.
+            mask: bool ``[*token_shape]``: the rows replayed.
+            batch: The step's batch (nothing is counted without its ``loss_mask``).
+        """
         loss_mask = batch_field(batch, "loss_mask")
         if loss_mask is not None:
             target_next = layout.from_batch(loss_mask, next_token=True) > 0
             self._native_loss_tokens = (target_next & ~mask.to(target_next.device)).sum()
 
     def count_missing_rows(self, routes: PackedTensor) -> None:
-        """The step's route rows marked missing (a -1 id; only signed routes can hold one); no sync."""
+        """Counts the step's route rows marked missing, on device; no sync.
+
+        Args:
+            routes: The step's packed routes: a row with a -1 id is missing (only signed dtypes
+                can hold one).
+        """
         if routes.dtype.is_signed:
             self._missing_rows = (routes.values < 0).flatten(1).any(1).sum()
 
     def log(self, pl_module: pl.LightningModule, local: Tensor, *, missing: int | None) -> None:
-        """Log the ratios of ``local``, and ``missing`` with ``native_loss_tokens`` unless None (off mode)."""
+        """Logs the step's ``router_replay/`` metrics through ``pl_module.log``.
+
+        Args:
+            pl_module: The LightningModule being trained.
+            local: This rank's counts ``[COUNTS, len(moe_layers)]``.
+            missing: ``batches_without_routes`` so far: with it, also that count,
+                ``native_loss_tokens`` and ``missing_rows`` (None: off mode, not logged).
+        """
         backend = self.backend
         device = self.device
         assert backend is not None

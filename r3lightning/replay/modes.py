@@ -52,7 +52,8 @@ def align_routes(
         ``(dense, mask)``: ``dense [*token_shape, columns, top_k]`` in the routes' dtype and on
         their device (dummy rows where no route was captured), ``mask [*token_shape]`` bool on the
         same device. Rows marked missing (a -1 id; signed routes only) are masked out and hold
-        dummy ids. No host sync; one page-locked copy of the host mask.
+        dummy ids (the dtype widens if the dummy ids' compact dtype needs it). Host index maths, then non-blocking copies of the gather index and of the host
+        mask (page-locked) to the device; no host sync.
 
     Raises:
         ValueError: The rows' shape does not match ``layers`` (or ``num_layers``), or ``layers``
@@ -92,7 +93,12 @@ def align_routes(
 
 
 class Replaying:
-    """r3 / r2: the forwards replay the active install, or route natively without one."""
+    """r3 / r2: the forwards replay the active install, or route natively without one.
+
+    Args:
+        backend: The backend that installs the routes.
+        metrics: The step's metrics (None: nothing is counted).
+    """
 
     def __init__(self, backend: RouterReplayBackend, metrics: ReplayMetrics | None) -> None:
         self.backend = backend
@@ -100,6 +106,12 @@ class Replaying:
         self.installed_any = False
 
     def use(self, install: Install | None) -> None:
+        """Makes ``install`` the routes of the following forwards.
+
+        Args:
+            install: The routes to install (replacing any), or None: bank the backend's counts
+                in the metrics and clear it, so the forwards route natively.
+        """
         if install is not None:
             install_routes(self.backend, install.routes, install.mask, install.layers)
             self.installed_any = True
@@ -109,6 +121,14 @@ class Replaying:
         self.backend.clear()
 
     def table(self, *, reopen: bool = True) -> Tensor | None:
+        """The step's counts so far, the backend's included.
+
+        Args:
+            reopen: Unused here (`Comparing` takes it).
+
+        Returns:
+            int64 ``[COUNTS, len(moe_layers)]``, or None without metrics.
+        """
         return None if self.metrics is None else self.metrics.table(with_backend=True)
 
 
@@ -119,6 +139,11 @@ class Comparing(Replaying):
     _open: Install | None = None  # the install the forwards are recorded against
 
     def use(self, install: Install | None) -> None:
+        """Compares the forwards recorded against the open install, then records against ``install``.
+
+        Args:
+            install: The routes the following forwards are compared with (None: none).
+        """
         if self.metrics is None:
             return
         opened = self._open
@@ -139,13 +164,24 @@ class Comparing(Replaying):
             self.backend.start_recording()
 
     def table(self, *, reopen: bool = True) -> Tensor | None:
-        """Compare the forwards recorded so far; ``reopen``: the recording goes on for later ones."""
+        """Compares the forwards recorded so far.
+
+        Args:
+            reopen: The recording goes on for later forwards (False at the step's end).
+
+        Returns:
+            int64 ``[COUNTS, len(moe_layers)]``, or None without metrics.
+        """
         self.use(self._open if reopen else None)
         return None if self.metrics is None else self.metrics.table(with_backend=False)
 
 
 class OldPolicyRecorder:
-    """r2: the routes one step's old-policy forwards recorded, kept per row of ``step_batch``."""
+    """r2: the routes one step's old-policy forwards recorded, kept per row of the step's batch.
+
+    Args:
+        step_batch: The step's batch (None: outside a step).
+    """
 
     def __init__(self, step_batch: Any = None) -> None:
         self.step_batch = step_batch
@@ -154,16 +190,33 @@ class OldPolicyRecorder:
         self.recording = False
 
     def rows_in_step(self, batch: Any) -> Tensor | None:
-        """Host positions of ``batch``'s rows in the step's batch (None: not a cut of it)."""
+        """Where a batch's rows sit in the step's batch.
+
+        Args:
+            batch: The step's batch, or a cut of it with ``rows_in(step_batch)``.
+
+        Returns:
+            int64 host ``[len(batch)]`` positions, or None when ``batch`` is not a cut of it.
+        """
         if batch is self.step_batch:
             return torch.arange(len(batch_field(batch, "attention_mask")))
         rows_in = getattr(batch, "rows_in", None)
         return rows_in(self.step_batch) if callable(rows_in) and self.step_batch is not None else None
 
     def routes_of(self, batch: Any) -> PackedTensor | None:
-        """``batch.routed_experts``, else the routes recorded for all its rows (then set on it)."""
+        """The routes of a batch or a cut of it.
+
+        Args:
+            batch: The step's batch or a cut of it.
+
+        Returns:
+            ``batch.routed_experts``; else, when every row of ``batch`` was recorded, those rows
+            packed (and set on ``batch`` with ``route_layers``); else None.
+        """
         routes = batch_field(batch, "routed_experts")
-        rows = None if routes is not None or not self.rows else self.rows_in_step(batch)
+        if routes is not None or not self.rows:  # its own routes, or nothing recorded yet
+            return routes
+        rows = self.rows_in_step(batch)
         if rows is None or not all(int(r) in self.rows for r in rows):
             return routes
         routes = PackedTensor.from_segments([self.rows[int(r)] for r in rows])
@@ -173,7 +226,23 @@ class OldPolicyRecorder:
     def keep(
         self, recorded: Tensor, layout: TokenMetadataLayout, batch: Any, backend: RouterReplayBackend
     ) -> PackedTensor:
-        """Pack one forward's ``recorded [*token_shape, L, K]`` per trajectory; set on ``batch``, kept."""
+        """Packs one old-policy forward's experts per trajectory and keeps them per row.
+
+        Args:
+            recorded: int32 ``[*token_shape, L, K]``: what the forward over ``batch`` used.
+            layout: ``batch``'s layout (the forward's token shape).
+            batch: The batch the forward covered: its ``routed_experts`` and ``route_layers`` are
+                set.
+            backend: The backend that recorded them: only its ``moe_layers`` columns are kept.
+
+        Returns:
+            The packed routes, ``[columns, K]`` rows per trajectory on the recording's device.
+            One gather of the real tokens' rows (and of the MoE columns); no host sync.
+
+        Raises:
+            ValueError: ``recorded`` does not have the layout's token shape, or the layout is
+                context-parallel.
+        """
         if tuple(recorded.shape[:-2]) != layout.token_shape:
             got = tuple(recorded.shape[:-2])
             expected = layout.token_shape
@@ -194,7 +263,11 @@ class OldPolicyRecorder:
 
 
 class MissingRoutes:
-    """Steps with routes expected but none replayed: counted per step, warned once per mode or raised."""
+    """Steps with routes expected but none replayed: counted per step, warned once per mode or raised.
+
+    Args:
+        strict: Raise ``ValueError`` instead of counting and warning.
+    """
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict
@@ -203,6 +276,12 @@ class MissingRoutes:
         self.warned: set[str] = set()
 
     def __call__(self, mode: str, reason: str) -> None:
+        """Counts this step once (warns once per mode), or raises ``ValueError`` when ``strict``.
+
+        Args:
+            mode: The callback's mode (``"r3"`` / ``"r2"``): the warning names the engine flag in r3.
+            reason: What is missing, for the message.
+        """
         if self.strict:
             flag = f"; start the rollout engine with {ENGINE_ROUTES_FLAG}" if mode == "r3" else ""
             raise ValueError(f"RouterReplayCallback(mode={mode!r}, strict=True): {reason}{flag}")
@@ -216,9 +295,11 @@ class MissingRoutes:
             rank_zero_warn(f"RouterReplayCallback(mode={mode!r}): {reason}{hint}")
 
     def state_dict(self) -> dict[str, Any]:
+        """``batches_without_routes`` and the modes already warned about."""
         return {"batches_without_routes": self.count, "warned": sorted(self.warned)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores `state_dict`'s values (absent: 0 and none); ``ValueError`` naming a malformed one."""
         count = state.get("batches_without_routes", 0)
         warned = state.get("warned", [])
         check_int("RouterReplayCallback state: batches_without_routes", count, 0)

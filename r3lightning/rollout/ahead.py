@@ -30,9 +30,18 @@ logger = logging.getLogger(__name__)
 
 
 def may_collect(step: int, requested: int, max_staleness: int) -> bool:
-    """Whether rollouts of ``step`` may start once the trainer has asked for step ``requested``
-    (so weights of version ``requested`` or newer are on the engine): trained at step ``step``,
-    they are then at most ``max_staleness`` versions old."""
+    """Whether rollouts of ``step`` may start once the trainer has asked for step ``requested``: the
+    weights of version ``requested`` or newer are then on the engine, so trained at step ``step``
+    they are at most ``max_staleness`` versions old.
+
+    Args:
+        step: The step to collect.
+        requested: The latest step the trainer asked for.
+        max_staleness: `AheadConfig.max_staleness`.
+
+    Returns:
+        ``step - requested <= max_staleness``.
+    """
     return step - requested <= max_staleness
 
 
@@ -51,6 +60,10 @@ class RolloutWorker:
         served: ``trainer step -> the weight version pushed for it`` (None: unknown), recorded on
             trajectories whose engine reports no version; on-policy it is also checked against
             the version an engine reports (see ``RolloutCollector.collect_async``).
+
+    Raises:
+        TypeError: ``buffer`` is not a `StreamingReplayBuffer`.
+        ValueError: The buffer's ``ahead`` is below what ``config.max_staleness`` lets wait.
     """
 
     def __init__(

@@ -185,7 +185,9 @@ class RemoteGenerateClient:
         sockets cannot be closed from here (close the client before its loop ends)."""
         session = self._session
         loop = self._loop
-        self._session = self._slots = self._loop = None
+        self._session = None
+        self._slots = None
+        self._loop = None
         self._watch.reset()
         if session is None or session.closed or loop is None:
             return
@@ -240,12 +242,31 @@ class RemoteGenerateClient:
         session_id: str | None = None,
         cache_salt: str | None = None,
     ) -> RemoteGenerateResult:
-        """Generate a continuation of ``prompt_token_ids`` with ``sampling_params`` (passed as is).
+        """Generate a continuation of ``prompt_token_ids``, retrying transient failures per ``retry``.
 
-        With ``return_routed_experts``: exactly ``P - start + G - 1`` route rows from token
-        ``start = routed_experts_prompt_start`` on, else [`MalformedResponseError`][r3lightning.wire.errors.MalformedResponseError] (absent
-        rows: it names the engine flag ``--enable-return-routed-experts``). Raises
-        `GenerateRequestError`, [`MalformedResponseError`][r3lightning.wire.errors.MalformedResponseError] or `RetriesExhaustedError`.
+        The body is built and parsed on the host (large bodies off the event loop); routes stay host
+        arrays in a compact dtype. Call from the event loop that owns the client.
+
+        Args:
+            prompt_token_ids: The prompt's ids (a sequence, ndarray or tensor of ints >= 0).
+            sampling_params: Passed as given (`SamplingConfig.wire_params` spells them per protocol).
+            return_routed_experts: Ask for routes: exactly ``P - start + G - 1`` rows from token
+                ``start = routed_experts_prompt_start`` on, else a `MalformedResponseError` (absent rows
+                name the engine flag ``--enable-return-routed-experts``).
+            routed_experts_prompt_start: The first prompt token whose row is wanted (a multi-turn
+                trace's ``prompt_start``); at most the prompt length.
+            session_id: Sent as the ``X-Session-ID`` header.
+            cache_salt: Sent as ``cache_salt``, the engine's prefix-cache salt.
+
+        Returns:
+            The parsed result, with ``attempts`` set.
+
+        Raises:
+            ValueError: A bad prompt or start, or SGLang routes without ``num_layers`` and ``top_k``.
+            GenerateRequestError: The engine rejected the request (4xx other than 408 / 429).
+            MalformedResponseError: The response breaks the protocol or the route rules.
+            RetriesExhaustedError: Every attempt failed transiently (or the engine hung).
+            RuntimeError: Another running event loop owns the client.
         """
         sglang = "sglang" in (self.protocol, self.engine)
         if return_routed_experts and sglang and None in (self.routes.num_layers, self.routes.top_k):

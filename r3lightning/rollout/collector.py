@@ -8,7 +8,7 @@ import functools
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,19 +20,18 @@ from r3lightning.checks import check_setting
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.config import CollectorConfig, route_schema
+from r3lightning.rollout.dispatch import StepDispatch, build_clients, gather_or_cancel
 from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.episode import Episode, plain_call, run_episode, single_turn
-from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, sampling_seed, score_value
+from r3lightning.rollout.prompts import RewardFn, RolloutPrompt, SamplingConfig, score_value
 from r3lightning.rollout.stats import (
     CollectedRollouts,
     EnginesUnavailableError,
     GroupsDroppedError,
     StepCounters,
-    outage,
     reduce_step_stats,
 )
 from r3lightning.rollout.trace import RoutedExpertTrace
-from r3lightning.wire.errors import RetriesExhaustedError
 from r3lightning.wire.request import RouteSchema
 
 if TYPE_CHECKING:
@@ -45,18 +44,6 @@ T = TypeVar("T")
 
 # One group's rewards, float64 [group_size] in sample order, -> their advantages [group_size]
 AdvantageFn = Callable[[Tensor], Tensor]
-
-
-async def _gather_or_cancel(work: Iterable[Awaitable[T]]) -> list[T]:
-    """``asyncio.gather`` that cancels (and awaits) the other tasks when one fails, then raises."""
-    jobs = [asyncio.ensure_future(w) for w in work]
-    try:
-        return await asyncio.gather(*jobs)
-    except BaseException:
-        for job in jobs:  # gather leaves the others running
-            job.cancel()
-        await asyncio.gather(*jobs, return_exceptions=True)
-        raise
 
 
 def _record_version(episode: Episode, served: int | None, step: int) -> None:
@@ -79,7 +66,8 @@ class RolloutCollector:
     Each prompt is sampled ``config.group_size`` times; the group's rewards become advantages
     through ``advantages``, and every sample becomes a [`Trajectory`][r3lightning.data.trajectory.Trajectory]
     with its routes. Under ``torch.distributed`` every rank collects only its own block of whole
-    groups. Cost per step: host-side only, and one all-reduce of a few scalars; no device sync.
+    groups. Cost per step: host-side work, and two all-reduces of a few float64s (`collect_async`).
+    One step at a time: the clients serve one event loop at a time.
 
     Args:
         engines: Engine URLs (each gets a [`RemoteGenerateClient`][r3lightning.rollout.client.RemoteGenerateClient]
@@ -131,24 +119,8 @@ class RolloutCollector:
                 "request_routes=True needs the route schema: schema=RouteSchema(num_layers, top_k, "
                 "num_experts) or the model's config"
             )
-        if isinstance(engines, str | RemoteGenerateClient):
-            engines = [engines]
-        if not engines:
-            raise ValueError("engines must name at least one engine URL or client")
         options = {"protocol": config.protocol, "schema": self.schema, **(client_options or {})}
-        self.clients: list[RemoteGenerateClient] = []
-        for engine in engines:
-            if isinstance(engine, str):
-                engine = RemoteGenerateClient(engine, **options)
-                engine.max_connections = config.max_in_flight
-            elif not isinstance(engine, RemoteGenerateClient):
-                raise TypeError(
-                    f"engines: expected a URL or a RemoteGenerateClient, got {type(engine).__name__}"
-                )
-            self.clients.append(engine)
-        urls = [c.base_url for c in self.clients]
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"engines: each URL at most once, got {urls}")
+        self.clients = build_clients(engines, options, config.max_in_flight)
         self.reward_fn = reward_fn
         self.advantages = advantages
         self.environments = reward_fn if isinstance(reward_fn, Environments) else None
@@ -159,8 +131,19 @@ class RolloutCollector:
 
     @staticmethod
     def assigned_groups(num_groups: int, rank: int, world_size: int) -> range:
-        """The global indices of the groups rank ``rank`` collects: a contiguous block, the same
-        size on every rank (so every rank trains the same number of steps)."""
+        """The global indices of the groups one rank collects: a contiguous block, the same size on
+        every rank, so every rank trains the same number of steps.
+
+        Args:
+            num_groups: The step's groups (one per prompt).
+            rank, world_size: The rank and the size of the data-parallel group.
+
+        Returns:
+            ``range(rank * per_rank, (rank + 1) * per_rank)``.
+
+        Raises:
+            ValueError: ``num_groups`` does not divide evenly by ``world_size``.
+        """
         if num_groups % world_size:
             raise ValueError(
                 f"the step's {num_groups} prompts (groups) must divide evenly among {world_size} ranks, "
@@ -177,7 +160,17 @@ class RolloutCollector:
         buffer: ReplayBuffer | None = None,
         weight_version: int | None = None,
     ) -> CollectedRollouts:
-        """Synchronous `collect_async` (on its own event loop)."""
+        """`collect_async` run to its end on a new event loop, which closes the clients' sessions.
+
+        Args:
+            prompts, step, buffer, weight_version: As for `collect_async`.
+
+        Returns:
+            This rank's `CollectedRollouts`.
+
+        Raises:
+            RuntimeError: Called inside a running event loop (await `collect_async` there).
+        """
         work = functools.partial(
             self.collect_async, prompts, step=step, buffer=buffer, weight_version=weight_version
         )
@@ -208,11 +201,33 @@ class RolloutCollector:
         buffer: ReplayBuffer | None = None,
         weight_version: int | None = None,
     ) -> CollectedRollouts:
-        """Collect this rank's groups of step ``step`` and add them to ``buffer`` (if given).
-        ``prompts``: the step's global list, the same on every rank; group ``g`` samples
-        ``prompts[g]``. ``weight_version``: the policy version the engines were synced to, recorded on
-        every trajectory whose engine reports none (vLLM), checked against the one an engine reports. A failure on any rank raises on every rank (after the stats'
-        all-reduce)."""
+        """Collect this rank's groups of one step and add them to ``buffer``.
+
+        Under ``torch.distributed`` every rank must call it with the same ``prompts``; a failure on any
+        rank raises on every rank, after the stats' all-reduces (others raise ``OtherRankFailedError``).
+        Host-side work only, plus two all-reduces of a few float64s (with NCCL on the current GPU, read
+        back: a sync).
+
+        Args:
+            prompts: The step's global list, the same on every rank: group ``g`` samples ``prompts[g]``
+                ``config.group_size`` times. Token id lists are wrapped as `RolloutPrompt`.
+            step: The RL step (>= 0), hashed into every sampling seed.
+            buffer: Where the trajectories go (None: only returned).
+            weight_version: The policy version the engines were synced to (>= 0): recorded on every
+                trajectory whose engine reports none (vLLM), checked against the one an engine reports.
+
+        Returns:
+            ``trajectories`` group after group, the global ``groups`` they sample, and the step's
+            global ``stats``.
+
+        Raises:
+            ValueError: A bad ``step`` or ``weight_version``, a prompt count that does not divide among
+                the ranks, or a reward or advantage that is not a finite number.
+            EnginesUnavailableError: Every engine exhausted its retries within the step.
+            GroupsDroppedError: With environments, every group was dropped by a failing turn.
+            RuntimeError: An engine answered with weights other than ``weight_version``.
+            RemoteGenerateError: A request the engine rejected or answered malformed.
+        """
         check_setting("step", step, low=0, integer=True)
         check_setting("weight_version", weight_version, low=0, integer=True, optional=True)
         items = [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
@@ -252,8 +267,6 @@ class RolloutCollector:
         show: bool,
         weight_version: int | None,
     ) -> list[Trajectory]:
-        slots = asyncio.Semaphore(self.config.max_in_flight)
-        out: dict[int, BaseException] = {}  # engine index -> the error that took it out this step
         from tqdm.auto import tqdm  # a transitive dependency, slow to import: only when collecting
 
         total = len(groups) * self.config.group_size
@@ -261,41 +274,17 @@ class RolloutCollector:
             total=total, desc=f"rollout step {step}", leave=False, disable=not show, dynamic_ncols=True
         )
         envs = self.environments
+        dispatch = StepDispatch(
+            self.clients,
+            self.sampling,
+            seed=self.config.seed,
+            step=step,
+            max_in_flight=self.config.max_in_flight,
+            request_routes=self.config.request_routes,
+            counters=counters,
+        )
+        generate = dispatch.generate
         dropped: dict[int, Exception] = {}  # group -> the error that dropped it
-
-        async def generate(group: int, index: int, tokens: list[int], turn: int, start: int | None):
-            seed = sampling_seed(self.config.seed, step, group, index, turn)
-            while True:
-                async with slots:
-                    engine = group % len(self.clients)
-                    if engine in out:  # only the groups of an engine that is out move
-                        up = [e for e in range(len(self.clients)) if e not in out]
-                        if not up:
-                            raise EnginesUnavailableError(
-                                step, {self.clients[e].base_url: out[e] for e in sorted(out)}
-                            )
-                        engine = up[group % len(up)]
-                    client = self.clients[engine]
-                    counters.requests += 1
-                    try:
-                        result = await client.generate(
-                            tokens,
-                            self.sampling.wire_params(client.protocol, seed),
-                            return_routed_experts=self.config.request_routes,
-                            routed_experts_prompt_start=start,
-                        )
-                    except RetriesExhaustedError as exc:
-                        counters.attempts += exc.attempts
-                        counters.engine_errors += 1
-                        if engine not in out:
-                            out[engine] = exc
-                            logger.warning(
-                                f"rollout engine {client.base_url} is out for step {step}: {outage(exc)}; "
-                                "its requests go to the other engines"
-                            )
-                        continue
-                counters.attempts += result.attempts
-                return result
 
         async def sample(group: int, index: int) -> Episode:
             prompt = prompts[group]
@@ -314,7 +303,7 @@ class RolloutCollector:
 
         async def whole_group(group: int) -> list[Episode]:
             try:
-                return await _gather_or_cancel(sample(group, j) for j in range(self.config.group_size))
+                return await gather_or_cancel(sample(group, j) for j in range(self.config.group_size))
             except Exception as exc:
                 if envs is None or isinstance(exc, EnginesUnavailableError):
                     raise
@@ -324,7 +313,7 @@ class RolloutCollector:
                 return []
 
         try:
-            kept = await _gather_or_cancel(whole_group(g) for g in groups)
+            kept = await gather_or_cancel(whole_group(g) for g in groups)
         finally:
             bar.close()
         if groups and not any(kept):
@@ -341,7 +330,7 @@ class RolloutCollector:
                 _record_version(episode, weight_version, step)
                 layers = self.schema and self.schema.layers
                 trajectories.append(episode.trajectory(advantage, layers, drop_missing=drop_missing))
-        counters.engines_out = len(out)
+        counters.engines_out = len(dispatch.out)
         return trajectories
 
     def _group_advantages(self, rewards: Tensor) -> Tensor:

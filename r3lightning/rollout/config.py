@@ -32,6 +32,15 @@ class Backoff:
         check_setting("jitter", self.jitter, low=0, high=1)
 
     def delay(self, retry: int, rng: random.Random) -> float:
+        """The delay before one retry.
+
+        Args:
+            retry: The retry's number, from 1.
+            rng: The jitter's source (the client's own).
+
+        Returns:
+            Seconds: ``min(cap_s, base_s * 2**(retry - 1))`` less up to ``jitter`` of it.
+        """
         delay = min(self.cap_s, self.base_s * 2.0 ** (retry - 1))
         return delay * (1.0 - self.jitter * rng.random())
 
@@ -147,10 +156,21 @@ class AheadConfig:
 def route_schema(
     model_config: RouteSchema | Mapping[str, Any] | Any, *, layers: Sequence[int] | None = None
 ) -> RouteSchema:
-    """The route schema of a ``RouteSchema`` (as is) or a Hugging Face config or its dict
-    (``num_hidden_layers``, dense layers included, ``num_experts_per_tok``, and ``num_experts``,
-    ``num_local_experts`` or ``n_routed_experts``; a multimodal config's ``get_text_config()``),
-    keeping only decoder layers ``layers`` when given (a pipeline stage's)."""
+    """The route schema of a model.
+
+    Args:
+        model_config: A `RouteSchema` (returned as is), or a Hugging Face config or its dict:
+            ``num_hidden_layers`` (dense layers included), ``num_experts_per_tok``, and
+            ``num_experts``, ``num_local_experts`` or ``n_routed_experts``; a multimodal config's
+            ``get_text_config()`` is used.
+        layers: Keep only these decoder layers' routes (a pipeline stage's).
+
+    Returns:
+        The schema.
+
+    Raises:
+        ValueError: A config without those fields as positive ints, or bad ``layers``.
+    """
     if isinstance(model_config, RouteSchema):
         return model_config if layers is None else replace(model_config, layers=layers)
     if hasattr(model_config, "get_text_config"):

@@ -21,32 +21,84 @@ class Environment(Protocol):
     environment's ``tokenizer``); ``step`` takes the turn's ids (its text with
     ``response_format = "text"``); either may be ``async``. The rewards of the turns add up."""
 
-    def reset(self, prompt: RolloutPrompt) -> Observation | Awaitable[Observation]: ...
+    def reset(self, prompt: RolloutPrompt) -> Observation | Awaitable[Observation]:
+        """Start an episode.
 
-    def step(self, response: list[int] | str) -> StepResult | Awaitable[StepResult]: ...
+        Args:
+            prompt: The collector's prompt of this trajectory.
+
+        Returns:
+            The first observation: token ids, or chat messages rendered with ``self.tokenizer``
+            (at least one token).
+        """
+
+    def step(self, response: list[int] | str) -> StepResult | Awaitable[StepResult]:
+        """Answer one turn.
+
+        Args:
+            response: The turn's generated ids, or their text with ``response_format = "text"``.
+
+        Returns:
+            ``(observation, reward, done, info)``: the next observation (ids or chat messages,
+            appended with loss mask 0), the turn's reward (a finite number), whether the episode
+            ends (a bool), and anything else.
+        """
 
 
 class TextEnvironment:
     """A single-turn task as a one-turn environment: ``reset`` gives the prompt's ids, ``step``
-    scores the response with ``score(prompt, response_ids)`` and ends the trajectory."""
+    scores the response with ``score(prompt, response_ids)`` and ends the trajectory. One instance
+    per trajectory (it keeps the prompt).
+
+    Args:
+        score: ``(prompt, response_ids) -> float``.
+    """
 
     def __init__(self, score: Callable[[RolloutPrompt, list[int]], float]) -> None:
         self.score = score
         self.prompt: RolloutPrompt | None = None
 
     def reset(self, prompt: RolloutPrompt) -> list[int]:
+        """Keep ``prompt`` for `step`.
+
+        Args:
+            prompt: The trajectory's prompt.
+
+        Returns:
+            ``prompt.token_ids``.
+        """
         self.prompt = prompt
         return prompt.token_ids
 
     def step(self, response: list[int]) -> StepResult:
+        """Score the response and end the episode.
+
+        Args:
+            response: The generated ids.
+
+        Returns:
+            ``([], score(prompt, response), True, {})``.
+
+        Raises:
+            RuntimeError: Called before `reset`.
+        """
         if self.prompt is None:
             raise RuntimeError("TextEnvironment.step before reset")
         return [], self.score(self.prompt, response), True, {}
 
 
 def text_environment(compute_score: Callable[..., Any], tokenizer: Any) -> functools.partial[TextEnvironment]:
-    """Factory of one-turn environments scoring decoded responses with a verl-style ``compute_score``
-    (as the collector's single turns would), sharing one `TextReward` (``factory.args[0]``)."""
+    """A factory of one-turn environments that score decoded responses with a verl-style
+    ``compute_score``, as the collector's single turns would.
+
+    Args:
+        compute_score: ``(data_source, solution_str, ground_truth, extra_info=None) -> float | dict``.
+        tokenizer: Decodes responses (``skip_special_tokens=True``).
+
+    Returns:
+        A ``functools.partial`` building a `TextEnvironment`; every environment shares one
+        `TextReward` (``factory.args[0]``).
+    """
     reward = TextReward(compute_score, functools.partial(tokenizer.decode, skip_special_tokens=True))
     return functools.partial(TextEnvironment, reward)
 

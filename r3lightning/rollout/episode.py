@@ -54,7 +54,16 @@ class Episode:
     def trajectory(
         self, advantage: float, route_layers: tuple[int, ...] | None = None, *, drop_missing: bool = False
     ) -> Trajectory:
-        """Its ``Trajectory``; ``drop_missing``: out of the loss (loss mask 0) if a route row is missing."""
+        """The episode as a `Trajectory`.
+
+        Args:
+            advantage: Its group's advantage for this sample.
+            route_layers: The decoder layers the routes hold (None: all).
+            drop_missing: Take it out of the loss (loss mask 0) when a route row is missing (-1).
+
+        Returns:
+            The trajectory (its validation runs, with the route check).
+        """
         dropped = drop_missing and self.routes is not None and bool((self.routes < 0).any())  # -1: missing
         return Trajectory(
             self.prompt_ids,
@@ -69,16 +78,33 @@ class Episode:
         )
 
     def extend(self, ids: list[int], mask: float, logprobs: Sequence[float] | None) -> None:
-        """Append tokens with one loss-mask value and their logprobs. None: sampled tokens get NaN
-        (the engine sent none: a 0.0 would read as probability 1 in a PPO ratio or an IS weight),
-        observed tokens 0 (no engine sampled them)."""
+        """Append tokens with one loss-mask value and their logprobs.
+
+        Args:
+            ids: The tokens.
+            mask: 1.0 for sampled tokens, 0.0 for observed ones.
+            logprobs: One per token, or None: sampled tokens then get NaN (a 0.0 would read as
+                probability 1 in a PPO ratio or an IS weight), observed tokens 0.
+        """
         self.response_ids += ids
         self.loss_mask += [mask] * len(ids)
         missing = math.nan if mask else 0.0
         self.logprobs += [missing] * len(ids) if logprobs is None else list(logprobs)
 
     def record(self, trace: RoutedExpertTrace | None, prefix: int, result: RemoteGenerateResult) -> list[int]:
-        """Append one generation over ``prefix`` tokens: its tokens, logprobs, routes and route bytes."""
+        """Append one generation: its tokens, logprobs, routes and route bytes.
+
+        Args:
+            trace: Where the routes go (None: none requested).
+            prefix: The tokens the generation continued.
+            result: The engine's answer; its weight version lowers the episode's (the oldest counts).
+
+        Returns:
+            The response ids as Python ints.
+
+        Raises:
+            ValueError: Routes of the wrong row count or schema (from the trace).
+        """
         response = [int(t) for t in result.response_ids]
         routes = result.routed_experts
         if trace is not None:
@@ -93,21 +119,49 @@ class Episode:
         return response
 
     def finish(self, trace: RoutedExpertTrace | None) -> Episode:
+        """Finalize the routes over the whole trajectory.
+
+        Args:
+            trace: The trace of its turns (None: no routes).
+
+        Returns:
+            ``self``, with ``routes`` ``[captured, L, K]`` set.
+        """
         if trace is not None:
             self.routes = trace.finalize(len(self.prompt_ids) + len(self.response_ids))
         return self
 
 
 async def plain_call(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, awaited when it returns an awaitable."""
+    """Call a reward function or environment method, awaiting the result when it is awaitable.
+
+    Args:
+        fn: The callable, sync or async.
+        *args: Its arguments.
+
+    Returns:
+        Its result.
+    """
     value = fn(*args)
     return await value if inspect.isawaitable(value) else value
 
 
 async def bounded_call(timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` (an environment's ``reset`` or ``step``, sync or async) within ``timeout_s``,
-    else a ``TimeoutError`` naming it. A sync call runs in a daemon thread, so a hang cannot hold
-    the event loop; an async one is cancelled."""
+    """An environment's ``reset`` or ``step`` (sync or async) within a deadline. A sync call runs in
+    a daemon thread so a hang cannot hold the event loop (a thread that never returns is left
+    behind); an async one is cancelled.
+
+    Args:
+        timeout_s: The deadline, in seconds.
+        fn: The method.
+        *args: Its arguments.
+
+    Returns:
+        Its result.
+
+    Raises:
+        TimeoutError: Past the deadline, naming the method.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     try:
@@ -135,10 +189,27 @@ async def run_episode(
     where: str = "trajectory",
     timeout_s: float | None = None,
 ) -> Episode:
-    """Run one trajectory of ``env`` from ``prompt`` (``trace`` None: no routes requested);
-    ``call(method, *args)`` runs an environment method, or `bounded_call` within
-    ``timeout_s`` when given. Host-side only; one request per turn; a failure (engine,
-    environment, routes, a timeout) raises and leaves the trace unfinished."""
+    """Run one trajectory of ``env`` from ``prompt``, one request per turn; host-side only.
+
+    Args:
+        env: A fresh environment.
+        prompt: The collector's prompt.
+        generate: ``(prefix ids, turn, first route row or None) -> result``.
+        max_turns: The most generations.
+        trace: Captures the routes turn by turn (None: none requested).
+        call: Runs an environment method (`plain_call`, or the collector's thread pool).
+        where: Names the trajectory in errors.
+        timeout_s: Bound each environment call with `bounded_call` instead of ``call``.
+
+    Returns:
+        The finished episode.
+
+    Raises:
+        ValueError: An empty first observation, a malformed ``step`` result, a non-bool ``done``,
+            a bad reward, or routes that break the trace's rules.
+        TimeoutError: An environment call past ``timeout_s``.
+        RemoteGenerateError: From ``generate``; the trace is left unfinished.
+    """
     if timeout_s is not None:
         call = functools.partial(bounded_call, timeout_s)
     episode = Episode(_token_ids(env, await call(env.reset, prompt), f"{where}: reset()"))
@@ -171,7 +242,17 @@ async def run_episode(
 def single_turn(
     prompt: RolloutPrompt, result: RemoteGenerateResult, reward: float, trace: RoutedExpertTrace | None
 ) -> Episode:
-    """The episode of a single-turn rollout: one generation, already scored."""
+    """The episode of a single-turn rollout: one generation, already scored.
+
+    Args:
+        prompt: The prompt.
+        result: The engine's answer.
+        reward: The score of the response.
+        trace: Captures the routes (None: none requested).
+
+    Returns:
+        The finished episode.
+    """
     episode = Episode(prompt.token_ids, turn_rewards=[reward])
     episode.record(trace, len(prompt.token_ids), result)
     return episode.finish(trace)

@@ -19,9 +19,16 @@ class EngineHungError(RetryableGenerateError):
 
 
 class HealthWatch:
-    """Runs attempts while ``probe()`` (the ``/health`` status; None without an answer, while any
-    status, even 404, means alive) is polled per ``policy``; bound to the event loop it first runs
-    on until `reset`. Cost: one small request per interval per engine, only while attempts wait."""
+    """Runs attempts while ``probe()`` is polled per ``policy``, and ends them when the engine stops
+    answering. Bound to the event loop it first runs on until `reset`; not thread-safe. Cost: one
+    small request per interval per engine, only while attempts wait.
+
+    Args:
+        probe: Returns the ``/health`` status, or None without an answer (any status, even 404,
+            means alive).
+        policy: ``health_interval_s`` (None: no probing), ``health_timeout_s`` and
+            ``health_failures``.
+    """
 
     def __init__(self, probe: Callable[[], Awaitable[int | None]], policy: RetryPolicy) -> None:
         self.probe = probe
@@ -40,7 +47,17 @@ class HealthWatch:
         self.reset()
 
     async def run(self, attempt: Awaitable[T]) -> T:
-        """``attempt``'s result, or `EngineHungError` once the probes declare the engine hung."""
+        """Await one attempt under the watch.
+
+        Args:
+            attempt: The attempt's awaitable (cancelled when the engine is declared hung).
+
+        Returns:
+            ``attempt``'s result.
+
+        Raises:
+            EngineHungError: ``policy.health_failures`` probes in a row got no answer.
+        """
         if self.policy.health_interval_s is None:
             return await attempt
         if self._hung is None or self._hung.done():

@@ -41,18 +41,28 @@ _MAX_SEED = 2**31 - 1  # what every engine accepts as a sampling seed
 
 
 def sampling_seed(seed: int, step: int, group: int, sample: int = 0, turn: int = 0) -> int:
-    """The sampling seed of turn ``turn`` of sample ``sample`` of group ``group`` at RL step
-    ``step``, in ``[0, 2**31 - 1)``: a hash, so seeds of different steps or groups never collide
-    in a pattern. Turn 0 hashes the first four alone (single-turn seeds predate turns)."""
+    """One request's sampling seed in ``[0, 2**31 - 1)`` (what every engine accepts), hashed so that
+    seeds of different steps or groups never collide in a pattern (turn 0 hashes the first four).
+
+    Args:
+        seed, step, group, sample, turn: The collector's seed and the request's coordinates.
+    """
     fields = (seed, step, group, sample) if turn == 0 else (seed, step, group, sample, turn)
     digest = hashlib.blake2b(struct.pack(f"<{len(fields)}q", *fields), digest_size=8).digest()
     return int.from_bytes(digest, "little") % _MAX_SEED
 
 
 def token_id_list(values: Any, what: str, *, allow_empty: bool = False) -> list[int]:
-    """``values`` (a sequence, ndarray or tensor of ids) as Python ints, what JSON needs; a
-    ``ValueError`` naming ``what`` unless each is an integer >= 0 (and, unless ``allow_empty``,
-    there is one)."""
+    """Token ids as Python ints, what JSON needs.
+
+    Args:
+        values: A sequence, ndarray or tensor of integer ids >= 0 (bools refused).
+        what: Names the value in the error.
+        allow_empty: Accept no ids.
+
+    Raises:
+        ValueError: Anything else, naming ``what``.
+    """
     ids = None
     if not isinstance(values, str | bytes):
         try:
@@ -139,7 +149,11 @@ class SamplingConfig:
                 raise ValueError(f"{name} must be {expected}, got {getattr(self, name)!r}")
 
     def wire_params(self, protocol: str, seed: int) -> dict[str, Any]:
-        """The request's ``sampling_params`` in ``protocol``'s field names."""
+        """The request's ``sampling_params`` in ``protocol``'s names, ``extra`` merged last.
+
+        Args:
+            protocol, seed: As for `engine_sampling_params`.
+        """
         fields = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos")
         params = engine_sampling_params(protocol, seed=seed, **{f: getattr(self, f) for f in fields})
         return {**params, **self.extra}
@@ -166,8 +180,15 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def score_value(value: Any, where: str) -> float:
-    """The reward of a ``reward_fn`` result: a real number, or the ``score`` entry of a mapping;
-    a ``ValueError`` naming ``where`` for anything else (NaN, inf, text, several numbers)."""
+    """The reward of a ``reward_fn`` result, within float32 range (batches carry rewards as float32).
+
+    Args:
+        value: A real number, or a mapping with a ``score`` entry.
+        where: Names the sample in the error.
+
+    Raises:
+        ValueError: Anything else: NaN, inf, text, several numbers, a mapping without ``score``.
+    """
     if isinstance(value, Mapping):
         if "score" not in value:
             raise ValueError(
@@ -188,7 +209,11 @@ def score_value(value: Any, where: str) -> float:
 
 
 def callable_name(fn: Any) -> str:
-    """``fn``'s qualified name, through a ``functools.partial`` (Hydra's ``_partial_: true``)."""
+    """``fn``'s qualified name, through a ``functools.partial`` (Hydra's ``_partial_: true``).
+
+    Args:
+        fn: Any callable.
+    """
     target = getattr(fn, "func", fn)
     return getattr(target, "__qualname__", None) or type(target).__name__
 
@@ -197,8 +222,13 @@ _TIMED_OUT = object()
 
 
 def in_daemon_thread(fn: Callable[..., Any], *args: Any, name: str = "r3-reward") -> futures.Future:
-    """``fn(*args)`` started in a fresh daemon thread (~0.1 ms to start), as a future: a caller can
-    stop waiting for it, and a call that never returns is left behind without blocking the exit."""
+    """A future of ``fn(*args)`` started in a fresh daemon thread (~0.1 ms to start): a caller can
+    stop waiting, and a call that never returns is left behind without blocking the exit.
+
+    Args:
+        fn, *args: The call.
+        name: The thread's name.
+    """
     done: futures.Future = futures.Future()
 
     def run() -> None:
@@ -224,11 +254,20 @@ def _bounded_call(fn: Callable[..., Any], timeout_s: float | None, *args: Any) -
 
 
 class GuardedReward:
-    """``score(prompt, response_ids)`` made safe inside a collection (thread-safe): a result that
-    is not a real number (or ``{"score": number}``), or a scorer that raises (when
-    ``errors_score_zero``), scores 0 and counts in ``reward/failures``; one still running after
-    ``timeout_s`` seconds scores 0 and counts in ``reward/timeouts``; each kind is logged once per
-    run. A mapping's other real entries are averaged per key into ``reward/<key>``."""
+    """``score(prompt, response_ids)`` made safe inside a collection (thread-safe): a non-number result
+    or a raising scorer (if ``errors_score_zero``) scores 0 and counts in ``reward/failures``, one
+    running past ``timeout_s`` seconds scores 0 and counts in ``reward/timeouts`` (each logged once
+    per run). A mapping's ``score`` is the reward; its other real entries average into ``reward/<key>``.
+
+    Args:
+        score: The scorer, sync.
+        timeout_s: Seconds a call may take, run in a daemon thread (None: inline, unbounded).
+        errors_score_zero: Score a raising scorer 0 instead of raising.
+        name: Names the scorer in logs (default: its qualified name).
+
+    Raises:
+        ValueError: ``timeout_s`` not a number > 0 or None.
+    """
 
     def __init__(
         self,
@@ -295,9 +334,16 @@ class GuardedReward:
 
 
 class TextReward(GuardedReward):
-    """A `GuardedReward` of a verl-style ``compute_score(data_source, solution_str,
-    ground_truth, extra_info=None)`` on the response decoded by ``decode`` (e.g. a tokenizer's):
-    one bad row never ends a run."""
+    """A `GuardedReward` of a verl-style scorer on the decoded response: one bad row never ends a run.
+
+    Args:
+        compute_score: ``(data_source, solution_str, ground_truth, extra_info=None) -> score``.
+        decode: ``response_ids -> text`` (e.g. a tokenizer's ``decode``).
+        timeout_s: As for `GuardedReward`.
+
+    Raises:
+        TypeError: ``compute_score`` is not callable.
+    """
 
     def __init__(
         self,
@@ -321,7 +367,15 @@ text_reward = TextReward  # the spelling of verl recipes
 
 
 def as_messages(prompt: Any, *, where: str) -> list[dict[str, str]]:
-    """verl's chat messages as they are; a plain string becomes one user message."""
+    """verl's chat messages as they are; a plain string becomes one user message.
+
+    Args:
+        prompt: A string or a non-empty list of ``{"role", "content"}`` string mappings.
+        where: Names the prompt in the error.
+
+    Raises:
+        ValueError: Anything else.
+    """
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if not (isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt)):
@@ -335,7 +389,11 @@ def as_messages(prompt: Any, *, where: str) -> list[dict[str, str]]:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """``apply_chat_template(messages, add_generation_prompt=True)`` as a plain list of ids."""
+    """``apply_chat_template(messages, add_generation_prompt=True)`` as a plain list of ids.
+
+    Args:
+        tokenizer, messages: A Hugging Face tokenizer and the chat.
+    """
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]

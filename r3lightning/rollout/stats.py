@@ -64,7 +64,17 @@ class RolloutStats:
 
 
 class GroupsDroppedError(RuntimeError):
-    """Every group of a step was dropped by a failing turn; ``errors``: each group's error."""
+    """Every group of a step was dropped by a failing environment turn.
+
+    Raised by `RolloutCollector.collect_async` when environments are used and no group survived.
+
+    Args:
+        step: The RL step.
+        errors: Each dropped group's error (the message names the first group's).
+
+    Attributes:
+        errors: ``group -> error``.
+    """
 
     def __init__(self, step: int, errors: Mapping[int, BaseException]):
         group, first = next(iter(sorted(errors.items(), key=lambda item: item[0])))
@@ -81,8 +91,13 @@ class OtherRankFailedError(RuntimeError):
 
 @dataclass
 class CollectedRollouts:
-    """This rank's share of one step: ``trajectories`` group after group (``group_size`` each),
-    ``groups`` the global index of each, and the step's global ``stats``."""
+    """This rank's share of one step, as `RolloutCollector.collect_async` returns it.
+
+    Args:
+        trajectories: This rank's trajectories, group after group (``group_size`` each).
+        groups: The global index of each of this rank's groups, in order.
+        stats: The step's statistics over every rank.
+    """
 
     trajectories: list[Trajectory]
     groups: list[int]
@@ -90,8 +105,19 @@ class CollectedRollouts:
 
 
 class EnginesUnavailableError(RemoteGenerateError):
-    """Every engine of the collector exhausted its retries within one step; ``errors`` maps each
-    engine's URL to the error that took it out (one short clause each in the message)."""
+    """Every engine of the collector exhausted its retries within one step.
+
+    Raised by `RolloutCollector.collect_async` (on every rank) once the last engine still up is
+    out; a `RemoteGenerateError`, so ``except RemoteGenerateError`` catches it.
+
+    Args:
+        step: The RL step.
+        errors: Each engine's URL and the `RetriesExhaustedError` that took it out; the message
+            has one short clause per engine.
+
+    Attributes:
+        errors: ``url -> error``.
+    """
 
     def __init__(self, step: int, errors: Mapping[str, BaseException]):
         detail = "; ".join(f"{url}: {outage(err)}" for url, err in errors.items())
@@ -100,7 +126,14 @@ class EnginesUnavailableError(RemoteGenerateError):
 
 
 def outage(error: BaseException) -> str:
-    """Why an engine is out, in a clause: ``HTTP 503 after 5 attempt(s)``, ``timed out ...``, etc."""
+    """Why an engine is out, in a clause: ``HTTP 503 after 5 attempt(s)``, ``timed out ...``, etc.
+
+    Args:
+        error: Usually a `RetriesExhaustedError`; its ``last_error`` and that error's cause decide.
+
+    Returns:
+        The clause.
+    """
     last = getattr(error, "last_error", error)
     cause = last.__cause__
     if getattr(last, "status", None) is not None:
@@ -129,7 +162,12 @@ class StepCounters:
     turns: list[list[float]] = field(default_factory=list)
 
     def add_turns(self, rewards: list[float], route_bytes: list[int]) -> None:
-        """Count one kept trajectory's turns."""
+        """Count one kept trajectory's turns.
+
+        Args:
+            rewards: Its reward per turn.
+            route_bytes: The route payload bytes received per turn.
+        """
         self.turns += [[0.0, 0.0, 0.0] for _ in range(len(rewards) - len(self.turns))]
         for k, (reward, size) in enumerate(zip(rewards, route_bytes, strict=True)):
             self.turns[k] = [a + b for a, b in zip(self.turns[k], (1, reward, size), strict=True)]
@@ -146,9 +184,25 @@ def reduce_step_stats(
     world_size: int,
     group: Any = None,
 ) -> RolloutStats:
-    """The step's statistics over every rank of ``group`` (one SUM and one MAX all-reduce of a
-    few float64s when ``world_size > 1``). Raises `OtherRankFailedError` when another
-    rank reported ``failed`` and this one did not."""
+    """The step's statistics over every rank of ``group``.
+
+    Args:
+        step: The RL step.
+        num_groups: The step's groups over all ranks.
+        trajectories: This rank's kept trajectories.
+        counters: This rank's counters.
+        seconds: This rank's collection time.
+        failed: Whether collection failed on this rank.
+        world_size: Ranks in ``group``; 1 reduces nothing.
+        group: The process group (None: the world).
+
+    Returns:
+        The statistics, equal on every rank. Cost with ``world_size > 1``: one MAX and one SUM
+        all-reduce of a few float64s (on the current GPU with NCCL, read back: a sync).
+
+    Raises:
+        OtherRankFailedError: Another rank reported ``failed`` and this one did not.
+    """
     c = counters
     rewards = [t.reward for t in trajectories]
     lengths = sum(t.response_length for t in trajectories)

@@ -33,8 +33,13 @@ def _as_host_array(name: str, rows: object) -> np.ndarray:
 
 class TokenMetadataTrace:
     """Rows ``[rows, *row_shape]`` of one trajectory's per-token metadata, appended in token order
-    (``row_shape`` from the constructor or the first append) by reference; `finalize` makes
-    the one copy, in the widest integer width appended."""
+    by reference; `finalize` makes the one copy, in the widest integer width appended. Host
+    memory only; one trajectory, one thread.
+
+    Args:
+        row_shape: The shape of one row (None: the first append fixes it).
+        name: What the rows are called in errors.
+    """
 
     def __init__(self, row_shape: Sequence[int] | None = None, *, name: str = "rows") -> None:
         self.name = name
@@ -67,7 +72,15 @@ class TokenMetadataTrace:
         return array
 
     def append(self, rows: ArrayLike) -> None:
-        """Rows for the next ``len(rows)`` tokens, kept by reference (no copy)."""
+        """Rows for the next ``len(rows)`` tokens, kept by reference (no copy).
+
+        Args:
+            rows: ``[n, *row_shape]`` ndarray or tensor (a device tensor is copied to the host: a sync).
+
+        Raises:
+            ValueError: A 0-d array, another row shape, another integer kind, or bfloat16.
+            RuntimeError: The trace is finalized.
+        """
         self._store(self._validated(rows))
 
     def _store(self, array: np.ndarray) -> None:
@@ -83,9 +96,24 @@ class TokenMetadataTrace:
         loss_mask: Sequence[float] | np.ndarray | torch.Tensor | None = None,
         strict: bool = False,
     ) -> torch.Tensor:
-        """The rows as one host tensor ``[num_rows <= token_count, *row_shape]``, once (a ``ValueError``
-        leaves the trace open). Sets ``uncaptured_rows`` and, from ``loss_mask`` (nonzero = target),
-        ``uncaptured_loss_targets``: targets whose row ``t - 1`` is missing (``strict``: an error)."""
+        """The rows as one host tensor, once; a ``ValueError`` leaves the trace open.
+
+        Sets ``uncaptured_rows`` (tokens without a row) and, from ``loss_mask``,
+        ``uncaptured_loss_targets``: loss targets ``t`` whose row ``t - 1`` was never captured.
+
+        Args:
+            token_count: Tokens of the whole trajectory (at least the rows captured).
+            loss_mask: One entry per token (nonzero: a loss target), or None.
+            strict: Raise instead of counting a loss target without its row.
+
+        Returns:
+            ``[num_rows <= token_count, *row_shape]`` in the widest dtype appended (one concatenation).
+
+        Raises:
+            ValueError: More rows than tokens, a ``loss_mask`` of the wrong length, or (``strict``) a
+                loss target without its row.
+            RuntimeError: Already finalized.
+        """
         self._check_open()
         token_count = _count("token_count", token_count)
         if self.num_rows > token_count:
@@ -124,7 +152,7 @@ class TokenMetadataTrace:
 
 class RoutedExpertTrace(TokenMetadataTrace):
     """Routes ``[rows, num_layers, top_k]`` of one multi-turn trajectory, recorded generation by
-    generation. Send :attr:`prompt_start` with each request so the engine returns rows from there
+    generation. Send ``prompt_start`` with each request so the engine returns rows from there
     on. Host memory only.
 
     Args:
@@ -156,9 +184,20 @@ class RoutedExpertTrace(TokenMetadataTrace):
     def record_generation(
         self, prompt_token_count: int, generated_token_count: int, routed_experts: ArrayLike | None
     ) -> None:
-        """One generation over a prompt of ``P`` tokens (the whole trajectory so far) giving ``G``:
-        ``routed_experts`` has exactly ``P - prompt_start + G - 1`` rows (None or empty when ``G == 0``)
-        of ids in ``[0, num_experts)``. On error the trace is unchanged."""
+        """Record one generation's routes; on error the trace is unchanged.
+
+        Args:
+            prompt_token_count: ``P``, the tokens the generation continued (the whole trajectory so
+                far, at least the tokens recorded).
+            generated_token_count: ``G``, the tokens it generated.
+            routed_experts: Exactly ``P - prompt_start + G - 1`` rows ``[rows, L, K]`` of ids in
+                ``[0, num_experts)`` (-1: a row the engine lost); None or empty when ``G == 0``.
+
+        Raises:
+            ValueError: A count that is not an int >= 0, a prompt shorter than the trajectory, missing
+                routes, the wrong row count, shape or dtype, or an id out of range.
+            RuntimeError: The trace is finalized.
+        """
         self._check_open()
         prompt = _count("prompt_token_count", prompt_token_count)
         generated = _count("generated_token_count", generated_token_count)

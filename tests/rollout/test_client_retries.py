@@ -17,13 +17,10 @@ from gloo_ranks import free_port
 from loopback import hung_engine
 from rollout_support import FAST, PROMPT, check_result, generate, make_client
 
-from r3lightning import (
-    RemoteGenerateClient,
-    RetriesExhaustedError,
-    RetryableGenerateError,
-)
+from r3lightning import RemoteGenerateClient
 from r3lightning.rollout.client import _retry_after
 from r3lightning.rollout.config import Backoff, RetryPolicy
+from r3lightning.wire.errors import RetriesExhaustedError, RetryableGenerateError
 
 # ------------------------------------------------------------------ retries
 

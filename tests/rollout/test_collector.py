@@ -15,17 +15,10 @@ from loopback import served_in_thread
 from rollout_support import PROMPTS, SCHEMA, collect, prompt_reward
 from rollout_support import make_collector as make
 
-from r3lightning import (
-    ReplayBuffer,
-    RolloutCollector,
-    RolloutPrompt,
-    SamplingConfig,
-    sampling_seed,
-    text_reward,
-)
+from r3lightning import DataOptions, ReplayBuffer, RolloutCollector, RolloutPrompt, SamplingConfig
 from r3lightning.app.job.grpo import GRPOAdvantages
-from r3lightning.data.datamodule import DataOptions
 from r3lightning.rollout.config import CollectorConfig
+from r3lightning.rollout.prompts import sampling_seed, text_reward
 from r3lightning.wire.request import RouteSchema
 
 

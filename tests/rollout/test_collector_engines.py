@@ -12,8 +12,9 @@ from fault_server import FaultServer, Slow, Status
 from loopback import hung_engine
 from rollout_support import PROMPTS, SCHEMA, collect
 
-from r3lightning import EnginesUnavailableError, GenerateRequestError
+from r3lightning import EnginesUnavailableError
 from r3lightning.rollout.config import RetryPolicy
+from r3lightning.wire.errors import GenerateRequestError
 
 
 async def test_an_engine_answering_500_is_out_for_the_step_and_its_groups_go_to_the_other(caplog):

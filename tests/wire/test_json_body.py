@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from route_samples import distinct_routes, naive_decode
 
-from r3lightning import MalformedResponseError, decode_routes, encode_routes
+from r3lightning import MalformedResponseError
 from r3lightning.wire import json_body
+from r3lightning.wire.codec import decode_routes, encode_routes
 from r3lightning.wire.json_body import JsonBody, read_capped, unescaped
 
 TRICKY_STRINGS = [

@@ -12,13 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from route_samples import distinct_routes, naive_decode
 
-from r3lightning import MalformedResponseError, decode_routes, encode_routes
+from r3lightning import MalformedResponseError
 from r3lightning.wire.codec import (
     compact_dtype,
     decode_array,
     decode_flat_routes,
     decode_npy_routes,
+    decode_routes,
     encode_flat_routes,
+    encode_routes,
 )
 
 NAMES = {np.uint8: "uint8", np.int16: "int16", np.int32: "int32"}

@@ -33,6 +33,17 @@ class CalculatorReward(TokenClassReward):
     """The answer's score (``reward=calculator``): `TokenClassReward` of ``(a + b) % num_classes``."""
 
     def target_class(self, prompt_ids: Sequence[int]) -> int:
+        """The class the answer must hold: ``(a + b) % num_classes`` of the prompt's operands.
+
+        Args:
+            prompt_ids: A calculator prompt: it ends with the two operand ids and ``ASK``.
+
+        Returns:
+            The sum's class, in ``[0, num_classes)``.
+
+        Raises:
+            ValueError: The prompt does not end with two operand ids and ``ASK``.
+        """
         return _answer(prompt_ids, self.first_token, self.num_classes)
 
 
@@ -40,7 +51,20 @@ class CalculatorTask:
     """Prompts of the calculator task and its environments (``make_environment``).
 
     Token ids: operands ``[first_token, first_token + num_classes)``, then ``ASK``, ``CALL``,
-    ``RESULT``, then fillers up to ``vocab_size``. ``max_turns``: generations per trajectory.
+    ``RESULT``, then fillers up to ``vocab_size``.
+
+    Args:
+        vocab_size: The model's vocabulary size; fillers are drawn above ``RESULT``.
+        num_classes: Operand values (and answers) are in ``[0, num_classes)``.
+        prompt_length: Prompt ids: fillers, the two operands and ``ASK`` (at least 3).
+        response_length: Answer ids the reward scores (at least 1).
+        first_token: The id of operand 0; the ids below it (pad, bos, eos) never appear in
+            prompts.
+        call_reward: The reward of a trajectory's first calculator call.
+        max_turns: Generations per trajectory (at least 1).
+
+    Raises:
+        ValueError: A size out of range, naming its ``task.*`` key.
     """
 
     def __init__(
@@ -56,14 +80,28 @@ class CalculatorTask:
         check_calculator(
             vocab_size, num_classes, prompt_length, response_length, first_token, call_reward, max_turns
         )
-        self.vocab_size, self.num_classes = vocab_size, num_classes
-        self.prompt_length, self.response_length = prompt_length, response_length
-        self.first_token, self.call_reward, self.max_turns = first_token, float(call_reward), max_turns
+        self.vocab_size = vocab_size
+        self.num_classes = num_classes
+        self.prompt_length = prompt_length
+        self.response_length = response_length
+        self.first_token = first_token
+        self.call_reward = float(call_reward)
+        self.max_turns = max_turns
+        # the three control tokens follow the operand ids
         self.ask_token = first_token + num_classes
-        self.call_token, self.result_token = self.ask_token + 1, self.ask_token + 2
+        self.call_token = self.ask_token + 1
+        self.result_token = self.ask_token + 2
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
-        """``num_prompts`` prompts of ``prompt_length`` ids (host tensors only)."""
+        """Random prompts: fillers, two operands, ``ASK``. Host tensors only.
+
+        Args:
+            num_prompts: How many prompts.
+            generator: The random source; the same generator state gives the same prompts.
+
+        Returns:
+            ``num_prompts`` lists of ``prompt_length`` token ids.
+        """
         shape = (num_prompts, self.prompt_length - 3)
         fillers = torch.randint(self.result_token + 1, self.vocab_size, shape, generator=generator)
         operands = torch.randint(0, self.num_classes, (num_prompts, 2), generator=generator)
@@ -71,23 +109,58 @@ class CalculatorTask:
         return torch.cat([fillers, operands + self.first_token, ask], dim=1).tolist()
 
     def make_environment(self, score: Callable[[RolloutPrompt, list[int]], float]) -> CalculatorEnvironment:
-        """One trajectory's environment; ``score(prompt, answer_ids)`` rates the final answer."""
+        """The environment of one trajectory.
+
+        Args:
+            score: Rates the final answer: ``score(prompt, answer_ids) -> reward``.
+
+        Returns:
+            A new `CalculatorEnvironment`.
+        """
         return CalculatorEnvironment(self, score)
 
 
 class CalculatorEnvironment:
-    """The calculator tool of `CalculatorTask` for one trajectory (ids in, ids out)."""
+    """The calculator tool of `CalculatorTask` for one trajectory (ids in, ids out).
+
+    Args:
+        task: The task (its token ids and rewards).
+        score: Rates the final answer: ``score(prompt, answer_ids) -> reward``.
+    """
 
     def __init__(self, task: CalculatorTask, score: Callable[[RolloutPrompt, list[int]], float]) -> None:
-        self.task, self.score = task, score
+        self.task = task
+        self.score = score
         self.prompt: RolloutPrompt | None = None
         self.calls = 0
 
     def reset(self, prompt: RolloutPrompt) -> list[int]:
-        self.prompt, self.calls = prompt, 0
+        """Starts the trajectory of ``prompt``.
+
+        Args:
+            prompt: The prompt; its ids end with the two operands and ``ASK``.
+
+        Returns:
+            The first observation: the prompt's token ids.
+        """
+        self.prompt = prompt
+        self.calls = 0
         return prompt.token_ids
 
     def step(self, response: list[int]) -> tuple[list[int], float, bool, dict[str, int]]:
+        """One turn: a response holding ``CALL`` calls the calculator, any other is the answer.
+
+        Args:
+            response: The turn's generated token ids.
+
+        Returns:
+            ``(observation, reward, done, info)``. A call: ``[RESULT, first_token + sum]``, the
+            ``call_reward`` for the first call (0 after), not done. An answer: no ids, its
+            score (0 before any call), done. ``info`` counts the ``calls`` so far.
+
+        Raises:
+            RuntimeError: Called before `reset`.
+        """
         if self.prompt is None:
             raise RuntimeError("CalculatorEnvironment.step before reset")
         task = self.task

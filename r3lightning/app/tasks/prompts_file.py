@@ -17,8 +17,7 @@ import torch
 from r3lightning.app.tasks.settings import check_prompts_file
 from r3lightning.rollout.prompts import RolloutPrompt, as_messages, chat_prompt_ids
 
-__all__ = ["Columns", "PromptsFileTask", "load_tokenizer", "lookup",
-           "read_rows"]  # fmt: skip
+__all__ = ["Columns", "PromptsFileTask", "load_tokenizer", "lookup", "read_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,22 @@ Overlong = Literal["drop", "truncate_left", "truncate_right"]
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Every row of a ``.parquet`` or ``.jsonl`` / ``.json`` (one object per line) file, as dicts."""
+    """Every row of a dataset file.
+
+    Cost: the whole file is read into memory.
+
+    Args:
+        path: A ``.parquet`` file, or a ``.jsonl`` / ``.json`` file of one JSON object per line
+            (blank lines are skipped); ``~`` is expanded.
+
+    Returns:
+        One dict per row, in file order.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ImportError: A parquet file without pyarrow installed (the message names the extra).
+        ValueError: Another suffix, or a line that is not a JSON object (naming its number).
+    """
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"task.path: no such file: {path}")
@@ -58,7 +72,13 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 @dataclass(frozen=True)
 class Columns:
     """Where a row keeps each field (``task.columns.*``); dotted paths reach into nested columns.
-    A missing ``data_source`` column gives ``""``; ``extra_info=None`` passes no extra info."""
+
+    Args:
+        prompt: The chat messages (or a plain string) to prompt with; required.
+        data_source: The row's data source, given to the scorer; a missing column gives ``""``.
+        ground_truth: The answer the scorer compares with; required.
+        extra_info: A mapping of extra fields given to the scorer; None passes none.
+    """
 
     prompt: str = "prompt"
     data_source: str = "data_source"
@@ -67,8 +87,21 @@ class Columns:
 
 
 def lookup(row: Mapping[str, Any], key: str, *, where: str, field: str | None = None) -> Any:
-    """``row[a][b]`` for ``key="a.b"``; a missing column is None, or for a required ``field`` of
-    `Columns` a ``ValueError`` naming the row, the column, the setting and the row's columns."""
+    """The value of a (possibly nested) column of a row.
+
+    Args:
+        row: One row of the file.
+        key: The column; ``"a.b"`` is ``row["a"]["b"]``.
+        where: The row, as error messages name it (``"train.jsonl row 3"``).
+        field: The `Columns` field a required column comes from; None: the column is optional.
+
+    Returns:
+        The value; None for a missing optional column.
+
+    Raises:
+        ValueError: A required column is missing; the message names the row, the column, the
+            ``task.columns.*`` setting and the row's columns.
+    """
     value: Any = row
     for part in key.split("."):
         if not isinstance(value, Mapping) or part not in value:
@@ -84,7 +117,17 @@ def lookup(row: Mapping[str, Any], key: str, *, where: str, field: str | None = 
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """A tokenizer from a local checkpoint directory; never a hub download."""
+    """A tokenizer from a local checkpoint directory; never a hub download.
+
+    Args:
+        path: The checkpoint directory; ``~`` is expanded.
+
+    Returns:
+        ``AutoTokenizer.from_pretrained(path, local_files_only=True)``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory.
+    """
     from transformers import AutoTokenizer
 
     path = Path(path).expanduser()
@@ -95,9 +138,30 @@ def load_tokenizer(path: str | Path) -> Any:
 
 class PromptsFileTask:
     """The prompts of one dataset file, tokenised, served in reproducible shuffled epochs (the
-    job's ``task=prompts_file``, whose config comments each argument). ``tokenizer``: an object or
-    a local checkpoint directory; prompts over ``max_prompt_length`` ids are dropped, or keep
-    their last (``truncate_left``) or first (``truncate_right``) ids, counted and logged."""
+    job's ``task=prompts_file``).
+
+    Cost: the whole file is read and every prompt tokenised when the task is built.
+
+    Args:
+        path: The dataset file (`read_rows`).
+        tokenizer: A tokenizer object, or a local checkpoint directory holding one; prompts get
+            its chat template.
+        columns: Where a row keeps each field: a `Columns`, or a mapping of its fields; None:
+            verl's layout.
+        max_prompt_length: The most ids of a tokenised prompt; a longer prompt is handled as
+            ``overlong`` says (counted and logged).
+        response_length: The most tokens generated per response.
+        overlong: ``drop`` a longer prompt, or keep its last (``truncate_left``) or first
+            (``truncate_right``) ``max_prompt_length`` ids.
+        shuffle: Serve each epoch of the file in a new permutation, from ``seed``; False: file
+            order.
+        seed: The permutations' seed.
+
+    Raises:
+        ValueError: A setting out of range, no tokenizer, a row without a required column, or
+            no usable prompt in the file.
+        FileNotFoundError: ``path`` or a tokenizer directory that does not exist.
+    """
 
     def __init__(
         self,
@@ -117,11 +181,17 @@ class PromptsFileTask:
                 "task.tokenizer: a prompts file needs the model's tokenizer; set model=hf_checkpoint "
                 "model.path=DIR (the default) or task.tokenizer=DIR"
             )
-        columns = Columns(**columns) if isinstance(columns, Mapping) else columns or Columns()
+        if isinstance(columns, Mapping):
+            columns = Columns(**columns)
+        elif columns is None:
+            columns = Columns()
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str | Path) else tokenizer
         self.path = Path(path).expanduser()
-        self.response_length, self.shuffle, self.seed = int(response_length), bool(shuffle), int(seed)
-        self.dropped = self.truncated = 0
+        self.response_length = int(response_length)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.dropped = 0  # prompts over max_prompt_length left out (overlong=drop)
+        self.truncated = 0  # prompts over max_prompt_length cut to it
         self.records: list[RolloutPrompt] = []
         self.rows: list[int] = []  # file row of each record (before any drop)
         rows = read_rows(self.path)
@@ -136,9 +206,12 @@ class PromptsFileTask:
                 self.truncated += 1
                 ids = ids[-max_prompt_length:] if overlong == "truncate_left" else ids[:max_prompt_length]
             source = lookup(row, columns.data_source, where=where)
-            extra = None if columns.extra_info is None else lookup(row, columns.extra_info, where=where)
             truth = lookup(row, columns.ground_truth, where=where, field="ground_truth")
-            extra = extra if isinstance(extra, dict) else {}
+            extra = None
+            if columns.extra_info is not None:
+                extra = lookup(row, columns.extra_info, where=where)
+            if not isinstance(extra, dict):
+                extra = {}  # missing, or not a mapping: the scorer gets no extra info
             self.records.append(RolloutPrompt(ids, "" if source is None else str(source), truth, extra))
             self.rows.append(index)
         if not self.records:
@@ -156,25 +229,57 @@ class PromptsFileTask:
         return len(self.records)
 
     def epoch_order(self, epoch: int) -> list[int]:
-        """The record indices of ``epoch`` in serving order: a permutation seeded by ``(seed, epoch)``."""
+        """The record indices of one epoch of the file, in serving order.
+
+        Args:
+            epoch: The epoch (0 first).
+
+        Returns:
+            A permutation of the record indices seeded by ``(seed, epoch)``; without
+            ``shuffle``, file order.
+        """
         if not self.shuffle:
             return list(range(len(self.records)))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(len(self.records), generator=generator).tolist()
 
     def prompts_for_step(self, step: int, num_prompts: int) -> list[RolloutPrompt]:
-        """Positions ``[step * num_prompts, (step + 1) * num_prompts)`` of the epoch sequence; a step
-        that crosses an epoch's end continues into the next permutation."""
-        order, n = functools.cache(self.epoch_order), len(self.records)  # one permutation per epoch
-        positions = range(step * num_prompts, (step + 1) * num_prompts)
-        return [self.records[order(p // n)[p % n]] for p in positions]
+        """The prompts of one RL step: a pure function of ``(seed, step)``, so a resumed run
+        neither repeats nor skips a prompt.
+
+        Args:
+            step: The RL step.
+            num_prompts: Prompts per step.
+
+        Returns:
+            Positions ``[step * num_prompts, (step + 1) * num_prompts)`` of the epochs' serving
+            orders laid end to end: a step that crosses an epoch's end continues into the next
+            permutation.
+        """
+        order = functools.cache(self.epoch_order)  # each permutation the step reaches, drawn once
+        size = len(self.records)
+        prompts = []
+        for position in range(step * num_prompts, (step + 1) * num_prompts):
+            epoch, offset = divmod(position, size)
+            prompts.append(self.records[order(epoch)[offset]])
+        return prompts
 
     @property
     def stop_token_ids(self) -> list[int]:
         """The tokenizer's end-of-sequence id(s): sent to the engine as stop conditions."""
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+        if eos is None:
+            return []
+        eos_ids = eos if isinstance(eos, list | tuple) else [eos]  # some tokenizers have several
+        return [int(e) for e in eos_ids]
 
     def decode(self, response_ids: Sequence[int]) -> str:
-        """The response's text as the reward sees it (special tokens skipped)."""
+        """The response's text as the reward sees it.
+
+        Args:
+            response_ids: The response's token ids.
+
+        Returns:
+            The decoded text, special tokens skipped.
+        """
         return self.tokenizer.decode(list(response_ids), skip_special_tokens=True)

@@ -27,10 +27,24 @@ Reward = Callable[[Sequence[int], Sequence[int]], float]  # (prompt_ids, respons
 
 
 class ScoredTask:
-    """A task's prompts with the reward that scores them (``task`` and ``reward`` config keys): a
-    task with ``decode`` (a dataset) by a verl-style ``compute_score`` (`TextReward`: a
-    scorer that raises scores 0), any other by ``reward(prompt_ids, response_ids)`` (an exception
-    ends the run). A scorer still running after ``timeout_s`` seconds scores 0 either way."""
+    """A task's prompts with the reward that scores them (the ``task`` and ``reward`` config keys).
+
+    A task with ``decode`` (a dataset) is scored by a verl-style ``compute_score`` on the decoded
+    text (`TextReward`: a scorer that raises scores 0); any other by ``reward(prompt_ids,
+    response_ids)`` (an exception ends the run). A scorer still running after ``timeout_s``
+    seconds scores 0 either way.
+
+    Args:
+        prompts: The task: it has ``sample_prompts(num_prompts, generator)`` or
+            ``prompts_for_step(step, num_prompts)``, and may have ``decode`` (a text task),
+            ``make_environment`` and ``max_turns`` (a multi-turn task).
+        reward: The scorer: ``reward(prompt_ids, response_ids) -> float``, or a verl-style
+            ``compute_score`` for a task with ``decode``.
+        timeout_s: Seconds a scorer call may take; None: no limit.
+
+    Raises:
+        TypeError: ``prompts`` has neither prompt method, or ``reward`` is not callable.
+    """
 
     def __init__(self, prompts: Any, reward: Reward, *, timeout_s: float | None = 60.0) -> None:
         if not any(callable(getattr(prompts, name, None)) for name in ("sample_prompts", "prompts_for_step")):
@@ -43,7 +57,8 @@ class ScoredTask:
                 f"reward must be callable as reward(prompt_ids, response_ids) -> float, got "
                 f"{type(reward).__name__} (for a function that takes more keywords add _partial_: true)"
             )
-        self.prompts, self.score = prompts, reward
+        self.prompts = prompts
+        self.score = reward
         decode = getattr(prompts, "decode", None)
         if callable(decode):
             self.guarded: GuardedReward = TextReward(reward, decode, timeout_s=timeout_s)
@@ -57,13 +72,31 @@ class ScoredTask:
         return self.reward(prompt.token_ids, response_ids)
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int] | RolloutPrompt]:
+        """The task's own ``sample_prompts``.
+
+        Args:
+            num_prompts: How many prompts.
+            generator: The random source.
+
+        Returns:
+            Token-id lists or ``RolloutPrompt`` records, as the task gives them.
+        """
         return self.prompts.sample_prompts(num_prompts, generator)
 
     def prompts_for_step(self, step: int, num_prompts: int, seed: int) -> list[RolloutPrompt]:
-        """The RL step's prompts, a pure function of ``(seed, step)`` (the same on every rank, for
-        any number of ranks): a dataset task's own ``prompts_for_step``, else ``sample_prompts``
-        with a generator seeded by ``sampling_seed(seed, step, -1)`` (groups are >= 0); either
-        gives token-id lists or ``RolloutPrompt`` records (their ground truth kept)."""
+        """The RL step's prompts, a pure function of ``(seed, step)``: the same on every rank,
+        for any number of ranks.
+
+        Args:
+            step: The RL step.
+            num_prompts: How many prompts.
+            seed: The run's seed.
+
+        Returns:
+            A dataset task's own ``prompts_for_step``, else ``sample_prompts`` with a generator
+            seeded by ``sampling_seed(seed, step, -1)`` (-1: the groups' own seeds are >= 0);
+            token-id lists become ``RolloutPrompt`` records, records keep their ground truth.
+        """
         per_step = getattr(self.prompts, "prompts_for_step", None)
         if callable(per_step):
             return list(per_step(step, num_prompts))
@@ -72,7 +105,21 @@ class ScoredTask:
         return [p if isinstance(p, RolloutPrompt) else RolloutPrompt(p) for p in prompts]
 
     def score_prompt(self, prompt: RolloutPrompt, response_ids: list[int]) -> float:
-        """The reward of one response to ``prompt`` (0 for a timeout, or a text scorer's failure)."""
+        """The reward of one response, guarded: the collector's scorer.
+
+        Blocks until the scorer returns or ``timeout_s`` passes.
+
+        Args:
+            prompt: The prompt (its ids, and a dataset row's ground truth).
+            response_ids: The response's token ids.
+
+        Returns:
+            The reward; 0 for a timeout, or for a text scorer that raised.
+
+        Raises:
+            Exception: What an id scorer raised (it ends the run), or a ``ValueError`` for a
+                value it returned that is not a finite number.
+        """
         return self.guarded(prompt, response_ids)
 
     def environments(self) -> Environments | None:
@@ -88,7 +135,18 @@ class ScoredTask:
         return self.guarded.pop_metrics()
 
     def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
-        """The id reward of one response, unguarded: a ``ValueError`` unless a real number."""
+        """The id reward of one response, unguarded.
+
+        Args:
+            prompt_ids: The prompt's token ids.
+            response_ids: The response's token ids.
+
+        Returns:
+            The scorer's value as a float.
+
+        Raises:
+            ValueError: The scorer returned something other than a finite number.
+        """
         value = self.score(prompt_ids, response_ids)
         try:
             return score_value(value, "")
@@ -99,14 +157,32 @@ class ScoredTask:
 
 
 class TokenClassReward:
-    """Fraction of the expected ``response_length`` tokens in the prompt's target class: a
-    response cut short cannot score higher than a complete one."""
+    """The share of the expected ``response_length`` tokens in the prompt's target class: a
+    response cut short cannot score higher than a complete one.
+
+    Args:
+        num_classes: A token ``t`` is in class ``t % num_classes``.
+        first_token: The id of the instruction for class 0.
+        response_length: The response tokens scored; the score's denominator.
+    """
 
     def __init__(self, num_classes: int = 2, first_token: int = 4, response_length: int = 4) -> None:
-        self.num_classes, self.first_token, self.response_length = num_classes, first_token, response_length
+        self.num_classes = num_classes
+        self.first_token = first_token
+        self.response_length = response_length
 
     def target_class(self, prompt_ids: Sequence[int]) -> int:
-        """The class the prompt's final instruction token asks for."""
+        """The class the prompt's final instruction token asks for.
+
+        Args:
+            prompt_ids: A prompt of the task: it ends with an instruction token.
+
+        Returns:
+            The class, in ``[0, num_classes)``.
+
+        Raises:
+            ValueError: The last token is not an instruction token.
+        """
         target = int(prompt_ids[-1]) - self.first_token
         if not 0 <= target < self.num_classes:
             raise ValueError(
@@ -122,7 +198,18 @@ class TokenClassReward:
 
 
 class TokenClassTask:
-    """Prompts of the token-class task (deterministic given the generator): `TokenClassReward`'s."""
+    """Prompts of the token-class task (deterministic given the generator): `TokenClassReward`'s.
+
+    Args:
+        vocab_size: The model's vocabulary size; fillers are drawn above the instruction ids.
+        num_classes: Instruction ids are ``[first_token, first_token + num_classes)``.
+        prompt_length: Prompt ids: fillers, then one instruction (at least 1).
+        response_length: Response tokens the reward scores (at least 1).
+        first_token: The id of the instruction for class 0.
+
+    Raises:
+        ValueError: A size out of range, naming its ``task.*`` key.
+    """
 
     def __init__(
         self,
@@ -135,14 +222,26 @@ class TokenClassTask:
         # instruction ids are [first_token, first_token + num_classes); fillers come after them,
         # so special ids (pad, bos, eos below first_token) never appear in prompts
         check_token_class(vocab_size, num_classes, prompt_length, response_length, first_token)
-        self.vocab_size, self.num_classes, self.prompt_length = vocab_size, num_classes, prompt_length
-        self.response_length, self.first_token = response_length, first_token
+        self.vocab_size = vocab_size
+        self.num_classes = num_classes
+        self.prompt_length = prompt_length
+        self.response_length = response_length
+        self.first_token = first_token
         self.reward = TokenClassReward(num_classes, first_token, response_length)
         self.target_class = self.reward.target_class
 
     def sample_prompts(self, num_prompts: int, generator: torch.Generator) -> list[list[int]]:
-        """``num_prompts`` random prompts of ``prompt_length`` token ids (host tensors only)."""
-        shape, low = (num_prompts, self.prompt_length - 1), self.first_token + self.num_classes
-        fillers = torch.randint(low, self.vocab_size, shape, generator=generator)
+        """Random prompts: fillers, then the instruction of a random class. Host tensors only.
+
+        Args:
+            num_prompts: How many prompts.
+            generator: The random source; the same generator state gives the same prompts.
+
+        Returns:
+            ``num_prompts`` lists of ``prompt_length`` token ids.
+        """
+        first_filler = self.first_token + self.num_classes  # fillers come after the instruction ids
+        shape = (num_prompts, self.prompt_length - 1)
+        fillers = torch.randint(first_filler, self.vocab_size, shape, generator=generator)
         classes = torch.randint(0, self.num_classes, (num_prompts, 1), generator=generator)
         return torch.cat([fillers, classes + self.first_token], dim=1).tolist()

@@ -33,16 +33,27 @@ class HFRouterReplay:
     """``RouterReplayBackend`` for the Hugging Face routers inside a model, found by layer name
     (``...layers.<i>....``), one forward hook each.
 
-    Per router call with routes: an int64 widening of that layer's column, a ``where``, the weight
-    formula and two ``[N, K, K]`` comparisons on device, no sync (soft replay: an fp32 softmax
-    ``[N, E]`` and three more); idle hooks return at once. Recording keeps an int32 ``[N, K]`` per
-    MoE layer and forward. One backend per model: `for_model` shares it.
+    A router's forward hook replaces its expert indices with the installed ones and recomputes
+    the gate weights from its live logits with the model family's formula (gradients reach the
+    router); rows with replay mask False keep the router's own choice. Keyed per router module,
+    not a queue, so activation-checkpoint recompute and FSDP2 replay the same routes.
+
+    Cost per router call with routes installed (``N`` tokens): the first call of an install moves
+    the routes and mask to the router's device (non-blocking); then an int64 widening of that
+    layer's column ``[N, K]``, a ``where``, the weight formula and one ``[N, K, K]`` comparison
+    (the agreement count), all on device, no host sync. Soft replay adds an fp32 softmax
+    ``[N, E]`` and three more ``[N, K, K]`` comparisons. Idle hooks return at once. Recording
+    keeps an int32 ``[N, K]`` per MoE layer and forward. One backend per model: `for_model`
+    shares it.
 
     Args:
-        model: The MoE model (or the part of it one rank holds).
-        validate: Check the ids of every install (host syncs for device routes).
-        soft_threshold: Soft replay: keep a replayed expert only where the router's own probability
-            of it is at least this (`soft_replay_indices`);
+        model: The MoE model (or the part of it one rank holds): its routers' types must be
+            registered (`r3lightning.replay.hf.routers.register_router`; most transformers 5.x MoE
+            families are built in) and sit in a ``layers.<i>`` module list.
+        validate: Check the expert ids of every install (range, distinct per row): host syncs
+            for device routes. Shapes are always checked.
+        soft_threshold: Soft replay: keep a replayed expert only where the router's own
+            probability of it is at least this (`r3lightning.replay.backend.soft_replay_indices`);
             None: plain replay.
 
     Raises:
@@ -58,7 +69,11 @@ class HFRouterReplay:
         self.soft_threshold = check_soft_threshold(soft_threshold)
         found = find_routers(model)
         layers = [layer for layer, *_ in found]
-        shapes = {(int(getattr(m, a.top_k_attr)), int(getattr(m, a.num_experts_attr))) for *_, m, a in found}
+        shapes: set[tuple[int, int]] = set()  # (top_k, num_experts) of each router: one model, one shape
+        for _, _, module, adapter in found:
+            top_k = int(getattr(module, adapter.top_k_attr))
+            num_experts = int(getattr(module, adapter.num_experts_attr))
+            shapes.add((top_k, num_experts))
         if len(shapes) != 1:
             raise ValueError(f"routers disagree on (top_k, num_experts): {sorted(shapes)}")
         self.top_k, self.num_experts = shapes.pop()
@@ -84,7 +99,17 @@ class HFRouterReplay:
 
     @classmethod
     def for_model(cls, model: nn.Module, **kwargs) -> Self:
-        """The backend already attached to ``model``'s routers (as it is), else a new one."""
+        """The backend already attached to a model's routers, else a new one.
+
+        Args:
+            model: The MoE model.
+            **kwargs: The constructor's keywords, for a new backend only: an attached backend is
+                returned as it is (its ``validate`` and ``soft_threshold`` unchanged).
+
+        Returns:
+            The backend that owns the first of ``model``'s routers that has one, else
+            ``HFRouterReplay(model, **kwargs)``.
+        """
         owner = next((_OWNERS[module] for module in model.modules() if module in _OWNERS), None)
         return owner if owner is not None else cls(model, **kwargs)
 
@@ -111,9 +136,10 @@ class HFRouterReplay:
             layers: The decoder layer of each column of layer-sliced routes, covering ``moe_layers``.
 
         Raises:
-            TypeError, ValueError: See
-                `validate_routes_for_install` (host syncs for
-                device routes when ``validate``).
+            TypeError: ``routes`` is not an integer tensor.
+            ValueError: ``routes``, ``replay_mask`` or ``layers`` of the wrong shape; with
+                ``validate``, ids outside ``[0, num_experts)`` or repeated in a row (host syncs
+                for device routes). A forward over another token count raises in the router.
         """
         self._token_shape = validate_routes_for_install(
             self, routes, replay_mask, check_ids=self.validate, layers=layers
@@ -134,10 +160,12 @@ class HFRouterReplay:
 
     @property
     def installed(self) -> bool:
+        """Whether routes are installed."""
         return self._routes is not None
 
     @property
     def recording(self) -> bool:
+        """Whether a recording is open."""
         return bool(self._sessions)
 
     def start_recording(self) -> None:
@@ -145,8 +173,17 @@ class HFRouterReplay:
         self._sessions.append([])
 
     def stop_recording(self) -> Tensor:
-        """Routes of the innermost recording, int32 ``[*token_shape, num_layers, top_k]`` on device,
-        no host sync; several forwards (``generate``) are joined along the last token axis."""
+        """Ends the innermost recording.
+
+        Returns:
+            int32 ``[*token_shape, num_layers, top_k]`` on the routers' device, 0 on layers without
+            a router: the experts each forward used (after any replay). Several forwards
+            (``generate``) are joined along the last token axis. No host sync.
+
+        Raises:
+            RuntimeError: No open recording, no forward ran, or a MoE layer never routed.
+            ValueError: Forwards whose token shapes differ before the last axis.
+        """
         if not self._sessions:
             raise RuntimeError("stop_recording() without a matching start_recording()")
         captures = self._sessions.pop()
@@ -166,11 +203,17 @@ class HFRouterReplay:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=len(lead))
 
     def routing_stats(self) -> dict:
-        """`RouterReplayBackend.routing_stats` (the forward uses every expert it replays)."""
-        empty = self._stats is None
-        rows, slots, used, kept = (
-            torch.zeros((4, len(self.moe_layers)), dtype=torch.int64) if empty else self._stats
-        )
+        """Counts of the replaying forwards since `clear` (recompute not counted).
+
+        Returns:
+            ``layers`` (``moe_layers``), ``top_k``, and int64 ``[len(moe_layers)]`` on device:
+            ``replayed_rows``, ``agreeing_slots`` (replayed experts the router also picked
+            natively); under soft replay also ``used_slots`` and ``kept_slots``. No host sync.
+        """
+        table = self._stats  # [4, moe_layers]: replayed rows, agreeing slots, used, kept
+        if table is None:
+            table = torch.zeros((4, len(self.moe_layers)), dtype=torch.int64)
+        rows, slots, used, kept = table
         stats = dict(layers=self.moe_layers, top_k=self.top_k, replayed_rows=rows, agreeing_slots=slots)
         if self.soft_threshold is not None:  # soft replay uses only the experts it keeps (and refills)
             stats |= dict(used_slots=used, kept_slots=kept)

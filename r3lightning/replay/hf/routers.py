@@ -32,7 +32,16 @@ class RouterAdapter:
 
 
 def qwen3_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """fp32 softmax over all experts, top-k renormalised if ``norm_topk_prob``, in the logits' dtype."""
+    """Qwen3-MoE's weights: fp32 softmax over all experts, renormalised over the top-k if ``norm_topk_prob``.
+
+    Args:
+        router: The router: its ``norm_topk_prob``.
+        logits: The router's logits ``[N, E]``.
+        indices: int64 ``[N, K]``: the experts to weight (the replayed ones).
+
+    Returns:
+        ``[N, K]`` in the logits' dtype.
+    """
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     if router.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -40,19 +49,47 @@ def qwen3_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Ten
 
 
 def qwen3_5_moe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """As `qwen3_moe_weights`, always renormalised."""
+    """Qwen3.5-MoE's weights: as `qwen3_moe_weights`, always renormalised.
+
+    Args:
+        router: The router module (unused).
+        logits: The router's logits ``[N, E]``.
+        indices: int64 ``[N, K]``: the experts to weight (the replayed ones).
+
+    Returns:
+        ``[N, K]`` in the logits' dtype.
+    """
     weights = F.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
     return (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
 
 
 def mixtral_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """fp32 softmax over all experts, renormalised, kept in fp32."""
+    """Mixtral's weights: fp32 softmax over all experts, renormalised over the top-k.
+
+    Args:
+        router: The router module (unused).
+        logits: The router's logits ``[N, E]``.
+        indices: int64 ``[N, K]``: the experts to weight (the replayed ones).
+
+    Returns:
+        float32 ``[N, K]``.
+    """
     weights = F.softmax(logits.float(), dim=-1).gather(-1, indices)
     return weights / weights.sum(dim=-1, keepdim=True)
 
 
 def deepseek_v3_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Sigmoid, optionally renormalised, times ``routed_scaling_factor``."""
+    """DeepSeek-V3's weights: sigmoid scores, renormalised if ``norm_topk_prob``, times
+    ``routed_scaling_factor``.
+
+    Args:
+        router: The router: its ``norm_topk_prob`` and ``routed_scaling_factor``.
+        logits: The router's logits ``[N, E]``.
+        indices: int64 ``[N, K]``: the experts to weight (the replayed ones).
+
+    Returns:
+        ``[N, K]`` in the logits' dtype.
+    """
     # the selection-only e_score_correction_bias and group limit play no part in the weights
     weights = logits.sigmoid().gather(1, indices)
     if router.norm_topk_prob:
@@ -61,26 +98,62 @@ def deepseek_v3_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> T
 
 
 def deepseek_v2_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """fp32 softmax over all experts times ``routed_scaling_factor``."""
+    """DeepSeek-V2's weights: fp32 softmax over all experts times ``routed_scaling_factor``.
+
+    Args:
+        router: The router: its ``routed_scaling_factor``.
+        logits: The router's logits ``[N, E]``.
+        indices: int64 ``[N, K]``: the experts to weight (the replayed ones).
+
+    Returns:
+        float32 ``[N, K]``.
+    """
     weights = logits.softmax(dim=-1, dtype=torch.float32).gather(-1, indices)
     return weights * router.routed_scaling_factor
 
 
 def ernie_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """fp32 softmax, renormalised with the sum clamped at ``norm_min``."""
+    """ERNIE 4.5's weights: fp32 softmax, renormalised with the sum clamped at ``norm_min``.
+
+    Args:
+        router: The router: its ``norm_min``.
+        logits: The router's logits ``[N, E]``.
+        indices: int64 ``[N, K]``: the experts to weight (the replayed ones).
+
+    Returns:
+        float32 ``[N, K]`` (the hook rounds it to the router's output dtype).
+    """
     # fp32, as the router computes (moe_statics only selects); the hook rounds to its output dtype
     weights = F.softmax(logits.float(), dim=1, dtype=torch.float).gather(-1, indices)
     return weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=router.norm_min)
 
 
 def gpt_oss_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """Softmax over the selected logits only."""
+    """gpt-oss's weights: softmax over the selected experts' logits only.
+
+    Args:
+        router: The router module (unused).
+        logits: The router's logits ``[N, E]``.
+        indices: int64 ``[N, K]``: the experts to weight (the replayed ones).
+
+    Returns:
+        ``[N, K]`` in the logits' dtype.
+    """
     top = logits.gather(-1, indices)
     return F.softmax(top, dim=1, dtype=top.dtype)
 
 
 def phimoe_weights(router: nn.Module, logits: Tensor, indices: Tensor) -> Tensor:
-    """PhiMoE's sparsemixer for given experts, as inference computes it (the docs' "Modes")."""
+    """PhiMoE's sparsemixer weights for given experts, as inference computes it (the docs' "Modes").
+
+    Args:
+        router: The router: its ``router_jitter_noise``.
+        logits: The router's logits ``[N, E]``.
+        indices: int64 ``[N, K]``: the experts to weight (the replayed ones).
+
+    Returns:
+        ``[N, K]`` in the logits' dtype: one masked softmax per slot (``K`` passes over ``[N, E]``).
+    """
     scores = logits
     band = 2 * router.router_jitter_noise
     columns = []
@@ -151,7 +224,19 @@ _OUTPUT = "(router_logits [N, E], gate_weights [N, K], expert_indices [N, K])"
 
 
 def register_router(module_type: type[nn.Module], adapter: RouterAdapter) -> None:
-    """Make ``HFRouterReplay`` find and replay routers of ``module_type`` (exact type or subclass)."""
+    """Makes ``HFRouterReplay`` find and replay routers of a type (the type or any subclass).
+
+    Args:
+        module_type: The router's ``nn.Module`` class. Its forward must return
+            ``(router_logits [N, E], gate_weights [N, K], expert_indices [N, K])`` (positions set
+            by the adapter), and it must sit in a ``layers.<i>`` module list.
+        adapter: Where the outputs are, the top-k / expert-count attributes, and the gate-weight
+            formula (one of this module's ``*_weights`` functions, or your own).
+
+    Raises:
+        TypeError: ``module_type`` is not an ``nn.Module`` subclass or ``adapter`` not a
+            ``RouterAdapter``.
+    """
     if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
         raise TypeError(f"module_type must be an nn.Module subclass, got {module_type!r}")
     if not isinstance(adapter, RouterAdapter):
@@ -190,8 +275,21 @@ def _adapter_for(module: nn.Module) -> RouterAdapter | None:
 
 
 def find_routers(model: nn.Module) -> list[tuple[int, str, nn.Module, RouterAdapter]]:
-    """``(decoder layer, qualified name, router, adapter)`` of every registered router, by layer (the
-    innermost ``layers.<i>.`` in its name); none, or two on one layer, is a ``ValueError``."""
+    """The registered routers inside a model, by decoder layer.
+
+    Args:
+        model: The MoE model (or the part of it one rank holds).
+
+    Returns:
+        ``(decoder layer, qualified name, router, adapter)`` of every router of a registered type,
+        sorted by layer (the innermost ``layers.<i>.`` in its name). Loads the built-in adapters
+        of the transformers families already imported.
+
+    Raises:
+        ValueError: No registered router (the message says how to register one, or why the
+            router type cannot be replayed), a router outside a ``layers.<i>`` list, or two
+            routers on one layer.
+    """
     _load_builtins(imported_only=True)
     found: list[tuple[int, str, nn.Module, RouterAdapter]] = []
     for name, module in model.named_modules():

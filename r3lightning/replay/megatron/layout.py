@@ -46,7 +46,15 @@ class MegatronParallelism:
 
     @classmethod
     def resolve(cls, *, sequence_parallel: bool | None = None) -> Self:
-        """From ``megatron.core.parallel_state`` (TP = CP = 1 before it is initialised)."""
+        """This rank's position, read from ``megatron.core.parallel_state``.
+
+        Args:
+            sequence_parallel: Whether the model runs sequence parallel (None: whenever
+                ``tp_size > 1``).
+
+        Returns:
+            The position; TP = CP = 1 before ``parallel_state`` is initialised.
+        """
         if not parallel_state.model_parallel_is_initialized():
             return cls(sequence_parallel=bool(sequence_parallel))
         ps = parallel_state
@@ -63,7 +71,15 @@ class MegatronParallelism:
         return 2 * self.tp_size * self.cp_size if self.cp_size > 1 else self.tp_size
 
     def packed_multiples(self, *, fp8: bool = False) -> tuple[int, int]:
-        """``(per sequence, whole row)`` pad multiples of the packed layout (fp8: as verl packs)."""
+        """The pad multiples of this rank's packed layout.
+
+        Args:
+            fp8: fp8 GEMMs: each sequence to a multiple of 16 and `pad_to_multiple`, the whole row
+                to ``128 * pad_to_multiple``.
+
+        Returns:
+            ``(per sequence, whole row)``: ``(pad_to_multiple, 1)`` without fp8.
+        """
         align = self.pad_to_multiple
         return (math.lcm(FP8_SEQUENCE_MULTIPLE, align), FP8_BLOCK * align) if fp8 else (align, 1)
 
@@ -76,8 +92,25 @@ def megatron_token_layout(
     side: Literal["left", "right"] = "right",
     fp8: bool = False,
 ) -> TokenMetadataLayout:
-    """Layout of the tokens this rank's megatron model sees for a left-padded mask ``[B, S]`` or a
-    batch holding one: ``packed`` THD ``[1, T_local]`` of this CP rank, else unpacked ``[B, S']``."""
+    """The layout of the tokens this rank's megatron-core model sees.
+
+    Args:
+        batch: A left-padded attention mask ``[B, S]`` (bool or 0/1, any device) or a batch
+            holding one (``RolloutBatch``, mapping).
+        packed: The THD layout ``[1, T_local]`` of this context-parallel rank (sequences padded
+            to `MegatronParallelism.packed_multiples`), else the unpacked ``[B, S']``.
+        parallelism: This rank's TP / CP position (None: `MegatronParallelism.resolve`).
+        side: Where the unpacked layout puts the padding (megatron's unpacked path: ``"right"``).
+        fp8: Pad the packed row for fp8 GEMMs.
+
+    Returns:
+        The layout: host maths; a device mask not in a ``RolloutBatch`` costs one
+        device-to-host copy.
+
+    Raises:
+        ValueError: A mask that is not 2-D (or, unpacked, not left-padded), ``fp8`` or context
+            parallelism without ``packed``.
+    """
     if isinstance(batch, Tensor) and batch.dim() != 2:
         raise ValueError(f"attention_mask must be [B, S], got shape {tuple(batch.shape)}")
     mask = batch.detach().cpu() if isinstance(batch, Tensor) else host_attention_mask(batch)
@@ -94,6 +127,14 @@ def megatron_token_layout(
 
 
 def megatron_padding_mask(layout: TokenMetadataLayout, device: torch.device | str | None = None) -> Tensor:
-    """bool ``[*token_shape]``, True on padding: the ``padding_mask`` of ``GPTModel`` / ``MoELayer``."""
+    """The ``padding_mask`` that megatron-core's ``GPTModel`` / ``MoELayer`` take for a layout.
+
+    Args:
+        layout: The model's token layout.
+        device: Where the mask goes (None: the host); a CUDA copy is non-blocking.
+
+    Returns:
+        bool ``[*token_shape]``: True on padding positions.
+    """
     mask = ~layout.token_mask
     return mask if device is None else to_device_async(mask, torch.device(device))

@@ -35,12 +35,19 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: Sequence[Top
         for module in root.modules():
             if isinstance(module, TopKRouter):
                 chunk_of.setdefault(id(module), index)
-            for sub in module.modules() if getattr(module, "vp_stage", None) is not None else ():
+            if getattr(module, "vp_stage", None) is None:
+                continue
+            for sub in module.modules():
                 if isinstance(sub, TopKRouter):
                     stage_of.setdefault(id(sub), int(module.vp_stage))
     if not (vpp and vpp > 1) and len(set(stage_of.values())) <= 1:
         return [None] * len(routers)
-    stages = [stage_of.get(id(r), chunk_of[id(r)] if len(modules) == vpp else None) for r in routers]
+    # a router's own vp_stage, else its chunk's index when the modules are the vpp chunks in order
+    chunks_are_stages = len(modules) == vpp
+    stages: list[int | None] = []
+    for router in routers:
+        fallback = chunk_of[id(router)] if chunks_are_stages else None
+        stages.append(stage_of.get(id(router), fallback))
     if None in stages:
         layer = routers[stages.index(None)].layer_number - 1
         raise ValueError(
@@ -69,12 +76,21 @@ class MegatronRouterReplay:
             parallelism (default: read from megatron's ``parallel_state``).
         tp_group: The tensor-parallel group `stop_recording` gathers over under sequence
             parallelism (default: megatron's).
-        validate: Check the ids of every install (a host sync).
+        validate: Check the expert ids of every install (range, distinct per row): host syncs.
+            Shapes are always checked.
+
+    Cost per install: the sequence-parallel split of the routes (a view), then per MoE layer of
+    the stage one non-blocking int64 copy of its column ``[N, K]`` to the routers' device (never
+    all layers at once), and one copy of the mask; no host sync without ``validate``. Each
+    forward replays through megatron's ``RouterReplay`` (``REPLAY_FORWARD``, and
+    ``REPLAY_BACKWARD`` for MoE recompute) and counts the agreement on device.
 
     Raises:
         TypeError: ``model_or_modules`` holds no ``nn.Module``.
-        ValueError: No ``TopKRouter``, sinkhorn routing, token dropping, routers built without
-            ``moe_enable_routing_replay``, or a router without a layer number.
+        ValueError: No ``TopKRouter``, sinkhorn routing, token dropping
+            (``moe_expert_capacity_factor``), routers built without
+            ``moe_enable_routing_replay``, a router without a layer number, two routers on one
+            layer or one past ``config.num_layers``, or virtual stages that cannot be told apart.
     """
 
     @refuse_moved_keywords(_PARALLELISM_MOVED)
@@ -90,13 +106,19 @@ class MegatronRouterReplay:
         modules = [model_or_modules] if isinstance(model_or_modules, nn.Module) else list(model_or_modules)
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError("model_or_modules must be an nn.Module or a non-empty list of nn.Modules")
-        found = {id(m): m for root in modules for m in root.modules() if isinstance(m, TopKRouter)}.values()
+        by_id: dict[int, TopKRouter] = {}  # a router reached from two of the modules counts once
+        for root in modules:
+            for module in root.modules():
+                if isinstance(module, TopKRouter):
+                    by_id[id(module)] = module
+        found = by_id.values()
         if not found:
             raise ValueError(
                 f"no megatron TopKRouter found in {[type(m).__name__ for m in modules]}; "
                 "is it an MoE model (TransformerConfig.num_moe_experts set)?"
             )
-        self.config = cfg = config if config is not None else next(iter(found)).config
+        cfg = config if config is not None else next(iter(found)).config
+        self.config = cfg
         if getattr(cfg, "moe_router_load_balancing_type", None) == "sinkhorn":
             raise ValueError("sinkhorn routing (moe_router_load_balancing_type) bypasses RouterReplay")
         if getattr(cfg, "moe_expert_capacity_factor", None) is not None:
@@ -136,7 +158,16 @@ class MegatronRouterReplay:
     def build_layout(
         self, batch: Any, *, packed: bool = True, fp8: bool | None = None
     ) -> TokenMetadataLayout:
-        """`megatron_token_layout` for this rank; ``fp8`` defaults to ``config.fp8``."""
+        """The layout of the tokens this rank's routers see (`megatron_token_layout`).
+
+        Args:
+            batch: A left-padded attention mask ``[B, S]`` or a batch holding one.
+            packed: The packed THD layout of this context-parallel rank, else unpacked ``[B, S']``.
+            fp8: Pad the packed row for fp8 GEMMs (None: ``config.fp8`` when packed).
+
+        Returns:
+            The layout; host maths.
+        """
         fp8 = packed and bool(getattr(self.config, "fp8", None)) if fp8 is None else fp8
         return megatron_token_layout(batch, packed=packed, parallelism=self.parallelism, fp8=fp8)
 
@@ -158,7 +189,8 @@ class MegatronRouterReplay:
         """Replays ``routes`` in the next forward and its recompute.
 
         Args:
-            routes: ``[B, S, num_layers, top_k]`` before the sequence-parallel split, or
+            routes: Integer ``[B, S, num_layers, top_k]`` in the layout the model is fed (padded
+                ``[B, S']`` or packed ``[1, T_local]``), before the sequence-parallel split; or
                 ``[B, S, len(layers), top_k]`` when ``layers`` is given (a pipeline stage's
                 columns): each router gets its own column, one int64 copy per layer, never all
                 layers.
@@ -167,9 +199,11 @@ class MegatronRouterReplay:
             vp_stage: With virtual pipeline parallelism, the chunk whose routers take the routes.
 
         Raises:
-            TypeError, ValueError: See
-                `validate_routes_for_install` (host syncs only
-                when ``validate``), or a ``vp_stage`` the model does not have.
+            TypeError: ``routes`` is not an integer tensor.
+            ValueError: ``routes``, ``replay_mask`` or ``layers`` of the wrong shape; with
+                ``validate``, bad expert ids (host syncs); a ``vp_stage`` the model does not have,
+                or none with virtual pipeline stages. A forward over another token count raises
+                in the router.
         """
         targets = self._stage_positions(vp_stage)
         validate_routes_for_install(
@@ -186,7 +220,17 @@ class MegatronRouterReplay:
             self._replays[position].install(rows.copy_(layer_rows, non_blocking=True), replay_mask)
 
     def vp_stage_of(self, chunk: nn.Module) -> int | None:
-        """The ``vp_stage`` to install with for the ``forward_step_func``'s ``chunk`` (None without VPP)."""
+        """The virtual pipeline stage of a model chunk, for ``install(..., vp_stage=)``.
+
+        Args:
+            chunk: The model chunk the ``forward_step_func`` is called with.
+
+        Returns:
+            Its ``vp_stage`` (None without virtual pipeline parallelism).
+
+        Raises:
+            ValueError: ``chunk`` holds routers of several stages, or none of this backend's.
+        """
         inside = {id(module) for module in chunk.modules()}
         stages = {s for r, s in zip(self.routers, self.vp_stages, strict=True) if id(r) in inside}
         if len(stages) != 1:
@@ -230,8 +274,18 @@ class MegatronRouterReplay:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
 
     def stop_recording(self) -> Tensor:
-        """Experts the last forward used, int32 ``[B, S, num_layers, top_k]`` (before the SP split: TP
-        ranks all-gather their rows, a collective), 0 on layers not routed here."""
+        """Ends the recording.
+
+        Returns:
+            int32 ``[B, S, num_layers, top_k]`` on the routers' device: the experts the last
+            forward used (after any replay), in megatron's token order before the
+            sequence-parallel split (TP ranks all-gather their rows: a collective), 0 on layers
+            not routed here.
+
+        Raises:
+            RuntimeError: No forward of the MoE layers ran, or sequence parallelism without a
+                TP group to gather over.
+        """
         recorded = [replay.recorded_topk_idx for replay in self._replays]
         batch = self._replays[0].token_batch
         for replay in self._replays:
@@ -255,7 +309,12 @@ class MegatronRouterReplay:
         return routes_on_all_layers(rows, tokens.shape[:2], self.num_layers, self.top_k)
 
     def routing_stats(self) -> dict:
-        """`RouterReplayBackend.routing_stats` of this rank's MoE layers."""
+        """Counts of the replaying forwards since `clear`, for this rank's MoE layers.
+
+        Returns:
+            ``layers`` (``moe_layers``), ``top_k``, and int64 ``[len(moe_layers)]``
+            ``replayed_rows`` and ``agreeing_slots`` on device (no host sync).
+        """
         known = [r.counts for r in self._replays if r.counts is not None]
         zero = torch.zeros(2, dtype=torch.int64, device=known[0].device if known else "cpu")
         rows, slots = torch.stack([zero if r.counts is None else r.counts for r in self._replays], dim=1)

@@ -31,8 +31,20 @@ class MaskedRouterReplay(RouterReplay):
 
     @classmethod
     def attach(cls, router: TopKRouter) -> Self:
-        """Swap ``router.router_replay`` for this class (same slot in megatron's global list)."""
-        replay = current = router.router_replay
+        """Gives a router this replay state (idempotent).
+
+        Swaps ``router.router_replay`` for this class in the same slot of megatron's global list,
+        hooks the router's forward, patches the expert-bias token count of megatron-core < 0.20,
+        and keeps an unfused copy of a fused router's config to replay with.
+
+        Args:
+            router: A ``TopKRouter`` built with ``moe_enable_routing_replay``.
+
+        Returns:
+            The router's ``MaskedRouterReplay``.
+        """
+        current = router.router_replay
+        replay = current
         if not isinstance(current, cls):
             replay = cls()
             instances = RouterReplay.global_router_replay_instances
@@ -51,7 +63,12 @@ class MaskedRouterReplay(RouterReplay):
         return replay
 
     def install(self, indices: Tensor, mask: Tensor | None) -> None:
-        """Replay ``indices [N, K]`` (``mask [N]`` False: native) next forward; replaces an unused install."""
+        """Replays experts in the next forward (and its recompute); replaces an unused install.
+
+        Args:
+            indices: int64 ``[N, K]`` on the router's device, in megatron's ``[s, b]`` token order.
+            mask: bool ``[N]``: False rows route natively (None: all replayed).
+        """
         if self.fresh:
             self.replay_backward_list.pop()
             self.replay_backward_masks.pop()
@@ -60,11 +77,18 @@ class MaskedRouterReplay(RouterReplay):
         self.set_router_replay_action(_FORWARD)
 
     def set_target_indices(self, topk_indices: Tensor, replay_mask: Tensor | None = None) -> None:
+        """megatron's ``set_target_indices``, with the replay mask queued beside the indices.
+
+        Args:
+            topk_indices: int64 ``[N, K]``.
+            replay_mask: bool ``[N]`` (None: all replayed).
+        """
         super().set_target_indices(topk_indices)
         self.target_mask = replay_mask
         self.replay_backward_masks.append(replay_mask)
 
     def clear_indices(self) -> None:
+        """Drop the installed indices, the queued recompute entries and their masks."""
         super().clear_indices()
         # target_mask: [N] bool or None; fresh: installed routes no forward used yet (already queued)
         self.target_mask = None
@@ -72,6 +96,7 @@ class MaskedRouterReplay(RouterReplay):
         self.fresh = False
 
     def reset(self) -> None:
+        """Back to native routing: no indices, no action, no recording, no counts."""
         self.clear_indices()
         self.clear_router_replay_action()
         # token_batch: b of the last forward's [s, b, h] input; counts: agreement_counts [2] of the forwards
@@ -106,6 +131,22 @@ class MaskedRouterReplay(RouterReplay):
         self.set_router_replay_action(_FORWARD)
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        """megatron's replayed top-k, with masked rows routed natively and the agreement counted.
+
+        Args:
+            scores: The router's scores ``[N, E]``.
+            topk: Experts per token.
+            num_groups: Expert groups of group-limited routing (None: off).
+            group_topk: Groups each token may use.
+            default_compute_topk: megatron's native top-k function.
+
+        Returns:
+            ``(probs [N, K], indices [N, K])`` as megatron's router expects them. Counting
+            happens on the forward pass only, on device; no host sync.
+
+        Raises:
+            RuntimeError: A recompute pass finds no queued routes.
+        """
         action = self.router_replay_action
         if action not in (_FORWARD, _BACKWARD):
             return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
