@@ -191,6 +191,11 @@ class ReplayBuffer:
             also sizes the data module's placeholder routes).
         layers: keep routes only on these absolute decoder layers: routes on every layer are cut
             on insert, others refused. ``None``: routes as they come.
+
+    Not thread-safe: one writer, or a lock around it (`StreamingReplayBuffer` is the threaded one).
+
+    Raises:
+        ValueError: A size below 1, or ``layers`` that are not sorted, unique ids >= 0.
     """
 
     def __init__(

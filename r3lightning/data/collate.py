@@ -63,8 +63,10 @@ class PinnedBufferPool:
         self.recycle_after = recycle_after
         self._slots = [_Slot() for _ in range(check_int("slots", slots))]
         self._lock = threading.Lock()
-        self._step = self._releases = 0
-        self.hits = self.misses = 0  # batches served from a slot / that found none (fresh buffers)
+        self._step = 0  # acquisitions so far
+        self._releases = 0  # releases so far: orders the free slots by when they came back
+        self.hits = 0  # batches served from a slot
+        self.misses = 0  # batches that found no free slot (fresh buffers)
 
     def acquire(self) -> tuple[Buffers, Callable[..., None] | None]:
         """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""
@@ -133,6 +135,12 @@ class RolloutCollator:
         num_experts: sizes the dummy route row of a placeholder (a ``None`` entry).
         pin_memory: collate into a `PinnedBufferPool` (``True``: a default one).
         layers: keep routes only on these decoder layers (``Trajectory.on_layers``).
+
+    Collations may run concurrently (threads share the fill pool; `close` is safe meanwhile).
+
+    Raises:
+        ValueError: A bad thread count, ``width_multiple``, ``pad_token_id`` or ``layers``.
+        TypeError: A keyword of 0.1 (named with its replacement).
     """
 
     @refuse_moved_keywords(_POOL_MOVED)

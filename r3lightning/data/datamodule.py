@@ -60,6 +60,12 @@ class R3DataModule(pl.LightningDataModule):
         pin_memory: collate into a pinned buffer pool; ``None``: when training on a CUDA device.
         drop_last: drop each rank's incomplete last batch instead of adding zero-loss placeholders.
         options: [`DataOptions`][r3lightning.data.options.DataOptions].
+
+    Raises:
+        TypeError: ``buffer`` is not a ``ReplayBuffer``, ``options`` not a ``DataOptions``, or a
+            keyword of 0.1 (named with its replacement).
+        ValueError: A bad ``batch_size``, ``shuffle``, ``seed``, ``drop_last``,
+            ``collate_threads`` or ``pin_memory`` (the message names it).
     """
 
     @refuse_moved_keywords(_OPTIONS_MOVED)

@@ -26,6 +26,10 @@ class DataOptions:
         layers: the absolute decoder layers this rank's model holds (``backend.moe_layers``);
             batches keep only their route columns. ``None``: routes as they come.
         eval_buffer: data of the val / test / predict loaders (whole, in order, sharded).
+
+    Raises:
+        ValueError: A field of the wrong type or out of range (the message names it).
+        TypeError: ``eval_buffer`` is not a ``ReplayBuffer``.
     """
 
     pad_token_id: int = 0

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from r3lightning.align.layout import check_int
+from r3lightning.checks import check_int
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories
 from r3lightning.data.trajectory import Trajectory
 
@@ -35,6 +35,11 @@ class StreamingReplayBuffer(ReplayBuffer):
     Args:
         ahead: most whole steps that may wait beside the current one; `put` blocks beyond.
         vocab_size, num_experts, layers: as for [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer].
+
+    Thread-safe between one producer and one consumer (one condition variable guards the queue).
+
+    Raises:
+        ValueError: ``ahead`` below 1, or a bad size or ``layers``.
     """
 
     def __init__(

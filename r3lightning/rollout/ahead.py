@@ -60,6 +60,10 @@ class RolloutWorker:
         served: ``trainer step -> the weight version pushed for it`` (None: unknown), recorded on
             trajectories whose engine reports no version; on-policy it is also checked against
             the version an engine reports (see ``RolloutCollector.collect_async``).
+
+    Raises:
+        TypeError: ``buffer`` is not a `StreamingReplayBuffer`.
+        ValueError: The buffer's ``ahead`` is below what ``config.max_staleness`` lets wait.
     """
 
     def __init__(

@@ -91,8 +91,13 @@ class OtherRankFailedError(RuntimeError):
 
 @dataclass
 class CollectedRollouts:
-    """This rank's share of one step: ``trajectories`` group after group (``group_size`` each),
-    ``groups`` the global index of each, and the step's global ``stats``."""
+    """This rank's share of one step, as `RolloutCollector.collect_async` returns it.
+
+    Args:
+        trajectories: This rank's trajectories, group after group (``group_size`` each).
+        groups: The global index of each of this rank's groups, in order.
+        stats: The step's statistics over every rank.
+    """
 
     trajectories: list[Trajectory]
     groups: list[int]
