@@ -63,8 +63,10 @@ class PinnedBufferPool:
         self.recycle_after = recycle_after
         self._slots = [_Slot() for _ in range(check_int("slots", slots))]
         self._lock = threading.Lock()
-        self._step = self._releases = 0
-        self.hits = self.misses = 0  # batches served from a slot / that found none (fresh buffers)
+        self._step = 0  # acquisitions so far
+        self._releases = 0  # releases so far: orders the free slots by when they came back
+        self.hits = 0  # batches served from a slot
+        self.misses = 0  # batches that found no free slot (fresh buffers)
 
     def acquire(self) -> tuple[Buffers, Callable[..., None] | None]:
         """Buffers for one batch and the lease that returns them (``None`` on a pool miss)."""

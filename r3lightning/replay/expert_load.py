@@ -74,7 +74,10 @@ def expert_load_stats(
     tokens = slots / top_k
     max_over_mean = counts.amax(-1) / (slots / num_experts)
     p = counts / slots.unsqueeze(-1)
-    entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts) if num_experts > 1 else p.sum(-1)
+    if num_experts > 1:
+        entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(num_experts)
+    else:  # one expert: the only distribution is uniform (1 where there are slots)
+        entropy = p.sum(-1)
     entropy = torch.where(slots > 0, entropy, torch.full_like(entropy, float("nan")))
     return dict(counts=counts, tokens=tokens, max_over_mean=max_over_mean, entropy=entropy, layers=layers)
 

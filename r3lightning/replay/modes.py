@@ -214,7 +214,9 @@ class OldPolicyRecorder:
             packed (and set on ``batch`` with ``route_layers``); else None.
         """
         routes = batch_field(batch, "routed_experts")
-        rows = None if routes is not None or not self.rows else self.rows_in_step(batch)
+        if routes is not None or not self.rows:  # its own routes, or nothing recorded yet
+            return routes
+        rows = self.rows_in_step(batch)
         if rows is None or not all(int(r) in self.rows for r in rows):
             return routes
         routes = PackedTensor.from_segments([self.rows[int(r)] for r in rows])

@@ -185,7 +185,9 @@ class RemoteGenerateClient:
         sockets cannot be closed from here (close the client before its loop ends)."""
         session = self._session
         loop = self._loop
-        self._session = self._slots = self._loop = None
+        self._session = None
+        self._slots = None
+        self._loop = None
         self._watch.reset()
         if session is None or session.closed or loop is None:
             return

@@ -12,18 +12,45 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, Qwen3MoeConfig
 
 # Shared by every family: a 64-wide model small enough for a 1-thread CPU test.
-_COMMON: dict[str, Any] = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96}
-_COMMON |= {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
-_COMMON |= {"max_position_embeddings": 256, "num_experts_per_tok": 2, "initializer_range": 0.1}
-_COMMON |= {"tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+_COMMON: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "num_experts_per_tok": 2,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 _QWEN = {"num_experts": 8, "moe_intermediate_size": 32}
-_DEEPSEEK = {"num_key_value_heads": 4, "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2}
-_DEEPSEEK |= {"moe_intermediate_size": 32, "topk_group": 1, "first_k_dense_replace": 1}
-_DEEPSEEK |= {"norm_topk_prob": True, "routed_scaling_factor": 2.5, "kv_lora_rank": 16, "q_lora_rank": 32}
-_DEEPSEEK |= {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
-# gpt-oss with plain RoPE: the YaRN defaults assume a 4k original context
-_GPT_OSS = {"num_local_experts": 8, "head_dim": 16, "sliding_window": 8}
-_GPT_OSS["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+_DEEPSEEK = {
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "n_group": 2,
+    "moe_intermediate_size": 32,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+}
+_GPT_OSS = {
+    "num_local_experts": 8,
+    "head_dim": 16,
+    "sliding_window": 8,
+    # plain RoPE: the YaRN defaults assume a 4k original context
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
 
 # family -> (its transformers config class, by name: resolved on use, so a server of the default
 # Qwen3-MoE never imports the other families' modules; the tiny settings)
@@ -46,7 +73,20 @@ TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
 
 def tiny_family_config(family: str, **overrides: Any) -> PretrainedConfig:
-    """A tiny config of one MoE family (``TINY_FAMILIES``); ``overrides`` win over the defaults."""
+    """A tiny Hugging Face config of one MoE family.
+
+    Args:
+        family: One of ``TINY_FAMILIES``.
+        **overrides: Config keys that win over the tiny defaults (``num_hidden_layers``, ...).
+
+    Returns:
+        The family's config class, built with the tiny sizes. gpt-oss gets one ``layer_types``
+        entry per layer (sliding and full attention alternating) unless overridden.
+
+    Raises:
+        ValueError: An unknown family, or a value the config class refuses.
+        TypeError: A keyword the config class refuses.
+    """
     if family not in _FAMILIES:
         raise ValueError(f"family must be one of {TINY_FAMILIES}, got {family!r}")
     config_name, family_kwargs = _FAMILIES[family]
@@ -59,15 +99,34 @@ def tiny_family_config(family: str, **overrides: Any) -> PretrainedConfig:
 
 
 def tiny_moe_config(**overrides: Any) -> Qwen3MoeConfig:
-    """Tiny Qwen3-MoE config: vocab 96, hidden 64, 4 layers (layer 0 dense), 8 experts, top-2."""
+    """The default tiny config: Qwen3-MoE, vocab 96, hidden 64, 4 layers (layer 0 dense), 8
+    experts, top-2.
+
+    Args:
+        **overrides: Config keys that win over the tiny defaults.
+
+    Returns:
+        The ``Qwen3MoeConfig``.
+    """
     return tiny_family_config("qwen3_moe", **overrides)
 
 
 def build_tiny_moe(
     config: PretrainedConfig | None = None, *, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
-    """A causal MoE LM (``tiny_moe_config()`` by default) in eval mode, initialised in fp32 from a
-    forked RNG seeded with ``seed`` (the global RNG untouched), then cast to ``dtype``."""
+    """A tiny random causal MoE LM, the same for the same ``config`` and ``seed``.
+
+    Initialised in fp32 from a forked RNG (the global RNG is untouched), then cast: every dtype
+    starts from the same weights.
+
+    Args:
+        config: Its Hugging Face config; None: `tiny_moe_config`.
+        seed: Seeds the random weights.
+        dtype: The parameters' dtype.
+
+    Returns:
+        The model, in eval mode.
+    """
     config = tiny_moe_config() if config is None else config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -17,21 +17,37 @@ from torch import Tensor, nn
 __all__ = ["TinyMegatronMoE", "megatron_runtime", "tiny_megatron_moe"]
 
 # one head, no biases, dropless, fp32 on the CPU, a RouterReplay in every TopKRouter
-_MEGATRON_SETTINGS = {"num_attention_heads": 1, "add_bias_linear": False, "moe_enable_routing_replay": True}
-_MEGATRON_SETTINGS |= {"moe_router_load_balancing_type": "none", "moe_token_dispatcher_type": "allgather"}
-_MEGATRON_SETTINGS |= {"use_cpu_initialization": True, "params_dtype": torch.float32}
+_MEGATRON_SETTINGS = {
+    "num_attention_heads": 1,
+    "add_bias_linear": False,
+    "moe_enable_routing_replay": True,
+    "moe_router_load_balancing_type": "none",
+    "moe_token_dispatcher_type": "allgather",
+    "use_cpu_initialization": True,
+    "params_dtype": torch.float32,
+}
 
 
 class TinyMegatronMoE(nn.Module):
-    """Embedding -> [RMSNorm -> megatron MLP or ``MoELayer``, + residual] x layers -> LM head;
-    ``config``: what the job and the engine read (vocabulary, layers, context)."""
+    """Embedding -> [RMSNorm -> megatron MLP or ``MoELayer``, + residual] x layers -> LM head.
+
+    Build it with `tiny_megatron_moe`, inside `megatron_runtime` (megatron's layers need its
+    process groups).
+
+    Args:
+        transformer_config: Megatron-core's ``TransformerConfig``: sizes, experts, top-k and
+            ``moe_layer_freq`` (one 0/1 per layer: dense MLP or ``MoELayer``).
+        config: A Hugging Face ``PretrainedConfig``: what the job and the engine read
+            (``vocab_size``, ``num_hidden_layers``, ``max_position_embeddings``).
+    """
 
     def __init__(self, transformer_config: Any, config: Any) -> None:
         super().__init__()
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.spec_utils import build_module
 
-        self.transformer_config, self.config = transformer_config, config
+        self.transformer_config = transformer_config
+        self.config = config
         hidden = transformer_config.hidden_size
         self.embed = nn.Embedding(config.vocab_size, hidden)
         moe_spec = get_gpt_layer_local_spec(num_experts=transformer_config.num_moe_experts).submodules.mlp
@@ -84,8 +100,28 @@ def tiny_megatron_moe(
     max_position_embeddings: int = 256,
     seed: int = 0,
 ) -> TinyMegatronMoE:
-    """A `TinyMegatronMoE` in fp32 from a forked RNG seeded with ``seed``; ``moe_layer_freq``:
-    one 0/1 per layer (default: layer 0 dense). Needs `megatron_runtime`."""
+    """A tiny random `TinyMegatronMoE` in fp32 (``model=tiny_megatron_moe``).
+
+    Call it inside `megatron_runtime`. Initialised from a forked RNG (the global RNG is
+    untouched): the same arguments give the same weights.
+
+    Args:
+        vocab_size: Token ids.
+        num_layers: Decoder layers.
+        hidden_size: Width of the residual stream.
+        ffn_hidden_size: Width of each expert's (and each dense layer's) MLP.
+        num_experts: Experts per MoE layer.
+        top_k: Experts each token is routed to.
+        moe_layer_freq: One 0 (dense) or 1 (MoE) per layer; None: layer 0 dense, the rest MoE.
+        max_position_embeddings: The context the engine allows (the model is token-wise).
+        seed: Seeds the random weights.
+
+    Returns:
+        The model, in eval mode.
+
+    Raises:
+        ValueError: ``moe_layer_freq`` does not have ``num_layers`` entries.
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
     from transformers import PretrainedConfig
 
@@ -111,8 +147,18 @@ def tiny_megatron_moe(
 
 @contextlib.contextmanager
 def megatron_runtime(device: str = "cpu") -> Iterator[None]:
-    """A one-rank process group and megatron's ``parallel_state`` unless set up, the device shims;
-    what it set up is undone on exit."""
+    """What megatron-core layers need to run, for as long as the ``with`` block runs: a one-rank
+    process group and megatron's ``parallel_state`` (unless already set up) and the device shims.
+
+    The job enters it around a run as ``model.runtime``. What it set up is undone on exit.
+
+    Args:
+        device: ``cpu`` (a gloo process group, megatron's CUDA calls redirected) or a CUDA
+            device (NCCL).
+
+    Yields:
+        Nothing.
+    """
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -20,7 +20,12 @@ CHAT_TEMPLATE = (
 
 
 def build_tiny_tokenizer():
-    """A ``PreTrainedTokenizerFast`` of ``len(SPECIAL_TOKENS + CHAT_MARKERS) + len(CHARACTERS)`` ids."""
+    """The tiny character-level tokenizer, with its chat template.
+
+    Returns:
+        A ``PreTrainedTokenizerFast`` of ``len(SPECIAL_TOKENS + CHAT_MARKERS) + len(CHARACTERS)``
+        ids; its pad, bos and eos ids are the tiny models' (0, 1, 2).
+    """
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -35,7 +40,17 @@ def build_tiny_tokenizer():
 
 
 def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", seed: int = 0) -> Path:
-    """Write a tiny fp32 MoE model and `build_tiny_tokenizer` (ids in sync) to ``directory``."""
+    """Writes a tiny fp32 MoE checkpoint with its tokenizer, which ``model=hf_checkpoint
+    model.path=DIR`` loads offline.
+
+    Args:
+        directory: Where to write; created if missing.
+        family: One of ``TINY_FAMILIES``.
+        seed: Seeds the random weights.
+
+    Returns:
+        ``directory``.
+    """
     from r3lightning.app.models.tiny import build_tiny_moe, tiny_family_config
 
     directory = Path(directory)
@@ -47,6 +62,11 @@ def save_tiny_checkpoint(directory: str | Path, *, family: str = "qwen3_moe", se
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The command line: ``python -m r3lightning.app.models.tiny_tokenizer DIR [--family F] [--seed S]``.
+
+    Args:
+        argv: The arguments; None: ``sys.argv[1:]``.
+    """
     parser = argparse.ArgumentParser(description="Write a tiny MoE checkpoint with a chat tokenizer.")
     parser.add_argument("directory", type=Path)
     parser.add_argument("--family", default="qwen3_moe")

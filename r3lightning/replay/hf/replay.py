@@ -69,7 +69,11 @@ class HFRouterReplay:
         self.soft_threshold = check_soft_threshold(soft_threshold)
         found = find_routers(model)
         layers = [layer for layer, *_ in found]
-        shapes = {(int(getattr(m, a.top_k_attr)), int(getattr(m, a.num_experts_attr))) for *_, m, a in found}
+        shapes: set[tuple[int, int]] = set()  # (top_k, num_experts) of each router: one model, one shape
+        for _, _, module, adapter in found:
+            top_k = int(getattr(module, adapter.top_k_attr))
+            num_experts = int(getattr(module, adapter.num_experts_attr))
+            shapes.add((top_k, num_experts))
         if len(shapes) != 1:
             raise ValueError(f"routers disagree on (top_k, num_experts): {sorted(shapes)}")
         self.top_k, self.num_experts = shapes.pop()
@@ -127,7 +131,8 @@ class HFRouterReplay:
         Args:
             routes: ``[*token_shape, num_layers, top_k]``, or ``[*token_shape, len(layers), top_k]``
                 when ``layers`` is given: kept as they are (compact dtype, sliced), moved to the
-                routers' device (non-blocking) on first use, and each router reads its own column.
+                routers' device (non-blocking; host routes should be page-locked for it not to
+                block) on first use, and each router reads its own column.
             replay_mask: None, or bool ``[*token_shape]``: False rows route natively.
             layers: The decoder layer of each column of layer-sliced routes, covering ``moe_layers``.
 

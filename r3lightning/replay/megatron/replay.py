@@ -42,7 +42,12 @@ def _virtual_stages(config: Any, modules: list[nn.Module], routers: Sequence[Top
                     stage_of.setdefault(id(sub), int(module.vp_stage))
     if not (vpp and vpp > 1) and len(set(stage_of.values())) <= 1:
         return [None] * len(routers)
-    stages = [stage_of.get(id(r), chunk_of[id(r)] if len(modules) == vpp else None) for r in routers]
+    # a router's own vp_stage, else its chunk's index when the modules are the vpp chunks in order
+    chunks_are_stages = len(modules) == vpp
+    stages: list[int | None] = []
+    for router in routers:
+        fallback = chunk_of[id(router)] if chunks_are_stages else None
+        stages.append(stage_of.get(id(router), fallback))
     if None in stages:
         layer = routers[stages.index(None)].layer_number - 1
         raise ValueError(
@@ -101,7 +106,12 @@ class MegatronRouterReplay:
         modules = [model_or_modules] if isinstance(model_or_modules, nn.Module) else list(model_or_modules)
         if not modules or not all(isinstance(m, nn.Module) for m in modules):
             raise TypeError("model_or_modules must be an nn.Module or a non-empty list of nn.Modules")
-        found = {id(m): m for root in modules for m in root.modules() if isinstance(m, TopKRouter)}.values()
+        by_id: dict[int, TopKRouter] = {}  # a router reached from two of the modules counts once
+        for root in modules:
+            for module in root.modules():
+                if isinstance(module, TopKRouter):
+                    by_id[id(module)] = module
+        found = by_id.values()
         if not found:
             raise ValueError(
                 f"no megatron TopKRouter found in {[type(m).__name__ for m in modules]}; "
@@ -182,8 +192,8 @@ class MegatronRouterReplay:
             routes: Integer ``[B, S, num_layers, top_k]`` in the layout the model is fed (padded
                 ``[B, S']`` or packed ``[1, T_local]``), before the sequence-parallel split; or
                 ``[B, S, len(layers), top_k]`` when ``layers`` is given (a pipeline stage's
-                columns): each router gets its own column, one int64 copy per layer, never all
-                layers.
+                columns): each router gets its own column, one non-blocking int64 copy per
+                layer, never all layers (host routes should be page-locked for it not to block).
             replay_mask: None, or bool ``[B, S]``: False rows route natively.
             layers: The decoder layer of each column of layer-sliced routes, covering ``moe_layers``.
             vp_stage: With virtual pipeline parallelism, the chunk whose routers take the routes.
