@@ -36,11 +36,10 @@ def _width(name: str, width: int | None, lengths: torch.Tensor) -> int:
 
 @dataclass(frozen=True, eq=False)
 class TokenMetadataLayout:
-    """Map from a batch's real tokens to the model-facing positions; build it with `padded` or
-    `packed`, not field by field.
+    """Map from a batch's real tokens to the model-facing positions, built by `padded` or `packed`.
 
-    Every tensor is on the host, so aligning data with it costs host index maths and one
-    host-to-device index copy, never a device-to-host sync.
+    Its tensors are on the host: aligning with it costs host index maths and a host-to-device
+    index copy, never a device-to-host sync.
 
     Attributes:
         kind: ``"padded"`` (``[B, S']``) or ``"packed"`` (one ``[1, T_local]`` row).
@@ -95,8 +94,7 @@ class TokenMetadataLayout:
             Token shape ``[B, S']``. Host maths; a device mask costs one device-to-host copy (a sync).
 
         Raises:
-            ValueError: A mask that is not 2-D, not 0/1 or not left-padded, or a bad ``side`` or
-                multiple.
+            ValueError: A mask not 2-D, not 0/1 or not left-padded, or a bad ``side`` or multiple.
         """
         check_side(side)
         multiple = check_int("pad_to_multiple", pad_to_multiple)
@@ -253,8 +251,8 @@ class TokenMetadataLayout:
             next_token: Token ``j`` takes token ``j + 1``'s row (targets of next-token losses).
 
         Returns:
-            int64 host ``[num_positions]``: the source row of each position, -1 where none (padding,
-            a token the source does not hold, or past the end with ``next_token``). Host maths only.
+            int64 host ``[num_positions]``: each position's source row, -1 where none (padding, a
+            token the source does not hold, past the end with ``next_token``); host maths.
         """
         sequence = self.position_sequence
         offset = self.position_offset + int(next_token)
@@ -271,13 +269,10 @@ class TokenMetadataLayout:
         """The flat row of each trajectory's first real token in a left-padded ``[B, width]`` batch.
 
         Args:
-            width: ``S`` of the batch: at least the longest sequence.
+            width: ``S`` of the batch: an int, at least the longest sequence (else ``ValueError``).
 
         Returns:
             int64 host ``[B]``, for `source_index`'s ``row_offsets``.
-
-        Raises:
-            ValueError: ``width`` is not an int or is shorter than the longest sequence.
         """
         width = _width("batch width", width, self.sequence_lengths)
         return torch.arange(self.batch_size) * width + width - self.sequence_lengths
@@ -288,18 +283,17 @@ class TokenMetadataLayout:
         Args:
             tensor: ``[B, S, *row]``, left-padded like the batch's ``attention_mask`` (input ids,
                 loss mask, logprobs...), on any device.
-            pad: What positions without a real token hold: a scalar, one row, or
-                ``pad(n) -> [n, *row]``.
+            pad: What positions without a real token hold: a scalar, a row, or ``pad(n) -> [n, *row]``.
             next_token: Token ``j`` takes token ``j + 1``'s value (labels, next-token loss masks);
                 the last token of each sequence gets ``pad``.
 
         Returns:
-            ``[*token_shape, *row]`` on ``tensor``'s device (dtype promoted with a tensor ``pad``'s).
-            Cost: as `take_rows`; no host sync.
+            ``[*token_shape, *row]`` on ``tensor``'s device (dtype promoted with a tensor ``pad``'s);
+            cost as `take_rows`, no host sync.
 
         Raises:
-            ValueError: ``tensor`` is not ``[B, S, ...]`` for this layout's ``B`` (or ``S`` is
-                shorter than the longest sequence), or ``pad`` does not fit.
+            ValueError: ``tensor`` is not ``[B, S, ...]`` for this ``B`` with ``S`` >= the longest
+                sequence, or ``pad`` does not fit.
         """
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.shape[0] != self.batch_size:
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -323,8 +317,8 @@ def take_rows(
 
     Returns:
         ``[*token_shape, *row]`` on ``source``'s device, in its dtype promoted with a tensor
-        ``pad``'s. Cost: one host-to-device copy of the gather index, one ``index_select``, and for
-        the padding one more index copy and an ``index_fill_`` or indexed write; no host sync.
+        ``pad``'s. Cost: a gather-index copy and one ``index_select``, then a padding-index copy
+        and an ``index_fill_`` or indexed write; no host sync.
 
     Raises:
         ValueError: ``pad`` is none of the above, or does not fit the dtype or the row shape.

@@ -207,3 +207,75 @@ def test_help_and_a_bad_limit_flag_do_not_import_torch(tmp_path):
     bad = run_python(tmp_path, "-c", probe, "--max-queue", "-1")
     assert bad.stdout.strip() == "2 []", bad.stdout + bad.stderr
     assert bad.stderr.strip() == "r3lightning-serve: error: max_queue must be an integer >= 0, got -1"
+
+
+# the packages of training: a server that imported them would pay their start-up for nothing
+_TRAINING_ONLY = ("lightning", "lightning_fabric", "pytorch_lightning", "hydra", "omegaconf", "megatron")
+_TRAINING_ONLY += ("datasets", "pandas", "matplotlib")
+_TRAINING_MODULES = (
+    "r3lightning.app.job",
+    "r3lightning.app.tasks",
+    "r3lightning.data",
+    "r3lightning.rollout",
+)
+_TRAINING_MODULES += ("r3lightning.correction", "r3lightning.replay.megatron", "r3lightning.replay.callback")
+
+_SERVE_PROBE = """
+import json, os, signal, sys, threading, time, urllib.request
+from r3lightning.app.serve import cli
+
+url = f"http://127.0.0.1:{sys.argv[1]}"
+seen = {}
+
+
+def client():  # the first 200 on /health, one greedy request, then SIGINT as a user would
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                break
+        except OSError:
+            time.sleep(0.05)
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}}
+    request = urllib.request.Request(url + "/skyrl/v1/generate", data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=120) as response:
+        seen["answer"] = json.load(response)["choices"][0]
+    seen["modules"] = sorted(sys.modules)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+threading.Thread(target=client, daemon=True).start()
+code = cli.main(["--port", sys.argv[1], "--device", "cpu"])
+print(json.dumps({"code": code, **seen}))
+"""
+
+
+def test_the_server_start_imports_no_training_package_and_answers_like_the_tiny_model(tmp_path):
+    """``r3lightning-serve``'s start loads torch, transformers' model code and aiohttp, and none of
+    the training stack (where start-up time goes: docs/protocols.md); its greedy answer is the
+    tiny model's, checked against a forward pass of that model here."""
+    import torch
+    from python_process import run_python
+
+    from r3lightning.app.models.tiny import build_tiny_moe
+
+    sock, port = _free_port()
+    sock.close()
+    run = run_python(tmp_path, "-c", _SERVE_PROBE, str(port))
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["code"] == 0, run.stderr[-2000:]
+    modules = seen["modules"]
+    assert "transformers" in modules and "torch" in modules  # the probe saw the serving process
+    assert [m for m in modules if m.split(".")[0] in _TRAINING_ONLY] == []
+    assert [m for m in modules if m.startswith(_TRAINING_MODULES)] == []
+    # the served model is the bf16 tiny MoE of seed 0: a forward pass over the answer agrees
+    answer = seen["answer"]
+    tokens = answer["token_ids"]
+    assert len(tokens) == 5
+    with torch.no_grad():
+        logits = build_tiny_moe(seed=0, dtype=torch.bfloat16)(torch.tensor([[5, 6, 7, *tokens]])).logits
+    logprobs = torch.log_softmax(logits[0, 2:-1].float(), dim=-1)  # [5, vocab]: each answer token's
+    chosen = logprobs[torch.arange(5), tokens]
+    served = torch.tensor([entry["logprob"] for entry in answer["logprobs"]["content"]])
+    # bf16: the server's batch-invariant kernels and this eager pass differ by bf16 rounding
+    assert torch.allclose(served, chosen, atol=0.1), (served, chosen)
+    assert bool((chosen >= logprobs.max(dim=-1).values - 0.1).all())  # greedy: a top token each time

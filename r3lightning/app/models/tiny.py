@@ -3,19 +3,13 @@ CPU); the default ``Qwen3MoeForCausalLM`` has a dense layer 0, so dense route ro
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    DeepseekV3Config,
-    GptOssConfig,
-    MixtralConfig,
-    OlmoeConfig,
-    PretrainedConfig,
-    Qwen2MoeConfig,
-    Qwen3MoeConfig,
-)
+import transformers
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, Qwen3MoeConfig
 
 # Shared by every family: a 64-wide model small enough for a 1-thread CPU test.
 _COMMON: dict[str, Any] = {
@@ -58,16 +52,21 @@ _GPT_OSS = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 
-_FAMILIES: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
-    "qwen3_moe": (Qwen3MoeConfig, {**_QWEN, "head_dim": 16, "norm_topk_prob": True, "mlp_only_layers": [0]}),
+# family -> (its transformers config class, by name: resolved on use, so a server of the default
+# Qwen3-MoE never imports the other families' modules; the tiny settings)
+_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {**_QWEN, "head_dim": 16, "norm_topk_prob": True, "mlp_only_layers": [0]},
+    ),
     "qwen2_moe": (
-        Qwen2MoeConfig,
+        "Qwen2MoeConfig",
         {**_QWEN, "shared_expert_intermediate_size": 48, "norm_topk_prob": False, "mlp_only_layers": [1]},
     ),
-    "olmoe": (OlmoeConfig, {"num_experts": 8, "norm_topk_prob": False}),
-    "mixtral": (MixtralConfig, {"num_local_experts": 8, "head_dim": 16}),
-    "deepseek_v3": (DeepseekV3Config, _DEEPSEEK),
-    "gpt_oss": (GptOssConfig, _GPT_OSS),
+    "olmoe": ("OlmoeConfig", {"num_experts": 8, "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "head_dim": 16}),
+    "deepseek_v3": ("DeepseekV3Config", _DEEPSEEK),
+    "gpt_oss": ("GptOssConfig", _GPT_OSS),
 }
 
 TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
@@ -90,7 +89,8 @@ def tiny_family_config(family: str, **overrides: Any) -> PretrainedConfig:
     """
     if family not in _FAMILIES:
         raise ValueError(f"family must be one of {TINY_FAMILIES}, got {family!r}")
-    config_cls, family_kwargs = _FAMILIES[family]
+    config_name, family_kwargs = _FAMILIES[family]
+    config_cls = getattr(transformers, config_name)  # imports this family's config module only
     kwargs = {**_COMMON, **family_kwargs, **overrides}
     if family == "gpt_oss" and "layer_types" not in overrides:  # one per layer: follows num_hidden_layers
         kinds = ("sliding_attention", "full_attention")
@@ -130,5 +130,5 @@ def build_tiny_moe(
     config = tiny_moe_config() if config is None else config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.to(dtype).eval()

@@ -89,6 +89,15 @@ def check_token_class(
     """Checks `TokenClassTask`'s settings (instruction ids ``[first_token, first_token +
     num_classes)``, fillers after them up to ``vocab_size``).
 
+    Every argument may be None: a setting not given, left unchecked.
+
+    Args:
+        vocab_size: The vocabulary size (None: the model's, not known yet).
+        num_classes: At least 2.
+        prompt_length: At least 1: the instruction id.
+        response_length: At least 1.
+        first_token: In ``[0, vocab_size - 2 * num_classes)``.
+
     Raises:
         ValueError: Naming the ``task.*`` key.
     """
@@ -110,6 +119,17 @@ def check_calculator(
     """Checks `CalculatorTask`'s settings (operands, then ``ASK``, ``CALL``, ``RESULT``, then
     fillers up to ``vocab_size``; ``max_turns`` generations per trajectory).
 
+    Every argument may be None: a setting not given, left unchecked.
+
+    Args:
+        vocab_size: The vocabulary size (None: the model's, not known yet).
+        num_classes: At least 2.
+        prompt_length: At least 3: two operands and ``ASK``.
+        response_length: At least 1.
+        first_token: In ``[0, vocab_size - num_classes - 4)``.
+        call_reward: A finite number.
+        max_turns: At least 1.
+
     Raises:
         ValueError: Naming the ``task.*`` key.
     """
@@ -128,6 +148,15 @@ def check_prompts_file(
     seed: int | None = None,
 ) -> None:
     """Checks `PromptsFileTask`'s settings (its file and tokenizer are read when it is built).
+
+    Every argument may be None: a setting not given, left unchecked.
+
+    Args:
+        max_prompt_length: At least 1.
+        response_length: At least 1.
+        overlong: One of ``OVERLONG``.
+        shuffle: True or false.
+        seed: At least 0.
 
     Raises:
         ValueError: Naming the ``task.*`` key.

@@ -123,15 +123,26 @@ class ScoredTask:
         return self.guarded(prompt, response_ids)
 
     def environments(self) -> Environments | None:
-        """A multi-turn task's [`Environments`][r3lightning.rollout.environment.Environments] (its ``make_environment(score_prompt)`` and
-        ``max_turns``, 1 if it has none); None for a single-turn task."""
+        """The multi-turn rollouts of a task with ``make_environment``.
+
+        Returns:
+            [`Environments`][r3lightning.rollout.environment.Environments] whose factory is the
+            task's ``make_environment(score_prompt)`` and whose turns are its ``max_turns`` (1 if
+            it has none); None for a single-turn task.
+        """
         make = getattr(self.prompts, "make_environment", None)
         if make is None:
             return None
-        return Environments(functools.partial(make, self.score_prompt), getattr(self.prompts, "max_turns", 1))
+        factory = functools.partial(make, self.score_prompt)  # each environment scores its answer
+        return Environments(factory, getattr(self.prompts, "max_turns", 1))
 
     def pop_metrics(self) -> dict[str, float]:
-        """``reward/failures``, ``reward/timeouts`` and the scorer's extra entries since the last call."""
+        """The scorer's metrics since the last call, then resets them.
+
+        Returns:
+            ``reward/failures``, ``reward/timeouts`` and the mean of each extra entry a scorer
+            returned (``reward/<key>``).
+        """
         return self.guarded.pop_metrics()
 
     def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:

@@ -131,7 +131,8 @@ class HFRouterReplay:
         Args:
             routes: ``[*token_shape, num_layers, top_k]``, or ``[*token_shape, len(layers), top_k]``
                 when ``layers`` is given: kept as they are (compact dtype, sliced), moved to the
-                routers' device (non-blocking) on first use, and each router reads its own column.
+                routers' device (non-blocking; host routes should be page-locked for it not to
+                block) on first use, and each router reads its own column.
             replay_mask: None, or bool ``[*token_shape]``: False rows route natively.
             layers: The decoder layer of each column of layer-sliced routes, covering ``moe_layers``.
 

@@ -192,8 +192,8 @@ class MegatronRouterReplay:
             routes: Integer ``[B, S, num_layers, top_k]`` in the layout the model is fed (padded
                 ``[B, S']`` or packed ``[1, T_local]``), before the sequence-parallel split; or
                 ``[B, S, len(layers), top_k]`` when ``layers`` is given (a pipeline stage's
-                columns): each router gets its own column, one int64 copy per layer, never all
-                layers.
+                columns): each router gets its own column, one non-blocking int64 copy per
+                layer, never all layers (host routes should be page-locked for it not to block).
             replay_mask: None, or bool ``[B, S]``: False rows route natively.
             layers: The decoder layer of each column of layer-sliced routes, covering ``moe_layers``.
             vp_stage: With virtual pipeline parallelism, the chunk whose routers take the routes.
