@@ -98,7 +98,10 @@ BAD_VALUES = [
         "task.vocab_size=8",  # room for 2 * num_classes ids
         "task.first_token must be in [0, vocab_size - 2 * num_classes) = [0, 4), got 4",
     ),
-    ("model.dtype=float33", "model.dtype must be one of ['bfloat16', 'float16', 'float32'], got 'float33'"),
+    (
+        "model.dtype=float33",
+        "model.dtype must be one of ['bfloat16', 'float16', 'float32', 'float64'], got 'float33'",
+    ),
     ("replay.mode=r4", f"replay.mode must be one of {MODES}, got 'r4'"),
     ("replay.strict=maybe", "replay.strict must be true or false, got 'maybe'"),
     ("algorithm.group_size=1", "algorithm.group_size must be an integer >= 2 and <= 2147483647, got 1"),
@@ -199,13 +202,20 @@ def test_good_values_pass():
         ],
         ["rollout.url=[http://127.0.0.1:1,https://h:2]", "rollout.protocol=vllm", "replay.strict=true"],
         [
+            "model.dtype=float64",
+            "plot=false",
+            "replay.strict=False",
+            "task.vocab_size=9",
+            "task.first_token=4",
+        ],
+        [
             "callbacks.router_replay=null",
             "+callbacks.x=null",
             "loggers=null",
             "algorithm.optim.grad_clip=null",
         ],
     ):
-        check_config(compose_config(overrides))
+        assert refusal(overrides) is None, overrides
 
 
 NO_MODULE = "no module named '{}' (is its package installed?)"

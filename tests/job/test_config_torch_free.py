@@ -74,7 +74,10 @@ REFUSED = [
     # the nodes built after the model: checked before it
     (["task.num_classes=1"], "task.num_classes must be an integer >= 2, got 1"),
     (["task=calculator", "task.max_turns=0"], "task.max_turns must be an integer >= 1, got 0"),
-    (["model.dtype=float33"], "model.dtype must be one of ['bfloat16', 'float16', 'float32'], got 'float33'"),
+    (
+        ["model.dtype=float33"],
+        "model.dtype must be one of ['bfloat16', 'float16', 'float32', 'float64'], got 'float33'",
+    ),
     (["reward.timeout_s=0"], "reward.timeout_s must be None or a number > 0, got 0"),
     # a true/false setting given another literal, on its own or in a sweep
     (["plot=1"], "plot must be true or false, got 1"),

@@ -86,6 +86,7 @@ def _resolved_keys(node: DictConfig, keys: list[str]) -> DictConfig:
     return OmegaConf.create({key: node[key] for key in keys if key in node})
 
 
+_MODEL_DTYPES = (*FLOAT_DTYPES, "float64")  # the trainer's weights may also be float64 (the engine casts)
 _RUN_KEYS = [f.name for f in dataclasses.fields(RunSettings)]
 _OMEGACONF_TYPES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
 
@@ -259,8 +260,8 @@ def _check_built_later(cfg: DictConfig) -> None:
     except ValueError as exc:
         raise JobError(str(exc)) from None
     dtype = cfg.model.get("dtype") if OmegaConf.is_dict(cfg.model) else None
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise JobError(f"model.dtype must be one of {list(FLOAT_DTYPES)}, got {dtype!r}")
+    if dtype is not None and dtype not in _MODEL_DTYPES:
+        raise JobError(f"model.dtype must be one of {list(_MODEL_DTYPES)}, got {dtype!r}")
 
 
 def check_bool_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
