@@ -6,27 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
+from job_cli import refusal
 
 from r3lightning.app.job.common import JobError
 from r3lightning.app.job.grpo import GRPOAdvantages, GRPOConfig
 from r3lightning.app.job.main import compose_config
-from r3lightning.app.job.validate import MOVED_KEYS, check_values, error_line
-
-
-def refusal(overrides: list[str]) -> str | None:
-    """The one line the job prints for ``overrides`` (composition, then the value checks)."""
-    try:
-        cfg = compose_config(overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
-        return error_line(exc)
-    try:
-        check_values(cfg)
-    except JobError as exc:
-        return str(exc)
-    return None
-
+from r3lightning.app.job.validate import MOVED_KEYS
 
 CARRIED = [(old, new) for old, (new, how) in MOVED_KEYS.items() if how is None]
 

@@ -73,9 +73,9 @@ def test_scored_task_builds_environments_with_the_checked_reward():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"num_classes": 1}, "task.num_classes must be >= 2, got 1"),
-        ({"prompt_length": 2}, "task.prompt_length must be >= 3"),
-        ({"max_turns": 0}, "task.max_turns must be >= 1, got 0"),
+        ({"num_classes": 1}, "task.num_classes must be an integer >= 2, got 1"),
+        ({"prompt_length": 2}, "task.prompt_length must be an integer >= 3"),
+        ({"max_turns": 0}, "task.max_turns must be an integer >= 1, got 0"),
         ({"first_token": 90}, r"task.first_token must be in \[0, vocab_size - num_classes - 4\) = \[0, 90\)"),
     ],
 )

@@ -53,7 +53,8 @@ def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
             raise JobError(f"{where}.name {name!r} {problem}")
         if not isinstance(overrides, dict):
             raise JobError(f"{where}.overrides must map dotted config keys to values, got {overrides!r}")
-        arm = OmegaConf.merge(cfg if mode is None else replay_settings(cfg, str(mode)), {"compare": []})
+        base = cfg if mode is None else replay_settings(cfg, str(mode))
+        arm = OmegaConf.merge(base, {"compare": []})  # an arm is one run: it compares nothing
         for key, value in overrides.items():
             if OmegaConf.select(arm, str(key), default=KeyError) is KeyError:
                 raise JobError(f"{where}.overrides: {key!r} is not a key of the config")

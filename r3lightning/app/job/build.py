@@ -27,7 +27,11 @@ MEGATRON_HINT = 'pip install "r3lightning[megatron]"'
 
 
 def megatron_installed() -> bool:
-    """Whether megatron-core can be imported (without importing it)."""
+    """Whether megatron-core can be imported, found without importing it.
+
+    Returns:
+        True when ``megatron.core`` is installed.
+    """
     try:
         return importlib.util.find_spec("megatron.core") is not None
     except (ImportError, ValueError):  # no parent package, or one set to None in sys.modules

@@ -23,6 +23,12 @@ class JobError(Exception):
 
 
 def is_global_zero() -> bool:
-    """Rank 0 of a (possibly not yet launched) multi-process run, from the launcher's env vars."""
+    """Whether this process is rank 0 of a (possibly not yet launched) multi-process run.
+
+    Read from the launcher's environment variables, so it works before any process group exists.
+
+    Returns:
+        True on global rank 0 (``RANK``, else ``LOCAL_RANK``, and ``NODE_RANK``; 0 when unset).
+    """
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     return rank == 0 and int(os.environ.get("NODE_RANK", "0")) == 0

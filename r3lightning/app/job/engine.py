@@ -76,7 +76,8 @@ def _sglang_disk_push(
         headers = bearer_headers(api_key)
         async with session.post(f"{url}/update_weights_from_disk", json=body, headers=headers) as response:
             answer = await response.json(content_type=None)
-            if response.status != 200 or not (isinstance(answer, dict) and answer.get("success", False)):
+            succeeded = isinstance(answer, dict) and answer.get("success", False)
+            if response.status != 200 or not succeeded:
                 raise JobError(
                     f"update_weights_from_disk at {url} failed: HTTP {response.status}: {str(answer)[:200]}"
                 )
@@ -117,7 +118,8 @@ def _model_config(cfg: DictConfig):
     if cfg.model.get("path") is not None:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(Path(str(cfg.model.path)).expanduser()), local_files_only=True)
+        path = Path(str(cfg.model.path)).expanduser()
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
     return build_model(cfg.model).config
 
 

@@ -97,10 +97,12 @@ class JobCallback(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from r3lightning.app.job.arms import arms
+        from r3lightning.app.job.validate import check_bool_overrides
 
         try:
             run_dir = Path(str(config.hydra.run.dir)).absolute()
             task_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+            check_bool_overrides(task_cfg, list(config.hydra.overrides.task))
             configs = arms(task_cfg, targets=False)
             if run_dir.exists():  # a resumed folder: refused now if it holds another task's run
                 from r3lightning.app.job.checkpoint import check_run_dir
@@ -116,6 +118,13 @@ class JobCallback(Callback):
         _state["new_dirs"] = _missing(run_dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from r3lightning.app.job.validate import check_bool_overrides
+
+        try:  # every job's values are checked by the job itself; a sweep's literals only here
+            task_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+            check_bool_overrides(task_cfg, list(config.hydra.overrides.task))
+        except JobError as exc:
+            sys.exit(report(exc))
         sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
         _state["sweep_is_new"] = not sweep_dir.exists()
         _state["new_dirs"] = _missing(sweep_dir)

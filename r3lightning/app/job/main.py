@@ -39,12 +39,13 @@ register()  # the schema conf/config.yaml starts from, before Hydra composes
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     """Run every arm for every seed into ``run_dir``; returns ``{run name: history}``, named ``<arm>``
     (one seed) or ``<arm>/seed=<s>`` (folder ``<arm>/seed_<s>``, ``=`` written ``_``)."""
+    configs = arms(cfg)  # every value refused before torch is imported (a sweep's job too)
+    seeds = run_seeds(cfg)
     from r3lightning.app.job.checkpoint import check_run_dir
     from r3lightning.app.job.engine import embedded_server
     from r3lightning.app.job.report import environment, environment_line, format_table, plot_runs
     from r3lightning.app.job.setup import model_runtime, train_one
 
-    configs, seeds = arms(cfg), run_seeds(cfg)
     for arm, arm_cfg in configs.items():  # before config.yaml is rewritten
         check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -187,9 +187,13 @@ def summarize(records: History, window: int = 3) -> dict[str, float]:
 
 def _fmt_table(rows: list[list[str]]) -> list[str]:
     """``rows`` (the first is the header) as left-aligned columns, a dashed rule under the header."""
-    widths = [max(map(len, column)) for column in zip(*rows, strict=True)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
+    widths = [max(len(cell) for cell in column) for column in zip(*rows, strict=True)]
+    lines = []
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    rule = "  ".join("-" * width for width in widths)
+    return [lines[0], rule, *lines[1:]]
 
 
 # The summary's columns: header ({band}: the ratio band), summarize() keys (joined by "->"), format.
@@ -221,7 +225,8 @@ REAL_ENGINE_COLUMNS = (  # shown for runs against a real engine (rollout.protoco
     ("|dlogp| native", "abs_logprob_diff_native", "{:.4f}"),
     ("replayed", "abs_logprob_diff_replayed", "{:.4f}"),
 )
-STEP0 = tuple((h.replace(" {band}", ""), f"{k}_step0", f) for h, k, f in COLUMNS[3:8])
+# the step-0 table: the paired columns of COLUMNS (k3 native ... outside replayed) at step 0
+STEP0 = tuple((header.replace(" {band}", ""), f"{keys}_step0", spec) for header, keys, spec in COLUMNS[3:8])
 
 
 def _cell(spec: str, value: float) -> str:
@@ -366,10 +371,12 @@ def plot_runs(path: str | Path, runs: Mapping[str, History], ratio_band: float =
         for ax, (keys, scale) in zip(axes.flat, panels.values(), strict=True):
             for dashed, key in enumerate(keys):
                 steps = sorted({r["step"] for r in records if key in r})
-                stats = [
-                    spread([scale * r[key] for r in records if r["step"] == s and key in r]) for s in steps
-                ]
-                med, low, high = zip(*stats, strict=True) if stats else [()] * 3
+                stats = []  # (median, min, max) over the seeds, per step
+                for step in steps:
+                    values = [scale * r[key] for r in records if r["step"] == step and key in r]
+                    stats.append(spread(values))
+                # one sequence per line of the plot: medians, lows, highs
+                med, low, high = zip(*stats, strict=True) if stats else [(), (), ()]
                 label = f"{name} {key.rsplit('_', 1)[1]}" if len(keys) > 1 else name
                 style = {"ls": "--", "marker": "x"} if dashed else {"ls": "-", "marker": "."}
                 ax.plot(steps, med, color=color, label=label, **style)

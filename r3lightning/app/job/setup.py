@@ -38,12 +38,11 @@ def model_runtime(model_cfg: DictConfig) -> Iterator[None]:
     """
     node = model_cfg.get("runtime")
     with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(
-                contextlib.nullcontext() if node is None else instantiate_node(node, "model.runtime")
-            )
-        except ModuleNotFoundError as exc:
-            raise JobError(f"model.runtime: {build.import_problem(exc)}") from None
+        if node is not None:
+            try:  # entering imports too: megatron_runtime imports megatron-core there
+                stack.enter_context(instantiate_node(node, "model.runtime"))
+            except ModuleNotFoundError as exc:
+                raise JobError(f"model.runtime: {build.import_problem(exc)}") from None
         yield
 
 
@@ -87,7 +86,8 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     backend = build.replay_backend(cfg, model)
     missing = str(cfg.rollout.get("missing_rows", "error"))
     schema = RouteSchema(backend.num_layers, backend.top_k, backend.num_experts, missing_rows=missing)
-    vocab_size = cfg.task.get("vocab_size") or getattr(getattr(model, "config", None), "vocab_size", None)
+    model_config = getattr(model, "config", None)  # a Hugging Face-style config, where the model has one
+    vocab_size = cfg.task.get("vocab_size") or getattr(model_config, "vocab_size", None)
     task = build.build_task(cfg, vocab_size)
     settings = check_values(cfg)
     grpo = settings.grpo

@@ -7,11 +7,14 @@ table of moved keys, and the one-line form of Hydra's own composition errors."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
@@ -20,6 +23,7 @@ from r3lightning.app.job.common import JobError
 from r3lightning.app.job.rollout_settings import launch_settings, launched
 from r3lightning.app.job.schema import SettingsError, build
 from r3lightning.app.job.settings import (
+    FLOAT_DTYPES,
     OptimConfig,
     ReplaySettings,
     RolloutSettings,
@@ -28,11 +32,21 @@ from r3lightning.app.job.settings import (
     WeightSyncSettings,
 )
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.tasks.settings import TASK_CHECKS
+from r3lightning.checks import check_setting
 from r3lightning.data.options import DataOptions
 from r3lightning.rollout.config import AheadConfig, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
-__all__ = ["MOVED_KEYS", "Settings", "check_config", "check_targets", "check_values", "error_line"]
+__all__ = [
+    "MOVED_KEYS",
+    "Settings",
+    "check_bool_overrides",
+    "check_config",
+    "check_targets",
+    "check_values",
+    "error_line",
+]
 
 # Keys that moved: old -> (new, how to set it when the value does not carry over as it is)
 MOVED_KEYS: dict[str, tuple[str, str | None]] = {
@@ -72,6 +86,7 @@ def _resolved_keys(node: DictConfig, keys: list[str]) -> DictConfig:
     return OmegaConf.create({key: node[key] for key in keys if key in node})
 
 
+_MODEL_DTYPES = (*FLOAT_DTYPES, "float64")  # the trainer's weights may also be float64 (the engine casts)
 _RUN_KEYS = [f.name for f in dataclasses.fields(RunSettings)]
 _OMEGACONF_TYPES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
 
@@ -167,7 +182,8 @@ def _absent() -> None:
 
 def check_values(cfg: DictConfig) -> Settings:
     """Every value a settings dataclass holds, checked by building it, and the keys that depend on
-    each other. Imports no Lightning, transformers or model; returns what it built.
+    each other. Imports no Lightning, transformers or model, and torch only once every value but
+    a good ``rollout.server`` passed (its ``EngineConfig`` holds a torch dtype); returns what it built.
 
     Raises:
         JobError: the first refused value, naming its key.
@@ -189,36 +205,89 @@ def check_values(cfg: DictConfig) -> Settings:
     groups = ("sampling", "collector", "retry", "server", "limits", "launch", *_AHEAD_KEYS, *_SYNC_KEYS)
     server_keys = [k for k in rollout.server if k not in ("host", "port")]
     try:
-        built = Settings(
-            run=build(RunSettings, OmegaConf.masked_copy(cfg, _RUN_KEYS), ""),
-            replay=build(ReplaySettings, cfg.replay, "replay"),
-            grpo=build(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim", "std_eps")),
-            advantages=build(
+        parts = {
+            "run": build(RunSettings, OmegaConf.masked_copy(cfg, _RUN_KEYS), ""),
+            "replay": build(ReplaySettings, cfg.replay, "replay"),
+            "grpo": build(GRPOConfig, cfg.algorithm, "algorithm", skip=("optim", "std_eps")),
+            "advantages": build(
                 GRPOAdvantages, OmegaConf.masked_copy(cfg.algorithm, _ADVANTAGE_KEYS), "algorithm"
             ),
-            optim=build(OptimConfig, cfg.algorithm.optim, "algorithm.optim"),
-            rollout=build(RolloutSettings, rollout, "rollout", skip=groups),
-            address=build(ServerAddress, rollout.server, "rollout.server", skip=server_keys),
-            sampling=build(SamplingConfig, rollout.sampling, "rollout.sampling"),
-            collector=build(CollectorConfig, rollout.collector, "rollout.collector"),
-            retry=build(RetryPolicy, rollout.retry, "rollout.retry"),
-            engine=build(EngineConfig, rollout.server, "rollout.server", skip=("host", "port")),
-            limits=build(ServerLimits, rollout.limits, "rollout.limits"),
-            data_options=build(DataOptions, cfg.data.options, "data.options"),
-            ahead=build(AheadConfig, _resolved_keys(rollout, _AHEAD_KEYS), "rollout"),
-            weight_sync=build(WeightSyncSettings, _resolved_keys(rollout, _SYNC_KEYS), "rollout"),
-        )
-        built.rollout.check_engine(launched(rollout))
+            "optim": build(OptimConfig, cfg.algorithm.optim, "algorithm.optim"),
+            "rollout": build(RolloutSettings, rollout, "rollout", skip=groups),
+            "address": build(ServerAddress, rollout.server, "rollout.server", skip=server_keys),
+            "sampling": build(SamplingConfig, rollout.sampling, "rollout.sampling"),
+            "collector": build(CollectorConfig, rollout.collector, "rollout.collector"),
+            "retry": build(RetryPolicy, rollout.retry, "rollout.retry"),
+            "limits": build(ServerLimits, rollout.limits, "rollout.limits"),
+            "data_options": build(DataOptions, cfg.data.options, "data.options"),
+            "ahead": build(AheadConfig, _resolved_keys(rollout, _AHEAD_KEYS), "rollout"),
+            "weight_sync": build(WeightSyncSettings, _resolved_keys(rollout, _SYNC_KEYS), "rollout"),
+        }
+        parts["rollout"].check_engine(launched(rollout))
     except SettingsError as exc:
         raise JobError(str(exc)) from None
     except ValueError as exc:  # check_engine
         raise JobError(f"rollout.{exc}") from None
     if launched(rollout):
         launch_settings(rollout, model="(the job's model)")
+    _check_built_later(cfg)
     path = OmegaConf.select(cfg, "task.path")
     if path is not None and not Path(str(path)).expanduser().is_file():
         raise JobError(f"task.path: no such file: {path}")
-    return built
+    try:  # last: a built EngineConfig holds a torch dtype, so a good one imports torch
+        engine = build(EngineConfig, rollout.server, "rollout.server", skip=("host", "port"))
+    except SettingsError as exc:
+        raise JobError(str(exc)) from None
+    return Settings(**parts, engine=engine)
+
+
+def _check_built_later(cfg: DictConfig) -> None:
+    """The values of nodes the job builds once the model is built, checked now: a shipped task's
+    keywords (`TASK_CHECKS`, its constructor's own check), ``model.dtype`` and
+    ``reward.timeout_s`` (the job's bound on each scorer call).
+
+    Raises:
+        JobError: The first refused value, naming its key.
+    """
+    task = OmegaConf.to_container(cfg.task, resolve=True) if OmegaConf.is_dict(cfg.task) else {}
+    check = TASK_CHECKS.get(str(task.get("_target_")))
+    try:
+        if check is not None:  # a user's task checks its own keywords when the job builds it
+            accepted = inspect.signature(check).parameters
+            check(**{key: value for key, value in task.items() if key in accepted})
+        if OmegaConf.is_dict(cfg.reward) and "timeout_s" in cfg.reward:
+            check_setting("reward.timeout_s", cfg.reward.timeout_s, low=0, above=True, optional=True)
+    except ValueError as exc:
+        raise JobError(str(exc)) from None
+    dtype = cfg.model.get("dtype") if OmegaConf.is_dict(cfg.model) else None
+    if dtype is not None and dtype not in _MODEL_DTYPES:
+        raise JobError(f"model.dtype must be one of {list(_MODEL_DTYPES)}, got {dtype!r}")
+
+
+def check_bool_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """Every command-line value of a true/false setting is ``true`` or ``false``. OmegaConf turns
+    ``plot=1`` or ``plot=yes`` into true; Hydra's own override parser tells what was written (the
+    integer 1, the string ``yes``), so a value that is not a boolean literal is refused. Each value
+    of a sweep (``plot=true,1``) is checked.
+
+    Args:
+        cfg: The composed config: a key whose value is a bool there is a true/false setting.
+        overrides: The command line's overrides (``hydra.overrides.task``).
+
+    Raises:
+        JobError: The first such override, naming its key and value.
+    """
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        key = override.key_or_group
+        if override.is_delete() or not isinstance(OmegaConf.select(cfg, key, default=None), bool):
+            continue
+        try:
+            values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        except Exception:  # an interval sweep has no values to list: its sweeper's range is numeric
+            values = [override.value()]
+        for value in values:
+            if not isinstance(value, bool):
+                raise JobError(f"{key} must be true or false, got {value!r}")
 
 
 def check_targets(cfg: DictConfig) -> None:

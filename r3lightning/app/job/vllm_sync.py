@@ -63,7 +63,9 @@ def vllm_disk_push(
         dtype: the engines' dtype (``--dtype``): fp32 engines get fp32 weights.
 
     Returns:
-        The ``WeightSync``.
+        The ``WeightSync``. It raises ``JobError`` for a checkpoint it cannot write or a step an
+        engine refuses (that engine stays paused), and ``RemoteGenerateError`` for an engine
+        that does not answer.
     """
     headers = bearer_headers(api_key)
     method = weight_sync.RELOAD_METHOD

@@ -37,13 +37,8 @@ class EngineConfig:
     simulated_disagreement: float | None = None
 
     def __post_init__(self) -> None:
-        import torch
-
-        dtypes = {name: getattr(torch, name) for name in _DTYPES}
-        dtype = dtypes.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
-        if dtype not in dtypes.values():
+        if isinstance(self.dtype, str) and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
-        object.__setattr__(self, "dtype", dtype)
         check_setting("max_batch_size", self.max_batch_size, low=1, integer=True)
         # a collection window for batch-mates: past 10 s it only adds latency, and a huge value
         # overflows the queue's timeout and kills the batching thread
@@ -54,13 +49,30 @@ class EngineConfig:
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be None or a bool, got {self.batch_invariant!r}")
         check_setting("simulated_disagreement", self.simulated_disagreement, low=0, high=0.5, optional=True)
+        # torch last: every value above is refused without it (the job checks its config first)
+        import torch
+
+        dtypes = {name: getattr(torch, name) for name in _DTYPES}
+        dtype = dtypes.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if dtype not in dtypes.values():
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
         if self.device is not None:
             serving_device(self.device)
 
 
 def serving_device(value: TorchDevice | str | int) -> TorchDevice:
-    """``value`` as a device the engine can serve on (``cpu``, ``cuda``, ``cuda:N`` present on this
-    machine); ``ValueError`` otherwise, before any model is moved there."""
+    """Check a device before any model is moved there.
+
+    Args:
+        value: a ``torch.device``, its name or a CUDA index.
+
+    Returns:
+        The device: ``cpu``, ``cuda`` or ``cuda:N`` present on this machine.
+
+    Raises:
+        ValueError: naming ``device``: not a CPU or CUDA device, or no such CUDA device here.
+    """
     import torch
 
     try:

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from r3lightning.app.tasks.token_class import TokenClassReward, check_task_sizes
+from r3lightning.app.tasks.settings import check_calculator
+from r3lightning.app.tasks.token_class import TokenClassReward
 from r3lightning.rollout.prompts import RolloutPrompt
 
 __all__ = ["CalculatorEnvironment", "CalculatorReward", "CalculatorTask"]
@@ -76,10 +77,9 @@ class CalculatorTask:
         call_reward: float = 0.2,
         max_turns: int = 3,
     ) -> None:
-        free = ("vocab_size - num_classes - 4", vocab_size - num_classes - 4)
-        check_task_sizes(num_classes, (prompt_length, 3), response_length, first_token, free)
-        if max_turns < 1:
-            raise ValueError(f"task.max_turns must be >= 1, got {max_turns}")
+        check_calculator(
+            vocab_size, num_classes, prompt_length, response_length, first_token, call_reward, max_turns
+        )
         self.vocab_size = vocab_size
         self.num_classes = num_classes
         self.prompt_length = prompt_length

@@ -9,12 +9,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import orjson
 import torch
 
-from r3lightning.checks import check_setting
+from r3lightning.app.tasks.settings import check_prompts_file
 from r3lightning.rollout.prompts import RolloutPrompt, as_messages, chat_prompt_ids
 
 __all__ = ["Columns", "PromptsFileTask", "load_tokenizer", "lookup", "read_rows"]
@@ -175,9 +175,7 @@ class PromptsFileTask:
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
-        check_setting("task.max_prompt_length", max_prompt_length, low=1, integer=True)
-        if overlong not in get_args(Overlong):
-            raise ValueError(f"task.overlong must be one of {list(get_args(Overlong))}, got {overlong!r}")
+        check_prompts_file(max_prompt_length, response_length, overlong, shuffle, seed)
         if tokenizer is None:
             raise ValueError(
                 "task.tokenizer: a prompts file needs the model's tokenizer; set model=hf_checkpoint "

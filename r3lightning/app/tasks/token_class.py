@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from r3lightning.app.tasks.settings import check_token_class
 from r3lightning.rollout.environment import Environments
 from r3lightning.rollout.prompts import (
     GuardedReward,
@@ -122,15 +123,26 @@ class ScoredTask:
         return self.guarded(prompt, response_ids)
 
     def environments(self) -> Environments | None:
-        """A multi-turn task's [`Environments`][r3lightning.rollout.environment.Environments] (its ``make_environment(score_prompt)`` and
-        ``max_turns``, 1 if it has none); None for a single-turn task."""
+        """The multi-turn rollouts of a task with ``make_environment``.
+
+        Returns:
+            [`Environments`][r3lightning.rollout.environment.Environments] whose factory is the
+            task's ``make_environment(score_prompt)`` and whose turns are its ``max_turns`` (1 if
+            it has none); None for a single-turn task.
+        """
         make = getattr(self.prompts, "make_environment", None)
         if make is None:
             return None
-        return Environments(functools.partial(make, self.score_prompt), getattr(self.prompts, "max_turns", 1))
+        factory = functools.partial(make, self.score_prompt)  # each environment scores its answer
+        return Environments(factory, getattr(self.prompts, "max_turns", 1))
 
     def pop_metrics(self) -> dict[str, float]:
-        """``reward/failures``, ``reward/timeouts`` and the scorer's extra entries since the last call."""
+        """The scorer's metrics since the last call, then resets them.
+
+        Returns:
+            ``reward/failures``, ``reward/timeouts`` and the mean of each extra entry a scorer
+            returned (``reward/<key>``).
+        """
         return self.guarded.pop_metrics()
 
     def reward(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> float:
@@ -153,40 +165,6 @@ class ScoredTask:
             raise ValueError(
                 f"reward {callable_name(self.score)} returned {value!r}; expected a finite number"
             ) from None
-
-
-def check_task_sizes(
-    num_classes: int,
-    prompt_length: tuple[int, int],
-    response_length: int,
-    first_token: int,
-    end: tuple[str, int],
-) -> None:
-    """Checks the sizes every token task shares.
-
-    Args:
-        num_classes: At least 2.
-        prompt_length: ``(value, least)``: the prompt length and the room its fixed tokens need.
-        response_length: At least 1.
-        first_token: In ``[0, end)``.
-        end: ``(formula, value)`` of the bound of ``first_token``, e.g.
-            ``("vocab_size - 2 * num_classes", 252)``: the formula is shown in the error.
-
-    Raises:
-        ValueError: The first size out of range, naming its ``task.*`` key.
-    """
-    length, least = prompt_length
-    formula, bound = end
-    sizes = {
-        "num_classes": (num_classes, 2),
-        "prompt_length": (length, least),
-        "response_length": (response_length, 1),
-    }
-    for name, (value, low) in sizes.items():
-        if value < low:
-            raise ValueError(f"task.{name} must be >= {low}, got {value}")
-    if not 0 <= first_token < bound:
-        raise ValueError(f"task.first_token must be in [0, {formula}) = [0, {bound}), got {first_token}")
 
 
 class TokenClassReward:
@@ -254,8 +232,7 @@ class TokenClassTask:
     ) -> None:
         # instruction ids are [first_token, first_token + num_classes); fillers come after them,
         # so special ids (pad, bos, eos below first_token) never appear in prompts
-        free = ("vocab_size - 2 * num_classes", vocab_size - 2 * num_classes)
-        check_task_sizes(num_classes, (prompt_length, 1), response_length, first_token, free)
+        check_token_class(vocab_size, num_classes, prompt_length, response_length, first_token)
         self.vocab_size = vocab_size
         self.num_classes = num_classes
         self.prompt_length = prompt_length
