@@ -19,15 +19,28 @@ from r3lightning.app.serve.server import RolloutServer
 GUARD_S = 120  # generous: only a server that never cuts the trickle reaches it
 
 
-async def _trickle(writer: asyncio.StreamWriter, body: bytes, stop: asyncio.Event) -> None:
-    """One byte every 20 ms, until the body ends, the server closes or ``stop`` is set."""
-    with contextlib.suppress(ConnectionError):
-        for i in range(len(body)):
-            if stop.is_set():
-                return
-            writer.write(body[i : i + 1])
-            await writer.drain()
-            await asyncio.sleep(0.02)
+async def _trickled_request(srv: RolloutServer, head: bytes, body: bytes) -> tuple[int, bytes]:
+    """Send the request ``head`` (up to ``Content-Length: N``), then ``body`` one byte every 20 ms
+    until the server answers; returns the answer's status and bytes (the trickle stops there)."""
+    reader, writer = await raw_request(srv, head + b"\r\n\r\n")
+    answered = asyncio.Event()
+
+    async def trickle() -> None:  # until the body ends, the server closes or has answered
+        with contextlib.suppress(ConnectionError):
+            for i in range(len(body)):
+                if answered.is_set():
+                    return
+                writer.write(body[i : i + 1])
+                await writer.drain()
+                await asyncio.sleep(0.02)
+
+    trickler = asyncio.create_task(trickle())
+    try:
+        return await status_line(reader, timeout=GUARD_S)
+    finally:
+        answered.set()
+        await trickler
+        writer.close()
 
 
 async def test_a_trickled_weight_upload_is_cut_and_the_next_upload_goes_through():
@@ -36,16 +49,8 @@ async def test_a_trickled_weight_upload_is_cut_and_the_next_upload_goes_through(
         embed = srv.engine.model.get_input_embeddings().weight.detach().clone()
         upload = save({"model.embed_tokens.weight": (embed + 1).contiguous()})
         head = b"POST /update_weights HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(len(upload)).encode()
-        reader, writer = await raw_request(srv, head + b"\r\n\r\n")
-        stop = asyncio.Event()
-        trickler = asyncio.create_task(_trickle(writer, upload, stop))
-        try:
-            # each byte comes well within body_timeout_s: only the minimum rate cuts it
-            status, answer = await status_line(reader, timeout=GUARD_S)
-        finally:
-            stop.set()
-            await trickler
-            writer.close()
+        # each byte comes well within body_timeout_s: only the minimum rate cuts it
+        status, answer = await _trickled_request(srv, head, upload)
         assert status == 408 and b"request body too slow" in answer and b"min_body_rate" in answer
         assert srv.weight_version == 0
         status, payload, _ = await post(f"{srv.url}/update_weights", upload)  # not 409: the slot is free
@@ -61,15 +66,7 @@ async def test_trickled_generate_bodies_are_cut_and_free_their_slots():
     async with RolloutServer(build_tiny_moe(seed=0), engine=engine, limits=limits) as srv:
         body = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}'
         head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-        reader, writer = await raw_request(srv, head + str(len(body)).encode() + b"\r\n\r\n")
-        stop = asyncio.Event()
-        trickler = asyncio.create_task(_trickle(writer, body, stop))
-        try:
-            status, answer = await status_line(reader, timeout=GUARD_S)
-        finally:
-            stop.set()
-            await trickler
-            writer.close()
+        status, answer = await _trickled_request(srv, head + str(len(body)).encode(), body)
         assert status == 408 and b"request body too slow" in answer
         await still_serving(srv)  # the slot is free again
 

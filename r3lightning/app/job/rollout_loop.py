@@ -69,8 +69,8 @@ class RolloutLoop(pl.Callback):
     ``[s - rollout.max_staleness, s]`` (`r3lightning.rollout.ahead`); a weight version is the
     trainer's optimizer steps, and staleness counts RL steps.
 
-    Cost per step: one full-weight gather and push (every rank joins the gather; rank 0 pushes),
-    then a barrier so that no rank samples from older weights.
+    Cost per step, with weight sync: one full-weight gather (every rank joins) and rank 0's push;
+    with several ranks, then a barrier, so that no rank samples from older weights.
 
     Args:
         cfg: The run's config (``rollout``, ``algorithm``, ``prompts_per_step``, ``seed``).
@@ -318,7 +318,9 @@ def rollout_loop(
         JobError: An engine did not answer 200 within ``rollout.retry.health_timeout_s``.
     """
     loop = RolloutLoop(cfg, engine, task, schema, buffer, metrics_path)
-    health = loop.new_collector(engine.urls).check_engines() if engine.urls is not None else {}
+    health = {}
+    if engine.urls is not None:  # None: this rank learns the URL from rank 0 when the fit starts
+        health = loop.new_collector(engine.urls).check_engines()
     down = [url for url, ok in health.items() if not ok]
     if down:
         raise JobError(

@@ -61,8 +61,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     for cls in (EngineConfig, ServerLimits):  # a flag for every field of either settings object
         for field in dataclasses.fields(cls):
             default = _CLI_DEFAULTS.get(field.name, field.default)
-            flag, shown = f"--{field.name.replace('_', '-')}", str(default).removeprefix("torch.")
-            add(flag, type=_setting, default=default, help=shown)
+            flag = f"--{field.name.replace('_', '-')}"
+            add(flag, type=_setting, default=default, help=str(default).removeprefix("torch."))
     return parser.parse_args(argv)  # 0.1's --header-timeout / --body-timeout: unique prefixes
 
 
@@ -118,7 +118,15 @@ async def _serve_until_signalled(server) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``r3lightning-serve``): serves until SIGINT / SIGTERM."""
+    """Console entry point (``r3lightning-serve``): serves until SIGINT / SIGTERM.
+
+    Args:
+        argv: the arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0 after a signal, 2 after a bad argument or a failed start-up (printed
+        as one line on stderr).
+    """
     try:
         _serve(_parse_args(argv))
     except _StartupError as exc:
@@ -136,10 +144,12 @@ def _serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         limits = ServerLimits(**_settings(ServerLimits, args))  # checked before torch is imported
-        from r3lightning.app.serve.server import RolloutServer, check_exposure
+        from r3lightning.app.serve.exposure import check_exposure
 
-        # before a model loads
+        # before torch and a model load
         check_exposure(args.host, args.api_key, args.allow_unauthenticated, "--api-key")
+        from r3lightning.app.serve.server import RolloutServer
+
         engine = EngineConfig(**_settings(EngineConfig, args) | {"device": _device(args.device)})
         model = None if args.model is None else _load_model(args.model, engine.dtype)  # None: the tiny MoE
         exposure = {"api_key": args.api_key, "allow_unauthenticated": args.allow_unauthenticated}

@@ -62,8 +62,17 @@ class EngineConfig:
 
 
 def serving_device(value: TorchDevice | str | int) -> TorchDevice:
-    """``value`` as a device the engine can serve on (``cpu``, ``cuda``, ``cuda:N`` present on this
-    machine); ``ValueError`` otherwise, before any model is moved there."""
+    """Check a device before any model is moved there.
+
+    Args:
+        value: a ``torch.device``, its name or a CUDA index.
+
+    Returns:
+        The device: ``cpu``, ``cuda`` or ``cuda:N`` present on this machine.
+
+    Raises:
+        ValueError: naming ``device``: not a CPU or CUDA device, or no such CUDA device here.
+    """
     import torch
 
     try:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import queue
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -20,56 +17,30 @@ from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.app.serve.config import EngineConfig
 from r3lightning.app.serve.invariance import batch_invariance_problem, batch_invariant, make_batch_invariant
 from r3lightning.app.serve.perturb import RouterLogitPerturbation
-from r3lightning.app.serve.sampling import MAX_SEED, SamplingParams, sample_token
-from r3lightning.app.serve.weights import check_finite, check_weights, loadable_targets
+from r3lightning.app.serve.requests import GenerationOutput, GenerationRequest
+from r3lightning.app.serve.sampling import MAX_SEED, sample_token
+from r3lightning.app.serve.weights import check_finite, check_weights, loadable_targets, serving_copy
 from r3lightning.checks import check_setting
 from r3lightning.replay.context import as_backend, record_routes
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt to continue; ``routed_experts_prompt_start``: the first route row to return."""
-
-    prompt_ids: Sequence[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    return_routed_experts: bool = False
-    routed_experts_prompt_start: int = 0
-
-
-@dataclass
-class GenerationOutput:
-    """What one request produced. ``logprobs[i]``: float32 log-probability of ``token_ids[i]``
-    before top-k / top-p (``log_softmax(logits / temperature)``; raw logits when greedy).
-    ``routed_experts``: ``[prompt_tokens - prompt_start + len(token_ids) - 1, L, K]`` or None."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
-    stop_token_id: int | None
-    prompt_tokens: int
-    routed_experts: np.ndarray | None = None
-    weight_version: int = 0  # engine.weight_version the tokens were sampled with
-
-
-def serving_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A fresh ``type(model)(config)`` with a copy of the weights, without the source's hooks (its
-    replay backend must not see serving forwards): one init (forked RNG) and one tensor copy."""
-    if getattr(model, "config", None) is None:
-        raise TypeError(f"expected a Hugging Face causal LM with a .config, got {type(model).__name__}")
-    with torch.random.fork_rng(devices=[]):
-        fresh = type(model)(copy.deepcopy(model.config))
-    fresh.load_state_dict(model.state_dict())
-    if getattr(model, "generation_config", None) is not None:
-        fresh.generation_config = copy.deepcopy(model.generation_config)
-    return fresh
-
-
 class GenerationEngine:
     """A KV-cached sampling loop recording routes (``P`` prompt and ``G`` sampled tokens: ``P -
     prompt_start + G - 1`` rows); one worker thread batches what `submit` queues. Cost: two
-    host syncs per row and step, a host copy of each forward's routes when asked for."""
+    host syncs per row and step, a host copy of each forward's routes when asked for.
+
+    Args:
+        model: the Hugging Face causal MoE LM to serve; moved to ``config.device`` and
+            ``config.dtype`` in place unless ``config.copy_model``.
+        config: device, dtype, batching, seed and serving options (`EngineConfig()` if None).
+
+    Raises:
+        TypeError: ``config`` is not an `EngineConfig`.
+        ValueError: the model's routers are not of a supported family, or
+            ``config.simulated_disagreement`` cannot be calibrated on it.
+    """
 
     invariant_tile_rows: int = 64  # the row tile of the batch-invariant GEMMs
 
@@ -89,10 +60,13 @@ class GenerationEngine:
         if self.batch_invariant:
             make_batch_invariant(self.model)
         routers = as_backend(self.model)  # the route schema record_routes produces
-        self.num_layers, self.top_k, self.num_experts = routers.num_layers, routers.top_k, routers.num_experts
+        self.num_layers = routers.num_layers
+        self.top_k = routers.top_k
+        self.num_experts = routers.num_experts
         self._moe_layers = list(routers.moe_layers)
         settings = self.model.config
-        self.vocab_size, self.max_context = settings.vocab_size, settings.max_position_embeddings
+        self.vocab_size = settings.vocab_size
+        self.max_context = settings.max_position_embeddings
         self.pad_token_id = getattr(settings, "pad_token_id", None) or 0
         eos: set[int] = set()
         for source in (getattr(model, "generation_config", None), settings):
@@ -116,10 +90,22 @@ class GenerationEngine:
             self._calibrate_perturbation()
 
     def check_request(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> None:
-        """``ValueError`` naming the field (the prompt's as ``prompt_field``) if ``request`` cannot
-        run on this model. Cost: two C-speed passes over the prompt."""
-        prompt, start, vocab = request.prompt_ids, request.routed_experts_prompt_start, self.vocab_size
-        if not (n := len(prompt)):
+        """Refuse a request that cannot run on this model. Cost: two C-speed passes over the prompt.
+
+        Args:
+            request: the prompt and its sampling and route options.
+            prompt_field: what an error calls the prompt (the wire protocol's field name).
+
+        Raises:
+            ValueError: naming the field: an empty prompt, a token id outside the vocabulary, a
+                prompt that fills the context, a stop token outside the vocabulary, or a
+                ``routed_experts_prompt_start`` outside ``[0, len(prompt)]``.
+        """
+        prompt = request.prompt_ids
+        start = request.routed_experts_prompt_start
+        vocab = self.vocab_size
+        n = len(prompt)
+        if n == 0:
             raise ValueError(f"{prompt_field} must not be empty")
         bad = next((token for token in prompt if type(token) is not int), None)
         if bad is not None:
@@ -140,9 +126,23 @@ class GenerationEngine:
 
     def generate(
         self, requests: Sequence[GenerationRequest], *, return_exceptions: bool = False
-    ) -> list[GenerationOutput]:
-        """Run ``requests`` as one batch on the calling thread; a request whose sampling fails gets
-        its exception as its entry with ``return_exceptions``, else the first is raised after."""
+    ) -> list[GenerationOutput | Exception]:
+        """Run ``requests`` as one batch on the calling thread (it waits for a running batch or
+        weight update). Cost: one prefill and one forward per sampled token of the longest request;
+        two host syncs per row and step.
+
+        Args:
+            requests: the batch; each is checked with `check_request` first.
+            return_exceptions: a request whose sampling fails gets its exception as its entry
+                (its batch-mates go on); without it the first such exception is raised.
+
+        Returns:
+            One `GenerationOutput` per request, in order (an exception only with
+            ``return_exceptions``).
+
+        Raises:
+            ValueError: a request `check_request` refuses (nothing runs).
+        """
         for request in requests:
             self.check_request(request)
         with self._lock:
@@ -150,17 +150,20 @@ class GenerationEngine:
         errors = [r for r in results if isinstance(r, Exception)]
         if errors and not return_exceptions:
             raise errors[0]
-        return results  # type: ignore[return-value]
+        return results
 
     @torch.inference_mode()
     def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationOutput | Exception]:
-        batch, lengths = len(requests), [len(r.prompt_ids) for r in requests]
+        batch = len(requests)
+        lengths = [len(r.prompt_ids) for r in requests]
         starts = [max(lengths) - n for n in lengths]  # first real key of each cache row (host ints)
-        ids = torch.full((batch, max(lengths)), self.pad_token_id, dtype=torch.long)
+        ids = torch.full((batch, max(lengths)), self.pad_token_id, dtype=torch.long)  # [B, S], left-padded
         for row, request in enumerate(requests):
             ids[row, starts[row] :] = torch.tensor(list(request.prompt_ids), dtype=torch.long)
         mask = torch.arange(max(lengths))[None, :] >= torch.tensor(starts)[:, None]  # [B, S]
-        ids, mask, positions = (t.to(self.device) for t in (ids, mask, position_ids_from_mask(mask)))
+        positions = position_ids_from_mask(mask).to(self.device)  # [B, S]
+        ids = ids.to(self.device)
+        mask = mask.to(self.device)
         params = [r.params for r in requests]
         budgets = [min(p.max_new_tokens, self.max_context - n) for p, n in zip(params, lengths, strict=True)]
         generators = [self._generator(p.seed) for p in params]
@@ -177,7 +180,8 @@ class GenerationEngine:
             route_rows[row].append(routes[row, starts[row] :])
         active = list(range(batch))  # request index of each row still in the cache
         while active:
-            next_ids, keep = [], []  # keep: cache rows whose sampled token gets forwarded
+            next_ids = []
+            keep = []  # the cache rows whose sampled token gets forwarded
             for cache_row, index in enumerate(active):
                 out = outputs[index]
                 try:
@@ -189,7 +193,8 @@ class GenerationEngine:
                 out.token_ids.append(token)
                 out.logprobs.append(logprob)
                 if token in stops[index]:
-                    out.finish_reason, out.stop_token_id = "stop", token
+                    out.finish_reason = "stop"
+                    out.stop_token_id = token
                 elif len(out.token_ids) < budgets[index]:
                     keep.append(cache_row)
                     next_ids.append(token)
@@ -198,8 +203,10 @@ class GenerationEngine:
             if len(keep) < len(active):  # finished rows leave: later steps pay for live rows only
                 select = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(select)
-                mask, positions = mask[select], positions[select]
-                active, starts = [active[r] for r in keep], [starts[r] for r in keep]
+                mask = mask[select]
+                positions = positions[select]
+                active = [active[r] for r in keep]
+                starts = [starts[r] for r in keep]
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
             positions = positions[:, -1:] + 1
             step_ids = torch.tensor(next_ids, dtype=torch.long, device=self.device)[:, None]
@@ -227,12 +234,14 @@ class GenerationEngine:
         """Fit the simulated disagreement's scale to the current weights (caller holds the lock)."""
         probe = self.perturbation.probe.to(self.device)  # [n, length]
         mask = torch.ones_like(probe, dtype=torch.bool)
-        positions, starts = position_ids_from_mask(mask), [0] * probe.shape[0]
+        positions = position_ids_from_mask(mask)
+        starts = [0] * probe.shape[0]
 
         def routes() -> Tensor:  # [n, length, moe_layers, K]
             return self._forward(probe, mask, positions, starts)[1][..., self._moe_layers, :]
 
-        scale, knob = self.perturbation.calibrate(routes), self.perturbation
+        scale = self.perturbation.calibrate(routes)
+        knob = self.perturbation
         measured = f"target {knob.target:.4f}, measured {knob.measured:.4f}"
         logger.info("simulated router disagreement: %s (scale %.4g)", measured, scale)
 
@@ -241,8 +250,20 @@ class GenerationEngine:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def submit(self, request: GenerationRequest, *, prompt_field: str = "prompt_ids") -> Future:
-        """Queue ``request`` for the worker thread after `check_request`; the future resolves to
-        a `GenerationOutput`."""
+        """Queue ``request`` for the worker thread (started on the first call), which batches up to
+        ``max_batch_size`` requests arriving within ``batch_wait_s`` of each other.
+
+        Args:
+            request: the prompt and its options, checked here with `check_request`.
+            prompt_field: what an error calls the prompt.
+
+        Returns:
+            A future of its `GenerationOutput` (or of the exception its generation raised).
+
+        Raises:
+            ValueError: `check_request` refuses the request.
+            RuntimeError: the engine is closed.
+        """
         self.check_request(request, prompt_field=prompt_field)
         future: Future = Future()
         # under close()'s lock: nothing queued behind the stop sentinel, no worker after close()
@@ -264,7 +285,8 @@ class GenerationEngine:
     def _serve(self) -> None:
         stop = False
         while not stop:
-            item, pending = self._queue.get(), []
+            item = self._queue.get()
+            pending = []
             while item is not None:
                 pending.append(item)
                 if len(pending) == self.config.max_batch_size:
@@ -311,7 +333,7 @@ class GenerationEngine:
         if not requests:
             return []
         try:
-            return self.generate(requests, return_exceptions=True)  # type: ignore[return-value]
+            return self.generate(requests, return_exceptions=True)
         except Exception as exc:
             if len(requests) == 1:
                 logger.warning("generation request failed: %s", exc)
@@ -323,7 +345,9 @@ class GenerationEngine:
         """Stop the worker after the requests already queued (a pause ends); idempotent."""
         self.resume()
         with self._worker_lock:
-            worker, closed, self._closed = self._worker, self._closed, True
+            worker = self._worker
+            closed = self._closed
+            self._closed = True
             if worker is not None and not closed:
                 self._queue.put(None)
         if worker is not None and not closed:
@@ -332,9 +356,23 @@ class GenerationEngine:
     def update_weights(
         self, state_dict: Mapping[str, Tensor], *, strict: bool = False, version: int | None = None
     ) -> int:
-        """Copy ``state_dict`` into the serving model after the checks of `weights`
-        (all or nothing) and the running batch; returns the count. One cast, check and copy a tensor.
-        `weight_version` becomes ``version`` (the trainer's policy version), or grows by one."""
+        """Copy ``state_dict`` into the serving model, all or nothing, once the running batch ended.
+
+        Args:
+            state_dict: parameter or persistent buffer name -> its new value (any device; floating
+                values for floating targets).
+            strict: every parameter and persistent buffer must be given.
+            version: what `weight_version` becomes (the trainer's policy version); None adds one.
+
+        Returns:
+            How many tensors were copied. Cost: one finiteness check, cast and copy per tensor,
+            and a recalibration of the simulated disagreement when one is set.
+
+        Raises:
+            ValueError: a value that is not a tensor, an unknown name, a shape or dtype the target
+                cannot take, a non-finite value, a missing name with ``strict``, or a bad
+                ``version``; nothing is copied then.
+        """
         if version is not None:
             check_setting("weight_version", version, low=0, integer=True)
         targets = loadable_targets(self.model)

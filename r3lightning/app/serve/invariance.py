@@ -34,8 +34,27 @@ def row_invariant_attention(
     **kwargs,
 ) -> tuple[Tensor, None]:
     """Causal attention of each row over its own real keys (set by `batch_invariant`; SDPA
-    outside one): ``query [B, H, Q, D]``, ``key``/``value [B, H_kv, S_kv, D]`` -> ``[B, Q, H, D]``,
-    zeros on padding queries; a prefill (``Q == S_kv``) or one-token decode steps (``Q == 1``)."""
+    outside one). Registered with transformers' ``AttentionInterface`` by `make_batch_invariant`.
+
+    Cost: one SDPA call per distinct padding width in the batch, on gathered copies; no host syncs.
+
+    Args:
+        module: the attention module (passed on to SDPA outside `batch_invariant`).
+        query: ``[B, H, Q, D]``; a prefill (``Q == S_kv``) or a one-token decode step (``Q == 1``).
+        key: ``[B, H_kv, S_kv, D]`` (grouped-query heads when ``H_kv < H``).
+        value: ``[B, H_kv, S_kv, D]``.
+        attention_mask: used only outside `batch_invariant` (each row's start replaces it inside).
+        dropout: passed on to SDPA outside `batch_invariant` (serving is eval: 0).
+        scaling: the softmax scale (None: ``D ** -0.5``).
+        **kwargs: transformers' other attention arguments, passed on outside `batch_invariant`.
+
+    Returns:
+        ``([B, Q, H, D] attended values, zeros on padding queries; None)``, as transformers'
+        attention functions return (no attention weights).
+
+    Raises:
+        RuntimeError: the row starts do not match the batch, or ``Q`` is neither 1 nor ``S_kv``.
+    """
     starts = _ROW_STARTS.get()
     if starts is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -43,7 +62,8 @@ def row_invariant_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if len(starts) != query.shape[0]:
         raise RuntimeError(f"batch_invariant got {len(starts)} row offsets for {query.shape[0]} rows")
-    q_len, kv_len = query.shape[2], key.shape[2]
+    q_len = query.shape[2]
+    kv_len = key.shape[2]
     if q_len != 1 and q_len != kv_len:
         raise RuntimeError(f"{ATTENTION_NAME} supports prefill from an empty cache or one-token decode steps")
     out = query.new_zeros(query.shape[0], q_len, query.shape[1], query.shape[3])
@@ -53,14 +73,23 @@ def row_invariant_attention(
         index = torch.tensor([row for row, s in enumerate(starts) if s == start], device=query.device)
         # gathered copies: each row computed by its own (batch, head) program, as when alone
         q = query.index_select(0, index)[:, :, q_start:]
-        k, v = (t.index_select(0, index)[:, :, start:] for t in (key, value))
+        k = key.index_select(0, index)[:, :, start:]
+        v = value.index_select(0, index)[:, :, start:]
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
         out[index, q_start:] = attended.transpose(1, 2)
     return out, None
 
 
 def batch_invariance_problem(model: nn.Module) -> str | None:
-    """Why ``model`` cannot be batch invariant (not transformers, sliding windows, sinks), or None."""
+    """Why ``model`` cannot be served batch invariant, if it cannot.
+
+    Args:
+        model: the model to serve.
+
+    Returns:
+        A reason naming the model's class (not a transformers model, sliding-window attention
+        layers, attention sinks), or None when `make_batch_invariant` supports it.
+    """
     name = type(model).__name__
     if not hasattr(model, "set_attn_implementation"):
         return f"{name} is not a transformers model"
@@ -70,7 +99,16 @@ def batch_invariance_problem(model: nn.Module) -> str | None:
 
 
 def make_batch_invariant(model: nn.Module) -> None:
-    """Switch ``model`` to row-invariant attention, eager experts and row-tiled weight modules."""
+    """Switch ``model`` to row-invariant attention, eager experts and row-tiled weight modules,
+    in place; forwards inside `batch_invariant` then compute each row as if it were alone, and
+    forwards outside it as before. Calling it twice hooks each module once.
+
+    Args:
+        model: a transformers causal LM (see `batch_invariance_problem`).
+
+    Raises:
+        ValueError: naming why ``model`` cannot be made batch invariant.
+    """
     problem = batch_invariance_problem(model)
     if problem is not None:
         raise ValueError(f"batch-invariant serving is not supported: {problem}")
@@ -106,7 +144,14 @@ def _stop_tiling(module: nn.Module, args: tuple, output) -> None:
 
 class RowTiledLinear(TorchFunctionMode):
     """Run every ``F.linear`` on fixed ``tile_rows``-row tiles (the last zero-padded) so its GEMMs
-    have one shape. Cost: ``ceil(M / tile_rows)`` GEMMs per linear and a copy of the input rows."""
+    have one shape. Cost: ``ceil(M / tile_rows)`` GEMMs per linear and a copy of the input rows.
+
+    Args:
+        tile_rows: rows per GEMM tile, an integer >= 1.
+
+    Raises:
+        ValueError: ``tile_rows`` is not an integer >= 1.
+    """
 
     def __init__(self, tile_rows: int) -> None:
         super().__init__()
@@ -128,10 +173,16 @@ class RowTiledLinear(TorchFunctionMode):
 @contextmanager
 def batch_invariant(row_starts: Sequence[int], tile_rows: int) -> Iterator[None]:
     """Forwards of a `make_batch_invariant` model in this block compute each row as it would
-    be computed alone. ``row_starts``: per batch row, its first real key (left padding width)."""
-    starts, tile = _ROW_STARTS.set(list(row_starts)), _TILE_ROWS.set(tile_rows)
+    be computed alone (the settings are context variables: other threads are unaffected).
+
+    Args:
+        row_starts: per batch row, its first real key (its left padding width), host ints.
+        tile_rows: the row tile of every weight module's GEMMs.
+    """
+    starts_token = _ROW_STARTS.set(list(row_starts))
+    tile_token = _TILE_ROWS.set(tile_rows)
     try:
         yield
     finally:
-        _TILE_ROWS.reset(tile)
-        _ROW_STARTS.reset(starts)
+        _TILE_ROWS.reset(tile_token)
+        _ROW_STARTS.reset(starts_token)

@@ -21,17 +21,30 @@ from r3lightning.replay.hf.routers import (
 
 # families whose experts are the top-k of the raw logits (softmax and top-k commute)
 _TOPK_OF_LOGITS = {qwen3_moe_weights, qwen3_5_moe_weights, mixtral_weights, gpt_oss_weights}
-_PROBE_SHAPE, _BISECTIONS = (8, 16), 8  # probe [sequences, length]; steps after the bracket
+_PROBE_SHAPE = (8, 16)  # the calibration probe: [sequences, length] token ids
+_BISECTIONS = 8  # calibration steps after the bracket
 
 
 class RouterLogitPerturbation:
     """Forward hooks, ahead of the routers' others, adding ``scale * hidden @ R.T`` to every router's
     logits (``R``: ``N(0, 1/hidden) [experts, hidden]``, fixed by ``seed`` with the probe batch) and
-    recomputing its experts and gate weights; ``target`` in ``[0, 0.5]``."""
+    recomputing its experts and gate weights. The hooks do nothing until `calibrate` sets a scale.
+
+    Args:
+        model: the serving model; its routers must select the top-k of their logits.
+        target: the routing disagreement to reach, in ``[0, 0.5]`` (the share of expert slots
+            that differ from the unperturbed model's on the probe batch).
+        seed: fixes the directions ``R`` and the probe batch.
+
+    Raises:
+        ValueError: ``target`` is outside ``[0, 0.5]``, or a router's family does not select
+            the top-k of its logits.
+    """
 
     def __init__(self, model: nn.Module, target: float, *, seed: int = 0):
         check_setting("simulated_disagreement", target, low=0, high=0.5)
-        self.target, self.scale = float(target), 0.0
+        self.target = float(target)
+        self.scale = 0.0
         self.measured = 0.0  # disagreement on the probe batch at the calibrated scale
         generator = torch.Generator().manual_seed(seed)
         self._directions: dict[nn.Module, Tensor] = {}
@@ -59,19 +72,32 @@ class RouterLogitPerturbation:
             logits = output[p_logits] + self.scale * F.linear(hidden, self._directions[module])
             indices = logits.topk(output[p_indices].shape[-1], dim=-1).indices  # [N, K]
             replaced = list(output)
-            replaced[p_logits], replaced[p_indices] = logits, indices
+            replaced[p_logits] = logits
+            replaced[p_indices] = indices
             replaced[p_weights] = adapter.gate_weights(module, logits, indices)
             return type(output)(replaced)
 
         return hook
 
     def calibrate(self, routes: Callable[[], Tensor]) -> float:
-        """Set and return the `scale` whose probe disagreement is closest to the target
-        (``routes()``: the probe's MoE-layer experts ``[..., K]``); about 11 probe forwards."""
+        """Set the `scale` whose disagreement on the probe batch is closest to ``target``; it
+        depends on the weights alone. ``measured`` records the disagreement it gives.
+
+        Args:
+            routes: runs the probe batch through the model (hooks active) and returns its
+                MoE layers' experts ``[..., K]``.
+
+        Returns:
+            The scale. Cost: about 11 probe forwards (one unperturbed, a bracket, 8 bisections).
+
+        Raises:
+            Exception: whatever ``routes`` raises; the previous scale is kept then.
+        """
         if self.target == 0.0:
             self.scale = self.measured = 0.0
             return 0.0
-        previous, self.scale = self.scale, 0.0
+        previous = self.scale
+        self.scale = 0.0
         try:
             native = routes().flatten(0, -2)  # [slots / K, K]
 
@@ -80,15 +106,22 @@ class RouterLogitPerturbation:
                 return 1.0 - float(agreement_hits(routes().flatten(0, -2), native).float().mean())
 
             # a fixed bracket, then log-scale bisection: the scale depends on the weights alone
-            low, high = 0.0, 1.0
-            while (measured_high := measure(high)) < self.target and high < 4.0**40:
-                low, high = high, high * 4
-            best = (abs(measured_high - self.target), high, measured_high)
+            low = 0.0
+            high = 1.0
+            measured_high = measure(high)
+            while measured_high < self.target and high < 4.0**40:
+                low = high
+                high = high * 4
+                measured_high = measure(high)
+            best = (abs(measured_high - self.target), high, measured_high)  # (error, scale, measured)
             for _ in range(_BISECTIONS):
                 mid = (low + high) / 2 if low == 0.0 else (low * high) ** 0.5
                 measured = measure(mid)
                 best = min(best, (abs(measured - self.target), mid, measured))
-                low, high = (low, mid) if measured >= self.target else (mid, high)
+                if measured >= self.target:
+                    high = mid
+                else:
+                    low = mid
         except BaseException:
             self.scale = previous
             raise
@@ -96,6 +129,7 @@ class RouterLogitPerturbation:
         return self.scale
 
     def remove(self) -> None:
+        """Remove the hooks: the routers compute their own logits again."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

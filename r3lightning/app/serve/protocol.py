@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from r3lightning.app.serve.engine import GenerationOutput, GenerationRequest
+from r3lightning.app.serve.requests import GenerationOutput, GenerationRequest
 from r3lightning.app.serve.sampling import MAX_SEED, SamplingParams
 from r3lightning.checks import check_setting
 from r3lightning.wire.codec import encode_flat_routes, encode_routes
@@ -74,8 +74,22 @@ def _check_keys(values: dict, known: set[str], where: str) -> None:
 def parse_sampling_params(
     params: dict, protocol: str, *, max_new_tokens_cap: int | None = None
 ) -> SamplingParams:
-    """``sampling_params`` -> `SamplingParams`: the other protocol's names are aliases, all
-    under ``max_new_tokens_cap``; unknown keys refused, penalties only at their neutral value."""
+    """A request's ``sampling_params`` object as `SamplingParams`.
+
+    Args:
+        params: the decoded JSON object; the other protocol's names for a setting are aliases
+            (``max_tokens`` / ``max_new_tokens``, ``sampling_seed`` / ``seed``).
+        protocol: ``"skyrl"`` (which also reads its route keys here) or ``"sglang"``.
+        max_new_tokens_cap: the server's cap on ``max_new_tokens`` (None: no cap).
+
+    Returns:
+        The sampling parameters.
+
+    Raises:
+        RequestFieldError: naming the field: an unknown key, a penalty or other no-op key away
+            from its neutral value, two aliases with different values, a value out of range or
+            over the cap.
+    """
     known = _SAMPLING_KEYS | (_SKYRL_ROUTE_KEYS if protocol == "skyrl" else set())
     _check_keys(params, known, "sampling_params")
     for key in _TEXT_ONLY_KEYS & {k for k, v in params.items() if v is not None}:
@@ -96,9 +110,11 @@ def parse_sampling_params(
             raise RequestFieldError(f"sampling_params sets both {given[0]} and {given[1]} differently")
         if not given:
             continue
-        field, cap = f"sampling_params.{given[0]}", max_new_tokens_cap
+        field = f"sampling_params.{given[0]}"
+        cap = max_new_tokens_cap
         bounds = {"low": 0, "high": MAX_SEED} if target == "seed" else {"low": 1}
-        kwargs[target] = value = _int(params[given[0]], field, **bounds)
+        value = _int(params[given[0]], field, **bounds)
+        kwargs[target] = value
         if target == "max_new_tokens" and cap is not None and value > cap:
             raise RequestFieldError(f"{field} must be <= {cap} (this server's cap), got {value}")
     try:
@@ -110,8 +126,24 @@ def parse_sampling_params(
 def parse_generate_request(
     body: Any, protocol: str, *, max_prompt_tokens: int | None = None, max_new_tokens_cap: int | None = None
 ) -> GenerationRequest:
-    """A decoded JSON body of ``protocol`` -> `GenerationRequest` (skyrl: routes unless
-    ``return_routed_experts`` is false, as SkyRL's server does)."""
+    """A decoded generate request body as a `GenerationRequest`.
+
+    Args:
+        body: the decoded JSON body.
+        protocol: ``"skyrl"`` (routes are returned unless ``return_routed_experts`` is false, as
+            SkyRL's server does) or ``"sglang"`` (routes only when asked for).
+        max_prompt_tokens: the longest prompt the model's context leaves room for (None: any).
+        max_new_tokens_cap: the server's cap on ``max_new_tokens`` (None: no cap).
+
+    Returns:
+        The request: prompt ids, sampling parameters, whether routes are wanted and their first
+        prompt row.
+
+    Raises:
+        ValueError: ``protocol`` is not one of `PROTOCOLS`.
+        RequestFieldError: naming the field: a body that is not an object, a missing or bad
+            prompt, an unknown key, ``stream`` set, a bad route option or sampling parameter.
+    """
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
     if not isinstance(body, dict):
@@ -121,7 +153,8 @@ def parse_generate_request(
         hint = " (text prompts are not supported)" if "text" in body else ""
         raise RequestFieldError(f"{prompt_field} is required (the prompt as a list of token ids){hint}")
     _check_keys(body, _BODY_KEYS[protocol], "the request body")
-    if (stream := body.get("stream")) not in (None, False):
+    stream = body.get("stream")
+    if stream not in (None, False):
         raise RequestFieldError(f"stream = {stream!r} is not supported by this server (accepted: false)")
     sampling = body.get("sampling_params") or {}
     if not isinstance(sampling, dict):
@@ -135,7 +168,8 @@ def parse_generate_request(
     else:
         if isinstance(raw_prompt, list) and raw_prompt and isinstance(raw_prompt[0], list):
             raise RequestFieldError("input_ids must be one prompt (a flat list); send one request per prompt")
-        start_field, start = "routed_experts_start_len", body.get("routed_experts_start_len")
+        start_field = "routed_experts_start_len"
+        start = body.get("routed_experts_start_len")
         want_routes = _bool(body.get("return_routed_experts", False), "return_routed_experts")
     start = _int(start, start_field, low=0, optional=True)
     if isinstance(raw_prompt, list) and max_prompt_tokens is not None and len(raw_prompt) > max_prompt_tokens:
@@ -153,15 +187,37 @@ def parse_generate_request(
 
 
 def wants_logprobs(body: dict, protocol: str) -> bool:
-    """sglang sends ``return_logprob``; skyrl responses always carry the sampled tokens' logprobs."""
+    """Whether the response carries the sampled tokens' logprobs.
+
+    Args:
+        body: the decoded request body.
+        protocol: ``"skyrl"`` (always) or ``"sglang"`` (when ``return_logprob`` is true).
+
+    Raises:
+        RequestFieldError: ``return_logprob`` is not a bool.
+    """
     return protocol == "skyrl" or _bool(body.get("return_logprob", False), "return_logprob")
 
 
 def build_response(
     output: GenerationOutput, protocol: str, *, request_id: str, model_name: str, logprobs: bool
 ) -> dict:
-    """The JSON-ready response body of one generation in ``protocol``'s layout."""
-    ids, routes, version = output.token_ids, output.routed_experts, output.weight_version
+    """The JSON-ready response body of one generation in ``protocol``'s layout.
+
+    Args:
+        output: what the engine produced.
+        protocol: ``"skyrl"`` (an OpenAI-style ``choices`` list) or ``"sglang"`` (``output_ids``
+            and ``meta_info``).
+        request_id: the response's id.
+        model_name: the served model's name (skyrl's ``model``).
+        logprobs: include the sampled tokens' logprobs.
+
+    Returns:
+        The body; routes ``[rows, L, K]``, when present, base64-encoded with their shape and dtype.
+    """
+    ids = output.token_ids
+    routes = output.routed_experts
+    version = output.weight_version
     pairs = list(zip(ids, output.logprobs, strict=True))
     usage = {"prompt_tokens": output.prompt_tokens, "completion_tokens": len(ids)}
     if protocol == "skyrl":

@@ -50,7 +50,18 @@ class SamplingParams:
 
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """``(token, logprob)`` from float32 ``logits [V]``: two host syncs, a ``[V]`` sort if ``top_p < 1``."""
+    """Sample one token.
+
+    Args:
+        logits: float32 ``[V]``, the last position's.
+        params: temperature (0: greedy argmax), top-k and top-p.
+        generator: the request's RNG (on ``logits``' device); untouched when greedy.
+
+    Returns:
+        ``(token, logprob)``: the token and its log-probability under ``log_softmax(logits /
+        temperature)`` (temperature 1 when greedy), before top-k / top-p filtering. Cost: two host
+        syncs, and a ``[V]`` sort when ``top_p < 1``.
+    """
     if params.temperature == 0.0:
         token = int(logits.argmax())
         return token, float(logits.log_softmax(-1)[token])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import ipaddress
 import itertools
 import logging
 import threading
@@ -21,6 +20,7 @@ from aiohttp import web
 from r3lightning._keywords import refuse_moved_keywords
 from r3lightning.app.serve.config import EngineConfig, ServerLimits
 from r3lightning.app.serve.engine import GenerationEngine
+from r3lightning.app.serve.exposure import check_exposure, is_loopback
 from r3lightning.app.serve.protocol import (
     PROMPT_FIELDS,
     PROTOCOLS,
@@ -29,10 +29,11 @@ from r3lightning.app.serve.protocol import (
     wants_logprobs,
 )
 from r3lightning.app.serve.weights import check_weights, loadable_targets
-from r3lightning.checks import check_api_key
 from r3lightning.wire.json_body import read_capped
 from r3lightning.wire.request import PROTOCOL_PATHS
 from r3lightning.wire.safetensors import read_safetensors
+
+__all__ = ["RolloutServer", "check_exposure", "is_loopback"]  # the last two: from exposure.py
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,9 @@ _ERROR_TYPES |= {413: "PayloadTooLarge", 429: "TooManyRequests", 500: "InternalE
 class _HTTPError(Exception):
     def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.message, self.retry_after = status, message, retry_after
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
 
     def response(self) -> web.Response:
         kind = _ERROR_TYPES.get(self.status, "HTTPError")
@@ -62,40 +65,38 @@ def _too_large(cap: int, declared: int | None) -> _HTTPError:
     return _HTTPError(413, f"request body{of} exceeds the cap of {cap} bytes")
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` only accepts connections from this machine (``localhost`` or a loopback IP)."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_exposure(
-    host: str, api_key: str | None, allow_unauthenticated: bool, key_name: str = "api_key"
-) -> None:
-    """``ValueError`` for an empty or blank ``api_key`` (it would let anyone in), and for a non-loopback
-    ``host`` without an ``api_key`` unless explicitly allowed; ``key_name`` names the setting."""
-    check_api_key(api_key, key_name)
-    if api_key is None and not allow_unauthenticated and not is_loopback(host):
-        raise ValueError(
-            f"host {host!r} is reachable from other machines but no api_key is set: anyone could "
-            "generate and replace the weights; set an api_key (--api-key), or allow_unauthenticated "
-            "(--allow-unauthenticated) to serve without one"
-        )
-
-
 # 0.1 keywords -> the settings object that holds them in 0.2
-_SERVER_MOVED = {name: f"engine=EngineConfig({name}=)" for name in ("max_batch_size", "seed", "dtype", "device",
-                 "copy_model", "batch_invariant", "simulated_disagreement")}  # fmt: skip
-_SERVER_MOVED |= {name: f"limits=ServerLimits({name}=)" for name in ("max_queue", "max_new_tokens_cap",
-                  "max_request_bytes", "max_weights_bytes", "header_timeout_s", "body_timeout_s",
-                  "retry_after_s")}  # fmt: skip
+_ENGINE_KEYWORDS = ("max_batch_size", "seed", "dtype", "device", "copy_model", "batch_invariant")
+_ENGINE_KEYWORDS += ("simulated_disagreement",)
+_LIMIT_KEYWORDS = ("max_queue", "max_new_tokens_cap", "max_request_bytes", "max_weights_bytes")
+_LIMIT_KEYWORDS += ("header_timeout_s", "body_timeout_s", "retry_after_s")
+_SERVER_MOVED = {name: f"engine=EngineConfig({name}=)" for name in _ENGINE_KEYWORDS}
+_SERVER_MOVED |= {name: f"limits=ServerLimits({name}=)" for name in _LIMIT_KEYWORDS}
 
 
 class RolloutServer:
-    """Serve ``model`` (default: the tiny MoE) on ``host:port`` (0: a free one); with ``api_key``
-    every route but ``/health`` needs ``Authorization: Bearer <api_key>``. Use as ``async with`` in a
-    running loop, or as ``with`` (its own loop in a daemon thread); it runs once."""
+    """Serve ``model`` over HTTP with the ``skyrl`` and ``sglang`` generate protocols, ``/health``,
+    ``/update_weights``, ``/pause`` and ``/resume`` (docs/protocols.md). Use as ``async with`` in a
+    running loop, or as ``with`` (its own loop in a daemon thread); it runs once.
+
+    Args:
+        model: the Hugging Face causal MoE LM to serve (None: the tiny MoE of ``engine.seed``).
+        engine: how the model is served: device, dtype, batching, seed (`EngineConfig()` if None).
+        limits: the request limits: queue, token cap, body sizes and timeouts (`ServerLimits()`
+            if None; ``max_request_bytes=None`` becomes 64 KiB plus 24 bytes per context token).
+        host: the address to bind; a non-loopback one needs ``api_key`` or
+            ``allow_unauthenticated``.
+        port: the port to bind (0: a free one, in `port` once started).
+        api_key: the bearer token every route but ``/health`` requires (None: no authentication).
+        allow_unauthenticated: serve a non-loopback ``host`` without ``api_key``.
+        model_name: what responses call the model (default: its ``name_or_path``, else its class).
+
+    Raises:
+        TypeError: ``limits`` is not a `ServerLimits`, or a 0.1 keyword (named with its
+            replacement) is given.
+        ValueError: a bad ``port``, an empty or blank ``api_key``, an exposed host without a key,
+            or a model the engine cannot serve.
+    """
 
     @refuse_moved_keywords(_SERVER_MOVED)
     def __init__(
@@ -110,7 +111,8 @@ class RolloutServer:
         allow_unauthenticated: bool = False,
         model_name: str | None = None,
     ) -> None:
-        engine, limits = engine or EngineConfig(), limits or ServerLimits()
+        engine = engine or EngineConfig()
+        limits = limits or ServerLimits()
         if not isinstance(limits, ServerLimits):
             raise TypeError(f"limits must be a ServerLimits, got {type(limits).__name__}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
@@ -119,10 +121,13 @@ class RolloutServer:
         if model is None:
             from r3lightning.app.models.tiny import build_tiny_moe
 
-            model, engine = build_tiny_moe(seed=engine.seed), replace(engine, copy_model=False)
+            model = build_tiny_moe(seed=engine.seed)
+            engine = replace(engine, copy_model=False)  # the model is the server's own: no copy
         self.engine = GenerationEngine(model, engine)
         self.model_name = model_name or getattr(model.config, "name_or_path", None) or type(model).__name__
-        self.host, self.port, self.api_key = host, port, api_key
+        self.host = host
+        self.port = port
+        self.api_key = api_key
         self._api_key_bytes = None if api_key is None else api_key.encode()
         if limits.max_request_bytes is None:  # a full-context prompt: 24 bytes a token id + 64 KiB
             limits = replace(limits, max_request_bytes=(64 << 10) + 24 * self.engine.max_context)
@@ -184,9 +189,11 @@ class RolloutServer:
     async def _body_chunks(self, request: web.Request) -> AsyncIterator[bytes]:
         """The body as it arrives; 408 when no byte comes for ``body_timeout_s``, or when the body
         falls behind ``min_body_rate`` after its first ``body_timeout_s`` (a trickling client)."""
-        wait, rate = self.limits.body_timeout_s, self.limits.min_body_rate
+        wait = self.limits.body_timeout_s
+        rate = self.limits.min_body_rate
         loop = asyncio.get_running_loop()
-        start, received = loop.time(), 0
+        start = loop.time()
+        received = 0
         while True:
             # the time by which more than ``received`` bytes must have come
             behind = start + wait + received / rate - loop.time()
@@ -224,7 +231,8 @@ class RolloutServer:
             raise _HTTPError(400, str(exc)) from None
 
     async def _generate(self, request: web.Request, protocol: str) -> web.Response:
-        batch, queued = self.engine.config.max_batch_size, self.limits.max_queue
+        batch = self.engine.config.max_batch_size
+        queued = self.limits.max_queue
         if self._generating >= batch + queued:
             busy = f"{self._generating} generate requests in flight (max_batch_size {batch} + max_queue {queued})"
             raise _HTTPError(429, f"the server is busy: {busy}", retry_after=self.limits.retry_after_s)
@@ -269,15 +277,16 @@ class RolloutServer:
         if self._uploading:
             raise _HTTPError(409, "another weight upload is in progress; send one at a time")
         strict = strict_arg in ("true", "1")
-        cap, length = self.limits.max_weights_bytes, request.content_length
+        cap = self.limits.max_weights_bytes
+        length = request.content_length
         if length is not None and length > cap:
             raise _too_large(cap, length)
         self._uploading = True
         try:
             targets = loadable_targets(self.engine.model)
             check = functools.partial(check_weights, targets, strict=strict, where="upload")
-            body, limits = self._body_chunks(request), {"content_length": length, "max_bytes": cap}
-            state_dict = await read_safetensors(body, **limits, check=check)
+            body = self._body_chunks(request)
+            state_dict = await read_safetensors(body, content_length=length, max_bytes=cap, check=check)
             update = functools.partial(self.engine.update_weights, strict=strict, version=version)
             updated = await asyncio.to_thread(update, state_dict)
         except ValueError as exc:  # UploadError (400 or 413) or the engine's checks
@@ -293,8 +302,22 @@ class RolloutServer:
         strict: bool = False,
         weight_version: int | None = None,
     ) -> int:
-        """`GenerationEngine.update_weights` between `pause` and
-        ``resume`` (no batch starts during the copy), blocking (on the server's loop: ``asyncio.to_thread``)."""
+        """Load weights in process: `GenerationEngine.update_weights` between the engine's pause
+        and resume, so no batch starts during the copy. Blocking: on the server's own event loop,
+        call it through ``asyncio.to_thread``.
+
+        Args:
+            state_dict: parameter or persistent buffer name -> its new value.
+            strict: every parameter and persistent buffer must be given.
+            weight_version: what ``/health`` and the answers report from now on (the trainer's
+                policy version); None adds one.
+
+        Returns:
+            How many tensors were copied.
+
+        Raises:
+            ValueError: the engine's checks refuse the upload; nothing is copied then.
+        """
         self.engine.pause()
         try:
             return self.engine.update_weights(state_dict, strict=strict, version=weight_version)
@@ -316,13 +339,15 @@ class RolloutServer:
         except BaseException:
             await runner.cleanup()
             raise
-        self.port, self._runner = runner.addresses[0][1], runner
+        self.port = runner.addresses[0][1]
+        self._runner = runner
         logger.info("rollout server listening on %s", self.url)
         return self
 
     async def stop(self) -> None:
         """Stop accepting requests, finish the queued generations, release the port."""
-        runner, self._runner = self._runner, None
+        runner = self._runner
+        self._runner = None
         if runner is not None:
             await runner.cleanup()
         await asyncio.to_thread(self._decoder.shutdown)

@@ -53,7 +53,15 @@ def _healthy(url: str, timeout_s: float) -> bool:
 
 
 def log_tail(path: Path | None, lines: int = 30) -> str:
-    """The last ``lines`` lines of a log file ('' if there is none)."""
+    """The end of an engine's log, for an error message.
+
+    Args:
+        path: the log file (None or absent: no log).
+        lines: how many of its last lines to return.
+
+    Returns:
+        Those lines ('' without a log). Cost: reads at most the file's last 64 KiB.
+    """
     if path is None or not path.exists():
         return ""
     with path.open("rb") as handle:

@@ -68,7 +68,8 @@ def _check_layout(new: dict[str, tuple[int, ...]], served: dict[str, tuple[int, 
     vLLM's loaders copy a smaller tensor into part of a parameter without a word."""
     if not new:
         raise ValueError(f"{where} holds no tensors in *.safetensors files")
-    missing, unknown = sorted(set(served) - set(new)), sorted(set(new) - set(served))
+    missing = sorted(set(served) - set(new))
+    unknown = sorted(set(new) - set(served))
     if missing or unknown:
         raise ValueError(
             f"{where} does not hold the served model's tensors: {len(missing)} missing (e.g. "
@@ -84,6 +85,8 @@ def _check_layout(new: dict[str, tuple[int, ...]], served: dict[str, tuple[int, 
 class WeightReload:
     """Mixed into vLLM's worker class by ``--worker-extension-cls``."""
 
+    model_runner: Any  # vLLM's worker sets it: the extension only runs mixed into that class
+
     def r3_reload_weights(self, weights_path: str) -> dict[str, Any]:
         """Load the checkpoint in ``weights_path`` (a directory of HF safetensors) in place, with the
         CPU experts prepacked again. It first checks that the checkpoint holds the served model's
@@ -96,7 +99,7 @@ class WeightReload:
         Returns:
             ``{"weights_path": ..., "prepacked_layers": n}``.
         """
-        runner = self.model_runner  # type: ignore[attr-defined]
+        runner = self.model_runner
         served = getattr(self, "_r3_served_layout", None)
         if served is None:  # the checkpoint the engine started from, when it is a local directory
             served = _layout(runner.model_config.model) if os.path.isdir(runner.model_config.model) else {}
