@@ -143,7 +143,7 @@ def test_task_prompts_and_reward():
     assert task.reward([7, 5], [1, 3, 5, 7, 9]) == 1.0  # only response_length tokens count
     with pytest.raises(ValueError, match="instruction token in \\[4, 6\\)"):
         task.target_class([10, 11])
-    with pytest.raises(ValueError, match="num_classes must be >= 2"):
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 2"):
         TokenClassTask(num_classes=1)
 
 

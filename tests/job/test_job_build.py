@@ -19,7 +19,7 @@ def test_instantiation_errors_name_the_key():
     )
     with pytest.raises(JobError, match=r"^callbacks\.lr: .*unexpected keyword argument 'every'"):
         instantiate_node(bad.callbacks.lr, "callbacks.lr")
-    with pytest.raises(JobError, match=r"^task: task\.num_classes must be >= 2, got 1$"):
+    with pytest.raises(JobError, match=r"^task: task\.num_classes must be an integer >= 2, got 1$"):
         instantiate_node(compose_config(["task.num_classes=1"]).task, "task", vocab_size=96)
 
 
