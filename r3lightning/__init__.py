@@ -17,7 +17,6 @@ __version__ = "0.2.0"
 # ruff: noqa: F401
 if TYPE_CHECKING:  # the one list of public names: type checkers read it, __getattr__ parses it
     from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
-    from r3lightning.align.dummy import dummy_routes
     from r3lightning.align.layout import TokenMetadataLayout
     from r3lightning.app.job.algorithm import GRPOAdvantages
     from r3lightning.app.serve.config import EngineConfig, ServerLimits
@@ -40,6 +39,7 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig
     from r3lightning.rollout.stats import CollectedRollouts, EnginesUnavailableError
     from r3lightning.rollout.trace import RoutedExpertTrace
+    from r3lightning.routes import dummy_routes
     from r3lightning.wire.codec import RouteSchema
     from r3lightning.wire.errors import MalformedResponseError, RemoteGenerateError
     from r3lightning.wire.request import RemoteGenerateResult, engine_sampling_params

@@ -1,5 +1,6 @@
-"""Packed rows to and from padded ``[B, S, *row_shape]`` batches: the row placement is planned on
-the host from the lengths, so each direction is one device gather or scatter and never a sync."""
+"""Padded ``[B, S, *row_shape]`` batches: packed rows to and from them (the row placement is
+planned on the host from the lengths, so each direction is one device gather or scatter and never
+a sync), and the rotary positions of a left-padded batch."""
 
 from __future__ import annotations
 
@@ -103,3 +104,15 @@ def padded_from_rows(
     flat = padded_flat_index(lengths, width, side)
     out.view(-1, *row_shape).index_copy_(0, to_device_async(flat, values.device), values)
     return out
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Rotary positions of a left-padded batch: ``[pad, pad, a, b]`` -> ``[0, 0, 0, 1]``.
+
+    Args:
+        attention_mask: ``[B, S]`` bool or 0/1, left-padded, on any device.
+
+    Returns:
+        int64 ``[B, S]`` on the mask's device (padding gets 0). One cumsum; no host sync.
+    """
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)

@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 
 from r3lightning.checks import check_int, check_rank
+from r3lightning.padded import position_ids_from_mask  # re-exported: its public path since 0.2
 from r3lightning.ragged import (
     check_fill_value,
     check_pad_row,
@@ -354,18 +355,6 @@ def take_rows(
         else:  # a Scalar argument, not a CPU tensor that indexing would copy to the device
             out.index_fill_(0, positions, fill)
     return out.reshape(*token_shape, *row_shape)
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Rotary positions of a left-padded batch: ``[pad, pad, a, b]`` -> ``[0, 0, 0, 1]``.
-
-    Args:
-        attention_mask: ``[B, S]`` bool or 0/1, left-padded, on any device.
-
-    Returns:
-        int64 ``[B, S]`` on the mask's device (padding gets 0). One cumsum; no host sync.
-    """
-    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def split_for_sequence_parallel(

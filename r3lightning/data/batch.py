@@ -14,10 +14,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.checks import check_int
 from r3lightning.data.fill import ROW_FIELDS, TOKEN_FIELDS, joined_fields, placeholder_fields
 from r3lightning.packed import PackedTensor
+from r3lightning.padded import position_ids_from_mask
 from r3lightning.ragged import batch_index, repeat_counts, tensor_from_bytes, tensor_to_bytes, to_device_async
 
 __all__ = ["ROW_FIELDS", "TOKEN_FIELDS", "RolloutBatch"]

@@ -14,9 +14,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from r3lightning.align.dummy import dummy_routes
 from r3lightning.checks import check_int
-from r3lightning.routes import check_layers, compact_route_dtype, mark_missing, missing_rows
+from r3lightning.routes import check_layers, compact_route_dtype, dummy_routes, mark_missing, missing_rows
 from r3lightning.wire.route_check import check_routes
 
 __all__ = ["Trajectory", "padding_trajectories", "route_signature"]

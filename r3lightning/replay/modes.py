@@ -9,7 +9,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
-from r3lightning.align.dummy import dummy_routes
 from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.checks import check_int
 from r3lightning.packed import PackedTensor
@@ -17,7 +16,7 @@ from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import RouterReplayBackend, install_routes, route_columns
 from r3lightning.replay.batch_fields import batch_field, set_batch_fields
 from r3lightning.replay.metrics import ReplayMetrics, comparison_counts
-from r3lightning.routes import ENGINE_ROUTES_FLAG
+from r3lightning.routes import ENGINE_ROUTES_FLAG, dummy_routes
 
 
 @dataclass(frozen=True)

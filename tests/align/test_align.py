@@ -6,9 +6,9 @@ from hypothesis import strategies as st
 from runif import run_if
 
 from r3lightning.align.align import align_packed_token_metadata, build_replay_mask, scatter_to_padded_batch
-from r3lightning.align.dummy import dummy_routes
 from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.packed import PackedTensor
+from r3lightning.routes import dummy_routes
 
 L, K, E = 3, 2, 5
 LENGTHS = [4, 0, 7, 1, 5]

@@ -4,9 +4,10 @@ goes where the table below does not allow.
 Library, in data-flow order: the core modules at the top of the package (ragged container, index
 maths, route dtypes, the validation vocabulary), then ``wire`` (bodies and codecs) -> ``rollout``
 (client, collector) -> ``data`` (trajectories, buffer, collation) -> ``align`` -> ``replay`` ->
-``correction``. A folder imports only the layers ``ALLOWED`` names for it: the core, the wire, and
-the few earlier or later stages whose types it hands on (the collector fills ``data``'s
-``Trajectory``; ``data`` pads routes with ``align``'s dummy routes). The layers form no cycle.
+``correction``. A folder imports only the layers ``ALLOWED`` names for it: the core, the wire and
+earlier stages whose types it hands on. A later stage is never imported, but for the one edge
+``AGAINST_THE_FLOW`` names (the collector fills ``data``'s ``Trajectory``): code two later stages
+share (padded positions, placeholder routes) lives in the core. The layers form no cycle.
 
 The application (``r3lightning.app``: server, job, tasks, models) may import the whole library;
 nothing in the library imports it. ``__init__.py`` of the package itself is exempt: it re-exports
@@ -28,11 +29,14 @@ ALLOWED = {
     "": set(),
     "wire": {""},
     "rollout": {"", "wire", "data"},
-    "data": {"", "wire", "align"},
+    "data": {"", "wire"},
     "align": {""},
     "replay": {"", "wire", "align"},
     "correction": {""},
 }
+# (layer, later layer it imports): the only imports against the data flow. The collector, its
+# episodes and stats build ``data``'s ``Trajectory``, and rollout-ahead feeds its streaming buffer.
+AGAINST_THE_FLOW = {("rollout", "data")}
 
 
 def _module_name(path: Path) -> str:
@@ -101,6 +105,16 @@ def test_a_library_module_imports_only_the_layers_its_layer_may(module):
 def test_nothing_in_the_library_imports_the_application(module):
     app = sorted(m for m in GRAPH[module] if m == "r3lightning.app" or m.startswith("r3lightning.app."))
     assert not app, f"{module} is library code but imports the application: {app}"
+
+
+def test_no_layer_may_import_a_later_one_but_the_edge_named_against_the_flow():
+    later = {
+        (layer, dep)
+        for layer, deps in ALLOWED.items()
+        for dep in deps
+        if LIBRARY.index(dep) > LIBRARY.index(layer)
+    }
+    assert later == AGAINST_THE_FLOW
 
 
 def test_the_allowed_imports_between_library_layers_form_no_cycle():

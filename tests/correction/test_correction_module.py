@@ -11,7 +11,6 @@ import torch
 from sync_detector import ArmDetector, DisarmDetector, SyncDetector
 from torch.utils.data import DataLoader
 
-from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.app.job.grpo import GRPOConfig, policy_loss, token_logprobs
 from r3lightning.app.job.module import GRPOModule, OptimConfig
 from r3lightning.app.models.tiny import build_tiny_moe
@@ -22,6 +21,7 @@ from r3lightning.correction import MODES, CorrectionConfig, CorrectionMetrics, c
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.packed import PackedTensor
+from r3lightning.padded import position_ids_from_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
 

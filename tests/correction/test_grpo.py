@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.app.job.grpo import group_advantages, mismatch_metrics, policy_loss, token_logprobs
 from r3lightning.app.job.report import format_table, plot_runs, read_csv, summarize, write_csv
 from r3lightning.app.tasks.token_class import TokenClassTask
@@ -129,11 +128,6 @@ def test_mismatch_metrics_zero_when_equal_and_empty_mask():
     assert m["k3_kl"].item() == 0.0 and m["ratio_out_of_band"].item() == 0.0
     m = mismatch_metrics(lp, lp - 5, torch.zeros(2, 4))
     assert m["k3_kl"].item() == 0.0
-
-
-def test_position_ids_from_left_padded_mask():
-    mask = torch.tensor([[False, False, True, True], [True, True, True, True]])
-    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
 
 
 def test_task_prompts_and_reward():

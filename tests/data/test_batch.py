@@ -6,10 +6,10 @@ import torch
 from collate_reference import assert_batch_matches, make_trajectory
 from runif import run_if
 
-from r3lightning.align.dummy import dummy_routes
 from r3lightning.data.batch import ROW_FIELDS, TOKEN_FIELDS, RolloutBatch
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.packed import PackedTensor
+from r3lightning.routes import dummy_routes
 
 
 @pytest.fixture
@@ -140,6 +140,12 @@ def test_pad_to_multiple_without_routes():
     batch = collate_trajectories([make_trajectory(rng, routes="none") for _ in range(3)])
     padded = batch.pad_to_multiple(2)
     assert len(padded) == 4 and padded.routed_experts is None and padded.loss_mask[3].sum() == 0
+
+
+def test_position_ids_count_each_rows_real_tokens(batch):
+    width = batch.attention_mask.shape[1]
+    expected = [[0] * (width - n) + list(range(n)) for n in batch.sequence_lengths.tolist()]
+    assert batch.position_ids.tolist() == expected
 
 
 def test_pickle_round_trip_including_bfloat16(batch):

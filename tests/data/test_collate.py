@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from runif import run_if
 
-from r3lightning.align.dummy import dummy_routes
 from r3lightning.data.collate import PinnedBufferPool, RolloutCollator, collate_trajectories
 from r3lightning.data.trajectory import Trajectory
 from r3lightning.packed import PackedTensor
+from r3lightning.routes import dummy_routes
 
 
 def batch_of(seed, count, **kwargs):

@@ -3,6 +3,8 @@ directory, and a separately started engine reached over HTTP, with weights pushe
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from python_process import run_python
 
@@ -65,6 +67,9 @@ def test_fsdp2_two_processes_with_external_engine(tmp_path):
     module = GRPOModule(build_tiny_moe(seed=0))
     last = run_dir / "replay_r3" / "checkpoints" / "last.ckpt"
     assert last.is_dir()
+    # saved atomically: a link to the current folder, the previous step's folder deleted
+    assert last.is_symlink()
+    assert sorted(p.name for p in last.parent.iterdir()) == [os.readlink(last), "last.ckpt"]
     assert resume_checkpoint(compose_config(["steps=3"]), run_dir / "replay_r3", module) == str(last)
     with pytest.raises(JobError, match=r"^steps=1 is below the 2 steps this run has done"):
         resume_checkpoint(compose_config(["steps=1"]), run_dir / "replay_r3", module)

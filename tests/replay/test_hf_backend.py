@@ -32,6 +32,48 @@ def test_backend_satisfies_the_protocol_and_is_shared_per_model():
     assert HFRouterReplay.for_model(model) is not backend
 
 
+def test_for_model_returns_the_attached_backend_for_equal_keywords_only():
+    model = build_tiny_moe()
+    backend = HFRouterReplay.for_model(model, validate=False, soft_threshold=1)
+    assert (backend.validate, backend.soft_threshold) == (False, 1.0)  # a new backend takes them
+    assert HFRouterReplay.for_model(model) is backend
+    assert HFRouterReplay.for_model(model, validate=False) is backend
+    assert HFRouterReplay.for_model(model, soft_threshold=1.0, validate=False) is backend
+    assert HFRouterReplay.for_model(model, soft_threshold=1) is backend  # compared as stored
+
+
+@pytest.mark.parametrize(
+    ("keyword", "message"),
+    [
+        ({"soft_threshold": 0.5}, r"^soft_threshold=0\.5 differs .* \(soft_threshold=1\.0\)"),
+        ({"soft_threshold": None}, r"^soft_threshold=None differs .* \(soft_threshold=1\.0\)"),
+        ({"validate": True}, r"^validate=True differs .* \(validate=False\)"),
+        ({"validate": False, "soft_threshold": 0.5}, r"^soft_threshold=0\.5 differs"),
+    ],
+    ids=["soft_threshold", "soft_threshold_none", "validate", "one_of_two"],
+)
+def test_for_model_refuses_a_keyword_that_differs_from_the_attached_backend(keyword, message):
+    model = build_tiny_moe()
+    backend = HFRouterReplay.for_model(model, validate=False, soft_threshold=1.0)
+    with pytest.raises(ValueError, match=message):
+        HFRouterReplay.for_model(model, **keyword)
+    assert (backend.validate, backend.soft_threshold) == (False, 1.0)  # the attached one is unchanged
+    assert HFRouterReplay.for_model(model) is backend
+    backend.remove()
+    fresh = HFRouterReplay.for_model(model, **keyword)  # nothing attached: a new backend takes them
+    assert fresh is not backend
+    assert {name: getattr(fresh, name) for name in keyword} == keyword
+
+
+def test_for_model_checks_keywords_for_an_attached_backend_as_the_constructor_does():
+    model = build_tiny_moe()
+    HFRouterReplay.for_model(model)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'threshold'"):
+        HFRouterReplay.for_model(model, threshold=0.5)
+    with pytest.raises(ValueError, match=r"^soft_threshold must be"):
+        HFRouterReplay.for_model(model, soft_threshold=-1.0)
+
+
 def test_shared_backend_helpers():
     """The install checks, recorded-route layout and agreement counts every backend shares."""
     routes = torch.tensor([[[[0, 0], [1, 2]], [[0, 0], [3, 1]]]])  # [1, 2, L=2, K=2], layer 0 dense

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from r3lightning.align.layout import TokenMetadataLayout, position_ids_from_mask
+from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.app.job.grpo import (
     GRPOConfig,
     gspo_loss,
@@ -23,6 +23,7 @@ from r3lightning.app.job.grpo import (
 from r3lightning.app.job.settings import OptimConfig
 from r3lightning.app.job.sharded import load_sharded_weights, shard_model
 from r3lightning.correction import CorrectionMetrics, correction_weights
+from r3lightning.padded import position_ids_from_mask
 from r3lightning.ragged import to_device_async
 from r3lightning.replay.backend import route_columns
 from r3lightning.replay.batch_fields import host_attention_mask

@@ -13,7 +13,6 @@ from concurrent.futures import Future
 import torch
 from torch import Tensor
 
-from r3lightning.align.layout import position_ids_from_mask
 from r3lightning.app.serve.config import EngineConfig
 from r3lightning.app.serve.invariance import batch_invariance_problem, batch_invariant, make_batch_invariant
 from r3lightning.app.serve.perturb import RouterLogitPerturbation
@@ -21,6 +20,7 @@ from r3lightning.app.serve.requests import GenerationOutput, GenerationRequest
 from r3lightning.app.serve.sampling import MAX_SEED, sample_token
 from r3lightning.app.serve.weights import check_finite, check_weights, loadable_targets, serving_copy
 from r3lightning.checks import check_setting
+from r3lightning.padded import position_ids_from_mask
 from r3lightning.replay.context import as_backend, record_routes
 
 logger = logging.getLogger(__name__)

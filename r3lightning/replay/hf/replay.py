@@ -1,6 +1,7 @@
 """Router replay for Hugging Face transformers 5.x MoE models, by a forward hook on each router."""
 
 import importlib
+import inspect
 import weakref
 from collections.abc import Sequence
 from typing import Self
@@ -103,15 +104,38 @@ class HFRouterReplay:
 
         Args:
             model: The MoE model.
-            **kwargs: The constructor's keywords, for a new backend only: an attached backend is
-                returned as it is (its ``validate`` and ``soft_threshold`` unchanged).
+            **kwargs: The constructor's keywords (``validate``, ``soft_threshold``). A new backend
+                is built with them; an attached one is returned only if each given keyword equals
+                its setting (``soft_threshold`` compared after its check: ``1`` equals ``1.0``).
+                None given: the attached backend as it is.
 
         Returns:
             The backend that owns the first of ``model``'s routers that has one, else
             ``HFRouterReplay(model, **kwargs)``.
+
+        Raises:
+            ValueError: A keyword whose value differs from the attached backend's setting (the
+                message names the keyword, the attached value and the requested one); for a new
+                backend, what the constructor raises.
+            TypeError: A keyword the constructor does not take.
         """
         owner = next((_OWNERS[module] for module in model.modules() if module in _OWNERS), None)
-        return owner if owner is not None else cls(model, **kwargs)
+        if owner is None:
+            return cls(model, **kwargs)
+        settings = [p.name for p in inspect.signature(cls).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        for name, requested in kwargs.items():
+            if name not in settings:
+                raise TypeError(f"HFRouterReplay.for_model() got an unexpected keyword argument {name!r}")
+            # compared as the constructor would store it: soft_threshold=1 is the attached 1.0
+            wanted = check_soft_threshold(requested) if name == "soft_threshold" else requested
+            attached = getattr(owner, name)
+            if wanted != attached:
+                raise ValueError(
+                    f"{name}={requested!r} differs from the replay backend already attached to this "
+                    f"model ({name}={attached!r}); pass {name}={attached!r} or no {name} to share it, "
+                    f"or call .remove() on it first to attach a new one"
+                )
+        return owner
 
     def remove(self) -> None:
         """Unregister all hooks; the model routes natively and can get a new backend."""

@@ -3,8 +3,7 @@ import math
 import pytest
 import torch
 
-from r3lightning.align.dummy import dummy_routes
-from r3lightning.routes import compact_route_dtype
+from r3lightning.routes import compact_route_dtype, dummy_routes
 
 
 @pytest.mark.parametrize(("top_k", "num_experts"), [(1, 1), (2, 5), (3, 8), (8, 128), (4, 4), (6, 9)])
