@@ -1,10 +1,13 @@
 """The job's Hydra callback (``hydra.callbacks.r3lightning`` in ``conf/config.yaml``) and the one
 line every failure prints.
 
-- ``on_run_start`` checks every arm's values (and a resumed run folder's fingerprints) before Hydra
-  makes the run folder, so a bad value is one line, exit status 2, and leaves no folder behind.
-- In a sweep (``-m``), each job records its exit status in the sweep folder; ``on_multirun_end``
-  prints one line listing the failed jobs and exits 2 when any failed, whichever launcher ran them.
+- ``on_run_start`` checks the command line's true/false literals and every arm's values (and a
+  resumed run folder's fingerprints) before Hydra makes the run folder, so a bad value is one
+  line, exit status 2, and leaves no folder behind, before torch is imported.
+- In a sweep (``-m``), ``on_multirun_start`` checks the true/false literals of every swept value;
+  each job checks its own values and records its exit status in the sweep folder;
+  ``on_multirun_end`` prints one line listing the failed jobs and exits 2 when any failed,
+  whichever launcher ran them.
 """
 
 from __future__ import annotations

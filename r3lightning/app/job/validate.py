@@ -1,8 +1,10 @@
 """The job config's checks, in two passes: `check_values` builds every settings dataclass
-from the composed config (no Lightning, transformers or model import: a bad value is reported in
-about a second), `check_targets` then imports the ``_target_`` nodes and builds the data
-module and callbacks once. Each failure is one `JobError` naming the key. Also the one
-table of moved keys, and the one-line form of Hydra's own composition errors."""
+from the composed config and runs the shipped tasks' checks (a bad value is reported before
+torch, Lightning, transformers or a model is imported: in about a second), `check_targets` then
+imports the ``_target_`` nodes and builds the data module and callbacks once. Each failure is one
+`JobError` naming the key. Also `check_bool_overrides` (a true/false key takes only ``true`` or
+``false`` on the command line), the one table of moved keys, and the one-line form of Hydra's
+own composition errors."""
 
 from __future__ import annotations
 
