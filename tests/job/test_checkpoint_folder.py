@@ -8,6 +8,7 @@ weights move by exactly one per step, so the values name the step a checkpoint h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,7 +70,8 @@ def _kill_when_paused(proc: subprocess.Popen, log: Path) -> None:
         else:
             raise AssertionError(f"the run ended without pausing:\n{log.read_text()[-3000:]}")
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # every rank, also if the test failed
+        with contextlib.suppress(ProcessLookupError):  # every rank, also if the test failed
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
 
 
