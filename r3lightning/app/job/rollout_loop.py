@@ -22,7 +22,7 @@ from r3lightning.app.job.common import JobError
 from r3lightning.app.job.grpo import GRPOAdvantages
 from r3lightning.app.job.report import AGREEMENT_PREFIX, CORRECTION_PREFIX, MISMATCH_PREFIX, write_csv
 from r3lightning.app.job.rollout_settings import ahead_config, collector_config, retry_policy, sampling_config
-from r3lightning.app.serve.server import is_loopback
+from r3lightning.app.serve.exposure import is_loopback
 from r3lightning.app.tasks.token_class import ScoredTask
 from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.rollout.ahead import RolloutWorker
