@@ -24,35 +24,71 @@ _FIX = "delete it to start this run over, or set resume=false or another hydra.r
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: leaf}`` of nested dicts (an empty dict is a leaf)."""
     if not isinstance(value, dict) or not value:
         return {prefix.removesuffix("."): value}
-    return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        out.update(_flat(item, f"{prefix}{key}."))
+    return out
 
 
 def fingerprint(cfg: DictConfig) -> dict[str, Any]:
-    """``{dotted key: value}`` of the resolved ``task``, ``reward`` and ``model`` (``seed`` at 0: seeds
-    live side by side), plus ``data.task.<key>``: size and blake2b of each file a ``task.<key>`` names."""
+    """What a run trains on, to refuse resuming it with another task, dataset or model.
+
+    Cost: reads each data file a ``task.<key>`` names once (streamed).
+
+    Args:
+        cfg: one run's resolved config.
+
+    Returns:
+        ``{dotted key: value}`` of the resolved ``task``, ``reward`` and ``model`` (``seed`` at 0:
+        the seeds of one arm live side by side), plus ``data.task.<key>``: the size and blake2b of
+        each file a ``task.<key>`` names; JSON values (an object JSON cannot hold as its string).
+    """
     cfg = OmegaConf.merge(cfg, {"seed": 0})
     out = _flat({key: plain(cfg[key]) for key in ("task", "reward", "model")})
     for key, value in plain(cfg.task).items():
-        if isinstance(value, str) and (path := Path(value).expanduser()).is_file():
-            with path.open("rb") as f:  # streamed
-                digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
-            out[f"data.task.{key}"] = f"{path.stat().st_size} bytes, blake2b {digest}"
+        if not isinstance(value, str):
+            continue
+        path = Path(value).expanduser()
+        if not path.is_file():
+            continue  # a value that names no file is fingerprinted as the value only
+        with path.open("rb") as f:  # streamed
+            digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+        out[f"data.task.{key}"] = f"{path.stat().st_size} bytes, blake2b {digest}"
     return json.loads(json.dumps(out, default=str))
 
 
 def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
-    """Unless ``resume=false``, a `JobError` if a run in ``run_dir`` has another fingerprint."""
+    """Refuse to resume a run folder that holds a run of another task, dataset or model.
+
+    Nothing is checked with ``resume=false``. Cost: one folder walk, then `fingerprint` (which
+    reads the data files) only when a saved run exists.
+
+    Args:
+        cfg: one run's resolved config.
+        run_dir: the folder to resume; every ``fingerprint.json`` under it beside a
+            ``checkpoints`` folder is compared.
+
+    Raises:
+        JobError: a saved fingerprint that cannot be read, or that differs from ``cfg``'s,
+            naming the first differing key.
+    """
+    if not cfg.resume:
+        return
     saved_runs = [p for p in sorted(Path(run_dir).rglob(FINGERPRINT)) if (p.parent / "checkpoints").is_dir()]
-    current = fingerprint(cfg) if cfg.resume and saved_runs else {}
-    for path in saved_runs if current else []:
+    if not saved_runs:
+        return
+    current = fingerprint(cfg)
+    for path in saved_runs:
         try:
             saved = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise JobError(f"{path} cannot be read ({one_line(exc)[:120]}); {_FIX}") from None
         for key in [*current, *(k for k in saved if k not in current)]:  # task, reward, model, data
-            old, new = (repr(side[key]) if key in side else "absent" for side in (saved, current))
+            old = repr(saved[key]) if key in saved else "absent"
+            new = repr(current[key]) if key in current else "absent"
             if old != new:
                 what = "the file differs" if key.startswith("data.") else f"{old} there, {new} now"
                 raise JobError(
@@ -107,7 +143,9 @@ def remove_stale_temps(directory: Path) -> None:
         link = directory / moved.name.removeprefix(".").removesuffix(".v-moved")
         if not os.path.lexists(link):
             _point(link, moved)
-    for link in {directory / v.name[1:].partition(".v-")[0] for v in directory.glob(".*.v-*")}:
+    # every <name> that has version folders: ".<name>.v-<random>" without the dot and the suffix
+    links = {directory / v.name[1:].partition(".v-")[0] for v in directory.glob(".*.v-*")}
+    for link in links:
         target = Path(os.readlink(link)).name if link.is_symlink() else None
         for version in _versions(link):
             if version.name != target:
@@ -125,7 +163,14 @@ def _point(link: Path, folder: Path) -> None:
 
 
 def new_version(target: Path) -> Path:
-    """A fresh folder name for the next checkpoint of ``target`` (``.<name>.v-<random>``), beside it."""
+    """A fresh folder name for the next checkpoint of ``target``; nothing is created.
+
+    Args:
+        target: the path a resume names (``<run>/checkpoints/last.ckpt``).
+
+    Returns:
+        ``.<name>.v-<12 random hex digits>`` beside ``target`` (what `remove_stale_temps` knows).
+    """
     return target.with_name(f".{target.name}.v-{uuid.uuid4().hex[:12]}")
 
 
@@ -154,7 +199,15 @@ def publish_folder(target: Path, folder: Path) -> None:
 
 def saves_a_folder(strategy: Any) -> bool:
     """Whether ``strategy.save_checkpoint`` writes a folder (a distributed checkpoint) rather than a
-    file: ``ModelParallelStrategy`` (FSDP2) by default, ``FSDPStrategy`` with sharded state dicts."""
+    file.
+
+    Args:
+        strategy: the Trainer's strategy.
+
+    Returns:
+        True for ``ModelParallelStrategy`` (FSDP2) saving a distributed checkpoint (its default)
+        and for ``FSDPStrategy`` with sharded state dicts.
+    """
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     if isinstance(strategy, ModelParallelStrategy):
@@ -200,11 +253,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
-        directory = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)  # the rename itself survives a power loss
-        finally:
-            os.close(directory)
+        _fsync(target.parent)  # the rename itself survives a power loss
 
 
 class RunCheckpoint(ModelCheckpoint):
@@ -232,11 +281,13 @@ class RunCheckpoint(ModelCheckpoint):
         self.fingerprint = fingerprint(cfg)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        """Lightning's setup; Lightning's default checkpoint IO is swapped for `AtomicCheckpointIO`."""
         super().setup(trainer, pl_module, stage)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # Lightning's default: not atomic
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
+        """Rank 0 writes ``fingerprint.json`` with the first checkpoint (a resumed run keeps it)."""
         if trainer.is_global_zero and not self.path.exists():
             self.path.write_text(json.dumps(self.fingerprint, indent=1) + "\n")
 
@@ -270,7 +321,8 @@ def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:
             k.removeprefix("state_dict."): v for k, v in metadata.items() if k.startswith("state_dict.")
         }
         shapes = {k: tuple(v.size) for k, v in tensors.items() if hasattr(v, "size")}
-        return shapes, int(torch.load(last / "meta.pt", map_location="cpu", weights_only=False)["epoch"]) + 1
+        meta = torch.load(last / "meta.pt", map_location="cpu", weights_only=False)
+        return shapes, int(meta["epoch"]) + 1
     state = torch.load(last, map_location="cpu", weights_only=False, mmap=True)
     if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict):
         raise ValueError("not a Lightning checkpoint")
@@ -279,8 +331,23 @@ def _saved_shapes(last: Path) -> tuple[dict[str, tuple[int, ...]], int]:
 
 
 def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
-    """``<run>/checkpoints/last.ckpt`` if ``resume`` and it exists, once checked to be readable, saved
-    for this model and no further than ``steps``. Cost: its metadata is read, not its tensors."""
+    """The checkpoint a run resumes from, checked before ``fit`` starts.
+
+    What a killed save left in ``<run>/checkpoints`` is deleted first, with or without ``resume``.
+    Cost: the checkpoint's metadata is read (a file is memory-mapped), not its tensors.
+
+    Args:
+        cfg: the run's config (``resume``, ``steps``).
+        out_dir: the run's folder.
+        module: the Lightning module to resume, whose ``state_dict`` shapes the checkpoint must have.
+
+    Returns:
+        ``<run>/checkpoints/last.ckpt`` if ``resume`` and it exists, else None.
+
+    Raises:
+        JobError: the checkpoint cannot be read, was saved for another model (naming the first
+            differing parameter), or has done more steps than ``steps``.
+    """
     last = out_dir / "checkpoints" / "last.ckpt"
     if last.parent.is_dir():
         remove_stale_temps(last.parent)
@@ -294,7 +361,9 @@ def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
         ) from None
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     if expected != saved:
-        key = (sorted(set(expected) ^ set(saved)) or [k for k in expected if expected[k] != saved[k]])[0]
+        # a parameter one side lacks, else the first one whose shape differs
+        one_sided = sorted(set(expected) ^ set(saved))
+        key = one_sided[0] if one_sided else next(k for k in expected if expected[k] != saved[k])
         raise JobError(
             f"checkpoint {last} was saved for another model ({key}: {saved.get(key, 'absent')} in the "
             f"checkpoint, {expected.get(key, 'absent')} in this model); {_FIX}"
@@ -308,8 +377,15 @@ def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
 
 
 def refuse_bad_data_state(datamodule: Any, ckpt_path: str) -> None:
-    """Lightning restores ``datamodule`` inside ``fit``, after every up-front check: a state its
-    ``load_state_dict`` refuses (a tampered or foreign checkpoint) becomes a one-line `JobError`."""
+    """Make a data-module state that ``datamodule`` refuses a one-line `JobError`.
+
+    Lightning restores the data module inside ``fit``, after every up-front check, so a tampered
+    or foreign checkpoint would otherwise fail there with a traceback.
+
+    Args:
+        datamodule: the run's data module; its ``load_state_dict`` is wrapped in place.
+        ckpt_path: the checkpoint being resumed, named in the message.
+    """
     restore = datamodule.load_state_dict
 
     def load_state_dict(state: Any) -> None:

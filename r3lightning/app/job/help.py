@@ -40,7 +40,9 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
     lines at its column joined; list items and the ``defaults`` / ``hydra`` blocks left out)."""
     out: list[tuple[str, str, str]] = []
     stack: list[tuple[int, str]] = []
-    skip_block, comment_column, list_indent = False, -1, None
+    skip_block = False  # inside the defaults or hydra block
+    comment_column = -1  # where the last key's comment starts; -1: it has none to continue
+    list_indent: int | None = None  # the indent of the list items being skipped, if any
     for line in path.read_text().splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
@@ -72,28 +74,56 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
     return out
 
 
+def _selected_sections(
+    conf_dir: Path, selected: Mapping[str, str | None]
+) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """``(title, keys)`` of each selected option, in the order of ``config.yaml``'s defaults list;
+    an option's keys follow those of the options it extends (its own ``defaults``)."""
+    sections = []
+    for entry in OmegaConf.load(conf_dir / "config.yaml").defaults:
+        if not OmegaConf.is_dict(entry):
+            continue  # the schema's name and _self_: not a group
+        group = str(next(iter(entry)))
+        path = conf_dir / group / f"{selected.get(group)}.yaml"
+        if not path.is_file():
+            continue  # no option selected (null)
+        prefix = "" if path.read_text().startswith("# @package _global_") else f"{group}."
+        defaults = OmegaConf.load(path).get("defaults", [])
+        bases = [b for b in defaults if isinstance(b, str) and b != "_self_"]
+        keys: list[tuple[str, str, str]] = []
+        for option in [*bases, path.stem]:
+            keys += _keys(path.with_name(f"{option}.yaml"), prefix)
+        sections.append((f"{group} ({selected[group]})", keys))
+    return sections
+
+
 def format_help(conf_dir: Path, selected: Mapping[str, str | None]) -> str:
-    """The help text: usage, the config groups and options (``selected``, ``{group: option}``, marked),
-    the top-level keys and those of each selected option, each with its explanation."""
+    """The text of ``r3lightning-train --help``, read from the YAML files and their comments.
+
+    Cost: reads every YAML file of ``conf_dir`` once or twice; imports nothing.
+
+    Args:
+        conf_dir: the config folder (``config.yaml`` and one folder per group).
+        selected: ``{group: option}`` of the composed config (Hydra's ``runtime.choices``).
+
+    Returns:
+        The usage, every group's options (the selected ones marked ``*``) with their leading
+        comments, then the top-level keys and those of each selected option (its bases' first),
+        each with its value and explanation.
+    """
     lines = [_USAGE.format(conf_dir=conf_dir), "", "Config groups (* = selected):"]
     for group in sorted(p.name for p in conf_dir.iterdir() if p.is_dir()):
         lines.append(f"  {group}:")
         for path in sorted((conf_dir / group).glob("*.yaml")):
             mark = "*" if selected.get(group) == path.stem else " "
             lines.append(f"   {mark} {path.stem:<24} {_description(path)}")
-    sections = [("Options", _keys(conf_dir / "config.yaml", ""))]
-    for entry in OmegaConf.load(conf_dir / "config.yaml").defaults:  # the groups in their order
-        group = str(next(iter(entry))) if OmegaConf.is_dict(entry) else ""
-        path = conf_dir / group / f"{selected.get(group)}.yaml"
-        if group and path.is_file():
-            prefix = "" if path.read_text().startswith("# @package _global_") else f"{group}."
-            defaults = OmegaConf.load(path).get("defaults", [])
-            bases = [b for b in defaults if isinstance(b, str) and b != "_self_"]
-            keys = [k for base in [*bases, path.stem] for k in _keys(path.with_name(f"{base}.yaml"), prefix)]
-            sections.append((f"{group} ({selected[group]})", keys))
-    for title, keys in sections:
-        lines += ["", f"{title}:"] if keys else []
-        lines += [(f"  {k}={v}".ljust(44) + f"  {comment}").rstrip() for k, v, comment in keys]
+    options = ("Options", _keys(conf_dir / "config.yaml", ""))
+    for title, keys in [options, *_selected_sections(conf_dir, selected)]:
+        if not keys:
+            continue
+        lines += ["", f"{title}:"]
+        for key, value, comment in keys:
+            lines.append((f"  {key}={value}".ljust(44) + f"  {comment}").rstrip())
     return "\n".join(lines)
 
 

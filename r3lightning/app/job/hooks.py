@@ -39,23 +39,49 @@ _state: dict[str, Any] = {"new_dirs": [], "sweep_is_new": False}
 
 
 def report(message: BaseException | str, label: str = "", kind: str = "error", status: int = 2) -> int:
-    """Print ``message`` as the one line (at most 400 characters) of a failed run; returns ``status``."""
+    """Print the one line of a failed run on stderr: ``r3lightning-train: <label><kind>: <message>``.
+
+    Args:
+        message: the error, or its text; newlines and runs of spaces become one space.
+        label: what failed, ending in ``": "`` (a sweep's ``job #3 (...): ``); empty for a run.
+        kind: what went wrong (``error``, ``rollout engine error``).
+        status: the exit status the caller exits with.
+
+    Returns:
+        ``status``, so that ``sys.exit(report(exc))`` reads as one step.
+    """
     text = one_line(message)
-    print(f"{PROG}: {label}{kind}: {text if len(text) <= 400 else text[:397] + '...'}", file=sys.stderr)
+    if len(text) > 400:  # one terminal line or a few, never a traceback's worth
+        text = text[:397] + "..."
+    print(f"{PROG}: {label}{kind}: {text}", file=sys.stderr)
     return status
 
 
 def new_folders() -> list[Path]:
-    """The folders this run's ``on_run_start`` found missing (its run folder, then its parents)."""
+    """The folders this run's ``on_run_start`` found missing.
+
+    Returns:
+        A copy: the run folder, then those of its parents that did not exist either (the
+        ``new_dirs`` of `remove_if_unused`).
+    """
     return list(_state["new_dirs"])
 
 
 def remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
-    """Remove ``run_dir`` if it is in ``new_dirs`` (deepest first) and holds only what a run that never
-    trained writes (``.hydra/``, logs, ``config.yaml``), then the other new folders left empty."""
+    """Remove the run folder of a run that never trained, so a refused run leaves nothing behind.
+
+    ``run_dir`` goes only if this run made it and it holds nothing but what a run writes before
+    training (``.hydra/``, logs, ``config.yaml``); then each new parent, deepest first, while it
+    is empty. A folder that held anything before the run is kept.
+
+    Args:
+        run_dir: the run's folder.
+        new_dirs: the folders the run made, deepest first (`new_folders`).
+    """
     run_dir = run_dir.absolute()
 
     def disposable(path: Path) -> bool:
+        """Whether ``path`` is only what a run writes before it trains."""
         if path.is_dir():
             return path.name == ".hydra" or all(disposable(p) for p in path.iterdir())
         return path.suffix == ".log" or (path.parent == run_dir and path.name == "config.yaml")
@@ -69,13 +95,23 @@ def remove_if_unused(run_dir: Path, new_dirs: list[Path]) -> None:
 
 
 def record_job(sweep_dir: Path, number: int, overrides: list[str], status: int) -> None:
-    """Note job ``number``'s exit status in the sweep folder (jobs may run in other processes)."""
+    """Note a sweep job's exit status in the sweep folder, for ``on_multirun_end``'s summary.
+
+    A file rather than memory: a launcher may run the jobs in other processes or on other hosts.
+
+    Args:
+        sweep_dir: the sweep's folder (``hydra.sweep.dir``).
+        number: the job's number in the sweep (``hydra.job.num``).
+        overrides: the job's overrides, named in the summary.
+        status: its exit status (0: done).
+    """
     folder = sweep_dir / _RECORDS
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"{number}").write_text(f"{status}\n{' '.join(overrides)}\n")
 
 
 def _missing(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist, deepest first."""
     path = path.absolute()
     return [p for p in (path, *path.parents) if not p.exists()]
 
@@ -99,6 +135,12 @@ class JobCallback(Callback):
     """Checks before Hydra writes anything, and the sweep's summary (see the module docstring)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Check a run's values, and its folder's fingerprints when it exists, before Hydra makes
+        the folder; note which folders the run will make.
+
+        Cost: the torch-free config checks; an existing run folder also imports torch (its
+        checkpoint module). Exits 2 with one line on the first refused value.
+        """
         from r3lightning.app.job.arms import arms
         from r3lightning.app.job.validate import check_bool_overrides
 
@@ -115,12 +157,14 @@ class JobCallback(Callback):
         except JobError as exc:
             sys.exit(report(exc))
         except OmegaConfBaseException as exc:  # an arm's override of the wrong type
-            from r3lightning.app.job.validate import error_line
+            from r3lightning.app.job.config_errors import error_line
 
             sys.exit(report(error_line(exc)))
         _state["new_dirs"] = _missing(run_dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Check the true/false literals of every swept value; note the folders the sweep makes.
+        Exits 2 with one line on a refused literal."""
         from r3lightning.app.job.validate import check_bool_overrides
 
         try:  # every job's values are checked by the job itself; a sweep's literals only here
@@ -133,6 +177,8 @@ class JobCallback(Callback):
         _state["new_dirs"] = _missing(sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Print one line naming the failed jobs and exit 2 if any failed; remove the job records,
+        and the sweep folder if no job left anything in it."""
         sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
         records = sweep_dir / _RECORDS
         jobs = sorted(records.glob("*"), key=lambda p: int(p.name)) if records.is_dir() else []

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from r3lightning.app.job import help as _help  # noqa: F401  (registers the help template's resolver)
 from r3lightning.app.job.arms import arms, run_seeds
 from r3lightning.app.job.common import JobError, is_global_zero
+from r3lightning.app.job.config_errors import error_line
 from r3lightning.app.job.hooks import (
     PROG,
     discard_unused_sweep,
@@ -31,14 +32,30 @@ from r3lightning.app.job.hooks import (
     report,
 )
 from r3lightning.app.job.store import CONF_DIR, register
-from r3lightning.app.job.validate import error_line
 
 register()  # the schema conf/config.yaml starts from, before Hydra composes
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
-    """Run every arm for every seed into ``run_dir``; returns ``{run name: history}``, named ``<arm>``
-    (one seed) or ``<arm>/seed=<s>`` (folder ``<arm>/seed_<s>``, ``=`` written ``_``)."""
+    """Run every arm of ``compare`` for every seed into ``run_dir``, then write the summary.
+
+    Every arm's values are checked first, before torch is imported; then the arms' run folders
+    are checked against their fingerprints. Arms with the same rollout and model settings share
+    one engine. Rank 0 writes ``config.yaml`` (with the environment line), ``summary.txt`` and,
+    with ``plot``, ``metrics.png``. Cost: imports torch, Lightning and the model's modules once
+    the values passed; starts the engines and trains.
+
+    Args:
+        cfg: the composed job config.
+        run_dir: the output folder (Hydra's ``runtime.output_dir``).
+
+    Returns:
+        ``{run name: history}``, named ``<arm>`` (one seed) or ``<arm>/seed=<s>`` (folder
+        ``<arm>/seed_<s>``, ``=`` written ``_``).
+
+    Raises:
+        JobError: a refused value, or a run folder of another task, dataset or model.
+    """
     configs = arms(cfg)  # every value refused before torch is imported (a sweep's job too)
     seeds = run_seeds(cfg)
     from r3lightning.app.job.checkpoint import check_run_dir
@@ -89,9 +106,11 @@ def _run_in(cfg: DictConfig, run_dir: Path, overrides: list[str], label: str, ne
         return report(exc, label, "rollout engine error", status=3)
     except KeyboardInterrupt:
         again = [PROG, *overrides, f"hydra.run.dir={run_dir}"]
-        done = any(run_dir.glob("**/checkpoints/last.ckpt"))
-        state = ["no step had finished, start again", "the checkpoint keeps the last finished step, resume"]
-        print(f"{PROG}: {label}interrupted; {state[done]} with: {' '.join(again)}", file=sys.stderr)
+        if any(run_dir.glob("**/checkpoints/last.ckpt")):
+            state = "the checkpoint keeps the last finished step, resume"
+        else:
+            state = "no step had finished, start again"
+        print(f"{PROG}: {label}interrupted; {state} with: {' '.join(again)}", file=sys.stderr)
         return 130
     finally:
         if is_global_zero():
@@ -105,19 +124,41 @@ def compose_config(
     config_name: str = "config",
     hydra_config: bool = False,
 ) -> DictConfig:
-    """The job's config with ``overrides`` applied, without running it; ``--config-dir`` as ``config_dir``."""
-    where = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]"] if config_dir else []
+    """The job's config as Hydra composes it, without running it (tests, notebooks).
+
+    Args:
+        overrides: command-line overrides (``steps=2``, ``replay=off``).
+        config_dir: a folder searched before the package's configs, as ``--config-dir``.
+        config_name: the primary config's name.
+        hydra_config: keep the ``hydra`` node (needed where Hydra's resolvers are used).
+
+    Returns:
+        The composed config; nothing is checked beyond what Hydra's structured config refuses.
+
+    Raises:
+        HydraException: a config Hydra cannot compose (OmegaConf's errors as its cause).
+    """
+    search_path: list[str] = []
+    if config_dir:
+        search_path = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name, [*where, *(overrides or [])], return_hydra_config=hydra_config)
+        return compose(config_name, [*search_path, *(overrides or [])], return_hydra_config=hydra_config)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def train(cfg: DictConfig) -> int:
     """Hydra's task function: one job (a run, or one job of a sweep) into Hydra's output folder.
 
+    Args:
+        cfg: the config Hydra composed (its ``hydra`` node is read through ``HydraConfig``).
+
     Returns:
         The job's exit status (0, 2 a refused config, 3 an engine failure, 130 interrupted). A run
         exits with it; a sweep's job records it and the sweep goes on (see ``JobCallback``).
+
+    Raises:
+        SystemExit: a run that failed, with its status; a sweep's job only when interrupted (130),
+            which stops the sweep.
     """
     # Lightning's banner lines (accelerator summary, logger tips) are noise here.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
@@ -152,9 +193,16 @@ def _raised_by_hydra(exc: BaseException) -> bool:
 
 
 def main() -> None:
-    """Console entry point (``r3lightning-train``): Hydra parses the command line. A config Hydra
-    cannot compose (wrong type, unknown key, moved key, missing option) is one line, exit status 2;
-    ``HYDRA_FULL_ERROR=1`` shows Hydra's own report instead."""
+    """Console entry point (``r3lightning-train``): Hydra parses the command line.
+
+    ``HYDRA_FULL_ERROR`` is set while Hydra runs, so that Hydra raises its composition errors here
+    instead of printing them, and restored after.
+
+    Raises:
+        SystemExit: 2 with one line for a config Hydra cannot compose (wrong type, unknown key,
+            moved key, missing option); ``HYDRA_FULL_ERROR=1`` re-raises Hydra's own error instead.
+            Otherwise `train`'s status.
+    """
     full_error = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its composition errors to this function
     try:

@@ -17,7 +17,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -32,9 +32,18 @@ class SettingsError(ValueError):
 
 
 def field_types(cls: type) -> dict[str, Any]:
-    """``{field: its resolved annotation}`` of the dataclass ``cls``. A field annotated with a name
-    its module imports only for type checkers (``DataOptions.eval_buffer: ReplayBuffer | None``:
-    that module imports torch) is ``Any``: an object the job builds, never a config value."""
+    """The resolved annotation of every field of the dataclass ``cls``, its bases' included.
+
+    A field annotated with a name its module imports only for type checkers
+    (``DataOptions.eval_buffer: ReplayBuffer | None``: that module imports torch) is ``Any``: it
+    holds an object the job builds, never a config value. Resolving imports nothing.
+
+    Args:
+        cls: a dataclass (``from __future__ import annotations`` or not).
+
+    Returns:
+        ``{field name: annotation}``.
+    """
     try:
         return typing.get_type_hints(cls)
     except NameError:
@@ -69,7 +78,8 @@ def _yaml_type(tp: Any) -> Any:
         return Optional[inner] if len(options) < len(args) and inner is not Any else inner  # noqa: UP045
     if origin in (list, tuple, Sequence, set, frozenset) or origin is typing.Sequence:
         if origin is tuple and args and args[-1] is not Ellipsis:
-            return tuple[tuple(_yaml_type(a) for a in args)]  # type: ignore[misc]
+            # a fixed-length tuple keeps one narrowed type per position: tuple[a, b] built at runtime
+            return types.GenericAlias(tuple, tuple(_yaml_type(a) for a in args))
         return list[_yaml_type(args[0]) if args else Any]
     if origin in (dict, Mapping) or origin is typing.Mapping:
         return dict[str, _yaml_type(args[1]) if len(args) == 2 else Any]
@@ -147,7 +157,9 @@ def _source(node: Any, field: str) -> str:
     """`` (set by ${x})`` when ``node.field`` is an interpolation, else ``""``."""
     if not isinstance(node, DictConfig) or field not in node:
         return ""
-    raw = OmegaConf.to_container(node, resolve=False).get(field)  # type: ignore[union-attr]
+    # a DictConfig gives a dict; OmegaConf's annotation also allows a list, None or a string
+    values = cast(dict, OmegaConf.to_container(node, resolve=False))
+    raw = values.get(field)
     return f" (set by {raw})" if isinstance(raw, str) and raw.startswith("${") else ""
 
 
@@ -192,7 +204,8 @@ def build(
         return cls(**values)
     except (TypeError, ValueError) as exc:
         text = " ".join(str(exc).split())
-        field = re.match(r"\w*", text).group()  # type: ignore[union-attr]  # "name must be ...", "name=x needs ..."
+        # the message's leading word names the field: "name must be ...", "name=x needs ..."
+        field = re.split(r"\W", text, maxsplit=1)[0]
         if field in names:
             raise SettingsError(f"{prefix}{text}{_source(node, field)}") from None
         raise SettingsError(f"{key or 'config'}: {text}") from None

@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omegaconf import MISSING
-
 from r3lightning.checks import check_setting, check_soft_threshold
 from r3lightning.wire.codec import MISSING_ROWS
 from r3lightning.wire.request import PROTOCOL_PATHS
@@ -138,11 +136,17 @@ class RolloutSettings:
         _check_bool("require_url", self.require_url)
 
     def check_engine(self, launched: bool) -> None:
-        """The embedded engine serves when ``url`` is None and no engine is ``launched``: it speaks
-        only ``EMBEDDED_PROTOCOLS``, and ``require_url`` refuses it.
+        """Check the settings that depend on which engine serves.
+
+        The embedded engine serves when ``url`` is None and no engine is ``launched``: it speaks
+        only ``EMBEDDED_PROTOCOLS``, and ``require_url`` refuses it. Nothing is checked when another
+        engine serves. Imports nothing.
+
+        Args:
+            launched: whether the job starts a vLLM engine itself (``rollout.launch`` is set).
 
         Raises:
-            ValueError: naming the key, as ``__post_init__`` does.
+            ValueError: naming the key, as ``__post_init__`` does (without the ``rollout.`` prefix).
         """
         if self.url is not None or launched:
             return
@@ -179,7 +183,12 @@ class WeightSyncSettings:
 
 @dataclass(frozen=True)
 class ServerAddress:
-    """Where the embedded server listens (``rollout.server.host`` / ``.port``; 0: a free port)."""
+    """Where the embedded server listens (``rollout.server.host`` / ``.port``).
+
+    Args:
+        host: the address to bind, a non-empty host name or IP address.
+        port: the port, 0 to 65535; 0 picks a free port.
+    """
 
     host: str = "127.0.0.1"
     port: int = 0
@@ -217,13 +226,17 @@ class OptimConfig:
         check_setting("grad_clip", self.grad_clip, low=0, above=True, optional=True)
 
 
-@dataclass
+@dataclass(kw_only=True)  # keywords only, so the required batch_size may follow _target_
 class DataModuleSettings:
     """The ``data`` node: ``R3DataModule``'s keywords but ``buffer`` (the job builds it); a test
-    keeps these fields and defaults equal to its signature's (``options``: ``DataOptions``)."""
+    keeps these fields and defaults equal to its signature's (``options``: ``DataOptions``).
+
+    Only its structured config is used (`r3lightning.app.job.schema.structured`), where the
+    required ``batch_size`` becomes Hydra's mandatory value ``???``.
+    """
 
     _target_: str = "r3lightning.data.datamodule.R3DataModule"
-    batch_size: int = MISSING  # type: ignore[assignment]  # required, as in the signature
+    batch_size: int  # required, as in the signature
     shuffle: bool = True
     seed: int = 0
     collate_threads: int | None = None

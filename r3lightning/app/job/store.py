@@ -74,15 +74,25 @@ def _flat(cls: type) -> list[tuple]:
 
 
 def _node(schema: type) -> dataclasses.Field:
+    """A typed node whose default is ``schema``'s own defaults."""
     return dataclasses.field(default_factory=schema)
 
 
 def _open(default: Any = dict) -> dataclasses.Field:
+    """An open node (any keys), empty by default: a ``_target_`` piece users fill."""
     return dataclasses.field(default_factory=default)
 
 
 def job_schema() -> type:
-    """The whole job config's structured schema (one dataclass, nested)."""
+    """The whole job config's structured schema.
+
+    Cost: imports the settings dataclasses' modules only (no torch); each `structured` class is
+    made once per process and cached.
+
+    Returns:
+        One dataclass (named ``JobConfig`` in Hydra's messages) with the top-level keys of
+        ``RunSettings``, a typed node per settings group and an open node per ``_target_`` piece.
+    """
     address = _flat(ServerAddress)
     server = structured(EngineConfig, extra=address, name="EngineConfig")
     launch = structured(VllmSettings, exclude=("model",), name="VllmSettings")  # the job sets model
@@ -130,5 +140,6 @@ def job_schema() -> type:
 
 
 def register() -> None:
-    """Store the schema as ``r3lightning_job`` (idempotent)."""
+    """Store `job_schema` in Hydra's ConfigStore as ``r3lightning_job``, the name
+    ``conf/config.yaml``'s defaults list starts with. Idempotent: storing again replaces it."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=job_schema())

@@ -3,14 +3,14 @@ from the composed config and runs the shipped tasks' checks (a bad value is repo
 torch, Lightning, transformers or a model is imported: in about a second), `check_targets` then
 imports the ``_target_`` nodes and builds the data module and callbacks once. Each failure is one
 `JobError` naming the key. Also `check_bool_overrides` (a true/false key takes only ``true`` or
-``false`` on the command line), the one table of moved keys, and the one-line form of Hydra's
-own composition errors."""
+``false`` on the command line). The table of moved keys and the one-line form of Hydra's own
+composition errors live in `r3lightning.app.job.config_errors` (``MOVED_KEYS`` and `error_line`
+are also importable from here)."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from r3lightning.app.job.algorithm import GRPOAdvantages, GRPOConfig
 from r3lightning.app.job.common import JobError
+from r3lightning.app.job.config_errors import MOVED_KEYS, error_line, moved
 from r3lightning.app.job.rollout_settings import launch_settings, launched
 from r3lightning.app.job.schema import SettingsError, build
 from r3lightning.app.job.settings import (
@@ -50,28 +51,6 @@ __all__ = [
     "error_line",
 ]
 
-# Keys that moved: old -> (new, how to set it when the value does not carry over as it is)
-MOVED_KEYS: dict[str, tuple[str, str | None]] = {
-    "rollout.request_timeout_s": ("rollout.retry.timeout_s", None),
-    "rollout.max_in_flight": ("rollout.collector.max_in_flight", None),
-    "data.shard": ("data.options.shard", None),
-    "data.pad_token_id": ("data.options.pad_token_id", None),
-    "data.width_multiple": ("data.options.width_multiple", None),
-    "data.layers": ("data.options.layers", None),
-    "data.eval_buffer": ("data.options.eval_buffer", "an R3DataModule built in Python takes it"),
-    "task.prompt_key": ("task.columns.prompt", None),
-    "task.data_source_key": ("task.columns.data_source", None),
-    "task.ground_truth_key": ("task.columns.ground_truth", None),
-    "task.extra_info_key": ("task.columns.extra_info", None),
-    "callbacks.router_replay.log_per_layer": (
-        "callbacks.router_replay.log_agreement",
-        "per_layer (totals and each layer), true (totals) or false",
-    ),
-    "callbacks.router_replay.pad_to_multiple": (
-        "callbacks.router_replay.layout_fn",
-        "{_target_: r3lightning.align.layout.TokenMetadataLayout.padded, _partial_: true, pad_to_multiple: N}",
-    ),
-}
 _JOB_TRAINER_KEYS = {  # Trainer keywords the job sets itself, and what to use instead
     "max_epochs": "steps (one epoch is one RL step)",
     "reload_dataloaders_every_n_epochs": "nothing: every RL step reloads the data (it is 1)",
@@ -90,76 +69,29 @@ def _resolved_keys(node: DictConfig, keys: list[str]) -> DictConfig:
 
 _MODEL_DTYPES = (*FLOAT_DTYPES, "float64")  # the trainer's weights may also be float64 (the engine casts)
 _RUN_KEYS = [f.name for f in dataclasses.fields(RunSettings)]
-_OMEGACONF_TYPES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
-
-
-def _yaml(value: Any) -> str:
-    """``value`` as it is written on the command line (``true``, ``null``, ``[1, 2]``)."""
-    if isinstance(value, bool) or value is None:
-        return {True: "true", False: "false", None: "null"}[value]
-    if isinstance(value, list | tuple):
-        return f"[{','.join(_yaml(v) for v in value)}]"
-    return str(value)
-
-
-def moved(key: str, value: Any = None, *, known: bool = True) -> str:
-    """The message for the moved ``key`` set to ``value`` (``known=False``: the value is not known)."""
-    new, how = MOVED_KEYS[key]
-    if how is not None:
-        return f"{key} moved to {new}; set {new} to {how}"
-    shown = _yaml(value) if known else "..."
-    return f"{key} moved to {new}; set {new}={shown} instead"
-
-
-def _omegaconf_line(exc: BaseException) -> str:
-    """``key must be ..., got ...`` (or ``key: problem``) from an OmegaConf error."""
-    text = str(exc).split("\n    full_key:")[0]
-    key = getattr(exc, "full_key", None) or ""
-    found = re.fullmatch(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", text, re.S)
-    if key in MOVED_KEYS:
-        return moved(key, known=False)
-    if found and found.group(3) in _OMEGACONF_TYPES:
-        got = repr(found.group(1)) if found.group(2) == "str" else found.group(1)
-        return f"{key} must be {_OMEGACONF_TYPES[found.group(3)]}, got {got}"
-    schema = re.fullmatch(r"Key '(\w+)' not in '(\w+)'", text)
-    if schema:
-        return f"{key} is not a setting of {schema.group(2)} (a typo, or a key of another group?)"
-    if re.fullmatch(r"Invalid value assigned: \w+ is not a ListConfig, list or tuple\.", text):
-        return f"{key} must be a list, got {_yaml(getattr(exc, 'value', '?'))}"
-    if re.fullmatch(r"Cannot assign \w+ to Dict\[.*\]", text):
-        return f"{key} must be a mapping, got {_yaml(getattr(exc, 'value', '?'))}"
-    if re.fullmatch(r"field '[\w.\[\]]+' is not Optional", text):
-        return f"{key} must not be null"
-    found = re.fullmatch(r"Invalid type assigned: \w+ is not a subclass of (\w+)\. value: (.*)", text, re.S)
-    if found:
-        return f"{key} must be a mapping of {found.group(1)} settings, got {found.group(2)}"
-    found = re.fullmatch(r"Value '(.*)' is not a valid bool \(type \w+\)", text, re.S)
-    if found:
-        return f"{key} must be true or false, got {found.group(1)!r}"
-    return f"{key}: {text}" if key else text
-
-
-def error_line(exc: BaseException) -> str:
-    """One line for a Hydra composition error or an OmegaConf error: the key, what is wrong, and
-    for a moved key where it went (never Hydra's ``+key`` hint for it)."""
-    cause = exc.__cause__
-    text = str(exc)
-    appended = re.search(r"To append to your config use \+([\w.]+)=(.*)$", text, re.S)
-    if appended and appended.group(1) in MOVED_KEYS:
-        return moved(appended.group(1), appended.group(2).strip())
-    if cause is not None and getattr(cause, "full_key", None):
-        line = _omegaconf_line(cause)
-        typed = getattr(cause, "object_type", None) not in (None, dict)  # a schema node: no new keys
-        return line if appended is None or typed else f"{line}; add a new key with +{appended.group(1)}=..."
-    if getattr(exc, "full_key", None):
-        return _omegaconf_line(exc)
-    text = text.split("Config search path")[0].split("full_key:")[0]
-    return " ".join(text.replace(":\n\t", ": ").replace("\n\t", ", ").split())
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Every settings object of one run's config (what `check_values` built)."""
+    """Every settings object of one run's config (what `check_values` built).
+
+    Args:
+        run: the top-level keys.
+        replay: the ``replay`` group.
+        rollout: the ``rollout`` group's own keys (the engine the job talks to).
+        address: ``rollout.server.host`` and ``.port``.
+        sampling: ``rollout.sampling``.
+        collector: ``rollout.collector``.
+        retry: ``rollout.retry``.
+        engine: ``rollout.server`` but ``host`` and ``port`` (holds a ``torch.dtype``).
+        limits: ``rollout.limits``.
+        grpo: ``algorithm`` but ``std_eps`` and ``optim``.
+        advantages: ``algorithm.normalize_std`` and ``algorithm.std_eps``.
+        optim: ``algorithm.optim``.
+        data_options: ``data.options``.
+        ahead: ``rollout.max_staleness``.
+        weight_sync: the ``rollout`` group's ``*weight*`` keys.
+    """
 
     run: RunSettings
     replay: ReplaySettings
@@ -183,27 +115,38 @@ def _absent() -> None:
 
 
 def check_values(cfg: DictConfig) -> Settings:
-    """Every value a settings dataclass holds, checked by building it, and the keys that depend on
-    each other. Imports no Lightning, transformers or model, and torch only once every value but
-    a good ``rollout.server`` passed (its ``EngineConfig`` holds a torch dtype); returns what it built.
+    """Check every value a settings dataclass holds, by building it, and the keys that depend on
+    each other; then the values of the nodes the job builds later (`_check_built_later`) and
+    ``task.path``.
+
+    Cost: about a second. Imports no Lightning, transformers or model, and torch only once every
+    value but a good ``rollout.server`` passed (its ``EngineConfig`` holds a torch dtype).
+
+    Args:
+        cfg: one run's composed config (one arm of ``compare``).
+
+    Returns:
+        What it built.
 
     Raises:
-        JobError: the first refused value, naming its key.
+        JobError: the first refused value (a moved key, a ``???`` left unset, a Trainer keyword
+            the job sets, a value a settings class refuses, a missing ``task.path``), naming its key.
     """
     for key in MOVED_KEYS:
         value = OmegaConf.select(cfg, key, default=_absent, throw_on_missing=False)
         if value is not _absent:
-            raise JobError(moved(key, OmegaConf.to_container(value) if OmegaConf.is_config(value) else value))
+            plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+            raise JobError(moved(key, plain))
     try:  # the first ``???`` (mandatory, unset) key
-        OmegaConf.to_container(
-            OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), throw_on_missing=True
-        )
+        without_hydra = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        OmegaConf.to_container(without_hydra, throw_on_missing=True)
     except MissingMandatoryValue as exc:
         raise JobError(f"{exc.full_key} must be set (add {exc.full_key}=... to the command line)") from None
     for key, instead in _JOB_TRAINER_KEYS.items():
         if key in cfg.trainer:
             raise JobError(f"trainer.{key} is set by the job; use {instead}")
     rollout = cfg.rollout
+    # the rollout group's keys that belong to other settings classes than RolloutSettings
     groups = ("sampling", "collector", "retry", "server", "limits", "launch", *_AHEAD_KEYS, *_SYNC_KEYS)
     server_keys = [k for k in rollout.server if k not in ("host", "port")]
     try:
@@ -293,11 +236,17 @@ def check_bool_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
 
 
 def check_targets(cfg: DictConfig) -> None:
-    """Every ``_target_`` importable, the trainer's accelerator present, the callbacks and the data
-    module built once (their own checks). Imports Lightning and the targets' modules.
+    """Check that every ``_target_`` imports, that the trainer's accelerator is present, and that
+    the callbacks and the data module build (their own checks run; the objects are dropped).
+
+    Cost: imports torch, Lightning and the targets' modules; builds no model.
+
+    Args:
+        cfg: one run's composed config, whose values `check_values` passed.
 
     Raises:
-        JobError: the first problem, naming its key.
+        JobError: the first problem (``trainer.accelerator=gpu`` without a GPU, a target that does
+            not import, ``backend=megatron`` without megatron-core, a refused keyword), naming its key.
     """
     import torch
 
@@ -312,27 +261,46 @@ def check_targets(cfg: DictConfig) -> None:
         )
     targets = [(f"callbacks.{name}", node) for name, node in cfg.callbacks.items() if node is not None]
     targets += [(key, cfg[key]) for key in ("model", "task", "reward", "module", "data")]
-    for key, node in targets + [(f"loggers[{i}]", node) for i, node in enumerate(cfg.loggers or [])]:
+    targets += [(f"loggers[{i}]", node) for i, node in enumerate(cfg.loggers or [])]
+    for key, node in targets:
         build.target_of(node, key)
-    replay = build.replay_callback_settings(cfg)
-    if replay is not None and replay[1].get("backend") == "megatron" and not build.megatron_installed():
-        raise JobError(
-            f"callbacks.{replay[0]}.backend=megatron needs megatron-core, which is not installed: {build.MEGATRON_HINT}"
-        )
+    replay = build.replay_callback_settings(cfg)  # (its name in callbacks, its node), or None
+    if replay is not None:
+        name, node = replay
+        if node.get("backend") == "megatron" and not build.megatron_installed():
+            raise JobError(
+                f"callbacks.{name}.backend=megatron needs megatron-core, which is not installed: "
+                f"{build.MEGATRON_HINT}"
+            )
     build.build_callbacks(cfg, None, str(cfg.replay.mode))  # their own checks (the backend is built later)
     build.instantiate_node(cfg.data, "data", buffer=ReplayBuffer())  # the data module's own checks
 
 
 def check_config(cfg: DictConfig) -> Settings:
-    """`check_values`, then `check_targets`; returns the settings."""
+    """`check_values`, then `check_targets` (see their costs).
+
+    Args:
+        cfg: one run's composed config.
+
+    Returns:
+        The settings `check_values` built.
+
+    Raises:
+        JobError: the first refused value or target, naming its key.
+    """
     settings = check_values(cfg)
     check_targets(cfg)
     return settings
 
 
 def check_layers_held(layers: tuple[int, ...] | None, backend: Any) -> None:
-    """``data.options.layers`` must be MoE layers the model's routers hold (checked once the model
+    """Check that ``data.options.layers`` are MoE layers the model's routers hold (once the model
     is built, before any rollout).
+
+    Args:
+        layers: ``data.options.layers``; None (every MoE layer) passes.
+        backend: the replay backend, whose ``moe_layers`` and ``num_layers`` describe the model; a
+            backend without ``moe_layers`` passes.
 
     Raises:
         JobError: a layer id the model has no router for, with the model's MoE layers.
