@@ -71,11 +71,15 @@ def _yaml_type(tp: Any) -> Any:
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
+        optional = len(options) < len(args)  # None is one of the options
         narrowed = [_yaml_type(a) for a in options]
-        # a union of a config-able type and objects YAML cannot hold (torch.dtype | str): the former
+        # a union of a config-able type and objects YAML cannot hold (torch.dtype | str) is the
+        # former: the options that narrow to Any are dropped, unless Any itself was written
         kept = [n for n, a in zip(narrowed, options, strict=True) if n is not Any or a is Any]
-        inner = kept[0] if len(set(kept)) == 1 else Any
-        return Optional[inner] if len(options) < len(args) and inner is not Any else inner  # noqa: UP045
+        inner = kept[0] if len(set(kept)) == 1 else Any  # two YAML types left: OmegaConf takes Any
+        if optional and inner is not Any:
+            return Optional[inner]  # noqa: UP045 (OmegaConf reads typing.Optional)
+        return inner
     if origin in (list, tuple, Sequence, set, frozenset) or origin is typing.Sequence:
         if origin is tuple and args and args[-1] is not Ellipsis:
             # a fixed-length tuple keeps one narrowed type per position: tuple[a, b] built at runtime
@@ -96,6 +100,21 @@ def _yaml_default(value: Any) -> Any:
         return value
     name = str(value)
     return name.removeprefix("torch.") if name.startswith("torch.") else name
+
+
+def _schema_default(item: dataclasses.Field, tp: Any) -> dataclasses.Field:
+    """The schema field's default: the settings field ``item``'s, as YAML holds it (``tp`` its
+    schema type); ``???``, Hydra's mandatory value, where it has none."""
+    if item.default is not dataclasses.MISSING:
+        default = _yaml_default(item.default)
+        if isinstance(default, list):  # a mutable default: each config gets its own copy
+            return dataclasses.field(default_factory=lambda d=default: list(d))
+        return dataclasses.field(default=default)
+    if item.default_factory is not dataclasses.MISSING:
+        if dataclasses.is_dataclass(item.default_factory()):  # nested settings: their schema's defaults
+            return dataclasses.field(default_factory=tp)
+        return dataclasses.field(default_factory=lambda f=item.default_factory: _yaml_default(f()))
+    return dataclasses.field(default=MISSING)
 
 
 def structured(
@@ -130,22 +149,7 @@ def structured(
         if item.name in exclude or not item.init:
             continue
         tp = _yaml_type(hints[item.name])
-        if item.default is not dataclasses.MISSING:
-            default = _yaml_default(item.default)
-            spec = (
-                dataclasses.field(default_factory=lambda d=default: list(d))
-                if isinstance(default, list)
-                else dataclasses.field(default=default)
-            )
-        elif item.default_factory is not dataclasses.MISSING:
-            made = item.default_factory()
-            if dataclasses.is_dataclass(made):
-                spec = dataclasses.field(default_factory=tp)
-            else:
-                spec = dataclasses.field(default_factory=lambda f=item.default_factory: _yaml_default(f()))
-        else:
-            spec = dataclasses.field(default=MISSING)
-        fields.append((item.name, tp, spec))
+        fields.append((item.name, tp, _schema_default(item, tp)))
     fields += list(extra)
     schema = dataclasses.make_dataclass(name or cls.__name__, fields)
     schema.__doc__ = f"Structured config of ``{cls.__module__}.{cls.__qualname__}``."
@@ -184,7 +188,10 @@ def build(
     Raises:
         SettingsError: a refused value, or a key that is not a field of ``cls``.
     """
-    values = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+    if OmegaConf.is_config(node):
+        values = OmegaConf.to_container(node, resolve=True)
+    else:
+        values = dict(node or {})  # a plain mapping, or None for an empty node
     values = {k: v for k, v in values.items() if k != "_target_" and k not in skip}
     hints = field_types(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
@@ -194,10 +201,12 @@ def build(
         raise SettingsError(f"{prefix}{unknown[0]} is not a setting here; expected one of {names}")
     for name, value in values.items():
         nested = hints[name]
-        if dataclasses.is_dataclass(nested) and isinstance(nested, type) and isinstance(value, Mapping):
-            values[name] = build(
-                nested, node[name] if OmegaConf.is_config(node) else value, f"{prefix}{name}"
-            )
+        is_settings = dataclasses.is_dataclass(nested) and isinstance(nested, type)
+        if is_settings and isinstance(value, Mapping):
+            # the nested config node rather than its plain copy, so a refused value can name the
+            # interpolation that set it
+            child = node[name] if OmegaConf.is_config(node) else value
+            values[name] = build(nested, child, f"{prefix}{name}")
     if convert is not None:
         values = convert(values)
     try:
