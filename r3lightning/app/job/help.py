@@ -46,8 +46,9 @@ def _keys(path: Path, prefix: str) -> list[tuple[str, str, str]]:
     for line in path.read_text().splitlines():
         stripped = line.strip()
         if stripped.startswith("#"):
-            if out and out[-1][2] and line.index("#") == comment_column:
-                out[-1] = (*out[-1][:2], f"{out[-1][2]} {stripped.lstrip('#').strip()}")
+            if out and out[-1][2] and line.index("#") == comment_column:  # the comment goes on
+                key, value, comment = out[-1]
+                out[-1] = (key, value, f"{comment} {stripped.lstrip('#').strip()}")
             continue
         comment_column = -1
         indent = len(line) - len(line.lstrip())
