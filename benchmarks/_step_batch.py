@@ -10,9 +10,9 @@ import torch
 
 from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
 from r3lightning.app.serve.perturb import RouterLogitPerturbation
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.replay.context import record_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.wire.codec import encode_routes
 
 DISAGREEMENT = 0.10  # simulated engine/trainer slot disagreement (R3 paper, Qwen3-30B-A3B)

@@ -32,9 +32,9 @@ import torch
 
 from r3lightning.data.collate import PinnedBufferPool, RolloutCollator
 from r3lightning.data.cpus import usable_cpu_count
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import offsets_from_lengths
+from r3lightning.rollout.trajectory import Trajectory
 
 NUM_LAYERS, TOP_K, NUM_EXPERTS = 48, 8, 512  # ids up to 511: int16 routes
 ROW_BYTES = NUM_LAYERS * TOP_K * 2

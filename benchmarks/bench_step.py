@@ -47,10 +47,10 @@ from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.data.datamodule import R3DataModule
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.wire.request import RouteSchema
 from r3lightning.wire.response import parse_response
 

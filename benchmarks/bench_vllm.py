@@ -44,10 +44,10 @@ from r3lightning.app.vllm import VllmServer, VllmSettings, save_tiny_vllm_model,
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.collate import collate_trajectories
 from r3lightning.data.datamodule import R3DataModule
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.hf.replay import HFRouterReplay
 from r3lightning.rollout.client import RemoteGenerateResult
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.wire.request import RouteSchema
 from r3lightning.wire.response import parse_response
 

@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.data.buffer import ReplayBuffer
     from r3lightning.data.datamodule import R3DataModule
     from r3lightning.data.options import DataOptions
-    from r3lightning.data.trajectory import Trajectory
     from r3lightning.packed import PackedTensor
     from r3lightning.replay.callback import RouterReplayCallback
     from r3lightning.replay.context import record_routes, replay_routes
@@ -39,6 +38,7 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.rollout.prompts import RolloutPrompt, SamplingConfig
     from r3lightning.rollout.stats import CollectedRollouts, EnginesUnavailableError
     from r3lightning.rollout.trace import RoutedExpertTrace
+    from r3lightning.rollout.trajectory import Trajectory
     from r3lightning.routes import dummy_routes
     from r3lightning.wire.codec import RouteSchema
     from r3lightning.wire.errors import MalformedResponseError, RemoteGenerateError

@@ -1,7 +1,7 @@
-"""Old import paths of the names and modules that moved in 0.2, kept until 0.3 with a
+"""Old import paths of the names and modules that moved in 0.2 (and since), kept until 0.3 with a
 ``DeprecationWarning`` naming the new path: moved modules through one meta-path finder, names
-through their package's ``__getattr__`` (`moved_attribute`). The CHANGELOG's migration table
-lists the same moves (a test keeps them equal)."""
+through their package's ``__getattr__`` (`moved_attribute`). The CHANGELOG's migration tables
+list the same moves (a test keeps them equal)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ _MOVED_MODULES = {
     "rollout.server_protocol:protocol rollout.weights:weights",
     "r3lightning.wire": "rollout.client_protocol:request rollout.client_response:response "
     "rollout.errors:errors rollout.json_body:json_body rollout.route_check:route_check rollout.wire:codec",
+    # since 0.2.0: no layer imports a later one (the trajectory a rollout makes sits in rollout/,
+    # the worker that feeds the streaming buffer in data/)
+    "r3lightning.rollout": "data.trajectory:trajectory",
+    "r3lightning.data": "rollout.ahead:ahead",
 }
 MODULES = _table(_MOVED_MODULES)
 

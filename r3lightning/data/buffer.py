@@ -14,8 +14,8 @@ from torch import Tensor
 
 from r3lightning.checks import check_int
 from r3lightning.data.fill import weight_versions
-from r3lightning.data.trajectory import Trajectory, route_signature
 from r3lightning.ragged import host_int64
+from r3lightning.rollout.trajectory import Trajectory, route_signature
 from r3lightning.routes import check_layers, widest_route_dtype
 
 __all__ = ["ReplayBuffer", "pack_trajectories", "unpack_trajectories"]
@@ -182,7 +182,7 @@ def unpack_trajectories(packed: dict[str, Any], *, where: str = "packed trajecto
 
 
 class ReplayBuffer:
-    """FIFO buffer of [`Trajectory`][r3lightning.data.trajectory.Trajectory] with validation, eviction and checkpoint state; the first
+    """FIFO buffer of [`Trajectory`][r3lightning.rollout.trajectory.Trajectory] with validation, eviction and checkpoint state; the first
     routes fix the schema ``(num_layers, top_k)`` and ``route_layers`` until `clear`.
 
     Args:

@@ -24,7 +24,7 @@ from r3lightning.checks import check_int
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.cpus import collate_pool_size
 from r3lightning.data.fill import Allocator, Buffers, collate_fields, pinned_empty, plain_empty
-from r3lightning.data.trajectory import Trajectory, padding_trajectories, route_signature
+from r3lightning.rollout.trajectory import Trajectory, padding_trajectories, route_signature
 from r3lightning.routes import check_layers
 
 __all__ = ["PinnedBufferPool", "RolloutCollator", "collate_trajectories", "pinned_empty"]

@@ -32,7 +32,7 @@ from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories
 from r3lightning.data.collate import RolloutCollator
 from r3lightning.data.options import DataOptions
 from r3lightning.data.stream import StreamingReplayBuffer
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 __all__ = ["DataOptions", "R3DataModule"]
 

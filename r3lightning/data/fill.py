@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from r3lightning.data.trajectory import Trajectory, padding_trajectories, route_signature
 from r3lightning.packed import PackedTensor
 from r3lightning.ragged import offsets_from_lengths
+from r3lightning.rollout.trajectory import Trajectory, padding_trajectories, route_signature
 from r3lightning.routes import widest_route_dtype
 
 __all__ = [

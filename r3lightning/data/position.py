@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from r3lightning.checks import check_fields
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 __all__ = ["Cursor", "EpochShardSampler", "Plan", "PositionedLoader", "Snapshot", "restore_position"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from r3lightning.checks import check_int
 from r3lightning.data.buffer import ReplayBuffer, check_state, pack_trajectories, unpack_trajectories
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 __all__ = ["StreamClosedError", "StreamingReplayBuffer"]
 

@@ -10,14 +10,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from r3lightning.checks import check_setting
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.config import CollectorConfig, route_schema
 from r3lightning.rollout.dispatch import StepDispatch, build_clients, gather_or_cancel
@@ -32,10 +31,8 @@ from r3lightning.rollout.stats import (
     reduce_step_stats,
 )
 from r3lightning.rollout.trace import RoutedExpertTrace
+from r3lightning.rollout.trajectory import Trajectory, TrajectorySink
 from r3lightning.wire.request import RouteSchema
-
-if TYPE_CHECKING:
-    from r3lightning.data.buffer import ReplayBuffer
 
 __all__ = ["AdvantageFn", "CollectedRollouts", "EnginesUnavailableError", "RolloutCollector"]
 
@@ -64,7 +61,7 @@ class RolloutCollector:
     """Collects, scores and groups one RL step's rollouts from one or more engines.
 
     Each prompt is sampled ``config.group_size`` times; the group's rewards become advantages
-    through ``advantages``, and every sample becomes a [`Trajectory`][r3lightning.data.trajectory.Trajectory]
+    through ``advantages``, and every sample becomes a [`Trajectory`][r3lightning.rollout.trajectory.Trajectory]
     with its routes. Under ``torch.distributed`` every rank collects only its own block of whole
     groups. Cost per step: host-side work, and two all-reduces of a few float64s (`collect_async`).
     One step at a time: the clients serve one event loop at a time.
@@ -157,7 +154,7 @@ class RolloutCollector:
         prompts: Sequence[RolloutPrompt | Sequence[int]],
         *,
         step: int,
-        buffer: ReplayBuffer | None = None,
+        buffer: TrajectorySink | None = None,
         weight_version: int | None = None,
     ) -> CollectedRollouts:
         """`collect_async` run to its end on a new event loop, which closes the clients' sessions.
@@ -198,7 +195,7 @@ class RolloutCollector:
         prompts: Sequence[RolloutPrompt | Sequence[int]],
         *,
         step: int,
-        buffer: ReplayBuffer | None = None,
+        buffer: TrajectorySink | None = None,
         weight_version: int | None = None,
     ) -> CollectedRollouts:
         """Collect this rank's groups of one step and add them to ``buffer``.
@@ -212,7 +209,8 @@ class RolloutCollector:
             prompts: The step's global list, the same on every rank: group ``g`` samples ``prompts[g]``
                 ``config.group_size`` times. Token id lists are wrapped as `RolloutPrompt`.
             step: The RL step (>= 0), hashed into every sampling seed.
-            buffer: Where the trajectories go (None: only returned).
+            buffer: Where the trajectories go: a [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer]
+                or any `TrajectorySink` (None: only returned).
             weight_version: The policy version the engines were synced to (>= 0): recorded on every
                 trajectory whose engine reports none (vLLM), checked against the one an engine reports.
 

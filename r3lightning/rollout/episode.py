@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateResult
 from r3lightning.rollout.environment import Environment
 from r3lightning.rollout.prompts import (
@@ -26,6 +25,7 @@ from r3lightning.rollout.prompts import (
     token_id_list,
 )
 from r3lightning.rollout.trace import RoutedExpertTrace
+from r3lightning.rollout.trajectory import Trajectory
 
 __all__ = ["Episode", "plain_call", "run_episode", "single_turn"]
 

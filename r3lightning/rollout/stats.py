@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.wire.errors import RemoteGenerateError
 
 __all__ = [

@@ -130,7 +130,7 @@ def make_trajectories(count: int, seed: int, route_fn: Callable[[torch.Tensor], 
 
     ``route_fn(tokens) -> [n - 1, L, K]`` gives each trajectory's engine routes (default: random).
     """
-    from r3lightning.data.trajectory import Trajectory
+    from r3lightning.rollout.trajectory import Trajectory
 
     generator = torch.Generator().manual_seed(seed)
     trajectories = []

@@ -19,7 +19,7 @@ RECORDS = {
     "r3lightning.rollout.stats.RolloutStats",  # one step's rollout statistics
     "r3lightning.align.layout.TokenMetadataLayout",  # built by its padded() / packed() constructors
     "r3lightning.app.job.validate.Settings",
-    "r3lightning.data.trajectory.Trajectory",  # one trajectory's tokens, routes, scores and weight version  # every settings object check_values built from one config
+    "r3lightning.rollout.trajectory.Trajectory",  # one trajectory's tokens, routes, scores and weight version  # every settings object check_values built from one config
 }
 
 

@@ -1,25 +1,31 @@
-"""Every move in the CHANGELOG's migration table: the new path imports, the old one still does, with
+"""Every move in the CHANGELOG's migration tables: the new path imports, the old one still does, with
 a DeprecationWarning naming the new path, and gives the same object."""
 
 import importlib
 import os
+import pickle
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import r3lightning
 from r3lightning import _aliases
+from r3lightning.rollout.trajectory import Trajectory
 
 CHANGELOG = Path(__file__).resolve().parents[2] / "CHANGELOG.md"
 
 
 def _table() -> dict[str, str]:
-    section = CHANGELOG.read_text().split("### Moved: old import path -> new import path\n", 1)[1]
-    section = section.split("\n### ", 1)[0]
-    return dict(re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|$", section, flags=re.M))
+    """The rows of every release's migration table (0.2.0's, and the moves since)."""
+    table: dict[str, str] = {}
+    for section in CHANGELOG.read_text().split("### Moved: old import path -> new import path\n")[1:]:
+        section = section.split("\n### ", 1)[0]
+        table.update(re.findall(r"^\| `([\w.]+)` \| `([\w.]+)` \|$", section, flags=re.M))
+    return table
 
 
 TABLE = _table()
@@ -36,6 +42,7 @@ def _resolve(path: str) -> object:
 
 def test_the_table_lists_every_alias_and_nothing_else():
     assert TABLE == {**_aliases.NAMES, **_aliases.MODULES, **_aliases.FLAT_MODULES}
+    assert {"r3lightning.data.trajectory", "r3lightning.rollout.ahead"} <= set(TABLE)  # moved since 0.2.0
     assert not set(_aliases.NAMES) & {f"r3lightning.{n}" for n in r3lightning.__all__}
 
 
@@ -134,3 +141,24 @@ def test_python_m_runs_an_old_module_path(tmp_path):
     assert old.returncode == 0, old.stderr
     assert old.stdout == new.stdout and "Write a tiny MoE checkpoint" in old.stdout
     assert "r3lightning.models.tiny_tokenizer moved to r3lightning.app.models.tiny_tokenizer;" in old.stderr
+
+
+def test_a_trajectory_pickled_under_its_old_module_path_loads(monkeypatch):
+    """Pickles name a class by its module: one written by 0.2.0 says ``r3lightning.data.trajectory``.
+    Protocols 2 and 3 write that name as a text line (``GLOBAL``), so the old pickle is the new one
+    with the line swapped."""
+    routes = torch.tensor([[[0, 1]], [[2, 3]], [[1, 3]]])  # [3 rows, 1 layer, top_k 2]
+    trajectory = Trajectory([5, 6], [7, 8], reward=1.5, routed_experts=routes, weight_version=3)
+    new = pickle.dumps(trajectory, protocol=2)
+    assert new.count(b"r3lightning.rollout.trajectory\nTrajectory\n") == 1
+    old = new.replace(
+        b"r3lightning.rollout.trajectory\nTrajectory\n", b"r3lightning.data.trajectory\nTrajectory\n"
+    )
+    monkeypatch.delitem(sys.modules, "r3lightning.data.trajectory", raising=False)
+    with pytest.warns(
+        DeprecationWarning, match="^r3lightning.data.trajectory moved to r3lightning.rollout.trajectory;"
+    ):
+        loaded = pickle.loads(old)
+    assert type(loaded) is Trajectory
+    assert loaded.equal(trajectory)
+    assert loaded.routed_experts.dtype == torch.uint8  # the compact dtype survives

@@ -12,7 +12,7 @@ from r3lightning.app.job.module import GRPOModule, OptimConfig
 from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.correction import CorrectionConfig
 from r3lightning.data.collate import collate_trajectories
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 
 def _batch(response_lengths: list[int]):

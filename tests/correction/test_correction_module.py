@@ -19,11 +19,11 @@ from r3lightning.app.serve.engine import GenerationEngine, GenerationRequest
 from r3lightning.app.serve.sampling import SamplingParams
 from r3lightning.correction import MODES, CorrectionConfig, CorrectionMetrics, correction_weights
 from r3lightning.data.collate import collate_trajectories
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.packed import PackedTensor
 from r3lightning.padded import position_ids_from_mask
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import replay_routes
+from r3lightning.rollout.trajectory import Trajectory
 
 
 @pytest.fixture(scope="module")

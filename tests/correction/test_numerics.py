@@ -12,8 +12,8 @@ import torch
 from r3lightning.app.job.grpo import group_advantages, mismatch_metrics, policy_loss
 from r3lightning.correction import CorrectionConfig
 from r3lightning.correction.importance import k3_terms, sequence_tis, token_tis
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.prompts import score_value
+from r3lightning.rollout.trajectory import Trajectory
 
 INF, NAN = math.inf, math.nan
 

@@ -7,8 +7,8 @@ import torch
 
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.packed import PackedTensor
+from r3lightning.rollout.trajectory import Trajectory
 
 REPO = Path(__file__).resolve().parents[2]
 

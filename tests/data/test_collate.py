@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from runif import run_if
 
 from r3lightning.data.collate import PinnedBufferPool, RolloutCollator, collate_trajectories
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.packed import PackedTensor
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.routes import dummy_routes
 
 

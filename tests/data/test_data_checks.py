@@ -10,7 +10,7 @@ from datamodule_support import Recorder, filled, trainer
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.collate import RolloutCollator, collate_trajectories
 from r3lightning.data.datamodule import DataOptions, R3DataModule
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.wire.request import RouteSchema
 
 LAYERS_MESSAGE = r"layers must be None or sorted, unique decoder-layer ids >= 0, got "

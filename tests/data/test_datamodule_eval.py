@@ -6,7 +6,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.datamodule import DataOptions, R3DataModule
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 
 class Evaluator(Recorder):

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.collate import RolloutCollator, collate_trajectories
 from r3lightning.data.datamodule import DataOptions, R3DataModule
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 L, K, E, KEPT = 4, 2, 8, (1, 3)
 

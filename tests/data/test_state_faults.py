@@ -14,7 +14,7 @@ import torch
 
 from r3lightning.data.buffer import ReplayBuffer, pack_trajectories, unpack_trajectories
 from r3lightning.data.datamodule import R3DataModule
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 
 def _routes(rows: int, layers: int = 2, top_k: int = 2) -> torch.Tensor:

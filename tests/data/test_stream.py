@@ -13,7 +13,7 @@ import torch
 
 from r3lightning.data.datamodule import R3DataModule
 from r3lightning.data.stream import StreamClosedError, StreamingReplayBuffer
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 
 def _step(step: int, count: int = 2) -> list[Trajectory]:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from r3lightning.data.buffer import ReplayBuffer, pack_trajectories, unpack_trajectories
-from r3lightning.data.trajectory import Trajectory, padding_trajectories
+from r3lightning.rollout.trajectory import Trajectory, padding_trajectories
 
 
 def routes(rows, layers=2, top_k=2, high=8, dtype=torch.int64):

@@ -14,10 +14,10 @@ from r3lightning.app.serve.server import RolloutServer
 from r3lightning.data.batch import RolloutBatch
 from r3lightning.data.buffer import ReplayBuffer, pack_trajectories, unpack_trajectories
 from r3lightning.data.collate import RolloutCollator
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.collector import RolloutCollector
 from r3lightning.rollout.config import CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.wire.errors import MalformedResponseError
 from r3lightning.wire.request import RouteSchema
 from r3lightning.wire.response import parse_response

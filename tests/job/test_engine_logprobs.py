@@ -13,8 +13,8 @@ from r3lightning.app.job.module import GRPOModule
 from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.correction import CorrectionConfig
 from r3lightning.data.collate import collate_trajectories
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.episode import Episode
+from r3lightning.rollout.trajectory import Trajectory
 
 
 def test_an_episode_stores_nan_for_sampled_tokens_without_engine_logprobs():

@@ -29,7 +29,7 @@ def engine_routes(rows: int, seed: int) -> torch.Tensor:
 
 
 def rollouts():
-    from r3lightning.data.trajectory import Trajectory
+    from r3lightning.rollout.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(5)
     out = []

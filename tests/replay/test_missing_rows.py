@@ -15,7 +15,6 @@ from r3lightning.align.layout import TokenMetadataLayout
 from r3lightning.app.models.tiny import build_tiny_moe
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.datamodule import R3DataModule
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.packed import PackedTensor
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
@@ -25,6 +24,7 @@ from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.episode import single_turn
 from r3lightning.rollout.prompts import RolloutPrompt
 from r3lightning.rollout.trace import RoutedExpertTrace
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.routes import compact_routes
 from r3lightning.wire.codec import RouteSchema
 from r3lightning.wire.errors import MalformedResponseError

@@ -14,10 +14,10 @@ from trainers import cpu_trainer
 from r3lightning.app.models.tiny import build_tiny_moe, tiny_moe_config
 from r3lightning.data.buffer import ReplayBuffer
 from r3lightning.data.datamodule import DataOptions, R3DataModule
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
+from r3lightning.rollout.trajectory import Trajectory
 
 L, K, E = 4, 2, 8
 LENGTHS = [5, 9, 4, 7, 6]

@@ -26,6 +26,15 @@ def expected(prompt: list[int]):
     return expected_generation(prompt, 3, 0, **SCHEMA)
 
 
+async def test_the_buffer_may_be_any_trajectory_sink():
+    """``buffer`` is anything with ``ReplayBuffer``'s ``extend`` (a ``TrajectorySink``): a list too."""
+    sink: list = []
+    async with FaultServer(**SCHEMA) as server, make(server.url, seed=11) as collector:
+        rollouts = await collector.collect_async(PROMPTS, step=3, buffer=sink)
+    assert len(sink) == len(rollouts.trajectories) == 8
+    assert all(a is b for a, b in zip(sink, rollouts.trajectories, strict=True))
+
+
 async def test_collects_whole_groups_with_routes_rewards_and_distinct_seeds():
     async with FaultServer(**SCHEMA) as server:
         buffer = ReplayBuffer(num_experts=300)

@@ -23,10 +23,10 @@ from r3lightning.app.serve.engine import GenerationEngine, GenerationRequest
 from r3lightning.app.serve.invariance import RowTiledLinear
 from r3lightning.app.serve.sampling import SamplingParams
 from r3lightning.data.collate import collate_trajectories
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.hf.replay import HFRouterReplay
+from r3lightning.rollout.trajectory import Trajectory
 
 MOE_LAYERS = [1, 2, 3]  # the tiny Qwen3-MoE: layer 0 is dense
 

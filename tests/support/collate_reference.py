@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 
 
 def make_trajectory(

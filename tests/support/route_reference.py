@@ -18,10 +18,10 @@ from aiohttp import ClientSession, web
 
 from r3lightning.app.serve.config import EngineConfig
 from r3lightning.app.serve.server import RolloutServer
-from r3lightning.data.trajectory import Trajectory
 from r3lightning.rollout.client import RemoteGenerateClient
 from r3lightning.rollout.config import RetryPolicy
 from r3lightning.rollout.trace import RoutedExpertTrace
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.wire.request import RouteSchema
 
 L, K, E = 4, 2, 8  # tiny Qwen3-MoE: 4 decoder layers (layer 0 dense), top-2 of 8 experts

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from route_samples import distinct_routes, naive_decode
 
-from r3lightning.data.trajectory import Trajectory
+from r3lightning.rollout.trajectory import Trajectory
 from r3lightning.wire import json_body
 from r3lightning.wire.codec import encode_routes
 from r3lightning.wire.errors import MalformedResponseError

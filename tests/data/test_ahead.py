@@ -8,10 +8,10 @@ import time
 
 import pytest
 
+from r3lightning.data.ahead import AheadConfig, RolloutWorker, may_collect
 from r3lightning.data.stream import StreamingReplayBuffer
-from r3lightning.data.trajectory import Trajectory
-from r3lightning.rollout.ahead import AheadConfig, RolloutWorker, may_collect
 from r3lightning.rollout.stats import CollectedRollouts
+from r3lightning.rollout.trajectory import Trajectory
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 5])

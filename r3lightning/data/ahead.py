@@ -1,6 +1,7 @@
 """Rollouts ahead of training with bounded staleness: a worker thread with its own event loop
 collects RL steps into a `StreamingReplayBuffer` while the trainer
-trains earlier ones (docs: "Off-policy training").
+trains earlier ones (docs: "Off-policy training"). The worker composes a rollout collector with
+the data stage's streaming buffer, so it lives here, above both.
 
 Policy versions count RL steps: the trainer trains step ``s`` with weights of version ``s`` (the
 initial weights are version 0). A step's rollouts start only once the trainer has asked for step

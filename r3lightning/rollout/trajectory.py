@@ -1,6 +1,8 @@
 """``Trajectory``: one rollout (prompt + response tokens, per-token RL fields, captured routes),
 normalised once to CPU tensors it owns: ids int64, masks and logprobs float32, routes in the
 compact dtype of their largest id after the route check (about 10 ms for 32k x 48 x 8 ids).
+
+It is what the rollout stage produces, so it lives here; ``data`` (buffer, collation) consumes it.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -18,7 +20,7 @@ from r3lightning.checks import check_int
 from r3lightning.routes import check_layers, compact_route_dtype, dummy_routes, mark_missing, missing_rows
 from r3lightning.wire.route_check import check_routes
 
-__all__ = ["Trajectory", "padding_trajectories", "route_signature"]
+__all__ = ["Trajectory", "TrajectorySink", "padding_trajectories", "route_signature"]
 
 ArrayLike = Tensor | np.ndarray | Sequence[int] | Sequence[float]
 
@@ -310,6 +312,18 @@ class Trajectory:
             f"Trajectory(prompt={self.prompt_length}, response={self.response_length}, "
             f"reward={self.reward:g}, advantage={self.advantage:g}, routed_experts={routes}{version})"
         )
+
+
+class TrajectorySink(Protocol):
+    """Where a collector puts a step's trajectories: a
+    [`ReplayBuffer`][r3lightning.data.buffer.ReplayBuffer], or anything with its ``extend``."""
+
+    def extend(self, trajectories: Iterable[Trajectory]) -> None:
+        """Take the trajectories (validating them first is up to the sink).
+
+        Args:
+            trajectories: One step's trajectories of this rank.
+        """
 
 
 def route_signature(
