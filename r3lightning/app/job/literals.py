@@ -118,7 +118,7 @@ def check_bool_files(cfg: DictConfig, config_name: str | None, overrides: Sequen
         source = next((source for source in sources if source.is_config(path)), None)
         if source is None:  # a ConfigStore node (the schema): typed already
             continue
-        if source.scheme() != "file":  # the package's own configs in a wheel (tested as shipped)
+        if source.scheme() != "file":  # a wheel's own configs: the files a checkout reads as file://
             continue
         loaded = source.load_config(path)  # for its ``# @package`` header
         package = default.package if default.package is not None else loaded.header.get("package")
