@@ -73,6 +73,14 @@ def test_modes_and_mappings_become_named_arm_configs():
             ["off", {"name": "bad-lr", "overrides": {"algorithm.optim.lr": -1}}],
             r"compare\[1\] \(bad-lr\): algorithm\.optim\.lr must be a number >= 0, got -1\.0$",
         ),
+        (
+            ["off", {"name": "p", "overrides": {"plot": 1}}],
+            r"compare\[1\] \(p\): plot must be true or false, got 1$",
+        ),
+        (
+            [{"name": "copy", "overrides": {"rollout": {"server": {"copy_model": "yes"}}}}],
+            r"compare\[0\] \(copy\): rollout\.server\.copy_model must be true or false, got 'yes'$",
+        ),
     ],
 )
 def test_bad_arms_are_refused_naming_the_entry(entries, message):

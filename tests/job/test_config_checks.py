@@ -14,7 +14,7 @@ from python_process import run_python
 
 from r3lightning.app.job.common import JobError
 from r3lightning.app.job.main import compose_config
-from r3lightning.app.job.validate import check_config
+from r3lightning.app.job.validate import check_config, check_values
 
 MODES = "['r3', 'r2', 'off']"
 
@@ -260,6 +260,16 @@ def test_an_unimportable_target_names_what_is_missing(override, message):
     with pytest.raises(JobError) as info:
         check_config(compose_config([override]))
     assert str(info.value) == message
+
+
+def test_the_engine_device_is_checked_with_the_targets_once_torch_is_imported():
+    # check_values keeps rollout.server's dtype and device by name (no torch); check_targets
+    # builds the EngineConfig, whose device must exist here
+    cfg = compose_config(["rollout.server.device=tpu"])
+    assert check_values(cfg).engine.dtype == "bfloat16"
+    with pytest.raises(JobError) as info:
+        check_config(cfg)
+    assert str(info.value) == "rollout.server.device must be None, 'cpu', 'cuda' or 'cuda:N', got 'tpu'"
 
 
 def test_a_user_module_without_the_function_names_the_attribute(tmp_path, monkeypatch):

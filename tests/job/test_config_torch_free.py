@@ -79,6 +79,23 @@ REFUSED = [
         "model.dtype must be one of ['bfloat16', 'float16', 'float32', 'float64'], got 'float33'",
     ),
     (["reward.timeout_s=0"], "reward.timeout_s must be None or a number > 0, got 0"),
+    # an arm of compare: every arm's overridden config is checked as the job's own
+    (
+        ["experiment=compare", "compare=[r3,{name:bad,replay:off,overrides:{algorithm.clip_low:1.5}}]"],
+        "compare[1] (bad): algorithm.clip_low must be a number in (0, 1), got 1.5",
+    ),
+    (
+        ["experiment=compare", "compare=[r3,{name:int8,overrides:{rollout.server.dtype:int8}}]"],
+        "compare[1] (int8): rollout.server.dtype must be one of ['bfloat16', 'float16', 'float32'], got 'int8'",
+    ),
+    (
+        ["experiment=compare", "compare=[off,{name:wait,overrides:{rollout.server:{batch_wait_s:11}}}]"],
+        "compare[1] (wait): rollout.server.batch_wait_s must be a number >= 0 and <= 10, got 11.0",
+    ),
+    (
+        ["experiment=compare", "compare=[r3,{name:p,overrides:{plot:1}}]"],
+        "compare[1] (p): plot must be true or false, got 1",
+    ),
     # a true/false setting given another literal, on its own or in a sweep
     (["plot=1"], "plot must be true or false, got 1"),
     (["-m", "plot=true,1"], "plot must be true or false, got 1"),
@@ -100,6 +117,36 @@ def test_a_bad_value_is_refused_in_one_line_without_torch(tmp_path, overrides, m
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr == f"r3lightning-train: error: {message}\n"
     assert list(tmp_path.iterdir()) == []  # no run or sweep folder made
+
+
+# YAML files of a user's config folder that set a true/false key to another literal, and the
+# command line that composes each: the literal as the file wrote it is refused, naming the file
+USER_FILES = {
+    "experiment/mine.yaml": "# @package _global_\nplot: 1\n",
+    "replay/mine.yaml": "defaults:\n  - r3\n  - _self_\nrequest_routes: 1\n",
+    "primary.yaml": "defaults:\n  - config\n  - _self_\nreplay:\n  request_routes: yes\n",
+}
+REFUSED_IN_FILES = [
+    (["experiment=mine"], "plot must be true or false, got 1", "experiment/mine.yaml"),
+    (["replay=mine"], "replay.request_routes must be true or false, got 1", "replay/mine.yaml"),
+    (["--config-name", "primary"], "replay.request_routes must be true or false, got 'yes'", "primary.yaml"),
+    (["-m", "experiment=mine", "seed=1,2"], "plot must be true or false, got 1", "experiment/mine.yaml"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "file"), REFUSED_IN_FILES, ids=[" ".join(a) for a, _, _ in REFUSED_IN_FILES]
+)
+def test_a_bad_literal_in_a_user_yaml_file_is_refused_without_torch(tmp_path, args, message, file):
+    conf = tmp_path / "conf"
+    for name, text in USER_FILES.items():
+        (conf / name).parent.mkdir(parents=True, exist_ok=True)
+        (conf / name).write_text(text)
+    proc, attempted = _blocked_job(tmp_path, "--config-dir", str(conf), *args)
+    assert attempted == [], f"imported before the refusal: {attempted}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == f"r3lightning-train: error: {message} (in {conf}/{file})\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["conf"]  # no run or sweep folder made
 
 
 @pytest.mark.parametrize("selected", [[], ["task=calculator"]], ids=["defaults", "an option selected"])
@@ -169,6 +216,7 @@ def test_the_job_config_modules_import_no_torch():
     for module in (
         "r3lightning.app.job.store",
         "r3lightning.app.job.validate",
+        "r3lightning.app.job.literals",
         "r3lightning.app.job.settings",
         "r3lightning.app.job.algorithm",
         "r3lightning.correction.config",

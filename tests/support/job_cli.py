@@ -26,8 +26,9 @@ def refusal(overrides: list[str]) -> str | None:
     from omegaconf.errors import OmegaConfBaseException
 
     from r3lightning.app.job.common import JobError
+    from r3lightning.app.job.literals import check_bool_overrides
     from r3lightning.app.job.main import compose_config
-    from r3lightning.app.job.validate import check_bool_overrides, check_config, error_line
+    from r3lightning.app.job.validate import check_config, error_line
 
     try:
         cfg = compose_config(overrides)

@@ -7,6 +7,7 @@ import re
 from omegaconf import DictConfig, OmegaConf
 
 from r3lightning.app.job.common import JobError
+from r3lightning.app.job.literals import refuse_non_bool
 from r3lightning.app.job.settings import REPLAY_MODES
 from r3lightning.app.job.store import replay_settings
 from r3lightning.app.job.validate import check_targets, check_values
@@ -19,8 +20,8 @@ _ARM_NAME = re.compile(r"[A-Za-z0-9_.+=,-]+")
 def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
     """The arms of ``compare`` (docs/demo.md), each a whole config of its own.
 
-    Every arm's values are checked first (`check_values`), then, if ``targets``, its ``_target_``
-    nodes. An empty ``compare`` is the one arm ``replay=<replay.mode>``.
+    Every arm's values are checked first (`check_values`, and its overrides' true/false literals),
+    all before torch is imported; then, if ``targets``, its ``_target_`` nodes. An empty ``compare`` is the one arm ``replay=<replay.mode>``.
 
     Args:
         cfg: The job's composed config.
@@ -33,8 +34,8 @@ def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
 
     Raises:
         JobError: An arm with an unknown key, a replay mode that does not exist, a bad or repeated
-            name, an override of a key the config does not have, or a value its check refuses;
-            the message names the arm (``compare[i]``).
+            name, an override of a key the config does not have, a true/false key set to another
+            literal, or a value its check refuses; the message names the arm (``compare[i]``).
     """
     check_values(cfg)
     out: dict[str, DictConfig] = {}
@@ -58,8 +59,12 @@ def arms(cfg: DictConfig, *, targets: bool = True) -> dict[str, DictConfig]:
         for key, value in overrides.items():
             if OmegaConf.select(arm, str(key), default=KeyError) is KeyError:
                 raise JobError(f"{where}.overrides: {key!r} is not a key of the config")
+            try:  # the literal as written: the structured merge would read 1 or "yes" as true
+                refuse_non_bool(arm, str(key), value)
+            except JobError as exc:
+                raise JobError(f"{where} ({name}): {exc}") from None
             OmegaConf.update(arm, str(key), value, merge=True)
-        try:
+        try:  # torch-free: every arm is checked before anything heavy is imported
             check_values(arm)
         except JobError as exc:
             raise JobError(f"{where} ({name}): {exc}") from None

@@ -21,7 +21,24 @@ from r3lightning.app.tasks.token_class import ScoredTask
 from r3lightning.replay.backend import check_soft_threshold
 from r3lightning.replay.hf.replay import HFRouterReplay
 
-__all__ = ["JobError", "instantiate_node", "plain", "tensorboard_if_installed"]
+__all__ = [
+    "MEGATRON_HINT",
+    "JobError",
+    "build_callbacks",
+    "build_model",
+    "build_task",
+    "build_trainer",
+    "import_problem",
+    "instantiate_node",
+    "megatron_installed",
+    "one_line",
+    "plain",
+    "replay_backend",
+    "replay_callback_settings",
+    "target_of",
+    "tensorboard_if_installed",
+    "trainer_kwargs",
+]
 
 MEGATRON_HINT = 'pip install "r3lightning[megatron]"'
 

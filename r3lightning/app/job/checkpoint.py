@@ -19,6 +19,19 @@ from torch.distributed.checkpoint import FileSystemReader
 from r3lightning.app.job.build import plain
 from r3lightning.app.job.common import JobError, one_line
 
+__all__ = [
+    "FINGERPRINT",
+    "AtomicCheckpointIO",
+    "RunCheckpoint",
+    "check_run_dir",
+    "fingerprint",
+    "publish_folder",
+    "refuse_bad_data_state",
+    "remove_stale_temps",
+    "resume_checkpoint",
+    "saves_a_folder",
+]
+
 FINGERPRINT = "fingerprint.json"
 _FIX = "delete it to start this run over, or set resume=false or another hydra.run.dir"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+__all__ = ["JobError", "is_global_zero", "one_line"]
+
 
 def one_line(text: Any) -> str:
     """``text`` on one line, for an error message the user reads in a terminal.

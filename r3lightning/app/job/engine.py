@@ -23,6 +23,8 @@ from r3lightning.app.job.rollout_settings import launch_settings, launched, retr
 from r3lightning.app.job.setup import build_model
 from r3lightning.app.serve.server import RolloutServer
 
+__all__ = ["embedded_server"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+__all__ = ["format_help"]
+
 _KEY_LINE = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z_]\w*):(?P<value>[^#]*?)\s*(?:#\s?(?P<comment>.*))?$")
 _USAGE = """r3lightning-train: GRPO training of a causal MoE with Rollout Routing Replay (R3).
 

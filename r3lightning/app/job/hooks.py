@@ -1,13 +1,14 @@
 """The job's Hydra callback (``hydra.callbacks.r3lightning`` in ``conf/config.yaml``) and the one
 line every failure prints.
 
-- ``on_run_start`` checks the command line's true/false literals and every arm's values (and a
-  resumed run folder's fingerprints) before Hydra makes the run folder, so a bad value is one
-  line, exit status 2, and leaves no folder behind, before torch is imported.
-- In a sweep (``-m``), ``on_multirun_start`` checks the true/false literals of every swept value;
-  each job checks its own values and records its exit status in the sweep folder;
-  ``on_multirun_end`` prints one line listing the failed jobs and exits 2 when any failed,
-  whichever launcher ran them.
+- ``on_run_start`` checks the true/false literals of the command line and of the YAML files
+  composed, and every arm's values (and a resumed run folder's fingerprints) before Hydra makes
+  the run folder, so a bad value is one line, exit status 2, and leaves no folder behind, before
+  torch is imported.
+- In a sweep (``-m``), ``on_multirun_start`` checks the true/false literals of every swept value
+  and of the YAML files the fixed overrides compose; each job checks its own values and records
+  its exit status in the sweep folder; ``on_multirun_end`` prints one line listing the failed
+  jobs and exits 2 when any failed, whichever launcher ran them.
 """
 
 from __future__ import annotations
@@ -142,12 +143,14 @@ class JobCallback(Callback):
         checkpoint module). Exits 2 with one line on the first refused value.
         """
         from r3lightning.app.job.arms import arms
-        from r3lightning.app.job.validate import check_bool_overrides
+        from r3lightning.app.job.literals import check_bool_files, check_bool_overrides
 
         try:
             run_dir = Path(str(config.hydra.run.dir)).absolute()
             task_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
             check_bool_overrides(task_cfg, list(config.hydra.overrides.task))
+            overrides = [*config.hydra.overrides.hydra, *config.hydra.overrides.task]
+            check_bool_files(task_cfg, config.hydra.job.config_name, overrides)
             configs = arms(task_cfg, targets=False)
             if run_dir.exists():  # a resumed folder: refused now if it holds another task's run
                 from r3lightning.app.job.checkpoint import check_run_dir
@@ -165,11 +168,17 @@ class JobCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Check the true/false literals of every swept value; note the folders the sweep makes.
         Exits 2 with one line on a refused literal."""
-        from r3lightning.app.job.validate import check_bool_overrides
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        from r3lightning.app.job.literals import check_bool_files, check_bool_overrides
 
         try:  # every job's values are checked by the job itself; a sweep's literals only here
             task_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
             check_bool_overrides(task_cfg, list(config.hydra.overrides.task))
+            # the files every job composes: those the overrides but the swept ones choose
+            parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+            fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+            check_bool_files(task_cfg, config.hydra.job.config_name, [*config.hydra.overrides.hydra, *fixed])
         except JobError as exc:
             sys.exit(report(exc))
         sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()

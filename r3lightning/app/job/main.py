@@ -33,6 +33,8 @@ from r3lightning.app.job.hooks import (
 )
 from r3lightning.app.job.store import CONF_DIR, register
 
+__all__ = ["arms", "compose_config", "main", "run", "run_seeds", "train"]
+
 register()  # the schema conf/config.yaml starts from, before Hydra composes
 
 

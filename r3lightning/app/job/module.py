@@ -31,6 +31,8 @@ from r3lightning.replay.callback import RouterReplayCallback
 from r3lightning.replay.context import record_routes, replay_routes
 from r3lightning.replay.metrics import comparison_counts
 
+__all__ = ["GRPOModule", "OptimConfig"]
+
 
 class GRPOModule(pl.LightningModule):
     """GRPO policy update of a causal (MoE) LM; one epoch is one RL step.

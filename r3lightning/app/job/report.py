@@ -13,6 +13,9 @@ from pathlib import Path
 from r3lightning.app.job.environment import environment, environment_line
 
 __all__ = [
+    "AGREEMENT_PREFIX",
+    "CORRECTION_PREFIX",
+    "MISMATCH_PREFIX",
     "agreement_keys",
     "environment",
     "environment_line",

@@ -31,6 +31,8 @@ from r3lightning.rollout.stats import GroupsDroppedError
 from r3lightning.wire.errors import RemoteGenerateError
 from r3lightning.wire.request import RouteSchema
 
+__all__ = ["Engine", "RolloutLoop", "WeightSync", "rollout_failure", "rollout_loop"]
+
 
 class WeightSync(Protocol):
     """Rank 0's weight push to the engines.

@@ -12,6 +12,7 @@ from r3lightning.rollout.config import AheadConfig, CollectorConfig, RetryPolicy
 from r3lightning.rollout.prompts import SamplingConfig
 
 __all__ = [
+    "ahead_config",
     "collector_config",
     "launch_settings",
     "launched",

@@ -14,12 +14,15 @@ from r3lightning.wire.codec import MISSING_ROWS
 from r3lightning.wire.request import PROTOCOL_PATHS
 
 __all__ = [
+    "FLOAT_DTYPES",
+    "REPLAY_MODES",
     "DataModuleSettings",
     "OptimConfig",
     "ReplaySettings",
     "RolloutSettings",
     "RunSettings",
     "ServerAddress",
+    "WeightSyncSettings",
 ]
 
 INT64_MAX = 2**63 - 1

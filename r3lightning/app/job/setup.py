@@ -21,7 +21,15 @@ from r3lightning.wire.request import RouteSchema
 if TYPE_CHECKING:
     from r3lightning.app.job.rollout_loop import Engine
 
-__all__ = ["CONF_DIR", "JobError", "build_model", "is_global_zero", "replay_settings", "train_one"]
+__all__ = [
+    "CONF_DIR",
+    "JobError",
+    "build_model",
+    "is_global_zero",
+    "model_runtime",
+    "replay_settings",
+    "train_one",
+]
 
 
 @contextlib.contextmanager

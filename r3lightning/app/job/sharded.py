@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["convert_checkpoint", "load_sharded_weights", "meta_model", "parameters_on_meta", "shard_model"]
+__all__ = [
+    "convert_checkpoint",
+    "load_sharded_weights",
+    "main",
+    "meta_model",
+    "parameters_on_meta",
+    "shard_model",
+]
 
 
 @contextmanager

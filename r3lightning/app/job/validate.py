@@ -2,8 +2,9 @@
 from the composed config and runs the shipped tasks' checks (a bad value is reported before
 torch, Lightning, transformers or a model is imported: in about a second), `check_targets` then
 imports the ``_target_`` nodes and builds the data module and callbacks once. Each failure is one
-`JobError` naming the key. Also `check_bool_overrides` (a true/false key takes only ``true`` or
-``false`` on the command line). The table of moved keys and the one-line form of Hydra's own
+`JobError` naming the key. The true/false literals as written are checked
+in `r3lightning.app.job.literals`. The table
+of moved keys and the one-line form of Hydra's own
 composition errors live in `r3lightning.app.job.config_errors` (``MOVED_KEYS`` and `error_line`
 are also importable from here)."""
 
@@ -11,19 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from r3lightning.app.job.algorithm import GRPOAdvantages, GRPOConfig
 from r3lightning.app.job.common import JobError
 from r3lightning.app.job.config_errors import MOVED_KEYS, error_line, moved
-from r3lightning.app.job.rollout_settings import launch_settings, launched
+from r3lightning.app.job.rollout_settings import launch_settings, launched, server_settings
 from r3lightning.app.job.schema import SettingsError, build
 from r3lightning.app.job.settings import (
     FLOAT_DTYPES,
@@ -34,7 +33,7 @@ from r3lightning.app.job.settings import (
     ServerAddress,
     WeightSyncSettings,
 )
-from r3lightning.app.serve.config import EngineConfig, ServerLimits
+from r3lightning.app.serve.config import EngineSettings, ServerLimits
 from r3lightning.app.tasks.settings import TASK_CHECKS
 from r3lightning.checks import check_setting
 from r3lightning.data.options import DataOptions
@@ -44,8 +43,8 @@ from r3lightning.rollout.prompts import SamplingConfig
 __all__ = [
     "MOVED_KEYS",
     "Settings",
-    "check_bool_overrides",
     "check_config",
+    "check_layers_held",
     "check_targets",
     "check_values",
     "error_line",
@@ -83,7 +82,8 @@ class Settings:
         sampling: ``rollout.sampling``.
         collector: ``rollout.collector``.
         retry: ``rollout.retry``.
-        engine: ``rollout.server`` but ``host`` and ``port`` (holds a ``torch.dtype``).
+        engine: ``rollout.server`` but ``host`` and ``port`` (``dtype`` by name: built without
+            torch; the job builds the `EngineConfig` from it when it starts the engine).
         limits: ``rollout.limits``.
         grpo: ``algorithm`` but ``std_eps`` and ``optim``.
         advantages: ``algorithm.normalize_std`` and ``algorithm.std_eps``.
@@ -100,7 +100,7 @@ class Settings:
     sampling: SamplingConfig
     collector: CollectorConfig
     retry: RetryPolicy
-    engine: EngineConfig
+    engine: EngineSettings
     limits: ServerLimits
     grpo: GRPOConfig
     advantages: GRPOAdvantages
@@ -119,8 +119,9 @@ def check_values(cfg: DictConfig) -> Settings:
     each other; then the values of the nodes the job builds later (`_check_built_later`) and
     ``task.path``.
 
-    Cost: about a second. Imports no Lightning, transformers or model, and torch only once every
-    value but a good ``rollout.server`` passed (its ``EngineConfig`` holds a torch dtype).
+    Cost: about a second. Imports no torch, Lightning, transformers or model: `arms` runs it on
+    every arm of ``compare`` before anything heavy is imported (``rollout.server``'s dtype and
+    device are resolved by `check_targets`).
 
     Args:
         cfg: one run's composed config (one arm of ``compare``).
@@ -179,8 +180,8 @@ def check_values(cfg: DictConfig) -> Settings:
     path = OmegaConf.select(cfg, "task.path")
     if path is not None and not Path(str(path)).expanduser().is_file():
         raise JobError(f"task.path: no such file: {path}")
-    try:  # last: a built EngineConfig holds a torch dtype, so a good one imports torch
-        engine = build(EngineConfig, rollout.server, "rollout.server", skip=("host", "port"))
+    try:  # its values by name: a built EngineConfig holds a torch dtype (check_targets builds one)
+        engine = build(EngineSettings, rollout.server, "rollout.server", skip=("host", "port"))
     except SettingsError as exc:
         raise JobError(str(exc)) from None
     return Settings(**parts, engine=engine)
@@ -209,35 +210,10 @@ def _check_built_later(cfg: DictConfig) -> None:
         raise JobError(f"model.dtype must be one of {list(_MODEL_DTYPES)}, got {dtype!r}")
 
 
-def check_bool_overrides(cfg: DictConfig, overrides: Sequence[str]) -> None:
-    """Every command-line value of a true/false setting is ``true`` or ``false``. OmegaConf turns
-    ``plot=1`` or ``plot=yes`` into true; Hydra's own override parser tells what was written (the
-    integer 1, the string ``yes``), so a value that is not a boolean literal is refused. Each value
-    of a sweep (``plot=true,1``) is checked.
-
-    Args:
-        cfg: The composed config: a key whose value is a bool there is a true/false setting.
-        overrides: The command line's overrides (``hydra.overrides.task``).
-
-    Raises:
-        JobError: The first such override, naming its key and value.
-    """
-    for override in OverridesParser.create().parse_overrides(list(overrides)):
-        key = override.key_or_group
-        if override.is_delete() or not isinstance(OmegaConf.select(cfg, key, default=None), bool):
-            continue
-        try:
-            values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
-        except Exception:  # an interval sweep has no values to list: its sweeper's range is numeric
-            values = [override.value()]
-        for value in values:
-            if not isinstance(value, bool):
-                raise JobError(f"{key} must be true or false, got {value!r}")
-
-
 def check_targets(cfg: DictConfig) -> None:
-    """Check that every ``_target_`` imports, that the trainer's accelerator is present, and that
-    the callbacks and the data module build (their own checks run; the objects are dropped).
+    """Check that ``rollout.server`` builds as an `EngineConfig` (a torch dtype, a device present
+    here), that every ``_target_`` imports, that the trainer's accelerator is present, and that the
+    callbacks and the data module build (their own checks run; the objects are dropped).
 
     Cost: imports torch, Lightning and the targets' modules; builds no model.
 
@@ -245,14 +221,16 @@ def check_targets(cfg: DictConfig) -> None:
         cfg: one run's composed config, whose values `check_values` passed.
 
     Raises:
-        JobError: the first problem (``trainer.accelerator=gpu`` without a GPU, a target that does
-            not import, ``backend=megatron`` without megatron-core, a refused keyword), naming its key.
+        JobError: the first problem (``rollout.server.device=cuda:3`` on a machine without it,
+            ``trainer.accelerator=gpu`` without a GPU, a target that does not import,
+            ``backend=megatron`` without megatron-core, a refused keyword), naming its key.
     """
     import torch
 
     from r3lightning.app.job import build
     from r3lightning.data.buffer import ReplayBuffer
 
+    server_settings(cfg.rollout)  # the EngineConfig: a torch dtype, a device present here
     gpu = torch.cuda.is_available() or torch.backends.mps.is_available()
     if cfg.trainer.get("accelerator") == "gpu" and not gpu:  # else found only when the Trainer is built
         raise JobError(

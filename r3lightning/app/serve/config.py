@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 else:  # torch is imported when a config is built; the annotations resolve without it
     TorchDevice = TorchDtype = Any
 
-__all__ = ["EngineConfig", "ServerLimits"]
+__all__ = ["EngineConfig", "EngineSettings", "ServerLimits"]
 
 _MAX_BATCH_WAIT_S = 10.0
 # torch is imported when a config is built, not with this module: `r3lightning-serve --help` and
@@ -22,12 +22,12 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How a `GenerationEngine` serves. ``device`` None: the
-    model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
-    (SIMULATION): the share of expert slots flipped by perturbed router logits."""
+class EngineSettings:
+    """`EngineConfig`'s values as a config file holds them (``dtype`` and ``device`` by name),
+    checked without importing torch: the job refuses a bad ``rollout.server`` value, for every arm
+    of ``compare``, before torch is imported. `EngineConfig` is the same settings built."""
 
-    dtype: TorchDtype | str = "bfloat16"  # a torch.dtype once built
+    dtype: TorchDtype | str = "bfloat16"
     device: TorchDevice | str | None = None
     max_batch_size: int = 8
     batch_wait_s: float = 0.002
@@ -49,6 +49,19 @@ class EngineConfig:
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be None or a bool, got {self.batch_invariant!r}")
         check_setting("simulated_disagreement", self.simulated_disagreement, low=0, high=0.5, optional=True)
+
+
+@dataclass(frozen=True)
+class EngineConfig(EngineSettings):
+    """How a `GenerationEngine` serves. ``device`` None: the
+    model's; ``copy_model=False`` serves the model itself, cast in place; ``simulated_disagreement``
+    (SIMULATION): the share of expert slots flipped by perturbed router logits.
+
+    Built, ``dtype`` is a ``torch.dtype`` and ``device`` a present device (this imports torch);
+    `EngineSettings` checks the other values without torch."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         # torch last: every value above is refused without it (the job checks its config first)
         import torch
 
