@@ -6,11 +6,15 @@ one line (exit status 2) and prints its help (exit status 0)."""
 from __future__ import annotations
 
 import ast
+import json
 import textwrap
 from pathlib import Path
 
 import pytest
 from python_process import run_python
+
+from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.run_dir import fingerprint
 
 PACKAGE = Path(__file__).resolve().parents[2] / "r3lightning"
 HEAVY = ("torch", "lightning", "transformers", "megatron")
@@ -147,6 +151,24 @@ def test_a_bad_literal_in_a_user_yaml_file_is_refused_without_torch(tmp_path, ar
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr == f"r3lightning-train: error: {message} (in {conf}/{file})\n"
     assert [p.name for p in tmp_path.iterdir()] == ["conf"]  # no run or sweep folder made
+
+
+def test_resuming_a_run_of_another_task_is_refused_without_torch(tmp_path):
+    """The run folder's fingerprint is compared before anything heavy is imported: a resume with
+    another task is one line, exit 2, and the saved run is left as it was."""
+    run = tmp_path / "run" / "replay_r3"
+    (run / "checkpoints").mkdir(parents=True)
+    saved = fingerprint(compose_config(["task.num_classes=3"]))  # the default task has 2 classes
+    (run / "fingerprint.json").write_text(json.dumps(saved))
+    proc, attempted = _blocked_job(tmp_path, f"hydra.run.dir={tmp_path / 'run'}")
+    assert attempted == [], f"imported before the refusal: {attempted}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr == (
+        f"r3lightning-train: error: {run} was trained on another task, dataset or model "
+        "(task.num_classes: 3 there, 2 now); run with its settings to resume it, or use another hydra.run.dir\n"
+    )
+    assert json.loads((run / "fingerprint.json").read_text()) == saved
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "fingerprint.json"]
 
 
 @pytest.mark.parametrize("selected", [[], ["task=calculator"]], ids=["defaults", "an option selected"])

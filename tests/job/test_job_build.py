@@ -26,7 +26,7 @@ def test_instantiation_errors_name_the_key():
 def test_trainer_keys_go_to_the_trainer_as_they_are(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
-    from r3lightning.app.job.build import build_trainer
+    from r3lightning.app.job.trainer import build_trainer
 
     cfg = compose_config(["trainer.enable_progress_bar=false"])
     trainer = build_trainer(cfg, tmp_path, [], grad_clip=1.0)
@@ -45,7 +45,7 @@ def test_trainer_keys_go_to_the_trainer_as_they_are(tmp_path):
 def test_tensorboard_logger_only_when_installed(tmp_path):
     import importlib.util
 
-    from r3lightning.app.job.build import tensorboard_if_installed
+    from r3lightning.app.job.trainer import tensorboard_if_installed
 
     logger = tensorboard_if_installed(str(tmp_path), name="tb")
     installed = importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX")

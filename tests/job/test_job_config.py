@@ -6,10 +6,10 @@ import pytest
 from job_cli import train_cli
 from omegaconf import OmegaConf
 
-from r3lightning.app.job.build import trainer_kwargs
 from r3lightning.app.job.common import JobError
 from r3lightning.app.job.main import compose_config
 from r3lightning.app.job.setup import CONF_DIR, replay_settings
+from r3lightning.app.job.trainer import trainer_kwargs
 from r3lightning.app.job.validate import check_config
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir())

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from python_process import run_python
 
-from r3lightning.app.job.checkpoint import FINGERPRINT, check_run_dir, fingerprint
 from r3lightning.app.job.main import compose_config
+from r3lightning.app.job.run_dir import FINGERPRINT, check_run_dir, fingerprint
 from r3lightning.app.job.setup import JobError
 
 QUIET = ["trainer.enable_progress_bar=false", "plot=false"]

@@ -1,9 +1,10 @@
 """From config nodes to objects (``_target_`` nodes, settings dataclasses, the model, replay backend,
-task, callbacks and ``Trainer``), every failure a one-line `JobError` naming the config key."""
+task and callbacks), every failure a one-line `JobError` naming the config key; the ``Trainer`` is
+built in `r3lightning.app.job.trainer`."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import inspect
 from collections.abc import Mapping
 from pathlib import Path
@@ -12,9 +13,9 @@ from typing import Any
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from r3lightning.app.job.common import JobError, one_line
+from r3lightning.app.job.common import JobError, one_line, plain
 from r3lightning.app.job.models import torch_dtype
 from r3lightning.app.job.sharded import meta_model
 from r3lightning.app.tasks.token_class import ScoredTask
@@ -27,7 +28,6 @@ __all__ = [
     "build_callbacks",
     "build_model",
     "build_task",
-    "build_trainer",
     "import_problem",
     "instantiate_node",
     "megatron_installed",
@@ -36,8 +36,6 @@ __all__ = [
     "replay_backend",
     "replay_callback_settings",
     "target_of",
-    "tensorboard_if_installed",
-    "trainer_kwargs",
 ]
 
 MEGATRON_HINT = 'pip install "r3lightning[megatron]"'
@@ -53,18 +51,6 @@ def megatron_installed() -> bool:
         return importlib.util.find_spec("megatron.core") is not None
     except (ImportError, ValueError):  # no parent package, or one set to None in sys.modules
         return False
-
-
-def plain(node: Any) -> Any:
-    """A config node as plain Python containers, interpolations resolved.
-
-    Args:
-        node: A ``DictConfig`` / ``ListConfig``, or anything else (returned as it is).
-
-    Returns:
-        Dicts and lists of plain values for a config node, else ``node``.
-    """
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def _import(target: str) -> Any:
@@ -290,26 +276,6 @@ def build_task(cfg: DictConfig, vocab_size: int | None) -> ScoredTask:
         raise JobError(str(exc)) from None
 
 
-def trainer_kwargs(trainer_cfg: DictConfig) -> dict[str, Any]:
-    """The ``trainer`` group as ``lightning.Trainer`` keywords.
-
-    Args:
-        trainer_cfg: The ``trainer`` node.
-
-    Returns:
-        Its keys and values; a value with a ``_target_`` (a strategy, a plugin) is built.
-
-    Raises:
-        JobError: A ``_target_`` value cannot be built; the message names ``trainer.<key>``.
-    """
-    kwargs = {}
-    for key, value in plain(trainer_cfg).items():
-        if isinstance(value, dict) and "_target_" in value:
-            value = instantiate_node(value, f"trainer.{key}")
-        kwargs[key] = value
-    return kwargs
-
-
 def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
     """The ``callbacks`` group's callbacks, in order; a ``null`` entry is dropped.
 
@@ -343,66 +309,3 @@ def build_callbacks(cfg: DictConfig, backend, mode: str) -> list:
         values = {k: v for k, v in plain(node).items() if k != "backend"}  # the job builds the backend
         out.append(instantiate_node(values, f"callbacks.{name}", **extra))
     return out
-
-
-def build_trainer(cfg: DictConfig, out_dir: Path, callbacks: list, grad_clip: float | None):
-    """The run's ``lightning.Trainer``: ``trainer.*`` over the job's defaults.
-
-    One epoch is one RL step (``max_epochs = steps``), and every epoch reloads its data.
-
-    Args:
-        cfg: The job's config (``trainer``, ``loggers``, ``steps``).
-        out_dir: The run's directory: the default root and the loggers' ``save_dir``.
-        callbacks: Every callback of the run.
-        grad_clip: The default ``gradient_clip_val`` (None: no clipping).
-
-    Returns:
-        The trainer.
-
-    Raises:
-        JobError: A logger cannot be built, or Lightning refuses the keywords.
-    """
-    import lightning.pytorch as pl
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    kwargs = trainer_kwargs(cfg.trainer)
-    if "logger" not in kwargs:  # None entries (tensorboard_if_installed without it) are dropped
-        logs = [  # checked by check_config: mappings with a _target_; their own save_dir wins
-            instantiate_node({"save_dir": str(out_dir), **plain(node)}, f"loggers[{i}]")
-            for i, node in enumerate(cfg.loggers or [])
-        ]
-        kwargs["logger"] = [logger for logger in logs if logger is not None] or False
-    defaults = {
-        "gradient_clip_val": grad_clip,
-        "default_root_dir": str(out_dir),
-        "num_sanity_val_steps": 0,
-        "enable_model_summary": False,
-    }
-    try:
-        return pl.Trainer(
-            **{**defaults, **kwargs},
-            max_epochs=int(cfg.steps),
-            reload_dataloaders_every_n_epochs=1,
-            callbacks=callbacks,
-        )
-    except (MisconfigurationException, TypeError, ValueError) as exc:
-        raise JobError(f"trainer: {one_line(exc)}") from None
-
-
-def tensorboard_if_installed(save_dir: str, name: str = "tensorboard", **kwargs: Any):
-    """A TensorBoard logger where TensorBoard is installed: the ``loggers`` default, optional.
-
-    Args:
-        save_dir: The logs' root directory.
-        name: The experiment's subdirectory.
-        **kwargs: More ``TensorBoardLogger`` keywords.
-
-    Returns:
-        A ``TensorBoardLogger`` if ``tensorboard`` or ``tensorboardX`` can be imported, else
-        None (the job then drops the entry).
-    """
-    if importlib.util.find_spec("tensorboard") is None and importlib.util.find_spec("tensorboardX") is None:
-        return None
-    from lightning.pytorch.loggers import TensorBoardLogger
-
-    return TensorBoardLogger(save_dir, name=name, **kwargs)

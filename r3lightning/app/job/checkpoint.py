@@ -1,8 +1,8 @@
-"""A run's ``last.ckpt`` and ``fingerprint.json``, and resuming from them (docs/job.md, Outputs)."""
+"""A run's ``last.ckpt``, saved atomically, and resuming from it (docs/job.md, Outputs); the run's
+``fingerprint.json`` is checked in `r3lightning.app.job.run_dir`."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,101 +13,21 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.checkpoint import FileSystemReader
 
-from r3lightning.app.job.build import plain
 from r3lightning.app.job.common import JobError, one_line
+from r3lightning.app.job.run_dir import FINGERPRINT, START_OVER, fingerprint
 
 __all__ = [
-    "FINGERPRINT",
     "AtomicCheckpointIO",
     "RunCheckpoint",
-    "check_run_dir",
-    "fingerprint",
     "publish_folder",
     "refuse_bad_data_state",
     "remove_stale_temps",
     "resume_checkpoint",
     "saves_a_folder",
 ]
-
-FINGERPRINT = "fingerprint.json"
-_FIX = "delete it to start this run over, or set resume=false or another hydra.run.dir"
-
-
-def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    """``{dotted key: leaf}`` of nested dicts (an empty dict is a leaf)."""
-    if not isinstance(value, dict) or not value:
-        return {prefix.removesuffix("."): value}
-    out: dict[str, Any] = {}
-    for key, item in value.items():
-        out.update(_flat(item, f"{prefix}{key}."))
-    return out
-
-
-def fingerprint(cfg: DictConfig) -> dict[str, Any]:
-    """What a run trains on, to refuse resuming it with another task, dataset or model.
-
-    Cost: reads each data file a ``task.<key>`` names once (streamed).
-
-    Args:
-        cfg: one run's resolved config.
-
-    Returns:
-        ``{dotted key: value}`` of the resolved ``task``, ``reward`` and ``model`` (``seed`` at 0:
-        the seeds of one arm live side by side), plus ``data.task.<key>``: the size and blake2b of
-        each file a ``task.<key>`` names; JSON values (an object JSON cannot hold as its string).
-    """
-    cfg = OmegaConf.merge(cfg, {"seed": 0})
-    out = _flat({key: plain(cfg[key]) for key in ("task", "reward", "model")})
-    for key, value in plain(cfg.task).items():
-        if not isinstance(value, str):
-            continue
-        path = Path(value).expanduser()
-        if not path.is_file():
-            continue  # a value that names no file is fingerprinted as the value only
-        with path.open("rb") as f:  # streamed
-            digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
-        out[f"data.task.{key}"] = f"{path.stat().st_size} bytes, blake2b {digest}"
-    return json.loads(json.dumps(out, default=str))
-
-
-def check_run_dir(cfg: DictConfig, run_dir: Path) -> None:
-    """Refuse to resume a run folder that holds a run of another task, dataset or model.
-
-    Nothing is checked with ``resume=false``. Cost: one folder walk, then `fingerprint` (which
-    reads the data files) only when a saved run exists.
-
-    Args:
-        cfg: one run's resolved config.
-        run_dir: the folder to resume; every ``fingerprint.json`` under it beside a
-            ``checkpoints`` folder is compared.
-
-    Raises:
-        JobError: a saved fingerprint that cannot be read, or that differs from ``cfg``'s,
-            naming the first differing key.
-    """
-    if not cfg.resume:
-        return
-    saved_runs = [p for p in sorted(Path(run_dir).rglob(FINGERPRINT)) if (p.parent / "checkpoints").is_dir()]
-    if not saved_runs:
-        return
-    current = fingerprint(cfg)
-    for path in saved_runs:
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise JobError(f"{path} cannot be read ({one_line(exc)[:120]}); {_FIX}") from None
-        for key in [*current, *(k for k in saved if k not in current)]:  # task, reward, model, data
-            old = repr(saved[key]) if key in saved else "absent"
-            new = repr(current[key]) if key in current else "absent"
-            if old != new:
-                what = "the file differs" if key.startswith("data.") else f"{old} there, {new} now"
-                raise JobError(
-                    f"{path.parent} was trained on another task, dataset or model ({key.removeprefix('data.')}: "
-                    f"{what}); run with its settings to resume it, or use another hydra.run.dir"
-                )
 
 
 def _temp_name(target: Path) -> Path:
@@ -370,7 +290,7 @@ def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
         saved, done = _saved_shapes(last)
     except Exception as exc:
         raise JobError(
-            f"checkpoint {last} cannot be read ({one_line(exc)[:160] or type(exc).__name__}); {_FIX}"
+            f"checkpoint {last} cannot be read ({one_line(exc)[:160] or type(exc).__name__}); {START_OVER}"
         ) from None
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     if expected != saved:
@@ -379,12 +299,12 @@ def resume_checkpoint(cfg: DictConfig, out_dir: Path, module) -> str | None:
         key = one_sided[0] if one_sided else next(k for k in expected if expected[k] != saved[k])
         raise JobError(
             f"checkpoint {last} was saved for another model ({key}: {saved.get(key, 'absent')} in the "
-            f"checkpoint, {expected.get(key, 'absent')} in this model); {_FIX}"
+            f"checkpoint, {expected.get(key, 'absent')} in this model); {START_OVER}"
         )
     if int(cfg.steps) < done:
         raise JobError(
             f"steps={int(cfg.steps)} is below the {done} steps this run has done ({last}); "
-            f"set steps={done} or more to continue, or {_FIX}"
+            f"set steps={done} or more to continue, or {START_OVER}"
         )
     return str(last)
 
@@ -406,7 +326,7 @@ def refuse_bad_data_state(datamodule: Any, ckpt_path: str) -> None:
             restore(state)
         except (TypeError, ValueError, KeyError) as exc:
             raise JobError(
-                f"checkpoint {ckpt_path}: its data module state is refused ({one_line(exc)[:200]}); {_FIX}"
+                f"checkpoint {ckpt_path}: its data module state is refused ({one_line(exc)[:200]}); {START_OVER}"
             ) from None
 
     datamodule.load_state_dict = load_state_dict

@@ -1,11 +1,14 @@
-"""What every part of the job shares: its user-facing error and the launcher's rank."""
+"""What every part of the job shares: its user-facing error, the launcher's rank and config nodes
+as plain containers. Torch-free: the config checks import it."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-__all__ = ["JobError", "is_global_zero", "one_line"]
+from omegaconf import OmegaConf
+
+__all__ = ["JobError", "is_global_zero", "one_line", "plain"]
 
 
 def one_line(text: Any) -> str:
@@ -34,3 +37,15 @@ def is_global_zero() -> bool:
     """
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     return rank == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python containers, interpolations resolved.
+
+    Args:
+        node: A ``DictConfig`` / ``ListConfig``, or anything else (returned as it is).
+
+    Returns:
+        Dicts and lists of plain values for a config node, else ``node``.
+    """
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node

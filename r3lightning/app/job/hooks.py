@@ -153,7 +153,7 @@ class JobCallback(Callback):
             check_bool_files(task_cfg, config.hydra.job.config_name, overrides)
             configs = arms(task_cfg, targets=False)
             if run_dir.exists():  # a resumed folder: refused now if it holds another task's run
-                from r3lightning.app.job.checkpoint import check_run_dir
+                from r3lightning.app.job.run_dir import check_run_dir
 
                 for arm, arm_cfg in configs.items():
                     check_run_dir(arm_cfg, run_dir / arm.replace("=", "_"))

@@ -60,9 +60,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, list[dict[str, float]]]:
     """
     configs = arms(cfg)  # every value refused before torch is imported (a sweep's job too)
     seeds = run_seeds(cfg)
-    from r3lightning.app.job.checkpoint import check_run_dir
     from r3lightning.app.job.engine import embedded_server
     from r3lightning.app.job.report import environment, environment_line, format_table, plot_runs
+    from r3lightning.app.job.run_dir import check_run_dir
     from r3lightning.app.job.setup import model_runtime, train_one
 
     for arm, arm_cfg in configs.items():  # before config.yaml is rewritten

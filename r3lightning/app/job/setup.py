@@ -14,6 +14,7 @@ from r3lightning.app.job import build
 from r3lightning.app.job.build import build_model, instantiate_node
 from r3lightning.app.job.common import JobError, is_global_zero
 from r3lightning.app.job.store import CONF_DIR, replay_settings  # moved to store: no torch there
+from r3lightning.app.job.trainer import build_trainer
 from r3lightning.app.job.validate import check_layers_held, check_values
 from r3lightning.data.stream import StreamingReplayBuffer
 from r3lightning.wire.request import RouteSchema
@@ -114,7 +115,7 @@ def train_one(cfg: DictConfig, out_dir: Path, engine: Engine) -> list[dict[str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     loop = rollout_loop(cfg, engine, task, schema, buffer, metrics_path=out_dir / "metrics.csv")
     callbacks = [*build.build_callbacks(cfg, backend, mode), loop, RunCheckpoint(out_dir, cfg)]
-    trainer = build.build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
+    trainer = build_trainer(cfg, out_dir, callbacks, optim.grad_clip)
     ckpt_path = resume_checkpoint(cfg, out_dir, module)
     if ckpt_path is not None:
         refuse_bad_data_state(datamodule, ckpt_path)
