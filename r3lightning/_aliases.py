@@ -1,7 +1,8 @@
-"""Old import paths of the names and modules that moved in 0.2 (and since), kept until 0.3 with a
-``DeprecationWarning`` naming the new path: moved modules through one meta-path finder, names
-through their package's ``__getattr__`` (`moved_attribute`). The CHANGELOG's migration tables
-list the same moves (a test keeps them equal)."""
+"""Old import paths of the names and modules that moved in 0.2 (kept until 0.3) and since 0.2.0
+(kept until 0.4), with a ``DeprecationWarning`` naming the new path and the release that removes
+the old one: moved modules through one meta-path finder, names through their package's
+``__getattr__`` (`moved_attribute`). The CHANGELOG's migration tables list the same moves (a test
+keeps them equal)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-REMOVED_IN = "0.3"
+REMOVED_IN = "0.3"  # the paths that moved in 0.2
+REMOVED_IN_SINCE_0_2 = "0.4"  # the paths that moved after 0.2.0: a release of warnings first
 
 
 def _table(groups: dict[str, str]) -> dict[str, str]:
@@ -42,12 +44,15 @@ _MOVED_MODULES = {
     "rollout.server_protocol:protocol rollout.weights:weights",
     "r3lightning.wire": "rollout.client_protocol:request rollout.client_response:response "
     "rollout.errors:errors rollout.json_body:json_body rollout.route_check:route_check rollout.wire:codec",
-    # since 0.2.0: no layer imports a later one (the trajectory a rollout makes sits in rollout/,
-    # the worker that feeds the streaming buffer in data/)
+}
+# since 0.2.0: no layer imports a later one (the trajectory a rollout makes sits in rollout/, the
+# worker that feeds the streaming buffer in data/)
+_MOVED_MODULES_SINCE_0_2 = {
     "r3lightning.rollout": "data.trajectory:trajectory",
     "r3lightning.data": "rollout.ahead:ahead",
 }
-MODULES = _table(_MOVED_MODULES)
+_SINCE_0_2 = _table(_MOVED_MODULES_SINCE_0_2)
+MODULES = {**_table(_MOVED_MODULES), **_SINCE_0_2}
 
 # flat modules that became packages: the package serves the old names from the module they are in now
 FLAT_MODULES: dict[str, str] = {
@@ -79,9 +84,30 @@ _MOVED_NAMES = {
 NAMES = _table(_MOVED_NAMES)
 
 
+def removed_in(old: str) -> str:
+    """The release that removes the old path ``old`` (a moved module, a module of a moved package,
+    or a moved name).
+
+    Args:
+        old: A dotted path the tables above list, or a module below one of their packages.
+
+    Returns:
+        `REMOVED_IN_SINCE_0_2` for the moves made after 0.2.0, else `REMOVED_IN`.
+    """
+    package = old
+    while package:
+        if package in _SINCE_0_2:
+            return REMOVED_IN_SINCE_0_2
+        package = package.rpartition(".")[0]
+    return REMOVED_IN
+
+
+def _message(old: str, new: str) -> str:
+    return f"{old} moved to {new}; the old path is removed in {removed_in(old)}"
+
+
 def _warn(old: str, new: str, stacklevel: int) -> None:
-    message = f"{old} moved to {new}; the old path is removed in {REMOVED_IN}"
-    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
+    warnings.warn(_message(old, new), DeprecationWarning, stacklevel=stacklevel + 1)
 
 
 def moved_attribute(package: str, name: str) -> Any:
@@ -145,7 +171,7 @@ class _MovedModules:
         spec = None if new is None else importlib.util.find_spec(new)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "get_code"):
             raise ImportError(f"no code for {fullname}", name=fullname)
-        message = f"{fullname} moved to {new}; the old path is removed in {REMOVED_IN}"
+        message = _message(fullname, new)
         # shown by the default filters, which show a DeprecationWarning only in __main__
         warnings.warn_explicit(message, DeprecationWarning, fullname, 0, module="__main__")
         return spec.loader.get_code(new)

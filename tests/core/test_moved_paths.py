@@ -70,6 +70,25 @@ def test_a_moved_module_warns_and_is_the_new_module(old, monkeypatch):
     assert caught[-1].message.args[0].startswith(old)
 
 
+def _moved_since_0_2() -> set[str]:
+    """The old paths of the CHANGELOG's table of moves made after 0.2.0 (the section marked
+    ``moved-since-0-2``)."""
+    text = CHANGELOG.read_text()
+    section = text.split("[start:moved-since-0-2]", 1)[1].split("[end:moved-since-0-2]", 1)[0]
+    return set(re.findall(r"^\| `([\w.]+)` \| `[\w.]+` \|$", section, flags=re.M))
+
+
+@pytest.mark.parametrize("old", sorted(_aliases.MODULES))
+def test_the_warning_names_the_release_that_removes_the_old_path(old, monkeypatch):
+    """Moves of 0.2 go in 0.3; a move made after 0.2.0 warns for a release first, until 0.4."""
+    since = _moved_since_0_2()
+    assert since == {"r3lightning.data.trajectory", "r3lightning.rollout.ahead"}
+    release = "0.4" if old in since else "0.3"
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=f"the old path is removed in {re.escape(release)}$"):
+        importlib.import_module(old)
+
+
 def test_a_moved_module_warns_at_the_import_statement(monkeypatch):
     monkeypatch.delitem(sys.modules, "r3lightning.rollout.wire", raising=False)
     with pytest.warns(DeprecationWarning, match="r3lightning.rollout.wire moved") as caught:
