@@ -6,16 +6,16 @@ on first use: ``import r3lightning`` imports no Lightning, transformers or megat
 
 from __future__ import annotations
 
-import ast
-import importlib
-from typing import TYPE_CHECKING, Any
+import functools
+from typing import TYPE_CHECKING
 
 from r3lightning import _aliases
+from r3lightning._lazy import LazyExports
 
 __version__ = "0.2.0"
 
 # ruff: noqa: F401
-if TYPE_CHECKING:  # the one list of public names: type checkers read it, __getattr__ parses it
+if TYPE_CHECKING:  # the one list of public names: type checkers read it, LazyExports parses it
     from r3lightning.align.align import align_packed_token_metadata, build_replay_mask
     from r3lightning.align.layout import TokenMetadataLayout
     from r3lightning.app.job.algorithm import GRPOAdvantages
@@ -45,27 +45,9 @@ if TYPE_CHECKING:  # the one list of public names: type checkers read it, __geta
     from r3lightning.wire.request import RemoteGenerateResult, engine_sampling_params
 
 
-def _public_names() -> dict[str, str]:
-    """name -> defining module, read from the ``TYPE_CHECKING`` imports above (about 1 ms)."""
-    with open(__file__, encoding="utf-8") as source:
-        tree = ast.parse(source.read())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
-    return {alias.name: node.module for node in block.body for alias in node.names}
-
-
-_EXPORTS = _public_names()
-__all__ = sorted(_EXPORTS)
+# a partial, not a lambda: the moved name's warning points at the user's line, a fixed frame count up
+_EXPORTS = LazyExports(globals(), __file__, missing=functools.partial(_aliases.moved_attribute, __name__))
+__all__ = _EXPORTS.names
+__getattr__ = _EXPORTS.getattr
+__dir__ = _EXPORTS.dir
 _aliases.install()
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        return _aliases.moved_attribute(__name__, name)
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))

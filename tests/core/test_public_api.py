@@ -24,7 +24,7 @@ def test_all_is_one_short_list_of_the_type_checking_imports():
 @pytest.mark.parametrize("name", r3lightning.__all__)
 def test_every_public_name_resolves_to_its_defining_module(name):
     value = getattr(r3lightning, name)
-    module = r3lightning._EXPORTS[name]
+    module = r3lightning._EXPORTS.modules[name]
     assert value.__module__ == module  # the defining module, not a re-export
     assert name in dir(r3lightning)
 
